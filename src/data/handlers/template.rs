@@ -155,7 +155,8 @@ impl Template {
         };
         Ok(Template {
             name: name.to_string(),
-            system: slots("format_system")?.unwrap_or_else(|| user.clone()),
+            // Upstream defaults the system formatter to a bare "{{content}}", not to format_user.
+            system: slots("format_system")?.unwrap_or_else(|| vec![Slot::Text("{{content}}".into())]),
             observation: slots("format_observation")?.unwrap_or_else(|| user.clone()),
             separator: slots("format_separator")?.unwrap_or_default(),
             prefix: slots("format_prefix")?.unwrap_or_default(),
