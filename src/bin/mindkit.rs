@@ -111,6 +111,9 @@ enum PreprocessSub {
         /// Overwrite existing outputs.
         #[arg(long)]
         force: bool,
+        /// Print nothing on success.
+        #[arg(long)]
+        quiet: bool,
     },
 }
 
@@ -196,9 +199,12 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Preprocess(mut a) => {
-            if let Some(PreprocessSub::Merge { inputs, output_prefix, force }) = a.merge.take() {
+            if let Some(PreprocessSub::Merge { inputs, output_prefix, force, quiet }) = a.merge.take() {
                 let start = std::time::Instant::now();
                 let (docs, seqs, tokens, bytes) = indexed::merge(&inputs, &output_prefix, force)?;
+                if quiet {
+                    return Ok(());
+                }
                 eprintln!(
                     "merged {} datasets → {}: {docs} documents, {seqs} sequences, {tokens} tokens, {:.1} MB in {:.2}s",
                     inputs.len(),

@@ -169,6 +169,16 @@ pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<InputFile>> {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.is_file() && detect(p).is_some())
                 .collect();
+            // As MindSpeed-LLM: a directory's format is its most common extension, so a
+            // stray README.txt or checksum list beside the .json files is left out.
+            let mut counts: std::collections::BTreeMap<(u8, bool), usize> = Default::default();
+            let key = |p: &Path| detect(p).map(|(f, gz)| (f as u8, gz));
+            for f in &files {
+                *counts.entry(key(f).unwrap_or((0, false))).or_default() += 1;
+            }
+            if let Some((&best, _)) = counts.iter().max_by_key(|(_, &n)| n) {
+                files.retain(|f| key(f) == Some(best));
+            }
             files.sort();
             if files.is_empty() {
                 return Err(SourceError::NotFound(input.clone()));
@@ -292,8 +302,11 @@ impl RecordReader {
     fn read_text_like(&self, f: &InputFile, index: &mut u64, sink: &mut dyn Sink) -> Result<()> {
         let mut reader = self.open(f)?;
         let file = Arc::new(f.path.clone());
-        if f.format == Format::Json && first_non_blank(&mut reader, &f.path)? == Some(b'[') {
-            return read_json_array(reader, file, index, sink);
+        if f.format == Format::Json {
+            return match first_non_blank(&mut reader, &f.path)? {
+                Some(b'[') => read_json_array(reader, file, index, sink),
+                _ => read_json_stream(reader, file, index, sink),
+            };
         }
         let text_mode = f.format == Format::Text;
         let mut line = Vec::new();
@@ -518,6 +531,39 @@ pub fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// A `.json` that is not an array: a sequence of JSON objects, one per line or pretty-printed
+/// over many lines (e.g. one moss-003 conversation per file).
+fn read_json_stream(reader: Box<dyn BufRead>, file: Arc<PathBuf>, index: &mut u64, sink: &mut dyn Sink) -> Result<()> {
+    let mut stream = serde_json::Deserializer::from_reader(reader).into_iter::<Value>();
+    let mut number = 0u64;
+    loop {
+        let line_before = number;
+        let next = stream.next();
+        let Some(next) = next else { return Ok(()) };
+        number += 1;
+        let value = next.map_err(|e| {
+            SourceError::Bad(BadRecord {
+                loc: Location { file: file.clone(), number: e.line() as u64, unit: "line" },
+                reason: "malformed json",
+                detail: format!("{e} (after object {line_before})"),
+            })
+        })?;
+        let i = *index;
+        *index += 1;
+        if !sink.wants(i) {
+            continue;
+        }
+        let loc = Location { file: file.clone(), number, unit: "object" };
+        let item = match value {
+            Value::Object(fields) => Item::Record(Record { fields, loc }),
+            other => Item::Bad(BadRecord { loc, reason: "not a json object", detail: format!("found {}", type_name(&other)) }),
+        };
+        if !sink.accept(i, item) {
+            return Err(SourceError::Stopped);
+        }
+    }
+}
+
 /// Walk a top-level JSON array element by element without holding it in memory.
 fn read_json_array(
     reader: Box<dyn BufRead>,
@@ -657,6 +703,13 @@ mod tests {
         let (n, _) = read("a.json", b"[{\"a\":1},\n{\"a\":");
         let e = n.unwrap_err().to_string();
         assert!(e.contains("a.json:line 2") && e.contains("after element 1"), "{e}");
+    }
+
+    #[test]
+    fn pretty_printed_object() {
+        let (n, items) = read("a.json", b"{\n  \"chat\": {\n \"turn_1\": {}\n }\n}\n");
+        assert_eq!(n.unwrap(), 1);
+        assert!(items[0].is_ok());
     }
 
     #[test]

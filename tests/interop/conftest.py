@@ -1,0 +1,35 @@
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def mindkit():
+    binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
+
+    def run(*args):
+        r = subprocess.run([binary, *map(str, args), "--quiet"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stderr
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def assets():
+    path = pathlib.Path(os.environ.get("MINDKIT_ASSETS", pathlib.Path.home() / ".cache/mindkit/assets"))
+    if not (path / "llama2").is_dir():
+        pytest.skip(f"real tokenizers not found in {path}: run scripts/fetch-test-assets.sh")
+    return path
+
+
+@pytest.fixture(scope="session")
+def testdata():
+    path = os.environ.get("MINDKIT_TESTDATA")
+    if not path:
+        pytest.skip("MINDKIT_TESTDATA is unset: real data samples not available")
+    return pathlib.Path(path)
