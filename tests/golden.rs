@@ -6,7 +6,9 @@
 use std::path::{Path, PathBuf};
 
 use mindkit::data::indexed::IndexedDataset;
-use mindkit::data::preprocess::{key_prefix, preprocess, DTypeChoice, HandlerKind, PreprocessOptions};
+use mindkit::data::preprocess::{
+    key_prefix, preprocess, DTypeChoice, HandlerKind, PreprocessOptions,
+};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -18,14 +20,20 @@ fn tokenizer(name: &str) -> Option<PathBuf> {
     if name == "tiny-bpe" || name == "tiny" {
         return Some(fixtures().join("tokenizers/tiny-bpe"));
     }
-    let assets = std::env::var_os("MINDKIT_ASSETS").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/mindkit/assets")
-    });
+    let assets = std::env::var_os("MINDKIT_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/mindkit/assets")
+        });
     let dir = assets.join(name);
     if dir.is_dir() {
         Some(dir)
     } else {
-        eprintln!("SKIPPED: tokenizer {name} not found in {} (run scripts/fetch-test-assets.sh)", assets.display());
+        eprintln!(
+            "SKIPPED: tokenizer {name} not found in {} (run scripts/fetch-test-assets.sh)",
+            assets.display()
+        );
         None
     }
 }
@@ -59,25 +67,41 @@ fn pretrain_is_byte_identical_to_megatron() {
     let mut compared = 0;
     for entry in std::fs::read_dir(&golden).unwrap() {
         let name = entry.unwrap().file_name().to_string_lossy().to_string();
-        let Some(case) = name.strip_suffix("_text_document.idx") else { continue };
+        let Some(case) = name.strip_suffix("_text_document.idx") else {
+            continue;
+        };
         let (tok_name, mode) = case.rsplit_once('_').unwrap();
-        let Some(tok) = tokenizer(tok_name) else { continue };
+        let Some(tok) = tokenizer(tok_name) else {
+            continue;
+        };
         for workers in [1, 2, 3] {
             let dir = tempfile::tempdir().unwrap();
-            let mut o = options(fixtures().join("corpus/pretrain.jsonl"), dir.path().join("out"), tok.clone());
+            let mut o = options(
+                fixtures().join("corpus/pretrain.jsonl"),
+                dir.path().join("out"),
+                tok.clone(),
+            );
             o.append_eod = true;
             o.add_special_tokens = mode == "special";
             o.workers = workers;
             preprocess(&o).unwrap();
             for ext in ["bin", "idx"] {
-                let ours = std::fs::read(dir.path().join(format!("out_text_document.{ext}"))).unwrap();
-                let theirs = std::fs::read(golden.join(format!("{case}_text_document.{ext}"))).unwrap();
-                assert!(ours == theirs, "{case}.{ext} differs from Megatron's (workers {workers})");
+                let ours =
+                    std::fs::read(dir.path().join(format!("out_text_document.{ext}"))).unwrap();
+                let theirs =
+                    std::fs::read(golden.join(format!("{case}_text_document.{ext}"))).unwrap();
+                assert!(
+                    ours == theirs,
+                    "{case}.{ext} differs from Megatron's (workers {workers})"
+                );
             }
         }
         compared += 1;
     }
-    assert!(compared >= 2, "the tiny-bpe goldens must always be compared");
+    assert!(
+        compared >= 2,
+        "the tiny-bpe goldens must always be compared"
+    );
 }
 
 #[test]
@@ -88,18 +112,35 @@ fn instruction_handlers_match_mindspeed() {
         let path = entry.unwrap().path();
         let g: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         let case = path.file_stem().unwrap().to_string_lossy().to_string();
-        let Some(tok) = tokenizer(g["tokenizer"].as_str().unwrap()) else { continue };
+        let Some(tok) = tokenizer(g["tokenizer"].as_str().unwrap()) else {
+            continue;
+        };
         let dir = tempfile::tempdir().unwrap();
         let prefix = dir.path().join("out");
-        let mut o = options(fixtures().join("corpus").join(g["corpus"].as_str().unwrap()), prefix.clone(), tok);
+        let mut o = options(
+            fixtures()
+                .join("corpus")
+                .join(g["corpus"].as_str().unwrap()),
+            prefix.clone(),
+            tok,
+        );
         o.handler = HandlerKind::parse(g["handler"].as_str().unwrap());
         o.prompt_type = g["prompt_type"].as_str().map(String::from);
         o.append_eod = g["append_eod"].as_bool().unwrap();
         preprocess(&o).unwrap_or_else(|e| panic!("{case}: {e}"));
-        let expected: Vec<&Value> = g["documents"].as_array().unwrap().iter().filter(|d| d.get("dropped").is_none()).collect();
+        let expected: Vec<&Value> = g["documents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d.get("dropped").is_none())
+            .collect();
         for key in ["input_ids", "attention_mask", "labels"] {
             let ds = IndexedDataset::open(&key_prefix(&prefix, key, true)).unwrap();
-            assert_eq!(ds.doc_count(), expected.len(), "{case}: document count of {key}");
+            assert_eq!(
+                ds.doc_count(),
+                expected.len(),
+                "{case}: document count of {key}"
+            );
             for (k, doc) in expected.iter().enumerate() {
                 let want: Vec<Vec<i64>> = serde_json::from_value(doc[key].clone()).unwrap();
                 let got: Vec<Vec<i64>> = ds.document_sequences(k).map(|s| ds.sequence(s)).collect();
@@ -108,5 +149,8 @@ fn instruction_handlers_match_mindspeed() {
         }
         compared += 1;
     }
-    assert!(compared >= 10, "the tiny-bpe goldens must always be compared");
+    assert!(
+        compared >= 10,
+        "the tiny-bpe goldens must always be compared"
+    );
 }

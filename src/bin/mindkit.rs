@@ -40,7 +40,11 @@ struct PreprocessArgs {
     #[arg(long)]
     output_prefix: Option<PathBuf>,
     /// tokenizer.json, or a Hugging Face model directory (tokenizer.json or vocab.json+merges.txt, tokenizer_config.json).
-    #[arg(long, visible_alias = "tokenizer-model", alias = "tokenizer-name-or-path")]
+    #[arg(
+        long,
+        visible_alias = "tokenizer-model",
+        alias = "tokenizer-name-or-path"
+    )]
     tokenizer: Option<PathBuf>,
     /// Fields to tokenize in pretrain mode, one output each.
     #[arg(long, num_args = 1.., default_value = "text")]
@@ -138,7 +142,9 @@ enum DataCommand {
 }
 
 fn parse_shard(s: &str) -> Result<(usize, usize)> {
-    let (i, n) = s.split_once('/').context("--shard must look like I/N, e.g. 0/4")?;
+    let (i, n) = s
+        .split_once('/')
+        .context("--shard must look like I/N, e.g. 0/4")?;
     let (i, n): (usize, usize) = (i.trim().parse()?, n.trim().parse()?);
     if n == 0 || i >= n {
         bail!("--shard {s}: need 0 <= I < N");
@@ -153,7 +159,10 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
     let output_prefix = a.output_prefix.context("--output-prefix is required")?;
     let tokenizer = a.tokenizer.context("--tokenizer is required")?;
     if let Some(t) = &a.tokenizer_type {
-        eprintln!("mindkit: note: --tokenizer-type {t} ignored; the tokenizer is read from {}", tokenizer.display());
+        eprintln!(
+            "mindkit: note: --tokenizer-type {t} ignored; the tokenizer is read from {}",
+            tokenizer.display()
+        );
     }
     let handler = match a.handler.as_deref() {
         None | Some("" | "GeneralPretrainHandler") => None,
@@ -186,7 +195,9 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
         map_keys,
         seq_length: a.seq_length,
         pack: a.pack,
-        workers: a.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        workers: a
+            .workers
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
         dtype,
         add_special_tokens: !a.no_special_tokens,
         skip_bad_records: a.skip_bad_records,
@@ -199,7 +210,13 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Preprocess(mut a) => {
-            if let Some(PreprocessSub::Merge { inputs, output_prefix, force, quiet }) = a.merge.take() {
+            if let Some(PreprocessSub::Merge {
+                inputs,
+                output_prefix,
+                force,
+                quiet,
+            }) = a.merge.take()
+            {
                 let start = std::time::Instant::now();
                 let (docs, seqs, tokens, bytes) = indexed::merge(&inputs, &output_prefix, force)?;
                 if quiet {
@@ -222,7 +239,11 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("{summary}");
         }
         Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
-        Command::Data(DataCommand::Show { prefix, index, tokenizer }) => {
+        Command::Data(DataCommand::Show {
+            prefix,
+            index,
+            tokenizer,
+        }) => {
             print!("{}", inspect::show(&prefix, index, &tokenizer)?)
         }
     }

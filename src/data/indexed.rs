@@ -385,7 +385,11 @@ impl IndexedWriter {
             .map_err(io_err(&bin_path))?
             .len();
         let idx_bytes = encode_index(dtype, &lengths, &doc_indices);
-        let dir = bin_tmp.path().parent().unwrap_or(Path::new(".")).to_path_buf();
+        let dir = bin_tmp
+            .path()
+            .parent()
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
         let mut idx_tmp = tempfile::Builder::new()
             .prefix(".mindkit-")
             .suffix(".idx.tmp")
@@ -529,7 +533,10 @@ impl IndexedDataset {
         for i in 0..self.seq_count {
             let len = self.raw_length(i);
             if len < 0 {
-                return Err(corrupt(&self.idx_path, format!("sequence {i} has negative length {len}")));
+                return Err(corrupt(
+                    &self.idx_path,
+                    format!("sequence {i} has negative length {len}"),
+                ));
             }
             let ptr = self.raw_pointer(i);
             let end = (len as u64)
@@ -607,10 +614,7 @@ impl IndexedDataset {
 
     /// Entry `k` of the document index (`0 ..= doc_count()`).
     pub fn doc_index(&self, k: usize) -> i64 {
-        read_u64(
-            &self.idx,
-            HEADER_LEN + 12 * self.seq_count + 8 * k,
-        ) as i64
+        read_u64(&self.idx, HEADER_LEN + 12 * self.seq_count + 8 * k) as i64
     }
 
     /// Token count of sequence `i`.
@@ -641,7 +645,9 @@ impl IndexedDataset {
 
     /// Total tokens over all sequences.
     pub fn total_tokens(&self) -> u64 {
-        (0..self.seq_count).map(|i| self.sequence_length(i) as u64).sum()
+        (0..self.seq_count)
+            .map(|i| self.sequence_length(i) as u64)
+            .sum()
     }
 }
 
@@ -717,7 +723,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut w = IndexedWriter::create(&dir.path().join("x"), DType::U16, false).unwrap();
         let err = w.add_sequence(&[70000i64]).unwrap_err();
-        assert!(err.to_string().contains("does not fit dtype uint16"), "{err}");
+        assert!(
+            err.to_string().contains("does not fit dtype uint16"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -734,13 +743,19 @@ mod tests {
     fn refuses_to_overwrite_without_force() {
         let dir = tempfile::tempdir().unwrap();
         let prefix = write(dir.path(), &[vec![vec![1]]], DType::I32);
-        let err = IndexedWriter::create(&prefix, DType::I32, false).err().unwrap();
+        let err = IndexedWriter::create(&prefix, DType::I32, false)
+            .err()
+            .unwrap();
         assert!(matches!(err, IndexedError::Exists { .. }));
     }
 
     fn corrupt_open(mutate: impl FnOnce(&mut Vec<u8>)) -> IndexedError {
         let dir = tempfile::tempdir().unwrap();
-        let prefix = write(dir.path(), &[vec![vec![1, 2, 3]], vec![vec![4]]], DType::U16);
+        let prefix = write(
+            dir.path(),
+            &[vec![vec![1, 2, 3]], vec![vec![4]]],
+            DType::U16,
+        );
         let (_, idx) = bin_idx_paths(&prefix);
         let mut bytes = std::fs::read(&idx).unwrap();
         mutate(&mut bytes);
@@ -750,23 +765,38 @@ mod tests {
 
     #[test]
     fn bad_magic() {
-        assert!(matches!(corrupt_open(|b| b[0] = b'X'), IndexedError::BadMagic { .. }));
+        assert!(matches!(
+            corrupt_open(|b| b[0] = b'X'),
+            IndexedError::BadMagic { .. }
+        ));
     }
 
     #[test]
     fn bad_version() {
-        assert!(matches!(corrupt_open(|b| b[9] = 2), IndexedError::BadVersion { .. }));
+        assert!(matches!(
+            corrupt_open(|b| b[9] = 2),
+            IndexedError::BadVersion { .. }
+        ));
     }
 
     #[test]
     fn bad_dtype() {
-        assert!(matches!(corrupt_open(|b| b[17] = 99), IndexedError::BadDType { .. }));
+        assert!(matches!(
+            corrupt_open(|b| b[17] = 99),
+            IndexedError::BadDType { .. }
+        ));
     }
 
     #[test]
     fn truncated_index() {
-        assert!(matches!(corrupt_open(|b| b.truncate(40)), IndexedError::Corrupt { .. }));
-        assert!(matches!(corrupt_open(|b| b.truncate(10)), IndexedError::Corrupt { .. }));
+        assert!(matches!(
+            corrupt_open(|b| b.truncate(40)),
+            IndexedError::Corrupt { .. }
+        ));
+        assert!(matches!(
+            corrupt_open(|b| b.truncate(10)),
+            IndexedError::Corrupt { .. }
+        ));
     }
 
     #[test]
@@ -787,7 +817,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = dir.path().join("a");
         let b = dir.path().join("b");
-        for (p, docs) in [(&a, vec![vec![vec![1i64, 2]], vec![]]), (&b, vec![vec![vec![3], vec![4, 5]]])] {
+        for (p, docs) in [
+            (&a, vec![vec![vec![1i64, 2]], vec![]]),
+            (&b, vec![vec![vec![3], vec![4, 5]]]),
+        ] {
             let mut w = IndexedWriter::create(p, DType::U16, false).unwrap();
             for d in &docs {
                 w.add_document(d).unwrap();
@@ -798,7 +831,10 @@ mod tests {
         let (docs, seqs, tokens, _) = merge(&[a, b], &out, false).unwrap();
         assert_eq!((docs, seqs, tokens), (3, 3, 5));
         let ds = IndexedDataset::open(&out).unwrap();
-        assert_eq!((0..4).map(|k| ds.doc_index(k)).collect::<Vec<_>>(), vec![0, 1, 1, 3]);
+        assert_eq!(
+            (0..4).map(|k| ds.doc_index(k)).collect::<Vec<_>>(),
+            vec![0, 1, 1, 3]
+        );
         assert_eq!(ds.sequence(2), vec![4, 5]);
     }
 }

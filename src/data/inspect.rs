@@ -56,7 +56,9 @@ pub fn info(prefix: &Path) -> Result<String, InspectError> {
         let ds = IndexedDataset::open(&p)?;
         let lengths: Vec<usize> = (0..ds.len()).map(|i| ds.sequence_length(i)).collect();
         let tokens: u64 = lengths.iter().map(|&l| l as u64).sum();
-        let empty_docs = (0..ds.doc_count()).filter(|&k| ds.document_sequences(k).is_empty()).count();
+        let empty_docs = (0..ds.doc_count())
+            .filter(|&k| ds.document_sequences(k).is_empty())
+            .count();
         let _ = writeln!(out, "{}", p.display());
         let _ = writeln!(
             out,
@@ -86,13 +88,21 @@ pub fn info(prefix: &Path) -> Result<String, InspectError> {
 fn histogram(lengths: &[usize]) -> String {
     let mut buckets = [0usize; 40];
     for &l in lengths {
-        let b = if l == 0 { 0 } else { (usize::BITS - l.leading_zeros()) as usize };
+        let b = if l == 0 {
+            0
+        } else {
+            (usize::BITS - l.leading_zeros()) as usize
+        };
         buckets[b.min(39)] += 1;
     }
     let peak = buckets.iter().copied().max().unwrap_or(1).max(1);
     let mut out = String::new();
     for (b, &n) in buckets.iter().enumerate().filter(|(_, &n)| n > 0) {
-        let (lo, hi) = if b == 0 { (0, 0) } else { (1usize << (b - 1), (1usize << b) - 1) };
+        let (lo, hi) = if b == 0 {
+            (0, 0)
+        } else {
+            (1usize << (b - 1), (1usize << b) - 1)
+        };
         let bar = "#".repeat((n * 40).div_ceil(peak));
         let _ = writeln!(out, "  {lo:>8}..{hi:<8} {n:>9} {bar}");
     }
@@ -104,19 +114,39 @@ fn histogram(lengths: &[usize]) -> String {
 pub fn show(prefix: &Path, index: usize, tokenizer: &Path) -> Result<String, InspectError> {
     let tok = HfTokenizer::load(tokenizer)?;
     let prefixes = resolve_prefixes(prefix)?;
-    let find = |key: &str| prefixes.iter().find(|p| p.to_string_lossy().ends_with(&format!("_{key}_document")));
+    let find = |key: &str| {
+        prefixes
+            .iter()
+            .find(|p| p.to_string_lossy().ends_with(&format!("_{key}_document")))
+    };
     let mut out = String::new();
     if let (Some(ids_p), Some(labels_p)) = (find("input_ids"), find("labels")) {
-        let (ids, labels) = (IndexedDataset::open(ids_p)?, IndexedDataset::open(labels_p)?);
+        let (ids, labels) = (
+            IndexedDataset::open(ids_p)?,
+            IndexedDataset::open(labels_p)?,
+        );
         check_index(index, ids.doc_count())?;
         for s in ids.document_sequences(index) {
             let (t, l) = (ids.sequence(s), labels.sequence(s));
             let split = l.iter().position(|&x| x != IGNORE).unwrap_or(l.len());
             let as_u32 = |v: &[i64]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
             let trained = t.iter().zip(&l).filter(|(_, &lab)| lab != IGNORE).count();
-            let _ = writeln!(out, "── sequence {s}: {} tokens, {} trained (label ≠ -100)", t.len(), trained);
-            let _ = writeln!(out, "[prompt, masked]\n{}", tok.decode(&as_u32(&t[..split]))?);
-            let _ = writeln!(out, "[answer, trained]\n{}", tok.decode(&as_u32(&t[split..]))?);
+            let _ = writeln!(
+                out,
+                "── sequence {s}: {} tokens, {} trained (label ≠ -100)",
+                t.len(),
+                trained
+            );
+            let _ = writeln!(
+                out,
+                "[prompt, masked]\n{}",
+                tok.decode(&as_u32(&t[..split]))?
+            );
+            let _ = writeln!(
+                out,
+                "[answer, trained]\n{}",
+                tok.decode(&as_u32(&t[split..]))?
+            );
         }
         return Ok(out);
     }
@@ -126,7 +156,12 @@ pub fn show(prefix: &Path, index: usize, tokenizer: &Path) -> Result<String, Ins
         let _ = writeln!(out, "── {} document {index}", p.display());
         for s in ds.document_sequences(index) {
             let ids: Vec<u32> = ds.sequence(s).iter().map(|&x| x as u32).collect();
-            let _ = writeln!(out, "[sequence {s}: {} tokens]\n{}", ids.len(), tok.decode(&ids)?);
+            let _ = writeln!(
+                out,
+                "[sequence {s}: {} tokens]\n{}",
+                ids.len(),
+                tok.decode(&ids)?
+            );
         }
     }
     Ok(out)

@@ -41,10 +41,14 @@ impl HandlerKind {
     /// Parse a handler name, accepting MindSpeed-LLM's class names.
     pub fn parse(name: &str) -> Option<HandlerKind> {
         Some(match name {
-            "alpaca" | "GeneralInstructionHandler" | "AlpacaStyleInstructionHandler" => HandlerKind::Alpaca,
+            "alpaca" | "GeneralInstructionHandler" | "AlpacaStyleInstructionHandler" => {
+                HandlerKind::Alpaca
+            }
             "belle" | "BelleMultiTurnInstructionHandler" => HandlerKind::Belle,
             "moss" | "MOSSInstructionHandler" => HandlerKind::Moss,
-            "sharegpt" | "SharegptStyleInstructionHandler" | "OpenAIInstructionHandler" => HandlerKind::Sharegpt,
+            "sharegpt" | "SharegptStyleInstructionHandler" | "OpenAIInstructionHandler" => {
+                HandlerKind::Sharegpt
+            }
             _ => return None,
         })
     }
@@ -159,10 +163,19 @@ impl std::fmt::Display for Summary {
         write!(
             f,
             "{} records → {} documents, {} sequences, {} tokens; {} empty; {} skipped",
-            self.records, self.documents, self.sequences, self.tokens, self.empty_documents, skipped
+            self.records,
+            self.documents,
+            self.sequences,
+            self.tokens,
+            self.empty_documents,
+            skipped
         )?;
         if skipped > 0 {
-            let reasons: Vec<String> = self.skipped.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+            let reasons: Vec<String> = self
+                .skipped
+                .iter()
+                .map(|(r, n)| format!("{r}: {n}"))
+                .collect();
             write!(f, " ({})", reasons.join(", "))?;
         }
         write!(
@@ -188,8 +201,16 @@ pub fn key_prefix(prefix: &Path, key: &str, instruction: bool) -> PathBuf {
     PathBuf::from(p)
 }
 
-fn build_handler<'t>(opts: &PreprocessOptions, tok: &'t HfTokenizer, template: Option<Template>) -> Result<Box<dyn Handler + 't>, PreprocessError> {
-    let eod = if opts.append_eod { Some(tok.require_eos()?) } else { None };
+fn build_handler<'t>(
+    opts: &PreprocessOptions,
+    tok: &'t HfTokenizer,
+    template: Option<Template>,
+) -> Result<Box<dyn Handler + 't>, PreprocessError> {
+    let eod = if opts.append_eod {
+        Some(tok.require_eos()?)
+    } else {
+        None
+    };
     let Some(kind) = opts.handler else {
         return Ok(Box::new(Pretrain {
             tokenizer: tok,
@@ -217,18 +238,24 @@ fn build_handler<'t>(opts: &PreprocessOptions, tok: &'t HfTokenizer, template: O
             eod,
         }));
     }
-    let kind = match kind {
-        HandlerKind::Alpaca => PrompterKind::Alpaca,
-        HandlerKind::Belle => PrompterKind::Belle,
-        HandlerKind::Moss => PrompterKind::Moss,
-        HandlerKind::Sharegpt => {
-            return Err(PreprocessError::Options("--handler sharegpt needs --prompt-type (e.g. qwen, chatml, llama2, alpaca, empty)".into()))
-        }
-    };
+    let kind =
+        match kind {
+            HandlerKind::Alpaca => PrompterKind::Alpaca,
+            HandlerKind::Belle => PrompterKind::Belle,
+            HandlerKind::Moss => PrompterKind::Moss,
+            HandlerKind::Sharegpt => return Err(PreprocessError::Options(
+                "--handler sharegpt needs --prompt-type (e.g. qwen, chatml, llama2, alpaca, empty)"
+                    .into(),
+            )),
+        };
     Ok(Box::new(PrompterHandler {
         tokenizer: tok,
         kind,
-        eod: if kind == PrompterKind::Moss { None } else { eod },
+        eod: if kind == PrompterKind::Moss {
+            None
+        } else {
+            eod
+        },
     }))
 }
 
@@ -237,7 +264,9 @@ fn resolve_dtype(opts: &PreprocessOptions, vocab: usize) -> Result<DType, Prepro
     Ok(match (opts.dtype, instruction) {
         (DTypeChoice::I32, _) | (DTypeChoice::Auto, true) => DType::I32,
         (DTypeChoice::U16, true) => {
-            return Err(PreprocessError::Options("instruction data needs --dtype int32 (labels hold -100)".into()))
+            return Err(PreprocessError::Options(
+                "instruction data needs --dtype int32 (labels hold -100)".into(),
+            ))
         }
         (DTypeChoice::U16, false) => DType::U16,
         (DTypeChoice::Auto, false) => DType::optimal_for_vocab(vocab),
@@ -287,10 +316,18 @@ impl Output {
     fn write(&mut self, mut doc: Document, summary: &mut Summary) -> Result<(), PreprocessError> {
         if let Some(limit) = self.seq_length {
             let n = doc.first().map_or(0, Vec::len);
-            let too_long: Vec<bool> = (0..n).map(|k| doc.iter().any(|key| key.get(k).is_some_and(|s| s.len() >= limit))).collect();
+            let too_long: Vec<bool> = (0..n)
+                .map(|k| {
+                    doc.iter()
+                        .any(|key| key.get(k).is_some_and(|s| s.len() >= limit))
+                })
+                .collect();
             let dropped = too_long.iter().filter(|&&b| b).count() as u64;
             if dropped > 0 {
-                *summary.skipped.entry(format!("sequence ≥ --seq-length {limit}")).or_default() += dropped;
+                *summary
+                    .skipped
+                    .entry(format!("sequence ≥ --seq-length {limit}"))
+                    .or_default() += dropped;
                 for key in doc.iter_mut() {
                     let mut k = 0;
                     key.retain(|_| {
@@ -312,7 +349,9 @@ impl Output {
             return Ok(());
         }
         summary.sequences += doc.first().map_or(0, |d| d.len() as u64);
-        summary.tokens += doc.first().map_or(0, |d| d.iter().map(|s| s.len() as u64).sum());
+        summary.tokens += doc
+            .first()
+            .map_or(0, |d| d.iter().map(|s| s.len() as u64).sum());
         for (w, seqs) in self.writers.iter_mut().zip(doc.iter()) {
             w.add_document(seqs)?;
         }
@@ -345,11 +384,21 @@ pub fn greedy_knapsack(mut lengths: Vec<usize>, capacity: usize) -> Vec<Vec<usiz
 }
 
 /// MindSpeed's `_pack_serialize_to_disk`: pack sequences into `seq_length`-token items.
-fn write_packed(out: &mut Output, docs: Vec<Document>, seq_length: usize, pad: i64, summary: &mut Summary) -> Result<(), PreprocessError> {
+fn write_packed(
+    out: &mut Output,
+    docs: Vec<Document>,
+    seq_length: usize,
+    pad: i64,
+    summary: &mut Summary,
+) -> Result<(), PreprocessError> {
     let mut samples: Vec<[Vec<i64>; 3]> = Vec::new();
     for doc in docs {
         let mut keys = doc.into_iter();
-        let (ids, mask, labels) = (keys.next().unwrap_or_default(), keys.next().unwrap_or_default(), keys.next().unwrap_or_default());
+        let (ids, mask, labels) = (
+            keys.next().unwrap_or_default(),
+            keys.next().unwrap_or_default(),
+            keys.next().unwrap_or_default(),
+        );
         for ((i, m), l) in ids.into_iter().zip(mask).zip(labels) {
             samples.push([i, m, l]);
         }
@@ -362,7 +411,10 @@ fn write_packed(out: &mut Output, docs: Vec<Document>, seq_length: usize, pad: i
     for knapsack in greedy_knapsack(lengths, seq_length - 1) {
         let mut packed: [Vec<i64>; 3] = Default::default();
         for len in knapsack {
-            let n = by_length.get_mut(&len).and_then(Vec::pop).ok_or_else(|| PreprocessError::Options("packing bookkeeping failed".into()))?;
+            let n = by_length
+                .get_mut(&len)
+                .and_then(Vec::pop)
+                .ok_or_else(|| PreprocessError::Options("packing bookkeeping failed".into()))?;
             for (k, p) in packed.iter_mut().enumerate() {
                 p.extend(&samples[n][k]);
             }
@@ -381,7 +433,12 @@ fn write_packed(out: &mut Output, docs: Vec<Document>, seq_length: usize, pad: i
     Ok(())
 }
 
-fn record_failure(e: &RecordError, skip: bool, location: String, summary: &mut Summary) -> Result<(), PreprocessError> {
+fn record_failure(
+    e: &RecordError,
+    skip: bool,
+    location: String,
+    summary: &mut Summary,
+) -> Result<(), PreprocessError> {
     if skip || e.dropped_upstream {
         *summary.skipped.entry(e.reason.to_string()).or_default() += 1;
         Ok(())
@@ -399,19 +456,27 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     let mut tok = HfTokenizer::load(&opts.tokenizer)?;
     let template = match &opts.prompt_type {
         Some(name) => {
-            let t = Template::load(name, opts.prompt_type_path.as_deref()).map_err(PreprocessError::Options)?;
-            t.fix_tokenizer(&mut tok).map_err(PreprocessError::Options)?;
+            let t = Template::load(name, opts.prompt_type_path.as_deref())
+                .map_err(PreprocessError::Options)?;
+            t.fix_tokenizer(&mut tok)
+                .map_err(PreprocessError::Options)?;
             Some(t)
         }
         None => None,
     };
     if opts.pack && (opts.handler.is_none() || opts.seq_length.is_none()) {
-        return Err(PreprocessError::Options("--pack needs an instruction --handler and --seq-length".into()));
+        return Err(PreprocessError::Options(
+            "--pack needs an instruction --handler and --seq-length".into(),
+        ));
     }
     let handler = build_handler(opts, &tok, template)?;
     let instruction = opts.handler.is_some();
     let dtype = resolve_dtype(opts, tok.vocab_size())?;
-    let prefixes: Vec<PathBuf> = handler.keys().iter().map(|k| key_prefix(&opts.output_prefix, k, instruction)).collect();
+    let prefixes: Vec<PathBuf> = handler
+        .keys()
+        .iter()
+        .map(|k| key_prefix(&opts.output_prefix, k, instruction))
+        .collect();
     for p in &prefixes {
         let (bin, idx) = bin_idx_paths(p);
         check_overwrite(&bin, opts.force)?;
@@ -427,7 +492,10 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
             (total * i as u64 / n as u64)..(total * (i as u64 + 1) / n as u64)
         }
     };
-    let writers = prefixes.iter().map(|p| IndexedWriter::create(p, dtype, opts.force)).collect::<Result<Vec<_>, _>>()?;
+    let writers = prefixes
+        .iter()
+        .map(|p| IndexedWriter::create(p, dtype, opts.force))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut out = Output {
         writers,
         seq_length: opts.seq_length,
@@ -437,14 +505,20 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.workers.max(1))
         .build()
-        .map_err(|e| PreprocessError::Options(format!("cannot start {} workers: {e}", opts.workers)))?;
+        .map_err(|e| {
+            PreprocessError::Options(format!("cannot start {} workers: {e}", opts.workers))
+        })?;
     let bar = progress_bar(opts.progress, total_bytes);
     let progress = reader.progress();
     let (tx, rx) = crossbeam_channel::bounded::<Vec<(u64, Item)>>(4);
     let mut summary = Summary::default();
     let read_result = std::thread::scope(|scope| -> Result<Result<u64, _>, PreprocessError> {
         let reader_thread = scope.spawn(|| {
-            let mut sink = BatchSink { tx, batch: Vec::with_capacity(BATCH), range: range.clone() };
+            let mut sink = BatchSink {
+                tx,
+                batch: Vec::with_capacity(BATCH),
+                range: range.clone(),
+            };
             let r = reader.run(&mut sink);
             let rest = std::mem::take(&mut sink.batch);
             if !rest.is_empty() {
@@ -452,9 +526,20 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
             }
             r
         });
-        let consumed = consume(&rx, &pool, handler.as_ref(), &mut out, opts.skip_bad_records, &mut summary, &bar, &progress);
+        let consumed = consume(
+            &rx,
+            &pool,
+            handler.as_ref(),
+            &mut out,
+            opts.skip_bad_records,
+            &mut summary,
+            &bar,
+            &progress,
+        );
         drop(rx); // unblock the reader if we stopped early
-        let read = reader_thread.join().map_err(|_| PreprocessError::Options("reader thread panicked".into()))?;
+        let read = reader_thread
+            .join()
+            .map_err(|_| PreprocessError::Options("reader thread panicked".into()))?;
         consumed?;
         Ok(read)
     })?;
@@ -464,7 +549,13 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     }
     if let Some(docs) = out.pack.take() {
         let pad = tok.pad_or_eos()? as i64;
-        write_packed(&mut out, docs, opts.seq_length.unwrap_or(0), pad, &mut summary)?;
+        write_packed(
+            &mut out,
+            docs,
+            opts.seq_length.unwrap_or(0),
+            pad,
+            &mut summary,
+        )?;
     }
     for w in out.writers {
         summary.output_bytes += w.finish()?;
@@ -492,8 +583,13 @@ fn consume(
             batch
                 .par_iter()
                 .map(|(_, item)| match item {
-                    Item::Record(r) => handler.process(&r.fields).map_err(|e| (e, r.loc.to_string())),
-                    Item::Bad(b) => Err((RecordError::invalid(b.reason, b.detail.clone()), b.loc.to_string())),
+                    Item::Record(r) => handler
+                        .process(&r.fields)
+                        .map_err(|e| (e, r.loc.to_string())),
+                    Item::Bad(b) => Err((
+                        RecordError::invalid(b.reason, b.detail.clone()),
+                        b.loc.to_string(),
+                    )),
                 })
                 .collect()
         });
@@ -505,7 +601,11 @@ fn consume(
             }
         }
         bar.set_position(progress.load(Ordering::Relaxed));
-        bar.set_message(format!("{} docs, {:.2} M tokens", summary.records, summary.tokens as f64 / 1e6));
+        bar.set_message(format!(
+            "{} docs, {:.2} M tokens",
+            summary.records,
+            summary.tokens as f64 / 1e6
+        ));
     }
     Ok(())
 }
@@ -529,12 +629,18 @@ mod tests {
     #[test]
     fn knapsack_like_mindspeed() {
         // sorted [1,2,3,5,8], capacity 8: [8], [5,3], [2,1]
-        assert_eq!(greedy_knapsack(vec![3, 8, 1, 5, 2], 8), vec![vec![8], vec![5, 3], vec![2, 1]]);
+        assert_eq!(
+            greedy_knapsack(vec![3, 8, 1, 5, 2], 8),
+            vec![vec![8], vec![5, 3], vec![2, 1]]
+        );
     }
 
     #[test]
     fn handler_aliases() {
-        assert_eq!(HandlerKind::parse("BelleMultiTurnInstructionHandler"), Some(HandlerKind::Belle));
+        assert_eq!(
+            HandlerKind::parse("BelleMultiTurnInstructionHandler"),
+            Some(HandlerKind::Belle)
+        );
         assert_eq!(HandlerKind::parse("nope"), None);
     }
 }

@@ -60,12 +60,12 @@ pub struct Record {
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     /// I/O error on a file.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (not a `#[source]`, so that chained reports do not print it twice).
+        cause: std::io::Error,
     },
     /// No such file, or a glob / directory that matched nothing usable.
     #[error("{0}: no such input (or no .json/.jsonl/.txt/.parquet/.arrow files in it)")]
@@ -141,9 +141,9 @@ fn detect(path: &Path) -> Option<(Format, bool)> {
 fn input_file(path: PathBuf) -> Result<InputFile> {
     let (format, gzip) = detect(&path).ok_or_else(|| SourceError::Unsupported(path.clone()))?;
     let size = std::fs::metadata(&path)
-        .map_err(|source| SourceError::Io {
+        .map_err(|cause| SourceError::Io {
             path: path.clone(),
-            source,
+            cause,
         })?
         .len();
     Ok(InputFile {
@@ -162,9 +162,9 @@ pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<InputFile>> {
         let text = input.to_string_lossy();
         if input.is_dir() {
             let mut files: Vec<PathBuf> = std::fs::read_dir(input)
-                .map_err(|source| SourceError::Io {
+                .map_err(|cause| SourceError::Io {
                     path: input.clone(),
-                    source,
+                    cause,
                 })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.is_file() && detect(p).is_some())
@@ -281,9 +281,9 @@ impl RecordReader {
     }
 
     fn open(&self, f: &InputFile) -> Result<Box<dyn BufRead>> {
-        let file = File::open(&f.path).map_err(|source| SourceError::Io {
+        let file = File::open(&f.path).map_err(|cause| SourceError::Io {
             path: f.path.clone(),
-            source,
+            cause,
         })?;
         let counted = CountingReader {
             inner: file,
@@ -315,9 +315,12 @@ impl RecordReader {
             line.clear();
             let n = reader
                 .read_until(b'\n', &mut line)
-                .map_err(|source| SourceError::Io {
+                .map_err(|cause| SourceError::Io {
                     path: f.path.clone(),
-                    source,
+                    cause: std::io::Error::new(
+                        cause.kind(),
+                        format!("after line {number}: {cause}"),
+                    ),
                 })?;
             if n == 0 {
                 return Ok(());
@@ -353,9 +356,9 @@ impl RecordReader {
             path: f.path.clone(),
             what,
         };
-        let file = File::open(&f.path).map_err(|source| SourceError::Io {
+        let file = File::open(&f.path).map_err(|cause| SourceError::Io {
             path: f.path.clone(),
-            source,
+            cause,
         })?;
         let builder = ParquetRecordBatchReaderBuilder::try_new(file)
             .map_err(|e| columnar(format!("not a readable parquet file: {e}")))?;
@@ -369,8 +372,10 @@ impl RecordReader {
         for batch in reader {
             let batch = batch.map_err(|e| columnar(format!("after row {rows}: {e}")))?;
             emit_batch(&batch, &file_arc, &mut rows, index, sink)?;
-            self.progress
-                .fetch_add(f.size * batch.num_rows() as u64 / total_rows, Ordering::Relaxed);
+            self.progress.fetch_add(
+                f.size * batch.num_rows() as u64 / total_rows,
+                Ordering::Relaxed,
+            );
         }
         Ok(())
     }
@@ -382,9 +387,9 @@ impl RecordReader {
             what,
         };
         let open = || {
-            File::open(&f.path).map_err(|source| SourceError::Io {
+            File::open(&f.path).map_err(|cause| SourceError::Io {
                 path: f.path.clone(),
-                source,
+                cause,
             })
         };
         let mut magic = [0u8; 6];
@@ -452,9 +457,9 @@ fn emit_batch(
 
 fn first_non_blank(reader: &mut Box<dyn BufRead>, path: &Path) -> Result<Option<u8>> {
     loop {
-        let buf = reader.fill_buf().map_err(|source| SourceError::Io {
+        let buf = reader.fill_buf().map_err(|cause| SourceError::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         if buf.is_empty() {
             return Ok(None);
@@ -533,7 +538,12 @@ pub fn type_name(v: &Value) -> &'static str {
 
 /// A `.json` that is not an array: a sequence of JSON objects, one per line or pretty-printed
 /// over many lines (e.g. one moss-003 conversation per file).
-fn read_json_stream(reader: Box<dyn BufRead>, file: Arc<PathBuf>, index: &mut u64, sink: &mut dyn Sink) -> Result<()> {
+fn read_json_stream(
+    reader: Box<dyn BufRead>,
+    file: Arc<PathBuf>,
+    index: &mut u64,
+    sink: &mut dyn Sink,
+) -> Result<()> {
     let mut stream = serde_json::Deserializer::from_reader(reader).into_iter::<Value>();
     let mut number = 0u64;
     loop {
@@ -543,7 +553,11 @@ fn read_json_stream(reader: Box<dyn BufRead>, file: Arc<PathBuf>, index: &mut u6
         number += 1;
         let value = next.map_err(|e| {
             SourceError::Bad(BadRecord {
-                loc: Location { file: file.clone(), number: e.line() as u64, unit: "line" },
+                loc: Location {
+                    file: file.clone(),
+                    number: e.line() as u64,
+                    unit: "line",
+                },
                 reason: "malformed json",
                 detail: format!("{e} (after object {line_before})"),
             })
@@ -553,10 +567,18 @@ fn read_json_stream(reader: Box<dyn BufRead>, file: Arc<PathBuf>, index: &mut u6
         if !sink.wants(i) {
             continue;
         }
-        let loc = Location { file: file.clone(), number, unit: "object" };
+        let loc = Location {
+            file: file.clone(),
+            number,
+            unit: "object",
+        };
         let item = match value {
             Value::Object(fields) => Item::Record(Record { fields, loc }),
-            other => Item::Bad(BadRecord { loc, reason: "not a json object", detail: format!("found {}", type_name(&other)) }),
+            other => Item::Bad(BadRecord {
+                loc,
+                reason: "not a json object",
+                detail: format!("found {}", type_name(&other)),
+            }),
         };
         if !sink.accept(i, item) {
             return Err(SourceError::Stopped);
@@ -622,7 +644,10 @@ fn read_json_array(
     }
     impl<'de> DeserializeSeed<'de> for ArrayVisitor<'_> {
         type Value = ();
-        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        fn deserialize<D: serde::Deserializer<'de>>(
+            self,
+            d: D,
+        ) -> std::result::Result<(), D::Error> {
             d.deserialize_seq(self)
         }
     }
@@ -647,7 +672,11 @@ fn read_json_array(
                 number: e.line() as u64,
                 unit: "line",
             },
-            reason: if e.is_io() { "read error" } else { "malformed json" },
+            reason: if e.is_io() {
+                "read error"
+            } else {
+                "malformed json"
+            },
             detail: format!("{e} (in the array, after element {})", *index - start),
         })),
     }
@@ -683,10 +712,16 @@ mod tests {
 
     #[test]
     fn jsonl_with_bad_lines() {
-        let (n, items) = read("a.jsonl", b"{\"text\":\"a\"}\n\n{bad\n[1]\n{\"text\":\"\xff\"}\n");
+        let (n, items) = read(
+            "a.jsonl",
+            b"{\"text\":\"a\"}\n\n{bad\n[1]\n{\"text\":\"\xff\"}\n",
+        );
         assert_eq!(n.unwrap(), 4);
         assert!(items[0].is_ok());
-        assert!(items[1].as_ref().unwrap_err().contains("a.jsonl:line 3: malformed json"));
+        assert!(items[1]
+            .as_ref()
+            .unwrap_err()
+            .contains("a.jsonl:line 3: malformed json"));
         assert!(items[2].as_ref().unwrap_err().contains("not a json object"));
         assert!(items[3].as_ref().unwrap_err().contains("invalid utf-8"));
     }
@@ -702,7 +737,10 @@ mod tests {
     fn json_array_truncated_is_fatal_with_location() {
         let (n, _) = read("a.json", b"[{\"a\":1},\n{\"a\":");
         let e = n.unwrap_err().to_string();
-        assert!(e.contains("a.json:line 2") && e.contains("after element 1"), "{e}");
+        assert!(
+            e.contains("a.json:line 2") && e.contains("after element 1"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -735,7 +773,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("x.csv");
         std::fs::write(&p, b"a").unwrap();
-        assert!(matches!(expand_inputs(&[p]), Err(SourceError::Unsupported(_))));
+        assert!(matches!(
+            expand_inputs(&[p]),
+            Err(SourceError::Unsupported(_))
+        ));
         assert!(matches!(
             expand_inputs(&[dir.path().join("nope.jsonl")]),
             Err(SourceError::NotFound(_))
@@ -745,6 +786,9 @@ mod tests {
     #[test]
     fn truncated_parquet_is_an_error() {
         let (n, _) = read("a.parquet", b"PAR1garbage");
-        assert!(n.unwrap_err().to_string().contains("not a readable parquet file"));
+        assert!(n
+            .unwrap_err()
+            .to_string()
+            .contains("not a readable parquet file"));
     }
 }

@@ -157,7 +157,11 @@ impl HfTokenizer {
                 None => Ok(None),
             }
         };
-        let (bos, eos, pad) = (resolve("bos_token")?, resolve("eos_token")?, resolve("pad_token")?);
+        let (bos, eos, pad) = (
+            resolve("bos_token")?,
+            resolve("eos_token")?,
+            resolve("pad_token")?,
+        );
         self.bos = bos;
         self.eos = eos;
         self.pad = pad;

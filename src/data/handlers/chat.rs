@@ -149,11 +149,16 @@ impl ChatHandler<'_> {
         if let Some(Value::Array(history)) = c.history.as_ref().and_then(|h| r.get(h)) {
             for (i, pair) in history.iter().enumerate() {
                 let pair = pair.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
-                    RecordError::invalid("wrong type", format!("history[{i}] should be a [query, answer] pair"))
+                    RecordError::invalid(
+                        "wrong type",
+                        format!("history[{i}] should be a [query, answer] pair"),
+                    )
                 })?;
-                let text = |v: &Value| v.as_str().map(str::to_string).ok_or_else(|| {
-                    RecordError::wrong_type(&format!("history[{i}]"), "strings", v)
-                });
+                let text = |v: &Value| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        RecordError::wrong_type(&format!("history[{i}]"), "strings", v)
+                    })
+                };
                 prompt.push(msg(Role::User, &text(&pair[0])?));
                 prompt.push(msg(Role::Assistant, &text(&pair[1])?));
             }
@@ -169,8 +174,19 @@ impl ChatHandler<'_> {
                 .iter()
                 .map(|v| v.as_str().map(|s| msg(Role::Assistant, s)))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| RecordError::wrong_type(&c.response, "a string or list of strings", &r[&c.response]))?,
-            _ => return Err(RecordError::dropped(format!("no {:?} response", c.response))),
+                .ok_or_else(|| {
+                    RecordError::wrong_type(
+                        &c.response,
+                        "a string or list of strings",
+                        &r[&c.response],
+                    )
+                })?,
+            _ => {
+                return Err(RecordError::dropped(format!(
+                    "no {:?} response",
+                    c.response
+                )))
+            }
         };
         let system = match &c.system {
             Some(s) => opt_str_field(r, s)?.to_string(),
@@ -195,9 +211,19 @@ impl ChatHandler<'_> {
         let messages = match r.get(&c.messages) {
             None => return Err(RecordError::missing(&c.messages)),
             Some(Value::Array(m)) => m,
-            Some(other) => return Err(RecordError::wrong_type(&c.messages, "a list of messages", other)),
+            Some(other) => {
+                return Err(RecordError::wrong_type(
+                    &c.messages,
+                    "a list of messages",
+                    other,
+                ))
+            }
         };
-        let role_of = |m: &Value| m.get(&c.role_tag).and_then(Value::as_str).map(str::to_string);
+        let role_of = |m: &Value| {
+            m.get(&c.role_tag)
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        };
         let mut messages: &[Value] = messages;
         let mut system = match &c.system {
             Some(s) => opt_str_field(r, s)?.to_string(),
@@ -205,12 +231,18 @@ impl ChatHandler<'_> {
         };
         if let Some(first) = messages.first() {
             if role_of(first).as_deref() == Some(c.system_tag.as_str()) {
-                system = first.get(&c.content_tag).and_then(Value::as_str).unwrap_or("").to_string();
+                system = first
+                    .get(&c.content_tag)
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
                 messages = &messages[1..];
             }
         }
         if messages.is_empty() {
-            return Err(RecordError::dropped("no messages besides the system prompt"));
+            return Err(RecordError::dropped(
+                "no messages besides the system prompt",
+            ));
         }
         let map_role = |tag: &str| -> Option<Role> {
             if tag == c.user_tag {
@@ -232,19 +264,30 @@ impl ChatHandler<'_> {
             let expected_user = i % 2 == 0;
             let in_place = matches!(
                 (role, expected_user),
-                (Some(Role::User | Role::Observation), true) | (Some(Role::Assistant | Role::Function), false)
+                (Some(Role::User | Role::Observation), true)
+                    | (Some(Role::Assistant | Role::Function), false)
             );
             if !openai && !in_place {
-                return Err(RecordError::dropped(format!("message {i}: role {tag:?} out of turn order")));
+                return Err(RecordError::dropped(format!(
+                    "message {i}: role {tag:?} out of turn order"
+                )));
             }
             let Some(role) = role else {
-                return Err(RecordError::dropped(format!("message {i}: unknown role {tag:?}")));
+                return Err(RecordError::dropped(format!(
+                    "message {i}: unknown role {tag:?}"
+                )));
             };
             match m.get(&c.content_tag) {
                 Some(Value::String(s)) => aligned.push(msg(role, s)),
                 None | Some(Value::Null) if openai => aligned.push(msg(role, "")),
                 None | Some(Value::Null) => {}
-                Some(other) => return Err(RecordError::wrong_type(&format!("{}[{i}].{}", c.messages, c.content_tag), "a string", other)),
+                Some(other) => {
+                    return Err(RecordError::wrong_type(
+                        &format!("{}[{i}].{}", c.messages, c.content_tag),
+                        "a string",
+                        other,
+                    ))
+                }
             }
         }
         if openai {
@@ -252,7 +295,9 @@ impl ChatHandler<'_> {
                 return Err(RecordError::dropped("first message must be from the user"));
             }
             if aligned.last().map(|m| m.role) != Some(Role::Assistant) {
-                return Err(RecordError::dropped("last message must be from the assistant"));
+                return Err(RecordError::dropped(
+                    "last message must be from the assistant",
+                ));
             }
         } else if aligned.len() % 2 != 0 {
             return Err(RecordError::dropped("odd number of messages"));
@@ -285,11 +330,16 @@ impl Handler for ChatHandler<'_> {
         let eos = self.tokenizer.eos().map(i64::from);
         let mut input_ids = Vec::new();
         let mut labels = Vec::new();
-        for (source, target) in self.template.encode_multiturn(self.tokenizer, &messages, &a.system, self.cutoff_len)? {
+        for (source, target) in
+            self.template
+                .encode_multiturn(self.tokenizer, &messages, &a.system, self.cutoff_len)?
+        {
             let source_mask: Vec<i64> = match eos {
-                Some(e) if !input_ids.is_empty() && self.template.efficient_eos => std::iter::once(e)
-                    .chain(std::iter::repeat_n(IGNORE, source.len().saturating_sub(1)))
-                    .collect(),
+                Some(e) if !input_ids.is_empty() && self.template.efficient_eos => {
+                    std::iter::once(e)
+                        .chain(std::iter::repeat_n(IGNORE, source.len().saturating_sub(1)))
+                        .collect()
+                }
                 _ => vec![IGNORE; source.len()],
             };
             input_ids.extend(&source);
@@ -304,7 +354,10 @@ impl Handler for ChatHandler<'_> {
             }
         }
         if input_ids.is_empty() {
-            return Err(RecordError::invalid("empty document", "the template produced no tokens"));
+            return Err(RecordError::invalid(
+                "empty document",
+                "the template produced no tokens",
+            ));
         }
         if let Some(e) = self.eod {
             input_ids.push(e as i64);

@@ -106,7 +106,10 @@ pub fn str_field<'a>(record: &'a Map<String, Value>, field: &str) -> Result<&'a 
 }
 
 /// An optional string field (`null` and absent read as "").
-pub fn opt_str_field<'a>(record: &'a Map<String, Value>, field: &str) -> Result<&'a str, RecordError> {
+pub fn opt_str_field<'a>(
+    record: &'a Map<String, Value>,
+    field: &str,
+) -> Result<&'a str, RecordError> {
     match record.get(field) {
         None | Some(Value::Null) => Ok(""),
         Some(Value::String(s)) => Ok(s),

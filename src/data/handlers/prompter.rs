@@ -51,13 +51,19 @@ fn mask_prefix(labels: &mut Vec<i64>, n: usize) {
 }
 
 /// Tokenize a full prompt and mask everything up to the last response header.
-fn tokenize_masked(tok: &HfTokenizer, prompt: &str, eod: Option<u32>) -> Result<(Vec<i64>, Vec<i64>), RecordError> {
+fn tokenize_masked(
+    tok: &HfTokenizer,
+    prompt: &str,
+    eod: Option<u32>,
+) -> Result<(Vec<i64>, Vec<i64>), RecordError> {
     let mut ids = widen(&tok.encode(prompt, true)?);
     if let Some(e) = eod {
         ids.push(e as i64);
     }
     let mut labels = ids.clone();
-    let head = prompt.rsplit_once(ASSISTANT_TOKEN).map_or(prompt, |(h, _)| h);
+    let head = prompt
+        .rsplit_once(ASSISTANT_TOKEN)
+        .map_or(prompt, |(h, _)| h);
     let user_prompt = format!("{head}{ASSISTANT_TOKEN}\n");
     let n = tok.encode(&user_prompt, true)?.len();
     mask_prefix(&mut labels, n);
@@ -123,14 +129,26 @@ fn moss_turns(record: &Map<String, Value>) -> Result<Vec<(String, String)>, Reco
             Value::Null => continue,
             Value::Object(t) if t.is_empty() => continue,
             Value::Object(t) => t,
-            other => return Err(RecordError::wrong_type(&format!("chat.{name}"), "an object", other)),
+            other => {
+                return Err(RecordError::wrong_type(
+                    &format!("chat.{name}"),
+                    "an object",
+                    other,
+                ))
+            }
         };
         let field = |k: &str| {
-            str_field(turn, k).map_err(|e| RecordError::invalid(e.reason, format!("chat.{name}: {}", e.detail)))
+            str_field(turn, k)
+                .map_err(|e| RecordError::invalid(e.reason, format!("chat.{name}: {}", e.detail)))
         };
-        let user = field("Human")?.replace("<eoh>", "").replace("<|Human|>: ", "");
+        let user = field("Human")?
+            .replace("<eoh>", "")
+            .replace("<|Human|>: ", "");
         let assistant = field("MOSS")?.replace("<|MOSS|>:", "").replace("<eom>", "");
-        out.push((py_strip(&user).to_string(), py_strip(&assistant).to_string()));
+        out.push((
+            py_strip(&user).to_string(),
+            py_strip(&assistant).to_string(),
+        ));
     }
     Ok(out)
 }
@@ -148,7 +166,10 @@ impl Handler for PrompterHandler<'_> {
                     str_field(record, "instruction")?,
                     opt_str_field(record, "input")?
                 );
-                vec![Turn::User(user), Turn::Assistant(str_field(record, "output")?.to_string())]
+                vec![
+                    Turn::User(user),
+                    Turn::Assistant(str_field(record, "output")?.to_string()),
+                ]
             }
             PrompterKind::Belle => belle_turns(
                 str_field(record, "instruction")?,
@@ -183,7 +204,11 @@ mod tests {
 
     #[test]
     fn belle_split_matches_upstream() {
-        let t = belle_turns("Human: hi\nAssistant: hello\nHuman: bye\nAssistant:", " ok ").unwrap();
+        let t = belle_turns(
+            "Human: hi\nAssistant: hello\nHuman: bye\nAssistant:",
+            " ok ",
+        )
+        .unwrap();
         assert_eq!(
             t,
             vec![

@@ -69,7 +69,11 @@ const BUILTIN: &str = r####"[
 /// Names of the built-in templates.
 pub fn builtin_names() -> Vec<String> {
     parse_list(BUILTIN)
-        .map(|l| l.into_iter().filter_map(|t| t.get("name")?.as_str().map(String::from)).collect())
+        .map(|l| {
+            l.into_iter()
+                .filter_map(|t| t.get("name")?.as_str().map(String::from))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -112,7 +116,8 @@ impl Template {
     pub fn load(name: &str, path: Option<&std::path::Path>) -> Result<Template, String> {
         let list = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
                 parse_list(&text).map_err(|e| format!("{}: {e}", p.display()))?
             }
             None => parse_list(BUILTIN)?,
@@ -121,8 +126,14 @@ impl Template {
             .iter()
             .find(|t| t.get("name").and_then(Value::as_str) == Some(name))
             .ok_or_else(|| {
-                let names: Vec<&str> = list.iter().filter_map(|t| t.get("name")?.as_str()).collect();
-                format!("unknown prompt type {name:?}; available: {}", names.join(", "))
+                let names: Vec<&str> = list
+                    .iter()
+                    .filter_map(|t| t.get("name")?.as_str())
+                    .collect();
+                format!(
+                    "unknown prompt type {name:?}; available: {}",
+                    names.join(", ")
+                )
             })?;
         Template::from_json(name, entry)
     }
@@ -130,7 +141,11 @@ impl Template {
     fn from_json(name: &str, e: &Value) -> Result<Template, String> {
         let flag = |k: &str| e.get(k).and_then(Value::as_bool).unwrap_or(false);
         let efficient_eos = flag("efficient_eos");
-        let eos_slots = if efficient_eos { vec![] } else { vec![Slot::Eos] };
+        let eos_slots = if efficient_eos {
+            vec![]
+        } else {
+            vec![Slot::Eos]
+        };
         let slots = |k: &str| parse_slots(e.get(k), &format!("{name}.{k}"));
         let user = slots("format_user")?.unwrap_or_else(|| vec![Slot::Text("{{content}}".into())]);
         let assistant = slots("format_assistant")?.unwrap_or_else(|| {
@@ -139,7 +154,9 @@ impl Template {
             s
         });
         let function = slots("format_function")?.unwrap_or_else(|| {
-            let mut s = vec![Slot::Text("Action: {{name}}\nAction Input: {{arguments}}".into())];
+            let mut s = vec![Slot::Text(
+                "Action: {{name}}\nAction Input: {{arguments}}".into(),
+            )];
             s.extend(eos_slots.clone());
             s
         });
@@ -151,12 +168,17 @@ impl Template {
         let class = match e.get("template_class").and_then(Value::as_str) {
             Some("Llama2Template") => TemplateClass::Llama2,
             None | Some("Template") => TemplateClass::Plain,
-            Some(other) => return Err(format!("{name}: template class {other} is not supported by mindkit")),
+            Some(other) => {
+                return Err(format!(
+                    "{name}: template class {other} is not supported by mindkit"
+                ))
+            }
         };
         Ok(Template {
             name: name.to_string(),
             // Upstream defaults the system formatter to a bare "{{content}}", not to format_user.
-            system: slots("format_system")?.unwrap_or_else(|| vec![Slot::Text("{{content}}".into())]),
+            system: slots("format_system")?
+                .unwrap_or_else(|| vec![Slot::Text("{{content}}".into())]),
             observation: slots("format_observation")?.unwrap_or_else(|| user.clone()),
             separator: slots("format_separator")?.unwrap_or_default(),
             prefix: slots("format_prefix")?.unwrap_or_default(),
@@ -167,7 +189,12 @@ impl Template {
             stop_words: e
                 .get("stop_words")
                 .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(Value::as_str).map(String::from).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .map(String::from)
+                        .collect()
+                })
                 .unwrap_or_default(),
             efficient_eos,
             replace_eos: flag("replace_eos"),
@@ -244,16 +271,23 @@ pub fn py_json(v: &Value) -> String {
 
 /// `FunctionFormatter.apply`: content is `{"name", "arguments"}` JSON, else both empty.
 fn apply_function(slots: &[Slot], content: &str) -> Vec<Slot> {
-    let parsed: Option<(String, String)> = serde_json::from_str::<Value>(content).ok().and_then(|f| {
-        let name = f.get("name")?;
-        let name = name.as_str().map(String::from).unwrap_or_else(|| py_json(name));
-        Some((name, py_json(f.get("arguments")?)))
-    });
+    let parsed: Option<(String, String)> =
+        serde_json::from_str::<Value>(content).ok().and_then(|f| {
+            let name = f.get("name")?;
+            let name = name
+                .as_str()
+                .map(String::from)
+                .unwrap_or_else(|| py_json(name));
+            Some((name, py_json(f.get("arguments")?)))
+        });
     let (name, arguments) = parsed.unwrap_or_default();
     slots
         .iter()
         .map(|s| match s {
-            Slot::Text(t) => Slot::Text(t.replace("{{name}}", &name).replace("{{arguments}}", &arguments)),
+            Slot::Text(t) => Slot::Text(
+                t.replace("{{name}}", &name)
+                    .replace("{{arguments}}", &arguments),
+            ),
             other => other.clone(),
         })
         .collect()
@@ -284,7 +318,11 @@ impl Template {
         system: &str,
         cutoff_len: usize,
     ) -> Result<Vec<(Vec<i64>, Vec<i64>)>, RecordError> {
-        let system = if system.is_empty() { self.default_system.as_str() } else { system };
+        let system = if system.is_empty() {
+            self.default_system.as_str()
+        } else {
+            system
+        };
         let mut encoded = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
             let mut elements = Vec::new();
@@ -322,7 +360,12 @@ impl Template {
 }
 
 /// `infer_max_len` of LLaMA-Factory 0.8.2.
-fn infer_max_len(source_len: usize, target_len: usize, max_len: usize, reserved: usize) -> (usize, usize) {
+fn infer_max_len(
+    source_len: usize,
+    target_len: usize,
+    max_len: usize,
+    reserved: usize,
+) -> (usize, usize) {
     let max_target = if source_len + target_len == 0 {
         0
     } else {
@@ -333,7 +376,11 @@ fn infer_max_len(source_len: usize, target_len: usize, max_len: usize, reserved:
     (max_source, max_target)
 }
 
-fn make_pairs(encoded: Vec<Vec<i64>>, cutoff_len: usize, reserved: usize) -> Vec<(Vec<i64>, Vec<i64>)> {
+fn make_pairs(
+    encoded: Vec<Vec<i64>>,
+    cutoff_len: usize,
+    reserved: usize,
+) -> Vec<(Vec<i64>, Vec<i64>)> {
     let mut pairs = Vec::new();
     let mut total = 0usize;
     let mut it = encoded.into_iter();
@@ -341,7 +388,8 @@ fn make_pairs(encoded: Vec<Vec<i64>>, cutoff_len: usize, reserved: usize) -> Vec
         if total >= cutoff_len {
             break;
         }
-        let (max_source, max_target) = infer_max_len(source.len(), target.len(), cutoff_len - total, reserved);
+        let (max_source, max_target) =
+            infer_max_len(source.len(), target.len(), cutoff_len - total, reserved);
         source.truncate(max_source);
         target.truncate(max_target);
         total += source.len() + target.len();
