@@ -1,0 +1,55 @@
+"""Runs a command and reports its wall time and the peak resident memory of its whole process
+tree (the sum over the command and all its descendants, sampled every 20 ms from /proc), since
+`time -v` only reports the largest single process and Megatron forks workers.
+Usage: measure.py OUT.json -- COMMAND ARGS..."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def tree_rss(root):
+    children = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def main():
+    out, sep, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+    assert sep == "--" and cmd, __doc__
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(proc.pid))
+        time.sleep(0.02)
+    wall = time.perf_counter() - start
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.returncode != 0:
+        sys.exit(f"{cmd[0]} failed ({proc.returncode}):\n{err[-2000:]}")
+    with open(out, "w") as f:
+        json.dump({"wall_s": wall, "peak_rss_mb": peak / 2**20, "stderr_tail": err[-500:]}, f)
+
+
+if __name__ == "__main__":
+    main()
