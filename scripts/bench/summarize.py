@@ -2,6 +2,7 @@
 Usage: summarize.py RESULTS_DIR CORPUS.jsonl"""
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -36,6 +37,10 @@ def main(results, corpus):
     print()
     print(f"mindkit / Megatron (docs/s, wall clock): {rates['mindkit'] / rates['megatron']:.2f}x")
     print(f"mindkit / HF tokenizers ceiling:        {rates['mindkit'] / rates['hf-tokenizers-ceiling']:.0%}")
+    own = [re.findall(r"\(([\d.]+) docs/s", r["stderr_tail"]) for r in rows["megatron"]]
+    own = statistics.median(float(found[-1]) for found in own if found)
+    print(f"Megatron's own last progress line (steady state, startup excluded): {own:.0f} docs/s; "
+          f"mindkit / that: {rates['mindkit'] / own:.2f}x")
 
 
 if __name__ == "__main__":

@@ -384,7 +384,6 @@ impl IndexedWriter {
             .metadata()
             .map_err(io_err(&bin_path))?
             .len();
-        let idx_bytes = encode_index(dtype, &lengths, &doc_indices);
         let dir = bin_tmp
             .path()
             .parent()
@@ -395,7 +394,12 @@ impl IndexedWriter {
             .suffix(".idx.tmp")
             .tempfile_in(&dir)
             .map_err(io_err(&idx_path))?;
-        idx_tmp.write_all(&idx_bytes).map_err(io_err(&idx_path))?;
+        // Streamed, not built in memory: the index is the one part that grows with the input.
+        let mut idx_out = BufWriter::with_capacity(1 << 20, idx_tmp.as_file_mut());
+        let idx_len =
+            write_index(&mut idx_out, dtype, &lengths, &doc_indices).map_err(io_err(&idx_path))?;
+        idx_out.flush().map_err(io_err(&idx_path))?;
+        drop(idx_out);
         idx_tmp.as_file().sync_all().map_err(io_err(&idx_path))?;
         // .bin first: a reader keys on the .idx, so a crash between the two renames leaves
         // no new index pointing at a missing or partial .bin.
@@ -405,31 +409,41 @@ impl IndexedWriter {
         idx_tmp
             .persist(&idx_path)
             .map_err(|e| io_err(&idx_path)(e.error))?;
-        Ok(bin_len + idx_bytes.len() as u64)
+        Ok(bin_len + idx_len)
     }
 }
 
 /// Serialise a complete `.idx`: header, lengths, pointers (int64 running sum), doc indices.
 pub fn encode_index(dtype: DType, lengths: &[i32], doc_indices: &[i64]) -> Vec<u8> {
-    let s = lengths.len();
-    let mut out = Vec::with_capacity(HEADER_LEN + 12 * s + 8 * doc_indices.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&1u64.to_le_bytes());
-    out.push(dtype.code());
-    out.extend_from_slice(&(s as u64).to_le_bytes());
-    out.extend_from_slice(&(doc_indices.len() as u64).to_le_bytes());
+    let mut out = Vec::with_capacity(HEADER_LEN + 12 * lengths.len() + 8 * doc_indices.len());
+    write_index(&mut out, dtype, lengths, doc_indices).expect("writing to a Vec cannot fail");
+    out
+}
+
+/// Stream a complete `.idx` to `out` (see [`encode_index`]); returns the bytes written.
+pub fn write_index(
+    out: &mut impl Write,
+    dtype: DType,
+    lengths: &[i32],
+    doc_indices: &[i64],
+) -> std::io::Result<u64> {
+    out.write_all(MAGIC)?;
+    out.write_all(&1u64.to_le_bytes())?;
+    out.write_all(&[dtype.code()])?;
+    out.write_all(&(lengths.len() as u64).to_le_bytes())?;
+    out.write_all(&(doc_indices.len() as u64).to_le_bytes())?;
     for &l in lengths {
-        out.extend_from_slice(&l.to_le_bytes());
+        out.write_all(&l.to_le_bytes())?;
     }
     let mut pointer: i64 = 0;
     for &l in lengths {
-        out.extend_from_slice(&pointer.to_le_bytes());
+        out.write_all(&pointer.to_le_bytes())?;
         pointer += l as i64 * dtype.size() as i64;
     }
     for &d in doc_indices {
-        out.extend_from_slice(&d.to_le_bytes());
+        out.write_all(&d.to_le_bytes())?;
     }
-    out
+    Ok((HEADER_LEN + 12 * lengths.len() + 8 * doc_indices.len()) as u64)
 }
 
 /// A read-only, memory-mapped `{prefix}.bin/.idx` pair, fully validated on open.
