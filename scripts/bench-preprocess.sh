@@ -67,7 +67,5 @@ if (( BIG_GB > 0 )); then
   rm -f "$results"/*_text_document.*
   measure "$results/big.json" -- "$bin" preprocess --input "$big" --output-prefix "$results/big" \
     --tokenizer "$tok" --append-eod --workers "$WORKERS" --quiet
-  "$py" -c 'import json,os,sys; r=json.load(open(sys.argv[1])); gb=os.path.getsize(sys.argv[2])/1e9
-print(f"\nlarge input: {gb:.1f} GB in {r["wall_s"]:.0f} s ({gb*1e3/r["wall_s"]:.1f} MB/s), mindkit peak RSS {r["peak_rss_mb"]:.0f} MB")' \
-    "$results/big.json" "$big"
+  "$py" scripts/bench/big_summary.py "$results/big.json" "$big"
 fi

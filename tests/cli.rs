@@ -61,91 +61,69 @@ fn assert_fails_cleanly(dir: &Path, a: assert_cmd::assert::Assert, fragments: &[
 
 const GOOD: &str = "{\"text\": \"hello world\"}\n";
 
+/// Preprocessing `bytes` saved as `name` must fail cleanly with every fragment in the message.
+fn rejects(name: &str, bytes: &[u8], extra: &[&str], fragments: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(dir.path(), name, bytes);
+    let a = preprocess(dir.path(), &input, extra);
+    assert_fails_cleanly(dir.path(), a, fragments);
+}
+
 #[test]
 fn malformed_json_line_is_named() {
-    let dir = tempfile::tempdir().unwrap();
     // Many good records first, so that output has been written when the bad one arrives.
     let input = format!("{}{{\"text\": \"oops\n{GOOD}", GOOD.repeat(50_000));
-    let input = write(dir.path(), "in.jsonl", input.as_bytes());
-    let a = preprocess(dir.path(), &input, &["--workers", "2"]);
-    assert_fails_cleanly(
-        dir.path(),
-        a,
-        &["in.jsonl:line 50001", "--skip-bad-records"],
-    );
+    let expected = ["in.jsonl:line 50001", "--skip-bad-records"];
+    rejects("in.jsonl", input.as_bytes(), &["--workers", "2"], &expected);
 }
 
 #[test]
 fn missing_field_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = write(
-        dir.path(),
-        "in.jsonl",
-        format!("{GOOD}{GOOD}{{\"body\": \"x\"}}\n").as_bytes(),
-    );
-    let a = preprocess(dir.path(), &input, &[]);
-    assert_fails_cleanly(
-        dir.path(),
-        a,
-        &["in.jsonl:line 3", "missing field \"text\""],
-    );
+    let input = format!("{GOOD}{GOOD}{{\"body\": \"x\"}}\n");
+    let expected = ["in.jsonl:line 3", "missing field \"text\""];
+    rejects("in.jsonl", input.as_bytes(), &[], &expected);
 }
 
 #[test]
 fn wrong_type_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = write(
-        dir.path(),
-        "in.jsonl",
-        format!("{{\"text\": [1, 2]}}\n{GOOD}").as_bytes(),
-    );
-    let a = preprocess(dir.path(), &input, &[]);
-    assert_fails_cleanly(
-        dir.path(),
-        a,
-        &["in.jsonl:line 1", "field \"text\" should be a string"],
-    );
+    let input = format!("{{\"text\": [1, 2]}}\n{GOOD}");
+    let expected = ["in.jsonl:line 1", "field \"text\" should be a string"];
+    rejects("in.jsonl", input.as_bytes(), &[], &expected);
 }
 
 #[test]
 fn invalid_utf8_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = write(
-        dir.path(),
-        "in.jsonl",
-        b"{\"text\": \"ok\"}\n{\"text\": \"bad \xff\"}\n",
+    let input = b"{\"text\": \"ok\"}\n{\"text\": \"bad \xff\"}\n";
+    rejects("in.jsonl", input, &[], &["in.jsonl:line 2", "utf-8"]);
+    rejects(
+        "in.txt",
+        b"fine\nbad \xfe line\n",
+        &[],
+        &["in.txt:line 2", "utf-8"],
     );
-    let a = preprocess(dir.path(), &input, &[]);
-    assert_fails_cleanly(dir.path(), a, &["in.jsonl:line 2", "utf-8"]);
-    let txt = write(dir.path(), "in.txt", b"fine\nbad \xfe line\n");
-    let a = preprocess(dir.path(), &txt, &[]);
-    assert_fails_cleanly(dir.path(), a, &["in.txt:line 2", "utf-8"]);
 }
 
 #[test]
 fn truncated_json_array_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = write(
-        dir.path(),
+    let input = b"[{\"text\": \"a\"},\n {\"text\": \"b\"},\n {\"text\":";
+    rejects(
         "in.json",
-        b"[{\"text\": \"a\"},\n {\"text\": \"b\"},\n {\"text\":",
+        input,
+        &[],
+        &["in.json:line 3", "after element 2"],
     );
-    let a = preprocess(dir.path(), &input, &[]);
-    assert_fails_cleanly(dir.path(), a, &["in.json:line 3", "after element 2"]);
 }
 
 #[test]
 fn truncated_gzip_is_named() {
     use std::io::Write;
-    let dir = tempfile::tempdir().unwrap();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     for i in 0..20_000 {
         writeln!(gz, "{{\"text\": \"document number {i}\"}}").unwrap();
     }
     let bytes = gz.finish().unwrap();
-    let input = write(dir.path(), "in.jsonl.gz", &bytes[..bytes.len() / 2]);
-    let a = preprocess(dir.path(), &input, &[]);
-    assert_fails_cleanly(dir.path(), a, &["in.jsonl.gz", "after line"]);
+    let expected = ["in.jsonl.gz", "after line"];
+    rejects("in.jsonl.gz", &bytes[..bytes.len() / 2], &[], &expected);
 }
 
 fn parquet_bytes(texts: &[&str]) -> Vec<u8> {
@@ -154,11 +132,8 @@ fn parquet_bytes(texts: &[&str]) -> Vec<u8> {
     use arrow::record_batch::RecordBatch;
     use std::sync::Arc;
     let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, true)]));
-    let batch = RecordBatch::try_new(
-        schema.clone(),
-        vec![Arc::new(StringArray::from(texts.to_vec()))],
-    )
-    .unwrap();
+    let column = Arc::new(StringArray::from(texts.to_vec()));
+    let batch = RecordBatch::try_new(schema.clone(), vec![column]).unwrap();
     let mut buf = Vec::new();
     let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, schema, None).unwrap();
     w.write(&batch).unwrap();
@@ -168,23 +143,16 @@ fn parquet_bytes(texts: &[&str]) -> Vec<u8> {
 
 #[test]
 fn truncated_parquet_is_named() {
-    let dir = tempfile::tempdir().unwrap();
     let bytes = parquet_bytes(&["one document", "another one", "a third"]);
-    let input = write(dir.path(), "in.parquet", &bytes[..bytes.len() - 20]);
-    let a = preprocess(dir.path(), &input, &[]);
-    assert_fails_cleanly(dir.path(), a, &["in.parquet", "parquet"]);
+    let expected = ["in.parquet", "parquet"];
+    rejects("in.parquet", &bytes[..bytes.len() - 20], &[], &expected);
 }
 
 #[test]
 fn parquet_missing_column_names_row_and_field() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = write(dir.path(), "in.parquet", &parquet_bytes(&["one", "two"]));
-    let a = preprocess(dir.path(), &input, &["--json-keys", "body"]);
-    assert_fails_cleanly(
-        dir.path(),
-        a,
-        &["in.parquet:row 1", "missing field \"body\""],
-    );
+    let bytes = parquet_bytes(&["one", "two"]);
+    let expected = ["in.parquet:row 1", "missing field \"body\""];
+    rejects("in.parquet", &bytes, &["--json-keys", "body"], &expected);
 }
 
 #[test]

@@ -21,7 +21,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Raw text or instruction data → Megatron .bin/.idx (byte-compatible with Megatron-LM / MindSpeed-LLM).
-    Preprocess(PreprocessArgs),
+    Preprocess(Box<PreprocessArgs>),
     /// Inspect indexed datasets.
     #[command(subcommand)]
     Data(DataCommand),
@@ -231,7 +231,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 return Ok(());
             }
-            let opts = preprocess_options(a)?;
+            let opts = preprocess_options(*a)?;
             let summary = preprocess::preprocess(&opts)?;
             for p in &summary.outputs {
                 eprintln!("wrote {}.{{bin,idx}}", p.display());

@@ -329,22 +329,16 @@ impl RecordReader {
             if !text_mode && line.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
-            let i = *index;
-            *index += 1;
-            if !sink.wants(i) {
-                continue;
-            }
-            let loc = Location {
+            let loc = || Location {
                 file: file.clone(),
                 number,
                 unit: "line",
             };
-            let item = if text_mode {
-                parse_text_line(&line, loc)
-            } else {
-                parse_json_line(&line, loc)
-            };
-            if !sink.accept(i, item) {
+            let offered = offer(index, sink, || match text_mode {
+                true => parse_text_line(&line, loc()),
+                false => parse_json_line(&line, loc()),
+            });
+            if !offered {
                 return Err(SourceError::Stopped);
             }
         }
@@ -438,17 +432,12 @@ fn emit_batch(
     }
     for line in buf.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
         *rows += 1;
-        let i = *index;
-        *index += 1;
-        if !sink.wants(i) {
-            continue;
-        }
         let loc = Location {
             file: file.clone(),
             number: *rows,
             unit: "row",
         };
-        if !sink.accept(i, parse_json_line(line, loc)) {
+        if !offer(index, sink, || parse_json_line(line, loc)) {
             return Err(SourceError::Stopped);
         }
     }
@@ -562,27 +551,34 @@ fn read_json_stream(
                 detail: format!("{e} (after object {line_before})"),
             })
         })?;
-        let i = *index;
-        *index += 1;
-        if !sink.wants(i) {
-            continue;
-        }
         let loc = Location {
             file: file.clone(),
             number,
             unit: "object",
         };
-        let item = match value {
-            Value::Object(fields) => Item::Record(Record { fields, loc }),
-            other => Item::Bad(BadRecord {
-                loc,
-                reason: "not a json object",
-                detail: format!("found {}", type_name(&other)),
-            }),
-        };
-        if !sink.accept(i, item) {
+        if !offer(index, sink, || object_item(value, loc)) {
             return Err(SourceError::Stopped);
         }
+    }
+}
+
+/// Number the next record and hand it to `sink` if the sink wants it (sharding), building it
+/// with `make` only then. Returns false when the sink stops the stream.
+fn offer(index: &mut u64, sink: &mut dyn Sink, make: impl FnOnce() -> Item) -> bool {
+    let i = *index;
+    *index += 1;
+    !sink.wants(i) || sink.accept(i, make())
+}
+
+/// A top-level JSON value as a record: objects are records, anything else a bad record.
+fn object_item(value: Value, loc: Location) -> Item {
+    match value {
+        Value::Object(fields) => Item::Record(Record { fields, loc }),
+        other => Item::Bad(BadRecord {
+            loc,
+            reason: "not a json object",
+            detail: format!("found {}", type_name(&other)),
+        }),
     }
 }
 
@@ -627,15 +623,7 @@ fn read_json_array(
                     number: element,
                     unit: "element",
                 };
-                let item = match value {
-                    Value::Object(fields) => Item::Record(Record { fields, loc }),
-                    other => Item::Bad(BadRecord {
-                        loc,
-                        reason: "not a json object",
-                        detail: format!("found {}", type_name(&other)),
-                    }),
-                };
-                if !self.sink.accept(i, item) {
+                if !self.sink.accept(i, object_item(value, loc)) {
                     *self.stopped = true;
                     return Err(serde::de::Error::custom("stopped"));
                 }

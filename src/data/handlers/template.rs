@@ -9,6 +9,9 @@ use serde_json::Value;
 use super::RecordError;
 use crate::data::tokenizer::HfTokenizer;
 
+/// One turn's (prompt ids, answer ids), as MindSpeed-LLM's `_make_pairs` yields them.
+pub type TurnIds = (Vec<i64>, Vec<i64>);
+
 /// One formatter slot.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Slot {
@@ -317,7 +320,7 @@ impl Template {
         messages: &[Message],
         system: &str,
         cutoff_len: usize,
-    ) -> Result<Vec<(Vec<i64>, Vec<i64>)>, RecordError> {
+    ) -> Result<Vec<TurnIds>, RecordError> {
         let system = if system.is_empty() {
             self.default_system.as_str()
         } else {
