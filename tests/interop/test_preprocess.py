@@ -12,13 +12,17 @@ CORPUS = ROOT / "fixtures/corpus/pretrain.jsonl"
 
 
 def texts_of(path, key="text"):
-    return [json.loads(l)[key] for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".txt"):  # one document per line, split on "\n" only
+        return text.removesuffix("\n").split("\n")
+    return [json.loads(l)[key] for l in text.splitlines() if l.strip()]
 
 
 @pytest.mark.parametrize("name,dtype", [("llama2", np.uint16), ("qwen3", np.int32), ("gpt2", np.uint16)])
 @pytest.mark.parametrize("special", [True, False])
 def test_pretrain_tokens_match_hf_and_megatron_reads_them(mindkit, assets, tmp_path, name, dtype, special, testdata_or_none):
-    inputs = [CORPUS] + ([testdata_or_none / "pretrain/c4_demo.jsonl"] if testdata_or_none else [])
+    real = ["pretrain/c4_demo.jsonl", "pretrain/wiki_demo.txt"]
+    inputs = [CORPUS] + ([testdata_or_none / r for r in real] if testdata_or_none else [])
     hf = AutoTokenizer.from_pretrained(str(assets / name))
     expected = []
     for path in inputs:
