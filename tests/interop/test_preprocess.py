@@ -110,3 +110,35 @@ def test_shards_merge_to_the_whole(mindkit, assets, tmp_path):
     for ext in ["bin", "idx"]:
         assert (tmp_path / f"merged.{ext}").read_bytes() == (tmp_path / f"whole_text_document.{ext}").read_bytes()
     assert len(IndexedDataset(str(tmp_path / "merged"))) > 0
+
+
+def write_columnar(records, path):
+    """Writes records as HF `datasets` does (an Arrow IPC stream), as an Arrow IPC file, or parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pa.Table.from_pylist(records)
+    if path.suffix == ".parquet":
+        pq.write_table(table, path, row_group_size=2)
+        return
+    new_writer = pa.ipc.new_stream if path.stem.endswith("stream") else pa.ipc.new_file
+    with new_writer(path, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=2):
+            w.write_batch(batch)
+
+
+@pytest.mark.parametrize("name", ["data-stream.arrow", "data-file.arrow", "data.parquet"])
+@pytest.mark.parametrize("fixture,handler", [("alpaca", "alpaca"), ("sharegpt", "sharegpt"), ("pretrain", None)])
+def test_columnar_inputs_match_jsonl(mindkit, tmp_path, name, fixture, handler):
+    """Arrow (HF datasets' stream format and the file format) and parquet inputs, with nested
+    list<struct> columns, give the same bytes as the jsonl they were made from."""
+    jsonl = ROOT / f"fixtures/corpus/{fixture}.jsonl"
+    columnar = tmp_path / name
+    write_columnar([json.loads(l) for l in jsonl.read_text().splitlines() if l.strip()], columnar)
+    tok = ROOT / "fixtures/tokenizers/tiny-bpe"
+    extra = ["--handler", handler, "--prompt-type", "chatml"] if handler else ["--append-eod"]
+    for src, prefix in [(jsonl, "a"), (columnar, "b")]:
+        mindkit("preprocess", "--input", src, "--output-prefix", tmp_path / prefix, "--tokenizer", tok, *extra)
+    outputs = sorted(p.name[1:] for p in tmp_path.glob("a_*"))
+    assert outputs
+    for suffix in outputs:
+        assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes(), suffix
