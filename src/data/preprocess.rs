@@ -303,6 +303,32 @@ impl Sink for CountOnly {
     }
 }
 
+/// MindSpeed's drop rule: a sequence of `limit` tokens or more in any key is dropped from all keys.
+fn drop_long_sequences(doc: &mut Document, limit: usize, summary: &mut Summary) {
+    let n = doc.first().map_or(0, Vec::len);
+    let too_long: Vec<bool> = (0..n)
+        .map(|k| {
+            doc.iter()
+                .any(|key| key.get(k).is_some_and(|s| s.len() >= limit))
+        })
+        .collect();
+    let dropped = too_long.iter().filter(|&&b| b).count() as u64;
+    if dropped == 0 {
+        return;
+    }
+    *summary
+        .skipped
+        .entry(format!("sequence ≥ --seq-length {limit}"))
+        .or_default() += dropped;
+    for key in doc.iter_mut() {
+        let mut k = 0;
+        key.retain(|_| {
+            k += 1;
+            !too_long[k - 1]
+        });
+    }
+}
+
 /// Writers for every output key plus the packing buffer.
 struct Output {
     writers: Vec<IndexedWriter>,
@@ -314,34 +340,16 @@ struct Output {
 impl Output {
     /// Write one document, applying MindSpeed's `--seq-length` drop rule.
     fn write(&mut self, mut doc: Document, summary: &mut Summary) -> Result<(), PreprocessError> {
+        let had_sequences = doc.iter().any(|key| !key.is_empty());
         if let Some(limit) = self.seq_length {
-            let n = doc.first().map_or(0, Vec::len);
-            let too_long: Vec<bool> = (0..n)
-                .map(|k| {
-                    doc.iter()
-                        .any(|key| key.get(k).is_some_and(|s| s.len() >= limit))
-                })
-                .collect();
-            let dropped = too_long.iter().filter(|&&b| b).count() as u64;
-            if dropped > 0 {
-                *summary
-                    .skipped
-                    .entry(format!("sequence ≥ --seq-length {limit}"))
-                    .or_default() += dropped;
-                for key in doc.iter_mut() {
-                    let mut k = 0;
-                    key.retain(|_| {
-                        k += 1;
-                        !too_long[k - 1]
-                    });
-                }
-            }
+            drop_long_sequences(&mut doc, limit, summary);
         }
-        let empty = doc.iter().all(Vec::is_empty);
-        if empty {
+        if doc.iter().all(Vec::is_empty) {
             summary.empty_documents += 1;
-            if self.instruction {
-                return Ok(()); // MindSpeed writes no document for a row without sequences
+            // MindSpeed writes no document for a row its handler gave no sequences, but closes
+            // an (empty) document for a row whose sequences the --seq-length rule all dropped.
+            if self.instruction && !had_sequences {
+                return Ok(());
             }
         }
         if let Some(buffer) = self.pack.as_mut() {
