@@ -3,4 +3,5 @@
 //! The binary (`src/bin/mindkit.rs`) only parses arguments; everything lives here.
 #![deny(missing_docs)]
 
+pub mod ckpt;
 pub mod data;

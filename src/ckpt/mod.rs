@@ -1,0 +1,3 @@
+//! Checkpoints: PyTorch `.pt` files (and, as they are built, HF and Megatron directories).
+
+pub mod torch;
