@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export MINDKIT_ASSETS="$(bash scripts/fetch-test-assets.sh)"
 cargo test --release
-cargo build --release --bin mindkit
+cargo build --release --bin mindkit --examples
 venv="$(bash scripts/setup-interop-venv.sh)"
-export MINDKIT_BIN="$PWD/target/release/mindkit"
+export MINDKIT_BIN="$PWD/target/release/mindkit" MINDKIT_EXAMPLES="$PWD/target/release/examples"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/interop

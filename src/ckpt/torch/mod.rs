@@ -5,9 +5,10 @@
 //! never copied until asked for. Layout of the archive: `reference/ckpt.md` §4.
 
 pub mod pickle;
+pub mod save;
 
 use memmap2::Mmap;
-use pickle::{TensorRef, Value};
+use pickle::{StorageRef, TensorRef, Value};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -110,32 +111,43 @@ impl TorchFile {
         &self.root
     }
 
-    /// The little-endian bytes of a contiguous tensor, straight from the map.
-    /// `name` is only used in errors.
-    pub fn tensor_bytes(&self, name: &str, t: &TensorRef) -> Result<&[u8]> {
-        let err = |what: String| TorchError::Tensor {
+    /// All bytes of a storage (its `numel` elements), straight from the map.
+    /// `name` (the tensor using it) is only used in errors.
+    pub fn storage_bytes(&self, name: &str, s: &StorageRef) -> Result<&[u8]> {
+        let err = |what: String| self.tensor_error(name, what);
+        let &(start, len) = self
+            .records
+            .get(&format!("data/{}", s.key))
+            .ok_or_else(|| err(format!("storage record data/{} is missing", s.key)))?;
+        match s.numel.checked_mul(s.dtype.size() as u64) {
+            Some(n) if n <= len as u64 => Ok(&self.map[start..start + n as usize]),
+            _ => Err(err(format!(
+                "storage data/{} holds {len} bytes, fewer than its {} elements",
+                s.key, s.numel
+            ))),
+        }
+    }
+
+    fn tensor_error(&self, name: &str, what: String) -> TorchError {
+        TorchError::Tensor {
             path: self.path.clone(),
             name: name.to_string(),
             what,
-        };
+        }
+    }
+
+    /// The little-endian bytes of a contiguous tensor, straight from the map.
+    /// `name` is only used in errors.
+    pub fn tensor_bytes(&self, name: &str, t: &TensorRef) -> Result<&[u8]> {
+        let err = |what: String| self.tensor_error(name, what);
         if !t.is_contiguous() {
             return Err(err(format!(
                 "non-contiguous view (shape {:?}, stride {:?}) is unsupported",
                 t.shape, t.stride
             )));
         }
-        let &(start, len) = self
-            .records
-            .get(&format!("data/{}", t.storage.key))
-            .ok_or_else(|| err(format!("storage record data/{} is missing", t.storage.key)))?;
+        let storage = self.storage_bytes(name, &t.storage)?;
         let size = t.storage.dtype.size() as u64;
-        let storage_bytes = t.storage.numel.checked_mul(size);
-        if storage_bytes.is_none_or(|n| n > len as u64) {
-            return Err(err(format!(
-                "storage data/{} holds {len} bytes, fewer than its {} elements",
-                t.storage.key, t.storage.numel
-            )));
-        }
         let end = t.offset.checked_add(t.numel());
         if end.is_none_or(|e| e > t.storage.numel) {
             return Err(err(format!(
@@ -145,8 +157,8 @@ impl TorchFile {
                 t.storage.numel
             )));
         }
-        let from = start + (t.offset * size) as usize;
-        Ok(&self.map[from..from + (t.numel() * size) as usize])
+        let from = (t.offset * size) as usize;
+        Ok(&storage[from..from + (t.numel() * size) as usize])
     }
 }
 

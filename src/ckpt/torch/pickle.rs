@@ -43,6 +43,24 @@ impl DType {
             DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
+
+    /// The legacy storage class torch pickles for this dtype (`FloatStorage`, …).
+    pub fn storage_class(self) -> &'static str {
+        lookup_name(STORAGE_CLASSES, self)
+    }
+
+    /// The name of the `torch.<dtype>` object (`bfloat16`, …).
+    pub fn torch_name(self) -> &'static str {
+        lookup_name(TORCH_DTYPES, self)
+    }
+}
+
+fn lookup_name(table: &[(&'static str, DType)], d: DType) -> &'static str {
+    table
+        .iter()
+        .find(|(_, t)| *t == d)
+        .map(|(n, _)| *n)
+        .expect("every dtype is in the table")
 }
 
 const STORAGE_CLASSES: &[(&str, DType)] = &[

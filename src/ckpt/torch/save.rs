@@ -1,0 +1,281 @@
+//! Writing `.pt` files as `torch.save` does: a protocol-2 pickle (the only protocol torch's
+//! `weights_only` loader accepts) in `<archive>/data.pkl`, then each storage as a stored,
+//! 64-byte-aligned record `<archive>/data/<key>`, streamed one at a time, zip64 when large.
+//! The file is written under a temporary name and renamed by [`PtWriter::finish`].
+
+use super::pickle::{DType, TensorRef, Value};
+use super::TorchError;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use zip::write::SimpleFileOptions;
+
+type Result<T> = std::result::Result<T, TorchError>;
+
+/// Streams one `.pt` file: the object first, then its storages in key order.
+pub struct PtWriter {
+    zip: zip::ZipWriter<BufWriter<tempfile::NamedTempFile>>,
+    path: PathBuf,
+    archive: String,
+}
+
+impl PtWriter {
+    /// Start `path` with the pickled `root`, whose tensors name storages that
+    /// [`PtWriter::write_storage`] then supplies. Refuses an existing file unless `force`.
+    pub fn create(path: &Path, root: &Value, force: bool) -> Result<Self> {
+        let fail = |what: String| TorchError::Archive {
+            path: path.to_path_buf(),
+            what,
+        };
+        if path.exists() && !force {
+            return Err(fail("already exists (pass --force to overwrite)".into()));
+        }
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let io = |cause| TorchError::Io {
+            path: path.to_path_buf(),
+            cause,
+        };
+        let tmp = tempfile::Builder::new()
+            .prefix(".mindkit-")
+            .suffix(".pt.tmp")
+            .tempfile_in(dir)
+            .map_err(io)?;
+        let archive = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "archive".into());
+        let mut pickle = vec![op::PROTO, 2];
+        write_value(&mut pickle, root).map_err(fail)?;
+        pickle.push(b'.');
+        let mut w = PtWriter {
+            zip: zip::ZipWriter::new(BufWriter::with_capacity(1 << 22, tmp)),
+            path: path.to_path_buf(),
+            archive,
+        };
+        w.record("data.pkl", &pickle)?;
+        w.record(".format_version", b"1")?;
+        w.record(".storage_alignment", b"64")?;
+        w.record("byteorder", b"little")?;
+        Ok(w)
+    }
+
+    fn record(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let options = SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Stored)
+            .with_alignment(64)
+            .large_file(bytes.len() as u64 >= u32::MAX as u64);
+        let full = format!("{}/{name}", self.archive);
+        let path = self.path.clone();
+        self.zip
+            .start_file(full, options)
+            .map_err(|e| TorchError::Archive {
+                path: path.clone(),
+                what: format!("writing record {name}: {e}"),
+            })?;
+        self.zip
+            .write_all(bytes)
+            .map_err(|cause| TorchError::Io { path, cause })
+    }
+
+    /// Write storage `key`'s little-endian bytes.
+    pub fn write_storage(&mut self, key: &str, bytes: &[u8]) -> Result<()> {
+        self.record(&format!("data/{key}"), bytes)
+    }
+
+    /// Close the archive and move it into place.
+    pub fn finish(mut self) -> Result<()> {
+        self.record("version", b"3\n")?;
+        let path = self.path.clone();
+        let io = |cause| TorchError::Io {
+            path: path.clone(),
+            cause,
+        };
+        let buf = self.zip.finish().map_err(|e| TorchError::Archive {
+            path: path.clone(),
+            what: format!("finishing the archive: {e}"),
+        })?;
+        let tmp = buf.into_inner().map_err(|e| io(e.into_error()))?;
+        tmp.as_file().sync_all().map_err(io)?;
+        tmp.persist(&path).map_err(|e| io(e.error))?;
+        Ok(())
+    }
+}
+
+/// Protocol-2 opcodes, as CPython's `pickle.py` names them.
+mod op {
+    pub const PROTO: u8 = 0x80;
+    pub const MARK: u8 = b'(';
+    pub const NONE: u8 = b'N';
+    pub const NEWTRUE: u8 = 0x88;
+    pub const NEWFALSE: u8 = 0x89;
+    pub const BININT1: u8 = b'K';
+    pub const BININT2: u8 = b'M';
+    pub const BININT: u8 = b'J';
+    pub const LONG1: u8 = 0x8a;
+    pub const BINFLOAT: u8 = b'G';
+    pub const BINUNICODE: u8 = b'X';
+    pub const EMPTY_LIST: u8 = b']';
+    pub const APPENDS: u8 = b'e';
+    pub const EMPTY_TUPLE: u8 = b')';
+    pub const TUPLE: u8 = b't';
+    pub const EMPTY_DICT: u8 = b'}';
+    pub const SETITEMS: u8 = b'u';
+    pub const GLOBAL: u8 = b'c';
+    pub const REDUCE: u8 = b'R';
+    pub const NEWOBJ: u8 = 0x81;
+    pub const BUILD: u8 = b'b';
+    pub const BINPERSID: u8 = b'Q';
+}
+
+/// Pickle `v` with protocol-2 opcodes.
+fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), String> {
+    match v {
+        Value::None => out.push(op::NONE),
+        Value::Bool(b) => out.push(if *b { op::NEWTRUE } else { op::NEWFALSE }),
+        Value::Int(i) => write_int(out, *i),
+        Value::Float(f) => {
+            out.push(op::BINFLOAT);
+            out.extend_from_slice(&f.to_be_bytes());
+        }
+        Value::Str(s) => write_str(out, s),
+        Value::Bytes(b) => {
+            // Protocol 2 has no bytes opcode: torch (like pickle) emits _codecs.encode(latin-1 text).
+            write_global(out, "_codecs", "encode");
+            out.push(op::MARK);
+            write_str(out, &b.iter().map(|&c| c as char).collect::<String>());
+            write_str(out, "latin1");
+            out.extend_from_slice(&[op::TUPLE, op::REDUCE]);
+        }
+        Value::List(items) => {
+            out.push(op::EMPTY_LIST);
+            for chunk in items.chunks(1000) {
+                out.push(op::MARK);
+                for item in chunk {
+                    write_value(out, item)?;
+                }
+                out.push(op::APPENDS);
+            }
+        }
+        Value::Tuple(items) => {
+            write_tuple(out, items.iter().map(|i| Item::Value(i.clone())).collect())?
+        }
+        Value::Dict(items) => {
+            out.push(op::EMPTY_DICT);
+            write_items(out, items.iter().map(|(k, v)| (k.clone(), v)))?;
+        }
+        Value::Namespace(attrs) => {
+            write_global(out, "argparse", "Namespace");
+            out.extend_from_slice(&[op::EMPTY_TUPLE, op::NEWOBJ, op::EMPTY_DICT]);
+            write_items(out, attrs.iter().map(|(k, v)| (Value::Str(k.clone()), v)))?;
+            out.push(op::BUILD);
+        }
+        Value::TorchDType(d) => write_global(out, "torch", d.torch_name()),
+        Value::Tensor(t) => write_tensor(out, t)?,
+        Value::Storage(_) | Value::Global(_) => {
+            return Err(format!("cannot pickle {v:?} on its own"))
+        }
+    }
+    Ok(())
+}
+
+/// A tuple element: a value, a storage's persistent id, or the empty backward-hooks
+/// `OrderedDict()` of a tensor.
+enum Item {
+    Value(Value),
+    Storage(String, DType, u64),
+    EmptyOrderedDict,
+}
+
+fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), String> {
+    if items.is_empty() {
+        out.push(op::EMPTY_TUPLE);
+        return Ok(());
+    }
+    out.push(op::MARK);
+    for item in items {
+        match item {
+            Item::Value(v) => write_value(out, &v)?,
+            Item::Storage(key, dtype, numel) => {
+                out.push(op::MARK);
+                write_str(out, "storage");
+                write_global(out, "torch", dtype.storage_class());
+                write_str(out, &key);
+                write_str(out, "cpu");
+                write_int(out, numel as i64);
+                out.extend_from_slice(&[op::TUPLE, op::BINPERSID]);
+            }
+            Item::EmptyOrderedDict => {
+                write_global(out, "collections", "OrderedDict");
+                out.extend_from_slice(&[op::EMPTY_TUPLE, op::REDUCE]);
+            }
+        }
+    }
+    out.push(op::TUPLE);
+    Ok(())
+}
+
+/// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())`.
+fn write_tensor(out: &mut Vec<u8>, t: &TensorRef) -> std::result::Result<(), String> {
+    let ints = |xs: &[u64]| Value::Tuple(xs.iter().map(|&x| Value::Int(x as i64)).collect());
+    write_global(out, "torch._utils", "_rebuild_tensor_v2");
+    write_tuple(
+        out,
+        vec![
+            Item::Storage(t.storage.key.clone(), t.storage.dtype, t.storage.numel),
+            Item::Value(Value::Int(t.offset as i64)),
+            Item::Value(ints(&t.shape)),
+            Item::Value(ints(&t.stride)),
+            Item::Value(Value::Bool(false)),
+            Item::EmptyOrderedDict,
+        ],
+    )?;
+    out.push(op::REDUCE);
+    Ok(())
+}
+
+fn write_items<'a>(
+    out: &mut Vec<u8>,
+    items: impl Iterator<Item = (Value, &'a Value)>,
+) -> std::result::Result<(), String> {
+    let items: Vec<_> = items.collect();
+    for chunk in items.chunks(1000) {
+        out.push(op::MARK);
+        for (k, v) in chunk {
+            write_value(out, k)?;
+            write_value(out, v)?;
+        }
+        out.push(op::SETITEMS);
+    }
+    Ok(())
+}
+
+fn write_int(out: &mut Vec<u8>, i: i64) {
+    match i {
+        0..=0xff => out.extend_from_slice(&[op::BININT1, i as u8]),
+        0x100..=0xffff => {
+            out.push(op::BININT2);
+            out.extend_from_slice(&(i as u16).to_le_bytes());
+        }
+        _ if i32::try_from(i).is_ok() => {
+            out.push(op::BININT);
+            out.extend_from_slice(&(i as i32).to_le_bytes());
+        }
+        _ => {
+            out.extend_from_slice(&[op::LONG1, 8]);
+            out.extend_from_slice(&i.to_le_bytes());
+        }
+    }
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    out.push(op::BINUNICODE);
+    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn write_global(out: &mut Vec<u8>, module: &str, name: &str) {
+    out.push(op::GLOBAL);
+    out.extend_from_slice(format!("{module}\n{name}\n").as_bytes());
+}
