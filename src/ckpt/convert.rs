@@ -1,0 +1,414 @@
+//! `mindkit convert`: HF ⇄ Megatron and Megatron → Megatron, one canonical tensor at a time.
+//! The plan (config, layout, shapes) is validated before anything is written; output goes to a
+//! temporary sibling directory renamed into place at the end.
+
+use super::config::{parse_dtype, ModelConfig};
+use super::family::{self, hf_names, Family, QkvStyle};
+use super::hf::{self, HfWeights, Planned};
+use super::layout::{KeyLayout, Parallel};
+use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
+use super::tensor::Tensor;
+use super::transform::{canonical, canonical_shape, from_hf, hf_parts, to_hf, Canon};
+use anyhow::{anyhow, bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Checkpoint formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Hugging Face directory (config.json + safetensors / pytorch_model.bin).
+    Hf,
+    /// Megatron torch-format directory.
+    Megatron,
+}
+
+/// Everything `mindkit convert` takes.
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    /// Input directory.
+    pub input: PathBuf,
+    /// Output directory.
+    pub output: PathBuf,
+    /// Input format (detected when `None`).
+    pub from: Option<Format>,
+    /// Output format.
+    pub to: Format,
+    /// TP size (default: the source's, or 1).
+    pub tp: Option<usize>,
+    /// PP size (default: the source's, or 1).
+    pub pp: Option<usize>,
+    /// Virtual chunks per stage.
+    pub vpp: Option<usize>,
+    /// Layers per virtual chunk (alternative to `vpp`).
+    pub layers_per_virtual_stage: Option<usize>,
+    /// Uneven first / last stage layer counts.
+    pub first_last: Option<(usize, usize)>,
+    /// Key layout of a Megatron output.
+    pub layout: KeyLayout,
+    /// Output dtype (default: the source's).
+    pub dtype: Option<String>,
+    /// Family override.
+    pub family: Option<String>,
+    /// `--make-vocab-size-divisible-by`.
+    pub divisible_by: usize,
+    /// Max bytes per HF safetensors shard.
+    pub max_shard_bytes: u64,
+    /// Replace an existing output.
+    pub force: bool,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
+/// Where the tensors come from.
+enum Source {
+    Hf { dir: PathBuf, weights: HfWeights },
+    Megatron(Box<MegatronCkpt>),
+}
+
+/// Find the format of `dir`.
+pub fn detect(dir: &Path) -> Result<Format> {
+    if is_megatron_dir(dir) {
+        Ok(Format::Megatron)
+    } else if dir.join("config.json").is_file() {
+        Ok(Format::Hf)
+    } else {
+        bail!(
+            "{}: neither a Hugging Face model directory (config.json) nor a Megatron checkpoint \
+             (latest_checkpointed_iteration.txt or mp_rank_* directories)",
+            dir.display()
+        )
+    }
+}
+
+/// Open an HF directory: config.json checked against the tensors actually present.
+pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConfig, HfWeights)> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("reading {}", cfg_path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", cfg_path.display()))?;
+    let mut cfg =
+        ModelConfig::from_hf(&json, family).with_context(|| format!("{}", cfg_path.display()))?;
+    let weights = HfWeights::open(dir)?;
+    let has = |n: &str| weights.entries().contains_key(n);
+    let has_head = has(hf_names::LM_HEAD);
+    match json.get("tie_word_embeddings").and_then(|v| v.as_bool()) {
+        Some(false) if !has_head => bail!(
+            "{}: tie_word_embeddings is false but {} is missing from the weights",
+            cfg_path.display(),
+            hf_names::LM_HEAD
+        ),
+        Some(tied) => cfg.tied = tied,
+        None => cfg.tied = !has_head,
+    }
+    let qkv_prefix = match cfg.family.qkv {
+        QkvStyle::Separate => hf_names::QKV[0],
+        QkvStyle::Packed => hf_names::W_PACK,
+    };
+    cfg.qkv_bias = has(&hf_names::layer(0, &format!("{qkv_prefix}.bias")));
+    cfg.proj_bias = has(&hf_names::layer(0, &format!("{}.bias", hf_names::O_PROJ)));
+    cfg.validate()?;
+    check_hf_tensors(&cfg, &weights)?;
+    // The tensors' own dtype wins over config.json's torch_dtype.
+    cfg.dtype = weights.entries()[hf_names::EMBED].dtype;
+    Ok((cfg, weights))
+}
+
+/// Every tensor the config implies exists with the implied shape, and nothing else is there.
+fn check_hf_tensors(cfg: &ModelConfig, w: &HfWeights) -> Result<()> {
+    let mut expected = std::collections::HashSet::new();
+    for c in canonical(cfg) {
+        for (name, shape) in hf_parts(cfg, c) {
+            let e = w.entries().get(&name).ok_or_else(|| {
+                anyhow!("tensor {name} is missing from the weights (config.json implies it)")
+            })?;
+            if e.shape != shape {
+                bail!(
+                    "{}: tensor {name} has shape {:?}, config.json implies {shape:?} \
+                     (hidden {}, heads {}, kv heads {}, head_dim {}, ffn {}, vocab {})",
+                    w.file_of(&name)
+                        .map_or("".into(), |p| p.display().to_string()),
+                    e.shape,
+                    cfg.hidden,
+                    cfg.heads,
+                    cfg.groups,
+                    cfg.head_dim,
+                    cfg.ffn,
+                    cfg.vocab
+                );
+            }
+            expected.insert(name);
+        }
+    }
+    let ignorable =
+        |n: &str| n.ends_with("rotary_emb.inv_freq") || (cfg.tied && n == hf_names::LM_HEAD);
+    if let Some(extra) = w
+        .entries()
+        .keys()
+        .find(|n| !expected.contains(*n) && !ignorable(n))
+    {
+        bail!(
+            "{}: tensor {extra} is not part of a {} model as mindkit converts it",
+            w.file_of(extra)
+                .map_or("".into(), |p| p.display().to_string()),
+            cfg.family.name
+        );
+    }
+    Ok(())
+}
+
+impl Source {
+    fn read(&self, cfg: &ModelConfig, c: Canon) -> Result<Tensor> {
+        match self {
+            Source::Hf { weights, .. } => {
+                let parts = hf_parts(cfg, c)
+                    .iter()
+                    .map(|(n, _)| weights.read(n))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(from_hf(cfg, c, parts))
+            }
+            Source::Megatron(ck) => ck.read(c),
+        }
+    }
+
+    fn side_files_dir(&self) -> &Path {
+        match self {
+            Source::Hf { dir, .. } => dir,
+            Source::Megatron(ck) => ck.iter_dir.parent().unwrap_or(&ck.iter_dir),
+        }
+    }
+}
+
+/// Summary of a finished conversion.
+pub struct ConvertSummary {
+    /// Canonical tensors converted.
+    pub tensors: usize,
+    /// Bytes of tensor data written.
+    pub bytes: u64,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+impl std::fmt::Display for ConvertSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} tensors, {:.2} GB written in {:.2} s ({:.2} GB/s)",
+            self.tensors,
+            self.bytes as f64 / 1e9,
+            self.seconds,
+            self.bytes as f64 / 1e9 / self.seconds.max(1e-9)
+        )
+    }
+}
+
+fn progress_bar(total: u64, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+        )
+        .expect("valid template"),
+    );
+    pb
+}
+
+/// Run a conversion.
+pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
+    let start = Instant::now();
+    if o.output.exists() && !o.force {
+        bail!(
+            "{} already exists (pass --force to replace it)",
+            o.output.display()
+        );
+    }
+    let family = o
+        .family
+        .as_deref()
+        .map(family::by_name)
+        .transpose()
+        .map_err(|e| anyhow!(e))?;
+    let from = match o.from {
+        Some(f) => f,
+        None => detect(&o.input)?,
+    };
+    let (mut cfg, source) = match from {
+        Format::Hf => {
+            let (cfg, weights) = open_hf(&o.input, family)?;
+            let dir = o.input.clone();
+            (cfg, Source::Hf { dir, weights })
+        }
+        Format::Megatron => {
+            let ck = MegatronCkpt::open(&o.input, family)?;
+            (ck.cfg.clone(), Source::Megatron(Box::new(ck)))
+        }
+    };
+    if let Some(d) = &o.dtype {
+        cfg.dtype = parse_dtype(d)?;
+    }
+    let read = |c: Canon| -> Result<Tensor> {
+        let t = source.read(&cfg, c)?;
+        let want = canonical_shape(&cfg, c.role);
+        if t.shape != want {
+            bail!("internal: {c:?} read as {:?}, expected {want:?}", t.shape);
+        }
+        t.cast(cfg.dtype).map_err(|e| anyhow!("{c:?}: {e}"))
+    };
+    let parent = match o.output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent)?;
+    let tmp = tempfile::Builder::new()
+        .prefix(".mindkit-convert-")
+        .tempdir_in(&parent)
+        .with_context(|| format!("creating a temporary directory in {}", parent.display()))?;
+    let (tensors, bytes) = match o.to {
+        Format::Megatron => write_megatron(o, &cfg, &source, &read, tmp.path())?,
+        Format::Hf => write_hf(o, &cfg, &read, tmp.path())?,
+    };
+    hf::copy_side_files(source.side_files_dir(), tmp.path())?;
+    if o.output.exists() {
+        std::fs::remove_dir_all(&o.output)
+            .with_context(|| format!("removing {} (--force)", o.output.display()))?;
+    }
+    let tmp = tmp.keep();
+    std::fs::rename(&tmp, &o.output)
+        .with_context(|| format!("moving the result into {}", o.output.display()))?;
+    Ok(ConvertSummary {
+        tensors,
+        bytes,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn write_megatron(
+    o: &ConvertOptions,
+    cfg: &ModelConfig,
+    source: &Source,
+    read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
+    dir: &Path,
+) -> Result<(usize, u64)> {
+    let (src_par, base_args) = match source {
+        Source::Megatron(ck) => (Some(&ck.par), ck.args.as_slice()),
+        Source::Hf { .. } => (None, &[][..]),
+    };
+    let tp = o.tp.or(src_par.map(|p| p.tp)).unwrap_or(1);
+    let pp = o.pp.or(src_par.map(|p| p.pp)).unwrap_or(1);
+    let vpp = match (o.vpp, o.layers_per_virtual_stage) {
+        (Some(v), _) => v,
+        (None, Some(n)) => {
+            if n == 0 || cfg.layers % (pp * n) != 0 {
+                bail!(
+                    "--num-layers-per-virtual-stage {n} does not divide {} layers over {pp} stages",
+                    cfg.layers
+                );
+            }
+            cfg.layers / pp / n
+        }
+        (None, None) if o.tp.is_none() && o.pp.is_none() => src_par.map_or(1, |p| p.vpp),
+        (None, None) => 1,
+    };
+    let par = Parallel::new(cfg, tp, pp, vpp, o.first_last)?;
+    let target = MegatronTarget {
+        cfg,
+        par: &par,
+        layout: o.layout,
+        divisible_by: o.divisible_by,
+        base_args,
+    };
+    let total = target.total_bytes();
+    let pb = progress_bar(total, o.progress);
+    target.write(dir, read, &|n| pb.inc(n))?;
+    pb.finish_and_clear();
+    Ok((canonical(cfg).len(), total))
+}
+
+fn write_hf(
+    o: &ConvertOptions,
+    cfg: &ModelConfig,
+    read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
+    dir: &Path,
+) -> Result<(usize, u64)> {
+    let canon = canonical(cfg);
+    let groups: Vec<Vec<Planned>> = canon
+        .iter()
+        .map(|&c| {
+            hf_parts(cfg, c)
+                .into_iter()
+                .map(|(name, shape)| Planned {
+                    name,
+                    dtype: cfg.dtype,
+                    shape,
+                })
+                .collect()
+        })
+        .collect();
+    let shards = hf::plan_shards(&groups, o.max_shard_bytes);
+    let total: u64 = groups
+        .iter()
+        .flatten()
+        .map(|p| (p.shape.iter().product::<usize>() * p.dtype.size()) as u64)
+        .sum();
+    let pb = progress_bar(total, o.progress);
+    let n = shards.len();
+    let written: Vec<(String, Vec<String>)> = shards
+        .par_iter()
+        .enumerate()
+        .map(|(i, members)| {
+            let name = hf::shard_name(i, n);
+            let planned: Vec<&Vec<Planned>> = members.iter().map(|&g| &groups[g]).collect();
+            hf::write_safetensors(&dir.join(&name), &planned, |g| {
+                let c = canon[members[g]];
+                let parts = to_hf(cfg, c, read(c)?);
+                pb.inc(parts.iter().map(|t| t.data.len() as u64).sum());
+                Ok(parts)
+            })?;
+            let names = planned
+                .iter()
+                .flat_map(|g| g.iter().map(|p| p.name.clone()));
+            Ok((name, names.collect()))
+        })
+        .collect::<Result<_>>()?;
+    pb.finish_and_clear();
+    if n > 1 {
+        let index = hf::index_json(&written, total);
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)? + "\n",
+        )?;
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&cfg.to_hf())? + "\n",
+    )?;
+    Ok((canon.len(), total))
+}
+
+/// Parse a size like `5GB`, `500MB`, `2GiB` or a plain byte count.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| anyhow!("bad size {s:?} (use e.g. 5GB, 500MB)"))?;
+    let mult = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        other => bail!("bad size unit {other:?} in {s:?}"),
+    };
+    Ok((n * mult) as u64)
+}

@@ -1,0 +1,168 @@
+//! Model families as data: how each names its tensors in Hugging Face format and which
+//! `config.json` conventions it uses. The converter has one code path; a family only
+//! changes names (`reference/ckpt.md` §2.1, §3.7).
+
+/// How a family stores the attention input projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkvStyle {
+    /// `q_proj`, `k_proj`, `v_proj` (llama, mistral, qwen2, internlm, aquila).
+    Separate,
+    /// One `W_pack` tensor with rows `[q; k; v]` (baichuan).
+    Packed,
+}
+
+/// A LLaMA-architecture family.
+#[derive(Debug)]
+pub struct Family {
+    /// Canonical name (`--family`).
+    pub name: &'static str,
+    /// Other names accepted for `--family`.
+    pub aliases: &'static [&'static str],
+    /// `config.json` `model_type` values that select it.
+    pub model_types: &'static [&'static str],
+    /// `architectures[0]` written to `config.json`.
+    pub architecture: &'static str,
+    /// Attention projection storage.
+    pub qkv: QkvStyle,
+    /// The `config.json` key that switches attention biases on, when the family has one.
+    pub bias_key: Option<&'static str>,
+    /// Whether the family always has q/k/v biases (qwen2).
+    pub always_qkv_bias: bool,
+}
+
+/// Every supported family.
+pub const FAMILIES: &[Family] = &[
+    Family {
+        name: "llama",
+        aliases: &["llama2", "llama3", "llama-2", "llama-3"],
+        model_types: &["llama"],
+        architecture: "LlamaForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        always_qkv_bias: false,
+    },
+    Family {
+        name: "mistral",
+        aliases: &[],
+        model_types: &["mistral"],
+        architecture: "MistralForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: None,
+        always_qkv_bias: false,
+    },
+    Family {
+        name: "qwen2",
+        aliases: &["qwen2.5", "qwen25"],
+        model_types: &["qwen2"],
+        architecture: "Qwen2ForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: None,
+        always_qkv_bias: true,
+    },
+    Family {
+        name: "internlm",
+        aliases: &[],
+        model_types: &["internlm"],
+        architecture: "InternLMForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("bias"),
+        always_qkv_bias: false,
+    },
+    Family {
+        name: "baichuan",
+        aliases: &["baichuan-7b", "baichuan7b"],
+        model_types: &["baichuan"],
+        architecture: "BaichuanForCausalLM",
+        qkv: QkvStyle::Packed,
+        bias_key: None,
+        always_qkv_bias: false,
+    },
+    Family {
+        name: "aquila",
+        aliases: &[],
+        model_types: &["aquila"],
+        architecture: "AquilaForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: None,
+        always_qkv_bias: false,
+    },
+];
+
+fn supported() -> String {
+    FAMILIES
+        .iter()
+        .map(|f| f.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The family called `name` (`--family`), or an error listing the supported ones.
+pub fn by_name(name: &str) -> Result<&'static Family, String> {
+    let lower = name.to_ascii_lowercase();
+    FAMILIES
+        .iter()
+        .find(|f| f.name == lower || f.aliases.contains(&lower.as_str()))
+        .ok_or_else(|| {
+            format!(
+                "unsupported model family {name:?}; supported: {}",
+                supported()
+            )
+        })
+}
+
+/// The family whose `config.json` says `model_type`.
+pub fn by_model_type(model_type: &str) -> Result<&'static Family, String> {
+    FAMILIES
+        .iter()
+        .find(|f| f.model_types.contains(&model_type))
+        .ok_or_else(|| {
+            format!(
+                "unsupported model_type {model_type:?} in config.json; supported families: {} \
+                 (--family overrides the detection for LLaMA-architecture models)",
+                supported()
+            )
+        })
+}
+
+/// HF tensor names (`reference/ckpt.md` §2.1). Layer tensors take the layer index.
+pub mod hf_names {
+    /// Token embedding.
+    pub const EMBED: &str = "model.embed_tokens.weight";
+    /// Final norm.
+    pub const FINAL_NORM: &str = "model.norm.weight";
+    /// Output projection (absent when tied).
+    pub const LM_HEAD: &str = "lm_head.weight";
+
+    /// `model.layers.{i}.{suffix}`
+    pub fn layer(i: usize, suffix: &str) -> String {
+        format!("model.layers.{i}.{suffix}")
+    }
+
+    /// Layer-tensor suffixes.
+    pub const INPUT_NORM: &str = "input_layernorm.weight";
+    /// q, k, v projection suffixes (weights; biases replace `weight` with `bias`).
+    pub const QKV: [&str; 3] = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
+    /// Baichuan's packed projection.
+    pub const W_PACK: &str = "self_attn.W_pack";
+    /// Attention output.
+    pub const O_PROJ: &str = "self_attn.o_proj";
+    /// Norm before the MLP.
+    pub const POST_NORM: &str = "post_attention_layernorm.weight";
+    /// SwiGLU gate and up projections.
+    pub const GATE_UP: [&str; 2] = ["mlp.gate_proj.weight", "mlp.up_proj.weight"];
+    /// MLP output.
+    pub const DOWN: &str = "mlp.down_proj.weight";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_types_resolve() {
+        assert_eq!(by_name("LLaMA3").unwrap().name, "llama");
+        assert_eq!(by_model_type("qwen2").unwrap().name, "qwen2");
+        let err = by_name("gpt-neox").unwrap_err();
+        assert!(err.contains("supported: llama, mistral, qwen2"), "{err}");
+    }
+}

@@ -1,0 +1,93 @@
+//! `mindkit ckpt info`: what a checkpoint directory holds.
+
+use super::convert::{detect, open_hf, Format};
+use super::family::Family;
+use super::megatron::MegatronCkpt;
+use super::transform::{canonical, canonical_shape};
+use super::ModelConfig;
+use anyhow::Result;
+use std::fmt::Write;
+use std::path::Path;
+
+fn architecture(cfg: &ModelConfig, out: &mut String) {
+    let params: usize = canonical(cfg)
+        .iter()
+        .map(|c| canonical_shape(cfg, c.role).iter().product::<usize>())
+        .sum();
+    let _ = writeln!(out, "family:      {}", cfg.family.name);
+    let _ = writeln!(
+        out,
+        "architecture: {} layers, hidden {}, heads {} (kv {}), head_dim {}, ffn {}, vocab {}",
+        cfg.layers, cfg.hidden, cfg.heads, cfg.groups, cfg.head_dim, cfg.ffn, cfg.vocab
+    );
+    let _ = writeln!(
+        out,
+        "embeddings:  {}; qkv bias {}; output bias {}",
+        if cfg.tied { "tied" } else { "untied" },
+        cfg.qkv_bias,
+        cfg.proj_bias
+    );
+    let _ = writeln!(out, "dtype:       {}", cfg.dtype.torch_name());
+    let _ = writeln!(out, "parameters:  {params} ({:.3} B)", params as f64 / 1e9);
+}
+
+/// A human-readable description of the checkpoint at `path`; with `keys`, every tensor.
+pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<String> {
+    let mut out = String::new();
+    match detect(path)? {
+        Format::Hf => {
+            let (cfg, weights) = open_hf(path, family)?;
+            let _ = writeln!(out, "format:      Hugging Face ({})", path.display());
+            architecture(&cfg, &mut out);
+            let files = super::hf::weight_files(path)?;
+            for f in &files {
+                let size = std::fs::metadata(f).map_or(0, |m| m.len());
+                let _ = writeln!(out, "file:        {} ({size} bytes)", f.display());
+            }
+            if keys {
+                for (name, e) in weights.entries() {
+                    let _ = writeln!(out, "  {name}  {}  {:?}", e.dtype.torch_name(), e.shape);
+                }
+            }
+        }
+        Format::Megatron => {
+            let ck = MegatronCkpt::open(path, family)?;
+            let _ = writeln!(
+                out,
+                "format:      Megatron torch ({})",
+                ck.iter_dir.display()
+            );
+            let _ = writeln!(out, "layout:      {}", ck.layout.name());
+            let p = &ck.par;
+            let _ = writeln!(
+                out,
+                "parallel:    TP {} × PP {}{}, layers per stage {:?}, padded vocab {}",
+                p.tp,
+                p.pp,
+                if p.vpp > 1 {
+                    format!(" × VPP {}", p.vpp)
+                } else {
+                    String::new()
+                },
+                p.stage_layers,
+                ck.padded_vocab
+            );
+            architecture(&ck.cfg, &mut out);
+            for r in ck.rank_files()? {
+                let _ = writeln!(
+                    out,
+                    "rank file:   {} ({} bytes, {} tensors)",
+                    r.path.display(),
+                    r.bytes,
+                    r.tensors.len()
+                );
+                if keys {
+                    for (k, d, s) in &r.tensors {
+                        let _ = writeln!(out, "  {k}  {}  {s:?}", d.torch_name());
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,606 @@
+//! Megatron's torch-format checkpoint directory: `latest_checkpointed_iteration.txt`,
+//! `iter_0000001/` (or `release/`), `mp_rank_TT[_PPP]/model_optim_rng.pt` holding
+//! `{args, checkpoint_version: 3.0, iteration, model | model0..}` (`reference/ckpt.md` §1, §8).
+
+use super::config::{megatron_args, ModelConfig, ParallelArgs};
+use super::family::Family;
+use super::layout::{self, chunk_entries, KeyLayout, Parallel};
+use super::tensor::Tensor;
+use super::torch::pickle::{DType, StorageRef, TensorRef, Value};
+use super::torch::save::PtWriter;
+use super::torch::TorchFile;
+use super::transform::{gather_tp, shard_shape, split_tp, Canon};
+use anyhow::{anyhow, bail, Context, Result};
+use rayon::prelude::*;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Tracker file naming the latest iteration.
+pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
+const RANK_FILE: &str = "model_optim_rng.pt";
+
+/// `mp_rank_TT` or `mp_rank_TT_PPP`, as Megatron names a rank's directory.
+pub fn rank_dir(tp: usize, pp: usize, pp_size: usize) -> String {
+    if pp_size > 1 {
+        format!("mp_rank_{tp:02}_{pp:03}")
+    } else {
+        format!("mp_rank_{tp:02}")
+    }
+}
+
+/// Whether `dir` looks like a Megatron torch-format checkpoint (root or iteration directory).
+pub fn is_megatron_dir(dir: &Path) -> bool {
+    dir.join(TRACKER).is_file() || has_rank_dirs(dir)
+}
+
+fn has_rank_dirs(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("mp_rank_"))
+        })
+        .unwrap_or(false)
+}
+
+/// The iteration directory of a checkpoint root (via the tracker), or `dir` itself.
+fn iteration_dir(dir: &Path) -> Result<PathBuf> {
+    if has_rank_dirs(dir) {
+        return Ok(dir.to_path_buf());
+    }
+    let tracker = dir.join(TRACKER);
+    let text = std::fs::read_to_string(&tracker)
+        .with_context(|| format!("reading {}", tracker.display()))?;
+    let text = text.trim();
+    let sub = match text.parse::<u64>() {
+        Ok(i) => format!("iter_{i:07}"),
+        Err(_) if text == "release" => "release".into(),
+        Err(_) => bail!(
+            "{}: expected an iteration number or \"release\", found {text:?}",
+            tracker.display()
+        ),
+    };
+    let it = dir.join(&sub);
+    if !it.is_dir() {
+        bail!("{} names {sub}, which does not exist", tracker.display());
+    }
+    Ok(it)
+}
+
+/// Parse `mp_rank_TT[_PPP]` → (tp, pp).
+fn parse_rank_dir(name: &str) -> Result<(usize, Option<usize>)> {
+    let parts: Vec<&str> = name["mp_rank_".len()..].split('_').collect();
+    let num = |s: &str| {
+        s.parse::<usize>()
+            .map_err(|_| anyhow!("unexpected rank directory {name}"))
+    };
+    match parts.as_slice() {
+        [t] => Ok((num(t)?, None)),
+        [t, p] => Ok((num(t)?, Some(num(p)?))),
+        _ => bail!("rank directory {name}: expert-parallel checkpoints are not supported"),
+    }
+}
+
+/// A tensor found in a rank file: which file and its reference.
+struct Shard {
+    key: String,
+    tensor: TensorRef,
+}
+
+/// An opened Megatron checkpoint, tensors indexed by canonical name.
+pub struct MegatronCkpt {
+    /// The iteration directory.
+    pub iter_dir: PathBuf,
+    /// Detected parallel layout.
+    pub par: Parallel,
+    /// Detected key layout.
+    pub layout: KeyLayout,
+    /// Model architecture.
+    pub cfg: ModelConfig,
+    /// `args` of rank 0 (empty if absent).
+    pub args: Vec<(String, Value)>,
+    /// Rows of the padded embedding over all TP ranks.
+    pub padded_vocab: usize,
+    /// Rank files, `[pp][tp]`.
+    files: Vec<Vec<TorchFile>>,
+    /// Canonical tensor → (stage, shard per TP rank).
+    index: HashMap<Canon, (usize, Vec<Shard>)>,
+}
+
+/// A model chunk's tensors flattened to `.`-joined keys (legacy names normalised).
+fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String, Value>) {
+    if let Value::Dict(items) = v {
+        for (k, val) in items {
+            let Value::Str(k) = k else { continue };
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            flatten(val, &key, legacy, out);
+        }
+    } else {
+        let key = if legacy {
+            layout::normalise_legacy(prefix)
+        } else {
+            prefix.to_string()
+        };
+        out.insert(key, v.clone());
+    }
+}
+
+/// The model chunks of a rank file: `model`, or `model0..` with virtual pipeline.
+fn chunks(pt: &TorchFile) -> Result<Vec<&Value>> {
+    let root = pt.root();
+    if let Some(m) = root.get("model") {
+        return Ok(vec![m]);
+    }
+    let mut out = vec![];
+    while let Some(m) = root.get(&format!("model{}", out.len())) {
+        out.push(m);
+    }
+    if out.is_empty() {
+        bail!("{}: no \"model\" or \"model0\" entry", pt.path().display());
+    }
+    Ok(out)
+}
+
+fn detect_layout(keys: &BTreeMap<String, Value>) -> KeyLayout {
+    if keys.keys().any(|k| k.starts_with("language_model.")) {
+        KeyLayout::Legacy
+    } else if keys.keys().any(|k| k.contains(".layer_norm_weight")) {
+        KeyLayout::McoreTe
+    } else {
+        KeyLayout::Mcore
+    }
+}
+
+impl MegatronCkpt {
+    /// Open every rank file under `dir` (a root with a tracker, or an iteration directory),
+    /// detect TP/PP/VPP, layout and dtype, and index the tensors. `family` overrides detection.
+    pub fn open(dir: &Path, family: Option<&'static Family>) -> Result<Self> {
+        let iter_dir = iteration_dir(dir)?;
+        let mut ranks: Vec<(usize, Option<usize>)> = Vec::new();
+        for e in std::fs::read_dir(&iter_dir)? {
+            let name = e?.file_name().to_string_lossy().into_owned();
+            if name.starts_with("mp_rank_") {
+                ranks.push(parse_rank_dir(&name)?);
+            }
+        }
+        if ranks.is_empty() {
+            bail!("{}: no mp_rank_* directories", iter_dir.display());
+        }
+        let tp = ranks.iter().map(|r| r.0).max().unwrap_or(0) + 1;
+        let pp = ranks.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0) + 1;
+        let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
+            .flat_map(|p| (0..tp).map(move |t| (p, t)))
+            .map(|(p, t)| (p, t, iter_dir.join(rank_dir(t, p, pp)).join(RANK_FILE)))
+            .collect();
+        for (_, _, path) in &paths {
+            if !path.is_file() {
+                bail!(
+                    "missing rank file {} (found TP {tp} × PP {pp})",
+                    path.display()
+                );
+            }
+        }
+        let opened: Vec<TorchFile> = paths
+            .par_iter()
+            .map(|(_, _, path)| TorchFile::open(path))
+            .collect::<std::result::Result<_, _>>()?;
+        let mut files: Vec<Vec<TorchFile>> = (0..pp).map(|_| Vec::new()).collect();
+        for ((p, _, _), f) in paths.iter().zip(opened) {
+            files[*p].push(f);
+        }
+        Self::index(iter_dir, files, family)
+    }
+
+    fn index(
+        iter_dir: PathBuf,
+        files: Vec<Vec<TorchFile>>,
+        family: Option<&'static Family>,
+    ) -> Result<Self> {
+        let (pp, tp) = (files.len(), files[0].len());
+        let first = &files[0][0];
+        let args = match first.root().get("args") {
+            Some(Value::Namespace(a)) => a.clone(),
+            _ => Vec::new(),
+        };
+        // flat[p][t][v]: key → value
+        let mut flat: Vec<Vec<Vec<BTreeMap<String, Value>>>> = Vec::new();
+        let mut layout = None;
+        for stage in &files {
+            let mut per_tp = Vec::new();
+            for f in stage {
+                let mut per_chunk = Vec::new();
+                for c in chunks(f)? {
+                    let mut m = BTreeMap::new();
+                    let legacy = matches!(c, Value::Dict(items) if items.iter().any(|(k, _)| matches!(k, Value::Str(s) if s == "language_model")));
+                    flatten(c, "", legacy, &mut m);
+                    layout.get_or_insert_with(|| detect_layout(&m));
+                    per_chunk.push(m);
+                }
+                per_tp.push(per_chunk);
+            }
+            flat.push(per_tp);
+        }
+        let layout = layout.expect("at least one chunk");
+        let vpp = flat[0][0].len();
+        // Layers per (stage, chunk) from the keys of TP rank 0.
+        let mut stage_layers = vec![0usize; pp];
+        for (p, stage) in flat.iter().enumerate() {
+            if stage[0].len() != vpp {
+                bail!(
+                    "{}: {} model chunks, rank 0 has {vpp}",
+                    files[p][0].path().display(),
+                    stage[0].len()
+                );
+            }
+            for chunk in &stage[0] {
+                let n = chunk
+                    .keys()
+                    .filter_map(|k| layout::layer_index(k))
+                    .max()
+                    .map_or(0, |m| m + 1);
+                stage_layers[p] += n;
+            }
+        }
+        let emb_key =
+            layout::flat_key(&chunk_entries(layout, &dummy_cfg(), &[], true, false, 1)[0].0);
+        let emb = match flat[0][0][0].get(&emb_key) {
+            Some(Value::Tensor(t)) => t.clone(),
+            _ => bail!(
+                "{}: no embedding tensor {emb_key}",
+                files[0][0].path().display()
+            ),
+        };
+        let padded_vocab = emb.shape[0] as usize * tp;
+        let cfg = ModelConfig::from_megatron_args(&args, family, emb.storage.dtype, padded_vocab)
+            .with_context(|| format!("{}", files[0][0].path().display()))?;
+        let total: usize = stage_layers.iter().sum();
+        if total != cfg.layers {
+            bail!(
+                "args say num_layers = {} but the rank files hold {total} layers",
+                cfg.layers
+            );
+        }
+        let par = Parallel {
+            tp,
+            pp,
+            vpp,
+            stage_layers,
+        };
+        let mut ck = MegatronCkpt {
+            iter_dir,
+            par,
+            layout,
+            cfg,
+            args,
+            padded_vocab,
+            files,
+            index: HashMap::new(),
+        };
+        ck.build_index(flat)?;
+        Ok(ck)
+    }
+
+    /// Match every expected key of every chunk to its tensors; check shapes against the config.
+    fn build_index(&mut self, flat: Vec<Vec<Vec<BTreeMap<String, Value>>>>) -> Result<()> {
+        let (pp, vpp, tp) = (self.par.pp, self.par.vpp, self.par.tp);
+        for (p, stage) in flat.into_iter().enumerate() {
+            for (t, mut per_chunk) in stage.into_iter().enumerate() {
+                let path = self.files[p][t].path().to_path_buf();
+                for (v, chunk) in per_chunk.iter_mut().enumerate() {
+                    let layers = self.par.chunk_layers(p, v);
+                    let entries = chunk_entries(
+                        self.layout,
+                        &self.cfg,
+                        &layers,
+                        p == 0 && v == 0,
+                        p == pp - 1 && v == vpp - 1,
+                        pp,
+                    );
+                    for (key, canon) in entries {
+                        let key = layout::flat_key(&key);
+                        let found = chunk.remove(&key);
+                        let Some(canon) = canon else { continue };
+                        let tensor = match found {
+                            Some(Value::Tensor(tensor)) => tensor,
+                            _ => bail!(
+                                "{}: missing tensor {key} (layout {}, {} layers)",
+                                path.display(),
+                                self.layout.name(),
+                                self.cfg.layers
+                            ),
+                        };
+                        let want = shard_shape(&self.cfg, canon.role, tp, self.padded_vocab);
+                        let got: Vec<usize> = tensor.shape.iter().map(|&n| n as usize).collect();
+                        if got != want {
+                            bail!(
+                                "{}: tensor {key} has shape {got:?}, but the checkpoint args \
+                                 (hidden {}, heads {}, groups {}, ffn {}, TP {tp}) imply {want:?}",
+                                path.display(),
+                                self.cfg.hidden,
+                                self.cfg.heads,
+                                self.cfg.groups,
+                                self.cfg.ffn
+                            );
+                        }
+                        let slot = self.index.entry(canon).or_insert_with(|| (p, Vec::new()));
+                        if slot.0 == p && slot.1.len() == t {
+                            slot.1.push(Shard { key, tensor });
+                        }
+                    }
+                    let leftover: Vec<&String> = chunk
+                        .iter()
+                        .filter(|(k, v)| {
+                            matches!(v, Value::Tensor(_)) && !k.ends_with("_extra_state")
+                        })
+                        .map(|(k, _)| k)
+                        .collect();
+                    if let Some(k) = leftover.first() {
+                        bail!(
+                            "{}: tensor {k} is not part of a supported {} model ({} more unexpected)",
+                            path.display(),
+                            self.cfg.family.name,
+                            leftover.len() - 1
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Read and un-shard one canonical tensor.
+    pub fn read(&self, c: Canon) -> Result<Tensor> {
+        let (p, shards) = self
+            .index
+            .get(&c)
+            .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
+        let parts: Vec<Tensor> = shards
+            .iter()
+            .enumerate()
+            .map(|(t, s)| Ok(self.files[*p][t].read_tensor(&s.key, &s.tensor)?))
+            .collect::<Result<_>>()?;
+        gather_tp(c.role, &parts, self.cfg.vocab)
+    }
+
+    /// Every rank file with its size and tensors (`.`-joined key, dtype, shape), for `ckpt info`.
+    pub fn rank_files(&self) -> Result<Vec<RankFileInfo>> {
+        let mut out = Vec::new();
+        for f in self.files.iter().flatten() {
+            let mut keys = BTreeMap::new();
+            for (v, c) in chunks(f)?.into_iter().enumerate() {
+                let mut m = BTreeMap::new();
+                flatten(c, "", false, &mut m);
+                for (k, val) in m {
+                    if let Value::Tensor(t) = val {
+                        let k = if self.par.vpp > 1 {
+                            format!("model{v}.{k}")
+                        } else {
+                            k
+                        };
+                        keys.insert(k, (t.storage.dtype, t.shape.clone()));
+                    }
+                }
+            }
+            let bytes = std::fs::metadata(f.path()).map_or(0, |m| m.len());
+            out.push(RankFileInfo {
+                path: f.path().to_path_buf(),
+                bytes,
+                tensors: keys.into_iter().map(|(k, (d, s))| (k, d, s)).collect(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// One rank file as `ckpt info` shows it.
+pub struct RankFileInfo {
+    /// The file.
+    pub path: PathBuf,
+    /// Its size.
+    pub bytes: u64,
+    /// Tensors: key, dtype, shape.
+    pub tensors: Vec<(String, DType, Vec<u64>)>,
+}
+
+/// A config only used to ask the layout for global key names.
+fn dummy_cfg() -> ModelConfig {
+    ModelConfig {
+        family: &super::family::FAMILIES[0],
+        layers: 0,
+        hidden: 0,
+        heads: 1,
+        groups: 1,
+        head_dim: 0,
+        ffn: 0,
+        vocab: 0,
+        max_positions: 0,
+        rope_theta: 0.0,
+        norm_eps: 0.0,
+        tied: false,
+        qkv_bias: false,
+        proj_bias: false,
+        dtype: DType::F32,
+        hf_config: None,
+    }
+}
+
+/// What to write.
+pub struct MegatronTarget<'a> {
+    /// Architecture (dtype = target dtype).
+    pub cfg: &'a ModelConfig,
+    /// Parallel layout.
+    pub par: &'a Parallel,
+    /// Key layout.
+    pub layout: KeyLayout,
+    /// `--make-vocab-size-divisible-by`.
+    pub divisible_by: usize,
+    /// Source args to keep (Megatron → Megatron), else empty.
+    pub base_args: &'a [(String, Value)],
+}
+
+/// Insert `v` at a nested key path of a dict.
+fn insert_path(dict: &mut Vec<(Value, Value)>, path: &[String], v: Value) {
+    let key = Value::Str(path[0].clone());
+    if path.len() == 1 {
+        dict.push((key, v));
+        return;
+    }
+    let pos = match dict.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            dict.push((key, Value::Dict(Vec::new())));
+            dict.len() - 1
+        }
+    };
+    if let Value::Dict(inner) = &mut dict[pos].1 {
+        insert_path(inner, &path[1..], v);
+    }
+}
+
+impl MegatronTarget<'_> {
+    /// Padded vocabulary rows.
+    pub fn padded_vocab(&self) -> usize {
+        self.par.padded_vocab(self.cfg.vocab, self.divisible_by)
+    }
+
+    /// Bytes of tensor data the checkpoint will hold.
+    pub fn total_bytes(&self) -> u64 {
+        let padded = self.padded_vocab();
+        let mut n = 0u64;
+        for p in 0..self.par.pp {
+            for (_, canon) in self.stage_entries(p).into_iter().flatten() {
+                if let Some(c) = canon {
+                    let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
+                    n += (shape.iter().product::<usize>() * self.cfg.dtype.size()) as u64;
+                }
+            }
+        }
+        n * self.par.tp as u64
+    }
+
+    fn stage_entries(&self, p: usize) -> Vec<Vec<layout::ChunkEntry>> {
+        let (pp, vpp) = (self.par.pp, self.par.vpp);
+        (0..vpp)
+            .map(|v| {
+                chunk_entries(
+                    self.layout,
+                    self.cfg,
+                    &self.par.chunk_layers(p, v),
+                    p == 0 && v == 0,
+                    p == pp - 1 && v == vpp - 1,
+                    pp,
+                )
+            })
+            .collect()
+    }
+
+    /// The pickled object of one rank file: args, version, iteration and the model chunks,
+    /// tensors pointing at storages "0", "1", … in entry order.
+    fn rank_object(&self, entries: &[Vec<layout::ChunkEntry>], args: &Value) -> Value {
+        let padded = self.padded_vocab();
+        let mut key = 0usize;
+        let mut root = vec![
+            (Value::Str("args".into()), args.clone()),
+            (Value::Str("checkpoint_version".into()), Value::Float(3.0)),
+            (Value::Str("iteration".into()), Value::Int(1)),
+        ];
+        for (v, chunk) in entries.iter().enumerate() {
+            let mut model = Vec::new();
+            for (path, canon) in chunk {
+                let value = match canon {
+                    None => Value::None,
+                    Some(c) => {
+                        let shape: Vec<u64> = shard_shape(self.cfg, c.role, self.par.tp, padded)
+                            .iter()
+                            .map(|&n| n as u64)
+                            .collect();
+                        let numel: u64 = shape.iter().product();
+                        let mut stride = vec![1u64; shape.len()];
+                        for i in (0..shape.len().saturating_sub(1)).rev() {
+                            stride[i] = stride[i + 1] * shape[i + 1];
+                        }
+                        key += 1;
+                        Value::Tensor(TensorRef {
+                            storage: StorageRef {
+                                key: (key - 1).to_string(),
+                                dtype: self.cfg.dtype,
+                                location: "cpu".into(),
+                                numel,
+                            },
+                            offset: 0,
+                            shape,
+                            stride,
+                        })
+                    }
+                };
+                insert_path(&mut model, path, value);
+            }
+            let name = if entries.len() > 1 {
+                format!("model{v}")
+            } else {
+                "model".into()
+            };
+            root.push((Value::Str(name), Value::Dict(model)));
+        }
+        Value::Dict(root)
+    }
+
+    /// Write the checkpoint into `dir` (normally a temporary directory): tracker, iteration
+    /// directory and every rank file, stages in parallel, TP ranks of a tensor in parallel.
+    /// `read` yields canonical tensors in the target dtype; `progress` gets bytes written.
+    pub fn write(
+        &self,
+        dir: &Path,
+        read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<()> {
+        let par = self.par;
+        let padded = self.padded_vocab();
+        let args = Value::Namespace(megatron_args(
+            self.cfg,
+            &ParallelArgs {
+                tp: par.tp,
+                pp: par.pp,
+                vpp: par.vpp,
+                first_last: par.first_last(),
+                padded_vocab: padded,
+                divisible_by: self.divisible_by,
+            },
+            self.base_args,
+        ));
+        let iter_dir = dir.join("iter_0000001");
+        (0..par.pp).into_par_iter().try_for_each(|p| {
+            let entries = self.stage_entries(p);
+            let object = self.rank_object(&entries, &args);
+            let mut writers = (0..par.tp)
+                .map(|t| {
+                    let rank = iter_dir.join(rank_dir(t, p, par.pp));
+                    std::fs::create_dir_all(&rank)
+                        .with_context(|| format!("creating {}", rank.display()))?;
+                    Ok(PtWriter::create(&rank.join(RANK_FILE), &object, false)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let tensors = entries.iter().flatten().filter_map(|(_, c)| *c);
+            for (key, c) in tensors.enumerate() {
+                let shards = split_tp(c.role, &read(c)?, par.tp, padded);
+                let storage = key.to_string();
+                writers
+                    .par_iter_mut()
+                    .zip(shards)
+                    .try_for_each(|(w, s)| -> Result<()> {
+                        w.write_storage(&storage, &s.data)?;
+                        progress(s.data.len() as u64);
+                        Ok(())
+                    })?;
+            }
+            writers
+                .into_iter()
+                .try_for_each(|w| -> Result<()> { Ok(w.finish()?) })
+        })?;
+        std::fs::write(dir.join(super::megatron::TRACKER), "1")?;
+        Ok(())
+    }
+}

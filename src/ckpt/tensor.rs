@@ -1,0 +1,186 @@
+//! An in-memory tensor (little-endian bytes + dtype + shape) and the few layout moves a
+//! checkpoint conversion needs: row/column slicing and concatenation, row padding, casts.
+//! Every move copies bytes, so a round trip through them is bit-exact.
+
+use super::torch::pickle::DType;
+use half::{bf16, f16};
+
+/// A dense row-major tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape (1-D or 2-D in practice).
+    pub shape: Vec<usize>,
+    /// `numel × dtype.size()` little-endian bytes.
+    pub data: Vec<u8>,
+}
+
+impl Tensor {
+    /// Wrap bytes; the caller guarantees `data.len()` matches.
+    pub fn new(dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Self {
+        debug_assert_eq!(data.len(), shape.iter().product::<usize>() * dtype.size());
+        Tensor { dtype, shape, data }
+    }
+
+    /// Bytes of one row (all dims but the first); a 1-D tensor's row is one element.
+    fn row_bytes(&self) -> usize {
+        self.shape[1..].iter().product::<usize>() * self.dtype.size()
+    }
+
+    /// Rows `from..to` along dim 0.
+    pub fn rows(&self, from: usize, to: usize) -> Tensor {
+        let rb = self.row_bytes();
+        let mut shape = self.shape.clone();
+        shape[0] = to - from;
+        Tensor::new(self.dtype, shape, self.data[from * rb..to * rb].to_vec())
+    }
+
+    /// Concatenate along dim 0 (all parts share dtype and trailing dims).
+    pub fn cat_rows(parts: &[Tensor]) -> Tensor {
+        let first = &parts[0];
+        let mut shape = first.shape.clone();
+        shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        parts.iter().for_each(|p| data.extend_from_slice(&p.data));
+        Tensor::new(first.dtype, shape, data)
+    }
+
+    /// `n` equal chunks along dim 0 (the caller checked divisibility).
+    pub fn chunk_rows(&self, n: usize) -> Vec<Tensor> {
+        let step = self.shape[0] / n;
+        (0..n)
+            .map(|i| self.rows(i * step, (i + 1) * step))
+            .collect()
+    }
+
+    /// `n` equal chunks along dim 1 of a 2-D tensor.
+    pub fn chunk_cols(&self, n: usize) -> Vec<Tensor> {
+        let (rows, cols) = (self.shape[0], self.shape[1]);
+        let step = cols / n;
+        let es = self.dtype.size();
+        (0..n)
+            .map(|i| {
+                let mut data = Vec::with_capacity(rows * step * es);
+                for r in 0..rows {
+                    let start = (r * cols + i * step) * es;
+                    data.extend_from_slice(&self.data[start..start + step * es]);
+                }
+                Tensor::new(self.dtype, vec![rows, step], data)
+            })
+            .collect()
+    }
+
+    /// Concatenate 2-D tensors along dim 1.
+    pub fn cat_cols(parts: &[Tensor]) -> Tensor {
+        let rows = parts[0].shape[0];
+        let es = parts[0].dtype.size();
+        let cols: usize = parts.iter().map(|p| p.shape[1]).sum();
+        let mut data = Vec::with_capacity(rows * cols * es);
+        for r in 0..rows {
+            for p in parts {
+                let w = p.shape[1] * es;
+                data.extend_from_slice(&p.data[r * w..(r + 1) * w]);
+            }
+        }
+        Tensor::new(parts[0].dtype, vec![rows, cols], data)
+    }
+
+    /// Exactly `n` rows: truncate, or append copies of the last row (Megatron's vocab padding).
+    pub fn resize_rows(&self, n: usize) -> Tensor {
+        let have = self.shape[0];
+        if n <= have {
+            return self.rows(0, n);
+        }
+        let rb = self.row_bytes();
+        let mut data = Vec::with_capacity(n * rb);
+        data.extend_from_slice(&self.data);
+        let last = &self.data[(have - 1) * rb..have * rb];
+        (have..n).for_each(|_| data.extend_from_slice(last));
+        let mut shape = self.shape.clone();
+        shape[0] = n;
+        Tensor::new(self.dtype, shape, data)
+    }
+
+    /// Convert between floating dtypes (f32 ⇄ bf16 ⇄ f16, round to nearest even).
+    pub fn cast(self, to: DType) -> Result<Tensor, String> {
+        if self.dtype == to {
+            return Ok(self);
+        }
+        let values = to_f32(&self)?;
+        let data = match to {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => values
+                .iter()
+                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+            other => return Err(format!("cannot cast to {}", other.torch_name())),
+        };
+        Ok(Tensor::new(to, self.shape, data))
+    }
+}
+
+/// The values of a floating tensor as f32.
+pub fn to_f32(t: &Tensor) -> Result<Vec<f32>, String> {
+    let pairs = t.data.chunks_exact(2);
+    Ok(match t.dtype {
+        DType::F32 => t
+            .data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        DType::BF16 => pairs
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F16 => pairs
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => return Err(format!("cannot cast from {}", other.torch_name())),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: Vec<usize>) -> Tensor {
+        let n: usize = shape.iter().product();
+        let data = (0..n as u32)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
+        Tensor::new(DType::F32, shape, data)
+    }
+
+    #[test]
+    fn chunks_round_trip() {
+        let x = t(vec![6, 4]);
+        assert_eq!(Tensor::cat_rows(&x.chunk_rows(3)), x);
+        assert_eq!(Tensor::cat_cols(&x.chunk_cols(2)), x);
+        assert_eq!(x.chunk_cols(2)[1].data[..4], 2f32.to_le_bytes());
+    }
+
+    #[test]
+    fn resize_pads_with_last_row_and_truncates() {
+        let x = t(vec![3, 2]);
+        let p = x.resize_rows(5);
+        assert_eq!(p.shape, vec![5, 2]);
+        assert_eq!(p.rows(4, 5).data, x.rows(2, 3).data);
+        assert_eq!(p.resize_rows(3), x);
+    }
+
+    #[test]
+    fn casts_round_trip_through_f32() {
+        let x = t(vec![2, 3]).cast(DType::BF16).unwrap();
+        let back = x
+            .clone()
+            .cast(DType::F32)
+            .unwrap()
+            .cast(DType::BF16)
+            .unwrap();
+        assert_eq!(x, back);
+    }
+}

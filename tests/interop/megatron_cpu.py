@@ -1,0 +1,58 @@
+"""megatron-core's GPTModel on CPU, built from the args of a Megatron checkpoint: the three
+patches a CPU-only run needs (current_device → cpu, an explicit causal mask, a no-op RNG-tracker
+fork) and a single-process gloo group."""
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def init():
+    if torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def load_pt(path):
+    """torch.load with the default weights_only unpickler; Namespace allowed as megatron-core does."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, weights_only=True)
+
+
+def gpt_model(a):
+    init()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
+        ffn_hidden_size=a.ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=a.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=a.add_bias_linear,
+        add_qkv_bias=a.add_qkv_bias, bias_activation_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32)
+    return GPTModel(
+        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(a.rotary_base),
+        share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+        rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0)
+
+
+def logits(model, ids, vocab):
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
+    with torch.no_grad():
+        return model(ids, pos, mask)[..., :vocab]

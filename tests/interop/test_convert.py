@@ -1,0 +1,165 @@
+"""mindkit convert checked by the real tools: torch.load (weights_only), megatron-core's GPTModel
+(logits equal transformers'), Megatron's checkpointing code (when MEGATRON_LM points at a
+Megatron-LM source tree), and bit-exact round trips on tiny models of every family and on the
+real SmolLM2-135M."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_cpu import gpt_model, load_pt, logits
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODELS = ROOT / "fixtures/models"
+FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila"]
+
+
+def rank_files(ck):
+    return sorted(pathlib.Path(ck).glob("iter_0000001/mp_rank_*/model_optim_rng.pt"))
+
+
+def assert_hf_equal(a, b):
+    ta, tb = load_file(str(pathlib.Path(a) / "model.safetensors")), {}
+    for f in pathlib.Path(b).glob("*.safetensors"):
+        tb.update(load_file(str(f)))
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+    ca = json.loads((pathlib.Path(a) / "config.json").read_text())
+    cb = json.loads((pathlib.Path(b) / "config.json").read_text())
+    assert ca == cb
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_tp2_pp2(mindkit, tmp_path, family):
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m",
+            "--tp", 2, "--pp", 2)
+    for f in rank_files(tmp_path / "m"):
+        obj = load_pt(f)
+        assert obj["checkpoint_version"] == 3.0 and obj["iteration"] == 1
+        assert obj["args"].tensor_model_parallel_size == 2
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "m", "--output", tmp_path / "h",
+            "--max-shard-size", "60KB")
+    assert (tmp_path / "h/model.safetensors.index.json").exists()
+    assert_hf_equal(MODELS / family, tmp_path / "h")
+
+
+def model_dicts(ck):
+    out = {}
+    for f in rank_files(ck):
+        obj = load_pt(f)
+        out[f.parent.name] = {k: v for k, v in obj.items() if k.startswith("model")}
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "a")
+    mindkit("convert", "--to", "megatron", "--input", tmp_path / "a", "--output", tmp_path / "b",
+            "--tp", 4, "--pp", 2, "--vpp", 2)
+    files = rank_files(tmp_path / "b")
+    assert len(files) == 8
+    assert set(load_pt(files[0]).keys()) >= {"model0", "model1"}
+    mindkit("convert", "--to", "megatron", "--input", tmp_path / "b", "--output", tmp_path / "c",
+            "--tp", 1, "--pp", 1, "--vpp", 1)
+    a, c = model_dicts(tmp_path / "a"), model_dicts(tmp_path / "c")
+    assert a.keys() == c.keys() == {"mp_rank_00"}
+    ma, mc = a["mp_rank_00"]["model"], c["mp_rank_00"]["model"]
+    assert list(ma.keys()) == list(mc.keys())
+    for k in ma:
+        assert torch.equal(ma[k], mc[k]), k
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")
+    obj = load_pt(rank_files(tmp_path / "m")[0])
+    a = obj["args"]
+    model = gpt_model(a).eval()
+    result = model.load_state_dict(obj["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(0, a.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = AutoModelForCausalLM.from_pretrained(MODELS / family, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = logits(model, ids, a.vocab_size)
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("layout", ["mcore-te", "legacy"])
+def test_other_layouts_load_and_round_trip(mindkit, tmp_path, layout):
+    mindkit("convert", "--to", "megatron", "--input", MODELS / "llama", "--output", tmp_path / "m",
+            "--tp", 2, "--pp", 2, "--layout", layout)
+    first = load_pt(rank_files(tmp_path / "m")[0])["model"]
+    if layout == "legacy":
+        assert first["language_model"]["encoder"]["layers.0.input_norm.weight"].shape == (32,)
+        assert first["language_model"]["embedding"]["word_embeddings"]["weight"].shape == (128, 32)
+    else:
+        assert first["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"].shape == (32,)
+        assert first["decoder.layers.0.self_attention.linear_qkv._extra_state"] is None
+    out = subprocess.run([os.environ.get("MINDKIT_BIN", ROOT / "target/release/mindkit"), "ckpt",
+                          "info", tmp_path / "m"], capture_output=True, text=True, check=True).stdout
+    assert f"layout:      {layout}" in out and "TP 2 × PP 2" in out
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "m", "--output", tmp_path / "h")
+    assert_hf_equal(MODELS / "llama", tmp_path / "h")
+
+
+def test_megatron_checkpointing_reads_the_directory(mindkit, tmp_path):
+    src = os.environ.get("MEGATRON_LM")
+    if not src:
+        pytest.skip("MEGATRON_LM (a Megatron-LM source tree) is unset: megatron.training is not on PyPI")
+    mindkit("convert", "--to", "megatron", "--input", MODELS / "qwen2", "--output", tmp_path / "m",
+            "--tp", 2, "--pp", 2, "--vpp", 2)
+    script = ROOT / "tests/interop/megatron_load_args.py"
+    r = subprocess.run([sys.executable, script, tmp_path / "m"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": src})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"iteration": 1, "release": False, "num_layers": 4, "hidden_size": 32,
+                   "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                   "virtual_pipeline_model_parallel_size": 2, "padded_vocab_size": 256,
+                   "num_query_groups": 4, "add_qkv_bias": True}
+
+
+@pytest.fixture(scope="session")
+def smollm2(assets):
+    gguf = assets / "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.exists():
+        pytest.skip(f"{gguf} not found: run scripts/fetch-test-assets.sh")
+    import smollm2 as builder
+    return builder.build(gguf, assets / "smollm2/hf")
+
+
+def test_smollm2_round_trip_tp3_pp2(mindkit, tmp_path, smollm2):
+    # SmolLM2-135M has 9 attention heads: Megatron cannot split them over TP 2 (heads % TP must
+    # be 0), so mindkit refuses it up front and names the sizes that work; TP 3 is the real test.
+    r = subprocess.run([os.environ.get("MINDKIT_BIN", ROOT / "target/release/mindkit"), "convert",
+                        "--to", "megatron", "--input", smollm2, "--output", tmp_path / "bad",
+                        "--tp", "2", "--pp", "2"], capture_output=True, text=True)
+    assert r.returncode == 1 and "TP sizes that work: 1, 3" in r.stderr
+    assert not (tmp_path / "bad").exists()
+    mindkit("convert", "--to", "megatron", "--input", smollm2, "--output", tmp_path / "m",
+            "--tp", 3, "--pp", 2)
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "m", "--output", tmp_path / "h")
+    assert_hf_equal(smollm2, tmp_path / "h")
+
+
+def test_smollm2_gptmodel_logits(mindkit, tmp_path, smollm2):
+    from transformers import AutoModelForCausalLM
+    mindkit("convert", "--to", "megatron", "--input", smollm2, "--output", tmp_path / "m",
+            "--dtype", "fp32")
+    obj = load_pt(rank_files(tmp_path / "m")[0])
+    a = obj["args"]
+    model = gpt_model(a).eval()
+    model.load_state_dict(obj["model"], strict=True)
+    ids = torch.tensor([[1, 504, 3575, 282, 4649, 314, 2, 28, 30, 17]])
+    ref = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert (logits(model, ids, a.vocab_size) - want).abs().max().item() <= 1e-4
