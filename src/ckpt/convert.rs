@@ -193,13 +193,16 @@ pub struct ConvertSummary {
 
 impl std::fmt::Display for ConvertSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rate = self.bytes as f64 / 1e9 / self.seconds.max(1e-9);
+        let size = if self.bytes >= 1_000_000_000 {
+            format!("{:.2} GB", self.bytes as f64 / 1e9)
+        } else {
+            format!("{:.1} MB", self.bytes as f64 / 1e6)
+        };
         write!(
             f,
-            "{} tensors, {:.2} GB written in {:.2} s ({:.2} GB/s)",
-            self.tensors,
-            self.bytes as f64 / 1e9,
-            self.seconds,
-            self.bytes as f64 / 1e9 / self.seconds.max(1e-9)
+            "{} tensors, {size} written in {:.2} s ({rate:.2} GB/s)",
+            self.tensors, self.seconds
         )
     }
 }

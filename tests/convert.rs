@@ -1,0 +1,361 @@
+//! `mindkit convert` / `ckpt info` on the tiny models in fixtures/models (made by
+//! fixtures/gen/make_tiny_models.py with transformers): bit-exact round trips for every family
+//! and layout, resharding, dtype casts, and bad input that must fail cleanly.
+
+use assert_cmd::Command;
+use mindkit::ckpt::hf::HfWeights;
+use mindkit::ckpt::torch::pickle::DType;
+use std::path::{Path, PathBuf};
+
+const FAMILIES: &[&str] = &[
+    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila",
+];
+
+fn model(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/models")
+        .join(name)
+}
+
+fn mindkit(args: &[&dyn AsRef<std::ffi::OsStr>]) -> assert_cmd::assert::Assert {
+    let mut cmd = Command::cargo_bin("mindkit").unwrap();
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd.assert()
+}
+
+fn convert(to: &str, input: &Path, output: &Path, extra: &[&str]) {
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"convert",
+        &"--quiet",
+        &"--to",
+        &to,
+        &"--input",
+        &input,
+        &"--output",
+        &output,
+    ];
+    for e in extra {
+        args.push(e);
+    }
+    mindkit(&args).success();
+}
+
+fn convert_err(to: &str, input: &Path, output: &Path, extra: &[&str]) -> String {
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"convert",
+        &"--quiet",
+        &"--to",
+        &to,
+        &"--input",
+        &input,
+        &"--output",
+        &output,
+    ];
+    for e in extra {
+        args.push(e);
+    }
+    let out = mindkit(&args).code(1).get_output().clone();
+    String::from_utf8(out.stderr).unwrap()
+}
+
+/// Same tensors (names, dtypes, shapes, bytes) and the same config.json.
+fn assert_same_hf(a: &Path, b: &Path) {
+    let (wa, wb) = (HfWeights::open(a).unwrap(), HfWeights::open(b).unwrap());
+    let names: Vec<_> = wa.entries().keys().collect();
+    assert_eq!(names, wb.entries().keys().collect::<Vec<_>>());
+    for n in names {
+        assert_eq!(wa.read(n).unwrap(), wb.read(n).unwrap(), "{n}");
+    }
+    let cfg = |d: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+    };
+    assert_eq!(cfg(a), cfg(b));
+}
+
+fn rank_file(ck: &Path, rank: &str) -> PathBuf {
+    ck.join("iter_0000001")
+        .join(rank)
+        .join("model_optim_rng.pt")
+}
+
+#[test]
+fn every_family_round_trips_through_tp2_pp2() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in FAMILIES {
+        let (m, h) = (tmp.path().join(format!("{f}-m")), tmp.path().join(f));
+        convert("megatron", &model(f), &m, &["--tp", "2", "--pp", "2"]);
+        for r in [
+            "mp_rank_00_000",
+            "mp_rank_01_000",
+            "mp_rank_00_001",
+            "mp_rank_01_001",
+        ] {
+            assert!(rank_file(&m, r).is_file(), "{f}: {r}");
+        }
+        assert_eq!(
+            std::fs::read_to_string(m.join("latest_checkpointed_iteration.txt")).unwrap(),
+            "1"
+        );
+        convert("hf", &m, &h, &[]);
+        assert_same_hf(&model(f), &h);
+    }
+    // Tokenizer files travel with the weights both ways.
+    assert!(tmp.path().join("llama/tokenizer.json").is_file());
+}
+
+#[test]
+fn reshard_to_tp4_pp2_vpp2_and_back_is_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in FAMILIES {
+        let [a, b, c] = ["a", "b", "c"].map(|s| tmp.path().join(format!("{f}-{s}")));
+        convert("megatron", &model(f), &a, &[]);
+        convert(
+            "megatron",
+            &a,
+            &b,
+            &["--tp", "4", "--pp", "2", "--vpp", "2"],
+        );
+        assert!(rank_file(&b, "mp_rank_03_001").is_file());
+        convert("megatron", &b, &c, &["--tp", "1", "--pp", "1"]);
+        let read = |d: &Path| std::fs::read(rank_file(d, "mp_rank_00")).unwrap();
+        assert!(
+            read(&a) == read(&c),
+            "{f}: tp1 → tp4/pp2/vpp2 → tp1 differs"
+        );
+    }
+}
+
+#[test]
+fn layouts_uneven_stages_and_virtual_stage_size_round_trip() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: &[&[&str]] = &[
+        &["--layout", "mcore-te", "--tp", "2"],
+        &["--layout", "legacy", "--tp", "2", "--pp", "2"],
+        &["--layout", "legacy", "--pp", "4"],
+        &[
+            "--pp",
+            "3",
+            "--first-stage-layers",
+            "1",
+            "--last-stage-layers",
+            "1",
+        ],
+        &["--pp", "2", "--num-layers-per-virtual-stage", "1"],
+    ];
+    for (i, extra) in cases.iter().enumerate() {
+        for f in ["qwen2", "llama"] {
+            let (m, h) = (
+                tmp.path().join(format!("{f}{i}-m")),
+                tmp.path().join(format!("{f}{i}-h")),
+            );
+            convert("megatron", &model(f), &m, extra);
+            convert("hf", &m, &h, &[]);
+            assert_same_hf(&model(f), &h);
+        }
+    }
+}
+
+#[test]
+fn dtype_cast_matches_a_direct_cast() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, h) = (tmp.path().join("m"), tmp.path().join("h"));
+    convert(
+        "megatron",
+        &model("llama"),
+        &m,
+        &["--tp", "2", "--dtype", "bf16"],
+    );
+    convert("hf", &m, &h, &[]);
+    let (orig, got) = (
+        HfWeights::open(&model("llama")).unwrap(),
+        HfWeights::open(&h).unwrap(),
+    );
+    for name in orig.entries().keys() {
+        let want = orig.read(name).unwrap().cast(DType::BF16).unwrap();
+        assert_eq!(got.read(name).unwrap(), want, "{name}");
+    }
+    let cfg = std::fs::read_to_string(h.join("config.json")).unwrap();
+    assert!(cfg.contains("\"torch_dtype\": \"bfloat16\""), "{cfg}");
+}
+
+#[test]
+fn sharded_hf_output_has_an_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, h, h2) = (
+        tmp.path().join("m"),
+        tmp.path().join("h"),
+        tmp.path().join("h2"),
+    );
+    convert("megatron", &model("internlm"), &m, &[]);
+    convert("hf", &m, &h, &["--max-shard-size", "50KB"]);
+    let index = std::fs::read_to_string(h.join("model.safetensors.index.json")).unwrap();
+    assert!(index.contains("model-00001-of-0000"), "{index}");
+    assert_same_hf(&model("internlm"), &h);
+    // And a sharded HF input converts like the single file.
+    convert("hf", &h, &h2, &[]);
+    assert_same_hf(&model("internlm"), &h2);
+}
+
+#[test]
+fn ckpt_info_describes_both_formats() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    convert(
+        "megatron",
+        &model("qwen2"),
+        &m,
+        &["--tp", "2", "--pp", "2", "--vpp", "2"],
+    );
+    let out = mindkit(&[&"ckpt", &"info", &m, &"--keys"]).success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    for want in [
+        "layout:      mcore",
+        "TP 2 × PP 2 × VPP 2",
+        "family:      qwen2",
+        "heads 8 (kv 4)",
+        "padded vocab 256",
+        "model1.decoder.layers.0.self_attention.linear_qkv.bias",
+    ] {
+        assert!(text.contains(want), "{want} not in\n{text}");
+    }
+    let out = mindkit(&[&"ckpt", &"info", &model("baichuan")]).success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(text.contains("family:      baichuan"), "{text}");
+}
+
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".mindkit"))
+        .collect()
+}
+
+#[test]
+fn invalid_plans_are_refused_before_writing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let err = convert_err("megatron", &model("llama"), &out, &["--tp", "3"]);
+    assert!(
+        err.contains("--tp 3 does not divide num_attention_heads = 8"),
+        "{err}"
+    );
+    assert!(err.contains("TP sizes that work: 1, 2, 4"), "{err}");
+    let err = convert_err("megatron", &model("llama"), &out, &["--pp", "3"]);
+    assert!(
+        err.contains("num_layers 4 is not divisible by --pp 3"),
+        "{err}"
+    );
+    let err = convert_err("megatron", &model("llama"), &out, &["--family", "gpt-neox"]);
+    assert!(
+        err.contains("supported: llama, mistral, qwen2, internlm, baichuan, aquila"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    assert!(leftovers(tmp.path()).is_empty());
+}
+
+#[test]
+fn existing_output_needs_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("mine.txt"), "user data").unwrap();
+    let err = convert_err("megatron", &model("llama"), &out, &[]);
+    assert!(err.contains("already exists (pass --force"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("mine.txt")).unwrap(),
+        "user data"
+    );
+    convert("megatron", &model("llama"), &out, &["--force"]);
+    assert!(!out.join("mine.txt").exists());
+    assert!(rank_file(&out, "mp_rank_00").is_file());
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&p, to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn damaged_inputs_give_errors_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    // Truncated safetensors.
+    let hf = tmp.path().join("hf");
+    copy_dir(&model("llama"), &hf);
+    let st = hf.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
+    let err = convert_err("megatron", &hf, &out, &[]);
+    assert!(
+        err.contains("model.safetensors: bad safetensors file"),
+        "{err}"
+    );
+    // config.json that disagrees with the tensors.
+    std::fs::write(&st, &bytes).unwrap();
+    let cfg = std::fs::read_to_string(hf.join("config.json")).unwrap();
+    std::fs::write(
+        hf.join("config.json"),
+        cfg.replace("\"intermediate_size\": 64", "\"intermediate_size\": 96"),
+    )
+    .unwrap();
+    let err = convert_err("megatron", &hf, &out, &[]);
+    assert!(
+        err.contains("tensor model.layers.0.mlp.gate_proj.weight has shape [64, 32], config.json implies [96, 32]"),
+        "{err}"
+    );
+    // Megatron: missing rank file, truncated rank file, forbidden pickle global.
+    let m = tmp.path().join("m");
+    convert("megatron", &model("llama"), &m, &["--tp", "2"]);
+    let victim = rank_file(&m, "mp_rank_01");
+    let good = std::fs::read(&victim).unwrap();
+    std::fs::remove_file(&victim).unwrap();
+    let err = convert_err("hf", &m, &out, &[]);
+    assert!(
+        err.contains("missing rank file") && err.contains("mp_rank_01"),
+        "{err}"
+    );
+    std::fs::write(&victim, &good[..good.len() - 100]).unwrap();
+    let err = convert_err("hf", &m, &out, &[]);
+    assert!(err.contains("mp_rank_01/model_optim_rng.pt"), "{err}");
+    let evil = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch/evil.pt");
+    std::fs::copy(evil, &victim).unwrap();
+    let err = convert_err("hf", &m, &out, &[]);
+    assert!(err.contains("forbidden global"), "{err}");
+    // A missing shard named by the index.
+    let sharded = tmp.path().join("sharded");
+    std::fs::write(&victim, &good).unwrap();
+    convert("hf", &m, &sharded, &["--max-shard-size", "50KB"]);
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(&sharded)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(".safetensors"))
+        .collect();
+    shards.sort();
+    assert!(shards.len() > 2, "{shards:?}");
+    std::fs::remove_file(&shards[1]).unwrap();
+    let err = convert_err("megatron", &sharded, &out, &[]);
+    let name = shards[1]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        err.contains("missing weight shard") && err.contains(&name),
+        "{err}"
+    );
+    assert!(!out.exists());
+    assert!(leftovers(tmp.path()).is_empty());
+}
