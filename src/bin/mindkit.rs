@@ -1,6 +1,11 @@
 //! The `mindkit` command line: parse arguments, call the library, print.
 
 use std::path::PathBuf;
+
+// Conversions allocate and free tensor-sized buffers continuously; mimalloc reuses them instead
+// of returning each to the kernel and faulting fresh zeroed pages in for the next one.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};

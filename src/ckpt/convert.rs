@@ -8,7 +8,7 @@ use super::hf::{self, HfWeights, Planned};
 use super::layout::{KeyLayout, Parallel};
 use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
 use super::tensor::Tensor;
-use super::transform::{canonical, canonical_shape, from_hf, hf_parts, to_hf, Canon};
+use super::transform::{canonical, canonical_shape, from_hf, hf_parts, to_hf, Canon, Role};
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -162,6 +162,20 @@ fn check_hf_tensors(cfg: &ModelConfig, w: &HfWeights) -> Result<()> {
 impl Source {
     fn read(&self, cfg: &ModelConfig, c: Canon) -> Result<Tensor> {
         match self {
+            Source::Hf { weights, .. } if c.role == Role::Fc1 => {
+                // [gate; up] is a plain concatenation: read both into one buffer.
+                let parts = hf_parts(cfg, c);
+                let bytes = parts
+                    .iter()
+                    .map(|(n, _)| weights.entries()[n].nbytes())
+                    .sum();
+                let mut data = Vec::with_capacity(bytes);
+                for (name, _) in parts {
+                    weights.read_append(&name, &mut data)?;
+                }
+                let dtype = weights.entries()[&hf_parts(cfg, c)[0].0].dtype;
+                Ok(Tensor::new(dtype, canonical_shape(cfg, c.role), data))
+            }
             Source::Hf { weights, .. } => {
                 let parts = hf_parts(cfg, c)
                     .iter()

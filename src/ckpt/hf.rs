@@ -6,10 +6,10 @@ use super::tensor::Tensor;
 use super::torch::pickle::{DType, TensorRef, Value};
 use super::torch::TorchFile;
 use anyhow::{anyhow, bail, Context, Result};
+use rayon::prelude::*;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -220,6 +220,13 @@ impl HfWeights {
 
     /// Read tensor `name` into memory.
     pub fn read(&self, name: &str) -> Result<Tensor> {
+        let mut data = Vec::new();
+        let e = self.read_append(name, &mut data)?;
+        Ok(Tensor::new(e.dtype, e.shape.clone(), data))
+    }
+
+    /// Append tensor `name`'s bytes to `out` (so concatenations need no second copy).
+    pub fn read_append(&self, name: &str, out: &mut Vec<u8>) -> Result<&Entry> {
         let e = self
             .entries
             .get(name)
@@ -227,13 +234,16 @@ impl HfWeights {
         match &e.loc {
             Location::Safetensors { file, start } => {
                 let (path, f) = &self.files[*file];
-                let mut data = vec![0u8; e.nbytes()];
-                f.read_exact_at(&mut data, *start)
+                let from = out.len();
+                out.resize(from + e.nbytes(), 0);
+                f.read_exact_at(&mut out[from..], *start)
                     .with_context(|| format!("{}: reading tensor {name}", path.display()))?;
-                Ok(Tensor::new(e.dtype, e.shape.clone(), data))
             }
-            Location::Torch { file, tensor } => Ok(self.torch[file].read_tensor(name, tensor)?),
+            Location::Torch { file, tensor } => {
+                out.extend_from_slice(&self.torch[file].read_tensor(name, tensor)?.data)
+            }
         }
+        Ok(e)
     }
 }
 
@@ -281,53 +291,64 @@ pub fn shard_name(i: usize, n: usize) -> String {
 }
 
 /// Write one safetensors file whose header lists `planned` in order; `produce(g)` yields the
-/// tensors of group `g` in the same order. Data is streamed group by group.
+/// tensors of group `g` in the same order. Offsets are known from the header, so groups are
+/// produced and written (`pwrite`) in parallel, each as soon as it is ready.
 pub fn write_safetensors(
     path: &Path,
     planned: &[&Vec<Planned>],
-    mut produce: impl FnMut(usize) -> Result<Vec<Tensor>>,
+    produce: impl Fn(usize) -> Result<Vec<Tensor>> + Sync,
 ) -> Result<u64> {
     let mut infos = Vec::new();
+    let mut group_offsets = Vec::with_capacity(planned.len());
     let mut offset = 0usize;
-    for p in planned.iter().flat_map(|g| g.iter()) {
-        let n = p.nbytes();
-        let info = TensorInfo {
-            dtype: to_st(p.dtype),
-            shape: p.shape.clone(),
-            data_offsets: (offset, offset + n),
-        };
-        infos.push((p.name.clone(), info));
-        offset += n;
+    for g in planned {
+        group_offsets.push(offset);
+        for p in g.iter() {
+            let n = p.nbytes();
+            let info = TensorInfo {
+                dtype: to_st(p.dtype),
+                shape: p.shape.clone(),
+                data_offsets: (offset, offset + n),
+            };
+            infos.push((p.name.clone(), info));
+            offset += n;
+        }
     }
     let meta_map = HashMap::from([("format".to_string(), "pt".to_string())]);
     let meta = Metadata::new(Some(meta_map), infos)
         .map_err(|e| anyhow!("{}: building the header: {e}", path.display()))?;
     let mut header = serde_json::to_vec(&meta)?;
     header.resize(header.len().next_multiple_of(8), b' ');
+    let data_start = 8 + header.len() as u64;
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut out = BufWriter::with_capacity(1 << 20, file);
     let io = |e| anyhow!("{}: {e}", path.display());
-    out.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io)?;
-    out.write_all(&header).map_err(io)?;
-    for (g, group) in planned.iter().enumerate() {
-        let tensors = produce(g)?;
-        for (p, t) in group.iter().zip(&tensors) {
-            if t.dtype != p.dtype || t.shape != p.shape {
-                bail!(
-                    "internal: tensor {} came out as {:?} {:?}, planned {:?} {:?}",
-                    p.name,
-                    t.dtype,
-                    t.shape,
-                    p.dtype,
-                    p.shape
-                );
+    file.set_len(data_start + offset as u64).map_err(io)?;
+    let mut head = (header.len() as u64).to_le_bytes().to_vec();
+    head.extend_from_slice(&header);
+    file.write_all_at(&head, 0).map_err(io)?;
+    planned
+        .par_iter()
+        .enumerate()
+        .try_for_each(|(g, group)| -> Result<()> {
+            let tensors = produce(g)?;
+            let mut at = data_start + group_offsets[g] as u64;
+            for (p, t) in group.iter().zip(&tensors) {
+                if t.dtype != p.dtype || t.shape != p.shape {
+                    bail!(
+                        "internal: tensor {} came out as {:?} {:?}, planned {:?} {:?}",
+                        p.name,
+                        t.dtype,
+                        t.shape,
+                        p.dtype,
+                        p.shape
+                    );
+                }
+                file.write_all_at(&t.data, at).map_err(io)?;
+                at += t.data.len() as u64;
             }
-            out.write_all(&t.data).map_err(io)?;
-        }
-    }
-    out.flush().map_err(io)?;
-    Ok((8 + header.len() + offset) as u64)
+            Ok(())
+        })?;
+    Ok(data_start + offset as u64)
 }
 
 /// The `model.safetensors.index.json` for shards written by [`write_safetensors`].

@@ -9,7 +9,7 @@ use super::tensor::Tensor;
 use super::torch::pickle::{DType, StorageRef, TensorRef, Value};
 use super::torch::save::PtWriter;
 use super::torch::TorchFile;
-use super::transform::{gather_tp, shard_shape, split_tp, Canon};
+use super::transform::{gather_tp, shard_shape, tp_shard, Canon};
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -585,12 +585,15 @@ impl MegatronTarget<'_> {
                 .collect::<Result<Vec<_>>>()?;
             let tensors = entries.iter().flatten().filter_map(|(_, c)| *c);
             for (key, c) in tensors.enumerate() {
-                let shards = split_tp(c.role, &read(c)?, par.tp, padded);
+                let canonical = read(c)?;
                 let storage = key.to_string();
+                // Each rank's shard is cut when its writer is ready: at most one shard per
+                // thread is in memory next to the canonical tensor.
                 writers
                     .par_iter_mut()
-                    .zip(shards)
-                    .try_for_each(|(w, s)| -> Result<()> {
+                    .enumerate()
+                    .try_for_each(|(r, w)| -> Result<()> {
+                        let s = tp_shard(c.role, &canonical, r, par.tp, padded);
                         w.write_storage(&storage, &s.data)?;
                         progress(s.data.len() as u64);
                         Ok(())

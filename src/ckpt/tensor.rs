@@ -54,20 +54,24 @@ impl Tensor {
             .collect()
     }
 
+    /// Columns `from..to` of a 2-D tensor.
+    pub fn cols(&self, from: usize, to: usize) -> Tensor {
+        let (rows, cols) = (self.shape[0], self.shape[1]);
+        let es = self.dtype.size();
+        let width = (to - from) * es;
+        let mut data = Vec::with_capacity(rows * width);
+        for r in 0..rows {
+            let start = (r * cols + from) * es;
+            data.extend_from_slice(&self.data[start..start + width]);
+        }
+        Tensor::new(self.dtype, vec![rows, to - from], data)
+    }
+
     /// `n` equal chunks along dim 1 of a 2-D tensor.
     pub fn chunk_cols(&self, n: usize) -> Vec<Tensor> {
-        let (rows, cols) = (self.shape[0], self.shape[1]);
-        let step = cols / n;
-        let es = self.dtype.size();
+        let step = self.shape[1] / n;
         (0..n)
-            .map(|i| {
-                let mut data = Vec::with_capacity(rows * step * es);
-                for r in 0..rows {
-                    let start = (r * cols + i * step) * es;
-                    data.extend_from_slice(&self.data[start..start + step * es]);
-                }
-                Tensor::new(self.dtype, vec![rows, step], data)
-            })
+            .map(|i| self.cols(i * step, (i + 1) * step))
             .collect()
     }
 
@@ -88,17 +92,20 @@ impl Tensor {
 
     /// Exactly `n` rows: truncate, or append copies of the last row (Megatron's vocab padding).
     pub fn resize_rows(&self, n: usize) -> Tensor {
+        self.rows_padded(0, n)
+    }
+
+    /// Rows `from..to` of this tensor extended with copies of its last row (rows past the end
+    /// are padding), without building the whole padded tensor.
+    pub fn rows_padded(&self, from: usize, to: usize) -> Tensor {
         let have = self.shape[0];
-        if n <= have {
-            return self.rows(0, n);
-        }
         let rb = self.row_bytes();
-        let mut data = Vec::with_capacity(n * rb);
-        data.extend_from_slice(&self.data);
+        let mut data = Vec::with_capacity((to - from) * rb);
+        data.extend_from_slice(&self.data[from.min(have) * rb..to.min(have) * rb]);
         let last = &self.data[(have - 1) * rb..have * rb];
-        (have..n).for_each(|_| data.extend_from_slice(last));
+        (from.max(have)..to).for_each(|_| data.extend_from_slice(last));
         let mut shape = self.shape.clone();
-        shape[0] = n;
+        shape[0] = to - from;
         Tensor::new(self.dtype, shape, data)
     }
 

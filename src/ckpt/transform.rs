@@ -233,21 +233,30 @@ pub fn shard_shape(cfg: &ModelConfig, role: Role, tp: usize, padded_vocab: usize
     shape
 }
 
-/// The canonical tensor → `tp` rank shards.
-pub fn split_tp(role: Role, t: &Tensor, tp: usize, padded_vocab: usize) -> Vec<Tensor> {
+/// Rank `r`'s shard of the canonical tensor, built directly (no intermediate padded or
+/// re-ordered copy of the whole tensor).
+pub fn tp_shard(role: Role, t: &Tensor, r: usize, tp: usize, padded_vocab: usize) -> Tensor {
     match split_of(role) {
-        Split::Replicated => vec![t.clone(); tp],
-        Split::Rows => t.chunk_rows(tp),
-        Split::Cols => t.chunk_cols(tp),
-        Split::Vocab => t.resize_rows(padded_vocab).chunk_rows(tp),
+        Split::Replicated => t.clone(),
+        Split::Rows => {
+            let n = t.shape[0] / tp;
+            t.rows(r * n, (r + 1) * n)
+        }
+        Split::Cols => {
+            let n = t.shape[1] / tp;
+            t.cols(r * n, (r + 1) * n)
+        }
+        Split::Vocab => {
+            let n = padded_vocab / tp;
+            t.rows_padded(r * n, (r + 1) * n)
+        }
         Split::GateUp => {
             let f = t.shape[0] / 2;
-            let gate = t.rows(0, f).chunk_rows(tp);
-            let up = t.rows(f, 2 * f).chunk_rows(tp);
-            gate.into_iter()
-                .zip(up)
-                .map(|(g, u)| Tensor::cat_rows(&[g, u]))
-                .collect()
+            let n = f / tp;
+            Tensor::cat_rows(&[
+                t.rows(r * n, (r + 1) * n),
+                t.rows(f + r * n, f + (r + 1) * n),
+            ])
         }
     }
 }
@@ -259,26 +268,35 @@ pub fn gather_tp(role: Role, shards: &[Tensor], vocab: usize) -> Result<Tensor> 
         Split::Rows => Tensor::cat_rows(shards),
         Split::Cols => Tensor::cat_cols(shards),
         Split::Vocab => {
-            let all = Tensor::cat_rows(shards);
-            if all.shape[0] < vocab {
+            let rows: usize = shards.iter().map(|s| s.shape[0]).sum();
+            if rows < vocab {
                 bail!(
-                    "the embedding has {} rows over all TP ranks, fewer than the vocabulary {vocab}",
-                    all.shape[0]
+                    "the embedding has {rows} rows over all TP ranks, fewer than the vocabulary {vocab}"
                 );
             }
-            all.resize_rows(vocab)
+            // Concatenate only the real rows; the padding is dropped without being copied.
+            let row_bytes = shards[0].data.len() / shards[0].shape[0].max(1);
+            let mut data = Vec::with_capacity(vocab * row_bytes);
+            for s in shards {
+                let take = (vocab * row_bytes - data.len()).min(s.data.len());
+                data.extend_from_slice(&s.data[..take]);
+            }
+            let mut shape = shards[0].shape.clone();
+            shape[0] = vocab;
+            Tensor::new(shards[0].dtype, shape, data)
         }
         Split::GateUp => {
-            let halves: Vec<[Tensor; 2]> = shards
-                .iter()
-                .map(|s| {
-                    let f = s.shape[0] / 2;
-                    [s.rows(0, f), s.rows(f, 2 * f)]
-                })
-                .collect();
-            let gate: Vec<Tensor> = halves.iter().map(|h| h[0].clone()).collect();
-            let up: Vec<Tensor> = halves.iter().map(|h| h[1].clone()).collect();
-            Tensor::cat_rows(&[Tensor::cat_rows(&gate), Tensor::cat_rows(&up)])
+            // Rank r holds [gate_r; up_r]: all gate halves first, then all up halves.
+            let mut data = Vec::with_capacity(shards.iter().map(|s| s.data.len()).sum());
+            for half in 0..2 {
+                for s in shards {
+                    let h = s.data.len() / 2;
+                    data.extend_from_slice(&s.data[half * h..(half + 1) * h]);
+                }
+            }
+            let mut shape = shards[0].shape.clone();
+            shape[0] = shards.iter().map(|s| s.shape[0]).sum();
+            Tensor::new(shards[0].dtype, shape, data)
         }
     })
 }

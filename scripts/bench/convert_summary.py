@@ -1,0 +1,40 @@
+"""Medians of the convert benchmark's measure.py results.
+Usage: convert_summary.py RESULTS_DIR HF_DIR [ONLY_PREFIX]"""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROWS = [("torch-hf2mg", "torch script HF → Megatron TP2 PP2"),
+        ("mindkit-hf2mg", "mindkit HF → Megatron TP2 PP2"),
+        ("mindkit-mg2hf", "mindkit Megatron TP2 PP2 → HF"),
+        ("cp", "cp -r (same bytes)"),
+        ("big-hf2mg", "mindkit HF → Megatron TP2 PP2 (7B-shaped)")]
+
+
+def main(results, hf, only=None):
+    results, hf = Path(results), Path(hf)
+    size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
+    med = {}
+    print(f"input: {hf} ({size / 1e9:.2f} GB)")
+    print(f"{'':44} {'wall s':>8} {'GB/s':>6} {'peak RSS MB':>12}")
+    for key, label in ROWS:
+        if only and key != only:
+            continue
+        runs = [json.loads(p.read_text()) for p in sorted(results.glob(f"{key}.*json"))]
+        if not runs:
+            continue
+        wall = statistics.median(r["wall_s"] for r in runs)
+        rss = statistics.median(r["peak_rss_mb"] for r in runs)
+        med[key] = wall
+        print(f"{label:44} {wall:8.2f} {size / 1e9 / wall:6.2f} {rss:12.0f}   (n={len(runs)})")
+    if "torch-hf2mg" in med and "mindkit-hf2mg" in med:
+        print(f"mindkit vs torch script (HF → Megatron): {med['torch-hf2mg'] / med['mindkit-hf2mg']:.2f}x faster")
+    if "cp" in med:
+        for k in ("mindkit-hf2mg", "mindkit-mg2hf"):
+            if k in med:
+                print(f"{k} / cp -r: {med[k] / med['cp']:.2f}x the time of a plain copy")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
