@@ -25,38 +25,30 @@ fn mindkit(args: &[&dyn AsRef<std::ffi::OsStr>]) -> assert_cmd::assert::Assert {
     cmd.assert()
 }
 
+fn run_convert(
+    to: &str,
+    input: &Path,
+    output: &Path,
+    extra: &[&str],
+) -> assert_cmd::assert::Assert {
+    let mut cmd = Command::cargo_bin("mindkit").unwrap();
+    cmd.args(["convert", "--quiet", "--to", to, "--input"])
+        .arg(input)
+        .arg("--output")
+        .arg(output)
+        .args(extra);
+    cmd.assert()
+}
+
 fn convert(to: &str, input: &Path, output: &Path, extra: &[&str]) {
-    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
-        &"convert",
-        &"--quiet",
-        &"--to",
-        &to,
-        &"--input",
-        &input,
-        &"--output",
-        &output,
-    ];
-    for e in extra {
-        args.push(e);
-    }
-    mindkit(&args).success();
+    run_convert(to, input, output, extra).success();
 }
 
 fn convert_err(to: &str, input: &Path, output: &Path, extra: &[&str]) -> String {
-    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
-        &"convert",
-        &"--quiet",
-        &"--to",
-        &to,
-        &"--input",
-        &input,
-        &"--output",
-        &output,
-    ];
-    for e in extra {
-        args.push(e);
-    }
-    let out = mindkit(&args).code(1).get_output().clone();
+    let out = run_convert(to, input, output, extra)
+        .code(1)
+        .get_output()
+        .clone();
     String::from_utf8(out.stderr).unwrap()
 }
 

@@ -163,3 +163,36 @@ def test_smollm2_gptmodel_logits(mindkit, tmp_path, smollm2):
     with torch.no_grad():
         want = ref(ids).logits
     assert (logits(model, ids, a.vocab_size) - want).abs().max().item() <= 1e-4
+
+
+def test_reads_checkpoints_other_tools_wrote(mindkit, tmp_path):
+    """Rank files re-saved by torch as MindSpeed-LLM writes them (pickle protocol 4) with args that
+    lack mindkit's carried config.json, and an HF pytorch_model.bin, convert like the originals."""
+    import argparse
+    import shutil
+    mindkit("convert", "--to", "megatron", "--input", MODELS / "qwen2", "--output", tmp_path / "m",
+            "--tp", 2, "--pp", 2)
+    for f in rank_files(tmp_path / "m"):
+        obj = load_pt(f)
+        args = vars(obj["args"])
+        args.pop("mindkit_hf_config")
+        obj["args"] = argparse.Namespace(**args)
+        torch.save(obj, f, pickle_protocol=4)
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "m", "--output", tmp_path / "h")
+    want, got = load_file(str(MODELS / "qwen2/model.safetensors")), load_file(str(tmp_path / "h/model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    cfg = json.loads((tmp_path / "h/config.json").read_text())
+    orig = json.loads((MODELS / "qwen2/config.json").read_text())
+    for k in ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rope_theta", "rms_norm_eps"]:
+        assert cfg[k] == orig[k], k
+    assert cfg["model_type"] == "qwen2"
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "h")  # transformers accepts the rebuilt config
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(MODELS / "llama/config.json", bin_dir)
+    torch.save(load_file(str(MODELS / "llama/model.safetensors")), bin_dir / "pytorch_model.bin")
+    mindkit("convert", "--to", "megatron", "--input", bin_dir, "--output", tmp_path / "bm", "--tp", 2)
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "bm", "--output", tmp_path / "bh")
+    assert_hf_equal(MODELS / "llama", tmp_path / "bh")
