@@ -193,7 +193,8 @@ fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
     }
 }
 
-fn global_key(layout: KeyLayout, role: Role, tied: bool) -> Vec<String> {
+/// Key path of a non-layer tensor (embedding, final norm, output layer).
+pub fn global_key(layout: KeyLayout, role: Role, tied: bool) -> Vec<String> {
     let path = |p: &[&str]| p.iter().map(|s| s.to_string()).collect();
     match (layout, role) {
         (KeyLayout::Legacy, Role::Embedding) => {
@@ -292,13 +293,13 @@ pub fn chunk_entries(
     out
 }
 
-/// Flattened key (`.`-joined path) as read back from a file; legacy `*layernorm` names
-/// written before 2023-09 are read as `*norm`.
+/// Flattened key (`.`-joined path), as keys read back from a file are matched.
 pub fn flat_key(path: &[String]) -> String {
     path.join(".")
 }
 
-/// Normalise a legacy key read from a file to the current names.
+/// Normalise a legacy key read from a file to the current names (`*layernorm` names written
+/// before 2023-09 are read as `*norm`).
 pub fn normalise_legacy(key: &str) -> String {
     key.replace("layernorm", "norm")
         .replace(".attention.", ".self_attention.")

@@ -9,7 +9,7 @@ use super::tensor::Tensor;
 use super::torch::pickle::{DType, StorageRef, TensorRef, Value};
 use super::torch::save::PtWriter;
 use super::torch::TorchFile;
-use super::transform::{gather_tp, shard_shape, tp_shard, Canon};
+use super::transform::{gather_tp, shard_shape, tp_shard, Canon, Role};
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -244,8 +244,7 @@ impl MegatronCkpt {
                 stage_layers[p] += n;
             }
         }
-        let emb_key =
-            layout::flat_key(&chunk_entries(layout, &dummy_cfg(), &[], true, false, 1)[0].0);
+        let emb_key = layout::flat_key(&layout::global_key(layout, Role::Embedding, false));
         let emb = match flat[0][0][0].get(&emb_key) {
             Some(Value::Tensor(t)) => t.clone(),
             _ => bail!(
@@ -403,28 +402,6 @@ pub struct RankFileInfo {
     pub bytes: u64,
     /// Tensors: key, dtype, shape.
     pub tensors: Vec<(String, DType, Vec<u64>)>,
-}
-
-/// A config only used to ask the layout for global key names.
-fn dummy_cfg() -> ModelConfig {
-    ModelConfig {
-        family: &super::family::FAMILIES[0],
-        layers: 0,
-        hidden: 0,
-        heads: 1,
-        groups: 1,
-        head_dim: 0,
-        ffn: 0,
-        vocab: 0,
-        max_positions: 0,
-        rope_theta: 0.0,
-        norm_eps: 0.0,
-        tied: false,
-        qkv_bias: false,
-        proj_bias: false,
-        dtype: DType::F32,
-        hf_config: None,
-    }
 }
 
 /// What to write.

@@ -46,14 +46,6 @@ impl Tensor {
         Tensor::new(first.dtype, shape, data)
     }
 
-    /// `n` equal chunks along dim 0 (the caller checked divisibility).
-    pub fn chunk_rows(&self, n: usize) -> Vec<Tensor> {
-        let step = self.shape[0] / n;
-        (0..n)
-            .map(|i| self.rows(i * step, (i + 1) * step))
-            .collect()
-    }
-
     /// Columns `from..to` of a 2-D tensor.
     pub fn cols(&self, from: usize, to: usize) -> Tensor {
         let (rows, cols) = (self.shape[0], self.shape[1]);
@@ -65,14 +57,6 @@ impl Tensor {
             data.extend_from_slice(&self.data[start..start + width]);
         }
         Tensor::new(self.dtype, vec![rows, to - from], data)
-    }
-
-    /// `n` equal chunks along dim 1 of a 2-D tensor.
-    pub fn chunk_cols(&self, n: usize) -> Vec<Tensor> {
-        let step = self.shape[1] / n;
-        (0..n)
-            .map(|i| self.cols(i * step, (i + 1) * step))
-            .collect()
     }
 
     /// Concatenate 2-D tensors along dim 1.
@@ -88,11 +72,6 @@ impl Tensor {
             }
         }
         Tensor::new(parts[0].dtype, vec![rows, cols], data)
-    }
-
-    /// Exactly `n` rows: truncate, or append copies of the last row (Megatron's vocab padding).
-    pub fn resize_rows(&self, n: usize) -> Tensor {
-        self.rows_padded(0, n)
     }
 
     /// Rows `from..to` of this tensor extended with copies of its last row (rows past the end
@@ -165,18 +144,20 @@ mod tests {
     #[test]
     fn chunks_round_trip() {
         let x = t(vec![6, 4]);
-        assert_eq!(Tensor::cat_rows(&x.chunk_rows(3)), x);
-        assert_eq!(Tensor::cat_cols(&x.chunk_cols(2)), x);
-        assert_eq!(x.chunk_cols(2)[1].data[..4], 2f32.to_le_bytes());
+        let thirds: Vec<Tensor> = (0..3).map(|i| x.rows(2 * i, 2 * i + 2)).collect();
+        assert_eq!(Tensor::cat_rows(&thirds), x);
+        let halves = [x.cols(0, 2), x.cols(2, 4)];
+        assert_eq!(Tensor::cat_cols(&halves), x);
+        assert_eq!(halves[1].data[..4], 2f32.to_le_bytes());
     }
 
     #[test]
     fn resize_pads_with_last_row_and_truncates() {
         let x = t(vec![3, 2]);
-        let p = x.resize_rows(5);
+        let p = x.rows_padded(0, 5);
         assert_eq!(p.shape, vec![5, 2]);
         assert_eq!(p.rows(4, 5).data, x.rows(2, 3).data);
-        assert_eq!(p.resize_rows(3), x);
+        assert_eq!(p.rows_padded(0, 3), x);
     }
 
     #[test]
