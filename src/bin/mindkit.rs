@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use mindkit::ckpt::convert::{self, ConvertOptions, Format};
 use mindkit::ckpt::layout::KeyLayout;
+use mindkit::ckpt::lora;
 use mindkit::ckpt::{family, info};
 use mindkit::data::{indexed, inspect, preprocess};
 
@@ -35,6 +36,9 @@ enum Command {
     Data(DataCommand),
     /// Hugging Face ⇄ Megatron checkpoints, any TP/PP/VPP, streaming.
     Convert(Box<ConvertArgs>),
+    /// LoRA adapters (PEFT or Megatron-sharded): merge into base weights, inspect.
+    #[command(subcommand)]
+    Lora(LoraCommand),
     /// Inspect checkpoints.
     #[command(subcommand)]
     Ckpt(CkptCommand),
@@ -51,6 +55,42 @@ struct ConvertArgs {
     /// Input directory (HF model directory, or Megatron checkpoint root / iteration directory).
     #[arg(long)]
     input: PathBuf,
+    #[command(flatten)]
+    out: OutputArgs,
+}
+
+#[derive(Args)]
+struct LoraMergeArgs {
+    /// Base model: HF directory or Megatron checkpoint (any TP/PP).
+    #[arg(long)]
+    base: PathBuf,
+    /// Adapter: PEFT directory (adapter_config.json) or Megatron LoRA checkpoint (any TP/PP).
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Output format (default: the base's).
+    #[arg(long, value_enum)]
+    to: Option<Format>,
+    /// lora_alpha of a Megatron adapter whose args do not record it.
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    #[command(flatten)]
+    out: OutputArgs,
+}
+
+#[derive(Subcommand)]
+enum LoraCommand {
+    /// Fold a LoRA adapter into the base weights: W += alpha/r · B·A (f32), then write any format/TP/PP.
+    Merge(Box<LoraMergeArgs>),
+    /// Kind, rank, alpha, targets, adapted modules, parameter count.
+    Info {
+        /// PEFT adapter directory or Megatron LoRA checkpoint.
+        path: PathBuf,
+    },
+}
+
+/// Where and how a checkpoint is written (shared by convert and lora merge).
+#[derive(Args)]
+struct OutputArgs {
     /// Output directory (written under a temporary name, renamed when complete).
     #[arg(long)]
     output: PathBuf,
@@ -298,6 +338,32 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
     })
 }
 
+fn convert_options(
+    input: PathBuf,
+    from: Option<Format>,
+    to: Format,
+    a: &OutputArgs,
+) -> Result<ConvertOptions> {
+    Ok(ConvertOptions {
+        input,
+        output: a.output.clone(),
+        from,
+        to,
+        tp: a.tp,
+        pp: a.pp,
+        vpp: a.vpp,
+        layers_per_virtual_stage: a.num_layers_per_virtual_stage,
+        first_last: a.first_stage_layers.zip(a.last_stage_layers),
+        layout: a.layout,
+        dtype: a.dtype.clone(),
+        family: a.family.clone(),
+        divisible_by: a.make_vocab_size_divisible_by,
+        max_shard_bytes: convert::parse_size(&a.max_shard_size)?,
+        force: a.force,
+        progress: !a.quiet,
+    })
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Preprocess(mut a) => {
@@ -330,28 +396,32 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("{summary}");
         }
         Command::Convert(a) => {
-            let opts = ConvertOptions {
-                input: a.input,
-                output: a.output,
-                from: a.from,
-                to: a.to,
-                tp: a.tp,
-                pp: a.pp,
-                vpp: a.vpp,
-                layers_per_virtual_stage: a.num_layers_per_virtual_stage,
-                first_last: a.first_stage_layers.zip(a.last_stage_layers),
-                layout: a.layout,
-                dtype: a.dtype,
-                family: a.family,
-                divisible_by: a.make_vocab_size_divisible_by,
-                max_shard_bytes: convert::parse_size(&a.max_shard_size)?,
-                force: a.force,
-                progress: !a.quiet,
-            };
+            let opts = convert_options(a.input, a.from, a.to, &a.out)?;
             let summary = convert::convert(&opts)?;
-            if !a.quiet {
+            if !a.out.quiet {
                 eprintln!("wrote {}: {summary}", opts.output.display());
             }
+        }
+        Command::Lora(LoraCommand::Merge(a)) => {
+            let to = match a.to {
+                Some(f) => f,
+                None => convert::detect(&a.base)?,
+            };
+            let opts = lora::MergeOptions {
+                convert: convert_options(a.base, None, to, &a.out)?,
+                adapter: a.adapter,
+                alpha: a.lora_alpha,
+            };
+            let (summary, edited) = lora::merge(&opts)?;
+            if !a.out.quiet {
+                eprintln!(
+                    "wrote {}: {edited} tensors merged with the adapter; {summary}",
+                    opts.convert.output.display()
+                );
+            }
+        }
+        Command::Lora(LoraCommand::Info { path }) => {
+            print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
         Command::Ckpt(CkptCommand::Info { path, keys, family }) => {
             let family = family

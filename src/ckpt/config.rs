@@ -176,11 +176,11 @@ impl ModelConfig {
 }
 
 /// Attribute `name` of a Megatron `args` Namespace.
-fn arg<'a>(args: &'a [(String, Value)], name: &str) -> Option<&'a Value> {
+pub(crate) fn arg<'a>(args: &'a [(String, Value)], name: &str) -> Option<&'a Value> {
     args.iter().find(|(k, _)| k == name).map(|(_, v)| v)
 }
 
-fn arg_uint(args: &[(String, Value)], name: &str) -> Option<usize> {
+pub(crate) fn arg_uint(args: &[(String, Value)], name: &str) -> Option<usize> {
     match arg(args, name) {
         Some(Value::Int(i)) if *i >= 0 => Some(*i as usize),
         _ => None,
@@ -194,7 +194,7 @@ fn arg_bool(args: &[(String, Value)], name: &str) -> Option<bool> {
     }
 }
 
-fn arg_float(args: &[(String, Value)], name: &str) -> Option<f64> {
+pub(crate) fn arg_float(args: &[(String, Value)], name: &str) -> Option<f64> {
     match arg(args, name) {
         Some(Value::Float(f)) => Some(*f),
         Some(Value::Int(i)) => Some(*i as f64),
@@ -385,7 +385,12 @@ pub fn megatron_args(
     if let Some(hf) = &cfg.hf_config {
         set.push((HF_CONFIG_ARG, Value::Str(hf.to_string())));
     }
-    let mut out: Vec<(String, Value)> = base.to_vec();
+    // What mindkit writes never holds LoRA modules: a source's lora_* settings would be stale.
+    let mut out: Vec<(String, Value)> = base
+        .iter()
+        .filter(|(k, _)| !k.starts_with("lora_"))
+        .cloned()
+        .collect();
     for (k, v) in set {
         match out.iter_mut().find(|(name, _)| name == k) {
             Some(slot) => slot.1 = v,

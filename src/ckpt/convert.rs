@@ -235,9 +235,35 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
     pb
 }
 
-/// Run a conversion.
-pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
-    let start = Instant::now();
+/// A change applied to canonical tensors on their way to the output (a LoRA merge).
+pub trait TensorEdit: Sync {
+    /// `t` as it should be written; any floating dtype (the output dtype is cast to after).
+    fn apply(&self, c: Canon, t: Tensor) -> Result<Tensor>;
+}
+
+/// An opened, validated input checkpoint.
+pub struct Input {
+    /// Its architecture (dtype: the dtype of its tensors).
+    pub cfg: ModelConfig,
+    /// Its format.
+    pub format: Format,
+    source: Source,
+}
+
+impl Input {
+    /// LoRA tensors stored next to the weights (Megatron checkpoints saved without
+    /// `--lora-ckpt-filter`).
+    pub fn lora_tensors(&self) -> usize {
+        match &self.source {
+            Source::Megatron(ck) => ck.lora_tensors,
+            Source::Hf { .. } => 0,
+        }
+    }
+}
+
+/// Open the input of `o` (format detected unless given); refuses an existing output without
+/// `--force` before anything is read.
+pub fn open_input(o: &ConvertOptions) -> Result<Input> {
     if o.output.exists() && !o.force {
         bail!(
             "{} already exists (pass --force to replace it)",
@@ -250,29 +276,68 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
         .map(family::by_name)
         .transpose()
         .map_err(|e| anyhow!(e))?;
-    let from = match o.from {
+    let format = match o.from {
         Some(f) => f,
         None => detect(&o.input)?,
     };
-    let (mut cfg, source) = match from {
+    Ok(match format {
         Format::Hf => {
             let (cfg, weights) = open_hf(&o.input, family)?;
             let dir = o.input.clone();
-            (cfg, Source::Hf { dir, weights })
+            Input {
+                cfg,
+                format,
+                source: Source::Hf { dir, weights },
+            }
         }
         Format::Megatron => {
             let ck = MegatronCkpt::open(&o.input, family)?;
-            (ck.cfg.clone(), Source::Megatron(Box::new(ck)))
+            Input {
+                cfg: ck.cfg.clone(),
+                format,
+                source: Source::Megatron(Box::new(ck)),
+            }
         }
-    };
+    })
+}
+
+/// Run a conversion.
+pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
+    let start = Instant::now();
+    let input = open_input(o)?;
+    if input.lora_tensors() > 0 {
+        bail!(
+            "{} holds {} LoRA tensors besides the weights; converting would drop them. Merge them \
+             with `mindkit lora merge --base {dir} --adapter {dir}`",
+            o.input.display(),
+            input.lora_tensors(),
+            dir = o.input.display()
+        );
+    }
+    write_output(o, &input, None, start)
+}
+
+/// Write `input` as `o` asks, each canonical tensor passed through `edit` (if any) and cast to
+/// the output dtype, into a temporary sibling of the output renamed into place at the end.
+pub fn write_output(
+    o: &ConvertOptions,
+    input: &Input,
+    edit: Option<&dyn TensorEdit>,
+    start: Instant,
+) -> Result<ConvertSummary> {
+    let source = &input.source;
+    let mut cfg = input.cfg.clone();
     if let Some(d) = &o.dtype {
         cfg.dtype = parse_dtype(d)?;
     }
     let read = |c: Canon| -> Result<Tensor> {
-        let t = source.read(&cfg, c)?;
+        let mut t = source.read(&input.cfg, c)?;
         let want = canonical_shape(&cfg, c.role);
         if t.shape != want {
             bail!("internal: {c:?} read as {:?}, expected {want:?}", t.shape);
+        }
+        if let Some(e) = edit {
+            t = e.apply(c, t)?;
         }
         t.cast(cfg.dtype).map_err(|e| anyhow!("{c:?}: {e}"))
     };
@@ -286,7 +351,7 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
         .tempdir_in(&parent)
         .with_context(|| format!("creating a temporary directory in {}", parent.display()))?;
     let (tensors, bytes) = match o.to {
-        Format::Megatron => write_megatron(o, &cfg, &source, &read, tmp.path())?,
+        Format::Megatron => write_megatron(o, &cfg, source, &read, tmp.path())?,
         Format::Hf => write_hf(o, &cfg, &read, tmp.path())?,
     };
     hf::copy_side_files(source.side_files_dir(), tmp.path())?;

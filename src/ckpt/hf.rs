@@ -119,12 +119,17 @@ impl HfWeights {
     /// Index every tensor of the model in `dir`. Missing shards, bad headers and offsets
     /// outside a file are errors naming the file.
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_files(weight_files(dir)?)
+    }
+
+    /// Index the tensors of the given safetensors / `.bin` files.
+    pub fn open_files(paths: Vec<PathBuf>) -> Result<Self> {
         let mut w = HfWeights {
             files: Vec::new(),
             torch: HashMap::new(),
             entries: BTreeMap::new(),
         };
-        for path in weight_files(dir)? {
+        for path in paths {
             if !path.exists() {
                 bail!(
                     "missing weight shard {} (named by the index)",

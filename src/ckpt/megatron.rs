@@ -80,6 +80,49 @@ fn parse_rank_dir(name: &str) -> Result<(usize, Option<usize>)> {
     }
 }
 
+/// The iteration directory of `dir` and its rank files, `[pp][tp]`, all opened (in parallel).
+pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
+    let iter_dir = iteration_dir(dir)?;
+    let mut ranks: Vec<(usize, Option<usize>)> = Vec::new();
+    for e in std::fs::read_dir(&iter_dir)? {
+        let name = e?.file_name().to_string_lossy().into_owned();
+        if name.starts_with("mp_rank_") {
+            ranks.push(parse_rank_dir(&name)?);
+        }
+    }
+    if ranks.is_empty() {
+        bail!("{}: no mp_rank_* directories", iter_dir.display());
+    }
+    let tp = ranks.iter().map(|r| r.0).max().unwrap_or(0) + 1;
+    let pp = ranks.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0) + 1;
+    let paths: Vec<(usize, PathBuf)> = (0..pp)
+        .flat_map(|p| (0..tp).map(move |t| (p, t)))
+        .map(|(p, t)| (p, iter_dir.join(rank_dir(t, p, pp)).join(RANK_FILE)))
+        .collect();
+    for (_, path) in &paths {
+        if !path.is_file() {
+            bail!(
+                "missing rank file {} (found TP {tp} × PP {pp})",
+                path.display()
+            );
+        }
+    }
+    let opened: Vec<TorchFile> = paths
+        .par_iter()
+        .map(|(_, path)| TorchFile::open(path))
+        .collect::<std::result::Result<_, _>>()?;
+    let mut files: Vec<Vec<TorchFile>> = (0..pp).map(|_| Vec::new()).collect();
+    for ((p, _), f) in paths.iter().zip(opened) {
+        files[*p].push(f);
+    }
+    Ok((iter_dir, files))
+}
+
+/// Whether a state-dict key is a LoRA factor (`….lora_A.default.weight`, `lora_b`, …).
+pub fn is_lora_key(key: &str) -> bool {
+    key.contains(".lora_")
+}
+
 /// A tensor found in a rank file: which file and its reference.
 struct Shard {
     key: String,
@@ -100,14 +143,17 @@ pub struct MegatronCkpt {
     pub args: Vec<(String, Value)>,
     /// Rows of the padded embedding over all TP ranks.
     pub padded_vocab: usize,
+    /// LoRA tensors found next to the weights (set aside, not converted).
+    pub lora_tensors: usize,
     /// Rank files, `[pp][tp]`.
     files: Vec<Vec<TorchFile>>,
     /// Canonical tensor → (stage, shard per TP rank).
     index: HashMap<Canon, (usize, Vec<Shard>)>,
 }
 
-/// A model chunk's tensors flattened to `.`-joined keys (legacy names normalised).
-fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String, Value>) {
+/// A model chunk's tensors flattened to `.`-joined keys (legacy names normalised, a LoRA-wrapped
+/// module's `base_layer` dropped).
+pub fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String, Value>) {
     if let Value::Dict(items) = v {
         for (k, val) in items {
             let Value::Str(k) = k else { continue };
@@ -119,17 +165,18 @@ fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String, Val
             flatten(val, &key, legacy, out);
         }
     } else {
+        let key = prefix.replace(".base_layer.", ".");
         let key = if legacy {
-            layout::normalise_legacy(prefix)
+            layout::normalise_legacy(&key)
         } else {
-            prefix.to_string()
+            key
         };
         out.insert(key, v.clone());
     }
 }
 
 /// The model chunks of a rank file: `model`, or `model0..` with virtual pipeline.
-fn chunks(pt: &TorchFile) -> Result<Vec<&Value>> {
+pub fn chunks(pt: &TorchFile) -> Result<Vec<&Value>> {
     let root = pt.root();
     if let Some(m) = root.get("model") {
         return Ok(vec![m]);
@@ -157,40 +204,10 @@ fn detect_layout(keys: &BTreeMap<String, Value>) -> KeyLayout {
 impl MegatronCkpt {
     /// Open every rank file under `dir` (a root with a tracker, or an iteration directory),
     /// detect TP/PP/VPP, layout and dtype, and index the tensors. `family` overrides detection.
+    /// LoRA tensors are set aside (counted in `lora_tensors`); wrapped base weights
+    /// (`….base_layer.weight`) are read under their plain names.
     pub fn open(dir: &Path, family: Option<&'static Family>) -> Result<Self> {
-        let iter_dir = iteration_dir(dir)?;
-        let mut ranks: Vec<(usize, Option<usize>)> = Vec::new();
-        for e in std::fs::read_dir(&iter_dir)? {
-            let name = e?.file_name().to_string_lossy().into_owned();
-            if name.starts_with("mp_rank_") {
-                ranks.push(parse_rank_dir(&name)?);
-            }
-        }
-        if ranks.is_empty() {
-            bail!("{}: no mp_rank_* directories", iter_dir.display());
-        }
-        let tp = ranks.iter().map(|r| r.0).max().unwrap_or(0) + 1;
-        let pp = ranks.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0) + 1;
-        let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
-            .flat_map(|p| (0..tp).map(move |t| (p, t)))
-            .map(|(p, t)| (p, t, iter_dir.join(rank_dir(t, p, pp)).join(RANK_FILE)))
-            .collect();
-        for (_, _, path) in &paths {
-            if !path.is_file() {
-                bail!(
-                    "missing rank file {} (found TP {tp} × PP {pp})",
-                    path.display()
-                );
-            }
-        }
-        let opened: Vec<TorchFile> = paths
-            .par_iter()
-            .map(|(_, _, path)| TorchFile::open(path))
-            .collect::<std::result::Result<_, _>>()?;
-        let mut files: Vec<Vec<TorchFile>> = (0..pp).map(|_| Vec::new()).collect();
-        for ((p, _, _), f) in paths.iter().zip(opened) {
-            files[*p].push(f);
-        }
+        let (iter_dir, files) = open_rank_files(dir)?;
         Self::index(iter_dir, files, family)
     }
 
@@ -275,6 +292,7 @@ impl MegatronCkpt {
             cfg,
             args,
             padded_vocab,
+            lora_tensors: 0,
             files,
             index: HashMap::new(),
         };
@@ -329,13 +347,12 @@ impl MegatronCkpt {
                             slot.1.push(Shard { key, tensor });
                         }
                     }
-                    let leftover: Vec<&String> = chunk
-                        .iter()
-                        .filter(|(k, v)| {
-                            matches!(v, Value::Tensor(_)) && !k.ends_with("_extra_state")
-                        })
-                        .map(|(k, _)| k)
-                        .collect();
+                    let tensors = chunk.iter().filter(|(k, v)| {
+                        matches!(v, Value::Tensor(_)) && !k.ends_with("_extra_state")
+                    });
+                    let (lora, leftover): (Vec<&String>, Vec<&String>) =
+                        tensors.map(|(k, _)| k).partition(|k| is_lora_key(k));
+                    self.lora_tensors += lora.len();
                     if let Some(k) = leftover.first() {
                         bail!(
                             "{}: tensor {k} is not part of a supported {} model ({} more unexpected)",

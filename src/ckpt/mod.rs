@@ -8,6 +8,7 @@ pub mod family;
 pub mod hf;
 pub mod info;
 pub mod layout;
+pub mod lora;
 pub mod megatron;
 pub mod tensor;
 pub mod torch;

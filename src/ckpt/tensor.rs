@@ -4,6 +4,7 @@
 
 use super::torch::pickle::DType;
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq)]
@@ -93,40 +94,59 @@ impl Tensor {
         if self.dtype == to {
             return Ok(self);
         }
-        let values = to_f32(&self)?;
-        let data = match to {
-            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::BF16 => values
-                .iter()
-                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            DType::F16 => values
-                .iter()
-                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-                .collect(),
+        Tensor::from_f32(to, self.shape.clone(), &to_f32(&self)?)
+    }
+
+    /// A tensor of dtype `to` holding `values` (rounded to nearest even).
+    pub fn from_f32(to: DType, shape: Vec<usize>, values: &[f32]) -> Result<Tensor, String> {
+        let size = to.size();
+        let mut data = vec![0u8; values.len() * size];
+        let chunks = data
+            .par_chunks_mut(CHUNK * size)
+            .zip(values.par_chunks(CHUNK));
+        match to {
+            DType::F32 => chunks.for_each(|(out, v)| {
+                out.chunks_exact_mut(4)
+                    .zip(v)
+                    .for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes()))
+            }),
+            DType::BF16 => chunks.for_each(|(out, v)| {
+                out.chunks_exact_mut(2)
+                    .zip(v)
+                    .for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
+            }),
+            DType::F16 => chunks.for_each(|(out, v)| {
+                out.chunks_exact_mut(2)
+                    .zip(v)
+                    .for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
+            }),
             other => return Err(format!("cannot cast to {}", other.torch_name())),
-        };
-        Ok(Tensor::new(to, self.shape, data))
+        }
+        Ok(Tensor::new(to, shape, data))
     }
 }
 
+/// Elements per parallel work item of a cast.
+const CHUNK: usize = 1 << 16;
+
 /// The values of a floating tensor as f32.
 pub fn to_f32(t: &Tensor) -> Result<Vec<f32>, String> {
-    let pairs = t.data.chunks_exact(2);
-    Ok(match t.dtype {
-        DType::F32 => t
-            .data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        DType::BF16 => pairs
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::F16 => pairs
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
+    let size = t.dtype.size();
+    let decode: fn(&[u8]) -> f32 = match t.dtype {
+        DType::F32 => |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        DType::BF16 => |c| bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        DType::F16 => |c| f16::from_le_bytes([c[0], c[1]]).to_f32(),
         other => return Err(format!("cannot cast from {}", other.torch_name())),
-    })
+    };
+    let mut out = vec![0f32; t.data.len() / size];
+    out.par_chunks_mut(CHUNK)
+        .zip(t.data.par_chunks(CHUNK * size))
+        .for_each(|(o, bytes)| {
+            o.iter_mut()
+                .zip(bytes.chunks_exact(size))
+                .for_each(|(v, c)| *v = decode(c))
+        });
+    Ok(out)
 }
 
 #[cfg(test)]

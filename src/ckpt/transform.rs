@@ -130,70 +130,79 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
     }
 }
 
-/// q `[nh·d, …]`, k, v `[ng·d, …]` → rows grouped per KV group: `[q_g; k_g; v_g]` for each g.
-fn pack_qkv(cfg: &ModelConfig, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
-    let d = cfg.head_dim;
-    let qg = cfg.heads / cfg.groups * d;
-    let mut parts = Vec::with_capacity(3 * cfg.groups);
-    for g in 0..cfg.groups {
-        parts.push(q.rows(g * qg, (g + 1) * qg));
-        parts.push(k.rows(g * d, (g + 1) * d));
-        parts.push(v.rows(g * d, (g + 1) * d));
-    }
-    Tensor::cat_rows(&parts)
-}
+/// Where the rows of one HF part go in the canonical tensor: `(part row, canonical row, rows)`.
+pub type RowBlock = (usize, usize, usize);
 
-/// Inverse of [`pack_qkv`].
-fn unpack_qkv(cfg: &ModelConfig, qkv: &Tensor) -> [Tensor; 3] {
+/// For each HF part (in [`hf_parts`] order), the blocks of rows it contributes to the canonical
+/// tensor. QKV is grouped per KV group as `[q_g; k_g; v_g]` (ckpt.md §3.1), from separate
+/// q/k/v tensors or from Baichuan's `W_pack` rows `[q; k; v]`; `[gate; up]` is a
+/// concatenation; everything else is the identity.
+pub fn hf_row_blocks(cfg: &ModelConfig, c: Canon) -> Vec<Vec<RowBlock>> {
     let d = cfg.head_dim;
     let qg = cfg.heads / cfg.groups * d;
     let per = qg + 2 * d;
-    let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
-    for g in 0..cfg.groups {
-        let base = g * per;
-        q.push(qkv.rows(base, base + qg));
-        k.push(qkv.rows(base + qg, base + qg + d));
-        v.push(qkv.rows(base + qg + d, base + per));
+    // (rows per group, offset inside a canonical group) for q, k, v.
+    let qkv = [(qg, 0), (d, qg), (d, qg + d)];
+    let grouped = |(n, within): (usize, usize), part_base: usize| -> Vec<RowBlock> {
+        (0..cfg.groups)
+            .map(|g| (part_base + g * n, g * per + within, n))
+            .collect()
+    };
+    match (c.role, cfg.family.qkv) {
+        (Role::Qkv | Role::QkvBias, QkvStyle::Separate) => {
+            qkv.iter().map(|&q| grouped(q, 0)).collect()
+        }
+        (Role::Qkv | Role::QkvBias, QkvStyle::Packed) => {
+            let bases = [0, cfg.heads * d, (cfg.heads + cfg.groups) * d];
+            vec![qkv
+                .iter()
+                .zip(bases)
+                .flat_map(|(&q, b)| grouped(q, b))
+                .collect()]
+        }
+        (Role::Fc1, _) => vec![vec![(0, 0, cfg.ffn)], vec![(0, cfg.ffn, cfg.ffn)]],
+        (role, _) => vec![vec![(0, 0, canonical_shape(cfg, role)[0])]],
     }
-    [
-        Tensor::cat_rows(&q),
-        Tensor::cat_rows(&k),
-        Tensor::cat_rows(&v),
-    ]
 }
 
 /// HF tensors (as [`hf_parts`] lists them) → the canonical tensor.
 pub fn from_hf(cfg: &ModelConfig, c: Canon, parts: Vec<Tensor>) -> Tensor {
-    match (c.role, cfg.family.qkv) {
-        (Role::Qkv | Role::QkvBias, QkvStyle::Separate) => {
-            pack_qkv(cfg, &parts[0], &parts[1], &parts[2])
-        }
-        (Role::Qkv | Role::QkvBias, QkvStyle::Packed) => {
-            let d = cfg.head_dim;
-            let (nq, nk) = (cfg.heads * d, cfg.groups * d);
-            let w = &parts[0];
-            pack_qkv(
-                cfg,
-                &w.rows(0, nq),
-                &w.rows(nq, nq + nk),
-                &w.rows(nq + nk, nq + 2 * nk),
-            )
-        }
-        (Role::Fc1, _) => Tensor::cat_rows(&parts),
-        _ => parts.into_iter().next().expect("one part"),
+    let blocks = hf_row_blocks(cfg, c);
+    if blocks.len() == 1 && blocks[0].len() == 1 {
+        return parts.into_iter().next().expect("one part");
     }
+    let first = &parts[0];
+    let row_bytes = first.data.len() / first.shape[0].max(1);
+    let shape = canonical_shape(cfg, c.role);
+    let mut data = vec![0u8; shape[0] * row_bytes];
+    for (part, blocks) in parts.iter().zip(&blocks) {
+        for &(src, dst, n) in blocks {
+            data[dst * row_bytes..(dst + n) * row_bytes]
+                .copy_from_slice(&part.data[src * row_bytes..(src + n) * row_bytes]);
+        }
+    }
+    Tensor::new(first.dtype, shape, data)
 }
 
 /// The canonical tensor → HF tensors, in [`hf_parts`] order.
 pub fn to_hf(cfg: &ModelConfig, c: Canon, t: Tensor) -> Vec<Tensor> {
-    match (c.role, cfg.family.qkv) {
-        (Role::Qkv | Role::QkvBias, QkvStyle::Separate) => unpack_qkv(cfg, &t).into(),
-        (Role::Qkv | Role::QkvBias, QkvStyle::Packed) => {
-            vec![Tensor::cat_rows(&unpack_qkv(cfg, &t))]
-        }
-        (Role::Fc1, _) => vec![t.rows(0, cfg.ffn), t.rows(cfg.ffn, 2 * cfg.ffn)],
-        _ => vec![t],
+    let blocks = hf_row_blocks(cfg, c);
+    if blocks.len() == 1 && blocks[0].len() == 1 {
+        return vec![t];
     }
+    let row_bytes = t.data.len() / t.shape[0].max(1);
+    hf_parts(cfg, c)
+        .into_iter()
+        .zip(&blocks)
+        .map(|((_, shape), blocks)| {
+            let mut data = vec![0u8; shape[0] * row_bytes];
+            for &(src, dst, n) in blocks {
+                data[src * row_bytes..(src + n) * row_bytes]
+                    .copy_from_slice(&t.data[dst * row_bytes..(dst + n) * row_bytes]);
+            }
+            Tensor::new(t.dtype, shape, data)
+        })
+        .collect()
 }
 
 /// How a role is laid out over TP ranks (ckpt.md §3.4).
@@ -219,6 +228,13 @@ fn split_of(role: Role) -> Split {
         Role::Embedding | Role::Output => Split::Vocab,
         Role::Fc1 => Split::GateUp,
     }
+}
+
+/// Whether a role is a row-parallel linear layer (split on its input dimension: attention
+/// output, fc2). Its LoRA `A` is split like it and `B` replicated; column-parallel layers
+/// (qkv, fc1) split `B` and replicate `A` (ckpt.md §6.2).
+pub fn is_row_parallel(role: Role) -> bool {
+    split_of(role) == Split::Cols
 }
 
 /// Shape of rank-local shards of a role, given the padded vocabulary.

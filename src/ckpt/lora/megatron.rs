@@ -1,0 +1,348 @@
+//! Megatron / MindSpeed-LLM LoRA checkpoints (`reference/ckpt.md` §6.2, §6.3): the torch-format
+//! directory layout, keys `decoder.layers.N.self_attention.linear_qkv.lora_A.default.weight`
+//! (`lora_a`/`lora_b` also), LoRA-only (`--lora-ckpt-filter`) or next to the base weights.
+//! Column-parallel layers (qkv, fc1) split `lora_B` over TP and replicate `lora_A`;
+//! row-parallel ones (proj, fc2) the reverse. Factors are gathered like their weights, so an
+//! adapter of any TP/PP merges into a base of any layout.
+
+use super::{parse_lora_key, Edit, Factor, FactorKind, MergePlan, Store, Term};
+use crate::ckpt::config::{arg, arg_float, arg_uint};
+use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
+use crate::ckpt::megatron::{chunks, flatten, is_lora_key, open_rank_files};
+use crate::ckpt::torch::pickle::{TensorRef, Value};
+use crate::ckpt::torch::TorchFile;
+use crate::ckpt::transform::{canonical_shape, is_row_parallel, shard_shape, Canon, Role};
+use crate::ckpt::ModelConfig;
+use anyhow::{anyhow, bail, Context, Result};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+
+/// A LoRA factor found in a rank file.
+struct Found {
+    stage: usize,
+    rank: usize,
+    chunk: usize,
+    key: String,
+    module: String,
+    kind: FactorKind,
+    tensor: TensorRef,
+}
+
+/// A Megatron LoRA checkpoint.
+pub struct MegatronLora {
+    iter_dir: PathBuf,
+    files: Vec<Vec<TorchFile>>,
+    args: Vec<(String, Value)>,
+    alpha: Option<f64>,
+    chunks: usize,
+    legacy: bool,
+    factors: Vec<Found>,
+    base_tensors: usize,
+}
+
+/// Module kinds Megatron splits on their input dimension (row-parallel).
+fn row_parallel_module(module: &str) -> bool {
+    let kind = module.rsplit('.').next().unwrap_or(module);
+    matches!(
+        kind,
+        "linear_proj" | "linear_fc2" | "dense" | "dense_4h_to_h"
+    )
+}
+
+impl MegatronLora {
+    /// Index the LoRA tensors of every rank file. `alpha` overrides `args.lora_alpha`.
+    pub fn open(dir: &std::path::Path, alpha: Option<f64>) -> Result<Self> {
+        let (iter_dir, files) = open_rank_files(dir)?;
+        let args = match files[0][0].root().get("args") {
+            Some(Value::Namespace(a)) => a.clone(),
+            _ => Vec::new(),
+        };
+        let mut lora = MegatronLora {
+            iter_dir,
+            alpha: alpha.or_else(|| arg_float(&args, "lora_alpha")),
+            args,
+            chunks: chunks(&files[0][0])?.len(),
+            legacy: false,
+            factors: Vec::new(),
+            base_tensors: 0,
+            files: Vec::new(),
+        };
+        for (stage, per_tp) in files.iter().enumerate() {
+            for (rank, f) in per_tp.iter().enumerate() {
+                lora.index_file(stage, rank, f)?;
+            }
+        }
+        if lora.factors.is_empty() {
+            bail!(
+                "{}: no LoRA tensors (keys with lora_A / lora_B) in any rank file",
+                lora.iter_dir.display()
+            );
+        }
+        lora.files = files;
+        Ok(lora)
+    }
+
+    fn index_file(&mut self, stage: usize, rank: usize, f: &TorchFile) -> Result<()> {
+        for (chunk, model) in chunks(f)?.into_iter().enumerate() {
+            let legacy = matches!(model, Value::Dict(items) if items.iter().any(|(k, _)| matches!(k, Value::Str(s) if s == "language_model")));
+            self.legacy |= legacy;
+            let mut flat = BTreeMap::new();
+            flatten(model, "", legacy, &mut flat);
+            for (key, value) in flat {
+                let Value::Tensor(tensor) = value else {
+                    continue;
+                };
+                if !is_lora_key(&key) {
+                    self.base_tensors += !key.ends_with("_extra_state") as usize;
+                    continue;
+                }
+                let (module, kind, _) = parse_lora_key(&key).ok_or_else(|| {
+                    anyhow!("{}: unrecognised LoRA tensor {key}", f.path().display())
+                })?;
+                match kind {
+                    FactorKind::A | FactorKind::B => {}
+                    FactorKind::ExtraState => continue,
+                    _ => bail!(
+                        "{}: LoRA tensor {key} ({kind:?}) is not supported in Megatron adapters",
+                        f.path().display()
+                    ),
+                }
+                self.factors.push(Found {
+                    stage,
+                    rank,
+                    chunk,
+                    key,
+                    module,
+                    kind,
+                    tensor,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn path(&self, f: &Found) -> String {
+        self.files[f.stage][f.rank].path().display().to_string()
+    }
+
+    /// The adapter's pipeline layout for the base architecture (uneven stages from its args).
+    fn parallel(&self, cfg: &ModelConfig) -> Result<Parallel> {
+        let first_last = arg_uint(&self.args, "decoder_first_pipeline_num_layers")
+            .zip(arg_uint(&self.args, "decoder_last_pipeline_num_layers"));
+        let (pp, tp) = (self.files.len(), self.files[0].len());
+        Parallel::new(cfg, tp, pp, self.chunks, first_last).with_context(|| {
+            format!(
+                "{}: the adapter's layout (TP {tp}, PP {pp}, VPP {}) does not fit the base model",
+                self.iter_dir.display(),
+                self.chunks
+            )
+        })
+    }
+
+    /// Map every factor onto the base's canonical tensors; check completeness and shapes.
+    pub(super) fn plan(self, cfg: &ModelConfig) -> Result<MergePlan> {
+        let par = self.parallel(cfg)?;
+        let (pp, tp, vpp) = (par.pp, par.tp, par.vpp);
+        let alpha = self.alpha.ok_or_else(|| {
+            anyhow!(
+                "{}: the checkpoint args record no lora_alpha; pass --lora-alpha (the value \
+                 training used, MindSpeed's default is 32)",
+                self.iter_dir.display()
+            )
+        })?;
+        let layout = if self.legacy {
+            KeyLayout::Legacy
+        } else {
+            KeyLayout::Mcore
+        };
+        // (stage, chunk, weight key) → canonical tensor.
+        let mut weights: HashMap<(usize, usize, String), Canon> = HashMap::new();
+        for p in 0..pp {
+            for v in 0..vpp {
+                let entries = chunk_entries(
+                    layout,
+                    cfg,
+                    &par.chunk_layers(p, v),
+                    p == 0 && v == 0,
+                    p == pp - 1 && v == vpp - 1,
+                    pp,
+                );
+                for (path, canon) in entries {
+                    if let Some(c) = canon {
+                        weights.insert((p, v, layout::flat_key(&path)), c);
+                    }
+                }
+            }
+        }
+        // canonical tensor → [A shards, B shards] by TP rank.
+        type Shards = Vec<Option<(usize, usize, String, TensorRef)>>;
+        let mut found: BTreeMap<(Option<usize>, String), (Canon, [Shards; 2])> = BTreeMap::new();
+        for f in &self.factors {
+            let weight = format!("{}.weight", f.module);
+            let canon = weights
+                .get(&(f.stage, f.chunk, weight.clone()))
+                .copied()
+                .filter(|c| matches!(c.role, Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{}: {} adapts {weight}, which is not a linear layer weight of this {} \
+                         model (unknown target module)",
+                        self.path(f),
+                        f.key,
+                        cfg.family.name
+                    )
+                })?;
+            let slot = found
+                .entry((canon.layer, format!("{:?}", canon.role)))
+                .or_insert_with(|| (canon, [vec![None; tp], vec![None; tp]]));
+            let which = (f.kind == FactorKind::B) as usize;
+            slot.1[which][f.rank] = Some((f.stage, f.rank, f.key.clone(), f.tensor.clone()));
+        }
+        let rank_arg = arg_uint(&self.args, "lora_r");
+        let mut edits = HashMap::new();
+        for (canon, [a, b]) in found.into_values() {
+            let a = self.complete(a, canon, "lora_A")?;
+            let b = self.complete(b, canon, "lora_B")?;
+            let r = a[0].3.shape[0] as usize;
+            if let Some(want) = rank_arg.filter(|&n| n != r) {
+                bail!(
+                    "{}: {} has rank {r}, but the checkpoint args say lora_r = {want}",
+                    self.iter_dir.display(),
+                    a[0].2
+                );
+            }
+            let shard = shard_shape(cfg, canon.role, tp, 0);
+            for (shards, want) in [(&a, [r, shard[1]]), (&b, [shard[0], r])] {
+                for (p, t, key, tensor) in shards {
+                    if tensor.shape != [want[0] as u64, want[1] as u64] {
+                        bail!(
+                            "{}: {key} has shape {:?}; the base layer's TP-{tp} shard {shard:?} \
+                             with rank {r} implies {want:?}",
+                            self.files[*p][*t].path().display(),
+                            tensor.shape
+                        );
+                    }
+                }
+            }
+            let row = is_row_parallel(canon.role);
+            let rows = canonical_shape(cfg, canon.role)[0];
+            let term = Term {
+                b: Factor::Shards {
+                    role: canon.role,
+                    gather: !row,
+                    shards: b,
+                },
+                a: Factor::Shards {
+                    role: canon.role,
+                    gather: row,
+                    shards: a,
+                },
+                scale: (alpha / r as f64) as f32,
+                transposed: false,
+                blocks: vec![(0, 0, rows)],
+            };
+            edits.insert(
+                canon,
+                Edit {
+                    replace: Vec::new(),
+                    terms: vec![term],
+                },
+            );
+        }
+        Ok(MergePlan {
+            store: Store::Megatron(self.files),
+            edits,
+        })
+    }
+
+    fn complete(
+        &self,
+        shards: Vec<Option<(usize, usize, String, TensorRef)>>,
+        canon: Canon,
+        what: &str,
+    ) -> Result<Vec<(usize, usize, String, TensorRef)>> {
+        let missing: Vec<usize> = (0..shards.len()).filter(|&t| shards[t].is_none()).collect();
+        if !missing.is_empty() {
+            bail!(
+                "{}: {what} of {:?} (layer {:?}) is missing on TP rank(s) {missing:?}",
+                self.iter_dir.display(),
+                canon.role,
+                canon.layer
+            );
+        }
+        Ok(shards.into_iter().flatten().collect())
+    }
+
+    /// `mindkit lora info` text.
+    pub(super) fn describe(&self) -> String {
+        let (pp, tp) = (self.files.len(), self.files[0].len());
+        let mut out = format!(
+            "format: Megatron LoRA checkpoint ({})\nparallel: TP {tp}, PP {pp}{}\n",
+            self.iter_dir.display(),
+            if self.chunks > 1 {
+                format!(", VPP {}", self.chunks)
+            } else {
+                String::new()
+            }
+        );
+        let ranks: BTreeSet<u64> = self
+            .factors
+            .iter()
+            .filter(|f| f.kind == FactorKind::A)
+            .map(|f| f.tensor.shape[0])
+            .collect();
+        let ranks: Vec<String> = ranks.iter().map(u64::to_string).collect();
+        let alpha = self
+            .alpha
+            .map_or("not recorded (pass --lora-alpha to merge)".into(), |a| {
+                a.to_string()
+            });
+        out += &format!("r: {}, lora_alpha: {alpha}\n", ranks.join(", "));
+        if let Some(Value::List(t)) = arg(&self.args, "lora_target_modules") {
+            let names: Vec<&str> = t
+                .iter()
+                .filter_map(|v| match v {
+                    Value::Str(s) => Some(s.as_str()),
+                    _ => None,
+                })
+                .collect();
+            out += &format!("lora_target_modules (args): {}\n", names.join(", "));
+        }
+        let mut kinds: BTreeMap<&str, BTreeSet<(usize, usize, &str)>> = BTreeMap::new();
+        let mut layers = BTreeSet::new();
+        let mut params = 0u64;
+        for f in &self.factors {
+            let kind = f.module.rsplit('.').next().unwrap_or(&f.module);
+            kinds
+                .entry(kind)
+                .or_default()
+                .insert((f.stage, f.chunk, &f.module));
+            layers.extend(layout::layer_index(&f.module).map(|l| (f.stage, f.chunk, l)));
+            // A replicated factor is counted once (on TP rank 0).
+            let split = (f.kind == FactorKind::A) == row_parallel_module(&f.module);
+            if split || f.rank == 0 {
+                params += f.tensor.shape.iter().product::<u64>();
+            }
+        }
+        let modules: usize = kinds.values().map(BTreeSet::len).sum();
+        let kinds: Vec<String> = kinds
+            .iter()
+            .map(|(k, m)| format!("{k} ×{}", m.len()))
+            .collect();
+        out += &format!(
+            "adapted modules: {modules} ({}) in {} layers\n",
+            kinds.join(", "),
+            layers.len()
+        );
+        out += &format!("parameters: {params}\n");
+        out += &if self.base_tensors > 0 {
+            format!(
+                "base weights: {} tensors stored alongside (pass this directory as --base too)\n",
+                self.base_tensors
+            )
+        } else {
+            "base weights: none (LoRA-only checkpoint)\n".into()
+        };
+        out
+    }
+}

@@ -1,0 +1,343 @@
+//! `mindkit lora merge` / `lora info`: LoRA adapters folded into base weights
+//! (`reference/ckpt.md` §6). An adapter — PEFT (`peft.rs`) or a Megatron LoRA checkpoint of any
+//! TP/PP (`megatron.rs`) — becomes a plan of edits on the converter's canonical tensors:
+//! `W += scale · B·A` (row blocks placed as the canonical tensor orders them), or a tensor
+//! replaced (PEFT `modules_to_save`). The merge is then a conversion whose tensors pass
+//! through the plan, so every output format, TP/PP layout and dtype of `convert` is available.
+
+mod megatron;
+mod peft;
+
+use super::convert::{self, ConvertOptions, ConvertSummary, TensorEdit};
+use super::megatron::is_megatron_dir;
+use super::tensor::{to_f32, Tensor};
+use super::torch::pickle::{DType, TensorRef};
+use super::torch::TorchFile;
+use super::transform::{gather_tp, Canon, Role, RowBlock};
+use super::ModelConfig;
+use anyhow::{anyhow, bail, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub use megatron::MegatronLora;
+pub use peft::PeftAdapter;
+
+/// Which factor of a LoRA pair a key holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FactorKind {
+    /// `lora_A` (`[r, in]`).
+    A,
+    /// `lora_B` (`[out, r]`).
+    B,
+    /// `lora_B.bias` (PEFT `lora_bias`).
+    BBias,
+    /// `lora_embedding_A` (`[r, vocab]`).
+    EmbeddingA,
+    /// `lora_embedding_B` (`[hidden, r]`).
+    EmbeddingB,
+    /// DoRA's `lora_magnitude_vector`.
+    Magnitude,
+    /// A module's `_extra_state` (Transformer Engine), carries no weights.
+    ExtraState,
+}
+
+/// A LoRA key split into the wrapped module's path and the factor it holds:
+/// `M.lora_A.weight`, `M.lora_A.<adapter>.weight`, `M.lora_a.weight`, `M.lora_B.bias`,
+/// `M.lora_embedding_A[.<adapter>]`, `M.lora_magnitude_vector[.<adapter>.weight]`.
+/// Returns the adapter name when the key carries one.
+fn parse_lora_key(key: &str) -> Option<(String, FactorKind, Option<String>)> {
+    let at = key.find(".lora_")?;
+    let module = key[..at].to_string();
+    let mut parts: Vec<&str> = key[at + 1..].split('.').collect();
+    let kind = parts.remove(0);
+    let last = parts.last().copied();
+    let kind = match (kind, last) {
+        (_, Some("_extra_state")) => FactorKind::ExtraState,
+        ("lora_A" | "lora_a", Some("weight")) => FactorKind::A,
+        ("lora_B" | "lora_b", Some("weight")) => FactorKind::B,
+        ("lora_B" | "lora_b", Some("bias")) => FactorKind::BBias,
+        ("lora_embedding_A", _) => FactorKind::EmbeddingA,
+        ("lora_embedding_B", _) => FactorKind::EmbeddingB,
+        ("lora_magnitude_vector", _) => FactorKind::Magnitude,
+        _ => return None,
+    };
+    let adapter = match kind {
+        FactorKind::EmbeddingA | FactorKind::EmbeddingB => parts.first(),
+        _ if parts.len() >= 2 => parts.first(),
+        _ => None,
+    };
+    Some((module, kind, adapter.map(|s| s.to_string())))
+}
+
+/// Where a factor's data comes from.
+#[derive(Debug, Clone)]
+enum Factor {
+    /// A tensor of a PEFT adapter file.
+    Peft(String),
+    /// Per-TP-rank shards of a Megatron LoRA checkpoint: `(stage, rank, key, tensor)`, gathered
+    /// like `role`'s weight when `gather`, else the replicated rank-0 copy.
+    Shards {
+        role: Role,
+        gather: bool,
+        shards: Vec<(usize, usize, String, TensorRef)>,
+    },
+    /// The 1×1 matrix `[1]` (turns a bias vector into a rank-1 product).
+    One,
+}
+
+/// `W[rows] += scale · B·A` (or `(B·A)ᵀ` for embeddings), row blocks as the canonical tensor
+/// orders the adapted HF part.
+#[derive(Debug, Clone)]
+struct Term {
+    b: Factor,
+    a: Factor,
+    scale: f32,
+    transposed: bool,
+    blocks: Vec<RowBlock>,
+}
+
+/// A tensor replacing (rows of) a canonical tensor.
+#[derive(Debug, Clone)]
+struct Replace {
+    tensor: Factor,
+    blocks: Vec<RowBlock>,
+}
+
+/// Everything an adapter does to one canonical tensor.
+#[derive(Debug, Clone, Default)]
+struct Edit {
+    replace: Vec<Replace>,
+    terms: Vec<Term>,
+}
+
+/// Where adapter tensors are read from.
+enum Store {
+    Peft(super::hf::HfWeights),
+    Megatron(Vec<Vec<TorchFile>>),
+}
+
+/// An adapter's plan against one base model.
+pub struct MergePlan {
+    store: Store,
+    edits: HashMap<Canon, Edit>,
+}
+
+impl MergePlan {
+    /// Canonical tensors the adapter changes.
+    pub fn edited_tensors(&self) -> usize {
+        self.edits.len()
+    }
+
+    fn load(&self, f: &Factor) -> Result<(Vec<f32>, Vec<usize>)> {
+        let t = match (f, &self.store) {
+            (Factor::One, _) => return Ok((vec![1.0], vec![1, 1])),
+            (Factor::Peft(name), Store::Peft(w)) => w.read(name)?,
+            (
+                Factor::Shards {
+                    role,
+                    gather,
+                    shards,
+                },
+                Store::Megatron(files),
+            ) => {
+                let read = |(p, t, key, r): &(usize, usize, String, TensorRef)| {
+                    Ok(files[*p][*t].read_tensor(key, r)?)
+                };
+                if *gather {
+                    let parts = shards.iter().map(read).collect::<Result<Vec<_>>>()?;
+                    gather_tp(*role, &parts, 0)?
+                } else {
+                    read(&shards[0])?
+                }
+            }
+            _ => bail!("internal: adapter factor {f:?} read from the wrong store"),
+        };
+        let values = to_f32(&t).map_err(|e| anyhow!("adapter tensor: {e}"))?;
+        let mut shape = t.shape;
+        if shape.len() == 1 {
+            shape.push(1);
+        }
+        Ok((values, shape))
+    }
+}
+
+/// A row-major or transposed view of a matrix: element `(i, j)` at `i·rs + j·cs`.
+struct View<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl View<'_> {
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst[n × m] += scale · lhs[n × k] · rhs[k × m]` (dst row-major, contiguous).
+fn add_product(dst: &mut [f32], n: usize, m: usize, k: usize, lhs: View, rhs: View, scale: f32) {
+    assert!(dst.len() >= n * m && lhs.fits(n, k) && rhs.fits(k, m));
+    if n == 0 || m == 0 || k == 0 {
+        return;
+    }
+    // SAFETY: every index gemm touches lies inside the slices (checked above); dst is
+    // exclusively borrowed and does not alias lhs/rhs.
+    unsafe {
+        gemm::gemm(
+            n,
+            m,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            m as isize,
+            true,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        );
+    }
+}
+
+impl TensorEdit for MergePlan {
+    fn apply(&self, c: Canon, t: Tensor) -> Result<Tensor> {
+        let Some(edit) = self.edits.get(&c) else {
+            return Ok(t);
+        };
+        let cols = t.shape.get(1).copied().unwrap_or(1);
+        let mut w = to_f32(&t).map_err(|e| anyhow!("{c:?}: {e}"))?;
+        for r in &edit.replace {
+            let (src, _) = self.load(&r.tensor)?;
+            for &(from, to, n) in &r.blocks {
+                w[to * cols..(to + n) * cols].copy_from_slice(&src[from * cols..(from + n) * cols]);
+            }
+        }
+        for term in &edit.terms {
+            let (b, b_shape) = self.load(&term.b)?;
+            let (a, a_shape) = self.load(&term.a)?;
+            let rank = a_shape[0];
+            for &(from, to, n) in &term.blocks {
+                let dst = &mut w[to * cols..(to + n) * cols];
+                let (lhs, rhs) = if term.transposed {
+                    // (B·A)ᵀ = Aᵀ·Bᵀ with A [r, rows], B [cols, r].
+                    let lhs = View {
+                        data: &a[from..],
+                        rs: 1,
+                        cs: a_shape[1],
+                    };
+                    (
+                        lhs,
+                        View {
+                            data: &b,
+                            rs: 1,
+                            cs: rank,
+                        },
+                    )
+                } else {
+                    let lhs = View {
+                        data: &b[from * b_shape[1]..],
+                        rs: b_shape[1],
+                        cs: 1,
+                    };
+                    (
+                        lhs,
+                        View {
+                            data: &a,
+                            rs: cols,
+                            cs: 1,
+                        },
+                    )
+                };
+                add_product(dst, n, cols, rank, lhs, rhs, term.scale);
+            }
+        }
+        Tensor::from_f32(DType::F32, t.shape, &w).map_err(|e| anyhow!("{c:?}: {e}"))
+    }
+}
+
+/// An adapter directory, either kind.
+pub enum Adapter {
+    /// PEFT `adapter_config.json` + `adapter_model.safetensors|bin`.
+    Peft(PeftAdapter),
+    /// Megatron / MindSpeed-LLM LoRA checkpoint.
+    Megatron(MegatronLora),
+}
+
+impl Adapter {
+    /// Open an adapter directory (kind detected). `alpha` overrides a Megatron checkpoint's
+    /// `lora_alpha` (MindSpeed's converters take it from the command line).
+    pub fn open(dir: &Path, alpha: Option<f64>) -> Result<Adapter> {
+        if dir.join(peft::CONFIG).is_file() {
+            Ok(Adapter::Peft(PeftAdapter::open(dir)?))
+        } else if is_megatron_dir(dir) {
+            Ok(Adapter::Megatron(MegatronLora::open(dir, alpha)?))
+        } else {
+            bail!(
+                "{}: not a LoRA adapter (no {} for PEFT, no mp_rank_* / {} for Megatron)",
+                dir.display(),
+                peft::CONFIG,
+                super::megatron::TRACKER
+            )
+        }
+    }
+
+    /// Match the adapter to a base model: every factor mapped to a canonical tensor and its
+    /// shape checked, before anything is written.
+    pub fn plan(self, cfg: &ModelConfig) -> Result<MergePlan> {
+        match self {
+            Adapter::Peft(a) => a.plan(cfg),
+            Adapter::Megatron(a) => a.plan(cfg),
+        }
+    }
+
+    /// Human-readable description (`mindkit lora info`).
+    pub fn describe(&self) -> String {
+        match self {
+            Adapter::Peft(a) => a.describe(),
+            Adapter::Megatron(a) => a.describe(),
+        }
+    }
+}
+
+/// What `mindkit lora merge` takes besides the conversion options (whose `input` is the base).
+pub struct MergeOptions {
+    /// Output, format, layout and dtype, as `mindkit convert` takes them.
+    pub convert: ConvertOptions,
+    /// The adapter directory.
+    pub adapter: PathBuf,
+    /// `lora_alpha` for Megatron adapters whose args do not record it.
+    pub alpha: Option<f64>,
+}
+
+/// Merge an adapter into a base and write the result.
+pub fn merge(o: &MergeOptions) -> Result<(ConvertSummary, usize)> {
+    let start = Instant::now();
+    let input = convert::open_input(&o.convert)?;
+    if input.lora_tensors() > 0 && !same_dir(&o.convert.input, &o.adapter) {
+        bail!(
+            "the base {} holds {} LoRA tensors of its own; pass it as --adapter too to merge them",
+            o.convert.input.display(),
+            input.lora_tensors()
+        );
+    }
+    let plan = Adapter::open(&o.adapter, o.alpha)?.plan(&input.cfg)?;
+    let edited = plan.edited_tensors();
+    let summary = convert::write_output(&o.convert, &input, Some(&plan), start)?;
+    Ok((summary, edited))
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
