@@ -1,4 +1,4 @@
-"""Medians of the convert benchmark's measure.py results.
+"""Medians of the convert and lora benchmarks' measure.py results.
 Usage: convert_summary.py RESULTS_DIR HF_DIR [ONLY_PREFIX]"""
 import json
 import statistics
@@ -9,7 +9,15 @@ ROWS = [("torch-hf2mg", "torch script HF → Megatron TP2 PP2"),
         ("mindkit-hf2mg", "mindkit HF → Megatron TP2 PP2"),
         ("mindkit-mg2hf", "mindkit Megatron TP2 PP2 → HF"),
         ("cp", "cp -r (same bytes)"),
-        ("big-hf2mg", "mindkit HF → Megatron TP2 PP2 (7B-shaped)")]
+        ("big-hf2mg", "mindkit HF → Megatron TP2 PP2 (7B-shaped)"),
+        ("convert-hf2hf", "mindkit convert HF → HF"),
+        ("merge-hf", "mindkit lora merge → HF"),
+        ("convert-hf2mg", "mindkit convert HF → Megatron TP2 PP2"),
+        ("merge-mg", "mindkit lora merge → Megatron TP2 PP2"),
+        ("peft-merge", "peft merge_and_unload + save_pretrained")]
+RATIOS = [("merge-hf", "convert-hf2hf", "lora merge → HF / plain convert → HF"),
+          ("merge-mg", "convert-hf2mg", "lora merge → Megatron / plain convert → Megatron"),
+          ("peft-merge", "merge-hf", "peft / mindkit lora merge (→ HF): mindkit is this many times faster")]
 
 
 def main(results, hf, only=None):
@@ -30,6 +38,9 @@ def main(results, hf, only=None):
         print(f"{label:44} {wall:8.2f} {size / 1e9 / wall:6.2f} {rss:12.0f}   (n={len(runs)})")
     if "torch-hf2mg" in med and "mindkit-hf2mg" in med:
         print(f"mindkit vs torch script (HF → Megatron): {med['torch-hf2mg'] / med['mindkit-hf2mg']:.2f}x faster")
+    for a, b, label in RATIOS:
+        if a in med and b in med:
+            print(f"{label}: {med[a] / med[b]:.2f}")
     if "cp" in med:
         for k in ("mindkit-hf2mg", "mindkit-mg2hf"):
             if k in med:

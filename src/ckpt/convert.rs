@@ -8,6 +8,7 @@ use super::hf::{self, HfWeights, Planned};
 use super::layout::{KeyLayout, Parallel};
 use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
 use super::tensor::Tensor;
+use super::torch::pickle::DType;
 use super::transform::{canonical, canonical_shape, from_hf, hf_parts, to_hf, Canon, Role};
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -237,8 +238,9 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
 
 /// A change applied to canonical tensors on their way to the output (a LoRA merge).
 pub trait TensorEdit: Sync {
-    /// `t` as it should be written; any floating dtype (the output dtype is cast to after).
-    fn apply(&self, c: Canon, t: Tensor) -> Result<Tensor>;
+    /// `t` as it should be written, preferably already in `dtype` (the output dtype; anything
+    /// else is cast to it after).
+    fn apply(&self, c: Canon, t: Tensor, dtype: DType) -> Result<Tensor>;
 }
 
 /// An opened, validated input checkpoint.
@@ -337,7 +339,7 @@ pub fn write_output(
             bail!("internal: {c:?} read as {:?}, expected {want:?}", t.shape);
         }
         if let Some(e) = edit {
-            t = e.apply(c, t)?;
+            t = e.apply(c, t, cfg.dtype)?;
         }
         t.cast(cfg.dtype).map_err(|e| anyhow!("{c:?}: {e}"))
     };

@@ -16,6 +16,7 @@ use super::torch::TorchFile;
 use super::transform::{gather_tp, Canon, Role, RowBlock};
 use super::ModelConfig;
 use anyhow::{anyhow, bail, Result};
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -203,30 +204,31 @@ fn add_product(dst: &mut [f32], n: usize, m: usize, k: usize, lhs: View, rhs: Vi
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(0),
+            gemm::Parallelism::None,
         );
     }
 }
 
-impl TensorEdit for MergePlan {
-    fn apply(&self, c: Canon, t: Tensor) -> Result<Tensor> {
-        let Some(edit) = self.edits.get(&c) else {
-            return Ok(t);
+/// Elements of the f32 working tile (rows of a tensor merged together, kept in cache).
+const TILE_ELEMENTS: usize = 1 << 17;
+
+impl MergePlan {
+    /// Merge the rows `r0..r0 + rows` of a `cols`-wide tensor held in `w` (f32, in place).
+    fn merge_tile(&self, edit: &Edit, factors: &Factors, w: &mut [f32], r0: usize, cols: usize) {
+        let rows = w.len() / cols;
+        let overlap = |&(from, to, n): &RowBlock| {
+            let lo = to.max(r0);
+            let hi = (to + n).min(r0 + rows);
+            (lo < hi).then_some((from + lo - to, lo - r0, hi - lo))
         };
-        let cols = t.shape.get(1).copied().unwrap_or(1);
-        let mut w = to_f32(&t).map_err(|e| anyhow!("{c:?}: {e}"))?;
-        for r in &edit.replace {
-            let (src, _) = self.load(&r.tensor)?;
-            for &(from, to, n) in &r.blocks {
-                w[to * cols..(to + n) * cols].copy_from_slice(&src[from * cols..(from + n) * cols]);
+        for (r, src) in edit.replace.iter().zip(&factors.replace) {
+            for (from, at, n) in r.blocks.iter().filter_map(overlap) {
+                w[at * cols..(at + n) * cols].copy_from_slice(&src[from * cols..(from + n) * cols]);
             }
         }
-        for term in &edit.terms {
-            let (b, b_shape) = self.load(&term.b)?;
-            let (a, a_shape) = self.load(&term.a)?;
+        for (term, ((b, b_shape), (a, a_shape))) in edit.terms.iter().zip(&factors.terms) {
             let rank = a_shape[0];
-            for &(from, to, n) in &term.blocks {
-                let dst = &mut w[to * cols..(to + n) * cols];
+            for (from, at, n) in term.blocks.iter().filter_map(overlap) {
                 let (lhs, rhs) = if term.transposed {
                     // (B·A)ᵀ = Aᵀ·Bᵀ with A [r, rows], B [cols, r].
                     let lhs = View {
@@ -237,7 +239,7 @@ impl TensorEdit for MergePlan {
                     (
                         lhs,
                         View {
-                            data: &b,
+                            data: b,
                             rs: 1,
                             cs: rank,
                         },
@@ -251,16 +253,58 @@ impl TensorEdit for MergePlan {
                     (
                         lhs,
                         View {
-                            data: &a,
+                            data: a,
                             rs: cols,
                             cs: 1,
                         },
                     )
                 };
+                let dst = &mut w[at * cols..(at + n) * cols];
                 add_product(dst, n, cols, rank, lhs, rhs, term.scale);
             }
         }
-        Tensor::from_f32(DType::F32, t.shape, &w).map_err(|e| anyhow!("{c:?}: {e}"))
+    }
+}
+
+/// An edit's factors, read and converted to f32 once per tensor.
+struct Factors {
+    replace: Vec<Vec<f32>>,
+    terms: Vec<((Vec<f32>, Vec<usize>), (Vec<f32>, Vec<usize>))>,
+}
+
+impl TensorEdit for MergePlan {
+    /// Tiles of rows are widened to f32, merged and narrowed to the output dtype in parallel,
+    /// so the f32 copy of the tensor never exists (memory traffic stays at the tensor's bytes).
+    fn apply(&self, c: Canon, t: Tensor, dtype: DType) -> Result<Tensor> {
+        let Some(edit) = self.edits.get(&c) else {
+            return Ok(t);
+        };
+        let factors = Factors {
+            replace: (edit.replace.iter())
+                .map(|r| Ok(self.load(&r.tensor)?.0))
+                .collect::<Result<_>>()?,
+            terms: (edit.terms.iter())
+                .map(|t| Ok((self.load(&t.b)?, self.load(&t.a)?)))
+                .collect::<Result<_>>()?,
+        };
+        let cols = t.shape.get(1).copied().unwrap_or(1);
+        let tile_rows = (TILE_ELEMENTS / cols).max(1);
+        let (in_size, out_size) = (t.dtype.size(), dtype.size());
+        let mut out = vec![0u8; t.data.len() / in_size * out_size];
+        out.par_chunks_mut(tile_rows * cols * out_size)
+            .zip(t.data.par_chunks(tile_rows * cols * in_size))
+            .enumerate()
+            .try_for_each(|(i, (dst, src))| -> Result<()> {
+                let rows = src.len() / in_size / cols;
+                let tile = Tensor::new(t.dtype, vec![rows, cols], src.to_vec());
+                let mut w = to_f32(&tile).map_err(|e| anyhow!("{c:?}: {e}"))?;
+                self.merge_tile(edit, &factors, &mut w, i * tile_rows, cols);
+                let merged = Tensor::from_f32(dtype, vec![rows, cols], &w)
+                    .map_err(|e| anyhow!("{c:?}: {e}"))?;
+                dst.copy_from_slice(&merged.data);
+                Ok(())
+            })?;
+        Ok(Tensor::new(dtype, t.shape, out))
     }
 }
 
