@@ -101,27 +101,9 @@ impl Tensor {
     pub fn from_f32(to: DType, shape: Vec<usize>, values: &[f32]) -> Result<Tensor, String> {
         let size = to.size();
         let mut data = vec![0u8; values.len() * size];
-        let chunks = data
-            .par_chunks_mut(CHUNK * size)
-            .zip(values.par_chunks(CHUNK));
-        match to {
-            DType::F32 => chunks.for_each(|(out, v)| {
-                out.chunks_exact_mut(4)
-                    .zip(v)
-                    .for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes()))
-            }),
-            DType::BF16 => chunks.for_each(|(out, v)| {
-                out.chunks_exact_mut(2)
-                    .zip(v)
-                    .for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
-            }),
-            DType::F16 => chunks.for_each(|(out, v)| {
-                out.chunks_exact_mut(2)
-                    .zip(v)
-                    .for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
-            }),
-            other => return Err(format!("cannot cast to {}", other.torch_name())),
-        }
+        data.par_chunks_mut(CHUNK * size)
+            .zip(values.par_chunks(CHUNK))
+            .try_for_each(|(out, v)| encode_f32(v, to, out))?;
         Ok(Tensor::new(to, shape, data))
     }
 }
@@ -129,24 +111,48 @@ impl Tensor {
 /// Elements per parallel work item of a cast.
 const CHUNK: usize = 1 << 16;
 
+/// Write `values` as little-endian `to` elements into `out` (`values.len() × size` bytes).
+pub fn encode_f32(values: &[f32], to: DType, out: &mut [u8]) -> Result<(), String> {
+    match to {
+        DType::F32 => (out.chunks_exact_mut(4).zip(values))
+            .for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
+        DType::BF16 => (out.chunks_exact_mut(2).zip(values))
+            .for_each(|(o, &x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes())),
+        DType::F16 => (out.chunks_exact_mut(2).zip(values))
+            .for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes())),
+        other => return Err(format!("cannot cast to {}", other.torch_name())),
+    }
+    Ok(())
+}
+
+/// Append the little-endian `dtype` elements of `bytes` to `out` as f32.
+pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut Vec<f32>) -> Result<(), String> {
+    match dtype {
+        DType::F32 => out
+            .extend((bytes.chunks_exact(4)).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        DType::BF16 => {
+            out.extend((bytes.chunks_exact(2)).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()))
+        }
+        DType::F16 => {
+            out.extend((bytes.chunks_exact(2)).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()))
+        }
+        other => return Err(format!("cannot cast from {}", other.torch_name())),
+    }
+    Ok(())
+}
+
 /// The values of a floating tensor as f32.
 pub fn to_f32(t: &Tensor) -> Result<Vec<f32>, String> {
     let size = t.dtype.size();
-    let decode: fn(&[u8]) -> f32 = match t.dtype {
-        DType::F32 => |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-        DType::BF16 => |c| bf16::from_le_bytes([c[0], c[1]]).to_f32(),
-        DType::F16 => |c| f16::from_le_bytes([c[0], c[1]]).to_f32(),
-        other => return Err(format!("cannot cast from {}", other.torch_name())),
-    };
-    let mut out = vec![0f32; t.data.len() / size];
-    out.par_chunks_mut(CHUNK)
-        .zip(t.data.par_chunks(CHUNK * size))
-        .for_each(|(o, bytes)| {
-            o.iter_mut()
-                .zip(bytes.chunks_exact(size))
-                .for_each(|(v, c)| *v = decode(c))
-        });
-    Ok(out)
+    let parts: Vec<Vec<f32>> = t
+        .data
+        .par_chunks(CHUNK * size)
+        .map(|bytes| {
+            let mut v = Vec::with_capacity(bytes.len() / size);
+            decode_f32(bytes, t.dtype, &mut v).map(|_| v)
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(parts.concat())
 }
 
 #[cfg(test)]

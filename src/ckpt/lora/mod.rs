@@ -10,7 +10,7 @@ mod peft;
 
 use super::convert::{self, ConvertOptions, ConvertSummary, TensorEdit};
 use super::megatron::is_megatron_dir;
-use super::tensor::{to_f32, Tensor};
+use super::tensor::{decode_f32, encode_f32, to_f32, Tensor};
 use super::torch::pickle::{DType, TensorRef};
 use super::torch::TorchFile;
 use super::transform::{gather_tp, Canon, Role, RowBlock};
@@ -130,7 +130,7 @@ impl MergePlan {
         self.edits.len()
     }
 
-    fn load(&self, f: &Factor) -> Result<(Vec<f32>, Vec<usize>)> {
+    fn load(&self, f: &Factor) -> Result<Matrix> {
         let t = match (f, &self.store) {
             (Factor::One, _) => return Ok((vec![1.0], vec![1, 1])),
             (Factor::Peft(name), Store::Peft(w)) => w.read(name)?,
@@ -210,7 +210,7 @@ fn add_product(dst: &mut [f32], n: usize, m: usize, k: usize, lhs: View, rhs: Vi
 }
 
 /// Elements of the f32 working tile (rows of a tensor merged together, kept in cache).
-const TILE_ELEMENTS: usize = 1 << 17;
+const TILE_ELEMENTS: usize = 1 << 18;
 
 impl MergePlan {
     /// Merge the rows `r0..r0 + rows` of a `cols`-wide tensor held in `w` (f32, in place).
@@ -266,10 +266,14 @@ impl MergePlan {
     }
 }
 
-/// An edit's factors, read and converted to f32 once per tensor.
+/// A factor's values (f32, row-major) and its 2-D shape.
+type Matrix = (Vec<f32>, Vec<usize>);
+
+/// An edit's factors, read and converted to f32 once per tensor: replacements, then (B, A)
+/// of every term.
 struct Factors {
     replace: Vec<Vec<f32>>,
-    terms: Vec<((Vec<f32>, Vec<usize>), (Vec<f32>, Vec<usize>))>,
+    terms: Vec<(Matrix, Matrix)>,
 }
 
 impl TensorEdit for MergePlan {
@@ -295,14 +299,10 @@ impl TensorEdit for MergePlan {
             .zip(t.data.par_chunks(tile_rows * cols * in_size))
             .enumerate()
             .try_for_each(|(i, (dst, src))| -> Result<()> {
-                let rows = src.len() / in_size / cols;
-                let tile = Tensor::new(t.dtype, vec![rows, cols], src.to_vec());
-                let mut w = to_f32(&tile).map_err(|e| anyhow!("{c:?}: {e}"))?;
+                let mut w = Vec::with_capacity(src.len() / in_size);
+                decode_f32(src, t.dtype, &mut w).map_err(|e| anyhow!("{c:?}: {e}"))?;
                 self.merge_tile(edit, &factors, &mut w, i * tile_rows, cols);
-                let merged = Tensor::from_f32(dtype, vec![rows, cols], &w)
-                    .map_err(|e| anyhow!("{c:?}: {e}"))?;
-                dst.copy_from_slice(&merged.data);
-                Ok(())
+                encode_f32(&w, dtype, dst).map_err(|e| anyhow!("{c:?}: {e}"))
             })?;
         Ok(Tensor::new(dtype, t.shape, out))
     }
