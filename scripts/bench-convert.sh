@@ -12,18 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3} BIG=${BIG:-0}
-cache="${MINDKIT_CACHE:-$HOME/.cache/mindkit}/bench"
-mkdir -p "$cache"
-venv="$(bash scripts/setup-interop-venv.sh)"
-py="$venv/bin/python"
-cargo build --release --bin mindkit >&2
-bin="$PWD/target/release/mindkit"
-hf="$cache/tinyllama-hf"
-[[ -f "$hf/config.json" ]] || "$py" scripts/bench/make_random_hf.py tinyllama "$hf"
-
-work="$(mktemp -d "${OUT:-$cache}/mindkit-bench.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-measure() { sync; sleep 2; "$py" scripts/bench/measure.py "$@"; }
+source scripts/bench/setup.sh
 for run in $(seq "$RUNS"); do
   echo "round $run/$RUNS" >&2
   rm -rf "$work"/out-*

@@ -9,20 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3} RANK=${RANK:-64}
-cache="${MINDKIT_CACHE:-$HOME/.cache/mindkit}/bench"
-mkdir -p "$cache"
-venv="$(bash scripts/setup-interop-venv.sh)"
-py="$venv/bin/python"
-cargo build --release --bin mindkit >&2
-bin="$PWD/target/release/mindkit"
-hf="$cache/tinyllama-hf"
+source scripts/bench/setup.sh
 adapter="$cache/tinyllama-lora-r$RANK"
-[[ -f "$hf/config.json" ]] || "$py" scripts/bench/make_random_hf.py tinyllama "$hf"
 [[ -f "$adapter/adapter_config.json" ]] || "$py" scripts/bench/make_random_adapter.py "$hf" "$adapter" "$RANK"
-
-work="$(mktemp -d "${OUT:-$cache}/mindkit-bench.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-measure() { sync; sleep 2; "$py" scripts/bench/measure.py "$@"; }
 for run in $(seq "$RUNS"); do
   echo "round $run/$RUNS" >&2
   rm -rf "$work"/out-*

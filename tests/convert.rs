@@ -2,7 +2,9 @@
 //! fixtures/gen/make_tiny_models.py with transformers): bit-exact round trips for every family
 //! and layout, resharding, dtype casts, and bad input that must fail cleanly.
 
-use assert_cmd::Command;
+mod common;
+
+use common::{convert, copy_dir, leftovers, mindkit, run_convert};
 use mindkit::ckpt::hf::HfWeights;
 use mindkit::ckpt::torch::pickle::DType;
 use std::path::{Path, PathBuf};
@@ -12,36 +14,7 @@ const FAMILIES: &[&str] = &[
 ];
 
 fn model(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/models")
-        .join(name)
-}
-
-fn mindkit(args: &[&dyn AsRef<std::ffi::OsStr>]) -> assert_cmd::assert::Assert {
-    let mut cmd = Command::cargo_bin("mindkit").unwrap();
-    for a in args {
-        cmd.arg(a);
-    }
-    cmd.assert()
-}
-
-fn run_convert(
-    to: &str,
-    input: &Path,
-    output: &Path,
-    extra: &[&str],
-) -> assert_cmd::assert::Assert {
-    let mut cmd = Command::cargo_bin("mindkit").unwrap();
-    cmd.args(["convert", "--quiet", "--to", to, "--input"])
-        .arg(input)
-        .arg("--output")
-        .arg(output)
-        .args(extra);
-    cmd.assert()
-}
-
-fn convert(to: &str, input: &Path, output: &Path, extra: &[&str]) {
-    run_convert(to, input, output, extra).success();
+    common::fixture(&format!("models/{name}"))
 }
 
 fn convert_err(to: &str, input: &Path, output: &Path, extra: &[&str]) -> String {
@@ -217,15 +190,6 @@ fn ckpt_info_describes_both_formats() {
     assert!(text.contains("family:      baichuan"), "{text}");
 }
 
-fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(".mindkit"))
-        .collect()
-}
-
 #[test]
 fn invalid_plans_are_refused_before_writing() {
     let tmp = tempfile::tempdir().unwrap();
@@ -265,18 +229,6 @@ fn existing_output_needs_force() {
     convert("megatron", &model("llama"), &out, &["--force"]);
     assert!(!out.join("mine.txt").exists());
     assert!(rank_file(&out, "mp_rank_00").is_file());
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            copy_dir(&p, &to.join(e.file_name()));
-        } else {
-            std::fs::copy(&p, to.join(e.file_name())).unwrap();
-        }
-    }
 }
 
 #[test]

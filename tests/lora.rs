@@ -4,25 +4,14 @@
 //! as a Megatron TP2/PP2 LoRA checkpoint, every base/adapter/output format combination, and bad
 //! input that must fail without writing anything.
 
+mod common;
+
 use assert_cmd::Command;
+use common::{convert, copy_dir, fixture, leftovers, mindkit as run};
 use mindkit::ckpt::hf::HfWeights;
 use mindkit::ckpt::tensor::to_f32;
 use mindkit::ckpt::torch::pickle::DType;
-use std::path::{Path, PathBuf};
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(rel)
-}
-
-fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> assert_cmd::assert::Assert {
-    let mut cmd = Command::cargo_bin("mindkit").unwrap();
-    for a in args {
-        cmd.arg(a);
-    }
-    cmd.assert()
-}
+use std::path::Path;
 
 fn merge(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> assert_cmd::assert::Assert {
     let mut cmd = Command::cargo_bin("mindkit").unwrap();
@@ -42,17 +31,6 @@ fn merge_err(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> String 
         .get_output()
         .clone();
     String::from_utf8(o.stderr).unwrap()
-}
-
-fn convert(to: &str, input: &Path, output: &Path, extra: &[&str]) {
-    let mut cmd = Command::cargo_bin("mindkit").unwrap();
-    cmd.args(["convert", "--quiet", "--to", to, "--input"])
-        .arg(input)
-        .arg("--output")
-        .arg(output)
-        .args(extra)
-        .assert()
-        .success();
 }
 
 /// Every tensor of the HF directory `dir` is within `tol` of the golden safetensors file.
@@ -236,14 +214,6 @@ fn baichuan_w_pack_gets_the_plain_product() {
     }
 }
 
-fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(".mindkit"))
-        .collect()
-}
-
 #[test]
 fn bad_adapters_are_refused_before_writing() {
     let tmp = tempfile::tempdir().unwrap();
@@ -337,18 +307,6 @@ fn bad_adapters_are_refused_before_writing() {
     assert!(err.contains("--force"), "{err}");
     merge(&llama, &fixture("lora/llama-save"), &out, &["--force"]).success();
     assert_matches_golden(&out, &fixture("lora/llama-save/merged.safetensors"), 1e-6);
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
 }
 
 /// Rewrite every rank file of a Megatron LoRA checkpoint without `args.lora_alpha`.

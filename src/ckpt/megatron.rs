@@ -175,6 +175,11 @@ pub fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String,
     }
 }
 
+/// Whether a model chunk is the legacy nested model (`language_model` at its top).
+pub fn is_legacy_chunk(chunk: &Value) -> bool {
+    matches!(chunk, Value::Dict(items) if items.iter().any(|(k, _)| matches!(k, Value::Str(s) if s == "language_model")))
+}
+
 /// The model chunks of a rank file: `model`, or `model0..` with virtual pipeline.
 pub fn chunks(pt: &TorchFile) -> Result<Vec<&Value>> {
     let root = pt.root();
@@ -231,7 +236,7 @@ impl MegatronCkpt {
                 let mut per_chunk = Vec::new();
                 for c in chunks(f)? {
                     let mut m = BTreeMap::new();
-                    let legacy = matches!(c, Value::Dict(items) if items.iter().any(|(k, _)| matches!(k, Value::Str(s) if s == "language_model")));
+                    let legacy = is_legacy_chunk(c);
                     flatten(c, "", legacy, &mut m);
                     layout.get_or_insert_with(|| detect_layout(&m));
                     per_chunk.push(m);

@@ -125,17 +125,15 @@ pub fn encode_f32(values: &[f32], to: DType, out: &mut [u8]) -> Result<(), Strin
     Ok(())
 }
 
-/// Append the little-endian `dtype` elements of `bytes` to `out` as f32.
-pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut Vec<f32>) -> Result<(), String> {
+/// Decode the little-endian `dtype` elements of `bytes` into `out` (one f32 per element).
+pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), String> {
     match dtype {
-        DType::F32 => out
-            .extend((bytes.chunks_exact(4)).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
-        DType::BF16 => {
-            out.extend((bytes.chunks_exact(2)).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()))
-        }
-        DType::F16 => {
-            out.extend((bytes.chunks_exact(2)).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()))
-        }
+        DType::F32 => (out.iter_mut().zip(bytes.chunks_exact(4)))
+            .for_each(|(v, c)| *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        DType::BF16 => (out.iter_mut().zip(bytes.chunks_exact(2)))
+            .for_each(|(v, c)| *v = bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        DType::F16 => (out.iter_mut().zip(bytes.chunks_exact(2)))
+            .for_each(|(v, c)| *v = f16::from_le_bytes([c[0], c[1]]).to_f32()),
         other => return Err(format!("cannot cast from {}", other.torch_name())),
     }
     Ok(())
@@ -144,15 +142,11 @@ pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut Vec<f32>) -> Result<(), 
 /// The values of a floating tensor as f32.
 pub fn to_f32(t: &Tensor) -> Result<Vec<f32>, String> {
     let size = t.dtype.size();
-    let parts: Vec<Vec<f32>> = t
-        .data
-        .par_chunks(CHUNK * size)
-        .map(|bytes| {
-            let mut v = Vec::with_capacity(bytes.len() / size);
-            decode_f32(bytes, t.dtype, &mut v).map(|_| v)
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(parts.concat())
+    let mut out = vec![0f32; t.data.len() / size];
+    out.par_chunks_mut(CHUNK)
+        .zip(t.data.par_chunks(CHUNK * size))
+        .try_for_each(|(o, bytes)| decode_f32(bytes, t.dtype, o))?;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 use super::{parse_lora_key, Edit, Factor, FactorKind, MergePlan, Store, Term};
 use crate::ckpt::config::{arg, arg_float, arg_uint};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
-use crate::ckpt::megatron::{chunks, flatten, is_lora_key, open_rank_files};
+use crate::ckpt::megatron::{chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files};
 use crate::ckpt::torch::pickle::{TensorRef, Value};
 use crate::ckpt::torch::TorchFile;
 use crate::ckpt::transform::{canonical_shape, is_row_parallel, shard_shape, Canon, Role};
@@ -84,7 +84,7 @@ impl MegatronLora {
 
     fn index_file(&mut self, stage: usize, rank: usize, f: &TorchFile) -> Result<()> {
         for (chunk, model) in chunks(f)?.into_iter().enumerate() {
-            let legacy = matches!(model, Value::Dict(items) if items.iter().any(|(k, _)| matches!(k, Value::Str(s) if s == "language_model")));
+            let legacy = is_legacy_chunk(model);
             self.legacy |= legacy;
             let mut flat = BTreeMap::new();
             flatten(model, "", legacy, &mut flat);

@@ -299,7 +299,7 @@ impl TensorEdit for MergePlan {
             .zip(t.data.par_chunks(tile_rows * cols * in_size))
             .enumerate()
             .try_for_each(|(i, (dst, src))| -> Result<()> {
-                let mut w = Vec::with_capacity(src.len() / in_size);
+                let mut w = vec![0f32; src.len() / in_size];
                 decode_f32(src, t.dtype, &mut w).map_err(|e| anyhow!("{c:?}: {e}"))?;
                 self.merge_tile(edit, &factors, &mut w, i * tile_rows, cols);
                 encode_f32(&w, dtype, dst).map_err(|e| anyhow!("{c:?}: {e}"))

@@ -1,0 +1,65 @@
+//! Helpers shared by the checkpoint integration tests (convert, lora).
+#![allow(dead_code)] // each test crate uses its own subset
+
+use assert_cmd::Command;
+use std::path::{Path, PathBuf};
+
+/// A path under fixtures/.
+pub fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(rel)
+}
+
+/// Run the mindkit binary with `args`.
+pub fn mindkit(args: &[&dyn AsRef<std::ffi::OsStr>]) -> assert_cmd::assert::Assert {
+    let mut cmd = Command::cargo_bin("mindkit").unwrap();
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd.assert()
+}
+
+/// `mindkit convert --quiet --to TO --input IN --output OUT EXTRA…`.
+pub fn run_convert(
+    to: &str,
+    input: &Path,
+    output: &Path,
+    extra: &[&str],
+) -> assert_cmd::assert::Assert {
+    let mut cmd = Command::cargo_bin("mindkit").unwrap();
+    cmd.args(["convert", "--quiet", "--to", to, "--input"])
+        .arg(input)
+        .arg("--output")
+        .arg(output)
+        .args(extra);
+    cmd.assert()
+}
+
+/// A conversion that must succeed.
+pub fn convert(to: &str, input: &Path, output: &Path, extra: &[&str]) {
+    run_convert(to, input, output, extra).success();
+}
+
+/// Temporary directories mindkit left in `dir`.
+pub fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".mindkit"))
+        .collect()
+}
+
+/// Recursive copy.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&p, to.join(e.file_name())).unwrap();
+        }
+    }
+}
