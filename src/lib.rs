@@ -5,3 +5,4 @@
 
 pub mod ckpt;
 pub mod data;
+pub mod engine;

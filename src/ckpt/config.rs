@@ -161,7 +161,7 @@ impl ModelConfig {
 
     /// Shape checks that do not depend on the parallel layout.
     pub fn validate(&self) -> Result<()> {
-        if self.heads == 0 || self.groups == 0 || self.heads % self.groups != 0 {
+        if self.heads == 0 || self.groups == 0 || !self.heads.is_multiple_of(self.groups) {
             bail!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.heads,

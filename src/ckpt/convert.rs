@@ -387,7 +387,7 @@ fn write_megatron(
     let vpp = match (o.vpp, o.layers_per_virtual_stage) {
         (Some(v), _) => v,
         (None, Some(n)) => {
-            if n == 0 || cfg.layers % (pp * n) != 0 {
+            if n == 0 || !cfg.layers.is_multiple_of(pp * n) {
                 bail!(
                     "--num-layers-per-virtual-stage {n} does not divide {} layers over {pp} stages",
                     cfg.layers

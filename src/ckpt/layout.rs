@@ -57,7 +57,7 @@ impl Parallel {
         }
         let divisors = |n: usize| {
             (1..=n)
-                .filter(|d| n % d == 0)
+                .filter(|d| n.is_multiple_of(*d))
                 .map(|d| d.to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
@@ -69,7 +69,11 @@ impl Parallel {
         ] {
             if n % tp != 0 {
                 let ok: Vec<String> = (1..=cfg.groups)
-                    .filter(|d| cfg.heads % d == 0 && cfg.groups % d == 0 && cfg.ffn % d == 0)
+                    .filter(|d| {
+                        cfg.heads.is_multiple_of(*d)
+                            && cfg.groups.is_multiple_of(*d)
+                            && cfg.ffn.is_multiple_of(*d)
+                    })
                     .map(|d| d.to_string())
                     .collect();
                 bail!(
@@ -107,7 +111,7 @@ impl Parallel {
                 s
             }
             None => {
-                if l % (pp * vpp) != 0 {
+                if !l.is_multiple_of(pp * vpp) {
                     bail!(
                         "num_layers {l} is not divisible by --pp {pp} × --vpp {vpp}; \
                          pp × vpp must divide {l} (one of: {})",

@@ -15,6 +15,7 @@ use super::torch::pickle::{DType, TensorRef};
 use super::torch::TorchFile;
 use super::transform::{gather_tp, Canon, Role, RowBlock};
 use super::ModelConfig;
+use crate::engine::simd;
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -260,7 +261,11 @@ impl MergePlan {
                     )
                 };
                 let dst = &mut w[at * cols..(at + n) * cols];
-                add_product(dst, n, cols, rank, lhs, rhs, term.scale);
+                let fast = !term.transposed
+                    && simd::rank_update(dst, (n, cols, rank), (lhs.data, lhs.rs), a, term.scale);
+                if !fast {
+                    add_product(dst, n, cols, rank, lhs, rhs, term.scale);
+                }
             }
         }
     }
@@ -292,18 +297,38 @@ impl TensorEdit for MergePlan {
                 .collect::<Result<_>>()?,
         };
         let cols = t.shape.get(1).copied().unwrap_or(1);
-        let tile_rows = (TILE_ELEMENTS / cols).max(1);
-        let (in_size, out_size) = (t.dtype.size(), dtype.size());
-        let mut out = vec![0u8; t.data.len() / in_size * out_size];
-        out.par_chunks_mut(tile_rows * cols * out_size)
-            .zip(t.data.par_chunks(tile_rows * cols * in_size))
-            .enumerate()
-            .try_for_each(|(i, (dst, src))| -> Result<()> {
-                let mut w = vec![0f32; src.len() / in_size];
-                decode_f32(src, t.dtype, &mut w).map_err(|e| anyhow!("{c:?}: {e}"))?;
-                self.merge_tile(edit, &factors, &mut w, i * tile_rows, cols);
-                encode_f32(&w, dtype, dst).map_err(|e| anyhow!("{c:?}: {e}"))
-            })?;
+        let tile = (TILE_ELEMENTS / cols).max(1) * cols;
+        let from = t.dtype;
+        // Rows `i·tile..` of `src` widened into the thread's f32 buffer `w` and merged.
+        let merged = |i: usize, w: &mut Vec<f32>, src: &[u8]| -> Result<()> {
+            w.resize(src.len() / from.size(), 0.0);
+            decode_f32(src, from, w).map_err(|e| anyhow!("{c:?}: {e}"))?;
+            self.merge_tile(edit, &factors, w, i * tile / cols, cols);
+            Ok(())
+        };
+        let narrow = |w: &[f32], dst: &mut [u8]| {
+            encode_f32(w, dtype, dst).map_err(|e| anyhow!("{c:?}: {e}"))
+        };
+        if from == dtype {
+            // In place: no second buffer of the tensor's size to allocate and fault in.
+            let mut t = t;
+            (t.data.par_chunks_mut(tile * from.size()).enumerate()).try_for_each_init(
+                Vec::new,
+                |w, (i, bytes)| {
+                    merged(i, w, bytes)?;
+                    narrow(w, bytes)
+                },
+            )?;
+            return Ok(t);
+        }
+        let mut out = vec![0u8; t.data.len() / from.size() * dtype.size()];
+        (out.par_chunks_mut(tile * dtype.size())
+            .zip(t.data.par_chunks(tile * from.size())))
+        .enumerate()
+        .try_for_each_init(Vec::new, |w, (i, (dst, src))| {
+            merged(i, w, src)?;
+            narrow(w, dst)
+        })?;
         Ok(Tensor::new(dtype, t.shape, out))
     }
 }

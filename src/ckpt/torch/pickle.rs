@@ -634,7 +634,7 @@ impl<'a> Machine<'a> {
     }
 
     fn set_items(&mut self, items: Vec<Value>) -> Result<()> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return self.bad("SETITEMS with an odd number of items");
         }
         let Value::Dict(dict) = self.top()? else {

@@ -1,0 +1,434 @@
+//! The CPU backend: rayon over rows and heads, the `gemm` crate for matrix products, f32
+//! activations. Weights keep their dtype; half-precision rows are widened a block at a time
+//! inside the matmul, so no f32 copy of the model exists.
+
+use super::simd::{axpy, dot, widen};
+use super::{AttentionShape, Backend, HostTensor, Segment};
+use crate::ckpt::tensor::decode_f32;
+use crate::ckpt::torch::pickle::DType;
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+/// The CPU backend (threads: rayon's pool, `RAYON_NUM_THREADS`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cpu;
+
+/// A tensor in host memory.
+#[derive(Debug, Clone)]
+pub struct CpuTensor {
+    shape: Vec<usize>,
+    data: Data,
+}
+
+#[derive(Debug, Clone)]
+enum Data {
+    F32(Vec<f32>),
+    /// F16 or BF16 bits.
+    Half(DType, Vec<u16>),
+}
+
+impl CpuTensor {
+    fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
+        debug_assert_eq!(values.len(), shape.iter().product::<usize>());
+        CpuTensor {
+            shape,
+            data: Data::F32(values),
+        }
+    }
+
+    /// Activations are always f32; a half tensor here is a weight passed where an activation
+    /// belongs, a bug in the model code.
+    fn f32(&self) -> &[f32] {
+        match &self.data {
+            Data::F32(v) => v,
+            Data::Half(..) => panic!(
+                "internal: activation expected, got a {:?} weight",
+                self.shape
+            ),
+        }
+    }
+
+    fn f32_mut(&mut self) -> &mut [f32] {
+        match &mut self.data {
+            Data::F32(v) => v,
+            Data::Half(..) => panic!(
+                "internal: activation expected, got a {:?} weight",
+                self.shape
+            ),
+        }
+    }
+
+    /// Row length (product of all dimensions but the first).
+    fn cols(&self) -> usize {
+        self.shape[1..].iter().product()
+    }
+
+    fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Row `i` as f32: borrowed for f32 data, widened into `buf` otherwise.
+    fn row<'a>(&'a self, i: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        self.row_block(i, i + 1, buf)
+    }
+
+    /// Rows `from..to` as f32 (borrowed or widened into `buf`).
+    fn row_block<'a>(&'a self, from: usize, to: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        let c = self.cols();
+        match &self.data {
+            Data::F32(v) => &v[from * c..to * c],
+            Data::Half(dtype, bits) => {
+                buf.resize((to - from) * c, 0.0);
+                widen(&bits[from * c..to * c], *dtype, buf);
+                buf
+            }
+        }
+    }
+}
+
+/// Rows of `x` at or below which a matmul runs as dot products (decoding), above as GEMM.
+const SKINNY_ROWS: usize = 4;
+/// Weight rows per parallel task.
+const ROW_BLOCK: usize = 64;
+
+/// A raw pointer to disjoint parts of one output, shared by the tasks that write them.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every task writes a region no other task touches (stated where it is used).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The element `i` places in.
+    ///
+    /// # Safety
+    /// `i` must lie inside the output.
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
+}
+
+impl Cpu {
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ` as dot products, blocks of weight rows in parallel.
+    fn matmul_skinny(
+        &self,
+        x: &[f32],
+        w: &CpuTensor,
+        (n, k, m): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let blocks: Vec<Vec<f32>> = (0..m.div_ceil(ROW_BLOCK))
+            .into_par_iter()
+            .map_init(Vec::new, |buf, b| {
+                let (j0, j1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+                let rows = w.row_block(j0, j1, buf);
+                let mut out = vec![0f32; n * (j1 - j0)];
+                for (j, wrow) in rows.chunks_exact(k).enumerate() {
+                    for i in 0..n {
+                        out[i * (j1 - j0) + j] = dot(&x[i * k..(i + 1) * k], wrow);
+                    }
+                }
+                out
+            })
+            .collect();
+        let mut out = vec![0f32; n * m];
+        for (b, block) in blocks.iter().enumerate() {
+            let (j0, width) = (b * ROW_BLOCK, block.len() / n);
+            for i in 0..n {
+                out[i * m + j0..i * m + j0 + width]
+                    .copy_from_slice(&block[i * width..(i + 1) * width]);
+            }
+        }
+        out
+    }
+
+    /// The same product as GEMM calls on column blocks of the output, in parallel.
+    fn matmul_gemm(&self, x: &[f32], w: &CpuTensor, (n, k, m): (usize, usize, usize)) -> Vec<f32> {
+        let mut out = vec![0f32; n * m];
+        let shared = SharedOut(out.as_mut_ptr());
+        (0..m.div_ceil(ROW_BLOCK))
+            .into_par_iter()
+            .for_each_init(Vec::new, |buf, b| {
+                let (j0, j1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+                let rows = w.row_block(j0, j1, buf);
+                // SAFETY: the task writes columns j0..j1 of the n × m output only (row stride
+                // m); blocks are disjoint. x is n × k row-major; rows is (j1 - j0) × k, read
+                // as its transpose (k × (j1 - j0)). All indices lie inside the buffers.
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        j1 - j0,
+                        k,
+                        shared.at(j0),
+                        1,
+                        m as isize,
+                        false,
+                        x.as_ptr(),
+                        1,
+                        k as isize,
+                        rows.as_ptr(),
+                        k as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            });
+        out
+    }
+}
+
+impl Backend for Cpu {
+    type Tensor = CpuTensor;
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
+        let data = match t.dtype {
+            DType::F32 => {
+                let mut v = vec![0f32; t.data.len() / 4];
+                decode_f32(&t.data, DType::F32, &mut v).map_err(anyhow::Error::msg)?;
+                Data::F32(v)
+            }
+            DType::F16 | DType::BF16 => Data::Half(
+                t.dtype,
+                t.data
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            other => bail!("weights of dtype {} are not supported", other.torch_name()),
+        };
+        Ok(CpuTensor {
+            shape: t.shape.clone(),
+            data,
+        })
+    }
+
+    fn upload_f32(&self, shape: &[usize], values: &[f32]) -> CpuTensor {
+        CpuTensor::new(shape.to_vec(), values.to_vec())
+    }
+
+    fn to_host(&self, t: &CpuTensor) -> Vec<f32> {
+        let mut buf = Vec::new();
+        t.row_block(0, t.rows(), &mut buf).to_vec()
+    }
+
+    fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
+        &t.shape
+    }
+
+    fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> CpuTensor {
+        let h = table.cols();
+        let mut out = vec![0f32; ids.len() * h];
+        out.par_chunks_mut(h)
+            .zip(ids)
+            .for_each_init(Vec::new, |buf, (o, &id)| {
+                o.copy_from_slice(table.row(id as usize, buf));
+            });
+        CpuTensor::new(vec![ids.len(), h], out)
+    }
+
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let c = x.cols();
+        let v = x.f32();
+        let out = rows
+            .iter()
+            .flat_map(|&r| &v[r * c..(r + 1) * c])
+            .copied()
+            .collect();
+        CpuTensor::new(vec![rows.len(), c], out)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, gamma: &CpuTensor, eps: f64) -> CpuTensor {
+        let h = x.cols();
+        let mut buf = Vec::new();
+        let g = gamma.row_block(0, gamma.rows(), &mut buf);
+        let mut out = x.f32().to_vec();
+        out.par_chunks_mut(h).for_each(|row| {
+            let mean = dot(row, row) / h as f32;
+            let r = 1.0 / (mean + eps as f32).sqrt();
+            for (v, &g) in row.iter_mut().zip(g) {
+                *v = g * (*v * r);
+            }
+        });
+        CpuTensor::new(x.shape.clone(), out)
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> CpuTensor {
+        let (n, k, m) = (x.rows(), x.cols(), w.rows());
+        assert_eq!(
+            w.cols(),
+            k,
+            "internal: matmul of [{n}, {k}] by {:?}ᵀ",
+            w.shape
+        );
+        let mut out = if n <= SKINNY_ROWS {
+            self.matmul_skinny(x.f32(), w, (n, k, m))
+        } else {
+            self.matmul_gemm(x.f32(), w, (n, k, m))
+        };
+        if let Some(b) = bias {
+            let mut buf = Vec::new();
+            let b = b.row_block(0, b.rows(), &mut buf);
+            out.par_chunks_mut(m).for_each(|row| {
+                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            });
+        }
+        CpuTensor::new(vec![n, m], out)
+    }
+
+    fn split_qkv(&self, qkv: &CpuTensor, s: AttentionShape) -> (CpuTensor, CpuTensor, CpuTensor) {
+        let (n, d) = (qkv.rows(), s.head_dim);
+        let per_group = s.heads / s.groups;
+        let mut q = Vec::with_capacity(n * s.heads * d);
+        let mut k = Vec::with_capacity(n * s.groups * d);
+        let mut v = Vec::with_capacity(n * s.groups * d);
+        for row in qkv.f32().chunks_exact(qkv.cols()) {
+            for group in row.chunks_exact((per_group + 2) * d) {
+                q.extend_from_slice(&group[..per_group * d]);
+                k.extend_from_slice(&group[per_group * d..(per_group + 1) * d]);
+                v.extend_from_slice(&group[(per_group + 1) * d..]);
+            }
+        }
+        (
+            CpuTensor::new(vec![n, s.heads * d], q),
+            CpuTensor::new(vec![n, s.groups * d], k),
+            CpuTensor::new(vec![n, s.groups * d], v),
+        )
+    }
+
+    fn rope(&self, x: &mut CpuTensor, cos: &CpuTensor, sin: &CpuTensor) {
+        let half = cos.cols();
+        let width = x.cols();
+        let (cos, sin) = (cos.f32(), sin.f32());
+        x.f32_mut()
+            .par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(r, row)| {
+                let (c, s) = (
+                    &cos[r * half..(r + 1) * half],
+                    &sin[r * half..(r + 1) * half],
+                );
+                for head in row.chunks_exact_mut(2 * half) {
+                    let (a, b) = head.split_at_mut(half);
+                    for i in 0..half {
+                        // As transformers' `q·cos + rotate_half(q)·sin`, rounding for rounding.
+                        let (x1, x2) = (a[i], b[i]);
+                        a[i] = x1 * c[i] + -x2 * s[i];
+                        b[i] = x2 * c[i] + x1 * s[i];
+                    }
+                }
+            });
+    }
+
+    fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> CpuTensor {
+        CpuTensor::new(
+            vec![slots, capacity, width],
+            vec![0f32; slots * capacity * width],
+        )
+    }
+
+    fn kv_store(&self, cache: &mut CpuTensor, x: &CpuTensor, segments: &[Segment]) {
+        let (capacity, width) = (cache.shape[1], cache.shape[2]);
+        let rows = x.f32();
+        let dst = cache.f32_mut();
+        let mut r = 0;
+        for s in segments {
+            assert!(
+                s.past + s.len <= capacity,
+                "internal: KV cache of {capacity} overflows"
+            );
+            let at = (s.slot * capacity + s.past) * width;
+            dst[at..at + s.len * width].copy_from_slice(&rows[r * width..(r + s.len) * width]);
+            r += s.len;
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k_cache: &CpuTensor,
+        v_cache: &CpuTensor,
+        segments: &[Segment],
+        s: AttentionShape,
+    ) -> CpuTensor {
+        let (capacity, width) = (k_cache.shape[1], k_cache.shape[2]);
+        let (d, qw) = (s.head_dim, s.heads * s.head_dim);
+        let per_group = s.heads / s.groups;
+        let (keys, values, queries) = (k_cache.f32(), v_cache.f32(), q.f32());
+        let mut starts = Vec::with_capacity(segments.len());
+        let mut row = 0;
+        for seg in segments {
+            starts.push(row);
+            row += seg.len;
+        }
+        let mut out = vec![0f32; row * qw];
+        let shared = SharedOut(out.as_mut_ptr());
+        let tasks: Vec<(usize, usize)> = (0..segments.len())
+            .flat_map(|i| (0..s.heads).map(move |h| (i, h)))
+            .collect();
+        tasks.par_iter().for_each_init(Vec::new, |scores, &(i, h)| {
+            let seg = segments[i];
+            let g = h / per_group;
+            let at = |j: usize| (seg.slot * capacity + j) * width + g * d;
+            for t in 0..seg.len {
+                let r = starts[i] + t;
+                let qrow = &queries[r * qw + h * d..r * qw + (h + 1) * d];
+                let visible = seg.past + t + 1;
+                scores.clear();
+                scores.extend((0..visible).map(|j| dot(qrow, &keys[at(j)..at(j) + d]) * s.scale));
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for v in scores.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                // SAFETY: row r, columns h·d..(h+1)·d belong to this (segment, head) task only.
+                let o = unsafe { std::slice::from_raw_parts_mut(shared.at(r * qw + h * d), d) };
+                for (j, &p) in scores.iter().enumerate() {
+                    axpy(p / sum, &values[at(j)..at(j) + d], o);
+                }
+            }
+        });
+        CpuTensor::new(vec![row, qw], out)
+    }
+
+    fn swiglu(&self, x: &CpuTensor) -> CpuTensor {
+        let f = x.cols() / 2;
+        let mut out = vec![0f32; x.rows() * f];
+        out.par_chunks_mut(f)
+            .zip(x.f32().par_chunks(2 * f))
+            .for_each(|(o, row)| {
+                let (gate, up) = row.split_at(f);
+                for ((o, &a), &b) in o.iter_mut().zip(gate).zip(up) {
+                    *o = a / (1.0 + (-a).exp()) * b;
+                }
+            });
+        CpuTensor::new(vec![x.rows(), f], out)
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        x.f32_mut()
+            .par_iter_mut()
+            .zip(y.f32().par_iter())
+            .for_each(|(a, b)| *a += b);
+    }
+
+    fn log_softmax(&self, x: &CpuTensor) -> CpuTensor {
+        let c = x.cols();
+        let mut out = x.f32().to_vec();
+        out.par_chunks_mut(c).for_each(|row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+            let log_sum = sum.ln() as f32 + max;
+            row.iter_mut().for_each(|v| *v -= log_sum);
+        });
+        CpuTensor::new(x.shape.clone(), out)
+    }
+}
