@@ -6,3 +6,4 @@
 pub mod ckpt;
 pub mod data;
 pub mod engine;
+pub mod model;

@@ -15,6 +15,7 @@ use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::ckpt::{family, info};
 use mindkit::data::{indexed, inspect, preprocess};
+use mindkit::model::generate;
 
 /// Fast, safe tooling for Megatron-LM / MindSpeed-LLM training.
 ///
@@ -42,6 +43,51 @@ enum Command {
     /// Inspect checkpoints.
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// Generate text from a prompt with an HF or Megatron checkpoint (streams to stdout).
+    Generate(Box<GenerateArgs>),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (HF, or Megatron of any TP/PP).
+    #[arg(long)]
+    model: PathBuf,
+    /// Tokenizer file or directory (default: the model directory).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the tokenizer's chat template (tokenizer_config.json) as a user turn.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// New tokens at most.
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample from the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sample from the smallest set of tokens holding this probability (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Compute device.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    device: String,
+    /// No summary line on stderr.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Args)]
@@ -431,6 +477,7 @@ fn run(cli: Cli) -> Result<()> {
                 .map_err(anyhow::Error::msg)?;
             print!("{}", info::info(&path, family, keys)?)
         }
+        Command::Generate(a) => generate_command(*a)?,
         Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
         Command::Data(DataCommand::Show {
             prefix,
@@ -439,6 +486,49 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             print!("{}", inspect::show(&prefix, index, &tokenizer)?)
         }
+    }
+    Ok(())
+}
+
+fn generate_command(a: GenerateArgs) -> Result<()> {
+    use std::io::Write;
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) || a.temperature < 0.0 {
+        bail!("--top-p must be in (0, 1] and --temperature at least 0");
+    }
+    let request = generate::GenerateRequest {
+        model: a.model,
+        tokenizer: a.tokenizer,
+        prompt: a.prompt,
+        chat: a.chat,
+        system: a.system,
+        options: generate::GenerateOptions {
+            max_new_tokens: a.max_new_tokens,
+            sampling: generate::Sampling {
+                temperature: a.temperature,
+                top_k: a.top_k,
+                top_p: a.top_p,
+                seed: a.seed,
+            },
+            stop: a.stop,
+            eos: Vec::new(),
+        },
+    };
+    let mut out = std::io::stdout().lock();
+    let (g, stats) = generate::run(&request, |piece| {
+        // A closed stdout (a pipe to `head`) ends the output, not the run.
+        let _ = out.write_all(piece.as_bytes()).and_then(|()| out.flush());
+    })?;
+    let _ = writeln!(out);
+    if !a.quiet {
+        eprintln!(
+            "{} prompt + {} new tokens ({:?}) in {:.2} s ({:.1} tokens/s; model loaded in {:.2} s)",
+            stats.prompt_tokens,
+            g.tokens.len(),
+            g.finish,
+            stats.seconds,
+            g.tokens.len() as f64 / stats.seconds.max(1e-9),
+            stats.load_seconds
+        );
     }
     Ok(())
 }

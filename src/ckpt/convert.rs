@@ -253,6 +253,11 @@ pub struct Input {
 }
 
 impl Input {
+    /// A canonical tensor (unsharded, in the checkpoint's dtype).
+    pub fn read(&self, c: Canon) -> Result<Tensor> {
+        self.source.read(&self.cfg, c)
+    }
+
     /// LoRA tensors stored next to the weights (Megatron checkpoints saved without
     /// `--lora-ckpt-filter`).
     pub fn lora_tensors(&self) -> usize {
@@ -272,28 +277,33 @@ pub fn open_input(o: &ConvertOptions) -> Result<Input> {
             o.output.display()
         );
     }
-    let family = o
-        .family
-        .as_deref()
+    open_checkpoint(&o.input, o.from, o.family.as_deref())
+}
+
+/// Open a checkpoint directory of either format (detected unless given) for reading.
+pub fn open_checkpoint(dir: &Path, format: Option<Format>, family: Option<&str>) -> Result<Input> {
+    let family = family
         .map(family::by_name)
         .transpose()
         .map_err(|e| anyhow!(e))?;
-    let format = match o.from {
+    let format = match format {
         Some(f) => f,
-        None => detect(&o.input)?,
+        None => detect(dir)?,
     };
     Ok(match format {
         Format::Hf => {
-            let (cfg, weights) = open_hf(&o.input, family)?;
-            let dir = o.input.clone();
+            let (cfg, weights) = open_hf(dir, family)?;
             Input {
                 cfg,
                 format,
-                source: Source::Hf { dir, weights },
+                source: Source::Hf {
+                    dir: dir.to_path_buf(),
+                    weights,
+                },
             }
         }
         Format::Megatron => {
-            let ck = MegatronCkpt::open(&o.input, family)?;
+            let ck = MegatronCkpt::open(dir, family)?;
             Input {
                 cfg: ck.cfg.clone(),
                 format,

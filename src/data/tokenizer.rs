@@ -50,6 +50,14 @@ pub enum TokenizerError {
     /// Encoding failed.
     #[error("tokenization failed: {0}")]
     Encode(String),
+    /// The chat template is missing or failed to render.
+    #[error("tokenizer {path}: chat template: {msg}")]
+    Template {
+        /// The tokenizer path.
+        path: PathBuf,
+        /// What went wrong.
+        msg: String,
+    },
 }
 
 type Result<T> = std::result::Result<T, TokenizerError>;
@@ -247,5 +255,61 @@ impl HfTokenizer {
         self.inner
             .decode(ids, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// Decode ids to text without special tokens (generated text as a user reads it).
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// Render the chat template (transformers' `apply_chat_template(..., tokenize=False)`):
+    /// `messages` as (role, content) pairs, with `bos_token` / `eos_token` defined and Python
+    /// string methods available, as templates expect.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[(&str, &str)],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let fail = |msg: String| TokenizerError::Template {
+            path: self.path.clone(),
+            msg,
+        };
+        let source = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| fail("tokenizer_config.json has no chat_template".into()))?;
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", source)
+            .map_err(|e| fail(e.to_string()))?;
+        let token = |id: Option<u32>| {
+            id.and_then(|i| self.inner.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => token(self.bos),
+                    eos_token => token(self.eos),
+                })
+            })
+            .map_err(|e| fail(e.to_string()))
     }
 }

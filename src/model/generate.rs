@@ -1,0 +1,329 @@
+//! Text generation with a KV cache: greedy or sampled (temperature, top-k, top-p, seeded),
+//! ending at EOS, at a stop sequence or after a number of tokens, streaming text as it comes.
+
+use super::{Model, Step};
+use crate::data::tokenizer::HfTokenizer;
+use crate::engine::cpu::Cpu;
+use crate::engine::Backend;
+use anyhow::{bail, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// How the next token is picked.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Logits are divided by it; 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1: all).
+    pub top_p: f32,
+    /// Random seed.
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// Argmax decoding.
+    pub const GREEDY: Sampling = Sampling {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    };
+}
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// New tokens at most.
+    pub max_new_tokens: usize,
+    /// Token choice.
+    pub sampling: Sampling,
+    /// Generation ends before the first of these strings (which is not returned).
+    pub stop: Vec<String>,
+    /// Token ids that end the generation (not returned).
+    pub eos: Vec<u32>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An EOS token.
+    Eos,
+    /// A stop sequence.
+    Stop,
+    /// `max_new_tokens`.
+    Length,
+}
+
+/// A finished generation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated token ids (EOS excluded).
+    pub tokens: Vec<u32>,
+    /// Their text, cut before a stop sequence.
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+}
+
+/// Index of the largest value; the first one on ties, as `torch.argmax`.
+pub fn argmax(values: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Pick a token from `logits` (transformers' order: temperature, top-k, top-p, then draw).
+fn pick(logits: &[f32], s: &Sampling, rng: &mut StdRng) -> usize {
+    if s.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if s.top_k > 0 {
+        order.truncate(s.top_k);
+    }
+    let max = logits[order[0]];
+    let mut probs: Vec<f64> = (order.iter())
+        .map(|&i| (((logits[i] - max) / s.temperature) as f64).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if s.top_p < 1.0 {
+        let mut mass = 0.0;
+        let keep = probs
+            .iter()
+            .position(|&p| {
+                mass += p;
+                mass >= s.top_p as f64
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+    }
+    let mut draw = rng.random::<f64>() * probs.iter().sum::<f64>();
+    for (i, p) in probs.iter().enumerate() {
+        draw -= p;
+        if draw <= 0.0 {
+            return order[i];
+        }
+    }
+    order[probs.len() - 1]
+}
+
+/// The text of generated tokens: decoded whole each time (so multi-byte characters split over
+/// tokens come out right) and released in pieces that cannot be the start of a stop sequence.
+struct TextStream<'a> {
+    tokenizer: &'a HfTokenizer,
+    stop: &'a [String],
+    text: String,
+    released: usize,
+}
+
+impl TextStream<'_> {
+    /// Update with all tokens so far; `Some(cut)` when a stop sequence appeared.
+    fn update(&mut self, tokens: &[u32]) -> Result<Option<usize>> {
+        self.text = self.tokenizer.decode_text(tokens)?;
+        Ok(self
+            .stop
+            .iter()
+            .filter_map(|s| self.text.find(s.as_str()))
+            .min())
+    }
+
+    /// Text safe to show now (complete characters, no possible stop prefix), once.
+    fn release(&mut self, end: Option<usize>) -> &str {
+        let mut upto = end.unwrap_or_else(|| {
+            let hold = self
+                .stop
+                .iter()
+                .map(|s| s.len().saturating_sub(1))
+                .max()
+                .unwrap_or(0);
+            let text = self.text.trim_end_matches('\u{FFFD}');
+            text.len().saturating_sub(hold)
+        });
+        while !self.text.is_char_boundary(upto) {
+            upto -= 1;
+        }
+        let from = self.released.min(upto);
+        self.released = self.released.max(upto);
+        &self.text[from..upto]
+    }
+}
+
+/// Generate after `prompt`, calling `on_text` with each new piece of text.
+pub fn generate<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &HfTokenizer,
+    prompt: &[u32],
+    o: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty (no tokens)");
+    }
+    let capacity = prompt.len() + o.max_new_tokens;
+    if capacity > model.spec.max_positions {
+        bail!(
+            "prompt ({} tokens) + {} new tokens exceed the model's {} positions",
+            prompt.len(),
+            o.max_new_tokens,
+            model.spec.max_positions
+        );
+    }
+    let backend = model.backend();
+    let mut cache = model.cache(1, capacity);
+    let mut rng = StdRng::seed_from_u64(o.sampling.seed);
+    let mut stream = TextStream {
+        tokenizer,
+        stop: &o.stop,
+        text: String::new(),
+        released: 0,
+    };
+    let mut tokens = Vec::new();
+    let (mut past, mut input) = (0, prompt.to_vec());
+    let finish = loop {
+        if tokens.len() == o.max_new_tokens {
+            break Finish::Length;
+        }
+        let step = Step {
+            slot: 0,
+            past,
+            tokens: &input,
+        };
+        let logits = model.forward(&mut cache, &[step], &[input.len() - 1])?;
+        let next = pick(&backend.to_host(&logits), &o.sampling, &mut rng) as u32;
+        if o.eos.contains(&next) {
+            break Finish::Eos;
+        }
+        past += input.len();
+        input = vec![next];
+        tokens.push(next);
+        if let Some(cut) = stream.update(&tokens)? {
+            on_text(stream.release(Some(cut)));
+            stream.text.truncate(cut);
+            break Finish::Stop;
+        }
+        on_text(stream.release(None));
+    };
+    if finish != Finish::Stop {
+        let end = stream.text.len();
+        on_text(stream.release(Some(end)));
+    }
+    Ok(Generation {
+        tokens,
+        text: stream.text,
+        finish,
+    })
+}
+
+/// A `mindkit generate` request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Checkpoint directory (HF or Megatron).
+    pub model: PathBuf,
+    /// Tokenizer file or directory (default: the model directory).
+    pub tokenizer: Option<PathBuf>,
+    /// The prompt text.
+    pub prompt: String,
+    /// Wrap the prompt in the tokenizer's chat template as a user message.
+    pub chat: bool,
+    /// A system message for `chat`.
+    pub system: Option<String>,
+    /// What to generate.
+    pub options: GenerateOptions,
+}
+
+/// What a generation took.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerateStats {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Seconds loading the model.
+    pub load_seconds: f64,
+    /// Seconds generating (prefill + decoding).
+    pub seconds: f64,
+}
+
+/// Load the model and tokenizer of `r`, build the prompt and generate, streaming text.
+pub fn run(r: &GenerateRequest, on_text: impl FnMut(&str)) -> Result<(Generation, GenerateStats)> {
+    let start = Instant::now();
+    let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
+    let tokenizer = HfTokenizer::load(tok_path)?;
+    let backend = Cpu;
+    let model = Model::load(&backend, &r.model)?;
+    if tokenizer.vocab_size() > model.spec.vocab {
+        bail!(
+            "tokenizer {} has {} tokens but the model's vocabulary has {} rows: they do not belong together",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            model.spec.vocab
+        );
+    }
+    let prompt = if r.chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &r.system {
+            messages.push(("system", s.as_str()));
+        }
+        messages.push(("user", r.prompt.as_str()));
+        let text = tokenizer.apply_chat_template(&messages, true)?;
+        tokenizer.encode(&text, false)?
+    } else {
+        tokenizer.encode(&r.prompt, true)?
+    };
+    let mut options = r.options.clone();
+    if options.eos.is_empty() {
+        options.eos.extend(tokenizer.eos());
+    }
+    let load_seconds = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let generation = generate(&model, &tokenizer, &prompt, &options, on_text)?;
+    let stats = GenerateStats {
+        prompt_tokens: prompt.len(),
+        load_seconds,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    Ok((generation, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_takes_the_first_of_equal_maxima() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn sampling_respects_top_k_and_top_p_and_the_seed() {
+        let logits = [0.0, 5.0, 4.9, -3.0, 1.0];
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            seed: 7,
+        };
+        let mut rng = StdRng::seed_from_u64(s.seed);
+        let picks: Vec<usize> = (0..200).map(|_| pick(&logits, &s, &mut rng)).collect();
+        assert!(picks.iter().all(|&p| p == 1 || p == 2));
+        assert!(picks.contains(&1) && picks.contains(&2));
+        let mut again = StdRng::seed_from_u64(s.seed);
+        let repeat: Vec<usize> = (0..200).map(|_| pick(&logits, &s, &mut again)).collect();
+        assert_eq!(picks, repeat);
+        let nucleus = Sampling {
+            top_k: 0,
+            top_p: 0.3,
+            ..s
+        };
+        assert!((0..50).all(|_| pick(&logits, &nucleus, &mut rng) == 1));
+        assert_eq!(pick(&logits, &Sampling::GREEDY, &mut rng), 1);
+    }
+}

@@ -1,0 +1,181 @@
+//! The engine's forward pass against transformers: golden logits of every tiny family
+//! (fixtures/gen/make_logits_goldens.py), prefill and each KV-cached decoding step; the same
+//! model loaded from HF and from Megatron conversions; batching and cache behaviour.
+
+mod common;
+
+use common::{convert, fixture};
+use mindkit::engine::cpu::Cpu;
+use mindkit::engine::Backend;
+use mindkit::model::generate::argmax;
+use mindkit::model::{Model, Step};
+use safetensors::SafeTensors;
+
+const FAMILIES: [&str; 6] = [
+    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila",
+];
+
+struct Golden {
+    prompt: Vec<u32>,
+    prefill: Vec<f32>,
+    generated: Vec<u32>,
+    steps: Vec<f32>,
+}
+
+fn golden(family: &str) -> Golden {
+    let bytes = std::fs::read(fixture(&format!("golden/logits/{family}.safetensors"))).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |n: &str| -> Vec<u32> {
+        let t = st.tensor(n).unwrap();
+        t.data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    };
+    let floats = |n: &str| -> Vec<f32> {
+        let t = st.tensor(n).unwrap();
+        t.data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    Golden {
+        prompt: ints("prompt"),
+        prefill: floats("prefill"),
+        generated: ints("generated"),
+        steps: floats("steps"),
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Prefill logits of every prompt row, then each greedy step's logits.
+fn run(model: &Model<Cpu>, prompt: &[u32], feed: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut cache = model.cache(1, prompt.len() + feed.len());
+    let rows: Vec<usize> = (0..prompt.len()).collect();
+    let step = Step {
+        slot: 0,
+        past: 0,
+        tokens: prompt,
+    };
+    let prefill = Cpu.to_host(&model.forward(&mut cache, &[step], &rows).unwrap());
+    let steps = feed
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let step = Step {
+                slot: 0,
+                past: prompt.len() + i,
+                tokens: std::slice::from_ref(t),
+            };
+            Cpu.to_host(&model.forward(&mut cache, &[step], &[0]).unwrap())
+        })
+        .collect();
+    (prefill, steps)
+}
+
+#[test]
+fn logits_match_transformers_for_every_family() {
+    for family in FAMILIES {
+        let g = golden(family);
+        let model = Model::load(&Cpu, &fixture(&format!("models/{family}"))).unwrap();
+        let vocab = model.spec.vocab;
+        let (prefill, steps) = run(&model, &g.prompt, &g.generated);
+        let d = max_diff(&prefill, &g.prefill);
+        assert!(d <= 1e-5, "{family}: prefill logits differ by {d}");
+        let mut next = argmax(&prefill[prefill.len() - vocab..]) as u32;
+        for (i, logits) in steps.iter().enumerate() {
+            assert_eq!(next, g.generated[i], "{family}: greedy token {i}");
+            let d = max_diff(logits, &g.steps[i * vocab..(i + 1) * vocab]);
+            assert!(
+                d <= 1e-5,
+                "{family}: decoding step {i} logits differ by {d}"
+            );
+            next = argmax(logits) as u32;
+        }
+    }
+}
+
+#[test]
+fn megatron_conversions_give_identical_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["llama", "qwen2"] {
+        let hf = fixture(&format!("models/{family}"));
+        let g = golden(family);
+        let reference = run(&Model::load(&Cpu, &hf).unwrap(), &g.prompt, &g.generated);
+        for (name, extra) in [
+            ("tp2pp2", &["--tp", "2", "--pp", "2"][..]),
+            ("legacy-tp1pp4", &["--pp", "4", "--layout", "legacy"][..]),
+        ] {
+            let out = tmp.path().join(format!("{family}-{name}"));
+            convert("megatron", &hf, &out, extra);
+            let logits = run(&Model::load(&Cpu, &out).unwrap(), &g.prompt, &g.generated);
+            assert!(
+                logits == reference,
+                "{family} {name}: logits differ from the HF load"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_ragged_batch_equals_its_sequences_run_alone() {
+    let model = Model::load(&Cpu, &fixture("models/qwen2")).unwrap();
+    let (a, b): (&[u32], &[u32]) = (&[1, 5, 9, 13, 2, 8], &[3, 4, 150]);
+    let alone = |t: &[u32]| {
+        let mut cache = model.cache(1, 8);
+        let rows: Vec<usize> = (0..t.len()).collect();
+        let step = Step {
+            slot: 0,
+            past: 0,
+            tokens: t,
+        };
+        Cpu.to_host(&model.forward(&mut cache, &[step], &rows).unwrap())
+    };
+    let mut cache = model.cache(2, 8);
+    let steps = [
+        Step {
+            slot: 1,
+            past: 0,
+            tokens: a,
+        },
+        Step {
+            slot: 0,
+            past: 0,
+            tokens: b,
+        },
+    ];
+    let rows: Vec<usize> = (0..a.len() + b.len()).collect();
+    let both = Cpu.to_host(&model.forward(&mut cache, &steps, &rows).unwrap());
+    let vocab = model.spec.vocab;
+    let (first, second) = both.split_at(a.len() * vocab);
+    assert!(max_diff(first, &alone(a)) <= 1e-6);
+    assert!(max_diff(second, &alone(b)) <= 1e-6);
+}
+
+#[test]
+fn bad_requests_are_errors_not_panics() {
+    let model = Model::load(&Cpu, &fixture("models/llama")).unwrap();
+    let mut cache = model.cache(1, 4);
+    let step = |tokens| Step {
+        slot: 0,
+        past: 0,
+        tokens,
+    };
+    let err = model
+        .forward(&mut cache, &[step(&[1, 2, 3, 4, 5])], &[0])
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("do not fit the KV cache"), "{err}");
+    let err = model
+        .forward(&mut cache, &[step(&[1, 200])], &[0])
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("token id 200"), "{err}");
+}
