@@ -173,11 +173,13 @@ impl HfTokenizer {
         self.bos = bos;
         self.eos = eos;
         self.pad = pad;
+        // transformers ≥ 4.43 saves the template beside the config, in chat_template.jinja.
         self.chat_template = config
             .as_ref()
             .and_then(|c| c.get("chat_template"))
             .and_then(Value::as_str)
-            .map(str::to_string);
+            .map(str::to_string)
+            .or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok());
         Ok(())
     }
 
@@ -279,7 +281,7 @@ impl HfTokenizer {
         let source = self
             .chat_template
             .as_deref()
-            .ok_or_else(|| fail("tokenizer_config.json has no chat_template".into()))?;
+            .ok_or_else(|| fail("no chat_template in tokenizer_config.json nor a chat_template.jinja".into()))?;
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(

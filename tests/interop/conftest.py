@@ -33,3 +33,13 @@ def testdata():
     if not path:
         pytest.skip("MINDKIT_TESTDATA is unset: real data samples not available")
     return pathlib.Path(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(assets):
+    """The real SmolLM2-135M-Instruct as an HF directory (f16 weights, tokenizer, chat template)."""
+    gguf = assets / "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.exists():
+        pytest.skip(f"{gguf} not found: run scripts/fetch-test-assets.sh")
+    import smollm2 as builder
+    return builder.build(gguf, assets / "smollm2/hf")

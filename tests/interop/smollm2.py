@@ -42,8 +42,23 @@ def unpermute(w, n_head):
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def build_tokenizer(gguf_path, out_dir):
+    """tokenizer.json + tokenizer_config.json (+ chat template) converted from the GGUF's
+    vocabulary by transformers."""
+    from transformers import AutoTokenizer
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if (out_dir / "tokenizer.json").exists():
+        return
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The GGUF names <|im_start|> as eos; the model ends its turns with <|im_end|> (id 2,
+    # config.json's eos_token_id).
+    tok.eos_token = "<|im_end|>"
+    tok.save_pretrained(out_dir)
+
+
 def build(gguf_path, out_dir):
     out_dir = Path(out_dir)
+    build_tokenizer(gguf_path, out_dir)
     if (out_dir / "model.safetensors").exists():
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

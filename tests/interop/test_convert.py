@@ -127,15 +127,6 @@ def test_megatron_checkpointing_reads_the_directory(mindkit, tmp_path):
                    "num_query_groups": 4, "add_qkv_bias": True}
 
 
-@pytest.fixture(scope="session")
-def smollm2(assets):
-    gguf = assets / "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.exists():
-        pytest.skip(f"{gguf} not found: run scripts/fetch-test-assets.sh")
-    import smollm2 as builder
-    return builder.build(gguf, assets / "smollm2/hf")
-
-
 def test_smollm2_round_trip_tp3_pp2(mindkit, tmp_path, smollm2):
     # SmolLM2-135M has 9 attention heads: Megatron cannot split them over TP 2 (heads % TP must
     # be 0), so mindkit refuses it up front and names the sizes that work; TP 3 is the real test.
