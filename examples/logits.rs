@@ -45,9 +45,18 @@ fn main() -> Result<()> {
     let (prefill, decoded) = (bytes(&prefill), bytes(&decoded));
     let generated: Vec<u8> = generated.iter().flat_map(|x| x.to_le_bytes()).collect();
     let views = [
-        ("prefill", TensorView::new(Dtype::F32, vec![prompt.len(), vocab], &prefill)?),
-        ("steps", TensorView::new(Dtype::F32, vec![steps, vocab], &decoded)?),
-        ("generated", TensorView::new(Dtype::I64, vec![steps], &generated)?),
+        (
+            "prefill",
+            TensorView::new(Dtype::F32, vec![prompt.len(), vocab], &prefill)?,
+        ),
+        (
+            "steps",
+            TensorView::new(Dtype::F32, vec![steps, vocab], &decoded)?,
+        ),
+        (
+            "generated",
+            TensorView::new(Dtype::I64, vec![steps], &generated)?,
+        ),
     ];
     safetensors::serialize_to_file(views, None, out.as_ref())?;
     Ok(())

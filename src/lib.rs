@@ -6,4 +6,5 @@
 pub mod ckpt;
 pub mod data;
 pub mod engine;
+pub mod eval;
 pub mod model;

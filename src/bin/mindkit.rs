@@ -15,6 +15,7 @@ use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::ckpt::{family, info};
 use mindkit::data::{indexed, inspect, preprocess};
+use mindkit::eval;
 use mindkit::model::generate;
 
 /// Fast, safe tooling for Megatron-LM / MindSpeed-LLM training.
@@ -43,8 +44,53 @@ enum Command {
     /// Inspect checkpoints.
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// Score a checkpoint on a benchmark (lm-evaluation-harness-comparable numbers).
+    Eval(Box<EvalArgs>),
     /// Generate text from a prompt with an HF or Megatron checkpoint (streams to stdout).
     Generate(Box<GenerateArgs>),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EvalTask {
+    /// BoolQ dev, 0-shot, acc.
+    Boolq,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// Checkpoint directory (HF, or Megatron of any TP/PP).
+    #[arg(long)]
+    model: PathBuf,
+    /// The task.
+    #[arg(long, value_enum)]
+    task: EvalTask,
+    /// The task's data (file or directory; jsonl, json or parquet).
+    #[arg(long)]
+    data: PathBuf,
+    /// Tokenizer file or directory (default: the model directory).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Few-shot examples (the task's default when omitted).
+    #[arg(long)]
+    num_fewshot: Option<usize>,
+    /// Evaluate the first N documents only.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Documents per forward pass.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Write the results JSON (lm-evaluation-harness shape) here.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Write one JSON line per document (prompt, choices, logprobs, prediction) here.
+    #[arg(long)]
+    log_samples: Option<PathBuf>,
+    /// Compute device.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    device: String,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Args)]
@@ -478,6 +524,28 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", info::info(&path, family, keys)?)
         }
         Command::Generate(a) => generate_command(*a)?,
+        Command::Eval(a) => {
+            let opts = eval::EvalOptions {
+                model: a.model,
+                tokenizer: a.tokenizer,
+                task: match a.task {
+                    EvalTask::Boolq => eval::Task::Boolq,
+                },
+                data: a.data,
+                num_fewshot: a.num_fewshot,
+                limit: a.limit,
+                batch_size: a.batch_size,
+                log_samples: a.log_samples,
+                progress: !a.quiet,
+            };
+            let report = eval::run(&opts)?;
+            if let Some(path) = &a.output {
+                let text = serde_json::to_string_pretty(&report.results)? + "\n";
+                std::fs::write(path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            print!("{}", report.table);
+        }
         Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
         Command::Data(DataCommand::Show {
             prefix,

@@ -278,10 +278,9 @@ impl HfTokenizer {
             path: self.path.clone(),
             msg,
         };
-        let source = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| fail("no chat_template in tokenizer_config.json nor a chat_template.jinja".into()))?;
+        let source = self.chat_template.as_deref().ok_or_else(|| {
+            fail("no chat_template in tokenizer_config.json nor a chat_template.jinja".into())
+        })?;
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(

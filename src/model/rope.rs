@@ -83,7 +83,8 @@ fn llama3(inv_freq: &mut [f32], r: &Json) -> Result<()> {
         };
         let smooth = (old / wavelen - low) / (high - low);
         let smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled;
-        let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+        // Finite frequencies only, so "not below, not above" is "within".
+        let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
         *f = if medium { smoothed } else { scaled };
     }
     Ok(())

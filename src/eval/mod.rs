@@ -1,0 +1,255 @@
+//! `mindkit eval`: benchmark tasks scored on any HF or Megatron checkpoint with numbers
+//! comparable to lm-evaluation-harness (`reference/eval.md`): its prompts, its tokenization
+//! and loglikelihood (see [`loglikelihood`]), its results JSON and table.
+
+pub mod boolq;
+pub mod loglikelihood;
+
+use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
+use crate::data::tokenizer::HfTokenizer;
+use crate::engine::cpu::Cpu;
+use crate::engine::Backend;
+use crate::model::Model;
+use anyhow::{anyhow, bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use loglikelihood::{Request, Scorer};
+use serde_json::{json, Value as Json};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The tasks `mindkit eval` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// BoolQ (SuperGLUE dev), 0-shot, acc.
+    Boolq,
+}
+
+impl Task {
+    /// The harness's task name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::Boolq => "boolq",
+        }
+    }
+
+    fn version(self) -> f64 {
+        match self {
+            Task::Boolq => 2.0,
+        }
+    }
+}
+
+/// What to evaluate.
+#[derive(Debug, Clone)]
+pub struct EvalOptions {
+    /// Checkpoint directory (HF or Megatron).
+    pub model: PathBuf,
+    /// Tokenizer (default: the model directory).
+    pub tokenizer: Option<PathBuf>,
+    /// The task.
+    pub task: Task,
+    /// The task's data file or directory.
+    pub data: PathBuf,
+    /// Few-shot examples (task default when `None`).
+    pub num_fewshot: Option<usize>,
+    /// First N documents only.
+    pub limit: Option<usize>,
+    /// Documents per forward pass.
+    pub batch_size: usize,
+    /// Per-document log (JSON lines).
+    pub log_samples: Option<PathBuf>,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
+/// A multiple-choice document: a context, the continuations to compare, the right one.
+#[derive(Debug, Clone)]
+pub struct ChoiceDoc {
+    /// Context (prompt).
+    pub context: String,
+    /// Continuations, the target delimiter included.
+    pub choices: Vec<String>,
+    /// Index of the right continuation.
+    pub gold: usize,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct EvalReport {
+    /// lm-evaluation-harness-shaped results.
+    pub results: Json,
+    /// The harness-style table.
+    pub table: String,
+}
+
+struct Collect {
+    records: Vec<Record>,
+    bad: Option<String>,
+}
+
+impl Sink for Collect {
+    fn wants(&mut self, _: u64) -> bool {
+        true
+    }
+    fn accept(&mut self, _: u64, item: Item) -> bool {
+        match item {
+            Item::Record(r) => {
+                self.records.push(r);
+                true
+            }
+            Item::Bad(b) => {
+                self.bad = Some(b.to_string());
+                false
+            }
+        }
+    }
+}
+
+/// Every record of a data file or directory (json, jsonl, parquet), in order.
+pub fn read_records(path: &Path) -> Result<Vec<Record>> {
+    let files = expand_inputs(&[path.to_path_buf()])?;
+    let mut sink = Collect {
+        records: Vec::new(),
+        bad: None,
+    };
+    RecordReader::new(files).run(&mut sink)?;
+    if let Some(bad) = sink.bad {
+        bail!("{bad}");
+    }
+    if sink.records.is_empty() {
+        bail!("{}: no records", path.display());
+    }
+    Ok(sink.records)
+}
+
+/// A string field of a record, or an error naming the record and field.
+pub fn text_field<'a>(r: &'a Record, key: &str) -> Result<&'a str> {
+    r.fields
+        .get(key)
+        .and_then(Json::as_str)
+        .ok_or_else(|| anyhow!("{}: missing or non-string field \"{key}\"", r.loc))
+}
+
+/// `sample_std / √n` of 0/1 outcomes (the harness's `mean_stderr`).
+fn mean_stderr(hits: &[bool]) -> f64 {
+    let n = hits.len() as f64;
+    if n < 2.0 {
+        return f64::NAN;
+    }
+    let mean = hits.iter().filter(|&&h| h).count() as f64 / n;
+    let var = hits
+        .iter()
+        .map(|&h| (f64::from(u8::from(h)) - mean).powi(2))
+        .sum::<f64>()
+        / (n - 1.0);
+    (var / n).sqrt()
+}
+
+fn progress_bar(len: usize, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} docs, {per_sec}, ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+/// Run a task.
+pub fn run(o: &EvalOptions) -> Result<EvalReport> {
+    let start = Instant::now();
+    let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
+    let tokenizer = HfTokenizer::load(tok_path)?;
+    let backend = Cpu;
+    let model = Model::load(&backend, &o.model)?;
+    if tokenizer.vocab_size() > model.spec.vocab {
+        bail!(
+            "tokenizer {} has {} tokens but the model's vocabulary has {} rows",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            model.spec.vocab
+        );
+    }
+    let (docs, shots) = match o.task {
+        Task::Boolq => (boolq::load(&o.data, o.num_fewshot)?, 0),
+    };
+    let original = docs.len();
+    let docs = &docs[..o.limit.unwrap_or(original).min(original)];
+    let mut scorer = Scorer::new(&model, &tokenizer, model.spec.max_positions);
+    let mut log = match &o.log_samples {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let pb = progress_bar(docs.len(), o.progress);
+    pb.set_message(o.task.name());
+    let mut hits = Vec::with_capacity(docs.len());
+    for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
+        let requests: Vec<Vec<Request>> = batch
+            .iter()
+            .map(|d| {
+                (d.choices.iter())
+                    .map(|c| Request {
+                        context: d.context.clone(),
+                        continuation: c.clone(),
+                    })
+                    .collect()
+            })
+            .collect();
+        let scores = scorer.score(&requests)?;
+        for (i, (doc, s)) in batch.iter().zip(&scores).enumerate() {
+            let lls: Vec<f64> = s.iter().map(|s| s.logprob).collect();
+            let pred = (0..lls.len()).fold(0, |best, j| if lls[j] > lls[best] { j } else { best });
+            hits.push(pred == doc.gold);
+            if let Some(w) = log.as_mut() {
+                let record = json!({
+                    "doc_id": b * o.batch_size.max(1) + i,
+                    "prompt": doc.context,
+                    "choices": doc.choices,
+                    "logprobs": lls,
+                    "is_greedy": s.iter().map(|s| s.is_greedy).collect::<Vec<_>>(),
+                    "target": doc.gold,
+                    "pred": pred,
+                    "acc": pred == doc.gold,
+                });
+                writeln!(w, "{record}")?;
+            }
+        }
+        pb.inc(batch.len() as u64);
+    }
+    pb.finish_and_clear();
+    if let Some(mut w) = log {
+        w.flush()?;
+    }
+    let acc = hits.iter().filter(|&&h| h).count() as f64 / hits.len().max(1) as f64;
+    let stderr = mean_stderr(&hits);
+    let name = o.task.name();
+    let results = json!({
+        "results": {name: {"alias": name, "acc,none": acc, "acc_stderr,none": stderr}},
+        "versions": {name: o.task.version()},
+        "n-shot": {name: shots},
+        "higher_is_better": {name: {"acc": true}},
+        "n-samples": {name: {"original": original, "effective": docs.len()}},
+        "config": {
+            "model": "mindkit",
+            "model_args": format!("pretrained={}", o.model.display()),
+            "batch_size": o.batch_size,
+            "device": backend.describe(),
+            "limit": o.limit,
+        },
+        "max_length": scorer.max_length,
+        "n_truncated": scorer.truncated,
+        "total_evaluation_time_seconds": start.elapsed().as_secs_f64(),
+    });
+    let table = format!(
+        "|Tasks|Version|Filter|n-shot|Metric|   |Value |   |Stderr|\n\
+         |-----|------:|------|-----:|------|---|-----:|---|-----:|\n\
+         |{name}|{:>7}|none  |{shots:>6}|acc   |↑  |{acc:.4}|±  |{stderr:.4}|\n",
+        o.task.version()
+    );
+    Ok(EvalReport { results, table })
+}
