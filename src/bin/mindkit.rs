@@ -54,6 +54,8 @@ enum Command {
 enum EvalTask {
     /// BoolQ dev, 0-shot, acc.
     Boolq,
+    /// MMLU, 57 subjects, 5-shot (dev rows) by default, micro and macro averages.
+    Mmlu,
 }
 
 #[derive(Args)]
@@ -530,6 +532,7 @@ fn run(cli: Cli) -> Result<()> {
                 tokenizer: a.tokenizer,
                 task: match a.task {
                     EvalTask::Boolq => eval::Task::Boolq,
+                    EvalTask::Mmlu => eval::Task::Mmlu,
                 },
                 data: a.data,
                 num_fewshot: a.num_fewshot,

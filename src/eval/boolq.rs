@@ -46,6 +46,7 @@ pub fn load(path: &Path, num_fewshot: Option<usize>) -> Result<Vec<ChoiceDoc>> {
                 ),
                 choices: vec![" no".into(), " yes".into()],
                 gold: gold(r)?,
+                subject: None,
             })
         })
         .collect()

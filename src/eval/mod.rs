@@ -4,6 +4,7 @@
 
 pub mod boolq;
 pub mod loglikelihood;
+pub mod mmlu;
 
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
@@ -14,6 +15,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use loglikelihood::{Request, Scorer};
 use serde_json::{json, Value as Json};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,6 +25,8 @@ use std::time::Instant;
 pub enum Task {
     /// BoolQ (SuperGLUE dev), 0-shot, acc.
     Boolq,
+    /// MMLU, 57 subjects, 5-shot by default, acc (micro average).
+    Mmlu,
 }
 
 impl Task {
@@ -30,12 +34,14 @@ impl Task {
     pub fn name(self) -> &'static str {
         match self {
             Task::Boolq => "boolq",
+            Task::Mmlu => "mmlu",
         }
     }
 
     fn version(self) -> f64 {
         match self {
             Task::Boolq => 2.0,
+            Task::Mmlu => 2.0,
         }
     }
 }
@@ -72,6 +78,8 @@ pub struct ChoiceDoc {
     pub choices: Vec<String>,
     /// Index of the right continuation.
     pub gold: usize,
+    /// Subtask (MMLU subject) it belongs to.
+    pub subject: Option<String>,
 }
 
 /// The outcome of a run.
@@ -173,11 +181,15 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             model.spec.vocab
         );
     }
-    let (docs, shots) = match o.task {
+    let (all, shots) = match o.task {
         Task::Boolq => (boolq::load(&o.data, o.num_fewshot)?, 0),
+        Task::Mmlu => (
+            mmlu::load(&o.data, o.num_fewshot)?,
+            o.num_fewshot.unwrap_or(5),
+        ),
     };
-    let original = docs.len();
-    let docs = &docs[..o.limit.unwrap_or(original).min(original)];
+    let original = all.len();
+    let docs = limit_per_subtask(all, o.limit);
     let mut scorer = Scorer::new(&model, &tokenizer, model.spec.max_positions);
     let mut log = match &o.log_samples {
         Some(p) => Some(std::io::BufWriter::new(
@@ -187,7 +199,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     };
     let pb = progress_bar(docs.len(), o.progress);
     pb.set_message(o.task.name());
-    let mut hits = Vec::with_capacity(docs.len());
+    let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
     for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
         let requests: Vec<Vec<Request>> = batch
             .iter()
@@ -204,10 +216,11 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
         for (i, (doc, s)) in batch.iter().zip(&scores).enumerate() {
             let lls: Vec<f64> = s.iter().map(|s| s.logprob).collect();
             let pred = (0..lls.len()).fold(0, |best, j| if lls[j] > lls[best] { j } else { best });
-            hits.push(pred == doc.gold);
+            hits.push((doc.subject.clone(), pred == doc.gold));
             if let Some(w) = log.as_mut() {
                 let record = json!({
                     "doc_id": b * o.batch_size.max(1) + i,
+                    "subject": doc.subject,
                     "prompt": doc.context,
                     "choices": doc.choices,
                     "logprobs": lls,
@@ -225,11 +238,10 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     if let Some(mut w) = log {
         w.flush()?;
     }
-    let acc = hits.iter().filter(|&&h| h).count() as f64 / hits.len().max(1) as f64;
-    let stderr = mean_stderr(&hits);
+    let (entries, groups) = aggregate(o.task, &hits);
     let name = o.task.name();
-    let results = json!({
-        "results": {name: {"alias": name, "acc,none": acc, "acc_stderr,none": stderr}},
+    let mut results = json!({
+        "results": entries.iter().map(|e| (e.key.clone(), e.json())).collect::<serde_json::Map<_, _>>(),
         "versions": {name: o.task.version()},
         "n-shot": {name: shots},
         "higher_is_better": {name: {"acc": true}},
@@ -245,11 +257,154 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
         "n_truncated": scorer.truncated,
         "total_evaluation_time_seconds": start.elapsed().as_secs_f64(),
     });
-    let table = format!(
-        "|Tasks|Version|Filter|n-shot|Metric|   |Value |   |Stderr|\n\
-         |-----|------:|------|-----:|------|---|-----:|---|-----:|\n\
-         |{name}|{:>7}|none  |{shots:>6}|acc   |↑  |{acc:.4}|±  |{stderr:.4}|\n",
-        o.task.version()
-    );
+    if !groups.is_empty() {
+        results["groups"] = groups
+            .iter()
+            .map(|k| (k.clone(), results["results"][k].clone()))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
+    let table = table(o.task, shots, &entries);
     Ok(EvalReport { results, table })
+}
+
+/// The first `limit` documents of each subtask (the harness applies `--limit` per task).
+fn limit_per_subtask(docs: Vec<ChoiceDoc>, limit: Option<usize>) -> Vec<ChoiceDoc> {
+    let Some(limit) = limit else {
+        return docs;
+    };
+    let mut seen: std::collections::HashMap<Option<String>, usize> = Default::default();
+    docs.into_iter()
+        .filter(|d| {
+            let n = seen.entry(d.subject.clone()).or_default();
+            *n += 1;
+            *n <= limit
+        })
+        .collect()
+}
+
+/// One row of the results: a task, group or subtask.
+#[derive(Clone)]
+struct Entry {
+    key: String,
+    alias: String,
+    depth: usize,
+    n: usize,
+    acc: f64,
+    stderr: f64,
+    /// Mean of the subtasks' accuracies (groups only).
+    macro_acc: Option<f64>,
+}
+
+impl Entry {
+    fn of(key: String, alias: String, depth: usize, hits: &[bool]) -> Entry {
+        let n = hits.len();
+        Entry {
+            key,
+            alias,
+            depth,
+            n,
+            acc: hits.iter().filter(|&&h| h).count() as f64 / n.max(1) as f64,
+            stderr: mean_stderr(hits),
+            macro_acc: None,
+        }
+    }
+
+    /// A group over `parts`: accuracy weighted by size (micro), stderr pooled as the harness
+    /// pools it, and the unweighted mean of the parts' accuracies.
+    fn group(key: String, alias: String, depth: usize, parts: &[&Entry]) -> Entry {
+        let n: usize = parts.iter().map(|p| p.n).sum();
+        let acc = parts.iter().map(|p| p.acc * p.n as f64).sum::<f64>() / n.max(1) as f64;
+        let var = parts
+            .iter()
+            .map(|p| (p.n as f64 - 1.0) * p.stderr.powi(2) * p.n as f64)
+            .sum::<f64>()
+            / (n as f64 - parts.len() as f64);
+        Entry {
+            key,
+            alias,
+            depth,
+            n,
+            acc,
+            stderr: (var / n as f64).sqrt(),
+            macro_acc: Some(parts.iter().map(|p| p.acc).sum::<f64>() / parts.len().max(1) as f64),
+        }
+    }
+
+    fn json(&self) -> Json {
+        let mut j = json!({
+            "alias": self.alias,
+            "acc,none": self.acc,
+            "acc_stderr,none": if self.stderr.is_finite() { json!(self.stderr) } else { json!("N/A") },
+            "sample_len": self.n,
+        });
+        if let Some(m) = self.macro_acc {
+            j["acc_macro,none"] = json!(m);
+        }
+        j
+    }
+}
+
+/// Result rows, in table order (group, its subgroups, their subtasks), and the group keys.
+fn aggregate(task: Task, hits: &[(Option<String>, bool)]) -> (Vec<Entry>, Vec<String>) {
+    let name = task.name().to_string();
+    if task != Task::Mmlu {
+        let all: Vec<bool> = hits.iter().map(|h| h.1).collect();
+        return (vec![Entry::of(name.clone(), name, 0, &all)], Vec::new());
+    }
+    let mut by_subject: BTreeMap<&str, Vec<bool>> = BTreeMap::new();
+    for (s, h) in hits {
+        by_subject
+            .entry(s.as_deref().unwrap_or_default())
+            .or_default()
+            .push(*h);
+    }
+    let subjects: Vec<Entry> = (by_subject.iter())
+        .map(|(s, h)| Entry::of(format!("mmlu_{s}"), s.to_string(), 2, h))
+        .collect();
+    let mut groups = Vec::new();
+    for g in ["humanities", "other", "social_sciences", "stem"] {
+        let parts: Vec<&Entry> = (subjects.iter())
+            .filter(|e| mmlu::group_of(&e.alias) == Some(g))
+            .collect();
+        if !parts.is_empty() {
+            let group = Entry::group(format!("mmlu_{g}"), g.to_string(), 1, &parts);
+            groups.push((group, parts));
+        }
+    }
+    let top_parts: Vec<&Entry> = groups.iter().map(|(g, _)| g).collect();
+    let mut rows = vec![Entry::group(name.clone(), name, 0, &top_parts)];
+    let mut keys = vec![rows[0].key.clone()];
+    for (group, parts) in groups {
+        keys.push(group.key.clone());
+        rows.push(group);
+        rows.extend(parts.into_iter().cloned());
+    }
+    (rows, keys)
+}
+
+/// The harness's console table.
+fn table(task: Task, shots: usize, rows: &[Entry]) -> String {
+    let mut out = String::from(
+        "|Tasks|Version|Filter|n-shot|Metric|   |Value |   |Stderr|\n\
+         |-----|------:|------|-----:|------|---|-----:|---|-----:|\n",
+    );
+    for e in rows {
+        let name = match e.depth {
+            0 => e.alias.clone(),
+            d => format!("{}- {}", " ".repeat(d), e.alias),
+        };
+        out += &format!(
+            "|{name}|{:>7}|none  |{shots:>6}|acc   |↑  |{:.4}|±  |{:.4}|\n",
+            task.version(),
+            e.acc,
+            e.stderr
+        );
+        if let (0, Some(m)) = (e.depth, e.macro_acc) {
+            out += &format!(
+                "|{name} (macro average)|       |none  |{shots:>6}|acc   |↑  |{m:.4}|   |      |\n"
+            );
+        }
+    }
+    out
 }

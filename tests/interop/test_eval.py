@@ -59,3 +59,67 @@ doc_to_target: "{{{{ 1 if label in ['true', True, 1] else 0 }}}}"
         assert mine["acc"] == bool(theirs["acc"])
     acc = json.loads(out.read_text())["results"]["boolq"]["acc,none"]
     assert acc == pytest.approx(results["acc,none"], abs=1e-12)
+
+
+MMLU_SUBJECTS = ["abstract_algebra", "college_medicine", "econometrics",
+                 "high_school_european_history", "professional_law", "world_religions"]
+
+
+def test_mmlu_matches_the_harness(smollm2, testdata, tmp_path):
+    import csv
+    # mindkit reads the original csv tree; the harness reads the same rows converted (by
+    # Python's csv module) to its cais/mmlu layout.
+    tree, converted = tmp_path / "mmlu", tmp_path / "hf"
+    yamls = []
+    for subject in MMLU_SUBJECTS:
+        (converted / subject).mkdir(parents=True)
+        for split, target in (("dev", "dev"), ("val", "test")):
+            src = testdata / f"mmlu/{split}/{subject}_{split}.csv"
+            (tree / split).mkdir(parents=True, exist_ok=True)
+            (tree / split / src.name).write_bytes(src.read_bytes())
+            with open(src, newline="") as f, open(converted / subject / f"{target}.jsonl", "w") as out:
+                for q, a, b, c, d, ans in csv.reader(f):
+                    out.write(json.dumps({"question": q, "subject": subject, "choices": [a, b, c, d],
+                                          "answer": "ABCD".index(ans)}) + "\n")
+        yamls.append(f"""include: {HARNESS_TASKS / f"mmlu/default/mmlu_{subject}.yaml"}
+task: local_mmlu_{subject}
+tag: null
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    dev: {converted / subject / "dev.jsonl"}
+    test: {converted / subject / "test.jsonl"}
+""")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for subject, text in zip(MMLU_SUBJECTS, yamls):
+        (tasks / f"local_mmlu_{subject}.yaml").write_text(text)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    limit = 2
+    out = simple_evaluate(model="hf", model_args=f"pretrained={smollm2},dtype=float32",
+                          tasks=[f"local_mmlu_{s}" for s in MMLU_SUBJECTS], num_fewshot=5,
+                          limit=limit, log_samples=True, batch_size=1, device="cpu",
+                          task_manager=TaskManager(include_path=str(tasks)))
+    log = tmp_path / "mindkit.jsonl"
+    results = tmp_path / "results.json"
+    subprocess.run([BIN, "eval", "--model", smollm2, "--task", "mmlu", "--data", tree,
+                    "--limit", str(limit), "--log-samples", log, "--output", results, "--quiet"],
+                   check=True, capture_output=True)
+    ours = [json.loads(line) for line in log.read_text().splitlines()]
+    theirs = [s for subject in MMLU_SUBJECTS
+              for s in sorted(out["samples"][f"local_mmlu_{subject}"], key=lambda s: s["doc_id"])]
+    assert len(ours) == len(theirs) == limit * len(MMLU_SUBJECTS)
+    for mine, sample in zip(ours, theirs):
+        assert mine["prompt"] == sample["arguments"][0][0]
+        harness_lls = [r[0][0] for r in sample["resps"]]
+        assert len(mine["logprobs"]) == len(harness_lls) == 4
+        for a, b in zip(mine["logprobs"], harness_lls):
+            assert abs(a - b) <= 1e-3, (mine["subject"], mine["logprobs"], harness_lls)
+        assert mine["acc"] == bool(sample["acc"])
+    hits = sum(m["acc"] for m in ours)
+    got = json.loads(results.read_text())["results"]
+    assert got["mmlu"]["acc,none"] == pytest.approx(hits / len(ours))
+    assert got["mmlu"]["sample_len"] == len(ours)
