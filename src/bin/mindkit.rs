@@ -56,6 +56,8 @@ enum EvalTask {
     Boolq,
     /// MMLU, 57 subjects, 5-shot (dev rows) by default, micro and macro averages.
     Mmlu,
+    /// GSM8K test, the 8 fixed chain-of-thought exemplars, greedy, exact match.
+    Gsm8kCot,
 }
 
 #[derive(Args)]
@@ -533,6 +535,7 @@ fn run(cli: Cli) -> Result<()> {
                 task: match a.task {
                     EvalTask::Boolq => eval::Task::Boolq,
                     EvalTask::Mmlu => eval::Task::Mmlu,
+                    EvalTask::Gsm8kCot => eval::Task::Gsm8kCot,
                 },
                 data: a.data,
                 num_fewshot: a.num_fewshot,

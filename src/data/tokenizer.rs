@@ -70,6 +70,8 @@ pub struct HfTokenizer {
     eos: Option<u32>,
     pad: Option<u32>,
     chat_template: Option<String>,
+    /// tokenizer_config.json's `clean_up_tokenization_spaces`.
+    clean_up_spaces: bool,
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -145,6 +147,7 @@ impl HfTokenizer {
             eos: None,
             pad: None,
             chat_template: None,
+            clean_up_spaces: false,
         };
         if let Some(dir) = dir {
             tok.read_special_tokens(&dir)?;
@@ -173,6 +176,11 @@ impl HfTokenizer {
         self.bos = bos;
         self.eos = eos;
         self.pad = pad;
+        self.clean_up_spaces = config
+            .as_ref()
+            .and_then(|c| c.get("clean_up_tokenization_spaces"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         // transformers ≥ 4.43 saves the template beside the config, in chat_template.jinja.
         self.chat_template = config
             .as_ref()
@@ -259,11 +267,30 @@ impl HfTokenizer {
             .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
-    /// Decode ids to text without special tokens (generated text as a user reads it).
+    /// Decode ids to text without special tokens (generated text as a user reads it), as
+    /// transformers' `decode(ids, skip_special_tokens=True)` does: with its
+    /// `clean_up_tokenization` when tokenizer_config.json asks for it.
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
-        self.inner
+        let text = self
+            .inner
             .decode(ids, true)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        if !self.clean_up_spaces {
+            return Ok(text);
+        }
+        let pairs = [
+            (" .", "."),
+            (" ?", "?"),
+            (" !", "!"),
+            (" ,", ","),
+            (" ' ", "'"),
+            (" n't", "n't"),
+            (" 'm", "'m"),
+            (" 's", "'s"),
+            (" 've", "'ve"),
+            (" 're", "'re"),
+        ];
+        Ok(pairs.iter().fold(text, |t, (from, to)| t.replace(from, to)))
     }
 
     /// Render the chat template (transformers' `apply_chat_template(..., tokenize=False)`):

@@ -11,6 +11,24 @@ use crate::model::{Model, Step};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 
+/// BOS, else EOS (the harness's `prefix_token_id`).
+pub fn prefix_token(tokenizer: &HfTokenizer) -> Result<u32> {
+    match tokenizer.bos().or(tokenizer.eos()) {
+        Some(t) => Ok(t),
+        None => bail!("the tokenizer defines neither a BOS nor an EOS token"),
+    }
+}
+
+/// The harness's `tok_encode`: tokenizer defaults (BOS where the tokenizer adds one), except
+/// that a string already starting with the BOS text gets no second one.
+pub fn harness_encode(tokenizer: &HfTokenizer, text: &str) -> Result<Vec<u32>> {
+    let prefix = prefix_token(tokenizer)?;
+    let starts_with_prefix = tokenizer
+        .decode(&[prefix])
+        .is_ok_and(|p| !p.is_empty() && text.starts_with(&p));
+    Ok(tokenizer.encode(text, !starts_with_prefix)?)
+}
+
 /// One continuation to score after a context.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -56,23 +74,12 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
         }
     }
 
-    /// The harness's `tok_encode`: tokenizer defaults (BOS where the tokenizer adds one),
-    /// except that a string already starting with the BOS text gets no second one.
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let prefix = self.prefix_token()?;
-        let starts_with_prefix = self
-            .tokenizer
-            .decode(&[prefix])
-            .is_ok_and(|p| !p.is_empty() && text.starts_with(&p));
-        Ok(self.tokenizer.encode(text, !starts_with_prefix)?)
+        harness_encode(self.tokenizer, text)
     }
 
-    /// BOS, else EOS (the harness's `prefix_token_id`).
     fn prefix_token(&self) -> Result<u32> {
-        match self.tokenizer.bos().or(self.tokenizer.eos()) {
-            Some(t) => Ok(t),
-            None => bail!("the tokenizer defines neither a BOS nor an EOS token"),
-        }
+        prefix_token(self.tokenizer)
     }
 
     fn tokenize(&mut self, r: &Request) -> Result<Tokenized> {

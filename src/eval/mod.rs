@@ -3,6 +3,7 @@
 //! and loglikelihood (see [`loglikelihood`]), its results JSON and table.
 
 pub mod boolq;
+pub mod gsm8k;
 pub mod loglikelihood;
 pub mod mmlu;
 
@@ -10,6 +11,7 @@ use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
 use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
+use crate::model::generate::{generate, GenerateOptions, Sampling};
 use crate::model::Model;
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -27,6 +29,8 @@ pub enum Task {
     Boolq,
     /// MMLU, 57 subjects, 5-shot by default, acc (micro average).
     Mmlu,
+    /// GSM8K with the 8 fixed chain-of-thought exemplars, greedy, exact match.
+    Gsm8kCot,
 }
 
 impl Task {
@@ -35,6 +39,7 @@ impl Task {
         match self {
             Task::Boolq => "boolq",
             Task::Mmlu => "mmlu",
+            Task::Gsm8kCot => "gsm8k_cot",
         }
     }
 
@@ -42,6 +47,7 @@ impl Task {
         match self {
             Task::Boolq => 2.0,
             Task::Mmlu => 2.0,
+            Task::Gsm8kCot => 3.0,
         }
     }
 }
@@ -181,7 +187,11 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             model.spec.vocab
         );
     }
+    if o.task == Task::Gsm8kCot {
+        return run_generation(o, &model, &tokenizer, start);
+    }
     let (all, shots) = match o.task {
+        Task::Gsm8kCot => unreachable!("generation tasks return above"),
         Task::Boolq => (boolq::load(&o.data, o.num_fewshot)?, 0),
         Task::Mmlu => (
             mmlu::load(&o.data, o.num_fewshot)?,
@@ -191,12 +201,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let original = all.len();
     let docs = limit_per_subtask(all, o.limit);
     let mut scorer = Scorer::new(&model, &tokenizer, model.spec.max_positions);
-    let mut log = match &o.log_samples {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => None,
-    };
+    let mut log = open_log(&o.log_samples)?;
     let pb = progress_bar(docs.len(), o.progress);
     pb.set_message(o.task.name());
     let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
@@ -265,6 +270,118 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             .into();
     }
     let table = table(o.task, shots, &entries);
+    Ok(EvalReport { results, table })
+}
+
+fn open_log(path: &Option<PathBuf>) -> Result<Option<std::io::BufWriter<std::fs::File>>> {
+    path.as_ref()
+        .map(|p| {
+            let f =
+                std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
+            Ok(std::io::BufWriter::new(f))
+        })
+        .transpose()
+}
+
+/// A generation task (GSM8K): greedy generation per question, answers extracted and matched.
+fn run_generation(
+    o: &EvalOptions,
+    model: &Model<Cpu>,
+    tokenizer: &HfTokenizer,
+    start: Instant,
+) -> Result<EvalReport> {
+    let all = gsm8k::load(&o.data, o.num_fewshot)?;
+    let shots = o.num_fewshot.unwrap_or(8);
+    let docs = &all[..o.limit.unwrap_or(all.len()).min(all.len())];
+    let max_context = model
+        .spec
+        .max_positions
+        .saturating_sub(gsm8k::MAX_NEW_TOKENS);
+    let options = GenerateOptions {
+        max_new_tokens: gsm8k::MAX_NEW_TOKENS,
+        sampling: Sampling::GREEDY,
+        stop: gsm8k::STOP.iter().map(|s| s.to_string()).collect(),
+        eos: tokenizer.eos().into_iter().collect(),
+    };
+    let mut log = open_log(&o.log_samples)?;
+    let pb = progress_bar(docs.len(), o.progress);
+    pb.set_message(o.task.name());
+    let (mut strict_hits, mut flexible_hits, mut truncated) = (Vec::new(), Vec::new(), 0);
+    for (i, doc) in docs.iter().enumerate() {
+        let mut ids = loglikelihood::harness_encode(tokenizer, &doc.context)?;
+        if ids.len() > max_context {
+            truncated += 1;
+            ids.drain(..ids.len() - max_context);
+        }
+        let g = generate(model, tokenizer, &ids, &options, |_| {})?;
+        let (strict, flexible) = (
+            gsm8k::strict_match(&g.text),
+            gsm8k::flexible_extract(&g.text),
+        );
+        strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
+        flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));
+        if let Some(w) = log.as_mut() {
+            let record = json!({
+                "doc_id": i,
+                "prompt": doc.context,
+                "generation": g.text,
+                "target": doc.target,
+                "strict-match": strict,
+                "flexible-extract": flexible,
+                "correct": {"strict-match": strict_hits[i], "flexible-extract": flexible_hits[i]},
+            });
+            writeln!(w, "{record}")?;
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    if let Some(mut w) = log {
+        w.flush()?;
+    }
+    let score = |hits: &[bool]| {
+        let m = hits.iter().filter(|&&h| h).count() as f64 / hits.len().max(1) as f64;
+        (m, mean_stderr(hits))
+    };
+    let name = o.task.name();
+    let (strict, strict_se) = score(&strict_hits);
+    let (flexible, flexible_se) = score(&flexible_hits);
+    let results = json!({
+        "results": {name: {
+            "alias": name,
+            "exact_match,strict-match": strict,
+            "exact_match_stderr,strict-match": strict_se,
+            "exact_match,flexible-extract": flexible,
+            "exact_match_stderr,flexible-extract": flexible_se,
+            "sample_len": docs.len(),
+        }},
+        "versions": {name: o.task.version()},
+        "n-shot": {name: shots},
+        "higher_is_better": {name: {"exact_match": true}},
+        "n-samples": {name: {"original": all.len(), "effective": docs.len()}},
+        "config": {
+            "model": "mindkit",
+            "model_args": format!("pretrained={}", o.model.display()),
+            "device": Cpu.describe(),
+            "limit": o.limit,
+            "gen_kwargs": {"until": gsm8k::STOP, "max_gen_toks": gsm8k::MAX_NEW_TOKENS, "do_sample": false},
+        },
+        "max_length": model.spec.max_positions,
+        "n_truncated": truncated,
+        "total_evaluation_time_seconds": start.elapsed().as_secs_f64(),
+    });
+    let mut table = String::from(
+        "|Tasks|Version|Filter|n-shot|Metric|   |Value |   |Stderr|\n\
+         |-----|------:|------|-----:|------|---|-----:|---|-----:|\n",
+    );
+    for (filter, v, se) in [
+        ("strict-match", strict, strict_se),
+        ("flexible-extract", flexible, flexible_se),
+    ] {
+        table += &format!(
+            "|{name}|{:>7}|{filter}|{shots:>6}|exact_match|↑  |{v:.4}|±  |{se:.4}|\n",
+            o.task.version()
+        );
+    }
     Ok(EvalReport { results, table })
 }
 

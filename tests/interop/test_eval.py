@@ -123,3 +123,48 @@ dataset_kwargs:
     got = json.loads(results.read_text())["results"]
     assert got["mmlu"]["acc,none"] == pytest.approx(hits / len(ours))
     assert got["mmlu"]["sample_len"] == len(ours)
+
+
+def test_gsm8k_cot_generations_match_the_harness(smollm2, testdata, tmp_path):
+    data = testdata / "gsm8k/test_200.jsonl"
+    limit = 3
+    yaml_text = f"""include: {HARNESS_TASKS / "gsm8k/gsm8k-cot.yaml"}
+task: local_gsm8k_cot
+tag: null
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    test: {data}
+"""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "local_gsm8k_cot.yaml").write_text(yaml_text)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    out = simple_evaluate(model="hf", model_args=f"pretrained={smollm2},dtype=float32",
+                          tasks=["local_gsm8k_cot"], limit=limit, log_samples=True, batch_size=1,
+                          device="cpu", task_manager=TaskManager(include_path=str(tasks)))
+    log = tmp_path / "mindkit.jsonl"
+    results = tmp_path / "results.json"
+    subprocess.run([BIN, "eval", "--model", smollm2, "--task", "gsm8k-cot", "--data", data,
+                    "--limit", str(limit), "--log-samples", log, "--output", results, "--quiet"],
+                   check=True, capture_output=True)
+    ours = [json.loads(line) for line in log.read_text().splitlines()]
+    theirs = {}
+    for s in out["samples"]["local_gsm8k_cot"]:
+        theirs.setdefault(s["doc_id"], {})[s["filter"]] = s
+    assert len(ours) == len(theirs) == limit
+    for mine in ours:
+        by_filter = theirs[mine["doc_id"]]
+        first = next(iter(by_filter.values()))
+        assert mine["prompt"] == first["arguments"][0][0]
+        assert mine["generation"] == first["resps"][0][0]
+        for name, sample in by_filter.items():
+            assert mine[name] == sample["filtered_resps"][0], name
+            assert mine["correct"][name] == bool(sample["exact_match"]), name
+    got = json.loads(results.read_text())["results"]["gsm8k_cot"]
+    for name in ("strict-match", "flexible-extract"):
+        want = out["results"]["local_gsm8k_cot"][f"exact_match,{name}"]
+        assert got[f"exact_match,{name}"] == pytest.approx(want)
