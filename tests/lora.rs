@@ -79,6 +79,24 @@ fn peft_adapters_merge_like_peft() {
 }
 
 #[test]
+fn fan_in_fan_out_is_ignored_on_linear_layers_as_peft_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = tmp.path().join("adapter");
+    std::fs::create_dir(&adapter).unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(fixture(&format!("lora/llama/{file}")), adapter.join(file)).unwrap();
+    }
+    let config_path = adapter.join("adapter_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["fan_in_fan_out"] = true.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let out = tmp.path().join("merged");
+    merge(&fixture("models/llama"), &adapter, &out, &[]).success();
+    assert_matches_golden(&out, &fixture("lora/llama/merged.safetensors"), 1e-6);
+}
+
+#[test]
 fn megatron_lora_merges_into_any_base_format() {
     let tmp = tempfile::tempdir().unwrap();
     let t = |n: &str| tmp.path().join(n);

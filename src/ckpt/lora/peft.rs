@@ -103,6 +103,9 @@ impl PeftAdapter {
             .with_context(|| format!("{}: not valid JSON", config_path.display()))?;
         let at_config = |e: anyhow::Error| anyhow!("{}: {e}", config_path.display());
         refuse_unsupported(&config).map_err(at_config)?;
+        // `fan_in_fan_out` is not read: it concerns GPT-2's Conv1D weights, and for the
+        // nn.Linear layers of every supported family peft resets it to false itself
+        // (`dispatch_default` warns "Setting fan_in_fan_out to False").
         let need = |k: &str| {
             config
                 .get(k)
