@@ -546,9 +546,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             let report = eval::run(&opts)?;
             if let Some(path) = &a.output {
-                let text = serde_json::to_string_pretty(&report.results)? + "\n";
-                std::fs::write(path, text)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                eval::write_results(path, &report)?;
             }
             print!("{}", report.table);
         }

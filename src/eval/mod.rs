@@ -240,8 +240,8 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
         pb.inc(batch.len() as u64);
     }
     pb.finish_and_clear();
-    if let Some(mut w) = log {
-        w.flush()?;
+    if let Some(w) = log {
+        w.finish()?;
     }
     let (entries, groups) = aggregate(o.task, &hits);
     let name = o.task.name();
@@ -273,14 +273,73 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     Ok(EvalReport { results, table })
 }
 
-fn open_log(path: &Option<PathBuf>) -> Result<Option<std::io::BufWriter<std::fs::File>>> {
-    path.as_ref()
-        .map(|p| {
-            let f =
-                std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
-            Ok(std::io::BufWriter::new(f))
+/// A file written under a temporary name beside its destination and renamed into place only
+/// when complete, so an interrupted run never leaves a file that looks finished.
+pub struct AtomicFile {
+    path: PathBuf,
+    tmp: tempfile::NamedTempFile,
+    writer: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl AtomicFile {
+    /// Start writing `path`.
+    pub fn create(path: &Path) -> Result<Self> {
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let tmp = tempfile::Builder::new()
+            .prefix(".mindkit-")
+            .tempfile_in(dir)
+            .with_context(|| format!("creating a temporary file beside {}", path.display()))?;
+        let writer = std::io::BufWriter::new(tmp.reopen()?);
+        Ok(AtomicFile {
+            path: path.to_path_buf(),
+            tmp,
+            writer: Some(writer),
         })
-        .transpose()
+    }
+
+    /// Flush and move into place.
+    pub fn finish(mut self) -> Result<()> {
+        if let Some(mut w) = self.writer.take() {
+            w.flush()?;
+        }
+        // Temporary files are private (0600); a result file gets the usual 0644.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::Permissions::from_mode(0o644);
+            self.tmp.as_file().set_permissions(mode)?;
+        }
+        self.tmp
+            .persist(&self.path)
+            .with_context(|| format!("writing {}", self.path.display()))?;
+        Ok(())
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self.writer.as_mut() {
+            Some(w) => w.write(buf),
+            None => Err(std::io::Error::other("file already finished")),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.writer.as_mut().map_or(Ok(()), |w| w.flush())
+    }
+}
+
+fn open_log(path: &Option<PathBuf>) -> Result<Option<AtomicFile>> {
+    path.as_deref().map(AtomicFile::create).transpose()
+}
+
+/// Write the results JSON to `path` (atomically).
+pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
+    let mut f = AtomicFile::create(path)?;
+    f.write_all((serde_json::to_string_pretty(&report.results)? + "\n").as_bytes())?;
+    f.finish()
 }
 
 /// A generation task (GSM8K): greedy generation per question, answers extracted and matched.
@@ -335,8 +394,8 @@ fn run_generation(
         pb.inc(1);
     }
     pb.finish_and_clear();
-    if let Some(mut w) = log {
-        w.flush()?;
+    if let Some(w) = log {
+        w.finish()?;
     }
     let score = |hits: &[bool]| {
         let m = hits.iter().filter(|&&h| h).count() as f64 / hits.len().max(1) as f64;
