@@ -13,6 +13,10 @@ use rayon::prelude::*;
 use std::path::PathBuf;
 use std::time::Instant;
 
+// The allocator the mindkit binary uses, so that the numbers are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Token `j` of document `i` (the transformers script uses the same formula).
 fn token(i: usize, j: usize, vocab: usize) -> u32 {
     ((i * 7919 + j * 104_729 + 13) % vocab) as u32

@@ -179,3 +179,36 @@ fn bad_requests_are_errors_not_panics() {
         .unwrap();
     assert!(err.to_string().contains("token id 200"), "{err}");
 }
+
+#[test]
+fn half_precision_weights_compute_like_their_f32_values() {
+    // A model stored as f16/bf16 against the same values stored as f32 (converting back is
+    // exact): f16 weights are widened exactly, so the logits agree to rounding; bf16 weights on
+    // CPUs with AVX512_BF16 also round the matmul inputs to bf16 (vdpbf16ps), so they agree
+    // to bf16 precision there.
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = fixture("models/llama");
+    let g = golden("llama");
+    for (dtype, bound) in [("fp16", 1e-5f32), ("bf16", 1e-2)] {
+        let half = tmp.path().join(dtype);
+        let widened = tmp.path().join(format!("{dtype}-as-fp32"));
+        convert("hf", &hf, &half, &["--dtype", dtype]);
+        convert("hf", &half, &widened, &["--dtype", "fp32"]);
+        let (want, want_steps) = run(
+            &Model::load(&Cpu, &widened).unwrap(),
+            &g.prompt,
+            &g.generated,
+        );
+        let (got, got_steps) = run(&Model::load(&Cpu, &half).unwrap(), &g.prompt, &g.generated);
+        let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let d = max_diff(&got, &want);
+        assert!(
+            d <= bound * scale,
+            "{dtype}: prefill logits differ by {d} (|max| {scale})"
+        );
+        for (i, (a, b)) in got_steps.iter().zip(&want_steps).enumerate() {
+            let d = max_diff(a, b);
+            assert!(d <= bound * scale, "{dtype}: step {i} logits differ by {d}");
+        }
+    }
+}

@@ -2,8 +2,9 @@
 //! activations. Weights keep their dtype; half-precision rows are widened a block at a time
 //! inside the matmul, so no f32 copy of the model exists.
 
-use super::simd::{axpy, dot, widen};
-use super::{AttentionShape, Backend, HostTensor, Segment};
+use super::panel::{PanelType, Panels};
+use super::simd::{dot, widen};
+use super::{AttentionShape, Backend, HostTensor, Segment, SharedOut};
 use crate::ckpt::tensor::decode_f32;
 use crate::ckpt::torch::pickle::DType;
 use anyhow::{bail, Result};
@@ -25,6 +26,8 @@ enum Data {
     F32(Vec<f32>),
     /// F16 or BF16 bits.
     Half(DType, Vec<u16>),
+    /// A matmul weight `[m, k]` packed for the panel kernel.
+    Panels(Panels),
 }
 
 impl CpuTensor {
@@ -41,7 +44,7 @@ impl CpuTensor {
     fn f32(&self) -> &[f32] {
         match &self.data {
             Data::F32(v) => v,
-            Data::Half(..) => panic!(
+            Data::Half(..) | Data::Panels(..) => panic!(
                 "internal: activation expected, got a {:?} weight",
                 self.shape
             ),
@@ -51,7 +54,7 @@ impl CpuTensor {
     fn f32_mut(&mut self) -> &mut [f32] {
         match &mut self.data {
             Data::F32(v) => v,
-            Data::Half(..) => panic!(
+            Data::Half(..) | Data::Panels(..) => panic!(
                 "internal: activation expected, got a {:?} weight",
                 self.shape
             ),
@@ -82,6 +85,10 @@ impl CpuTensor {
                 widen(&bits[from * c..to * c], *dtype, buf);
                 buf
             }
+            Data::Panels(panels) => {
+                panels.unpack_rows(from, to, buf);
+                buf
+            }
         }
     }
 }
@@ -90,23 +97,8 @@ impl CpuTensor {
 const SKINNY_ROWS: usize = 4;
 /// Weight rows per parallel task.
 const ROW_BLOCK: usize = 64;
-
-/// A raw pointer to disjoint parts of one output, shared by the tasks that write them.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: every task writes a region no other task touches (stated where it is used).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// The element `i` places in.
-    ///
-    /// # Safety
-    /// `i` must lie inside the output.
-    unsafe fn at(self, i: usize) -> *mut f32 {
-        self.0.add(i)
-    }
-}
+/// Query rows per attention task: their scores (rows × keys) stay in L2.
+const QUERY_BLOCK: usize = 64;
 
 impl Cpu {
     /// `out[n, m] = x[n, k] · w[m, k]ᵀ` as dot products, blocks of weight rows in parallel.
@@ -154,31 +146,97 @@ impl Cpu {
                 // m); blocks are disjoint. x is n × k row-major; rows is (j1 - j0) × k, read
                 // as its transpose (k × (j1 - j0)). All indices lie inside the buffers.
                 unsafe {
-                    gemm::gemm(
-                        n,
-                        j1 - j0,
-                        k,
+                    gemm_into(
                         shared.at(j0),
-                        1,
-                        m as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        k as isize,
-                        rows.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
+                        m,
+                        (n, j1 - j0, k),
+                        Strided::rows(x, k),
+                        Strided::columns(rows, k),
                     );
                 }
             });
         out
     }
+}
+
+/// A matrix in a buffer: element (i, j) at `ptr + i·row_stride + j·col_stride`.
+#[derive(Clone, Copy)]
+struct Strided {
+    ptr: *const f32,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+impl Strided {
+    /// Rows `row_stride` apart, columns contiguous.
+    fn rows(data: &[f32], row_stride: usize) -> Self {
+        Strided {
+            ptr: data.as_ptr(),
+            row_stride: row_stride as isize,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose of [`Strided::rows`]: columns `col_stride` apart, rows contiguous.
+    fn columns(data: &[f32], col_stride: usize) -> Self {
+        Strided {
+            ptr: data.as_ptr(),
+            row_stride: 1,
+            col_stride: col_stride as isize,
+        }
+    }
+}
+
+/// `dst = lhs · rhs` for an (m × k) by (k × n) product, `dst` rows `dst_stride` apart,
+/// single-threaded (callers parallelize over blocks).
+///
+/// # Safety
+/// Every element the shapes and strides address lies inside live buffers, and no other
+/// thread touches the m × n elements of `dst` meanwhile.
+unsafe fn gemm_into(
+    dst: *mut f32,
+    dst_stride: usize,
+    (m, n, k): (usize, usize, usize),
+    lhs: Strided,
+    rhs: Strided,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_stride as isize,
+        false,
+        lhs.ptr,
+        lhs.col_stride,
+        lhs.row_stride,
+        rhs.ptr,
+        rhs.col_stride,
+        rhs.row_stride,
+        0.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
+/// Turns `scale · scores[..visible]` into softmax probabilities in place (as transformers:
+/// scaled scores, max subtracted, exp, divided by the sum) and zeroes the masked rest.
+fn causal_softmax(scores: &mut [f32], visible: usize, scale: f32) {
+    let (seen, masked) = scores.split_at_mut(visible);
+    let max = seen
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+    let mut sum = 0f32;
+    for v in seen.iter_mut() {
+        *v = (*v * scale - max).exp();
+        sum += *v;
+    }
+    seen.iter_mut().for_each(|v| *v /= sum);
+    masked.fill(0.0);
 }
 
 impl Backend for Cpu {
@@ -208,6 +266,18 @@ impl Backend for Cpu {
             shape: t.shape.clone(),
             data,
         })
+    }
+
+    /// Packed as panels where the AVX-512 kernel runs, so that no matmul packs or widens
+    /// weights again; as [`Cpu::upload`] elsewhere.
+    fn upload_matrix(&self, t: &HostTensor) -> Result<CpuTensor> {
+        match PanelType::for_weights(t.dtype) {
+            Some(ty) if t.shape.len() == 2 => Ok(CpuTensor {
+                shape: t.shape.clone(),
+                data: Data::Panels(Panels::pack(ty, &t.data, (t.shape[0], t.shape[1]))?),
+            }),
+            _ => self.upload(t),
+        }
     }
 
     fn upload_f32(&self, shape: &[usize], values: &[f32]) -> CpuTensor {
@@ -268,7 +338,9 @@ impl Backend for Cpu {
             "internal: matmul of [{n}, {k}] by {:?}ᵀ",
             w.shape
         );
-        let mut out = if n <= SKINNY_ROWS {
+        let mut out = if let Data::Panels(panels) = &w.data {
+            panels.matmul(x.f32(), n)
+        } else if n <= SKINNY_ROWS {
             self.matmul_skinny(x.f32(), w, (n, k, m))
         } else {
             self.matmul_gemm(x.f32(), w, (n, k, m))
@@ -365,37 +437,64 @@ impl Backend for Cpu {
         let mut starts = Vec::with_capacity(segments.len());
         let mut row = 0;
         for seg in segments {
+            assert!(
+                seg.slot < k_cache.shape[0] && seg.past + seg.len <= capacity,
+                "internal: attention segment outside the KV cache"
+            );
             starts.push(row);
             row += seg.len;
         }
+        assert_eq!(
+            queries.len(),
+            row * qw,
+            "internal: queries and segments disagree"
+        );
         let mut out = vec![0f32; row * qw];
         let shared = SharedOut(out.as_mut_ptr());
-        let tasks: Vec<(usize, usize)> = (0..segments.len())
-            .flat_map(|i| (0..s.heads).map(move |h| (i, h)))
+        let tasks: Vec<(usize, usize, usize)> = segments
+            .iter()
+            .enumerate()
+            .flat_map(|(i, seg)| {
+                (0..s.heads).flat_map(move |h| {
+                    (0..seg.len.div_ceil(QUERY_BLOCK)).map(move |b| (i, h, b * QUERY_BLOCK))
+                })
+            })
             .collect();
-        tasks.par_iter().for_each_init(Vec::new, |scores, &(i, h)| {
-            let seg = segments[i];
-            let g = h / per_group;
-            let at = |j: usize| (seg.slot * capacity + j) * width + g * d;
-            for t in 0..seg.len {
-                let r = starts[i] + t;
-                let qrow = &queries[r * qw + h * d..r * qw + (h + 1) * d];
-                let visible = seg.past + t + 1;
+        tasks
+            .par_iter()
+            .for_each_init(Vec::new, |scores, &(i, h, t0)| {
+                let seg = segments[i];
+                let rows = (seg.len - t0).min(QUERY_BLOCK);
+                // Keys the block's last query sees; earlier queries mask the tail off.
+                let seen = seg.past + t0 + rows;
+                let kv = seg.slot * capacity * width + (h / per_group) * d;
+                let at = (starts[i] + t0) * qw + h * d;
                 scores.clear();
-                scores.extend((0..visible).map(|j| dot(qrow, &keys[at(j)..at(j) + d]) * s.scale));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for v in scores.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
+                scores.resize(rows * seen, 0f32);
+                // SAFETY: queries rows at..at + rows·qw hold the block's d-wide head slices; the
+                // cache holds `seen` ≤ capacity rows of this slot (asserted above), the group's d
+                // columns each; scores is rows × seen. The output block (rows r of this segment,
+                // columns h·d..(h+1)·d) belongs to this (segment, head, block) task only.
+                unsafe {
+                    gemm_into(
+                        scores.as_mut_ptr(),
+                        seen,
+                        (rows, seen, d),
+                        Strided::rows(&queries[at..], qw),
+                        Strided::columns(&keys[kv..], width),
+                    );
+                    for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
+                        causal_softmax(row, seg.past + t0 + r + 1, s.scale);
+                    }
+                    gemm_into(
+                        shared.at(at),
+                        qw,
+                        (rows, d, seen),
+                        Strided::rows(scores, seen),
+                        Strided::rows(&values[kv..], width),
+                    );
                 }
-                // SAFETY: row r, columns h·d..(h+1)·d belong to this (segment, head) task only.
-                let o = unsafe { std::slice::from_raw_parts_mut(shared.at(r * qw + h * d), d) };
-                for (j, &p) in scores.iter().enumerate() {
-                    axpy(p / sum, &values[at(j)..at(j) + d], o);
-                }
-            }
-        });
+            });
         CpuTensor::new(vec![row, qw], out)
     }
 

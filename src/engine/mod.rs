@@ -7,6 +7,7 @@
 //! inside the matmul.
 
 pub mod cpu;
+pub(crate) mod panel;
 pub(crate) mod simd;
 
 use crate::ckpt::tensor::Tensor as HostTensor;
@@ -47,6 +48,11 @@ pub trait Backend: Sync {
     fn describe(&self) -> String;
     /// Copy host weights to the device, keeping their dtype.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    /// Copy a weight used only as the right operand of [`Backend::matmul`], in the layout the
+    /// device multiplies fastest (on Ascend the NZ format of aclnnTransMatmulWeight).
+    fn upload_matrix(&self, t: &HostTensor) -> Result<Self::Tensor> {
+        self.upload(t)
+    }
     /// Copy f32 values of `shape` to the device.
     fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Self::Tensor;
     /// The values of a tensor, widened to f32, row-major.
@@ -99,4 +105,21 @@ pub trait Backend: Sync {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
     /// Log-softmax over the last dimension (aclnnLogSoftmax).
     fn log_softmax(&self, x: &Self::Tensor) -> Self::Tensor;
+}
+
+/// A raw pointer to disjoint parts of one output, shared by the tasks that write them.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedOut(pub(crate) *mut f32);
+// SAFETY: every task writes a region no other task touches (stated where it is used).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The element `i` places in.
+    ///
+    /// # Safety
+    /// `i` must lie inside the output.
+    pub(crate) unsafe fn at(self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
 }

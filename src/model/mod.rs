@@ -123,9 +123,16 @@ impl<'b, B: Backend> Model<'b, B> {
             .par_iter()
             .map(|&c| {
                 let t = input.read(c)?;
-                backend
-                    .upload(&t)
-                    .map_err(|e| anyhow!("{}: {c:?}: {e}", dir.display()))
+                let matrix = matches!(
+                    c.role,
+                    Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2 | Role::Output
+                );
+                if matrix {
+                    backend.upload_matrix(&t)
+                } else {
+                    backend.upload(&t)
+                }
+                .map_err(|e| anyhow!("{}: {c:?}: {e}", dir.display()))
             })
             .collect::<Result<_>>()?;
         let mut by_canon: HashMap<Canon, B::Tensor> = canon.into_iter().zip(loaded).collect();

@@ -15,7 +15,7 @@ use super::torch::pickle::{DType, TensorRef};
 use super::torch::TorchFile;
 use super::transform::{gather_tp, Canon, Role, RowBlock};
 use super::ModelConfig;
-use crate::engine::simd;
+use crate::engine::panel;
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -262,7 +262,7 @@ impl MergePlan {
                 };
                 let dst = &mut w[at * cols..(at + n) * cols];
                 let fast = !term.transposed
-                    && simd::rank_update(dst, (n, cols, rank), (lhs.data, lhs.rs), a, term.scale);
+                    && panel::rank_update(dst, (n, cols, rank), (lhs.data, lhs.rs), a, term.scale);
                 if !fast {
                     add_product(dst, n, cols, rank, lhs, rhs, term.scale);
                 }
