@@ -89,6 +89,10 @@ struct EvalArgs {
     /// Write one JSON line per document (prompt, choices, logprobs, prediction) here.
     #[arg(long)]
     log_samples: Option<PathBuf>,
+    /// Keep each document's result in this file as it is computed; a rerun (after an
+    /// interruption, or with other reporting options) computes only what is missing.
+    #[arg(long)]
+    cache: Option<PathBuf>,
     /// Compute device.
     #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
     device: String,
@@ -542,6 +546,7 @@ fn run(cli: Cli) -> Result<()> {
                 limit: a.limit,
                 batch_size: a.batch_size,
                 log_samples: a.log_samples,
+                cache: a.cache,
                 progress: !a.quiet,
             };
             let report = eval::run(&opts)?;

@@ -39,7 +39,7 @@ pub struct Request {
 }
 
 /// The score of a request.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Score {
     /// Σ log p(continuation token | everything before it).
     pub logprob: f64,

@@ -3,6 +3,7 @@
 //! and loglikelihood (see [`loglikelihood`]), its results JSON and table.
 
 pub mod boolq;
+pub mod cache;
 pub mod gsm8k;
 pub mod loglikelihood;
 pub mod mmlu;
@@ -14,8 +15,9 @@ use crate::engine::Backend;
 use crate::model::generate::{generate, GenerateOptions, Sampling};
 use crate::model::Model;
 use anyhow::{anyhow, bail, Context, Result};
+use cache::Cache;
 use indicatif::{ProgressBar, ProgressStyle};
-use loglikelihood::{Request, Scorer};
+use loglikelihood::{Request, Score, Scorer};
 use serde_json::{json, Value as Json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -71,6 +73,8 @@ pub struct EvalOptions {
     pub batch_size: usize,
     /// Per-document log (JSON lines).
     pub log_samples: Option<PathBuf>,
+    /// Per-document results kept across runs ([`cache`]).
+    pub cache: Option<PathBuf>,
     /// Show a progress bar.
     pub progress: bool,
 }
@@ -187,8 +191,9 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             model.spec.vocab
         );
     }
+    let mut cache = open_cache(o, tok_path)?;
     if o.task == Task::Gsm8kCot {
-        return run_generation(o, &model, &tokenizer, start);
+        return run_generation(o, &model, &tokenizer, &mut cache, start);
     }
     let (all, shots) = match o.task {
         Task::Gsm8kCot => unreachable!("generation tasks return above"),
@@ -206,18 +211,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     pb.set_message(o.task.name());
     let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
     for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
-        let requests: Vec<Vec<Request>> = batch
-            .iter()
-            .map(|d| {
-                (d.choices.iter())
-                    .map(|c| Request {
-                        context: d.context.clone(),
-                        continuation: c.clone(),
-                    })
-                    .collect()
-            })
-            .collect();
-        let scores = scorer.score(&requests)?;
+        let scores = score_batch(&mut scorer, cache.as_mut(), batch)?;
         for (i, (doc, s)) in batch.iter().zip(&scores).enumerate() {
             let lls: Vec<f64> = s.iter().map(|s| s.logprob).collect();
             let pred = (0..lls.len()).fold(0, |best, j| if lls[j] > lls[best] { j } else { best });
@@ -257,6 +251,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             "batch_size": o.batch_size,
             "device": backend.describe(),
             "limit": o.limit,
+            "cache": cache_report(&cache),
         },
         "max_length": scorer.max_length,
         "n_truncated": scorer.truncated,
@@ -271,6 +266,74 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     }
     let table = table(o.task, shots, &entries);
     Ok(EvalReport { results, table })
+}
+
+/// The `--cache` file, bound to this model and tokenizer.
+fn open_cache(o: &EvalOptions, tokenizer: &Path) -> Result<Option<Cache>> {
+    let Some(path) = &o.cache else {
+        return Ok(None);
+    };
+    let canonical = |p: &Path| {
+        std::fs::canonicalize(p)
+            .unwrap_or_else(|_| p.to_path_buf())
+            .display()
+            .to_string()
+    };
+    let identity = json!({"model": canonical(&o.model), "tokenizer": canonical(tokenizer)});
+    Ok(Some(Cache::open(path, identity)?))
+}
+
+/// What the results JSON says of the cache.
+fn cache_report(cache: &Option<Cache>) -> Json {
+    match cache {
+        Some(c) => json!({"path": c.path().display().to_string(), "reused_docs": c.reused}),
+        None => Json::Null,
+    }
+}
+
+/// Loglikelihoods of every choice of every document: from the cache where it has them,
+/// the rest computed in one scorer call (and cached).
+fn score_batch<B: Backend>(
+    scorer: &mut Scorer<'_, '_, B>,
+    mut cache: Option<&mut Cache>,
+    batch: &[ChoiceDoc],
+) -> Result<Vec<Vec<Score>>> {
+    let keys: Vec<u128> = batch
+        .iter()
+        .map(|d| {
+            let mut parts = vec!["loglikelihood", d.context.as_str()];
+            parts.extend(d.choices.iter().map(String::as_str));
+            cache::key(&parts)
+        })
+        .collect();
+    let mut scores: Vec<Option<Vec<Score>>> = keys
+        .iter()
+        .map(|&k| {
+            let found = cache.as_mut().and_then(|c| c.get(k))?;
+            serde_json::from_value(found).ok()
+        })
+        .collect();
+    let missing: Vec<usize> = (0..batch.len()).filter(|&i| scores[i].is_none()).collect();
+    let requests: Vec<Vec<Request>> = missing
+        .iter()
+        .map(|&i| {
+            (batch[i].choices.iter())
+                .map(|c| Request {
+                    context: batch[i].context.clone(),
+                    continuation: c.clone(),
+                })
+                .collect()
+        })
+        .collect();
+    if !requests.is_empty() {
+        for (&i, s) in missing.iter().zip(scorer.score(&requests)?) {
+            if let Some(c) = cache.as_mut() {
+                c.put(keys[i], serde_json::to_value(&s)?)?;
+            }
+            scores[i] = Some(s);
+        }
+    }
+    Ok(scores.into_iter().flatten().collect())
 }
 
 /// A file written under a temporary name beside its destination and renamed into place only
@@ -347,6 +410,7 @@ fn run_generation(
     o: &EvalOptions,
     model: &Model<Cpu>,
     tokenizer: &HfTokenizer,
+    cache: &mut Option<Cache>,
     start: Instant,
 ) -> Result<EvalReport> {
     let all = gsm8k::load(&o.data, o.num_fewshot)?;
@@ -372,18 +436,30 @@ fn run_generation(
             truncated += 1;
             ids.drain(..ids.len() - max_context);
         }
-        let g = generate(model, tokenizer, &ids, &options, |_| {})?;
-        let (strict, flexible) = (
-            gsm8k::strict_match(&g.text),
-            gsm8k::flexible_extract(&g.text),
-        );
+        let key = cache::key(&[
+            "generate",
+            &doc.context,
+            &options.max_new_tokens.to_string(),
+            &options.stop.join("\u{0}"),
+        ]);
+        let text = match cache.as_mut().and_then(|c| c.get(key)) {
+            Some(Json::String(text)) => text,
+            _ => {
+                let text = generate(model, tokenizer, &ids, &options, |_| {})?.text;
+                if let Some(c) = cache.as_mut() {
+                    c.put(key, json!(text))?;
+                }
+                text
+            }
+        };
+        let (strict, flexible) = (gsm8k::strict_match(&text), gsm8k::flexible_extract(&text));
         strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
         flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));
         if let Some(w) = log.as_mut() {
             let record = json!({
                 "doc_id": i,
                 "prompt": doc.context,
-                "generation": g.text,
+                "generation": text,
                 "target": doc.target,
                 "strict-match": strict,
                 "flexible-extract": flexible,
@@ -423,6 +499,7 @@ fn run_generation(
             "device": Cpu.describe(),
             "limit": o.limit,
             "gen_kwargs": {"until": gsm8k::STOP, "max_gen_toks": gsm8k::MAX_NEW_TOKENS, "do_sample": false},
+            "cache": cache_report(cache),
         },
         "max_length": model.spec.max_positions,
         "n_truncated": truncated,

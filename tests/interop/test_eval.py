@@ -45,10 +45,20 @@ doc_to_target: "{{{{ 1 if label in ['true', True, 1] else 0 }}}}"
     samples, results = harness_samples(tmp_path, smollm2, "boolq_local", yaml_text)
     log = tmp_path / "mindkit.jsonl"
     out = tmp_path / "results.json"
-    subprocess.run([BIN, "eval", "--model", smollm2, "--task", "boolq", "--data", data,
-                    "--limit", str(LIMIT), "--batch-size", "4", "--log-samples", log,
-                    "--output", out, "--quiet"], check=True, capture_output=True)
-    ours = [json.loads(line) for line in log.read_text().splitlines()]
+    cache = tmp_path / "cache.jsonl"
+
+    def run_mindkit(limit, log):
+        subprocess.run([BIN, "eval", "--model", smollm2, "--task", "boolq", "--data", data,
+                        "--limit", str(limit), "--batch-size", "4", "--log-samples", log,
+                        "--output", out, "--cache", cache, "--quiet"], check=True,
+                       capture_output=True)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    # Half the documents first, as if the run had been interrupted; the full run then
+    # computes only the rest, and reports the same as a run from scratch would.
+    run_mindkit(LIMIT // 2, tmp_path / "first-half.jsonl")
+    ours = run_mindkit(LIMIT, log)
+    assert json.loads(out.read_text())["config"]["cache"]["reused_docs"] == LIMIT // 2
     assert len(ours) == len(samples) == LIMIT
     for mine, theirs in zip(ours, samples):
         harness_lls = [r[0][0] for r in theirs["resps"]]
