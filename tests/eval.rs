@@ -55,7 +55,13 @@ fn mmlu_reads_quoted_csv_and_builds_the_five_shot_prompt() {
 
 #[test]
 fn gsm8k_cot_prompt_and_target() {
-    let docs = gsm8k::load(&fixture("eval/gsm8k.jsonl"), None).unwrap();
+    let docs = gsm8k::load(
+        &fixture("eval/gsm8k.jsonl"),
+        gsm8k::Variant::Cot,
+        None,
+        None,
+    )
+    .unwrap();
     assert_eq!(docs[0].target, "7");
     assert!(docs[0]
         .context
@@ -67,6 +73,48 @@ fn gsm8k_cot_prompt_and_target() {
         .context
         .ends_with("The answer is 8.\n\nQ: Tom has 3 apples and buys 4 more. How many apples does he have?\nA:"));
     assert_eq!(docs[0].context.matches("\nA: ").count(), 8);
+}
+
+#[test]
+fn gsm8k_draws_its_shots_as_the_harness_does() {
+    // fixtures/eval/gsm8k-train.jsonl holds 7 problems; CPython's
+    // random.Random(1234).sample(range(7), 5) is [6, 3, 0, 4, 5].
+    let train = fixture("eval/gsm8k-train.jsonl");
+    let docs = gsm8k::load(
+        &fixture("eval/gsm8k.jsonl"),
+        gsm8k::Variant::Standard,
+        None,
+        Some(&train),
+    )
+    .unwrap();
+    let order: Vec<usize> = docs[0]
+        .context
+        .split("Question: Problem ")
+        .skip(1)
+        .map(|s| s[..1].parse().unwrap())
+        .collect();
+    assert_eq!(order, [6, 3, 0, 4, 5]);
+    assert!(docs[0].context.starts_with(
+        "Question: Problem 6: Ann has 9 pens and buys 22 more. How many pens does she have?\n\
+         Answer: She has 9 + 22 = <<9+22=31>>31 pens.\n#### 31\n\nQuestion: Problem 3:"
+    ));
+    assert!(docs[0].context.ends_with(
+        "\n\nQuestion: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
+    ));
+    assert_eq!(docs[0].target, "7");
+    // Without --fewshot-data the train split is looked for beside the data, and named if absent.
+    let err = gsm8k::load(
+        &fixture("eval/gsm8k.jsonl"),
+        gsm8k::Variant::Standard,
+        None,
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("train.jsonl") && err.contains("--fewshot-data"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -86,9 +134,14 @@ fn bad_data_names_the_file_and_row() {
         err.contains("abstract_algebra_val.csv:row 2") && err.contains("\"E\""),
         "{err}"
     );
-    let err = gsm8k::load(&fixture("eval/boolq-original.jsonl"), None)
-        .unwrap_err()
-        .to_string();
+    let err = gsm8k::load(
+        &fixture("eval/boolq-original.jsonl"),
+        gsm8k::Variant::Cot,
+        None,
+        None,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("\"answer\""), "{err}");
 }
 

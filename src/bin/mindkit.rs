@@ -56,6 +56,9 @@ enum EvalTask {
     Boolq,
     /// MMLU, 57 subjects, 5-shot (dev rows) by default, micro and macro averages.
     Mmlu,
+    /// GSM8K test, 5 shots drawn from the train split as the harness draws them, greedy,
+    /// exact match.
+    Gsm8k,
     /// GSM8K test, the 8 fixed chain-of-thought exemplars, greedy, exact match.
     Gsm8kCot,
 }
@@ -77,6 +80,9 @@ struct EvalArgs {
     /// Few-shot examples (the task's default when omitted).
     #[arg(long)]
     num_fewshot: Option<usize>,
+    /// gsm8k: the train split its shots are drawn from (default: train.jsonl beside --data).
+    #[arg(long)]
+    fewshot_data: Option<PathBuf>,
     /// Evaluate the first N documents only.
     #[arg(long)]
     limit: Option<usize>,
@@ -539,10 +545,12 @@ fn run(cli: Cli) -> Result<()> {
                 task: match a.task {
                     EvalTask::Boolq => eval::Task::Boolq,
                     EvalTask::Mmlu => eval::Task::Mmlu,
+                    EvalTask::Gsm8k => eval::Task::Gsm8k,
                     EvalTask::Gsm8kCot => eval::Task::Gsm8kCot,
                 },
                 data: a.data,
                 num_fewshot: a.num_fewshot,
+                fewshot_data: a.fewshot_data,
                 limit: a.limit,
                 batch_size: a.batch_size,
                 log_samples: a.log_samples,

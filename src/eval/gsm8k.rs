@@ -1,11 +1,18 @@
-//! GSM8K as the harness's `gsm8k_cot` task (`reference/eval.md` §3.2): Wei et al.'s 8 fixed
-//! exemplars (`"Q: {question}\nA: {reasoning} The answer is N.\n\n"`), then `"Q: {question}\nA:"`;
-//! greedy generation of up to 256 tokens, stopping at `Q:`, `</s>`, `<|im_end|>` or EOS; the
-//! answer extracted by the `strict-match` and `flexible-extract` filters and compared with the
-//! `####` number after the harness's normalisation (case, commas, `$`, a final period).
+//! GSM8K as the harness's two tasks (`reference/eval.md` §3.2):
+//! - `gsm8k_cot`: Wei et al.'s 8 fixed exemplars (`"Q: {question}\nA: {reasoning} The answer is
+//!   N.\n\n"`), then `"Q: {question}\nA:"`; stops at `Q:`.
+//! - `gsm8k`: 5 shots drawn from the train split per question, in document order, by
+//!   `random.Random(1234).sample` ([`PyRandom`]), rendered `"Question: {q}\nAnswer: {solution}\n\n"`,
+//!   then `"Question: {question}\nAnswer:"`; stops at `Question:`.
+//!
+//! Both generate greedily up to 256 tokens (also stopping at `</s>`, `<|im_end|>` or EOS), extract
+//! the answer by the `strict-match` and `flexible-extract` filters and compare it with the `####`
+//! number after the harness's normalisation (case, commas, `$`, a final period).
 
+use super::pyrandom::PyRandom;
 use super::{read_records, text_field};
-use anyhow::{anyhow, Result};
+use crate::data::source::Record;
+use anyhow::{bail, Result};
 use regex::Regex;
 use std::path::Path;
 use std::sync::LazyLock;
@@ -61,10 +68,66 @@ const EXEMPLARS: [(&str, &str); 8] = [
     ),
 ];
 
-/// Generation stops at these (and at EOS).
-pub const STOP: [&str; 3] = ["Q:", "</s>", "<|im_end|>"];
 /// New tokens at most (the harness's `max_gen_toks`).
 pub const MAX_NEW_TOKENS: usize = 256;
+/// The harness's few-shot seed (`fewshot_random_seed`).
+const FEWSHOT_SEED: u64 = 1234;
+
+/// Which of the harness's GSM8K tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// `gsm8k`: random train-split shots, full solutions as targets.
+    Standard,
+    /// `gsm8k_cot`: the 8 fixed chain-of-thought exemplars.
+    Cot,
+}
+
+impl Variant {
+    /// Generation stops at these (and at EOS).
+    pub fn stop(self) -> [&'static str; 3] {
+        match self {
+            Variant::Standard => ["Question:", "</s>", "<|im_end|>"],
+            Variant::Cot => ["Q:", "</s>", "<|im_end|>"],
+        }
+    }
+
+    /// Shots unless `--num-fewshot` says otherwise.
+    pub fn default_shots(self) -> usize {
+        match self {
+            Variant::Standard => 5,
+            Variant::Cot => EXEMPLARS.len(),
+        }
+    }
+
+    /// `strict-match`: the first answer in the task's own format.
+    pub fn strict_match(self, generation: &str) -> String {
+        let re = match self {
+            Variant::Standard => &*STRICT_STANDARD,
+            Variant::Cot => &*STRICT_COT,
+        };
+        re.captures(generation)
+            .and_then(|c| c.get(1))
+            .map_or(INVALID.to_string(), |m| m.as_str().trim().to_string())
+    }
+}
+
+/// A solved problem: its question and its `answer` text.
+fn problem(r: &Record) -> Result<(String, String)> {
+    Ok((
+        text_field(r, "question")?.to_string(),
+        text_field(r, "answer")?.to_string(),
+    ))
+}
+
+/// The number after `####` of a GSM8K solution.
+fn final_number(answer: &str) -> String {
+    answer
+        .rsplit("####")
+        .next()
+        .unwrap_or(answer)
+        .trim()
+        .to_string()
+}
 
 /// A GSM8K question with its prompt and reference answer.
 #[derive(Debug, Clone)]
@@ -75,38 +138,97 @@ pub struct GenDoc {
     pub target: String,
 }
 
-/// The questions of a GSM8K file (`question`, `answer` ending in `#### N`).
-pub fn load(path: &Path, num_fewshot: Option<usize>) -> Result<Vec<GenDoc>> {
-    let shots = num_fewshot.unwrap_or(EXEMPLARS.len());
-    if shots > EXEMPLARS.len() {
-        return Err(anyhow!(
-            "gsm8k-cot has {} exemplars; --num-fewshot {shots} is too many",
-            EXEMPLARS.len()
-        ));
-    }
-    let prefix: String = EXEMPLARS[..shots]
+/// The questions of a GSM8K file (`question`, `answer` ending in `#### N`) with their prompts.
+/// `gsm8k` draws its shots from `fewshot_data` (default: `train.jsonl` beside `path`).
+pub fn load(
+    path: &Path,
+    variant: Variant,
+    num_fewshot: Option<usize>,
+    fewshot_data: Option<&Path>,
+) -> Result<Vec<GenDoc>> {
+    let shots = num_fewshot.unwrap_or(variant.default_shots());
+    let problems: Vec<(String, String)> = read_records(path)?
         .iter()
-        .map(|(q, a)| format!("Q: {q}\nA: {a}\n\n"))
-        .collect();
-    read_records(path)?
-        .iter()
-        .map(|r| {
-            let answer = text_field(r, "answer")?;
-            Ok(GenDoc {
-                context: format!("{prefix}Q: {}\nA:", text_field(r, "question")?),
-                target: answer
-                    .rsplit("####")
-                    .next()
-                    .unwrap_or(answer)
-                    .trim()
-                    .to_string(),
-            })
+        .map(problem)
+        .collect::<Result<_>>()?;
+    let contexts: Vec<String> = match variant {
+        Variant::Cot => {
+            if shots > EXEMPLARS.len() {
+                bail!(
+                    "gsm8k-cot has {} exemplars; --num-fewshot {shots} is too many",
+                    EXEMPLARS.len()
+                );
+            }
+            let prefix: String = EXEMPLARS[..shots]
+                .iter()
+                .map(|(q, a)| format!("Q: {q}\nA: {a}\n\n"))
+                .collect();
+            problems
+                .iter()
+                .map(|(q, _)| format!("{prefix}Q: {q}\nA:"))
+                .collect()
+        }
+        Variant::Standard => {
+            let train = shot_pool(path, fewshot_data, shots)?;
+            let mut rnd = PyRandom::new(FEWSHOT_SEED);
+            problems
+                .iter()
+                .map(|(q, _)| {
+                    let shown: String = rnd
+                        .sample(train.len(), shots)
+                        .into_iter()
+                        .map(|i| format!("Question: {}\nAnswer: {}\n\n", train[i].0, train[i].1))
+                        .collect();
+                    format!("{shown}Question: {q}\nAnswer:")
+                })
+                .collect()
+        }
+    };
+    Ok(contexts
+        .into_iter()
+        .zip(&problems)
+        .map(|(context, (_, answer))| GenDoc {
+            context,
+            target: final_number(answer),
         })
-        .collect()
+        .collect())
 }
 
-static STRICT: LazyLock<Regex> =
+/// The train split `gsm8k` samples shots from, in file order.
+fn shot_pool(
+    path: &Path,
+    fewshot_data: Option<&Path>,
+    shots: usize,
+) -> Result<Vec<(String, String)>> {
+    let train = match fewshot_data {
+        Some(p) => p.to_path_buf(),
+        None => path.parent().unwrap_or(Path::new(".")).join("train.jsonl"),
+    };
+    if !train.exists() {
+        bail!(
+            "gsm8k draws its {shots} shots from the train split, and {} does not exist; \
+             pass --fewshot-data TRAIN.jsonl",
+            train.display()
+        );
+    }
+    let pool: Vec<(String, String)> = read_records(&train)?
+        .iter()
+        .map(problem)
+        .collect::<Result<_>>()?;
+    if pool.len() < shots {
+        bail!(
+            "{} holds {} problems, fewer than {shots} shots",
+            train.display(),
+            pool.len()
+        );
+    }
+    Ok(pool)
+}
+
+static STRICT_COT: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"The answer is (\-?[0-9\.\,]+).").expect("valid regex"));
+static STRICT_STANDARD: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"#### (\-?[0-9\.\,]+)").expect("valid regex"));
 static FLEXIBLE: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"(-?[$0-9.,]{2,})|(-?[0-9]+)").expect("valid regex"));
 static IGNORED: LazyLock<[Regex; 4]> = LazyLock::new(|| {
@@ -114,14 +236,6 @@ static IGNORED: LazyLock<[Regex; 4]> = LazyLock::new(|| {
 });
 
 const INVALID: &str = "[invalid]";
-
-/// `strict-match`: the number of the first "The answer is N.".
-pub fn strict_match(generation: &str) -> String {
-    STRICT
-        .captures(generation)
-        .and_then(|c| c.get(1))
-        .map_or(INVALID.to_string(), |m| m.as_str().trim().to_string())
-}
 
 /// `flexible-extract`: the last number-like run in the text.
 pub fn flexible_extract(generation: &str) -> String {
@@ -151,10 +265,15 @@ mod tests {
     #[test]
     fn filters_and_normalisation_follow_the_harness() {
         let g = "She has 3 + 4 = 7 apples. The answer is 1,234.\n\nQ";
-        assert_eq!(strict_match(g), "1,234");
+        assert_eq!(Variant::Cot.strict_match(g), "1,234");
+        assert_eq!(
+            Variant::Standard.strict_match("5 + 2 = 7\n#### 7\n\nQuestion"),
+            "7"
+        );
         assert_eq!(flexible_extract(g), "1,234.");
         assert!(exact_match(&flexible_extract(g), "1234"));
-        assert_eq!(strict_match("no number here"), INVALID);
+        assert_eq!(Variant::Cot.strict_match("no number here"), INVALID);
+        assert_eq!(Variant::Standard.strict_match("The answer is 7."), INVALID);
         assert_eq!(flexible_extract("It costs $5 or 7"), "7");
         assert_eq!(flexible_extract("It costs $5"), "$5");
         assert!(exact_match("$5", "5"));

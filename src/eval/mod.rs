@@ -7,6 +7,7 @@ pub mod cache;
 pub mod gsm8k;
 pub mod loglikelihood;
 pub mod mmlu;
+mod pyrandom;
 
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
@@ -31,6 +32,8 @@ pub enum Task {
     Boolq,
     /// MMLU, 57 subjects, 5-shot by default, acc (micro average).
     Mmlu,
+    /// GSM8K with 5 random train-split shots (the harness's default `gsm8k`), greedy, exact match.
+    Gsm8k,
     /// GSM8K with the 8 fixed chain-of-thought exemplars, greedy, exact match.
     Gsm8kCot,
 }
@@ -41,6 +44,7 @@ impl Task {
         match self {
             Task::Boolq => "boolq",
             Task::Mmlu => "mmlu",
+            Task::Gsm8k => "gsm8k",
             Task::Gsm8kCot => "gsm8k_cot",
         }
     }
@@ -49,7 +53,7 @@ impl Task {
         match self {
             Task::Boolq => 2.0,
             Task::Mmlu => 2.0,
-            Task::Gsm8kCot => 3.0,
+            Task::Gsm8k | Task::Gsm8kCot => 3.0,
         }
     }
 }
@@ -67,6 +71,8 @@ pub struct EvalOptions {
     pub data: PathBuf,
     /// Few-shot examples (task default when `None`).
     pub num_fewshot: Option<usize>,
+    /// Where `gsm8k` draws its shots from (default: `train.jsonl` beside `data`).
+    pub fewshot_data: Option<PathBuf>,
     /// First N documents only.
     pub limit: Option<usize>,
     /// Documents per forward pass.
@@ -192,11 +198,16 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
         );
     }
     let mut cache = open_cache(o, tok_path)?;
-    if o.task == Task::Gsm8kCot {
-        return run_generation(o, &model, &tokenizer, &mut cache, start);
+    let variant = match o.task {
+        Task::Gsm8k => Some(gsm8k::Variant::Standard),
+        Task::Gsm8kCot => Some(gsm8k::Variant::Cot),
+        Task::Boolq | Task::Mmlu => None,
+    };
+    if let Some(variant) = variant {
+        return run_generation(o, variant, &model, &tokenizer, &mut cache, start);
     }
     let (all, shots) = match o.task {
-        Task::Gsm8kCot => unreachable!("generation tasks return above"),
+        Task::Gsm8k | Task::Gsm8kCot => unreachable!("generation tasks return above"),
         Task::Boolq => (boolq::load(&o.data, o.num_fewshot)?, 0),
         Task::Mmlu => (
             mmlu::load(&o.data, o.num_fewshot)?,
@@ -408,13 +419,14 @@ pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
 /// A generation task (GSM8K): greedy generation per question, answers extracted and matched.
 fn run_generation(
     o: &EvalOptions,
+    variant: gsm8k::Variant,
     model: &Model<Cpu>,
     tokenizer: &HfTokenizer,
     cache: &mut Option<Cache>,
     start: Instant,
 ) -> Result<EvalReport> {
-    let all = gsm8k::load(&o.data, o.num_fewshot)?;
-    let shots = o.num_fewshot.unwrap_or(8);
+    let all = gsm8k::load(&o.data, variant, o.num_fewshot, o.fewshot_data.as_deref())?;
+    let shots = o.num_fewshot.unwrap_or(variant.default_shots());
     let docs = &all[..o.limit.unwrap_or(all.len()).min(all.len())];
     let max_context = model
         .spec
@@ -423,7 +435,7 @@ fn run_generation(
     let options = GenerateOptions {
         max_new_tokens: gsm8k::MAX_NEW_TOKENS,
         sampling: Sampling::GREEDY,
-        stop: gsm8k::STOP.iter().map(|s| s.to_string()).collect(),
+        stop: variant.stop().iter().map(|s| s.to_string()).collect(),
         eos: tokenizer.eos().into_iter().collect(),
     };
     let mut log = open_log(&o.log_samples)?;
@@ -452,7 +464,7 @@ fn run_generation(
                 text
             }
         };
-        let (strict, flexible) = (gsm8k::strict_match(&text), gsm8k::flexible_extract(&text));
+        let (strict, flexible) = (variant.strict_match(&text), gsm8k::flexible_extract(&text));
         strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
         flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));
         if let Some(w) = log.as_mut() {
@@ -498,7 +510,7 @@ fn run_generation(
             "model_args": format!("pretrained={}", o.model.display()),
             "device": Cpu.describe(),
             "limit": o.limit,
-            "gen_kwargs": {"until": gsm8k::STOP, "max_gen_toks": gsm8k::MAX_NEW_TOKENS, "do_sample": false},
+            "gen_kwargs": {"until": variant.stop(), "max_gen_toks": gsm8k::MAX_NEW_TOKENS, "do_sample": false},
             "cache": cache_report(cache),
         },
         "max_length": model.spec.max_positions,

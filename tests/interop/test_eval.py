@@ -135,35 +135,44 @@ dataset_kwargs:
     assert got["mmlu"]["sample_len"] == len(ours)
 
 
-def test_gsm8k_cot_generations_match_the_harness(smollm2, testdata, tmp_path):
+@pytest.mark.parametrize("task, harness_yaml, result_key", [
+    ("gsm8k-cot", "gsm8k/gsm8k-cot.yaml", "gsm8k_cot"),
+    ("gsm8k", "gsm8k/gsm8k.yaml", "gsm8k"),
+])
+def test_gsm8k_generations_match_the_harness(smollm2, testdata, tmp_path, task, harness_yaml,
+                                             result_key):
+    # gsm8k draws 5 shots per question from the train split with random.Random(1234): equal
+    # prompts mean mindkit's port of CPython's sampler made the same draws.
     data = testdata / "gsm8k/test_200.jsonl"
     limit = 3
-    yaml_text = f"""include: {HARNESS_TASKS / "gsm8k/gsm8k-cot.yaml"}
-task: local_gsm8k_cot
+    local = f"local_{result_key}"
+    yaml_text = f"""include: {HARNESS_TASKS / harness_yaml}
+task: {local}
 tag: null
 dataset_path: json
 dataset_name: null
 dataset_kwargs:
   data_files:
+    train: {testdata / "gsm8k/train.jsonl"}
     test: {data}
 """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "local_gsm8k_cot.yaml").write_text(yaml_text)
+    (tasks / f"{local}.yaml").write_text(yaml_text)
     os.environ["HF_HUB_OFFLINE"] = "1"
     out = simple_evaluate(model="hf", model_args=f"pretrained={smollm2},dtype=float32",
-                          tasks=["local_gsm8k_cot"], limit=limit, log_samples=True, batch_size=1,
+                          tasks=[local], limit=limit, log_samples=True, batch_size=1,
                           device="cpu", task_manager=TaskManager(include_path=str(tasks)))
     log = tmp_path / "mindkit.jsonl"
     results = tmp_path / "results.json"
-    subprocess.run([BIN, "eval", "--model", smollm2, "--task", "gsm8k-cot", "--data", data,
+    subprocess.run([BIN, "eval", "--model", smollm2, "--task", task, "--data", data,
                     "--limit", str(limit), "--log-samples", log, "--output", results, "--quiet"],
                    check=True, capture_output=True)
     ours = [json.loads(line) for line in log.read_text().splitlines()]
     theirs = {}
-    for s in out["samples"]["local_gsm8k_cot"]:
+    for s in out["samples"][local]:
         theirs.setdefault(s["doc_id"], {})[s["filter"]] = s
     assert len(ours) == len(theirs) == limit
     for mine in ours:
@@ -174,7 +183,7 @@ dataset_kwargs:
         for name, sample in by_filter.items():
             assert mine[name] == sample["filtered_resps"][0], name
             assert mine["correct"][name] == bool(sample["exact_match"]), name
-    got = json.loads(results.read_text())["results"]["gsm8k_cot"]
+    got = json.loads(results.read_text())["results"][result_key]
     for name in ("strict-match", "flexible-extract"):
-        want = out["results"]["local_gsm8k_cot"][f"exact_match,{name}"]
+        want = out["results"][local][f"exact_match,{name}"]
         assert got[f"exact_match,{name}"] == pytest.approx(want)
