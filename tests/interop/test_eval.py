@@ -76,41 +76,16 @@ MMLU_SUBJECTS = ["abstract_algebra", "college_medicine", "econometrics",
 
 
 def test_mmlu_matches_the_harness(smollm2, testdata, tmp_path):
-    import csv
     # mindkit reads the original csv tree; the harness reads the same rows converted (by
     # Python's csv module) to its cais/mmlu layout.
-    tree, converted = tmp_path / "mmlu", tmp_path / "hf"
-    yamls = []
-    for subject in MMLU_SUBJECTS:
-        (converted / subject).mkdir(parents=True)
-        for split, target in (("dev", "dev"), ("val", "test")):
-            src = testdata / f"mmlu/{split}/{subject}_{split}.csv"
-            (tree / split).mkdir(parents=True, exist_ok=True)
-            (tree / split / src.name).write_bytes(src.read_bytes())
-            with open(src, newline="") as f, open(converted / subject / f"{target}.jsonl", "w") as out:
-                for q, a, b, c, d, ans in csv.reader(f):
-                    out.write(json.dumps({"question": q, "subject": subject, "choices": [a, b, c, d],
-                                          "answer": "ABCD".index(ans)}) + "\n")
-        yamls.append(f"""include: {HARNESS_TASKS / f"mmlu/default/mmlu_{subject}.yaml"}
-task: local_mmlu_{subject}
-tag: null
-dataset_path: json
-dataset_name: null
-dataset_kwargs:
-  data_files:
-    dev: {converted / subject / "dev.jsonl"}
-    test: {converted / subject / "test.jsonl"}
-""")
+    import mmlu_local
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    for subject, text in zip(MMLU_SUBJECTS, yamls):
-        (tasks / f"local_mmlu_{subject}.yaml").write_text(text)
+    tree, tasks, names = mmlu_local.build(testdata, tmp_path, MMLU_SUBJECTS)
     os.environ["HF_HUB_OFFLINE"] = "1"
     limit = 2
     out = simple_evaluate(model="hf", model_args=f"pretrained={smollm2},dtype=float32",
-                          tasks=[f"local_mmlu_{s}" for s in MMLU_SUBJECTS], num_fewshot=5,
+                          tasks=names, num_fewshot=5,
                           limit=limit, log_samples=True, batch_size=1, device="cpu",
                           task_manager=TaskManager(include_path=str(tasks)))
     log = tmp_path / "mindkit.jsonl"
