@@ -40,6 +40,9 @@ pub struct ModelConfig {
     pub proj_bias: bool,
     /// Element type of the weights.
     pub dtype: DType,
+    /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from
+    /// config.json or translated from Megatron/MindSpeed args; `None` for plain RoPE.
+    pub rope_scaling: Option<Json>,
     /// The original `config.json`, carried through Megatron so the way back restores it.
     pub hf_config: Option<Json>,
 }
@@ -116,6 +119,11 @@ impl ModelConfig {
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: bias,
             dtype,
+            rope_scaling: cfg
+                .get("rope_scaling")
+                .or_else(|| cfg.get("rope_parameters"))
+                .filter(|r| r.is_object())
+                .cloned(),
             hf_config: Some(cfg.clone()),
         })
     }
@@ -155,6 +163,9 @@ impl ModelConfig {
         });
         if let Some(key) = self.family.bias_key {
             cfg[key] = self.proj_bias.into();
+        }
+        if let Some(r) = &self.rope_scaling {
+            cfg["rope_scaling"] = r.clone();
         }
         cfg
     }
@@ -199,6 +210,46 @@ pub(crate) fn arg_float(args: &[(String, Value)], name: &str) -> Option<f64> {
         Some(Value::Float(f)) => Some(*f),
         Some(Value::Int(i)) => Some(*i as f64),
         _ => None,
+    }
+}
+
+/// RoPE scaling recorded in Megatron args, as config.json's `rope_scaling`: MindSpeed-LLM's
+/// `--rope-scaling-type llama3` with `--rope-scaling-factor`, `--low-freq-factor`,
+/// `--high-freq-factor`, `--original-max-position-embeddings`; Megatron-LM's
+/// `--use-rope-scaling` (Llama 3.1's scaling, only the factor configurable: default 8, low 1,
+/// high 4, original 8192, as megatron-core's `RotaryEmbedding._apply_scaling`).
+fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> {
+    let kind = match arg(args, "rope_scaling_type") {
+        Some(Value::Str(s)) => Some(s.as_str()),
+        _ => None,
+    };
+    let llama3 = |factor: f64, low: f64, high: f64, original: f64| {
+        json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        })
+    };
+    let float_or = |name, default| arg_float(args, name).unwrap_or(default);
+    match kind {
+        Some("llama3") => Ok(Some(llama3(
+            float_or("rope_scaling_factor", 8.0),
+            float_or("low_freq_factor", 1.0),
+            float_or("high_freq_factor", 4.0),
+            float_or("original_max_position_embeddings", 8192.0),
+        ))),
+        Some(other) => {
+            bail!("args: --rope-scaling-type {other} is not supported (supported: llama3, or none)")
+        }
+        None if arg_bool(args, "use_rope_scaling").unwrap_or(false) => Ok(Some(llama3(
+            float_or("rope_scaling_factor", 8.0),
+            1.0,
+            4.0,
+            8192.0,
+        ))),
+        None => Ok(None),
     }
 }
 
@@ -261,6 +312,7 @@ impl ModelConfig {
             qkv_bias,
             proj_bias: add_bias,
             dtype,
+            rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
         })
     }
@@ -291,11 +343,7 @@ pub fn megatron_args(
 ) -> Vec<(String, Value)> {
     let int = |v: usize| Value::Int(v as i64);
     let gqa = cfg.groups != cfg.heads;
-    let rope_scaling = cfg
-        .hf_config
-        .as_ref()
-        .and_then(|c| c.get("rope_scaling").or_else(|| c.get("rope_parameters")))
-        .filter(|r| r.is_object());
+    let rope_scaling = cfg.rope_scaling.as_ref();
     let scaling_type = rope_scaling
         .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
         .and_then(Json::as_str);
@@ -398,4 +446,73 @@ pub fn megatron_args(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[(&str, Value)]) -> Vec<(String, Value)> {
+        let mut a: Vec<(String, Value)> = [
+            ("num_layers", Value::Int(2)),
+            ("hidden_size", Value::Int(64)),
+            ("num_attention_heads", Value::Int(4)),
+            ("ffn_hidden_size", Value::Int(128)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        a.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        a
+    }
+
+    fn scaling(extra: &[(&str, Value)]) -> Result<Option<Json>> {
+        ModelConfig::from_megatron_args(&args(extra), None, DType::F32, 256).map(|c| c.rope_scaling)
+    }
+
+    #[test]
+    fn rope_scaling_is_read_from_megatron_and_mindspeed_args() {
+        assert_eq!(scaling(&[]).unwrap(), None);
+        assert_eq!(
+            scaling(&[("rope_scaling_factor", Value::Float(8.0))]).unwrap(),
+            None,
+            "Megatron-LM records a factor even when scaling is off"
+        );
+        let megatron = scaling(&[
+            ("use_rope_scaling", Value::Bool(true)),
+            ("rope_scaling_factor", Value::Float(32.0)),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            megatron,
+            json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0})
+        );
+        let mindspeed = scaling(&[
+            ("rope_scaling_type", Value::Str("llama3".into())),
+            ("rope_scaling_factor", Value::Float(8.0)),
+            ("low_freq_factor", Value::Float(2.0)),
+            ("high_freq_factor", Value::Float(4.0)),
+            ("original_max_position_embeddings", Value::Float(4096.0)),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(mindspeed["low_freq_factor"], json!(2.0));
+        assert_eq!(mindspeed["original_max_position_embeddings"], json!(4096.0));
+        let err = scaling(&[("rope_scaling_type", Value::Str("yarn".into()))]).unwrap_err();
+        assert!(err.to_string().contains("yarn"), "{err}");
+    }
+
+    #[test]
+    fn a_config_built_from_args_writes_its_rope_scaling() {
+        let cfg = ModelConfig::from_megatron_args(
+            &args(&[("use_rope_scaling", Value::Bool(true))]),
+            None,
+            DType::F32,
+            256,
+        )
+        .unwrap();
+        assert_eq!(cfg.to_hf()["rope_scaling"]["rope_type"], json!("llama3"));
+    }
 }

@@ -27,12 +27,7 @@ impl Rope {
             .step_by(2)
             .map(|i| 1.0 / base.powf(i as f32 / d as f32))
             .collect();
-        let scaling = cfg
-            .hf_config
-            .as_ref()
-            .and_then(|c| c.get("rope_scaling").or_else(|| c.get("rope_parameters")))
-            .filter(|r| r.is_object());
-        if let Some(r) = scaling {
+        if let Some(r) = &cfg.rope_scaling {
             let kind = (r.get("rope_type").or_else(|| r.get("type")))
                 .and_then(Json::as_str)
                 .unwrap_or("default");
