@@ -58,8 +58,7 @@ fn gsm8k_cot_prompt_and_target() {
     let docs = gsm8k::load(
         &fixture("eval/gsm8k.jsonl"),
         gsm8k::Variant::Cot,
-        None,
-        None,
+        Default::default(),
     )
     .unwrap();
     assert_eq!(docs[0].target, "7");
@@ -75,6 +74,15 @@ fn gsm8k_cot_prompt_and_target() {
     assert_eq!(docs[0].context.matches("\nA: ").count(), 8);
 }
 
+/// The problem numbers of the shots in a prompt built from fixtures/eval/gsm8k-train.jsonl.
+fn shot_order(context: &str) -> Vec<usize> {
+    context
+        .split("Question: Problem ")
+        .skip(1)
+        .map(|s| s[..1].parse().unwrap())
+        .collect()
+}
+
 #[test]
 fn gsm8k_draws_its_shots_as_the_harness_does() {
     // fixtures/eval/gsm8k-train.jsonl holds 7 problems; CPython's
@@ -83,17 +91,13 @@ fn gsm8k_draws_its_shots_as_the_harness_does() {
     let docs = gsm8k::load(
         &fixture("eval/gsm8k.jsonl"),
         gsm8k::Variant::Standard,
-        None,
-        Some(&train),
+        gsm8k::FewShot {
+            data: Some(&train),
+            ..Default::default()
+        },
     )
     .unwrap();
-    let order: Vec<usize> = docs[0]
-        .context
-        .split("Question: Problem ")
-        .skip(1)
-        .map(|s| s[..1].parse().unwrap())
-        .collect();
-    assert_eq!(order, [6, 3, 0, 4, 5]);
+    assert_eq!(shot_order(&docs[0].context), [6, 3, 0, 4, 5]);
     assert!(docs[0].context.starts_with(
         "Question: Problem 6: Ann has 9 pens and buys 22 more. How many pens does she have?\n\
          Answer: She has 9 + 22 = <<9+22=31>>31 pens.\n#### 31\n\nQuestion: Problem 3:"
@@ -106,8 +110,7 @@ fn gsm8k_draws_its_shots_as_the_harness_does() {
     let err = gsm8k::load(
         &fixture("eval/gsm8k.jsonl"),
         gsm8k::Variant::Standard,
-        None,
-        None,
+        Default::default(),
     )
     .unwrap_err()
     .to_string();
@@ -115,6 +118,18 @@ fn gsm8k_draws_its_shots_as_the_harness_does() {
         err.contains("train.jsonl") && err.contains("--fewshot-data"),
         "{err}"
     );
+    // Another seed, other draws: CPython's random.Random(42).sample(range(7), 5).
+    let docs = gsm8k::load(
+        &fixture("eval/gsm8k.jsonl"),
+        gsm8k::Variant::Standard,
+        gsm8k::FewShot {
+            data: Some(&train),
+            seed: 42,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(shot_order(&docs[0].context), [5, 0, 6, 2, 4]);
 }
 
 #[test]
@@ -137,8 +152,7 @@ fn bad_data_names_the_file_and_row() {
     let err = gsm8k::load(
         &fixture("eval/boolq-original.jsonl"),
         gsm8k::Variant::Cot,
-        None,
-        None,
+        Default::default(),
     )
     .unwrap_err()
     .to_string();

@@ -83,6 +83,9 @@ struct EvalArgs {
     /// gsm8k: the train split its shots are drawn from (default: train.jsonl beside --data).
     #[arg(long)]
     fewshot_data: Option<PathBuf>,
+    /// gsm8k: the few-shot sampler's seed (the harness's --seed; it draws with 1234 by default).
+    #[arg(long, default_value_t = mindkit::eval::gsm8k::FEWSHOT_SEED)]
+    seed: u64,
     /// Evaluate the first N documents only.
     #[arg(long)]
     limit: Option<usize>,
@@ -551,6 +554,7 @@ fn run(cli: Cli) -> Result<()> {
                 data: a.data,
                 num_fewshot: a.num_fewshot,
                 fewshot_data: a.fewshot_data,
+                seed: a.seed,
                 limit: a.limit,
                 batch_size: a.batch_size,
                 log_samples: a.log_samples,

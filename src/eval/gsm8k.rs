@@ -70,8 +70,29 @@ const EXEMPLARS: [(&str, &str); 8] = [
 
 /// New tokens at most (the harness's `max_gen_toks`).
 pub const MAX_NEW_TOKENS: usize = 256;
-/// The harness's few-shot seed (`fewshot_random_seed`).
-const FEWSHOT_SEED: u64 = 1234;
+/// The harness's default few-shot seed (`fewshot_random_seed`).
+pub const FEWSHOT_SEED: u64 = 1234;
+
+/// How the shots are chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct FewShot<'a> {
+    /// Shots per question (the variant's default when `None`).
+    pub num: Option<usize>,
+    /// `gsm8k`'s train split (default: `train.jsonl` beside the data).
+    pub data: Option<&'a Path>,
+    /// `gsm8k`'s sampler seed (the harness's `--seed`, fourth value; default 1234).
+    pub seed: u64,
+}
+
+impl Default for FewShot<'_> {
+    fn default() -> Self {
+        FewShot {
+            num: None,
+            data: None,
+            seed: FEWSHOT_SEED,
+        }
+    }
+}
 
 /// Which of the harness's GSM8K tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,14 +160,8 @@ pub struct GenDoc {
 }
 
 /// The questions of a GSM8K file (`question`, `answer` ending in `#### N`) with their prompts.
-/// `gsm8k` draws its shots from `fewshot_data` (default: `train.jsonl` beside `path`).
-pub fn load(
-    path: &Path,
-    variant: Variant,
-    num_fewshot: Option<usize>,
-    fewshot_data: Option<&Path>,
-) -> Result<Vec<GenDoc>> {
-    let shots = num_fewshot.unwrap_or(variant.default_shots());
+pub fn load(path: &Path, variant: Variant, few: FewShot) -> Result<Vec<GenDoc>> {
+    let shots = few.num.unwrap_or(variant.default_shots());
     let problems: Vec<(String, String)> = read_records(path)?
         .iter()
         .map(problem)
@@ -169,8 +184,8 @@ pub fn load(
                 .collect()
         }
         Variant::Standard => {
-            let train = shot_pool(path, fewshot_data, shots)?;
-            let mut rnd = PyRandom::new(FEWSHOT_SEED);
+            let train = shot_pool(path, few.data, shots)?;
+            let mut rnd = PyRandom::new(few.seed);
             problems
                 .iter()
                 .map(|(q, _)| {

@@ -73,6 +73,8 @@ pub struct EvalOptions {
     pub num_fewshot: Option<usize>,
     /// Where `gsm8k` draws its shots from (default: `train.jsonl` beside `data`).
     pub fewshot_data: Option<PathBuf>,
+    /// `gsm8k`'s few-shot sampler seed ([`gsm8k::FEWSHOT_SEED`] as the harness).
+    pub seed: u64,
     /// First N documents only.
     pub limit: Option<usize>,
     /// Documents per forward pass.
@@ -425,7 +427,12 @@ fn run_generation(
     cache: &mut Option<Cache>,
     start: Instant,
 ) -> Result<EvalReport> {
-    let all = gsm8k::load(&o.data, variant, o.num_fewshot, o.fewshot_data.as_deref())?;
+    let few = gsm8k::FewShot {
+        num: o.num_fewshot,
+        data: o.fewshot_data.as_deref(),
+        seed: o.seed,
+    };
+    let all = gsm8k::load(&o.data, variant, few)?;
     let shots = o.num_fewshot.unwrap_or(variant.default_shots());
     let docs = &all[..o.limit.unwrap_or(all.len()).min(all.len())];
     let max_context = model
@@ -510,6 +517,7 @@ fn run_generation(
             "model_args": format!("pretrained={}", o.model.display()),
             "device": Cpu.describe(),
             "limit": o.limit,
+            "fewshot_seed": o.seed,
             "gen_kwargs": {"until": variant.stop(), "max_gen_toks": gsm8k::MAX_NEW_TOKENS, "do_sample": false},
             "cache": cache_report(cache),
         },
