@@ -30,7 +30,7 @@ m = json.load(open(sys.argv[4]))["results"]["mmlu"]
 docs = m["sample_len"]
 assert docs == h["docs"], (docs, h["docs"])
 full = 14042
-print(f"5-shot MMLU, {docs} questions (val, the first of each subject), SmolLM2-135M fp32:")
+print(f"5-shot MMLU, {docs} questions (val, the first --limit of each subject), SmolLM2-135M fp32:")
 for name, s, acc in (("lm-evaluation-harness", h["seconds"], h["acc"]), ("mindkit", secs, m["acc,none"])):
     print(f"  {name:22} {s:7.1f} s  {docs / s:5.2f} q/s  acc {acc:.4f}  "
           f"projected full test: {s / docs * full / 3600:.1f} h")
