@@ -1,6 +1,6 @@
-//! The CPU backend: rayon over rows and heads, the `gemm` crate for matrix products, f32
-//! activations. Weights keep their dtype; half-precision rows are widened a block at a time
-//! inside the matmul, so no f32 copy of the model exists.
+//! The CPU backend: rayon over rows and heads, f32 activations. Matmul weights keep their dtype:
+//! packed as panels for the AVX-512 kernel (`panel.rs`) where the CPU has it, else row-major
+//! and widened a block at a time for the `gemm` crate; no f32 copy of the model exists.
 
 use super::panel::{PanelType, Panels};
 use super::simd::{dot, widen};
