@@ -3,7 +3,7 @@
 //! and widened a block at a time for the `gemm` crate; no f32 copy of the model exists.
 
 use super::panel::{PanelType, Panels};
-use super::simd::{dot, widen};
+use super::simd::{dot, silu_mul, softmax, widen};
 use super::{AttentionShape, Backend, HostTensor, Segment, SharedOut};
 use crate::ckpt::tensor::decode_f32;
 use crate::ckpt::torch::pickle::DType;
@@ -223,19 +223,11 @@ unsafe fn gemm_into(
     );
 }
 
-/// Turns `scale · scores[..visible]` into softmax probabilities in place (as transformers:
-/// scaled scores, max subtracted, exp, divided by the sum) and zeroes the masked rest.
+/// Turns `scale · scores[..visible]` into softmax probabilities in place and zeroes the
+/// masked rest.
 fn causal_softmax(scores: &mut [f32], visible: usize, scale: f32) {
     let (seen, masked) = scores.split_at_mut(visible);
-    let max = seen
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-    let mut sum = 0f32;
-    for v in seen.iter_mut() {
-        *v = (*v * scale - max).exp();
-        sum += *v;
-    }
-    seen.iter_mut().for_each(|v| *v /= sum);
+    softmax(seen, scale);
     masked.fill(0.0);
 }
 
@@ -505,9 +497,7 @@ impl Backend for Cpu {
             .zip(x.f32().par_chunks(2 * f))
             .for_each(|(o, row)| {
                 let (gate, up) = row.split_at(f);
-                for ((o, &a), &b) in o.iter_mut().zip(gate).zip(up) {
-                    *o = a / (1.0 + (-a).exp()) * b;
-                }
+                silu_mul(gate, up, o);
             });
         CpuTensor::new(vec![x.rows(), f], out)
     }

@@ -119,6 +119,124 @@ pub fn widen(src: &[u16], dtype: DType, dst: &mut [f32]) {
     }
 }
 
+/// `e^x` on 16 lanes: `x = n·ln 2 + r` with |r| ≤ ln 2 / 2, a degree-6 polynomial for `e^r`
+/// (Cephes' expf coefficients, about 1 ulp) and `2^n` applied by `vscalefps`, which gives 0
+/// and +inf past the f32 range without bit tricks. Inputs are clamped first so that ±inf
+/// stay finite through the reduction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-104.0)),
+        _mm512_set1_ps(89.0),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    // ln 2 in two parts, the first exact in few bits, so that n·LN2_HI has no rounding error.
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let r2 = _mm512_mul_ps(r, r);
+    let e = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+    _mm512_scalef_ps(e, n)
+}
+
+/// Lanes `0..len.min(16)` set.
+#[cfg(target_arch = "x86_64")]
+fn lanes(len: usize) -> u16 {
+    ((1u32 << len.min(16)) - 1) as u16
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn softmax_avx512(v: &mut [f32], scale: f32) {
+    use std::arch::x86_64::*;
+    let s = _mm512_set1_ps(scale);
+    let p = v.as_mut_ptr();
+    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+    // SAFETY (all three loops): lanes i..i + 16 are masked to the slice's length.
+    for i in (0..v.len()).step_by(16) {
+        let m = lanes(v.len() - i);
+        let x = unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) };
+        max = _mm512_mask_max_ps(max, m, max, _mm512_mul_ps(x, s));
+    }
+    let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+    let mut sum = _mm512_setzero_ps();
+    for i in (0..v.len()).step_by(16) {
+        let m = lanes(v.len() - i);
+        let x = unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) };
+        let e = exp16(_mm512_fmsub_ps(x, s, max));
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+        unsafe { _mm512_mask_storeu_ps(p.add(i), m, e) };
+    }
+    let sum = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    for i in (0..v.len()).step_by(16) {
+        let m = lanes(v.len() - i);
+        let x = unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) };
+        unsafe { _mm512_mask_storeu_ps(p.add(i), m, _mm512_div_ps(x, sum)) };
+    }
+}
+
+/// `v = softmax(scale · v)` in place, as transformers computes it: scaled values, their
+/// maximum subtracted, exponentiated, divided by the sum.
+pub fn softmax(v: &mut [f32], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has the feature the function was compiled for.
+        return unsafe { softmax_avx512(v, scale) };
+    }
+    let max = v.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+    let mut sum = 0f32;
+    for x in v.iter_mut() {
+        *x = (*x * scale - max).exp();
+        sum += *x;
+    }
+    v.iter_mut().for_each(|x| *x /= sum);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn silu_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = out.len().min(gate.len()).min(up.len());
+    let one = _mm512_set1_ps(1.0);
+    for i in (0..n).step_by(16) {
+        let m = lanes(n - i);
+        // SAFETY: lanes i..i + 16 are masked to n, within all three slices.
+        unsafe {
+            let a = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
+            let b = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
+            let sig = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
+            let o = _mm512_mul_ps(_mm512_div_ps(a, sig), b);
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), m, o);
+        }
+    }
+}
+
+/// `out = silu(gate) · up` element for element, `silu(a) = a / (1 + e^-a)`.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has the feature the function was compiled for.
+        return unsafe { silu_mul_avx512(gate, up, out) };
+    }
+    for ((o, &a), &b) in out.iter_mut().zip(gate).zip(up) {
+        *o = a / (1.0 + (-a).exp()) * b;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +269,60 @@ mod tests {
         widen(&bf16_bits, DType::BF16, &mut out);
         for (o, b) in out.iter().zip(&bf16_bits) {
             assert_eq!(*o, half::bf16::from_bits(*b).to_f32());
+        }
+    }
+
+    #[test]
+    fn softmax_matches_the_definition() {
+        for len in [1usize, 5, 16, 17, 100, 1500] {
+            let mut v: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.7)
+                .collect();
+            let scale = 0.125f32;
+            let max = v
+                .iter()
+                .map(|&x| (x * scale) as f64)
+                .fold(f64::MIN, f64::max);
+            let sum: f64 = v.iter().map(|&x| ((x * scale) as f64 - max).exp()).sum();
+            let want: Vec<f64> = v
+                .iter()
+                .map(|&x| ((x * scale) as f64 - max).exp() / sum)
+                .collect();
+            softmax(&mut v, scale);
+            for (got, want) in v.iter().zip(&want) {
+                assert!(
+                    (*got as f64 - want).abs() <= 1e-6 * want.max(1e-30) + 1e-12,
+                    "{got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_the_definition_over_the_whole_range() {
+        let gate: Vec<f32> = (0..203)
+            .map(|i| (i as f32 - 101.0) * 1.05)
+            .chain([f32::INFINITY, f32::NEG_INFINITY, 0.0])
+            .collect();
+        let up: Vec<f32> = (0..gate.len()).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let mut out = vec![f32::NAN; gate.len()];
+        silu_mul(&gate, &up, &mut out);
+        for ((o, &a), &b) in out.iter().zip(&gate).zip(&up) {
+            let want = if a == f32::INFINITY {
+                f64::INFINITY
+            } else {
+                a as f64 / (1.0 + (-(a as f64)).exp()) * b as f64
+            };
+            if want.is_nan() {
+                assert!(o.is_nan(), "silu({a})·{b}: {o}, not NaN");
+            } else if want.is_infinite() {
+                assert_eq!(*o as f64, want);
+            } else {
+                assert!(
+                    (*o as f64 - want).abs() <= 2e-7 * want.abs() + 1e-30,
+                    "silu({a})·{b}: {o} vs {want}"
+                );
+            }
         }
     }
 }
