@@ -107,6 +107,8 @@ fn layouts_uneven_stages_and_virtual_stage_size_round_trip() {
             "--last-stage-layers",
             "1",
         ],
+        &["--pp", "3", "--first-stage-layers", "2"],
+        &["--pp", "2", "--decoder-last-pipeline-num-layers", "3"],
         &["--pp", "2", "--num-layers-per-virtual-stage", "1"],
     ];
     for (i, extra) in cases.iter().enumerate() {
@@ -120,6 +122,39 @@ fn layouts_uneven_stages_and_virtual_stage_size_round_trip() {
             assert_same_hf(&model(f), &h);
         }
     }
+}
+
+#[test]
+fn megatron_to_megatron_keeps_uneven_stages_unless_told_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let [a, b, c] = ["a", "b", "c"].map(|s| tmp.path().join(s));
+    convert(
+        "megatron",
+        &model("llama"),
+        &a,
+        &["--pp", "2", "--first-stage-layers", "1"],
+    );
+    convert("megatron", &a, &b, &[]);
+    for r in ["mp_rank_00_000", "mp_rank_00_001"] {
+        let read = |d: &Path| std::fs::read(rank_file(d, r)).unwrap();
+        assert!(read(&a) == read(&b), "{r} differs");
+    }
+    convert("megatron", &a, &c, &["--pp", "2"]);
+    assert!(
+        std::fs::read(rank_file(&a, "mp_rank_00_000")).unwrap()
+            != std::fs::read(rank_file(&c, "mp_rank_00_000")).unwrap()
+    );
+}
+
+#[test]
+fn a_release_checkpoint_is_read_through_its_tracker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, h) = (tmp.path().join("m"), tmp.path().join("h"));
+    convert("megatron", &model("qwen2"), &m, &["--tp", "2"]);
+    std::fs::rename(m.join("iter_0000001"), m.join("release")).unwrap();
+    std::fs::write(m.join("latest_checkpointed_iteration.txt"), "release").unwrap();
+    convert("hf", &m, &h, &[]);
+    assert_same_hf(&model("qwen2"), &h);
 }
 
 #[test]
@@ -203,6 +238,33 @@ fn invalid_plans_are_refused_before_writing() {
     let err = convert_err("megatron", &model("llama"), &out, &["--pp", "3"]);
     assert!(
         err.contains("num_layers 4 is not divisible by --pp 3"),
+        "{err}"
+    );
+    let err = convert_err(
+        "megatron",
+        &model("llama"),
+        &out,
+        &["--pp", "2", "--vpp", "2", "--first-stage-layers", "1"],
+    );
+    assert!(
+        err.contains("pipeline stage 0 would hold 1 layers, which --vpp 2 does not divide"),
+        "{err}"
+    );
+    let err = convert_err(
+        "megatron",
+        &model("llama"),
+        &out,
+        &[
+            "--pp",
+            "4",
+            "--first-stage-layers",
+            "2",
+            "--last-stage-layers",
+            "1",
+        ],
+    );
+    assert!(
+        err.contains("4 layers cannot be split as first 2 + last 1 with the rest evenly over 2"),
         "{err}"
     );
     let err = convert_err("megatron", &model("llama"), &out, &["--family", "gpt-neox"]);

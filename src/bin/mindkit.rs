@@ -89,7 +89,7 @@ struct EvalArgs {
     /// Evaluate the first N documents only.
     #[arg(long)]
     limit: Option<usize>,
-    /// Documents per forward pass.
+    /// Documents per forward pass (GSM8K: questions decoded together, a KV cache each).
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
     /// Write the results JSON (lm-evaluation-harness shape) here.
@@ -209,25 +209,21 @@ struct OutputArgs {
     /// Pipeline-parallel size of a Megatron output (default: the input's, or 1).
     #[arg(long)]
     pp: Option<usize>,
-    /// Virtual pipeline chunks per stage.
-    #[arg(long, conflicts_with = "num_layers_per_virtual_stage")]
+    /// Virtual pipeline chunks per stage (Megatron's --num-virtual-stages-per-pipeline-rank).
+    #[arg(
+        long,
+        alias = "num-virtual-stages-per-pipeline-rank",
+        conflicts_with = "num_layers_per_virtual_stage"
+    )]
     vpp: Option<usize>,
     /// Layers per virtual pipeline chunk (Megatron's --num-layers-per-virtual-pipeline-stage).
     #[arg(long, alias = "num-layers-per-virtual-pipeline-stage")]
     num_layers_per_virtual_stage: Option<usize>,
-    /// Layers on the first pipeline stage (uneven split; needs --last-stage-layers).
-    #[arg(
-        long,
-        alias = "decoder-first-pipeline-num-layers",
-        requires = "last_stage_layers"
-    )]
+    /// Layers on the first pipeline stage (uneven split: the other stages share the rest evenly).
+    #[arg(long, alias = "decoder-first-pipeline-num-layers")]
     first_stage_layers: Option<usize>,
-    /// Layers on the last pipeline stage (uneven split; needs --first-stage-layers).
-    #[arg(
-        long,
-        alias = "decoder-last-pipeline-num-layers",
-        requires = "first_stage_layers"
-    )]
+    /// Layers on the last pipeline stage (uneven split: the other stages share the rest evenly).
+    #[arg(long, alias = "decoder-last-pipeline-num-layers")]
     last_stage_layers: Option<usize>,
     /// Megatron key layout: mcore (local spec, as MindSpeed-LLM), mcore-te, legacy.
     #[arg(long, value_enum, default_value = "mcore")]
@@ -462,7 +458,7 @@ fn convert_options(
         pp: a.pp,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
-        first_last: a.first_stage_layers.zip(a.last_stage_layers),
+        first_last: (a.first_stage_layers, a.last_stage_layers),
         layout: a.layout,
         dtype: a.dtype.clone(),
         family: a.family.clone(),

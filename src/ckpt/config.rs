@@ -394,10 +394,20 @@ pub fn megatron_args(
                 Value::None
             },
         ),
+        // Megatron takes the chunk size for even stages and the chunk count for uneven ones
+        // (it refuses both set at once).
         (
             "num_layers_per_virtual_pipeline_stage",
-            if par.vpp > 1 {
+            if par.vpp > 1 && par.first_last.is_none() {
                 int(cfg.layers / par.pp / par.vpp)
+            } else {
+                Value::None
+            },
+        ),
+        (
+            "num_virtual_stages_per_pipeline_rank",
+            if par.vpp > 1 && par.first_last.is_some() {
+                int(par.vpp)
             } else {
                 Value::None
             },

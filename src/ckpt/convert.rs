@@ -44,8 +44,8 @@ pub struct ConvertOptions {
     pub vpp: Option<usize>,
     /// Layers per virtual chunk (alternative to `vpp`).
     pub layers_per_virtual_stage: Option<usize>,
-    /// Uneven first / last stage layer counts.
-    pub first_last: Option<(usize, usize)>,
+    /// Uneven first / last stage layer counts (either or both).
+    pub first_last: (Option<usize>, Option<usize>),
     /// Key layout of a Megatron output.
     pub layout: KeyLayout,
     /// Output dtype (default: the source's).
@@ -396,6 +396,10 @@ fn write_megatron(
     let pp = o.pp.or(src_par.map(|p| p.pp)).unwrap_or(1);
     let vpp = match (o.vpp, o.layers_per_virtual_stage) {
         (Some(v), _) => v,
+        (None, Some(_)) if o.first_last != (None, None) => bail!(
+            "uneven first/last stages take --vpp (Megatron's --num-virtual-stages-per-pipeline-rank), \
+             not --num-layers-per-virtual-stage"
+        ),
         (None, Some(n)) => {
             if n == 0 || !cfg.layers.is_multiple_of(pp * n) {
                 bail!(
@@ -408,7 +412,14 @@ fn write_megatron(
         (None, None) if o.tp.is_none() && o.pp.is_none() => src_par.map_or(1, |p| p.vpp),
         (None, None) => 1,
     };
-    let par = Parallel::new(cfg, tp, pp, vpp, o.first_last)?;
+    // Without a new layout, a Megatron source's uneven stages are kept, as its VPP is.
+    let first_last = match (o.first_last, src_par) {
+        ((None, None), Some(p)) if o.tp.is_none() && o.pp.is_none() => p
+            .first_last()
+            .map_or((None, None), |(f, l)| (Some(f), Some(l))),
+        _ => o.first_last,
+    };
+    let par = Parallel::new(cfg, tp, pp, vpp, first_last)?;
     let target = MegatronTarget {
         cfg,
         par: &par,

@@ -44,24 +44,17 @@ pub struct Parallel {
 impl Parallel {
     /// A layout for `cfg`, checked: heads, groups, ffn divisible by TP; layers by PP × VPP, or
     /// `first`/`last` stage layer counts with the rest spread evenly (Megatron's
-    /// `--decoder-first/last-pipeline-num-layers`).
+    /// `--decoder-first/last-pipeline-num-layers`, either or both).
     pub fn new(
         cfg: &ModelConfig,
         tp: usize,
         pp: usize,
         vpp: usize,
-        first_last: Option<(usize, usize)>,
+        (first, last): (Option<usize>, Option<usize>),
     ) -> Result<Self> {
         if tp == 0 || pp == 0 || vpp == 0 {
             bail!("--tp, --pp and --vpp must be at least 1");
         }
-        let divisors = |n: usize| {
-            (1..=n)
-                .filter(|d| n.is_multiple_of(*d))
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         for (what, n) in [
             ("num_attention_heads", cfg.heads),
             ("num_key_value_heads (query groups)", cfg.groups),
@@ -83,43 +76,21 @@ impl Parallel {
             }
         }
         let l = cfg.layers;
-        let stage_layers = match first_last {
-            Some((first, last)) => {
-                if vpp > 1 {
-                    bail!("uneven first/last stage layers cannot be combined with --vpp");
-                }
-                if pp < 2 {
-                    bail!("uneven first/last stage layers need --pp of at least 2");
-                }
-                let middle = l.checked_sub(first + last).filter(|&m| {
-                    if pp == 2 {
-                        m == 0
-                    } else {
-                        m % (pp - 2) == 0
-                    }
-                });
-                let Some(middle) = middle else {
-                    bail!(
-                        "{l} layers cannot be split as first {first} + last {last} with the rest \
-                         evenly over {} middle stages",
-                        pp - 2
-                    );
-                };
-                let mut s = vec![first];
-                s.extend(std::iter::repeat_n(middle / (pp - 2).max(1), pp - 2));
-                s.push(last);
-                s
+        let stage_layers = if first.is_none() && last.is_none() {
+            if !l.is_multiple_of(pp * vpp) {
+                let divisors: Vec<String> = (1..=l)
+                    .filter(|d| l.is_multiple_of(*d))
+                    .map(|d| d.to_string())
+                    .collect();
+                bail!(
+                    "num_layers {l} is not divisible by --pp {pp} × --vpp {vpp}; \
+                     pp × vpp must divide {l} (one of: {})",
+                    divisors.join(", ")
+                );
             }
-            None => {
-                if !l.is_multiple_of(pp * vpp) {
-                    bail!(
-                        "num_layers {l} is not divisible by --pp {pp} × --vpp {vpp}; \
-                         pp × vpp must divide {l} (one of: {})",
-                        divisors(l)
-                    );
-                }
-                vec![l / pp; pp]
-            }
+            vec![l / pp; pp]
+        } else {
+            uneven_stages(l, pp, vpp, first, last)?
         };
         Ok(Parallel {
             tp,
@@ -129,17 +100,14 @@ impl Parallel {
         })
     }
 
-    /// Global layers of virtual chunk `v` on stage `p`.
+    /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th
+    /// `1/vpp` of the layers, and each stage a `1/vpp` of its own layers in each (Megatron's
+    /// `get_transformer_layer_offset`, even or uneven).
     pub fn chunk_layers(&self, p: usize, v: usize) -> Vec<usize> {
-        if self.vpp > 1 {
-            let total: usize = self.stage_layers.iter().sum();
-            let c = total / (self.pp * self.vpp);
-            let start = v * (total / self.vpp) + p * c;
-            (start..start + c).collect()
-        } else {
-            let start: usize = self.stage_layers[..p].iter().sum();
-            (start..start + self.stage_layers[p]).collect()
-        }
+        let per_chunk = |q: usize| self.stage_layers[q] / self.vpp;
+        let total: usize = self.stage_layers.iter().sum();
+        let start = v * (total / self.vpp) + (0..p).map(per_chunk).sum::<usize>();
+        (start..start + per_chunk(p)).collect()
     }
 
     /// `(first, last)` stage sizes when the split is uneven.
@@ -154,6 +122,57 @@ impl Parallel {
         let m = divisible_by.max(1) * self.tp;
         vocab.div_ceil(m) * m
     }
+}
+
+/// Stage sizes for Megatron's `--decoder-first/last-pipeline-num-layers`: the given counts on
+/// the first and/or last stage, the other layers spread evenly over the remaining stages; with
+/// virtual chunks every stage's count must split evenly into them (as Megatron requires).
+fn uneven_stages(
+    layers: usize,
+    pp: usize,
+    vpp: usize,
+    first: Option<usize>,
+    last: Option<usize>,
+) -> Result<Vec<usize>> {
+    if pp < 2 {
+        bail!("uneven first/last stage layers need --pp of at least 2");
+    }
+    let fixed = first.unwrap_or(0) + last.unwrap_or(0);
+    let others = pp - usize::from(first.is_some()) - usize::from(last.is_some());
+    let each = match (layers.checked_sub(fixed), others) {
+        (Some(0), 0) => 0,
+        (Some(rest), n) if n > 0 && rest.is_multiple_of(n) => rest / n,
+        _ => {
+            let given: Vec<String> = [("first", first), ("last", last)]
+                .iter()
+                .filter_map(|(name, n)| n.map(|n| format!("{name} {n}")))
+                .collect();
+            bail!(
+                "{layers} layers cannot be split as {} with the rest evenly over {others} other \
+                 stage(s)",
+                given.join(" + ")
+            )
+        }
+    };
+    let mut stages = vec![each; pp];
+    if let Some(f) = first {
+        stages[0] = f;
+    }
+    if let Some(l) = last {
+        stages[pp - 1] = l;
+    }
+    if let Some((p, n)) = stages
+        .iter()
+        .enumerate()
+        .find(|(_, n)| !n.is_multiple_of(vpp))
+    {
+        bail!(
+            "pipeline stage {p} would hold {n} layers, which --vpp {vpp} does not divide \
+             (stages: {stages:?}); with virtual chunks every stage's layer count must be a \
+             multiple of --vpp"
+        );
+    }
+    Ok(stages)
 }
 
 /// One entry of a model chunk's state dict: its key path (nested dict keys) and the canonical
@@ -314,4 +333,63 @@ pub fn normalise_legacy(key: &str) -> String {
 pub fn layer_index(key: &str) -> Option<usize> {
     let rest = &key[key.find("layers.")? + 7..];
     rest.split('.').next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(stage_layers: Vec<usize>, vpp: usize) -> Vec<Vec<Vec<usize>>> {
+        let pp = stage_layers.len();
+        let par = Parallel {
+            tp: 1,
+            pp,
+            vpp,
+            stage_layers,
+        };
+        (0..pp)
+            .map(|p| (0..vpp).map(|v| par.chunk_layers(p, v)).collect())
+            .collect()
+    }
+
+    #[test]
+    fn chunks_follow_megatrons_layer_offsets() {
+        // Even, interleaved: 8 layers, PP 2, VPP 2 (the example in megatron-core).
+        assert_eq!(
+            chunks(vec![4, 4], 2),
+            [[vec![0, 1], vec![4, 5]], [vec![2, 3], vec![6, 7]]]
+        );
+        // Uneven, not interleaved.
+        assert_eq!(chunks(vec![1, 3], 1), [[vec![0]], [vec![1, 2, 3]]]);
+        // Uneven and interleaved: 12 layers as 2 + 8 + 2 over PP 3, VPP 2.
+        assert_eq!(
+            chunks(vec![2, 8, 2], 2),
+            [
+                [vec![0], vec![6]],
+                [vec![1, 2, 3, 4], vec![7, 8, 9, 10]],
+                [vec![5], vec![11]],
+            ]
+        );
+    }
+
+    #[test]
+    fn uneven_stages_take_first_last_or_both() {
+        assert_eq!(
+            uneven_stages(12, 3, 2, Some(2), Some(2)).unwrap(),
+            [2, 8, 2]
+        );
+        assert_eq!(uneven_stages(10, 3, 1, Some(2), None).unwrap(), [2, 4, 4]);
+        assert_eq!(uneven_stages(10, 3, 1, None, Some(4)).unwrap(), [3, 3, 4]);
+        assert_eq!(uneven_stages(4, 2, 1, Some(1), Some(3)).unwrap(), [1, 3]);
+        let err = |r: Result<Vec<usize>>| r.unwrap_err().to_string();
+        assert!(
+            err(uneven_stages(12, 3, 2, Some(3), Some(3))).contains("stage 0 would hold 3 layers"),
+            "{}",
+            err(uneven_stages(12, 3, 2, Some(3), Some(3)))
+        );
+        assert!(err(uneven_stages(11, 4, 1, Some(2), Some(2)))
+            .contains("11 layers cannot be split as first 2 + last 2 with the rest evenly over 2"));
+        assert!(err(uneven_stages(4, 2, 1, Some(1), Some(2))).contains("over 0 other"));
+        assert!(err(uneven_stages(4, 1, 1, Some(1), None)).contains("--pp of at least 2"));
+    }
 }

@@ -141,6 +141,46 @@ def test_smollm2_round_trip_tp3_pp2(mindkit, tmp_path, smollm2):
     assert_hf_equal(smollm2, tmp_path / "h")
 
 
+def test_smollm2_uneven_interleaved_stages_sit_where_megatron_core_builds_them(
+        mindkit, tmp_path, smollm2):
+    """30 layers as 8 + 14 + 8 over PP 3, each stage in 2 virtual chunks: every chunk holds the
+    layers megatron-core's get_transformer_layer_offset / get_num_layers_to_build give it."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    mindkit("convert", "--to", "megatron", "--input", smollm2, "--output", tmp_path / "m",
+            "--pp", 3, "--vpp", 2, "--decoder-first-pipeline-num-layers", 8,
+            "--decoder-last-pipeline-num-layers", 8)
+    hf = load_file(str(pathlib.Path(smollm2) / "model.safetensors"))
+    files = rank_files(tmp_path / "m")
+    assert [f.parent.name for f in files] == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_00_002"]
+    a = load_pt(files[0])["args"]
+    assert (a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers) == (8, 8)
+    assert a.num_virtual_stages_per_pipeline_rank == 2
+    assert a.num_layers_per_virtual_pipeline_stage is None
+    cfg = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        pipeline_model_parallel_size=3, virtual_pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=8, num_layers_in_last_pipeline_stage=8,
+        pipeline_dtype=torch.float32)
+    seen = []
+    for p, f in enumerate(files):
+        obj = load_pt(f)
+        for v in range(2):
+            chunk = obj[f"model{v}"]
+            offset = get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=p)
+            count = get_num_layers_to_build(cfg, vp_stage=v, pp_rank=p)
+            norms = sorted(int(k.split(".")[2]) for k in chunk if k.endswith("input_layernorm.weight"))
+            assert norms == list(range(count)), (p, v, norms)
+            for j in norms:
+                want = hf[f"model.layers.{offset + j}.input_layernorm.weight"]
+                assert torch.equal(chunk[f"decoder.layers.{j}.input_layernorm.weight"], want)
+                seen.append(offset + j)
+    assert sorted(seen) == list(range(30))
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "m", "--output", tmp_path / "h")
+    assert_hf_equal(smollm2, tmp_path / "h")
+
+
 def test_smollm2_gptmodel_logits(mindkit, tmp_path, smollm2):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", smollm2, "--output", tmp_path / "m",

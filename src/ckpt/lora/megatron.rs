@@ -127,8 +127,10 @@ impl MegatronLora {
 
     /// The adapter's pipeline layout for the base architecture (uneven stages from its args).
     fn parallel(&self, cfg: &ModelConfig) -> Result<Parallel> {
-        let first_last = arg_uint(&self.args, "decoder_first_pipeline_num_layers")
-            .zip(arg_uint(&self.args, "decoder_last_pipeline_num_layers"));
+        let first_last = (
+            arg_uint(&self.args, "decoder_first_pipeline_num_layers"),
+            arg_uint(&self.args, "decoder_last_pipeline_num_layers"),
+        );
         let (pp, tp) = (self.files.len(), self.files[0].len());
         Parallel::new(cfg, tp, pp, self.chunks, first_last).with_context(|| {
             format!(
