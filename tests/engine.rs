@@ -5,9 +5,10 @@
 mod common;
 
 use common::{convert, fixture};
+use mindkit::data::tokenizer::HfTokenizer;
 use mindkit::engine::cpu::Cpu;
 use mindkit::engine::Backend;
-use mindkit::model::generate::argmax;
+use mindkit::model::generate::{argmax, generate, generate_batch, GenerateOptions, Sampling};
 use mindkit::model::{Model, Step};
 use safetensors::SafeTensors;
 
@@ -157,6 +158,37 @@ fn a_ragged_batch_equals_its_sequences_run_alone() {
     let (first, second) = both.split_at(a.len() * vocab);
     assert!(max_diff(first, &alone(a)) <= 1e-6);
     assert!(max_diff(second, &alone(b)) <= 1e-6);
+}
+
+#[test]
+fn batched_generation_equals_generating_each_prompt_alone() {
+    let dir = fixture("models/llama");
+    let model = Model::load(&Cpu, &dir).unwrap();
+    let tokenizer = HfTokenizer::load(&dir).unwrap();
+    let prompts: [&[u32]; 3] = [&[1, 5, 9, 13, 2, 8], &[3, 4, 150], &[7; 11]];
+    for sampling in [
+        Sampling::GREEDY,
+        Sampling {
+            temperature: 0.9,
+            top_k: 20,
+            top_p: 0.95,
+            seed: 3,
+        },
+    ] {
+        let o = GenerateOptions {
+            max_new_tokens: 12,
+            sampling,
+            stop: vec![],
+            // One prompt may stop early on this token; the others keep going.
+            eos: vec![2],
+        };
+        let together = generate_batch(&model, &tokenizer, &prompts, &o).unwrap();
+        for (p, g) in prompts.iter().zip(&together) {
+            let alone = generate(&model, &tokenizer, p, &o, |_| {}).unwrap();
+            assert_eq!(g.tokens, alone.tokens, "{sampling:?}: prompt {p:?}");
+            assert_eq!((&g.text, g.finish), (&alone.text, alone.finish));
+        }
+    }
 }
 
 #[test]

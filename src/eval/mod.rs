@@ -13,7 +13,7 @@ use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
 use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
-use crate::model::generate::{generate, GenerateOptions, Sampling};
+use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
 use anyhow::{anyhow, bail, Context, Result};
 use cache::Cache;
@@ -418,7 +418,46 @@ pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
     f.finish()
 }
 
-/// A generation task (GSM8K): greedy generation per question, answers extracted and matched.
+/// The generated text of each of `docs` (prompted by `prompts`): from the cache where it has
+/// it, the rest generated together and added to the cache.
+fn generate_or_reuse(
+    model: &Model<Cpu>,
+    tokenizer: &HfTokenizer,
+    cache: &mut Option<Cache>,
+    docs: &[gsm8k::GenDoc],
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+) -> Result<Vec<String>> {
+    let keys: Vec<u128> = (docs.iter())
+        .map(|doc| {
+            cache::key(&[
+                "generate",
+                &doc.context,
+                &options.max_new_tokens.to_string(),
+                &options.stop.join("\u{0}"),
+            ])
+        })
+        .collect();
+    let mut texts: Vec<Option<String>> = (keys.iter())
+        .map(|&k| match cache.as_mut().and_then(|c| c.get(k)) {
+            Some(Json::String(text)) => Some(text),
+            _ => None,
+        })
+        .collect();
+    let missing: Vec<usize> = (0..docs.len()).filter(|&i| texts[i].is_none()).collect();
+    let inputs: Vec<&[u32]> = missing.iter().map(|&i| prompts[i].as_slice()).collect();
+    let generated = generate_batch(model, tokenizer, &inputs, options)?;
+    for (&i, g) in missing.iter().zip(generated) {
+        if let Some(c) = cache.as_mut() {
+            c.put(keys[i], json!(g.text))?;
+        }
+        texts[i] = Some(g.text);
+    }
+    Ok(texts.into_iter().flatten().collect())
+}
+
+/// A generation task (GSM8K): greedy generation per question (`--batch-size` questions decoded
+/// together), answers extracted and matched.
 fn run_generation(
     o: &EvalOptions,
     variant: gsm8k::Variant,
@@ -449,44 +488,36 @@ fn run_generation(
     let pb = progress_bar(docs.len(), o.progress);
     pb.set_message(o.task.name());
     let (mut strict_hits, mut flexible_hits, mut truncated) = (Vec::new(), Vec::new(), 0);
-    for (i, doc) in docs.iter().enumerate() {
-        let mut ids = loglikelihood::harness_encode(tokenizer, &doc.context)?;
-        if ids.len() > max_context {
-            truncated += 1;
-            ids.drain(..ids.len() - max_context);
-        }
-        let key = cache::key(&[
-            "generate",
-            &doc.context,
-            &options.max_new_tokens.to_string(),
-            &options.stop.join("\u{0}"),
-        ]);
-        let text = match cache.as_mut().and_then(|c| c.get(key)) {
-            Some(Json::String(text)) => text,
-            _ => {
-                let text = generate(model, tokenizer, &ids, &options, |_| {})?.text;
-                if let Some(c) = cache.as_mut() {
-                    c.put(key, json!(text))?;
-                }
-                text
+    for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
+        let mut prompts = Vec::with_capacity(batch.len());
+        for doc in batch {
+            let mut ids = loglikelihood::harness_encode(tokenizer, &doc.context)?;
+            if ids.len() > max_context {
+                truncated += 1;
+                ids.drain(..ids.len() - max_context);
             }
-        };
-        let (strict, flexible) = (variant.strict_match(&text), gsm8k::flexible_extract(&text));
-        strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
-        flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));
-        if let Some(w) = log.as_mut() {
-            let record = json!({
-                "doc_id": i,
-                "prompt": doc.context,
-                "generation": text,
-                "target": doc.target,
-                "strict-match": strict,
-                "flexible-extract": flexible,
-                "correct": {"strict-match": strict_hits[i], "flexible-extract": flexible_hits[i]},
-            });
-            writeln!(w, "{record}")?;
+            prompts.push(ids);
         }
-        pb.inc(1);
+        let texts = generate_or_reuse(model, tokenizer, cache, batch, &prompts, &options)?;
+        for (j, (doc, text)) in batch.iter().zip(texts).enumerate() {
+            let i = b * o.batch_size.max(1) + j;
+            let (strict, flexible) = (variant.strict_match(&text), gsm8k::flexible_extract(&text));
+            strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
+            flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));
+            if let Some(w) = log.as_mut() {
+                let record = json!({
+                    "doc_id": i,
+                    "prompt": doc.context,
+                    "generation": text,
+                    "target": doc.target,
+                    "strict-match": strict,
+                    "flexible-extract": flexible,
+                    "correct": {"strict-match": strict_hits[i], "flexible-extract": flexible_hits[i]},
+                });
+                writeln!(w, "{record}")?;
+            }
+        }
+        pb.inc(batch.len() as u64);
     }
     pb.finish_and_clear();
     if let Some(w) = log {

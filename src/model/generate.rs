@@ -158,6 +158,60 @@ impl TextStream<'_> {
     }
 }
 
+/// One sequence being generated: its tokens, the text they make, its own random stream, and
+/// how it ended once it has.
+struct Sequence<'a> {
+    stream: TextStream<'a>,
+    tokens: Vec<u32>,
+    rng: StdRng,
+    finish: Option<Finish>,
+}
+
+impl<'a> Sequence<'a> {
+    fn new(tokenizer: &'a HfTokenizer, o: &'a GenerateOptions) -> Self {
+        Sequence {
+            stream: TextStream {
+                tokenizer,
+                stop: &o.stop,
+                text: String::new(),
+                released: 0,
+            },
+            tokens: Vec::new(),
+            rng: StdRng::seed_from_u64(o.sampling.seed),
+            finish: (o.max_new_tokens == 0).then_some(Finish::Length),
+        }
+    }
+
+    /// Take the next token from `logits`; returns the text that became final.
+    fn advance(&mut self, logits: &[f32], o: &GenerateOptions) -> Result<String> {
+        let next = pick(logits, &o.sampling, &mut self.rng) as u32;
+        if o.eos.contains(&next) {
+            self.finish = Some(Finish::Eos);
+        } else {
+            self.tokens.push(next);
+            if let Some(cut) = self.stream.update(&self.tokens)? {
+                let piece = self.stream.release(Some(cut)).to_string();
+                self.stream.text.truncate(cut);
+                self.finish = Some(Finish::Stop);
+                return Ok(piece);
+            }
+            if self.tokens.len() == o.max_new_tokens {
+                self.finish = Some(Finish::Length);
+            }
+        }
+        let end = self.finish.map(|_| self.stream.text.len());
+        Ok(self.stream.release(end).to_string())
+    }
+
+    fn into_generation(self) -> Generation {
+        Generation {
+            tokens: self.tokens,
+            text: self.stream.text,
+            finish: self.finish.unwrap_or(Finish::Length),
+        }
+    }
+}
+
 /// Generate after `prompt`, calling `on_text` with each new piece of text.
 pub fn generate<B: Backend>(
     model: &Model<B>,
@@ -166,62 +220,83 @@ pub fn generate<B: Backend>(
     o: &GenerateOptions,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
-    if prompt.is_empty() {
+    let mut out = generate_each(model, tokenizer, &[prompt], o, |_, text| on_text(text))?;
+    Ok(out.remove(0))
+}
+
+/// Generate after each of `prompts`, all decoded together (one forward pass a step for the
+/// sequences still running, each in its own KV-cache slot). No op mixes rows, so each sequence
+/// gets what [`generate`] gives it alone (up to rounding where a kernel blocks rows otherwise).
+pub fn generate_batch<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &HfTokenizer,
+    prompts: &[&[u32]],
+    o: &GenerateOptions,
+) -> Result<Vec<Generation>> {
+    generate_each(model, tokenizer, prompts, o, |_, _| {})
+}
+
+/// [`generate_batch`], calling `on_text(sequence, text)` with each new piece of text.
+fn generate_each<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &HfTokenizer,
+    prompts: &[&[u32]],
+    o: &GenerateOptions,
+    mut on_text: impl FnMut(usize, &str),
+) -> Result<Vec<Generation>> {
+    if prompts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    if prompts.iter().any(|p| p.is_empty()) {
         bail!("the prompt is empty (no tokens)");
     }
-    let capacity = prompt.len() + o.max_new_tokens;
-    if capacity > model.spec.max_positions {
+    if longest + o.max_new_tokens > model.spec.max_positions {
         bail!(
-            "prompt ({} tokens) + {} new tokens exceed the model's {} positions",
-            prompt.len(),
+            "prompt ({longest} tokens) + {} new tokens exceed the model's {} positions",
             o.max_new_tokens,
             model.spec.max_positions
         );
     }
-    let backend = model.backend();
-    let mut cache = model.cache(1, capacity);
-    let mut rng = StdRng::seed_from_u64(o.sampling.seed);
-    let mut stream = TextStream {
-        tokenizer,
-        stop: &o.stop,
-        text: String::new(),
-        released: 0,
-    };
-    let mut tokens = Vec::new();
-    let (mut past, mut input) = (0, prompt.to_vec());
-    let finish = loop {
-        if tokens.len() == o.max_new_tokens {
-            break Finish::Length;
+    let mut cache = model.cache(prompts.len(), longest + o.max_new_tokens);
+    let mut seqs: Vec<Sequence> = prompts
+        .iter()
+        .map(|_| Sequence::new(tokenizer, o))
+        .collect();
+    // Per sequence: positions already in its cache slot, and the tokens to feed next.
+    let mut inputs: Vec<(usize, Vec<u32>)> = prompts.iter().map(|p| (0, p.to_vec())).collect();
+    loop {
+        let running: Vec<usize> = (0..seqs.len())
+            .filter(|&i| seqs[i].finish.is_none())
+            .collect();
+        if running.is_empty() {
+            break;
         }
-        let step = Step {
-            slot: 0,
-            past,
-            tokens: &input,
-        };
-        let logits = model.forward(&mut cache, &[step], &[input.len() - 1])?;
-        let next = pick(&backend.to_host(&logits), &o.sampling, &mut rng) as u32;
-        if o.eos.contains(&next) {
-            break Finish::Eos;
+        let steps: Vec<Step> = (running.iter())
+            .map(|&i| Step {
+                slot: i,
+                past: inputs[i].0,
+                tokens: &inputs[i].1,
+            })
+            .collect();
+        let last_rows: Vec<usize> = (steps.iter())
+            .scan(0, |end, s| {
+                *end += s.tokens.len();
+                Some(*end - 1)
+            })
+            .collect();
+        let logits = model.forward(&mut cache, &steps, &last_rows)?;
+        let logits = model.backend().to_host(&logits);
+        let vocab = logits.len() / running.len();
+        for (&i, row) in running.iter().zip(logits.chunks_exact(vocab)) {
+            let text = seqs[i].advance(row, o)?;
+            on_text(i, &text);
+            let (past, input) = &mut inputs[i];
+            *past += input.len();
+            *input = seqs[i].tokens.last().copied().into_iter().collect();
         }
-        past += input.len();
-        input = vec![next];
-        tokens.push(next);
-        if let Some(cut) = stream.update(&tokens)? {
-            on_text(stream.release(Some(cut)));
-            stream.text.truncate(cut);
-            break Finish::Stop;
-        }
-        on_text(stream.release(None));
-    };
-    if finish != Finish::Stop {
-        let end = stream.text.len();
-        on_text(stream.release(Some(end)));
     }
-    Ok(Generation {
-        tokens,
-        text: stream.text,
-        finish,
-    })
+    Ok(seqs.into_iter().map(Sequence::into_generation).collect())
 }
 
 /// A `mindkit generate` request.

@@ -91,7 +91,8 @@ def test_mmlu_matches_the_harness(smollm2, testdata, tmp_path):
     log = tmp_path / "mindkit.jsonl"
     results = tmp_path / "results.json"
     subprocess.run([BIN, "eval", "--model", smollm2, "--task", "mmlu", "--data", tree,
-                    "--limit", str(limit), "--log-samples", log, "--output", results, "--quiet"],
+                    "--limit", str(limit), "--batch-size", str(batch), "--log-samples", log,
+                    "--output", results, "--quiet"],
                    check=True, capture_output=True)
     ours = [json.loads(line) for line in log.read_text().splitlines()]
     theirs = [s for subject in MMLU_SUBJECTS
@@ -110,14 +111,15 @@ def test_mmlu_matches_the_harness(smollm2, testdata, tmp_path):
     assert got["mmlu"]["sample_len"] == len(ours)
 
 
-@pytest.mark.parametrize("task, harness_yaml, result_key", [
-    ("gsm8k-cot", "gsm8k/gsm8k-cot.yaml", "gsm8k_cot"),
-    ("gsm8k", "gsm8k/gsm8k.yaml", "gsm8k"),
+@pytest.mark.parametrize("task, harness_yaml, result_key, batch", [
+    ("gsm8k-cot", "gsm8k/gsm8k-cot.yaml", "gsm8k_cot", 1),
+    ("gsm8k", "gsm8k/gsm8k.yaml", "gsm8k", 3),
 ])
 def test_gsm8k_generations_match_the_harness(smollm2, testdata, tmp_path, task, harness_yaml,
-                                             result_key):
+                                             result_key, batch):
     # gsm8k draws 5 shots per question from the train split with random.Random(1234): equal
-    # prompts mean mindkit's port of CPython's sampler made the same draws.
+    # prompts mean mindkit's port of CPython's sampler made the same draws. The harness
+    # generates one question at a time; mindkit decodes `batch` questions together.
     data = testdata / "gsm8k/test_200.jsonl"
     limit = 3
     local = f"local_{result_key}"
@@ -143,7 +145,8 @@ dataset_kwargs:
     log = tmp_path / "mindkit.jsonl"
     results = tmp_path / "results.json"
     subprocess.run([BIN, "eval", "--model", smollm2, "--task", task, "--data", data,
-                    "--limit", str(limit), "--log-samples", log, "--output", results, "--quiet"],
+                    "--limit", str(limit), "--batch-size", str(batch), "--log-samples", log,
+                    "--output", results, "--quiet"],
                    check=True, capture_output=True)
     ours = [json.loads(line) for line in log.read_text().splitlines()]
     theirs = {}
