@@ -91,8 +91,7 @@ def test_mmlu_matches_the_harness(smollm2, testdata, tmp_path):
     log = tmp_path / "mindkit.jsonl"
     results = tmp_path / "results.json"
     subprocess.run([BIN, "eval", "--model", smollm2, "--task", "mmlu", "--data", tree,
-                    "--limit", str(limit), "--batch-size", str(batch), "--log-samples", log,
-                    "--output", results, "--quiet"],
+                    "--limit", str(limit), "--log-samples", log, "--output", results, "--quiet"],
                    check=True, capture_output=True)
     ours = [json.loads(line) for line in log.read_text().splitlines()]
     theirs = [s for subject in MMLU_SUBJECTS
