@@ -134,16 +134,13 @@ fn megatron_to_megatron_keeps_uneven_stages_unless_told_otherwise() {
         &a,
         &["--pp", "2", "--first-stage-layers", "1"],
     );
+    let read = |d: &Path, r: &str| std::fs::read(rank_file(d, r)).unwrap();
     convert("megatron", &a, &b, &[]);
     for r in ["mp_rank_00_000", "mp_rank_00_001"] {
-        let read = |d: &Path| std::fs::read(rank_file(d, r)).unwrap();
-        assert!(read(&a) == read(&b), "{r} differs");
+        assert!(read(&a, r) == read(&b, r), "{r} differs");
     }
     convert("megatron", &a, &c, &["--pp", "2"]);
-    assert!(
-        std::fs::read(rank_file(&a, "mp_rank_00_000")).unwrap()
-            != std::fs::read(rank_file(&c, "mp_rank_00_000")).unwrap()
-    );
+    assert!(read(&a, "mp_rank_00_000") != read(&c, "mp_rank_00_000"));
 }
 
 #[test]

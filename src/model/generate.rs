@@ -247,10 +247,10 @@ fn generate_each<B: Backend>(
     if prompts.is_empty() {
         return Ok(Vec::new());
     }
-    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
     if prompts.iter().any(|p| p.is_empty()) {
         bail!("the prompt is empty (no tokens)");
     }
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
     if longest + o.max_new_tokens > model.spec.max_positions {
         bail!(
             "prompt ({longest} tokens) + {} new tokens exceed the model's {} positions",
