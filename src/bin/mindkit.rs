@@ -14,7 +14,7 @@ use mindkit::ckpt::convert::{self, ConvertOptions, Format};
 use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::ckpt::{family, info};
-use mindkit::data::{indexed, inspect, preprocess};
+use mindkit::data::{gpt_dataset, indexed, inspect, preprocess};
 use mindkit::eval;
 use mindkit::model::generate;
 
@@ -71,7 +71,10 @@ struct EvalArgs {
     /// The task.
     #[arg(long, value_enum)]
     task: EvalTask,
-    /// The task's data (file or directory; jsonl, json or parquet).
+    /// The task's data: a file or directory of jsonl, json or parquet (BoolQ, GSM8K); for MMLU
+    /// the csv tree of the original release (`dev/`, `val/`, `test/` holding
+    /// `<subject>_<split>.csv`) or the Hugging Face `cais/mmlu` files (`dev*`, `validation*`,
+    /// `test*` parquet/jsonl with a `subject` column).
     #[arg(long)]
     data: PathBuf,
     /// Tokenizer file or directory (default: the model directory).
@@ -86,7 +89,8 @@ struct EvalArgs {
     /// gsm8k: the few-shot sampler's seed (the harness's --seed; it draws with 1234 by default).
     #[arg(long, default_value_t = mindkit::eval::gsm8k::FEWSHOT_SEED)]
     seed: u64,
-    /// Evaluate the first N documents only.
+    /// Evaluate the first N documents only (for MMLU: the first N of each subject, as the
+    /// harness's --limit).
     #[arg(long)]
     limit: Option<usize>,
     /// Documents per forward pass (GSM8K: questions decoded together, a KV cache each).
@@ -375,6 +379,34 @@ enum DataCommand {
         #[arg(long)]
         tokenizer: PathBuf,
     },
+    /// The training samples Megatron's GPTDataset would draw (same order, same tokens), one
+    /// JSON line each: split, index, dataset of the blend, the S+1 tokens.
+    Samples(Box<SamplesArgs>),
+}
+
+#[derive(Args)]
+struct SamplesArgs {
+    /// Megatron's --data-path: PREFIX, PREFIX1 PREFIX2 …, or W1 PREFIX1 W2 PREFIX2 ….
+    #[arg(long, num_args = 1.., required = true)]
+    data_path: Vec<String>,
+    /// Megatron's --split (train, valid, test weights).
+    #[arg(long, default_value = "969, 30, 1")]
+    split: String,
+    /// Tokens per sample (Megatron's --seq-length).
+    #[arg(long)]
+    seq_length: usize,
+    /// Megatron's --seed.
+    #[arg(long, default_value_t = 1234)]
+    seed: u32,
+    /// Samples asked of the split (train: --train-iters × --global-batch-size); one epoch when omitted.
+    #[arg(long)]
+    samples: Option<u64>,
+    /// Which split: train, valid or test.
+    #[arg(long, default_value = "train", value_parser = ["train", "valid", "test"])]
+    which: String,
+    /// Print only the first N samples.
+    #[arg(long)]
+    first: Option<usize>,
 }
 
 fn parse_shard(s: &str) -> Result<(usize, usize)> {
@@ -571,15 +603,43 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             print!("{}", inspect::show(&prefix, index, &tokenizer)?)
         }
+        Command::Data(DataCommand::Samples(a)) => samples_command(*a)?,
+    }
+    Ok(())
+}
+
+fn samples_command(a: SamplesArgs) -> Result<()> {
+    use gpt_dataset::{Blend, SampleConfig, Split};
+    use std::io::Write;
+    let which = Split::ALL
+        .into_iter()
+        .find(|s| s.name() == a.which)
+        .context("--which")?;
+    let mut sizes = [None; 3];
+    sizes[which as usize] = a.samples;
+    let mut wanted = [false; 3];
+    wanted[which as usize] = true;
+    let cfg = SampleConfig {
+        seq_length: a.seq_length,
+        seed: a.seed,
+    };
+    let splits =
+        gpt_dataset::build_splits(&Blend::parse(&a.data_path)?, &a.split, sizes, wanted, &cfg)?;
+    let Some(samples) = &splits[which as usize] else {
+        bail!("--split {:?} gives the {} split no data", a.split, a.which);
+    };
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    for k in 0..samples.len().min(a.first.unwrap_or(usize::MAX)) {
+        let (dataset, tokens) = samples.text(k, -1);
+        let line =
+            serde_json::json!({"split": a.which, "index": k, "dataset": dataset, "tokens": tokens});
+        writeln!(out, "{line}")?;
     }
     Ok(())
 }
 
 fn generate_command(a: GenerateArgs) -> Result<()> {
     use std::io::Write;
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) || a.temperature < 0.0 {
-        bail!("--top-p must be in (0, 1] and --temperature at least 0");
-    }
     let request = generate::GenerateRequest {
         model: a.model,
         tokenizer: a.tokenizer,

@@ -1,8 +1,10 @@
 //! Datasets: raw records → Megatron indexed datasets, and tools to inspect them.
 
+pub mod gpt_dataset;
 pub mod handlers;
 pub mod indexed;
 pub mod inspect;
+pub mod mt19937;
 pub mod preprocess;
 pub mod source;
 pub mod tokenizer;
