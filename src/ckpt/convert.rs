@@ -258,6 +258,16 @@ impl Input {
         self.source.read(&self.cfg, c)
     }
 
+    /// The files its configuration and tensors are read from, in a fixed order.
+    pub fn files(&self) -> Vec<PathBuf> {
+        match &self.source {
+            Source::Hf { dir, weights } => std::iter::once(dir.join("config.json"))
+                .chain(weights.paths().map(Path::to_path_buf))
+                .collect(),
+            Source::Megatron(ck) => ck.paths().map(Path::to_path_buf).collect(),
+        }
+    }
+
     /// LoRA tensors stored next to the weights (Megatron checkpoints saved without
     /// `--lora-ckpt-filter`).
     pub fn lora_tensors(&self) -> usize {

@@ -209,6 +209,11 @@ impl HfWeights {
         Ok(())
     }
 
+    /// The weight files, in the order an index names them.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
+
     /// All tensors, by name.
     pub fn entries(&self) -> &BTreeMap<String, Entry> {
         &self.entries

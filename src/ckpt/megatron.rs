@@ -386,6 +386,11 @@ impl MegatronCkpt {
         gather_tp(c.role, &parts, self.cfg.vocab)
     }
 
+    /// The rank files, `[pp][tp]` flattened.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().flatten().map(TorchFile::path)
+    }
+
     /// Every rank file with its size and tensors (`.`-joined key, dtype, shape), for `ckpt info`.
     pub fn rank_files(&self) -> Result<Vec<RankFileInfo>> {
         let mut out = Vec::new();

@@ -87,6 +87,19 @@ pub struct EvalOptions {
     pub progress: bool,
 }
 
+impl EvalOptions {
+    /// Refuse settings that would give no result or a meaningless one, before any work.
+    pub fn check(&self) -> Result<()> {
+        if self.limit == Some(0) {
+            bail!("--limit must be at least 1 (it counts documents, per subject for MMLU)");
+        }
+        if self.batch_size == 0 {
+            bail!("--batch-size must be at least 1");
+        }
+        Ok(())
+    }
+}
+
 /// A multiple-choice document: a context, the continuations to compare, the right one.
 #[derive(Debug, Clone)]
 pub struct ChoiceDoc {
@@ -139,10 +152,12 @@ pub fn read_records(path: &Path) -> Result<Vec<Record>> {
         records: Vec::new(),
         bad: None,
     };
-    RecordReader::new(files).run(&mut sink)?;
+    // A bad record stops the reader (its error then only says so): report the record.
+    let outcome = RecordReader::new(files).run(&mut sink);
     if let Some(bad) = sink.bad {
         bail!("{bad}");
     }
+    outcome?;
     if sink.records.is_empty() {
         bail!("{}: no records", path.display());
     }
@@ -187,6 +202,7 @@ fn progress_bar(len: usize, show: bool) -> ProgressBar {
 /// Run a task.
 pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let start = Instant::now();
+    o.check()?;
     let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
     let backend = Cpu;
@@ -199,7 +215,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             model.spec.vocab
         );
     }
-    let mut cache = open_cache(o, tok_path)?;
+    let mut cache = open_cache(o, &model, &tokenizer)?;
     let variant = match o.task {
         Task::Gsm8k => Some(gsm8k::Variant::Standard),
         Task::Gsm8kCot => Some(gsm8k::Variant::Cot),
@@ -223,15 +239,23 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let pb = progress_bar(docs.len(), o.progress);
     pb.set_message(o.task.name());
     let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
-    for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
+    for (b, batch) in docs.chunks(o.batch_size).enumerate() {
         let scores = score_batch(&mut scorer, cache.as_mut(), batch)?;
         for (i, (doc, s)) in batch.iter().zip(&scores).enumerate() {
             let lls: Vec<f64> = s.iter().map(|s| s.logprob).collect();
+            if let Some(bad) = lls.iter().find(|l| !l.is_finite()) {
+                bail!(
+                    "document {} of {}: the model gave a non-finite loglikelihood ({bad}); its \
+                     weights or configuration (rms_norm_eps, rope_theta, …) are broken",
+                    b * o.batch_size + i,
+                    o.data.display()
+                );
+            }
             let pred = (0..lls.len()).fold(0, |best, j| if lls[j] > lls[best] { j } else { best });
             hits.push((doc.subject.clone(), pred == doc.gold));
             if let Some(w) = log.as_mut() {
                 let record = json!({
-                    "doc_id": b * o.batch_size.max(1) + i,
+                    "doc_id": b * o.batch_size + i,
                     "subject": doc.subject,
                     "prompt": doc.context,
                     "choices": doc.choices,
@@ -281,19 +305,24 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     Ok(EvalReport { results, table })
 }
 
-/// The `--cache` file, bound to this model and tokenizer.
-fn open_cache(o: &EvalOptions, tokenizer: &Path) -> Result<Option<Cache>> {
+/// The `--cache` file, bound to the contents of this model's weights and this tokenizer.
+fn open_cache<B: Backend>(
+    o: &EvalOptions,
+    model: &Model<'_, B>,
+    tokenizer: &HfTokenizer,
+) -> Result<Option<Cache>> {
     let Some(path) = &o.cache else {
         return Ok(None);
     };
-    let canonical = |p: &Path| {
-        std::fs::canonicalize(p)
-            .unwrap_or_else(|_| p.to_path_buf())
-            .display()
-            .to_string()
-    };
-    let identity = json!({"model": canonical(&o.model), "tokenizer": canonical(tokenizer)});
-    Ok(Some(Cache::open(path, identity)?))
+    let identity = json!({
+        "weights": format!("{:032x}", cache::files_hash(model.source_files())?),
+        "tokenizer": format!("{:032x}", tokenizer.fingerprint()?),
+    });
+    let about = json!({
+        "model": o.model.display().to_string(),
+        "tokenizer": tokenizer.path().display().to_string(),
+    });
+    Ok(Some(Cache::open(path, identity, about)?))
 }
 
 /// What the results JSON says of the cache.
@@ -488,7 +517,7 @@ fn run_generation(
     let pb = progress_bar(docs.len(), o.progress);
     pb.set_message(o.task.name());
     let (mut strict_hits, mut flexible_hits, mut truncated) = (Vec::new(), Vec::new(), 0);
-    for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
+    for (b, batch) in docs.chunks(o.batch_size).enumerate() {
         let mut prompts = Vec::with_capacity(batch.len());
         for doc in batch {
             let mut ids = loglikelihood::harness_encode(tokenizer, &doc.context)?;
@@ -500,7 +529,7 @@ fn run_generation(
         }
         let texts = generate_or_reuse(model, tokenizer, cache, batch, &prompts, &options)?;
         for (j, (doc, text)) in batch.iter().zip(texts).enumerate() {
-            let i = b * o.batch_size.max(1) + j;
+            let i = b * o.batch_size + j;
             let (strict, flexible) = (variant.strict_match(&text), gsm8k::flexible_extract(&text));
             strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
             flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));

@@ -16,7 +16,7 @@ use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
 use rope::Rope;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What the forward pass needs to know of a model.
 #[derive(Debug, Clone)]
@@ -79,6 +79,8 @@ pub struct Model<'b, B: Backend> {
     final_norm: B::Tensor,
     /// `None` when tied to the embedding.
     output: Option<B::Tensor>,
+    /// The files it was loaded from.
+    source_files: Vec<PathBuf>,
 }
 
 /// The keys and values of every layer for `slots` sequences of up to `capacity` positions.
@@ -172,7 +174,13 @@ impl<'b, B: Backend> Model<'b, B> {
                 .transpose()?,
             layers,
             spec,
+            source_files: input.files(),
         })
+    }
+
+    /// The files (configuration and weights) it was loaded from.
+    pub fn source_files(&self) -> &[PathBuf] {
+        &self.source_files
     }
 
     /// An empty cache for `slots` sequences of up to `capacity` positions.
