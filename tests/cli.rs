@@ -367,7 +367,7 @@ fn issue17_item4_mixed_formats_refused() {
             let msg = stderr(&a);
             a.success();
             assert!(
-                msg.contains(&format!("1 file not read ({stray} (txt))")),
+                msg.contains(&format!("1 file not read: {stray} (txt);")),
                 "{msg}"
             );
             // Only the corpus was read: the same tokens as the corpus alone.

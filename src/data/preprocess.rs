@@ -261,7 +261,7 @@ impl std::fmt::Display for Summary {
             }
             let n = self.skipped_files.len();
             let files = if n == 1 { "file" } else { "files" };
-            write!(f, "; {n} {files} not read ({})", names.join(", "))?;
+            write!(f, "; {n} {files} not read: {}", names.join(", "))?;
         }
         write!(
             f,
