@@ -274,16 +274,29 @@ struct PreprocessArgs {
     merge: Option<PreprocessSub>,
 
     /// Input files, directories or globs (.json, .jsonl, .txt, optionally .gz; .parquet; .arrow).
+    /// A directory or glob must hold files of one format, or --input-format chooses one.
     #[arg(long, num_args = 1.., value_name = "PATH")]
     input: Vec<PathBuf>,
+    /// Read only files of this format from the --input directories and globs (the others are
+    /// skipped and counted in the summary); needed when they hold files of several formats.
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    input_format: Option<mindkit::data::source::Format>,
+    /// Refuse a record (line, array element, row) larger than this many bytes: a record takes
+    /// many times its size in memory while tokenized. A refused line is a bad record.
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value_t = mindkit::data::source::DEFAULT_MAX_RECORD_BYTES,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    max_record_bytes: u64,
     /// Output prefix: writes {prefix}_{key}_document.{bin,idx} ({prefix}_packed_… for instruction data).
     #[arg(long)]
     output_prefix: Option<PathBuf>,
     /// tokenizer.json, or a Hugging Face model directory (tokenizer.json or vocab.json+merges.txt, tokenizer_config.json).
     #[arg(
         long,
-        visible_alias = "tokenizer-model",
-        alias = "tokenizer-name-or-path"
+        visible_aliases = ["tokenizer-model", "tokenizer-name-or-path"]
     )]
     tokenizer: Option<PathBuf>,
     /// Fields to tokenize in pretrain mode, one output each.
@@ -293,10 +306,10 @@ struct PreprocessArgs {
     #[arg(long)]
     append_eod: bool,
     /// Do not add the tokenizer's special tokens (BOS) in pretrain mode: Megatron core ≤ 0.15 behaviour.
-    #[arg(long, alias = "tokenizer-hf-no-include-special-tokens")]
+    #[arg(long, visible_alias = "tokenizer-hf-no-include-special-tokens")]
     no_special_tokens: bool,
     /// Instruction handler: alpaca, belle, moss, sharegpt (MindSpeed-LLM class names accepted).
-    #[arg(long, alias = "handler-name")]
+    #[arg(long, visible_alias = "handler-name")]
     handler: Option<String>,
     /// Chat template for alpaca/sharegpt: empty, default, alpaca, llama2, chatml, qwen, llama3, mistral.
     #[arg(long)]
@@ -325,10 +338,10 @@ struct PreprocessArgs {
     /// Overwrite existing outputs.
     #[arg(long)]
     force: bool,
-    /// Process only slice i of n of the input records (0-based, contiguous), e.g. 0/4.
+    /// Process only slice I of N of the input records (0 ≤ I < N, contiguous), e.g. 0/4.
     #[arg(long, value_name = "I/N")]
-    shard: Option<String>,
-    /// No progress bar.
+    shard: Option<preprocess::Shard>,
+    /// No progress bar and no summary on success (errors and warnings are still printed).
     #[arg(long)]
     quiet: bool,
     /// Accepted for Megatron/MindSpeed scripts and ignored: the tokenizer type is read from the files.
@@ -355,7 +368,7 @@ enum PreprocessSub {
         /// Overwrite existing outputs.
         #[arg(long)]
         force: bool,
-        /// Print nothing on success.
+        /// No summary on success (errors are still printed).
         #[arg(long)]
         quiet: bool,
     },
@@ -409,17 +422,6 @@ struct SamplesArgs {
     first: Option<usize>,
 }
 
-fn parse_shard(s: &str) -> Result<(usize, usize)> {
-    let (i, n) = s
-        .split_once('/')
-        .context("--shard must look like I/N, e.g. 0/4")?;
-    let (i, n): (usize, usize) = (i.trim().parse()?, n.trim().parse()?);
-    if n == 0 || i >= n {
-        bail!("--shard {s}: need 0 <= I < N");
-    }
-    Ok((i, n))
-}
-
 fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions> {
     if a.input.is_empty() {
         bail!("--input is required");
@@ -470,8 +472,10 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
         add_special_tokens: !a.no_special_tokens,
         skip_bad_records: a.skip_bad_records,
         force: a.force,
-        shard: a.shard.as_deref().map(parse_shard).transpose()?,
+        shard: a.shard,
         progress: !a.quiet,
+        input_format: a.input_format,
+        max_record_bytes: a.max_record_bytes,
     })
 }
 
@@ -525,8 +529,12 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 return Ok(());
             }
+            let quiet = a.quiet;
             let opts = preprocess_options(*a)?;
             let summary = preprocess::preprocess(&opts)?;
+            if quiet {
+                return Ok(());
+            }
             for p in &summary.outputs {
                 eprintln!("wrote {}.{{bin,idx}}", p.display());
             }
