@@ -657,3 +657,26 @@ fn issue17_item19_quiet_is_silent_in_preprocess_and_merge() {
     assert!(stderr(&merge(&[])).contains("merged 2 datasets"));
     assert_eq!(stderr(&merge(&["--quiet"])), "");
 }
+
+#[test]
+fn issue17_item19_missing_required_flags_are_command_line_errors() {
+    let out = mindkit()
+        .args(["preprocess", "--input", CORPUS])
+        .assert()
+        .code(2);
+    let err = stderr(&out);
+    assert!(
+        err.contains("--output-prefix <OUTPUT_PREFIX>") && err.contains("--tokenizer <TOKENIZER>"),
+        "{err}"
+    );
+    let out = mindkit().args(["preprocess", "--help"]).assert().success();
+    let help = String::from_utf8_lossy(&out.get_output().stdout).into_owned();
+    let usage = help
+        .lines()
+        .find(|l| l.starts_with("Usage:"))
+        .unwrap_or_default();
+    assert!(
+        usage.contains("--input") && usage.contains("--tokenizer"),
+        "{usage}"
+    );
+}

@@ -268,14 +268,14 @@ enum CkptCommand {
 }
 
 #[derive(Args)]
-#[command(args_conflicts_with_subcommands = true)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 struct PreprocessArgs {
     #[command(subcommand)]
     merge: Option<PreprocessSub>,
 
     /// Input files, directories or globs (.json, .jsonl, .txt, optionally .gz; .parquet; .arrow).
     /// A directory or glob must hold files of one format, or --input-format chooses one.
-    #[arg(long, num_args = 1.., value_name = "PATH")]
+    #[arg(long, num_args = 1.., value_name = "PATH", required = true)]
     input: Vec<PathBuf>,
     /// Read only files of this format from the --input directories and globs (the others are
     /// skipped and counted in the summary); needed when they hold files of several formats.
@@ -291,11 +291,12 @@ struct PreprocessArgs {
     )]
     max_record_bytes: u64,
     /// Output prefix: writes {prefix}_{key}_document.{bin,idx} ({prefix}_packed_… for instruction data).
-    #[arg(long)]
+    #[arg(long, required = true)]
     output_prefix: Option<PathBuf>,
     /// tokenizer.json, or a Hugging Face model directory (tokenizer.json or vocab.json+merges.txt, tokenizer_config.json).
     #[arg(
         long,
+        required = true,
         visible_aliases = ["tokenizer-model", "tokenizer-name-or-path"]
     )]
     tokenizer: Option<PathBuf>,
@@ -423,9 +424,6 @@ struct SamplesArgs {
 }
 
 fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions> {
-    if a.input.is_empty() {
-        bail!("--input is required");
-    }
     let output_prefix = a.output_prefix.context("--output-prefix is required")?;
     let tokenizer = a.tokenizer.context("--tokenizer is required")?;
     if let Some(t) = &a.tokenizer_type {
