@@ -151,27 +151,81 @@ pub struct MegatronCkpt {
     index: HashMap<Canon, (usize, Vec<Shard>)>,
 }
 
+/// Longest `.`-joined key a model chunk may hold (Megatron's are under 200 bytes).
+const MAX_FLAT_KEY: usize = 4096;
+/// Bytes all `.`-joined keys of a model chunk may take: a nested dict of long keys would
+/// otherwise repeat its prefixes into every leaf's name, far beyond the pickle's size.
+const MAX_FLAT_KEYS_TOTAL: usize = 64 << 20;
+
 /// A model chunk's tensors flattened to `.`-joined keys (legacy names normalised, a LoRA-wrapped
-/// module's `base_layer` dropped).
-pub fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String, Value>) {
-    if let Value::Dict(items) = v {
+/// module's `base_layer` dropped). `file` is only used in errors.
+pub fn flatten(
+    v: &Value,
+    legacy: bool,
+    file: &Path,
+    out: &mut BTreeMap<String, Value>,
+) -> Result<()> {
+    let mut flat = Flattener {
+        file,
+        legacy,
+        out,
+        prefix: String::new(),
+        total: 0,
+    };
+    flat.walk(v)
+}
+
+/// [`flatten`]'s state: one key buffer, grown and cut back level by level (a deep nest of
+/// long keys never holds a copy per level); dict nesting is bounded by the pickle reader.
+struct Flattener<'a> {
+    file: &'a Path,
+    legacy: bool,
+    out: &'a mut BTreeMap<String, Value>,
+    prefix: String,
+    total: usize,
+}
+
+impl Flattener<'_> {
+    fn walk(&mut self, v: &Value) -> Result<()> {
+        let Value::Dict(items) = v else {
+            self.total += self.prefix.len();
+            self.check()?;
+            let key = self.prefix.replace(".base_layer.", ".");
+            let key = if self.legacy {
+                layout::normalise_legacy(&key)
+            } else {
+                key
+            };
+            self.out.insert(key, v.clone());
+            return Ok(());
+        };
         for (k, val) in items {
             let Value::Str(k) = k else { continue };
-            let key = if prefix.is_empty() {
-                k.clone()
-            } else {
-                format!("{prefix}.{k}")
-            };
-            flatten(val, &key, legacy, out);
+            let len = self.prefix.len();
+            if len > 0 {
+                self.prefix.push('.');
+            }
+            self.prefix.push_str(k);
+            self.check()?;
+            self.walk(val)?;
+            self.prefix.truncate(len);
         }
-    } else {
-        let key = prefix.replace(".base_layer.", ".");
-        let key = if legacy {
-            layout::normalise_legacy(&key)
-        } else {
-            key
-        };
-        out.insert(key, v.clone());
+        Ok(())
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.prefix.len() > MAX_FLAT_KEY || self.total > MAX_FLAT_KEYS_TOTAL {
+            let start: String = self.prefix.chars().take(80).collect();
+            bail!(
+                "{}: model key {start}… ({} bytes; keys take {} bytes in all) exceeds \
+                 mindkit's bounds of {MAX_FLAT_KEY} bytes per key and {MAX_FLAT_KEYS_TOTAL} \
+                 in all: the checkpoint is damaged or hostile",
+                self.file.display(),
+                self.prefix.len(),
+                self.total,
+            );
+        }
+        Ok(())
     }
 }
 
@@ -237,7 +291,7 @@ impl MegatronCkpt {
                 for c in chunks(f)? {
                     let mut m = BTreeMap::new();
                     let legacy = is_legacy_chunk(c);
-                    flatten(c, "", legacy, &mut m);
+                    flatten(c, legacy, f.path(), &mut m)?;
                     layout.get_or_insert_with(|| detect_layout(&m));
                     per_chunk.push(m);
                 }
@@ -326,7 +380,7 @@ impl MegatronCkpt {
                         let found = chunk.remove(&key);
                         let Some(canon) = canon else { continue };
                         let tensor = match found {
-                            Some(Value::Tensor(tensor)) => tensor,
+                            Some(Value::Tensor(tensor)) => *tensor,
                             _ => bail!(
                                 "{}: missing tensor {key} (layout {}, {} layers)",
                                 path.display(),
@@ -393,7 +447,7 @@ impl MegatronCkpt {
             let mut keys = BTreeMap::new();
             for (v, c) in chunks(f)?.into_iter().enumerate() {
                 let mut m = BTreeMap::new();
-                flatten(c, "", false, &mut m);
+                flatten(c, false, f.path(), &mut m)?;
                 for (k, val) in m {
                     if let Value::Tensor(t) = val {
                         let k = if self.par.vpp > 1 {
@@ -522,7 +576,7 @@ impl MegatronTarget<'_> {
                             stride[i] = stride[i + 1] * shape[i + 1];
                         }
                         key += 1;
-                        Value::Tensor(TensorRef {
+                        Value::Tensor(Box::new(TensorRef {
                             storage: StorageRef {
                                 key: (key - 1).to_string(),
                                 dtype: self.cfg.dtype,
@@ -532,7 +586,7 @@ impl MegatronTarget<'_> {
                             offset: 0,
                             shape,
                             stride,
-                        })
+                        }))
                     }
                 };
                 insert_path(&mut model, path, value);

@@ -87,7 +87,7 @@ impl MegatronLora {
             let legacy = is_legacy_chunk(model);
             self.legacy |= legacy;
             let mut flat = BTreeMap::new();
-            flatten(model, "", legacy, &mut flat);
+            flatten(model, legacy, f.path(), &mut flat)?;
             for (key, value) in flat {
                 let Value::Tensor(tensor) = value else {
                     continue;
@@ -114,7 +114,7 @@ impl MegatronLora {
                     key,
                     module,
                     kind,
-                    tensor,
+                    tensor: *tensor,
                 });
             }
         }
