@@ -8,6 +8,7 @@
 mod megatron;
 mod peft;
 
+use super::config::show_number;
 use super::convert::{self, ConvertOptions, ConvertSummary, TensorEdit};
 use super::megatron::is_megatron_dir;
 use super::tensor::{decode_f32, encode_f32, to_f32, Tensor};
@@ -164,6 +165,81 @@ impl MergePlan {
     }
 }
 
+/// `alpha / divisor` (`r`, or `√r` with rsLoRA) as the f32 the merge multiplies by; a scale
+/// too large for f32 is refused (every merged weight would be infinite). `module` names the
+/// adapted module in the error.
+fn lora_scale(alpha: f64, divisor: f64, module: &str) -> Result<f32> {
+    let scale = (alpha / divisor) as f32;
+    if !scale.is_finite() || scale == 0.0 {
+        let of = if module.is_empty() {
+            String::new()
+        } else {
+            format!(" of {module}")
+        };
+        bail!(
+            "the LoRA scale{of}, lora_alpha / r = {} / {}, is {}; pass the lora_alpha the \
+             adapter was trained with",
+            show_number(alpha),
+            show_number(divisor),
+            if scale == 0.0 {
+                "0 in f32 (the merge would change nothing)"
+            } else {
+                "too large for f32"
+            }
+        );
+    }
+    Ok(scale)
+}
+
+/// Largest magnitude that `dtype` stores as a finite number after rounding to nearest
+/// (f16: 65504 + half a step; bf16: its largest finite + half a step; f32 and wider: any finite).
+fn finite_limit(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => 65520.0,
+        DType::BF16 => f32::from_bits(0x7F7F_8000),
+        _ => f32::INFINITY,
+    }
+}
+
+/// The first element of a merged tile that is not finite once stored as `dtype`, as an error
+/// naming the tensor and the element (`r0`: the tile's first row; `base`: the tile before the
+/// merge, decoded again only here, on the error path).
+fn check_merged(
+    c: Canon,
+    merged: &[f32],
+    cols: usize,
+    r0: usize,
+    dtype: DType,
+    base: impl Fn(usize) -> f32,
+) -> Result<()> {
+    let limit = finite_limit(dtype);
+    let fits = |x: &f32| x.is_finite() && x.abs() < limit;
+    let Some(i) = merged.iter().position(|x| !fits(x)) else {
+        return Ok(());
+    };
+    let (row, col) = (r0 + i / cols, i % cols);
+    let before = base(i);
+    let cause = if before.is_finite() {
+        "the adapter's scale (lora_alpha / r) or factors are too large"
+    } else {
+        "the base weight itself is not finite there"
+    };
+    let tensor = match c.layer {
+        Some(layer) => format!("the {:?} tensor of layer {layer}", c.role),
+        None => format!("the {:?} tensor", c.role),
+    };
+    let value = merged[i];
+    let stored = if value.is_finite() {
+        format!(", which {} cannot hold", dtype.torch_name())
+    } else {
+        String::new()
+    };
+    bail!(
+        "merging the adapter into {tensor} gives {value} at [{row}, {col}]{stored} (base \
+         weight {before}): {cause}"
+    )
+}
+
 /// A row-major or transposed view of a matrix: element `(i, j)` at `i·rs + j·cs`.
 struct View<'a> {
     data: &'a [f32],
@@ -299,12 +375,20 @@ impl TensorEdit for MergePlan {
         let cols = t.shape.get(1).copied().unwrap_or(1);
         let tile = (TILE_ELEMENTS / cols).max(1) * cols;
         let from = t.dtype;
-        // Rows `i·tile..` of `src` widened into the thread's f32 buffer `w` and merged.
+        // Rows `i·tile..` of `src` widened into the thread's f32 buffer `w`, merged, and
+        // checked to be finite in the output dtype while the tile is in cache.
         let merged = |i: usize, w: &mut Vec<f32>, src: &[u8]| -> Result<()> {
             w.resize(src.len() / from.size(), 0.0);
             decode_f32(src, from, w).map_err(|e| anyhow!("{c:?}: {e}"))?;
             self.merge_tile(edit, &factors, w, i * tile / cols, cols);
-            Ok(())
+            check_merged(c, w, cols, i * tile / cols, dtype, |at| {
+                let size = from.size();
+                let mut one = [0.0f32];
+                match decode_f32(&src[at * size..(at + 1) * size], from, &mut one) {
+                    Ok(()) => one[0],
+                    Err(_) => f32::NAN,
+                }
+            })
         };
         let narrow = |w: &[f32], dst: &mut [u8]| {
             encode_f32(w, dtype, dst).map_err(|e| anyhow!("{c:?}: {e}"))
