@@ -471,8 +471,10 @@ pub struct MergeOptions {
     pub alpha: Option<f64>,
 }
 
-/// Merge an adapter into a base and write the result.
-pub fn merge(o: &MergeOptions) -> Result<(ConvertSummary, usize)> {
+/// Merge an adapter into a base and write the result. `warn` receives what deserves the
+/// user's attention but does not stop the merge (an adapter trained on another base), before
+/// anything is written.
+pub fn merge(o: &MergeOptions, warn: &mut dyn FnMut(String)) -> Result<(ConvertSummary, usize)> {
     let start = Instant::now();
     let input = convert::open_input(&o.convert)?;
     if input.lora_tensors() > 0 && !same_dir(&o.convert.input, &o.adapter) {
@@ -482,10 +484,80 @@ pub fn merge(o: &MergeOptions) -> Result<(ConvertSummary, usize)> {
             input.lora_tensors()
         );
     }
-    let plan = Adapter::open(&o.adapter, o.alpha)?.plan(&input.cfg)?;
+    let adapter = Adapter::open(&o.adapter, o.alpha)?;
+    if let Some(w) = base_mismatch(&adapter, &o.convert.input, &input.cfg) {
+        warn(w);
+    }
+    let plan = adapter.plan(&input.cfg)?;
     let edited = plan.edited_tensors();
     let summary = convert::write_output(&o.convert, &input, Some(&plan), start)?;
     Ok((summary, edited))
+}
+
+/// The model a path or hub id names: its last component, lowercased
+/// (`meta-llama/Llama-2-7b-hf` and `/data/Llama-2-7b-hf/` both name `llama-2-7b-hf`).
+fn model_name(s: &str) -> Option<String> {
+    let last = s.trim_end_matches(['/', '\\']).rsplit(['/', '\\']).next()?;
+    (!last.is_empty()).then(|| last.to_lowercase())
+}
+
+/// The names a base directory goes by: its own; its parent's for a Megatron iteration
+/// directory (`iter_0000100`, `release`); the model of a Hugging Face cache snapshot
+/// (`models--meta-llama--Llama-2-7b-hf/snapshots/<hash>`); and its config.json's
+/// `_name_or_path` (also carried in the args of a Megatron checkpoint mindkit wrote).
+fn base_names(dir: &Path, cfg: &ModelConfig) -> Vec<String> {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let file_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
+    let mut names: Vec<String> = Vec::new();
+    let mut at = Some(dir.as_path());
+    while let Some(p) = at {
+        let Some(name) = file_name(p) else { break };
+        if let Some(model) = name.strip_prefix("models--") {
+            names.extend(model.rsplit("--").next().and_then(model_name));
+            break;
+        }
+        names.extend(model_name(&name));
+        let iteration = name == "release" || name.starts_with("iter_");
+        let snapshot = p.parent().and_then(file_name).as_deref() == Some("snapshots");
+        at = (iteration || snapshot).then(|| p.parent()).flatten();
+    }
+    let recorded = (cfg.hf_config.as_ref())
+        .and_then(|c| c.get("_name_or_path"))
+        .and_then(|v| v.as_str());
+    names.extend(recorded.and_then(model_name));
+    names
+}
+
+/// A warning when a PEFT adapter's `base_model_name_or_path` names a model that the base
+/// directory does not go by. Only the model's name can be compared (the adapter records a
+/// hub id or a path on the training machine): its last component, ignoring case, against
+/// [`base_names`]. Megatron adapters record no base.
+fn base_mismatch(adapter: &Adapter, base_dir: &Path, cfg: &ModelConfig) -> Option<String> {
+    let Adapter::Peft(peft) = adapter else {
+        return None;
+    };
+    let trained_on = peft.base_model()?;
+    let wanted = model_name(trained_on)?;
+    let names = base_names(base_dir, cfg);
+    if names.contains(&wanted) {
+        return None;
+    }
+    Some(format!(
+        "the adapter was trained on {trained_on:?} ({} base_model_name_or_path), but the base \
+         {} goes by {}; its shapes fit, so the merge goes on: check that this is the base the \
+         adapter belongs to",
+        peft::CONFIG,
+        base_dir.display(),
+        if names.is_empty() {
+            "no name".to_string()
+        } else {
+            names
+                .iter()
+                .map(|n| format!("{n:?}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        }
+    ))
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {
