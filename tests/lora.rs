@@ -368,7 +368,7 @@ fn collect_tensors(
 ) {
     use mindkit::ckpt::torch::pickle::Value;
     match v {
-        Value::Tensor(t) => out.push(t.clone()),
+        Value::Tensor(t) => out.push((**t).clone()),
         Value::Dict(items) => items.iter().for_each(|(_, v)| collect_tensors(v, out)),
         _ => {}
     }

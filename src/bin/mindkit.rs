@@ -555,7 +555,7 @@ fn run(cli: Cli) -> Result<()> {
                 adapter: a.adapter,
                 alpha: a.lora_alpha,
             };
-            let (summary, edited) = lora::merge(&opts)?;
+            let (summary, edited) = lora::merge(&opts, &mut |w| eprintln!("warning: {w}"))?;
             if !a.out.quiet {
                 eprintln!(
                     "wrote {}: {edited} tensors merged with the adapter; {summary}",

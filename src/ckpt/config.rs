@@ -4,7 +4,7 @@
 
 use super::family::{self, Family};
 use super::torch::pickle::{DType, Value};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value as Json};
 
 /// Architecture numbers shared by both formats.
@@ -47,12 +47,210 @@ pub struct ModelConfig {
     pub hf_config: Option<Json>,
 }
 
-fn uint(cfg: &Json, key: &str) -> Option<usize> {
-    cfg.get(key).and_then(Json::as_u64).map(|v| v as usize)
+/// A configuration field that cannot be used. Fields are named as the source spells them
+/// (`rope_theta` in config.json, `args.rotary_base` in a Megatron checkpoint); the caller adds
+/// the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A required field is absent.
+    #[error("missing \"{field}\"")]
+    Missing {
+        /// The field.
+        field: String,
+    },
+    /// A field of the wrong type (never replaced by a default).
+    #[error("\"{field}\" must be {expected}, got {got}")]
+    WrongType {
+        /// The field.
+        field: String,
+        /// What it must be.
+        expected: &'static str,
+        /// What it is.
+        got: String,
+    },
+    /// A number outside the range a model can use.
+    #[error("\"{field}\" is {got}; it must be {expected}")]
+    OutOfRange {
+        /// The field.
+        field: String,
+        /// Its value.
+        got: String,
+        /// The range.
+        expected: &'static str,
+    },
+    /// Query heads that do not split evenly over the key/value heads.
+    #[error(
+        "num_attention_heads ({heads}) must be a multiple of {groups_field} ({groups}): each \
+         key/value head serves an equal group of query heads"
+    )]
+    UnevenGroups {
+        /// Query heads.
+        heads: usize,
+        /// Key/value heads.
+        groups: usize,
+        /// Their field (`num_key_value_heads`, `args.num_query_groups`).
+        groups_field: &'static str,
+    },
 }
 
-fn need(cfg: &Json, key: &str) -> Result<usize> {
-    uint(cfg, key).ok_or_else(|| anyhow!("config.json: missing or non-integer \"{key}\""))
+type FieldResult<T> = std::result::Result<T, ConfigError>;
+
+/// How a JSON value reads in an error: `the string "500000"`, `2.5`, `an array`.
+fn describe_json(v: &Json) -> String {
+    match v {
+        Json::String(s) => format!("the string {s:?}"),
+        Json::Array(_) => "an array".into(),
+        Json::Object(_) => "an object".into(),
+        other => other.to_string(),
+    }
+}
+
+/// A field of config.json (`None` when absent or null), read by `read` or refused by type.
+fn json_field<'a, T>(
+    cfg: &'a Json,
+    field: &str,
+    expected: &'static str,
+    read: impl Fn(&'a Json) -> Option<T>,
+) -> FieldResult<Option<T>> {
+    match cfg.get(field) {
+        None | Some(Json::Null) => Ok(None),
+        Some(v) => read(v).map(Some).ok_or_else(|| ConfigError::WrongType {
+            field: field.into(),
+            expected,
+            got: describe_json(v),
+        }),
+    }
+}
+
+/// A count (`num_hidden_layers`, …): an integer of at least 1.
+fn json_count(cfg: &Json, field: &str) -> FieldResult<Option<usize>> {
+    let n = json_field(cfg, field, "a positive integer", |v| v.as_u64())?;
+    n.map(|n| at_least_one(field, n as usize)).transpose()
+}
+
+fn json_required_count(cfg: &Json, field: &str) -> FieldResult<usize> {
+    json_count(cfg, field)?.ok_or_else(|| ConfigError::Missing {
+        field: field.into(),
+    })
+}
+
+fn json_positive(cfg: &Json, field: &str) -> FieldResult<Option<f64>> {
+    let x = json_field(cfg, field, "a number", Json::as_f64)?;
+    x.map(|x| positive(field, x)).transpose()
+}
+
+fn json_bool(cfg: &Json, field: &str) -> FieldResult<Option<bool>> {
+    json_field(cfg, field, "true or false", Json::as_bool)
+}
+
+fn json_str<'a>(cfg: &'a Json, field: &str) -> FieldResult<Option<&'a str>> {
+    json_field(cfg, field, "a string", Json::as_str)
+}
+
+fn at_least_one(field: &str, n: usize) -> FieldResult<usize> {
+    if n == 0 {
+        return Err(ConfigError::OutOfRange {
+            field: field.into(),
+            got: "0".into(),
+            expected: "at least 1",
+        });
+    }
+    Ok(n)
+}
+
+/// RoPE bases, norm epsilons, scaling factors, LoRA alphas: finite and above zero (anything
+/// else turns every logit into NaN).
+pub(crate) fn positive(field: &str, x: f64) -> FieldResult<f64> {
+    if !(x.is_finite() && x > 0.0) {
+        return Err(ConfigError::OutOfRange {
+            field: field.into(),
+            got: show_number(x),
+            expected: "a finite number above 0",
+        });
+    }
+    Ok(x)
+}
+
+/// A float as errors show it: plainly, or in exponent form when very large or small.
+pub(crate) fn show_number(x: f64) -> String {
+    if x.is_finite() && x != 0.0 && !(1e-4..1e15).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        x.to_string()
+    }
+}
+
+fn check_groups(heads: usize, groups: usize, groups_field: &'static str) -> FieldResult<()> {
+    if !heads.is_multiple_of(groups) {
+        return Err(ConfigError::UnevenGroups {
+            heads,
+            groups,
+            groups_field,
+        });
+    }
+    Ok(())
+}
+
+/// The numbers of a `rope_scaling` (or 5.x `rope_parameters`) object that the engine and the
+/// Megatron args use, checked: `factor` above 0; for llama3 also the frequency factors (high
+/// above low, as `_compute_llama3_parameters` divides by their difference) and the original
+/// context. Types mindkit does not apply are carried unchecked beyond their `factor`.
+fn check_rope_scaling(r: &Json, field: &str) -> FieldResult<()> {
+    let name = |key: &str| format!("{field}.{key}");
+    let number = |key: &str| json_positive(r, key).map_err(|e| rename(e, &name(key)));
+    let kind = match json_str(r, "rope_type").map_err(|e| rename(e, &name("rope_type")))? {
+        Some(kind) => Some(kind),
+        None => json_str(r, "type").map_err(|e| rename(e, &name("type")))?,
+    };
+    let factor = number("factor")?;
+    match kind {
+        Some("linear" | "llama3") if factor.is_none() => {
+            return Err(ConfigError::Missing {
+                field: name("factor"),
+            })
+        }
+        Some("llama3") => {
+            let low = number("low_freq_factor")?.unwrap_or(1.0);
+            let high = number("high_freq_factor")?.unwrap_or(4.0);
+            number("original_max_position_embeddings")?;
+            check_freq_factors(low, high, &name("high_freq_factor"))?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Llama 3.1's scaling interpolates between the two wavelengths the factors give: `high` must
+/// lie above `low`.
+fn check_freq_factors(low: f64, high: f64, high_field: &str) -> FieldResult<()> {
+    if high <= low {
+        return Err(ConfigError::OutOfRange {
+            field: high_field.into(),
+            got: show_number(high),
+            expected: "above low_freq_factor",
+        });
+    }
+    Ok(())
+}
+
+/// `e` naming `field` (a key inside a nested object) instead of the key alone.
+fn rename(e: ConfigError, field: &str) -> ConfigError {
+    match e {
+        ConfigError::Missing { .. } => ConfigError::Missing {
+            field: field.into(),
+        },
+        ConfigError::WrongType { expected, got, .. } => ConfigError::WrongType {
+            field: field.into(),
+            expected,
+            got,
+        },
+        ConfigError::OutOfRange { got, expected, .. } => ConfigError::OutOfRange {
+            field: field.into(),
+            got,
+            expected,
+        },
+        other => other,
+    }
 }
 
 /// `float32`/`bfloat16`/`float16` (as HF and `--dtype` spell them) → dtype.
@@ -66,64 +264,73 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 }
 
 impl ModelConfig {
-    /// Read `config.json`; `family` overrides the `model_type` detection.
+    /// Read `config.json`; `family` overrides the `model_type` detection. A field of the
+    /// wrong type or out of range is an error naming it (the caller names the file); an absent
+    /// or null optional field takes transformers' default.
     pub fn from_hf(cfg: &Json, family: Option<&'static Family>) -> Result<Self> {
+        if !cfg.is_object() {
+            bail!("not a JSON object");
+        }
         let family = match family {
             Some(f) => f,
             None => {
-                let mt = cfg
-                    .get("model_type")
-                    .and_then(Json::as_str)
-                    .ok_or_else(|| anyhow!("config.json: no \"model_type\" (pass --family)"))?;
+                let mt = json_str(cfg, "model_type")?
+                    .ok_or_else(|| anyhow!("no \"model_type\" (pass --family)"))?;
                 family::by_model_type(mt).map_err(|e| anyhow!(e))?
             }
         };
-        let hidden = need(cfg, "hidden_size")?;
-        let heads = need(cfg, "num_attention_heads")?;
-        let rope_theta = cfg
-            .get("rope_theta")
-            .or_else(|| cfg.pointer("/rope_parameters/rope_theta"))
-            .and_then(Json::as_f64)
-            .unwrap_or(10000.0);
-        let bias = family
-            .bias_key
-            .and_then(|k| cfg.get(k))
-            .and_then(Json::as_bool)
-            .unwrap_or(false);
-        let dtype = cfg
-            .get("torch_dtype")
-            .or_else(|| cfg.get("dtype"))
-            .and_then(Json::as_str)
-            .map(parse_dtype)
-            .transpose()?
-            .unwrap_or(DType::F32);
+        let hidden = json_required_count(cfg, "hidden_size")?;
+        let heads = json_required_count(cfg, "num_attention_heads")?;
+        let groups = json_count(cfg, "num_key_value_heads")?.unwrap_or(heads);
+        check_groups(heads, groups, "num_key_value_heads")?;
+        let rope_parameters = json_field(cfg, "rope_parameters", "an object", |v| {
+            v.as_object().map(|_| v)
+        })?;
+        let rope_scaling = json_field(cfg, "rope_scaling", "an object", |v| {
+            v.as_object().map(|_| v)
+        })?;
+        let rope_theta = match json_positive(cfg, "rope_theta")? {
+            Some(theta) => Some(theta),
+            None => rope_parameters
+                .map(|p| json_positive(p, "rope_theta"))
+                .transpose()
+                .map_err(|e| rename(e, "rope_parameters.rope_theta"))?
+                .flatten(),
+        };
+        let rope_scaling = match (rope_scaling, rope_parameters) {
+            (Some(r), _) => Some((r, "rope_scaling")),
+            (None, Some(p)) => Some((p, "rope_parameters")),
+            (None, None) => None,
+        };
+        if let Some((r, field)) = rope_scaling {
+            check_rope_scaling(r, field)?;
+        }
+        let bias = match family.bias_key {
+            Some(k) => json_bool(cfg, k)?.unwrap_or(false),
+            None => false,
+        };
+        let dtype = match json_str(cfg, "torch_dtype")? {
+            Some(d) => Some(d),
+            None => json_str(cfg, "dtype")?,
+        };
+        let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F32);
         Ok(ModelConfig {
             family,
-            layers: need(cfg, "num_hidden_layers")?,
+            layers: json_required_count(cfg, "num_hidden_layers")?,
             hidden,
             heads,
-            groups: uint(cfg, "num_key_value_heads").unwrap_or(heads),
-            head_dim: uint(cfg, "head_dim").unwrap_or(hidden / heads.max(1)),
-            ffn: need(cfg, "intermediate_size")?,
-            vocab: need(cfg, "vocab_size")?,
-            max_positions: uint(cfg, "max_position_embeddings").unwrap_or(4096),
-            rope_theta,
-            norm_eps: cfg
-                .get("rms_norm_eps")
-                .and_then(Json::as_f64)
-                .unwrap_or(1e-6),
-            tied: cfg
-                .get("tie_word_embeddings")
-                .and_then(Json::as_bool)
-                .unwrap_or(false),
+            groups,
+            head_dim: json_count(cfg, "head_dim")?.unwrap_or(hidden / heads),
+            ffn: json_required_count(cfg, "intermediate_size")?,
+            vocab: json_required_count(cfg, "vocab_size")?,
+            max_positions: json_count(cfg, "max_position_embeddings")?.unwrap_or(4096),
+            rope_theta: rope_theta.unwrap_or(10000.0),
+            norm_eps: json_positive(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
+            tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: bias,
             dtype,
-            rope_scaling: cfg
-                .get("rope_scaling")
-                .or_else(|| cfg.get("rope_parameters"))
-                .filter(|r| r.is_object())
-                .cloned(),
+            rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
             hf_config: Some(cfg.clone()),
         })
     }
@@ -170,15 +377,9 @@ impl ModelConfig {
         cfg
     }
 
-    /// Shape checks that do not depend on the parallel layout.
+    /// Layout checks that do not depend on the parallel layout (the numbers were checked
+    /// when the configuration was read).
     pub fn validate(&self) -> Result<()> {
-        if self.heads == 0 || self.groups == 0 || !self.heads.is_multiple_of(self.groups) {
-            bail!(
-                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                self.heads,
-                self.groups
-            );
-        }
         if self.proj_bias && !self.qkv_bias {
             bail!("an attention output bias without q/k/v biases is not a supported layout");
         }
@@ -191,26 +392,80 @@ pub(crate) fn arg<'a>(args: &'a [(String, Value)], name: &str) -> Option<&'a Val
     args.iter().find(|(k, _)| k == name).map(|(_, v)| v)
 }
 
-pub(crate) fn arg_uint(args: &[(String, Value)], name: &str) -> Option<usize> {
-    match arg(args, name) {
-        Some(Value::Int(i)) if *i >= 0 => Some(*i as usize),
-        _ => None,
+/// How a pickled value reads in an error.
+fn describe_value(v: &Value) -> String {
+    match v {
+        Value::Str(s) => format!("the string {s:?}"),
+        Value::Int(i) => i.to_string(),
+        Value::Float(f) => show_number(*f),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::List(_) => "a list".into(),
+        Value::Tuple(_) => "a tuple".into(),
+        Value::Dict(_) => "a dict".into(),
+        other => format!("a {}", value_kind(other)),
     }
 }
 
-fn arg_bool(args: &[(String, Value)], name: &str) -> Option<bool> {
-    match arg(args, name) {
-        Some(Value::Bool(b)) => Some(*b),
-        _ => None,
+fn value_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Bytes(_) => "bytes object",
+        Value::Namespace(_) => "Namespace",
+        Value::TorchDType(_) => "torch dtype",
+        Value::Tensor(_) => "tensor",
+        _ => "Python object",
     }
 }
 
-pub(crate) fn arg_float(args: &[(String, Value)], name: &str) -> Option<f64> {
+/// Attribute `name` of `args` (`None` when absent or `None`), read by `read` or refused by type.
+fn arg_field<'a, T>(
+    args: &'a [(String, Value)],
+    name: &str,
+    expected: &'static str,
+    read: impl Fn(&'a Value) -> Option<T>,
+) -> FieldResult<Option<T>> {
     match arg(args, name) {
-        Some(Value::Float(f)) => Some(*f),
-        Some(Value::Int(i)) => Some(*i as f64),
-        _ => None,
+        None | Some(Value::None) => Ok(None),
+        Some(v) => read(v).map(Some).ok_or_else(|| ConfigError::WrongType {
+            field: format!("args.{name}"),
+            expected,
+            got: describe_value(v),
+        }),
     }
+}
+
+pub(crate) fn arg_uint(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>> {
+    arg_field(args, name, "a non-negative integer", |v| match v {
+        Value::Int(i) => usize::try_from(*i).ok(),
+        _ => None,
+    })
+}
+
+/// A count (`num_layers`, …): an integer of at least 1.
+fn arg_count(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>> {
+    let n = arg_uint(args, name)?;
+    n.map(|n| at_least_one(&format!("args.{name}"), n))
+        .transpose()
+}
+
+fn arg_bool(args: &[(String, Value)], name: &str) -> FieldResult<Option<bool>> {
+    arg_field(args, name, "True or False", |v| match v {
+        Value::Bool(b) => Some(*b),
+        _ => None,
+    })
+}
+
+pub(crate) fn arg_float(args: &[(String, Value)], name: &str) -> FieldResult<Option<f64>> {
+    arg_field(args, name, "a number", |v| match v {
+        Value::Float(f) => Some(*f),
+        Value::Int(i) => Some(*i as f64),
+        _ => None,
+    })
+}
+
+/// A number that must be finite and above 0 (`args.rotary_base`, `args.lora_alpha`, …).
+pub(crate) fn arg_positive(args: &[(String, Value)], name: &str) -> FieldResult<Option<f64>> {
+    let x = arg_float(args, name)?;
+    x.map(|x| positive(&format!("args.{name}"), x)).transpose()
 }
 
 /// RoPE scaling recorded in Megatron args, as config.json's `rope_scaling`: MindSpeed-LLM's
@@ -219,10 +474,10 @@ pub(crate) fn arg_float(args: &[(String, Value)], name: &str) -> Option<f64> {
 /// `--use-rope-scaling` (Llama 3.1's scaling, only the factor configurable: default 8, low 1,
 /// high 4, original 8192, as megatron-core's `RotaryEmbedding._apply_scaling`).
 fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> {
-    let kind = match arg(args, "rope_scaling_type") {
-        Some(Value::Str(s)) => Some(s.as_str()),
+    let kind = arg_field(args, "rope_scaling_type", "a string", |v| match v {
+        Value::Str(s) => Some(s.as_str()),
         _ => None,
-    };
+    })?;
     let llama3 = |factor: f64, low: f64, high: f64, original: f64| {
         json!({
             "rope_type": "llama3",
@@ -232,19 +487,27 @@ fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> {
             "original_max_position_embeddings": original,
         })
     };
-    let float_or = |name, default| arg_float(args, name).unwrap_or(default);
+    let float_or =
+        |name, default| Ok::<_, ConfigError>(arg_positive(args, name)?.unwrap_or(default));
     match kind {
-        Some("llama3") => Ok(Some(llama3(
-            float_or("rope_scaling_factor", 8.0),
-            float_or("low_freq_factor", 1.0),
-            float_or("high_freq_factor", 4.0),
-            float_or("original_max_position_embeddings", 8192.0),
-        ))),
+        Some("llama3") => {
+            let (low, high) = (
+                float_or("low_freq_factor", 1.0)?,
+                float_or("high_freq_factor", 4.0)?,
+            );
+            check_freq_factors(low, high, "args.high_freq_factor")?;
+            Ok(Some(llama3(
+                float_or("rope_scaling_factor", 8.0)?,
+                low,
+                high,
+                float_or("original_max_position_embeddings", 8192.0)?,
+            )))
+        }
         Some(other) => {
             bail!("args: --rope-scaling-type {other} is not supported (supported: llama3, or none)")
         }
-        None if arg_bool(args, "use_rope_scaling").unwrap_or(false) => Ok(Some(llama3(
-            float_or("rope_scaling_factor", 8.0),
+        None if arg_bool(args, "use_rope_scaling")?.unwrap_or(false) => Ok(Some(llama3(
+            float_or("rope_scaling_factor", 8.0)?,
             1.0,
             4.0,
             8192.0,
@@ -265,32 +528,37 @@ impl ModelConfig {
         dtype: DType,
         padded_rows: usize,
     ) -> Result<Self> {
-        let carried = match arg(args, HF_CONFIG_ARG) {
-            Some(Value::Str(s)) => Some(serde_json::from_str::<Json>(s)?),
+        let carried = arg_field(args, HF_CONFIG_ARG, "a string (JSON)", |v| match v {
+            Value::Str(s) => Some(s),
             _ => None,
-        };
-        if let Some(hf) = &carried {
-            let mut cfg = ModelConfig::from_hf(hf, family)?;
+        })?;
+        if let Some(text) = carried {
+            let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
+            let hf: Json =
+                serde_json::from_str(text).with_context(|| format!("{what}: not valid JSON"))?;
+            let mut cfg = ModelConfig::from_hf(&hf, family).with_context(|| what)?;
             cfg.dtype = dtype;
             return Ok(cfg);
         }
         let need = |n: &str| {
-            arg_uint(args, n).ok_or_else(|| anyhow!("checkpoint args: missing or non-integer {n}"))
+            arg_count(args, n)?.ok_or_else(|| ConfigError::Missing {
+                field: format!("args.{n}"),
+            })
         };
+        let flag = |n: &str| Ok::<_, ConfigError>(arg_bool(args, n)?.unwrap_or(false));
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?;
-        let gqa = arg_bool(args, "group_query_attention").unwrap_or(false);
-        let groups = if gqa {
+        let groups = if flag("group_query_attention")? {
             need("num_query_groups")?
         } else {
             heads
         };
+        check_groups(heads, groups, "args.num_query_groups")?;
         // MindSpeed-LLM's --add-dense-bias gives the attention output a bias alone (InternLM).
         // Megatron's add_bias_linear gives every linear layer one; the MLP biases that implies
         // are then reported as tensors no supported family has.
-        let add_bias = arg_bool(args, "add_dense_bias").unwrap_or(false)
-            || arg_bool(args, "add_bias_linear").unwrap_or(false);
-        let qkv_bias = arg_bool(args, "add_qkv_bias").unwrap_or(false) || add_bias;
+        let add_bias = flag("add_dense_bias")? || flag("add_bias_linear")?;
+        let qkv_bias = flag("add_qkv_bias")? || add_bias;
         let family = match family {
             Some(f) => f,
             None if qkv_bias && !add_bias => family::by_name("qwen2").map_err(|e| anyhow!(e))?,
@@ -302,13 +570,13 @@ impl ModelConfig {
             hidden,
             heads,
             groups,
-            head_dim: arg_uint(args, "kv_channels").unwrap_or(hidden / heads.max(1)),
+            head_dim: arg_count(args, "kv_channels")?.unwrap_or(hidden / heads),
             ffn: need("ffn_hidden_size")?,
-            vocab: arg_uint(args, "vocab_size").unwrap_or(padded_rows),
-            max_positions: arg_uint(args, "max_position_embeddings").unwrap_or(4096),
-            rope_theta: arg_float(args, "rotary_base").unwrap_or(10000.0),
-            norm_eps: arg_float(args, "norm_epsilon").unwrap_or(1e-5),
-            tied: !arg_bool(args, "untie_embeddings_and_output_weights").unwrap_or(false),
+            vocab: arg_count(args, "vocab_size")?.unwrap_or(padded_rows),
+            max_positions: arg_count(args, "max_position_embeddings")?.unwrap_or(4096),
+            rope_theta: arg_positive(args, "rotary_base")?.unwrap_or(10000.0),
+            norm_eps: arg_positive(args, "norm_epsilon")?.unwrap_or(1e-5),
+            tied: !flag("untie_embeddings_and_output_weights")?,
             qkv_bias,
             proj_bias: add_bias,
             dtype,
@@ -512,6 +780,351 @@ mod tests {
         assert_eq!(mindspeed["original_max_position_embeddings"], json!(4096.0));
         let err = scaling(&[("rope_scaling_type", Value::Str("yarn".into()))]).unwrap_err();
         assert!(err.to_string().contains("yarn"), "{err}");
+    }
+
+    /// A small llama config.json with `edit` applied, read.
+    fn hf(edit: impl Fn(&mut Json)) -> Result<ModelConfig> {
+        let mut cfg = json!({
+            "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+            "vocab_size": 256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        });
+        edit(&mut cfg);
+        ModelConfig::from_hf(&cfg, None)
+    }
+
+    /// Each `(field, value, message)`: the config (built by `read` with the field set) is refused
+    /// with `message`.
+    fn refused<T: Clone>(read: impl Fn(&str, T) -> Result<ModelConfig>, cases: &[(&str, T, &str)]) {
+        for (field, value, message) in cases {
+            let e = match read(field, value.clone()) {
+                Ok(_) => panic!("{field} accepted"),
+                Err(e) => format!("{e:#}"),
+            };
+            assert!(e.contains(message), "{field}: {e}");
+        }
+    }
+
+    fn set_hf(pointer: &str, value: Json) -> Result<ModelConfig> {
+        hf(|c| *c.pointer_mut(pointer).expect("field exists") = value.clone())
+    }
+
+    fn add_hf(field: &str, value: Json) -> Result<ModelConfig> {
+        hf(|c| c[field] = value.clone())
+    }
+
+    #[test]
+    fn issue17_item6_config_json_fields_of_the_wrong_type_are_errors() {
+        let c = hf(|_| {}).unwrap();
+        assert_eq!((c.rope_theta, c.norm_eps, c.head_dim), (500000.0, 1e-5, 16));
+        refused(
+            set_hf,
+            &[
+                (
+                    "/rope_theta",
+                    json!("500000"),
+                    "\"rope_theta\" must be a number, got the string \"500000\"",
+                ),
+                (
+                    "/rope_theta",
+                    json!("abc"),
+                    "\"rope_theta\" must be a number, got the string \"abc\"",
+                ),
+                (
+                    "/num_hidden_layers",
+                    json!("2"),
+                    "\"num_hidden_layers\" must be a positive integer, got the string \"2\"",
+                ),
+                (
+                    "/hidden_size",
+                    json!(64.0),
+                    "\"hidden_size\" must be a positive integer, got 64.0",
+                ),
+                (
+                    "/num_key_value_heads",
+                    json!(-2),
+                    "\"num_key_value_heads\" must be a positive integer, got -2",
+                ),
+                (
+                    "/model_type",
+                    json!(7),
+                    "\"model_type\" must be a string, got 7",
+                ),
+                (
+                    "/rms_norm_eps",
+                    json!(true),
+                    "\"rms_norm_eps\" must be a number, got true",
+                ),
+                (
+                    "/rope_scaling",
+                    json!("llama3"),
+                    "\"rope_scaling\" must be an object, got the string",
+                ),
+                (
+                    "/rope_scaling/factor",
+                    json!("8"),
+                    "\"rope_scaling.factor\" must be a number",
+                ),
+                (
+                    "/rope_scaling/rope_type",
+                    json!(3),
+                    "\"rope_scaling.rope_type\" must be a string",
+                ),
+            ],
+        );
+        refused(
+            add_hf,
+            &[
+                (
+                    "torch_dtype",
+                    json!(16),
+                    "\"torch_dtype\" must be a string, got 16",
+                ),
+                (
+                    "tie_word_embeddings",
+                    json!(0),
+                    "\"tie_word_embeddings\" must be true or false, got 0",
+                ),
+                (
+                    "head_dim",
+                    json!("16"),
+                    "\"head_dim\" must be a positive integer",
+                ),
+                (
+                    "max_position_embeddings",
+                    json!([4096]),
+                    "must be a positive integer, got an array",
+                ),
+            ],
+        );
+        // transformers 5.x keeps rope_theta in rope_parameters.
+        let v5 = hf(|c| {
+            let obj = c.as_object_mut().unwrap();
+            obj.remove("rope_theta");
+            obj.remove("rope_scaling");
+            obj.insert(
+                "rope_parameters".into(),
+                json!({"rope_type": "default", "rope_theta": "1e4"}),
+            );
+        });
+        let e = format!("{:#}", v5.unwrap_err());
+        assert!(
+            e.contains("\"rope_parameters.rope_theta\" must be a number"),
+            "{e}"
+        );
+        // Null means absent: the default applies.
+        assert_eq!(add_hf("head_dim", Json::Null).unwrap().head_dim, 16);
+    }
+
+    #[test]
+    fn issue17_item8_config_json_numbers_out_of_range_are_errors() {
+        let positive = "it must be a finite number above 0";
+        refused(
+            set_hf,
+            &[
+                ("/rms_norm_eps", json!(0), positive),
+                (
+                    "/rms_norm_eps",
+                    json!(-1e-6),
+                    "\"rms_norm_eps\" is -1e-6; it must be",
+                ),
+                ("/rope_theta", json!(0.0), "\"rope_theta\" is 0;"),
+                (
+                    "/rope_scaling/factor",
+                    json!(0),
+                    "\"rope_scaling.factor\" is 0;",
+                ),
+                (
+                    "/rope_scaling/low_freq_factor",
+                    json!(-1),
+                    "\"rope_scaling.low_freq_factor\" is -1;",
+                ),
+                (
+                    "/rope_scaling/high_freq_factor",
+                    json!(1.0),
+                    "\"rope_scaling.high_freq_factor\" is 1; it must be above low_freq_factor",
+                ),
+                (
+                    "/rope_scaling/original_max_position_embeddings",
+                    json!(0),
+                    "original_max_position_embeddings\" is 0",
+                ),
+                (
+                    "/num_hidden_layers",
+                    json!(0),
+                    "\"num_hidden_layers\" is 0; it must be at least 1",
+                ),
+                (
+                    "/hidden_size",
+                    json!(0),
+                    "\"hidden_size\" is 0; it must be at least 1",
+                ),
+                (
+                    "/num_attention_heads",
+                    json!(0),
+                    "\"num_attention_heads\" is 0; it must be at least 1",
+                ),
+                (
+                    "/num_key_value_heads",
+                    json!(0),
+                    "\"num_key_value_heads\" is 0; it must be at least 1",
+                ),
+                (
+                    "/num_key_value_heads",
+                    json!(3),
+                    "num_attention_heads (4) must be a multiple of num_key_value_heads (3)",
+                ),
+            ],
+        );
+        let linear =
+            |factor: Json| hf(|c| c["rope_scaling"] = json!({"type": "linear", "factor": factor}));
+        assert!(linear(json!(2.0)).is_ok());
+        assert!(format!("{:#}", linear(json!(-2.0)).unwrap_err())
+            .contains("\"rope_scaling.factor\" is -2"));
+        let no_factor = hf(|c| c["rope_scaling"] = json!({"rope_type": "llama3"})).unwrap_err();
+        assert!(format!("{no_factor:#}").contains("missing \"rope_scaling.factor\""));
+    }
+
+    /// GQA args (4 heads, 2 groups) with `name` set to `value` (first, so that it is the one
+    /// read).
+    fn set_arg(name: &str, value: Value) -> Result<ModelConfig> {
+        let mut args = args(&[
+            ("group_query_attention", Value::Bool(true)),
+            ("num_query_groups", Value::Int(2)),
+        ]);
+        args.insert(0, (name.to_string(), value));
+        ModelConfig::from_megatron_args(&args, None, DType::F32, 256)
+    }
+
+    #[test]
+    fn issue17_item6_megatron_args_of_the_wrong_type_are_errors() {
+        assert_eq!(
+            set_arg("rotary_base", Value::Int(500000))
+                .unwrap()
+                .rope_theta,
+            500000.0
+        );
+        refused(
+            set_arg,
+            &[
+                (
+                    "rotary_base",
+                    Value::Str("500000".into()),
+                    "\"args.rotary_base\" must be a number, got the string \"500000\"",
+                ),
+                (
+                    "num_layers",
+                    Value::Float(2.0),
+                    "\"args.num_layers\" must be a non-negative integer, got 2",
+                ),
+                (
+                    "num_layers",
+                    Value::Str("2".into()),
+                    "\"args.num_layers\" must be a non-negative integer, got the string \"2\"",
+                ),
+                (
+                    "hidden_size",
+                    Value::Bool(true),
+                    "\"args.hidden_size\" must be a non-negative integer, got True",
+                ),
+                (
+                    "norm_epsilon",
+                    Value::List(vec![]),
+                    "\"args.norm_epsilon\" must be a number, got a list",
+                ),
+                (
+                    "group_query_attention",
+                    Value::Int(1),
+                    "\"args.group_query_attention\" must be True or False, got 1",
+                ),
+                (
+                    "untie_embeddings_and_output_weights",
+                    Value::Str("yes".into()),
+                    "must be True or False",
+                ),
+                (
+                    "rope_scaling_type",
+                    Value::Int(3),
+                    "\"args.rope_scaling_type\" must be a string, got 3",
+                ),
+                (
+                    "kv_channels",
+                    Value::Int(-1),
+                    "\"args.kv_channels\" must be a non-negative integer, got -1",
+                ),
+                (
+                    HF_CONFIG_ARG,
+                    Value::Str(
+                        r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
+                            "rope_theta": "abc"}"#
+                            .into(),
+                    ),
+                    "args.mindkit_hf_config (the original config.json): \"rope_theta\" must be",
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn issue17_item8_megatron_args_out_of_range_are_errors() {
+        refused(
+            set_arg,
+            &[
+                (
+                    "rotary_base",
+                    Value::Float(0.0),
+                    "\"args.rotary_base\" is 0; it must be a finite number above 0",
+                ),
+                (
+                    "rotary_base",
+                    Value::Float(f64::NAN),
+                    "\"args.rotary_base\" is NaN",
+                ),
+                (
+                    "norm_epsilon",
+                    Value::Float(-1e-5),
+                    "\"args.norm_epsilon\" is -1e-5",
+                ),
+                (
+                    "norm_epsilon",
+                    Value::Float(f64::INFINITY),
+                    "\"args.norm_epsilon\" is inf",
+                ),
+                (
+                    "num_layers",
+                    Value::Int(0),
+                    "\"args.num_layers\" is 0; it must be at least 1",
+                ),
+                (
+                    "num_attention_heads",
+                    Value::Int(0),
+                    "\"args.num_attention_heads\" is 0; it must be at least 1",
+                ),
+                (
+                    "num_query_groups",
+                    Value::Int(3),
+                    "num_attention_heads (4) must be a multiple of args.num_query_groups (3)",
+                ),
+            ],
+        );
+        let llama3 = |extra: &[(&str, Value)]| {
+            let mut a = vec![("rope_scaling_type", Value::Str("llama3".into()))];
+            a.extend(extra.iter().cloned());
+            format!("{:#}", scaling(&a).unwrap_err())
+        };
+        assert!(llama3(&[("rope_scaling_factor", Value::Float(0.0))])
+            .contains("\"args.rope_scaling_factor\" is 0"));
+        assert!(llama3(&[("high_freq_factor", Value::Float(1.0))])
+            .contains("\"args.high_freq_factor\" is 1; it must be above low_freq_factor"));
+        let megatron = [
+            ("use_rope_scaling", Value::Bool(true)),
+            ("rope_scaling_factor", Value::Float(-8.0)),
+        ];
+        assert!(format!("{:#}", scaling(&megatron).unwrap_err())
+            .contains("\"args.rope_scaling_factor\" is -8"));
     }
 
     #[test]

@@ -201,7 +201,7 @@ impl HfWeights {
                 shape: t.shape.iter().map(|&n| n as usize).collect(),
                 loc: Location::Torch {
                     file: idx,
-                    tensor: t.clone(),
+                    tensor: TensorRef::clone(t),
                 },
             };
             self.insert(name.clone(), entry, pt.path())?;

@@ -2,7 +2,7 @@
 //! `iter_0000001/` (or `release/`), `mp_rank_TT[_PPP]/model_optim_rng.pt` holding
 //! `{args, checkpoint_version: 3.0, iteration, model | model0..}` (`reference/ckpt.md` §1, §8).
 
-use super::config::{megatron_args, ModelConfig, ParallelArgs};
+use super::config::{arg_uint, megatron_args, ModelConfig, ParallelArgs};
 use super::family::Family;
 use super::layout::{self, chunk_entries, KeyLayout, Parallel};
 use super::tensor::Tensor;
@@ -81,6 +81,9 @@ fn parse_rank_dir(name: &str) -> Result<(usize, Option<usize>)> {
 }
 
 /// The iteration directory of `dir` and its rank files, `[pp][tp]`, all opened (in parallel).
+/// The layout is the larger of the rank directories present and what rank 0's args say the
+/// checkpoint was saved with, so that a missing rank directory is reported by its path, not
+/// mistaken for a smaller layout; every expected file is checked before the others are read.
 pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
     let iter_dir = iteration_dir(dir)?;
     let mut ranks: Vec<(usize, Option<usize>)> = Vec::new();
@@ -93,29 +96,70 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
     if ranks.is_empty() {
         bail!("{}: no mp_rank_* directories", iter_dir.display());
     }
-    let tp = ranks.iter().map(|r| r.0).max().unwrap_or(0) + 1;
-    let pp = ranks.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0) + 1;
-    let paths: Vec<(usize, PathBuf)> = (0..pp)
-        .flat_map(|p| (0..tp).map(move |t| (p, t)))
-        .map(|(p, t)| (p, iter_dir.join(rank_dir(t, p, pp)).join(RANK_FILE)))
-        .collect();
-    for (_, path) in &paths {
-        if !path.is_file() {
-            bail!(
-                "missing rank file {} (found TP {tp} × PP {pp})",
-                path.display()
-            );
-        }
+    let found_tp = ranks.iter().map(|r| r.0).max().unwrap_or(0) + 1;
+    let found_pp = ranks.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0) + 1;
+    // `mp_rank_00_000` names a pipeline-parallel checkpoint even when its other stages are gone.
+    let suffixed = ranks.iter().any(|r| r.1.is_some());
+    let rank_path = |t, p, pp: usize| {
+        let named_pp = if suffixed { pp.max(2) } else { pp };
+        iter_dir.join(rank_dir(t, p, named_pp)).join(RANK_FILE)
+    };
+    let first_path = rank_path(0, 0, found_pp);
+    if !first_path.is_file() {
+        bail!("missing rank file {}", first_path.display());
     }
+    let first = TorchFile::open(&first_path)?;
+    let (saved_tp, saved_pp) = saved_layout(&first)?;
+    let (tp, pp) = (found_tp.max(saved_tp), found_pp.max(saved_pp));
+    let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
+        .flat_map(|p| (0..tp).map(move |t| (p, t)))
+        .map(|(p, t)| (p, t, rank_path(t, p, pp)))
+        .collect();
+    let missing: Vec<String> = (paths.iter())
+        .filter(|(.., path)| !path.is_file())
+        .map(|(.., path)| path.display().to_string())
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "missing rank file{} {} (the checkpoint is TP {tp} × PP {pp}: rank directories \
+             present {found_tp} × {found_pp}, rank 0's args say {saved_tp} × {saved_pp})",
+            if missing.len() > 1 { "s" } else { "" },
+            missing.join(", ")
+        );
+    }
+    let mut first = Some(first);
     let opened: Vec<TorchFile> = paths
         .par_iter()
-        .map(|(_, path)| TorchFile::open(path))
-        .collect::<std::result::Result<_, _>>()?;
+        .map(|(p, t, path)| match (p, t) {
+            (0, 0) => Ok(None),
+            _ => TorchFile::open(path).map(Some),
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?
+        .into_iter()
+        .map(|f| f.or_else(|| first.take()).expect("rank 0 is opened once"))
+        .collect();
     let mut files: Vec<Vec<TorchFile>> = (0..pp).map(|_| Vec::new()).collect();
-    for ((p, _), f) in paths.iter().zip(opened) {
+    for ((p, ..), f) in paths.iter().zip(opened) {
         files[*p].push(f);
     }
     Ok((iter_dir, files))
+}
+
+/// TP × PP as rank 0's args record them (1 × 1 when they do not).
+fn saved_layout(first: &TorchFile) -> Result<(usize, usize)> {
+    let args = match first.root().get("args") {
+        Some(Value::Namespace(a)) => a.as_slice(),
+        _ => &[],
+    };
+    let size = |name| {
+        arg_uint(args, name)
+            .map(|n| n.unwrap_or(1).max(1))
+            .with_context(|| first.path().display().to_string())
+    };
+    Ok((
+        size("tensor_model_parallel_size")?,
+        size("pipeline_model_parallel_size")?,
+    ))
 }
 
 /// Whether a state-dict key is a LoRA factor (`….lora_A.default.weight`, `lora_b`, …).
@@ -151,27 +195,81 @@ pub struct MegatronCkpt {
     index: HashMap<Canon, (usize, Vec<Shard>)>,
 }
 
+/// Longest `.`-joined key a model chunk may hold (Megatron's are under 200 bytes).
+const MAX_FLAT_KEY: usize = 4096;
+/// Bytes all `.`-joined keys of a model chunk may take: a nested dict of long keys would
+/// otherwise repeat its prefixes into every leaf's name, far beyond the pickle's size.
+const MAX_FLAT_KEYS_TOTAL: usize = 64 << 20;
+
 /// A model chunk's tensors flattened to `.`-joined keys (legacy names normalised, a LoRA-wrapped
-/// module's `base_layer` dropped).
-pub fn flatten(v: &Value, prefix: &str, legacy: bool, out: &mut BTreeMap<String, Value>) {
-    if let Value::Dict(items) = v {
+/// module's `base_layer` dropped). `file` is only used in errors.
+pub fn flatten(
+    v: &Value,
+    legacy: bool,
+    file: &Path,
+    out: &mut BTreeMap<String, Value>,
+) -> Result<()> {
+    let mut flat = Flattener {
+        file,
+        legacy,
+        out,
+        prefix: String::new(),
+        total: 0,
+    };
+    flat.walk(v)
+}
+
+/// [`flatten`]'s state: one key buffer, grown and cut back level by level (a deep nest of
+/// long keys never holds a copy per level); dict nesting is bounded by the pickle reader.
+struct Flattener<'a> {
+    file: &'a Path,
+    legacy: bool,
+    out: &'a mut BTreeMap<String, Value>,
+    prefix: String,
+    total: usize,
+}
+
+impl Flattener<'_> {
+    fn walk(&mut self, v: &Value) -> Result<()> {
+        let Value::Dict(items) = v else {
+            self.total += self.prefix.len();
+            self.check()?;
+            let key = self.prefix.replace(".base_layer.", ".");
+            let key = if self.legacy {
+                layout::normalise_legacy(&key)
+            } else {
+                key
+            };
+            self.out.insert(key, v.clone());
+            return Ok(());
+        };
         for (k, val) in items {
             let Value::Str(k) = k else { continue };
-            let key = if prefix.is_empty() {
-                k.clone()
-            } else {
-                format!("{prefix}.{k}")
-            };
-            flatten(val, &key, legacy, out);
+            let len = self.prefix.len();
+            if len > 0 {
+                self.prefix.push('.');
+            }
+            self.prefix.push_str(k);
+            self.check()?;
+            self.walk(val)?;
+            self.prefix.truncate(len);
         }
-    } else {
-        let key = prefix.replace(".base_layer.", ".");
-        let key = if legacy {
-            layout::normalise_legacy(&key)
-        } else {
-            key
-        };
-        out.insert(key, v.clone());
+        Ok(())
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.prefix.len() > MAX_FLAT_KEY || self.total > MAX_FLAT_KEYS_TOTAL {
+            let start: String = self.prefix.chars().take(80).collect();
+            bail!(
+                "{}: model key {start}… ({} bytes; keys take {} bytes in all) exceeds \
+                 mindkit's bounds of {MAX_FLAT_KEY} bytes per key and {MAX_FLAT_KEYS_TOTAL} \
+                 in all: the checkpoint is damaged or hostile",
+                self.file.display(),
+                self.prefix.len(),
+                self.total,
+            );
+        }
+        Ok(())
     }
 }
 
@@ -237,7 +335,7 @@ impl MegatronCkpt {
                 for c in chunks(f)? {
                     let mut m = BTreeMap::new();
                     let legacy = is_legacy_chunk(c);
-                    flatten(c, "", legacy, &mut m);
+                    flatten(c, legacy, f.path(), &mut m)?;
                     layout.get_or_insert_with(|| detect_layout(&m));
                     per_chunk.push(m);
                 }
@@ -326,7 +424,7 @@ impl MegatronCkpt {
                         let found = chunk.remove(&key);
                         let Some(canon) = canon else { continue };
                         let tensor = match found {
-                            Some(Value::Tensor(tensor)) => tensor,
+                            Some(Value::Tensor(tensor)) => *tensor,
                             _ => bail!(
                                 "{}: missing tensor {key} (layout {}, {} layers)",
                                 path.display(),
@@ -398,7 +496,7 @@ impl MegatronCkpt {
             let mut keys = BTreeMap::new();
             for (v, c) in chunks(f)?.into_iter().enumerate() {
                 let mut m = BTreeMap::new();
-                flatten(c, "", false, &mut m);
+                flatten(c, false, f.path(), &mut m)?;
                 for (k, val) in m {
                     if let Value::Tensor(t) = val {
                         let k = if self.par.vpp > 1 {
@@ -527,7 +625,7 @@ impl MegatronTarget<'_> {
                             stride[i] = stride[i + 1] * shape[i + 1];
                         }
                         key += 1;
-                        Value::Tensor(TensorRef {
+                        Value::Tensor(Box::new(TensorRef {
                             storage: StorageRef {
                                 key: (key - 1).to_string(),
                                 dtype: self.cfg.dtype,
@@ -537,7 +635,7 @@ impl MegatronTarget<'_> {
                             offset: 0,
                             shape,
                             stride,
-                        })
+                        }))
                     }
                 };
                 insert_path(&mut model, path, value);

@@ -5,8 +5,8 @@
 //! row-parallel ones (proj, fc2) the reverse. Factors are gathered like their weights, so an
 //! adapter of any TP/PP merges into a base of any layout.
 
-use super::{parse_lora_key, Edit, Factor, FactorKind, MergePlan, Store, Term};
-use crate::ckpt::config::{arg, arg_float, arg_uint};
+use super::{lora_scale, parse_lora_key, Edit, Factor, FactorKind, MergePlan, Store, Term};
+use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
 use crate::ckpt::megatron::{chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files};
 use crate::ckpt::torch::pickle::{TensorRef, Value};
@@ -57,9 +57,14 @@ impl MegatronLora {
             Some(Value::Namespace(a)) => a.clone(),
             _ => Vec::new(),
         };
+        let alpha = match alpha {
+            Some(a) => Some(positive("--lora-alpha", a)?),
+            None => arg_positive(&args, "lora_alpha")
+                .with_context(|| files[0][0].path().display().to_string())?,
+        };
         let mut lora = MegatronLora {
             iter_dir,
-            alpha: alpha.or_else(|| arg_float(&args, "lora_alpha")),
+            alpha,
             args,
             chunks: chunks(&files[0][0])?.len(),
             legacy: false,
@@ -87,7 +92,7 @@ impl MegatronLora {
             let legacy = is_legacy_chunk(model);
             self.legacy |= legacy;
             let mut flat = BTreeMap::new();
-            flatten(model, "", legacy, &mut flat);
+            flatten(model, legacy, f.path(), &mut flat)?;
             for (key, value) in flat {
                 let Value::Tensor(tensor) = value else {
                     continue;
@@ -114,7 +119,7 @@ impl MegatronLora {
                     key,
                     module,
                     kind,
-                    tensor,
+                    tensor: *tensor,
                 });
             }
         }
@@ -127,9 +132,13 @@ impl MegatronLora {
 
     /// The adapter's pipeline layout for the base architecture (uneven stages from its args).
     fn parallel(&self, cfg: &ModelConfig) -> Result<Parallel> {
+        let arg = |name| {
+            arg_uint(&self.args, name)
+                .with_context(|| self.files[0][0].path().display().to_string())
+        };
         let first_last = (
-            arg_uint(&self.args, "decoder_first_pipeline_num_layers"),
-            arg_uint(&self.args, "decoder_last_pipeline_num_layers"),
+            arg("decoder_first_pipeline_num_layers")?,
+            arg("decoder_last_pipeline_num_layers")?,
         );
         let (pp, tp) = (self.files.len(), self.files[0].len());
         Parallel::new(cfg, tp, pp, self.chunks, first_last).with_context(|| {
@@ -200,12 +209,16 @@ impl MegatronLora {
             let which = (f.kind == FactorKind::B) as usize;
             slot.1[which][f.rank] = Some((f.stage, f.rank, f.key.clone(), f.tensor.clone()));
         }
-        let rank_arg = arg_uint(&self.args, "lora_r");
+        let rank_arg = arg_uint(&self.args, "lora_r")
+            .with_context(|| self.files[0][0].path().display().to_string())?;
         let mut edits = HashMap::new();
         for (canon, [a, b]) in found.into_values() {
             let a = self.complete(a, canon, "lora_A")?;
             let b = self.complete(b, canon, "lora_B")?;
             let r = a[0].3.shape[0] as usize;
+            if r == 0 {
+                bail!("{}: {} has rank 0", self.iter_dir.display(), a[0].2);
+            }
             if let Some(want) = rank_arg.filter(|&n| n != r) {
                 bail!(
                     "{}: {} has rank {r}, but the checkpoint args say lora_r = {want}",
@@ -226,6 +239,7 @@ impl MegatronLora {
                     }
                 }
             }
+            let scale = lora_scale(alpha, r as f64, &a[0].2)?;
             let row = is_row_parallel(canon.role);
             let rows = canonical_shape(cfg, canon.role)[0];
             let term = Term {
@@ -239,7 +253,7 @@ impl MegatronLora {
                     gather: row,
                     shards: a,
                 },
-                scale: (alpha / r as f64) as f32,
+                scale,
                 transposed: false,
                 blocks: vec![(0, 0, rows)],
             };

@@ -8,6 +8,7 @@
 mod megatron;
 mod peft;
 
+use super::config::show_number;
 use super::convert::{self, ConvertOptions, ConvertSummary, TensorEdit};
 use super::megatron::is_megatron_dir;
 use super::tensor::{decode_f32, encode_f32, to_f32, Tensor};
@@ -164,6 +165,81 @@ impl MergePlan {
     }
 }
 
+/// `alpha / divisor` (`r`, or `√r` with rsLoRA) as the f32 the merge multiplies by; a scale
+/// too large for f32 is refused (every merged weight would be infinite). `module` names the
+/// adapted module in the error.
+fn lora_scale(alpha: f64, divisor: f64, module: &str) -> Result<f32> {
+    let scale = (alpha / divisor) as f32;
+    if !scale.is_finite() || scale == 0.0 {
+        let of = if module.is_empty() {
+            String::new()
+        } else {
+            format!(" of {module}")
+        };
+        bail!(
+            "the LoRA scale{of}, lora_alpha / r = {} / {}, is {}; pass the lora_alpha the \
+             adapter was trained with",
+            show_number(alpha),
+            show_number(divisor),
+            if scale == 0.0 {
+                "0 in f32 (the merge would change nothing)"
+            } else {
+                "too large for f32"
+            }
+        );
+    }
+    Ok(scale)
+}
+
+/// Largest magnitude that `dtype` stores as a finite number after rounding to nearest
+/// (f16: 65504 + half a step; bf16: its largest finite + half a step; f32 and wider: any finite).
+fn finite_limit(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => 65520.0,
+        DType::BF16 => f32::from_bits(0x7F7F_8000),
+        _ => f32::INFINITY,
+    }
+}
+
+/// The first element of a merged tile that is not finite once stored as `dtype`, as an error
+/// naming the tensor and the element (`r0`: the tile's first row; `base`: the tile before the
+/// merge, decoded again only here, on the error path).
+fn check_merged(
+    c: Canon,
+    merged: &[f32],
+    cols: usize,
+    r0: usize,
+    dtype: DType,
+    base: impl Fn(usize) -> f32,
+) -> Result<()> {
+    let limit = finite_limit(dtype);
+    let fits = |x: &f32| x.is_finite() && x.abs() < limit;
+    let Some(i) = merged.iter().position(|x| !fits(x)) else {
+        return Ok(());
+    };
+    let (row, col) = (r0 + i / cols, i % cols);
+    let before = base(i);
+    let cause = if before.is_finite() {
+        "the adapter's scale (lora_alpha / r) or factors are too large"
+    } else {
+        "the base weight itself is not finite there"
+    };
+    let tensor = match c.layer {
+        Some(layer) => format!("the {:?} tensor of layer {layer}", c.role),
+        None => format!("the {:?} tensor", c.role),
+    };
+    let value = merged[i];
+    let stored = if value.is_finite() {
+        format!(", which {} cannot hold", dtype.torch_name())
+    } else {
+        String::new()
+    };
+    bail!(
+        "merging the adapter into {tensor} gives {value} at [{row}, {col}]{stored} (base \
+         weight {before}): {cause}"
+    )
+}
+
 /// A row-major or transposed view of a matrix: element `(i, j)` at `i·rs + j·cs`.
 struct View<'a> {
     data: &'a [f32],
@@ -299,12 +375,20 @@ impl TensorEdit for MergePlan {
         let cols = t.shape.get(1).copied().unwrap_or(1);
         let tile = (TILE_ELEMENTS / cols).max(1) * cols;
         let from = t.dtype;
-        // Rows `i·tile..` of `src` widened into the thread's f32 buffer `w` and merged.
+        // Rows `i·tile..` of `src` widened into the thread's f32 buffer `w`, merged, and
+        // checked to be finite in the output dtype while the tile is in cache.
         let merged = |i: usize, w: &mut Vec<f32>, src: &[u8]| -> Result<()> {
             w.resize(src.len() / from.size(), 0.0);
             decode_f32(src, from, w).map_err(|e| anyhow!("{c:?}: {e}"))?;
             self.merge_tile(edit, &factors, w, i * tile / cols, cols);
-            Ok(())
+            check_merged(c, w, cols, i * tile / cols, dtype, |at| {
+                let size = from.size();
+                let mut one = [0.0f32];
+                match decode_f32(&src[at * size..(at + 1) * size], from, &mut one) {
+                    Ok(()) => one[0],
+                    Err(_) => f32::NAN,
+                }
+            })
         };
         let narrow = |w: &[f32], dst: &mut [u8]| {
             encode_f32(w, dtype, dst).map_err(|e| anyhow!("{c:?}: {e}"))
@@ -387,8 +471,10 @@ pub struct MergeOptions {
     pub alpha: Option<f64>,
 }
 
-/// Merge an adapter into a base and write the result.
-pub fn merge(o: &MergeOptions) -> Result<(ConvertSummary, usize)> {
+/// Merge an adapter into a base and write the result. `warn` receives what deserves the
+/// user's attention but does not stop the merge (an adapter trained on another base), before
+/// anything is written.
+pub fn merge(o: &MergeOptions, warn: &mut dyn FnMut(String)) -> Result<(ConvertSummary, usize)> {
     let start = Instant::now();
     let input = convert::open_input(&o.convert)?;
     if input.lora_tensors() > 0 && !same_dir(&o.convert.input, &o.adapter) {
@@ -398,10 +484,80 @@ pub fn merge(o: &MergeOptions) -> Result<(ConvertSummary, usize)> {
             input.lora_tensors()
         );
     }
-    let plan = Adapter::open(&o.adapter, o.alpha)?.plan(&input.cfg)?;
+    let adapter = Adapter::open(&o.adapter, o.alpha)?;
+    if let Some(w) = base_mismatch(&adapter, &o.convert.input, &input.cfg) {
+        warn(w);
+    }
+    let plan = adapter.plan(&input.cfg)?;
     let edited = plan.edited_tensors();
     let summary = convert::write_output(&o.convert, &input, Some(&plan), start)?;
     Ok((summary, edited))
+}
+
+/// The model a path or hub id names: its last component, lowercased
+/// (`meta-llama/Llama-2-7b-hf` and `/data/Llama-2-7b-hf/` both name `llama-2-7b-hf`).
+fn model_name(s: &str) -> Option<String> {
+    let last = s.trim_end_matches(['/', '\\']).rsplit(['/', '\\']).next()?;
+    (!last.is_empty()).then(|| last.to_lowercase())
+}
+
+/// The names a base directory goes by: its own; its parent's for a Megatron iteration
+/// directory (`iter_0000100`, `release`); the model of a Hugging Face cache snapshot
+/// (`models--meta-llama--Llama-2-7b-hf/snapshots/<hash>`); and its config.json's
+/// `_name_or_path` (also carried in the args of a Megatron checkpoint mindkit wrote).
+fn base_names(dir: &Path, cfg: &ModelConfig) -> Vec<String> {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let file_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
+    let mut names: Vec<String> = Vec::new();
+    let mut at = Some(dir.as_path());
+    while let Some(p) = at {
+        let Some(name) = file_name(p) else { break };
+        if let Some(model) = name.strip_prefix("models--") {
+            names.extend(model.rsplit("--").next().and_then(model_name));
+            break;
+        }
+        names.extend(model_name(&name));
+        let iteration = name == "release" || name.starts_with("iter_");
+        let snapshot = p.parent().and_then(file_name).as_deref() == Some("snapshots");
+        at = (iteration || snapshot).then(|| p.parent()).flatten();
+    }
+    let recorded = (cfg.hf_config.as_ref())
+        .and_then(|c| c.get("_name_or_path"))
+        .and_then(|v| v.as_str());
+    names.extend(recorded.and_then(model_name));
+    names
+}
+
+/// A warning when a PEFT adapter's `base_model_name_or_path` names a model that the base
+/// directory does not go by. Only the model's name can be compared (the adapter records a
+/// hub id or a path on the training machine): its last component, ignoring case, against
+/// [`base_names`]. Megatron adapters record no base.
+fn base_mismatch(adapter: &Adapter, base_dir: &Path, cfg: &ModelConfig) -> Option<String> {
+    let Adapter::Peft(peft) = adapter else {
+        return None;
+    };
+    let trained_on = peft.base_model()?;
+    let wanted = model_name(trained_on)?;
+    let names = base_names(base_dir, cfg);
+    if names.contains(&wanted) {
+        return None;
+    }
+    Some(format!(
+        "the adapter was trained on {trained_on:?} ({} base_model_name_or_path), but the base \
+         {} goes by {}; its shapes fit, so the merge goes on: check that this is the base the \
+         adapter belongs to",
+        peft::CONFIG,
+        base_dir.display(),
+        if names.is_empty() {
+            "no name".to_string()
+        } else {
+            names
+                .iter()
+                .map(|n| format!("{n:?}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        }
+    ))
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {

@@ -2,7 +2,10 @@
 //! `adapter_model.safetensors` (or `adapter_model.bin`, through the safe reader), keys
 //! `base_model.model.<module>.lora_A.weight` etc. with the adapter name removed.
 
-use super::{parse_lora_key, Edit, Factor, FactorKind, MergePlan, Replace, Store, Term};
+use super::{
+    lora_scale, parse_lora_key, Edit, Factor, FactorKind, MergePlan, Replace, Store, Term,
+};
+use crate::ckpt::config::positive;
 use crate::ckpt::hf::HfWeights;
 use crate::ckpt::transform::{canonical, hf_parts, hf_row_blocks, Canon, Role};
 use crate::ckpt::ModelConfig;
@@ -57,7 +60,9 @@ fn pattern<T>(
         .map(|(k, v)| {
             let re = Regex::new(&format!(r"^(.*\.)?({k})$"))
                 .map_err(|e| anyhow!("{field}: pattern {k:?} is not a valid regex: {e}"))?;
-            let v = value(v).ok_or_else(|| anyhow!("{field}: {k:?} has a non-numeric value"))?;
+            let v = value(v).ok_or_else(|| {
+                anyhow!("{field}: {k:?} is {v}; it must be a number above 0 (an integer for ranks)")
+            })?;
             Ok((re, k.clone(), v))
         })
         .collect()
@@ -113,19 +118,24 @@ impl PeftAdapter {
                 .ok_or_else(|| anyhow!("{}: missing or non-numeric {k:?}", config_path.display()))
         };
         let r = need("r")?;
-        let alpha = need("lora_alpha")?;
-        if r < 1.0 || r.fract() != 0.0 {
+        let alpha = positive("lora_alpha", need("lora_alpha")?).map_err(|e| at_config(e.into()))?;
+        if !(r >= 1.0 && r.fract() == 0.0 && r <= u32::MAX as f64) {
             bail!(
-                "{}: \"r\" must be a positive integer",
+                "{}: \"r\" is {r}; it must be a positive integer",
                 config_path.display()
             );
         }
         if config.get("target_modules").is_none_or(Json::is_null) {
             bail!("{}: missing \"target_modules\"", config_path.display());
         }
-        let rank_pattern = pattern(&config, "rank_pattern", |v| v.as_u64().map(|n| n as usize))
-            .map_err(at_config)?;
-        let alpha_pattern = pattern(&config, "alpha_pattern", Json::as_f64).map_err(at_config)?;
+        let rank_pattern = pattern(&config, "rank_pattern", |v| {
+            v.as_u64().filter(|&n| n >= 1).map(|n| n as usize)
+        })
+        .map_err(at_config)?;
+        let alpha_pattern = pattern(&config, "alpha_pattern", |v| {
+            v.as_f64().filter(|a| positive("", *a).is_ok())
+        })
+        .map_err(at_config)?;
         let weights_path = WEIGHT_FILES
             .iter()
             .map(|f| dir.join(f))
@@ -222,14 +232,18 @@ impl PeftAdapter {
     }
 
     /// `lora_alpha / r`, or `lora_alpha / √r` with rsLoRA.
-    fn scale(&self, module: &str) -> f32 {
+    fn scale(&self, module: &str) -> Result<f32> {
         let (r, alpha) = self.rank_alpha(module);
         let r = r as f64;
-        (if self.rslora {
-            alpha / r.sqrt()
-        } else {
-            alpha / r
-        }) as f32
+        let divisor = if self.rslora { r.sqrt() } else { r };
+        lora_scale(alpha, divisor, module).with_context(|| self.config_path.display().to_string())
+    }
+
+    /// The base model the adapter was trained on (`base_model_name_or_path`), if recorded.
+    pub fn base_model(&self) -> Option<&str> {
+        (self.config.get("base_model_name_or_path"))
+            .and_then(Json::as_str)
+            .filter(|s| !s.is_empty())
     }
 
     fn shape(&self, key: &str) -> &[usize] {
@@ -279,7 +293,7 @@ impl PeftAdapter {
                      rank_pattern); expected [{r}, {cols}] and [{rows}, {r}]",
                 );
             }
-            let scale = self.scale(module);
+            let scale = self.scale(module)?;
             let blocks = hf_row_blocks(cfg, c)[part].clone();
             let edit = edits.entry(c).or_default();
             edit.terms.push(Term {
@@ -340,11 +354,7 @@ impl PeftAdapter {
             self.weights_path.display(),
             self.config_path.display()
         );
-        if let Some(base) = self
-            .config
-            .get("base_model_name_or_path")
-            .and_then(Json::as_str)
-        {
+        if let Some(base) = self.base_model() {
             out += &format!("base model: {base}\n");
         }
         let rule = if self.rslora {
@@ -352,11 +362,13 @@ impl PeftAdapter {
         } else {
             "lora_alpha/r"
         };
+        let scale = match self.scale("") {
+            Ok(s) => s.to_string(),
+            Err(e) => format!("unusable ({e:#})"),
+        };
         out += &format!(
-            "r: {}, lora_alpha: {}, scale {rule} = {}\n",
-            self.r,
-            self.alpha,
-            self.scale("")
+            "r: {}, lora_alpha: {}, scale {rule} = {scale}\n",
+            self.r, self.alpha
         );
         let ranks: Vec<String> = (self.rank_pattern.iter())
             .map(|p| format!("{}: {}", p.1, p.2))

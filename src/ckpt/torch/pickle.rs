@@ -6,10 +6,11 @@
 //! Opcode meanings follow CPython's `Lib/pickletools.py`. Every length read from the stream is
 //! checked against the bytes left before anything is allocated.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
 
 /// Element types of torch storages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// float64
     F64,
@@ -164,10 +165,10 @@ pub enum Value {
     Namespace(Vec<(String, Value)>),
     /// A `torch.<dtype>` object (e.g. `args.params_dtype`).
     TorchDType(DType),
-    /// A tensor (data not read).
-    Tensor(TensorRef),
+    /// A tensor (data not read). Boxed, like the storage: a [`Value`] stays 32 bytes.
+    Tensor(Box<TensorRef>),
     /// Internal: a storage from a persistent id, consumed by the tensor rebuild.
-    Storage(StorageRef),
+    Storage(Box<StorageRef>),
     /// Internal: an allowed global not yet called.
     Global(Global),
 }
@@ -187,7 +188,7 @@ impl Value {
 }
 
 /// The globals the reader understands; anything else is refused.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Global {
     /// `collections.OrderedDict`
     OrderedDict,
@@ -231,6 +232,21 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
     })
 }
 
+/// Containers nested deeper than this are refused. `torch.save` state dicts and Megatron
+/// checkpoints nest a dozen levels at most; the bound keeps every walk over a [`Value`] that
+/// recurses (drop, clone, comparison, the writer in `save.rs`) far from the end of a thread's stack.
+pub const MAX_DEPTH: usize = 1000;
+
+/// Memory the parsed objects of any pickle may take (see [`MEMORY_PER_PICKLE_BYTE`]).
+pub const MEMORY_FLOOR: usize = 64 << 20;
+
+/// Memory the parsed objects may take per byte of pickle, above [`MEMORY_FLOOR`]. What
+/// `torch.save` writes for state dicts and Megatron checkpoints takes 2–3 bytes of objects
+/// per byte; a list of small ints takes 16 or more, empty lists 32: such a pickle is refused
+/// once its objects outgrow the budget, long before memory runs out (a 40 MB pickle of 20 M
+/// ints at about 300 MB). Copies made by memo fetches have the same budget.
+pub const MEMORY_PER_PICKLE_BYTE: usize = 6;
+
 /// Why a pickle was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum PickleError {
@@ -253,37 +269,151 @@ pub enum PickleError {
         /// What.
         what: String,
     },
+    /// Containers nested deeper than [`MAX_DEPTH`].
+    #[error(
+        "containers nested more than {limit} deep at byte {at} of the pickle; no checkpoint \
+         nests that deep, so the file is damaged or hostile (refused before reading it could \
+         exhaust the stack)"
+    )]
+    TooDeep {
+        /// Where the limit was crossed.
+        at: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The parsed objects would take more memory than the pickle's budget.
+    #[error(
+        "the objects of this {pickle_bytes}-byte pickle would take more than {budget} bytes of \
+         memory (at byte {at}); a checkpoint's pickle needs a few bytes per byte, so the file is \
+         damaged or hostile (refused before it could exhaust memory)"
+    )]
+    TooLarge {
+        /// Where the budget ran out.
+        at: usize,
+        /// The budget in bytes.
+        budget: usize,
+        /// The pickle's size.
+        pickle_bytes: usize,
+    },
 }
 
 type Result<T> = std::result::Result<T, PickleError>;
 
+/// The bounds a parse runs under.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    depth: usize,
+    floor: usize,
+    per_byte: usize,
+}
+
+const LIMITS: Limits = Limits {
+    depth: MAX_DEPTH,
+    floor: MEMORY_FLOOR,
+    per_byte: MEMORY_PER_PICKLE_BYTE,
+};
+
+/// Bytes of one [`Value`] slot (in a container, or on the stack).
+const SLOT: usize = std::mem::size_of::<Value>();
+
+/// A value on the machine's stack or in its memo, with what the bounds need to know of it, kept
+/// up to date as it grows so that nothing ever walks it: how deep its containers nest
+/// (0 for a scalar, 1 for a container of scalars) and the bytes it holds.
+#[derive(Clone)]
+struct Obj {
+    value: Value,
+    depth: usize,
+    bytes: usize,
+}
+
+impl Obj {
+    /// A value with no children: a scalar, an empty container, a tensor, a storage.
+    fn leaf(value: Value) -> Obj {
+        let heap = match &value {
+            Value::Str(s) => s.len(),
+            Value::Bytes(b) => b.len(),
+            Value::Tensor(t) => {
+                std::mem::size_of::<TensorRef>()
+                    + t.storage.key.len()
+                    + t.storage.location.len()
+                    + 8 * (t.shape.len() + t.stride.len())
+            }
+            Value::Storage(s) => std::mem::size_of::<StorageRef>() + s.key.len() + s.location.len(),
+            _ => 0,
+        };
+        let container = matches!(
+            value,
+            Value::List(_) | Value::Tuple(_) | Value::Dict(_) | Value::Namespace(_)
+        );
+        Obj {
+            value,
+            depth: container as usize,
+            bytes: SLOT + heap,
+        }
+    }
+}
+
+/// Bytes of a container's spare capacity (what its `Vec` holds beyond its elements).
+fn spare_bytes(v: &Value) -> usize {
+    match v {
+        Value::List(x) | Value::Tuple(x) => (x.capacity() - x.len()) * SLOT,
+        Value::Dict(x) => (x.capacity() - x.len()) * 2 * SLOT,
+        Value::Namespace(x) => (x.capacity() - x.len()) * std::mem::size_of::<(String, Value)>(),
+        _ => 0,
+    }
+}
+
 /// Items on the machine's stack: values, or MARKs.
 enum Item {
     Mark,
-    Value(Value),
+    Obj(Obj),
 }
 
-struct Machine<'a> {
+/// One opcode with its argument, as the stream spells it (CPython's `Lib/pickletools.py`).
+#[derive(Debug, Clone, Copy)]
+enum Op<'a> {
+    Proto(u8),
+    Frame,
+    Stop,
+    Mark,
+    Pop,
+    PopMark,
+    Dup,
+    None,
+    Bool(bool),
+    Int(i64),
+    Long(&'a [u8]),
+    Float(f64),
+    Utf8(&'a [u8]),
+    /// SHORT_BINSTRING: a Python 2 `str`, latin-1 by torch's convention.
+    Latin1(&'a [u8]),
+    Bytes(&'a [u8]),
+    EmptyDict,
+    EmptyList,
+    EmptyTuple,
+    Tuple,
+    TupleN(usize),
+    Append,
+    Appends,
+    SetItem,
+    SetItems,
+    Put(u32),
+    Memoize,
+    Get(u32),
+    Global(&'a str, &'a str),
+    StackGlobal,
+    Call,
+    Build,
+    PersId,
+}
+
+/// The opcode stream: every length read from it is checked against the bytes left.
+struct Reader<'a> {
     data: &'a [u8],
     pos: usize,
-    stack: Vec<Item>,
-    memo: HashMap<u32, Value>,
-    copied: usize,
 }
 
-/// Parse one pickle (up to STOP) from `data`.
-pub fn parse(data: &[u8]) -> Result<Value> {
-    let mut m = Machine {
-        data,
-        pos: 0,
-        stack: Vec::new(),
-        memo: HashMap::new(),
-        copied: 0,
-    };
-    m.run()
-}
-
-impl<'a> Machine<'a> {
+impl<'a> Reader<'a> {
     fn bad<T>(&self, what: impl Into<String>) -> Result<T> {
         Err(PickleError::Malformed {
             at: self.pos,
@@ -333,50 +463,307 @@ impl<'a> Machine<'a> {
         Ok(s)
     }
 
-    fn string(&mut self, n: usize) -> Result<Value> {
-        let bytes = self.take(n)?;
-        match std::str::from_utf8(bytes) {
-            Ok(s) => Ok(Value::Str(s.to_owned())),
-            Err(_) => self.bad("string is not utf-8"),
+    /// The next opcode and its argument, with the opcode's position.
+    fn next(&mut self) -> Result<(usize, Op<'a>)> {
+        let at = self.pos;
+        let code = self.u8()?;
+        let op = match code {
+            0x80 => Op::Proto(self.u8()?),
+            0x95 => {
+                self.take(8)?; // FRAME: a length hint only
+                Op::Frame
+            }
+            b'.' => Op::Stop,
+            b'(' => Op::Mark,
+            b'0' => Op::Pop,
+            b'1' => Op::PopMark,
+            b'2' => Op::Dup,
+            b'N' => Op::None,
+            0x88 => Op::Bool(true),
+            0x89 => Op::Bool(false),
+            b'J' => Op::Int(i32::from_le_bytes(self.le()?) as i64),
+            b'K' => Op::Int(self.u8()? as i64),
+            b'M' => Op::Int(u16::from_le_bytes(self.le()?) as i64),
+            0x8a => {
+                let n = self.u8()? as usize;
+                Op::Long(self.take(n)?)
+            }
+            0x8b => {
+                let n = self.len_u32()?;
+                Op::Long(self.take(n)?)
+            }
+            b'G' => Op::Float(f64::from_be_bytes(self.le()?)),
+            b'X' => {
+                let n = self.len_u32()?;
+                Op::Utf8(self.take(n)?)
+            }
+            0x8c => {
+                let n = self.u8()? as usize;
+                Op::Utf8(self.take(n)?)
+            }
+            0x8d => {
+                let n = self.len_u64()?;
+                Op::Utf8(self.take(n)?)
+            }
+            b'U' => {
+                let n = self.u8()? as usize;
+                Op::Latin1(self.take(n)?)
+            }
+            b'C' => {
+                let n = self.u8()? as usize;
+                Op::Bytes(self.take(n)?)
+            }
+            b'B' => {
+                let n = self.len_u32()?;
+                Op::Bytes(self.take(n)?)
+            }
+            0x8e | 0x96 => {
+                let n = self.len_u64()?;
+                Op::Bytes(self.take(n)?)
+            }
+            b'}' => Op::EmptyDict,
+            b']' => Op::EmptyList,
+            b')' => Op::EmptyTuple,
+            b't' => Op::Tuple,
+            0x85..=0x87 => Op::TupleN((code - 0x84) as usize),
+            b'a' => Op::Append,
+            b'e' => Op::Appends,
+            b's' => Op::SetItem,
+            b'u' => Op::SetItems,
+            b'q' => Op::Put(self.u8()? as u32),
+            b'r' => Op::Put(u32::from_le_bytes(self.le()?)),
+            0x94 => Op::Memoize,
+            b'h' => Op::Get(self.u8()? as u32),
+            b'j' => Op::Get(u32::from_le_bytes(self.le()?)),
+            b'c' => {
+                let module = self.line()?;
+                let name = self.line()?;
+                Op::Global(module, name)
+            }
+            0x93 => Op::StackGlobal,
+            b'R' | 0x81 => Op::Call,
+            b'b' => Op::Build,
+            b'Q' => Op::PersId,
+            opcode => return Err(PickleError::UnsupportedOpcode { opcode, at }),
+        };
+        Ok((at, op))
+    }
+}
+
+/// The memo indices the pickle ever fetches. Only those are copied into the memo: `torch.save`
+/// memoizes every object it writes and fetches few of them again, so copying all would
+/// double the memory a checkpoint takes. The scan stops where the stream stops decoding
+/// (the run then reports the error in its place).
+fn fetched_memo_indices(data: &[u8]) -> HashSet<u32> {
+    let mut reader = Reader { data, pos: 0 };
+    let mut fetched = HashSet::new();
+    while let Ok((_, op)) = reader.next() {
+        match op {
+            Op::Get(i) => {
+                fetched.insert(i);
+            }
+            Op::Stop => break,
+            _ => {}
         }
     }
+    fetched
+}
 
-    fn push(&mut self, v: Value) {
-        self.stack.push(Item::Value(v));
+/// Which memo indices were stored, for MEMOIZE (whose index is the memo's size): indices
+/// stored in order (what picklers write) take no memory; only others are kept in a set.
+#[derive(Default)]
+struct MemoIndices {
+    /// Every index below it was stored.
+    dense: u32,
+    sparse: HashSet<u32>,
+}
+
+impl MemoIndices {
+    fn len(&self) -> usize {
+        self.dense as usize + self.sparse.len()
     }
 
-    fn pop(&mut self) -> Result<Value> {
+    /// Record index `i`; true when the set grew.
+    fn insert(&mut self, i: u32) -> bool {
+        if i < self.dense {
+            return false;
+        }
+        if i > self.dense {
+            return self.sparse.insert(i);
+        }
+        self.dense += 1;
+        while self.dense < u32::MAX && self.sparse.remove(&self.dense) {
+            self.dense += 1;
+        }
+        true
+    }
+}
+
+/// Bytes a memo index kept in a set takes (with the set's spare room).
+const SET_ENTRY: usize = 16;
+
+struct Machine<'a> {
+    reader: Reader<'a>,
+    stack: Vec<Item>,
+    /// Memo indices fetched somewhere in the stream (see [`fetched_memo_indices`]).
+    fetched: HashSet<u32>,
+    memo: HashMap<u32, Obj>,
+    stored: MemoIndices,
+    limits: Limits,
+    /// Bytes held by the stack and the memo now.
+    live: usize,
+    /// Bytes copied by memo fetches and DUPs so far (a copy is work even when it is dropped).
+    copied: usize,
+}
+
+/// Parse one pickle (up to STOP) from `data`, within [`MAX_DEPTH`] and the memory budget
+/// ([`MEMORY_FLOOR`] + [`MEMORY_PER_PICKLE_BYTE`] per byte of `data`).
+pub fn parse(data: &[u8]) -> Result<Value> {
+    parse_within(data, LIMITS)
+}
+
+fn parse_within(data: &[u8], limits: Limits) -> Result<Value> {
+    let fetched = fetched_memo_indices(data);
+    let mut m = Machine {
+        reader: Reader { data, pos: 0 },
+        live: fetched.len() * SET_ENTRY,
+        fetched,
+        stack: Vec::new(),
+        memo: HashMap::new(),
+        stored: MemoIndices::default(),
+        limits,
+        copied: 0,
+    };
+    m.check_budget()?;
+    let mut root = m.run()?;
+    dedupe_keys(&mut root);
+    Ok(root)
+}
+
+impl Machine<'_> {
+    fn bad<T>(&self, what: impl Into<String>) -> Result<T> {
+        self.reader.bad(what)
+    }
+
+    fn budget(&self) -> usize {
+        let per_byte = (self.limits.per_byte).saturating_mul(self.reader.data.len());
+        self.limits.floor.saturating_add(per_byte)
+    }
+
+    /// Refuse once what is held (values, the stack's and the memo's room), or what was
+    /// copied, outgrows the budget.
+    fn check_budget(&self) -> Result<()> {
+        let budget = self.budget();
+        let room = self.stack.capacity() * std::mem::size_of::<Item>()
+            + self.memo.capacity() * std::mem::size_of::<(u32, Obj)>();
+        if self.live + room > budget || self.copied > budget {
+            return Err(PickleError::TooLarge {
+                at: self.reader.pos,
+                budget,
+                pickle_bytes: self.reader.data.len(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_depth(&self, depth: usize) -> Result<()> {
+        if depth > self.limits.depth {
+            return Err(PickleError::TooDeep {
+                at: self.reader.pos,
+                limit: self.limits.depth,
+            });
+        }
+        Ok(())
+    }
+
+    fn push_obj(&mut self, obj: Obj) -> Result<()> {
+        self.live += obj.bytes;
+        self.stack.push(Item::Obj(obj));
+        self.check_budget()
+    }
+
+    fn push(&mut self, v: Value) -> Result<()> {
+        self.push_obj(Obj::leaf(v))
+    }
+
+    fn pop(&mut self) -> Result<Obj> {
         match self.stack.pop() {
-            Some(Item::Value(v)) => Ok(v),
+            Some(Item::Obj(o)) => {
+                self.live -= o.bytes;
+                Ok(o)
+            }
             Some(Item::Mark) => self.bad("unexpected MARK"),
             None => self.bad("stack underflow"),
         }
     }
 
-    fn top(&mut self) -> Result<&mut Value> {
+    fn top(&mut self) -> Result<&mut Obj> {
         match self.stack.last_mut() {
-            Some(Item::Value(v)) => Ok(v),
-            _ => Err(PickleError::Malformed {
-                at: self.pos,
-                what: "no value on the stack".into(),
-            }),
+            Some(Item::Obj(o)) => Ok(o),
+            _ => self.reader.bad("no value on the stack"),
         }
     }
 
     /// Everything above the topmost MARK (which is removed).
-    fn pop_mark(&mut self) -> Result<Vec<Value>> {
+    fn pop_mark(&mut self) -> Result<Vec<Obj>> {
         let Some(mark) = self.stack.iter().rposition(|i| matches!(i, Item::Mark)) else {
             return self.bad("no MARK");
         };
         let items = self.stack.split_off(mark + 1);
         self.stack.pop();
-        Ok(items
+        let objs: Vec<Obj> = items
             .into_iter()
             .map(|i| match i {
-                Item::Value(v) => v,
+                Item::Obj(o) => o,
                 Item::Mark => unreachable!("rposition found the topmost mark"),
             })
-            .collect())
+            .collect();
+        self.live -= objs.iter().map(|o| o.bytes).sum::<usize>();
+        Ok(objs)
+    }
+
+    /// Move `children` (already off the stack) into the container on top of the stack with
+    /// `insert`, counting their bytes, the container's spare capacity and its new depth.
+    fn adopt(
+        &mut self,
+        children: Vec<Obj>,
+        insert: impl FnOnce(&mut Value, Vec<Value>),
+    ) -> Result<()> {
+        let bytes: usize = children.iter().map(|o| o.bytes).sum();
+        let deepest = children.iter().map(|o| o.depth).max().unwrap_or(0);
+        let top = self.top()?;
+        let spare_before = spare_bytes(&top.value);
+        insert(
+            &mut top.value,
+            children.into_iter().map(|o| o.value).collect(),
+        );
+        let grown = bytes + spare_bytes(&top.value);
+        // `top.bytes` and `live` include `spare_before`: no underflow.
+        top.bytes = top.bytes + grown - spare_before;
+        top.depth = top.depth.max(deepest + 1);
+        let depth = top.depth;
+        self.live = self.live + grown - spare_before;
+        self.check_depth(depth)?;
+        self.check_budget()
+    }
+
+    /// A tuple of `items` (already off the stack), pushed.
+    fn push_tuple(&mut self, items: Vec<Obj>) -> Result<()> {
+        let depth = 1 + items.iter().map(|o| o.depth).max().unwrap_or(0);
+        self.check_depth(depth)?;
+        let bytes = SLOT + items.iter().map(|o| o.bytes).sum::<usize>();
+        let value = Value::Tuple(items.into_iter().map(|o| o.value).collect());
+        self.push_obj(Obj {
+            value,
+            depth,
+            bytes,
+        })
+    }
+
+    /// Charge a copy of `bytes` (memo store and fetch, DUP) before making it.
+    fn charge_copy(&mut self, bytes: usize) -> Result<()> {
+        self.copied = self.copied.saturating_add(bytes);
+        self.check_budget()
     }
 
     fn global(&self, module: &str, name: &str) -> Result<Value> {
@@ -387,229 +774,164 @@ impl<'a> Machine<'a> {
         }
     }
 
-    /// Charge a copy of `v` (memo fetch, DUP) against the budget, so that a small pickle
-    /// cannot expand into an enormous tree by fetching a container over and over.
-    fn charge(&mut self, v: &Value) -> Result<()> {
-        fn nodes(v: &Value) -> usize {
-            match v {
-                Value::List(x) | Value::Tuple(x) => 1 + x.iter().map(nodes).sum::<usize>(),
-                Value::Dict(x) => 1 + x.iter().map(|(k, v)| nodes(k) + nodes(v)).sum::<usize>(),
-                Value::Namespace(x) => 1 + x.iter().map(|(_, v)| nodes(v)).sum::<usize>(),
-                Value::Str(s) => 1 + s.len() / 64,
-                Value::Bytes(b) => 1 + b.len() / 64,
-                _ => 1,
-            }
-        }
-        self.copied += nodes(v);
-        if self.copied > 1_000_000 + 16 * self.data.len() {
-            return self.bad("the pickle expands far beyond its size (repeated memo fetches)");
-        }
-        Ok(())
-    }
-
-    fn memo_get(&mut self, i: u32) -> Result<Value> {
-        let Some(v) = self.memo.get(&i).cloned() else {
+    fn memo_get(&mut self, i: u32) -> Result<()> {
+        let Some(bytes) = self.memo.get(&i).map(|v| v.bytes) else {
             return self.bad(format!("memo {i} is not set"));
         };
-        self.charge(&v)?;
-        Ok(v)
+        self.charge_copy(bytes)?;
+        let v = self.memo[&i].clone();
+        self.push_obj(v)
     }
 
+    /// Store the top of the stack as memo `i` (a copy only when some opcode fetches it).
     fn memo_put(&mut self, i: u32) -> Result<()> {
-        let v = self.top()?.clone();
-        self.charge(&v)?;
-        self.memo.insert(i, v);
-        Ok(())
+        let bytes = self.top()?.bytes;
+        if self.stored.insert(i) && i > self.stored.dense {
+            self.live += SET_ENTRY;
+        }
+        if self.fetched.contains(&i) {
+            self.charge_copy(bytes)?;
+            let v = self.top()?.clone();
+            self.live += v.bytes;
+            if let Some(old) = self.memo.insert(i, v) {
+                self.live -= old.bytes;
+            }
+        }
+        self.check_budget()
     }
 
     fn run(&mut self) -> Result<Value> {
         loop {
-            let at = self.pos;
-            let op = self.u8()?;
+            let (at, op) = self.reader.next()?;
             match op {
-                0x80 => {
-                    let proto = self.u8()?;
+                Op::Proto(proto) => {
                     if !(2..=5).contains(&proto) {
                         return self.bad(format!("protocol {proto} (2 to 5 supported)"));
                     }
                 }
-                0x95 => {
-                    self.take(8)?; // FRAME: a length hint only
+                Op::Frame => {}
+                Op::Stop => return Ok(self.pop()?.value),
+                Op::Mark => self.stack.push(Item::Mark),
+                Op::Pop => {
+                    if let Some(Item::Obj(o)) = self.stack.pop() {
+                        self.live -= o.bytes;
+                    }
                 }
-                b'.' => return self.pop(),
-                b'(' => self.stack.push(Item::Mark),
-                b'0' => {
-                    self.stack.pop();
-                }
-                b'1' => {
+                Op::PopMark => {
                     self.pop_mark()?;
                 }
-                b'2' => {
+                Op::Dup => {
+                    let bytes = self.top()?.bytes;
+                    self.charge_copy(bytes)?;
                     let v = self.top()?.clone();
-                    self.charge(&v)?;
-                    self.push(v);
+                    self.push_obj(v)?;
                 }
-                b'N' => self.push(Value::None),
-                0x88 => self.push(Value::Bool(true)),
-                0x89 => self.push(Value::Bool(false)),
-                b'J' => {
-                    let i = i32::from_le_bytes(self.le()?);
-                    self.push(Value::Int(i as i64));
-                }
-                b'K' => {
-                    let i = self.u8()?;
-                    self.push(Value::Int(i as i64));
-                }
-                b'M' => {
-                    let i = u16::from_le_bytes(self.le()?);
-                    self.push(Value::Int(i as i64));
-                }
-                0x8a => {
-                    let n = self.u8()? as usize;
-                    let v = self.long(n)?;
-                    self.push(v);
-                }
-                0x8b => {
-                    let n = self.len_u32()?;
-                    let v = self.long(n)?;
-                    self.push(v);
-                }
-                b'G' => {
-                    let f = f64::from_be_bytes(self.le()?);
-                    self.push(Value::Float(f));
-                }
-                b'X' => {
-                    let n = self.len_u32()?;
-                    let v = self.string(n)?;
-                    self.push(v);
-                }
-                0x8c => {
-                    let n = self.u8()? as usize;
-                    let v = self.string(n)?;
-                    self.push(v);
-                }
-                0x8d => {
-                    let n = self.len_u64()?;
-                    let v = self.string(n)?;
-                    self.push(v);
-                }
-                b'U' => {
-                    // SHORT_BINSTRING: Python 2 str, latin-1 by torch's convention.
-                    let n = self.u8()? as usize;
-                    let s = self.take(n)?.iter().map(|&b| b as char).collect();
-                    self.push(Value::Str(s));
-                }
-                b'C' => {
-                    let n = self.u8()? as usize;
-                    let b = self.take(n)?.to_vec();
-                    self.push(Value::Bytes(b));
-                }
-                b'B' => {
-                    let n = self.len_u32()?;
-                    let b = self.take(n)?.to_vec();
-                    self.push(Value::Bytes(b));
-                }
-                0x8e | 0x96 => {
-                    let n = self.len_u64()?;
-                    let b = self.take(n)?.to_vec();
-                    self.push(Value::Bytes(b));
-                }
-                b'}' => self.push(Value::Dict(Vec::new())),
-                b']' => self.push(Value::List(Vec::new())),
-                b')' => self.push(Value::Tuple(Vec::new())),
-                b't' => {
-                    let items = self.pop_mark()?;
-                    self.push(Value::Tuple(items));
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    if self.stack.len() < n {
-                        return self.bad("stack underflow");
-                    }
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop()?);
-                    }
-                    items.reverse();
-                    self.push(Value::Tuple(items));
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    self.extend_list(vec![v])?;
-                }
-                b'e' => {
-                    let items = self.pop_mark()?;
-                    self.extend_list(items)?;
-                }
-                b's' => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
-                    self.set_items(vec![k, v])?;
-                }
-                b'u' => {
-                    let items = self.pop_mark()?;
-                    self.set_items(items)?;
-                }
-                b'q' => {
-                    let i = self.u8()? as u32;
+                Op::Put(i) => self.memo_put(i)?,
+                Op::Memoize => {
+                    let i = u32::try_from(self.stored.len())
+                        .or_else(|_| self.bad("more than 2^32 memo entries"))?;
                     self.memo_put(i)?;
                 }
-                b'r' => {
-                    let i = self.len_u32()? as u32;
-                    self.memo_put(i)?;
-                }
-                0x94 => {
-                    let i = self.memo.len() as u32;
-                    self.memo_put(i)?;
-                }
-                b'h' => {
-                    let i = self.u8()? as u32;
-                    let v = self.memo_get(i)?;
-                    self.push(v);
-                }
-                b'j' => {
-                    let i = self.len_u32()? as u32;
-                    let v = self.memo_get(i)?;
-                    self.push(v);
-                }
-                b'c' => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    let g = self.global(module, name)?;
-                    self.push(g);
-                }
-                0x93 => {
-                    let name = self.pop()?;
-                    let module = self.pop()?;
-                    let (Value::Str(module), Value::Str(name)) = (module, name) else {
-                        return self.bad("STACK_GLOBAL needs two strings");
-                    };
-                    let g = self.global(&module, &name)?;
-                    self.push(g);
-                }
-                b'R' | 0x81 => {
-                    let args = self.pop()?;
-                    let func = self.pop()?;
-                    let v = self.call(func, args)?;
-                    self.push(v);
-                }
-                b'b' => {
-                    let state = self.pop()?;
-                    self.build(state)?;
-                }
-                b'Q' => {
-                    let pid = self.pop()?;
-                    let v = self.persistent(pid)?;
-                    self.push(v);
-                }
-                _ => return Err(PickleError::UnsupportedOpcode { opcode: op, at }),
+                Op::Get(i) => self.memo_get(i)?,
+                _ => self.build_value(op, at)?,
             }
         }
     }
 
+    /// The opcodes that make or combine values.
+    fn build_value(&mut self, op: Op, at: usize) -> Result<()> {
+        match op {
+            Op::None => self.push(Value::None),
+            Op::Bool(b) => self.push(Value::Bool(b)),
+            Op::Int(i) => self.push(Value::Int(i)),
+            Op::Long(bytes) => {
+                let v = self.long(bytes)?;
+                self.push(v)
+            }
+            Op::Float(f) => self.push(Value::Float(f)),
+            Op::Utf8(bytes) => match std::str::from_utf8(bytes) {
+                Ok(s) => self.push(Value::Str(s.to_owned())),
+                Err(_) => self.bad("string is not utf-8"),
+            },
+            Op::Latin1(bytes) => self.push(Value::Str(bytes.iter().map(|&b| b as char).collect())),
+            Op::Bytes(bytes) => self.push(Value::Bytes(bytes.to_vec())),
+            Op::EmptyDict => self.push(Value::Dict(Vec::new())),
+            Op::EmptyList => self.push(Value::List(Vec::new())),
+            Op::EmptyTuple => self.push(Value::Tuple(Vec::new())),
+            Op::Tuple => {
+                let items = self.pop_mark()?;
+                self.push_tuple(items)
+            }
+            Op::TupleN(n) => {
+                if self.stack.len() < n {
+                    return self.bad("stack underflow");
+                }
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.pop()?);
+                }
+                items.reverse();
+                self.push_tuple(items)
+            }
+            Op::Append => {
+                let v = self.pop()?;
+                self.extend_list(vec![v])
+            }
+            Op::Appends => {
+                let items = self.pop_mark()?;
+                self.extend_list(items)
+            }
+            Op::SetItem => {
+                let v = self.pop()?;
+                let k = self.pop()?;
+                self.set_items(vec![k, v])
+            }
+            Op::SetItems => {
+                let items = self.pop_mark()?;
+                self.set_items(items)
+            }
+            _ => self.call_like(op, at),
+        }
+    }
+
+    /// Globals, calls, BUILD and persistent ids.
+    fn call_like(&mut self, op: Op, at: usize) -> Result<()> {
+        match op {
+            Op::Global(module, name) => {
+                let g = self.global(module, name)?;
+                self.push(g)
+            }
+            Op::StackGlobal => {
+                let name = self.pop()?.value;
+                let module = self.pop()?.value;
+                let (Value::Str(module), Value::Str(name)) = (module, name) else {
+                    return self.bad("STACK_GLOBAL needs two strings");
+                };
+                let g = self.global(&module, &name)?;
+                self.push(g)
+            }
+            Op::Call => {
+                let args = self.pop()?.value;
+                let func = self.pop()?.value;
+                let v = self.call(func, args)?;
+                self.push(v)
+            }
+            Op::Build => {
+                let state = self.pop()?;
+                self.build(state)
+            }
+            Op::PersId => {
+                let pid = self.pop()?.value;
+                let v = self.persistent(pid)?;
+                self.push(v)
+            }
+            _ => unreachable!("run and build_value handle {op:?} at byte {at}"),
+        }
+    }
+
     /// LONG1/LONG4: little-endian two's complement; must fit in i64.
-    fn long(&mut self, n: usize) -> Result<Value> {
-        let bytes = self.take(n)?;
+    fn long(&self, bytes: &[u8]) -> Result<Value> {
+        let n = bytes.len();
         if n > 8 {
             return self.bad(format!("integer of {n} bytes"));
         }
@@ -623,31 +945,43 @@ impl<'a> Machine<'a> {
         Ok(Value::Int(i64::from_le_bytes(b)))
     }
 
-    fn extend_list(&mut self, items: Vec<Value>) -> Result<()> {
-        match self.top()? {
-            Value::List(list) => {
-                list.extend(items);
-                Ok(())
-            }
-            _ => self.bad("APPEND to a non-list"),
+    fn extend_list(&mut self, items: Vec<Obj>) -> Result<()> {
+        if !matches!(self.top()?.value, Value::List(_)) {
+            return self.bad("APPEND to a non-list");
         }
+        self.adopt(items, |list, items| {
+            if let Value::List(list) = list {
+                list.extend(items);
+            }
+        })
     }
 
-    fn set_items(&mut self, items: Vec<Value>) -> Result<()> {
+    /// SETITEM(S): pairs appended in order; a repeated key is resolved once parsing ends
+    /// ([`dedupe_keys`]), so that a large dict costs no comparison per insertion.
+    fn set_items(&mut self, items: Vec<Obj>) -> Result<()> {
         if !items.len().is_multiple_of(2) {
             return self.bad("SETITEMS with an odd number of items");
         }
-        let Value::Dict(dict) = self.top()? else {
+        if !matches!(self.top()?.value, Value::Dict(_)) {
             return self.bad("SETITEM on a non-dict");
-        };
-        let mut it = items.into_iter();
-        while let (Some(k), Some(v)) = (it.next(), it.next()) {
-            match dict.iter_mut().find(|(old, _)| *old == k) {
-                Some(slot) => slot.1 = v,
-                None => dict.push((k, v)),
-            }
         }
-        Ok(())
+        let unhashable = |o: &Obj| {
+            matches!(
+                o.value,
+                Value::List(_) | Value::Dict(_) | Value::Namespace(_)
+            )
+        };
+        if items.iter().step_by(2).any(unhashable) {
+            return self.bad("a list, dict or Namespace as a dict key (unhashable in Python)");
+        }
+        self.adopt(items, |dict, items| {
+            if let Value::Dict(dict) = dict {
+                let mut it = items.into_iter();
+                while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                    dict.push((k, v));
+                }
+            }
+        })
     }
 
     fn call(&self, func: Value, args: Value) -> Result<Value> {
@@ -665,7 +999,7 @@ impl<'a> Machine<'a> {
                     return self.bad("_rebuild_tensor_v2 without a storage");
                 };
                 let tensor = TensorRef {
-                    storage: storage.clone(),
+                    storage: (**storage).clone(),
                     offset: self.uint(offset)?,
                     shape: self.uints(size)?,
                     stride: self.uints(stride)?,
@@ -673,7 +1007,7 @@ impl<'a> Machine<'a> {
                 if tensor.shape.len() != tensor.stride.len() {
                     return self.bad("tensor shape and stride differ in rank");
                 }
-                Ok(Value::Tensor(tensor))
+                Ok(Value::Tensor(Box::new(tensor)))
             }
             (Global::RebuildParameter, [tensor @ Value::Tensor(_), ..]) => Ok(tensor.clone()),
             (Global::CodecsEncode, [Value::Str(s), Value::Str(enc)]) if enc == "latin1" => {
@@ -702,25 +1036,26 @@ impl<'a> Machine<'a> {
         }
     }
 
-    fn build(&mut self, state: Value) -> Result<()> {
-        let pos = self.pos;
-        match (self.top()?, state) {
-            (Value::Namespace(attrs), Value::Dict(items)) => {
-                for (k, v) in items {
-                    let Value::Str(k) = k else {
-                        return Err(PickleError::Malformed {
-                            at: pos,
-                            what: "Namespace attribute name is not a string".into(),
-                        });
-                    };
-                    attrs.push((k, v));
+    fn build(&mut self, state: Obj) -> Result<()> {
+        match (&self.top()?.value, &state.value) {
+            (Value::Namespace(_), Value::Dict(items)) => {
+                if !items.iter().all(|(k, _)| matches!(k, Value::Str(_))) {
+                    return self.bad("Namespace attribute name is not a string");
                 }
-                Ok(())
             }
             // OrderedDict state (e.g. a module state_dict's `_metadata`) carries no tensors.
-            (Value::Dict(_), _) => Ok(()),
-            _ => self.bad("BUILD on an object that takes no state"),
+            (Value::Dict(_), _) => return Ok(()),
+            _ => return self.bad("BUILD on an object that takes no state"),
         }
+        self.adopt(vec![state], |attrs, mut state| {
+            if let (Value::Namespace(attrs), [Value::Dict(items)]) = (attrs, &mut state[..]) {
+                for (k, v) in items.drain(..) {
+                    if let Value::Str(k) = k {
+                        attrs.push((k, v));
+                    }
+                }
+            }
+        })
     }
 
     fn persistent(&self, pid: Value) -> Result<Value> {
@@ -731,15 +1066,120 @@ impl<'a> Machine<'a> {
             [Value::Str(tag), Value::Global(Global::StorageClass(dtype)), Value::Str(key), Value::Str(location), numel]
                 if tag == "storage" =>
             {
-                Ok(Value::Storage(StorageRef {
+                Ok(Value::Storage(Box::new(StorageRef {
                     key: key.clone(),
                     dtype: *dtype,
                     location: location.clone(),
                     numel: self.uint(numel)?,
-                }))
+                })))
             }
             _ => self.bad("persistent id is not ('storage', torch.XStorage, key, location, numel)"),
         }
+    }
+}
+
+/// Python's dict semantics for a key assigned twice: the first position, the last value.
+/// One pass over the parsed tree (an explicit stack, no recursion over its depth); keys are
+/// found by hash, so a large dict costs no comparison per insertion. Keys are equal as
+/// values, floats by their bits.
+fn dedupe_keys(root: &mut Value) {
+    let state = std::collections::hash_map::RandomState::new();
+    let mut todo: Vec<&mut Value> = vec![root];
+    while let Some(v) = todo.pop() {
+        match v {
+            Value::Dict(items) => {
+                dedupe(items, |k| state.hash_one(KeyHash(k)), same_key);
+                for (k, v) in items.iter_mut() {
+                    todo.push(k);
+                    todo.push(v);
+                }
+            }
+            Value::Namespace(attrs) => {
+                dedupe(attrs, |k| state.hash_one(k), |a, b| a == b);
+                todo.extend(attrs.iter_mut().map(|(_, v)| v));
+            }
+            Value::List(items) | Value::Tuple(items) => todo.extend(items.iter_mut()),
+            _ => {}
+        }
+    }
+}
+
+/// Keep the first position of each key with the value of its last occurrence.
+fn dedupe<K>(items: &mut Vec<(K, Value)>, hash: impl Fn(&K) -> u64, same: impl Fn(&K, &K) -> bool) {
+    if items.len() < 2 {
+        return;
+    }
+    // first[i]: the index of the first item with item i's key.
+    let mut first = Vec::with_capacity(items.len());
+    let mut by_hash: HashMap<u64, usize> = HashMap::new();
+    // Items whose hash another key had first (a 64-bit collision: practically never).
+    let mut collided: Vec<usize> = Vec::new();
+    for (i, (k, _)) in items.iter().enumerate() {
+        let f = match by_hash.get(&hash(k)) {
+            None => {
+                by_hash.insert(hash(k), i);
+                i
+            }
+            Some(&j) if same(&items[j].0, k) => j,
+            Some(_) => match collided.iter().find(|&&j| same(&items[j].0, k)) {
+                Some(&j) => j,
+                None => {
+                    collided.push(i);
+                    i
+                }
+            },
+        };
+        first.push(f);
+    }
+    if first.iter().enumerate().all(|(i, &f)| i == f) {
+        return;
+    }
+    let mut slots: Vec<Option<(K, Value)>> = std::mem::take(items).into_iter().map(Some).collect();
+    for (i, &f) in first.iter().enumerate() {
+        if f != i {
+            let (_, v) = slots[i].take().expect("each item moves once");
+            if let Some(slot) = slots[f].as_mut() {
+                slot.1 = v;
+            }
+        }
+    }
+    items.extend(slots.into_iter().flatten());
+}
+
+/// A dict key hashed as [`same_key`] compares it (depth bounded by [`MAX_DEPTH`]).
+struct KeyHash<'a>(&'a Value);
+
+impl std::hash::Hash for KeyHash<'_> {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self.0).hash(h);
+        match self.0 {
+            Value::Bool(b) => b.hash(h),
+            Value::Int(i) => i.hash(h),
+            Value::Float(f) => f.to_bits().hash(h),
+            Value::Str(s) => s.hash(h),
+            Value::Bytes(b) => b.hash(h),
+            Value::List(x) | Value::Tuple(x) => {
+                x.len().hash(h);
+                x.iter().for_each(|v| KeyHash(v).hash(h));
+            }
+            Value::TorchDType(d) => d.hash(h),
+            Value::Global(g) => g.hash(h),
+            Value::Tensor(t) => (&t.storage.key, t.offset, &t.shape).hash(h),
+            Value::Storage(s) => s.key.hash(h),
+            // None; dicts and Namespaces are refused as keys (SETITEM).
+            _ => {}
+        }
+    }
+}
+
+/// Keys equal as values, floats by their bits (so a NaN key matches itself).
+fn same_key(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Float(x), Value::Float(y)) => x.to_bits() == y.to_bits(),
+        (Value::List(x), Value::List(y)) | (Value::Tuple(x), Value::Tuple(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same_key(a, b))
+        }
+        _ => a == b,
     }
 }
 
@@ -794,6 +1234,121 @@ mod tests {
             .contains("needs 4294967295 bytes"));
         let p = b"\x80\x04\x8d\xff\xff\xff\xff\xff\xff\xff\x7f.";
         assert!(parse(p).is_err());
+    }
+
+    /// `bf16_state_dict()` with `["nest"] = [[[…]]]`, `lists` lists deep, beside the tensor.
+    fn with_nested_lists(lists: usize) -> Vec<u8> {
+        let mut p = bf16_state_dict();
+        p.pop(); // STOP
+        p.extend_from_slice(b"X\x04\x00\x00\x00nest");
+        p.extend(std::iter::repeat_n(b']', lists));
+        p.extend(std::iter::repeat_n(b'a', lists - 1));
+        p.extend_from_slice(b"s.");
+        p
+    }
+
+    #[test]
+    fn issue17_item1_nesting_is_bounded() {
+        for p in [
+            with_nested_lists(200_000),
+            with_nested_lists(MAX_DEPTH),
+            [&b"\x80\x02)"[..], &[0x85; 200_000], b"."].concat(),
+        ] {
+            let e = parse(&p).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    PickleError::TooDeep {
+                        limit: MAX_DEPTH,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("nested more than 1000 deep"), "{e}");
+        }
+        // At the limit (the dict holds the lists) the value parses, and what walks it
+        // recursively (clone, comparison, Debug, the writer, drop) fits a thread's default stack.
+        let at_limit = with_nested_lists(MAX_DEPTH - 1);
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let v = parse(&at_limit).unwrap();
+                let copy = v.clone();
+                assert_eq!(copy, v);
+                assert!(format!("{v:?}").len() > 2 * MAX_DEPTH);
+                let dir = tempfile::tempdir().unwrap();
+                let Some(Value::List(nest)) = v.get("nest") else {
+                    panic!("no nest")
+                };
+                let only_nest =
+                    Value::Dict(vec![(Value::Str("nest".into()), Value::List(nest.clone()))]);
+                let path = dir.path().join("nest.pt");
+                crate::ckpt::torch::save::PtWriter::create(&path, &only_nest, false)
+                    .unwrap()
+                    .finish()
+                    .unwrap();
+                let back = crate::ckpt::torch::TorchFile::open(&path).unwrap();
+                assert_eq!(back.root(), &only_nest);
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+    }
+
+    #[test]
+    fn issue17_item2_memory_is_budgeted() {
+        // The issue's 40 MB pickle of 20 M ints (2 bytes each), scaled down 40 times with the floor.
+        let limits = Limits {
+            floor: MEMORY_FLOOR / 40,
+            ..LIMITS
+        };
+        let bomb = [&b"\x80\x02]("[..], &b"K\x01".repeat(500_000), b"e."].concat();
+        assert_eq!(bomb.len(), 1_000_006);
+        let e = parse_within(&bomb, limits).unwrap_err();
+        assert!(matches!(e, PickleError::TooLarge { .. }), "{e}");
+        assert!(e.to_string().contains("would take more than"), "{e}");
+        // The same ints in batches of 1000, as pickle writes lists.
+        let batched = [
+            &b"\x80\x02]"[..],
+            &[&b"("[..], &b"K\x01".repeat(1000), b"e"]
+                .concat()
+                .repeat(500),
+            b".",
+        ]
+        .concat();
+        assert!(matches!(
+            parse_within(&batched, limits),
+            Err(PickleError::TooLarge { .. })
+        ));
+        // A list fetched from the memo over and over: copies have the same budget.
+        let fetches = [
+            &b"\x80\x02]("[..],
+            &b"K\x01".repeat(1000),
+            b"eq\x000",
+            &b"h\x000".repeat(100_000),
+            b"N.",
+        ]
+        .concat();
+        assert!(matches!(parse(&fetches), Err(PickleError::TooLarge { .. })));
+        // What torch writes parses within the scaled budget.
+        assert!(parse_within(&bf16_state_dict(), limits).is_ok());
+    }
+
+    #[test]
+    fn a_repeated_key_keeps_its_first_position_and_last_value() {
+        // {'a': 1, 'b': 2, 'a': 3} as SETITEMS, then ('k', 4) by SETITEM.
+        let p = b"\x80\x02}(X\x01\x00\x00\x00aK\x01X\x01\x00\x00\x00bK\x02X\x01\x00\x00\x00aK\x03uX\x01\x00\x00\x00kK\x04s.";
+        let v = parse(p).unwrap();
+        let s = |k: &str| Value::Str(k.into());
+        assert_eq!(
+            v,
+            Value::Dict(vec![
+                (s("a"), Value::Int(3)),
+                (s("b"), Value::Int(2)),
+                (s("k"), Value::Int(4))
+            ])
+        );
     }
 
     proptest::proptest! {

@@ -5,6 +5,7 @@
 
 use super::pickle::{DType, TensorRef, Value};
 use super::TorchError;
+use std::borrow::Cow;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use zip::write::SimpleFileOptions;
@@ -158,17 +159,20 @@ fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), String> 
                 out.push(op::APPENDS);
             }
         }
-        Value::Tuple(items) => {
-            write_tuple(out, items.iter().map(|i| Item::Value(i.clone())).collect())?
-        }
+        Value::Tuple(items) => write_tuple(out, items.iter().map(Item::Value).collect())?,
         Value::Dict(items) => {
             out.push(op::EMPTY_DICT);
-            write_items(out, items.iter().map(|(k, v)| (k.clone(), v)))?;
+            write_items(out, items.iter().map(|(k, v)| (Cow::Borrowed(k), v)))?;
         }
         Value::Namespace(attrs) => {
             write_global(out, "argparse", "Namespace");
             out.extend_from_slice(&[op::EMPTY_TUPLE, op::NEWOBJ, op::EMPTY_DICT]);
-            write_items(out, attrs.iter().map(|(k, v)| (Value::Str(k.clone()), v)))?;
+            write_items(
+                out,
+                attrs
+                    .iter()
+                    .map(|(k, v)| (Cow::Owned(Value::Str(k.clone())), v)),
+            )?;
             out.push(op::BUILD);
         }
         Value::TorchDType(d) => write_global(out, "torch", d.torch_name()),
@@ -182,8 +186,8 @@ fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), String> 
 
 /// A tuple element: a value, a storage's persistent id, or the empty backward-hooks
 /// `OrderedDict()` of a tensor.
-enum Item {
-    Value(Value),
+enum Item<'a> {
+    Value(&'a Value),
     Storage(String, DType, u64),
     EmptyOrderedDict,
 }
@@ -196,7 +200,7 @@ fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), S
     out.push(op::MARK);
     for item in items {
         match item {
-            Item::Value(v) => write_value(out, &v)?,
+            Item::Value(v) => write_value(out, v)?,
             Item::Storage(key, dtype, numel) => {
                 out.push(op::MARK);
                 write_str(out, "storage");
@@ -219,15 +223,16 @@ fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), S
 /// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())`.
 fn write_tensor(out: &mut Vec<u8>, t: &TensorRef) -> std::result::Result<(), String> {
     let ints = |xs: &[u64]| Value::Tuple(xs.iter().map(|&x| Value::Int(x as i64)).collect());
+    let (offset, shape, stride) = (Value::Int(t.offset as i64), ints(&t.shape), ints(&t.stride));
     write_global(out, "torch._utils", "_rebuild_tensor_v2");
     write_tuple(
         out,
         vec![
             Item::Storage(t.storage.key.clone(), t.storage.dtype, t.storage.numel),
-            Item::Value(Value::Int(t.offset as i64)),
-            Item::Value(ints(&t.shape)),
-            Item::Value(ints(&t.stride)),
-            Item::Value(Value::Bool(false)),
+            Item::Value(&offset),
+            Item::Value(&shape),
+            Item::Value(&stride),
+            Item::Value(&Value::Bool(false)),
             Item::EmptyOrderedDict,
         ],
     )?;
@@ -237,7 +242,7 @@ fn write_tensor(out: &mut Vec<u8>, t: &TensorRef) -> std::result::Result<(), Str
 
 fn write_items<'a>(
     out: &mut Vec<u8>,
-    items: impl Iterator<Item = (Value, &'a Value)>,
+    items: impl Iterator<Item = (Cow<'a, Value>, &'a Value)>,
 ) -> std::result::Result<(), String> {
     let items: Vec<_> = items.collect();
     for chunk in items.chunks(1000) {

@@ -1,0 +1,457 @@
+//! Hostile and malformed checkpoints (issue 17): deep pickles, configuration fields of the wrong
+//! type or out of range, LoRA scales that overflow, missing rank files, an adapter trained on
+//! another base. Each must end in a clear error (exit 1) naming the file and field, and leave
+//! no output behind — or, for the adapter, a warning.
+
+mod common;
+
+use common::{convert, copy_dir, fixture, leftovers, mindkit as run};
+use serde_json::{json, Value as Json};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// Rewrite the `.pt` file at `path` with `edit` applied to its `data.pkl` (other records kept).
+fn edit_pickle(path: &Path, edit: impl Fn(&mut Vec<u8>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let mut archive = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+    let mut out = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    let stored =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for i in 0..archive.len() {
+        let mut entry = archive.by_index(i).unwrap();
+        let name = entry.name().to_string();
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data).unwrap();
+        if name.ends_with("/data.pkl") {
+            edit(&mut data);
+        }
+        out.start_file(name, stored).unwrap();
+        out.write_all(&data).unwrap();
+    }
+    std::fs::write(path, out.finish().unwrap().into_inner()).unwrap();
+}
+
+/// `root["nest"] = [[[…]]]`, `lists` lists deep, added at the end of a dict-rooted pickle.
+fn add_nested_lists(pickle: &mut Vec<u8>, lists: usize) {
+    assert_eq!(pickle.pop(), Some(b'.'));
+    pickle.extend_from_slice(b"X\x04\x00\x00\x00nest");
+    pickle.extend(std::iter::repeat_n(b']', lists));
+    pickle.extend(std::iter::repeat_n(b'a', lists - 1));
+    pickle.extend_from_slice(b"s.");
+}
+
+/// The llama fixture converted to a TP-`tp` Megatron checkpoint under `dir`.
+fn megatron_llama(dir: &Path, tp: usize) -> PathBuf {
+    let out = dir.join(format!("mg-tp{tp}"));
+    convert(
+        "megatron",
+        &fixture("models/llama"),
+        &out,
+        &["--tp", &tp.to_string()],
+    );
+    out
+}
+
+fn rank_file(ckpt: &Path, tp: usize) -> PathBuf {
+    ckpt.join(format!("iter_0000001/mp_rank_{tp:02}/model_optim_rng.pt"))
+}
+
+/// A command line as text, for assertion messages.
+fn show(args: &[&dyn AsRef<std::ffi::OsStr>]) -> String {
+    let words: Vec<String> = (args.iter())
+        .map(|a| a.as_ref().to_string_lossy().into_owned())
+        .collect();
+    words.join(" ")
+}
+
+/// Stderr of a command that must exit 1.
+fn stderr_of_failure(args: &[&dyn AsRef<std::ffi::OsStr>]) -> String {
+    let out = run(args).code(1).get_output().clone();
+    String::from_utf8(out.stderr).unwrap()
+}
+
+#[test]
+fn issue17_item1_deep_pickle_is_refused_by_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = megatron_llama(tmp.path(), 1);
+    // Control: a shallow nest beside the model leaves a checkpoint every command reads.
+    let shallow = tmp.path().join("shallow");
+    copy_dir(&ckpt, &shallow);
+    edit_pickle(&rank_file(&shallow, 0), |p| add_nested_lists(p, 3));
+    run(&[&"ckpt", &"info", &shallow]).success();
+    // The issue's file: the same checkpoint with 200,000 nested lists (about 630 KB).
+    let rank = rank_file(&ckpt, 0);
+    edit_pickle(&rank, |p| add_nested_lists(p, 200_000));
+    assert!(std::fs::metadata(&rank).unwrap().len() > 400_000);
+    let llama = fixture("models/llama");
+    let adapter = fixture("lora/llama");
+    let out = tmp.path().join("out");
+    let commands: Vec<Vec<&dyn AsRef<std::ffi::OsStr>>> = vec![
+        vec![&"ckpt", &"info", &ckpt],
+        vec![
+            &"convert",
+            &"--quiet",
+            &"--to",
+            &"hf",
+            &"--input",
+            &ckpt,
+            &"--output",
+            &out,
+        ],
+        vec![
+            &"lora",
+            &"merge",
+            &"--quiet",
+            &"--base",
+            &llama,
+            &"--adapter",
+            &ckpt,
+            &"--output",
+            &out,
+        ],
+        vec![
+            &"lora",
+            &"merge",
+            &"--quiet",
+            &"--base",
+            &ckpt,
+            &"--adapter",
+            &adapter,
+            &"--output",
+            &out,
+        ],
+        vec![
+            &"generate",
+            &"--model",
+            &ckpt,
+            &"--tokenizer",
+            &llama,
+            &"--prompt",
+            &"hi",
+            &"--max-new-tokens",
+            &"2",
+        ],
+    ];
+    for args in commands {
+        let err = stderr_of_failure(&args);
+        assert!(
+            err.contains(&rank.display().to_string()) && err.contains("nested more than 1000 deep"),
+            "{}: {err}",
+            show(&args)
+        );
+        assert!(!out.exists(), "{} left {}", show(&args), out.display());
+        assert!(leftovers(tmp.path()).is_empty(), "{}", show(&args));
+    }
+}
+
+/// A copy of the llama fixture whose config.json has `edit` applied.
+fn llama_with_config(dir: &Path, edit: impl Fn(&mut Json)) -> PathBuf {
+    let model = dir.join("llama");
+    copy_dir(&fixture("models/llama"), &model);
+    let path = model.join("config.json");
+    let mut cfg: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    model
+}
+
+/// `generate` and `convert` on the llama fixture with config.json field `pointer` set to
+/// `value` both fail naming the file and `field` with `what`; nothing is written.
+fn refused_config(pointer: &str, value: Json, field: &str, what: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = llama_with_config(tmp.path(), |cfg| {
+        *cfg.pointer_mut(pointer).unwrap() = value.clone();
+    });
+    let cfg_path = model.join("config.json").display().to_string();
+    let out = tmp.path().join("out");
+    let generate: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"generate",
+        &"--model",
+        &model,
+        &"--prompt",
+        &"hi",
+        &"--max-new-tokens",
+        &"2",
+    ];
+    let to_megatron: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"convert",
+        &"--quiet",
+        &"--to",
+        &"megatron",
+        &"--input",
+        &model,
+        &"--output",
+        &out,
+    ];
+    for args in [generate, to_megatron] {
+        let err = stderr_of_failure(&args);
+        assert!(
+            err.contains(&cfg_path) && err.contains(&format!("\"{field}\"")) && err.contains(what),
+            "{pointer} = {value}: {err}"
+        );
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn issue17_item6_config_fields_of_the_wrong_type_are_errors() {
+    refused_config(
+        "/rope_theta",
+        json!("500000"),
+        "rope_theta",
+        "must be a number, got the string \"500000\"",
+    );
+    refused_config(
+        "/rope_theta",
+        json!("abc"),
+        "rope_theta",
+        "the string \"abc\"",
+    );
+    refused_config(
+        "/num_hidden_layers",
+        json!("4"),
+        "num_hidden_layers",
+        "must be a positive integer",
+    );
+    refused_config("/hidden_size", json!(32.5), "hidden_size", "got 32.5");
+    refused_config(
+        "/rms_norm_eps",
+        json!([1e-6]),
+        "rms_norm_eps",
+        "got an array",
+    );
+    refused_config(
+        "/tie_word_embeddings",
+        json!("false"),
+        "tie_word_embeddings",
+        "must be true or false",
+    );
+    refused_config(
+        "/rope_scaling/factor",
+        json!("8"),
+        "rope_scaling.factor",
+        "must be a number",
+    );
+    refused_config(
+        "/rope_scaling",
+        json!(8),
+        "rope_scaling",
+        "must be an object",
+    );
+}
+
+#[test]
+fn issue17_item8_nonsensical_numbers_are_refused_up_front() {
+    let positive = "it must be a finite number above 0";
+    refused_config("/rms_norm_eps", json!(0.0), "rms_norm_eps", positive);
+    refused_config("/rms_norm_eps", json!(-1e-6), "rms_norm_eps", positive);
+    refused_config("/rope_theta", json!(0), "rope_theta", positive);
+    refused_config(
+        "/rope_scaling/factor",
+        json!(0),
+        "rope_scaling.factor",
+        positive,
+    );
+    refused_config(
+        "/rope_scaling/high_freq_factor",
+        json!(1.0),
+        "rope_scaling.high_freq_factor",
+        "it must be above low_freq_factor",
+    );
+    refused_config(
+        "/num_key_value_heads",
+        json!(0),
+        "num_key_value_heads",
+        "it must be at least 1",
+    );
+}
+
+#[test]
+fn issue17_item16_zero_heads_and_uneven_groups_read_right() {
+    refused_config(
+        "/num_attention_heads",
+        json!(0),
+        "num_attention_heads",
+        "is 0; it must be at least 1",
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let model = llama_with_config(tmp.path(), |cfg| cfg["num_attention_heads"] = json!(6));
+    let err = stderr_of_failure(&[&"ckpt", &"info", &model]);
+    assert!(
+        err.contains("num_attention_heads (6) must be a multiple of num_key_value_heads (4)"),
+        "{err}"
+    );
+}
+
+/// Replace the attribute `name` of the args a mindkit-written rank file pickles (a
+/// BINUNICODE key followed by a BINFLOAT) with the pickled `value`, and drop the carried
+/// config.json so that the args are what is read.
+fn edit_args(pickle: &mut Vec<u8>, name: &str, value: &[u8]) {
+    let key = |k: &str| [&[b'X'][..], &(k.len() as u32).to_le_bytes(), k.as_bytes()].concat();
+    let find = |p: &[u8], needle: &[u8]| p.windows(needle.len()).position(|w| w == needle);
+    let at = find(pickle, &key(name)).unwrap() + key(name).len();
+    assert_eq!(pickle[at], b'G', "{name} is not pickled as a float");
+    pickle.splice(at..at + 9, value.iter().copied());
+    let carried = key("mindkit_hf_config");
+    let at = find(pickle, &carried).unwrap();
+    let len = u32::from_le_bytes(pickle[at + carried.len() + 1..][..4].try_into().unwrap());
+    pickle.drain(at..at + carried.len() + 5 + len as usize);
+}
+
+#[test]
+fn issue17_item6_and_8_megatron_args_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = megatron_llama(tmp.path(), 1);
+    for (value, what) in [
+        (
+            &b"X\x06\x00\x00\x00500000"[..],
+            "\"args.rotary_base\" must be a number, got the string \"500000\"",
+        ),
+        (
+            b"G\x00\x00\x00\x00\x00\x00\x00\x00",
+            "\"args.rotary_base\" is 0; it must be a finite number above 0",
+        ),
+    ] {
+        let ckpt = tmp.path().join("edited");
+        copy_dir(&base, &ckpt);
+        let rank = rank_file(&ckpt, 0);
+        edit_pickle(&rank, |p| edit_args(p, "rotary_base", value));
+        let out = tmp.path().join("out");
+        let tokenizer = fixture("models/llama");
+        let generate: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+            &"generate",
+            &"--model",
+            &ckpt,
+            &"--tokenizer",
+            &tokenizer,
+            &"--prompt",
+            &"hi",
+            &"--max-new-tokens",
+            &"2",
+        ];
+        let to_hf: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+            &"convert",
+            &"--quiet",
+            &"--to",
+            &"hf",
+            &"--input",
+            &ckpt,
+            &"--output",
+            &out,
+        ];
+        for args in [generate, to_hf] {
+            let err = stderr_of_failure(&args);
+            assert!(
+                err.contains(&rank.display().to_string()) && err.contains(what),
+                "{err}"
+            );
+            assert!(!out.exists());
+        }
+        std::fs::remove_dir_all(&ckpt).unwrap();
+    }
+}
+
+/// A copy of the llama PEFT adapter whose adapter_config.json has `edit` applied.
+fn adapter_with_config(dir: &Path, edit: impl Fn(&mut Json)) -> PathBuf {
+    let adapter = dir.join("adapter");
+    copy_dir(&fixture("lora/llama"), &adapter);
+    let path = adapter.join("adapter_config.json");
+    let mut cfg: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    adapter
+}
+
+#[test]
+fn issue17_item8_lora_scales_that_overflow_are_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = fixture("models/llama");
+    let out = tmp.path().join("merged");
+    for (alpha, extra, what) in [
+        (json!(1e308), "fp32", "is too large for f32"),
+        (
+            json!(0),
+            "fp32",
+            "\"lora_alpha\" is 0; it must be a finite number above 0",
+        ),
+        (
+            json!(-8),
+            "fp32",
+            "\"lora_alpha\" is -8; it must be a finite number above 0",
+        ),
+        // A finite scale whose merged weights overflow fp16.
+        (json!(1e9), "fp16", "which float16 cannot hold"),
+    ] {
+        let adapter = adapter_with_config(tmp.path(), |cfg| cfg["lora_alpha"] = alpha.clone());
+        let err = stderr_of_failure(&[
+            &"lora",
+            &"merge",
+            &"--quiet",
+            &"--base",
+            &base,
+            &"--adapter",
+            &adapter,
+            &"--output",
+            &out,
+            &"--dtype",
+            &extra,
+        ]);
+        assert!(err.contains(what), "lora_alpha {alpha}: {err}");
+        assert!(!out.exists() && leftovers(tmp.path()).is_empty());
+        std::fs::remove_dir_all(&adapter).unwrap();
+    }
+}
+
+#[test]
+fn issue17_item16_a_missing_rank_file_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = megatron_llama(tmp.path(), 2);
+    let missing = rank_file(&ckpt, 1);
+    std::fs::remove_dir_all(missing.parent().unwrap()).unwrap();
+    let err = stderr_of_failure(&[&"ckpt", &"info", &ckpt]);
+    assert!(
+        err.contains(&format!("missing rank file {}", missing.display()))
+            && err.contains("rank 0's args say 2 × 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn issue17_item21_an_adapter_for_another_base_warns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = fixture("models/llama");
+    let merge = |adapter: &Path, out: &str| {
+        let out = run(&[
+            &"lora",
+            &"merge",
+            &"--quiet",
+            &"--base",
+            &base,
+            &"--adapter",
+            &adapter,
+            &"--output",
+            &tmp.path().join(out),
+        ])
+        .success()
+        .get_output()
+        .clone();
+        String::from_utf8(out.stderr).unwrap()
+    };
+    // The fixture adapter names fixtures/models/llama: the base's directory name.
+    assert_eq!(merge(&fixture("lora/llama"), "same"), "");
+    let other = adapter_with_config(tmp.path(), |cfg| {
+        cfg["base_model_name_or_path"] = json!("meta-llama/Llama-2-7b-hf")
+    });
+    let err = merge(&other, "other");
+    assert!(
+        err.contains("warning: the adapter was trained on \"meta-llama/Llama-2-7b-hf\"")
+            && err.contains(&format!("the base {} goes by \"llama\"", base.display())),
+        "{err}"
+    );
+    // A hub id of the same model as the base directory's name is no mismatch.
+    let same = tmp.path().join("same-name");
+    let hub = adapter_with_config(&same, |cfg| {
+        cfg["base_model_name_or_path"] = json!("someone/LLaMA")
+    });
+    assert_eq!(merge(&hub, "hub"), "");
+}
