@@ -12,7 +12,7 @@ mod pyrandom;
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
 use crate::engine::cpu::Cpu;
-use crate::engine::Backend;
+use crate::engine::{Backend, Device};
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
 use anyhow::{anyhow, bail, Context, Result};

@@ -285,7 +285,7 @@ fn generate_each<B: Backend>(
             model.spec.max_positions
         );
     }
-    let mut cache = model.cache(prompts.len(), longest + o.max_new_tokens);
+    let mut cache = model.cache(prompts.len(), longest + o.max_new_tokens)?;
     let mut seqs: Vec<Sequence> = prompts
         .iter()
         .map(|_| Sequence::new(tokenizer, o))
@@ -313,7 +313,7 @@ fn generate_each<B: Backend>(
             })
             .collect();
         let logits = model.forward(&mut cache, &steps, &last_rows)?;
-        let logits = model.backend().to_host(&logits);
+        let logits = model.backend().download_f32(&logits)?;
         let vocab = logits.len() / running.len();
         for (&i, row) in running.iter().zip(logits.chunks_exact(vocab)) {
             let text = seqs[i].advance(row, o)?;

@@ -184,19 +184,19 @@ impl<'b, B: Backend> Model<'b, B> {
     }
 
     /// An empty cache for `slots` sequences of up to `capacity` positions.
-    pub fn cache(&self, slots: usize, capacity: usize) -> KvCache<B::Tensor> {
+    pub fn cache(&self, slots: usize, capacity: usize) -> Result<KvCache<B::Tensor>> {
         let a = self.spec.attention;
         let width = a.groups * a.head_dim;
-        let make = || {
+        let make = || -> Result<Vec<B::Tensor>> {
             (0..self.spec.layers)
-                .map(|_| self.backend.kv_cache(slots, capacity, width))
+                .map(|_| Ok(self.backend.kv_cache(slots, capacity, width)?))
                 .collect()
         };
-        KvCache {
-            keys: make(),
-            values: make(),
+        Ok(KvCache {
+            keys: make()?,
+            values: make()?,
             capacity,
-        }
+        })
     }
 
     /// Run the new tokens of `steps` (a ragged batch) through the model, extending `cache`;
@@ -243,25 +243,28 @@ impl<'b, B: Backend> Model<'b, B> {
         }
         let (cos, sin) = spec.rope.tables(&positions);
         let half = [positions.len(), spec.attention.head_dim / 2];
-        let (cos, sin) = (b.upload_f32(&half, &cos), b.upload_f32(&half, &sin));
+        let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
         let shape = spec.attention;
-        let mut x = b.embedding(&self.embedding, &ids);
+        let mut x = b.embedding(&self.embedding, &ids)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = b.rms_norm(&x, &layer.input_norm, spec.norm_eps);
-            let qkv = b.matmul(&h, &layer.qkv, layer.qkv_bias.as_ref());
-            let (mut q, mut k, v) = b.split_qkv(&qkv, shape);
-            b.rope(&mut q, &cos, &sin);
-            b.rope(&mut k, &cos, &sin);
-            b.kv_store(&mut cache.keys[l], &k, &segments);
-            b.kv_store(&mut cache.values[l], &v, &segments);
-            let a = b.attention(&q, &cache.keys[l], &cache.values[l], &segments, shape);
-            b.add_assign(&mut x, &b.matmul(&a, &layer.proj, layer.proj_bias.as_ref()));
-            let h = b.rms_norm(&x, &layer.post_norm, spec.norm_eps);
-            let up = b.swiglu(&b.matmul(&h, &layer.fc1, None));
-            b.add_assign(&mut x, &b.matmul(&up, &layer.fc2, None));
+            let (h, _) = b.rms_norm(&x, &layer.input_norm, spec.norm_eps)?;
+            let qkv = b.matmul(&h, &layer.qkv, layer.qkv_bias.as_ref())?;
+            let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
+            b.rope(&mut q, &cos, &sin, false)?;
+            b.rope(&mut k, &cos, &sin, false)?;
+            b.kv_store(&mut cache.keys[l], &k, &segments)?;
+            b.kv_store(&mut cache.values[l], &v, &segments)?;
+            let a = b.cached_attention(&q, &cache.keys[l], &cache.values[l], &segments, shape)?;
+            b.add_assign(
+                &mut x,
+                &b.matmul(&a, &layer.proj, layer.proj_bias.as_ref())?,
+            )?;
+            let (h, _) = b.rms_norm(&x, &layer.post_norm, spec.norm_eps)?;
+            let up = b.swiglu(&b.matmul(&h, &layer.fc1, None)?)?;
+            b.add_assign(&mut x, &b.matmul(&up, &layer.fc2, None)?)?;
         }
-        let x = b.rms_norm(&b.select_rows(&x, rows), &self.final_norm, spec.norm_eps);
-        Ok(b.matmul(&x, self.output.as_ref().unwrap_or(&self.embedding), None))
+        let (x, _) = b.rms_norm(&b.select_rows(&x, rows)?, &self.final_norm, spec.norm_eps)?;
+        Ok(b.matmul(&x, self.output.as_ref().unwrap_or(&self.embedding), None)?)
     }
 
     /// The backend it runs on.
