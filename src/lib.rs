@@ -8,3 +8,4 @@ pub mod data;
 pub mod engine;
 pub mod eval;
 pub mod model;
+pub mod util;

@@ -2,7 +2,10 @@
 //! nothing half-written; `--skip-bad-records` skips and counts by reason; outputs are never
 //! overwritten without `--force`.
 
+mod common;
+
 use assert_cmd::Command;
+use common::run_with_umask_022;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -679,4 +682,135 @@ fn issue17_item19_missing_required_flags_are_command_line_errors() {
         usage.contains("--input") && usage.contains("--tokenizer"),
         "{usage}"
     );
+}
+
+#[test]
+fn issue17_item7_a_mismatched_pair_is_refused_by_every_reader() {
+    // What a crash between the .bin and .idx renames of a replace used to leave: the new .bin
+    // beside the previous run's .idx.
+    // The old index describes fewer bytes than the new .bin holds: every sequence it points to
+    // lies inside, and only the total tells.
+    let dir = tempfile::tempdir().unwrap();
+    let small = write(dir.path(), "small.jsonl", GOOD.as_bytes());
+    preprocess(dir.path(), &small, &[]).success();
+    let idx = dir.path().join("out_text_document.idx");
+    let old_idx = fs::read(&idx).unwrap();
+    let input = PathBuf::from(CORPUS).join("pretrain.jsonl");
+    preprocess(dir.path(), &input, &["--force"]).success();
+    fs::write(&idx, old_idx).unwrap();
+    let prefix = dir.path().join("out_text_document");
+    let info = mindkit().args(["data", "info"]).arg(&prefix).assert();
+    let show = mindkit()
+        .args(["data", "show", "--tokenizer", TOKENIZER])
+        .arg(&prefix)
+        .assert();
+    let merged = mindkit()
+        .args(["preprocess", "merge", "--output-prefix"])
+        .arg(dir.path().join("merged"))
+        .arg(&prefix)
+        .assert();
+    for a in [info, show, merged] {
+        let msg = stderr(&a);
+        assert!(msg.contains("out_text_document.bin is"), "{msg}");
+        assert!(msg.contains("out_text_document.idx describes"), "{msg}");
+        a.failure();
+    }
+}
+
+#[test]
+fn issue17_item11_datasets_get_the_umask_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let merged = dir.path().join("merged");
+    let input = format!("{CORPUS}/pretrain.jsonl");
+    run_with_umask_022(&[
+        &"preprocess",
+        &"--quiet",
+        &"--tokenizer",
+        &TOKENIZER,
+        &"--input",
+        &input,
+        &"--output-prefix",
+        &out,
+    ]);
+    let prefix = dir.path().join("out_text_document");
+    run_with_umask_022(&[
+        &"preprocess",
+        &"merge",
+        &"--quiet",
+        &"--output-prefix",
+        &merged,
+        &prefix,
+    ]);
+    for name in [
+        "out_text_document.bin",
+        "out_text_document.idx",
+        "merged.bin",
+        "merged.idx",
+    ] {
+        let mode = dir
+            .path()
+            .join(name)
+            .metadata()
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644, "{name}: {mode:o}");
+    }
+}
+
+#[test]
+fn issue17_item12_a_signal_removes_the_temporaries() {
+    // The input is a named pipe nobody writes to: preprocess has created its output
+    // temporaries and waits for input, for as long as the test needs.
+    for (signal, status) in [("TERM", 143), ("INT", 130)] {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("in.jsonl");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success());
+        let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("mindkit"))
+            .args(["preprocess", "--quiet", "--tokenizer", TOKENIZER, "--input"])
+            .arg(&fifo)
+            .arg("--output-prefix")
+            .arg(dir.path().join("out"))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut child = KillOnDrop(Some(child));
+        let started = std::time::Instant::now();
+        while outputs(dir.path()).is_empty() {
+            let ended = child.0.as_mut().unwrap().try_wait().unwrap();
+            assert!(ended.is_none(), "preprocess ended early");
+            assert!(started.elapsed().as_secs() < 60, "no temporary appeared");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(
+            outputs(dir.path())[0].starts_with(".mindkit-data-out_text_document.bin-"),
+            "{:?}",
+            outputs(dir.path())
+        );
+        let pid = child.0.as_ref().unwrap().id().to_string();
+        let killed = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status();
+        assert!(killed.unwrap().success());
+        let out = child.0.take().unwrap().wait_with_output().unwrap();
+        let msg = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(status), "SIG{signal}: {msg}");
+        assert!(msg.contains(&format!("SIG{signal}")), "{msg}");
+        assert_eq!(outputs(dir.path()), Vec::<String>::new(), "SIG{signal}");
+    }
+}
+
+/// A child process killed if the test fails before waiting for it.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }

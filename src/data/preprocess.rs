@@ -19,7 +19,7 @@ use super::handlers::pretrain::Pretrain;
 use super::handlers::prompter::{PrompterHandler, PrompterKind};
 use super::handlers::template::Template;
 use super::handlers::{Document, Handler, RecordError, IGNORE};
-use super::indexed::{bin_idx_paths, check_overwrite, DType, IndexedWriter};
+use super::indexed::{self, DType, IndexedWriter};
 use super::source::{expand_inputs_as, Format, Item, RecordReader, Sink, SkippedFile};
 use super::tokenizer::HfTokenizer;
 
@@ -576,10 +576,9 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
         .iter()
         .map(|k| key_prefix(&opts.output_prefix, k, instruction))
         .collect();
+    let input_paths: Vec<&Path> = opts.inputs.iter().map(PathBuf::as_path).collect();
     for p in &prefixes {
-        let (bin, idx) = bin_idx_paths(p);
-        check_overwrite(&bin, opts.force)?;
-        check_overwrite(&idx, opts.force)?;
+        indexed::check_output(p, &input_paths, opts.force)?;
     }
     let inputs = expand_inputs_as(&opts.inputs, opts.input_format)?;
     let reader = || {
@@ -609,7 +608,8 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
         .map_err(|e| {
             PreprocessError::Options(format!("cannot start {} workers: {e}", opts.workers))
         })?;
-    let bar = progress_bar(opts.progress, total_bytes);
+    let bar =
+        crate::util::progress_bar(total_bytes, crate::util::ProgressUnit::Bytes, opts.progress);
     let progress = reader.progress();
     let (tx, rx) = crossbeam_channel::bounded::<Vec<(u64, Item)>>(4);
     let mut summary = Summary::default();
@@ -711,18 +711,6 @@ fn consume(
         ));
     }
     Ok(())
-}
-
-fn progress_bar(enabled: bool, total: u64) -> indicatif::ProgressBar {
-    if !enabled {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar
 }
 
 #[cfg(test)]

@@ -15,9 +15,9 @@ use crate::engine::cpu::Cpu;
 use crate::engine::{Backend, Device};
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
-use anyhow::{anyhow, bail, Context, Result};
+use crate::util::{progress_bar, AtomicFile, OutputKind, ProgressUnit};
+use anyhow::{anyhow, bail, Result};
 use cache::Cache;
-use indicatif::{ProgressBar, ProgressStyle};
 use loglikelihood::{Request, Score, Scorer};
 use serde_json::{json, Value as Json};
 use std::collections::BTreeMap;
@@ -187,18 +187,6 @@ fn mean_stderr(hits: &[bool]) -> f64 {
     (var / n).sqrt()
 }
 
-fn progress_bar(len: usize, show: bool) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(len as u64);
-    pb.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} docs, {per_sec}, ETA {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    pb
-}
-
 /// Run a task.
 pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let start = Instant::now();
@@ -236,7 +224,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let docs = limit_per_subtask(all, o.limit);
     let mut scorer = Scorer::new(&model, &tokenizer, model.spec.max_positions);
     let mut log = open_log(&o.log_samples)?;
-    let pb = progress_bar(docs.len(), o.progress);
+    let pb = progress_bar(docs.len() as u64, ProgressUnit::Docs, o.progress);
     pb.set_message(o.task.name());
     let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
     for (b, batch) in docs.chunks(o.batch_size).enumerate() {
@@ -378,73 +366,24 @@ fn score_batch<B: Backend>(
     Ok(scores.into_iter().flatten().collect())
 }
 
-/// A file written under a temporary name beside its destination and renamed into place only
-/// when complete, so an interrupted run never leaves a file that looks finished.
-pub struct AtomicFile {
-    path: PathBuf,
-    tmp: tempfile::NamedTempFile,
-    writer: Option<std::io::BufWriter<std::fs::File>>,
-}
-
-impl AtomicFile {
-    /// Start writing `path`.
-    pub fn create(path: &Path) -> Result<Self> {
-        let dir = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let tmp = tempfile::Builder::new()
-            .prefix(".mindkit-")
-            .tempfile_in(dir)
-            .with_context(|| format!("creating a temporary file beside {}", path.display()))?;
-        let writer = std::io::BufWriter::new(tmp.reopen()?);
-        Ok(AtomicFile {
-            path: path.to_path_buf(),
-            tmp,
-            writer: Some(writer),
-        })
-    }
-
-    /// Flush and move into place.
-    pub fn finish(mut self) -> Result<()> {
-        if let Some(mut w) = self.writer.take() {
-            w.flush()?;
-        }
-        // Temporary files are private (0600); a result file gets the usual 0644.
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::Permissions::from_mode(0o644);
-            self.tmp.as_file().set_permissions(mode)?;
-        }
-        self.tmp
-            .persist(&self.path)
-            .with_context(|| format!("writing {}", self.path.display()))?;
-        Ok(())
-    }
-}
-
-impl Write for AtomicFile {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self.writer.as_mut() {
-            Some(w) => w.write(buf),
-            None => Err(std::io::Error::other("file already finished")),
-        }
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.writer.as_mut().map_or(Ok(()), |w| w.flush())
-    }
-}
+/// A results file or sample log as an output.
+pub static EVAL_FILE: OutputKind = OutputKind {
+    tag: "eval",
+    what: "evaluation output",
+    dir: None,
+};
 
 fn open_log(path: &Option<PathBuf>) -> Result<Option<AtomicFile>> {
-    path.as_deref().map(AtomicFile::create).transpose()
+    let create = |p: &Path| AtomicFile::create(p, &EVAL_FILE, true);
+    Ok(path.as_deref().map(create).transpose()?)
 }
 
 /// Write the results JSON to `path` (atomically).
 pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
-    let mut f = AtomicFile::create(path)?;
+    let mut f = AtomicFile::create(path, &EVAL_FILE, true)?;
     f.write_all((serde_json::to_string_pretty(&report.results)? + "\n").as_bytes())?;
-    f.finish()
+    f.finish()?;
+    Ok(())
 }
 
 /// The generated text of each of `docs` (prompted by `prompts`): from the cache where it has
@@ -514,7 +453,7 @@ fn run_generation(
         eos: tokenizer.eos().into_iter().collect(),
     };
     let mut log = open_log(&o.log_samples)?;
-    let pb = progress_bar(docs.len(), o.progress);
+    let pb = progress_bar(docs.len() as u64, ProgressUnit::Docs, o.progress);
     pb.set_message(o.task.name());
     let (mut strict_hits, mut flexible_hits, mut truncated) = (Vec::new(), Vec::new(), 0);
     for (b, batch) in docs.chunks(o.batch_size).enumerate() {
