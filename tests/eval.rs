@@ -332,3 +332,35 @@ fn issue17_item13_a_malformed_data_line_is_named() {
         assert!(!err.trim_end().ends_with("stopped"), "{name}: {err}");
     }
 }
+
+#[test]
+fn issue17_item10_outputs_never_overwrite_inputs_and_fail_before_the_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("boolq.jsonl");
+    std::fs::copy(fixture("eval/boolq-superglue.jsonl"), &data).unwrap();
+    let before = std::fs::read(&data).unwrap();
+    for flag in ["--output", "--log-samples", "--cache"] {
+        let out = eval_demo(&data, &[&flag, &data]).failure();
+        assert!(stderr(&out).contains(flag), "{flag}: {}", stderr(&out));
+        assert_eq!(
+            std::fs::read(&data).unwrap(),
+            before,
+            "{flag} touched the data"
+        );
+    }
+    let same = dir.path().join("results.json");
+    let out = eval_demo(&data, &[&"--output", &same, &"--log-samples", &same]).failure();
+    assert!(
+        stderr(&out).contains("name the same file"),
+        "{}",
+        stderr(&out)
+    );
+    // An output that cannot be created (its "directory" is a file) fails at once, before any
+    // scoring.
+    let blocker = dir.path().join("a-file");
+    std::fs::write(&blocker, "x").unwrap();
+    let missing = blocker.join("results.json");
+    let out = eval_demo(&data, &[&"--output", &missing]).failure();
+    assert!(stderr(&out).contains("--output"), "{}", stderr(&out));
+    assert!(out.get_output().stdout.is_empty());
+}

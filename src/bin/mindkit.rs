@@ -592,14 +592,16 @@ fn run(cli: Cli) -> Result<()> {
                 limit: a.limit,
                 batch_size: a.batch_size,
                 log_samples: a.log_samples,
+                output: a.output,
                 cache: a.cache,
                 progress: !a.quiet,
             };
             let report = eval::run(&opts)?;
-            if let Some(path) = &a.output {
+            // The table first: a results file that cannot be written loses nothing shown.
+            print!("{}", report.table);
+            if let Some(path) = &opts.output {
                 eval::write_results(path, &report)?;
             }
-            print!("{}", report.table);
         }
         Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
         Command::Data(DataCommand::Show {

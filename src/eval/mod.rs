@@ -15,8 +15,8 @@ use crate::engine::cpu::Cpu;
 use crate::engine::{Backend, Device};
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
-use crate::util::{progress_bar, AtomicFile, OutputKind, ProgressUnit};
-use anyhow::{anyhow, bail, Result};
+use crate::util::{check_not_input, progress_bar, AtomicFile, OutputKind, ProgressUnit};
+use anyhow::{anyhow, bail, Context, Result};
 use cache::Cache;
 use loglikelihood::{Request, Score, Scorer};
 use serde_json::{json, Value as Json};
@@ -81,6 +81,8 @@ pub struct EvalOptions {
     pub batch_size: usize,
     /// Per-document log (JSON lines).
     pub log_samples: Option<PathBuf>,
+    /// The results JSON (written by [`write_results`] after the run; checked before it).
+    pub output: Option<PathBuf>,
     /// Per-document results kept across runs ([`cache`]).
     pub cache: Option<PathBuf>,
     /// Show a progress bar.
@@ -88,13 +90,45 @@ pub struct EvalOptions {
 }
 
 impl EvalOptions {
-    /// Refuse settings that would give no result or a meaningless one, before any work.
+    /// Refuse settings that would give no result or a meaningless one, and outputs that would
+    /// overwrite an input or cannot be created, before any work.
     pub fn check(&self) -> Result<()> {
+        self.check_outputs()?;
         if self.limit == Some(0) {
             bail!("--limit must be at least 1 (it counts documents, per subject for MMLU)");
         }
         if self.batch_size == 0 {
             bail!("--batch-size must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+impl EvalOptions {
+    /// Every output (results, sample log, cache) must be apart from every input and from the
+    /// other outputs, and creatable in its directory now rather than after hours of work.
+    fn check_outputs(&self) -> Result<()> {
+        let mut inputs: Vec<&Path> = vec![&self.data, &self.model];
+        inputs.extend(self.tokenizer.as_deref());
+        inputs.extend(self.fewshot_data.as_deref());
+        let outputs: Vec<(&str, &Path)> = [
+            ("--output", self.output.as_deref()),
+            ("--log-samples", self.log_samples.as_deref()),
+            ("--cache", self.cache.as_deref()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, p)| Some((flag, p?)))
+        .collect();
+        for (i, &(flag, out)) in outputs.iter().enumerate() {
+            check_not_input(out, &inputs).with_context(|| flag.to_string())?;
+            for &(other_flag, other) in &outputs[i + 1..] {
+                check_not_input(out, &[other])
+                    .with_context(|| format!("{flag} and {other_flag} name the same file"))?;
+            }
+        }
+        for (flag, out) in outputs.iter().filter(|(flag, _)| *flag != "--cache") {
+            // A temporary created and dropped proves the directory takes the file.
+            drop(AtomicFile::create(out, &EVAL_FILE, true).with_context(|| flag.to_string())?);
         }
         Ok(())
     }
