@@ -8,4 +8,5 @@ pub mod data;
 pub mod engine;
 pub mod eval;
 pub mod model;
+pub mod train;
 pub mod util;

@@ -19,7 +19,8 @@ use std::io::{BufWriter, IsTerminal, Seek, SeekFrom, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -256,6 +257,20 @@ fn remove_path(path: &Path) {
 /// Start watching SIGINT, SIGTERM and SIGHUP (once per process). On one, the watcher takes the
 /// list of live temporaries and keeps it, so that no temporary is moved into place or created
 /// after it looked; removes them all; and exits with status 128 + the signal's number.
+/// Set by the first SIGINT/SIGTERM/SIGHUP once [`defer_signals`] was called.
+static DEFERRED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+
+/// For a long job that stops cleanly (`train --exit-signal-handler`): the first signal sets
+/// the returned flag instead of ending the process, so the job can save and exit at its next
+/// safe point; a second signal removes the temporaries and exits as usual.
+pub fn defer_signals() -> Result<Arc<AtomicBool>> {
+    let flag = DEFERRED
+        .get_or_init(|| Arc::new(AtomicBool::new(false)))
+        .clone();
+    watch_signals()?;
+    Ok(flag)
+}
+
 fn watch_signals() -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     static WATCHING: OnceLock<std::result::Result<(), String>> = OnceLock::new();
@@ -265,12 +280,21 @@ fn watch_signals() -> Result<()> {
         std::thread::Builder::new()
             .name("mindkit-signals".into())
             .spawn(move || {
-                if let Some(signal) = signals.forever().next() {
+                for signal in signals.forever() {
+                    let name = signal_hook::low_level::signal_name(signal).unwrap_or("a signal");
+                    if let Some(stop) = DEFERRED.get() {
+                        if !stop.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                            eprintln!(
+                                "\nmindkit: {name} received; finishing this iteration, saving and \
+                                 stopping (send it again to stop at once)"
+                            );
+                            continue;
+                        }
+                    }
                     let temps = live();
                     for t in temps.iter().rev() {
                         remove_path(t);
                     }
-                    let name = signal_hook::low_level::signal_name(signal).unwrap_or("a signal");
                     // Off the progress bar's line.
                     let newline = if std::io::stderr().is_terminal() {
                         "\n"
@@ -676,6 +700,8 @@ pub enum ProgressUnit {
     Bytes,
     /// Documents (eval): the message names the task.
     Docs,
+    /// Training iterations: the message carries the last loss.
+    Iterations,
 }
 
 /// The progress bar of every long command, on stderr; hidden with `--quiet` (`show` false) or
@@ -689,6 +715,9 @@ pub fn progress_bar(total: u64, unit: ProgressUnit, show: bool) -> ProgressBar {
             "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}"
         }
         ProgressUnit::Docs => "{msg} [{bar:30}] {pos}/{len} docs, {per_sec}, ETA {eta}",
+        ProgressUnit::Iterations => {
+            "[{elapsed_precise}] {wide_bar} {pos}/{len} iterations, ETA {eta} {msg}"
+        }
     };
     let bar = ProgressBar::new(total);
     bar.set_style(

@@ -48,6 +48,14 @@ enum Command {
     Eval(Box<EvalArgs>),
     /// Generate text from a prompt with an HF or Megatron checkpoint (streams to stdout).
     Generate(Box<GenerateArgs>),
+    /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
+    /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
+    #[command(disable_help_flag = true)]
+    Train {
+        /// Megatron-LM / MindSpeed-LLM flags.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -612,6 +620,14 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", inspect::show(&prefix, index, &tokenizer)?)
         }
         Command::Data(DataCommand::Samples(a)) => samples_command(*a)?,
+        Command::Train { args } => {
+            if args.iter().any(|a| a == "--help" || a == "-h") {
+                print!("{}", mindkit::train::args::help());
+                return Ok(());
+            }
+            let summary = mindkit::train::run(&args)?;
+            eprintln!("mindkit train: {summary}");
+        }
     }
     Ok(())
 }

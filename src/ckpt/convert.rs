@@ -283,6 +283,30 @@ impl Input {
         self.source.read(&self.cfg, c)
     }
 
+    /// A canonical tensor whose vocabulary rows (embedding, output) are padded to `rows`: a
+    /// Megatron checkpoint's own rows when it holds exactly `rows`, else the real rows and
+    /// copies of the last one, as Megatron's converters pad.
+    pub fn read_padded(&self, c: Canon, rows: usize) -> Result<Tensor> {
+        if !matches!(c.role, Role::Embedding | Role::Output) {
+            return self.read(c);
+        }
+        if let Source::Megatron(ck) = &self.source {
+            let t = ck.read_padded(c)?;
+            if t.shape[0] == rows {
+                return Ok(t);
+            }
+        }
+        let t = self.read(c)?;
+        if t.shape[0] > rows {
+            bail!(
+                "the checkpoint's vocabulary has {} rows, more than the {rows} this run pads to \
+                 (set --padded-vocab-size or --make-vocab-size-divisible-by to match)",
+                t.shape[0]
+            );
+        }
+        Ok(t.rows_padded(0, rows))
+    }
+
     /// The files its configuration and tensors are read from, in a fixed order.
     pub fn files(&self) -> Vec<PathBuf> {
         match &self.source {

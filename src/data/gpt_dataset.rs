@@ -368,14 +368,13 @@ impl GptDataset {
         let mut text = Vec::with_capacity(want);
         for (pos, &doc) in self.document_index[first..=last].iter().enumerate() {
             let pos = first + pos;
-            let seq = self.data.sequence(doc as usize);
             let from = if pos == first { first_offset } else { 0 };
-            let to = if pos == last {
-                (last_offset + EXTRA).min(seq.len())
+            let len = if pos == last {
+                (last_offset + EXTRA).saturating_sub(from)
             } else {
-                seq.len()
+                usize::MAX
             };
-            text.extend_from_slice(&seq[from.min(to)..to]);
+            self.data.tokens_into(doc as usize, from, len, &mut text);
         }
         text.resize(want, pad);
         text

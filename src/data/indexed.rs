@@ -655,6 +655,33 @@ impl IndexedDataset {
             .collect()
     }
 
+    /// Tokens `from..from + len` of sequence `i` (clipped to its end), appended to `out`.
+    pub fn tokens_into(&self, i: usize, from: usize, len: usize, out: &mut Vec<i64>) {
+        let size = self.dtype.size();
+        let n = self.sequence_length(i);
+        let (from, to) = (from.min(n), from.saturating_add(len).min(n));
+        let start = self.raw_pointer(i) as usize;
+        let bytes = &self.bin_bytes()[start + from * size..start + to * size];
+        out.extend(bytes.chunks_exact(size).map(|c| self.dtype.decode(c)));
+    }
+
+    /// The largest token id in the `.bin` (a parallel scan; −1 when empty).
+    pub fn max_token(&self) -> i64 {
+        use rayon::prelude::*;
+        let size = self.dtype.size();
+        self.bin_bytes()
+            .par_chunks(size * (1 << 16))
+            .map(|block| {
+                block
+                    .chunks_exact(size)
+                    .map(|c| self.dtype.decode(c))
+                    .max()
+                    .unwrap_or(-1)
+            })
+            .max()
+            .unwrap_or(-1)
+    }
+
     /// The whole `.bin` contents.
     pub fn bin_bytes(&self) -> &[u8] {
         self.bin.as_deref().unwrap_or(&[])

@@ -227,16 +227,8 @@ pub fn backward<B: Backend>(
         b.add_assign(&mut dx_mid, &dx)?;
         // x_mid = x + proj(attention(rope(q), rope(k), v)), (q, k, v) = split(qkv(norm(x))).
         let d_o = matmul_grad(b, &dx_mid, &s.o, params, grads, l.proj, l.proj_bias)?;
-        let (mut dq, mut dk, dv) = b.attention_bwd(
-            &d_o,
-            &s.q,
-            &s.k,
-            &s.v,
-            &s.o,
-            &s.lse,
-            &batch.segments,
-            shape,
-        )?;
+        let (mut dq, mut dk, dv) =
+            b.attention_bwd(&d_o, &s.q, &s.k, &s.v, &s.o, &s.lse, &batch.segments, shape)?;
         b.rope(&mut dq, &cos, &sin, true)?;
         b.rope(&mut dk, &cos, &sin, true)?;
         let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;

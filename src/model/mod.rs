@@ -6,6 +6,8 @@
 //! way and the fused projections map onto single matmuls.
 
 pub mod generate;
+pub mod llama;
+pub mod params;
 mod rope;
 
 use crate::ckpt::config::ModelConfig;
@@ -38,6 +40,11 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// `cos` and `sin` `[positions, head_dim / 2]` of the rotary embedding at `positions`.
+    pub fn rope_tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+        self.rope.tables(positions)
+    }
+
     /// From a checkpoint's configuration (HF `config.json` or Megatron args).
     pub fn from_config(cfg: &ModelConfig) -> Result<Self> {
         Ok(ModelSpec {

@@ -75,7 +75,10 @@ impl ParamTable {
             });
         };
         let global = |role| Canon { role, layer: None };
-        push(global(Role::Embedding), "embedding.word_embeddings.weight".into());
+        push(
+            global(Role::Embedding),
+            "embedding.word_embeddings.weight".into(),
+        );
         // megatron-core builds an attention block's linear_proj before its linear_qkv
         // (megatron/core/transformer/attention.py: Attention.__init__, then SelfAttention).
         let mut roles = vec![Role::InputNorm, Role::Proj];
@@ -89,10 +92,19 @@ impl ParamTable {
         roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
         for l in 0..cfg.layers {
             for &role in &roles {
-                push(Canon { role, layer: Some(l) }, layer_name(role, l));
+                push(
+                    Canon {
+                        role,
+                        layer: Some(l),
+                    },
+                    layer_name(role, l),
+                );
             }
         }
-        push(global(Role::FinalNorm), "decoder.final_layernorm.weight".into());
+        push(
+            global(Role::FinalNorm),
+            "decoder.final_layernorm.weight".into(),
+        );
         if !cfg.tied {
             push(global(Role::Output), "output_layer.weight".into());
         }

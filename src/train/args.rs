@@ -45,15 +45,30 @@ pub struct Flag {
 }
 
 const fn used(name: &'static str, takes: Takes, help: &'static str) -> Flag {
-    Flag { name, takes, effect: Effect::Used, help }
+    Flag {
+        name,
+        takes,
+        effect: Effect::Used,
+        help,
+    }
 }
 
 const fn inert(name: &'static str, takes: Takes, why: &'static str) -> Flag {
-    Flag { name, takes, effect: Effect::NoEffect(why), help: why }
+    Flag {
+        name,
+        takes,
+        effect: Effect::NoEffect(why),
+        help: why,
+    }
 }
 
 const fn refused(name: &'static str, takes: Takes, why: &'static str) -> Flag {
-    Flag { name, takes, effect: Effect::Refused(why), help: why }
+    Flag {
+        name,
+        takes,
+        effect: Effect::Refused(why),
+        help: why,
+    }
 }
 
 use Takes::{List, Nothing, One};
@@ -271,6 +286,8 @@ pub const FLAGS: &[Flag] = &[
     inert("manual-gc", Nothing, "no garbage collector"),
     inert("no-shared-storage", Nothing, LAUNCH),
     inert("sparse-mode", One, "an NPU flash-attention mask encoding; the mask is causal either way"),
+    // mindkit's own.
+    used("quiet", Nothing, "mindkit: no progress bar and no start-up notes (log lines still print)"),
 ];
 
 /// A command-line problem.
@@ -370,7 +387,10 @@ impl Args {
 
     /// The value of a one-value flag.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.values.get(name).and_then(|v| v.first()).map(String::as_str)
+        self.values
+            .get(name)
+            .and_then(|v| v.first())
+            .map(String::as_str)
     }
 
     /// The values of a list flag.
@@ -449,11 +469,26 @@ mod tests {
         assert_eq!(a.get("lr"), Some("1e-4"));
         assert!(a.has("bf16"));
         assert_eq!(a.list("data-path").unwrap().len(), 4);
-        assert!(matches!(Args::parse(&args("--nope 1")), Err(ArgsError::Unknown(_))));
-        assert!(matches!(Args::parse(&args("--fp16")), Err(ArgsError::Refused { .. })));
-        assert!(matches!(Args::parse(&args("--lr")), Err(ArgsError::Value { .. })));
-        assert!(matches!(Args::parse(&args("--bf16=1")), Err(ArgsError::Value { .. })));
-        assert!(matches!(Args::parse(&args("stray")), Err(ArgsError::Stray(_))));
+        assert!(matches!(
+            Args::parse(&args("--nope 1")),
+            Err(ArgsError::Unknown(_))
+        ));
+        assert!(matches!(
+            Args::parse(&args("--fp16")),
+            Err(ArgsError::Refused { .. })
+        ));
+        assert!(matches!(
+            Args::parse(&args("--lr")),
+            Err(ArgsError::Value { .. })
+        ));
+        assert!(matches!(
+            Args::parse(&args("--bf16=1")),
+            Err(ArgsError::Value { .. })
+        ));
+        assert!(matches!(
+            Args::parse(&args("stray")),
+            Err(ArgsError::Stray(_))
+        ));
         let a = Args::parse(&args("--use-flash-attn --overlap-grad-reduce")).unwrap();
         assert_eq!(a.inert().len(), 2);
         assert!(a.parse_value::<usize>("num-layers").unwrap().is_none());
