@@ -171,7 +171,7 @@ mod tests {
         assert_eq!(py_f(f64::INFINITY, 3), "inf");
         let b = validation_box("iteration 100", 5.123456);
         let lines: Vec<&str> = b.lines().collect();
-        assert_eq!(lines[1], " validation loss at iteration 100 | lm loss value: 5.123456E+00 | lm loss PPL: 1.678872E+02 | ");
+        assert_eq!(lines[1], " validation loss at iteration 100 | lm loss value: 5.123456E+00 | lm loss PPL: 1.679147E+02 | ");
         assert_eq!(lines[0].len(), lines[1].len() + 1);
     }
 }
