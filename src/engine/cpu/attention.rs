@@ -10,7 +10,7 @@
 //! `h / (nh/ng)`.
 
 use super::gemm::{gemm_into, Store, Strided};
-use crate::engine::simd::softmax;
+use crate::engine::simd::{self, softmax};
 use crate::engine::{AttentionShape, Segment, SharedOut};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -103,13 +103,10 @@ pub fn attention_fwd(q: &[f32], k: &[f32], v: &[f32], at: Layout, o: &mut [f32],
 fn softmax_lse(row: &mut [f32], visible: usize) -> f32 {
     let (seen, masked) = row.split_at_mut(visible);
     masked.fill(0.0);
-    let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for x in seen.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
-    seen.iter_mut().for_each(|x| *x /= sum);
+    let max = simd::max(seen);
+    let sum = simd::exp_sub(seen, max, 1.0);
+    let inv = 1.0 / sum;
+    seen.iter_mut().for_each(|x| *x *= inv);
     max + sum.ln()
 }
 
@@ -209,15 +206,12 @@ pub fn attention_bwd(
                                 &mut p[r * seen..(r + 1) * seen],
                                 &mut dp[r * seen..(r + 1) * seen],
                             );
-                            for j in 0..seen {
-                                if j < visible {
-                                    pr[j] = (pr[j] - l).exp();
-                                    dpr[j] = pr[j] * (dpr[j] - dl);
-                                } else {
-                                    pr[j] = 0.0;
-                                    dpr[j] = 0.0;
-                                }
+                            simd::exp_sub(&mut pr[..visible], l, 1.0);
+                            for (dp, &p) in dpr[..visible].iter_mut().zip(&pr[..visible]) {
+                                *dp = p * (*dp - dl);
                             }
+                            pr[visible..].fill(0.0);
+                            dpr[visible..].fill(0.0);
                         }
                         // dq = scale · dS · K; dk += scale · dSᵀ · Q; dv += Pᵀ · dO.
                         gemm_into(

@@ -1,9 +1,10 @@
 //! Cross entropy over the vocabulary (aclnnCrossEntropyLoss / aclnnCrossEntropyLossGrad).
 //!
 //! Legend: n = rows (tokens), v = vocabulary (padded: Megatron's padding rows take part in the
-//! softmax). Per row `loss = lse − logit[label]`, `lse = log Σ exp(logits)` (f64 sums, so the
-//! result is the correctly rounded f32 of the exact value up to the logits' own rounding).
+//! softmax). Per row `loss = lse − logit[label]`, `lse = max + log Σ exp(logits − max)`, the
+//! exponentials vectorized and summed in 16 f32 lanes.
 
+use crate::engine::simd;
 use rayon::prelude::*;
 
 /// `loss [n]` and `lse [n]` (both overwritten) of `logits [n, v]` against `labels [n]`.
@@ -18,8 +19,8 @@ pub fn cross_entropy_fwd(
         .zip(lse.par_iter_mut())
         .zip(logits.par_chunks(v).zip(labels.par_iter()))
         .for_each(|((loss, lse), (row, &label))| {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+            let max = simd::max(row);
+            let sum = f64::from(simd::sum_exp_sub(row, max));
             let log_sum = sum.ln() + f64::from(max);
             *lse = log_sum as f32;
             *loss = (log_sum - f64::from(row[label as usize])) as f32;
@@ -37,9 +38,7 @@ pub fn cross_entropy_bwd(logits: &mut [f32], labels: &[u32], lse: &[f32], dloss:
                 row.fill(0.0);
                 return;
             }
-            for x in row.iter_mut() {
-                *x = dl * (*x - lse).exp();
-            }
+            simd::exp_sub(row, lse, dl);
             row[label as usize] -= dl;
         });
 }

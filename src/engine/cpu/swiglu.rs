@@ -3,7 +3,7 @@
 //! Legend: n = rows, f = ffn width; `x [n, 2f]` holds the gate then the up projection (Megatron's
 //! `linear_fc1` order); `y [n, f] = silu(gate) · up`, `silu(a) = a·σ(a)`.
 
-use crate::engine::simd::silu_mul;
+use crate::engine::simd::{silu_mul, swiglu_grad};
 use rayon::prelude::*;
 
 /// `y [n, f] = silu(gate) · up` (overwrites `y`).
@@ -25,12 +25,7 @@ pub fn swiglu_bwd(dy: &[f32], x: &[f32], f: usize, dx: &mut [f32]) {
         .for_each(|((dx, x), dy)| {
             let (gate, up) = x.split_at(f);
             let (dgate, dup) = dx.split_at_mut(f);
-            for i in 0..f {
-                let a = gate[i];
-                let s = 1.0 / (1.0 + (-a).exp());
-                dgate[i] = dy[i] * up[i] * s * (1.0 + a * (1.0 - s));
-                dup[i] = dy[i] * a * s;
-            }
+            swiglu_grad(dy, gate, up, dgate, dup);
         });
 }
 
