@@ -6,5 +6,6 @@ pub mod indexed;
 pub mod inspect;
 pub mod mt19937;
 pub mod preprocess;
+pub mod sft_dataset;
 pub mod source;
 pub mod tokenizer;

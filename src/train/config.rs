@@ -5,6 +5,7 @@
 
 use super::args::Args;
 use super::data::LossAveraging;
+use super::data::SftRows;
 use super::optim::AdamConfig;
 use super::schedule::{DecayStyle, Schedule, WdStyle};
 use crate::ckpt::config::ModelConfig;
@@ -12,9 +13,11 @@ use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
 use crate::ckpt::torch::pickle::{DType, Value};
 use crate::data::gpt_dataset::{Blend, MaskConfig};
+use crate::data::handlers::template::Template;
+use crate::data::sft_dataset::Order;
 use crate::data::tokenizer::HfTokenizer;
 use anyhow::{anyhow, bail, Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Where the model's weights come from.
 pub enum Start {
@@ -108,6 +111,19 @@ pub struct TrainConfig {
     pub skip_non_finite: bool,
     /// Flags given that have no effect here.
     pub inert: Vec<(&'static str, &'static str)>,
+    /// Fine-tuning data (`--is-instruction-dataset`), instead of GPT pretraining samples.
+    pub sft: Option<SftConfig>,
+}
+
+/// MindSpeed-LLM fine-tuning data.
+#[derive(Debug, Clone)]
+pub struct SftConfig {
+    /// The one prefix MindSpeed-LLM reads (the first of `--data-path`).
+    pub prefix: PathBuf,
+    /// Row layout.
+    pub rows: SftRows,
+    /// Shuffling and padding of epochs.
+    pub order: Order,
 }
 
 /// Where the schedule's settings come from on resume.
@@ -162,8 +178,16 @@ fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer, MaskConfi
         .map(PathBuf::from)
         .or_else(|| load.cloned())
         .ok_or_else(|| anyhow!("--tokenizer-name-or-path (or --tokenizer-model) is required"))?;
-    let tok = HfTokenizer::load(&path)
+    let mut tok = HfTokenizer::load(&path)
         .with_context(|| format!("--tokenizer-name-or-path {}", path.display()))?;
+    if let Some(name) = a.get("prompt-type") {
+        // MindSpeed-LLM's fix_model_tokenizer: the template's stop word becomes eos (the EOD).
+        let template = Template::load(name, a.get("prompt-type-path").map(Path::new))
+            .map_err(|e| anyhow!("--prompt-type {name}: {e}"))?;
+        template
+            .fix_tokenizer(&mut tok)
+            .map_err(|e| anyhow!("--prompt-type {name}: {e}"))?;
+    }
     let eod = tok.eos().ok_or_else(|| {
         anyhow!(
             "the tokenizer {} defines no eos token, Megatron's EOD",
@@ -439,10 +463,11 @@ fn check_single_rank(a: &Args) -> Result<()> {
     if let Some(f) = a.get("ckpt-format").filter(|f| *f != "torch") {
         bail!("--ckpt-format {f}: only torch (one model_optim_rng.pt per rank) is written; pass --ckpt-format torch");
     }
-    if a.has("is-instruction-dataset") || a.has("lora-r") {
-        bail!(
-            "fine-tuning (--is-instruction-dataset, --lora-r) is not available in this build yet"
-        );
+    if let Some(stage) = a.get("stage").filter(|s| *s != "sft") {
+        bail!("--stage {stage}: only sft (supervised fine-tuning) is implemented");
+    }
+    if a.has("lora-r") {
+        bail!("LoRA fine-tuning (--lora-r) is not available in this build yet");
     }
     Ok(())
 }
@@ -523,6 +548,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         a.list("data-path")
             .ok_or_else(|| anyhow!("--data-path is required"))?,
     )?;
+    let sft = sft_config(a, &blend, &tokenizer, &masks, seq_length, global_batch)?;
     let start = match (load, input) {
         (Some(dir), Some(input)) => {
             let resume = hf_load.is_none() && !a.has("finetune");
@@ -615,6 +641,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         },
         skip_non_finite: !a.has("no-check-for-nan-in-loss-and-grad"),
         inert: a.inert(),
+        sft,
     })
 }
 
@@ -629,4 +656,58 @@ fn family_name(model_type: &str) -> &str {
         t if t.starts_with("aquila") => "aquila",
         other => other,
     }
+}
+
+/// The fine-tuning data settings (`--is-instruction-dataset`), MindSpeed-LLM's defaults.
+fn sft_config(
+    a: &Args,
+    blend: &Blend,
+    tokenizer: &HfTokenizer,
+    masks: &MaskConfig,
+    seq_length: usize,
+    global_batch: usize,
+) -> Result<Option<SftConfig>> {
+    if !a.has("is-instruction-dataset") {
+        for flag in [
+            "padded-samples",
+            "no-pad-to-seq-lengths",
+            "no-shuffle",
+            "neat-pack",
+        ] {
+            if a.has(flag) {
+                bail!("--{flag} applies to fine-tuning data: add --is-instruction-dataset");
+            }
+        }
+        return Ok(None);
+    }
+    if blend.prefixes.len() > 1 || blend.weights.is_some() {
+        bail!(
+            "--data-path: fine-tuning reads one dataset prefix (MindSpeed-LLM uses only the \
+             first); merge them with `mindkit preprocess merge`"
+        );
+    }
+    if a.has("neat-pack") && !a.has("reset-attention-mask") {
+        bail!("--neat-pack needs --reset-attention-mask (as MindSpeed-LLM requires)");
+    }
+    let multiple_of = if a.has("no-pad-to-seq-lengths") {
+        positive(a, "pad-to-multiple-of")?.unwrap_or(8)
+    } else {
+        seq_length
+    };
+    Ok(Some(SftConfig {
+        prefix: blend.prefixes[0].clone(),
+        rows: SftRows {
+            seq_length,
+            pad: tokenizer.pad().unwrap_or(masks.eod),
+            multiple_of,
+            reset: a
+                .has("reset-attention-mask")
+                .then_some((masks.eod, a.has("neat-pack"))),
+        },
+        order: Order {
+            seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
+            shuffle: !a.has("no-shuffle"),
+            padded_to: a.has("padded-samples").then_some(global_batch),
+        },
+    }))
 }

@@ -19,7 +19,8 @@ pub mod tensorboard;
 use crate::ckpt::tensor::Tensor as HostTensor;
 use crate::ckpt::torch::pickle::{DType, Value};
 use crate::ckpt::transform::Role;
-use crate::data::gpt_dataset::{build_splits, SampleConfig, SplitSamples};
+use crate::data::gpt_dataset::{build_splits, SampleConfig};
+use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
 use crate::model::llama::{backward, forward, Ids};
@@ -328,7 +329,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The data of every split the run reads.
-    fn datasets(&self) -> Result<[Option<SplitSamples>; 3]> {
+    fn datasets(&self) -> Result<[Option<data::Source>; 2]> {
         let c = &self.cfg;
         let g = c.global_batch as u64;
         let (valid, test) = match c.eval {
@@ -338,8 +339,30 @@ impl<B: Backend> Trainer<B> {
             ),
             None => (None, None),
         };
+        if let Some(sft) = &c.sft {
+            let ds = Arc::new(SftDataset::open(&sft.prefix)?);
+            let ranges = legacy_split(&c.split, ds.len())?;
+            let source = |range: std::ops::Range<usize>, n: u64| data::Source::Sft {
+                data: ds.clone(),
+                index: sft_index(range, n, sft.order),
+                rows: sft.rows,
+            };
+            if ranges[0].is_empty() {
+                bail!(
+                    "{}: the train split of --split {:?} holds none of its {} samples",
+                    sft.prefix.display(),
+                    c.split,
+                    ds.len()
+                );
+            }
+            let train = source(ranges[0].clone(), c.train_iters * g);
+            let valid = valid
+                .map(|n| source(ranges[1].clone(), n))
+                .filter(|v| !v.is_empty());
+            return Ok([Some(train), valid]);
+        }
         let wanted = [true, c.eval.is_some(), false];
-        let splits = build_splits(
+        let [train, valid, _] = build_splits(
             &c.blend,
             &c.split,
             [Some(c.train_iters * g), valid, test],
@@ -349,7 +372,16 @@ impl<B: Backend> Trainer<B> {
                 seed: c.seed,
             },
         )?;
-        Ok(splits)
+        let source = |samples| data::Source::Pretrain {
+            samples,
+            masks: c.masks,
+        };
+        Ok([train.map(source), valid.map(source)])
+    }
+
+    /// The lm loss is token-weighted except for MindSpeed-LLM's fine-tuning default.
+    fn token_weighted(&self) -> bool {
+        self.cfg.sft.is_none() || self.cfg.averaging == data::LossAveraging::PerToken
     }
 
     fn activations(&self) -> DType {
@@ -363,8 +395,10 @@ impl<B: Backend> Trainer<B> {
     /// Check the data's token ids against the model's vocabulary before any work.
     fn check_vocab(&self) -> Result<()> {
         for prefix in &self.cfg.blend.prefixes {
-            let data = crate::data::indexed::IndexedDataset::open(prefix)?;
-            let max = data.max_token();
+            let max = match &self.cfg.sft {
+                Some(sft) => SftDataset::open(&sft.prefix)?.max_token(),
+                None => crate::data::indexed::IndexedDataset::open(prefix)?.max_token(),
+            };
             if max >= self.cfg.vocab_padded as i64 {
                 bail!(
                     "{}: token id {max} is outside the model's vocabulary of {} (padded {}): the \
@@ -379,19 +413,18 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
-    /// returns `(Σ S_k, Σ n_k, tokens)`.
+    /// returns each micro-batch's loss sums and the rows processed.
     fn step_batches(
         &mut self,
-        split: &SplitSamples,
+        split: &data::Source,
         from: u64,
         train: bool,
-    ) -> Result<(f32, f32, u64)> {
+    ) -> Result<(data::LossSums, u64)> {
         let c = &self.cfg;
         let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
-        let (mut loss, mut count, mut tokens) = (0f32, 0f32, 0u64);
+        let (mut sums, mut tokens) = (data::LossSums::default(), 0u64);
         for j in 0..k {
-            let samples = data::samples(split, &c.masks, from + (j * m) as u64, m);
-            let prepared = data::micro_batch(&samples, k, c.averaging);
+            let prepared = split.micro_batch(from + (j * m) as u64, m, k, c.averaging)?;
             let fwd = forward(
                 &self.b,
                 &self.spec,
@@ -401,8 +434,7 @@ impl<B: Backend> Trainer<B> {
                 self.activations(),
             )?;
             let (s, n) = data::masked_sum(&fwd.losses, &prepared.mask);
-            loss += s;
-            count += n;
+            sums.push(s, n);
             tokens += prepared.batch.tokens.len() as u64;
             if train {
                 backward(
@@ -416,22 +448,23 @@ impl<B: Backend> Trainer<B> {
                 )?;
             }
         }
-        Ok((loss, count, tokens))
+        Ok((sums, tokens))
     }
 
     /// One training iteration: returns (loss, grad norm, applied, tokens).
-    fn train_step(&mut self, train: &SplitSamples) -> Result<(f32, f64, bool, u64)> {
+    fn train_step(&mut self, train: &data::Source) -> Result<(f32, f64, bool, u64)> {
         for g in &mut self.grads {
             *g = self.b.zeros(self.b.shape(g), DType::F32)?;
         }
-        let (s, n, tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let (sums, tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let n = sums.tokens();
         if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
             let scale = 1.0 / n;
             for g in &mut self.grads {
                 self.b.scale(g, scale)?;
             }
         }
-        let loss = s / n;
+        let loss = sums.report(self.token_weighted());
         let lr = self.cfg.schedule.lr(self.schedule_steps);
         let wd = self.cfg.schedule.wd(self.schedule_steps);
         let skip = self.cfg.skip_non_finite;
@@ -451,10 +484,11 @@ impl<B: Backend> Trainer<B> {
         Ok((loss, report.grad_norm, report.applied, tokens))
     }
 
-    /// Validation over `eval_iters` steps from where the last one stopped: Σ S / Σ n.
-    fn evaluate(&mut self, valid: &SplitSamples, iters: u64) -> Result<f64> {
+    /// Validation over `eval_iters` steps from where the last one stopped, reduced over all
+    /// their micro-batches as the training loss is.
+    fn evaluate(&mut self, valid: &data::Source, iters: u64) -> Result<f64> {
         let g = self.cfg.global_batch as u64;
-        let (mut s, mut n) = (0f32, 0f32);
+        let mut all = data::LossSums::default();
         for _ in 0..iters {
             if self.consumed_valid + g > valid.len() as u64 {
                 bail!(
@@ -462,12 +496,11 @@ impl<B: Backend> Trainer<B> {
                     valid.len()
                 );
             }
-            let (ls, ln, _) = self.step_batches(valid, self.consumed_valid, false)?;
-            s += ls;
-            n += ln;
+            let (sums, _) = self.step_batches(valid, self.consumed_valid, false)?;
+            all.extend(sums);
             self.consumed_valid += g;
         }
-        Ok(f64::from(s / n))
+        Ok(f64::from(all.report(self.token_weighted())))
     }
 
     /// Print (above the progress bar) one line.
@@ -568,7 +601,7 @@ impl<B: Backend> Trainer<B> {
     fn train(mut self) -> Result<TrainSummary> {
         self.check_vocab()?;
         let splits = self.datasets()?;
-        let [Some(train), valid, _] = splits else {
+        let [Some(train), valid] = splits else {
             bail!("--split {:?} gives the train split no data", self.cfg.split);
         };
         let c_iters = self.cfg.train_iters;
