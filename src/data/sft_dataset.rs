@@ -246,7 +246,9 @@ pub fn legacy_split(split: &str, n: usize) -> Result<[Range<usize>; 3]> {
     parts.resize(3, 0.0);
     parts.truncate(3);
     let total: f64 = parts.iter().sum();
-    if !(total > 0.0) || parts.iter().any(|p| *p < 0.0) {
+    if total.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+        || parts.iter().any(|p| *p < 0.0)
+    {
         return Err(bad("weights must be ≥ 0 and not all zero"));
     }
     let mut idx = [0i64; 4];
@@ -294,7 +296,7 @@ pub fn index(range: Range<usize>, num_samples: u64, order: Order) -> Vec<u64> {
     }
     while (out.len() as u64) < num_samples {
         let mut epoch: Vec<u64> = range.clone().map(|i| i as u64).collect();
-        if let Some(g) = order.padded_to.filter(|&g| g > 0 && nb % g != 0) {
+        if let Some(g) = order.padded_to.filter(|&g| g > 0 && !nb.is_multiple_of(g)) {
             epoch.extend(0..(g - nb % g) as u64);
         }
         if order.shuffle {
