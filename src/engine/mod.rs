@@ -184,14 +184,14 @@ pub trait Backend: Device {
         eps: f64,
     ) -> Result<(Self::Tensor, Self::Tensor)>;
     /// `dx` of [`Backend::rms_norm`], and `dγ += Σ dy∘x·rstd` (aclnnRmsNormGrad). Returns dx
-    /// (overwrites); accumulates into `dgamma`.
+    /// (overwrites); accumulates into `dgamma` (`None`: γ is frozen).
     fn rms_norm_bwd(
         &self,
         dy: &Self::Tensor,
         x: &Self::Tensor,
         gamma: &Self::Tensor,
         rstd: &Self::Tensor,
-        dgamma: &mut Self::Tensor,
+        dgamma: Option<&mut Self::Tensor>,
     ) -> Result<Self::Tensor>;
     /// `y [n, m] = x [n, k] · wᵀ (+ bias)` for `w [m, k]` (aclnnMatmul with `wᵀ` as a view,
     /// aclnnAdd). Overwrites.
@@ -204,13 +204,13 @@ pub trait Backend: Device {
     /// The backward of [`Backend::matmul`]: returns `dx [n, k] = dy · w` (aclnnMatmul,
     /// overwrites); `dw [m, k] += dyᵀ · x` (aclnnMatmul with `dyᵀ` as a view +
     /// aclnnInplaceAdd, or aclnnInplaceAddmm) and `dbias [m] += Σ_rows dy`
-    /// (aclnnReduceSum + add) accumulate.
+    /// (aclnnReduceSum + add) accumulate; `None` skips a frozen parameter's gradient.
     fn matmul_bwd(
         &self,
         dy: &Self::Tensor,
         x: &Self::Tensor,
         w: &Self::Tensor,
-        dw: &mut Self::Tensor,
+        dw: Option<&mut Self::Tensor>,
         dbias: Option<&mut Self::Tensor>,
     ) -> Result<Self::Tensor>;
     /// Split a fused QKV activation `[n, groups·(heads/groups + 2)·d]` (Megatron's GQA-grouped
@@ -318,6 +318,8 @@ pub trait Backend: Device {
     /// `dst = src` converted to `dst`'s dtype (the main f32 parameter copied into a bf16 model
     /// parameter) (aclnnInplaceCopy). Overwrites `dst`.
     fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
+    /// `s · x` as a new tensor of `x`'s dtype (aclnnMuls). Overwrites.
+    fn scaled(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor>;
     /// `x ·= s` (aclnnInplaceMuls).
     fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
     /// `Σ x²` of each tensor, summed in f64 on the host (aclnnForeachNorm, read back: one host

@@ -6,27 +6,34 @@
 //! qw = heads·d, kw = groups·d, F = ffn, Vp = padded vocabulary. Parameters and gradients are
 //! indexed by the [`ParamTable`]; gradients are f32 and **accumulate** across micro-batches.
 
-use super::params::ParamTable;
+use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;
 use crate::ckpt::torch::pickle::DType;
 use crate::ckpt::transform::{Canon, Role};
 use crate::engine::{Backend, Result};
 use std::ops::Range;
 
+/// A linear layer: its weight, bias and LoRA factors in the table.
+#[derive(Debug, Clone, Copy)]
+struct Linear {
+    w: usize,
+    bias: Option<usize>,
+    /// `(A, B)` of its adapter.
+    lora: Option<(usize, usize)>,
+}
+
 /// Where each parameter of a layer sits in the table.
 #[derive(Debug, Clone, Copy)]
 struct LayerIds {
     input_norm: usize,
-    qkv: usize,
-    qkv_bias: Option<usize>,
-    proj: usize,
-    proj_bias: Option<usize>,
+    qkv: Linear,
+    proj: Linear,
     post_norm: usize,
-    fc1: usize,
-    fc2: usize,
+    fc1: Linear,
+    fc2: Linear,
 }
 
-/// Where every parameter sits in the table.
+/// Where every parameter sits in the table, and which are trained.
 #[derive(Debug, Clone)]
 pub struct Ids {
     embedding: usize,
@@ -34,24 +41,36 @@ pub struct Ids {
     final_norm: usize,
     /// `None` when the output layer is the embedding.
     output: Option<usize>,
+    trainable: Vec<bool>,
+    /// LoRA's alpha / r.
+    lora_scale: f32,
 }
 
 impl Ids {
-    /// Look every parameter of a model of `layers` layers up in `table`.
-    pub fn new(table: &ParamTable, layers: usize) -> Option<Ids> {
+    /// Look every parameter of a model of `layers` layers up in `table` (`lora_scale`: the
+    /// adapters' alpha / r, if any).
+    pub fn new(table: &ParamTable, layers: usize, lora_scale: f32) -> Option<Ids> {
         let at = |role, layer| table.index(Canon { role, layer });
+        let linear = |role, bias: Option<Role>, layer| {
+            let canon = Canon { role, layer };
+            Some(Linear {
+                w: table.index(canon)?,
+                bias: bias.and_then(|b| at(b, layer)),
+                lora: table
+                    .lora_index(canon, LoraPart::A)
+                    .zip(table.lora_index(canon, LoraPart::B)),
+            })
+        };
         let mut ids = Vec::with_capacity(layers);
         for l in 0..layers {
             let layer = Some(l);
             ids.push(LayerIds {
                 input_norm: at(Role::InputNorm, layer)?,
-                qkv: at(Role::Qkv, layer)?,
-                qkv_bias: at(Role::QkvBias, layer),
-                proj: at(Role::Proj, layer)?,
-                proj_bias: at(Role::ProjBias, layer),
+                qkv: linear(Role::Qkv, Some(Role::QkvBias), layer)?,
+                proj: linear(Role::Proj, Some(Role::ProjBias), layer)?,
                 post_norm: at(Role::PostNorm, layer)?,
-                fc1: at(Role::Fc1, layer)?,
-                fc2: at(Role::Fc2, layer)?,
+                fc1: linear(Role::Fc1, None, layer)?,
+                fc2: linear(Role::Fc2, None, layer)?,
             });
         }
         Some(Ids {
@@ -59,6 +78,8 @@ impl Ids {
             layers: ids,
             final_norm: at(Role::FinalNorm, None)?,
             output: at(Role::Output, None),
+            trainable: table.params.iter().map(|p| p.trainable).collect(),
+            lora_scale,
         })
     }
 
@@ -105,6 +126,8 @@ struct LayerSaved<T> {
     /// fc1 output `[T, 2F]` and the SwiGLU `[T, F]`.
     up: T,
     act: T,
+    /// `x·Aᵀ` `[T, r]` of each adapter (qkv, proj, fc1, fc2).
+    lora: [Option<T>; 4],
 }
 
 /// A micro-batch's forward pass: its per-row losses and what the backward pass needs.
@@ -146,17 +169,17 @@ pub fn forward<B: Backend>(
     let mut layers = Vec::with_capacity(ids.layers.len());
     for l in &ids.layers {
         let (h1, rstd1) = b.rms_norm(&x, &params[l.input_norm], eps)?;
-        let qkv = b.matmul(&h1, &params[l.qkv], l.qkv_bias.map(|i| &params[i]))?;
+        let (qkv, u_qkv) = linear_fwd(b, &h1, l.qkv, params, ids.lora_scale)?;
         let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
         b.rope(&mut q, &cos, &sin, false)?;
         b.rope(&mut k, &cos, &sin, false)?;
         let (o, lse) = b.attention(&q, &k, &v, &batch.segments, shape)?;
-        let mut x_mid = b.matmul(&o, &params[l.proj], l.proj_bias.map(|i| &params[i]))?;
+        let (mut x_mid, u_proj) = linear_fwd(b, &o, l.proj, params, ids.lora_scale)?;
         b.add_assign(&mut x_mid, &x)?;
         let (h2, rstd2) = b.rms_norm(&x_mid, &params[l.post_norm], eps)?;
-        let up = b.matmul(&h2, &params[l.fc1], None)?;
+        let (up, u_fc1) = linear_fwd(b, &h2, l.fc1, params, ids.lora_scale)?;
         let act = b.swiglu(&up)?;
-        let mut out = b.matmul(&act, &params[l.fc2], None)?;
+        let (mut out, u_fc2) = linear_fwd(b, &act, l.fc2, params, ids.lora_scale)?;
         b.add_assign(&mut out, &x_mid)?;
         layers.push(LayerSaved {
             x: std::mem::replace(&mut x, out),
@@ -172,6 +195,7 @@ pub fn forward<B: Backend>(
             rstd2,
             up,
             act,
+            lora: [u_qkv, u_proj, u_fc1, u_fc2],
         });
     }
     let (hf, rstdf) = b.rms_norm(&x, &params[ids.final_norm], eps)?;
@@ -215,60 +239,115 @@ pub fn backward<B: Backend>(
     } = fwd;
     let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
     let dlogits = b.cross_entropy_bwd(logits, &batch.labels, &lse, &dloss)?;
-    let dhf = matmul_grad(b, &dlogits, &hf, params, grads, ids.output(), None)?;
+    let output = Linear {
+        w: ids.output(),
+        bias: None,
+        lora: None,
+    };
+    let dhf = linear_bwd(b, &dlogits, &hf, None, output, params, grads, ids)?;
     drop(dlogits);
-    let mut dx = rms_grad(b, &dhf, &x, params, grads, ids.final_norm, &rstdf)?;
+    let mut dx = rms_grad(b, &dhf, &x, params, grads, ids, ids.final_norm, &rstdf)?;
     for (l, s) in ids.layers.iter().zip(layers).rev() {
+        let [u_qkv, u_proj, u_fc1, u_fc2] = &s.lora;
         // out = x_mid + fc2(swiglu(fc1(norm(x_mid)))): dx flows to both.
-        let dact = matmul_grad(b, &dx, &s.act, params, grads, l.fc2, None)?;
+        let dact = linear_bwd(b, &dx, &s.act, u_fc2.as_ref(), l.fc2, params, grads, ids)?;
         let dup = b.swiglu_bwd(&dact, &s.up)?;
-        let dh2 = matmul_grad(b, &dup, &s.h2, params, grads, l.fc1, None)?;
-        let mut dx_mid = rms_grad(b, &dh2, &s.x_mid, params, grads, l.post_norm, &s.rstd2)?;
+        let dh2 = linear_bwd(b, &dup, &s.h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
+        let mut dx_mid = rms_grad(b, &dh2, &s.x_mid, params, grads, ids, l.post_norm, &s.rstd2)?;
         b.add_assign(&mut dx_mid, &dx)?;
         // x_mid = x + proj(attention(rope(q), rope(k), v)), (q, k, v) = split(qkv(norm(x))).
-        let d_o = matmul_grad(b, &dx_mid, &s.o, params, grads, l.proj, l.proj_bias)?;
+        let d_o = linear_bwd(
+            b,
+            &dx_mid,
+            &s.o,
+            u_proj.as_ref(),
+            l.proj,
+            params,
+            grads,
+            ids,
+        )?;
         let (mut dq, mut dk, dv) =
             b.attention_bwd(&d_o, &s.q, &s.k, &s.v, &s.o, &s.lse, &batch.segments, shape)?;
         b.rope(&mut dq, &cos, &sin, true)?;
         b.rope(&mut dk, &cos, &sin, true)?;
         let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;
-        let dh1 = matmul_grad(b, &dqkv, &s.h1, params, grads, l.qkv, l.qkv_bias)?;
-        dx = rms_grad(b, &dh1, &s.x, params, grads, l.input_norm, &s.rstd1)?;
+        let dh1 = linear_bwd(b, &dqkv, &s.h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
+        dx = rms_grad(b, &dh1, &s.x, params, grads, ids, l.input_norm, &s.rstd1)?;
         b.add_assign(&mut dx, &dx_mid)?;
     }
-    b.embedding_bwd(&dx, &batch.tokens, &mut grads[ids.embedding])
+    if ids.trainable[ids.embedding] {
+        b.embedding_bwd(&dx, &batch.tokens, &mut grads[ids.embedding])?;
+    }
+    Ok(())
 }
 
-/// `dx` of `y = x·W[w]ᵀ (+ bias)`, accumulating the weight's (and bias's) gradient.
-fn matmul_grad<B: Backend>(
+/// `y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ`; returns `y` and, with an adapter, `x·Aᵀ` for the
+/// backward pass.
+fn linear_fwd<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    lin: Linear,
+    params: &[B::Tensor],
+    scale: f32,
+) -> Result<(B::Tensor, Option<B::Tensor>)> {
+    let mut y = b.matmul(x, &params[lin.w], lin.bias.map(|i| &params[i]))?;
+    let Some((a, bb)) = lin.lora else {
+        return Ok((y, None));
+    };
+    let u = b.matmul(x, &params[a], None)?;
+    b.add_assign(&mut y, &b.scaled(&b.matmul(&u, &params[bb], None)?, scale)?)?;
+    Ok((y, Some(u)))
+}
+
+/// `dx` of [`linear_fwd`], accumulating the gradients of whatever of W, bias, A, B is trained.
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd<B: Backend>(
     b: &B,
     dy: &B::Tensor,
     x: &B::Tensor,
+    u: Option<&B::Tensor>,
+    lin: Linear,
     params: &[B::Tensor],
     grads: &mut [B::Tensor],
-    w: usize,
-    bias: Option<usize>,
+    ids: &Ids,
 ) -> Result<B::Tensor> {
-    match bias {
-        None => b.matmul_bwd(dy, x, &params[w], &mut grads[w], None),
+    let trained = |i: usize| ids.trainable[i];
+    let mut dx = match lin.bias.filter(|&bi| trained(lin.w) && trained(bi)) {
         Some(bi) => {
-            let (dw, db) = two_mut(grads, w, bi);
-            b.matmul_bwd(dy, x, &params[w], dw, Some(db))
+            let (dw, db) = two_mut(grads, lin.w, bi);
+            b.matmul_bwd(dy, x, &params[lin.w], Some(dw), Some(db))?
         }
+        None => {
+            let dw = trained(lin.w).then(|| &mut grads[lin.w]);
+            b.matmul_bwd(dy, x, &params[lin.w], dw, None)?
+        }
+    };
+    if let (Some((a, bb)), Some(u)) = (lin.lora, u) {
+        // y += s·u·Bᵀ with u = x·Aᵀ.
+        let dys = b.scaled(dy, ids.lora_scale)?;
+        let du = b.matmul_bwd(&dys, u, &params[bb], Some(&mut grads[bb]), None)?;
+        b.add_assign(
+            &mut dx,
+            &b.matmul_bwd(&du, x, &params[a], Some(&mut grads[a]), None)?,
+        )?;
     }
+    Ok(dx)
 }
 
-/// `dx` of `y = rms_norm(x)·γ[g]`, accumulating γ's gradient.
+/// `dx` of `y = rms_norm(x)·γ[g]`, accumulating γ's gradient when it is trained.
+#[allow(clippy::too_many_arguments)]
 fn rms_grad<B: Backend>(
     b: &B,
     dy: &B::Tensor,
     x: &B::Tensor,
     params: &[B::Tensor],
     grads: &mut [B::Tensor],
+    ids: &Ids,
     g: usize,
     rstd: &B::Tensor,
 ) -> Result<B::Tensor> {
-    b.rms_norm_bwd(dy, x, &params[g], rstd, &mut grads[g])
+    let dgamma = ids.trainable[g].then(|| &mut grads[g]);
+    b.rms_norm_bwd(dy, x, &params[g], rstd, dgamma)
 }
 
 /// Two distinct elements of a slice, mutably.

@@ -328,6 +328,47 @@ pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
     Ok(target.join(rank_dir(0, 0, 1)).join(RANK_FILE))
 }
 
+/// Replace `host[i]` by the tensor named `table.params[i].name` in the one-rank checkpoint
+/// `dir`, for every parameter `pick` selects (the LoRA adapters of `--lora-load`): shapes
+/// checked, cast to the parameter's dtype.
+pub fn load_named(
+    dir: &Path,
+    table: &ParamTable,
+    pick: impl Fn(&crate::model::params::ParamInfo) -> bool,
+    host: &mut [Tensor],
+) -> Result<()> {
+    let path = rank_file(dir)?;
+    let f = TorchFile::open(&path)?;
+    let mut keys = std::collections::BTreeMap::new();
+    for chunk in crate::ckpt::megatron::chunks(&f)? {
+        crate::ckpt::megatron::flatten(chunk, false, &path, &mut keys)?;
+    }
+    for (p, slot) in table.params.iter().zip(host.iter_mut()) {
+        if !pick(p) {
+            continue;
+        }
+        let Some(Value::Tensor(t)) = keys.get(&p.name) else {
+            bail!(
+                "{}: no {} (the adapter does not match --lora-r / --lora-target-modules)",
+                path.display(),
+                p.name
+            );
+        };
+        let t = f.read_tensor(&p.name, t)?;
+        if t.shape != p.shape {
+            bail!(
+                "{}: {} has shape {:?}, this run's adapter {:?}",
+                path.display(),
+                p.name,
+                t.shape,
+                p.shape
+            );
+        }
+        *slot = t.cast(slot.dtype).map_err(|e| anyhow!(e))?;
+    }
+    Ok(())
+}
+
 /// What a checkpoint holds besides the model weights (read by [`load_state`]).
 pub struct Resumed {
     /// Completed iterations.

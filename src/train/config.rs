@@ -16,6 +16,7 @@ use crate::data::gpt_dataset::{Blend, MaskConfig};
 use crate::data::handlers::template::Template;
 use crate::data::sft_dataset::Order;
 use crate::data::tokenizer::HfTokenizer;
+use crate::model::params::LoraSpec;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -113,6 +114,19 @@ pub struct TrainConfig {
     pub inert: Vec<(&'static str, &'static str)>,
     /// Fine-tuning data (`--is-instruction-dataset`), instead of GPT pretraining samples.
     pub sft: Option<SftConfig>,
+    /// LoRA adapters (`--lora-r`, `--lora-target-modules`): only they are trained.
+    pub lora: Option<LoraConfig>,
+}
+
+/// MindSpeed-LLM's LoRA settings.
+#[derive(Debug, Clone)]
+pub struct LoraConfig {
+    /// Rank, alpha, targets.
+    pub spec: LoraSpec,
+    /// `--lora-ckpt-filter`: checkpoints hold only the adapters.
+    pub ckpt_filter: bool,
+    /// `--lora-load`: adapters (and, unless `--finetune`, the training state) to resume from.
+    pub load: Option<PathBuf>,
 }
 
 /// MindSpeed-LLM fine-tuning data.
@@ -466,9 +480,7 @@ fn check_single_rank(a: &Args) -> Result<()> {
     if let Some(stage) = a.get("stage").filter(|s| *s != "sft") {
         bail!("--stage {stage}: only sft (supervised fine-tuning) is implemented");
     }
-    if a.has("lora-r") {
-        bail!("LoRA fine-tuning (--lora-r) is not available in this build yet");
-    }
+
     Ok(())
 }
 
@@ -642,7 +654,41 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         skip_non_finite: !a.has("no-check-for-nan-in-loss-and-grad"),
         inert: a.inert(),
         sft,
+        lora: lora_config(a)?,
     })
+}
+
+/// LoRA from MindSpeed-LLM's flags (its defaults: r 16, alpha 32).
+fn lora_config(a: &Args) -> Result<Option<LoraConfig>> {
+    let Some(modules) = a.list("lora-target-modules") else {
+        for flag in ["lora-r", "lora-alpha", "lora-ckpt-filter", "lora-load"] {
+            if a.has(flag) {
+                bail!("--{flag} needs --lora-target-modules (e.g. linear_qkv linear_proj linear_fc1 linear_fc2)");
+            }
+        }
+        return Ok(None);
+    };
+    let targets = modules
+        .iter()
+        .map(|m| {
+            LoraSpec::target(m).ok_or_else(|| {
+                anyhow!("--lora-target-modules {m}: expected linear_qkv, linear_proj, linear_fc1 or linear_fc2")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let alpha = a.parse_value::<f64>("lora-alpha")?.unwrap_or(32.0);
+    if !(alpha.is_finite() && alpha > 0.0) {
+        bail!("--lora-alpha must be a positive number, got {alpha}");
+    }
+    Ok(Some(LoraConfig {
+        spec: LoraSpec {
+            r: positive(a, "lora-r")?.unwrap_or(16),
+            alpha,
+            targets,
+        },
+        ckpt_filter: a.has("lora-ckpt-filter"),
+        load: a.get("lora-load").map(PathBuf::from),
+    }))
 }
 
 /// MindSpeed-LLM's `--model-type-hf` names (llama2, qwen25, …) as mindkit's family names.

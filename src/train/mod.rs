@@ -24,7 +24,7 @@ use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
 use crate::model::llama::{backward, forward, Ids};
-use crate::model::params::ParamTable;
+use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
 use crate::model::ModelSpec;
 use crate::util::{progress_bar, ProgressUnit};
 use anyhow::{anyhow, bail, Context, Result};
@@ -98,62 +98,76 @@ fn flops_model(cfg: &TrainConfig) -> log::FlopsModel {
     }
 }
 
-/// Weights initialised as megatron-core does: normal(0, σ) for matrices (σ/√(2L) for
+/// The starting weights: base weights from `--load` (padded to the run's vocabulary, cast to
+/// its dtype) or initialised as megatron-core does — normal(0, σ) for matrices (σ/√(2L) for
 /// linear_proj and linear_fc2; the embedding's own σ if given), ones for norms, zeros for
-/// biases. Seeded by `--seed`; no generator can reproduce torch's draws, so the statistics
-/// match, not the values.
-fn init_params(cfg: &TrainConfig, table: &ParamTable) -> Result<Vec<HostTensor>> {
+/// biases —, and LoRA factors as peft initialises them: A uniform in ±1/√in (kaiming uniform
+/// with a = √5), B zeros. Seeded by `--seed`; no generator can reproduce torch's draws, so the
+/// statistics match, not the values.
+fn initial_params(cfg: &TrainConfig, table: &ParamTable) -> Result<Vec<HostTensor>> {
     let (std, embedding_std) = cfg.init_std;
     let scaled = std / (2.0 * cfg.model.layers as f64).sqrt();
     let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(cfg.seed));
+    let dtype = cfg.model.dtype;
+    let mut draw = |p: &ParamInfo| -> Result<Vec<f32>> {
+        let n = p.numel();
+        Ok(match (p.lora, p.canon.role) {
+            (Some(LoraPart::A), _) => {
+                let bound = 1.0 / (p.shape[1] as f32).sqrt();
+                let uniform = rand_distr::Uniform::new(-bound, bound)
+                    .map_err(|e| anyhow!("LoRA init: {e}"))?;
+                (0..n).map(|_| uniform.sample(&mut rng)).collect()
+            }
+            (Some(LoraPart::B), _) | (None, Role::QkvBias | Role::ProjBias) => vec![0.0; n],
+            (None, Role::InputNorm | Role::PostNorm | Role::FinalNorm) => vec![1.0; n],
+            (None, role) => {
+                let sigma = match role {
+                    Role::Embedding => embedding_std.unwrap_or(std),
+                    _ if p.scaled_init => scaled,
+                    _ => std,
+                };
+                let normal = rand_distr::Normal::new(0.0f32, sigma as f32)
+                    .map_err(|e| anyhow!("--init-method-std {sigma}: {e}"))?;
+                (0..n).map(|_| normal.sample(&mut rng)).collect()
+            }
+        })
+    };
     table
         .params
         .iter()
-        .map(|p| {
-            let n = p.numel();
-            let values: Vec<f32> = match p.canon.role {
-                Role::InputNorm | Role::PostNorm | Role::FinalNorm => vec![1.0; n],
-                Role::QkvBias | Role::ProjBias => vec![0.0; n],
-                role => {
-                    let sigma = match role {
-                        Role::Embedding => embedding_std.unwrap_or(std),
-                        _ if p.scaled_init => scaled,
-                        _ => std,
-                    };
-                    let normal = rand_distr::Normal::new(0.0f32, sigma as f32)
-                        .map_err(|e| anyhow!("--init-method-std {sigma}: {e}"))?;
-                    (0..n).map(|_| normal.sample(&mut rng)).collect()
+        .map(|p| match (&cfg.start, p.lora) {
+            (Start::Load { input, .. }, None) => {
+                let t = input
+                    .read_padded(p.canon, table.vocab_padded)
+                    .with_context(|| format!("--load: {}", p.name))?;
+                if t.shape != p.shape {
+                    bail!(
+                        "--load: {} has shape {:?}, the flags imply {:?}",
+                        p.name,
+                        t.shape,
+                        p.shape
+                    );
                 }
-            };
-            HostTensor::from_f32(cfg.model.dtype, p.shape.clone(), &values).map_err(|e| anyhow!(e))
+                t.cast(dtype).map_err(|e| anyhow!(e))
+            }
+            _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e)),
         })
         .collect()
 }
 
-/// The weights of `--load`, padded to the run's vocabulary and cast to its dtype.
-fn load_params(
-    cfg: &TrainConfig,
-    table: &ParamTable,
-    input: &crate::ckpt::convert::Input,
-) -> Result<Vec<HostTensor>> {
-    table
-        .params
+/// What MindSpeed-LLM records of LoRA in `args` (read back by `mindkit lora merge`).
+fn lora_args(l: &LoraSpec) -> Vec<(String, Value)> {
+    let modules = l
+        .targets
         .iter()
-        .map(|p| {
-            let t = input
-                .read_padded(p.canon, table.vocab_padded)
-                .with_context(|| format!("--load: {}", p.name))?;
-            if t.shape != p.shape {
-                bail!(
-                    "--load: {} has shape {:?}, the flags imply {:?}",
-                    p.name,
-                    t.shape,
-                    p.shape
-                );
-            }
-            t.cast(cfg.model.dtype).map_err(|e| anyhow!(e))
-        })
-        .collect()
+        .filter_map(|&r| LoraSpec::module(r))
+        .map(|m| Value::Str(m.into()))
+        .collect();
+    vec![
+        ("lora_r".into(), Value::Int(l.r as i64)),
+        ("lora_alpha".into(), Value::Float(l.alpha)),
+        ("lora_target_modules".into(), Value::List(modules)),
+    ]
 }
 
 /// Running sums of one log interval (`training_log`'s `total_loss_dict`).
@@ -191,23 +205,25 @@ struct Trainer<B: Backend> {
 impl<B: Backend> Trainer<B> {
     fn new(b: B, cfg: TrainConfig, quiet: bool) -> Result<Self> {
         let spec = ModelSpec::from_config(&cfg.model)?;
-        let table = ParamTable::new(&cfg.model, cfg.vocab_padded);
-        let ids = Ids::new(&table, cfg.model.layers)
+        let lora = cfg.lora.as_ref().map(|l| &l.spec);
+        let table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
+        let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
             .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
-        let host = match &cfg.start {
-            Start::Scratch => init_params(&cfg, &table)?,
-            Start::Load { input, .. } => load_params(&cfg, &table, input)?,
-        };
+        let mut host = initial_params(&cfg, &table)?;
+        if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
+            checkpoint::load_named(dir, &table, |p| p.lora.is_some(), &mut host)?;
+        }
         let params: Vec<B::Tensor> = host
             .iter()
             .map(|t| b.upload(t))
             .collect::<std::result::Result<_, _>>()?;
+        // Frozen parameters (LoRA's base) get no gradient buffer.
         let grads = table
             .params
             .iter()
-            .map(|p| b.zeros(&p.shape, DType::F32))
+            .map(|p| b.zeros(if p.trainable { &p.shape } else { &[0] }, DType::F32))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let trained = vec![true; table.params.len()];
+        let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
         let opt = Optimizer::new(&b, &table, &params, trained.clone(), cfg.adam)?;
         let stop = if cfg.exit.on_signal {
             Some(crate::util::defer_signals()?)
@@ -244,16 +260,32 @@ impl<B: Backend> Trainer<B> {
     /// Restore iteration, samples, schedule and optimizer from `--load` (unless
     /// `--finetune`, an HF directory, or `--no-load-optim` for the last two).
     fn resume(&mut self, trained: &[bool]) -> Result<()> {
-        let Start::Load {
-            dir,
-            resume: true,
-            no_optim,
-            ..
-        } = &self.cfg.start
-        else {
-            return Ok(());
+        // With LoRA the training state travels with the adapters (--lora-load).
+        let (dir, no_optim) = match (&self.cfg.start, &self.cfg.lora) {
+            (
+                Start::Load {
+                    resume: true,
+                    no_optim,
+                    ..
+                },
+                Some(l),
+            ) => match &l.load {
+                Some(dir) => (dir.clone(), *no_optim),
+                None => return Ok(()),
+            },
+            (
+                Start::Load {
+                    dir,
+                    resume: true,
+                    no_optim,
+                    ..
+                },
+                None,
+            ) => (dir.clone(), *no_optim),
+            _ => return Ok(()),
         };
-        let state = checkpoint::load_state(dir, &self.table, trained, *no_optim)?;
+        let no_optim = &no_optim;
+        let state = checkpoint::load_state(&dir, &self.table, trained, *no_optim)?;
         self.iteration = state.iteration;
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
@@ -523,8 +555,11 @@ impl<B: Backend> Trainer<B> {
         let save = self.cfg.save.as_ref();
         let optimizer = match save {
             Some(s) if !s.no_optim => {
+                let trained = |i: usize| self.table.params[i].trainable;
                 let host = |ts: &[B::Tensor]| -> Result<Vec<Option<HostTensor>>> {
-                    ts.iter().map(|t| Ok(Some(b.download(t)?))).collect()
+                    (ts.iter().enumerate())
+                        .map(|(i, t)| Ok(trained(i).then(|| b.download(t)).transpose()?))
+                        .collect()
                 };
                 Some(checkpoint::OptimizerState {
                     steps: self.opt.steps,
@@ -562,11 +597,27 @@ impl<B: Backend> Trainer<B> {
                 Value::Str(c.schedule.decay_style.name().into()),
             ),
         ];
+        let mut args = args;
+        let filter = c.lora.as_ref().is_some_and(|l| l.ckpt_filter);
+        let mut extra = Vec::new();
+        if let Some(l) = &c.lora {
+            args.extend(lora_args(&l.spec));
+            for (p, t) in self.table.params.iter().zip(&params) {
+                if p.lora.is_some() {
+                    extra.push((p.name.clone(), t.clone()));
+                }
+            }
+        }
         Ok(checkpoint::Snapshot {
             cfg: &c.model,
             table: &self.table,
+            saved: self
+                .table
+                .params
+                .iter()
+                .map(|p| p.lora.is_none() && !filter)
+                .collect(),
             params,
-            saved: vec![true; self.table.params.len()],
             layout: save.map_or(crate::ckpt::layout::KeyLayout::Mcore, |s| s.layout),
             divisible_by: c.divisible_by,
             iteration: self.iteration,
@@ -576,7 +627,7 @@ impl<B: Backend> Trainer<B> {
                 .filter(|s| !s.no_optim)
                 .map(|_| c.schedule.state_dict(self.schedule_steps)),
             flops: self.flops,
-            extra: Vec::new(),
+            extra,
         })
     }
 

@@ -54,20 +54,36 @@ impl<T> Optimizer<T> {
         trainable: Vec<bool>,
         config: AdamConfig,
     ) -> Result<Self> {
-        let zeros = |p: &T| b.zeros(b.shape(p), DType::F32);
+        // Frozen parameters (LoRA's base) keep no state: empty placeholders.
+        let zeros = |(p, &t): (&T, &bool)| b.zeros(if t { b.shape(p) } else { &[0] }, DType::F32);
         let main = match params.first().map(|p| b.dtype(p)) {
             Some(DType::F32) | None => None,
             Some(_) => Some(
                 params
                     .iter()
-                    .map(|p| b.cast(p, DType::F32))
+                    .zip(&trainable)
+                    .map(|(p, &t)| {
+                        if t {
+                            b.cast(p, DType::F32)
+                        } else {
+                            b.zeros(&[0], DType::F32)
+                        }
+                    })
                     .collect::<Result<_>>()?,
             ),
         };
         Ok(Optimizer {
             main,
-            exp_avg: params.iter().map(zeros).collect::<Result<_>>()?,
-            exp_avg_sq: params.iter().map(zeros).collect::<Result<_>>()?,
+            exp_avg: params
+                .iter()
+                .zip(&trainable)
+                .map(zeros)
+                .collect::<Result<_>>()?,
+            exp_avg_sq: params
+                .iter()
+                .zip(&trainable)
+                .map(zeros)
+                .collect::<Result<_>>()?,
             steps: 0,
             decay: table.params.iter().map(|p| p.decay).collect(),
             trainable,

@@ -173,3 +173,84 @@ def test_fine_tuning_matches_mindspeed(tmp_path, mindkit, flags, options):
     for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2)):
         for i, (g, w) in enumerate(zip(got[key], [h[column] for h in history])):
             assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+
+
+def lora_pair(tmp_path, r, alpha):
+    """The llama model for mindkit, the same weights as a Phi-3 (fused qkv_proj and
+    gate_up_proj, so that one peft adapter covers Megatron's fused linear_qkv / linear_fc1)
+    with peft adapters for the reference, and the initial adapters as a Megatron LoRA
+    checkpoint both start from (A random, B zero, as peft initialises them)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+    llama_dir = make_model(tmp_path / "llama", "llama")
+    llama = LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
+    lc = llama.config
+    phi3 = Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=lc.hidden_size, intermediate_size=lc.intermediate_size,
+        num_hidden_layers=lc.num_hidden_layers, num_attention_heads=lc.num_attention_heads,
+        num_key_value_heads=lc.num_key_value_heads, max_position_embeddings=256,
+        rms_norm_eps=lc.rms_norm_eps, rope_theta=lc.rope_theta, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=EOD))
+    sd = llama.state_dict()
+    fused = {}
+    for name, t in sd.items():
+        if ".self_attn.q_proj" in name:
+            stem = name.replace(".q_proj.weight", "")
+            fused[stem + ".qkv_proj.weight"] = torch.cat([sd[stem + f".{x}_proj.weight"] for x in "qkv"])
+        elif ".mlp.gate_proj" in name:
+            stem = name.replace(".gate_proj.weight", "")
+            fused[stem + ".gate_up_proj.weight"] = torch.cat([sd[stem + ".gate_proj.weight"], sd[stem + ".up_proj.weight"]])
+        elif not any(f".{x}_proj" in name for x in ("k", "v", "up")):
+            fused[name] = t
+    phi3.load_state_dict(fused, strict=True)
+    phi3_dir = tmp_path / "phi3"
+    phi3.save_pretrained(phi3_dir)
+    reference = train_reference.padded_model(str(phi3_dir), 512)
+    targets = {"qkv_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+               "gate_up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+    reference = get_peft_model(reference, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                     target_modules=list(targets)))
+    adapters = {}
+    torch.manual_seed(7)
+    for name, module in reference.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if short in targets and hasattr(module, "lora_A"):
+            a = module.lora_A["default"].weight
+            with torch.no_grad():
+                a.uniform_(-0.1, 0.1)
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            key = f"decoder.layers.{layer}.{targets[short]}"
+            adapters[f"{key}.lora_A.default.weight"] = a.detach().clone()
+            adapters[f"{key}.lora_B.default.weight"] = module.lora_B["default"].weight.detach().clone()
+    import argparse
+    ckpt = tmp_path / "lora0"
+    (ckpt / "iter_0000000/mp_rank_00").mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(lora_r=r, lora_alpha=alpha), "checkpoint_version": 3.0,
+                "iteration": 0, "model": adapters},
+               ckpt / "iter_0000000/mp_rank_00/model_optim_rng.pt")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("0")
+    return llama_dir, reference, ckpt
+
+
+def test_lora_matches_peft(tmp_path, mindkit):
+    """LoRA on linear_qkv, linear_proj, linear_fc1, linear_fc2 (base frozen) against peft on the
+    same model: loss, grad norm (of the adapters) and lr per iteration; the LoRA-only
+    checkpoint folds back with `mindkit lora merge`."""
+    llama_dir, reference, lora0 = lora_pair(tmp_path, r=4, alpha=8)
+    data = write_data(tmp_path / "data")
+    mindkit_train(llama_dir, data, tmp_path, [
+        "--finetune", "--lora-r", "4", "--lora-alpha", "8", "--lora-load", lora0,
+        "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+        "--lora-ckpt-filter"])
+    got = scalars(tmp_path / "tb")
+    history, _, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
+        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        model=reference)
+    for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2)):
+        for i, (g, w) in enumerate(zip(got[key], [h[column] for h in history])):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+    merged = tmp_path / "merged"
+    mindkit("lora", "merge", "--base", llama_dir, "--adapter", tmp_path / "ckpt", "--output", merged,
+            "--to", "hf")
+    assert (merged / "model.safetensors").exists()

@@ -45,8 +45,10 @@ def padded_model(model_dir, vocab_padded):
 
 def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min_lr, warmup_iters,
           decay_style, weight_decay, clip_grad, betas=(0.9, 0.999), eps=1e-8, seed=1234,
-          split="1", per_token=False, eod_mask_loss=False):
-    """Train and return per-iteration (loss, grad norm, printed lr) and the final model."""
+          split="1", per_token=False, eod_mask_loss=False, model=None):
+    """Train (`model`, or the padded model of `model_dir`; only parameters that require
+    gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
+    and the optimizer."""
     megatron_cpu.init()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -55,7 +57,7 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     torch.manual_seed(0)
-    model = padded_model(model_dir, vocab_padded)
+    model = model if model is not None else padded_model(model_dir, vocab_padded)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq, blend=get_blend_from_list([prefix]), split=split,
         path_to_cache=None, reset_position_ids=False, reset_attention_mask=False,

@@ -404,24 +404,28 @@ impl Backend for Cpu {
         x: &CpuTensor,
         gamma: &CpuTensor,
         rstd: &CpuTensor,
-        dgamma: &mut CpuTensor,
+        dgamma: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
         let (n, h) = (x.rows(), x.cols());
         expect_shape("rms_norm_bwd", "dy", dy, &x.shape)?;
         expect_shape("rms_norm_bwd", "rstd", rstd, &[n])?;
         ensure(
-            gamma.numel() == h && dgamma.numel() == h,
+            gamma.numel() == h && dgamma.as_ref().is_none_or(|d| d.numel() == h),
             "rms_norm_bwd",
             || "γ / dγ length".into(),
         )?;
         let mut dx = vec![0f32; n * h];
+        let dgamma = match dgamma {
+            Some(d) => Some(d.f32_mut("rms_norm_bwd")?),
+            None => None,
+        };
         norm::rms_norm_bwd(
             &dy.values(),
             &x.values(),
             &gamma.values(),
             &rstd.values(),
             &mut dx,
-            dgamma.f32_mut("rms_norm_bwd")?,
+            dgamma,
         );
         Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
     }
@@ -455,16 +459,18 @@ impl Backend for Cpu {
         dy: &CpuTensor,
         x: &CpuTensor,
         w: &CpuTensor,
-        dw: &mut CpuTensor,
+        dw: Option<&mut CpuTensor>,
         dbias: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
         let (n, k, m) = (x.rows(), x.cols(), w.rows());
         expect_shape("matmul_bwd", "dy", dy, &[n, m])?;
-        expect_shape("matmul_bwd", "dw", dw, &[m, k])?;
-        let (dys, xs, ws) = (dy.values(), x.values(), w.values());
+        let (dys, ws) = (dy.values(), w.values());
         let mut dx = vec![0f32; n * k];
         gemm::matmul(&dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
-        gemm::matmul_tn_acc(&dys, &xs, (n, m, k), dw.f32_mut("matmul_bwd")?);
+        if let Some(dw) = dw {
+            expect_shape("matmul_bwd", "dw", dw, &[m, k])?;
+            gemm::matmul_tn_acc(&dys, &x.values(), (n, m, k), dw.f32_mut("matmul_bwd")?);
+        }
         if let Some(db) = dbias {
             ensure(db.numel() == m, "matmul_bwd", || "dbias length".into())?;
             let db = db.f32_mut("matmul_bwd")?;
@@ -780,6 +786,12 @@ impl Backend for Cpu {
         expect_shape("copy_into", "src", src, &dst.shape.clone())?;
         *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype());
         Ok(())
+    }
+
+    fn scaled(&self, x: &CpuTensor, s: f32) -> Result<CpuTensor> {
+        let mut v = x.values().into_owned();
+        optim::scale(&mut v, s);
+        Ok(CpuTensor::stored(x.shape.clone(), v, x.dtype()))
     }
 
     fn scale(&self, x: &mut CpuTensor, s: f32) -> Result<()> {

@@ -24,7 +24,7 @@ pub fn rms_norm_fwd(x: &[f32], gamma: &[f32], eps: f32, y: &mut [f32], rstd: &mu
 /// result does not depend on the thread count.
 const GRAD_ROWS: usize = 64;
 
-/// `dx [n, h]` (overwritten) and `dγ [h]` (accumulated) of [`rms_norm_fwd`]:
+/// `dx [n, h]` (overwritten) and `dγ [h]` (accumulated, unless frozen) of [`rms_norm_fwd`]:
 /// `dx = rstd·(γ∘dy) − rstd³/h · x · Σ(γ∘dy∘x)`, `dγ += Σ_rows dy ∘ x · rstd`.
 pub fn rms_norm_bwd(
     dy: &[f32],
@@ -32,7 +32,7 @@ pub fn rms_norm_bwd(
     gamma: &[f32],
     rstd: &[f32],
     dx: &mut [f32],
-    dgamma: &mut [f32],
+    dgamma: Option<&mut [f32]>,
 ) {
     let h = gamma.len();
     dx.par_chunks_mut(h)
@@ -48,6 +48,7 @@ pub fn rms_norm_bwd(
                 *dx = r * g * dy - c * x;
             }
         });
+    let Some(dgamma) = dgamma else { return };
     let partials: Vec<Vec<f32>> = dy
         .par_chunks(h * GRAD_ROWS)
         .zip(x.par_chunks(h * GRAD_ROWS))
@@ -88,7 +89,7 @@ mod tests {
         let (mut y, mut rstd) = (vec![0.0; n * h], vec![0.0; n]);
         rms_norm_fwd(&x, &gamma, 1e-5, &mut y, &mut rstd);
         let (mut dx, mut dgamma) = (vec![0.0; n * h], vec![0.0; h]);
-        rms_norm_bwd(&dy, &x, &gamma, &rstd, &mut dx, &mut dgamma);
+        rms_norm_bwd(&dy, &x, &gamma, &rstd, &mut dx, Some(&mut dgamma));
         check_grad("dx", &x, &dx, |x| loss(x, &gamma));
         check_grad("dgamma", &gamma, &dgamma, |g| loss(&x, g));
     }
