@@ -249,6 +249,31 @@ pub fn set_arg(args: &mut Vec<(String, Value)>, key: &str, v: Value) {
     }
 }
 
+/// Make `--save` ready before any training: the directory created, proven writable by a
+/// temporary file, and the tokenizer files copied beside the checkpoints (as `mindkit
+/// convert` does, so that the checkpoint converts back to a complete HF directory and
+/// resumes without naming the tokenizer again).
+pub fn prepare(save: &Path, tokenizer: &Path) -> Result<()> {
+    std::fs::create_dir_all(save)
+        .with_context(|| format!("--save {}: cannot create it", save.display()))?;
+    drop(
+        AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)
+            .with_context(|| format!("--save {}: cannot write there", save.display()))?,
+    );
+    let dir = if tokenizer.is_dir() {
+        tokenizer.to_path_buf()
+    } else {
+        tokenizer
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
+    if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
+        crate::ckpt::hf::copy_side_files(&dir, save)?;
+    }
+    Ok(())
+}
+
 /// The `iter_XXXXXXX` name of an iteration.
 pub fn iteration_dir(iteration: u64) -> String {
     format!("iter_{iteration:07}")

@@ -510,7 +510,12 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         (Some(dir), Some(_)) if detect(dir)? == Format::Hf => Some(dir.clone()),
         _ => None,
     };
-    let (tokenizer, masks) = tokenizer(a, hf_load.as_ref())?;
+    // The tokenizer defaults to the one a checkpoint carries (HF directories, and the
+    // tokenizer files mindkit copies next to the checkpoints it writes).
+    let carried = load
+        .as_ref()
+        .filter(|d| d.join("tokenizer.json").is_file() || d.join("vocab.json").is_file());
+    let (tokenizer, masks) = tokenizer(a, carried)?;
     let mut model = model_config(a, input.as_ref(), tokenizer.vocab_size())?;
     let divisible_by = positive(a, "make-vocab-size-divisible-by")?.unwrap_or(128);
     let vocab_padded = match positive(a, "padded-vocab-size")? {

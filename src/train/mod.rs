@@ -205,6 +205,9 @@ struct Trainer<B: Backend> {
 impl<B: Backend> Trainer<B> {
     fn new(b: B, cfg: TrainConfig, quiet: bool) -> Result<Self> {
         let spec = ModelSpec::from_config(&cfg.model)?;
+        if let Some(save) = &cfg.save {
+            checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
+        }
         let lora = cfg.lora.as_ref().map(|l| &l.spec);
         let table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
         let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
