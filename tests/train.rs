@@ -294,3 +294,110 @@ fn help_lists_every_flag_by_effect() {
         assert!(help.contains(part), "{part} missing");
     }
 }
+
+#[test]
+fn device_npu_is_a_clear_error_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let out = run(&args(&data, &["--device", "npu"])).failure();
+    assert!(
+        stderr(&out).contains("--device npu: this build has no Ascend NPU backend"),
+        "{}",
+        stderr(&out)
+    );
+    let model = fixture("models/demo");
+    let out = mindkit(&[
+        &"generate",
+        &"--model",
+        &model,
+        &"--prompt",
+        &"x",
+        &"--device",
+        &"npu",
+    ])
+    .failure();
+    assert!(stderr(&out).contains("--device npu"), "{}", stderr(&out));
+    let out = mindkit(&[
+        &"eval",
+        &"--model",
+        &model,
+        &"--task",
+        &"boolq",
+        &"--data",
+        &fixture("eval/boolq-superglue.jsonl"),
+        &"--device",
+        &"npu",
+    ])
+    .failure();
+    assert!(stderr(&out).contains("--device npu"), "{}", stderr(&out));
+}
+
+/// `(std, numel)` of an f32 tensor of a checkpoint.
+fn std_of(file: &mindkit::ckpt::torch::TorchFile, key: &str) -> f64 {
+    let model = file.root().get("model").unwrap();
+    let Some(mindkit::ckpt::torch::pickle::Value::Tensor(t)) = model.get(key) else {
+        panic!("{key} missing");
+    };
+    let t = file.read_tensor(key, t).unwrap();
+    let v = mindkit::ckpt::tensor::to_f32(&t).unwrap();
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+    (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+}
+
+#[test]
+fn weights_from_scratch_have_megatrons_statistics() {
+    // No --load: normal(0, 0.02), σ/√(2L) for linear_proj and linear_fc2, ones for norms. With
+    // --lr 0 the single step leaves them as initialised.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("scratch");
+    let mut a = args(
+        &data,
+        &[
+            "--train-iters",
+            "1",
+            "--lr",
+            "0",
+            "--min-lr",
+            "0",
+            "--lr-warmup-iters",
+            "0",
+            "--save",
+            save.to_str().unwrap(),
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "128",
+            "--num-attention-heads",
+            "4",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+            "--tokenizer-name-or-path",
+            fixture("models/demo").to_str().unwrap(),
+        ],
+    );
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    run(&a).success();
+    let file = mindkit::ckpt::torch::TorchFile::open(
+        &save.join("iter_0000001/mp_rank_00/model_optim_rng.pt"),
+    )
+    .unwrap();
+    let scaled = 0.02 / (2.0f64 * 4.0).sqrt();
+    for (key, want) in [
+        ("embedding.word_embeddings.weight", 0.02),
+        ("decoder.layers.0.self_attention.linear_qkv.weight", 0.02),
+        ("decoder.layers.3.mlp.linear_fc1.weight", 0.02),
+        ("decoder.layers.0.self_attention.linear_proj.weight", scaled),
+        ("decoder.layers.2.mlp.linear_fc2.weight", scaled),
+        ("output_layer.weight", 0.02),
+    ] {
+        let got = std_of(&file, key);
+        assert!(
+            (got - want).abs() < 0.03 * want,
+            "{key}: std {got}, want {want}"
+        );
+    }
+    assert_eq!(std_of(&file, "decoder.final_layernorm.weight"), 0.0);
+}

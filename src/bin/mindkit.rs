@@ -114,9 +114,9 @@ struct EvalArgs {
     /// interruption, or with other reporting options) computes only what is missing.
     #[arg(long)]
     cache: Option<PathBuf>,
-    /// Compute device.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
-    device: String,
+    /// Compute device: cpu, or npu (Ascend; not in this build yet, a clear error).
+    #[arg(long, default_value = "cpu")]
+    device: mindkit::engine::DeviceKind,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -157,9 +157,9 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Compute device.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
-    device: String,
+    /// Compute device: cpu, or npu (Ascend; not in this build yet, a clear error).
+    #[arg(long, default_value = "cpu")]
+    device: mindkit::engine::DeviceKind,
     /// No summary line on stderr.
     #[arg(long)]
     quiet: bool,
@@ -603,6 +603,7 @@ fn run(cli: Cli) -> Result<()> {
                 output: a.output,
                 cache: a.cache,
                 progress: !a.quiet,
+                device: a.device,
             };
             let report = eval::run(&opts)?;
             // The table first: a results file that cannot be written loses nothing shown.
@@ -681,6 +682,7 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
             stop: a.stop,
             eos: Vec::new(),
         },
+        device: a.device,
     };
     let mut out = std::io::stdout().lock();
     let (g, stats) = generate::run(&request, |piece| {

@@ -46,6 +46,44 @@ pub enum EngineError {
     /// The device itself failed (an accelerator runtime error, with its own message).
     #[error("device error: {0}")]
     Device(String),
+    /// The device asked for cannot be used in this build or on this machine.
+    #[error("--device {0}: {1}")]
+    Unavailable(&'static str, String),
+}
+
+/// The devices `--device` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    /// The host CPU ([`cpu::Cpu`]).
+    #[default]
+    Cpu,
+    /// An Ascend NPU through CANN.
+    Npu,
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "npu" => Ok(DeviceKind::Npu),
+            other => Err(format!("unknown device {other:?} (cpu or npu)")),
+        }
+    }
+}
+
+/// The CPU backend when `kind` asks for it; the NPU backend is not part of this build yet, so
+/// `npu` is a clear error rather than a silent fallback to the CPU.
+pub fn cpu_backend(kind: DeviceKind) -> Result<cpu::Cpu> {
+    match kind {
+        DeviceKind::Cpu => Ok(cpu::Cpu),
+        DeviceKind::Npu => Err(EngineError::Unavailable(
+            "npu",
+            "this build has no Ascend NPU backend yet (it will load CANN's libascendcl.so from \
+             $ASCEND_TOOLKIT_HOME/lib64 at run time); run with --device cpu"
+                .into(),
+        )),
+    }
 }
 
 /// A result of the engine.

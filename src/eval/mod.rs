@@ -87,6 +87,8 @@ pub struct EvalOptions {
     pub cache: Option<PathBuf>,
     /// Show a progress bar.
     pub progress: bool,
+    /// The compute device.
+    pub device: crate::engine::DeviceKind,
 }
 
 impl EvalOptions {
@@ -227,7 +229,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     o.check()?;
     let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
-    let backend = Cpu;
+    let backend = crate::engine::cpu_backend(o.device)?;
     let model = Model::load(&backend, &o.model)?;
     if tokenizer.vocab_size() > model.spec.vocab {
         bail!(

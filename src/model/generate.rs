@@ -3,7 +3,6 @@
 
 use super::{Model, Step};
 use crate::data::tokenizer::HfTokenizer;
-use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;
@@ -341,6 +340,8 @@ pub struct GenerateRequest {
     pub system: Option<String>,
     /// What to generate.
     pub options: GenerateOptions,
+    /// The compute device.
+    pub device: crate::engine::DeviceKind,
 }
 
 /// What a generation took.
@@ -360,7 +361,7 @@ pub fn run(r: &GenerateRequest, on_text: impl FnMut(&str)) -> Result<(Generation
     r.options.sampling.check()?;
     let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
-    let backend = Cpu;
+    let backend = crate::engine::cpu_backend(r.device)?;
     let model = Model::load(&backend, &r.model)?;
     if tokenizer.vocab_size() > model.spec.vocab {
         bail!(

@@ -288,6 +288,8 @@ pub const FLAGS: &[Flag] = &[
     inert("sparse-mode", One, "an NPU flash-attention mask encoding; the mask is causal either way"),
     // mindkit's own.
     used("quiet", Nothing, "mindkit: no progress bar and no start-up notes (log lines still print)"),
+    used("device", One, "mindkit: cpu (default), or npu (Ascend; not in this build yet, a clear error)"),
+    used("npu-id", One, "mindkit: which NPU with --device npu"),
 ];
 
 /// A command-line problem.

@@ -21,7 +21,6 @@ use crate::ckpt::torch::pickle::{DType, Value};
 use crate::ckpt::transform::Role;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
-use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
 use crate::model::llama::{backward, forward, Ids};
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
@@ -79,8 +78,14 @@ impl std::fmt::Display for TrainSummary {
 pub fn run(argv: &[String]) -> Result<TrainSummary> {
     let parsed = args::Args::parse(argv)?;
     let quiet = parsed.has("quiet");
+    let device = parsed
+        .get("device")
+        .unwrap_or("cpu")
+        .parse::<crate::engine::DeviceKind>()
+        .map_err(|e| anyhow!("--device: {e}"))?;
+    let backend = crate::engine::cpu_backend(device)?;
     let cfg = config::resolve(&parsed)?;
-    Trainer::new(Cpu, cfg, quiet)?.train()
+    Trainer::new(backend, cfg, quiet)?.train()
 }
 
 /// Megatron's `num_floating_point_operations` inputs of this model.
