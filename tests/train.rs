@@ -401,3 +401,151 @@ fn weights_from_scratch_have_megatrons_statistics() {
     }
     assert_eq!(std_of(&file, "decoder.final_layernorm.weight"), 0.0);
 }
+
+/// Runs a script of examples/mindspeed/ in `dir` (with a logs/ directory, as MindSpeed-LLM's
+/// scripts expect) with the mindkit under test first on PATH; returns what it printed.
+fn launch_script(name: &str, dir: &Path, env: &[(&str, &Path)]) -> String {
+    let bin = assert_cmd::cargo::cargo_bin("mindkit");
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    std::fs::create_dir_all(dir.join("logs")).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples/mindspeed")
+        .join(name);
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .current_dir(dir)
+        .env("PATH", path)
+        .envs(env.iter().map(|(k, v)| (k, v.as_os_str())))
+        .output()
+        .unwrap();
+    // The scripts pipe through tee, so their status is tee's: judge by what they did.
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("iteration       10/      10"),
+        "{name} did not train 10 iterations:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[test]
+fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // 512 documents, so that --split 949,50,1 leaves the test split one.
+    let lines = std::fs::read_to_string(fixture("corpus/pretrain.jsonl")).unwrap();
+    std::fs::write(d.join("big.jsonl"), lines.repeat(32)).unwrap();
+    let prefix = d.join("corpus");
+    let tokenizer = fixture("models/demo");
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &d.join("big.jsonl"),
+        &"--output-prefix",
+        &prefix,
+        &"--tokenizer",
+        &tokenizer,
+        &"--append-eod",
+        &"--quiet",
+    ])
+    .success();
+    let data = d.join("corpus_text_document");
+    // The script's architecture (LLaMA-2: no GQA) from scratch, as an HF directory.
+    let mut a = args(
+        &data,
+        &[
+            "--train-iters",
+            "1",
+            "--lr",
+            "0",
+            "--min-lr",
+            "0",
+            "--lr-warmup-iters",
+            "0",
+            "--save",
+            d.join("scratch").to_str().unwrap(),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--ffn-hidden-size",
+            "176",
+            "--num-attention-heads",
+            "4",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+            "--tokenizer-name-or-path",
+            tokenizer.to_str().unwrap(),
+        ],
+    );
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    run(&a).success();
+    common::convert("hf", &d.join("scratch"), &d.join("hf"), &[]);
+
+    let log = launch_script(
+        "pretrain_llama2_tiny.sh",
+        d,
+        &[
+            ("CKPT_LOAD_DIR", &d.join("hf")),
+            ("CKPT_SAVE_DIR", &d.join("pretrained")),
+            ("DATA_PATH", &data),
+            ("TOKENIZER_MODEL", &tokenizer),
+        ],
+    );
+    assert!(log.contains("iteration        1/      10"), "{log}");
+    assert!(log.contains("validation loss at iteration 5 |"), "{log}");
+    assert!(log.contains("on test set"), "{log}");
+    let teed = std::fs::read_to_string(d.join("logs/train_llama2_tiny.log")).unwrap();
+    assert_eq!(teed, log);
+    assert!(d
+        .join("pretrained/iter_0000010/mp_rank_00/model_optim_rng.pt")
+        .is_file());
+
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &fixture("corpus/alpaca.jsonl"),
+        &"--output-prefix",
+        &d.join("alpaca"),
+        &"--tokenizer",
+        &tokenizer,
+        &"--handler-name",
+        &"AlpacaStyleInstructionHandler",
+        &"--prompt-type",
+        &"llama2",
+        &"--quiet",
+    ])
+    .success();
+    let log = launch_script(
+        "tune_llama2_tiny_lora.sh",
+        d,
+        &[
+            ("CKPT_LOAD_DIR", &d.join("pretrained")),
+            ("CKPT_SAVE_DIR", &d.join("lora")),
+            ("DATA_PATH", &d.join("alpaca")),
+            ("TOKENIZER_MODEL", &tokenizer),
+        ],
+    );
+    assert!(log.contains("throughput per GPU (TFLOP/s/GPU)"), "{log}");
+    mindkit(&[
+        &"lora",
+        &"merge",
+        &"--base",
+        &d.join("pretrained"),
+        &"--adapter",
+        &d.join("lora"),
+        &"--to",
+        &"hf",
+        &"--output",
+        &d.join("merged"),
+        &"--quiet",
+    ])
+    .success();
+    assert!(d.join("merged/model.safetensors").is_file());
+}

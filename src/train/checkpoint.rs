@@ -92,7 +92,8 @@ pub struct Snapshot<'a> {
 }
 
 /// The pickled form of a JSON value (the scheduler's state dict).
-fn json_value(j: &Json) -> Value {
+/// A JSON value as the pickle value Python's json module would give.
+pub fn json_value(j: &Json) -> Value {
     match j {
         Json::Null => Value::None,
         Json::Bool(b) => Value::Bool(*b),

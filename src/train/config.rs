@@ -110,6 +110,9 @@ pub struct TrainConfig {
     pub exit: ExitConfig,
     /// Skip an update whose gradient norm is not finite (default), or apply it.
     pub skip_non_finite: bool,
+    /// The optimizer and schedule flags as Megatron's `args` holds them after `validate_args`
+    /// (checkpoints record them).
+    pub recorded: Vec<(&'static str, serde_json::Value)>,
     /// Flags given that have no effect here.
     pub inert: Vec<(&'static str, &'static str)>,
     /// Fine-tuning data (`--is-instruction-dataset`), instead of GPT pretraining samples.
@@ -605,6 +608,12 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     if !(eps > 0.0 && eps.is_finite()) {
         bail!("--adam-eps must be a positive number, got {eps}");
     }
+    let adam = AdamConfig {
+        betas,
+        eps,
+        clip_grad,
+    };
+    let recorded = recorded_args(a, &schedule, &adam, bf16)?;
     Ok(TrainConfig {
         model,
         vocab_padded,
@@ -621,11 +630,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         train_iters,
         schedule,
         schedule_source,
-        adam: AdamConfig {
-            betas,
-            eps,
-            clip_grad,
-        },
+        adam,
         averaging: if a.has("calculate-per-token-loss") {
             LossAveraging::PerToken
         } else {
@@ -657,10 +662,55 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             on_signal: a.has("exit-signal-handler"),
         },
         skip_non_finite: !a.has("no-check-for-nan-in-loss-and-grad"),
+        recorded,
         inert: a.inert(),
         sft,
         lora: lora_config(a)?,
     })
+}
+
+/// The training flags Megatron's `args` carries into a checkpoint, with its defaults and the
+/// values `validate_args` fills in (start/end weight decay).
+fn recorded_args(
+    a: &Args,
+    s: &Schedule,
+    adam: &AdamConfig,
+    bf16: bool,
+) -> Result<Vec<(&'static str, serde_json::Value)>> {
+    use serde_json::json;
+    let int = |f| -> Result<Option<u64>> { Ok(a.parse_value::<u64>(f)?) };
+    Ok(vec![
+        (
+            "lr_warmup_iters",
+            json!(int("lr-warmup-iters")?.unwrap_or(0)),
+        ),
+        (
+            "lr_warmup_samples",
+            json!(int("lr-warmup-samples")?.unwrap_or(0)),
+        ),
+        (
+            "lr_warmup_fraction",
+            json!(a.parse_value::<f64>("lr-warmup-fraction")?),
+        ),
+        ("lr_warmup_init", json!(s.init_lr)),
+        ("lr_decay_iters", json!(int("lr-decay-iters")?)),
+        ("lr_decay_samples", json!(int("lr-decay-samples")?)),
+        ("train_samples", json!(int("train-samples")?)),
+        (
+            "weight_decay",
+            json!(non_negative(a, "weight-decay")?.unwrap_or(0.01)),
+        ),
+        ("start_weight_decay", json!(s.start_wd)),
+        ("end_weight_decay", json!(s.end_wd)),
+        ("weight_decay_incr_style", json!(s.wd_style.name())),
+        ("adam_beta1", json!(adam.betas.0)),
+        ("adam_beta2", json!(adam.betas.1)),
+        ("adam_eps", json!(adam.eps)),
+        ("clip_grad", json!(adam.clip_grad)),
+        ("optimizer", json!("adam")),
+        ("bf16", json!(bf16)),
+        ("fp16", json!(false)),
+    ])
 }
 
 /// LoRA from MindSpeed-LLM's flags (its defaults: r 16, alpha 32).

@@ -369,7 +369,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The data of every split the run reads.
-    fn datasets(&self) -> Result<[Option<data::Source>; 2]> {
+    fn datasets(&self) -> Result<[Option<data::Source>; 3]> {
         let c = &self.cfg;
         let g = c.global_batch as u64;
         let (valid, test) = match c.eval {
@@ -399,10 +399,13 @@ impl<B: Backend> Trainer<B> {
             let valid = valid
                 .map(|n| source(ranges[1].clone(), n))
                 .filter(|v| !v.is_empty());
-            return Ok([Some(train), valid]);
+            let test = test
+                .map(|n| source(ranges[2].clone(), n))
+                .filter(|t| !t.is_empty());
+            return Ok([Some(train), valid, test]);
         }
-        let wanted = [true, c.eval.is_some(), false];
-        let [train, valid, _] = build_splits(
+        let wanted = [true, c.eval.is_some(), c.eval.is_some()];
+        let [train, valid, test] = build_splits(
             &c.blend,
             &c.split,
             [Some(c.train_iters * g), valid, test],
@@ -416,7 +419,7 @@ impl<B: Backend> Trainer<B> {
             samples,
             masks: c.masks,
         };
-        Ok([train.map(source), valid.map(source)])
+        Ok([train.map(source), valid.map(source), test.map(source)])
     }
 
     /// The lm loss is token-weighted except for MindSpeed-LLM's fine-tuning default.
@@ -524,23 +527,35 @@ impl<B: Backend> Trainer<B> {
         Ok((loss, report.grad_norm, report.applied, tokens))
     }
 
-    /// Validation over `eval_iters` steps from where the last one stopped, reduced over all
+    /// The lm loss over `iters` global batches of `split` from sample `start`, reduced over all
     /// their micro-batches as the training loss is.
-    fn evaluate(&mut self, valid: &data::Source, iters: u64) -> Result<f64> {
+    fn evaluate(
+        &mut self,
+        split: &data::Source,
+        name: &str,
+        start: u64,
+        iters: u64,
+    ) -> Result<f64> {
         let g = self.cfg.global_batch as u64;
+        if start + iters * g > split.len() as u64 {
+            bail!(
+                "the {name} split has {} samples, fewer than the evaluations ask for",
+                split.len()
+            );
+        }
         let mut all = data::LossSums::default();
-        for _ in 0..iters {
-            if self.consumed_valid + g > valid.len() as u64 {
-                bail!(
-                    "the validation split has {} samples, fewer than the evaluations ask for",
-                    valid.len()
-                );
-            }
-            let (sums, _) = self.step_batches(valid, self.consumed_valid, false)?;
+        for i in 0..iters {
+            let (sums, _) = self.step_batches(split, start + i * g, false)?;
             all.extend(sums);
-            self.consumed_valid += g;
         }
         Ok(f64::from(all.report(self.token_weighted())))
+    }
+
+    /// Validation over `eval_iters` global batches from where the last one stopped.
+    fn validate(&mut self, valid: &data::Source, iters: u64) -> Result<f64> {
+        let loss = self.evaluate(valid, "validation", self.consumed_valid, iters)?;
+        self.consumed_valid += iters * self.cfg.global_batch as u64;
+        Ok(loss)
     }
 
     /// Print (above the progress bar) one line.
@@ -588,7 +603,11 @@ impl<B: Backend> Trainer<B> {
         };
         let c = &self.cfg;
         let int = |v: u64| Value::Int(v as i64);
-        let args = vec![
+        let recorded = c.recorded.iter();
+        let mut args: Vec<_> = recorded
+            .map(|(k, v)| (k.to_string(), checkpoint::json_value(v)))
+            .collect();
+        args.extend([
             ("iteration".to_string(), int(self.iteration)),
             ("train_iters".into(), int(c.train_iters)),
             ("consumed_train_samples".into(), int(self.consumed_train)),
@@ -604,8 +623,7 @@ impl<B: Backend> Trainer<B> {
                 "lr_decay_style".into(),
                 Value::Str(c.schedule.decay_style.name().into()),
             ),
-        ];
-        let mut args = args;
+        ]);
         let filter = c.lora.as_ref().is_some_and(|l| l.ckpt_filter);
         let mut extra = Vec::new();
         if let Some(l) = &c.lora {
@@ -660,7 +678,7 @@ impl<B: Backend> Trainer<B> {
     fn train(mut self) -> Result<TrainSummary> {
         self.check_vocab()?;
         let splits = self.datasets()?;
-        let [Some(train), valid] = splits else {
+        let [Some(train), valid, test] = splits else {
             bail!("--split {:?} gives the train split no data", self.cfg.split);
         };
         let c_iters = self.cfg.train_iters;
@@ -770,7 +788,7 @@ impl<B: Backend> Trainer<B> {
             }
             if let (Some((every, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
                 if self.iteration.is_multiple_of(every) {
-                    let loss = self.evaluate(valid, iters)?;
+                    let loss = self.validate(valid, iters)?;
                     self.say(
                         &bar,
                         &log::validation_box(&format!("iteration {}", self.iteration), loss),
@@ -807,11 +825,19 @@ impl<B: Backend> Trainer<B> {
             }
             if let (Some((_, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
                 if self.consumed_valid + iters * g <= valid.len() as u64 {
-                    let loss = self.evaluate(valid, iters)?;
+                    let loss = self.validate(valid, iters)?;
                     let prefix = format!("iteration {} on validation set", self.iteration);
                     self.say(&bar, &log::validation_box(&prefix, loss));
                     self.write_validation(loss)?;
                 }
+            }
+            // Megatron's pretrain() ends with the test split, read from its start.
+            if let (Some((_, iters)), Some(test)) = (self.cfg.eval, test.as_ref()) {
+                let loss = self.evaluate(test, "test", 0, iters)?;
+                let prefix = format!("iteration {} on test set", self.iteration);
+                self.say(&bar, &log::validation_box(&prefix, loss));
+                // Under the same tag as validation, as evaluate_and_print_results writes it.
+                self.write_validation(loss)?;
             }
         }
         bar.finish_and_clear();

@@ -62,11 +62,11 @@ def write_data(prefix):
     return str(prefix)
 
 
-def scalars(tb_dir):
+def scalars(tb_dir, tags=("lm loss", "grad-norm", "learning-rate")):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(str(tb_dir))
     ea.Reload()
-    return {tag: [e.value for e in ea.Scalars(tag)] for tag in ("lm loss", "grad-norm", "learning-rate")}
+    return {tag: [e.value for e in ea.Scalars(tag)] for tag in tags}
 
 
 def mindkit_train(model_dir, data, out, extra):
@@ -122,6 +122,63 @@ def test_training_matches_the_megatron_reference(tmp_path, mindkit, case):
         worst = max(worst, diff)
         assert diff <= 1e-4, f"{name}: relative difference {diff}"
     print(f"{case}: worst final-weight difference {worst:.2e}")
+    assert_megatron_core_resumes(tmp_path / "ckpt", reference, iterations=ITERS, gbs=8)
+
+
+def assert_megatron_core_resumes(ckpt, reference, iterations, gbs):
+    """What Megatron's load_checkpoint does with the checkpoint, done by megatron-core's own
+    classes: GPTModel.load_state_dict (strict) gives the reference model's logits; the
+    optimizer state loads into torch's AdamW over megatron-core's parameter groups (every
+    moment shaped as its parameter); OptimizerParamScheduler.load_state_dict accepts the
+    scheduler state for the same flags."""
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron_cpu import gpt_model, load_pt, logits
+    obj = load_pt(ckpt / f"iter_{iterations:07d}/mp_rank_00/model_optim_rng.pt")
+    assert obj["iteration"] == iterations and obj["args"].consumed_train_samples == iterations * gbs
+    a = obj["args"]
+    model = gpt_model(a).eval()
+    result = model.load_state_dict(obj["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits[..., :VOCAB]
+    assert (logits(model, ids, VOCAB) - want).abs().max().item() <= 1e-4
+    groups = _get_param_groups([model], None, None, 1.0, a.lr, a.min_lr, None, None)
+    opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay)
+    opt.load_state_dict(obj["optimizer"])
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            assert state["exp_avg"].shape == p.shape and state["exp_avg_sq"].shape == p.shape
+            assert int(state["step"]) == iterations
+    sched = OptimizerParamScheduler(
+        opt, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
+        lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=iterations * gbs,
+        lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
+        wd_incr_steps=iterations * gbs, wd_incr_style="constant")
+    sched.load_state_dict(obj["opt_param_scheduler"])
+    assert sched.num_steps == iterations * gbs
+
+
+def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
+    """--eval-interval / --eval-iters on the validation split of --split 9,1,0: the lm loss
+    evaluate() reports every 5 iterations and after the last one, as the reference computes it
+    on megatron-core's validation GPTDataset."""
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    mindkit_train(model_dir, data, tmp_path, ["--split", "9,1,0", "--eval-interval", "5",
+                                              "--eval-iters", "2"])
+    got = scalars(tmp_path / "tb", ("lm loss", "lm loss validation"))
+    history, reference, _ = train_reference.train(
+        str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, split="9,1,0", evaluation=(5, 2))
+    for i, (g, w) in enumerate(zip(got["lm loss"], [h[0] for h in history])):
+        assert abs(g - w) <= 1e-5 * abs(w), f"lm loss at iteration {i + 1}: {g} vs {w}"
+    assert len(got["lm loss validation"]) == len(reference.validation) == ITERS // 5 + 1
+    for i, (g, w) in enumerate(zip(got["lm loss validation"], reference.validation)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"validation {i + 1}: {g} vs {w}"
 
 
 def test_bf16_follows_the_fp32_curve(tmp_path, mindkit):

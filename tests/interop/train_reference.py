@@ -45,10 +45,12 @@ def padded_model(model_dir, vocab_padded):
 
 def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min_lr, warmup_iters,
           decay_style, weight_decay, clip_grad, betas=(0.9, 0.999), eps=1e-8, seed=1234,
-          split="1", per_token=False, eod_mask_loss=False, model=None):
+          split="1", per_token=False, eod_mask_loss=False, model=None, evaluation=None):
     """Train (`model`, or the padded model of `model_dir`; only parameters that require
     gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
-    and the optimizer."""
+    and the optimizer. With `evaluation` = (interval, eval_iters), also the validation losses
+    Megatron's evaluate() reports every interval and after the last iteration, as
+    `model.validation`."""
     megatron_cpu.init()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -62,8 +64,9 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
         random_seed=seed, sequence_length=seq, blend=get_blend_from_list([prefix]), split=split,
         path_to_cache=None, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=eod_mask_loss, tokenizer=Tokenizer(eod))
-    dataset = BlendedMegatronDatasetBuilder(GPTDataset, [iters * gbs, None, None], lambda: True,
-                                            config).build()[0]
+    n_valid = (iters // evaluation[0] + 1) * evaluation[1] * gbs if evaluation else None
+    dataset, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [iters * gbs, n_valid, None], lambda: True, config).build()
     groups = _get_param_groups([model], None, None, 1.0, lr, min_lr, None, None)
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     sched = OptimizerParamScheduler(
@@ -73,20 +76,35 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
     params = [p for g in groups for p in g["params"]]
     k_micro = gbs // mbs
     history = []
+    model.validation = []
+
+    def micro_batch(ds, start):
+        batch = [ds[i] for i in range(start, start + mbs)]
+        tokens = torch.stack([b["tokens"] for b in batch])
+        labels = torch.stack([b["labels"] for b in batch])
+        mask = torch.stack([b["loss_mask"] for b in batch]).view(-1).float()
+        logits = model(input_ids=tokens).logits.float()
+        losses = F.cross_entropy(logits.view(-1, vocab_padded), labels.view(-1), reduction="none")
+        return torch.sum(losses * mask), mask.sum()
+
+    def evaluate(consumed):
+        # evaluate(): the loss sums and token counts of every micro-batch of eval_iters global
+        # batches, divided once.
+        s_all, n_all = 0.0, 0.0
+        with torch.no_grad():
+            for start in range(consumed, consumed + evaluation[1] * gbs, mbs):
+                s, n = micro_batch(valid, start)
+                s_all, n_all = s_all + s.item(), n_all + n.item()
+        model.validation.append(s_all / n_all)
+        return consumed + evaluation[1] * gbs
+
+    consumed_valid = 0
     for it in range(iters):
         opt.zero_grad(set_to_none=False)
         s_total = torch.zeros((), dtype=torch.float32)
         n_total = torch.zeros((), dtype=torch.float32)
         for k in range(k_micro):
-            start = it * gbs + k * mbs
-            batch = [dataset[i] for i in range(start, start + mbs)]
-            tokens = torch.stack([b["tokens"] for b in batch])
-            labels = torch.stack([b["labels"] for b in batch])
-            mask = torch.stack([b["loss_mask"] for b in batch]).view(-1).float()
-            logits = model(input_ids=tokens).logits.float()
-            losses = F.cross_entropy(logits.view(-1, vocab_padded), labels.view(-1), reduction="none")
-            s = torch.sum(losses * mask)
-            n = mask.sum()
+            s, n = micro_batch(dataset, it * gbs + k * mbs)
             s_total += s.detach()
             n_total += n
             if per_token:
@@ -105,4 +123,8 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
         sched.step(increment=gbs)
         lr_printed = float(torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float32))
         history.append(((s_total / n_total).item(), norm, lr_printed))
+        if evaluation and (it + 1) % evaluation[0] == 0:
+            consumed_valid = evaluate(consumed_valid)
+    if evaluation:
+        evaluate(consumed_valid)
     return history, model, opt
