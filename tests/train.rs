@@ -549,3 +549,51 @@ fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
     .success();
     assert!(d.join("merged/model.safetensors").is_file());
 }
+
+#[test]
+fn sigterm_with_exit_signal_handler_saves_and_exits_cleanly() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("ckpt");
+    let a = args(
+        &data,
+        &[
+            "--train-iters",
+            "100000",
+            "--save",
+            save.to_str().unwrap(),
+            "--exit-signal-handler",
+        ],
+    );
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("mindkit"))
+        .args(&a)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("iteration        1/  100000"), "{first}");
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}: {rest:?}");
+    let last = rest.last().unwrap();
+    assert!(
+        last.contains("[exiting program after receiving SIGTERM]"),
+        "{rest:?}"
+    );
+    let tracker = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap();
+    let iteration: u64 = tracker.trim().parse().unwrap();
+    assert!((1..100000).contains(&iteration), "{tracker}");
+    let logged = rest.iter().filter(|l| l.contains("lm loss:")).count() as u64 + 1;
+    assert_eq!(iteration, logged, "{rest:?}");
+    assert!(save
+        .join(format!("iter_{iteration:07}/mp_rank_00/model_optim_rng.pt"))
+        .is_file());
+}
