@@ -504,7 +504,7 @@ pub fn load_state(
     }
     let Some(opt) = root.get("optimizer") else {
         bail!(
-            "{} holds no optimizer state (saved with --no-save-optim?); resume with --no-load-optim",
+            "{} holds no optimizer state (saved with --no-save-optim?); resume with --no-load-optim, or start a new run from its weights with --finetune",
             path.display()
         );
     };
