@@ -7,4 +7,5 @@ pub mod ckpt;
 pub mod data;
 pub mod engine;
 pub mod eval;
+pub mod fuzzing;
 pub mod model;

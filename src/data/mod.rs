@@ -1,5 +1,6 @@
 //! Datasets: raw records → Megatron indexed datasets, and tools to inspect them.
 
+mod arrow_ipc;
 pub mod handlers;
 pub mod indexed;
 pub mod inspect;

@@ -386,6 +386,8 @@ impl RecordReader {
                 cause,
             })
         };
+        super::arrow_ipc::check(&f.path)
+            .map_err(|e| columnar(format!("malformed arrow data: {e}")))?;
         let mut magic = [0u8; 6];
         let is_file_format = open()?.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
         let batches: Box<dyn Iterator<Item = std::result::Result<_, _>>> = if is_file_format {
