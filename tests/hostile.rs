@@ -455,3 +455,17 @@ fn issue17_item21_an_adapter_for_another_base_warns() {
     });
     assert_eq!(merge(&hub, "hub"), "");
 }
+
+#[test]
+fn rank_directories_naming_a_huge_layout_are_refused() {
+    // One stray directory named for TP rank 99,999 made mindkit list 100,000 rank files (and
+    // args saying TP 2^40 would have listed 2^40).
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = megatron_llama(tmp.path(), 1);
+    std::fs::create_dir(ckpt.join("iter_0000001/mp_rank_99999")).unwrap();
+    let err = stderr_of_failure(&[&"ckpt", &"info", &ckpt]);
+    assert!(
+        err.contains("TP 100000 × PP 1") && err.contains("more than the 65536 rank files"),
+        "{err}"
+    );
+}

@@ -237,6 +237,10 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
 /// recurses (drop, clone, comparison, the writer in `save.rs`) far from the end of a thread's stack.
 pub const MAX_DEPTH: usize = 1000;
 
+/// Elements a tensor shape may describe (its non-zero dimensions multiplied): 2^48, far above
+/// any tensor (a 256k × 16k embedding has 2^32).
+const MAX_ELEMENTS: u64 = 1 << 48;
+
 /// Memory the parsed objects of any pickle may take (see [`MEMORY_PER_PICKLE_BYTE`]).
 pub const MEMORY_FLOOR: usize = 64 << 20;
 
@@ -1007,6 +1011,18 @@ impl Machine<'_> {
                 if tensor.shape.len() != tensor.stride.len() {
                     return self.bad("tensor shape and stride differ in rank");
                 }
+                // A tensor's bytes lie in the file, but a zero dimension empties it whatever the
+                // others say: bound them all, so that no size computed from a shape overflows.
+                let elements = (tensor.shape.iter().filter(|&&n| n != 0))
+                    .try_fold(1u64, |acc, &n| {
+                        acc.checked_mul(n).filter(|&p| p <= MAX_ELEMENTS)
+                    });
+                if elements.is_none() {
+                    return self.bad(format!(
+                        "tensor shape {:?} has more than 2^48 elements",
+                        tensor.shape
+                    ));
+                }
                 Ok(Value::Tensor(Box::new(tensor)))
             }
             (Global::RebuildParameter, [tensor @ Value::Tensor(_), ..]) => Ok(tensor.clone()),
@@ -1333,6 +1349,21 @@ mod tests {
         assert!(matches!(parse(&fetches), Err(PickleError::TooLarge { .. })));
         // What torch writes parses within the scaled budget.
         assert!(parse_within(&bf16_state_dict(), limits).is_ok());
+    }
+
+    #[test]
+    fn a_shape_past_2_48_elements_is_refused() {
+        // `{'w': tensor}` of shape (2^40, 2^40, 0): empty, but 2^80 elements by its other
+        // dimensions (multiplying them overflowed).
+        let long = |v: u64| [&b"\x8a\x08"[..], &v.to_le_bytes()].concat();
+        let shape = [long(1 << 40), long(1 << 40), long(0)].concat();
+        let mut p = bf16_state_dict();
+        let at = p.windows(6).position(|w| w == b"K\x04K\x08\x86q").unwrap();
+        p.splice(at..at + 5, [&b"("[..], &shape, b"t"].concat());
+        let at = p.windows(5).position(|w| w == b"K\x08K\x01\x86").unwrap();
+        p.splice(at..at + 5, b"(K\x00K\x00K\x01t".iter().copied());
+        let e = parse(&p).unwrap_err().to_string();
+        assert!(e.contains("has more than 2^48 elements"), "{e}");
     }
 
     #[test]
