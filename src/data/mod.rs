@@ -7,3 +7,4 @@ pub mod inspect;
 pub mod preprocess;
 pub mod source;
 pub mod tokenizer;
+mod untrusted;
