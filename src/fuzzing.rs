@@ -308,7 +308,7 @@ fn text_batch(texts: &[&str]) -> arrow::record_batch::RecordBatch {
         .expect("one utf-8 column matches its schema")
 }
 
-fn parquet_bytes(texts: &[&str]) -> Vec<u8> {
+pub(crate) fn parquet_bytes(texts: &[&str]) -> Vec<u8> {
     let batch = text_batch(texts);
     let mut buf = Vec::new();
     let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, batch.schema(), None)

@@ -357,6 +357,7 @@ impl RecordReader {
             cause,
         })?;
         let not_readable = |e: String| columnar(format!("not a readable parquet file: {e}"));
+        super::parquet_footer::check(&f.path).map_err(not_readable)?;
         let builder = contain_panics(|| ParquetRecordBatchReaderBuilder::try_new(file))
             .map_err(not_readable)?
             .map_err(|e| not_readable(e.to_string()))?;
