@@ -469,3 +469,41 @@ fn rank_directories_naming_a_huge_layout_are_refused() {
         "{err}"
     );
 }
+
+/// A parquet file of one text column holding `rows` nulls (run-length encoded: a few hundred
+/// bytes whatever the count).
+fn parquet_of_nulls(rows: usize) -> Vec<u8> {
+    use arrow::array::{ArrayRef, StringArray};
+    let column: ArrayRef = std::sync::Arc::new(StringArray::from(vec![None::<&str>; rows]));
+    let batch = arrow::record_batch::RecordBatch::try_from_iter([("text", column)]).unwrap();
+    let mut buf = Vec::new();
+    let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    buf
+}
+
+#[test]
+fn columnar_files_declaring_far_more_rows_than_bytes_are_refused() {
+    // Found by the records fuzzer as an arrow batch of billions of empty rows (minutes and
+    // gigabytes of records from 579 bytes); parquet's run-length-encoded nulls do the same.
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("nulls.parquet");
+    let bytes = parquet_of_nulls(2_000_000);
+    assert!(bytes.len() < 20_000, "{} bytes", bytes.len());
+    std::fs::write(&input, &bytes).unwrap();
+    let out = tmp.path().join("out");
+    let err = stderr_of_failure(&[
+        &"preprocess",
+        &"--input",
+        &input,
+        &"--output-prefix",
+        &out,
+        &"--tokenizer",
+        &fixture("models/llama"),
+    ]);
+    assert!(
+        err.contains("nulls.parquet") && err.contains("declares 2000000 rows in"),
+        "{err}"
+    );
+}

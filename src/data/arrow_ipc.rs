@@ -10,6 +10,7 @@
 //!
 //! A flatbuffer that does not verify is left for arrow-rs to report: it reads nothing more.
 
+use super::untrusted::check_rows;
 use arrow::ipc::{root_as_footer, root_as_message, Block, Message, MessageHeader};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -164,7 +165,8 @@ fn check_message(message: &Message, left: u64, at: u64) -> Result<u64, String> {
     Ok(body)
 }
 
-/// The buffers of a record or dictionary batch lie inside its `body` bytes.
+/// The buffers of a record or dictionary batch lie inside its `body` bytes, and its rows are
+/// not many more than those bytes can hold ([`check_rows`]).
 fn check_buffers(message: &Message, body: u64, at: u64) -> Result<(), String> {
     let batch = match message.header_type() {
         MessageHeader::RecordBatch => message.header_as_record_batch(),
@@ -173,6 +175,9 @@ fn check_buffers(message: &Message, body: u64, at: u64) -> Result<(), String> {
         }
         _ => None,
     };
+    if let Some(b) = batch {
+        check_rows(b.length(), body, &format!("the batch at byte {at}"))?;
+    }
     for b in batch.and_then(|b| b.buffers()).into_iter().flatten() {
         let inside = u64::try_from(b.offset())
             .ok()
@@ -227,6 +232,19 @@ mod tests {
         let s = stream();
         let e = check_bytes(&s[..s.len() - 20]).unwrap_err();
         assert!(e.contains("declares") || e.contains("run past"), "{e}");
+        // What the records fuzzer found next: a batch of billions of rows in a 192-byte body
+        // (no column needs a buffer), which took minutes and gigabytes to turn into records.
+        let nulls: arrow::array::ArrayRef =
+            std::sync::Arc::new(arrow::array::NullArray::new(10_000_000));
+        let batch = arrow::record_batch::RecordBatch::try_from_iter([("text", nulls)]).unwrap();
+        let mut empty_rows = Vec::new();
+        let mut w =
+            arrow::ipc::writer::StreamWriter::try_new(&mut empty_rows, &batch.schema()).unwrap();
+        w.write(&batch).unwrap();
+        w.finish().unwrap();
+        drop(w);
+        let e = check_bytes(&empty_rows).unwrap_err();
+        assert!(e.contains("declares 10000000 rows in 0 bytes"), "{e}");
         // A file whose footer length points before the start.
         let mut f = file();
         let at = f.len() - 10;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use super::untrusted::{contain_panics, Contained};
+use super::untrusted::{check_rows, contain_panics, Contained};
 
 /// Where a record came from, for error messages.
 #[derive(Debug, Clone)]
@@ -361,6 +361,9 @@ impl RecordReader {
         let builder = contain_panics(|| ParquetRecordBatchReaderBuilder::try_new(file))
             .map_err(not_readable)?
             .map_err(|e| not_readable(e.to_string()))?;
+        let groups = builder.metadata().row_groups().iter();
+        let declared = groups.fold(0i64, |n, g| n.saturating_add(g.num_rows()));
+        check_rows(declared, f.size, "the file").map_err(not_readable)?;
         let total_rows = builder.metadata().file_metadata().num_rows().max(1) as u64;
         let reader = contain_panics(|| builder.with_batch_size(1024).build())
             .map_err(not_readable)?

@@ -37,6 +37,27 @@ pub(super) fn contain_panics<T>(decode: impl FnOnce() -> T) -> Result<T, String>
     })
 }
 
+/// Rows a columnar file may declare per byte it spends on them, above [`ROWS_FLOOR`]: the
+/// rows of a text dataset take bytes, while nulls run-length encoded, or columns that need no
+/// buffers, let a few hundred bytes declare billions of empty rows that would take minutes
+/// and gigabytes to turn into records.
+const ROWS_PER_BYTE: u64 = 64;
+const ROWS_FLOOR: u64 = 1 << 16;
+
+/// `rows` declared in `bytes` (a batch's body, a file): refused past [`ROWS_PER_BYTE`].
+pub(super) fn check_rows(rows: i64, bytes: u64, what: &str) -> Result<(), String> {
+    let most = bytes
+        .saturating_mul(ROWS_PER_BYTE)
+        .saturating_add(ROWS_FLOOR);
+    match u64::try_from(rows) {
+        Ok(n) if n <= most => Ok(()),
+        _ => Err(format!(
+            "{what} declares {rows} rows in {bytes} bytes (at most {ROWS_PER_BYTE} rows a byte \
+             beyond {ROWS_FLOOR} are read)"
+        )),
+    }
+}
+
 /// A decoder's batches, each decoded under [`contain_panics`]; a panic ends the stream with
 /// an error item.
 pub(super) struct Contained<I> {
