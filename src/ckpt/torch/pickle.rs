@@ -590,7 +590,8 @@ fn fetched_memo_indices(data: &[u8]) -> HashSet<u32> {
 #[derive(Default)]
 struct MemoIndices {
     /// Every index below it was stored.
-    dense: u32,
+    dense: u64,
+    /// Indices stored at or above `dense`.
     sparse: HashSet<u32>,
 }
 
@@ -599,19 +600,19 @@ impl MemoIndices {
         self.dense as usize + self.sparse.len()
     }
 
-    /// Record index `i`; true when the set grew.
+    /// Record index `i`; true when it is new and kept in the set.
     fn insert(&mut self, i: u32) -> bool {
-        if i < self.dense {
-            return false;
+        match u64::from(i).cmp(&self.dense) {
+            std::cmp::Ordering::Less => false,
+            std::cmp::Ordering::Greater => self.sparse.insert(i),
+            std::cmp::Ordering::Equal => {
+                self.dense += 1;
+                while u32::try_from(self.dense).is_ok_and(|d| self.sparse.remove(&d)) {
+                    self.dense += 1;
+                }
+                false
+            }
         }
-        if i > self.dense {
-            return self.sparse.insert(i);
-        }
-        self.dense += 1;
-        while self.dense < u32::MAX && self.sparse.remove(&self.dense) {
-            self.dense += 1;
-        }
-        true
     }
 }
 
@@ -830,7 +831,7 @@ impl Machine<'_> {
     /// Store the top of the stack as memo `i` (a copy only when some opcode fetches it).
     fn memo_put(&mut self, i: u32) -> Result<()> {
         let bytes = self.top()?.bytes;
-        if self.stored.insert(i) && i > self.stored.dense {
+        if self.stored.insert(i) {
             self.live += SET_ENTRY;
         }
         if self.fetched.contains(&i) {
