@@ -7,6 +7,7 @@ pub mod ckpt;
 pub mod data;
 pub mod engine;
 pub mod eval;
+pub mod fuzzing;
 pub mod model;
 pub mod train;
 pub mod util;

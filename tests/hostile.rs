@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{convert, copy_dir, fixture, leftovers, mindkit as run};
+use common::{convert, copy_dir, fixture, leftovers, lora_merge, lora_merge_err, mindkit as run};
 use serde_json::{json, Value as Json};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -86,51 +86,13 @@ fn issue17_item1_deep_pickle_is_refused_by_every_command() {
     let llama = fixture("models/llama");
     let adapter = fixture("lora/llama");
     let out = tmp.path().join("out");
+    #[rustfmt::skip]
     let commands: Vec<Vec<&dyn AsRef<std::ffi::OsStr>>> = vec![
         vec![&"ckpt", &"info", &ckpt],
-        vec![
-            &"convert",
-            &"--quiet",
-            &"--to",
-            &"hf",
-            &"--input",
-            &ckpt,
-            &"--output",
-            &out,
-        ],
-        vec![
-            &"lora",
-            &"merge",
-            &"--quiet",
-            &"--base",
-            &llama,
-            &"--adapter",
-            &ckpt,
-            &"--output",
-            &out,
-        ],
-        vec![
-            &"lora",
-            &"merge",
-            &"--quiet",
-            &"--base",
-            &ckpt,
-            &"--adapter",
-            &adapter,
-            &"--output",
-            &out,
-        ],
-        vec![
-            &"generate",
-            &"--model",
-            &ckpt,
-            &"--tokenizer",
-            &llama,
-            &"--prompt",
-            &"hi",
-            &"--max-new-tokens",
-            &"2",
-        ],
+        vec![&"convert", &"--quiet", &"--to", &"hf", &"--input", &ckpt, &"--output", &out],
+        vec![&"lora", &"merge", &"--quiet", &"--base", &llama, &"--adapter", &ckpt, &"--output", &out],
+        vec![&"lora", &"merge", &"--quiet", &"--base", &ckpt, &"--adapter", &adapter, &"--output", &out],
+        vec![&"generate", &"--model", &ckpt, &"--tokenizer", &llama, &"--prompt", &"hi", &"--max-new-tokens", &"2"],
     ];
     for args in commands {
         let err = stderr_of_failure(&args);
@@ -144,15 +106,19 @@ fn issue17_item1_deep_pickle_is_refused_by_every_command() {
     }
 }
 
+/// A copy of fixture directory `from` at `to` whose JSON file `file` has `edit` applied.
+fn copy_with_json(from: &str, to: PathBuf, file: &str, edit: impl Fn(&mut Json)) -> PathBuf {
+    copy_dir(&fixture(from), &to);
+    let path = to.join(file);
+    let mut json: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+    to
+}
+
 /// A copy of the llama fixture whose config.json has `edit` applied.
 fn llama_with_config(dir: &Path, edit: impl Fn(&mut Json)) -> PathBuf {
-    let model = dir.join("llama");
-    copy_dir(&fixture("models/llama"), &model);
-    let path = model.join("config.json");
-    let mut cfg: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut cfg);
-    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    model
+    copy_with_json("models/llama", dir.join("llama"), "config.json", edit)
 }
 
 /// `generate` and `convert` on the llama fixture with config.json field `pointer` set to
@@ -163,34 +129,28 @@ fn refused_config(pointer: &str, value: Json, field: &str, what: &str) {
         *cfg.pointer_mut(pointer).unwrap() = value.clone();
     });
     let cfg_path = model.join("config.json").display().to_string();
-    let out = tmp.path().join("out");
-    let generate: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
-        &"generate",
-        &"--model",
-        &model,
-        &"--prompt",
-        &"hi",
-        &"--max-new-tokens",
-        &"2",
-    ];
-    let to_megatron: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
-        &"convert",
-        &"--quiet",
-        &"--to",
-        &"megatron",
-        &"--input",
-        &model,
-        &"--output",
-        &out,
-    ];
-    for args in [generate, to_megatron] {
-        let err = stderr_of_failure(&args);
+    for err in generate_and_convert_fail(&model, &model, "megatron", &tmp.path().join("out")) {
         assert!(
             err.contains(&cfg_path) && err.contains(&format!("\"{field}\"")) && err.contains(what),
             "{pointer} = {value}: {err}"
         );
-        assert!(!out.exists());
     }
+}
+
+/// Stderr of `generate` and of `convert --to TO` on `model` (its tokenizer from `tokenizer`),
+/// each of which must exit 1 without writing `out`.
+fn generate_and_convert_fail(model: &Path, tokenizer: &Path, to: &str, out: &Path) -> Vec<String> {
+    #[rustfmt::skip]
+    let commands: [Vec<&dyn AsRef<std::ffi::OsStr>>; 2] = [
+        vec![&"generate", &"--model", &model, &"--tokenizer", &tokenizer, &"--prompt", &"hi", &"--max-new-tokens", &"2"],
+        vec![&"convert", &"--quiet", &"--to", &to, &"--input", &model, &"--output", &out],
+    ];
+    let run_one = |args: &Vec<&dyn AsRef<std::ffi::OsStr>>| {
+        let err = stderr_of_failure(args);
+        assert!(!out.exists(), "{} wrote {}", show(args), out.display());
+        err
+    };
+    commands.iter().map(run_one).collect()
 }
 
 #[test]
@@ -317,35 +277,11 @@ fn issue17_item6_and_8_megatron_args_are_checked() {
         let rank = rank_file(&ckpt, 0);
         edit_pickle(&rank, |p| edit_args(p, "rotary_base", value));
         let out = tmp.path().join("out");
-        let tokenizer = fixture("models/llama");
-        let generate: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
-            &"generate",
-            &"--model",
-            &ckpt,
-            &"--tokenizer",
-            &tokenizer,
-            &"--prompt",
-            &"hi",
-            &"--max-new-tokens",
-            &"2",
-        ];
-        let to_hf: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
-            &"convert",
-            &"--quiet",
-            &"--to",
-            &"hf",
-            &"--input",
-            &ckpt,
-            &"--output",
-            &out,
-        ];
-        for args in [generate, to_hf] {
-            let err = stderr_of_failure(&args);
+        for err in generate_and_convert_fail(&ckpt, &fixture("models/llama"), "hf", &out) {
             assert!(
                 err.contains(&rank.display().to_string()) && err.contains(what),
                 "{err}"
             );
-            assert!(!out.exists());
         }
         std::fs::remove_dir_all(&ckpt).unwrap();
     }
@@ -353,13 +289,12 @@ fn issue17_item6_and_8_megatron_args_are_checked() {
 
 /// A copy of the llama PEFT adapter whose adapter_config.json has `edit` applied.
 fn adapter_with_config(dir: &Path, edit: impl Fn(&mut Json)) -> PathBuf {
-    let adapter = dir.join("adapter");
-    copy_dir(&fixture("lora/llama"), &adapter);
-    let path = adapter.join("adapter_config.json");
-    let mut cfg: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut cfg);
-    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    adapter
+    copy_with_json(
+        "lora/llama",
+        dir.join("adapter"),
+        "adapter_config.json",
+        edit,
+    )
 }
 
 #[test]
@@ -383,19 +318,7 @@ fn issue17_item8_lora_scales_that_overflow_are_errors() {
         (json!(1e9), "fp16", "which float16 cannot hold"),
     ] {
         let adapter = adapter_with_config(tmp.path(), |cfg| cfg["lora_alpha"] = alpha.clone());
-        let err = stderr_of_failure(&[
-            &"lora",
-            &"merge",
-            &"--quiet",
-            &"--base",
-            &base,
-            &"--adapter",
-            &adapter,
-            &"--output",
-            &out,
-            &"--dtype",
-            &extra,
-        ]);
+        let err = lora_merge_err(&base, &adapter, &out, &["--dtype", extra]);
         assert!(err.contains(what), "lora_alpha {alpha}: {err}");
         assert!(!out.exists() && leftovers(tmp.path()).is_empty());
         std::fs::remove_dir_all(&adapter).unwrap();
@@ -421,20 +344,10 @@ fn issue17_item21_an_adapter_for_another_base_warns() {
     let tmp = tempfile::tempdir().unwrap();
     let base = fixture("models/llama");
     let merge = |adapter: &Path, out: &str| {
-        let out = run(&[
-            &"lora",
-            &"merge",
-            &"--quiet",
-            &"--base",
-            &base,
-            &"--adapter",
-            &adapter,
-            &"--output",
-            &tmp.path().join(out),
-        ])
-        .success()
-        .get_output()
-        .clone();
+        let out = lora_merge(&base, adapter, &tmp.path().join(out), &[])
+            .success()
+            .get_output()
+            .clone();
         String::from_utf8(out.stderr).unwrap()
     };
     // The fixture adapter names fixtures/models/llama: the base's directory name.
@@ -454,4 +367,56 @@ fn issue17_item21_an_adapter_for_another_base_warns() {
         cfg["base_model_name_or_path"] = json!("someone/LLaMA")
     });
     assert_eq!(merge(&hub, "hub"), "");
+}
+
+#[test]
+fn rank_directories_naming_a_huge_layout_are_refused() {
+    // One stray directory named for TP rank 99,999 made mindkit list 100,000 rank files (and
+    // args saying TP 2^40 would have listed 2^40).
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = megatron_llama(tmp.path(), 1);
+    std::fs::create_dir(ckpt.join("iter_0000001/mp_rank_99999")).unwrap();
+    let err = stderr_of_failure(&[&"ckpt", &"info", &ckpt]);
+    assert!(
+        err.contains("TP 100000 × PP 1") && err.contains("more than the 65536 rank files"),
+        "{err}"
+    );
+}
+
+/// A parquet file of one text column holding `rows` nulls (run-length encoded: a few hundred
+/// bytes whatever the count).
+fn parquet_of_nulls(rows: usize) -> Vec<u8> {
+    use arrow::array::{ArrayRef, StringArray};
+    let column: ArrayRef = std::sync::Arc::new(StringArray::from(vec![None::<&str>; rows]));
+    let batch = arrow::record_batch::RecordBatch::try_from_iter([("text", column)]).unwrap();
+    let mut buf = Vec::new();
+    let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    buf
+}
+
+#[test]
+fn columnar_files_declaring_far_more_rows_than_bytes_are_refused() {
+    // Found by the records fuzzer as an arrow batch of billions of empty rows (minutes and
+    // gigabytes of records from 579 bytes); parquet's run-length-encoded nulls do the same.
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("nulls.parquet");
+    let bytes = parquet_of_nulls(2_000_000);
+    assert!(bytes.len() < 20_000, "{} bytes", bytes.len());
+    std::fs::write(&input, &bytes).unwrap();
+    let out = tmp.path().join("out");
+    let err = stderr_of_failure(&[
+        &"preprocess",
+        &"--input",
+        &input,
+        &"--output-prefix",
+        &out,
+        &"--tokenizer",
+        &fixture("models/llama"),
+    ]);
+    assert!(
+        err.contains("nulls.parquet") && err.contains("declares 2000000 rows in"),
+        "{err}"
+    );
 }

@@ -6,32 +6,12 @@
 
 mod common;
 
-use assert_cmd::Command;
 use common::{convert, copy_dir, fixture, leftovers, mindkit as run};
+use common::{lora_merge as merge, lora_merge_err as merge_err};
 use mindkit::ckpt::hf::HfWeights;
 use mindkit::ckpt::tensor::to_f32;
 use mindkit::ckpt::torch::pickle::DType;
 use std::path::Path;
-
-fn merge(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> assert_cmd::assert::Assert {
-    let mut cmd = Command::cargo_bin("mindkit").unwrap();
-    cmd.args(["lora", "merge", "--quiet", "--base"])
-        .arg(base)
-        .arg("--adapter")
-        .arg(adapter)
-        .arg("--output")
-        .arg(out)
-        .args(extra);
-    cmd.assert()
-}
-
-fn merge_err(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> String {
-    let o = merge(base, adapter, out, extra)
-        .code(1)
-        .get_output()
-        .clone();
-    String::from_utf8(o.stderr).unwrap()
-}
 
 /// Every tensor of the HF directory `dir` is within `tol` of the golden safetensors file.
 fn assert_matches_golden(dir: &Path, golden: &Path, tol: f32) {

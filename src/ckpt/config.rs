@@ -78,6 +78,17 @@ pub enum ConfigError {
         /// The range.
         expected: &'static str,
     },
+    /// A count beyond any model's, refused before sizes computed from it could overflow or
+    /// exhaust memory.
+    #[error("\"{field}\" is {got}; mindkit reads at most {max}, more than any model has")]
+    TooLarge {
+        /// The field.
+        field: String,
+        /// Its value.
+        got: u64,
+        /// The bound.
+        max: usize,
+    },
     /// Query heads that do not split evenly over the key/value heads.
     #[error(
         "num_attention_heads ({heads}) must be a multiple of {groups_field} ({groups}): each \
@@ -122,10 +133,10 @@ fn json_field<'a, T>(
     }
 }
 
-/// A count (`num_hidden_layers`, …): an integer of at least 1.
+/// A count (`num_hidden_layers`, …): an integer from 1 to its [`count_limit`].
 fn json_count(cfg: &Json, field: &str) -> FieldResult<Option<usize>> {
     let n = json_field(cfg, field, "a positive integer", |v| v.as_u64())?;
-    n.map(|n| at_least_one(field, n as usize)).transpose()
+    n.map(|n| check_count(field, n)).transpose()
 }
 
 fn json_required_count(cfg: &Json, field: &str) -> FieldResult<usize> {
@@ -147,7 +158,23 @@ fn json_str<'a>(cfg: &'a Json, field: &str) -> FieldResult<Option<&'a str>> {
     json_field(cfg, field, "a string", Json::as_str)
 }
 
-fn at_least_one(field: &str, n: usize) -> FieldResult<usize> {
+/// The largest value a count field may take, by its name in config.json or Megatron args:
+/// far above any model's, and low enough that the sizes computed from them (the rows and
+/// columns of a fused QKV, a layer list, an embedding) stay far from overflowing.
+fn count_limit(field: &str) -> usize {
+    match field.strip_prefix("args.").unwrap_or(field) {
+        "num_hidden_layers" | "num_layers" => 1 << 16,
+        "num_attention_heads" | "num_key_value_heads" | "num_query_groups" => 1 << 16,
+        "hidden_size" | "intermediate_size" | "ffn_hidden_size" | "head_dim" | "kv_channels" => {
+            1 << 20
+        }
+        "vocab_size" => 1 << 24,
+        _ => 1 << 31,
+    }
+}
+
+/// A count: at least 1, at most its [`count_limit`].
+fn check_count(field: &str, n: u64) -> FieldResult<usize> {
     if n == 0 {
         return Err(ConfigError::OutOfRange {
             field: field.into(),
@@ -155,7 +182,15 @@ fn at_least_one(field: &str, n: usize) -> FieldResult<usize> {
             expected: "at least 1",
         });
     }
-    Ok(n)
+    let max = count_limit(field);
+    if n > max as u64 {
+        return Err(ConfigError::TooLarge {
+            field: field.into(),
+            got: n,
+            max,
+        });
+    }
+    Ok(n as usize)
 }
 
 /// RoPE bases, norm epsilons, scaling factors, LoRA alphas: finite and above zero (anything
@@ -440,10 +475,10 @@ pub(crate) fn arg_uint(args: &[(String, Value)], name: &str) -> FieldResult<Opti
     })
 }
 
-/// A count (`num_layers`, …): an integer of at least 1.
+/// A count (`num_layers`, …): an integer from 1 to its [`count_limit`].
 fn arg_count(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>> {
     let n = arg_uint(args, name)?;
-    n.map(|n| at_least_one(&format!("args.{name}"), n))
+    n.map(|n| check_count(&format!("args.{name}"), n as u64))
         .transpose()
 }
 
@@ -978,6 +1013,32 @@ mod tests {
                 ),
             ],
         );
+        // Counts beyond any model's, before the sizes computed from them could overflow.
+        refused(
+            set_hf,
+            &[
+                (
+                    "/num_hidden_layers",
+                    json!(1u64 << 40),
+                    "\"num_hidden_layers\" is 1099511627776; mindkit reads at most 65536",
+                ),
+                (
+                    "/num_attention_heads",
+                    json!(u64::MAX),
+                    "\"num_attention_heads\" is 18446744073709551615; mindkit reads at most 65536",
+                ),
+                (
+                    "/hidden_size",
+                    json!(1u64 << 21),
+                    "\"hidden_size\" is 2097152; mindkit reads at most 1048576",
+                ),
+                (
+                    "/vocab_size",
+                    json!(1u64 << 25),
+                    "mindkit reads at most 16777216",
+                ),
+            ],
+        );
         let linear =
             |factor: Json| hf(|c| c["rope_scaling"] = json!({"type": "linear", "factor": factor}));
         assert!(linear(json!(2.0)).is_ok());
@@ -1107,6 +1168,11 @@ mod tests {
                     "num_query_groups",
                     Value::Int(3),
                     "num_attention_heads (4) must be a multiple of args.num_query_groups (3)",
+                ),
+                (
+                    "num_layers",
+                    Value::Int(1 << 40),
+                    "\"args.num_layers\" is 1099511627776; mindkit reads at most 65536",
                 ),
             ],
         );

@@ -15,6 +15,10 @@ use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+/// Rank files a checkpoint may have (TP × PP): far above any training job's, and a bound on
+/// what a rank directory's name or the args can make mindkit look for.
+const MAX_RANK_FILES: usize = 1 << 16;
+
 /// Tracker file naming the latest iteration.
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
 /// The file of one rank in an iteration directory.
@@ -112,6 +116,17 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
     let first = TorchFile::open(&first_path)?;
     let (saved_tp, saved_pp) = saved_layout(&first)?;
     let (tp, pp) = (found_tp.max(saved_tp), found_pp.max(saved_pp));
+    let layout = format!(
+        "rank directories present {found_tp} × {found_pp}, rank 0's args say {saved_tp} × \
+         {saved_pp}"
+    );
+    if tp.checked_mul(pp).is_none_or(|n| n > MAX_RANK_FILES) {
+        bail!(
+            "{}: TP {tp} × PP {pp} ({layout}) is more than the {MAX_RANK_FILES} rank files \
+             mindkit reads",
+            iter_dir.display()
+        );
+    }
     let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
         .flat_map(|p| (0..tp).map(move |t| (p, t)))
         .map(|(p, t)| (p, t, rank_path(t, p, pp)))
@@ -121,11 +136,15 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
         .map(|(.., path)| path.display().to_string())
         .collect();
     if !missing.is_empty() {
+        let shown = missing.len().min(8);
+        let more = match missing.len() - shown {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
         bail!(
-            "missing rank file{} {} (the checkpoint is TP {tp} × PP {pp}: rank directories \
-             present {found_tp} × {found_pp}, rank 0's args say {saved_tp} × {saved_pp})",
+            "missing rank file{} {}{more} (the checkpoint is TP {tp} × PP {pp}: {layout})",
             if missing.len() > 1 { "s" } else { "" },
-            missing.join(", ")
+            missing[..shown].join(", ")
         );
     }
     let mut first = Some(first);

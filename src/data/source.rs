@@ -26,6 +26,8 @@ use arrow::error::ArrowError;
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use serde_json::{Map, Value};
 
+use super::untrusted::{check_rows, contain_panics, Contained};
+
 /// Where a record came from, for error messages.
 #[derive(Debug, Clone)]
 pub struct Location {
@@ -636,16 +638,21 @@ impl RecordReader {
             path: f.path.clone(),
             cause,
         })?;
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file)
-            .map_err(|e| columnar(format!("not a readable parquet file: {e}")))?;
+        let not_readable = |e: String| columnar(format!("not a readable parquet file: {e}"));
+        super::parquet_footer::check(&f.path).map_err(not_readable)?;
+        let builder = contain_panics(|| ParquetRecordBatchReaderBuilder::try_new(file))
+            .map_err(not_readable)?
+            .map_err(|e| not_readable(e.to_string()))?;
+        let groups = builder.metadata().row_groups().iter();
+        let declared = groups.fold(0i64, |n, g| n.saturating_add(g.num_rows()));
+        check_rows(declared, f.size, "the file").map_err(not_readable)?;
         let total_rows = builder.metadata().file_metadata().num_rows().max(1) as u64;
-        let reader = builder
-            .with_batch_size(1024)
-            .build()
+        let reader = contain_panics(|| builder.with_batch_size(1024).build())
+            .map_err(not_readable)?
             .map_err(|e| columnar(e.to_string()))?;
         let mut rows = 0u64;
         let file_arc = Arc::new(f.path.clone());
-        for batch in reader {
+        for batch in Contained::new(reader) {
             let batch = batch.map_err(|e| columnar(format!("after row {rows}: {e}")))?;
             self.emit_batch(&batch, &file_arc, &mut rows, index, sink)?;
             self.progress.fetch_add(
@@ -668,22 +675,26 @@ impl RecordReader {
                 cause,
             })
         };
+        super::arrow_ipc::check(&f.path)
+            .map_err(|e| columnar(format!("malformed arrow data: {e}")))?;
         let mut magic = [0u8; 6];
         let is_file_format = open()?.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
-        let batches: Box<dyn Iterator<Item = std::result::Result<_, _>>> = if is_file_format {
-            Box::new(
-                FileReader::try_new(BufReader::new(open()?), None)
-                    .map_err(|e| columnar(format!("not a readable arrow file: {e}")))?,
-            )
-        } else {
-            Box::new(
-                StreamReader::try_new(BufReader::new(open()?), None)
-                    .map_err(|e| columnar(format!("not a readable arrow stream: {e}")))?,
-            )
-        };
+        let (kind, file) = (if is_file_format { "file" } else { "stream" }, open()?);
+        let not_readable = |e: String| columnar(format!("not a readable arrow {kind}: {e}"));
+        type Batches =
+            Box<dyn Iterator<Item = arrow::error::Result<arrow::record_batch::RecordBatch>>>;
+        let batches = contain_panics(|| -> arrow::error::Result<Batches> {
+            Ok(if is_file_format {
+                Box::new(FileReader::try_new(BufReader::new(file), None)?)
+            } else {
+                Box::new(StreamReader::try_new(BufReader::new(file), None)?)
+            })
+        })
+        .map_err(not_readable)?
+        .map_err(|e| not_readable(e.to_string()))?;
         let mut rows = 0u64;
         let file_arc = Arc::new(f.path.clone());
-        for batch in batches {
+        for batch in Contained::new(batches) {
             let batch: RecordBatch =
                 batch.map_err(|e| columnar(format!("after row {rows}: {e}")))?;
             self.emit_batch(&batch, &file_arc, &mut rows, index, sink)?;

@@ -52,6 +52,33 @@ pub fn convert(to: &str, input: &Path, output: &Path, extra: &[&str]) {
     run_convert(to, input, output, extra).success();
 }
 
+/// `mindkit lora merge --quiet --base BASE --adapter ADAPTER --output OUT EXTRA…`.
+pub fn lora_merge(
+    base: &Path,
+    adapter: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> assert_cmd::assert::Assert {
+    let mut cmd = Command::cargo_bin("mindkit").unwrap();
+    cmd.args(["lora", "merge", "--quiet", "--base"])
+        .arg(base)
+        .arg("--adapter")
+        .arg(adapter)
+        .arg("--output")
+        .arg(out)
+        .args(extra);
+    cmd.assert()
+}
+
+/// Stderr of a [`lora_merge`] that must exit 1.
+pub fn lora_merge_err(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> String {
+    let o = lora_merge(base, adapter, out, extra)
+        .code(1)
+        .get_output()
+        .clone();
+    String::from_utf8(o.stderr).unwrap()
+}
+
 /// Temporary directories mindkit left in `dir`.
 pub fn leftovers(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir)

@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::mem::size_of;
 
 /// Element types of torch storages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -237,6 +238,10 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
 /// recurses (drop, clone, comparison, the writer in `save.rs`) far from the end of a thread's stack.
 pub const MAX_DEPTH: usize = 1000;
 
+/// Elements a tensor shape may describe (its non-zero dimensions multiplied): 2^48, far above
+/// any tensor (a 256k × 16k embedding has 2^32).
+const MAX_ELEMENTS: u64 = 1 << 48;
+
 /// Memory the parsed objects of any pickle may take (see [`MEMORY_PER_PICKLE_BYTE`]).
 pub const MEMORY_FLOOR: usize = 64 << 20;
 
@@ -244,8 +249,9 @@ pub const MEMORY_FLOOR: usize = 64 << 20;
 /// `torch.save` writes for state dicts and Megatron checkpoints takes 2–3 bytes of objects
 /// per byte; a list of small ints takes 16 or more, empty lists 32: such a pickle is refused
 /// once its objects outgrow the budget, long before memory runs out (a 40 MB pickle of 20 M
-/// ints at about 300 MB). Copies made by memo fetches have the same budget.
-pub const MEMORY_PER_PICKLE_BYTE: usize = 6;
+/// ints at 264 MB of objects, under 0.5 GB resident). Copies made by memo fetches have the
+/// same budget.
+pub const MEMORY_PER_PICKLE_BYTE: usize = 5;
 
 /// Why a pickle was refused.
 #[derive(Debug, thiserror::Error)]
@@ -314,7 +320,7 @@ const LIMITS: Limits = Limits {
 };
 
 /// Bytes of one [`Value`] slot (in a container, or on the stack).
-const SLOT: usize = std::mem::size_of::<Value>();
+const SLOT: usize = size_of::<Value>();
 
 /// A value on the machine's stack or in its memo, with what the bounds need to know of it, kept
 /// up to date as it grows so that nothing ever walks it: how deep its containers nest
@@ -333,12 +339,12 @@ impl Obj {
             Value::Str(s) => s.len(),
             Value::Bytes(b) => b.len(),
             Value::Tensor(t) => {
-                std::mem::size_of::<TensorRef>()
+                size_of::<TensorRef>()
                     + t.storage.key.len()
                     + t.storage.location.len()
                     + 8 * (t.shape.len() + t.stride.len())
             }
-            Value::Storage(s) => std::mem::size_of::<StorageRef>() + s.key.len() + s.location.len(),
+            Value::Storage(s) => size_of::<StorageRef>() + s.key.len() + s.location.len(),
             _ => 0,
         };
         let container = matches!(
@@ -353,13 +359,23 @@ impl Obj {
     }
 }
 
-/// Bytes of a container's spare capacity (what its `Vec` holds beyond its elements).
-fn spare_bytes(v: &Value) -> usize {
+/// A container's length, capacity and bytes per element.
+fn room(v: &Value) -> (usize, usize, usize) {
     match v {
-        Value::List(x) | Value::Tuple(x) => (x.capacity() - x.len()) * SLOT,
-        Value::Dict(x) => (x.capacity() - x.len()) * 2 * SLOT,
-        Value::Namespace(x) => (x.capacity() - x.len()) * std::mem::size_of::<(String, Value)>(),
-        _ => 0,
+        Value::List(x) | Value::Tuple(x) => (x.len(), x.capacity(), SLOT),
+        Value::Dict(x) => (x.len(), x.capacity(), 2 * SLOT),
+        Value::Namespace(x) => (x.len(), x.capacity(), size_of::<(String, Value)>()),
+        _ => (0, 0, 0),
+    }
+}
+
+/// Room for `additional` more elements in a container, exactly.
+fn reserve(v: &mut Value, additional: usize) {
+    match v {
+        Value::List(x) | Value::Tuple(x) => x.reserve_exact(additional),
+        Value::Dict(x) => x.reserve_exact(additional),
+        Value::Namespace(x) => x.reserve_exact(additional),
+        _ => {}
     }
 }
 
@@ -574,7 +590,8 @@ fn fetched_memo_indices(data: &[u8]) -> HashSet<u32> {
 #[derive(Default)]
 struct MemoIndices {
     /// Every index below it was stored.
-    dense: u32,
+    dense: u64,
+    /// Indices stored at or above `dense`.
     sparse: HashSet<u32>,
 }
 
@@ -583,19 +600,19 @@ impl MemoIndices {
         self.dense as usize + self.sparse.len()
     }
 
-    /// Record index `i`; true when the set grew.
+    /// Record index `i`; true when it is new and kept in the set.
     fn insert(&mut self, i: u32) -> bool {
-        if i < self.dense {
-            return false;
+        match u64::from(i).cmp(&self.dense) {
+            std::cmp::Ordering::Less => false,
+            std::cmp::Ordering::Greater => self.sparse.insert(i),
+            std::cmp::Ordering::Equal => {
+                self.dense += 1;
+                while u32::try_from(self.dense).is_ok_and(|d| self.sparse.remove(&d)) {
+                    self.dense += 1;
+                }
+                false
+            }
         }
-        if i > self.dense {
-            return self.sparse.insert(i);
-        }
-        self.dense += 1;
-        while self.dense < u32::MAX && self.sparse.remove(&self.dense) {
-            self.dense += 1;
-        }
-        true
     }
 }
 
@@ -653,10 +670,15 @@ impl Machine<'_> {
     /// Refuse once what is held (values, the stack's and the memo's room), or what was
     /// copied, outgrows the budget.
     fn check_budget(&self) -> Result<()> {
+        self.check_budget_with(0)
+    }
+
+    /// [`Machine::check_budget`] with `more` bytes about to be taken.
+    fn check_budget_with(&self, more: usize) -> Result<()> {
         let budget = self.budget();
-        let room = self.stack.capacity() * std::mem::size_of::<Item>()
-            + self.memo.capacity() * std::mem::size_of::<(u32, Obj)>();
-        if self.live + room > budget || self.copied > budget {
+        let room = self.stack.capacity() * size_of::<Item>()
+            + self.memo.capacity() * size_of::<(u32, Obj)>();
+        if self.live + room + more > budget || self.copied > budget {
             return Err(PickleError::TooLarge {
                 at: self.reader.pos,
                 budget,
@@ -678,8 +700,20 @@ impl Machine<'_> {
 
     fn push_obj(&mut self, obj: Obj) -> Result<()> {
         self.live += obj.bytes;
-        self.stack.push(Item::Obj(obj));
+        self.push_item(Item::Obj(obj))?;
         self.check_budget()
+    }
+
+    /// Push onto the stack, doubling it here when full, once the budget allows the new room
+    /// (so that a growth past the budget is never taken).
+    fn push_item(&mut self, item: Item) -> Result<()> {
+        if self.stack.len() == self.stack.capacity() {
+            let more = self.stack.capacity().max(16);
+            self.check_budget_with(more * size_of::<Item>())?;
+            self.stack.reserve_exact(more);
+        }
+        self.stack.push(item);
+        Ok(())
     }
 
     fn push(&mut self, v: Value) -> Result<()> {
@@ -723,28 +757,39 @@ impl Machine<'_> {
     }
 
     /// Move `children` (already off the stack) into the container on top of the stack with
-    /// `insert`, counting their bytes, the container's spare capacity and its new depth.
+    /// `insert`, which adds `extra` elements: their bytes, the container's new capacity and
+    /// its new depth are counted, and the budget checked before the container grows (it
+    /// doubles, as `Vec` does, but here, so that a growth past the budget is never taken).
     fn adopt(
         &mut self,
         children: Vec<Obj>,
+        extra: usize,
         insert: impl FnOnce(&mut Value, Vec<Value>),
     ) -> Result<()> {
         let bytes: usize = children.iter().map(|o| o.bytes).sum();
         let deepest = children.iter().map(|o| o.depth).max().unwrap_or(0);
+        let (len, cap, elem) = room(&self.top()?.value);
+        let wanted = len + extra;
+        let new_cap = if wanted <= cap {
+            cap
+        } else {
+            wanted.max(cap.saturating_mul(2))
+        };
+        let spare_before = (cap - len) * elem;
+        let grown = bytes + (new_cap - wanted) * elem;
+        // `live` and the container's bytes include `spare_before`: no underflow.
+        self.live = self.live + grown - spare_before;
+        self.check_budget()?;
         let top = self.top()?;
-        let spare_before = spare_bytes(&top.value);
+        reserve(&mut top.value, new_cap - len);
         insert(
             &mut top.value,
             children.into_iter().map(|o| o.value).collect(),
         );
-        let grown = bytes + spare_bytes(&top.value);
-        // `top.bytes` and `live` include `spare_before`: no underflow.
         top.bytes = top.bytes + grown - spare_before;
         top.depth = top.depth.max(deepest + 1);
         let depth = top.depth;
-        self.live = self.live + grown - spare_before;
-        self.check_depth(depth)?;
-        self.check_budget()
+        self.check_depth(depth)
     }
 
     /// A tuple of `items` (already off the stack), pushed.
@@ -786,7 +831,7 @@ impl Machine<'_> {
     /// Store the top of the stack as memo `i` (a copy only when some opcode fetches it).
     fn memo_put(&mut self, i: u32) -> Result<()> {
         let bytes = self.top()?.bytes;
-        if self.stored.insert(i) && i > self.stored.dense {
+        if self.stored.insert(i) {
             self.live += SET_ENTRY;
         }
         if self.fetched.contains(&i) {
@@ -811,7 +856,7 @@ impl Machine<'_> {
                 }
                 Op::Frame => {}
                 Op::Stop => return Ok(self.pop()?.value),
-                Op::Mark => self.stack.push(Item::Mark),
+                Op::Mark => self.push_item(Item::Mark)?,
                 Op::Pop => {
                     if let Some(Item::Obj(o)) = self.stack.pop() {
                         self.live -= o.bytes;
@@ -949,7 +994,8 @@ impl Machine<'_> {
         if !matches!(self.top()?.value, Value::List(_)) {
             return self.bad("APPEND to a non-list");
         }
-        self.adopt(items, |list, items| {
+        let extra = items.len();
+        self.adopt(items, extra, |list, items| {
             if let Value::List(list) = list {
                 list.extend(items);
             }
@@ -974,7 +1020,8 @@ impl Machine<'_> {
         if items.iter().step_by(2).any(unhashable) {
             return self.bad("a list, dict or Namespace as a dict key (unhashable in Python)");
         }
-        self.adopt(items, |dict, items| {
+        let extra = items.len() / 2;
+        self.adopt(items, extra, |dict, items| {
             if let Value::Dict(dict) = dict {
                 let mut it = items.into_iter();
                 while let (Some(k), Some(v)) = (it.next(), it.next()) {
@@ -1006,6 +1053,18 @@ impl Machine<'_> {
                 };
                 if tensor.shape.len() != tensor.stride.len() {
                     return self.bad("tensor shape and stride differ in rank");
+                }
+                // A tensor's bytes lie in the file, but a zero dimension empties it whatever the
+                // others say: bound them all, so that no size computed from a shape overflows.
+                let elements = (tensor.shape.iter().filter(|&&n| n != 0))
+                    .try_fold(1u64, |acc, &n| {
+                        acc.checked_mul(n).filter(|&p| p <= MAX_ELEMENTS)
+                    });
+                if elements.is_none() {
+                    return self.bad(format!(
+                        "tensor shape {:?} has more than 2^48 elements",
+                        tensor.shape
+                    ));
                 }
                 Ok(Value::Tensor(Box::new(tensor)))
             }
@@ -1047,7 +1106,11 @@ impl Machine<'_> {
             (Value::Dict(_), _) => return Ok(()),
             _ => return self.bad("BUILD on an object that takes no state"),
         }
-        self.adopt(vec![state], |attrs, mut state| {
+        let extra = match &state.value {
+            Value::Dict(items) => items.len(),
+            _ => 0,
+        };
+        self.adopt(vec![state], extra, |attrs, mut state| {
             if let (Value::Namespace(attrs), [Value::Dict(items)]) = (attrs, &mut state[..]) {
                 for (k, v) in items.drain(..) {
                     if let Value::Str(k) = k {
@@ -1333,6 +1396,21 @@ mod tests {
         assert!(matches!(parse(&fetches), Err(PickleError::TooLarge { .. })));
         // What torch writes parses within the scaled budget.
         assert!(parse_within(&bf16_state_dict(), limits).is_ok());
+    }
+
+    #[test]
+    fn a_shape_past_2_48_elements_is_refused() {
+        // `{'w': tensor}` of shape (2^40, 2^40, 0): empty, but 2^80 elements by its other
+        // dimensions (multiplying them overflowed).
+        let long = |v: u64| [&b"\x8a\x08"[..], &v.to_le_bytes()].concat();
+        let shape = [long(1 << 40), long(1 << 40), long(0)].concat();
+        let mut p = bf16_state_dict();
+        let at = p.windows(6).position(|w| w == b"K\x04K\x08\x86q").unwrap();
+        p.splice(at..at + 5, [&b"("[..], &shape, b"t"].concat());
+        let at = p.windows(5).position(|w| w == b"K\x08K\x01\x86").unwrap();
+        p.splice(at..at + 5, b"(K\x00K\x00K\x01t".iter().copied());
+        let e = parse(&p).unwrap_err().to_string();
+        assert!(e.contains("has more than 2^48 elements"), "{e}");
     }
 
     #[test]
