@@ -9,5 +9,6 @@ pub mod engine;
 pub mod eval;
 pub mod fuzzing;
 pub mod model;
+pub mod tensor;
 pub mod train;
 pub mod util;

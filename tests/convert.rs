@@ -6,7 +6,7 @@ mod common;
 
 use common::{convert, copy_dir, leftovers, mindkit, run_convert, run_with_umask_022};
 use mindkit::ckpt::hf::HfWeights;
-use mindkit::ckpt::torch::pickle::DType;
+use mindkit::tensor::DType;
 use std::path::{Path, PathBuf};
 
 const FAMILIES: &[&str] = &[

@@ -9,8 +9,8 @@ mod common;
 use common::{convert, copy_dir, fixture, leftovers, mindkit as run};
 use common::{lora_merge as merge, lora_merge_err as merge_err};
 use mindkit::ckpt::hf::HfWeights;
-use mindkit::ckpt::tensor::to_f32;
-use mindkit::ckpt::torch::pickle::DType;
+use mindkit::tensor::host::to_f32;
+use mindkit::tensor::DType;
 use std::path::Path;
 
 /// Every tensor of the HF directory `dir` is within `tol` of the golden safetensors file.

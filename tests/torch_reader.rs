@@ -1,8 +1,9 @@
 //! The safe `.pt` reader against files written by `torch.save` itself
 //! (fixtures/torch, made by fixtures/gen/make_torch_fixtures.py).
 
-use mindkit::ckpt::torch::pickle::{DType, Value};
+use mindkit::ckpt::torch::pickle::Value;
 use mindkit::ckpt::torch::TorchFile;
+use mindkit::tensor::DType;
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 

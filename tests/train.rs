@@ -339,7 +339,7 @@ fn std_of(file: &mindkit::ckpt::torch::TorchFile, key: &str) -> f64 {
         panic!("{key} missing");
     };
     let t = file.read_tensor(key, t).unwrap();
-    let v = mindkit::ckpt::tensor::to_f32(&t).unwrap();
+    let v = mindkit::tensor::host::to_f32(&t).unwrap();
     let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
     (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
 }

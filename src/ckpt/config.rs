@@ -3,7 +3,8 @@
 //! and written back to either.
 
 use super::family::{self, Family};
-use super::torch::pickle::{DType, Value};
+use super::torch::pickle::Value;
+use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value as Json};
 

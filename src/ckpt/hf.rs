@@ -2,9 +2,10 @@
 //! `model.safetensors.index.json`, or `pytorch_model*.bin` (through the safe `.pt` reader), read
 //! with bounds-checked `pread`s; and a streaming sharded safetensors writer.
 
-use super::tensor::Tensor;
-use super::torch::pickle::{DType, TensorRef, Value};
+use super::torch::pickle::{TensorRef, Value};
 use super::torch::TorchFile;
+use crate::tensor::host::Tensor;
+use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};

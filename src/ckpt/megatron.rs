@@ -5,11 +5,12 @@
 use super::config::{arg_uint, megatron_args, ModelConfig, ParallelArgs};
 use super::family::Family;
 use super::layout::{self, chunk_entries, KeyLayout, Parallel};
-use super::tensor::Tensor;
-use super::torch::pickle::{DType, StorageRef, TensorRef, Value};
+use super::torch::pickle::{StorageRef, TensorRef, Value};
 use super::torch::save::PtWriter;
 use super::torch::TorchFile;
 use super::transform::{gather_tp, shard_shape, tp_shard, Canon, Role};
+use crate::tensor::host::Tensor;
+use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};

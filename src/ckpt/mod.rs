@@ -10,7 +10,6 @@ pub mod info;
 pub mod layout;
 pub mod lora;
 pub mod megatron;
-pub mod tensor;
 pub mod torch;
 pub mod transform;
 

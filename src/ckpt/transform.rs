@@ -5,7 +5,7 @@
 
 use super::config::ModelConfig;
 use super::family::{hf_names as hf, QkvStyle};
-use super::tensor::Tensor;
+use crate::tensor::host::Tensor;
 use anyhow::{bail, Result};
 
 /// What a canonical tensor is.

@@ -14,11 +14,9 @@
 //! cross-entropy log-sum-exp) and gradients of the optimizer's parameters are f32.
 
 pub mod cpu;
-pub(crate) mod panel;
-pub(crate) mod simd;
 
-use crate::ckpt::tensor::Tensor as HostTensor;
-use crate::ckpt::torch::pickle::DType;
+use crate::tensor::host::Tensor as HostTensor;
+use crate::tensor::DType;
 use std::ops::Range;
 
 /// What an engine operation can fail with.
@@ -373,22 +371,4 @@ pub trait Backend: Device {
         v: &mut Self::Tensor,
         step: AdamWStep,
     ) -> Result<()>;
-}
-
-/// A raw pointer to disjoint parts of one output, shared by the tasks that write them.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedOut(pub(crate) *mut f32);
-// SAFETY: every task writes a region no other task touches (stated where it is used).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// The element `i` places in.
-    ///
-    /// # Safety
-    /// `i` must lie inside the output.
-    pub(crate) unsafe fn at(self, i: usize) -> *mut f32 {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.0.add(i) }
-    }
 }

@@ -8,9 +8,9 @@
 
 use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;
-use crate::ckpt::torch::pickle::DType;
 use crate::ckpt::transform::{Canon, Role};
 use crate::engine::{Backend, Result};
+use crate::tensor::DType;
 use std::ops::Range;
 
 /// A linear layer: its weight, bias and LoRA factors in the table.

@@ -13,11 +13,12 @@
 use crate::ckpt::config::{megatron_args, ModelConfig, ParallelArgs};
 use crate::ckpt::layout::{chunk_entries, KeyLayout};
 use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
-use crate::ckpt::tensor::Tensor;
-use crate::ckpt::torch::pickle::{DType, StorageRef, TensorRef, Value};
+use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
 use crate::ckpt::torch::save::PtWriter;
 use crate::ckpt::torch::TorchFile;
 use crate::model::params::ParamTable;
+use crate::tensor::host::Tensor;
+use crate::tensor::DType;
 use crate::util::{AtomicFile, OutputKind, TempOutput};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value as Json;
@@ -593,7 +594,7 @@ pub fn load_state(
                 state.steps = match entry.get("step") {
                     Some(Value::Tensor(t)) => {
                         let t = f.read_tensor(name, t)?;
-                        crate::ckpt::tensor::to_f32(&t)
+                        crate::tensor::host::to_f32(&t)
                             .map_err(|e| anyhow!(e))?
                             .first()
                             .copied()

@@ -11,12 +11,13 @@ use super::schedule::{DecayStyle, Schedule, WdStyle};
 use crate::ckpt::config::ModelConfig;
 use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
-use crate::ckpt::torch::pickle::{DType, Value};
+use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::{Blend, MaskConfig};
 use crate::data::handlers::template::Template;
 use crate::data::sft_dataset::Order;
 use crate::data::tokenizer::HfTokenizer;
 use crate::model::params::LoraSpec;
+use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 

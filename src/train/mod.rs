@@ -16,8 +16,7 @@ pub mod optim;
 pub mod schedule;
 pub mod tensorboard;
 
-use crate::ckpt::tensor::Tensor as HostTensor;
-use crate::ckpt::torch::pickle::{DType, Value};
+use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::transform::Role;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
@@ -25,6 +24,8 @@ use crate::engine::Backend;
 use crate::model::llama::{backward, forward, Ids};
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
 use crate::model::ModelSpec;
+use crate::tensor::host::Tensor as HostTensor;
+use crate::tensor::DType;
 use crate::util::{progress_bar, ProgressUnit};
 use anyhow::{anyhow, bail, Context, Result};
 use config::{ScheduleSource, Start, TrainConfig};

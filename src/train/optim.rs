@@ -4,9 +4,9 @@
 //! main parameters that the bf16 model parameters are copied from after every step
 //! (`Float16OptimizerWithFloat16Params`).
 
-use crate::ckpt::torch::pickle::DType;
 use crate::engine::{AdamWStep, Backend, Result};
 use crate::model::params::ParamTable;
+use crate::tensor::DType;
 
 /// Adam's settings that do not change during training.
 #[derive(Debug, Clone, Copy, PartialEq)]

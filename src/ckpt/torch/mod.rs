@@ -7,7 +7,7 @@
 pub mod pickle;
 pub mod save;
 
-use super::tensor::Tensor;
+use crate::tensor::host::Tensor;
 use memmap2::Mmap;
 use pickle::{StorageRef, TensorRef, Value};
 use std::collections::HashMap;

@@ -10,42 +10,10 @@ use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::mem::size_of;
 
-/// Element types of torch storages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// float64
-    F64,
-    /// float32
-    F32,
-    /// float16
-    F16,
-    /// bfloat16
-    BF16,
-    /// int64
-    I64,
-    /// int32
-    I32,
-    /// int16
-    I16,
-    /// int8
-    I8,
-    /// uint8
-    U8,
-    /// bool
-    Bool,
-}
+use crate::tensor::DType;
 
+/// How torch names each dtype (storage classes and `torch.<dtype>` objects).
 impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 => 2,
-            DType::I8 | DType::U8 | DType::Bool => 1,
-        }
-    }
-
     /// The legacy storage class torch pickles for this dtype (`FloatStorage`, …).
     pub fn storage_class(self) -> &'static str {
         lookup_name(STORAGE_CLASSES, self)

@@ -4,8 +4,9 @@
 //! The file is written under a temporary name and renamed by [`PtWriter::finish`]; a write
 //! error leaves no file and prints nothing but that error.
 
-use super::pickle::{DType, TensorRef, Value};
+use super::pickle::{TensorRef, Value};
 use super::TorchError;
+use crate::tensor::DType;
 use crate::util::{AtomicFile, OutputKind};
 use std::borrow::Cow;
 use std::io::{Seek, SeekFrom, Write};

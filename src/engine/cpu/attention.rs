@@ -10,8 +10,9 @@
 //! `h / (nh/ng)`.
 
 use super::gemm::{gemm_into, Store, Strided};
-use crate::engine::simd::{self, softmax};
-use crate::engine::{AttentionShape, Segment, SharedOut};
+use crate::engine::{AttentionShape, Segment};
+use crate::tensor::simd::{self, softmax};
+use crate::tensor::SharedOut;
 use rayon::prelude::*;
 use std::ops::Range;
 

@@ -4,7 +4,7 @@
 //! softmax). Per row `loss = lse − logit[label]`, `lse = max + log Σ exp(logits − max)`, the
 //! exponentials vectorized and summed in 16 f32 lanes.
 
-use crate::engine::simd;
+use crate::tensor::simd;
 use rayon::prelude::*;
 
 /// `loss [n]` and `lse [n]` (both overwritten) of `logits [n, v]` against `labels [n]`.

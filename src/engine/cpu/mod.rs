@@ -14,14 +14,14 @@ mod swiglu;
 #[cfg(test)]
 mod testing;
 
-use super::panel::{PanelType, Panels};
-use super::simd::{dot, narrow_bf16, widen};
 use super::{
     ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
-    Segment, SharedOut,
+    Segment,
 };
-use crate::ckpt::tensor::{decode_f32, encode_f32};
-use crate::ckpt::torch::pickle::DType;
+use crate::tensor::host::{decode_f32, encode_f32};
+use crate::tensor::panel::{PanelType, Panels};
+use crate::tensor::simd::{dot, narrow_bf16, widen};
+use crate::tensor::{DType, SharedOut};
 use gemm::{gemm_into, Store, Strided};
 use rayon::prelude::*;
 use std::borrow::Cow;

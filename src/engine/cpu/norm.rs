@@ -3,7 +3,7 @@
 //! Legend: n = rows, h = row length. `y = x · rstd · γ` with `rstd = 1/√(mean(x²) + eps)`,
 //! computed in f32 as HF `LlamaRMSNorm` and Megatron's RMSNorm do (γ applied last).
 
-use crate::engine::simd::dot;
+use crate::tensor::simd::dot;
 use rayon::prelude::*;
 
 /// `y [n, h] = x · rstd · γ`, `rstd [n]` saved for the backward pass. Overwrites `y`, `rstd`.

@@ -57,7 +57,7 @@ const EMBED_COLS: usize = 64;
 /// its id's row, tokens in order (column blocks in parallel, so no two tasks touch one value).
 pub fn embedding_bwd(dy: &[f32], ids: &[u32], h: usize, dtable: &mut [f32]) {
     let blocks = h.div_ceil(EMBED_COLS);
-    let out = crate::engine::SharedOut(dtable.as_mut_ptr());
+    let out = crate::tensor::SharedOut(dtable.as_mut_ptr());
     (0..blocks).into_par_iter().for_each(|b| {
         let cols = b * EMBED_COLS..((b + 1) * EMBED_COLS).min(h);
         for (t, &id) in ids.iter().enumerate() {

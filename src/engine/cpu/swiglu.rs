@@ -3,7 +3,7 @@
 //! Legend: n = rows, f = ffn width; `x [n, 2f]` holds the gate then the up projection (Megatron's
 //! `linear_fc1` order); `y [n, f] = silu(gate) · up`, `silu(a) = a·σ(a)`.
 
-use crate::engine::simd::{silu_mul, swiglu_grad};
+use crate::tensor::simd::{silu_mul, swiglu_grad};
 use rayon::prelude::*;
 
 /// `y [n, f] = silu(gate) · up` (overwrites `y`).

@@ -1,8 +1,8 @@
 //! The CPU backend's inner loops, compiled once per instruction set and chosen at run time
 //! (the binary targets baseline x86-64, so without this they would run on SSE2).
 
-use crate::ckpt::tensor::bf16_bits;
-use crate::ckpt::torch::pickle::DType;
+use super::host::bf16_bits;
+use crate::tensor::DType;
 use half::f16;
 use half::slice::HalfBitsSliceExt;
 use half::slice::HalfFloatSliceExt;

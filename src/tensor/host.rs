@@ -2,8 +2,8 @@
 //! checkpoint conversion needs: row/column slicing and concatenation, row padding, casts.
 //! Every move copies bytes, so a round trip through them is bit-exact.
 
-use super::torch::pickle::DType;
-use crate::engine::simd::narrow_bf16;
+use super::simd::narrow_bf16;
+use super::DType;
 use half::f16;
 use rayon::prelude::*;
 

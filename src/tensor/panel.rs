@@ -9,7 +9,7 @@
 
 use super::simd::narrow_bf16;
 use super::SharedOut;
-use crate::ckpt::torch::pickle::DType;
+use crate::tensor::DType;
 use anyhow::{bail, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
