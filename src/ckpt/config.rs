@@ -638,8 +638,9 @@ pub struct ParallelArgs {
     pub divisible_by: usize,
 }
 
-/// The `args` Namespace Megatron's loaders and `check_checkpoint_args` read (ckpt.md §1.4, §8),
-/// starting from `base` (a source checkpoint's args) when converting Megatron → Megatron.
+/// The `args` Namespace Megatron's loaders and `check_checkpoint_args` read
+/// (docs/checkpoints.md §1.4, §8), starting from `base` (a source checkpoint's args) when
+/// converting Megatron → Megatron.
 pub fn megatron_args(
     cfg: &ModelConfig,
     par: &ParallelArgs,

@@ -1,6 +1,6 @@
 //! Model families as data: how each names its tensors in Hugging Face format and which
 //! `config.json` conventions it uses. The converter has one code path; a family only
-//! changes names (`reference/ckpt.md` §2.1, §3.7).
+//! changes names (`docs/checkpoints.md` §2.1, §3.7).
 
 /// How a family stores the attention input projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +124,7 @@ pub fn by_model_type(model_type: &str) -> Result<&'static Family, String> {
         })
 }
 
-/// HF tensor names (`reference/ckpt.md` §2.1). Layer tensors take the layer index.
+/// HF tensor names (`docs/checkpoints.md` §2.1). Layer tensors take the layer index.
 pub mod hf_names {
     /// Token embedding.
     pub const EMBED: &str = "model.embed_tokens.weight";

@@ -1,6 +1,7 @@
 //! Megatron's parallel layout (which global layers each pipeline stage and virtual chunk holds)
 //! and its state-dict key names for the three model layouts: mcore local spec (MindSpeed-LLM),
-//! mcore Transformer-Engine spec, and the legacy nested model (`reference/ckpt.md` §2.2, §2.3, §3.6).
+//! mcore Transformer-Engine spec, and the legacy nested model (`docs/checkpoints.md` §2.2, §2.3,
+//! §3.6).
 
 use super::config::ModelConfig;
 use super::transform::{Canon, Role};

@@ -1,6 +1,6 @@
 //! Megatron's torch-format checkpoint directory: `latest_checkpointed_iteration.txt`,
 //! `iter_0000001/` (or `release/`), `mp_rank_TT[_PPP]/model_optim_rng.pt` holding
-//! `{args, checkpoint_version: 3.0, iteration, model | model0..}` (`reference/ckpt.md` §1, §8).
+//! `{args, checkpoint_version: 3.0, iteration, model | model0..}` (`docs/checkpoints.md` §1, §8).
 
 use super::config::{arg_uint, megatron_args, ModelConfig, ParallelArgs};
 use super::family::Family;

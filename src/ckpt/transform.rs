@@ -1,6 +1,6 @@
 //! What a tensor becomes: the canonical (unsharded, Megatron-ordered) tensors of a model,
 //! how HF tensors pack into them (GQA-grouped QKV, `[gate; up]`) and how they split over
-//! tensor-parallel ranks and back (`reference/ckpt.md` §3). Only bytes move, so every
+//! tensor-parallel ranks and back (`docs/checkpoints.md` §3). Only bytes move, so every
 //! round trip is bit-exact.
 
 use super::config::ModelConfig;
@@ -134,8 +134,8 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
 pub type RowBlock = (usize, usize, usize);
 
 /// For each HF part (in [`hf_parts`] order), the blocks of rows it contributes to the canonical
-/// tensor. QKV is grouped per KV group as `[q_g; k_g; v_g]` (ckpt.md §3.1), from separate
-/// q/k/v tensors or from Baichuan's `W_pack` rows `[q; k; v]`; `[gate; up]` is a
+/// tensor. QKV is grouped per KV group as `[q_g; k_g; v_g]` (docs/checkpoints.md §3.1), from
+/// separate q/k/v tensors or from Baichuan's `W_pack` rows `[q; k; v]`; `[gate; up]` is a
 /// concatenation; everything else is the identity.
 pub fn hf_row_blocks(cfg: &ModelConfig, c: Canon) -> Vec<Vec<RowBlock>> {
     let d = cfg.head_dim;
@@ -205,7 +205,7 @@ pub fn to_hf(cfg: &ModelConfig, c: Canon, t: Tensor) -> Vec<Tensor> {
         .collect()
 }
 
-/// How a role is laid out over TP ranks (ckpt.md §3.4).
+/// How a role is laid out over TP ranks (docs/checkpoints.md §3.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Split {
     /// Same tensor on every rank.
@@ -232,7 +232,7 @@ fn split_of(role: Role) -> Split {
 
 /// Whether a role is a row-parallel linear layer (split on its input dimension: attention
 /// output, fc2). Its LoRA `A` is split like it and `B` replicated; column-parallel layers
-/// (qkv, fc1) split `B` and replicate `A` (ckpt.md §6.2).
+/// (qkv, fc1) split `B` and replicate `A` (docs/checkpoints.md §6.2).
 pub fn is_row_parallel(role: Role) -> bool {
     split_of(role) == Split::Cols
 }

@@ -728,7 +728,7 @@ mod tests {
 
     #[test]
     fn worked_example_from_reference() {
-        // data.md §1.1: lengths 5,3,7 uint16 -> 102-byte idx, pointers 0,10,16.
+        // docs/data.md §1.1: lengths 5,3,7 uint16 -> 102-byte idx, pointers 0,10,16.
         let bytes = encode_index(DType::U16, &[5, 3, 7], &[0, 1, 2, 3]);
         assert_eq!(bytes.len(), 102);
         assert_eq!(&bytes[..9], MAGIC);

@@ -1,4 +1,4 @@
-//! BoolQ as the harness's `boolq` task (`reference/eval.md` §1.2): context
+//! BoolQ as the harness's `boolq` task (`docs/evaluation.md` §1.2): context
 //! `"{passage}\nQuestion: {question}?\nAnswer:"`, continuations `" no"` / `" yes"`, 0-shot.
 //! Reads the original release (`answer`: bool) and the SuperGLUE / HF layouts (`label`: 0/1,
 //! bool, or the strings "true"/"false"), as jsonl, json or parquet.

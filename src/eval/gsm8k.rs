@@ -1,4 +1,4 @@
-//! GSM8K as the harness's two tasks (`reference/eval.md` §3.2):
+//! GSM8K as the harness's two tasks (`docs/evaluation.md` §3.2):
 //! - `gsm8k_cot`: Wei et al.'s 8 fixed exemplars (`"Q: {question}\nA: {reasoning} The answer is
 //!   N.\n\n"`), then `"Q: {question}\nA:"`; stops at `Q:`.
 //! - `gsm8k`: 5 shots drawn from the train split per question, in document order, by

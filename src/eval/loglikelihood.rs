@@ -1,5 +1,5 @@
 //! Loglikelihood of continuations, computed the way lm-evaluation-harness's HF backend does
-//! (`reference/eval.md` §4): context and continuation tokenized as `encode(context)` and
+//! (`docs/evaluation.md` §4): context and continuation tokenized as `encode(context)` and
 //! `encode(context + continuation)[len(context):]`, the input left-truncated to the model's
 //! length, the sum of the continuation tokens' log-softmax, and whether each was the argmax.
 //! Requests of a document that share their input run as one sequence (one forward pass scores

@@ -1,4 +1,4 @@
-//! MMLU as the harness's `mmlu` group (`reference/eval.md` §2): per subject, the description
+//! MMLU as the harness's `mmlu` group (`docs/evaluation.md` §2): per subject, the description
 //! `"The following are multiple choice questions (with answers) about {subject}.\n\n"`, the
 //! first k dev rows as shots (`"{question}\nA. …\nD. …\nAnswer: {letter}\n\n"`), the question,
 //! and the loglikelihoods of `" A"`…`" D"`. Reads the original csv tree (`dev/`, `val/`,

@@ -1,5 +1,5 @@
 //! `mindkit eval`: benchmark tasks scored on any HF or Megatron checkpoint with numbers
-//! comparable to lm-evaluation-harness (`reference/eval.md`): its prompts, its tokenization
+//! comparable to lm-evaluation-harness (`docs/evaluation.md`): its prompts, its tokenization
 //! and loglikelihood (see [`loglikelihood`]), its results JSON and table.
 
 pub mod boolq;

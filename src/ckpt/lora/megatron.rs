@@ -1,4 +1,4 @@
-//! Megatron / MindSpeed-LLM LoRA checkpoints (`reference/ckpt.md` §6.2, §6.3): the torch-format
+//! Megatron / MindSpeed-LLM LoRA checkpoints (`docs/checkpoints.md` §6.2, §6.3): the torch-format
 //! directory layout, keys `decoder.layers.N.self_attention.linear_qkv.lora_A.default.weight`
 //! (`lora_a`/`lora_b` also), LoRA-only (`--lora-ckpt-filter`) or next to the base weights.
 //! Column-parallel layers (qkv, fc1) split `lora_B` over TP and replicate `lora_A`;

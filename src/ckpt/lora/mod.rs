@@ -1,6 +1,6 @@
 //! `mindkit lora merge` / `lora info`: LoRA adapters folded into base weights
-//! (`reference/ckpt.md` §6). An adapter — PEFT (`peft.rs`) or a Megatron LoRA checkpoint of any
-//! TP/PP (`megatron.rs`) — becomes a plan of edits on the converter's canonical tensors:
+//! (`docs/checkpoints.md` §6). An adapter — PEFT (`peft.rs`) or a Megatron LoRA checkpoint of
+//! any TP/PP (`megatron.rs`) — becomes a plan of edits on the converter's canonical tensors:
 //! `W += scale · B·A` (row blocks placed as the canonical tensor orders them), or a tensor
 //! replaced (PEFT `modules_to_save`). The merge is then a conversion whose tensors pass
 //! through the plan, so every output format, TP/PP layout and dtype of `convert` is available.

@@ -1,4 +1,4 @@
-//! PEFT adapters on disk (`reference/ckpt.md` §6.1): `adapter_config.json` and
+//! PEFT adapters on disk (`docs/checkpoints.md` §6.1): `adapter_config.json` and
 //! `adapter_model.safetensors` (or `adapter_model.bin`, through the safe reader), keys
 //! `base_model.model.<module>.lora_A.weight` etc. with the adapter name removed.
 

@@ -2,7 +2,7 @@
 //!
 //! The archive is memory-mapped; `data.pkl` goes through the allow-list unpickler in
 //! [`pickle`]; tensor bytes are slices of the stored `data/<key>` records, bounds-checked,
-//! never copied until asked for. Layout of the archive: `reference/ckpt.md` §4.
+//! never copied until asked for. Layout of the archive: `docs/checkpoints.md` §4.
 
 pub mod pickle;
 pub mod save;

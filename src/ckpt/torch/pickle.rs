@@ -1218,7 +1218,7 @@ fn same_key(a: &Value, b: &Value) -> bool {
 mod tests {
     use super::*;
 
-    /// The exact stream torch writes for `{'w': bf16 tensor [4, 8]}` (reference/ckpt.md §4.3).
+    /// The exact stream torch writes for `{'w': bf16 tensor [4, 8]}` (docs/checkpoints.md §4.3).
     fn bf16_state_dict() -> Vec<u8> {
         b"\x80\x02}q\x00X\x01\x00\x00\x00wq\x01ctorch._utils\n_rebuild_tensor_v2\nq\x02((X\x07\x00\x00\x00storageq\x03ctorch\nBFloat16Storage\nq\x04X\x01\x00\x00\x000q\x05X\x03\x00\x00\x00cpuq\x06K tq\x07QK\x00K\x04K\x08\x86q\x08K\x08K\x01\x86q\t\x89ccollections\nOrderedDict\nq\n)Rq\x0btq\x0cRq\rs.".to_vec()
     }
