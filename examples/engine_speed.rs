@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 use mindkit::engine::cpu::Cpu;
-use mindkit::engine::Backend;
+use mindkit::engine::{Backend, Device};
 use mindkit::model::generate::argmax;
 use mindkit::model::{Model, Step};
 use rayon::prelude::*;
@@ -54,13 +54,13 @@ fn main() -> Result<()> {
     let start = Instant::now();
     for i in 0..docs {
         let ids: Vec<u32> = (0..len).map(|j| token(i, j, vocab)).collect();
-        let mut cache = model.cache(1, len);
+        let mut cache = model.cache(1, len)?;
         let step = Step {
             slot: 0,
             past: 0,
             tokens: &ids,
         };
-        Cpu.to_host(&Cpu.log_softmax(&model.forward(&mut cache, &[step], &[len - 1])?));
+        Cpu.download_f32(&Cpu.log_softmax(&model.forward(&mut cache, &[step], &[len - 1])?)?)?;
     }
     let secs = start.elapsed().as_secs_f64();
     println!(
@@ -68,13 +68,13 @@ fn main() -> Result<()> {
         (docs * len) as f64 / secs
     );
     let prompt: Vec<u32> = (0..8).map(|j| token(docs, j, vocab)).collect();
-    let mut cache = model.cache(1, prompt.len() + steps);
+    let mut cache = model.cache(1, prompt.len() + steps)?;
     let first = Step {
         slot: 0,
         past: 0,
         tokens: &prompt,
     };
-    let mut next = argmax(&Cpu.to_host(&model.forward(&mut cache, &[first], &[7])?)) as u32;
+    let mut next = argmax(&Cpu.download_f32(&model.forward(&mut cache, &[first], &[7])?)?) as u32;
     let start = Instant::now();
     for i in 0..steps {
         let step = Step {
@@ -82,7 +82,7 @@ fn main() -> Result<()> {
             past: prompt.len() + i,
             tokens: &[next],
         };
-        next = argmax(&Cpu.to_host(&model.forward(&mut cache, &[step], &[0])?)) as u32;
+        next = argmax(&Cpu.download_f32(&model.forward(&mut cache, &[step], &[0])?)?) as u32;
     }
     let secs = start.elapsed().as_secs_f64();
     println!(

@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result};
 use mindkit::engine::cpu::Cpu;
-use mindkit::engine::Backend;
+use mindkit::engine::Device;
 use mindkit::model::generate::argmax;
 use mindkit::model::{Model, Step};
 use safetensors::tensor::{Dtype, TensorView};
@@ -20,14 +20,14 @@ fn main() -> Result<()> {
     let steps: usize = steps.parse().context("STEPS")?;
     let model = Model::load(&Cpu, &PathBuf::from(model))?;
     let vocab = model.spec.vocab;
-    let mut cache = model.cache(1, prompt.len() + steps);
+    let mut cache = model.cache(1, prompt.len() + steps)?;
     let rows: Vec<usize> = (0..prompt.len()).collect();
     let first = Step {
         slot: 0,
         past: 0,
         tokens: &prompt,
     };
-    let prefill = Cpu.to_host(&model.forward(&mut cache, &[first], &rows)?);
+    let prefill = Cpu.download_f32(&model.forward(&mut cache, &[first], &rows)?)?;
     let mut next = argmax(&prefill[prefill.len() - vocab..]) as u32;
     let (mut decoded, mut generated) = (Vec::new(), Vec::new());
     for i in 0..steps {
@@ -37,7 +37,7 @@ fn main() -> Result<()> {
             past: prompt.len() + i,
             tokens: &[next],
         };
-        let logits = Cpu.to_host(&model.forward(&mut cache, &[step], &[0])?);
+        let logits = Cpu.download_f32(&model.forward(&mut cache, &[step], &[0])?)?;
         next = argmax(&logits) as u32;
         decoded.extend(logits);
     }

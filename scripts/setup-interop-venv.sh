@@ -17,4 +17,12 @@ if [[ ! -f "$venv/.complete" ]]; then
   "$venv/bin/python" -m pip install -q -r "$req" >&2
   touch "$venv/.complete"
 fi
+# Extras added later install on top of the cached venv (keyed by their own hash) instead of
+# rebuilding it.
+extra="$here/tests/interop/requirements-train.txt"
+extra_key="$(sha256sum "$extra" | cut -c1-12)"
+if [[ ! -f "$venv/.complete-extra-$extra_key" ]]; then
+  "$venv/bin/python" -m pip install -q -r "$extra" >&2
+  touch "$venv/.complete-extra-$extra_key"
+fi
 echo "$venv"

@@ -9,4 +9,4 @@ cargo test --release
 cargo build --release --bin mindkit --examples
 venv="$(bash scripts/setup-interop-venv.sh)"
 export MINDKIT_BIN="$PWD/target/release/mindkit" MINDKIT_EXAMPLES="$PWD/target/release/examples"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/interop
+"$venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/interop

@@ -9,3 +9,5 @@ pub mod engine;
 pub mod eval;
 pub mod fuzzing;
 pub mod model;
+pub mod train;
+pub mod util;

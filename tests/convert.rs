@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{convert, copy_dir, leftovers, mindkit, run_convert};
+use common::{convert, copy_dir, leftovers, mindkit, run_convert, run_with_umask_022};
 use mindkit::ckpt::hf::HfWeights;
 use mindkit::ckpt::torch::pickle::DType;
 use std::path::{Path, PathBuf};
@@ -274,20 +274,154 @@ fn invalid_plans_are_refused_before_writing() {
 }
 
 #[test]
-fn existing_output_needs_force() {
+fn issue17_item9_force_keeps_user_files() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("mine.txt"), "user data").unwrap();
     let err = convert_err("megatron", &model("llama"), &out, &[]);
     assert!(err.contains("already exists (pass --force"), "{err}");
+    // --force replaces only a previous checkpoint: the user's file is named, and kept.
+    let err = convert_err("megatron", &model("llama"), &out, &["--force"]);
+    assert!(err.contains("holds mine.txt"), "{err}");
+    assert!(err.contains("Megatron checkpoint"), "{err}");
     assert_eq!(
         std::fs::read_to_string(out.join("mine.txt")).unwrap(),
         "user data"
     );
+    assert!(leftovers(tmp.path()).is_empty());
+}
+
+#[test]
+fn issue17_item9_force_replaces_a_previous_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, h) = (tmp.path().join("m"), tmp.path().join("h"));
+    convert("megatron", &model("llama"), &m, &[]);
+    convert("megatron", &model("qwen2"), &m, &["--force", "--tp", "2"]);
+    assert!(rank_file(&m, "mp_rank_01").is_file());
+    convert("hf", &m, &h, &[]);
+    assert_same_hf(&model("qwen2"), &h);
+    convert("hf", &model("llama"), &h, &["--force"]);
+    assert_same_hf(&model("llama"), &h);
+    // A Megatron checkpoint is not a previous HF output.
+    let err = convert_err("hf", &model("llama"), &m, &["--force"]);
+    assert!(err.contains("iter_0000001/"), "{err}");
+    assert!(err.contains("latest_checkpointed_iteration.txt"), "{err}");
+    assert!(rank_file(&m, "mp_rank_01").is_file());
+    let mut left = leftovers(tmp.path());
+    left.sort();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn issue17_item9_output_around_or_inside_the_input_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let proj = tmp.path().join("proj");
+    let input = proj.join("model");
+    copy_dir(&model("llama"), &input);
+    std::fs::write(proj.join("train.log"), "step 1").unwrap();
+    let err = convert_err("megatron", &input, &proj, &["--force"]);
+    assert!(err.contains("contains the input"), "{err}");
+    assert!(err.contains(&*proj.to_string_lossy()), "{err}");
+    assert!(err.contains(&*input.to_string_lossy()), "{err}");
+    let err = convert_err("hf", &input, &input.join("."), &["--force"]);
+    assert!(err.contains("is the input"), "{err}");
+    let err = convert_err("megatron", &input, &input.join("out"), &["--force"]);
+    assert!(err.contains("lies inside the input"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(proj.join("train.log")).unwrap(),
+        "step 1"
+    );
+    assert_same_hf(&model("llama"), &input);
+    assert!(!input.join("out").exists());
+}
+
+/// Every file under `dir` is 0644 and every directory (`dir` too) 0755.
+fn assert_plain_modes(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = dir.metadata().unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o755, "{}: {mode:o}", dir.display());
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            assert_plain_modes(&p);
+        } else {
+            let mode = p.metadata().unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o644, "{}: {mode:o}", p.display());
+        }
+    }
+}
+
+#[test]
+fn issue17_item11_outputs_get_the_umask_permissions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, h) = (tmp.path().join("m"), tmp.path().join("h"));
+    // A private (0600) tokenizer file in the input must not make a private output either.
+    let input = tmp.path().join("in");
+    copy_dir(&model("llama"), &input);
+    use std::os::unix::fs::PermissionsExt;
+    let tok = input.join("tokenizer.json");
+    std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (to, from) = (&"--to", &"--input");
+    let args = |fmt, input, output| -> Vec<&dyn AsRef<std::ffi::OsStr>> {
+        vec![
+            &"convert",
+            &"--quiet",
+            to,
+            fmt,
+            from,
+            input,
+            &"--output",
+            output,
+            &"--tp",
+            &"2",
+        ]
+    };
+    run_with_umask_022(&args(&"megatron", &input, &m));
+    assert_plain_modes(&m);
+    run_with_umask_022(&args(&"hf", &m, &h));
+    assert_plain_modes(&h);
+}
+
+#[test]
+fn issue17_item12_stale_temporaries_are_named_and_removed_with_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    // What a killed run leaves: a partial temporary directory beside the output.
+    let stale = tmp.path().join(".mindkit-megatron-out-Xy12zW");
+    std::fs::create_dir_all(stale.join("iter_0000001")).unwrap();
+    let err = convert_err("megatron", &model("llama"), &out, &[]);
+    assert!(err.contains("interrupted"), "{err}");
+    assert!(err.contains(&*stale.to_string_lossy()), "{err}");
+    assert!(err.contains("--force"), "{err}");
+    assert!(stale.exists() && !out.exists());
     convert("megatron", &model("llama"), &out, &["--force"]);
-    assert!(!out.join("mine.txt").exists());
+    assert!(!stale.exists());
     assert!(rank_file(&out, "mp_rank_00").is_file());
+    assert!(leftovers(tmp.path()).is_empty());
+}
+
+#[test]
+fn issue17_item16_a_write_error_prints_only_that_error() {
+    // Files larger than the limit fail to write with EFBIG ("File too large"), as a full disk
+    // fails with ENOSPC; SIGXFSZ, which would kill the process instead, is ignored.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let output = std::process::Command::new("sh")
+        .args(["-c", "trap '' XFSZ; ulimit -f 64; exec \"$0\" \"$@\""])
+        .arg(assert_cmd::cargo::cargo_bin("mindkit"))
+        .args(["convert", "--quiet", "--to", "megatron", "--input"])
+        .arg(model("llama"))
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("model_optim_rng.pt: File too large"), "{err}");
+    assert_eq!(err.lines().count(), 1, "only the error: {err}");
+    assert!(!out.exists());
+    assert!(leftovers(tmp.path()).is_empty());
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod common;
 use common::{convert, fixture};
 use mindkit::data::tokenizer::HfTokenizer;
 use mindkit::engine::cpu::Cpu;
-use mindkit::engine::Backend;
+use mindkit::engine::Device;
 use mindkit::model::generate::{argmax, generate, generate_batch, GenerateOptions, Sampling};
 use mindkit::model::{Model, Step};
 use safetensors::SafeTensors;
@@ -58,14 +58,16 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Prefill logits of every prompt row, then each greedy step's logits.
 fn run(model: &Model<Cpu>, prompt: &[u32], feed: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let mut cache = model.cache(1, prompt.len() + feed.len());
+    let mut cache = model.cache(1, prompt.len() + feed.len()).unwrap();
     let rows: Vec<usize> = (0..prompt.len()).collect();
     let step = Step {
         slot: 0,
         past: 0,
         tokens: prompt,
     };
-    let prefill = Cpu.to_host(&model.forward(&mut cache, &[step], &rows).unwrap());
+    let prefill = Cpu
+        .download_f32(&model.forward(&mut cache, &[step], &rows).unwrap())
+        .unwrap();
     let steps = feed
         .iter()
         .enumerate()
@@ -75,7 +77,8 @@ fn run(model: &Model<Cpu>, prompt: &[u32], feed: &[u32]) -> (Vec<f32>, Vec<Vec<f
                 past: prompt.len() + i,
                 tokens: std::slice::from_ref(t),
             };
-            Cpu.to_host(&model.forward(&mut cache, &[step], &[0]).unwrap())
+            Cpu.download_f32(&model.forward(&mut cache, &[step], &[0]).unwrap())
+                .unwrap()
         })
         .collect();
     (prefill, steps)
@@ -130,16 +133,17 @@ fn a_ragged_batch_equals_its_sequences_run_alone() {
     let model = Model::load(&Cpu, &fixture("models/qwen2")).unwrap();
     let (a, b): (&[u32], &[u32]) = (&[1, 5, 9, 13, 2, 8], &[3, 4, 150]);
     let alone = |t: &[u32]| {
-        let mut cache = model.cache(1, 8);
+        let mut cache = model.cache(1, 8).unwrap();
         let rows: Vec<usize> = (0..t.len()).collect();
         let step = Step {
             slot: 0,
             past: 0,
             tokens: t,
         };
-        Cpu.to_host(&model.forward(&mut cache, &[step], &rows).unwrap())
+        Cpu.download_f32(&model.forward(&mut cache, &[step], &rows).unwrap())
+            .unwrap()
     };
-    let mut cache = model.cache(2, 8);
+    let mut cache = model.cache(2, 8).unwrap();
     let steps = [
         Step {
             slot: 1,
@@ -153,7 +157,9 @@ fn a_ragged_batch_equals_its_sequences_run_alone() {
         },
     ];
     let rows: Vec<usize> = (0..a.len() + b.len()).collect();
-    let both = Cpu.to_host(&model.forward(&mut cache, &steps, &rows).unwrap());
+    let both = Cpu
+        .download_f32(&model.forward(&mut cache, &steps, &rows).unwrap())
+        .unwrap();
     let vocab = model.spec.vocab;
     let (first, second) = both.split_at(a.len() * vocab);
     assert!(max_diff(first, &alone(a)) <= 1e-6);
@@ -194,7 +200,7 @@ fn batched_generation_equals_generating_each_prompt_alone() {
 #[test]
 fn bad_requests_are_errors_not_panics() {
     let model = Model::load(&Cpu, &fixture("models/llama")).unwrap();
-    let mut cache = model.cache(1, 4);
+    let mut cache = model.cache(1, 4).unwrap();
     let step = |tokens| Step {
         slot: 0,
         past: 0,

@@ -178,3 +178,189 @@ fn eval_refuses_a_tokenizer_larger_than_the_model() {
         "{err}"
     );
 }
+
+/// `mindkit eval … --task boolq --data DATA EXTRA…` on the shipped demo model.
+fn eval_demo(
+    data: &std::path::Path,
+    extra: &[&dyn AsRef<std::ffi::OsStr>],
+) -> assert_cmd::assert::Assert {
+    eval_model(&fixture("models/demo"), data, extra)
+}
+
+/// `mindkit eval … --model MODEL --task boolq --data DATA EXTRA…`.
+fn eval_model(
+    model: &std::path::Path,
+    data: &std::path::Path,
+    extra: &[&dyn AsRef<std::ffi::OsStr>],
+) -> assert_cmd::assert::Assert {
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"eval", &"--quiet", &"--model", &model, &"--task", &"boolq", &"--data", &data,
+    ];
+    args.extend_from_slice(extra);
+    mindkit(&args)
+}
+
+fn stderr(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+}
+
+#[test]
+fn issue20_the_demo_model_runs_generate_and_eval() {
+    let out = mindkit(&[
+        &"generate",
+        &"--model",
+        &fixture("models/demo"),
+        &"--prompt",
+        &"The sky",
+        &"--max-new-tokens",
+        &"5",
+    ])
+    .success();
+    assert!(!out.get_output().stdout.is_empty());
+    let out = eval_demo(&fixture("eval/boolq-superglue.jsonl"), &[]).success();
+    let table = String::from_utf8_lossy(&out.get_output().stdout).into_owned();
+    assert!(table.contains("boolq"), "{table}");
+}
+
+#[test]
+fn issue17_item3_a_cache_is_refused_after_the_weights_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::copy_dir(&fixture("models/demo"), &model);
+    let cache = dir.path().join("cache.jsonl");
+    let data = fixture("eval/boolq-superglue.jsonl");
+    let run = |model: &std::path::Path| {
+        mindkit(&[
+            &"eval", &"--quiet", &"--model", &model, &"--task", &"boolq", &"--data", &data,
+            &"--cache", &cache,
+        ])
+    };
+    run(&model).success();
+    // The same weights elsewhere keep the cache…
+    let copy = dir.path().join("copy");
+    common::copy_dir(&model, &copy);
+    run(&copy).success();
+    // …other weights at the same path do not: one byte of one tensor changed.
+    let weights = model.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&weights, bytes).unwrap();
+    let err = stderr(&run(&model).failure());
+    assert!(err.contains("holds results of another model"), "{err}");
+}
+
+#[test]
+fn issue17_item8_bad_sampling_and_limits_are_refused_up_front() {
+    for (arg, says) in [
+        ("--temperature=NaN", "--temperature"),
+        ("--temperature=-1", "--temperature"),
+        ("--top-p=0", "--top-p"),
+    ] {
+        let out = mindkit(&[
+            &"generate",
+            &"--model",
+            &fixture("models/demo"),
+            &"--prompt",
+            &"x",
+            &arg,
+        ])
+        .failure();
+        assert!(stderr(&out).contains(says), "{arg}: {}", stderr(&out));
+    }
+    let data = fixture("eval/boolq-superglue.jsonl");
+    let out = eval_demo(&data, &[&"--limit", &"0"]).failure();
+    assert!(
+        stderr(&out).contains("--limit must be at least 1"),
+        "{}",
+        stderr(&out)
+    );
+    let out = eval_demo(&data, &[&"--batch-size", &"0"]).failure();
+    assert!(stderr(&out).contains("--batch-size"), "{}", stderr(&out));
+}
+
+#[test]
+fn issue17_item8_nan_weights_are_an_error_not_a_score() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::copy_dir(&fixture("models/demo"), &model);
+    // Bad config numbers are refused when the config is read; NaN weights reach the scores.
+    let path = model.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut bytes = bytes;
+    for b in bytes[8 + header..].chunks_exact_mut(4) {
+        b.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let out = eval_model(&model, &fixture("eval/boolq-superglue.jsonl"), &[]).failure();
+    assert!(
+        stderr(&out).contains("non-finite loglikelihood"),
+        "{}",
+        stderr(&out)
+    );
+    let out = mindkit(&[&"generate", &"--model", &model, &"--prompt", &"x"]).failure();
+    assert!(
+        stderr(&out).contains("non-finite logit"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn issue17_item13_a_malformed_data_line_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let good =
+        r#"{"question": "is the sky blue", "passage": "Sky -- The sky is blue.", "label": 1}"#;
+    for (name, bad, says) in [
+        ("json.jsonl", b"{not json".to_vec(), "line 2"),
+        (
+            "utf8.jsonl",
+            b"{\"question\": \"\xff\xfe\"}".to_vec(),
+            "line 2",
+        ),
+        ("array.jsonl", b"[1, 2]".to_vec(), "line 2"),
+    ] {
+        let path = dir.path().join(name);
+        let mut text = format!("{good}\n").into_bytes();
+        text.extend_from_slice(&bad);
+        text.push(b'\n');
+        std::fs::write(&path, text).unwrap();
+        let out = eval_demo(&path, &[]).failure();
+        let err = stderr(&out);
+        assert!(err.contains(name) && err.contains(says), "{name}: {err}");
+        assert!(!err.trim_end().ends_with("stopped"), "{name}: {err}");
+    }
+}
+
+#[test]
+fn issue17_item10_outputs_never_overwrite_inputs_and_fail_before_the_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("boolq.jsonl");
+    std::fs::copy(fixture("eval/boolq-superglue.jsonl"), &data).unwrap();
+    let before = std::fs::read(&data).unwrap();
+    for flag in ["--output", "--log-samples", "--cache"] {
+        let out = eval_demo(&data, &[&flag, &data]).failure();
+        assert!(stderr(&out).contains(flag), "{flag}: {}", stderr(&out));
+        assert_eq!(
+            std::fs::read(&data).unwrap(),
+            before,
+            "{flag} touched the data"
+        );
+    }
+    let same = dir.path().join("results.json");
+    let out = eval_demo(&data, &[&"--output", &same, &"--log-samples", &same]).failure();
+    assert!(
+        stderr(&out).contains("name the same file"),
+        "{}",
+        stderr(&out)
+    );
+    // An output that cannot be created (its "directory" is a file) fails at once, before any
+    // scoring.
+    let blocker = dir.path().join("a-file");
+    std::fs::write(&blocker, "x").unwrap();
+    let missing = blocker.join("results.json");
+    let out = eval_demo(&data, &[&"--output", &missing]).failure();
+    assert!(stderr(&out).contains("--output"), "{}", stderr(&out));
+    assert!(out.get_output().stdout.is_empty());
+}

@@ -58,6 +58,8 @@ fn options(input: PathBuf, out: PathBuf, tok: PathBuf) -> PreprocessOptions {
         force: false,
         shard: None,
         progress: false,
+        input_format: None,
+        max_record_bytes: mindkit::data::source::DEFAULT_MAX_RECORD_BYTES,
     }
 }
 

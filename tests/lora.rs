@@ -382,3 +382,20 @@ fn lora_info_describes_both_kinds() {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
 }
+
+#[test]
+fn issue17_item9_the_adapter_or_base_is_never_the_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, adapter) = (tmp.path().join("base"), tmp.path().join("adapter"));
+    copy_dir(&fixture("models/llama"), &base);
+    copy_dir(&fixture("lora/llama"), &adapter);
+    let err = merge_err(&base, &adapter, &adapter, &["--force"]);
+    assert!(err.contains("is the input"), "{err}");
+    let err = merge_err(&base, &adapter, tmp.path(), &["--force"]);
+    assert!(err.contains("contains the input"), "{err}");
+    let err = merge_err(&base, &adapter, &base.join("merged"), &["--force"]);
+    assert!(err.contains("lies inside the input"), "{err}");
+    assert!(adapter.join("adapter_config.json").is_file());
+    assert!(base.join("model.safetensors").is_file() && !base.join("merged").exists());
+    assert!(leftovers(tmp.path()).is_empty());
+}

@@ -1,7 +1,8 @@
 """Runs a command and reports its wall time and the peak resident memory of its whole process
 tree (the sum over the command and all its descendants, sampled every 20 ms from /proc), since
 `time -v` only reports the largest single process and Megatron forks workers.
-Usage: measure.py OUT.json -- COMMAND ARGS..."""
+Usage: measure.py OUT.json [--stdout FILE] -- COMMAND ARGS... (stdout is discarded unless
+--stdout names a file to keep it in)."""
 import json
 import os
 import subprocess
@@ -35,10 +36,14 @@ def tree_rss(root):
 
 
 def main():
-    out, sep, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out, rest = sys.argv[1], sys.argv[2:]
+    stdout = subprocess.DEVNULL
+    if rest[:1] == ["--stdout"]:
+        stdout, rest = open(rest[1], "w"), rest[2:]
+    sep, cmd = rest[0], rest[1:]
     assert sep == "--" and cmd, __doc__
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_rss(proc.pid))

@@ -14,7 +14,7 @@ use mindkit::ckpt::convert::{self, ConvertOptions, Format};
 use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::ckpt::{family, info};
-use mindkit::data::{indexed, inspect, preprocess};
+use mindkit::data::{gpt_dataset, indexed, inspect, preprocess};
 use mindkit::eval;
 use mindkit::model::generate;
 
@@ -48,6 +48,14 @@ enum Command {
     Eval(Box<EvalArgs>),
     /// Generate text from a prompt with an HF or Megatron checkpoint (streams to stdout).
     Generate(Box<GenerateArgs>),
+    /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
+    /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
+    #[command(disable_help_flag = true)]
+    Train {
+        /// Megatron-LM / MindSpeed-LLM flags.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -71,7 +79,10 @@ struct EvalArgs {
     /// The task.
     #[arg(long, value_enum)]
     task: EvalTask,
-    /// The task's data (file or directory; jsonl, json or parquet).
+    /// The task's data: a file or directory of jsonl, json or parquet (BoolQ, GSM8K); for MMLU
+    /// the csv tree of the original release (`dev/`, `val/`, `test/` holding
+    /// `<subject>_<split>.csv`) or the Hugging Face `cais/mmlu` files (`dev*`, `validation*`,
+    /// `test*` parquet/jsonl with a `subject` column).
     #[arg(long)]
     data: PathBuf,
     /// Tokenizer file or directory (default: the model directory).
@@ -86,7 +97,8 @@ struct EvalArgs {
     /// gsm8k: the few-shot sampler's seed (the harness's --seed; it draws with 1234 by default).
     #[arg(long, default_value_t = mindkit::eval::gsm8k::FEWSHOT_SEED)]
     seed: u64,
-    /// Evaluate the first N documents only.
+    /// Evaluate the first N documents only (for MMLU: the first N of each subject, as the
+    /// harness's --limit).
     #[arg(long)]
     limit: Option<usize>,
     /// Documents per forward pass (GSM8K: questions decoded together, a KV cache each).
@@ -102,9 +114,9 @@ struct EvalArgs {
     /// interruption, or with other reporting options) computes only what is missing.
     #[arg(long)]
     cache: Option<PathBuf>,
-    /// Compute device.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
-    device: String,
+    /// Compute device: cpu, or npu (Ascend; not in this build yet, a clear error).
+    #[arg(long, default_value = "cpu")]
+    device: mindkit::engine::DeviceKind,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -145,9 +157,9 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Compute device.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
-    device: String,
+    /// Compute device: cpu, or npu (Ascend; not in this build yet, a clear error).
+    #[arg(long, default_value = "cpu")]
+    device: mindkit::engine::DeviceKind,
     /// No summary line on stderr.
     #[arg(long)]
     quiet: bool,
@@ -264,22 +276,36 @@ enum CkptCommand {
 }
 
 #[derive(Args)]
-#[command(args_conflicts_with_subcommands = true)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 struct PreprocessArgs {
     #[command(subcommand)]
     merge: Option<PreprocessSub>,
 
     /// Input files, directories or globs (.json, .jsonl, .txt, optionally .gz; .parquet; .arrow).
-    #[arg(long, num_args = 1.., value_name = "PATH")]
+    /// A directory or glob must hold files of one format, or --input-format chooses one.
+    #[arg(long, num_args = 1.., value_name = "PATH", required = true)]
     input: Vec<PathBuf>,
+    /// Read only files of this format from the --input directories and globs (the others are
+    /// skipped and counted in the summary); needed when they hold files of several formats.
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    input_format: Option<mindkit::data::source::Format>,
+    /// Refuse a record (line, array element, row) larger than this many bytes: a record takes
+    /// many times its size in memory while tokenized. A refused line is a bad record.
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value_t = mindkit::data::source::DEFAULT_MAX_RECORD_BYTES,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    max_record_bytes: u64,
     /// Output prefix: writes {prefix}_{key}_document.{bin,idx} ({prefix}_packed_… for instruction data).
-    #[arg(long)]
+    #[arg(long, required = true)]
     output_prefix: Option<PathBuf>,
     /// tokenizer.json, or a Hugging Face model directory (tokenizer.json or vocab.json+merges.txt, tokenizer_config.json).
     #[arg(
         long,
-        visible_alias = "tokenizer-model",
-        alias = "tokenizer-name-or-path"
+        required = true,
+        visible_aliases = ["tokenizer-model", "tokenizer-name-or-path"]
     )]
     tokenizer: Option<PathBuf>,
     /// Fields to tokenize in pretrain mode, one output each.
@@ -289,10 +315,10 @@ struct PreprocessArgs {
     #[arg(long)]
     append_eod: bool,
     /// Do not add the tokenizer's special tokens (BOS) in pretrain mode: Megatron core ≤ 0.15 behaviour.
-    #[arg(long, alias = "tokenizer-hf-no-include-special-tokens")]
+    #[arg(long, visible_alias = "tokenizer-hf-no-include-special-tokens")]
     no_special_tokens: bool,
     /// Instruction handler: alpaca, belle, moss, sharegpt (MindSpeed-LLM class names accepted).
-    #[arg(long, alias = "handler-name")]
+    #[arg(long, visible_alias = "handler-name")]
     handler: Option<String>,
     /// Chat template for alpaca/sharegpt: empty, default, alpaca, llama2, chatml, qwen, llama3, mistral.
     #[arg(long)]
@@ -321,10 +347,10 @@ struct PreprocessArgs {
     /// Overwrite existing outputs.
     #[arg(long)]
     force: bool,
-    /// Process only slice i of n of the input records (0-based, contiguous), e.g. 0/4.
+    /// Process only slice I of N of the input records (0 ≤ I < N, contiguous), e.g. 0/4.
     #[arg(long, value_name = "I/N")]
-    shard: Option<String>,
-    /// No progress bar.
+    shard: Option<preprocess::Shard>,
+    /// No progress bar and no summary on success (errors and warnings are still printed).
     #[arg(long)]
     quiet: bool,
     /// Accepted for Megatron/MindSpeed scripts and ignored: the tokenizer type is read from the files.
@@ -351,7 +377,7 @@ enum PreprocessSub {
         /// Overwrite existing outputs.
         #[arg(long)]
         force: bool,
-        /// Print nothing on success.
+        /// No summary on success (errors are still printed).
         #[arg(long)]
         quiet: bool,
     },
@@ -375,23 +401,37 @@ enum DataCommand {
         #[arg(long)]
         tokenizer: PathBuf,
     },
+    /// The training samples Megatron's GPTDataset would draw (same order, same tokens), one
+    /// JSON line each: split, index, dataset of the blend, the S+1 tokens.
+    Samples(Box<SamplesArgs>),
 }
 
-fn parse_shard(s: &str) -> Result<(usize, usize)> {
-    let (i, n) = s
-        .split_once('/')
-        .context("--shard must look like I/N, e.g. 0/4")?;
-    let (i, n): (usize, usize) = (i.trim().parse()?, n.trim().parse()?);
-    if n == 0 || i >= n {
-        bail!("--shard {s}: need 0 <= I < N");
-    }
-    Ok((i, n))
+#[derive(Args)]
+struct SamplesArgs {
+    /// Megatron's --data-path: PREFIX, PREFIX1 PREFIX2 …, or W1 PREFIX1 W2 PREFIX2 ….
+    #[arg(long, num_args = 1.., required = true)]
+    data_path: Vec<String>,
+    /// Megatron's --split (train, valid, test weights).
+    #[arg(long, default_value = "969, 30, 1")]
+    split: String,
+    /// Tokens per sample (Megatron's --seq-length).
+    #[arg(long)]
+    seq_length: usize,
+    /// Megatron's --seed.
+    #[arg(long, default_value_t = 1234)]
+    seed: u32,
+    /// Samples asked of the split (train: --train-iters × --global-batch-size); one epoch when omitted.
+    #[arg(long)]
+    samples: Option<u64>,
+    /// Which split: train, valid or test.
+    #[arg(long, default_value = "train", value_parser = ["train", "valid", "test"])]
+    which: String,
+    /// Print only the first N samples.
+    #[arg(long)]
+    first: Option<usize>,
 }
 
 fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions> {
-    if a.input.is_empty() {
-        bail!("--input is required");
-    }
     let output_prefix = a.output_prefix.context("--output-prefix is required")?;
     let tokenizer = a.tokenizer.context("--tokenizer is required")?;
     if let Some(t) = &a.tokenizer_type {
@@ -438,8 +478,10 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
         add_special_tokens: !a.no_special_tokens,
         skip_bad_records: a.skip_bad_records,
         force: a.force,
-        shard: a.shard.as_deref().map(parse_shard).transpose()?,
+        shard: a.shard,
         progress: !a.quiet,
+        input_format: a.input_format,
+        max_record_bytes: a.max_record_bytes,
     })
 }
 
@@ -493,8 +535,12 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 return Ok(());
             }
+            let quiet = a.quiet;
             let opts = preprocess_options(*a)?;
             let summary = preprocess::preprocess(&opts)?;
+            if quiet {
+                return Ok(());
+            }
             for p in &summary.outputs {
                 eprintln!("wrote {}.{{bin,idx}}", p.display());
             }
@@ -554,14 +600,17 @@ fn run(cli: Cli) -> Result<()> {
                 limit: a.limit,
                 batch_size: a.batch_size,
                 log_samples: a.log_samples,
+                output: a.output,
                 cache: a.cache,
                 progress: !a.quiet,
+                device: a.device,
             };
             let report = eval::run(&opts)?;
-            if let Some(path) = &a.output {
+            // The table first: a results file that cannot be written loses nothing shown.
+            print!("{}", report.table);
+            if let Some(path) = &opts.output {
                 eval::write_results(path, &report)?;
             }
-            print!("{}", report.table);
         }
         Command::Data(DataCommand::Info { prefix }) => print!("{}", inspect::info(&prefix)?),
         Command::Data(DataCommand::Show {
@@ -571,15 +620,51 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             print!("{}", inspect::show(&prefix, index, &tokenizer)?)
         }
+        Command::Data(DataCommand::Samples(a)) => samples_command(*a)?,
+        Command::Train { args } => {
+            if args.iter().any(|a| a == "--help" || a == "-h") {
+                print!("{}", mindkit::train::args::help());
+                return Ok(());
+            }
+            let summary = mindkit::train::run(&args)?;
+            eprintln!("mindkit train: {summary}");
+        }
+    }
+    Ok(())
+}
+
+fn samples_command(a: SamplesArgs) -> Result<()> {
+    use gpt_dataset::{Blend, SampleConfig, Split};
+    use std::io::Write;
+    let which = Split::ALL
+        .into_iter()
+        .find(|s| s.name() == a.which)
+        .context("--which")?;
+    let mut sizes = [None; 3];
+    sizes[which as usize] = a.samples;
+    let mut wanted = [false; 3];
+    wanted[which as usize] = true;
+    let cfg = SampleConfig {
+        seq_length: a.seq_length,
+        seed: a.seed,
+    };
+    let splits =
+        gpt_dataset::build_splits(&Blend::parse(&a.data_path)?, &a.split, sizes, wanted, &cfg)?;
+    let Some(samples) = &splits[which as usize] else {
+        bail!("--split {:?} gives the {} split no data", a.split, a.which);
+    };
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    for k in 0..samples.len().min(a.first.unwrap_or(usize::MAX)) {
+        let (dataset, tokens) = samples.text(k, -1);
+        let line =
+            serde_json::json!({"split": a.which, "index": k, "dataset": dataset, "tokens": tokens});
+        writeln!(out, "{line}")?;
     }
     Ok(())
 }
 
 fn generate_command(a: GenerateArgs) -> Result<()> {
     use std::io::Write;
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) || a.temperature < 0.0 {
-        bail!("--top-p must be in (0, 1] and --temperature at least 0");
-    }
     let request = generate::GenerateRequest {
         model: a.model,
         tokenizer: a.tokenizer,
@@ -597,6 +682,7 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
             stop: a.stop,
             eos: Vec::new(),
         },
+        device: a.device,
     };
     let mut out = std::io::stdout().lock();
     let (g, stats) = generate::run(&request, |piece| {
@@ -619,6 +705,13 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // Training frees and allocates the same large buffers (logits, activations) every step:
+    // mimalloc keeps the pages it got from the OS instead of returning them, which would cost
+    // a page fault and a kernel zeroing of every page each step. (mimalloc.h `mi_option_e`:
+    // 15 is mi_option_purge_delay; -1 means never purge.)
+    const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+    // SAFETY: sets a process-wide option before any thread is started.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

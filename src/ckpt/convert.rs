@@ -1,6 +1,6 @@
 //! `mindkit convert`: HF ⇄ Megatron and Megatron → Megatron, one canonical tensor at a time.
 //! The plan (config, layout, shapes) is validated before anything is written; output goes to a
-//! temporary sibling directory renamed into place at the end.
+//! temporary sibling directory renamed into place at the end ([`crate::util`]).
 
 use super::config::{parse_dtype, ModelConfig};
 use super::family::{self, hf_names, Family, QkvStyle};
@@ -10,8 +10,8 @@ use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
 use super::tensor::Tensor;
 use super::torch::pickle::DType;
 use super::transform::{canonical, canonical_shape, from_hf, hf_parts, to_hf, Canon, Role};
+use crate::util::{self, Allowed, OutputKind, ProgressUnit, TempOutput};
 use anyhow::{anyhow, bail, Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -222,18 +222,43 @@ impl std::fmt::Display for ConvertSummary {
     }
 }
 
-fn progress_bar(total: u64, show: bool) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
+/// What a Megatron checkpoint written by mindkit (or Megatron) holds: the tracker, iteration
+/// directories of rank directories of `.pt` files, and the tokenizer files copied beside them.
+pub static MEGATRON_OUTPUT: OutputKind = OutputKind {
+    tag: "megatron",
+    what: "Megatron checkpoint",
+    dir: Some(&[
+        Allowed::Files(&[super::megatron::TRACKER]),
+        Allowed::Files(hf::SIDE_FILES),
+        Allowed::Dirs("iter_*", RANK_DIRS),
+        Allowed::Dirs("release", RANK_DIRS),
+    ]),
+};
+
+const RANK_DIRS: &[Allowed] = &[Allowed::Dirs("mp_rank_*", &[Allowed::Files(&["*.pt"])])];
+
+/// What a Hugging Face model directory written by mindkit (or transformers) holds: weights
+/// (safetensors, or `pytorch_model*.bin`) with their index, the configs, the tokenizer files.
+pub static HF_OUTPUT: OutputKind = OutputKind {
+    tag: "hf",
+    what: "Hugging Face model directory",
+    dir: Some(&[
+        Allowed::Files(&[
+            "*.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model*.bin",
+            "pytorch_model.bin.index.json",
+            "config.json",
+        ]),
+        Allowed::Files(hf::SIDE_FILES),
+    ]),
+};
+
+fn output_kind(format: Format) -> &'static OutputKind {
+    match format {
+        Format::Megatron => &MEGATRON_OUTPUT,
+        Format::Hf => &HF_OUTPUT,
     }
-    let pb = ProgressBar::new(total);
-    pb.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-        )
-        .expect("valid template"),
-    );
-    pb
 }
 
 /// A change applied to canonical tensors on their way to the output (a LoRA merge).
@@ -258,6 +283,40 @@ impl Input {
         self.source.read(&self.cfg, c)
     }
 
+    /// A canonical tensor whose vocabulary rows (embedding, output) are padded to `rows`: a
+    /// Megatron checkpoint's own rows when it holds exactly `rows`, else the real rows and
+    /// copies of the last one, as Megatron's converters pad.
+    pub fn read_padded(&self, c: Canon, rows: usize) -> Result<Tensor> {
+        if !matches!(c.role, Role::Embedding | Role::Output) {
+            return self.read(c);
+        }
+        if let Source::Megatron(ck) = &self.source {
+            let t = ck.read_padded(c)?;
+            if t.shape[0] == rows {
+                return Ok(t);
+            }
+        }
+        let t = self.read(c)?;
+        if t.shape[0] > rows {
+            bail!(
+                "the checkpoint's vocabulary has {} rows, more than the {rows} this run pads to \
+                 (set --padded-vocab-size or --make-vocab-size-divisible-by to match)",
+                t.shape[0]
+            );
+        }
+        Ok(t.rows_padded(0, rows))
+    }
+
+    /// The files its configuration and tensors are read from, in a fixed order.
+    pub fn files(&self) -> Vec<PathBuf> {
+        match &self.source {
+            Source::Hf { dir, weights } => std::iter::once(dir.join("config.json"))
+                .chain(weights.paths().map(Path::to_path_buf))
+                .collect(),
+            Source::Megatron(ck) => ck.paths().map(Path::to_path_buf).collect(),
+        }
+    }
+
     /// LoRA tensors stored next to the weights (Megatron checkpoints saved without
     /// `--lora-ckpt-filter`).
     pub fn lora_tensors(&self) -> usize {
@@ -268,15 +327,13 @@ impl Input {
     }
 }
 
-/// Open the input of `o` (format detected unless given); refuses an existing output without
-/// `--force` before anything is read.
-pub fn open_input(o: &ConvertOptions) -> Result<Input> {
-    if o.output.exists() && !o.force {
-        bail!(
-            "{} already exists (pass --force to replace it)",
-            o.output.display()
-        );
-    }
+/// Open the input of `o` (format detected unless given), after checking the output against it
+/// and `other_inputs` (see [`util::check_output`]) before anything is read.
+pub fn open_input(o: &ConvertOptions, other_inputs: &[&Path]) -> Result<Input> {
+    let inputs: Vec<&Path> = std::iter::once(o.input.as_path())
+        .chain(other_inputs.iter().copied())
+        .collect();
+    util::check_output(&o.output, output_kind(o.to), &inputs, o.force)?;
     open_checkpoint(&o.input, o.from, o.family.as_deref())
 }
 
@@ -316,7 +373,7 @@ pub fn open_checkpoint(dir: &Path, format: Option<Format>, family: Option<&str>)
 /// Run a conversion.
 pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
     let start = Instant::now();
-    let input = open_input(o)?;
+    let input = open_input(o, &[])?;
     if input.lora_tensors() > 0 {
         bail!(
             "{} holds {} LoRA tensors besides the weights; converting would drop them. Merge them \
@@ -353,27 +410,13 @@ pub fn write_output(
         }
         t.cast(cfg.dtype).map_err(|e| anyhow!("{c:?}: {e}"))
     };
-    let parent = match o.output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent)?;
-    let tmp = tempfile::Builder::new()
-        .prefix(".mindkit-convert-")
-        .tempdir_in(&parent)
-        .with_context(|| format!("creating a temporary directory in {}", parent.display()))?;
+    let tmp = TempOutput::dir(&o.output, output_kind(o.to), o.force)?;
     let (tensors, bytes) = match o.to {
         Format::Megatron => write_megatron(o, &cfg, source, &read, tmp.path())?,
         Format::Hf => write_hf(o, &cfg, &read, tmp.path())?,
     };
     hf::copy_side_files(source.side_files_dir(), tmp.path())?;
-    if o.output.exists() {
-        std::fs::remove_dir_all(&o.output)
-            .with_context(|| format!("removing {} (--force)", o.output.display()))?;
-    }
-    let tmp = tmp.keep();
-    std::fs::rename(&tmp, &o.output)
-        .with_context(|| format!("moving the result into {}", o.output.display()))?;
+    tmp.commit()?;
     Ok(ConvertSummary {
         tensors,
         bytes,
@@ -428,7 +471,7 @@ fn write_megatron(
         base_args,
     };
     let total = target.total_bytes();
-    let pb = progress_bar(total, o.progress);
+    let pb = util::progress_bar(total, ProgressUnit::Bytes, o.progress);
     target.write(dir, read, &|n| pb.inc(n))?;
     pb.finish_and_clear();
     Ok((canonical(cfg).len(), total))
@@ -460,7 +503,7 @@ fn write_hf(
         .flatten()
         .map(|p| (p.shape.iter().product::<usize>() * p.dtype.size()) as u64)
         .sum();
-    let pb = progress_bar(total, o.progress);
+    let pb = util::progress_bar(total, ProgressUnit::Bytes, o.progress);
     let n = shards.len();
     let written: Vec<(String, Vec<String>)> = shards
         .par_iter()

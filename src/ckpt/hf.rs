@@ -209,6 +209,11 @@ impl HfWeights {
         Ok(())
     }
 
+    /// The weight files, in the order an index names them.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
+
     /// All tensors, by name.
     pub fn entries(&self) -> &BTreeMap<String, Entry> {
         &self.entries
@@ -380,13 +385,15 @@ pub const SIDE_FILES: &[&str] = &[
     "chat_template.jinja",
 ];
 
-/// Copy the [`SIDE_FILES`] present in `from` into `to`.
+/// Copy the [`SIDE_FILES`] present in `from` into `to`, each created as a new file (with the
+/// umask's permissions, as every output; `fs::copy` would carry over the source's mode).
 pub fn copy_side_files(from: &Path, to: &Path) -> Result<usize> {
     let mut n = 0;
     for f in SIDE_FILES {
         let src = from.join(f);
         if src.is_file() {
-            std::fs::copy(&src, to.join(f))
+            File::open(&src)
+                .and_then(|mut s| std::io::copy(&mut s, &mut File::create(to.join(f))?))
                 .with_context(|| format!("copying {}", src.display()))?;
             n += 1;
         }

@@ -21,7 +21,8 @@ const MAX_RANK_FILES: usize = 1 << 16;
 
 /// Tracker file naming the latest iteration.
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
-const RANK_FILE: &str = "model_optim_rng.pt";
+/// The file of one rank in an iteration directory.
+pub const RANK_FILE: &str = "model_optim_rng.pt";
 
 /// `mp_rank_TT` or `mp_rank_TT_PPP`, as Megatron names a rank's directory.
 pub fn rank_dir(tp: usize, pp: usize, pp_size: usize) -> String {
@@ -489,6 +490,22 @@ impl MegatronCkpt {
         Ok(())
     }
 
+    /// Read and un-shard one canonical tensor with all its vocabulary rows (the padding
+    /// included, for a checkpoint's own padded vocabulary).
+    pub fn read_padded(&self, c: Canon) -> Result<Tensor> {
+        let (p, shards) = self
+            .index
+            .get(&c)
+            .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
+        let parts: Vec<Tensor> = shards
+            .iter()
+            .enumerate()
+            .map(|(t, s)| Ok(self.files[*p][t].read_tensor(&s.key, &s.tensor)?))
+            .collect::<Result<_>>()?;
+        let rows = parts.iter().map(|t| t.shape[0]).sum();
+        gather_tp(c.role, &parts, rows)
+    }
+
     /// Read and un-shard one canonical tensor.
     pub fn read(&self, c: Canon) -> Result<Tensor> {
         let (p, shards) = self
@@ -501,6 +518,11 @@ impl MegatronCkpt {
             .map(|(t, s)| Ok(self.files[*p][t].read_tensor(&s.key, &s.tensor)?))
             .collect::<Result<_>>()?;
         gather_tp(c.role, &parts, self.cfg.vocab)
+    }
+
+    /// The rank files, `[pp][tp]` flattened.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().flatten().map(TorchFile::path)
     }
 
     /// Every rank file with its size and tensors (`.`-joined key, dtype, shape), for `ckpt info`.

@@ -18,10 +18,12 @@
 //! boundaries in memory (12 bytes per sequence), so memory stays small for any corpus.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
+
+use crate::util::{self, AtomicFile, OutputError, OutputKind};
 
 /// The 9-byte magic at the start of every `.idx` file.
 pub const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
@@ -77,11 +79,23 @@ pub enum IndexedError {
         /// The dtype name.
         dtype: &'static str,
     },
-    /// Output exists and `--force` was not given.
-    #[error("{path} already exists (pass --force to overwrite)")]
-    Exists {
-        /// The existing path.
-        path: PathBuf,
+    /// Creating, checking or moving an output into place failed.
+    #[error(transparent)]
+    Output(#[from] OutputError),
+    /// The `.bin` is not the one the `.idx` describes (e.g. one of them was replaced alone).
+    #[error(
+        "{bin} is {bin_len} bytes but {idx} describes {expected} bytes of tokens: the pair does \
+         not belong together (one was replaced, truncated or damaged); regenerate both"
+    )]
+    Mismatch {
+        /// The `.bin` file.
+        bin: PathBuf,
+        /// The `.idx` file.
+        idx: PathBuf,
+        /// Length of the `.bin`.
+        bin_len: u64,
+        /// Bytes the index accounts for.
+        expected: u64,
     },
     /// Merged inputs disagree on dtype.
     #[error("{path}: dtype {got} differs from the first input's {expected}")]
@@ -234,13 +248,19 @@ pub fn bin_idx_paths(prefix: &Path) -> (PathBuf, PathBuf) {
     (PathBuf::from(bin), PathBuf::from(idx))
 }
 
-/// Refuse to clobber `path` unless `force`.
-pub fn check_overwrite(path: &Path, force: bool) -> Result<()> {
-    if !force && path.exists() {
-        return Err(IndexedError::Exists {
-            path: path.to_path_buf(),
-        });
-    }
+/// A `.bin` or `.idx` file as an output.
+pub static DATASET_FILE: OutputKind = OutputKind {
+    tag: "data",
+    what: "dataset file",
+    dir: None,
+};
+
+/// Check `{prefix}.bin/.idx` as outputs before any work (see [`util::check_output`]): neither
+/// may be one of `inputs`, nor exist without `force`.
+pub fn check_output(prefix: &Path, inputs: &[&Path], force: bool) -> Result<()> {
+    let (bin, idx) = bin_idx_paths(prefix);
+    util::check_output(&bin, &DATASET_FILE, inputs, force)?;
+    util::check_output(&idx, &DATASET_FILE, inputs, force)?;
     Ok(())
 }
 
@@ -251,7 +271,8 @@ pub fn check_overwrite(path: &Path, force: bool) -> Result<()> {
 /// so a failed run never leaves a valid-looking output behind.
 pub struct IndexedWriter {
     dtype: DType,
-    bin: BufWriter<tempfile::NamedTempFile>,
+    bin: AtomicFile,
+    force: bool,
     bin_path: PathBuf,
     idx_path: PathBuf,
     lengths: Vec<i32>,
@@ -261,24 +282,15 @@ pub struct IndexedWriter {
 }
 
 impl IndexedWriter {
-    /// Start writing `{prefix}.bin/.idx` with `dtype`. Fails if they exist and `!force`.
+    /// Start writing `{prefix}.bin/.idx` with `dtype`. Fails if they exist and `!force`, or
+    /// if an interrupted earlier run left temporaries for them (removed with `force`).
     pub fn create(prefix: &Path, dtype: DType, force: bool) -> Result<Self> {
+        check_output(prefix, &[], force)?;
         let (bin_path, idx_path) = bin_idx_paths(prefix);
-        check_overwrite(&bin_path, force)?;
-        check_overwrite(&idx_path, force)?;
-        let dir = match bin_path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        let tmp = tempfile::Builder::new()
-            .prefix(".mindkit-")
-            .suffix(".bin.tmp")
-            .tempfile_in(&dir)
-            .map_err(io_err(&bin_path))?;
         Ok(IndexedWriter {
             dtype,
-            bin: BufWriter::with_capacity(1 << 20, tmp),
+            bin: AtomicFile::create(&bin_path, &DATASET_FILE, force)?,
+            force,
             bin_path,
             idx_path,
             lengths: Vec::new(),
@@ -366,49 +378,15 @@ impl IndexedWriter {
 
     /// Write the `.idx` and move both files into place. Returns bytes written (bin + idx).
     pub fn finish(self) -> Result<u64> {
-        let IndexedWriter {
-            dtype,
-            bin,
-            bin_path,
-            idx_path,
-            lengths,
-            doc_indices,
-            ..
-        } = self;
-        let bin_tmp = bin
-            .into_inner()
-            .map_err(|e| io_err(&bin_path)(e.into_error()))?;
-        bin_tmp.as_file().sync_all().map_err(io_err(&bin_path))?;
-        let bin_len = bin_tmp
-            .as_file()
-            .metadata()
-            .map_err(io_err(&bin_path))?
-            .len();
-        let dir = bin_tmp
-            .path()
-            .parent()
-            .unwrap_or(Path::new("."))
-            .to_path_buf();
-        let mut idx_tmp = tempfile::Builder::new()
-            .prefix(".mindkit-")
-            .suffix(".idx.tmp")
-            .tempfile_in(&dir)
-            .map_err(io_err(&idx_path))?;
+        let (bin_len, bin) = self.bin.close()?;
+        let mut idx = AtomicFile::create(&self.idx_path, &DATASET_FILE, self.force)?;
         // Streamed, not built in memory: the index is the one part that grows with the input.
-        let mut idx_out = BufWriter::with_capacity(1 << 20, idx_tmp.as_file_mut());
-        let idx_len =
-            write_index(&mut idx_out, dtype, &lengths, &doc_indices).map_err(io_err(&idx_path))?;
-        idx_out.flush().map_err(io_err(&idx_path))?;
-        drop(idx_out);
-        idx_tmp.as_file().sync_all().map_err(io_err(&idx_path))?;
-        // .bin first: a reader keys on the .idx, so a crash between the two renames leaves
-        // no new index pointing at a missing or partial .bin.
-        bin_tmp
-            .persist(&bin_path)
-            .map_err(|e| io_err(&bin_path)(e.error))?;
-        idx_tmp
-            .persist(&idx_path)
-            .map_err(|e| io_err(&idx_path)(e.error))?;
+        write_index(&mut idx, self.dtype, &self.lengths, &self.doc_indices)
+            .map_err(io_err(&self.idx_path))?;
+        let (idx_len, idx) = idx.close()?;
+        // .idx last: readers key on it, and commit_all removes the old one before the renames,
+        // so a crash between them leaves a .bin without an .idx rather than a mismatched pair.
+        util::commit_all(vec![bin, idx])?;
         Ok(bin_len + idx_len)
     }
 }
@@ -544,6 +522,19 @@ impl IndexedDataset {
             what,
         };
         let bin_len = self.bin_bytes().len() as u64;
+        // The pair's consistency first, so that an .idx beside another run's .bin is reported
+        // as such (naming both) rather than as a sequence out of range. A damaged last entry
+        // is left to the per-sequence checks below.
+        if let Some(expected) = self.indexed_bytes() {
+            if expected != bin_len {
+                return Err(IndexedError::Mismatch {
+                    bin: self.bin_path.clone(),
+                    idx: self.idx_path.clone(),
+                    bin_len,
+                    expected,
+                });
+            }
+        }
         for i in 0..self.seq_count {
             let len = self.raw_length(i);
             if len < 0 {
@@ -589,6 +580,18 @@ impl IndexedDataset {
             ));
         }
         Ok(())
+    }
+
+    /// Bytes of `.bin` the index accounts for: the end of its last sequence (pointers are a
+    /// running sum of lengths, as Megatron writes them); `None` if that entry is invalid.
+    fn indexed_bytes(&self) -> Option<u64> {
+        let Some(last) = self.seq_count.checked_sub(1) else {
+            return Some(0);
+        };
+        let len = u64::try_from(self.raw_length(last)).ok()?;
+        let pointer = u64::try_from(self.raw_pointer(last)).ok()?;
+        len.checked_mul(self.dtype.size() as u64)?
+            .checked_add(pointer)
     }
 
     fn raw_length(&self, i: usize) -> i32 {
@@ -652,6 +655,33 @@ impl IndexedDataset {
             .collect()
     }
 
+    /// Tokens `from..from + len` of sequence `i` (clipped to its end), appended to `out`.
+    pub fn tokens_into(&self, i: usize, from: usize, len: usize, out: &mut Vec<i64>) {
+        let size = self.dtype.size();
+        let n = self.sequence_length(i);
+        let (from, to) = (from.min(n), from.saturating_add(len).min(n));
+        let start = self.raw_pointer(i) as usize;
+        let bytes = &self.bin_bytes()[start + from * size..start + to * size];
+        out.extend(bytes.chunks_exact(size).map(|c| self.dtype.decode(c)));
+    }
+
+    /// The largest token id in the `.bin` (a parallel scan; −1 when empty).
+    pub fn max_token(&self) -> i64 {
+        use rayon::prelude::*;
+        let size = self.dtype.size();
+        self.bin_bytes()
+            .par_chunks(size * (1 << 16))
+            .map(|block| {
+                block
+                    .chunks_exact(size)
+                    .map(|c| self.dtype.decode(c))
+                    .max()
+                    .unwrap_or(-1)
+            })
+            .max()
+            .unwrap_or(-1)
+    }
+
     /// The whole `.bin` contents.
     pub fn bin_bytes(&self) -> &[u8] {
         self.bin.as_deref().unwrap_or(&[])
@@ -672,6 +702,12 @@ pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<(usize, u
         path: output.to_path_buf(),
         what: "no inputs to merge".into(),
     })?;
+    let input_files: Vec<PathBuf> = inputs
+        .iter()
+        .flat_map(|p| <[PathBuf; 2]>::from(bin_idx_paths(p)))
+        .collect();
+    let input_files: Vec<&Path> = input_files.iter().map(PathBuf::as_path).collect();
+    check_output(output, &input_files, force)?;
     let first = IndexedDataset::open(first)?;
     let mut writer = IndexedWriter::create(output, first.dtype(), force)?;
     writer.append_dataset(&first)?;
@@ -760,7 +796,10 @@ mod tests {
         let err = IndexedWriter::create(&prefix, DType::I32, false)
             .err()
             .unwrap();
-        assert!(matches!(err, IndexedError::Exists { .. }));
+        assert!(matches!(
+            err,
+            IndexedError::Output(OutputError::Exists { .. })
+        ));
     }
 
     fn corrupt_open(mutate: impl FnOnce(&mut Vec<u8>)) -> IndexedError {
@@ -821,9 +860,45 @@ mod tests {
 
     #[test]
     fn pointer_outside_bin() {
-        // pointer of sequence 1 lives at 34 + 4*2 + 8
-        let e = corrupt_open(|b| b[50..58].copy_from_slice(&1000i64.to_le_bytes()));
+        // pointer of sequence 0 lives at 34 + 4*2 (the last one is checked against the .bin's
+        // length first: issue17_item7_mismatched_pair_refused)
+        let e = corrupt_open(|b| b[42..50].copy_from_slice(&1000i64.to_le_bytes()));
         assert!(e.to_string().contains("outside"), "{e}");
+    }
+
+    #[test]
+    fn issue17_item7_mismatched_pair_refused() {
+        // A crash between the renames of a replace (before the .idx was removed first) left the
+        // previous run's .idx beside the new .bin: both the longer and the shorter case.
+        for (old, new) in [
+            (vec![1i64, 2], vec![1i64, 2, 3]),
+            (vec![1, 2, 3], vec![4, 5]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let prefix = write(dir.path(), &[vec![old]], DType::U16);
+            let (bin, idx) = bin_idx_paths(&prefix);
+            let old_idx = std::fs::read(&idx).unwrap();
+            write(dir.path(), &[vec![new]], DType::U16);
+            std::fs::write(&idx, old_idx).unwrap();
+            let e = IndexedDataset::open(&prefix).err().unwrap();
+            assert!(matches!(e, IndexedError::Mismatch { .. }), "{e}");
+            let msg = e.to_string();
+            for path in [&bin, &idx] {
+                assert!(msg.contains(&*path.to_string_lossy()), "{msg}");
+            }
+        }
+    }
+
+    #[test]
+    fn merge_refuses_an_input_as_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = write(dir.path(), &[vec![vec![1, 2]]], DType::U16);
+        let e = merge(std::slice::from_ref(&a), &a, true).unwrap_err();
+        assert!(
+            matches!(e, IndexedError::Output(OutputError::IsInput { .. })),
+            "{e}"
+        );
+        assert_eq!(IndexedDataset::open(&a).unwrap().sequence(0), vec![1, 2]);
     }
 
     #[test]

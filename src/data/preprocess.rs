@@ -3,7 +3,9 @@
 //! A reader thread streams records in batches through a bounded channel; each batch is
 //! tokenized in parallel on a rayon pool of `--workers` threads and written in input
 //! order, so the output bytes do not depend on the worker count. Memory is bounded by a
-//! few batches plus 12 bytes per written sequence (the index kept for `.idx`).
+//! few batches (of at most [`BATCH`] records and [`BATCH_BYTES`] of input, or one record
+//! above that) plus 12 bytes per written sequence (the index kept for `.idx`); one record is
+//! at most `--max-record-bytes` of input.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,12 +19,73 @@ use super::handlers::pretrain::Pretrain;
 use super::handlers::prompter::{PrompterHandler, PrompterKind};
 use super::handlers::template::Template;
 use super::handlers::{Document, Handler, RecordError, IGNORE};
-use super::indexed::{bin_idx_paths, check_overwrite, DType, IndexedWriter};
-use super::source::{expand_inputs, Item, RecordReader, Sink};
+use super::indexed::{self, DType, IndexedWriter};
+use super::source::{expand_inputs_as, Format, Item, RecordReader, Sink, SkippedFile};
 use super::tokenizer::HfTokenizer;
 
 /// Records per batch handed to the worker pool.
-const BATCH: usize = 512;
+pub const BATCH: usize = 512;
+
+/// Input bytes per batch: a batch is handed over when it reaches either bound, so that large
+/// records (whose tokenization takes many times their size) do not pile up 512 to a batch.
+pub const BATCH_BYTES: u64 = 8 << 20;
+
+/// `--shard i/n`: the `index`-th of `count` contiguous slices of the input records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    index: usize,
+    count: usize,
+}
+
+/// A malformed `--shard` value.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("expected I/N with 0 ≤ I < N (e.g. 0/4 for the first of four slices): {why}")]
+pub struct ShardError {
+    why: String,
+}
+
+impl Shard {
+    /// Slice `index` of `count`; `index < count`.
+    pub fn new(index: usize, count: usize) -> Result<Shard, ShardError> {
+        let why = if count == 0 {
+            "N must be at least 1".to_string()
+        } else if index >= count {
+            format!("I is {index}, so N must be at least {}", index + 1)
+        } else {
+            return Ok(Shard { index, count });
+        };
+        Err(ShardError { why })
+    }
+
+    /// The record indices of this slice, of `total` records.
+    pub fn range(&self, total: u64) -> std::ops::Range<u64> {
+        let (i, n) = (self.index as u64, self.count as u64);
+        (total * i / n)..(total * (i + 1) / n)
+    }
+}
+
+impl std::str::FromStr for Shard {
+    type Err = ShardError;
+
+    fn from_str(s: &str) -> Result<Shard, ShardError> {
+        let bad = |why: String| ShardError { why };
+        let (i, n) = s
+            .split_once('/')
+            .ok_or_else(|| bad(format!("{s:?} has no '/'")))?;
+        let number = |part: &str, name: &str| {
+            part.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("{name} {part:?} is not a whole number")))
+        };
+        Shard::new(number(i, "I")?, number(n, "N")?)
+    }
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
 
 /// Instruction handler names (`--handler`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,10 +163,15 @@ pub struct PreprocessOptions {
     pub skip_bad_records: bool,
     /// Overwrite outputs.
     pub force: bool,
-    /// Process only slice `i` of `n`.
-    pub shard: Option<(usize, usize)>,
+    /// Process only this slice of the input records.
+    pub shard: Option<Shard>,
     /// Show a progress bar.
     pub progress: bool,
+    /// Read only files of this format from directories and globs (required when they hold
+    /// several); `None`: the one format they hold.
+    pub input_format: Option<Format>,
+    /// Refuse a record (line, array element, row) larger than this many bytes.
+    pub max_record_bytes: u64,
 }
 
 /// Errors of a preprocessing run.
@@ -154,6 +222,8 @@ pub struct Summary {
     pub elapsed: Duration,
     /// Output prefixes written.
     pub outputs: Vec<PathBuf>,
+    /// Files of the input directories and globs that were not read (other format).
+    pub skipped_files: Vec<SkippedFile>,
 }
 
 impl std::fmt::Display for Summary {
@@ -177,6 +247,21 @@ impl std::fmt::Display for Summary {
                 .map(|(r, n)| format!("{r}: {n}"))
                 .collect();
             write!(f, " ({})", reasons.join(", "))?;
+        }
+        if !self.skipped_files.is_empty() {
+            const SHOWN: usize = 5;
+            let mut names: Vec<String> = self
+                .skipped_files
+                .iter()
+                .take(SHOWN)
+                .map(ToString::to_string)
+                .collect();
+            if self.skipped_files.len() > SHOWN {
+                names.push(format!("and {} more", self.skipped_files.len() - SHOWN));
+            }
+            let n = self.skipped_files.len();
+            let files = if n == 1 { "file" } else { "files" };
+            write!(f, "; {n} {files} not read: {}", names.join(", "))?;
         }
         write!(
             f,
@@ -277,6 +362,8 @@ fn resolve_dtype(opts: &PreprocessOptions, vocab: usize) -> Result<DType, Prepro
 struct BatchSink {
     tx: crossbeam_channel::Sender<Vec<(u64, Item)>>,
     batch: Vec<(u64, Item)>,
+    /// Input bytes of the records in `batch`.
+    batch_bytes: u64,
     range: std::ops::Range<u64>,
 }
 
@@ -285,8 +372,12 @@ impl Sink for BatchSink {
         self.range.contains(&index)
     }
     fn accept(&mut self, index: u64, item: Item) -> bool {
+        if let Item::Record(r) = &item {
+            self.batch_bytes += r.bytes;
+        }
         self.batch.push((index, item));
-        if self.batch.len() >= BATCH {
+        if self.batch.len() >= BATCH || self.batch_bytes >= BATCH_BYTES {
+            self.batch_bytes = 0;
             return self.tx.send(std::mem::take(&mut self.batch)).is_ok();
         }
         true
@@ -485,21 +576,22 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
         .iter()
         .map(|k| key_prefix(&opts.output_prefix, k, instruction))
         .collect();
+    let input_paths: Vec<&Path> = opts.inputs.iter().map(PathBuf::as_path).collect();
     for p in &prefixes {
-        let (bin, idx) = bin_idx_paths(p);
-        check_overwrite(&bin, opts.force)?;
-        check_overwrite(&idx, opts.force)?;
+        indexed::check_output(p, &input_paths, opts.force)?;
     }
-    let files = expand_inputs(&opts.inputs)?;
-    let reader = RecordReader::new(files);
-    let total_bytes = reader.total_bytes();
+    let inputs = expand_inputs_as(&opts.inputs, opts.input_format)?;
+    let reader = || {
+        RecordReader::new(inputs.files.clone())
+            .with_max_record_bytes(opts.max_record_bytes)
+            .with_columns(handler.columns())
+    };
     let range = match opts.shard {
         None => 0..u64::MAX,
-        Some((i, n)) => {
-            let total = RecordReader::new(expand_inputs(&opts.inputs)?).run(&mut CountOnly)?;
-            (total * i as u64 / n as u64)..(total * (i as u64 + 1) / n as u64)
-        }
+        Some(shard) => shard.range(reader().run(&mut CountOnly)?),
     };
+    let reader = reader();
+    let total_bytes = reader.total_bytes();
     let writers = prefixes
         .iter()
         .map(|p| IndexedWriter::create(p, dtype, opts.force))
@@ -516,7 +608,8 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
         .map_err(|e| {
             PreprocessError::Options(format!("cannot start {} workers: {e}", opts.workers))
         })?;
-    let bar = progress_bar(opts.progress, total_bytes);
+    let bar =
+        crate::util::progress_bar(total_bytes, crate::util::ProgressUnit::Bytes, opts.progress);
     let progress = reader.progress();
     let (tx, rx) = crossbeam_channel::bounded::<Vec<(u64, Item)>>(4);
     let mut summary = Summary::default();
@@ -525,6 +618,7 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
             let mut sink = BatchSink {
                 tx,
                 batch: Vec::with_capacity(BATCH),
+                batch_bytes: 0,
                 range: range.clone(),
             };
             let r = reader.run(&mut sink);
@@ -572,6 +666,7 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     summary.input_bytes = progress.load(Ordering::Relaxed).min(total_bytes.max(1));
     summary.elapsed = start.elapsed();
     summary.outputs = prefixes;
+    summary.skipped_files = inputs.skipped;
     Ok(summary)
 }
 
@@ -616,18 +711,6 @@ fn consume(
         ));
     }
     Ok(())
-}
-
-fn progress_bar(enabled: bool, total: u64) -> indicatif::ProgressBar {
-    if !enabled {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar
 }
 
 #[cfg(test)]

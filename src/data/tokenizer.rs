@@ -196,6 +196,33 @@ impl HfTokenizer {
         &self.path
     }
 
+    /// A hash of everything that decides how text becomes ids and back: the tokenizer's own
+    /// serialization (vocabulary, merges, normalizer, added tokens), the special tokens and the
+    /// chat template; two tokenizers with equal fingerprints tokenize alike.
+    pub fn fingerprint(&self) -> Result<u128> {
+        let serialized = self
+            .inner
+            .to_string(false)
+            .map_err(|e| TokenizerError::Load {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })?;
+        let specials = format!(
+            "{:?} {:?} {:?} {}",
+            self.bos, self.eos, self.pad, self.clean_up_spaces
+        );
+        let mut bytes = Vec::with_capacity(serialized.len() + 64);
+        for part in [
+            serialized.as_str(),
+            specials.as_str(),
+            self.chat_template.as_deref().unwrap_or(""),
+        ] {
+            bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(part.as_bytes());
+        }
+        Ok(twox_hash::XxHash3_128::oneshot(&bytes))
+    }
+
     /// `len(tokenizer)` in transformers: the vocabulary including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -1,17 +1,102 @@
-//! The compute engine: the [`Backend`] trait and its CPU implementation.
+//! The compute engine's contract: a [`Device`] (memory, transfers, synchronisation, what it
+//! supports) and the [`Backend`] operators on it, and the CPU implementation ([`cpu`]) every
+//! other backend is checked against.
 //!
-//! The trait's operations are the fused operators an Ascend NPU offers through aclnn
-//! (`reference/npu.md` §3.3–3.4), one method per operator, so an NPU backend implements it op
-//! for op and the training issue adds each op's backward twin beside it. Activations are f32;
-//! weights stay in the dtype they were loaded in (bf16 / f16 / f32) and are widened per tile
-//! inside the matmul.
+//! The operators are the fused operators an Ascend NPU offers through aclnn, one method per
+//! operator and, for training, its backward twin beside it, the way aclnn pairs them
+//! (`aclnnRmsNorm` → `(y, rstd)`, `aclnnRmsNormGrad` takes `rstd` back). Each method's doc names
+//! its aclnn operator and says whether it **overwrites** (returns a new tensor, or overwrites an
+//! `&mut` output) or **accumulates** into an `&mut` gradient. Every operator returns a
+//! [`Result`]: shapes and dtypes are checked, and a device error is an error, never a panic.
+//!
+//! Activations are f32 or bf16/f16 (an operator's output takes the dtype of its main input);
+//! weights keep the dtype they were loaded in. Saved statistics (`rstd`, attention log-sum-exp,
+//! cross-entropy log-sum-exp) and gradients of the optimizer's parameters are f32.
 
 pub mod cpu;
 pub(crate) mod panel;
 pub(crate) mod simd;
 
 use crate::ckpt::tensor::Tensor as HostTensor;
-use anyhow::Result;
+use crate::ckpt::torch::pickle::DType;
+use std::ops::Range;
+
+/// What an engine operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Inputs whose shapes or dtypes do not fit the operator (a bug in the caller or bad
+    /// weights).
+    #[error("{op}: {msg}")]
+    Invalid {
+        /// The operator.
+        op: &'static str,
+        /// What does not fit.
+        msg: String,
+    },
+    /// The device cannot run the operator on this dtype.
+    #[error("{op} does not support {dtype:?} on {device}")]
+    Unsupported {
+        /// The operator.
+        op: &'static str,
+        /// The dtype asked for.
+        dtype: DType,
+        /// The device.
+        device: String,
+    },
+    /// The device itself failed (an accelerator runtime error, with its own message).
+    #[error("device error: {0}")]
+    Device(String),
+    /// The device asked for cannot be used in this build or on this machine.
+    #[error("--device {0}: {1}")]
+    Unavailable(&'static str, String),
+}
+
+/// The devices `--device` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    /// The host CPU ([`cpu::Cpu`]).
+    #[default]
+    Cpu,
+    /// An Ascend NPU through CANN.
+    Npu,
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "npu" => Ok(DeviceKind::Npu),
+            other => Err(format!("unknown device {other:?} (cpu or npu)")),
+        }
+    }
+}
+
+/// The CPU backend when `kind` asks for it; the NPU backend is not part of this build yet, so
+/// `npu` is a clear error rather than a silent fallback to the CPU.
+pub fn cpu_backend(kind: DeviceKind) -> Result<cpu::Cpu> {
+    match kind {
+        DeviceKind::Cpu => Ok(cpu::Cpu),
+        DeviceKind::Npu => Err(EngineError::Unavailable(
+            "npu",
+            "this build has no Ascend NPU backend yet (it will load CANN's libascendcl.so from \
+             $ASCEND_TOOLKIT_HOME/lib64 at run time); run with --device cpu"
+                .into(),
+        )),
+    }
+}
+
+/// A result of the engine.
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// Fail with [`EngineError::Invalid`] unless `cond` holds.
+pub(crate) fn ensure(cond: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(EngineError::Invalid { op, msg: msg() })
+    }
+}
 
 /// One sequence's rows in a ragged batch: the KV-cache slot it owns, how many positions that
 /// slot already holds, and how many new rows (tokens) it contributes.
@@ -26,7 +111,7 @@ pub struct Segment {
 }
 
 /// The shape of grouped-query attention.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     /// Query heads.
     pub heads: usize,
@@ -38,73 +123,256 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
-/// A compute device. Every op allocates its output on the device; `&mut` arguments are updated
-/// in place (the aclnn `Inplace` variants).
-pub trait Backend: Sync {
+/// AdamW's scalars for one step (torch's `AdamW` semantics: decoupled decay, ε added after the
+/// bias-corrected square root).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// β₁, β₂.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+    /// Weight decay (0 for the no-decay group).
+    pub weight_decay: f64,
+    /// Step number, from 1.
+    pub step: u64,
+}
+
+/// The operators, for [`Device::supports`] and `mindkit selftest`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(missing_docs)]
+pub enum Op {
+    Embedding,
+    EmbeddingBwd,
+    RmsNorm,
+    RmsNormBwd,
+    Matmul,
+    MatmulBwd,
+    SplitQkv,
+    Rope,
+    Attention,
+    AttentionBwd,
+    CachedAttention,
+    SwiGlu,
+    SwiGluBwd,
+    CrossEntropy,
+    CrossEntropyBwd,
+    LogSoftmax,
+    Add,
+    Cast,
+    AdamW,
+    Norm,
+}
+
+/// Memory, transfers and synchronisation of a compute device.
+pub trait Device: Sync {
     /// A tensor in the device's memory.
     type Tensor: Send + Sync;
 
     /// The device, in words.
     fn describe(&self) -> String;
-    /// Copy host weights to the device, keeping their dtype.
+    /// Whether it runs `op` on `dtype`.
+    fn supports(&self, op: Op, dtype: DType) -> bool;
+    /// Copy a host tensor to the device, keeping its dtype.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
-    /// Copy a weight used only as the right operand of [`Backend::matmul`], in the layout the
-    /// device multiplies fastest (on Ascend the NZ format of aclnnTransMatmulWeight).
+    /// Copy a weight used only as the right operand of [`Backend::matmul`] (inference), in the
+    /// layout the device multiplies fastest (on Ascend the NZ format of
+    /// aclnnTransMatmulWeight).
     fn upload_matrix(&self, t: &HostTensor) -> Result<Self::Tensor> {
         self.upload(t)
     }
     /// Copy f32 values of `shape` to the device.
-    fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Self::Tensor;
-    /// The values of a tensor, widened to f32, row-major.
-    fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Result<Self::Tensor>;
+    /// A zero tensor.
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Self::Tensor>;
+    /// The values of a tensor, widened to f32, row-major (waits for the device).
+    fn download_f32(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// A tensor as a host tensor in its own dtype (waits for the device).
+    fn download(&self, t: &Self::Tensor) -> Result<HostTensor>;
+    /// Wait until every queued operation has finished.
+    fn synchronize(&self) -> Result<()>;
     /// Its shape.
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
+    /// Its dtype.
+    fn dtype(&self, t: &Self::Tensor) -> DType;
+}
 
-    /// Rows `ids` of `table` (aclnnEmbedding), as f32.
-    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Self::Tensor;
-    /// Rows `rows` of `x` (aclnnIndexSelect).
-    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
-    /// `x · rsqrt(mean(x²) + eps) · gamma` over the last dimension (aclnnRmsNorm).
-    fn rms_norm(&self, x: &Self::Tensor, gamma: &Self::Tensor, eps: f64) -> Self::Tensor;
-    /// `x · wᵀ (+ bias)` for `x [n, k]`, `w [m, k]` (aclnnMatmul with `wᵀ` as a view, aclnnAdd).
+/// The operators. Shapes in the docs: n = rows (tokens), h = hidden, k/m = matmul inner/outer.
+pub trait Backend: Device {
+    /// Rows `ids` of `table [v, h]` → `[n, h]`, as f32 whatever the table's dtype (a bf16
+    /// model casts them with [`Backend::cast`]) (aclnnEmbedding). Overwrites.
+    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `dtable += onehot(ids)ᵀ · dy` (aclnnEmbeddingDenseBackward + aclnnInplaceAdd).
+    /// Accumulates.
+    fn embedding_bwd(
+        &self,
+        dy: &Self::Tensor,
+        ids: &[u32],
+        dtable: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// Rows `rows` of `x` (aclnnIndexSelect). Overwrites.
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+    /// `y = x · rstd · γ` over the last dimension, `rstd = 1/√(mean(x²) + eps)` `[n]` f32
+    /// (aclnnRmsNorm). Overwrites.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        gamma: &Self::Tensor,
+        eps: f64,
+    ) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// `dx` of [`Backend::rms_norm`], and `dγ += Σ dy∘x·rstd` (aclnnRmsNormGrad). Returns dx
+    /// (overwrites); accumulates into `dgamma` (`None`: γ is frozen).
+    fn rms_norm_bwd(
+        &self,
+        dy: &Self::Tensor,
+        x: &Self::Tensor,
+        gamma: &Self::Tensor,
+        rstd: &Self::Tensor,
+        dgamma: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+    /// `y [n, m] = x [n, k] · wᵀ (+ bias)` for `w [m, k]` (aclnnMatmul with `wᵀ` as a view,
+    /// aclnnAdd). Overwrites.
     fn matmul(
         &self,
         x: &Self::Tensor,
         w: &Self::Tensor,
         bias: Option<&Self::Tensor>,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
+    /// The backward of [`Backend::matmul`]: returns `dx [n, k] = dy · w` (aclnnMatmul,
+    /// overwrites); `dw [m, k] += dyᵀ · x` (aclnnMatmul with `dyᵀ` as a view +
+    /// aclnnInplaceAdd, or aclnnInplaceAddmm) and `dbias [m] += Σ_rows dy`
+    /// (aclnnReduceSum + add) accumulate; `None` skips a frozen parameter's gradient.
+    fn matmul_bwd(
+        &self,
+        dy: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        dw: Option<&mut Self::Tensor>,
+        dbias: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor>;
     /// Split a fused QKV activation `[n, groups·(heads/groups + 2)·d]` (Megatron's GQA-grouped
-    /// order) into `q [n, heads·d]`, `k [n, groups·d]`, `v [n, groups·d]` (aclnnSplitWithSize).
+    /// order) into `q [n, heads·d]`, `k [n, groups·d]`, `v [n, groups·d]`
+    /// (aclnnSplitWithSize). Overwrites.
     fn split_qkv(
         &self,
         qkv: &Self::Tensor,
         shape: AttentionShape,
-    ) -> (Self::Tensor, Self::Tensor, Self::Tensor);
+    ) -> Result<(Self::Tensor, Self::Tensor, Self::Tensor)>;
+    /// The backward of [`Backend::split_qkv`]: `dq, dk, dv` interleaved back into the fused
+    /// layout (aclnnCat). Overwrites.
+    fn merge_qkv(
+        &self,
+        dq: &Self::Tensor,
+        dk: &Self::Tensor,
+        dv: &Self::Tensor,
+        shape: AttentionShape,
+    ) -> Result<Self::Tensor>;
     /// Rotary embedding in place, half-rotation (`rotate_half`) mode, on every head of
-    /// `x [n, heads·d]`; `cos`, `sin` are `[n, d/2]` (aclnnRotaryPositionEmbedding mode 0).
-    fn rope(&self, x: &mut Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor);
+    /// `x [n, heads·d]`; `cos`, `sin` are `[n, d/2]`; `inverse` rotates by −θ, which is the
+    /// operator's backward (aclnnRotaryPositionEmbedding mode 0 / its grad). Overwrites `x`.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+        inverse: bool,
+    ) -> Result<()>;
+    /// Causal grouped-query attention of `q [n, heads·d]` over `k`, `v [n, groups·d]` within
+    /// each of `segments` (row ranges covering `0..n`; no row sees another segment). Returns
+    /// `o [n, heads·d]` and the log-sum-exp of every query row's scores `[n, heads]` f32, saved
+    /// for the backward (aclnnFlashAttentionScore, causal, with actual sequence lengths).
+    /// Overwrites.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        segments: &[Range<usize>],
+        shape: AttentionShape,
+    ) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// `(dq, dk, dv)` of [`Backend::attention`] (aclnnFlashAttentionScoreGrad). Overwrites.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(
+        &self,
+        d_o: &Self::Tensor,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        o: &Self::Tensor,
+        lse: &Self::Tensor,
+        segments: &[Range<usize>],
+        shape: AttentionShape,
+    ) -> Result<(Self::Tensor, Self::Tensor, Self::Tensor)>;
     /// An empty KV cache of `slots × capacity` rows of `width` (f32).
-    fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> Self::Tensor;
+    fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> Result<Self::Tensor>;
     /// Store the rows of `x` (segment after segment) at each segment's slot and positions
-    /// `past..past + len` (aclnnScatterUpdate).
-    fn kv_store(&self, cache: &mut Self::Tensor, x: &Self::Tensor, segments: &[Segment]);
+    /// `past..past + len` (aclnnScatterUpdate). Overwrites those cache rows.
+    fn kv_store(
+        &self,
+        cache: &mut Self::Tensor,
+        x: &Self::Tensor,
+        segments: &[Segment],
+    ) -> Result<()>;
     /// Causal grouped-query attention of `q [n, heads·d]` (segment after segment) over each
     /// segment's cached keys and values, positions `0..=past + i` for its row `i`
-    /// (aclnnFusedInferAttentionScore with actual sequence lengths).
-    fn attention(
+    /// (aclnnFusedInferAttentionScore with actual sequence lengths). Overwrites.
+    fn cached_attention(
         &self,
         q: &Self::Tensor,
         k_cache: &Self::Tensor,
         v_cache: &Self::Tensor,
         segments: &[Segment],
         shape: AttentionShape,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// `silu(a) · b` for `x = [a | b]` split along the last dimension (aclnnSwiGlu).
-    fn swiglu(&self, x: &Self::Tensor) -> Self::Tensor;
+    /// Overwrites.
+    fn swiglu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `dx` of [`Backend::swiglu`] (aclnnSwiGluGrad). Overwrites.
+    fn swiglu_bwd(&self, dy: &Self::Tensor, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x += y` (aclnnInplaceAdd).
-    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
-    /// Log-softmax over the last dimension (aclnnLogSoftmax).
-    fn log_softmax(&self, x: &Self::Tensor) -> Self::Tensor;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// Log-softmax over the last dimension (aclnnLogSoftmax). Overwrites.
+    fn log_softmax(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Per-row cross entropy of `logits [n, v]` against `labels`: returns `loss [n]` and the
+    /// rows' log-sum-exp `[n]`, both f32, computed in f32 whatever the logits' dtype
+    /// (aclnnCrossEntropyLoss, reduction none). Overwrites.
+    fn cross_entropy(
+        &self,
+        logits: &Self::Tensor,
+        labels: &[u32],
+    ) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// The gradient of `Σ dloss · loss` with respect to the logits, which it consumes (their
+    /// memory may hold the result) (aclnnCrossEntropyLossGrad). Overwrites.
+    fn cross_entropy_bwd(
+        &self,
+        logits: Self::Tensor,
+        labels: &[u32],
+        lse: &Self::Tensor,
+        dloss: &Self::Tensor,
+    ) -> Result<Self::Tensor>;
+    /// `x` in `dtype` (round to nearest even) (aclnnCast). Overwrites.
+    fn cast(&self, x: &Self::Tensor, dtype: DType) -> Result<Self::Tensor>;
+    /// `dst = src` converted to `dst`'s dtype (the main f32 parameter copied into a bf16 model
+    /// parameter) (aclnnInplaceCopy). Overwrites `dst`.
+    fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
+    /// `s · x` as a new tensor of `x`'s dtype (aclnnMuls). Overwrites.
+    fn scaled(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor>;
+    /// `x ·= s` (aclnnInplaceMuls).
+    fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<()>;
+    /// `Σ x²` of each tensor, summed in f64 on the host (aclnnForeachNorm, read back: one host
+    /// synchronisation).
+    fn sum_squares(&self, xs: &[&Self::Tensor]) -> Result<f64>;
+    /// One AdamW step of `param` (f32) with `grad`, moments `m`, `v` updated in place
+    /// (aclnnApplyAdamWV2). Overwrites all three.
+    fn adamw(
+        &self,
+        param: &mut Self::Tensor,
+        grad: &Self::Tensor,
+        m: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+        step: AdamWStep,
+    ) -> Result<()>;
 }
 
 /// A raw pointer to disjoint parts of one output, shared by the tasks that write them.
@@ -120,6 +388,7 @@ impl SharedOut {
     /// # Safety
     /// `i` must lie inside the output.
     pub(crate) unsafe fn at(self, i: usize) -> *mut f32 {
-        self.0.add(i)
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.add(i) }
     }
 }

@@ -126,6 +126,15 @@ impl Panels {
         Ok(Panels { ty, k, m, bytes })
     }
 
+    /// The dtype of the weights it holds.
+    pub fn dtype(&self) -> DType {
+        match self.ty {
+            PanelType::F32 => DType::F32,
+            PanelType::F16 => DType::F16,
+            PanelType::Bf16 | PanelType::Bf16Pairs => DType::BF16,
+        }
+    }
+
     /// Rows `from..to` of the original matrix, widened to f32 (a slow path, for inspection).
     pub fn unpack_rows(&self, from: usize, to: usize, out: &mut Vec<f32>) {
         let (size, panel_len) = (self.ty.size(), self.ty.panel_len(self.k));

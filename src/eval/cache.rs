@@ -4,10 +4,14 @@
 //!
 //! FILE is JSON lines: a header naming the model and tokenizer the results belong to, then
 //! `{"key": "<xxh3-128 hex>", "value": ...}` per document, the key hashing the request (kind,
-//! prompt, continuations or generation settings). A cache of another model is refused; a last
-//! line cut short by the interruption is ignored.
+//! prompt, continuations or generation settings). The header binds the results to the
+//! *contents* of the weights and of the tokenizer ([`files_hash`], `HfTokenizer::fingerprint`),
+//! not to their paths: weights replaced in the same directory make the cache refuse, and a
+//! model copied elsewhere keeps it. A last line cut short by the interruption is ignored.
 
 use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
+use rayon::prelude::*;
 use serde_json::{json, Value as Json};
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -17,6 +21,8 @@ use twox_hash::XxHash3_128;
 
 /// Its first line's marker key.
 const HEADER: &str = "mindkit-eval-cache";
+/// The header's version: 1 bound results to paths, 2 to contents.
+const VERSION: u64 = 2;
 
 /// Results of earlier runs, and the file new ones are appended to.
 pub struct Cache {
@@ -38,9 +44,37 @@ pub fn key(parts: &[&str]) -> u128 {
     XxHash3_128::oneshot(&bytes)
 }
 
+/// A hash of the contents of `files` (each hashed whole, in parallel; sizes and order
+/// included), independent of where they live.
+pub fn files_hash(files: &[PathBuf]) -> Result<u128> {
+    let hashes: Vec<(u64, u128)> = files
+        .par_iter()
+        .map(|path| {
+            let file =
+                File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let len = file.metadata()?.len();
+            if len == 0 {
+                return Ok((0, XxHash3_128::oneshot(&[])));
+            }
+            // SAFETY: read-only map of a file we only read; a concurrent writer could change
+            // the bytes we hash, which at worst gives a hash that matches no cache.
+            let map = unsafe { Mmap::map(&file) }
+                .with_context(|| format!("cannot map {}", path.display()))?;
+            Ok((len, XxHash3_128::oneshot(&map)))
+        })
+        .collect::<Result<_>>()?;
+    let mut bytes = Vec::with_capacity(hashes.len() * 24);
+    for (len, h) in hashes {
+        bytes.extend_from_slice(&len.to_le_bytes());
+        bytes.extend_from_slice(&h.to_le_bytes());
+    }
+    Ok(XxHash3_128::oneshot(&bytes))
+}
+
 impl Cache {
-    /// Open (or create) `path` for the model and tokenizer `identity` names.
-    pub fn open(path: &Path, identity: Json) -> Result<Cache> {
+    /// Open (or create) `path` for the model and tokenizer `identity` names (contents, not
+    /// paths); `about` is recorded beside it for people reading the file.
+    pub fn open(path: &Path, identity: Json, about: Json) -> Result<Cache> {
         let mut text = String::new();
         if path.exists() {
             File::open(path)
@@ -48,7 +82,7 @@ impl Cache {
                 .with_context(|| format!("cannot read the cache {}", path.display()))?;
         }
         let mut lines = text.lines();
-        let header = json!({HEADER: 1, "identity": identity});
+        let header = json!({HEADER: VERSION, "identity": identity, "about": about});
         let mut entries = HashMap::new();
         if let Some(first) = lines.next() {
             let found: Json = serde_json::from_str(first).unwrap_or(Json::Null);
@@ -58,11 +92,21 @@ impl Cache {
                     path.display()
                 );
             }
+            if found[HEADER].as_u64() != Some(VERSION) {
+                bail!(
+                    "the cache {} was written by an older mindkit that bound results to paths, \
+                     not to the weights; start a new cache file",
+                    path.display()
+                );
+            }
             if found["identity"] != header["identity"] {
                 bail!(
-                    "the cache {} holds results of {}, not of {}; use another file",
+                    "the cache {} holds results of another model or tokenizer ({} {}), not of \
+                     this one ({} {}); the weights or tokenizer changed, so use another file",
                     path.display(),
+                    found["about"],
                     found["identity"],
+                    header["about"],
                     header["identity"]
                 );
             }
@@ -130,7 +174,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("cache.jsonl");
         let id = json!({"model": "m"});
-        let mut c = Cache::open(&path, id.clone()).unwrap();
+        let mut c = Cache::open(&path, id.clone(), Json::Null).unwrap();
         c.put(key(&["ll", "ctx", " yes"]), json!([[-1.5, true]]))
             .unwrap();
         drop(c);
@@ -141,7 +185,7 @@ mod tests {
             .unwrap()
             .write_all(b"{\"key\": \"12")
             .unwrap();
-        let mut c = Cache::open(&path, id.clone()).unwrap();
+        let mut c = Cache::open(&path, id.clone(), Json::Null).unwrap();
         assert_eq!(
             c.get(key(&["ll", "ctx", " yes"])),
             Some(json!([[-1.5, true]]))
@@ -150,7 +194,7 @@ mod tests {
         assert_eq!(c.reused, 1);
         c.put(key(&["gen", "q"]), json!("text")).unwrap();
         drop(c);
-        let mut c = Cache::open(&path, id).unwrap();
+        let mut c = Cache::open(&path, id, Json::Null).unwrap();
         assert_eq!(c.get(key(&["gen", "q"])), Some(json!("text")));
     }
 
@@ -158,12 +202,16 @@ mod tests {
     fn a_cache_of_another_model_or_a_foreign_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("cache.jsonl");
-        drop(Cache::open(&path, json!({"model": "a"})).unwrap());
-        let err = Cache::open(&path, json!({"model": "b"})).err().unwrap();
+        drop(Cache::open(&path, json!({"model": "a"}), Json::Null).unwrap());
+        let err = Cache::open(&path, json!({"model": "b"}), Json::Null)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("holds results of"), "{err}");
         let foreign = dir.path().join("results.json");
         std::fs::write(&foreign, "{\"results\": {}}\n").unwrap();
-        let err = Cache::open(&foreign, json!({"model": "a"})).err().unwrap();
+        let err = Cache::open(&foreign, json!({"model": "a"}), Json::Null)
+            .err()
+            .unwrap();
         assert!(
             err.to_string().contains("not a mindkit eval cache"),
             "{err}"
@@ -172,6 +220,28 @@ mod tests {
             std::fs::read_to_string(&foreign).unwrap(),
             "{\"results\": {}}\n"
         );
+    }
+
+    #[test]
+    fn issue17_item3_a_cache_follows_the_weights_not_their_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let weights = dir.path().join("model.safetensors");
+        std::fs::write(&weights, b"weights one").unwrap();
+        let before = files_hash(std::slice::from_ref(&weights)).unwrap();
+        let moved = dir.path().join("copy.safetensors");
+        std::fs::copy(&weights, &moved).unwrap();
+        assert_eq!(before, files_hash(std::slice::from_ref(&moved)).unwrap());
+        std::fs::write(&weights, b"weights two").unwrap();
+        assert_ne!(before, files_hash(std::slice::from_ref(&weights)).unwrap());
+    }
+
+    #[test]
+    fn a_version_1_cache_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.jsonl");
+        std::fs::write(&path, "{\"mindkit-eval-cache\": 1, \"identity\": {}}\n").unwrap();
+        let err = Cache::open(&path, json!({}), Json::Null).err().unwrap();
+        assert!(err.to_string().contains("older mindkit"), "{err}");
     }
 
     #[test]

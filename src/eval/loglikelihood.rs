@@ -153,7 +153,7 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
         let row_of: HashMap<usize, usize> =
             wanted.iter().enumerate().map(|(i, &r)| (r, i)).collect();
         let capacity = sequences.iter().map(Vec::len).max().unwrap_or(1);
-        let mut cache = self.model.cache(sequences.len(), capacity);
+        let mut cache = self.model.cache(sequences.len(), capacity)?;
         let steps: Vec<Step> = (sequences.iter().enumerate())
             .map(|(slot, s)| Step {
                 slot,
@@ -163,7 +163,7 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
             .collect();
         let backend = self.model.backend();
         let logits = self.model.forward(&mut cache, &steps, &wanted)?;
-        let logprobs = backend.to_host(&backend.log_softmax(&logits));
+        let logprobs = backend.download_f32(&backend.log_softmax(&logits)?)?;
         let vocab = self.model.spec.vocab;
         Ok(placed
             .iter()

@@ -12,12 +12,12 @@ mod pyrandom;
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
 use crate::engine::cpu::Cpu;
-use crate::engine::Backend;
+use crate::engine::{Backend, Device};
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
+use crate::util::{check_not_input, progress_bar, AtomicFile, OutputKind, ProgressUnit};
 use anyhow::{anyhow, bail, Context, Result};
 use cache::Cache;
-use indicatif::{ProgressBar, ProgressStyle};
 use loglikelihood::{Request, Score, Scorer};
 use serde_json::{json, Value as Json};
 use std::collections::BTreeMap;
@@ -81,10 +81,59 @@ pub struct EvalOptions {
     pub batch_size: usize,
     /// Per-document log (JSON lines).
     pub log_samples: Option<PathBuf>,
+    /// The results JSON (written by [`write_results`] after the run; checked before it).
+    pub output: Option<PathBuf>,
     /// Per-document results kept across runs ([`cache`]).
     pub cache: Option<PathBuf>,
     /// Show a progress bar.
     pub progress: bool,
+    /// The compute device.
+    pub device: crate::engine::DeviceKind,
+}
+
+impl EvalOptions {
+    /// Refuse settings that would give no result or a meaningless one, and outputs that would
+    /// overwrite an input or cannot be created, before any work.
+    pub fn check(&self) -> Result<()> {
+        self.check_outputs()?;
+        if self.limit == Some(0) {
+            bail!("--limit must be at least 1 (it counts documents, per subject for MMLU)");
+        }
+        if self.batch_size == 0 {
+            bail!("--batch-size must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+impl EvalOptions {
+    /// Every output (results, sample log, cache) must be apart from every input and from the
+    /// other outputs, and creatable in its directory now rather than after hours of work.
+    fn check_outputs(&self) -> Result<()> {
+        let mut inputs: Vec<&Path> = vec![&self.data, &self.model];
+        inputs.extend(self.tokenizer.as_deref());
+        inputs.extend(self.fewshot_data.as_deref());
+        let outputs: Vec<(&str, &Path)> = [
+            ("--output", self.output.as_deref()),
+            ("--log-samples", self.log_samples.as_deref()),
+            ("--cache", self.cache.as_deref()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, p)| Some((flag, p?)))
+        .collect();
+        for (i, &(flag, out)) in outputs.iter().enumerate() {
+            check_not_input(out, &inputs).with_context(|| flag.to_string())?;
+            for &(other_flag, other) in &outputs[i + 1..] {
+                check_not_input(out, &[other])
+                    .with_context(|| format!("{flag} and {other_flag} name the same file"))?;
+            }
+        }
+        for (flag, out) in outputs.iter().filter(|(flag, _)| *flag != "--cache") {
+            // A temporary created and dropped proves the directory takes the file.
+            drop(AtomicFile::create(out, &EVAL_FILE, true).with_context(|| flag.to_string())?);
+        }
+        Ok(())
+    }
 }
 
 /// A multiple-choice document: a context, the continuations to compare, the right one.
@@ -139,10 +188,12 @@ pub fn read_records(path: &Path) -> Result<Vec<Record>> {
         records: Vec::new(),
         bad: None,
     };
-    RecordReader::new(files).run(&mut sink)?;
+    // A bad record stops the reader (its error then only says so): report the record.
+    let outcome = RecordReader::new(files).run(&mut sink);
     if let Some(bad) = sink.bad {
         bail!("{bad}");
     }
+    outcome?;
     if sink.records.is_empty() {
         bail!("{}: no records", path.display());
     }
@@ -172,24 +223,13 @@ fn mean_stderr(hits: &[bool]) -> f64 {
     (var / n).sqrt()
 }
 
-fn progress_bar(len: usize, show: bool) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(len as u64);
-    pb.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} docs, {per_sec}, ETA {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    pb
-}
-
 /// Run a task.
 pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let start = Instant::now();
+    o.check()?;
     let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
-    let backend = Cpu;
+    let backend = crate::engine::cpu_backend(o.device)?;
     let model = Model::load(&backend, &o.model)?;
     if tokenizer.vocab_size() > model.spec.vocab {
         bail!(
@@ -199,7 +239,7 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
             model.spec.vocab
         );
     }
-    let mut cache = open_cache(o, tok_path)?;
+    let mut cache = open_cache(o, &model, &tokenizer)?;
     let variant = match o.task {
         Task::Gsm8k => Some(gsm8k::Variant::Standard),
         Task::Gsm8kCot => Some(gsm8k::Variant::Cot),
@@ -220,18 +260,26 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     let docs = limit_per_subtask(all, o.limit);
     let mut scorer = Scorer::new(&model, &tokenizer, model.spec.max_positions);
     let mut log = open_log(&o.log_samples)?;
-    let pb = progress_bar(docs.len(), o.progress);
+    let pb = progress_bar(docs.len() as u64, ProgressUnit::Docs, o.progress);
     pb.set_message(o.task.name());
     let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
-    for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
+    for (b, batch) in docs.chunks(o.batch_size).enumerate() {
         let scores = score_batch(&mut scorer, cache.as_mut(), batch)?;
         for (i, (doc, s)) in batch.iter().zip(&scores).enumerate() {
             let lls: Vec<f64> = s.iter().map(|s| s.logprob).collect();
+            if let Some(bad) = lls.iter().find(|l| !l.is_finite()) {
+                bail!(
+                    "document {} of {}: the model gave a non-finite loglikelihood ({bad}); its \
+                     weights or configuration (rms_norm_eps, rope_theta, …) are broken",
+                    b * o.batch_size + i,
+                    o.data.display()
+                );
+            }
             let pred = (0..lls.len()).fold(0, |best, j| if lls[j] > lls[best] { j } else { best });
             hits.push((doc.subject.clone(), pred == doc.gold));
             if let Some(w) = log.as_mut() {
                 let record = json!({
-                    "doc_id": b * o.batch_size.max(1) + i,
+                    "doc_id": b * o.batch_size + i,
                     "subject": doc.subject,
                     "prompt": doc.context,
                     "choices": doc.choices,
@@ -281,19 +329,24 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     Ok(EvalReport { results, table })
 }
 
-/// The `--cache` file, bound to this model and tokenizer.
-fn open_cache(o: &EvalOptions, tokenizer: &Path) -> Result<Option<Cache>> {
+/// The `--cache` file, bound to the contents of this model's weights and this tokenizer.
+fn open_cache<B: Backend>(
+    o: &EvalOptions,
+    model: &Model<'_, B>,
+    tokenizer: &HfTokenizer,
+) -> Result<Option<Cache>> {
     let Some(path) = &o.cache else {
         return Ok(None);
     };
-    let canonical = |p: &Path| {
-        std::fs::canonicalize(p)
-            .unwrap_or_else(|_| p.to_path_buf())
-            .display()
-            .to_string()
-    };
-    let identity = json!({"model": canonical(&o.model), "tokenizer": canonical(tokenizer)});
-    Ok(Some(Cache::open(path, identity)?))
+    let identity = json!({
+        "weights": format!("{:032x}", cache::files_hash(model.source_files())?),
+        "tokenizer": format!("{:032x}", tokenizer.fingerprint()?),
+    });
+    let about = json!({
+        "model": o.model.display().to_string(),
+        "tokenizer": tokenizer.path().display().to_string(),
+    });
+    Ok(Some(Cache::open(path, identity, about)?))
 }
 
 /// What the results JSON says of the cache.
@@ -349,73 +402,24 @@ fn score_batch<B: Backend>(
     Ok(scores.into_iter().flatten().collect())
 }
 
-/// A file written under a temporary name beside its destination and renamed into place only
-/// when complete, so an interrupted run never leaves a file that looks finished.
-pub struct AtomicFile {
-    path: PathBuf,
-    tmp: tempfile::NamedTempFile,
-    writer: Option<std::io::BufWriter<std::fs::File>>,
-}
-
-impl AtomicFile {
-    /// Start writing `path`.
-    pub fn create(path: &Path) -> Result<Self> {
-        let dir = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let tmp = tempfile::Builder::new()
-            .prefix(".mindkit-")
-            .tempfile_in(dir)
-            .with_context(|| format!("creating a temporary file beside {}", path.display()))?;
-        let writer = std::io::BufWriter::new(tmp.reopen()?);
-        Ok(AtomicFile {
-            path: path.to_path_buf(),
-            tmp,
-            writer: Some(writer),
-        })
-    }
-
-    /// Flush and move into place.
-    pub fn finish(mut self) -> Result<()> {
-        if let Some(mut w) = self.writer.take() {
-            w.flush()?;
-        }
-        // Temporary files are private (0600); a result file gets the usual 0644.
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::Permissions::from_mode(0o644);
-            self.tmp.as_file().set_permissions(mode)?;
-        }
-        self.tmp
-            .persist(&self.path)
-            .with_context(|| format!("writing {}", self.path.display()))?;
-        Ok(())
-    }
-}
-
-impl Write for AtomicFile {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self.writer.as_mut() {
-            Some(w) => w.write(buf),
-            None => Err(std::io::Error::other("file already finished")),
-        }
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.writer.as_mut().map_or(Ok(()), |w| w.flush())
-    }
-}
+/// A results file or sample log as an output.
+pub static EVAL_FILE: OutputKind = OutputKind {
+    tag: "eval",
+    what: "evaluation output",
+    dir: None,
+};
 
 fn open_log(path: &Option<PathBuf>) -> Result<Option<AtomicFile>> {
-    path.as_deref().map(AtomicFile::create).transpose()
+    let create = |p: &Path| AtomicFile::create(p, &EVAL_FILE, true);
+    Ok(path.as_deref().map(create).transpose()?)
 }
 
 /// Write the results JSON to `path` (atomically).
 pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
-    let mut f = AtomicFile::create(path)?;
+    let mut f = AtomicFile::create(path, &EVAL_FILE, true)?;
     f.write_all((serde_json::to_string_pretty(&report.results)? + "\n").as_bytes())?;
-    f.finish()
+    f.finish()?;
+    Ok(())
 }
 
 /// The generated text of each of `docs` (prompted by `prompts`): from the cache where it has
@@ -485,10 +489,10 @@ fn run_generation(
         eos: tokenizer.eos().into_iter().collect(),
     };
     let mut log = open_log(&o.log_samples)?;
-    let pb = progress_bar(docs.len(), o.progress);
+    let pb = progress_bar(docs.len() as u64, ProgressUnit::Docs, o.progress);
     pb.set_message(o.task.name());
     let (mut strict_hits, mut flexible_hits, mut truncated) = (Vec::new(), Vec::new(), 0);
-    for (b, batch) in docs.chunks(o.batch_size.max(1)).enumerate() {
+    for (b, batch) in docs.chunks(o.batch_size).enumerate() {
         let mut prompts = Vec::with_capacity(batch.len());
         for doc in batch {
             let mut ids = loglikelihood::harness_encode(tokenizer, &doc.context)?;
@@ -500,7 +504,7 @@ fn run_generation(
         }
         let texts = generate_or_reuse(model, tokenizer, cache, batch, &prompts, &options)?;
         for (j, (doc, text)) in batch.iter().zip(texts).enumerate() {
-            let i = b * o.batch_size.max(1) + j;
+            let i = b * o.batch_size + j;
             let (strict, flexible) = (variant.strict_match(&text), gsm8k::flexible_extract(&text));
             strict_hits.push(gsm8k::exact_match(&strict, &doc.target));
             flexible_hits.push(gsm8k::exact_match(&flexible, &doc.target));

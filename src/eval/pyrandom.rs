@@ -1,16 +1,13 @@
 //! CPython's `random.Random` seeded with an int, as far as the harness's few-shot sampler uses
-//! it: the MT19937 generator (`_randommodule.c`), `getrandbits`, `_randbelow` and
+//! it: the MT19937 generator ([`Mt19937`], seeded as `_randommodule.c`), `getrandbits`, `_randbelow` and
 //! `Random.sample` (`Lib/random.py`, 3.x), so that `gsm8k`'s random 5 shots are the harness's
 //! shots, draw for draw.
 
-/// MT19937 state size.
-const N: usize = 624;
-const M: usize = 397;
+use crate::data::mt19937::Mt19937;
 
 /// `random.Random(seed)`.
 pub struct PyRandom {
-    state: [u32; N],
-    index: usize,
+    mt: Mt19937,
 }
 
 impl PyRandom {
@@ -22,78 +19,9 @@ impl PyRandom {
         } else {
             vec![seed as u32, (seed >> 32) as u32]
         };
-        let mut r = PyRandom {
-            state: [0; N],
-            index: N,
-        };
-        r.init_by_array(&key);
-        r
-    }
-
-    fn init_genrand(&mut self, seed: u32) {
-        self.state[0] = seed;
-        for i in 1..N {
-            let prev = self.state[i - 1];
-            self.state[i] = 1_812_433_253u32
-                .wrapping_mul(prev ^ (prev >> 30))
-                .wrapping_add(i as u32);
+        PyRandom {
+            mt: Mt19937::by_array(&key),
         }
-        self.index = N;
-    }
-
-    fn init_by_array(&mut self, key: &[u32]) {
-        self.init_genrand(19_650_218);
-        let (mut i, mut j) = (1usize, 0usize);
-        for _ in 0..N.max(key.len()) {
-            let prev = self.state[i - 1];
-            self.state[i] = (self.state[i] ^ (prev ^ (prev >> 30)).wrapping_mul(1_664_525))
-                .wrapping_add(key[j])
-                .wrapping_add(j as u32);
-            i += 1;
-            j += 1;
-            if i >= N {
-                self.state[0] = self.state[N - 1];
-                i = 1;
-            }
-            if j >= key.len() {
-                j = 0;
-            }
-        }
-        for _ in 0..N - 1 {
-            let prev = self.state[i - 1];
-            self.state[i] = (self.state[i] ^ (prev ^ (prev >> 30)).wrapping_mul(1_566_083_941))
-                .wrapping_sub(i as u32);
-            i += 1;
-            if i >= N {
-                self.state[0] = self.state[N - 1];
-                i = 1;
-            }
-        }
-        self.state[0] = 0x8000_0000;
-    }
-
-    fn twist(&mut self) {
-        const UPPER: u32 = 0x8000_0000;
-        const LOWER: u32 = 0x7fff_ffff;
-        for k in 0..N {
-            let y = (self.state[k] & UPPER) | (self.state[(k + 1) % N] & LOWER);
-            let mag = if y & 1 == 1 { 0x9908_b0df } else { 0 };
-            self.state[k] = self.state[(k + M) % N] ^ (y >> 1) ^ mag;
-        }
-        self.index = 0;
-    }
-
-    /// `genrand_uint32`.
-    fn next_u32(&mut self) -> u32 {
-        if self.index >= N {
-            self.twist();
-        }
-        let mut y = self.state[self.index];
-        self.index += 1;
-        y ^= y >> 11;
-        y ^= (y << 7) & 0x9d2c_5680;
-        y ^= (y << 15) & 0xefc6_0000;
-        y ^ (y >> 18)
     }
 
     /// `getrandbits(k)` for `k ≤ 32`.
@@ -102,7 +30,7 @@ impl PyRandom {
         if k == 0 {
             return 0;
         }
-        self.next_u32() >> (32 - k)
+        self.mt.next_u32() >> (32 - k)
     }
 
     /// `_randbelow(n)` (the getrandbits variant): rejection sampling on `n.bit_length()` bits.

@@ -3,7 +3,6 @@
 
 use super::{Model, Step};
 use crate::data::tokenizer::HfTokenizer;
-use crate::engine::cpu::Cpu;
 use crate::engine::Backend;
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;
@@ -32,6 +31,24 @@ impl Sampling {
         top_p: 1.0,
         seed: 0,
     };
+
+    /// Refuse settings that cannot sample (a NaN temperature would turn every probability
+    /// into NaN and pick token 0 forever).
+    pub fn check(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            bail!(
+                "--temperature must be a finite number ≥ 0 (0 is greedy), got {}",
+                self.temperature
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!(
+                "--top-p must be in (0, 1] (1 keeps every token), got {}",
+                self.top_p
+            );
+        }
+        Ok(())
+    }
 }
 
 /// What to generate.
@@ -184,6 +201,14 @@ impl<'a> Sequence<'a> {
 
     /// Take the next token from `logits`; returns the text that became final.
     fn advance(&mut self, logits: &[f32], o: &GenerateOptions) -> Result<String> {
+        // NaN logits (bad weights or config) would otherwise decode as token 0, silently.
+        if let Some(bad) = logits.iter().find(|v| !v.is_finite()) {
+            bail!(
+                "the model produced a non-finite logit ({bad}) at new token {}: its weights or \
+                 configuration (rms_norm_eps, rope_theta, …) are broken",
+                self.tokens.len() + 1
+            );
+        }
         let next = pick(logits, &o.sampling, &mut self.rng) as u32;
         if o.eos.contains(&next) {
             self.finish = Some(Finish::Eos);
@@ -250,6 +275,7 @@ fn generate_each<B: Backend>(
     if prompts.iter().any(|p| p.is_empty()) {
         bail!("the prompt is empty (no tokens)");
     }
+    o.sampling.check()?;
     let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
     if longest + o.max_new_tokens > model.spec.max_positions {
         bail!(
@@ -258,7 +284,7 @@ fn generate_each<B: Backend>(
             model.spec.max_positions
         );
     }
-    let mut cache = model.cache(prompts.len(), longest + o.max_new_tokens);
+    let mut cache = model.cache(prompts.len(), longest + o.max_new_tokens)?;
     let mut seqs: Vec<Sequence> = prompts
         .iter()
         .map(|_| Sequence::new(tokenizer, o))
@@ -286,7 +312,7 @@ fn generate_each<B: Backend>(
             })
             .collect();
         let logits = model.forward(&mut cache, &steps, &last_rows)?;
-        let logits = model.backend().to_host(&logits);
+        let logits = model.backend().download_f32(&logits)?;
         let vocab = logits.len() / running.len();
         for (&i, row) in running.iter().zip(logits.chunks_exact(vocab)) {
             let text = seqs[i].advance(row, o)?;
@@ -314,6 +340,8 @@ pub struct GenerateRequest {
     pub system: Option<String>,
     /// What to generate.
     pub options: GenerateOptions,
+    /// The compute device.
+    pub device: crate::engine::DeviceKind,
 }
 
 /// What a generation took.
@@ -330,9 +358,10 @@ pub struct GenerateStats {
 /// Load the model and tokenizer of `r`, build the prompt and generate, streaming text.
 pub fn run(r: &GenerateRequest, on_text: impl FnMut(&str)) -> Result<(Generation, GenerateStats)> {
     let start = Instant::now();
+    r.options.sampling.check()?;
     let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
-    let backend = Cpu;
+    let backend = crate::engine::cpu_backend(r.device)?;
     let model = Model::load(&backend, &r.model)?;
     if tokenizer.vocab_size() > model.spec.vocab {
         bail!(

@@ -6,6 +6,8 @@
 //! way and the fused projections map onto single matmuls.
 
 pub mod generate;
+pub mod llama;
+pub mod params;
 mod rope;
 
 use crate::ckpt::config::ModelConfig;
@@ -16,7 +18,7 @@ use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
 use rope::Rope;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What the forward pass needs to know of a model.
 #[derive(Debug, Clone)]
@@ -38,6 +40,11 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// `cos` and `sin` `[positions, head_dim / 2]` of the rotary embedding at `positions`.
+    pub fn rope_tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+        self.rope.tables(positions)
+    }
+
     /// From a checkpoint's configuration (HF `config.json` or Megatron args).
     pub fn from_config(cfg: &ModelConfig) -> Result<Self> {
         Ok(ModelSpec {
@@ -79,6 +86,8 @@ pub struct Model<'b, B: Backend> {
     final_norm: B::Tensor,
     /// `None` when tied to the embedding.
     output: Option<B::Tensor>,
+    /// The files it was loaded from.
+    source_files: Vec<PathBuf>,
 }
 
 /// The keys and values of every layer for `slots` sequences of up to `capacity` positions.
@@ -172,23 +181,29 @@ impl<'b, B: Backend> Model<'b, B> {
                 .transpose()?,
             layers,
             spec,
+            source_files: input.files(),
         })
     }
 
+    /// The files (configuration and weights) it was loaded from.
+    pub fn source_files(&self) -> &[PathBuf] {
+        &self.source_files
+    }
+
     /// An empty cache for `slots` sequences of up to `capacity` positions.
-    pub fn cache(&self, slots: usize, capacity: usize) -> KvCache<B::Tensor> {
+    pub fn cache(&self, slots: usize, capacity: usize) -> Result<KvCache<B::Tensor>> {
         let a = self.spec.attention;
         let width = a.groups * a.head_dim;
-        let make = || {
+        let make = || -> Result<Vec<B::Tensor>> {
             (0..self.spec.layers)
-                .map(|_| self.backend.kv_cache(slots, capacity, width))
+                .map(|_| Ok(self.backend.kv_cache(slots, capacity, width)?))
                 .collect()
         };
-        KvCache {
-            keys: make(),
-            values: make(),
+        Ok(KvCache {
+            keys: make()?,
+            values: make()?,
             capacity,
-        }
+        })
     }
 
     /// Run the new tokens of `steps` (a ragged batch) through the model, extending `cache`;
@@ -235,25 +250,28 @@ impl<'b, B: Backend> Model<'b, B> {
         }
         let (cos, sin) = spec.rope.tables(&positions);
         let half = [positions.len(), spec.attention.head_dim / 2];
-        let (cos, sin) = (b.upload_f32(&half, &cos), b.upload_f32(&half, &sin));
+        let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
         let shape = spec.attention;
-        let mut x = b.embedding(&self.embedding, &ids);
+        let mut x = b.embedding(&self.embedding, &ids)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = b.rms_norm(&x, &layer.input_norm, spec.norm_eps);
-            let qkv = b.matmul(&h, &layer.qkv, layer.qkv_bias.as_ref());
-            let (mut q, mut k, v) = b.split_qkv(&qkv, shape);
-            b.rope(&mut q, &cos, &sin);
-            b.rope(&mut k, &cos, &sin);
-            b.kv_store(&mut cache.keys[l], &k, &segments);
-            b.kv_store(&mut cache.values[l], &v, &segments);
-            let a = b.attention(&q, &cache.keys[l], &cache.values[l], &segments, shape);
-            b.add_assign(&mut x, &b.matmul(&a, &layer.proj, layer.proj_bias.as_ref()));
-            let h = b.rms_norm(&x, &layer.post_norm, spec.norm_eps);
-            let up = b.swiglu(&b.matmul(&h, &layer.fc1, None));
-            b.add_assign(&mut x, &b.matmul(&up, &layer.fc2, None));
+            let (h, _) = b.rms_norm(&x, &layer.input_norm, spec.norm_eps)?;
+            let qkv = b.matmul(&h, &layer.qkv, layer.qkv_bias.as_ref())?;
+            let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
+            b.rope(&mut q, &cos, &sin, false)?;
+            b.rope(&mut k, &cos, &sin, false)?;
+            b.kv_store(&mut cache.keys[l], &k, &segments)?;
+            b.kv_store(&mut cache.values[l], &v, &segments)?;
+            let a = b.cached_attention(&q, &cache.keys[l], &cache.values[l], &segments, shape)?;
+            b.add_assign(
+                &mut x,
+                &b.matmul(&a, &layer.proj, layer.proj_bias.as_ref())?,
+            )?;
+            let (h, _) = b.rms_norm(&x, &layer.post_norm, spec.norm_eps)?;
+            let up = b.swiglu(&b.matmul(&h, &layer.fc1, None)?)?;
+            b.add_assign(&mut x, &b.matmul(&up, &layer.fc2, None)?)?;
         }
-        let x = b.rms_norm(&b.select_rows(&x, rows), &self.final_norm, spec.norm_eps);
-        Ok(b.matmul(&x, self.output.as_ref().unwrap_or(&self.embedding), None))
+        let (x, _) = b.rms_norm(&b.select_rows(&x, rows)?, &self.final_norm, spec.norm_eps)?;
+        Ok(b.matmul(&x, self.output.as_ref().unwrap_or(&self.embedding), None)?)
     }
 
     /// The backend it runs on.

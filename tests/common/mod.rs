@@ -1,4 +1,4 @@
-//! Helpers shared by the checkpoint integration tests (convert, lora).
+//! Helpers shared by the integration tests (convert, lora, cli).
 #![allow(dead_code)] // each test crate uses its own subset
 
 use assert_cmd::Command;
@@ -18,6 +18,17 @@ pub fn mindkit(args: &[&dyn AsRef<std::ffi::OsStr>]) -> assert_cmd::assert::Asse
         cmd.arg(a);
     }
     cmd.assert()
+}
+
+/// Run the mindkit binary with `args` under umask 022; it must succeed.
+pub fn run_with_umask_022(args: &[&dyn AsRef<std::ffi::OsStr>]) {
+    let status = std::process::Command::new("sh")
+        .args(["-c", "umask 022; exec \"$0\" \"$@\""])
+        .arg(assert_cmd::cargo::cargo_bin("mindkit"))
+        .args(args.iter().map(|a| a.as_ref()))
+        .status()
+        .unwrap();
+    assert!(status.success());
 }
 
 /// `mindkit convert --quiet --to TO --input IN --output OUT EXTRA…`.

@@ -476,7 +476,7 @@ pub struct MergeOptions {
 /// anything is written.
 pub fn merge(o: &MergeOptions, warn: &mut dyn FnMut(String)) -> Result<(ConvertSummary, usize)> {
     let start = Instant::now();
-    let input = convert::open_input(&o.convert)?;
+    let input = convert::open_input(&o.convert, &[&o.adapter])?;
     if input.lora_tensors() > 0 && !same_dir(&o.convert.input, &o.adapter) {
         bail!(
             "the base {} holds {} LoRA tensors of its own; pass it as --adapter too to merge them",

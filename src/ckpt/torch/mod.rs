@@ -41,6 +41,9 @@ pub enum TorchError {
         /// Why.
         cause: pickle::PickleError,
     },
+    /// Creating or moving an output file into place failed.
+    #[error(transparent)]
+    Output(#[from] crate::util::OutputError),
     /// A tensor whose bytes cannot be served.
     #[error("{path}: tensor {name}: {what}")]
     Tensor {

@@ -1,20 +1,34 @@
 //! Writing `.pt` files as `torch.save` does: a protocol-2 pickle (the only protocol torch's
 //! `weights_only` loader accepts) in `<archive>/data.pkl`, then each storage as a stored,
 //! 64-byte-aligned record `<archive>/data/<key>`, streamed one at a time, zip64 when large.
-//! The file is written under a temporary name and renamed by [`PtWriter::finish`].
+//! The file is written under a temporary name and renamed by [`PtWriter::finish`]; a write
+//! error leaves no file and prints nothing but that error.
 
 use super::pickle::{DType, TensorRef, Value};
 use super::TorchError;
+use crate::util::{AtomicFile, OutputKind};
 use std::borrow::Cow;
-use std::io::{BufWriter, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use zip::write::SimpleFileOptions;
 
 type Result<T> = std::result::Result<T, TorchError>;
 
+/// A `.pt` file as an output.
+pub static PT_FILE: OutputKind = OutputKind {
+    tag: "pt",
+    what: "torch file",
+    dir: None,
+};
+
 /// Streams one `.pt` file: the object first, then its storages in key order.
 pub struct PtWriter {
-    zip: zip::ZipWriter<BufWriter<tempfile::NamedTempFile>>,
+    /// `None` once finished.
+    zip: Option<zip::ZipWriter<Sink>>,
+    /// Set by the sink on a write error, and here when dropped unfinished (see [`Sink`]).
+    discarding: Arc<AtomicBool>,
     path: PathBuf,
     archive: String,
 }
@@ -27,22 +41,7 @@ impl PtWriter {
             path: path.to_path_buf(),
             what,
         };
-        if path.exists() && !force {
-            return Err(fail("already exists (pass --force to overwrite)".into()));
-        }
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let io = |cause| TorchError::Io {
-            path: path.to_path_buf(),
-            cause,
-        };
-        let tmp = tempfile::Builder::new()
-            .prefix(".mindkit-")
-            .suffix(".pt.tmp")
-            .tempfile_in(dir)
-            .map_err(io)?;
+        let file = AtomicFile::create(path, &PT_FILE, force)?;
         let archive = path
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
@@ -50,8 +49,16 @@ impl PtWriter {
         let mut pickle = vec![op::PROTO, 2];
         write_value(&mut pickle, root).map_err(fail)?;
         pickle.push(b'.');
+        let discarding = Arc::new(AtomicBool::new(false));
+        let sink = Sink {
+            file,
+            discarding: discarding.clone(),
+            position: 0,
+            len: 0,
+        };
         let mut w = PtWriter {
-            zip: zip::ZipWriter::new(BufWriter::with_capacity(1 << 22, tmp)),
+            zip: Some(zip::ZipWriter::new(sink)),
+            discarding,
             path: path.to_path_buf(),
             archive,
         };
@@ -69,14 +76,18 @@ impl PtWriter {
             .large_file(bytes.len() as u64 >= u32::MAX as u64);
         let full = format!("{}/{name}", self.archive);
         let path = self.path.clone();
-        self.zip
-            .start_file(full, options)
-            .map_err(|e| TorchError::Archive {
-                path: path.clone(),
-                what: format!("writing record {name}: {e}"),
-            })?;
-        self.zip
-            .write_all(bytes)
+        let zip = match self.zip.as_mut() {
+            Some(zip) if !self.discarding.load(Ordering::Relaxed) => zip,
+            _ => {
+                return Err(TorchError::Archive {
+                    path,
+                    what: format!("writing record {name} after a failed write"),
+                })
+            }
+        };
+        zip.start_file(full, options)
+            .map_err(|e| archive_error(&path, &format!("writing record {name}"), e))?;
+        zip.write_all(bytes)
             .map_err(|cause| TorchError::Io { path, cause })
     }
 
@@ -88,19 +99,118 @@ impl PtWriter {
     /// Close the archive and move it into place.
     pub fn finish(mut self) -> Result<()> {
         self.record("version", b"3\n")?;
-        let path = self.path.clone();
-        let io = |cause| TorchError::Io {
-            path: path.clone(),
-            cause,
-        };
-        let buf = self.zip.finish().map_err(|e| TorchError::Archive {
-            path: path.clone(),
-            what: format!("finishing the archive: {e}"),
+        let zip = self.zip.take().ok_or_else(|| TorchError::Archive {
+            path: self.path.clone(),
+            what: "finished twice".into(),
         })?;
-        let tmp = buf.into_inner().map_err(|e| io(e.into_error()))?;
-        tmp.as_file().sync_all().map_err(io)?;
-        tmp.persist(&path).map_err(|e| io(e.error))?;
+        let sink = zip
+            .finish()
+            .map_err(|e| archive_error(&self.path, "finishing the archive", e))?;
+        if sink.discarding() {
+            return Err(TorchError::Archive {
+                path: self.path.clone(),
+                what: "finishing the archive after a failed write".into(),
+            });
+        }
+        sink.file.finish()?;
         Ok(())
+    }
+}
+
+impl Drop for PtWriter {
+    fn drop(&mut self) {
+        self.discarding.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A zip error, naming the file; an I/O cause is shown as such (e.g. "No space left on device").
+fn archive_error(path: &Path, doing: &str, e: zip::result::ZipError) -> TorchError {
+    match e {
+        zip::result::ZipError::Io(cause) => TorchError::Io {
+            path: path.to_path_buf(),
+            cause,
+        },
+        other => TorchError::Archive {
+            path: path.to_path_buf(),
+            what: format!("{doing}: {other}"),
+        },
+    }
+}
+
+/// Where the archive's bytes go. `ZipWriter`'s drop finishes an unfinished archive and, if that
+/// fails, prints a debug line to stderr (`ZipWriter drop failed: Io(…)`) on top of the real
+/// error. So after the first write error, or once the [`PtWriter`] is dropped unfinished, the
+/// sink takes bytes and seeks without writing them, keeping the position a file would have:
+/// the drop then has nothing to fail on, and the temporary file is removed with the sink.
+struct Sink {
+    file: AtomicFile,
+    /// Set on the first error and when abandoned; shared with the [`PtWriter`].
+    discarding: Arc<AtomicBool>,
+    position: u64,
+    len: u64,
+}
+
+impl Sink {
+    fn discarding(&self) -> bool {
+        self.discarding.load(Ordering::Relaxed)
+    }
+
+    fn moved_to(&mut self, position: u64) -> u64 {
+        self.position = position;
+        self.len = self.len.max(position);
+        position
+    }
+
+    /// `result`, switching to discarding on an error.
+    fn note<T>(&self, result: std::io::Result<T>) -> std::io::Result<T> {
+        if result
+            .as_ref()
+            .is_err_and(|e| e.kind() != std::io::ErrorKind::Interrupted)
+        {
+            self.discarding.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+impl Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = match self.discarding() {
+            true => buf.len(),
+            false => {
+                let written = self.file.write(buf);
+                self.note(written)?
+            }
+        };
+        self.moved_to(self.position + n as u64);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self.discarding() {
+            true => Ok(()),
+            false => {
+                let flushed = self.file.flush();
+                self.note(flushed)
+            }
+        }
+    }
+}
+
+impl Seek for Sink {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        if !self.discarding() {
+            let moved = self.file.seek(pos);
+            let moved = self.note(moved)?;
+            return Ok(self.moved_to(moved));
+        }
+        let target = match pos {
+            SeekFrom::Start(n) => Some(n),
+            SeekFrom::Current(d) => self.position.checked_add_signed(d),
+            SeekFrom::End(d) => self.len.checked_add_signed(d),
+        };
+        let target = target.ok_or_else(|| std::io::Error::other("seek before the start"))?;
+        Ok(self.moved_to(target))
     }
 }
 

@@ -142,27 +142,88 @@ fn msg(role: Role, content: &str) -> Message {
     }
 }
 
+/// How a conversation's role tag reads.
+enum Tag {
+    /// A role the template encodes.
+    Role(Role),
+    /// The system tag (which only the first message may carry).
+    System,
+    /// None of the configured tags.
+    Unknown,
+}
+
+/// `messages[i]`'s role tag: the message must be an object with a string role.
+fn role_tag<'a>(c: &Columns, i: usize, m: &'a Value) -> Result<&'a str, RecordError> {
+    let path = format!("{}[{i}]", c.messages);
+    let Value::Object(m) = m else {
+        return Err(RecordError::wrong_type(&path, "an object", m));
+    };
+    match m.get(&c.role_tag) {
+        Some(Value::String(s)) => Ok(s),
+        None | Some(Value::Null) => Err(RecordError::missing(&format!("{path}.{}", c.role_tag))),
+        Some(other) => Err(RecordError::wrong_type(
+            &format!("{path}.{}", c.role_tag),
+            "a string",
+            other,
+        )),
+    }
+}
+
+/// `messages[i]`'s content: a string, or `None` when absent or null.
+fn content<'a>(c: &Columns, i: usize, m: &'a Value) -> Result<Option<&'a str>, RecordError> {
+    match m.get(&c.content_tag) {
+        Some(Value::String(s)) => Ok(Some(s)),
+        None | Some(Value::Null) => Ok(None),
+        Some(other) => Err(RecordError::wrong_type(
+            &format!("{}[{i}].{}", c.messages, c.content_tag),
+            "a string",
+            other,
+        )),
+    }
+}
+
+impl Columns {
+    fn tag(&self, tag: &str) -> Tag {
+        let roles = [
+            (&self.user_tag, Role::User),
+            (&self.assistant_tag, Role::Assistant),
+            (&self.observation_tag, Role::Observation),
+            (&self.function_tag, Role::Function),
+        ];
+        match roles.into_iter().find(|(t, _)| *t == tag) {
+            Some((_, role)) => Tag::Role(role),
+            None if tag == self.system_tag => Tag::System,
+            None => Tag::Unknown,
+        }
+    }
+
+    /// The error for a role tag that is none of the configured ones.
+    fn unknown_role(&self, i: usize, tag: &str) -> RecordError {
+        RecordError::invalid(
+            "unknown role",
+            format!(
+                "{}[{i}].{} is {tag:?}, not one of {:?}, {:?}, {:?}, {:?} (or {:?} first); --map-keys renames the tags",
+                self.messages,
+                self.role_tag,
+                self.user_tag,
+                self.assistant_tag,
+                self.observation_tag,
+                self.function_tag,
+                self.system_tag
+            ),
+        )
+    }
+}
+
+// Records that are well formed but whose conversation MindSpeed-LLM's alignment skips without
+// an error (mindspeed_llm/tasks/preprocess/utils.py: roles out of turn order, an odd number of
+// messages, no final assistant turn, nothing besides a system prompt) are `RecordError::dropped`:
+// skipped and counted as it does, so that the output stays identical to its. A missing or
+// mistyped field, or an unknown role, is bad input: an error unless --skip-bad-records.
 impl ChatHandler<'_> {
     fn align_alpaca(&self, r: &Map<String, Value>) -> Result<Aligned, RecordError> {
         let c = &self.columns;
-        let mut prompt = Vec::new();
-        if let Some(Value::Array(history)) = c.history.as_ref().and_then(|h| r.get(h)) {
-            for (i, pair) in history.iter().enumerate() {
-                let pair = pair.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
-                    RecordError::invalid(
-                        "wrong type",
-                        format!("history[{i}] should be a [query, answer] pair"),
-                    )
-                })?;
-                let text = |v: &Value| {
-                    v.as_str().map(str::to_string).ok_or_else(|| {
-                        RecordError::wrong_type(&format!("history[{i}]"), "strings", v)
-                    })
-                };
-                prompt.push(msg(Role::User, &text(&pair[0])?));
-                prompt.push(msg(Role::Assistant, &text(&pair[1])?));
-            }
-        }
+        let mut prompt = self.alpaca_history(r)?;
         let parts: Vec<&str> = [opt_str_field(r, &c.prompt)?, opt_str_field(r, &c.query)?]
             .into_iter()
             .filter(|s| !s.is_empty())
@@ -170,6 +231,12 @@ impl ChatHandler<'_> {
         prompt.push(msg(Role::User, &parts.join("\n")));
         let response = match r.get(&c.response) {
             Some(Value::String(s)) => vec![msg(Role::Assistant, s)],
+            Some(Value::Array(a)) if a.is_empty() => {
+                return Err(RecordError::invalid(
+                    "missing field",
+                    format!("field {:?} is an empty list: no response", c.response),
+                ))
+            }
             Some(Value::Array(a)) => a
                 .iter()
                 .map(|v| v.as_str().map(|s| msg(Role::Assistant, s)))
@@ -181,11 +248,13 @@ impl ChatHandler<'_> {
                         &r[&c.response],
                     )
                 })?,
-            _ => {
-                return Err(RecordError::dropped(format!(
-                    "no {:?} response",
-                    c.response
-                )))
+            None | Some(Value::Null) => return Err(RecordError::missing(&c.response)),
+            Some(other) => {
+                return Err(RecordError::wrong_type(
+                    &c.response,
+                    "a string or list of strings",
+                    other,
+                ))
             }
         };
         let system = match &c.system {
@@ -197,6 +266,41 @@ impl ChatHandler<'_> {
             response,
             system,
         })
+    }
+
+    /// The `[[query, answer], ...]` history column as messages (none when absent or null).
+    fn alpaca_history(&self, r: &Map<String, Value>) -> Result<Vec<Message>, RecordError> {
+        let Some(column) = &self.columns.history else {
+            return Ok(Vec::new());
+        };
+        let history = match r.get(column) {
+            None | Some(Value::Null) => return Ok(Vec::new()),
+            Some(Value::Array(h)) => h,
+            Some(other) => {
+                return Err(RecordError::wrong_type(
+                    column,
+                    "a list of [query, answer] pairs",
+                    other,
+                ))
+            }
+        };
+        let mut prompt = Vec::with_capacity(2 * history.len());
+        for (i, pair) in history.iter().enumerate() {
+            let pair = pair.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
+                RecordError::invalid(
+                    "wrong type",
+                    format!("{column}[{i}] should be a [query, answer] pair"),
+                )
+            })?;
+            let text = |v: &Value| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| RecordError::wrong_type(&format!("{column}[{i}]"), "strings", v))
+            };
+            prompt.push(msg(Role::User, &text(&pair[0])?));
+            prompt.push(msg(Role::Assistant, &text(&pair[1])?));
+        }
+        Ok(prompt)
     }
 
     fn align_sharegpt(&self, r: &Map<String, Value>) -> Result<Aligned, RecordError> {
@@ -219,74 +323,51 @@ impl ChatHandler<'_> {
                 ))
             }
         };
-        let role_of = |m: &Value| {
-            m.get(&c.role_tag)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        };
-        let mut messages: &[Value] = messages;
         let mut system = match &c.system {
             Some(s) => opt_str_field(r, s)?.to_string(),
             None => String::new(),
         };
-        if let Some(first) = messages.first() {
-            if role_of(first).as_deref() == Some(c.system_tag.as_str()) {
-                system = first
-                    .get(&c.content_tag)
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string();
-                messages = &messages[1..];
+        let mut first = 0;
+        if let Some(m) = messages.first() {
+            if matches!(c.tag(role_tag(c, 0, m)?), Tag::System) {
+                system = content(c, 0, m)?.unwrap_or("").to_string();
+                first = 1;
             }
         }
-        if messages.is_empty() {
+        if messages.len() == first {
             return Err(RecordError::dropped(
                 "no messages besides the system prompt",
             ));
         }
-        let map_role = |tag: &str| -> Option<Role> {
-            if tag == c.user_tag {
-                Some(Role::User)
-            } else if tag == c.assistant_tag {
-                Some(Role::Assistant)
-            } else if tag == c.observation_tag {
-                Some(Role::Observation)
-            } else if tag == c.function_tag {
-                Some(Role::Function)
-            } else {
-                None
-            }
-        };
         let mut aligned = Vec::new();
-        for (i, m) in messages.iter().enumerate() {
-            let tag = role_of(m).unwrap_or_default();
-            let role = map_role(&tag);
-            let expected_user = i % 2 == 0;
+        for (turn, (i, m)) in messages.iter().enumerate().skip(first).enumerate() {
+            let tag = role_tag(c, i, m)?;
+            let role = match c.tag(tag) {
+                Tag::Role(role) => role,
+                Tag::System => {
+                    return Err(RecordError::dropped(format!(
+                        "message {i}: role {tag:?} after the first message"
+                    )))
+                }
+                Tag::Unknown => return Err(c.unknown_role(i, tag)),
+            };
             let in_place = matches!(
-                (role, expected_user),
-                (Some(Role::User | Role::Observation), true)
-                    | (Some(Role::Assistant | Role::Function), false)
+                (role, turn % 2 == 0),
+                (Role::User | Role::Observation, true) | (Role::Assistant | Role::Function, false)
             );
             if !openai && !in_place {
                 return Err(RecordError::dropped(format!(
                     "message {i}: role {tag:?} out of turn order"
                 )));
             }
-            let Some(role) = role else {
-                return Err(RecordError::dropped(format!(
-                    "message {i}: unknown role {tag:?}"
-                )));
-            };
-            match m.get(&c.content_tag) {
-                Some(Value::String(s)) => aligned.push(msg(role, s)),
-                None | Some(Value::Null) if openai => aligned.push(msg(role, "")),
-                None | Some(Value::Null) => {}
-                Some(other) => {
-                    return Err(RecordError::wrong_type(
-                        &format!("{}[{i}].{}", c.messages, c.content_tag),
-                        "a string",
-                        other,
-                    ))
+            match content(c, i, m)? {
+                Some(s) => aligned.push(msg(role, s)),
+                None if openai => aligned.push(msg(role, "")),
+                None => {
+                    return Err(RecordError::missing(&format!(
+                        "{}[{i}].{}",
+                        c.messages, c.content_tag
+                    )))
                 }
             }
         }
@@ -314,6 +395,23 @@ impl ChatHandler<'_> {
 impl Handler for ChatHandler<'_> {
     fn keys(&self) -> Vec<String> {
         INSTRUCTION_KEYS.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn columns(&self) -> Vec<String> {
+        let c = &self.columns;
+        let mut names = match self.format {
+            ChatFormat::Alpaca => {
+                let history = c.history.iter().cloned();
+                [c.prompt.clone(), c.query.clone(), c.response.clone()]
+                    .into_iter()
+                    .chain(history)
+                    .collect()
+            }
+            // `messages` too: OpenAI records are recognised by that column.
+            ChatFormat::Sharegpt => vec![c.messages.clone(), Columns::openai().messages],
+        };
+        names.extend(c.system.iter().cloned());
+        names
     }
 
     fn process(&self, record: &Map<String, Value>) -> Result<Document, RecordError> {

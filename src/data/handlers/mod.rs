@@ -92,6 +92,9 @@ pub type Document = Vec<Vec<Vec<i64>>>;
 pub trait Handler: Sync + Send {
     /// Output key names; the output files are `{prefix}_{key}_document`.
     fn keys(&self) -> Vec<String>;
+    /// The top-level record fields `process` reads: parquet and arrow inputs convert only these
+    /// columns (so an unrelated binary column is not decoded as text, nor checked).
+    fn columns(&self) -> Vec<String>;
     /// Turn one record into one document per key.
     fn process(&self, record: &Map<String, Value>) -> Result<Document, RecordError>;
 }

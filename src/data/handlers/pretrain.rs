@@ -25,6 +25,10 @@ impl Handler for Pretrain<'_> {
         self.json_keys.clone()
     }
 
+    fn columns(&self) -> Vec<String> {
+        self.json_keys.clone()
+    }
+
     fn process(&self, record: &Map<String, Value>) -> Result<Document, RecordError> {
         let mut doc = Vec::with_capacity(self.json_keys.len());
         for key in &self.json_keys {

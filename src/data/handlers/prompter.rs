@@ -158,6 +158,15 @@ impl Handler for PrompterHandler<'_> {
         INSTRUCTION_KEYS.iter().map(|s| s.to_string()).collect()
     }
 
+    fn columns(&self) -> Vec<String> {
+        let fields: &[&str] = match self.kind {
+            PrompterKind::Alpaca => &["instruction", "input", "output"],
+            PrompterKind::Belle => &["instruction", "output"],
+            PrompterKind::Moss => &["chat"],
+        };
+        fields.iter().map(|s| s.to_string()).collect()
+    }
+
     fn process(&self, record: &Map<String, Value>) -> Result<Document, RecordError> {
         let turns = match self.kind {
             PrompterKind::Alpaca => {

@@ -1,0 +1,827 @@
+//! The CPU backend: the reference every other backend is checked against. rayon over rows,
+//! heads and blocks; every operator computes in f32 and stores its output in the dtype of its
+//! main input (f32, or bf16/f16 rounded to nearest even). Inference weights are packed as
+//! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; other matrices go through
+//! the `gemm` crate ([`gemm`]). The kernels live one family a file.
+
+mod attention;
+mod gemm;
+mod loss;
+mod norm;
+mod optim;
+mod rope;
+mod swiglu;
+#[cfg(test)]
+mod testing;
+
+use super::panel::{PanelType, Panels};
+use super::simd::{dot, narrow_bf16, widen};
+use super::{
+    ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
+    Segment, SharedOut,
+};
+use crate::ckpt::tensor::{decode_f32, encode_f32};
+use crate::ckpt::torch::pickle::DType;
+use gemm::{gemm_into, Store, Strided};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// The CPU backend (threads: rayon's pool, `RAYON_NUM_THREADS`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cpu;
+
+/// A tensor in host memory.
+#[derive(Debug, Clone)]
+pub struct CpuTensor {
+    shape: Vec<usize>,
+    data: Data,
+}
+
+#[derive(Debug, Clone)]
+enum Data {
+    F32(Vec<f32>),
+    /// F16 or BF16 bits.
+    Half(DType, Vec<u16>),
+    /// An inference matmul weight `[m, k]` packed for the panel kernel.
+    Panels(Panels),
+}
+
+impl CpuTensor {
+    fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
+        debug_assert_eq!(values.len(), shape.iter().product::<usize>());
+        CpuTensor {
+            shape,
+            data: Data::F32(values),
+        }
+    }
+
+    /// f32 values stored in `dtype` (f32, or bf16/f16 rounded to nearest even).
+    fn stored(shape: Vec<usize>, values: Vec<f32>, dtype: DType) -> Self {
+        let data = match dtype {
+            DType::BF16 => {
+                let mut bits = vec![0u16; values.len()];
+                narrow_bf16(&values, &mut bits);
+                Data::Half(dtype, bits)
+            }
+            DType::F16 => Data::Half(
+                dtype,
+                values
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v).to_bits())
+                    .collect(),
+            ),
+            _ => Data::F32(values),
+        };
+        CpuTensor { shape, data }
+    }
+
+    fn dtype(&self) -> DType {
+        match &self.data {
+            Data::F32(_) => DType::F32,
+            Data::Half(d, _) => *d,
+            Data::Panels(p) => p.dtype(),
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Its values as f32: borrowed, or widened.
+    fn values(&self) -> Cow<'_, [f32]> {
+        match &self.data {
+            Data::F32(v) => Cow::Borrowed(v),
+            _ => {
+                let mut buf = Vec::new();
+                Cow::Owned(self.row_block(0, self.rows(), &mut buf).to_vec())
+            }
+        }
+    }
+
+    /// Its f32 values to update in place; an error for a half or packed tensor.
+    fn f32_mut(&mut self, op: &'static str) -> Result<&mut [f32]> {
+        match &mut self.data {
+            Data::F32(v) => Ok(v),
+            _ => Err(EngineError::Invalid {
+                op,
+                msg: format!("an f32 tensor is updated in place, got {:?}", self.shape),
+            }),
+        }
+    }
+
+    /// Row length (product of all dimensions but the first).
+    fn cols(&self) -> usize {
+        self.shape[1..].iter().product()
+    }
+
+    fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Row `i` as f32: borrowed for f32 data, widened into `buf` otherwise.
+    fn row<'a>(&'a self, i: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        self.row_block(i, i + 1, buf)
+    }
+
+    /// Rows `from..to` as f32 (borrowed or widened into `buf`).
+    fn row_block<'a>(&'a self, from: usize, to: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        let c = self.cols();
+        match &self.data {
+            Data::F32(v) => &v[from * c..to * c],
+            Data::Half(dtype, bits) => {
+                buf.resize((to - from) * c, 0.0);
+                widen(&bits[from * c..to * c], *dtype, buf);
+                buf
+            }
+            Data::Panels(panels) => {
+                panels.unpack_rows(from, to, buf);
+                buf
+            }
+        }
+    }
+}
+
+/// Rows of `x` at or below which a matmul runs as dot products (decoding), above as GEMM.
+const SKINNY_ROWS: usize = 4;
+/// Weight rows per parallel task.
+const ROW_BLOCK: usize = 64;
+
+impl Cpu {
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ` as dot products, blocks of weight rows in parallel.
+    fn matmul_skinny(
+        &self,
+        x: &[f32],
+        w: &CpuTensor,
+        (n, k, m): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let blocks: Vec<Vec<f32>> = (0..m.div_ceil(ROW_BLOCK))
+            .into_par_iter()
+            .map_init(Vec::new, |buf, b| {
+                let (j0, j1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+                let rows = w.row_block(j0, j1, buf);
+                let mut out = vec![0f32; n * (j1 - j0)];
+                for (j, wrow) in rows.chunks_exact(k).enumerate() {
+                    for i in 0..n {
+                        out[i * (j1 - j0) + j] = dot(&x[i * k..(i + 1) * k], wrow);
+                    }
+                }
+                out
+            })
+            .collect();
+        let mut out = vec![0f32; n * m];
+        for (b, block) in blocks.iter().enumerate() {
+            let (j0, width) = (b * ROW_BLOCK, block.len() / n);
+            for i in 0..n {
+                out[i * m + j0..i * m + j0 + width]
+                    .copy_from_slice(&block[i * width..(i + 1) * width]);
+            }
+        }
+        out
+    }
+
+    /// The same product as GEMM calls on column blocks of the output, in parallel.
+    fn matmul_gemm(&self, x: &[f32], w: &CpuTensor, (n, k, m): (usize, usize, usize)) -> Vec<f32> {
+        let mut out = vec![0f32; n * m];
+        let shared = SharedOut(out.as_mut_ptr());
+        (0..m.div_ceil(ROW_BLOCK))
+            .into_par_iter()
+            .for_each_init(Vec::new, |buf, b| {
+                let (j0, j1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+                let rows = w.row_block(j0, j1, buf);
+                // SAFETY: the task writes columns j0..j1 of the n × m output only (row stride
+                // m); blocks are disjoint. x is n × k row-major; rows is (j1 - j0) × k, read
+                // as its transpose (k × (j1 - j0)). All indices lie inside the buffers.
+                unsafe {
+                    gemm_into(
+                        shared.at(j0),
+                        m,
+                        (n, j1 - j0, k),
+                        Strided::rows(x, 0, k),
+                        Strided::columns(rows, 0, k),
+                        1.0,
+                        Store::Overwrite,
+                    );
+                }
+            });
+        out
+    }
+}
+
+/// `Invalid` unless `a` has `shape`.
+fn expect_shape(op: &'static str, what: &str, t: &CpuTensor, shape: &[usize]) -> Result<()> {
+    ensure(t.shape == shape, op, || {
+        format!("{what} is {:?}, expected {shape:?}", t.shape)
+    })
+}
+
+/// `Invalid` unless every segment lies inside `0..rows`, in order, without gaps.
+fn check_segments(op: &'static str, segments: &[Range<usize>], rows: usize) -> Result<()> {
+    let mut at = 0;
+    for s in segments {
+        ensure(s.start == at && s.end > s.start, op, || {
+            format!("segment {s:?} does not continue at row {at}")
+        })?;
+        at = s.end;
+    }
+    ensure(at == rows, op, || {
+        format!("segments cover {at} rows of {rows}")
+    })
+}
+
+impl Device for Cpu {
+    type Tensor = CpuTensor;
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn supports(&self, op: Op, dtype: DType) -> bool {
+        let float = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+        match op {
+            // Updated in place as f32: gradients, main parameters, moments.
+            Op::AdamW | Op::EmbeddingBwd => dtype == DType::F32,
+            _ => float,
+        }
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
+        let data = match t.dtype {
+            DType::F32 => {
+                let mut v = vec![0f32; t.data.len() / 4];
+                decode_f32(&t.data, DType::F32, &mut v)
+                    .map_err(|msg| EngineError::Invalid { op: "upload", msg })?;
+                Data::F32(v)
+            }
+            DType::F16 | DType::BF16 => Data::Half(
+                t.dtype,
+                t.data
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            other => {
+                return Err(EngineError::Unsupported {
+                    op: "upload",
+                    dtype: other,
+                    device: self.describe(),
+                })
+            }
+        };
+        Ok(CpuTensor {
+            shape: t.shape.clone(),
+            data,
+        })
+    }
+
+    /// Packed as panels where the AVX-512 kernel runs, so that no matmul packs or widens
+    /// weights again; as [`Device::upload`] elsewhere.
+    fn upload_matrix(&self, t: &HostTensor) -> Result<CpuTensor> {
+        match PanelType::for_weights(t.dtype) {
+            Some(ty) if t.shape.len() == 2 => Ok(CpuTensor {
+                shape: t.shape.clone(),
+                data: Data::Panels(Panels::pack(ty, &t.data, (t.shape[0], t.shape[1])).map_err(
+                    |e| EngineError::Invalid {
+                        op: "upload_matrix",
+                        msg: e.to_string(),
+                    },
+                )?),
+            }),
+            _ => self.upload(t),
+        }
+    }
+
+    fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Result<CpuTensor> {
+        ensure(
+            values.len() == shape.iter().product::<usize>(),
+            "upload_f32",
+            || format!("{} values for {shape:?}", values.len()),
+        )?;
+        Ok(CpuTensor::new(shape.to_vec(), values.to_vec()))
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CpuTensor> {
+        let n = shape.iter().product();
+        Ok(CpuTensor::stored(shape.to_vec(), vec![0f32; n], dtype))
+    }
+
+    fn download_f32(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.values().into_owned())
+    }
+
+    fn download(&self, t: &CpuTensor) -> Result<HostTensor> {
+        let dtype = match t.dtype() {
+            d @ (DType::BF16 | DType::F16) if matches!(t.data, Data::Half(..)) => d,
+            _ => DType::F32,
+        };
+        let values = t.values();
+        let mut bytes = vec![0u8; values.len() * dtype.size()];
+        encode_f32(&values, dtype, &mut bytes).map_err(|msg| EngineError::Invalid {
+            op: "download",
+            msg,
+        })?;
+        Ok(HostTensor::new(dtype, t.shape.clone(), bytes))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn shape<'a>(&self, t: &'a CpuTensor) -> &'a [usize] {
+        &t.shape
+    }
+
+    fn dtype(&self, t: &CpuTensor) -> DType {
+        t.dtype()
+    }
+}
+
+impl Backend for Cpu {
+    fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
+        let (v, h) = (table.rows(), table.cols());
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
+            return Err(EngineError::Invalid {
+                op: "embedding",
+                msg: format!("token id {bad} outside the table's {v} rows"),
+            });
+        }
+        let mut out = vec![0f32; ids.len() * h];
+        out.par_chunks_mut(h)
+            .zip(ids)
+            .for_each_init(Vec::new, |buf, (o, &id)| {
+                o.copy_from_slice(table.row(id as usize, buf));
+            });
+        Ok(CpuTensor::new(vec![ids.len(), h], out))
+    }
+
+    fn embedding_bwd(&self, dy: &CpuTensor, ids: &[u32], dtable: &mut CpuTensor) -> Result<()> {
+        let (v, h) = (dtable.rows(), dtable.cols());
+        expect_shape("embedding_bwd", "dy", dy, &[ids.len(), h])?;
+        ensure(
+            ids.iter().all(|&id| (id as usize) < v),
+            "embedding_bwd",
+            || "token id outside the table".into(),
+        )?;
+        optim::embedding_bwd(&dy.values(), ids, h, dtable.f32_mut("embedding_bwd")?);
+        Ok(())
+    }
+
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let c = x.cols();
+        ensure(rows.iter().all(|&r| r < x.rows()), "select_rows", || {
+            format!("rows {rows:?} of {}", x.rows())
+        })?;
+        let v = x.values();
+        let out = rows
+            .iter()
+            .flat_map(|&r| &v[r * c..(r + 1) * c])
+            .copied()
+            .collect();
+        Ok(CpuTensor::stored(vec![rows.len(), c], out, x.dtype()))
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        gamma: &CpuTensor,
+        eps: f64,
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        let (n, h) = (x.rows(), x.cols());
+        ensure(gamma.numel() == h, "rms_norm", || {
+            format!("γ of {} for rows of {h}", gamma.numel())
+        })?;
+        let (mut y, mut rstd) = (vec![0f32; n * h], vec![0f32; n]);
+        norm::rms_norm_fwd(&x.values(), &gamma.values(), eps as f32, &mut y, &mut rstd);
+        Ok((
+            CpuTensor::stored(x.shape.clone(), y, x.dtype()),
+            CpuTensor::new(vec![n], rstd),
+        ))
+    }
+
+    fn rms_norm_bwd(
+        &self,
+        dy: &CpuTensor,
+        x: &CpuTensor,
+        gamma: &CpuTensor,
+        rstd: &CpuTensor,
+        dgamma: Option<&mut CpuTensor>,
+    ) -> Result<CpuTensor> {
+        let (n, h) = (x.rows(), x.cols());
+        expect_shape("rms_norm_bwd", "dy", dy, &x.shape)?;
+        expect_shape("rms_norm_bwd", "rstd", rstd, &[n])?;
+        ensure(
+            gamma.numel() == h && dgamma.as_ref().is_none_or(|d| d.numel() == h),
+            "rms_norm_bwd",
+            || "γ / dγ length".into(),
+        )?;
+        let mut dx = vec![0f32; n * h];
+        let dgamma = match dgamma {
+            Some(d) => Some(d.f32_mut("rms_norm_bwd")?),
+            None => None,
+        };
+        norm::rms_norm_bwd(
+            &dy.values(),
+            &x.values(),
+            &gamma.values(),
+            &rstd.values(),
+            &mut dx,
+            dgamma,
+        );
+        Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
+        let (n, k, m) = (x.rows(), x.cols(), w.rows());
+        ensure(w.cols() == k, "matmul", || {
+            format!("[{n}, {k}] by {:?}ᵀ", w.shape)
+        })?;
+        let xs = x.values();
+        let mut out = if let Data::Panels(panels) = &w.data {
+            panels.matmul(&xs, n)
+        } else if n <= SKINNY_ROWS {
+            self.matmul_skinny(&xs, w, (n, k, m))
+        } else {
+            self.matmul_gemm(&xs, w, (n, k, m))
+        };
+        if let Some(b) = bias {
+            ensure(b.numel() == m, "matmul", || {
+                format!("bias of {} for {m} outputs", b.numel())
+            })?;
+            let b = b.values();
+            out.par_chunks_mut(m)
+                .for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
+        }
+        Ok(CpuTensor::stored(vec![n, m], out, x.dtype()))
+    }
+
+    fn matmul_bwd(
+        &self,
+        dy: &CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        dw: Option<&mut CpuTensor>,
+        dbias: Option<&mut CpuTensor>,
+    ) -> Result<CpuTensor> {
+        let (n, k, m) = (x.rows(), x.cols(), w.rows());
+        expect_shape("matmul_bwd", "dy", dy, &[n, m])?;
+        let (dys, ws) = (dy.values(), w.values());
+        let mut dx = vec![0f32; n * k];
+        gemm::matmul(&dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
+        if let Some(dw) = dw {
+            expect_shape("matmul_bwd", "dw", dw, &[m, k])?;
+            gemm::matmul_tn_acc(&dys, &x.values(), (n, m, k), dw.f32_mut("matmul_bwd")?);
+        }
+        if let Some(db) = dbias {
+            ensure(db.numel() == m, "matmul_bwd", || "dbias length".into())?;
+            let db = db.f32_mut("matmul_bwd")?;
+            for row in dys.chunks_exact(m) {
+                db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+            }
+        }
+        Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
+    }
+
+    fn split_qkv(
+        &self,
+        qkv: &CpuTensor,
+        s: AttentionShape,
+    ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
+        let (n, d) = (qkv.rows(), s.head_dim);
+        let per_group = s.heads / s.groups;
+        ensure(
+            qkv.cols() == s.groups * (per_group + 2) * d,
+            "split_qkv",
+            || format!("{:?} for {s:?}", qkv.shape),
+        )?;
+        let mut q = Vec::with_capacity(n * s.heads * d);
+        let mut k = Vec::with_capacity(n * s.groups * d);
+        let mut v = Vec::with_capacity(n * s.groups * d);
+        for row in qkv.values().chunks_exact(qkv.cols()) {
+            for group in row.chunks_exact((per_group + 2) * d) {
+                q.extend_from_slice(&group[..per_group * d]);
+                k.extend_from_slice(&group[per_group * d..(per_group + 1) * d]);
+                v.extend_from_slice(&group[(per_group + 1) * d..]);
+            }
+        }
+        let dt = qkv.dtype();
+        Ok((
+            CpuTensor::stored(vec![n, s.heads * d], q, dt),
+            CpuTensor::stored(vec![n, s.groups * d], k, dt),
+            CpuTensor::stored(vec![n, s.groups * d], v, dt),
+        ))
+    }
+
+    fn merge_qkv(
+        &self,
+        dq: &CpuTensor,
+        dk: &CpuTensor,
+        dv: &CpuTensor,
+        s: AttentionShape,
+    ) -> Result<CpuTensor> {
+        let (n, d) = (dq.rows(), s.head_dim);
+        let per_group = s.heads / s.groups;
+        expect_shape("merge_qkv", "dq", dq, &[n, s.heads * d])?;
+        expect_shape("merge_qkv", "dk", dk, &[n, s.groups * d])?;
+        expect_shape("merge_qkv", "dv", dv, &[n, s.groups * d])?;
+        let (q, k, v) = (dq.values(), dk.values(), dv.values());
+        let width = s.groups * (per_group + 2) * d;
+        let mut out = Vec::with_capacity(n * width);
+        for r in 0..n {
+            for g in 0..s.groups {
+                let qa = r * s.heads * d + g * per_group * d;
+                let ka = (r * s.groups + g) * d;
+                out.extend_from_slice(&q[qa..qa + per_group * d]);
+                out.extend_from_slice(&k[ka..ka + d]);
+                out.extend_from_slice(&v[ka..ka + d]);
+            }
+        }
+        Ok(CpuTensor::stored(vec![n, width], out, dq.dtype()))
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        cos: &CpuTensor,
+        sin: &CpuTensor,
+        inverse: bool,
+    ) -> Result<()> {
+        let width = x.cols();
+        ensure(
+            cos.shape == sin.shape
+                && cos.rows() == x.rows()
+                && width.is_multiple_of(2 * cos.cols()),
+            "rope",
+            || format!("x {:?} with cos/sin {:?}", x.shape, cos.shape),
+        )?;
+        let (cos, sin) = (cos.values(), sin.values());
+        match &mut x.data {
+            Data::F32(v) => rope::rope(v, width, &cos, &sin, inverse),
+            _ => {
+                let mut v = x.values().into_owned();
+                rope::rope(&mut v, width, &cos, &sin, inverse);
+                *x = CpuTensor::stored(x.shape.clone(), v, x.dtype());
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        segments: &[Range<usize>],
+        s: AttentionShape,
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        let n = q.rows();
+        expect_shape("attention", "q", q, &[n, s.heads * s.head_dim])?;
+        expect_shape("attention", "k", k, &[n, s.groups * s.head_dim])?;
+        expect_shape("attention", "v", v, &[n, s.groups * s.head_dim])?;
+        check_segments("attention", segments, n)?;
+        let (mut o, mut lse) = (
+            vec![0f32; n * s.heads * s.head_dim],
+            vec![0f32; n * s.heads],
+        );
+        let at = attention::Layout { shape: s, segments };
+        attention::attention_fwd(&q.values(), &k.values(), &v.values(), at, &mut o, &mut lse);
+        Ok((
+            CpuTensor::stored(q.shape.clone(), o, q.dtype()),
+            CpuTensor::new(vec![n, s.heads], lse),
+        ))
+    }
+
+    fn attention_bwd(
+        &self,
+        d_o: &CpuTensor,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        o: &CpuTensor,
+        lse: &CpuTensor,
+        segments: &[Range<usize>],
+        s: AttentionShape,
+    ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
+        let n = q.rows();
+        for (what, t) in [("dO", d_o), ("o", o)] {
+            expect_shape("attention_bwd", what, t, &q.shape)?;
+        }
+        expect_shape("attention_bwd", "lse", lse, &[n, s.heads])?;
+        check_segments("attention_bwd", segments, n)?;
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; q.numel()],
+            vec![0f32; k.numel()],
+            vec![0f32; v.numel()],
+        );
+        let at = attention::Layout { shape: s, segments };
+        attention::attention_bwd(
+            &d_o.values(),
+            &q.values(),
+            &k.values(),
+            &v.values(),
+            &o.values(),
+            &lse.values(),
+            at,
+            (&mut dq, &mut dk, &mut dv),
+        );
+        let dt = d_o.dtype();
+        Ok((
+            CpuTensor::stored(q.shape.clone(), dq, dt),
+            CpuTensor::stored(k.shape.clone(), dk, dt),
+            CpuTensor::stored(v.shape.clone(), dv, dt),
+        ))
+    }
+
+    fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> Result<CpuTensor> {
+        Ok(CpuTensor::new(
+            vec![slots, capacity, width],
+            vec![0f32; slots * capacity * width],
+        ))
+    }
+
+    fn kv_store(&self, cache: &mut CpuTensor, x: &CpuTensor, segments: &[Segment]) -> Result<()> {
+        let (slots, capacity, width) = (cache.shape[0], cache.shape[1], cache.shape[2]);
+        let rows = x.values();
+        ensure(
+            rows.len() == segments.iter().map(|s| s.len).sum::<usize>() * width,
+            "kv_store",
+            || "rows and segments disagree".into(),
+        )?;
+        let dst = cache.f32_mut("kv_store")?;
+        let mut r = 0;
+        for s in segments {
+            ensure(
+                s.slot < slots && s.past + s.len <= capacity,
+                "kv_store",
+                || format!("segment {s:?} outside the KV cache of {slots} × {capacity}"),
+            )?;
+            let at = (s.slot * capacity + s.past) * width;
+            dst[at..at + s.len * width].copy_from_slice(&rows[r * width..(r + s.len) * width]);
+            r += s.len;
+        }
+        Ok(())
+    }
+
+    fn cached_attention(
+        &self,
+        q: &CpuTensor,
+        k_cache: &CpuTensor,
+        v_cache: &CpuTensor,
+        segments: &[Segment],
+        s: AttentionShape,
+    ) -> Result<CpuTensor> {
+        let (slots, capacity, width) = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]);
+        let rows: usize = segments.iter().map(|seg| seg.len).sum();
+        expect_shape("cached_attention", "q", q, &[rows, s.heads * s.head_dim])?;
+        ensure(
+            width == s.groups * s.head_dim
+                && segments
+                    .iter()
+                    .all(|seg| seg.slot < slots && seg.past + seg.len <= capacity),
+            "cached_attention",
+            || "a segment lies outside the KV cache".into(),
+        )?;
+        let out = attention::cached_attention_fwd(
+            &q.values(),
+            &k_cache.values(),
+            &v_cache.values(),
+            (capacity, width),
+            segments,
+            s,
+        );
+        Ok(CpuTensor::stored(q.shape.clone(), out, q.dtype()))
+    }
+
+    fn swiglu(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let f = x.cols() / 2;
+        ensure(x.cols().is_multiple_of(2), "swiglu", || {
+            format!("odd width {}", x.cols())
+        })?;
+        let mut out = vec![0f32; x.rows() * f];
+        swiglu::swiglu_fwd(&x.values(), f, &mut out);
+        Ok(CpuTensor::stored(vec![x.rows(), f], out, x.dtype()))
+    }
+
+    fn swiglu_bwd(&self, dy: &CpuTensor, x: &CpuTensor) -> Result<CpuTensor> {
+        let f = x.cols() / 2;
+        expect_shape("swiglu_bwd", "dy", dy, &[x.rows(), f])?;
+        let mut dx = vec![0f32; x.numel()];
+        swiglu::swiglu_bwd(&dy.values(), &x.values(), f, &mut dx);
+        Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        expect_shape("add_assign", "y", y, &x.shape.clone())?;
+        let ys = y.values();
+        match &mut x.data {
+            Data::F32(v) => v
+                .par_iter_mut()
+                .zip(ys.par_iter())
+                .for_each(|(a, b)| *a += b),
+            _ => {
+                let mut v = x.values().into_owned();
+                v.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
+                *x = CpuTensor::stored(x.shape.clone(), v, x.dtype());
+            }
+        }
+        Ok(())
+    }
+
+    fn log_softmax(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let c = x.cols();
+        let mut out = x.values().into_owned();
+        out.par_chunks_mut(c).for_each(|row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+            let log_sum = sum.ln() as f32 + max;
+            row.iter_mut().for_each(|v| *v -= log_sum);
+        });
+        Ok(CpuTensor::new(x.shape.clone(), out))
+    }
+
+    fn cross_entropy(&self, logits: &CpuTensor, labels: &[u32]) -> Result<(CpuTensor, CpuTensor)> {
+        let (n, v) = (logits.rows(), logits.cols());
+        ensure(
+            labels.len() == n && labels.iter().all(|&l| (l as usize) < v),
+            "cross_entropy",
+            || format!("{} labels below {v} for {n} rows", labels.len()),
+        )?;
+        let (mut loss, mut lse) = (vec![0f32; n], vec![0f32; n]);
+        loss::cross_entropy_fwd(&logits.values(), labels, v, &mut loss, &mut lse);
+        Ok((CpuTensor::new(vec![n], loss), CpuTensor::new(vec![n], lse)))
+    }
+
+    fn cross_entropy_bwd(
+        &self,
+        logits: CpuTensor,
+        labels: &[u32],
+        lse: &CpuTensor,
+        dloss: &CpuTensor,
+    ) -> Result<CpuTensor> {
+        let (n, v) = (logits.rows(), logits.cols());
+        expect_shape("cross_entropy_bwd", "lse", lse, &[n])?;
+        expect_shape("cross_entropy_bwd", "dloss", dloss, &[n])?;
+        ensure(labels.len() == n, "cross_entropy_bwd", || "labels".into())?;
+        let dtype = logits.dtype();
+        let shape = logits.shape.clone();
+        let mut values = match logits.data {
+            Data::F32(v) => v,
+            _ => logits.values().into_owned(),
+        };
+        loss::cross_entropy_bwd(&mut values, labels, &lse.values(), &dloss.values(), v);
+        Ok(CpuTensor::stored(shape, values, dtype))
+    }
+
+    fn cast(&self, x: &CpuTensor, dtype: DType) -> Result<CpuTensor> {
+        ensure(self.supports(Op::Cast, dtype), "cast", || {
+            format!("to {dtype:?}")
+        })?;
+        Ok(CpuTensor::stored(
+            x.shape.clone(),
+            x.values().into_owned(),
+            dtype,
+        ))
+    }
+
+    fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
+        expect_shape("copy_into", "src", src, &dst.shape.clone())?;
+        *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype());
+        Ok(())
+    }
+
+    fn scaled(&self, x: &CpuTensor, s: f32) -> Result<CpuTensor> {
+        let mut v = x.values().into_owned();
+        optim::scale(&mut v, s);
+        Ok(CpuTensor::stored(x.shape.clone(), v, x.dtype()))
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) -> Result<()> {
+        optim::scale(x.f32_mut("scale")?, s);
+        Ok(())
+    }
+
+    fn sum_squares(&self, xs: &[&CpuTensor]) -> Result<f64> {
+        Ok(xs.iter().map(|x| optim::sum_squares(&x.values())).sum())
+    }
+
+    fn adamw(
+        &self,
+        param: &mut CpuTensor,
+        grad: &CpuTensor,
+        m: &mut CpuTensor,
+        v: &mut CpuTensor,
+        step: AdamWStep,
+    ) -> Result<()> {
+        for (what, t) in [("grad", grad), ("m", &*m), ("v", &*v)] {
+            expect_shape("adamw", what, t, &param.shape.clone())?;
+        }
+        let g = grad.values();
+        optim::adamw(
+            param.f32_mut("adamw")?,
+            &g,
+            m.f32_mut("adamw")?,
+            v.f32_mut("adamw")?,
+            step,
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,106 @@
+//! Optimizer kernels: AdamW (aclnnApplyAdamWV2) and the sum of squares behind the gradient
+//! norm (aclnnForeachNorm), and the embedding gradient (aclnnEmbeddingDenseBackward).
+
+use crate::engine::AdamWStep;
+use rayon::prelude::*;
+
+/// Elements per parallel task.
+const CHUNK: usize = 1 << 14;
+
+/// One AdamW step on `param` with `grad`, moments `m`, `v` updated in place, in the order and
+/// precision of torch's single-tensor `AdamW` (torch/optim/adamw.py, `_single_tensor_adam`
+/// with decoupled decay): `p ·= 1 − lr·wd; m = lerp(m, g, 1 − β₁); v = β₂v + (1 − β₂)g²;
+/// p −= lr/bc₁ · m / (√v/√bc₂ + ε)`.
+pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], a: AdamWStep) {
+    let (b1, b2) = a.betas;
+    let decay = (1.0 - a.lr * a.weight_decay) as f32;
+    let w1 = (1.0 - b1) as f32;
+    let (b2f, w2) = (b2 as f32, (1.0 - b2) as f32);
+    let bc1 = 1.0 - b1.powf(a.step as f64);
+    let bc2_sqrt = ((1.0 - b2.powf(a.step as f64)).sqrt()) as f32;
+    let step_size = (a.lr / bc1) as f32;
+    let eps = a.eps as f32;
+    param
+        .par_chunks_mut(CHUNK)
+        .zip(grad.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .for_each(|((p, g), (m, v))| {
+            for i in 0..p.len() {
+                p[i] *= decay;
+                m[i] += w1 * (g[i] - m[i]);
+                v[i] = v[i] * b2f + w2 * (g[i] * g[i]);
+                let denom = v[i].sqrt() / bc2_sqrt + eps;
+                p[i] += -step_size * (m[i] / denom);
+            }
+        });
+}
+
+/// `Σ x²` in f64 (chunks summed in a fixed order).
+pub fn sum_squares(x: &[f32]) -> f64 {
+    let parts: Vec<f64> = x
+        .par_chunks(CHUNK)
+        .map(|c| c.iter().map(|&v| f64::from(v) * f64::from(v)).sum())
+        .collect();
+    parts.iter().sum()
+}
+
+/// `x ·= s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    x.par_chunks_mut(CHUNK)
+        .for_each(|c| c.iter_mut().for_each(|v| *v *= s));
+}
+
+/// Columns per task of the embedding gradient.
+const EMBED_COLS: usize = 64;
+
+/// `dtable [v, h] += onehot(ids)ᵀ · dy` for `dy [n, h]`: each token's gradient row added to
+/// its id's row, tokens in order (column blocks in parallel, so no two tasks touch one value).
+pub fn embedding_bwd(dy: &[f32], ids: &[u32], h: usize, dtable: &mut [f32]) {
+    let blocks = h.div_ceil(EMBED_COLS);
+    let out = crate::engine::SharedOut(dtable.as_mut_ptr());
+    (0..blocks).into_par_iter().for_each(|b| {
+        let cols = b * EMBED_COLS..((b + 1) * EMBED_COLS).min(h);
+        for (t, &id) in ids.iter().enumerate() {
+            for c in cols.clone() {
+                // SAFETY: column block b belongs to this task alone; id < v is checked by the
+                // caller (ids index the table in the forward pass).
+                unsafe { *out.at(id as usize * h + c) += dy[t * h + c] };
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // torch 2.9.1: p = torch.tensor([1.0, -2.0, 0.5]); g = torch.tensor([0.1, 0.2, -0.3]);
+    // opt = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1);
+    // two steps with the same gradient.
+    #[test]
+    fn two_steps_equal_torch() {
+        let mut p = vec![1.0f32, -2.0, 0.5];
+        let g = [0.1f32, 0.2, -0.3];
+        let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
+        for step in 1..=2 {
+            let a = AdamWStep {
+                lr: 0.01,
+                betas: (0.9, 0.95),
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step,
+            };
+            adamw(&mut p, &g, &mut m, &mut v, a);
+        }
+        // Bit for bit.
+        assert_eq!(p, [0.978_011_1_f32, -2.015_992_2, 0.518_990_5]);
+    }
+
+    #[test]
+    fn embedding_gradients_add_per_id() {
+        let dy = [1.0f32, 2.0, 10.0, 20.0, 100.0, 200.0];
+        let mut table = vec![0f32; 3 * 2];
+        embedding_bwd(&dy, &[2, 0, 2], 2, &mut table);
+        assert_eq!(table, [10.0, 20.0, 0.0, 0.0, 101.0, 202.0]);
+    }
+}

@@ -1,0 +1,53 @@
+//! Rotary position embedding, half-rotation (`rotate_half`) mode, on every head of each row
+//! (aclnnRotaryPositionEmbedding mode 0, and its grad).
+//!
+//! Legend: n = rows, d = head dim, half = d/2; `cos`, `sin` are `[n, half]`. A head's
+//! `(x1, x2)` halves become `(x1·cos − x2·sin, x2·cos + x1·sin)`. The rotation is orthogonal,
+//! so its backward pass is the same rotation by −θ.
+
+use rayon::prelude::*;
+
+/// Rotate every head of `x [n, width]` in place; `inverse` rotates by −θ (the backward pass).
+pub fn rope(x: &mut [f32], width: usize, cos: &[f32], sin: &[f32], inverse: bool) {
+    let half = cos.len() / (x.len() / width).max(1);
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    x.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+        let (c, s) = (
+            &cos[r * half..(r + 1) * half],
+            &sin[r * half..(r + 1) * half],
+        );
+        for head in row.chunks_exact_mut(2 * half) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                // As transformers' `q·cos + rotate_half(q)·sin`, rounding for rounding.
+                let (x1, x2, s) = (a[i], b[i], sign * s[i]);
+                a[i] = x1 * c[i] + -x2 * s;
+                b[i] = x2 * c[i] + x1 * s;
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cpu::testing::{check_grad, seeded};
+
+    #[test]
+    fn backward_is_the_inverse_rotation() {
+        let (n, width, half) = (3, 8, 2);
+        let x = seeded(n * width, 1);
+        let angles = seeded(n * half, 2);
+        let cos: Vec<f32> = angles.iter().map(|a| (a * 3.0).cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| (a * 3.0).sin()).collect();
+        let dy = seeded(n * width, 3);
+        let loss = |x: &[f32]| {
+            let mut y = x.to_vec();
+            rope(&mut y, width, &cos, &sin, false);
+            y.iter().zip(&dy).map(|(a, b)| (a * b) as f64).sum::<f64>()
+        };
+        let mut dx = dy.clone();
+        rope(&mut dx, width, &cos, &sin, true);
+        check_grad("dx", &x, &dx, loss);
+    }
+}

@@ -1,0 +1,363 @@
+//! The LLaMA-family decoder for training: one micro-batch's forward pass, keeping what the
+//! backward pass needs, and the backward pass in exactly the reverse order (as llm.c writes
+//! `gpt2_forward` / `gpt2_backward`), over the engine's [`Backend`] operators.
+//!
+//! Legend: T = rows (tokens of the micro-batch, sequence after sequence), h = hidden,
+//! qw = heads·d, kw = groups·d, F = ffn, Vp = padded vocabulary. Parameters and gradients are
+//! indexed by the [`ParamTable`]; gradients are f32 and **accumulate** across micro-batches.
+
+use super::params::{LoraPart, ParamTable};
+use super::ModelSpec;
+use crate::ckpt::torch::pickle::DType;
+use crate::ckpt::transform::{Canon, Role};
+use crate::engine::{Backend, Result};
+use std::ops::Range;
+
+/// A linear layer: its weight, bias and LoRA factors in the table.
+#[derive(Debug, Clone, Copy)]
+struct Linear {
+    w: usize,
+    bias: Option<usize>,
+    /// `(A, B)` of its adapter.
+    lora: Option<(usize, usize)>,
+}
+
+/// Where each parameter of a layer sits in the table.
+#[derive(Debug, Clone, Copy)]
+struct LayerIds {
+    input_norm: usize,
+    qkv: Linear,
+    proj: Linear,
+    post_norm: usize,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+/// Where every parameter sits in the table, and which are trained.
+#[derive(Debug, Clone)]
+pub struct Ids {
+    embedding: usize,
+    layers: Vec<LayerIds>,
+    final_norm: usize,
+    /// `None` when the output layer is the embedding.
+    output: Option<usize>,
+    trainable: Vec<bool>,
+    /// LoRA's alpha / r.
+    lora_scale: f32,
+}
+
+impl Ids {
+    /// Look every parameter of a model of `layers` layers up in `table` (`lora_scale`: the
+    /// adapters' alpha / r, if any).
+    pub fn new(table: &ParamTable, layers: usize, lora_scale: f32) -> Option<Ids> {
+        let at = |role, layer| table.index(Canon { role, layer });
+        let linear = |role, bias: Option<Role>, layer| {
+            let canon = Canon { role, layer };
+            Some(Linear {
+                w: table.index(canon)?,
+                bias: bias.and_then(|b| at(b, layer)),
+                lora: table
+                    .lora_index(canon, LoraPart::A)
+                    .zip(table.lora_index(canon, LoraPart::B)),
+            })
+        };
+        let mut ids = Vec::with_capacity(layers);
+        for l in 0..layers {
+            let layer = Some(l);
+            ids.push(LayerIds {
+                input_norm: at(Role::InputNorm, layer)?,
+                qkv: linear(Role::Qkv, Some(Role::QkvBias), layer)?,
+                proj: linear(Role::Proj, Some(Role::ProjBias), layer)?,
+                post_norm: at(Role::PostNorm, layer)?,
+                fc1: linear(Role::Fc1, None, layer)?,
+                fc2: linear(Role::Fc2, None, layer)?,
+            });
+        }
+        Some(Ids {
+            embedding: at(Role::Embedding, None)?,
+            layers: ids,
+            final_norm: at(Role::FinalNorm, None)?,
+            output: at(Role::Output, None),
+            trainable: table.params.iter().map(|p| p.trainable).collect(),
+            lora_scale,
+        })
+    }
+
+    fn output(&self) -> usize {
+        self.output.unwrap_or(self.embedding)
+    }
+}
+
+/// One micro-batch.
+#[derive(Debug, Clone)]
+pub struct MicroBatch {
+    /// `[T]` input ids.
+    pub tokens: Vec<u32>,
+    /// `[T]` target ids.
+    pub labels: Vec<u32>,
+    /// `[T]` the gradient of the objective with respect to each row's loss (Megatron's
+    /// `mask / max(n, 1) / K`, or the mask itself with per-token loss).
+    pub dloss: Vec<f32>,
+    /// Attention segments (row ranges covering `0..T`): each sequence, or each document of it
+    /// with `--reset-attention-mask`.
+    pub segments: Vec<Range<usize>>,
+    /// `[T]` RoPE position of each row (0..S per sequence: Megatron's RoPE does not read
+    /// `position_ids`).
+    pub positions: Vec<usize>,
+}
+
+/// What one layer's backward pass needs of its forward pass.
+struct LayerSaved<T> {
+    /// Layer input (residual) `[T, h]`, and its normed form `[T, h]` with `rstd [T]`.
+    x: T,
+    h1: T,
+    rstd1: T,
+    /// Rotated queries and keys, values.
+    q: T,
+    k: T,
+    v: T,
+    /// Attention output `[T, qw]` and log-sum-exp `[T, heads]`.
+    o: T,
+    lse: T,
+    /// Residual after attention `[T, h]`, its normed form, rstd.
+    x_mid: T,
+    h2: T,
+    rstd2: T,
+    /// fc1 output `[T, 2F]` and the SwiGLU `[T, F]`.
+    up: T,
+    act: T,
+    /// `x·Aᵀ` `[T, r]` of each adapter (qkv, proj, fc1, fc2).
+    lora: [Option<T>; 4],
+}
+
+/// A micro-batch's forward pass: its per-row losses and what the backward pass needs.
+pub struct Forward<T> {
+    /// `[T]` per-row losses (f32, on the host).
+    pub losses: Vec<f32>,
+    layers: Vec<LayerSaved<T>>,
+    /// Final norm input `[T, h]`, its normed form and rstd.
+    x: T,
+    hf: T,
+    rstdf: T,
+    /// Logits `[T, Vp]` and their log-sum-exp `[T]`.
+    logits: T,
+    lse: T,
+    /// RoPE tables of the micro-batch.
+    cos: T,
+    sin: T,
+}
+
+/// Run one micro-batch forward, keeping what [`backward`] needs.
+pub fn forward<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    ids: &Ids,
+    params: &[B::Tensor],
+    batch: &MicroBatch,
+    activations: DType,
+) -> Result<Forward<B::Tensor>> {
+    let t = batch.tokens.len();
+    let shape = spec.attention;
+    let (cos, sin) = spec.rope_tables(&batch.positions);
+    let half = [t, shape.head_dim / 2];
+    let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
+    let eps = spec.norm_eps;
+    let mut x = b.embedding(&params[ids.embedding], &batch.tokens)?;
+    if activations != DType::F32 {
+        x = b.cast(&x, activations)?;
+    }
+    let mut layers = Vec::with_capacity(ids.layers.len());
+    for l in &ids.layers {
+        let (h1, rstd1) = b.rms_norm(&x, &params[l.input_norm], eps)?;
+        let (qkv, u_qkv) = linear_fwd(b, &h1, l.qkv, params, ids.lora_scale)?;
+        let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
+        b.rope(&mut q, &cos, &sin, false)?;
+        b.rope(&mut k, &cos, &sin, false)?;
+        let (o, lse) = b.attention(&q, &k, &v, &batch.segments, shape)?;
+        let (mut x_mid, u_proj) = linear_fwd(b, &o, l.proj, params, ids.lora_scale)?;
+        b.add_assign(&mut x_mid, &x)?;
+        let (h2, rstd2) = b.rms_norm(&x_mid, &params[l.post_norm], eps)?;
+        let (up, u_fc1) = linear_fwd(b, &h2, l.fc1, params, ids.lora_scale)?;
+        let act = b.swiglu(&up)?;
+        let (mut out, u_fc2) = linear_fwd(b, &act, l.fc2, params, ids.lora_scale)?;
+        b.add_assign(&mut out, &x_mid)?;
+        layers.push(LayerSaved {
+            x: std::mem::replace(&mut x, out),
+            h1,
+            rstd1,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            x_mid,
+            h2,
+            rstd2,
+            up,
+            act,
+            lora: [u_qkv, u_proj, u_fc1, u_fc2],
+        });
+    }
+    let (hf, rstdf) = b.rms_norm(&x, &params[ids.final_norm], eps)?;
+    let logits = b.matmul(&hf, &params[ids.output()], None)?;
+    let (loss, lse) = b.cross_entropy(&logits, &batch.labels)?;
+    Ok(Forward {
+        losses: b.download_f32(&loss)?,
+        layers,
+        x,
+        hf,
+        rstdf,
+        logits,
+        lse,
+        cos,
+        sin,
+    })
+}
+
+/// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`:
+/// adds every parameter's gradient into `grads`.
+pub fn backward<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    ids: &Ids,
+    params: &[B::Tensor],
+    grads: &mut [B::Tensor],
+    batch: &MicroBatch,
+    fwd: Forward<B::Tensor>,
+) -> Result<()> {
+    let shape = spec.attention;
+    let Forward {
+        layers,
+        x,
+        hf,
+        rstdf,
+        logits,
+        lse,
+        cos,
+        sin,
+        ..
+    } = fwd;
+    let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
+    let dlogits = b.cross_entropy_bwd(logits, &batch.labels, &lse, &dloss)?;
+    let output = Linear {
+        w: ids.output(),
+        bias: None,
+        lora: None,
+    };
+    let dhf = linear_bwd(b, &dlogits, &hf, None, output, params, grads, ids)?;
+    drop(dlogits);
+    let mut dx = rms_grad(b, &dhf, &x, params, grads, ids, ids.final_norm, &rstdf)?;
+    for (l, s) in ids.layers.iter().zip(layers).rev() {
+        let [u_qkv, u_proj, u_fc1, u_fc2] = &s.lora;
+        // out = x_mid + fc2(swiglu(fc1(norm(x_mid)))): dx flows to both.
+        let dact = linear_bwd(b, &dx, &s.act, u_fc2.as_ref(), l.fc2, params, grads, ids)?;
+        let dup = b.swiglu_bwd(&dact, &s.up)?;
+        let dh2 = linear_bwd(b, &dup, &s.h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
+        let mut dx_mid = rms_grad(b, &dh2, &s.x_mid, params, grads, ids, l.post_norm, &s.rstd2)?;
+        b.add_assign(&mut dx_mid, &dx)?;
+        // x_mid = x + proj(attention(rope(q), rope(k), v)), (q, k, v) = split(qkv(norm(x))).
+        let d_o = linear_bwd(
+            b,
+            &dx_mid,
+            &s.o,
+            u_proj.as_ref(),
+            l.proj,
+            params,
+            grads,
+            ids,
+        )?;
+        let (mut dq, mut dk, dv) =
+            b.attention_bwd(&d_o, &s.q, &s.k, &s.v, &s.o, &s.lse, &batch.segments, shape)?;
+        b.rope(&mut dq, &cos, &sin, true)?;
+        b.rope(&mut dk, &cos, &sin, true)?;
+        let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;
+        let dh1 = linear_bwd(b, &dqkv, &s.h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
+        dx = rms_grad(b, &dh1, &s.x, params, grads, ids, l.input_norm, &s.rstd1)?;
+        b.add_assign(&mut dx, &dx_mid)?;
+    }
+    if ids.trainable[ids.embedding] {
+        b.embedding_bwd(&dx, &batch.tokens, &mut grads[ids.embedding])?;
+    }
+    Ok(())
+}
+
+/// `y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ`; returns `y` and, with an adapter, `x·Aᵀ` for the
+/// backward pass.
+fn linear_fwd<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    lin: Linear,
+    params: &[B::Tensor],
+    scale: f32,
+) -> Result<(B::Tensor, Option<B::Tensor>)> {
+    let mut y = b.matmul(x, &params[lin.w], lin.bias.map(|i| &params[i]))?;
+    let Some((a, bb)) = lin.lora else {
+        return Ok((y, None));
+    };
+    let u = b.matmul(x, &params[a], None)?;
+    b.add_assign(&mut y, &b.scaled(&b.matmul(&u, &params[bb], None)?, scale)?)?;
+    Ok((y, Some(u)))
+}
+
+/// `dx` of [`linear_fwd`], accumulating the gradients of whatever of W, bias, A, B is trained.
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd<B: Backend>(
+    b: &B,
+    dy: &B::Tensor,
+    x: &B::Tensor,
+    u: Option<&B::Tensor>,
+    lin: Linear,
+    params: &[B::Tensor],
+    grads: &mut [B::Tensor],
+    ids: &Ids,
+) -> Result<B::Tensor> {
+    let trained = |i: usize| ids.trainable[i];
+    let mut dx = match lin.bias.filter(|&bi| trained(lin.w) && trained(bi)) {
+        Some(bi) => {
+            let (dw, db) = two_mut(grads, lin.w, bi);
+            b.matmul_bwd(dy, x, &params[lin.w], Some(dw), Some(db))?
+        }
+        None => {
+            let dw = trained(lin.w).then(|| &mut grads[lin.w]);
+            b.matmul_bwd(dy, x, &params[lin.w], dw, None)?
+        }
+    };
+    if let (Some((a, bb)), Some(u)) = (lin.lora, u) {
+        // y += s·u·Bᵀ with u = x·Aᵀ.
+        let dys = b.scaled(dy, ids.lora_scale)?;
+        let du = b.matmul_bwd(&dys, u, &params[bb], Some(&mut grads[bb]), None)?;
+        b.add_assign(
+            &mut dx,
+            &b.matmul_bwd(&du, x, &params[a], Some(&mut grads[a]), None)?,
+        )?;
+    }
+    Ok(dx)
+}
+
+/// `dx` of `y = rms_norm(x)·γ[g]`, accumulating γ's gradient when it is trained.
+#[allow(clippy::too_many_arguments)]
+fn rms_grad<B: Backend>(
+    b: &B,
+    dy: &B::Tensor,
+    x: &B::Tensor,
+    params: &[B::Tensor],
+    grads: &mut [B::Tensor],
+    ids: &Ids,
+    g: usize,
+    rstd: &B::Tensor,
+) -> Result<B::Tensor> {
+    let dgamma = ids.trainable[g].then(|| &mut grads[g]);
+    b.rms_norm_bwd(dy, x, &params[g], rstd, dgamma)
+}
+
+/// Two distinct elements of a slice, mutably.
+fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
+    assert_ne!(i, j, "internal: one gradient taken twice");
+    if i < j {
+        let (a, b) = v.split_at_mut(j);
+        (&mut a[i], &mut b[0])
+    } else {
+        let (a, b) = v.split_at_mut(i);
+        (&mut b[0], &mut a[j])
+    }
+}

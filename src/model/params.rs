@@ -1,0 +1,217 @@
+//! The parameter table of a LLaMA-family model: every tensor with its canonical role, its
+//! Megatron name (mcore local spec, as MindSpeed-LLM trains), its shape (the vocabulary padded
+//! as Megatron pads it), whether weight decay applies and whether it is trained. It is the one
+//! list that drives allocation, initialisation, gradients, the optimizer and checkpoints, in
+//! the order megatron-core registers the parameters (so optimizer state ids match Megatron's).
+//! With LoRA (MindSpeed-LLM's, through peft), each adapted linear layer gets its `lora_A` and
+//! `lora_B` right after its weight, and only they are trained.
+
+use crate::ckpt::config::ModelConfig;
+use crate::ckpt::transform::{canonical_shape, Canon, Role};
+
+/// Which factor of a LoRA adapter a parameter is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraPart {
+    /// `A [r, in]`: the input projection.
+    A,
+    /// `B [out, r]`: the output projection.
+    B,
+}
+
+/// One tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamInfo {
+    /// Its canonical role and layer (for a LoRA factor: those of the layer it adapts).
+    pub canon: Canon,
+    /// A LoRA factor, or `None` for a base weight.
+    pub lora: Option<LoraPart>,
+    /// Megatron's state-dict key (`decoder.layers.0.self_attention.linear_qkv.weight`).
+    pub name: String,
+    /// Shape (embedding and output rows = the padded vocabulary).
+    pub shape: Vec<usize>,
+    /// Megatron's rule (megatron/core/optimizer/__init__.py `_get_param_groups`): no weight
+    /// decay on biases and 1-D parameters.
+    pub decay: bool,
+    /// Initialised with the output-layer std `σ/√(2L)` (linear_proj, linear_fc2).
+    pub scaled_init: bool,
+    /// Whether the optimizer updates it (everything, or only the LoRA factors).
+    pub trainable: bool,
+}
+
+impl ParamInfo {
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// LoRA adapters (`--lora-r --lora-alpha --lora-target-modules`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    /// Rank.
+    pub r: usize,
+    /// Alpha (the update is scaled by alpha / r).
+    pub alpha: f64,
+    /// The adapted layers: Qkv, Proj, Fc1, Fc2.
+    pub targets: Vec<Role>,
+}
+
+impl LoraSpec {
+    /// The scale of the adapter's output.
+    pub fn scale(&self) -> f32 {
+        (self.alpha / self.r as f64) as f32
+    }
+
+    /// MindSpeed-LLM's module name of a target (`linear_qkv`, …).
+    pub fn module(role: Role) -> Option<&'static str> {
+        Some(match role {
+            Role::Qkv => "linear_qkv",
+            Role::Proj => "linear_proj",
+            Role::Fc1 => "linear_fc1",
+            Role::Fc2 => "linear_fc2",
+            _ => return None,
+        })
+    }
+
+    /// The target of a module name.
+    pub fn target(module: &str) -> Option<Role> {
+        [Role::Qkv, Role::Proj, Role::Fc1, Role::Fc2]
+            .into_iter()
+            .find(|&r| Self::module(r) == Some(module))
+    }
+}
+
+/// All parameters of a model, in megatron-core's registration order.
+#[derive(Debug, Clone)]
+pub struct ParamTable {
+    /// The parameters.
+    pub params: Vec<ParamInfo>,
+    /// Vocabulary rows of the embedding and output (padded).
+    pub vocab_padded: usize,
+}
+
+/// Megatron's mcore key of a layer parameter.
+fn layer_name(role: Role, l: usize) -> String {
+    let suffix = match role {
+        Role::InputNorm => "input_layernorm.weight",
+        Role::Qkv => "self_attention.linear_qkv.weight",
+        Role::QkvBias => "self_attention.linear_qkv.bias",
+        Role::Proj => "self_attention.linear_proj.weight",
+        Role::ProjBias => "self_attention.linear_proj.bias",
+        Role::PostNorm => "pre_mlp_layernorm.weight",
+        Role::Fc1 => "mlp.linear_fc1.weight",
+        Role::Fc2 => "mlp.linear_fc2.weight",
+        Role::Embedding | Role::FinalNorm | Role::Output => unreachable!("not a layer role"),
+    };
+    format!("decoder.layers.{l}.{suffix}")
+}
+
+impl ParamTable {
+    /// The table of `cfg` with its vocabulary padded to `vocab_padded` rows and, with `lora`,
+    /// its adapters (then the only trained parameters).
+    pub fn new(cfg: &ModelConfig, vocab_padded: usize, lora: Option<&LoraSpec>) -> ParamTable {
+        let mut params = Vec::new();
+        let base_trained = lora.is_none();
+        let mut push = |canon: Canon, name: String| {
+            let mut shape = canonical_shape(cfg, canon.role);
+            if matches!(canon.role, Role::Embedding | Role::Output) {
+                shape[0] = vocab_padded;
+            }
+            let lora_of = lora.filter(|l| l.targets.contains(&canon.role));
+            let (out, inp) = (shape[0], shape.get(1).copied().unwrap_or(1));
+            params.push(ParamInfo {
+                canon,
+                lora: None,
+                decay: !(name.ends_with(".bias") || shape.len() == 1),
+                scaled_init: matches!(canon.role, Role::Proj | Role::Fc2),
+                trainable: base_trained,
+                name: name.clone(),
+                shape,
+            });
+            if let Some(l) = lora_of {
+                // peft's names: `<module>.lora_A.default.weight`.
+                let stem = name.trim_end_matches(".weight");
+                for (part, tag, shape) in [
+                    (LoraPart::A, "A", vec![l.r, inp]),
+                    (LoraPart::B, "B", vec![out, l.r]),
+                ] {
+                    params.push(ParamInfo {
+                        canon,
+                        lora: Some(part),
+                        name: format!("{stem}.lora_{tag}.default.weight"),
+                        shape,
+                        decay: true,
+                        scaled_init: false,
+                        trainable: true,
+                    });
+                }
+            }
+        };
+        let global = |role| Canon { role, layer: None };
+        push(
+            global(Role::Embedding),
+            "embedding.word_embeddings.weight".into(),
+        );
+        // megatron-core builds an attention block's linear_proj before its linear_qkv
+        // (megatron/core/transformer/attention.py: Attention.__init__, then SelfAttention).
+        let mut roles = vec![Role::InputNorm, Role::Proj];
+        if cfg.proj_bias {
+            roles.push(Role::ProjBias);
+        }
+        roles.push(Role::Qkv);
+        if cfg.qkv_bias {
+            roles.push(Role::QkvBias);
+        }
+        roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
+        for l in 0..cfg.layers {
+            for &role in &roles {
+                push(
+                    Canon {
+                        role,
+                        layer: Some(l),
+                    },
+                    layer_name(role, l),
+                );
+            }
+        }
+        push(
+            global(Role::FinalNorm),
+            "decoder.final_layernorm.weight".into(),
+        );
+        if !cfg.tied {
+            push(global(Role::Output), "output_layer.weight".into());
+        }
+        ParamTable {
+            params,
+            vocab_padded,
+        }
+    }
+
+    /// The index of a base tensor.
+    pub fn index(&self, canon: Canon) -> Option<usize> {
+        self.params
+            .iter()
+            .position(|p| p.canon == canon && p.lora.is_none())
+    }
+
+    /// The index of a LoRA factor of a layer.
+    pub fn lora_index(&self, canon: Canon, part: LoraPart) -> Option<usize> {
+        self.params
+            .iter()
+            .position(|p| p.canon == canon && p.lora == Some(part))
+    }
+
+    /// Elements in all parameters.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(ParamInfo::numel).sum()
+    }
+
+    /// Elements in the trained parameters.
+    pub fn trained_numel(&self) -> usize {
+        self.params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(ParamInfo::numel)
+            .sum()
+    }
+}

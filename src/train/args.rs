@@ -1,0 +1,508 @@
+//! `mindkit train`'s command line: Megatron-LM's and MindSpeed-LLM's own flag names, parsed the
+//! way their argparse does (`--flag value`, `--flag=value`, lists up to the next flag, flags
+//! that take no value), so that a launch script runs with only the program name changed.
+//!
+//! Every flag mindkit knows is in [`FLAGS`] with what it does here: used, accepted without
+//! effect on this engine (kernel choices, overlap, memory tricks — listed by `--help`), or
+//! refused because it would change the result and is not implemented. An unknown flag is an
+//! error, as it is for Megatron.
+
+use std::collections::HashMap;
+
+/// How a flag takes its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Takes {
+    /// No value (`store_true`).
+    Nothing,
+    /// One value.
+    One,
+    /// One or more values, up to the next flag.
+    List,
+}
+
+/// What a flag does in mindkit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// Implemented (its value may still be checked when resolved).
+    Used,
+    /// Accepted, no effect on the result: the reason says why.
+    NoEffect(&'static str),
+    /// Would change the result and is not implemented: using it is an error with this reason.
+    Refused(&'static str),
+}
+
+/// One known flag.
+#[derive(Debug, Clone, Copy)]
+pub struct Flag {
+    /// Its name without the leading dashes.
+    pub name: &'static str,
+    /// Its value.
+    pub takes: Takes,
+    /// What it does here.
+    pub effect: Effect,
+    /// One line of help.
+    pub help: &'static str,
+}
+
+const fn used(name: &'static str, takes: Takes, help: &'static str) -> Flag {
+    Flag {
+        name,
+        takes,
+        effect: Effect::Used,
+        help,
+    }
+}
+
+const fn inert(name: &'static str, takes: Takes, why: &'static str) -> Flag {
+    Flag {
+        name,
+        takes,
+        effect: Effect::NoEffect(why),
+        help: why,
+    }
+}
+
+const fn refused(name: &'static str, takes: Takes, why: &'static str) -> Flag {
+    Flag {
+        name,
+        takes,
+        effect: Effect::Refused(why),
+        help: why,
+    }
+}
+
+use Takes::{List, Nothing, One};
+
+const KERNEL: &str = "picks a CUDA/NPU kernel; the math is the same";
+const OVERLAP: &str = "overlaps communication; nothing to overlap on one rank";
+const MEMORY: &str = "saves device memory; the result is the same";
+const LAUNCH: &str = "launcher/cluster setting; no effect on one rank";
+
+/// Every flag `mindkit train` knows.
+pub const FLAGS: &[Flag] = &[
+    // Model architecture.
+    used("num-layers", One, "decoder layers"),
+    used("hidden-size", One, "hidden size"),
+    used("ffn-hidden-size", One, "MLP width (default for SwiGLU: int(8h/3/64)·64)"),
+    used("num-attention-heads", One, "attention heads"),
+    used("group-query-attention", Nothing, "use --num-query-groups key/value heads"),
+    used("num-query-groups", One, "key/value heads with --group-query-attention"),
+    used("kv-channels", One, "per-head dimension (default hidden/heads)"),
+    used("seq-length", One, "tokens per sample"),
+    used("max-position-embeddings", One, "positions the model is built for"),
+    used("normalization", One, "RMSNorm (the only one the LLaMA family uses)"),
+    used("norm-epsilon", One, "RMSNorm epsilon (default 1e-5)"),
+    used("swiglu", Nothing, "SwiGLU MLP (required: the LLaMA family)"),
+    used("position-embedding-type", One, "rope (required)"),
+    used("use-rotary-position-embeddings", Nothing, "deprecated alias of --position-embedding-type rope"),
+    used("rotary-base", One, "RoPE theta (default 10000)"),
+    used("rotary-percent", One, "fraction of the head rotated (only 1.0)"),
+    used("use-rope-scaling", Nothing, "llama3 RoPE scaling (Megatron-LM)"),
+    used("rope-scaling-factor", One, "RoPE scaling factor"),
+    used("rope-scaling-type", One, "MindSpeed-LLM RoPE scaling: llama3 or linear"),
+    used("low-freq-factor", One, "llama3 RoPE scaling"),
+    used("high-freq-factor", One, "llama3 RoPE scaling"),
+    used("original-max-position-embeddings", One, "llama3 RoPE scaling"),
+    used("disable-bias-linear", Nothing, "no biases in linear layers"),
+    used("add-qkv-bias", Nothing, "bias on linear_qkv only (Qwen2)"),
+    used("untie-embeddings-and-output-weights", Nothing, "a separate output layer"),
+    used("make-vocab-size-divisible-by", One, "pad the vocabulary to a multiple of this (default 128)"),
+    used("padded-vocab-size", One, "MindSpeed-LLM: the padded vocabulary, given"),
+    inert("vocab-size", One, "only read by Null tokenizers; the vocabulary comes from the tokenizer"),
+    used("attention-dropout", One, "must be 0: dropout is not implemented"),
+    used("hidden-dropout", One, "must be 0: dropout is not implemented"),
+    used("init-method-std", One, "std of the normal init (default 0.02; output layers σ/√(2L))"),
+    used("embedding-init-method-std", One, "std of the embedding init (also exempts it from weight decay)"),
+    used("transformer-impl", One, "local (mcore local names, as MindSpeed-LLM) or transformer_engine (TE names) in saved checkpoints"),
+    inert("use-mcore-models", Nothing, "mcore models are the only models"),
+    used("model-type-hf", One, "MindSpeed-LLM: the family of an HF --load directory"),
+    used("enable-hf2mg-convert", Nothing, "MindSpeed-LLM: --load may be an HF directory (always true here)"),
+    refused("apply-layernorm-1p", Nothing, "zero-centred norm weights are not implemented"),
+    refused("qk-layernorm", Nothing, "q/k norms are not implemented"),
+    refused("num-experts", One, "mixture of experts is not implemented"),
+    refused("fp16", Nothing, "fp16 training with loss scaling is not implemented; use --bf16"),
+    refused("fp32-residual-connection", Nothing, "an f32 residual stream under --bf16 is not implemented"),
+    refused("apply-query-key-layer-scaling", Nothing, "query-key layer scaling is not implemented"),
+    // Tokenizer.
+    used("tokenizer-type", One, "HuggingFaceTokenizer, PretrainedFromHF or Llama2Tokenizer"),
+    used("tokenizer-model", One, "tokenizer file or directory"),
+    used("tokenizer-name-or-path", One, "tokenizer directory (MindSpeed-LLM)"),
+    inert("tokenizer-not-use-fast", Nothing, "the tokenizer is Hugging Face tokenizers' own"),
+    used("prompt-type", One, "MindSpeed-LLM template: its eos/pad decide the EOD and pad ids"),
+    used("prompt-type-path", One, "templates.json holding --prompt-type"),
+    // Data.
+    used("data-path", List, "PREFIX, or W1 PREFIX1 W2 PREFIX2 … (Megatron's blend)"),
+    used("split", One, "train, valid, test weights (default 969, 30, 1)"),
+    used("seed", One, "data order seed (default 1234)"),
+    refused("train-data-path", List, "separate per-split blends are not implemented; use --data-path and --split"),
+    refused("valid-data-path", List, "separate per-split blends are not implemented; use --data-path and --split"),
+    refused("test-data-path", List, "separate per-split blends are not implemented; use --data-path and --split"),
+    inert("data-cache-path", One, "indices are built in memory in seconds, not cached"),
+    inert("mmap-bin-files", Nothing, "the .bin files are always memory-mapped"),
+    inert("no-mmap-bin-files", Nothing, "the .bin files are always memory-mapped"),
+    inert("num-workers", One, "data loading is in-process"),
+    used("dataloader-type", One, "single (Megatron's default sampler); cyclic is refused"),
+    used("eod-mask-loss", Nothing, "no loss on the prediction made after an EOD"),
+    used("reset-position-ids", Nothing, "accepted; RoPE never reads position ids in Megatron"),
+    used("reset-attention-mask", Nothing, "attention never crosses an EOD"),
+    inert("no-create-attention-mask-in-dataloader", Nothing, "masks are never materialised"),
+    used("mid-level-dataset-surplus", One, "blend sample surplus (default 0.005)"),
+    used("is-instruction-dataset", Nothing, "MindSpeed-LLM fine-tuning data (_packed_* files)"),
+    used("stage", One, "MindSpeed-LLM: sft"),
+    used("padded-samples", Nothing, "MindSpeed-LLM: pad the epoch to a multiple of the global batch"),
+    used("no-pad-to-seq-lengths", Nothing, "MindSpeed-LLM: pad a micro-batch only to its longest sample"),
+    used("pad-to-multiple-of", One, "MindSpeed-LLM: with --no-pad-to-seq-lengths, pad to a multiple of this (default 8)"),
+    used("no-shuffle", Nothing, "MindSpeed-LLM: fine-tuning samples in file order"),
+    used("neat-pack", Nothing, "MindSpeed-LLM: packed samples keep their boundaries"),
+    inert("handler-name", One, "used by preprocessing; the data here is already .bin/.idx"),
+    refused("full-shuffle-instruction-dataset", Nothing, "MindSpeed-LLM's full shuffle is not implemented"),
+    // Batches and length.
+    used("micro-batch-size", One, "samples per forward/backward pass"),
+    used("global-batch-size", One, "samples per optimizer step (a multiple of the micro batch)"),
+    used("train-iters", One, "iterations"),
+    used("train-samples", One, "samples (instead of --train-iters)"),
+    refused("rampup-batch-size", List, "batch-size ramp-up is not implemented"),
+    // Optimizer and schedule.
+    used("optimizer", One, "adam (AdamW, decoupled decay)"),
+    used("lr", One, "peak learning rate"),
+    used("min-lr", One, "final learning rate (default 0)"),
+    used("lr-decay-style", One, "constant, linear, cosine, inverse-square-root, WSD"),
+    used("lr-decay-iters", One, "decay length (default --train-iters)"),
+    used("lr-decay-samples", One, "decay length in samples"),
+    used("lr-warmup-iters", One, "warmup length"),
+    used("lr-warmup-samples", One, "warmup length in samples"),
+    used("lr-warmup-fraction", One, "warmup as a fraction of the decay"),
+    used("lr-warmup-init", One, "learning rate at step 0 of warmup (default 0)"),
+    used("lr-wsd-decay-style", One, "WSD anneal: exponential, linear, cosine, minus_sqrt"),
+    used("lr-wsd-decay-iters", One, "WSD anneal length"),
+    used("lr-wsd-decay-samples", One, "WSD anneal length in samples"),
+    used("weight-decay", One, "decoupled weight decay (default 0.01)"),
+    used("start-weight-decay", One, "weight decay at the start (with an increment style)"),
+    used("end-weight-decay", One, "weight decay at the end"),
+    used("weight-decay-incr-style", One, "constant, linear, cosine"),
+    used("adam-beta1", One, "default 0.9"),
+    used("adam-beta2", One, "default 0.999"),
+    used("adam-eps", One, "default 1e-8"),
+    used("clip-grad", One, "global gradient-norm clip (default 1.0; 0: off)"),
+    used("calculate-per-token-loss", Nothing, "average the loss over all tokens of the step"),
+    used("use-checkpoint-opt-param-scheduler", Nothing, "resume the schedule from the checkpoint"),
+    used("override-opt-param-scheduler", Nothing, "resume with the schedule of the command line"),
+    refused("decoupled-lr", One, "a separate embedding/output learning rate is not implemented"),
+    used("bf16", Nothing, "bf16 weights and activations, f32 main parameters and gradients"),
+    inert("initial-loss-scale", One, "only read by fp16 training"),
+    inert("loss-scale-window", One, "only read by fp16 training"),
+    inert("min-loss-scale", One, "only read by fp16 training"),
+    inert("accumulate-allreduce-grads-in-fp32", Nothing, "gradients are always accumulated in f32"),
+    used("check-for-nan-in-loss-and-grad", Nothing, "on by default"),
+    used("no-check-for-nan-in-loss-and-grad", Nothing, "let NaN losses through (Megatron's escape hatch)"),
+    used("rerun-mode", One, "validate_results (default): a NaN loss saves and exits 16; disabled: error at once"),
+    // Checkpoints.
+    used("save", One, "checkpoint directory to write"),
+    used("save-interval", One, "iterations between checkpoints"),
+    used("load", One, "checkpoint to start from (Megatron torch format, or an HF directory)"),
+    used("finetune", Nothing, "load weights only, start at iteration 0"),
+    used("no-load-optim", Nothing, "do not load the optimizer and schedule state"),
+    used("no-load-rng", Nothing, "do not load RNG state (mindkit keeps none)"),
+    used("no-save-optim", Nothing, "checkpoints without optimizer state"),
+    used("no-save-rng", Nothing, "checkpoints without RNG state (mindkit writes none)"),
+    used("ckpt-format", One, "torch (the only format written)"),
+    inert("auto-detect-ckpt-format", Nothing, "the format of --load is always detected"),
+    used("use-checkpoint-args", Nothing, "architecture from --load (also done when flags are omitted)"),
+    used("exit-interval", One, "save and exit every N iterations"),
+    used("exit-duration-in-mins", One, "save and exit after this many minutes"),
+    used("exit-signal-handler", Nothing, "save and exit on SIGTERM (and Ctrl-C)"),
+    used("exit-on-missing-checkpoint", Nothing, "an empty --load is an error"),
+    // LoRA (MindSpeed-LLM).
+    used("lora-r", One, "LoRA rank"),
+    used("lora-alpha", One, "LoRA alpha (scale alpha/r)"),
+    used("lora-target-modules", List, "linear_qkv linear_proj linear_fc1 linear_fc2"),
+    used("lora-ckpt-filter", Nothing, "checkpoints hold only the LoRA weights"),
+    used("lora-load", One, "LoRA checkpoint to resume from"),
+    inert("lora-fusion", Nothing, "a fused kernel for the same product"),
+    inert("lora-register-forward-hook", List, "a hook mechanism; the math is the same"),
+    refused("lora-modules-to-save", List, "full training of extra modules with LoRA is not implemented"),
+    refused("lora-dropout", One, "LoRA dropout is not implemented"),
+    // Evaluation and logging.
+    used("eval-interval", One, "iterations between validation runs (default 1000)"),
+    used("eval-iters", One, "validation iterations per run (default 100)"),
+    used("log-interval", One, "iterations between log lines (default 100)"),
+    used("log-throughput", Nothing, "add TFLOP/s to the log line"),
+    used("tensorboard-dir", One, "write TensorBoard scalars here"),
+    used("tensorboard-log-interval", One, "iterations between TensorBoard scalars (default 1)"),
+    used("log-validation-ppl-to-tensorboard", Nothing, "also write validation PPL"),
+    used("log-params-norm", Nothing, "add the parameters' L2 norm to the log line"),
+    used("log-num-zeros-in-grad", Nothing, "add the gradient's zero count to the log line"),
+    inert("log-timers-to-tensorboard", Nothing, "no per-kernel timers"),
+    inert("log-memory-to-tensorboard", Nothing, "no device memory to report"),
+    inert("timing-log-level", One, "no per-kernel timers"),
+    inert("wandb-project", One, "Weights & Biases is not built in; use --tensorboard-dir"),
+    inert("wandb-exp-name", One, "Weights & Biases is not built in; use --tensorboard-dir"),
+    // Parallelism (the parallel-training issue's; one rank here).
+    used("tensor-model-parallel-size", One, "1 (tensor parallelism is not available yet)"),
+    used("pipeline-model-parallel-size", One, "1 (pipeline parallelism is not available yet)"),
+    used("context-parallel-size", One, "1 (context parallelism is not available)"),
+    used("expert-model-parallel-size", One, "1"),
+    used("sequence-parallel", Nothing, "switched off at TP 1, as Megatron does"),
+    inert("use-distributed-optimizer", Nothing, "shards optimizer state over data-parallel ranks; one rank holds it all"),
+    used("num-layers-per-virtual-pipeline-stage", One, "needs pipeline parallelism (not available yet)"),
+    used("num-virtual-stages-per-pipeline-rank", One, "needs pipeline parallelism (not available yet)"),
+    used("decoder-first-pipeline-num-layers", One, "needs pipeline parallelism (not available yet)"),
+    used("decoder-last-pipeline-num-layers", One, "needs pipeline parallelism (not available yet)"),
+    inert("distributed-backend", One, LAUNCH),
+    inert("distributed-timeout-minutes", One, LAUNCH),
+    inert("local-rank", One, LAUNCH),
+    inert("local_rank", One, LAUNCH),
+    inert("nproc_per_node", One, LAUNCH),
+    inert("nnodes", One, LAUNCH),
+    inert("node_rank", One, LAUNCH),
+    inert("master_addr", One, LAUNCH),
+    inert("master_port", One, LAUNCH),
+    // Kernel, overlap and memory switches.
+    inert("use-flash-attn", Nothing, KERNEL),
+    inert("use-fused-rmsnorm", Nothing, KERNEL),
+    inert("use-fused-swiglu", Nothing, KERNEL),
+    inert("use-fused-rotary-pos-emb", Nothing, KERNEL),
+    inert("no-masked-softmax-fusion", Nothing, KERNEL),
+    inert("masked-softmax-fusion", Nothing, KERNEL),
+    inert("attention-softmax-in-fp32", Nothing, "softmax is computed in f32 already"),
+    inert("no-gradient-accumulation-fusion", Nothing, KERNEL),
+    inert("no-bias-dropout-fusion", Nothing, KERNEL),
+    inert("no-bias-swiglu-fusion", Nothing, KERNEL),
+    inert("no-bias-gelu-fusion", Nothing, KERNEL),
+    inert("no-rope-fusion", Nothing, KERNEL),
+    inert("cross-entropy-loss-fusion", Nothing, KERNEL),
+    inert("use-ascend-mc2", Nothing, KERNEL),
+    inert("use-fused-ring-attention-update", Nothing, KERNEL),
+    inert("overlap-grad-reduce", Nothing, OVERLAP),
+    inert("overlap-param-gather", Nothing, OVERLAP),
+    inert("no-async-tensor-model-parallel-allreduce", Nothing, OVERLAP),
+    inert("reuse-fp32-param", Nothing, MEMORY),
+    inert("recompute-granularity", One, MEMORY),
+    inert("recompute-method", One, MEMORY),
+    inert("recompute-num-layers", One, MEMORY),
+    inert("recompute-activation-function", Nothing, MEMORY),
+    inert("swap-attention", Nothing, MEMORY),
+    inert("use-cpu-initialization", Nothing, "initialisation runs on the host anyway"),
+    inert("manual-gc", Nothing, "no garbage collector"),
+    inert("no-shared-storage", Nothing, LAUNCH),
+    inert("sparse-mode", One, "an NPU flash-attention mask encoding; the mask is causal either way"),
+    // mindkit's own.
+    used("quiet", Nothing, "mindkit: no progress bar and no start-up notes (log lines still print)"),
+    used("device", One, "mindkit: cpu (default), or npu (Ascend; not in this build yet, a clear error)"),
+    used("npu-id", One, "mindkit: which NPU with --device npu"),
+];
+
+/// A command-line problem.
+#[derive(Debug, thiserror::Error)]
+pub enum ArgsError {
+    /// Not a flag mindkit knows.
+    #[error("unknown flag --{0} (not a Megatron-LM / MindSpeed-LLM flag mindkit train knows; see `mindkit train --help`)")]
+    Unknown(String),
+    /// A value where none is taken, or none where one is needed.
+    #[error("--{flag}: {why}")]
+    Value {
+        /// The flag.
+        flag: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// A flag that would change the result and is not implemented.
+    #[error("--{flag} is not supported: {why}")]
+    Refused {
+        /// The flag.
+        flag: String,
+        /// Why.
+        why: &'static str,
+    },
+    /// A stray word that is not a flag's value.
+    #[error("unexpected argument {0:?} (every option is a --flag)")]
+    Stray(String),
+}
+
+/// Parsed flags: name → values (empty for a flag without value).
+#[derive(Debug, Clone, Default)]
+pub struct Args {
+    values: HashMap<&'static str, Vec<String>>,
+}
+
+fn lookup(name: &str) -> Option<&'static Flag> {
+    // argparse accepts '_' and '-' only as spelled; Megatron's flags all use '-', torchrun's '_'.
+    FLAGS.iter().find(|f| f.name == name)
+}
+
+impl Args {
+    /// Parse `args` (without the program and subcommand).
+    pub fn parse(args: &[String]) -> Result<Args, ArgsError> {
+        let mut out = Args::default();
+        let mut i = 0;
+        while i < args.len() {
+            let arg = &args[i];
+            let Some(body) = arg.strip_prefix("--") else {
+                return Err(ArgsError::Stray(arg.clone()));
+            };
+            let (name, inline) = match body.split_once('=') {
+                Some((n, v)) => (n, Some(v.to_string())),
+                None => (body, None),
+            };
+            let flag = lookup(name).ok_or_else(|| ArgsError::Unknown(name.to_string()))?;
+            if let Effect::Refused(why) = flag.effect {
+                return Err(ArgsError::Refused {
+                    flag: name.to_string(),
+                    why,
+                });
+            }
+            i += 1;
+            let bad = |why: &str| ArgsError::Value {
+                flag: name.to_string(),
+                why: why.to_string(),
+            };
+            let values = match (flag.takes, inline) {
+                (Takes::Nothing, Some(_)) => return Err(bad("takes no value")),
+                (Takes::Nothing, None) => Vec::new(),
+                (_, Some(v)) => vec![v],
+                (Takes::One, None) => {
+                    let v = args.get(i).filter(|v| !v.starts_with("--"));
+                    let v = v.ok_or_else(|| bad("needs a value"))?;
+                    i += 1;
+                    vec![v.clone()]
+                }
+                (Takes::List, None) => {
+                    let start = i;
+                    while i < args.len() && !args[i].starts_with("--") {
+                        i += 1;
+                    }
+                    if i == start {
+                        return Err(bad("needs at least one value"));
+                    }
+                    args[start..i].to_vec()
+                }
+            };
+            out.values.insert(flag.name, values);
+        }
+        Ok(out)
+    }
+
+    /// Whether a flag was given.
+    pub fn has(&self, name: &str) -> bool {
+        self.values.contains_key(name)
+    }
+
+    /// The value of a one-value flag.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.values
+            .get(name)
+            .and_then(|v| v.first())
+            .map(String::as_str)
+    }
+
+    /// The values of a list flag.
+    pub fn list(&self, name: &str) -> Option<&[String]> {
+        self.values.get(name).map(Vec::as_slice)
+    }
+
+    /// A one-value flag parsed as `T`, or an error naming the flag.
+    pub fn parse_value<T: std::str::FromStr>(&self, name: &str) -> Result<Option<T>, ArgsError> {
+        self.get(name)
+            .map(|v| {
+                v.trim().parse::<T>().map_err(|_| ArgsError::Value {
+                    flag: name.to_string(),
+                    why: format!("{v:?} is not a valid {}", std::any::type_name::<T>()),
+                })
+            })
+            .transpose()
+    }
+
+    /// The flags given that have no effect here, with the reason (for the start-up log).
+    pub fn inert(&self) -> Vec<(&'static str, &'static str)> {
+        let mut out: Vec<(&'static str, &'static str)> = self
+            .values
+            .keys()
+            .filter_map(|k| match lookup(k)?.effect {
+                Effect::NoEffect(why) => Some((*k, why)),
+                _ => None,
+            })
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+/// The `--help` text: every flag, grouped by what it does here.
+pub fn help() -> String {
+    let mut out = String::from(
+        "Usage: mindkit train [MEGATRON-LM / MINDSPEED-LLM FLAGS]\n\n\
+         Train a LLaMA-family model as Megatron-LM core 0.15 / MindSpeed-LLM would, on this\n\
+         machine's CPU. Flags keep Megatron's and MindSpeed-LLM's names: replace\n\
+         `torchrun … pretrain_gpt.py` (or posttrain_gpt.py) by `mindkit train`.\n\nUsed:\n",
+    );
+    let section = |out: &mut String, pick: &dyn Fn(&Effect) -> bool| {
+        for f in FLAGS.iter().filter(|f| pick(&f.effect)) {
+            let value = match f.takes {
+                Takes::Nothing => "",
+                Takes::One => " V",
+                Takes::List => " V…",
+            };
+            out.push_str(&format!("  --{}{value}\n        {}\n", f.name, f.help));
+        }
+    };
+    section(&mut out, &|e| *e == Effect::Used);
+    out.push_str("\nAccepted, no effect here:\n");
+    section(&mut out, &|e| matches!(e, Effect::NoEffect(_)));
+    out.push_str("\nRefused (would change the result; not implemented):\n");
+    section(&mut out, &|e| matches!(e, Effect::Refused(_)));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn parses_as_argparse() {
+        let a = Args::parse(&args(
+            "--num-layers 2 --lr=1e-4 --bf16 --data-path 0.3 a 0.7 b --split 98,2,0",
+        ))
+        .unwrap();
+        assert_eq!(a.parse_value::<usize>("num-layers").unwrap(), Some(2));
+        assert_eq!(a.get("lr"), Some("1e-4"));
+        assert!(a.has("bf16"));
+        assert_eq!(a.list("data-path").unwrap().len(), 4);
+        assert!(matches!(
+            Args::parse(&args("--nope 1")),
+            Err(ArgsError::Unknown(_))
+        ));
+        assert!(matches!(
+            Args::parse(&args("--fp16")),
+            Err(ArgsError::Refused { .. })
+        ));
+        assert!(matches!(
+            Args::parse(&args("--lr")),
+            Err(ArgsError::Value { .. })
+        ));
+        assert!(matches!(
+            Args::parse(&args("--bf16=1")),
+            Err(ArgsError::Value { .. })
+        ));
+        assert!(matches!(
+            Args::parse(&args("stray")),
+            Err(ArgsError::Stray(_))
+        ));
+        let a = Args::parse(&args("--use-flash-attn --overlap-grad-reduce")).unwrap();
+        assert_eq!(a.inert().len(), 2);
+        assert!(a.parse_value::<usize>("num-layers").unwrap().is_none());
+    }
+
+    #[test]
+    fn every_flag_is_listed_once() {
+        let mut names: Vec<&str> = FLAGS.iter().map(|f| f.name).collect();
+        names.sort();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "a flag is listed twice");
+        assert!(help().contains("--use-flash-attn"));
+    }
+}

@@ -1,0 +1,618 @@
+//! Megatron torch-format training checkpoints (megatron/training/checkpointing.py,
+//! `--ckpt-format torch`): `<save>/iter_XXXXXXX/mp_rank_00/model_optim_rng.pt` holding `args`,
+//! `checkpoint_version` 3.0, `iteration`, `model`, `optimizer` (the torch optimizer's
+//! `state_dict`: Adam moments and step per parameter id, two parameter groups; with `--bf16`
+//! wrapped with the f32 main parameters as `fp32_from_fp16_params`), `opt_param_scheduler` and
+//! `num_floating_point_operations_so_far`; then `latest_checkpointed_iteration.txt`. The
+//! iteration directory is written under a temporary name and renamed into place before the
+//! tracker names it, so an interrupted save leaves the previous checkpoint the latest one.
+//!
+//! No `rng_state` is written (mindkit's training draws no random numbers after
+//! initialisation): Megatron loads these checkpoints with `--no-load-rng` or `--finetune`.
+
+use crate::ckpt::config::{megatron_args, ModelConfig, ParallelArgs};
+use crate::ckpt::layout::{chunk_entries, KeyLayout};
+use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
+use crate::ckpt::tensor::Tensor;
+use crate::ckpt::torch::pickle::{DType, StorageRef, TensorRef, Value};
+use crate::ckpt::torch::save::PtWriter;
+use crate::ckpt::torch::TorchFile;
+use crate::model::params::ParamTable;
+use crate::util::{AtomicFile, OutputKind, TempOutput};
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value as Json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A checkpoint directory (`--save`) as an output: mindkit adds iteration directories and the
+/// tracker, and never removes anything else.
+pub static SAVE_DIR: OutputKind = OutputKind {
+    tag: "ckpt",
+    what: "training checkpoint",
+    dir: None,
+};
+
+/// The optimizer's state on the host, in parameter-table order.
+pub struct OptimizerState {
+    /// Optimizer steps taken.
+    pub steps: u64,
+    /// Adam moments (f32), `None` for frozen parameters.
+    pub exp_avg: Vec<Option<Tensor>>,
+    /// Second moments.
+    pub exp_avg_sq: Vec<Option<Tensor>>,
+    /// f32 main parameters (`--bf16`), `None` for frozen parameters.
+    pub main: Option<Vec<Option<Tensor>>>,
+    /// Hyper-parameters recorded in the parameter groups.
+    pub hyper: GroupHyper,
+}
+
+/// What the torch parameter groups record.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupHyper {
+    /// Current learning rate.
+    pub lr: f64,
+    /// `--lr`, `--min-lr`.
+    pub max_lr: f64,
+    /// `--min-lr`.
+    pub min_lr: f64,
+    /// Current weight decay of the decayed group.
+    pub weight_decay: f64,
+    /// β₁, β₂.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+}
+
+/// Everything a checkpoint records.
+pub struct Snapshot<'a> {
+    /// Architecture (dtype = the model parameters').
+    pub cfg: &'a ModelConfig,
+    /// Parameters, in table order.
+    pub table: &'a ParamTable,
+    /// Model parameters on the host, in table order (dtype = `cfg.dtype`).
+    pub params: Vec<Tensor>,
+    /// Which parameters go into the file (all, or the LoRA ones with `--lora-ckpt-filter`).
+    pub saved: Vec<bool>,
+    /// Key layout of `model`.
+    pub layout: KeyLayout,
+    /// `--make-vocab-size-divisible-by`.
+    pub divisible_by: usize,
+    /// Completed iterations.
+    pub iteration: u64,
+    /// Training state recorded in `args`.
+    pub args: Vec<(String, Value)>,
+    /// Optimizer state (`None` with `--no-save-optim`).
+    pub optimizer: Option<OptimizerState>,
+    /// The scheduler's state dict.
+    pub scheduler: Option<Json>,
+    /// FLOPs so far.
+    pub flops: f64,
+    /// Extra model tensors by Megatron key (LoRA adapters), saved after the base weights.
+    pub extra: Vec<(String, Tensor)>,
+}
+
+/// The pickled form of a JSON value (the scheduler's state dict).
+/// A JSON value as the pickle value Python's json module would give.
+pub fn json_value(j: &Json) -> Value {
+    match j {
+        Json::Null => Value::None,
+        Json::Bool(b) => Value::Bool(*b),
+        Json::Number(n) => n
+            .as_i64()
+            .map(Value::Int)
+            .unwrap_or_else(|| Value::Float(n.as_f64().unwrap_or(f64::NAN))),
+        Json::String(s) => Value::Str(s.clone()),
+        Json::Array(a) => Value::List(a.iter().map(json_value).collect()),
+        Json::Object(o) => Value::Dict(
+            o.iter()
+                .map(|(k, v)| (Value::Str(k.clone()), json_value(v)))
+                .collect(),
+        ),
+    }
+}
+
+fn s(k: &str) -> Value {
+    Value::Str(k.to_string())
+}
+
+/// Storages of one rank file, in the order the pickle names them.
+#[derive(Default)]
+struct Storages {
+    data: Vec<Vec<u8>>,
+}
+
+impl Storages {
+    /// A tensor value over a new storage holding `t`.
+    fn tensor(&mut self, t: &Tensor) -> Value {
+        let shape: Vec<u64> = t.shape.iter().map(|&n| n as u64).collect();
+        let mut stride = vec![1u64; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            stride[i] = stride[i + 1] * shape[i + 1];
+        }
+        let numel = shape.iter().product();
+        let key = self.data.len().to_string();
+        self.data.push(t.data.clone());
+        Value::Tensor(Box::new(TensorRef {
+            storage: StorageRef {
+                key,
+                dtype: t.dtype,
+                location: "cpu".into(),
+                numel,
+            },
+            offset: 0,
+            shape,
+            stride,
+        }))
+    }
+}
+
+/// Megatron's two parameter groups over the trained parameters: (decay, no decay), ids
+/// consecutive group by group in table order.
+pub fn param_groups(table: &ParamTable, trained: &[bool]) -> [Vec<usize>; 2] {
+    let pick = |decay: bool| -> Vec<usize> {
+        (0..table.params.len())
+            .filter(|&i| trained[i] && table.params[i].decay == decay)
+            .collect()
+    };
+    [pick(true), pick(false)]
+}
+
+/// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`.
+fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) -> Value {
+    let trained: Vec<bool> = opt.exp_avg.iter().map(Option::is_some).collect();
+    let groups = param_groups(table, &trained);
+    let mut state = Vec::new();
+    let mut id = 0i64;
+    let mut ids = [Vec::new(), Vec::new()];
+    for (g, members) in groups.iter().enumerate() {
+        for &p in members {
+            if let (Some(m), Some(v)) = (&opt.exp_avg[p], &opt.exp_avg_sq[p]) {
+                let step = Tensor::new(
+                    DType::F32,
+                    vec![],
+                    (opt.steps as f32).to_le_bytes().to_vec(),
+                );
+                state.push((
+                    Value::Int(id),
+                    Value::Dict(vec![
+                        (s("step"), st.tensor(&step)),
+                        (s("exp_avg"), st.tensor(m)),
+                        (s("exp_avg_sq"), st.tensor(v)),
+                    ]),
+                ));
+            }
+            ids[g].push(Value::Int(id));
+            id += 1;
+        }
+    }
+    let h = opt.hyper;
+    let group = |decay: bool, params: Vec<Value>| {
+        let mult = if decay { 1.0 } else { 0.0 };
+        Value::Dict(vec![
+            (s("wd_mult"), Value::Float(mult)),
+            (s("lr_mult"), Value::Float(1.0)),
+            (s("is_expert_parallel"), Value::Bool(false)),
+            (s("is_decoupled_lr"), Value::Bool(false)),
+            (s("max_lr"), Value::Float(h.max_lr)),
+            (s("min_lr"), Value::Float(h.min_lr)),
+            (s("lr"), Value::Float(h.lr)),
+            (
+                s("betas"),
+                Value::Tuple(vec![Value::Float(h.betas.0), Value::Float(h.betas.1)]),
+            ),
+            (s("eps"), Value::Float(h.eps)),
+            (s("weight_decay"), Value::Float(h.weight_decay * mult)),
+            (s("amsgrad"), Value::Bool(false)),
+            (s("maximize"), Value::Bool(false)),
+            (s("foreach"), Value::None),
+            (s("capturable"), Value::Bool(false)),
+            (s("differentiable"), Value::Bool(false)),
+            (s("fused"), Value::None),
+            (s("decoupled_weight_decay"), Value::Bool(true)),
+            (s("params"), Value::List(params)),
+        ])
+    };
+    let [decayed, plain] = ids;
+    let torch = Value::Dict(vec![
+        (s("state"), Value::Dict(state)),
+        (
+            s("param_groups"),
+            Value::List(vec![group(true, decayed), group(false, plain)]),
+        ),
+    ]);
+    match &opt.main {
+        None => torch,
+        Some(main) => {
+            let lists = groups
+                .iter()
+                .map(|members| {
+                    Value::List(
+                        members
+                            .iter()
+                            .filter_map(|&p| main[p].as_ref().map(|t| st.tensor(t)))
+                            .collect(),
+                    )
+                })
+                .collect();
+            Value::Dict(vec![
+                (s("optimizer"), torch),
+                (s("fp32_from_fp16_params"), Value::List(lists)),
+            ])
+        }
+    }
+}
+
+/// Set (or add) `args.key`.
+pub fn set_arg(args: &mut Vec<(String, Value)>, key: &str, v: Value) {
+    match args.iter_mut().find(|(k, _)| k == key) {
+        Some(slot) => slot.1 = v,
+        None => args.push((key.to_string(), v)),
+    }
+}
+
+/// Make `--save` ready before any training: the directory created, proven writable by a
+/// temporary file, and the tokenizer files copied beside the checkpoints (as `mindkit
+/// convert` does, so that the checkpoint converts back to a complete HF directory and
+/// resumes without naming the tokenizer again).
+pub fn prepare(save: &Path, tokenizer: &Path) -> Result<()> {
+    std::fs::create_dir_all(save)
+        .with_context(|| format!("--save {}: cannot create it", save.display()))?;
+    drop(
+        AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)
+            .with_context(|| format!("--save {}: cannot write there", save.display()))?,
+    );
+    let dir = if tokenizer.is_dir() {
+        tokenizer.to_path_buf()
+    } else {
+        tokenizer
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
+    if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
+        crate::ckpt::hf::copy_side_files(&dir, save)?;
+    }
+    Ok(())
+}
+
+/// The `iter_XXXXXXX` name of an iteration.
+pub fn iteration_dir(iteration: u64) -> String {
+    format!("iter_{iteration:07}")
+}
+
+/// Write a checkpoint of `snap` under `save`: the iteration directory first (temporary, then
+/// renamed), the tracker last. Returns the rank file written.
+pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
+    std::fs::create_dir_all(save).with_context(|| format!("creating --save {}", save.display()))?;
+    let mut args = megatron_args(
+        snap.cfg,
+        &ParallelArgs {
+            tp: 1,
+            pp: 1,
+            vpp: 1,
+            first_last: None,
+            padded_vocab: snap.table.vocab_padded,
+            divisible_by: snap.divisible_by,
+        },
+        &snap.args,
+    );
+    for (k, v) in &snap.args {
+        set_arg(&mut args, k, v.clone());
+    }
+    let mut st = Storages::default();
+    let mut model = Vec::new();
+    let entries = chunk_entries(
+        snap.layout,
+        snap.cfg,
+        &(0..snap.cfg.layers).collect::<Vec<_>>(),
+        true,
+        true,
+        1,
+    );
+    for (path, canon) in &entries {
+        let value = match canon {
+            None => Value::None,
+            Some(c) => match snap.table.index(*c).filter(|&i| snap.saved[i]) {
+                Some(i) => st.tensor(&snap.params[i]),
+                None => continue,
+            },
+        };
+        model.push((s(&path.join(".")), value));
+    }
+    for (key, t) in &snap.extra {
+        model.push((s(key), st.tensor(t)));
+    }
+    let mut root = vec![
+        (s("args"), Value::Namespace(args)),
+        (s("checkpoint_version"), Value::Float(3.0)),
+        (s("iteration"), Value::Int(snap.iteration as i64)),
+        (s("model"), Value::Dict(model)),
+    ];
+    if let Some(opt) = &snap.optimizer {
+        root.push((s("optimizer"), optimizer_value(snap.table, opt, &mut st)));
+    }
+    if let Some(sched) = &snap.scheduler {
+        root.push((s("opt_param_scheduler"), json_value(sched)));
+    }
+    root.push((
+        s("num_floating_point_operations_so_far"),
+        Value::Float(snap.flops),
+    ));
+    let target = save.join(iteration_dir(snap.iteration));
+    let temp = TempOutput::dir(&target, &SAVE_DIR, true)?;
+    let rank = temp.path().join(rank_dir(0, 0, 1));
+    std::fs::create_dir_all(&rank).with_context(|| format!("creating {}", rank.display()))?;
+    let mut w = PtWriter::create(&rank.join(RANK_FILE), &Value::Dict(root), false)?;
+    for (key, bytes) in st.data.iter().enumerate() {
+        w.write_storage(&key.to_string(), bytes)?;
+    }
+    w.finish()?;
+    temp.commit()?;
+    let mut tracker = AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)?;
+    tracker.write_all(snap.iteration.to_string().as_bytes())?;
+    tracker.finish()?;
+    Ok(target.join(rank_dir(0, 0, 1)).join(RANK_FILE))
+}
+
+/// Replace `host[i]` by the tensor named `table.params[i].name` in the one-rank checkpoint
+/// `dir`, for every parameter `pick` selects (the LoRA adapters of `--lora-load`): shapes
+/// checked, cast to the parameter's dtype.
+pub fn load_named(
+    dir: &Path,
+    table: &ParamTable,
+    pick: impl Fn(&crate::model::params::ParamInfo) -> bool,
+    host: &mut [Tensor],
+) -> Result<()> {
+    let path = rank_file(dir)?;
+    let f = TorchFile::open(&path)?;
+    let mut keys = std::collections::BTreeMap::new();
+    for chunk in crate::ckpt::megatron::chunks(&f)? {
+        crate::ckpt::megatron::flatten(chunk, false, &path, &mut keys)?;
+    }
+    for (p, slot) in table.params.iter().zip(host.iter_mut()) {
+        if !pick(p) {
+            continue;
+        }
+        let Some(Value::Tensor(t)) = keys.get(&p.name) else {
+            bail!(
+                "{}: no {} (the adapter does not match --lora-r / --lora-target-modules)",
+                path.display(),
+                p.name
+            );
+        };
+        let t = f.read_tensor(&p.name, t)?;
+        if t.shape != p.shape {
+            bail!(
+                "{}: {} has shape {:?}, this run's adapter {:?}",
+                path.display(),
+                p.name,
+                t.shape,
+                p.shape
+            );
+        }
+        *slot = t.cast(slot.dtype).map_err(|e| anyhow!(e))?;
+    }
+    Ok(())
+}
+
+/// What a checkpoint holds besides the model weights (read by [`load_state`]).
+pub struct Resumed {
+    /// Completed iterations.
+    pub iteration: u64,
+    /// `args.consumed_train_samples`, `args.consumed_valid_samples`.
+    pub consumed_train: u64,
+    /// Validation samples consumed.
+    pub consumed_valid: u64,
+    /// FLOPs so far.
+    pub flops: f64,
+    /// The scheduler state (`num_steps`, …), if saved.
+    pub scheduler: Option<Json>,
+    /// The optimizer state, if saved.
+    pub optimizer: Option<OptimizerState>,
+}
+
+fn int_of(v: Option<&Value>) -> Option<u64> {
+    match v? {
+        Value::Int(i) => u64::try_from(*i).ok(),
+        Value::Float(f) if *f >= 0.0 && f.fract() == 0.0 => Some(*f as u64),
+        _ => None,
+    }
+}
+
+fn float_of(v: Option<&Value>) -> Option<f64> {
+    match v? {
+        Value::Int(i) => Some(*i as f64),
+        Value::Float(f) => Some(*f),
+        _ => None,
+    }
+}
+
+fn value_json(v: &Value) -> Json {
+    match v {
+        Value::Bool(b) => Json::Bool(*b),
+        Value::Int(i) => Json::from(*i),
+        Value::Float(f) => Json::from(*f),
+        Value::Str(s) => Json::String(s.clone()),
+        Value::List(a) | Value::Tuple(a) => Json::Array(a.iter().map(value_json).collect()),
+        Value::Dict(items) => Json::Object(
+            items
+                .iter()
+                .filter_map(|(k, v)| match k {
+                    Value::Str(k) => Some((k.clone(), value_json(v))),
+                    _ => None,
+                })
+                .collect(),
+        ),
+        _ => Json::Null,
+    }
+}
+
+/// The single rank file of a one-rank checkpoint directory (root or iteration directory).
+pub fn rank_file(dir: &Path) -> Result<PathBuf> {
+    let iter_dir = if dir.join(TRACKER).is_file() {
+        let text = std::fs::read_to_string(dir.join(TRACKER))?;
+        let text = text.trim();
+        let sub = match text.parse::<u64>() {
+            Ok(i) => iteration_dir(i),
+            Err(_) if text == "release" => "release".into(),
+            Err(_) => bail!(
+                "{}: not an iteration number: {text:?}",
+                dir.join(TRACKER).display()
+            ),
+        };
+        dir.join(sub)
+    } else {
+        dir.to_path_buf()
+    };
+    let file = iter_dir.join(rank_dir(0, 0, 1)).join(RANK_FILE);
+    if !file.is_file() {
+        bail!(
+            "{}: resuming training state needs a one-rank checkpoint (mp_rank_00/{RANK_FILE}); \
+             load the weights of other layouts with --finetune or --no-load-optim",
+            iter_dir.display()
+        );
+    }
+    Ok(file)
+}
+
+/// Read the training state of a checkpoint written by [`save`] (or by Megatron on one rank):
+/// iteration, consumed samples, scheduler, and — unless `weights_only` — the optimizer state
+/// mapped back onto `table` (groups matched as Megatron's `_filter_and_reorder_param_groups`
+/// matches them, by weight-decay multiplier).
+pub fn load_state(
+    dir: &Path,
+    table: &ParamTable,
+    trained: &[bool],
+    weights_only: bool,
+) -> Result<Resumed> {
+    let path = rank_file(dir)?;
+    let f = TorchFile::open(&path)?;
+    let root = f.root();
+    let args = root.get("args");
+    let arg = |k: &str| args.and_then(|a| a.get(k));
+    let mut resumed = Resumed {
+        iteration: int_of(root.get("iteration"))
+            .ok_or_else(|| anyhow!("{}: no iteration", path.display()))?,
+        consumed_train: int_of(arg("consumed_train_samples")).unwrap_or(0),
+        consumed_valid: int_of(arg("consumed_valid_samples")).unwrap_or(0),
+        flops: float_of(root.get("num_floating_point_operations_so_far")).unwrap_or(0.0),
+        scheduler: root.get("opt_param_scheduler").map(value_json),
+        optimizer: None,
+    };
+    if weights_only {
+        return Ok(resumed);
+    }
+    let Some(opt) = root.get("optimizer") else {
+        bail!(
+            "{} holds no optimizer state (saved with --no-save-optim?); resume with --no-load-optim, or start a new run from its weights with --finetune",
+            path.display()
+        );
+    };
+    let (torch, main_lists) = match opt.get("fp32_from_fp16_params") {
+        Some(Value::List(lists)) => (opt.get("optimizer").unwrap_or(opt), Some(lists)),
+        _ => (opt, None),
+    };
+    let groups = param_groups(table, trained);
+    let Some(Value::List(saved_groups)) = torch.get("param_groups") else {
+        bail!("{}: optimizer without param_groups", path.display());
+    };
+    let n = table.params.len();
+    let mut state = OptimizerState {
+        steps: 0,
+        exp_avg: vec![None; n],
+        exp_avg_sq: vec![None; n],
+        main: main_lists.map(|_| vec![None; n]),
+        hyper: GroupHyper {
+            lr: 0.0,
+            max_lr: 0.0,
+            min_lr: 0.0,
+            weight_decay: 0.0,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+        },
+    };
+    let states = torch.get("state");
+    for (g, members) in groups.iter().enumerate() {
+        let want_mult = if g == 0 { 1.0 } else { 0.0 };
+        let saved = saved_groups
+            .iter()
+            .enumerate()
+            .find(|(_, sg)| float_of(sg.get("wd_mult")) == Some(want_mult))
+            .or_else(|| saved_groups.get(g).map(|sg| (g, sg)));
+        let (saved_index, saved) = match saved {
+            Some(x) => x,
+            None if members.is_empty() => continue,
+            None => bail!(
+                "{}: the optimizer has no parameter group for weight-decay multiplier {want_mult}",
+                path.display()
+            ),
+        };
+        let Some(Value::List(ids)) = saved.get("params") else {
+            bail!("{}: parameter group without params", path.display());
+        };
+        if ids.len() != members.len() {
+            bail!(
+                "{}: optimizer group {saved_index} holds {} parameters, this model's has {}: the \
+                 checkpoint is of another model or LoRA setting (use --no-load-optim)",
+                path.display(),
+                ids.len(),
+                members.len()
+            );
+        }
+        if g == 0 {
+            state.hyper.lr = float_of(saved.get("lr")).unwrap_or(0.0);
+            state.hyper.weight_decay = float_of(saved.get("weight_decay")).unwrap_or(0.0);
+        }
+        for (j, (id, &p)) in ids.iter().zip(members).enumerate() {
+            let name = &table.params[p].name;
+            let entry = match (states, id) {
+                (Some(Value::Dict(items)), Value::Int(i)) => items
+                    .iter()
+                    .find(|(k, _)| *k == Value::Int(*i))
+                    .map(|(_, v)| v),
+                _ => None,
+            };
+            if let Some(entry) = entry {
+                let read = |k: &str| -> Result<Tensor> {
+                    match entry.get(k) {
+                        Some(Value::Tensor(t)) => Ok(f.read_tensor(name, t)?),
+                        _ => bail!("{}: optimizer state of {name} lacks {k}", path.display()),
+                    }
+                };
+                let m = read("exp_avg")?;
+                if m.shape != table.params[p].shape {
+                    bail!(
+                        "{}: optimizer state of {name} is {:?}, the parameter {:?}",
+                        path.display(),
+                        m.shape,
+                        table.params[p].shape
+                    );
+                }
+                state.exp_avg[p] = Some(m);
+                state.exp_avg_sq[p] = Some(read("exp_avg_sq")?);
+                state.steps = match entry.get("step") {
+                    Some(Value::Tensor(t)) => {
+                        let t = f.read_tensor(name, t)?;
+                        crate::ckpt::tensor::to_f32(&t)
+                            .map_err(|e| anyhow!(e))?
+                            .first()
+                            .copied()
+                            .unwrap_or(0.0) as u64
+                    }
+                    other => int_of(other).unwrap_or(0),
+                };
+            }
+            if let (Some(main), Some(lists)) = (state.main.as_mut(), main_lists) {
+                match lists.get(saved_index).and_then(|l| match l {
+                    Value::List(v) => v.get(j),
+                    _ => None,
+                }) {
+                    Some(Value::Tensor(t)) => main[p] = Some(f.read_tensor(name, t)?),
+                    _ => bail!("{}: no f32 main parameter for {name}", path.display()),
+                }
+            }
+        }
+    }
+    resumed.optimizer = Some(state);
+    Ok(resumed)
+}

@@ -1,0 +1,262 @@
+//! Micro-batches as Megatron's `MegatronPretrainingSampler` draws them on one data-parallel
+//! rank (megatron/legacy/data/data_samplers.py): iteration i (from 1) consumes samples
+//! `[(i−1)·G, i·G)` of the split in order, micro-batch k the `k`-th M of them; each sample
+//! becomes rows of one [`MicroBatch`] with the loss weights of Megatron's loss averaging.
+
+use crate::data::gpt_dataset::{MaskConfig, Sample, SplitSamples};
+use crate::data::sft_dataset::{SftDataset, IGNORE};
+use crate::model::llama::MicroBatch;
+use anyhow::Result;
+use std::sync::Arc;
+
+/// How per-row losses are combined into the objective (megatron-core 0.15
+/// `forward_step_calc_loss` and `finalize_model_grads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossAveraging {
+    /// Each micro-batch's mean over its unmasked tokens, then the mean over micro-batches.
+    PerMicroBatch,
+    /// `--calculate-per-token-loss`: the sum over every token of the step, then the gradient
+    /// divided by the step's token count.
+    PerToken,
+}
+
+/// A micro-batch with the bookkeeping of its loss.
+pub struct Prepared {
+    /// The rows.
+    pub batch: MicroBatch,
+    /// `[T]` 1 where a row's loss counts.
+    pub mask: Vec<f32>,
+    /// Unmasked rows.
+    pub tokens: u64,
+}
+
+/// Rows of `samples` (consecutive, each S long) as one micro-batch: loss weights
+/// `mask / max(n, 1) / K` (per micro-batch averaging) or `mask` (per token), attention
+/// segments per sample (per document with `reset_attention_mask`), RoPE positions `0..S`.
+pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Prepared {
+    let mut batch = MicroBatch {
+        tokens: Vec::new(),
+        labels: Vec::new(),
+        dloss: Vec::new(),
+        segments: Vec::new(),
+        positions: Vec::new(),
+    };
+    let mut mask = Vec::new();
+    for s in samples {
+        let base = batch.tokens.len();
+        let len = s.tokens.len();
+        let mut starts = s.segments.clone();
+        starts.push(len);
+        batch
+            .segments
+            .extend(starts.windows(2).map(|w| base + w[0]..base + w[1]));
+        batch.tokens.extend_from_slice(&s.tokens);
+        batch.labels.extend_from_slice(&s.labels);
+        batch.positions.extend(0..len);
+        mask.extend_from_slice(&s.loss_mask);
+    }
+    let tokens = mask.iter().filter(|&&m| m != 0.0).count() as u64;
+    // As autograd computes them: the gradient 1 divided by K, then by max(n, 1), in f32.
+    let weight = match averaging {
+        LossAveraging::PerMicroBatch => (1.0f32 / k as f32) / tokens.max(1) as f32,
+        LossAveraging::PerToken => 1.0,
+    };
+    batch.dloss = mask.iter().map(|&m| m * weight).collect();
+    Prepared {
+        batch,
+        mask,
+        tokens,
+    }
+}
+
+/// The samples `from..from + count` of `split`, masked as `masks` says.
+pub fn samples(split: &SplitSamples, masks: &MaskConfig, from: u64, count: usize) -> Vec<Sample> {
+    (0..count)
+        .map(|j| {
+            let (_, text) = split.text(from as usize + j, masks.pad_value());
+            masks.sample(&text)
+        })
+        .collect()
+}
+
+/// `(Σ loss·mask, Σ mask)` of a micro-batch in f32, as Megatron's `loss_func` reports it.
+pub fn masked_sum(losses: &[f32], mask: &[f32]) -> (f32, f32) {
+    let sum = losses.iter().zip(mask).map(|(l, m)| l * m).sum();
+    (sum, mask.iter().sum())
+}
+
+/// The `(Σ loss·mask, Σ mask)` of each micro-batch of a step (or an evaluation), reduced to
+/// the lm loss Megatron reports.
+#[derive(Debug, Clone, Default)]
+pub struct LossSums {
+    parts: Vec<(f32, f32)>,
+}
+
+impl LossSums {
+    /// Add one micro-batch.
+    pub fn push(&mut self, sum: f32, count: f32) {
+        self.parts.push((sum, count));
+    }
+
+    /// Add every micro-batch of `other`.
+    pub fn extend(&mut self, other: LossSums) {
+        self.parts.extend(other.parts);
+    }
+
+    /// Unmasked tokens.
+    pub fn tokens(&self) -> f32 {
+        self.parts.iter().map(|p| p.1).sum()
+    }
+
+    /// Token-weighted `Σ S / Σ n` (pretraining's `loss_func`, and any per-token loss), or the
+    /// mean of the micro-batch means (MindSpeed-LLM's SFT `loss_func`, which reports each
+    /// micro-batch's mean).
+    pub fn report(&self, token_weighted: bool) -> f32 {
+        if token_weighted {
+            self.parts.iter().map(|p| p.0).sum::<f32>() / self.tokens()
+        } else {
+            let means: f32 = self.parts.iter().map(|(s, n)| s / n.max(1.0)).sum();
+            means / self.parts.len().max(1) as f32
+        }
+    }
+}
+
+/// How fine-tuning samples become rows (MindSpeed-LLM's collator and `get_batch`).
+#[derive(Debug, Clone, Copy)]
+pub struct SftRows {
+    /// `--seq-length`.
+    pub seq_length: usize,
+    /// The id right padding writes (the tokenizer's pad, else eos).
+    pub pad: u32,
+    /// Rows are padded to a multiple of this: `--seq-length`, or with
+    /// `--no-pad-to-seq-lengths` `--pad-to-multiple-of` (8).
+    pub multiple_of: usize,
+    /// `--reset-attention-mask`: attention stays inside each document of a pack (the EOD id,
+    /// and whether `--neat-pack` numbers the documents in the stored attention mask).
+    pub reset: Option<(u32, bool)>,
+}
+
+/// The samples of one split.
+pub enum Source {
+    /// Megatron GPT pretraining samples.
+    Pretrain {
+        /// Their order and tokens.
+        samples: SplitSamples,
+        /// EOD, pad and masking.
+        masks: MaskConfig,
+    },
+    /// MindSpeed-LLM fine-tuning samples.
+    Sft {
+        /// The packed files.
+        data: Arc<SftDataset>,
+        /// Sample k is sequence `index[k]`.
+        index: Vec<u64>,
+        /// Row layout.
+        rows: SftRows,
+    },
+}
+
+impl Source {
+    /// Samples it holds.
+    pub fn len(&self) -> usize {
+        match self {
+            Source::Pretrain { samples, .. } => samples.len(),
+            Source::Sft { index, .. } => index.len(),
+        }
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Samples `from..from + m` as one micro-batch of K.
+    pub fn micro_batch(
+        &self,
+        from: u64,
+        m: usize,
+        k: usize,
+        averaging: LossAveraging,
+    ) -> Result<Prepared> {
+        match self {
+            Source::Pretrain {
+                samples: split,
+                masks,
+            } => Ok(micro_batch(&samples(split, masks, from, m), k, averaging)),
+            Source::Sft { data, index, rows } => {
+                let docs = &index[from as usize..from as usize + m];
+                let mut out = Vec::with_capacity(m);
+                for &doc in docs {
+                    let (ids, labels) = data.sample(doc as usize, rows.seq_length)?;
+                    let mask = match rows.reset {
+                        Some((_, true)) => data.attention_mask(doc as usize),
+                        _ => None,
+                    };
+                    out.push((ids, labels, mask));
+                }
+                let longest = out.iter().map(|(ids, _, _)| ids.len()).max().unwrap_or(0);
+                let t = longest.div_ceil(rows.multiple_of) * rows.multiple_of;
+                let samples: Vec<Sample> = out
+                    .iter()
+                    .map(|(ids, labels, mask)| sft_sample(ids, labels, mask.as_deref(), t, rows))
+                    .collect();
+                Ok(micro_batch(&samples, k, averaging))
+            }
+        }
+    }
+}
+
+/// One fine-tuning sample as `t` rows: right-padded ids, labels shifted by one (the model
+/// scores position j against label j + 1, MindSpeed-LLM's `labels[:, 1:]`), the loss mask
+/// where that label is not ignored, and the attention segments.
+fn sft_sample(
+    ids: &[i64],
+    labels: &[i64],
+    neat: Option<&[i64]>,
+    t: usize,
+    rows: &SftRows,
+) -> Sample {
+    let len = ids.len();
+    let mut tokens: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    tokens.resize(t, rows.pad);
+    let mut row_labels = vec![0u32; t];
+    let mut loss_mask = vec![0f32; t];
+    for j in 0..t {
+        if let Some(&l) = labels.get(j + 1).filter(|&&l| l != IGNORE) {
+            row_labels[j] = l as u32;
+            loss_mask[j] = 1.0;
+        }
+    }
+    let segments = match (rows.reset, neat) {
+        (Some((_, true)), Some(mask)) => {
+            // Neat packing numbers its documents 1, 2, … in the attention mask (0 = padding).
+            let mut starts = vec![0];
+            for j in 1..len {
+                if mask[j] != mask[j - 1] {
+                    starts.push(j);
+                }
+            }
+            if len < t {
+                starts.push(len);
+            }
+            starts
+        }
+        (Some((eod, _)), _) => {
+            let mut starts = vec![0];
+            starts.extend(
+                (0..len)
+                    .filter(|&j| ids[j] == i64::from(eod) && j + 1 < t)
+                    .map(|j| j + 1),
+            );
+            starts.dedup();
+            starts
+        }
+        (None, _) => vec![0],
+    };
+    Sample {
+        tokens,
+        labels: row_labels,
+        loss_mask,
+        segments,
+    }
+}

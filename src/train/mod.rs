@@ -1,0 +1,892 @@
+//! `mindkit train`: Megatron-LM core 0.15 pretraining on one rank of this engine — the same
+//! samples in the same order ([`crate::data::gpt_dataset`]), the same loss averaging, AdamW,
+//! learning-rate schedule and clipping, Megatron's log lines and torch-format checkpoints.
+//!
+//! The loop (megatron/training/training.py `train` / `train_step`): per iteration, K
+//! micro-batches forward and backward (gradients accumulated in f32), the global gradient norm
+//! and clip, one AdamW step at `lr((i − 1)·G)`, then logging, validation, saving and the exit
+//! conditions. Flags: [`args`]; their resolution: [`config`].
+
+pub mod args;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod log;
+pub mod optim;
+pub mod schedule;
+pub mod tensorboard;
+
+use crate::ckpt::tensor::Tensor as HostTensor;
+use crate::ckpt::torch::pickle::{DType, Value};
+use crate::ckpt::transform::Role;
+use crate::data::gpt_dataset::{build_splits, SampleConfig};
+use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
+use crate::engine::Backend;
+use crate::model::llama::{backward, forward, Ids};
+use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
+use crate::model::ModelSpec;
+use crate::util::{progress_bar, ProgressUnit};
+use anyhow::{anyhow, bail, Context, Result};
+use config::{ScheduleSource, Start, TrainConfig};
+use optim::Optimizer;
+use rand::SeedableRng;
+use rand_distr::Distribution;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// How a run ended.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// The last completed iteration.
+    pub iteration: u64,
+    /// Samples consumed.
+    pub consumed_samples: u64,
+    /// The last logged lm loss.
+    pub last_loss: Option<f64>,
+    /// Wall time of the loop.
+    pub seconds: f64,
+    /// Tokens trained on per second.
+    pub tokens_per_second: f64,
+    /// Why it stopped early, if it did.
+    pub stopped: Option<String>,
+    /// The last checkpoint written.
+    pub saved: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Display for TrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "trained to iteration {} ({} samples) in {:.1} s, {:.0} tokens/s",
+            self.iteration, self.consumed_samples, self.seconds, self.tokens_per_second
+        )?;
+        if let Some(l) = self.last_loss {
+            write!(f, ", lm loss {l:.4}")?;
+        }
+        if let Some(p) = &self.saved {
+            write!(f, "; checkpoint {}", p.display())?;
+        }
+        if let Some(why) = &self.stopped {
+            write!(f, " (stopped: {why})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Run `mindkit train` with Megatron / MindSpeed-LLM flags (program and subcommand removed).
+pub fn run(argv: &[String]) -> Result<TrainSummary> {
+    let parsed = args::Args::parse(argv)?;
+    let quiet = parsed.has("quiet");
+    let device = parsed
+        .get("device")
+        .unwrap_or("cpu")
+        .parse::<crate::engine::DeviceKind>()
+        .map_err(|e| anyhow!("--device: {e}"))?;
+    let backend = crate::engine::cpu_backend(device)?;
+    let cfg = config::resolve(&parsed)?;
+    Trainer::new(backend, cfg, quiet)?.train()
+}
+
+/// Megatron's `num_floating_point_operations` inputs of this model.
+fn flops_model(cfg: &TrainConfig) -> log::FlopsModel {
+    let m = &cfg.model;
+    log::FlopsModel {
+        layers: m.layers,
+        hidden: m.hidden,
+        heads: m.heads,
+        groups: m.groups,
+        head_dim: m.head_dim,
+        ffn: m.ffn,
+        vocab_padded: cfg.vocab_padded,
+        seq_length: cfg.seq_length,
+    }
+}
+
+/// The starting weights: base weights from `--load` (padded to the run's vocabulary, cast to
+/// its dtype) or initialised as megatron-core does — normal(0, σ) for matrices (σ/√(2L) for
+/// linear_proj and linear_fc2; the embedding's own σ if given), ones for norms, zeros for
+/// biases —, and LoRA factors as peft initialises them: A uniform in ±1/√in (kaiming uniform
+/// with a = √5), B zeros. Seeded by `--seed`; no generator can reproduce torch's draws, so the
+/// statistics match, not the values.
+fn initial_params(cfg: &TrainConfig, table: &ParamTable) -> Result<Vec<HostTensor>> {
+    let (std, embedding_std) = cfg.init_std;
+    let scaled = std / (2.0 * cfg.model.layers as f64).sqrt();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(cfg.seed));
+    let dtype = cfg.model.dtype;
+    let mut draw = |p: &ParamInfo| -> Result<Vec<f32>> {
+        let n = p.numel();
+        Ok(match (p.lora, p.canon.role) {
+            (Some(LoraPart::A), _) => {
+                let bound = 1.0 / (p.shape[1] as f32).sqrt();
+                let uniform = rand_distr::Uniform::new(-bound, bound)
+                    .map_err(|e| anyhow!("LoRA init: {e}"))?;
+                (0..n).map(|_| uniform.sample(&mut rng)).collect()
+            }
+            (Some(LoraPart::B), _) | (None, Role::QkvBias | Role::ProjBias) => vec![0.0; n],
+            (None, Role::InputNorm | Role::PostNorm | Role::FinalNorm) => vec![1.0; n],
+            (None, role) => {
+                let sigma = match role {
+                    Role::Embedding => embedding_std.unwrap_or(std),
+                    _ if p.scaled_init => scaled,
+                    _ => std,
+                };
+                let normal = rand_distr::Normal::new(0.0f32, sigma as f32)
+                    .map_err(|e| anyhow!("--init-method-std {sigma}: {e}"))?;
+                (0..n).map(|_| normal.sample(&mut rng)).collect()
+            }
+        })
+    };
+    table
+        .params
+        .iter()
+        .map(|p| match (&cfg.start, p.lora) {
+            (Start::Load { input, .. }, None) => {
+                let t = input
+                    .read_padded(p.canon, table.vocab_padded)
+                    .with_context(|| format!("--load: {}", p.name))?;
+                if t.shape != p.shape {
+                    bail!(
+                        "--load: {} has shape {:?}, the flags imply {:?}",
+                        p.name,
+                        t.shape,
+                        p.shape
+                    );
+                }
+                t.cast(dtype).map_err(|e| anyhow!(e))
+            }
+            _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e)),
+        })
+        .collect()
+}
+
+/// What MindSpeed-LLM records of LoRA in `args` (read back by `mindkit lora merge`).
+fn lora_args(l: &LoraSpec) -> Vec<(String, Value)> {
+    let modules = l
+        .targets
+        .iter()
+        .filter_map(|&r| LoraSpec::module(r))
+        .map(|m| Value::Str(m.into()))
+        .collect();
+    vec![
+        ("lora_r".into(), Value::Int(l.r as i64)),
+        ("lora_alpha".into(), Value::Float(l.alpha)),
+        ("lora_target_modules".into(), Value::List(modules)),
+    ]
+}
+
+/// Running sums of one log interval (`training_log`'s `total_loss_dict`).
+#[derive(Default)]
+struct Interval {
+    loss_sum: f32,
+    advanced: u64,
+    skipped: u64,
+    nan: u64,
+    tokens: u64,
+    start: Option<Instant>,
+}
+
+/// The training state.
+struct Trainer<B: Backend> {
+    b: B,
+    cfg: TrainConfig,
+    spec: ModelSpec,
+    table: ParamTable,
+    ids: Ids,
+    params: Vec<B::Tensor>,
+    grads: Vec<B::Tensor>,
+    opt: Optimizer<B::Tensor>,
+    iteration: u64,
+    consumed_train: u64,
+    consumed_valid: u64,
+    /// Samples the schedule has counted (successful steps × G).
+    schedule_steps: u64,
+    flops: f64,
+    quiet: bool,
+    stop: Option<Arc<AtomicBool>>,
+    tensorboard: Option<tensorboard::TensorBoard>,
+}
+
+impl<B: Backend> Trainer<B> {
+    fn new(b: B, cfg: TrainConfig, quiet: bool) -> Result<Self> {
+        let spec = ModelSpec::from_config(&cfg.model)?;
+        if let Some(save) = &cfg.save {
+            checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
+        }
+        let lora = cfg.lora.as_ref().map(|l| &l.spec);
+        let table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
+        let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
+            .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
+        let mut host = initial_params(&cfg, &table)?;
+        if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
+            checkpoint::load_named(dir, &table, |p| p.lora.is_some(), &mut host)?;
+        }
+        let params: Vec<B::Tensor> = host
+            .iter()
+            .map(|t| b.upload(t))
+            .collect::<std::result::Result<_, _>>()?;
+        // Frozen parameters (LoRA's base) get no gradient buffer.
+        let grads = table
+            .params
+            .iter()
+            .map(|p| b.zeros(if p.trainable { &p.shape } else { &[0] }, DType::F32))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
+        let opt = Optimizer::new(&b, &table, &params, trained.clone(), cfg.adam)?;
+        let stop = if cfg.exit.on_signal {
+            Some(crate::util::defer_signals()?)
+        } else {
+            None
+        };
+        let tensorboard = cfg
+            .tensorboard
+            .as_ref()
+            .map(|(dir, _)| tensorboard::TensorBoard::create(dir))
+            .transpose()?;
+        let mut t = Trainer {
+            b,
+            spec,
+            table,
+            ids,
+            params,
+            grads,
+            opt,
+            iteration: 0,
+            consumed_train: 0,
+            consumed_valid: 0,
+            schedule_steps: 0,
+            flops: 0.0,
+            quiet,
+            stop,
+            tensorboard,
+            cfg,
+        };
+        t.resume(&trained)?;
+        Ok(t)
+    }
+
+    /// Restore iteration, samples, schedule and optimizer from `--load` (unless
+    /// `--finetune`, an HF directory, or `--no-load-optim` for the last two).
+    fn resume(&mut self, trained: &[bool]) -> Result<()> {
+        // With LoRA the training state travels with the adapters (--lora-load).
+        let (dir, no_optim) = match (&self.cfg.start, &self.cfg.lora) {
+            (
+                Start::Load {
+                    resume: true,
+                    no_optim,
+                    ..
+                },
+                Some(l),
+            ) => match &l.load {
+                Some(dir) => (dir.clone(), *no_optim),
+                None => return Ok(()),
+            },
+            (
+                Start::Load {
+                    dir,
+                    resume: true,
+                    no_optim,
+                    ..
+                },
+                None,
+            ) => (dir.clone(), *no_optim),
+            _ => return Ok(()),
+        };
+        let no_optim = &no_optim;
+        let state = checkpoint::load_state(&dir, &self.table, trained, *no_optim)?;
+        self.iteration = state.iteration;
+        self.consumed_train = state.consumed_train;
+        self.consumed_valid = state.consumed_valid;
+        self.flops = state.flops;
+        if *no_optim {
+            return Ok(());
+        }
+        if let Some(sched) = &state.scheduler {
+            self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
+            self.apply_checkpoint_schedule(sched)?;
+        }
+        let Some(opt) = state.optimizer else {
+            return Ok(());
+        };
+        let b = &self.b;
+        for (i, (m, v)) in opt.exp_avg.into_iter().zip(opt.exp_avg_sq).enumerate() {
+            if let (Some(m), Some(v)) = (m, v) {
+                self.opt.exp_avg[i] = b.upload(&m)?;
+                self.opt.exp_avg_sq[i] = b.upload(&v)?;
+            }
+        }
+        if let (Some(main), Some(saved)) = (self.opt.main.as_mut(), opt.main) {
+            for (slot, t) in main.iter_mut().zip(saved) {
+                if let Some(t) = t {
+                    *slot = b.upload(&t)?;
+                }
+            }
+        }
+        self.opt.steps = opt.steps;
+        Ok(())
+    }
+
+    /// Megatron's `OptimizerParamScheduler.load_state_dict`: the checkpoint's settings must
+    /// equal the command line's unless told which to use.
+    fn apply_checkpoint_schedule(&mut self, sched: &serde_json::Value) -> Result<()> {
+        let s = &mut self.cfg.schedule;
+        let num = |k: &str| sched.get(k).and_then(|v| v.as_f64());
+        let checks: [(&str, &str, f64, Option<f64>); 4] = [
+            ("max_lr", "--lr", s.max_lr, num("max_lr")),
+            ("min_lr", "--min-lr", s.min_lr, num("min_lr")),
+            (
+                "lr_warmup_steps",
+                "warmup",
+                s.warmup_steps,
+                num("lr_warmup_steps"),
+            ),
+            (
+                "lr_decay_steps",
+                "decay length",
+                s.decay_steps as f64,
+                num("lr_decay_steps"),
+            ),
+        ];
+        for (key, what, ours, theirs) in checks {
+            let Some(theirs) = theirs else { continue };
+            match self.cfg.schedule_source {
+                ScheduleSource::CommandLine => {}
+                ScheduleSource::Checkpoint => match key {
+                    "max_lr" => s.max_lr = theirs,
+                    "min_lr" => s.min_lr = theirs,
+                    "lr_warmup_steps" => s.warmup_steps = theirs,
+                    _ => s.decay_steps = theirs as u64,
+                },
+                ScheduleSource::Check if ours != theirs => bail!(
+                    "the checkpoint's schedule has {key} {theirs}, the command line {what} gives \
+                     {ours}: pass --override-opt-param-scheduler to use the command line's or \
+                     --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+                ),
+                ScheduleSource::Check => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The data of every split the run reads.
+    fn datasets(&self) -> Result<[Option<data::Source>; 3]> {
+        let c = &self.cfg;
+        let g = c.global_batch as u64;
+        let (valid, test) = match c.eval {
+            Some((interval, iters)) => (
+                Some((c.train_iters / interval + 1) * iters * g),
+                Some(iters * g),
+            ),
+            None => (None, None),
+        };
+        if let Some(sft) = &c.sft {
+            let ds = Arc::new(SftDataset::open(&sft.prefix)?);
+            let ranges = legacy_split(&c.split, ds.len())?;
+            let source = |range: std::ops::Range<usize>, n: u64| data::Source::Sft {
+                data: ds.clone(),
+                index: sft_index(range, n, sft.order),
+                rows: sft.rows,
+            };
+            if ranges[0].is_empty() {
+                bail!(
+                    "{}: the train split of --split {:?} holds none of its {} samples",
+                    sft.prefix.display(),
+                    c.split,
+                    ds.len()
+                );
+            }
+            let train = source(ranges[0].clone(), c.train_iters * g);
+            let valid = valid
+                .map(|n| source(ranges[1].clone(), n))
+                .filter(|v| !v.is_empty());
+            let test = test
+                .map(|n| source(ranges[2].clone(), n))
+                .filter(|t| !t.is_empty());
+            return Ok([Some(train), valid, test]);
+        }
+        let wanted = [true, c.eval.is_some(), c.eval.is_some()];
+        let [train, valid, test] = build_splits(
+            &c.blend,
+            &c.split,
+            [Some(c.train_iters * g), valid, test],
+            wanted,
+            &SampleConfig {
+                seq_length: c.seq_length,
+                seed: c.seed,
+            },
+        )?;
+        let source = |samples| data::Source::Pretrain {
+            samples,
+            masks: c.masks,
+        };
+        Ok([train.map(source), valid.map(source), test.map(source)])
+    }
+
+    /// The lm loss is token-weighted except for MindSpeed-LLM's fine-tuning default.
+    fn token_weighted(&self) -> bool {
+        self.cfg.sft.is_none() || self.cfg.averaging == data::LossAveraging::PerToken
+    }
+
+    fn activations(&self) -> DType {
+        if self.cfg.bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// Check the data's token ids against the model's vocabulary before any work.
+    fn check_vocab(&self) -> Result<()> {
+        for prefix in &self.cfg.blend.prefixes {
+            let max = match &self.cfg.sft {
+                Some(sft) => SftDataset::open(&sft.prefix)?.max_token(),
+                None => crate::data::indexed::IndexedDataset::open(prefix)?.max_token(),
+            };
+            if max >= self.cfg.vocab_padded as i64 {
+                bail!(
+                    "{}: token id {max} is outside the model's vocabulary of {} (padded {}): the \
+                     data was made with another tokenizer",
+                    prefix.display(),
+                    self.cfg.model.vocab,
+                    self.cfg.vocab_padded
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
+    /// returns each micro-batch's loss sums and the rows processed.
+    fn step_batches(
+        &mut self,
+        split: &data::Source,
+        from: u64,
+        train: bool,
+    ) -> Result<(data::LossSums, u64)> {
+        let c = &self.cfg;
+        let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
+        let (mut sums, mut tokens) = (data::LossSums::default(), 0u64);
+        for j in 0..k {
+            let prepared = split.micro_batch(from + (j * m) as u64, m, k, c.averaging)?;
+            let fwd = forward(
+                &self.b,
+                &self.spec,
+                &self.ids,
+                &self.params,
+                &prepared.batch,
+                self.activations(),
+            )?;
+            let (s, n) = data::masked_sum(&fwd.losses, &prepared.mask);
+            sums.push(s, n);
+            tokens += prepared.batch.tokens.len() as u64;
+            if train {
+                backward(
+                    &self.b,
+                    &self.spec,
+                    &self.ids,
+                    &self.params,
+                    &mut self.grads,
+                    &prepared.batch,
+                    fwd,
+                )?;
+            }
+        }
+        Ok((sums, tokens))
+    }
+
+    /// One training iteration: returns (loss, grad norm, applied, tokens).
+    fn train_step(&mut self, train: &data::Source) -> Result<(f32, f64, bool, u64)> {
+        for g in &mut self.grads {
+            *g = self.b.zeros(self.b.shape(g), DType::F32)?;
+        }
+        let (sums, tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let n = sums.tokens();
+        if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
+            let scale = 1.0 / n;
+            for g in &mut self.grads {
+                self.b.scale(g, scale)?;
+            }
+        }
+        let loss = sums.report(self.token_weighted());
+        let lr = self.cfg.schedule.lr(self.schedule_steps);
+        let wd = self.cfg.schedule.wd(self.schedule_steps);
+        let skip = self.cfg.skip_non_finite;
+        let report = if loss.is_finite() || !skip {
+            self.opt
+                .step(&self.b, &mut self.params, &mut self.grads, lr, wd, skip)?
+        } else {
+            optim::StepReport {
+                grad_norm: f64::NAN,
+                applied: false,
+            }
+        };
+        if report.applied {
+            self.schedule_steps += self.cfg.global_batch as u64;
+        }
+        self.consumed_train += self.cfg.global_batch as u64;
+        Ok((loss, report.grad_norm, report.applied, tokens))
+    }
+
+    /// The lm loss over `iters` global batches of `split` from sample `start`, reduced over all
+    /// their micro-batches as the training loss is.
+    fn evaluate(
+        &mut self,
+        split: &data::Source,
+        name: &str,
+        start: u64,
+        iters: u64,
+    ) -> Result<f64> {
+        let g = self.cfg.global_batch as u64;
+        if start + iters * g > split.len() as u64 {
+            bail!(
+                "the {name} split has {} samples, fewer than the evaluations ask for",
+                split.len()
+            );
+        }
+        let mut all = data::LossSums::default();
+        for i in 0..iters {
+            let (sums, _) = self.step_batches(split, start + i * g, false)?;
+            all.extend(sums);
+        }
+        Ok(f64::from(all.report(self.token_weighted())))
+    }
+
+    /// Validation over `eval_iters` global batches from where the last one stopped.
+    fn validate(&mut self, valid: &data::Source, iters: u64) -> Result<f64> {
+        let loss = self.evaluate(valid, "validation", self.consumed_valid, iters)?;
+        self.consumed_valid += iters * self.cfg.global_batch as u64;
+        Ok(loss)
+    }
+
+    /// Print (above the progress bar) one line.
+    fn say(&self, bar: &indicatif::ProgressBar, line: &str) {
+        if bar.is_hidden() {
+            println!("{line}");
+        } else {
+            bar.println(line);
+        }
+    }
+
+    /// The host copy of everything a checkpoint holds.
+    fn snapshot(&self) -> Result<checkpoint::Snapshot<'_>> {
+        let b = &self.b;
+        let params = self
+            .params
+            .iter()
+            .map(|p| b.download(p))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let save = self.cfg.save.as_ref();
+        let optimizer = match save {
+            Some(s) if !s.no_optim => {
+                let trained = |i: usize| self.table.params[i].trainable;
+                let host = |ts: &[B::Tensor]| -> Result<Vec<Option<HostTensor>>> {
+                    (ts.iter().enumerate())
+                        .map(|(i, t)| Ok(trained(i).then(|| b.download(t)).transpose()?))
+                        .collect()
+                };
+                Some(checkpoint::OptimizerState {
+                    steps: self.opt.steps,
+                    exp_avg: host(&self.opt.exp_avg)?,
+                    exp_avg_sq: host(&self.opt.exp_avg_sq)?,
+                    main: self.opt.main.as_deref().map(host).transpose()?,
+                    hyper: checkpoint::GroupHyper {
+                        lr: self.cfg.schedule.lr(self.schedule_steps),
+                        max_lr: self.cfg.schedule.max_lr,
+                        min_lr: self.cfg.schedule.min_lr,
+                        weight_decay: self.cfg.schedule.wd(self.schedule_steps),
+                        betas: self.cfg.adam.betas,
+                        eps: self.cfg.adam.eps,
+                    },
+                })
+            }
+            _ => None,
+        };
+        let c = &self.cfg;
+        let int = |v: u64| Value::Int(v as i64);
+        let recorded = c.recorded.iter();
+        let mut args: Vec<_> = recorded
+            .map(|(k, v)| (k.to_string(), checkpoint::json_value(v)))
+            .collect();
+        args.extend([
+            ("iteration".to_string(), int(self.iteration)),
+            ("train_iters".into(), int(c.train_iters)),
+            ("consumed_train_samples".into(), int(self.consumed_train)),
+            ("consumed_valid_samples".into(), int(self.consumed_valid)),
+            ("skipped_train_samples".into(), int(0)),
+            ("seq_length".into(), int(c.seq_length as u64)),
+            ("micro_batch_size".into(), int(c.micro_batch as u64)),
+            ("global_batch_size".into(), int(c.global_batch as u64)),
+            ("seed".into(), int(u64::from(c.seed))),
+            ("lr".into(), Value::Float(c.schedule.max_lr)),
+            ("min_lr".into(), Value::Float(c.schedule.min_lr)),
+            (
+                "lr_decay_style".into(),
+                Value::Str(c.schedule.decay_style.name().into()),
+            ),
+        ]);
+        let filter = c.lora.as_ref().is_some_and(|l| l.ckpt_filter);
+        let mut extra = Vec::new();
+        if let Some(l) = &c.lora {
+            args.extend(lora_args(&l.spec));
+            for (p, t) in self.table.params.iter().zip(&params) {
+                if p.lora.is_some() {
+                    extra.push((p.name.clone(), t.clone()));
+                }
+            }
+        }
+        Ok(checkpoint::Snapshot {
+            cfg: &c.model,
+            table: &self.table,
+            saved: self
+                .table
+                .params
+                .iter()
+                .map(|p| p.lora.is_none() && !filter)
+                .collect(),
+            params,
+            layout: save.map_or(crate::ckpt::layout::KeyLayout::Mcore, |s| s.layout),
+            divisible_by: c.divisible_by,
+            iteration: self.iteration,
+            args,
+            optimizer,
+            scheduler: save
+                .filter(|s| !s.no_optim)
+                .map(|_| c.schedule.state_dict(self.schedule_steps)),
+            flops: self.flops,
+            extra,
+        })
+    }
+
+    fn save(&self, bar: &indicatif::ProgressBar) -> Result<Option<std::path::PathBuf>> {
+        let Some(save) = &self.cfg.save else {
+            return Ok(None);
+        };
+        let start = Instant::now();
+        let path = checkpoint::save(&save.dir, &self.snapshot()?)?;
+        self.say(
+            bar,
+            &format!(
+                "  successfully saved checkpoint from iteration {:>7} to {} [ t 1/1, p 1/1 ] ({:.1} s)",
+                self.iteration,
+                save.dir.display(),
+                start.elapsed().as_secs_f64()
+            ),
+        );
+        Ok(Some(path))
+    }
+
+    fn train(mut self) -> Result<TrainSummary> {
+        self.check_vocab()?;
+        let splits = self.datasets()?;
+        let [Some(train), valid, test] = splits else {
+            bail!("--split {:?} gives the train split no data", self.cfg.split);
+        };
+        let c_iters = self.cfg.train_iters;
+        if self.consumed_train
+            + (c_iters - self.iteration.min(c_iters)) * self.cfg.global_batch as u64
+            > train.len() as u64
+        {
+            bail!("internal: the train split holds fewer samples than the run consumes");
+        }
+        let params: usize = self.table.numel();
+        if !self.quiet {
+            eprintln!(
+                "mindkit train: {} parameters, {} layers, hidden {}, vocabulary {} (padded {}), {} on {}",
+                params,
+                self.cfg.model.layers,
+                self.cfg.model.hidden,
+                self.cfg.model.vocab,
+                self.cfg.vocab_padded,
+                if self.cfg.bf16 { "bf16" } else { "fp32" },
+                self.b.describe()
+            );
+            for (flag, why) in &self.cfg.inert {
+                eprintln!("mindkit train: note: --{flag} has no effect here: {why}");
+            }
+        }
+        let bar = progress_bar(c_iters, ProgressUnit::Iterations, !self.quiet);
+        bar.set_position(self.iteration);
+        let started = Instant::now();
+        let flops_model = flops_model(&self.cfg);
+        let g = self.cfg.global_batch as u64;
+        let mut interval = Interval::default();
+        let (mut last_loss, mut saved, mut stopped) = (None, None, None);
+        let mut saved_at = None;
+        let mut total_tokens = 0u64;
+        while self.iteration < c_iters {
+            interval.start.get_or_insert_with(Instant::now);
+            let (loss, grad_norm, applied, tokens) = self.train_step(&train)?;
+            self.iteration += 1;
+            self.flops += log::flops_per_step(&flops_model, g);
+            total_tokens += tokens;
+            interval.tokens += tokens;
+            if applied {
+                interval.advanced += 1;
+                interval.loss_sum += loss;
+            } else {
+                interval.skipped += 1;
+                interval.nan += u64::from(!loss.is_finite() || !grad_norm.is_finite());
+            }
+            bar.set_position(self.iteration);
+            bar.set_message(format!("lm loss {loss:.4}"));
+            // Megatron prints the schedule one step ahead (what the next update will use).
+            let lr_printed = self.cfg.schedule.lr(self.schedule_steps) as f32;
+            if let Some(tb) = &mut self.tensorboard {
+                let every = self.cfg.tensorboard.as_ref().map_or(1, |t| t.1);
+                if self.iteration.is_multiple_of(every) {
+                    tb.scalars(
+                        self.iteration,
+                        self.consumed_train,
+                        &[
+                            ("learning-rate", f64::from(lr_printed)),
+                            ("batch-size", g as f64),
+                            ("lm loss", f64::from(loss)),
+                            ("loss-scale", 1.0),
+                            ("grad-norm", f64::from(grad_norm as f32)),
+                        ],
+                    )?;
+                }
+            }
+            if self.iteration.is_multiple_of(self.cfg.log_interval) {
+                let seconds = interval.start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+                let n = (interval.advanced + interval.skipped).max(1);
+                let per_iteration = seconds / n as f64;
+                let mean = f64::from(interval.loss_sum) / interval.advanced.max(1) as f64;
+                let line = log::IterationLine {
+                    time: chrono_now(),
+                    iteration: self.iteration,
+                    train_iters: c_iters,
+                    consumed_samples: self.consumed_train,
+                    seconds_per_iteration: per_iteration,
+                    tflops: self
+                        .cfg
+                        .log_throughput
+                        .then(|| log::flops_per_step(&flops_model, g) / (per_iteration * 1e12)),
+                    lr: lr_printed,
+                    global_batch: g,
+                    loss: mean,
+                    grad_norm: Some(grad_norm as f32),
+                    num_zeros: None,
+                    params_norm: None,
+                    skipped: interval.skipped,
+                    nan: interval.nan,
+                    tokens_per_second: interval.tokens as f64 / seconds.max(1e-9),
+                };
+                self.say(&bar, &line.to_string());
+                if let Some(tb) = &mut self.tensorboard {
+                    tb.scalars(
+                        self.iteration,
+                        self.consumed_train,
+                        &[
+                            ("iteration-time", per_iteration),
+                            ("throughput", line.tokens_per_second),
+                        ],
+                    )?;
+                }
+                last_loss = Some(mean);
+                interval = Interval::default();
+            }
+            if let (Some((every, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
+                if self.iteration.is_multiple_of(every) {
+                    let loss = self.validate(valid, iters)?;
+                    self.say(
+                        &bar,
+                        &log::validation_box(&format!("iteration {}", self.iteration), loss),
+                    );
+                    self.write_validation(loss)?;
+                }
+            }
+            let interval_save = self
+                .cfg
+                .save
+                .as_ref()
+                .and_then(|s| s.interval)
+                .is_some_and(|n| self.iteration.is_multiple_of(n));
+            if interval_save {
+                saved = self.save(&bar)?;
+                saved_at = Some(self.iteration);
+            }
+            if let Some(why) = self.exit_reason(started) {
+                if saved_at != Some(self.iteration) {
+                    saved = self.save(&bar)?;
+                    saved_at = Some(self.iteration);
+                }
+                self.say(
+                    &bar,
+                    &format!("[exiting program {why}] datetime: {} ", chrono_now()),
+                );
+                stopped = Some(why);
+                break;
+            }
+        }
+        if stopped.is_none() {
+            if self.iteration > 0 && saved_at != Some(self.iteration) {
+                saved = self.save(&bar)?;
+            }
+            if let (Some((_, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
+                if self.consumed_valid + iters * g <= valid.len() as u64 {
+                    let loss = self.validate(valid, iters)?;
+                    let prefix = format!("iteration {} on validation set", self.iteration);
+                    self.say(&bar, &log::validation_box(&prefix, loss));
+                    self.write_validation(loss)?;
+                }
+            }
+            // Megatron's pretrain() ends with the test split, read from its start.
+            if let (Some((_, iters)), Some(test)) = (self.cfg.eval, test.as_ref()) {
+                let loss = self.evaluate(test, "test", 0, iters)?;
+                let prefix = format!("iteration {} on test set", self.iteration);
+                self.say(&bar, &log::validation_box(&prefix, loss));
+                // Under the same tag as validation, as evaluate_and_print_results writes it.
+                self.write_validation(loss)?;
+            }
+        }
+        bar.finish_and_clear();
+        let seconds = started.elapsed().as_secs_f64();
+        Ok(TrainSummary {
+            iteration: self.iteration,
+            consumed_samples: self.consumed_train,
+            last_loss,
+            seconds,
+            tokens_per_second: total_tokens as f64 / seconds.max(1e-9),
+            stopped,
+            saved,
+        })
+    }
+
+    fn write_validation(&mut self, loss: f64) -> Result<()> {
+        let ppl = self.cfg.tensorboard_ppl;
+        if let Some(tb) = &mut self.tensorboard {
+            let mut scalars = vec![("lm loss validation", loss)];
+            if ppl {
+                scalars.push(("lm loss validation ppl", loss.min(20.0).exp()));
+            }
+            tb.scalars(self.iteration, self.consumed_train, &scalars)?;
+        }
+        Ok(())
+    }
+
+    /// Why the run should save and stop now (`checkpoint_and_decide_exit`).
+    fn exit_reason(&self, started: Instant) -> Option<String> {
+        let e = self.cfg.exit;
+        if self.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+            return Some("after receiving SIGTERM".into());
+        }
+        if let Some(minutes) = e.minutes {
+            let elapsed = started.elapsed().as_secs_f64() / 60.0;
+            if elapsed > minutes {
+                return Some(format!("after {elapsed} minutes"));
+            }
+        }
+        match e.interval {
+            Some(n) if self.iteration.is_multiple_of(n) => {
+                Some(format!("at iteration {}", self.iteration))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Local time as Megatron prints it (`%Y-%m-%d %H:%M:%S`).
+fn chrono_now() -> String {
+    chrono::Local::now().format("%Y-%m-%d %H:%M:%S").to_string()
+}

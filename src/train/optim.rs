@@ -1,0 +1,185 @@
+//! AdamW over the parameter table, as Megatron runs it on one rank: two parameter groups
+//! (weight decay, and none for biases and 1-D parameters), the global gradient norm and
+//! Megatron's clip coefficient (megatron/core/optimizer/clip_grads.py), and with `--bf16` f32
+//! main parameters that the bf16 model parameters are copied from after every step
+//! (`Float16OptimizerWithFloat16Params`).
+
+use crate::ckpt::torch::pickle::DType;
+use crate::engine::{AdamWStep, Backend, Result};
+use crate::model::params::ParamTable;
+
+/// Adam's settings that do not change during training.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    /// β₁, β₂.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+    /// Global gradient-norm clip (0: none).
+    pub clip_grad: f64,
+}
+
+/// The optimizer's state.
+pub struct Optimizer<T> {
+    /// f32 main parameters when the model's are bf16 (`--bf16`).
+    pub main: Option<Vec<T>>,
+    /// First moments, one per parameter.
+    pub exp_avg: Vec<T>,
+    /// Second moments.
+    pub exp_avg_sq: Vec<T>,
+    /// Steps taken (torch's per-parameter `step`; the same for every parameter).
+    pub steps: u64,
+    /// Which parameters are decayed.
+    decay: Vec<bool>,
+    /// Which parameters are trained (LoRA freezes the base).
+    trainable: Vec<bool>,
+    config: AdamConfig,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy)]
+pub struct StepReport {
+    /// The gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the update was applied (a non-finite norm skips it).
+    pub applied: bool,
+}
+
+impl<T> Optimizer<T> {
+    /// A fresh optimizer for `params` (whose dtype decides whether main copies are kept).
+    pub fn new<B: Backend<Tensor = T>>(
+        b: &B,
+        table: &ParamTable,
+        params: &[T],
+        trainable: Vec<bool>,
+        config: AdamConfig,
+    ) -> Result<Self> {
+        // Frozen parameters (LoRA's base) keep no state: empty placeholders.
+        let zeros = |(p, &t): (&T, &bool)| b.zeros(if t { b.shape(p) } else { &[0] }, DType::F32);
+        let main = match params.first().map(|p| b.dtype(p)) {
+            Some(DType::F32) | None => None,
+            Some(_) => Some(
+                params
+                    .iter()
+                    .zip(&trainable)
+                    .map(|(p, &t)| {
+                        if t {
+                            b.cast(p, DType::F32)
+                        } else {
+                            b.zeros(&[0], DType::F32)
+                        }
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+        };
+        Ok(Optimizer {
+            main,
+            exp_avg: params
+                .iter()
+                .zip(&trainable)
+                .map(zeros)
+                .collect::<Result<_>>()?,
+            exp_avg_sq: params
+                .iter()
+                .zip(&trainable)
+                .map(zeros)
+                .collect::<Result<_>>()?,
+            steps: 0,
+            decay: table.params.iter().map(|p| p.decay).collect(),
+            trainable,
+            config,
+        })
+    }
+
+    /// Whether parameter `i` is trained.
+    pub fn trains(&self, i: usize) -> bool {
+        self.trainable[i]
+    }
+
+    /// Whether parameter `i` is weight-decayed.
+    pub fn decays(&self, i: usize) -> bool {
+        self.decay[i]
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> AdamConfig {
+        self.config
+    }
+
+    /// The global L2 norm of the trained parameters' gradients (f64 of f32 values).
+    pub fn grad_norm<B: Backend<Tensor = T>>(&self, b: &B, grads: &[T]) -> Result<f64> {
+        let trained: Vec<&T> = (grads.iter().enumerate())
+            .filter(|(i, _)| self.trainable[*i])
+            .map(|(_, g)| g)
+            .collect();
+        Ok(b.sum_squares(&trained)?.sqrt())
+    }
+
+    /// Clip and apply one AdamW step with learning rate `lr` and weight decay `wd` (the decay
+    /// group's; the other group has none). A non-finite gradient norm skips the update, as a
+    /// Megatron grad scaler would.
+    pub fn step<B: Backend<Tensor = T>>(
+        &mut self,
+        b: &B,
+        params: &mut [T],
+        grads: &mut [T],
+        lr: f64,
+        wd: f64,
+        skip_non_finite: bool,
+    ) -> Result<StepReport> {
+        let grad_norm = self.grad_norm(b, grads)?;
+        if !grad_norm.is_finite() && skip_non_finite {
+            return Ok(StepReport {
+                grad_norm,
+                applied: false,
+            });
+        }
+        let clip = self.config.clip_grad;
+        if clip > 0.0 {
+            let coeff = clip / (grad_norm + 1e-6);
+            if coeff < 1.0 {
+                for (i, g) in grads.iter_mut().enumerate() {
+                    if self.trainable[i] {
+                        b.scale(g, coeff as f32)?;
+                    }
+                }
+            }
+        }
+        self.steps += 1;
+        for i in 0..params.len() {
+            if !self.trainable[i] {
+                continue;
+            }
+            let step = AdamWStep {
+                lr,
+                betas: self.config.betas,
+                eps: self.config.eps,
+                weight_decay: if self.decay[i] { wd } else { 0.0 },
+                step: self.steps,
+            };
+            match &mut self.main {
+                None => b.adamw(
+                    &mut params[i],
+                    &grads[i],
+                    &mut self.exp_avg[i],
+                    &mut self.exp_avg_sq[i],
+                    step,
+                )?,
+                Some(main) => {
+                    b.adamw(
+                        &mut main[i],
+                        &grads[i],
+                        &mut self.exp_avg[i],
+                        &mut self.exp_avg_sq[i],
+                        step,
+                    )?;
+                    b.copy_into(&main[i], &mut params[i])?;
+                }
+            }
+        }
+        Ok(StepReport {
+            grad_norm,
+            applied: true,
+        })
+    }
+}

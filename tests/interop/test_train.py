@@ -1,0 +1,313 @@
+"""`mindkit train` against a PyTorch reference built from megatron-core 0.15.3's own pieces
+(train_reference.py): per-iteration lm loss, grad norm and learning rate to 1e-5 relative over
+20 iterations, and the final weights to 1e-4, on three tiny families (GQA + untied head; q/k/v
+biases + tied head; tied head with per-token loss and --eod-mask-loss), with gradient
+accumulation (global batch = 4 × micro batch) and warmup + cosine decay. The values are read
+back from mindkit's TensorBoard event files with TensorBoard's own reader."""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+import sft_reference
+import train_reference
+
+TOKENIZER = ROOT / "fixtures/tokenizers/tiny-bpe"
+VOCAB = 400            # tiny-bpe's vocabulary
+EOD = 2                # its </s>
+ITERS = 20
+
+
+def make_model(out, family):
+    """A seeded tiny HF model of `family` whose vocabulary is the shipped tokenizer's."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD)
+    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3}[family])
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True,
+                                             use_sliding_window=False))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    p.bias.normal_(std=0.02)
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, tie_word_embeddings=True,
+                                                 sliding_window=None))
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, out / f)
+    return out
+
+
+def write_data(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    rng = np.random.default_rng(11)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for n in rng.integers(8, 70, size=300):
+        doc = rng.integers(3, VOCAB, size=n, dtype=np.uint16)
+        doc[-1] = EOD
+        builder.add_document(doc, [n])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def scalars(tb_dir, tags=("lm loss", "grad-norm", "learning-rate")):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(tb_dir))
+    ea.Reload()
+    return {tag: [e.value for e in ea.Scalars(tag)] for tag in tags}
+
+
+def mindkit_train(model_dir, data, out, extra):
+    binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
+    args = [binary, "train", "--load", model_dir, "--data-path", data, "--split", "1",
+            "--seq-length", "48", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", str(ITERS), "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "3", "--weight-decay", "0.1",
+            "--clip-grad", "1.0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--eval-iters", "0", "--log-interval", "5", "--tensorboard-dir", out / "tb",
+            "--save", out / "ckpt", "--quiet", *extra]
+    r = subprocess.run([str(a) for a in args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+CASES = {
+    "llama-gqa-untied": ("llama", [], {}),
+    "qwen2-bias-tied": ("qwen2", [], {}),
+    "mistral-tied-per-token": ("mistral", ["--calculate-per-token-loss", "--eod-mask-loss"],
+                               {"per_token": True, "eod_mask_loss": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_matches_the_megatron_reference(tmp_path, mindkit, case):
+    family, flags, options = CASES[case]
+    model_dir = make_model(tmp_path / "model", family)
+    data = write_data(tmp_path / "data")
+    log = mindkit_train(model_dir, data, tmp_path, flags)
+    assert "iteration        5/      20" in log and "lm loss:" in log, log
+    got = scalars(tmp_path / "tb")
+    history, reference, _ = train_reference.train(
+        str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, **options)
+    for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2)):
+        want = [h[column] for h in history]
+        assert len(got[key]) == ITERS
+        for i, (g, w) in enumerate(zip(got[key], want)):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+    # Final weights (relative Frobenius distance per tensor): mindkit's checkpoint back to HF,
+    # against the reference model.
+    hf = tmp_path / "hf"
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "ckpt", "--output", hf)
+    from safetensors.torch import load_file
+    trained = load_file(str(hf / "model.safetensors"))
+    state = reference.state_dict()
+    worst = 0.0
+    for name, t in trained.items():
+        ref = state[name][: t.shape[0]] if name.endswith(("embed_tokens.weight", "lm_head.weight")) else state[name]
+        diff = ((t.float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        worst = max(worst, diff)
+        assert diff <= 1e-4, f"{name}: relative difference {diff}"
+    print(f"{case}: worst final-weight difference {worst:.2e}")
+    assert_megatron_core_resumes(tmp_path / "ckpt", reference, iterations=ITERS, gbs=8)
+
+
+def assert_megatron_core_resumes(ckpt, reference, iterations, gbs):
+    """What Megatron's load_checkpoint does with the checkpoint, done by megatron-core's own
+    classes: GPTModel.load_state_dict (strict) gives the reference model's logits; the
+    optimizer state loads into torch's AdamW over megatron-core's parameter groups (every
+    moment shaped as its parameter); OptimizerParamScheduler.load_state_dict accepts the
+    scheduler state for the same flags."""
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron_cpu import gpt_model, load_pt, logits
+    obj = load_pt(ckpt / f"iter_{iterations:07d}/mp_rank_00/model_optim_rng.pt")
+    assert obj["iteration"] == iterations and obj["args"].consumed_train_samples == iterations * gbs
+    a = obj["args"]
+    model = gpt_model(a).eval()
+    result = model.load_state_dict(obj["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits[..., :VOCAB]
+    assert (logits(model, ids, VOCAB) - want).abs().max().item() <= 1e-4
+    groups = _get_param_groups([model], None, None, 1.0, a.lr, a.min_lr, None, None)
+    opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay)
+    opt.load_state_dict(obj["optimizer"])
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            assert state["exp_avg"].shape == p.shape and state["exp_avg_sq"].shape == p.shape
+            assert int(state["step"]) == iterations
+    sched = OptimizerParamScheduler(
+        opt, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
+        lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=iterations * gbs,
+        lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
+        wd_incr_steps=iterations * gbs, wd_incr_style="constant")
+    sched.load_state_dict(obj["opt_param_scheduler"])
+    assert sched.num_steps == iterations * gbs
+
+
+def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
+    """--eval-interval / --eval-iters on the validation split of --split 9,1,0: the lm loss
+    evaluate() reports every 5 iterations and after the last one, as the reference computes it
+    on megatron-core's validation GPTDataset."""
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    mindkit_train(model_dir, data, tmp_path, ["--split", "9,1,0", "--eval-interval", "5",
+                                              "--eval-iters", "2"])
+    got = scalars(tmp_path / "tb", ("lm loss", "lm loss validation"))
+    history, reference, _ = train_reference.train(
+        str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, split="9,1,0", evaluation=(5, 2))
+    for i, (g, w) in enumerate(zip(got["lm loss"], [h[0] for h in history])):
+        assert abs(g - w) <= 1e-5 * abs(w), f"lm loss at iteration {i + 1}: {g} vs {w}"
+    assert len(got["lm loss validation"]) == len(reference.validation) == ITERS // 5 + 1
+    for i, (g, w) in enumerate(zip(got["lm loss validation"], reference.validation)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"validation {i + 1}: {g} vs {w}"
+
+
+def test_bf16_follows_the_fp32_curve(tmp_path, mindkit):
+    """--bf16 (bf16 weights and activations, f32 main parameters and gradients): the loss
+    curve stays within 1% of the fp32 run over 50 iterations."""
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    curves = {}
+    for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
+        out = tmp_path / name
+        mindkit_train(model_dir, data, out, ["--train-iters", "50", *extra])
+        curves[name] = scalars(out / "tb")["lm loss"]
+    for i, (a, b) in enumerate(zip(curves["fp32"], curves["bf16"])):
+        assert abs(a - b) <= 0.01 * a, f"iteration {i + 1}: bf16 {b} vs fp32 {a}"
+
+
+def write_alpaca(path, n=40):
+    """Synthetic instruction records (the words are what the tiny tokenizer was trained on)."""
+    rng = np.random.default_rng(5)
+    words = "the of and a to in is was he for it with as his on be at by had are but from not".split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            text = lambda k: " ".join(rng.choice(words, size=k))
+            f.write(json.dumps({"instruction": text(int(rng.integers(2, 8))),
+                                "input": text(int(rng.integers(0, 4))),
+                                "output": text(int(rng.integers(2, 12)))}) + "\n")
+
+
+@pytest.mark.parametrize("flags,options", [
+    ([], {}),
+    (["--padded-samples", "--no-pad-to-seq-lengths"], {"padded": True, "multiple_of": 8}),
+])
+def test_fine_tuning_matches_mindspeed(tmp_path, mindkit, flags, options):
+    """--is-instruction-dataset against a port of MindSpeed-LLM's SFT (sft_reference.py)."""
+    model_dir = make_model(tmp_path / "model", "llama")
+    write_alpaca(tmp_path / "alpaca.jsonl")
+    prefix = tmp_path / "sft"
+    mindkit("preprocess", "--input", tmp_path / "alpaca.jsonl", "--output-prefix", prefix,
+            "--tokenizer", model_dir, "--handler", "alpaca", "--prompt-type", "alpaca",
+            "--seq-length", "128")
+    sft = ["--is-instruction-dataset", "--stage", "sft", "--finetune", "--prompt-type", "alpaca",
+           "--seq-length", "128", *flags]
+    mindkit_train(model_dir, str(prefix), tmp_path, sft)
+    got = scalars(tmp_path / "tb")
+    history, _, _ = sft_reference.train(
+        str(model_dir), str(prefix), seq=128, mbs=2, gbs=8, iters=ITERS, lr=1e-3, min_lr=1e-4,
+        warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0, vocab_padded=512,
+        **options)
+    for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2)):
+        for i, (g, w) in enumerate(zip(got[key], [h[column] for h in history])):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+
+
+def lora_pair(tmp_path, r, alpha):
+    """The llama model for mindkit, the same weights as a Phi-3 (fused qkv_proj and
+    gate_up_proj, so that one peft adapter covers Megatron's fused linear_qkv / linear_fc1)
+    with peft adapters for the reference, and the initial adapters as a Megatron LoRA
+    checkpoint both start from (A random, B zero, as peft initialises them)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+    llama_dir = make_model(tmp_path / "llama", "llama")
+    llama = LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
+    lc = llama.config
+    phi3 = Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=lc.hidden_size, intermediate_size=lc.intermediate_size,
+        num_hidden_layers=lc.num_hidden_layers, num_attention_heads=lc.num_attention_heads,
+        num_key_value_heads=lc.num_key_value_heads, max_position_embeddings=256,
+        rms_norm_eps=lc.rms_norm_eps, rope_theta=lc.rope_theta, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=EOD))
+    sd = llama.state_dict()
+    fused = {}
+    for name, t in sd.items():
+        if ".self_attn.q_proj" in name:
+            stem = name.replace(".q_proj.weight", "")
+            fused[stem + ".qkv_proj.weight"] = torch.cat([sd[stem + f".{x}_proj.weight"] for x in "qkv"])
+        elif ".mlp.gate_proj" in name:
+            stem = name.replace(".gate_proj.weight", "")
+            fused[stem + ".gate_up_proj.weight"] = torch.cat([sd[stem + ".gate_proj.weight"], sd[stem + ".up_proj.weight"]])
+        elif not any(f".{x}_proj" in name for x in ("k", "v", "up")):
+            fused[name] = t
+    phi3.load_state_dict(fused, strict=True)
+    phi3_dir = tmp_path / "phi3"
+    phi3.save_pretrained(phi3_dir)
+    reference = train_reference.padded_model(str(phi3_dir), 512)
+    targets = {"qkv_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+               "gate_up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+    reference = get_peft_model(reference, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                     target_modules=list(targets)))
+    adapters = {}
+    torch.manual_seed(7)
+    for name, module in reference.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if short in targets and hasattr(module, "lora_A"):
+            a = module.lora_A["default"].weight
+            with torch.no_grad():
+                a.uniform_(-0.1, 0.1)
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            key = f"decoder.layers.{layer}.{targets[short]}"
+            adapters[f"{key}.lora_A.default.weight"] = a.detach().clone()
+            adapters[f"{key}.lora_B.default.weight"] = module.lora_B["default"].weight.detach().clone()
+    import argparse
+    ckpt = tmp_path / "lora0"
+    (ckpt / "iter_0000000/mp_rank_00").mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(lora_r=r, lora_alpha=alpha), "checkpoint_version": 3.0,
+                "iteration": 0, "model": adapters},
+               ckpt / "iter_0000000/mp_rank_00/model_optim_rng.pt")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("0")
+    return llama_dir, reference, ckpt
+
+
+def test_lora_matches_peft(tmp_path, mindkit):
+    """LoRA on linear_qkv, linear_proj, linear_fc1, linear_fc2 (base frozen) against peft on the
+    same model: loss, grad norm (of the adapters) and lr per iteration; the LoRA-only
+    checkpoint folds back with `mindkit lora merge`."""
+    llama_dir, reference, lora0 = lora_pair(tmp_path, r=4, alpha=8)
+    data = write_data(tmp_path / "data")
+    mindkit_train(llama_dir, data, tmp_path, [
+        "--finetune", "--lora-r", "4", "--lora-alpha", "8", "--lora-load", lora0,
+        "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+        "--lora-ckpt-filter"])
+    got = scalars(tmp_path / "tb")
+    history, _, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
+        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        model=reference)
+    for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2)):
+        for i, (g, w) in enumerate(zip(got[key], [h[column] for h in history])):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+    merged = tmp_path / "merged"
+    mindkit("lora", "merge", "--base", llama_dir, "--adapter", tmp_path / "ckpt", "--output", merged,
+            "--to", "hf")
+    assert (merged / "model.safetensors").exists()

@@ -1,0 +1,130 @@
+"""The PyTorch reference `mindkit train` is checked against: a transformers model in fp32 trained
+on megatron-core 0.15.3's own GPTDataset samples (MegatronPretrainingSampler order), with
+megatron-core's parameter-group rule (_get_param_groups), torch.optim.AdamW (Megatron's optimizer
+when neither Transformer Engine nor apex is installed), megatron-core's OptimizerParamScheduler
+stepped by the global batch size, Megatron's loss averaging (pretrain_gpt.py loss_func +
+schedules.forward_step_calc_loss; --calculate-per-token-loss: finalize_model_grads) and its
+gradient norm and clip coefficient (clip_grads.py; the norm of per-tensor norms, as its
+fallback without apex/TE computes it)."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+import megatron_cpu
+
+
+class Tokenizer:
+    """What GPTDataset reads of a tokenizer (HuggingFaceTokenizer: no pad id)."""
+
+    def __init__(self, eod, pad=None):
+        self.eod = eod
+        self.pad = pad
+        self.unique_identifiers = {"class": "MindkitReferenceTokenizer"}
+
+
+def padded_model(model_dir, vocab_padded):
+    """The HF model with its vocabulary rows padded as Megatron's converters (and mindkit's
+    --load) pad them: copies of the last real row."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+                                                 attn_implementation="eager")
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        def pad(w):
+            extra = w[-1:].expand(vocab_padded - w.shape[0], -1)
+            return torch.nn.Parameter(torch.cat([w, extra]).clone())
+        model.model.embed_tokens.weight = pad(model.model.embed_tokens.weight)
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        else:
+            model.lm_head.weight = pad(model.lm_head.weight)
+    model.config.vocab_size = vocab_padded
+    return model
+
+
+def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min_lr, warmup_iters,
+          decay_style, weight_decay, clip_grad, betas=(0.9, 0.999), eps=1e-8, seed=1234,
+          split="1", per_token=False, eod_mask_loss=False, model=None, evaluation=None):
+    """Train (`model`, or the padded model of `model_dir`; only parameters that require
+    gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
+    and the optimizer. With `evaluation` = (interval, eval_iters), also the validation losses
+    Megatron's evaluate() reports every interval and after the last iteration, as
+    `model.validation`."""
+    megatron_cpu.init()
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    torch.manual_seed(0)
+    model = model if model is not None else padded_model(model_dir, vocab_padded)
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq, blend=get_blend_from_list([prefix]), split=split,
+        path_to_cache=None, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=eod_mask_loss, tokenizer=Tokenizer(eod))
+    n_valid = (iters // evaluation[0] + 1) * evaluation[1] * gbs if evaluation else None
+    dataset, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [iters * gbs, n_valid, None], lambda: True, config).build()
+    groups = _get_param_groups([model], None, None, 1.0, lr, min_lr, None, None)
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_iters * gbs,
+        lr_decay_steps=iters * gbs, lr_decay_style=decay_style, start_wd=weight_decay,
+        end_wd=weight_decay, wd_incr_steps=iters * gbs, wd_incr_style="constant")
+    params = [p for g in groups for p in g["params"]]
+    k_micro = gbs // mbs
+    history = []
+    model.validation = []
+
+    def micro_batch(ds, start):
+        batch = [ds[i] for i in range(start, start + mbs)]
+        tokens = torch.stack([b["tokens"] for b in batch])
+        labels = torch.stack([b["labels"] for b in batch])
+        mask = torch.stack([b["loss_mask"] for b in batch]).view(-1).float()
+        logits = model(input_ids=tokens).logits.float()
+        losses = F.cross_entropy(logits.view(-1, vocab_padded), labels.view(-1), reduction="none")
+        return torch.sum(losses * mask), mask.sum()
+
+    def evaluate(consumed):
+        # evaluate(): the loss sums and token counts of every micro-batch of eval_iters global
+        # batches, divided once.
+        s_all, n_all = 0.0, 0.0
+        with torch.no_grad():
+            for start in range(consumed, consumed + evaluation[1] * gbs, mbs):
+                s, n = micro_batch(valid, start)
+                s_all, n_all = s_all + s.item(), n_all + n.item()
+        model.validation.append(s_all / n_all)
+        return consumed + evaluation[1] * gbs
+
+    consumed_valid = 0
+    for it in range(iters):
+        opt.zero_grad(set_to_none=False)
+        s_total = torch.zeros((), dtype=torch.float32)
+        n_total = torch.zeros((), dtype=torch.float32)
+        for k in range(k_micro):
+            s, n = micro_batch(dataset, it * gbs + k * mbs)
+            s_total += s.detach()
+            n_total += n
+            if per_token:
+                s.backward()
+            else:
+                (s / torch.clamp(n, min=1) / k_micro).backward()
+        if per_token:
+            for p in params:
+                p.grad *= 1.0 / n_total
+        norm = torch.norm(torch.stack([torch.norm(p.grad) for p in params])).item()
+        coeff = clip_grad / (norm + 1.0e-6)
+        if clip_grad > 0 and coeff < 1.0:
+            for p in params:
+                p.grad.mul_(coeff)
+        opt.step()
+        sched.step(increment=gbs)
+        lr_printed = float(torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float32))
+        history.append(((s_total / n_total).item(), norm, lr_printed))
+        if evaluation and (it + 1) % evaluation[0] == 0:
+            consumed_valid = evaluate(consumed_valid)
+    if evaluation:
+        evaluate(consumed_valid)
+    return history, model, opt

@@ -1,0 +1,599 @@
+//! `mindkit train` on the shipped demo model and corpus: resuming is bit-exact, the log and
+//! checkpoints are Megatron's, bad input is refused before any work with the flag or file at
+//! fault, and nothing half-written is left. The numbers themselves are checked against
+//! megatron-core / PyTorch / peft in tests/interop/test_train.py.
+
+mod common;
+
+use common::{fixture, mindkit};
+use std::path::{Path, PathBuf};
+
+/// The shipped corpus preprocessed with the demo model's tokenizer into `dir`.
+fn corpus(dir: &Path) -> PathBuf {
+    let prefix = dir.join("corpus");
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &fixture("corpus/pretrain.jsonl"),
+        &"--output-prefix",
+        &prefix,
+        &"--tokenizer",
+        &fixture("models/demo"),
+        &"--append-eod",
+        &"--quiet",
+    ])
+    .success();
+    dir.join("corpus_text_document")
+}
+
+/// The flags of a small run on the demo model (10 iterations unless `extra` says otherwise).
+fn args(data: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "train",
+        "--load",
+        fixture("models/demo").to_str().unwrap(),
+        "--data-path",
+        data.to_str().unwrap(),
+        "--split",
+        "1",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "10",
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "2",
+        "--attention-dropout",
+        "0.0",
+        "--hidden-dropout",
+        "0.0",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--quiet",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn run(args: &[String]) -> assert_cmd::assert::Assert {
+    let refs: Vec<&dyn AsRef<std::ffi::OsStr>> = args.iter().map(|a| a as _).collect();
+    mindkit(&refs)
+}
+
+fn stdout(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stdout).into_owned()
+}
+
+fn stderr(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+}
+
+/// The iteration lines without their time stamps and timings.
+fn iterations(log: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| l.contains("consumed samples:"))
+        .map(|l| {
+            let from = l.find("iteration").unwrap_or(0);
+            let keep: Vec<&str> = l[from..]
+                .split(" | ")
+                .filter(|f| !f.contains("elapsed time") && !f.contains("tokens per second"))
+                .collect();
+            keep.join(" | ")
+        })
+        .collect()
+}
+
+#[test]
+fn resuming_is_bit_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let (whole, part) = (dir.path().join("whole"), dir.path().join("part"));
+    let full = run(&args(&data, &["--save", whole.to_str().unwrap()])).success();
+    run(&args(
+        &data,
+        &["--save", part.to_str().unwrap(), "--exit-interval", "4"],
+    ))
+    .success();
+    let mut resume = args(&data, &["--save", part.to_str().unwrap()]);
+    let at = resume.iter().position(|a| a == "--load").unwrap();
+    resume[at + 1] = part.to_str().unwrap().into();
+    let rest = run(&resume).success();
+    let (full, rest) = (iterations(&stdout(&full)), iterations(&stdout(&rest)));
+    assert_eq!(full.len(), 10);
+    assert_eq!(
+        &full[4..],
+        &rest[..],
+        "iterations 5-10 differ after resuming"
+    );
+    let file =
+        |d: &Path| std::fs::read(d.join("iter_0000010/mp_rank_00/model_optim_rng.pt")).unwrap();
+    assert_eq!(file(&whole), file(&part), "final checkpoints differ");
+    assert_eq!(
+        std::fs::read_to_string(part.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "10"
+    );
+}
+
+#[test]
+fn the_log_is_megatrons() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let out = run(&args(
+        &data,
+        &["--train-iters", "2", "--lr-warmup-iters", "1"],
+    ))
+    .success();
+    let log = stdout(&out);
+    let line = log
+        .lines()
+        .find(|l| l.contains("iteration        2/       2"))
+        .unwrap();
+    for field in [
+        "| consumed samples:            8 |",
+        "| elapsed time per iteration (ms): ",
+        "| learning rate: 1.000000E-04 |",
+        "| global batch size:     4 |",
+        "| lm loss: ",
+        "| loss scale: 1.0 |",
+        "| grad norm: ",
+        "| number of skipped iterations:   0 |",
+        "| number of nan iterations:   0 |",
+    ] {
+        assert!(line.contains(field), "{field} missing from {line}");
+    }
+}
+
+#[test]
+fn bad_input_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--global-batch-size", "5"],
+            "not a multiple of --micro-batch-size",
+        ),
+        (vec!["--seq-length", "100000"], "above the model's"),
+        (
+            vec!["--num-layers", "3"],
+            "does not match the --load checkpoint's 2",
+        ),
+        (vec!["--fp16"], "--fp16 is not supported"),
+        (vec!["--no-such-flag"], "unknown flag --no-such-flag"),
+        (
+            vec!["--tensor-model-parallel-size", "2"],
+            "parallel training is not available",
+        ),
+        (
+            vec!["--attention-dropout", "0.1"],
+            "dropout is not implemented",
+        ),
+        (
+            vec!["--lr-warmup-iters", "20"],
+            "must be shorter than decay",
+        ),
+        (vec!["--lora-r", "4"], "needs --lora-target-modules"),
+        (vec!["--ckpt-format", "torch_dist"], "only torch"),
+    ];
+    for (extra, says) in cases {
+        let mut a = args(&data, &extra);
+        a.extend(["--save".to_string(), save.to_str().unwrap().to_string()]);
+        let out = run(&a).failure();
+        assert!(stderr(&out).contains(says), "{extra:?}: {}", stderr(&out));
+        assert!(!save.exists(), "{extra:?} wrote a checkpoint");
+    }
+    // Dropout left at Megatron's default (0.1) is refused too.
+    let mut a = args(&data, &[]);
+    let at = a.iter().position(|x| x == "--attention-dropout").unwrap();
+    a.drain(at..at + 2);
+    let out = run(&a).failure();
+    assert!(
+        stderr(&out).contains("Megatron's default is 0.1"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn data_of_another_tokenizer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // Ids up to 65535 from a hand-made uint16 dataset, far above the demo's 512 rows.
+    let prefix = dir.path().join("wide");
+    let mut w = mindkit::data::indexed::IndexedWriter::create(
+        &prefix,
+        mindkit::data::indexed::DType::U16,
+        false,
+    )
+    .unwrap();
+    let doc: Vec<u16> = (0..200).map(|i| (i * 300) as u16).collect();
+    w.add_document(&[doc]).unwrap();
+    w.finish().unwrap();
+    let out = run(&args(&prefix, &[])).failure();
+    assert!(
+        stderr(&out).contains("outside the model's vocabulary"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn an_unwritable_save_fails_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let blocker = dir.path().join("a-file");
+    std::fs::write(&blocker, "x").unwrap();
+    let out = run(&args(
+        &data,
+        &["--save", blocker.join("ckpt").to_str().unwrap()],
+    ))
+    .failure();
+    assert!(stderr(&out).contains("--save"), "{}", stderr(&out));
+    assert!(!stdout(&out).contains(" iteration "), "it trained first");
+}
+
+#[test]
+fn a_trained_checkpoint_converts_and_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("ckpt");
+    run(&args(
+        &data,
+        &["--train-iters", "3", "--save", save.to_str().unwrap()],
+    ))
+    .success();
+    let hf = dir.path().join("hf");
+    mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &save,
+        &"--output",
+        &hf,
+        &"--quiet",
+    ])
+    .success();
+    let out = mindkit(&[
+        &"generate",
+        &"--model",
+        &hf,
+        &"--prompt",
+        &"The",
+        &"--max-new-tokens",
+        &"4",
+    ])
+    .success();
+    assert!(!stdout(&out).is_empty());
+}
+
+#[test]
+fn help_lists_every_flag_by_effect() {
+    let out = mindkit(&[&"train", &"--help"]).success();
+    let help = stdout(&out);
+    for part in [
+        "Used:",
+        "Accepted, no effect here:",
+        "Refused",
+        "--use-flash-attn",
+        "--lora-target-modules",
+    ] {
+        assert!(help.contains(part), "{part} missing");
+    }
+}
+
+#[test]
+fn device_npu_is_a_clear_error_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let out = run(&args(&data, &["--device", "npu"])).failure();
+    assert!(
+        stderr(&out).contains("--device npu: this build has no Ascend NPU backend"),
+        "{}",
+        stderr(&out)
+    );
+    let model = fixture("models/demo");
+    let out = mindkit(&[
+        &"generate",
+        &"--model",
+        &model,
+        &"--prompt",
+        &"x",
+        &"--device",
+        &"npu",
+    ])
+    .failure();
+    assert!(stderr(&out).contains("--device npu"), "{}", stderr(&out));
+    let out = mindkit(&[
+        &"eval",
+        &"--model",
+        &model,
+        &"--task",
+        &"boolq",
+        &"--data",
+        &fixture("eval/boolq-superglue.jsonl"),
+        &"--device",
+        &"npu",
+    ])
+    .failure();
+    assert!(stderr(&out).contains("--device npu"), "{}", stderr(&out));
+}
+
+/// `(std, numel)` of an f32 tensor of a checkpoint.
+fn std_of(file: &mindkit::ckpt::torch::TorchFile, key: &str) -> f64 {
+    let model = file.root().get("model").unwrap();
+    let Some(mindkit::ckpt::torch::pickle::Value::Tensor(t)) = model.get(key) else {
+        panic!("{key} missing");
+    };
+    let t = file.read_tensor(key, t).unwrap();
+    let v = mindkit::ckpt::tensor::to_f32(&t).unwrap();
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+    (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+}
+
+#[test]
+fn weights_from_scratch_have_megatrons_statistics() {
+    // No --load: normal(0, 0.02), σ/√(2L) for linear_proj and linear_fc2, ones for norms. With
+    // --lr 0 the single step leaves them as initialised.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("scratch");
+    let mut a = args(
+        &data,
+        &[
+            "--train-iters",
+            "1",
+            "--lr",
+            "0",
+            "--min-lr",
+            "0",
+            "--lr-warmup-iters",
+            "0",
+            "--save",
+            save.to_str().unwrap(),
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "128",
+            "--num-attention-heads",
+            "4",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+            "--tokenizer-name-or-path",
+            fixture("models/demo").to_str().unwrap(),
+        ],
+    );
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    run(&a).success();
+    let file = mindkit::ckpt::torch::TorchFile::open(
+        &save.join("iter_0000001/mp_rank_00/model_optim_rng.pt"),
+    )
+    .unwrap();
+    let scaled = 0.02 / (2.0f64 * 4.0).sqrt();
+    for (key, want) in [
+        ("embedding.word_embeddings.weight", 0.02),
+        ("decoder.layers.0.self_attention.linear_qkv.weight", 0.02),
+        ("decoder.layers.3.mlp.linear_fc1.weight", 0.02),
+        ("decoder.layers.0.self_attention.linear_proj.weight", scaled),
+        ("decoder.layers.2.mlp.linear_fc2.weight", scaled),
+        ("output_layer.weight", 0.02),
+    ] {
+        let got = std_of(&file, key);
+        assert!(
+            (got - want).abs() < 0.03 * want,
+            "{key}: std {got}, want {want}"
+        );
+    }
+    assert_eq!(std_of(&file, "decoder.final_layernorm.weight"), 0.0);
+}
+
+/// Runs a script of examples/mindspeed/ in `dir` (with a logs/ directory, as MindSpeed-LLM's
+/// scripts expect) with the mindkit under test first on PATH; returns what it printed.
+fn launch_script(name: &str, dir: &Path, env: &[(&str, &Path)]) -> String {
+    let bin = assert_cmd::cargo::cargo_bin("mindkit");
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    std::fs::create_dir_all(dir.join("logs")).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples/mindspeed")
+        .join(name);
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .current_dir(dir)
+        .env("PATH", path)
+        .envs(env.iter().map(|(k, v)| (k, v.as_os_str())))
+        .output()
+        .unwrap();
+    // The scripts pipe through tee, so their status is tee's: judge by what they did.
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("iteration       10/      10"),
+        "{name} did not train 10 iterations:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[test]
+fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // 512 documents, so that --split 949,50,1 leaves the test split one.
+    let lines = std::fs::read_to_string(fixture("corpus/pretrain.jsonl")).unwrap();
+    std::fs::write(d.join("big.jsonl"), lines.repeat(32)).unwrap();
+    let prefix = d.join("corpus");
+    let tokenizer = fixture("models/demo");
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &d.join("big.jsonl"),
+        &"--output-prefix",
+        &prefix,
+        &"--tokenizer",
+        &tokenizer,
+        &"--append-eod",
+        &"--quiet",
+    ])
+    .success();
+    let data = d.join("corpus_text_document");
+    // The script's architecture (LLaMA-2: no GQA) from scratch, as an HF directory.
+    let mut a = args(
+        &data,
+        &[
+            "--train-iters",
+            "1",
+            "--lr",
+            "0",
+            "--min-lr",
+            "0",
+            "--lr-warmup-iters",
+            "0",
+            "--save",
+            d.join("scratch").to_str().unwrap(),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--ffn-hidden-size",
+            "176",
+            "--num-attention-heads",
+            "4",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+            "--tokenizer-name-or-path",
+            tokenizer.to_str().unwrap(),
+        ],
+    );
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    run(&a).success();
+    common::convert("hf", &d.join("scratch"), &d.join("hf"), &[]);
+
+    let log = launch_script(
+        "pretrain_llama2_tiny.sh",
+        d,
+        &[
+            ("CKPT_LOAD_DIR", &d.join("hf")),
+            ("CKPT_SAVE_DIR", &d.join("pretrained")),
+            ("DATA_PATH", &data),
+            ("TOKENIZER_MODEL", &tokenizer),
+        ],
+    );
+    assert!(log.contains("iteration        1/      10"), "{log}");
+    assert!(log.contains("validation loss at iteration 5 |"), "{log}");
+    assert!(log.contains("on test set"), "{log}");
+    let teed = std::fs::read_to_string(d.join("logs/train_llama2_tiny.log")).unwrap();
+    assert_eq!(teed, log);
+    assert!(d
+        .join("pretrained/iter_0000010/mp_rank_00/model_optim_rng.pt")
+        .is_file());
+
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &fixture("corpus/alpaca.jsonl"),
+        &"--output-prefix",
+        &d.join("alpaca"),
+        &"--tokenizer",
+        &tokenizer,
+        &"--handler-name",
+        &"AlpacaStyleInstructionHandler",
+        &"--prompt-type",
+        &"llama2",
+        &"--quiet",
+    ])
+    .success();
+    let log = launch_script(
+        "tune_llama2_tiny_lora.sh",
+        d,
+        &[
+            ("CKPT_LOAD_DIR", &d.join("pretrained")),
+            ("CKPT_SAVE_DIR", &d.join("lora")),
+            ("DATA_PATH", &d.join("alpaca")),
+            ("TOKENIZER_MODEL", &tokenizer),
+        ],
+    );
+    assert!(log.contains("throughput per GPU (TFLOP/s/GPU)"), "{log}");
+    mindkit(&[
+        &"lora",
+        &"merge",
+        &"--base",
+        &d.join("pretrained"),
+        &"--adapter",
+        &d.join("lora"),
+        &"--to",
+        &"hf",
+        &"--output",
+        &d.join("merged"),
+        &"--quiet",
+    ])
+    .success();
+    assert!(d.join("merged/model.safetensors").is_file());
+}
+
+#[test]
+fn sigterm_with_exit_signal_handler_saves_and_exits_cleanly() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("ckpt");
+    let a = args(
+        &data,
+        &[
+            "--train-iters",
+            "100000",
+            "--save",
+            save.to_str().unwrap(),
+            "--exit-signal-handler",
+        ],
+    );
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("mindkit"))
+        .args(&a)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("iteration        1/  100000"), "{first}");
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}: {rest:?}");
+    let last = rest.last().unwrap();
+    assert!(
+        last.contains("[exiting program after receiving SIGTERM]"),
+        "{rest:?}"
+    );
+    let tracker = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap();
+    let iteration: u64 = tracker.trim().parse().unwrap();
+    assert!((1..100000).contains(&iteration), "{tracker}");
+    let logged = rest.iter().filter(|l| l.contains("lm loss:")).count() as u64 + 1;
+    assert_eq!(iteration, logged, "{rest:?}");
+    assert!(save
+        .join(format!("iter_{iteration:07}/mp_rank_00/model_optim_rng.pt"))
+        .is_file());
+}
