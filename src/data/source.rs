@@ -681,8 +681,7 @@ impl RecordReader {
         let is_file_format = open()?.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
         let (kind, file) = (if is_file_format { "file" } else { "stream" }, open()?);
         let not_readable = |e: String| columnar(format!("not a readable arrow {kind}: {e}"));
-        type Batches =
-            Box<dyn Iterator<Item = arrow::error::Result<arrow::record_batch::RecordBatch>>>;
+        type Batches = Box<dyn Iterator<Item = arrow::error::Result<RecordBatch>>>;
         let batches = contain_panics(|| -> arrow::error::Result<Batches> {
             Ok(if is_file_format {
                 Box::new(FileReader::try_new(BufReader::new(file), None)?)
