@@ -585,7 +585,7 @@ fn sigterm_with_exit_signal_handler_saves_and_exits_cleanly() {
     assert!(status.success(), "{status:?}: {rest:?}");
     let last = rest.last().unwrap();
     assert!(
-        last.contains("[exiting program after receiving SIGTERM]"),
+        last.contains("[exiting program after receiving SIGTERM.]"),
         "{rest:?}"
     );
     let tracker = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap();

@@ -420,6 +420,9 @@ struct SamplesArgs {
     /// Megatron's --seed.
     #[arg(long, default_value_t = 1234)]
     seed: u32,
+    /// Megatron's --mid-level-dataset-surplus (blends only).
+    #[arg(long, default_value_t = mindkit::data::gpt_dataset::MID_LEVEL_SURPLUS)]
+    mid_level_dataset_surplus: f64,
     /// Samples asked of the split (train: --train-iters × --global-batch-size); one epoch when omitted.
     #[arg(long)]
     samples: Option<u64>,
@@ -647,6 +650,7 @@ fn samples_command(a: SamplesArgs) -> Result<()> {
     let cfg = SampleConfig {
         seq_length: a.seq_length,
         seed: a.seed,
+        surplus: a.mid_level_dataset_surplus,
     };
     let splits =
         gpt_dataset::build_splits(&Blend::parse(&a.data_path)?, &a.split, sizes, wanted, &cfg)?;

@@ -250,6 +250,9 @@ pub struct SampleConfig {
     pub seq_length: usize,
     /// `--seed` (numpy `RandomState` seed).
     pub seed: u32,
+    /// `--mid-level-dataset-surplus`: the extra share of samples each blended dataset builds
+    /// ([`MID_LEVEL_SURPLUS`] by default).
+    pub surplus: f64,
 }
 
 /// One split of one indexed dataset as Megatron's `GPTDataset` samples it.
@@ -522,7 +525,7 @@ pub fn build_splits(
                     .map(|&w| samples_per_dataset(w, size, 0.0))
                     .collect();
                 let datasets = (0..data.len())
-                    .map(|d| build(d, Some(samples_per_dataset(w[d], size, MID_LEVEL_SURPLUS))))
+                    .map(|d| build(d, Some(samples_per_dataset(w[d], size, cfg.surplus))))
                     .collect::<Result<Vec<_>>>()?;
                 let total: u64 = budgets.iter().sum();
                 // BlendedDataset normalizes the (already normalized) weights once more.

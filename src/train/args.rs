@@ -195,7 +195,7 @@ pub const FLAGS: &[Flag] = &[
     inert("accumulate-allreduce-grads-in-fp32", Nothing, "gradients are always accumulated in f32"),
     used("check-for-nan-in-loss-and-grad", Nothing, "on by default"),
     used("no-check-for-nan-in-loss-and-grad", Nothing, "let NaN losses through (Megatron's escape hatch)"),
-    used("rerun-mode", One, "validate_results (default): a NaN loss saves and exits 16; disabled: error at once"),
+    inert("rerun-mode", One, "mindkit's NaN policy is its own: a non-finite loss or gradient norm skips the update and is counted"),
     // Checkpoints.
     used("save", One, "checkpoint directory to write"),
     used("save-interval", One, "iterations between checkpoints"),

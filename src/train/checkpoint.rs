@@ -310,8 +310,12 @@ pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
         true,
         1,
     );
+    // A LoRA-only checkpoint (--lora-ckpt-filter) keeps only adapter keys, as MindSpeed-LLM's
+    // filter does: not even the Transformer Engine layout's `_extra_state` placeholders.
+    let base_saved = snap.saved.iter().any(|&s| s);
     for (path, canon) in &entries {
         let value = match canon {
+            None if !base_saved => continue,
             None => Value::None,
             Some(c) => match snap.table.index(*c).filter(|&i| snap.saved[i]) {
                 Some(i) => st.tensor(&snap.params[i]),

@@ -80,6 +80,8 @@ pub struct TrainConfig {
     pub global_batch: usize,
     /// Iterations to reach.
     pub train_iters: u64,
+    /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
+    pub train_samples: u64,
     /// The learning-rate schedule.
     pub schedule: Schedule,
     /// Resume the schedule from the checkpoint's values (`--use-checkpoint-opt-param-scheduler`)
@@ -111,6 +113,8 @@ pub struct TrainConfig {
     pub exit: ExitConfig,
     /// Skip an update whose gradient norm is not finite (default), or apply it.
     pub skip_non_finite: bool,
+    /// `--mid-level-dataset-surplus`.
+    pub surplus: f64,
     /// The optimizer and schedule flags as Megatron's `args` holds them after `validate_args`
     /// (checkpoints record them).
     pub recorded: Vec<(&'static str, serde_json::Value)>,
@@ -624,11 +628,14 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         blend,
         split: a.get("split").unwrap_or("969, 30, 1").to_string(),
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
+        surplus: non_negative(a, "mid-level-dataset-surplus")?
+            .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
         masks,
         seq_length,
         micro_batch,
         global_batch,
         train_iters,
+        train_samples: train_samples.unwrap_or(train_iters * g),
         schedule,
         schedule_source,
         adam,
@@ -671,7 +678,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
 }
 
 /// The training flags Megatron's `args` carries into a checkpoint, with its defaults and the
-/// values `validate_args` fills in (start/end weight decay).
+/// values `validate_args` fills in (start/end weight decay), and the tokenizer flags.
 fn recorded_args(
     a: &Args,
     s: &Schedule,
@@ -680,7 +687,18 @@ fn recorded_args(
 ) -> Result<Vec<(&'static str, serde_json::Value)>> {
     use serde_json::json;
     let int = |f| -> Result<Option<u64>> { Ok(a.parse_value::<u64>(f)?) };
+    // Megatron's checkpoint tools need the tokenizer's type; its files are what was given
+    // (else the copy beside the checkpoints is the tokenizer).
     Ok(vec![
+        (
+            "tokenizer_type",
+            json!(a.get("tokenizer-type").unwrap_or("HuggingFaceTokenizer")),
+        ),
+        ("tokenizer_model", json!(a.get("tokenizer-model"))),
+        (
+            "tokenizer_name_or_path",
+            json!(a.get("tokenizer-name-or-path")),
+        ),
         (
             "lr_warmup_iters",
             json!(int("lr-warmup-iters")?.unwrap_or(0)),

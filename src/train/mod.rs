@@ -215,7 +215,18 @@ impl<B: Backend> Trainer<B> {
             checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
         }
         let lora = cfg.lora.as_ref().map(|l| &l.spec);
-        let table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
+        let mut table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
+        if cfg.init_std.1.is_some() {
+            // training.py passes default_skip_embedding_weight_decay when
+            // --embedding-init-method-std is given: no decay on parameters named "embedding".
+            for p in table
+                .params
+                .iter_mut()
+                .filter(|p| p.name.contains("embedding"))
+            {
+                p.decay = false;
+            }
+        }
         let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
             .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
         let mut host = initial_params(&cfg, &table)?;
@@ -396,7 +407,7 @@ impl<B: Backend> Trainer<B> {
                     ds.len()
                 );
             }
-            let train = source(ranges[0].clone(), c.train_iters * g);
+            let train = source(ranges[0].clone(), c.train_samples);
             let valid = valid
                 .map(|n| source(ranges[1].clone(), n))
                 .filter(|v| !v.is_empty());
@@ -409,11 +420,12 @@ impl<B: Backend> Trainer<B> {
         let [train, valid, test] = build_splits(
             &c.blend,
             &c.split,
-            [Some(c.train_iters * g), valid, test],
+            [Some(c.train_samples), valid, test],
             wanted,
             &SampleConfig {
                 seq_length: c.seq_length,
                 seed: c.seed,
+                surplus: c.surplus,
             },
         )?;
         let source = |samples| data::Source::Pretrain {
@@ -732,23 +744,31 @@ impl<B: Backend> Trainer<B> {
             bar.set_message(format!("lm loss {loss:.4}"));
             // Megatron prints the schedule one step ahead (what the next update will use).
             let lr_printed = self.cfg.schedule.lr(self.schedule_steps) as f32;
-            if let Some(tb) = &mut self.tensorboard {
-                let every = self.cfg.tensorboard.as_ref().map_or(1, |t| t.1);
-                if self.iteration.is_multiple_of(every) {
-                    tb.scalars(
-                        self.iteration,
-                        self.consumed_train,
-                        &[
-                            ("learning-rate", f64::from(lr_printed)),
-                            ("batch-size", g as f64),
-                            ("lm loss", f64::from(loss)),
-                            ("loss-scale", 1.0),
-                            ("grad-norm", f64::from(grad_norm as f32)),
-                        ],
-                    )?;
-                }
+            let tb_now = self
+                .cfg
+                .tensorboard
+                .as_ref()
+                .map(|t| t.1)
+                .filter(|&every| self.iteration.is_multiple_of(every));
+            let log_now = self.iteration.is_multiple_of(self.cfg.log_interval);
+            let norms = if log_now || tb_now.is_some() {
+                self.norms()?
+            } else {
+                (None, None)
+            };
+            if let (Some(tb), Some(_)) = (&mut self.tensorboard, tb_now) {
+                let mut scalars = vec![
+                    ("learning-rate", f64::from(lr_printed)),
+                    ("batch-size", g as f64),
+                    ("lm loss", f64::from(loss)),
+                    ("loss-scale", 1.0),
+                    ("grad-norm", f64::from(grad_norm as f32)),
+                ];
+                scalars.extend(norms.0.map(|z| ("num-zeros", z)));
+                scalars.extend(norms.1.map(|p| ("params-norm", p)));
+                tb.scalars(self.iteration, self.consumed_train, &scalars)?;
             }
-            if self.iteration.is_multiple_of(self.cfg.log_interval) {
+            if log_now {
                 let seconds = interval.start.map_or(0.0, |s| s.elapsed().as_secs_f64());
                 let n = (interval.advanced + interval.skipped).max(1);
                 let per_iteration = seconds / n as f64;
@@ -767,8 +787,8 @@ impl<B: Backend> Trainer<B> {
                     global_batch: g,
                     loss: mean,
                     grad_norm: Some(grad_norm as f32),
-                    num_zeros: None,
-                    params_norm: None,
+                    num_zeros: norms.0,
+                    params_norm: norms.1,
                     skipped: interval.skipped,
                     nan: interval.nan,
                     tokens_per_second: interval.tokens as f64 / seconds.max(1e-9),
@@ -854,6 +874,18 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked for.
+    fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
+        let (params, zeros) = self.cfg.log_norms;
+        let zeros = zeros
+            .then(|| self.opt.zeros_in_grads(&self.b, &self.grads))
+            .transpose()?;
+        let params = params
+            .then(|| self.opt.params_norm(&self.b, &self.params))
+            .transpose()?;
+        Ok((zeros.map(|z| z as f64), params))
+    }
+
     fn write_validation(&mut self, loss: f64) -> Result<()> {
         let ppl = self.cfg.tensorboard_ppl;
         if let Some(tb) = &mut self.tensorboard {
@@ -870,7 +902,7 @@ impl<B: Backend> Trainer<B> {
     fn exit_reason(&self, started: Instant) -> Option<String> {
         let e = self.cfg.exit;
         if self.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
-            return Some("after receiving SIGTERM".into());
+            return Some("after receiving SIGTERM.".into());
         }
         if let Some(minutes) = e.minutes {
             let elapsed = started.elapsed().as_secs_f64() / 60.0;

@@ -164,18 +164,22 @@ def assert_megatron_core_resumes(ckpt, reference, iterations, gbs):
 def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
     """--eval-interval / --eval-iters on the validation split of --split 9,1,0: the lm loss
     evaluate() reports every 5 iterations and after the last one, as the reference computes it
-    on megatron-core's validation GPTDataset."""
+    on megatron-core's validation GPTDataset; --log-params-norm and --log-num-zeros-in-grad."""
     model_dir = make_model(tmp_path / "model", "llama")
     data = write_data(tmp_path / "data")
     mindkit_train(model_dir, data, tmp_path, ["--split", "9,1,0", "--eval-interval", "5",
-                                              "--eval-iters", "2"])
-    got = scalars(tmp_path / "tb", ("lm loss", "lm loss validation"))
+                                              "--eval-iters", "2", "--log-params-norm",
+                                              "--log-num-zeros-in-grad"])
+    got = scalars(tmp_path / "tb", ("lm loss", "lm loss validation", "params-norm", "num-zeros"))
     history, reference, _ = train_reference.train(
         str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
         lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
         clip_grad=1.0, split="9,1,0", evaluation=(5, 2))
     for i, (g, w) in enumerate(zip(got["lm loss"], [h[0] for h in history])):
         assert abs(g - w) <= 1e-5 * abs(w), f"lm loss at iteration {i + 1}: {g} vs {w}"
+    for i, (g, w) in enumerate(zip(got["params-norm"], [h[3] for h in history])):
+        assert abs(g - w) <= 1e-5 * abs(w), f"params norm at iteration {i + 1}: {g} vs {w}"
+    assert got["num-zeros"] == [h[4] for h in history]
     assert len(got["lm loss validation"]) == len(reference.validation) == ITERS // 5 + 1
     for i, (g, w) in enumerate(zip(got["lm loss validation"], reference.validation)):
         assert abs(g - w) <= 1e-5 * abs(w), f"validation {i + 1}: {g} vs {w}"

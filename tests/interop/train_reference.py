@@ -48,7 +48,8 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
           split="1", per_token=False, eod_mask_loss=False, model=None, evaluation=None):
     """Train (`model`, or the padded model of `model_dir`; only parameters that require
     gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
-    and the optimizer. With `evaluation` = (interval, eval_iters), also the validation losses
+    and the optimizer (each iteration also gives the parameters' L2 norm after the update and
+    the number of zero gradient elements). With `evaluation` = (interval, eval_iters), also the validation losses
     Megatron's evaluate() reports every interval and after the last iteration, as
     `model.validation`."""
     megatron_cpu.init()
@@ -122,7 +123,9 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
         opt.step()
         sched.step(increment=gbs)
         lr_printed = float(torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float32))
-        history.append(((s_total / n_total).item(), norm, lr_printed))
+        zeros = sum(int((p.grad == 0).sum()) for p in params)
+        params_norm = torch.norm(torch.stack([p.detach().norm() for p in params])).item()
+        history.append(((s_total / n_total).item(), norm, lr_printed, params_norm, zeros))
         if evaluation and (it + 1) % evaluation[0] == 0:
             consumed_valid = evaluate(consumed_valid)
     if evaluation:
