@@ -11,8 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def mindkit():
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
 
-    def run(*args, ok=True):
-        r = subprocess.run([binary, *map(str, args), "--quiet"], capture_output=True, text=True)
+    def run(*args, ok=True, quiet=True):
+        """Runs mindkit; returns its stderr (the summary line, unless `quiet`)."""
+        r = subprocess.run([binary, *map(str, args), *(["--quiet"] if quiet else [])], capture_output=True, text=True)
         assert (r.returncode == 0) == ok, r.stderr
         return r.stderr
 

@@ -73,7 +73,8 @@ CASES = [
     ("alpaca/alpaca_en_demo.json", "alpaca", "alpaca", "gpt2"),
     ("alpaca/identity.json", "alpaca", "empty", "llama2"),
     ("belle", "belle", None, "llama2"),
-    ("moss", "moss", None, "qwen3"),
+    # the directory also holds its SHA256SUMS.txt manifest: the user names the format to read
+    ("moss --input-format json", "moss", None, "qwen3"),
     ("sharegpt", "sharegpt", "qwen", "qwen3"),
     ("kto/kto_en_demo.json", "sharegpt", "chatml", "qwen3"),
 ]
@@ -81,12 +82,13 @@ CASES = [
 
 @pytest.mark.parametrize("data,handler,prompt_type,tok", CASES)
 def test_real_samples_every_handler(mindkit, assets, testdata, tmp_path, data, handler, prompt_type, tok):
+    data, *format_args = data.split()
     args = ["preprocess", "--input", testdata / data, "--output-prefix", tmp_path / "x",
-            "--tokenizer", assets / tok, "--handler", handler]
+            "--tokenizer", assets / tok, "--handler", handler, *format_args]
     if prompt_type:
         args += ["--prompt-type", prompt_type]
-    summary = mindkit(*args)
-    assert "0 skipped" in summary, summary
+    summary = mindkit(*args, quiet=False)
+    assert " 0 skipped" in summary, summary
     assert check_instruction(tmp_path / "x") > 0
 
 

@@ -2,8 +2,11 @@
 (train_reference.py): per-iteration lm loss, grad norm and learning rate to 1e-5 relative over
 20 iterations, and the final weights to 1e-4, on three tiny families (GQA + untied head; q/k/v
 biases + tied head; tied head with per-token loss and --eod-mask-loss), with gradient
-accumulation (global batch = 4 × micro batch) and warmup + cosine decay. The values are read
-back from mindkit's TensorBoard event files with TensorBoard's own reader."""
+accumulation (global batch = 4 × micro batch) and warmup + cosine decay; megatron-core resumes
+from the checkpoint mindkit saved; validation loss, params norm and zero-gradient counts; bf16
+within 1% of fp32 over 50 iterations; MindSpeed-LLM fine-tuning against a port of its SFT; LoRA
+against peft. The values are read back from mindkit's TensorBoard event files with TensorBoard's
+own reader."""
 import json
 import os
 import pathlib
