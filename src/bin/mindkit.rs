@@ -578,11 +578,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
         Command::Ckpt(CkptCommand::Info { path, keys, family }) => {
-            let family = family
-                .as_deref()
-                .map(family::by_name)
-                .transpose()
-                .map_err(anyhow::Error::msg)?;
+            let family = family.as_deref().map(family::by_name).transpose()?;
             print!("{}", info::info(&path, family, keys)?)
         }
         Command::Generate(a) => generate_command(*a)?,

@@ -312,7 +312,7 @@ impl ModelConfig {
             None => {
                 let mt = json_str(cfg, "model_type")?
                     .ok_or_else(|| anyhow!("no \"model_type\" (pass --family)"))?;
-                family::by_model_type(mt).map_err(|e| anyhow!(e))?
+                family::by_model_type(mt)?
             }
         };
         let hidden = json_required_count(cfg, "hidden_size")?;
@@ -597,8 +597,8 @@ impl ModelConfig {
         let qkv_bias = flag("add_qkv_bias")? || add_bias;
         let family = match family {
             Some(f) => f,
-            None if qkv_bias && !add_bias => family::by_name("qwen2").map_err(|e| anyhow!(e))?,
-            None => family::by_name("llama").map_err(|e| anyhow!(e))?,
+            None if qkv_bias && !add_bias => family::by_name("qwen2")?,
+            None => family::by_name("llama")?,
         };
         Ok(ModelConfig {
             family,

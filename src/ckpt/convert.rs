@@ -339,10 +339,7 @@ pub fn open_input(o: &ConvertOptions, other_inputs: &[&Path]) -> Result<Input> {
 
 /// Open a checkpoint directory of either format (detected unless given) for reading.
 pub fn open_checkpoint(dir: &Path, format: Option<Format>, family: Option<&str>) -> Result<Input> {
-    let family = family
-        .map(family::by_name)
-        .transpose()
-        .map_err(|e| anyhow!(e))?;
+    let family = family.map(family::by_name).transpose()?;
     let format = match format {
         Some(f) => f,
         None => detect(dir)?,

@@ -96,32 +96,36 @@ fn supported() -> String {
         .join(", ")
 }
 
+/// A model family mindkit does not know.
+#[derive(Debug, thiserror::Error)]
+pub enum UnknownFamily {
+    /// `--family NAME` names none of the families.
+    #[error("unsupported model family {0:?}; supported: {supported}", supported = supported())]
+    Name(String),
+    /// `config.json`'s `model_type` belongs to none of the families.
+    #[error(
+        "unsupported model_type {0:?} in config.json; supported families: {supported} \
+         (--family overrides the detection for LLaMA-architecture models)",
+        supported = supported()
+    )]
+    ModelType(String),
+}
+
 /// The family called `name` (`--family`), or an error listing the supported ones.
-pub fn by_name(name: &str) -> Result<&'static Family, String> {
+pub fn by_name(name: &str) -> Result<&'static Family, UnknownFamily> {
     let lower = name.to_ascii_lowercase();
     FAMILIES
         .iter()
         .find(|f| f.name == lower || f.aliases.contains(&lower.as_str()))
-        .ok_or_else(|| {
-            format!(
-                "unsupported model family {name:?}; supported: {}",
-                supported()
-            )
-        })
+        .ok_or_else(|| UnknownFamily::Name(name.to_string()))
 }
 
 /// The family whose `config.json` says `model_type`.
-pub fn by_model_type(model_type: &str) -> Result<&'static Family, String> {
+pub fn by_model_type(model_type: &str) -> Result<&'static Family, UnknownFamily> {
     FAMILIES
         .iter()
         .find(|f| f.model_types.contains(&model_type))
-        .ok_or_else(|| {
-            format!(
-                "unsupported model_type {model_type:?} in config.json; supported families: {} \
-                 (--family overrides the detection for LLaMA-architecture models)",
-                supported()
-            )
-        })
+        .ok_or_else(|| UnknownFamily::ModelType(model_type.to_string()))
 }
 
 /// HF tensor names (`docs/checkpoints.md` §2.1). Layer tensors take the layer index.
@@ -162,7 +166,7 @@ mod tests {
     fn names_and_types_resolve() {
         assert_eq!(by_name("LLaMA3").unwrap().name, "llama");
         assert_eq!(by_model_type("qwen2").unwrap().name, "qwen2");
-        let err = by_name("gpt-neox").unwrap_err();
+        let err = by_name("gpt-neox").unwrap_err().to_string();
         assert!(err.contains("supported: llama, mistral, qwen2"), "{err}");
     }
 }

@@ -197,6 +197,12 @@ pub enum PreprocessError {
     /// Inconsistent options.
     #[error("{0}")]
     Options(String),
+    /// `--prompt-type` / `--prompt-type-path` cannot be used.
+    #[error("--prompt-type: {0}")]
+    Template(#[from] super::handlers::template::TemplateError),
+    /// `--map-keys` cannot be applied.
+    #[error(transparent)]
+    MapKeys(#[from] super::handlers::chat::MapKeysError),
 }
 
 /// What a run did.
@@ -312,7 +318,7 @@ fn build_handler<'t>(
         };
         let mut columns = Columns::default();
         if let Some(m) = &opts.map_keys {
-            columns = columns.with_map_keys(m).map_err(PreprocessError::Options)?;
+            columns = columns.with_map_keys(m)?;
         }
         return Ok(Box::new(ChatHandler {
             tokenizer: tok,
@@ -555,10 +561,8 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     let mut tok = HfTokenizer::load(&opts.tokenizer)?;
     let template = match &opts.prompt_type {
         Some(name) => {
-            let t = Template::load(name, opts.prompt_type_path.as_deref())
-                .map_err(PreprocessError::Options)?;
-            t.fix_tokenizer(&mut tok)
-                .map_err(PreprocessError::Options)?;
+            let t = Template::load(name, opts.prompt_type_path.as_deref())?;
+            t.fix_tokenizer(&mut tok)?;
             Some(t)
         }
         None => None,

@@ -7,6 +7,17 @@ use super::DType;
 use half::f16;
 use rayon::prelude::*;
 
+/// A conversion asked of a dtype that is not floating point (bool, integers).
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum CastError {
+    /// Values cannot be written as this dtype.
+    #[error("cannot cast to {}", .0.torch_name())]
+    To(DType),
+    /// Values of this dtype cannot be read as floats.
+    #[error("cannot cast from {}", .0.torch_name())]
+    From(DType),
+}
+
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
@@ -91,7 +102,7 @@ impl Tensor {
     }
 
     /// Convert between floating dtypes (f32 ⇄ bf16 ⇄ f16, round to nearest even).
-    pub fn cast(self, to: DType) -> Result<Tensor, String> {
+    pub fn cast(self, to: DType) -> Result<Tensor, CastError> {
         if self.dtype == to {
             return Ok(self);
         }
@@ -99,7 +110,7 @@ impl Tensor {
     }
 
     /// A tensor of dtype `to` holding `values` (rounded to nearest even).
-    pub fn from_f32(to: DType, shape: Vec<usize>, values: &[f32]) -> Result<Tensor, String> {
+    pub fn from_f32(to: DType, shape: Vec<usize>, values: &[f32]) -> Result<Tensor, CastError> {
         let size = to.size();
         let mut data = vec![0u8; values.len() * size];
         data.par_chunks_mut(CHUNK * size)
@@ -113,7 +124,7 @@ impl Tensor {
 const CHUNK: usize = 1 << 16;
 
 /// Write `values` as little-endian `to` elements into `out` (`values.len() × size` bytes).
-pub fn encode_f32(values: &[f32], to: DType, out: &mut [u8]) -> Result<(), String> {
+pub fn encode_f32(values: &[f32], to: DType, out: &mut [u8]) -> Result<(), CastError> {
     match to {
         DType::F32 => (out.chunks_exact_mut(4).zip(values))
             .for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes())),
@@ -129,7 +140,7 @@ pub fn encode_f32(values: &[f32], to: DType, out: &mut [u8]) -> Result<(), Strin
         }
         DType::F16 => (out.chunks_exact_mut(2).zip(values))
             .for_each(|(o, &x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes())),
-        other => return Err(format!("cannot cast to {}", other.torch_name())),
+        other => return Err(CastError::To(other)),
     }
     Ok(())
 }
@@ -149,7 +160,7 @@ pub fn bf16_bits(x: f32) -> u16 {
 }
 
 /// Decode the little-endian `dtype` elements of `bytes` into `out` (one f32 per element).
-pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), String> {
+pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), CastError> {
     match dtype {
         DType::F32 => (out.iter_mut().zip(bytes.chunks_exact(4)))
             .for_each(|(v, c)| *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
@@ -158,13 +169,13 @@ pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), Str
         }),
         DType::F16 => (out.iter_mut().zip(bytes.chunks_exact(2)))
             .for_each(|(v, c)| *v = f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        other => return Err(format!("cannot cast from {}", other.torch_name())),
+        other => return Err(CastError::From(other)),
     }
     Ok(())
 }
 
 /// The values of a floating tensor as f32.
-pub fn to_f32(t: &Tensor) -> Result<Vec<f32>, String> {
+pub fn to_f32(t: &Tensor) -> Result<Vec<f32>, CastError> {
     let size = t.dtype.size();
     let mut out = vec![0f32; t.data.len() / size];
     out.par_chunks_mut(CHUNK)

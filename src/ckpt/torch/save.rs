@@ -48,7 +48,7 @@ impl PtWriter {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "archive".into());
         let mut pickle = vec![op::PROTO, 2];
-        write_value(&mut pickle, root).map_err(fail)?;
+        write_value(&mut pickle, root).map_err(|e| fail(e.to_string()))?;
         pickle.push(b'.');
         let discarding = Arc::new(AtomicBool::new(false));
         let sink = Sink {
@@ -241,8 +241,13 @@ mod op {
     pub const BINPERSID: u8 = b'Q';
 }
 
+/// A value the pickle writer cannot write on its own (what it holds, debug-printed).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot pickle {0} on its own")]
+struct Unpicklable(String);
+
 /// Pickle `v` with protocol-2 opcodes.
-fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), String> {
+fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), Unpicklable> {
     match v {
         Value::None => out.push(op::NONE),
         Value::Bool(b) => out.push(if *b { op::NEWTRUE } else { op::NEWFALSE }),
@@ -288,9 +293,7 @@ fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), String> 
         }
         Value::TorchDType(d) => write_global(out, "torch", d.torch_name()),
         Value::Tensor(t) => write_tensor(out, t)?,
-        Value::Storage(_) | Value::Global(_) => {
-            return Err(format!("cannot pickle {v:?} on its own"))
-        }
+        Value::Storage(_) | Value::Global(_) => return Err(Unpicklable(format!("{v:?}"))),
     }
     Ok(())
 }
@@ -303,7 +306,7 @@ enum Item<'a> {
     EmptyOrderedDict,
 }
 
-fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), String> {
+fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), Unpicklable> {
     if items.is_empty() {
         out.push(op::EMPTY_TUPLE);
         return Ok(());
@@ -332,7 +335,7 @@ fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), S
 }
 
 /// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())`.
-fn write_tensor(out: &mut Vec<u8>, t: &TensorRef) -> std::result::Result<(), String> {
+fn write_tensor(out: &mut Vec<u8>, t: &TensorRef) -> std::result::Result<(), Unpicklable> {
     let ints = |xs: &[u64]| Value::Tuple(xs.iter().map(|&x| Value::Int(x as i64)).collect());
     let (offset, shape, stride) = (Value::Int(t.offset as i64), ints(&t.shape), ints(&t.stride));
     write_global(out, "torch._utils", "_rebuild_tensor_v2");
@@ -354,7 +357,7 @@ fn write_tensor(out: &mut Vec<u8>, t: &TensorRef) -> std::result::Result<(), Str
 fn write_items<'a>(
     out: &mut Vec<u8>,
     items: impl Iterator<Item = (Cow<'a, Value>, &'a Value)>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), Unpicklable> {
     let items: Vec<_> = items.collect();
     for chunk in items.chunks(1000) {
         out.push(op::MARK);

@@ -76,11 +76,11 @@ impl Columns {
     }
 
     /// Apply a `--map-keys` JSON object (`{"prompt": "question", "system": "sys", ...}`).
-    pub fn with_map_keys(mut self, map: &Map<String, Value>) -> Result<Self, String> {
+    pub fn with_map_keys(mut self, map: &Map<String, Value>) -> Result<Self, MapKeysError> {
         for (k, v) in map {
             let v = v
                 .as_str()
-                .ok_or_else(|| format!("--map-keys: value of {k:?} must be a string"))?
+                .ok_or_else(|| MapKeysError::NotAString(k.clone()))?
                 .to_string();
             match k.as_str() {
                 "prompt" => self.prompt = v,
@@ -96,11 +96,22 @@ impl Columns {
                 "observation_tag" => self.observation_tag = v,
                 "function_tag" => self.function_tag = v,
                 "system_tag" => self.system_tag = v,
-                other => return Err(format!("--map-keys: unknown key {other:?}")),
+                other => return Err(MapKeysError::UnknownKey(other.to_string())),
             }
         }
         Ok(self)
     }
+}
+
+/// A `--map-keys` object mindkit cannot apply.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MapKeysError {
+    /// A column name that is not a JSON string.
+    #[error("--map-keys: value of {0:?} must be a string")]
+    NotAString(String),
+    /// A key MindSpeed-LLM's `--map-keys` does not define.
+    #[error("--map-keys: unknown key {0:?}")]
+    UnknownKey(String),
 }
 
 /// Record layouts of the chat handler.

@@ -7,7 +7,52 @@
 use serde_json::Value;
 
 use super::RecordError;
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::{HfTokenizer, TokenizerError};
+
+/// A `--prompt-type` that cannot be used: unknown, or its template file is malformed.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// `--prompt-type-path` cannot be read.
+    #[error("{}: {source}", .path.display())]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The template list is not a JSON array of templates.
+    #[error("{origin}: {problem}")]
+    List {
+        /// The file, or "built-in templates".
+        origin: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// No template of that name.
+    #[error("unknown prompt type {name:?}; available: {available}")]
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// The names the list holds, comma-separated.
+        available: String,
+    },
+    /// A template whose entry mindkit cannot read.
+    #[error("{at}: {problem}")]
+    Entry {
+        /// `template` or `template.formatter`.
+        at: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The template's stop word is not a token of the tokenizer.
+    #[error("template {name}: {source}")]
+    StopWord {
+        /// The template.
+        name: String,
+        /// The tokenizer's refusal.
+        source: TokenizerError,
+    },
+}
 
 /// One turn's (prompt ids, answer ids), as MindSpeed-LLM's `_make_pairs` yields them.
 pub type TurnIds = (Vec<i64>, Vec<i64>);
@@ -69,9 +114,12 @@ const BUILTIN: &str = r####"[
  {"name": "mistral", "format_user": {"slots": ["[INST] {{content}} [/INST]"]}, "format_prefix": {"slots": [["bos_token"]]}}
 ]"####;
 
+/// Where the built-in templates come from, in errors.
+const BUILTIN_ORIGIN: &str = "built-in templates";
+
 /// Names of the built-in templates.
 pub fn builtin_names() -> Vec<String> {
-    parse_list(BUILTIN)
+    parse_list(BUILTIN, BUILTIN_ORIGIN.into())
         .map(|l| {
             l.into_iter()
                 .filter_map(|t| t.get("name")?.as_str().map(String::from))
@@ -80,20 +128,25 @@ pub fn builtin_names() -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn parse_list(text: &str) -> Result<Vec<Value>, String> {
-    match serde_json::from_str(text) {
-        Ok(Value::Array(a)) => Ok(a),
-        Ok(_) => Err("expected a JSON array of templates".into()),
-        Err(e) => Err(format!("invalid JSON: {e}")),
-    }
+fn parse_list(text: &str, origin: String) -> Result<Vec<Value>, TemplateError> {
+    let problem = match serde_json::from_str(text) {
+        Ok(Value::Array(a)) => return Ok(a),
+        Ok(_) => "expected a JSON array of templates".to_string(),
+        Err(e) => format!("invalid JSON: {e}"),
+    };
+    Err(TemplateError::List { origin, problem })
 }
 
-fn parse_slots(v: Option<&Value>, what: &str) -> Result<Option<Vec<Slot>>, String> {
+fn parse_slots(v: Option<&Value>, at: &str) -> Result<Option<Vec<Slot>>, TemplateError> {
     let Some(v) = v else { return Ok(None) };
+    let invalid = |problem: String| TemplateError::Entry {
+        at: at.to_string(),
+        problem,
+    };
     let slots = v
         .get("slots")
         .and_then(Value::as_array)
-        .ok_or_else(|| format!("{what}: expected {{\"slots\": [...]}}"))?;
+        .ok_or_else(|| invalid("expected {\"slots\": [...]}".into()))?;
     slots
         .iter()
         .map(|s| match s {
@@ -102,13 +155,13 @@ fn parse_slots(v: Option<&Value>, what: &str) -> Result<Option<Vec<Slot>>, Strin
                 .get("token")
                 .and_then(Value::as_str)
                 .map(|t| Slot::Token(t.to_string()))
-                .ok_or_else(|| format!("{what}: object slot needs \"token\"")),
+                .ok_or_else(|| invalid("object slot needs \"token\"".into())),
             Value::Array(a) => match a.first().and_then(Value::as_str) {
                 Some("bos_token") => Ok(Slot::Bos),
                 Some("eos_token") => Ok(Slot::Eos),
-                _ => Err(format!("{what}: unknown set slot {s}")),
+                _ => Err(invalid(format!("unknown set slot {s}"))),
             },
-            _ => Err(format!("{what}: unsupported slot {s}")),
+            _ => Err(invalid(format!("unsupported slot {s}"))),
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)
@@ -116,14 +169,16 @@ fn parse_slots(v: Option<&Value>, what: &str) -> Result<Option<Vec<Slot>>, Strin
 
 impl Template {
     /// A built-in template, or one from a MindSpeed-format JSON file.
-    pub fn load(name: &str, path: Option<&std::path::Path>) -> Result<Template, String> {
+    pub fn load(name: &str, path: Option<&std::path::Path>) -> Result<Template, TemplateError> {
         let list = match path {
             Some(p) => {
-                let text =
-                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-                parse_list(&text).map_err(|e| format!("{}: {e}", p.display()))?
+                let text = std::fs::read_to_string(p).map_err(|source| TemplateError::Read {
+                    path: p.to_path_buf(),
+                    source,
+                })?;
+                parse_list(&text, p.display().to_string())?
             }
-            None => parse_list(BUILTIN)?,
+            None => parse_list(BUILTIN, BUILTIN_ORIGIN.into())?,
         };
         let entry = list
             .iter()
@@ -133,15 +188,15 @@ impl Template {
                     .iter()
                     .filter_map(|t| t.get("name")?.as_str())
                     .collect();
-                format!(
-                    "unknown prompt type {name:?}; available: {}",
-                    names.join(", ")
-                )
+                TemplateError::Unknown {
+                    name: name.to_string(),
+                    available: names.join(", "),
+                }
             })?;
         Template::from_json(name, entry)
     }
 
-    fn from_json(name: &str, e: &Value) -> Result<Template, String> {
+    fn from_json(name: &str, e: &Value) -> Result<Template, TemplateError> {
         let flag = |k: &str| e.get(k).and_then(Value::as_bool).unwrap_or(false);
         let efficient_eos = flag("efficient_eos");
         let eos_slots = if efficient_eos {
@@ -172,9 +227,10 @@ impl Template {
             Some("Llama2Template") => TemplateClass::Llama2,
             None | Some("Template") => TemplateClass::Plain,
             Some(other) => {
-                return Err(format!(
-                    "{name}: template class {other} is not supported by mindkit"
-                ))
+                return Err(TemplateError::Entry {
+                    at: name.to_string(),
+                    problem: format!("template class {other} is not supported by mindkit"),
+                })
             }
         };
         Ok(Template {
@@ -206,13 +262,20 @@ impl Template {
     }
 
     /// MindSpeed's `fix_model_tokenizer`: with `replace_eos`, eos becomes the first stop word.
-    pub fn fix_tokenizer(&self, tok: &mut HfTokenizer) -> Result<(), String> {
+    pub fn fix_tokenizer(&self, tok: &mut HfTokenizer) -> Result<(), TemplateError> {
         if self.replace_eos {
             let stop = self
                 .stop_words
                 .first()
-                .ok_or_else(|| format!("template {}: replace_eos needs stop words", self.name))?;
-            tok.set_eos(stop).map_err(|e| e.to_string())?;
+                .ok_or_else(|| TemplateError::Entry {
+                    at: self.name.clone(),
+                    problem: "replace_eos needs stop words".into(),
+                })?;
+            tok.set_eos(stop)
+                .map_err(|source| TemplateError::StopWord {
+                    name: self.name.clone(),
+                    source,
+                })?;
         }
         Ok(())
     }
@@ -411,7 +474,7 @@ mod tests {
             Template::load(&name, None).unwrap();
         }
         assert!(builtin_names().contains(&"qwen".to_string()));
-        let e = Template::load("nope", None).unwrap_err();
+        let e = Template::load("nope", None).unwrap_err().to_string();
         assert!(e.contains("available: empty, default"), "{e}");
     }
 

@@ -249,8 +249,10 @@ impl Device for Cpu {
         let data = match t.dtype {
             DType::F32 => {
                 let mut v = vec![0f32; t.data.len() / 4];
-                decode_f32(&t.data, DType::F32, &mut v)
-                    .map_err(|msg| EngineError::Invalid { op: "upload", msg })?;
+                decode_f32(&t.data, DType::F32, &mut v).map_err(|e| EngineError::Invalid {
+                    op: "upload",
+                    msg: e.to_string(),
+                })?;
                 Data::F32(v)
             }
             DType::F16 | DType::BF16 => Data::Half(
@@ -316,9 +318,9 @@ impl Device for Cpu {
         };
         let values = t.values();
         let mut bytes = vec![0u8; values.len() * dtype.size()];
-        encode_f32(&values, dtype, &mut bytes).map_err(|msg| EngineError::Invalid {
+        encode_f32(&values, dtype, &mut bytes).map_err(|e| EngineError::Invalid {
             op: "download",
-            msg,
+            msg: e.to_string(),
         })?;
         Ok(HostTensor::new(dtype, t.shape.clone(), bytes))
     }
