@@ -7,11 +7,11 @@
 //! Readers that take paths get the bytes written into a scratch directory that each thread
 //! reuses (on tmpfs where there is one), so an execution costs no directory creation.
 
+use crate::arch::roles::canonical;
 use crate::ckpt::convert::open_checkpoint;
 use crate::ckpt::hf::HfWeights;
 use crate::ckpt::torch::pickle::{self, TensorRef, Value};
 use crate::ckpt::torch::TorchFile;
-use crate::ckpt::transform::canonical;
 use crate::data::indexed::IndexedDataset;
 use crate::data::source::{expand_inputs, Item, RecordReader, Sink};
 use crate::model::ModelSpec;

@@ -11,17 +11,19 @@
 //! |---|---|---|
 //! | 0 | [`tensor`] | the one [`tensor::DType`], host tensors, bf16/f16 rounding, SIMD kernels (dot, exp, packed-panel matmul) |
 //! | 0 | [`util`] | atomic outputs (temporary name, rename when complete, clean-up on interrupt), `--force` rules, the progress bar |
+//! | 1 | [`arch`] | what a model is, apart from files and engines: `ModelConfig`, families as data (tensor names, QKV packing), canonical tensors (roles, shapes) |
 //! | 1 | [`data`] | records → Megatron `.bin/.idx` (`preprocess`, handlers, tokenizer), `IndexedDataset`, `GPTDataset` / `BlendedDataset` samples, the fine-tuning dataset, `data info/show` |
-//! | 1 | [`ckpt`] | checkpoint formats (`torch` pickle reader/writer, `hf` safetensors, `megatron` directories), what a tensor becomes across TP/PP (`transform`, `layout`), model families as data (`family`), `convert`, `ckpt info`, `lora` |
 //! | 1 | [`engine`] | the compute contract: `Device` (memory, transfers, capabilities) and `Backend` ops as forward/backward pairs, and the CPU backend every other backend is checked against |
-//! | 2 | [`model`] | the LLaMA-family decoder on any `Backend`: parameter table, forward, backward, KV-cached generation |
-//! | 3 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
-//! | 3 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints |
+//! | 2 | [`ckpt`] | checkpoint formats (`torch` pickle reader/writer, `hf` safetensors, `megatron` directories; `config` reads and writes `ModelConfig`), what a tensor becomes across TP/PP (`transform`, `layout`), `convert`, `ckpt info`, `lora` |
+//! | 3 | [`model`] | the LLaMA-family decoder on any `Backend`: parameter table, forward, backward, KV-cached generation |
+//! | 4 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
+//! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints |
 //! | – | [`fuzzing`] | entry points for the cargo-fuzz targets in `fuzz/` and their seed inputs |
 //!
 //! Project documents the code relies on (formats, Megatron semantics, test assets) are in `docs/`.
 #![deny(missing_docs)]
 
+pub mod arch;
 pub mod ckpt;
 pub mod data;
 pub mod engine;

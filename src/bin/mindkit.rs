@@ -10,10 +10,11 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use mindkit::arch::family;
 use mindkit::ckpt::convert::{self, ConvertOptions, Format};
+use mindkit::ckpt::info;
 use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
-use mindkit::ckpt::{family, info};
 use mindkit::data::{gpt_dataset, indexed, inspect, preprocess};
 use mindkit::eval;
 use mindkit::model::generate;

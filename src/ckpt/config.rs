@@ -2,51 +2,12 @@
 //! `rope_theta`/`rope_scaling` and 5.x `rope_parameters` conventions) or from Megatron `args`,
 //! and written back to either.
 
-use super::family::{self, Family};
 use super::torch::pickle::Value;
+use crate::arch::family::{self, Family};
+use crate::arch::ModelConfig;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value as Json};
-
-/// Architecture numbers shared by both formats.
-#[derive(Debug, Clone)]
-pub struct ModelConfig {
-    /// The family (tensor naming).
-    pub family: &'static Family,
-    /// Transformer layers.
-    pub layers: usize,
-    /// Hidden size.
-    pub hidden: usize,
-    /// Attention heads.
-    pub heads: usize,
-    /// KV heads (query groups).
-    pub groups: usize,
-    /// Per-head dimension.
-    pub head_dim: usize,
-    /// MLP intermediate size.
-    pub ffn: usize,
-    /// True vocabulary rows (without Megatron padding).
-    pub vocab: usize,
-    /// Max positions.
-    pub max_positions: usize,
-    /// RoPE base.
-    pub rope_theta: f64,
-    /// RMSNorm epsilon.
-    pub norm_eps: f64,
-    /// Output layer shares the embedding.
-    pub tied: bool,
-    /// q/k/v biases.
-    pub qkv_bias: bool,
-    /// Attention output bias.
-    pub proj_bias: bool,
-    /// Element type of the weights.
-    pub dtype: DType,
-    /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from
-    /// config.json or translated from Megatron/MindSpeed args; `None` for plain RoPE.
-    pub rope_scaling: Option<Json>,
-    /// The original `config.json`, carried through Megatron so the way back restores it.
-    pub hf_config: Option<Json>,
-}
 
 /// A configuration field that cannot be used. Fields are named as the source spells them
 /// (`rope_theta` in config.json, `args.rotary_base` in a Megatron checkpoint); the caller adds

@@ -2,12 +2,14 @@
 //! The plan (config, layout, shapes) is validated before anything is written; output goes to a
 //! temporary sibling directory renamed into place at the end ([`crate::util`]).
 
-use super::config::{parse_dtype, ModelConfig};
-use super::family::{self, hf_names, Family, QkvStyle};
+use super::config::parse_dtype;
 use super::hf::{self, HfWeights, Planned};
 use super::layout::{KeyLayout, Parallel};
 use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
-use super::transform::{canonical, canonical_shape, from_hf, hf_parts, to_hf, Canon, Role};
+use super::transform::{from_hf, hf_parts, to_hf};
+use crate::arch::family::{self, hf_names, Family, QkvStyle};
+use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
+use crate::arch::ModelConfig;
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use crate::util::{self, Allowed, OutputKind, ProgressUnit, TempOutput};

@@ -1,10 +1,10 @@
 //! `mindkit ckpt info`: what a checkpoint directory holds.
 
 use super::convert::{detect, open_hf, Format};
-use super::family::Family;
 use super::megatron::MegatronCkpt;
-use super::transform::{canonical, canonical_shape};
-use super::ModelConfig;
+use crate::arch::family::Family;
+use crate::arch::roles::{canonical, canonical_shape};
+use crate::arch::ModelConfig;
 use anyhow::Result;
 use std::fmt::Write;
 use std::path::Path;

@@ -3,8 +3,8 @@
 //! mcore Transformer-Engine spec, and the legacy nested model (`docs/checkpoints.md` §2.2, §2.3,
 //! §3.6).
 
-use super::config::ModelConfig;
-use super::transform::{Canon, Role};
+use crate::arch::roles::{Canon, Role};
+use crate::arch::ModelConfig;
 use anyhow::{bail, Result};
 
 /// The key layout of a Megatron model state dict.

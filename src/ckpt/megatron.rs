@@ -2,13 +2,15 @@
 //! `iter_0000001/` (or `release/`), `mp_rank_TT[_PPP]/model_optim_rng.pt` holding
 //! `{args, checkpoint_version: 3.0, iteration, model | model0..}` (`docs/checkpoints.md` §1, §8).
 
-use super::config::{arg_uint, megatron_args, ModelConfig, ParallelArgs};
-use super::family::Family;
+use super::config::{arg_uint, megatron_args, ParallelArgs};
 use super::layout::{self, chunk_entries, KeyLayout, Parallel};
 use super::torch::pickle::{StorageRef, TensorRef, Value};
 use super::torch::save::PtWriter;
 use super::torch::TorchFile;
-use super::transform::{gather_tp, shard_shape, tp_shard, Canon, Role};
+use super::transform::{gather_tp, shard_shape, tp_shard};
+use crate::arch::family::Family;
+use crate::arch::roles::{Canon, Role};
+use crate::arch::ModelConfig;
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};

@@ -1,10 +1,10 @@
 //! Checkpoints: PyTorch `.pt` files, Hugging Face and Megatron directories, and the conversion
 //! between them. Format code (`torch`, `hf`, `megatron`) is kept apart from what tensors become
-//! (`transform`, `tensor`); model families are data (`family`).
+//! (`transform`, `layout`); what a model is (config, family, canonical tensors) lives below, in
+//! `crate::arch`.
 
 pub mod config;
 pub mod convert;
-pub mod family;
 pub mod hf;
 pub mod info;
 pub mod layout;
@@ -12,5 +12,3 @@ pub mod lora;
 pub mod megatron;
 pub mod torch;
 pub mod transform;
-
-pub use config::ModelConfig;

@@ -8,7 +8,7 @@
 
 use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;
-use crate::ckpt::transform::{Canon, Role};
+use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, Result};
 use crate::tensor::DType;
 use std::ops::Range;

@@ -10,9 +10,9 @@ pub mod llama;
 pub mod params;
 mod rope;
 
-use crate::ckpt::config::ModelConfig;
+use crate::arch::roles::{canonical, Canon, Role};
+use crate::arch::ModelConfig;
 use crate::ckpt::convert::open_checkpoint;
-use crate::ckpt::transform::{canonical, Canon, Role};
 use crate::engine::{AttentionShape, Backend, Segment};
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;

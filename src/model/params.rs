@@ -6,8 +6,8 @@
 //! With LoRA (MindSpeed-LLM's, through peft), each adapted linear layer gets its `lora_A` and
 //! `lora_B` right after its weight, and only they are trained.
 
-use crate::ckpt::config::ModelConfig;
-use crate::ckpt::transform::{canonical_shape, Canon, Role};
+use crate::arch::roles::{canonical_shape, Canon, Role};
+use crate::arch::ModelConfig;
 
 /// Which factor of a LoRA adapter a parameter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

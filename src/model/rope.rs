@@ -2,7 +2,7 @@
 //! the cos/sin rows of given positions, computed in f32 in the order transformers computes
 //! them (`LlamaRotaryEmbedding`, `_compute_llama3_parameters`), so the tables agree to the ulp.
 
-use crate::ckpt::config::ModelConfig;
+use crate::arch::ModelConfig;
 use anyhow::{bail, Result};
 use serde_json::Value as Json;
 

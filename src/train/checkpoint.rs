@@ -10,7 +10,8 @@
 //! No `rng_state` is written (mindkit's training draws no random numbers after
 //! initialisation): Megatron loads these checkpoints with `--no-load-rng` or `--finetune`.
 
-use crate::ckpt::config::{megatron_args, ModelConfig, ParallelArgs};
+use crate::arch::ModelConfig;
+use crate::ckpt::config::{megatron_args, ParallelArgs};
 use crate::ckpt::layout::{chunk_entries, KeyLayout};
 use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};

@@ -8,7 +8,7 @@ use super::data::LossAveraging;
 use super::data::SftRows;
 use super::optim::AdamConfig;
 use super::schedule::{DecayStyle, Schedule, WdStyle};
-use crate::ckpt::config::ModelConfig;
+use crate::arch::ModelConfig;
 use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
 use crate::ckpt::torch::pickle::Value;

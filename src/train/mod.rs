@@ -16,8 +16,8 @@ pub mod optim;
 pub mod schedule;
 pub mod tensorboard;
 
+use crate::arch::roles::Role;
 use crate::ckpt::torch::pickle::Value;
-use crate::ckpt::transform::Role;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::Backend;

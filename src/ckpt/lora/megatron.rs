@@ -6,13 +6,14 @@
 //! adapter of any TP/PP merges into a base of any layout.
 
 use super::{lora_scale, parse_lora_key, Edit, Factor, FactorKind, MergePlan, Store, Term};
+use crate::arch::roles::{canonical_shape, Canon, Role};
+use crate::arch::ModelConfig;
 use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
 use crate::ckpt::megatron::{chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files};
 use crate::ckpt::torch::pickle::{TensorRef, Value};
 use crate::ckpt::torch::TorchFile;
-use crate::ckpt::transform::{canonical_shape, is_row_parallel, shard_shape, Canon, Role};
-use crate::ckpt::ModelConfig;
+use crate::ckpt::transform::{is_row_parallel, shard_shape};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;

@@ -5,10 +5,11 @@
 use super::{
     lora_scale, parse_lora_key, Edit, Factor, FactorKind, MergePlan, Replace, Store, Term,
 };
+use crate::arch::roles::{canonical, Canon, Role};
+use crate::arch::ModelConfig;
 use crate::ckpt::config::positive;
 use crate::ckpt::hf::HfWeights;
-use crate::ckpt::transform::{canonical, hf_parts, hf_row_blocks, Canon, Role};
-use crate::ckpt::ModelConfig;
+use crate::ckpt::transform::{hf_parts, hf_row_blocks};
 use anyhow::{anyhow, bail, Context, Result};
 use regex::Regex;
 use serde_json::Value as Json;

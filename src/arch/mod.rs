@@ -1,0 +1,51 @@
+//! What a model is, apart from any file format or engine: its architecture numbers
+//! ([`ModelConfig`]), its family as data ([`family`]: tensor names, QKV packing) and its
+//! canonical tensors ([`roles`]: roles and shapes). Checkpoint formats (`crate::ckpt`) read
+//! and write these; the model (`crate::model`) and the trainer (`crate::train`) compute on them.
+
+pub mod family;
+pub mod roles;
+
+use crate::tensor::DType;
+use family::Family;
+use serde_json::Value as Json;
+
+/// Architecture numbers shared by both formats.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// The family (tensor naming).
+    pub family: &'static Family,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// KV heads (query groups).
+    pub groups: usize,
+    /// Per-head dimension.
+    pub head_dim: usize,
+    /// MLP intermediate size.
+    pub ffn: usize,
+    /// True vocabulary rows (without Megatron padding).
+    pub vocab: usize,
+    /// Max positions.
+    pub max_positions: usize,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// Output layer shares the embedding.
+    pub tied: bool,
+    /// q/k/v biases.
+    pub qkv_bias: bool,
+    /// Attention output bias.
+    pub proj_bias: bool,
+    /// Element type of the weights.
+    pub dtype: DType,
+    /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from
+    /// config.json or translated from Megatron/MindSpeed args; `None` for plain RoPE.
+    pub rope_scaling: Option<Json>,
+    /// The original `config.json`, carried through Megatron so the way back restores it.
+    pub hf_config: Option<Json>,
+}
