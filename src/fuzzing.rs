@@ -108,7 +108,7 @@ fn checkpoint(dir: &Path) -> bool {
 }
 
 /// The Hugging Face reader: `split(data)` is (`config.json`, `model.safetensors`) of a model
-/// directory, opened as [`pickle`] opens its checkpoint. Returns whether every tensor was read.
+/// directory, opened as [`pickle()`] opens its checkpoint. Returns whether every tensor was read.
 pub fn safetensors_config(data: &[u8]) -> bool {
     let (config, weights) = split(data);
     scratch_file("hf/config.json", config);

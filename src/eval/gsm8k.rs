@@ -2,7 +2,7 @@
 //! - `gsm8k_cot`: Wei et al.'s 8 fixed exemplars (`"Q: {question}\nA: {reasoning} The answer is
 //!   N.\n\n"`), then `"Q: {question}\nA:"`; stops at `Q:`.
 //! - `gsm8k`: 5 shots drawn from the train split per question, in document order, by
-//!   `random.Random(1234).sample` ([`PyRandom`]), rendered `"Question: {q}\nAnswer: {solution}\n\n"`,
+//!   `random.Random(1234).sample` (`PyRandom`), rendered `"Question: {q}\nAnswer: {solution}\n\n"`,
 //!   then `"Question: {question}\nAnswer:"`; stops at `Question:`.
 //!
 //! Both generate greedily up to 256 tokens (also stopping at `</s>`, `<|im_end|>` or EOS), extract

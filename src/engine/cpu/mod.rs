@@ -2,7 +2,7 @@
 //! heads and blocks; every operator computes in f32 and stores its output in the dtype of its
 //! main input (f32, or bf16/f16 rounded to nearest even). Inference weights are packed as
 //! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; other matrices go through
-//! the `gemm` crate ([`gemm`]). The kernels live one family a file.
+//! the `gemm` crate (`gemm.rs`). The kernels live one family a file.
 
 mod attention;
 mod gemm;
