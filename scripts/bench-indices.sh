@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark: building GPTDataset's document, sample and shuffle indices of a large pretraining
 # dataset, mindkit (`data samples --first 1`, which builds them as `train` does) against
-# megatron-core 0.15.3's GPTDataset (its C++ helpers, in memory, no cache), side by side on the same
+# megatron-core 0.15.3's GPTDataset (its C++ helpers; its cache beside the data removed before each
+# run, so that it builds rather than loads them), side by side on the same
 # .idx: DOCS documents of 200..MAX tokens (default 5 M documents ≈ 5.5 G tokens, an 11 GB uint16
 # .bin, sparse: index building never reads tokens). Train split of one epoch at SEQ tokens.
 # RUNS rounds, medians; peak RSS of each process tree (scripts/bench/measure.py).
@@ -23,6 +24,7 @@ for run in $(seq "$RUNS"); do
   echo "round $run/$RUNS" >&2
   "$py" scripts/bench/measure.py "$work/mindkit.$run.json" -- target/release/mindkit data samples \
     --data-path "$work/big" --seq-length "$SEQ" --samples "$samples" --first 1
+  rm -rf "$work/big/cache"  # where GPTDataset caches without --data-cache-path
   "$py" scripts/bench/measure.py "$work/megatron.$run.json" -- \
     "$py" scripts/bench/gpt_indices.py "$work/big" "$SEQ" "$samples"
 done

@@ -1,5 +1,6 @@
 """Builds megatron-core 0.15's GPTDataset indices (document, sample and shuffle) for the train split
-of PREFIX in memory (no cache), as pretrain_gpt.py does, and prints the seconds it took.
+of PREFIX as pretrain_gpt.py does (without --data-cache-path they are cached in PREFIX's directory,
+under PREFIX/cache/, and loaded from there the next time), and prints the seconds it took.
 Usage: gpt_indices.py PREFIX SEQ SAMPLES"""
 import sys
 import time
