@@ -16,6 +16,7 @@
 //! | 1 | [`engine`] | the compute contract: `Device` (memory, transfers, capabilities) and `Backend` ops as forward/backward pairs, and the CPU backend every other backend is checked against |
 //! | 2 | [`ckpt`] | checkpoint formats (`torch` pickle reader/writer, `hf` safetensors, `megatron` directories; `config` reads and writes `ModelConfig`), what a tensor becomes across TP/PP (`transform`, `layout`), `convert`, `ckpt info`, `lora` |
 //! | 3 | [`model`] | the LLaMA-family decoder on any `Backend`: parameter table, forward, backward, KV-cached generation |
+//! | 1 | [`npu`] | Ascend NPUs through CANN, loaded at run time (`crates/ascendcl-sys`): `npu info`; the aclnn backend comes next |
 //! | 4 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
 //! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints |
 //! | – | [`fuzzing`] | entry points for the cargo-fuzz targets in `fuzz/` and their seed inputs |
@@ -30,6 +31,7 @@ pub mod engine;
 pub mod eval;
 pub mod fuzzing;
 pub mod model;
+pub mod npu;
 pub mod tensor;
 pub mod train;
 pub mod util;

@@ -49,6 +49,9 @@ enum Command {
     Eval(Box<EvalArgs>),
     /// Generate text from a prompt with an HF or Megatron checkpoint (streams to stdout).
     Generate(Box<GenerateArgs>),
+    /// Ascend NPUs: what CANN's runtime reports.
+    #[command(subcommand)]
+    Npu(NpuCommand),
     /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
     /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
     #[command(disable_help_flag = true)]
@@ -57,6 +60,13 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
         args: Vec<String>,
     },
+}
+
+#[derive(Subcommand)]
+enum NpuCommand {
+    /// CANN's version and each device's SoC and memory (loads libascendcl.so from
+    /// $ASCEND_TOOLKIT_HOME/lib64, $ASCEND_HOME_PATH/lib64 or CANN's default install).
+    Info,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -578,6 +588,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Lora(LoraCommand::Info { path }) => {
             print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
+        Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
         Command::Ckpt(CkptCommand::Info { path, keys, family }) => {
             let family = family.as_deref().map(family::by_name).transpose()?;
             print!("{}", info::info(&path, family, keys)?)

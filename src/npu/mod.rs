@@ -1,0 +1,118 @@
+//! Ascend NPUs through CANN, loaded at run time (`ascendcl-sys`). Today: `mindkit npu info`;
+//! the aclnn backend of the engine comes next (until then `--device npu` is refused).
+
+use ascendcl_sys::{
+    aclError, Acl, ACL_ERROR_REPEAT_INITIALIZE, ACL_HBM_MEM, ACL_PKG_NAME_CANN, ACL_SUCCESS,
+};
+use std::ffi::{c_char, CStr};
+use std::fmt::Write;
+
+/// What CANN and the runtime can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum NpuError {
+    /// `libascendcl.so` could not be loaded (where it was looked for, and the usual fix).
+    #[error(transparent)]
+    Load(#[from] ascendcl_sys::LoadError),
+    /// A runtime call failed: the call, its error code and the runtime's own message.
+    #[error("{call} failed with ACL error {code}: {message}")]
+    Call {
+        /// The function.
+        call: &'static str,
+        /// Its `aclError`.
+        code: aclError,
+        /// `aclGetRecentErrMsg()`.
+        message: String,
+    },
+}
+
+/// A loaded, initialised runtime; finalised when dropped.
+struct Runtime {
+    acl: Acl,
+}
+
+impl Runtime {
+    fn start() -> Result<Runtime, NpuError> {
+        let runtime = Runtime { acl: Acl::load()? };
+        // SAFETY: a null config path is allowed (acl.h).
+        let code = unsafe { (runtime.acl.api.aclInit)(std::ptr::null()) };
+        if code != ACL_ERROR_REPEAT_INITIALIZE {
+            runtime.check("aclInit", code)?;
+        }
+        Ok(runtime)
+    }
+
+    fn check(&self, call: &'static str, code: aclError) -> Result<(), NpuError> {
+        if code == ACL_SUCCESS {
+            return Ok(());
+        }
+        // SAFETY: the runtime returns a NUL-terminated string it owns, or null.
+        let message = unsafe { c_string((self.acl.api.aclGetRecentErrMsg)()) };
+        Err(NpuError::Call {
+            call,
+            code,
+            message,
+        })
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // SAFETY: paired with the successful aclInit of `start`.
+        unsafe { (self.acl.api.aclFinalize)() };
+    }
+}
+
+/// A C string the runtime owns, copied ("" for null).
+///
+/// # Safety
+/// `s` is null or points to a NUL-terminated string alive for the call.
+unsafe fn c_string(s: *const c_char) -> String {
+    if s.is_null() {
+        return String::new();
+    }
+    CStr::from_ptr(s).to_string_lossy().into_owned()
+}
+
+/// `mindkit npu info`: the library loaded, CANN's version, and per device its SoC and HBM.
+pub fn info() -> Result<String, NpuError> {
+    let rt = Runtime::start()?;
+    let api = rt.acl.api;
+    let mut out = format!("runtime  {}\n", rt.acl.path.display());
+    // SAFETY: zeroed bytes are a valid aclCANNPackageVersion; the call fills NUL-terminated strings.
+    let mut version: ascendcl_sys::aclCANNPackageVersion = unsafe { std::mem::zeroed() };
+    rt.check("aclsysGetCANNVersion", unsafe {
+        (api.aclsysGetCANNVersion)(ACL_PKG_NAME_CANN, &mut version)
+    })?;
+    // SAFETY: the buffer is NUL-terminated (zeroed, and the runtime writes a C string).
+    let _ = writeln!(out, "CANN     {}", unsafe {
+        c_string(version.version.as_ptr())
+    });
+    let mut count = 0u32;
+    // SAFETY: `count` is a valid out-pointer.
+    rt.check("aclrtGetDeviceCount", unsafe {
+        (api.aclrtGetDeviceCount)(&mut count)
+    })?;
+    let _ = writeln!(out, "devices  {count}");
+    for id in 0..count as i32 {
+        // SAFETY: `id` is below the device count; the binding is released below.
+        rt.check("aclrtSetDevice", unsafe { (api.aclrtSetDevice)(id) })?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the thread has a current device.
+        let mem = rt.check("aclrtGetMemInfo", unsafe {
+            (api.aclrtGetMemInfo)(ACL_HBM_MEM, &mut free, &mut total)
+        });
+        // SAFETY: the runtime's own string.
+        let soc = unsafe { c_string((api.aclrtGetSocName)()) };
+        // SAFETY: paired with the aclrtSetDevice above.
+        rt.check("aclrtResetDevice", unsafe { (api.aclrtResetDevice)(id) })?;
+        mem?;
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let _ = writeln!(
+            out,
+            "npu {id}    {soc}, HBM {:.1} GiB free of {:.1} GiB",
+            gib(free),
+            gib(total)
+        );
+    }
+    Ok(out)
+}
