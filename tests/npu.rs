@@ -3,6 +3,8 @@
 //! devices; a stub that lacks a function; no library at all. The stub only answers these calls:
 //! it is not the validating CANN stand-in the NPU backend will be tested on.
 
+mod common;
+
 use assert_cmd::Command;
 use std::path::{Path, PathBuf};
 
@@ -34,20 +36,14 @@ aclError aclrtMemcpyAsync(void *d, size_t m, const void *s, size_t n, aclrtMemcp
 #endif
 "#;
 
-/// CANN's headers, or None (the test says it skips) when the assets are not fetched.
-fn headers() -> Option<PathBuf> {
-    let include = PathBuf::from(std::env::var_os("MINDKIT_ASSETS")?).join("cann/include");
-    include.join("acl/acl.h").is_file().then_some(include)
-}
-
 /// A toolkit directory whose `lib64/libascendcl.so` is the stub built with `defines`.
-fn stub_toolkit(dir: &Path, include: &Path, defines: &[&str]) -> PathBuf {
+fn stub_toolkit(dir: &Path, include: &[PathBuf], defines: &[&str]) -> PathBuf {
     let lib64 = dir.join("lib64");
     std::fs::create_dir_all(&lib64).unwrap();
     std::fs::write(dir.join("stub.c"), STUB).unwrap();
     let out = std::process::Command::new("cc")
         .args(["-std=gnu11", "-Werror", "-Wall", "-shared", "-fPIC", "-I"])
-        .arg(include)
+        .arg(&include[0])
         .args(defines)
         .arg(dir.join("stub.c"))
         .arg("-o")
@@ -73,8 +69,7 @@ fn npu_info(toolkit: &Path) -> assert_cmd::assert::Assert {
 
 #[test]
 fn npu_info_reports_each_device_of_the_runtime() {
-    let Some(include) = headers() else {
-        eprintln!("SKIPPED: MINDKIT_ASSETS has no cann/include (scripts/fetch-test-assets.sh)");
+    let Some(include) = common::cann_include() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -83,6 +78,7 @@ fn npu_info_reports_each_device_of_the_runtime() {
     let text = String::from_utf8(out).unwrap();
     assert!(text.contains("CANN     8.1.RC1"), "{text}");
     assert!(text.contains("devices  2"), "{text}");
+    assert!(text.contains("HCCL     libhccl.so not found"), "{text}");
     assert!(
         text.contains("npu 0    Ascend910B4, HBM 60.0 GiB free of 64.0 GiB"),
         "{text}"
@@ -99,8 +95,7 @@ fn npu_info_reports_each_device_of_the_runtime() {
 
 #[test]
 fn a_runtime_without_a_needed_function_is_named() {
-    let Some(include) = headers() else {
-        eprintln!("SKIPPED: MINDKIT_ASSETS has no cann/include (scripts/fetch-test-assets.sh)");
+    let Some(include) = common::cann_include() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -1,14 +1,17 @@
-//! `ascendcl-sys`'s declarations against CANN's own headers: a C file generated from
-//! `ascendcl_sys::{FUNCTIONS, CONSTANTS, STRUCT_SIZES}` is compiled with `-Werror` against the
-//! `acl/*.h` the torch-npu wheel ships (fetched by `scripts/fetch-test-assets.sh` into
-//! `$MINDKIT_ASSETS/cann/include`) and run: a function whose type differs from the header's fails
-//! the build, a constant or struct size that differs fails the run, each named.
+//! `ascendcl-sys`'s and `hccl-sys`'s declarations against CANN's own headers: a C++ file generated
+//! from their `FUNCTIONS`, `CONSTANTS` and `STRUCT_SIZES` is compiled with `-Werror` against the
+//! `acl/*.h` and `hccl/*.h` the torch-npu wheel ships (C++, since `hccl_types.h` sizes an array by
+//! a `const` variable) and run: a function whose type differs from the header's fails the build
+//! (`std::is_same` on the function's type), a constant or struct size that differs fails the run;
+//! each is named.
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
 
 /// The C spelling of a Rust type of the declarations (`*mut u32` → `uint32_t *`); C typedef
-/// names the crate re-declares (`aclError`, `aclrtStream`, …) are the same in both.
+/// names the crates re-declare (`aclError`, `aclrtStream`, `HcclComm`, …) are the same in both.
 fn c_type(rust: &str) -> String {
     let t: String = rust.split_whitespace().collect();
     if let Some(inner) = t.strip_prefix("*const") {
@@ -18,8 +21,7 @@ fn c_type(rust: &str) -> String {
         return format!("{} *", c_type(inner));
     }
     match t.as_str() {
-        "()" => "void",
-        "c_void" => "void",
+        "()" | "c_void" => "void",
         "c_char" => "char",
         "c_int" => "int",
         "i32" => "int32_t",
@@ -33,66 +35,91 @@ fn c_type(rust: &str) -> String {
     .to_string()
 }
 
-fn check_source() -> String {
-    let mut c = String::from("#include <stdio.h>\n#include <stdint.h>\n#include \"acl/acl.h\"\n\n");
-    for (name, ret, params) in ascendcl_sys::FUNCTIONS {
+/// What one crate declares, for the generated check.
+struct Declarations {
+    functions: &'static [(&'static str, &'static str, &'static [&'static str])],
+    constants: &'static [(&'static str, i64)],
+    structs: &'static [(&'static str, usize)],
+}
+
+const CRATES: [Declarations; 2] = [
+    Declarations {
+        functions: ascendcl_sys::FUNCTIONS,
+        constants: ascendcl_sys::CONSTANTS,
+        structs: ascendcl_sys::STRUCT_SIZES,
+    },
+    Declarations {
+        functions: hccl_sys::FUNCTIONS,
+        constants: hccl_sys::CONSTANTS,
+        structs: hccl_sys::STRUCT_SIZES,
+    },
+];
+
+fn check_source(crates: &[Declarations]) -> String {
+    let mut c = String::from(
+        "#include <cstdio>\n#include <cstdint>\n#include <type_traits>\n\
+         #include \"acl/acl.h\"\n#include \"hccl/hccl.h\"\n\n",
+    );
+    for (name, ret, params) in crates.iter().flat_map(|d| d.functions) {
         let params: Vec<String> = params.iter().map(|p| c_type(p)).collect();
-        let params = if params.is_empty() {
-            "void".to_string()
-        } else {
+        c += &format!(
+            "static_assert(std::is_same<decltype(&{name}), {} (*)({})>::value, \
+             \"{name}: the header's type differs from the Rust declaration\");\n",
+            c_type(ret),
             params.join(", ")
-        };
-        c += &format!(
-            "_Static_assert(__builtin_types_compatible_p(__typeof__(&{name}), {} (*)({params})), \
-             \"{name}: the header's type differs from ascendcl-sys's\");\n",
-            c_type(ret)
         );
     }
-    c += "\nint main(void) {\n    int bad = 0;\n";
-    for (name, value) in ascendcl_sys::CONSTANTS {
+    c += "\nint main() {\n    int bad = 0;\n";
+    for (name, value) in crates.iter().flat_map(|d| d.constants) {
         c += &format!(
-            "    if ((long long)({name}) != {value}LL) {{ printf(\"%s: header %lld, ascendcl-sys {value}\\n\", \"{name}\", (long long)({name})); bad = 1; }}\n"
+            "    if ((long long)({name}) != {value}LL) {{ std::printf(\"%s: header %lld, Rust {value}\\n\", \"{name}\", (long long)({name})); bad = 1; }}\n"
         );
     }
-    for (name, size) in ascendcl_sys::STRUCT_SIZES {
+    for (name, size) in crates.iter().flat_map(|d| d.structs) {
         c += &format!(
-            "    if (sizeof({name}) != {size}) {{ printf(\"%s: header %zu bytes, ascendcl-sys {size}\\n\", \"{name}\", sizeof({name})); bad = 1; }}\n"
+            "    if (sizeof({name}) != {size}) {{ std::printf(\"%s: header %zu bytes, Rust {size}\\n\", \"{name}\", sizeof({name})); bad = 1; }}\n"
         );
     }
     c += "    return bad;\n}\n";
     c
 }
 
+/// Compile `source` as C++ against CANN's headers (and, with `output`, link and run it).
+fn compile(
+    include: &[PathBuf],
+    source: &str,
+    output: Option<&std::path::Path>,
+) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("check.cpp");
+    std::fs::write(&file, source).unwrap();
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut cmd = Command::new(&cxx);
+    cmd.args([
+        "-std=c++17",
+        "-Werror",
+        "-Wall",
+        "-Wno-deprecated-declarations",
+        "-Wno-unused-variable",
+    ]);
+    for dir in include {
+        cmd.arg("-I").arg(dir);
+    }
+    match output {
+        Some(binary) => cmd.arg(&file).arg("-o").arg(binary),
+        None => cmd.arg("-fsyntax-only").arg(&file),
+    };
+    cmd.output().unwrap_or_else(|e| panic!("{cxx}: {e}"))
+}
+
 #[test]
 fn declarations_match_cann_headers() {
-    let Some(assets) = std::env::var_os("MINDKIT_ASSETS") else {
-        eprintln!("SKIPPED: MINDKIT_ASSETS is unset (scripts/fetch-test-assets.sh fetches CANN's headers)");
+    let Some(include) = common::cann_include() else {
         return;
     };
-    let include = PathBuf::from(assets).join("cann/include");
-    assert!(
-        include.join("acl/acl.h").is_file(),
-        "{}: no acl/acl.h (run scripts/fetch-test-assets.sh)",
-        include.display()
-    );
     let dir = tempfile::tempdir().unwrap();
-    let (source, binary) = (dir.path().join("check.c"), dir.path().join("check"));
-    std::fs::write(&source, check_source()).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let build = Command::new(&cc)
-        .args([
-            "-std=gnu11",
-            "-Werror",
-            "-Wall",
-            "-Wno-deprecated-declarations",
-            "-I",
-        ])
-        .arg(&include)
-        .arg(&source)
-        .arg("-o")
-        .arg(&binary)
-        .output()
-        .unwrap_or_else(|e| panic!("{cc}: {e}"));
+    let binary = dir.path().join("check");
+    let build = compile(&include, &check_source(&CRATES), Some(&binary));
     assert!(
         build.status.success(),
         "{}",
@@ -104,34 +131,66 @@ fn declarations_match_cann_headers() {
         "{}",
         String::from_utf8_lossy(&run.stdout)
     );
-    let checked = ascendcl_sys::FUNCTIONS.len() + ascendcl_sys::CONSTANTS.len();
-    assert!(checked > 20, "only {checked} declarations checked");
+    let checked: usize = CRATES
+        .iter()
+        .map(|d| d.functions.len() + d.constants.len())
+        .sum();
+    assert!(checked > 45, "only {checked} declarations checked");
 }
 
 #[test]
 fn a_wrong_declaration_fails_the_check() {
     assert_eq!(c_type("*mut *mut c_void"), "void * *");
     assert_eq!(c_type("* const c_char"), "const char *");
-    assert_eq!(c_type("aclrtStream"), "aclrtStream");
-    let Some(assets) = std::env::var_os("MINDKIT_ASSETS") else {
-        eprintln!("SKIPPED: MINDKIT_ASSETS is unset");
+    assert_eq!(c_type("HcclComm"), "HcclComm");
+    let Some(include) = common::cann_include() else {
         return;
     };
-    let include = PathBuf::from(assets).join("cann/include");
+    // aclrtGetDeviceCount takes uint32_t *, HcclAllReduce a uint64_t count: declared otherwise,
+    // and a constant with another value, the check must refuse each.
+    let wrong =
+        |f: &'static str, ret: &'static str, params: &'static [&'static str]| Declarations {
+            functions: Box::leak(Box::new([(f, ret, params)])),
+            constants: &[],
+            structs: &[],
+        };
+    for bad in [
+        wrong("aclrtGetDeviceCount", "aclError", &["*mut i32"]),
+        wrong(
+            "HcclAllReduce",
+            "HcclResult",
+            &[
+                "*mut c_void",
+                "*mut c_void",
+                "u32",
+                "HcclDataType",
+                "HcclReduceOp",
+                "HcclComm",
+                "aclrtStream",
+            ],
+        ),
+    ] {
+        let name = bad.functions[0].0;
+        let build = compile(&include, &check_source(&[bad]), None);
+        let err = String::from_utf8_lossy(&build.stderr);
+        assert!(
+            !build.status.success() && err.contains(name),
+            "{name} passed: {err}"
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("wrong.c");
-    // aclrtGetDeviceCount takes uint32_t *: declared as int32_t * the check must refuse it.
-    std::fs::write(
-        &source,
-        "#include <stdint.h>\n#include \"acl/acl.h\"\n_Static_assert(__builtin_types_compatible_p(\
-         __typeof__(&aclrtGetDeviceCount), aclError (*)(int32_t *)), \"aclrtGetDeviceCount\");\n",
-    )
-    .unwrap();
-    let build = Command::new("cc")
-        .args(["-std=gnu11", "-Werror", "-fsyntax-only", "-I"])
-        .arg(&include)
-        .arg(&source)
-        .output()
-        .unwrap();
-    assert!(!build.status.success(), "a wrong type passed the check");
+    let binary = dir.path().join("check");
+    let constant = Declarations {
+        functions: &[],
+        constants: &[("HCCL_DATA_TYPE_BFP16", 27)],
+        structs: &[],
+    };
+    assert!(compile(&include, &check_source(&[constant]), Some(&binary))
+        .status
+        .success());
+    let run = Command::new(&binary).output().unwrap();
+    assert!(!run.status.success());
+    assert!(
+        String::from_utf8_lossy(&run.stdout).contains("HCCL_DATA_TYPE_BFP16: header 11, Rust 27")
+    );
 }

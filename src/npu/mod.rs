@@ -32,7 +32,9 @@ struct Runtime {
 
 impl Runtime {
     fn start() -> Result<Runtime, NpuError> {
-        let runtime = Runtime { acl: Acl::load()? };
+        let runtime = Runtime {
+            acl: ascendcl_sys::load()?,
+        };
         // SAFETY: a null config path is allowed (acl.h).
         let code = unsafe { (runtime.acl.api.aclInit)(std::ptr::null()) };
         if code != ACL_ERROR_REPEAT_INITIALIZE {
@@ -92,6 +94,11 @@ pub fn info() -> Result<String, NpuError> {
     rt.check("aclrtGetDeviceCount", unsafe {
         (api.aclrtGetDeviceCount)(&mut count)
     })?;
+    let hccl = match hccl_sys::load() {
+        Ok(hccl) => hccl.path.display().to_string(),
+        Err(_) => "libhccl.so not found (needed for more than one device)".into(),
+    };
+    let _ = writeln!(out, "HCCL     {hccl}");
     let _ = writeln!(out, "devices  {count}");
     for id in 0..count as i32 {
         // SAFETY: `id` is below the device count; the binding is released below.

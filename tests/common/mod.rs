@@ -101,3 +101,26 @@ pub fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// The include directories of CANN's headers as the torch-npu wheel ships them
+/// (`$MINDKIT_ASSETS/cann/include`: `third_party/acl/inc`, `third_party/hccl/inc`, and the root
+/// that `hccl.h`'s own include is relative to), or None, said on stderr, when the assets are not
+/// fetched (scripts/fetch-test-assets.sh).
+pub fn cann_include() -> Option<Vec<PathBuf>> {
+    let Some(assets) = std::env::var_os("MINDKIT_ASSETS") else {
+        eprintln!("SKIPPED: MINDKIT_ASSETS is unset (scripts/fetch-test-assets.sh fetches CANN's headers)");
+        return None;
+    };
+    let root = PathBuf::from(assets).join("cann/include");
+    let dirs = vec![
+        root.join("third_party/acl/inc"),
+        root.join("third_party/hccl/inc"),
+        root.clone(),
+    ];
+    assert!(
+        dirs[0].join("acl/acl.h").is_file() && dirs[1].join("hccl/hccl.h").is_file(),
+        "{}: no third_party/acl/inc/acl/acl.h or hccl.h (run scripts/fetch-test-assets.sh)",
+        root.display()
+    );
+    Some(dirs)
+}

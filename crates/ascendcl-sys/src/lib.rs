@@ -9,6 +9,7 @@
 //! `__builtin_types_compatible_p`, every constant's value and every struct's size.
 #![allow(non_camel_case_types, non_snake_case)]
 
+pub use libloading;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
@@ -54,7 +55,10 @@ pub const STRUCT_SIZES: &[(&str, usize)] = &[(
     std::mem::size_of::<aclCANNPackageVersion>(),
 )];
 
-macro_rules! constants {
+/// Declares C constants and lists them in `CONSTANTS` (`(C name, value)`) for the header
+/// check. Shared with `hccl-sys`.
+#[macro_export]
+macro_rules! cann_constants {
     ($($(#[$doc:meta])* $name:ident: $ty:ty = $value:expr;)*) => {
         $($(#[$doc])* pub const $name: $ty = $value;)*
         /// Every constant declared here, as `(C name, value)`, for the header check.
@@ -62,7 +66,7 @@ macro_rules! constants {
     };
 }
 
-constants! {
+cann_constants! {
     /// Success.
     ACL_SUCCESS: aclError = 0;
     /// `aclInit` called twice (harmless: the runtime counts references).
@@ -83,9 +87,13 @@ constants! {
     ACL_PKG_NAME_CANN: aclCANNPackageName = 0;
 }
 
-macro_rules! functions {
+/// Declares a library's C functions as a `Functions` struct of function pointers, resolved
+/// together when the library is loaded, and lists them in `FUNCTIONS` for the header check.
+/// Shared with `hccl-sys`.
+#[macro_export]
+macro_rules! cann_functions {
     ($($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
-        /// The functions of `libascendcl.so`, resolved once when the library is loaded.
+        /// The library's functions, resolved once when it is loaded.
         #[derive(Clone, Copy)]
         pub struct Functions {
             $($(#[$doc])* pub $name: unsafe extern "C" fn($($arg: $ty),*) -> $ret,)*
@@ -95,8 +103,9 @@ macro_rules! functions {
             /// Resolve every function; the first missing one is named.
             ///
             /// # Safety
-            /// `lib` must be CANN's `libascendcl.so` (the symbols must have the declared types).
-            unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {
+            /// `lib` must be the CANN library these declarations follow (the symbols must have
+            /// the declared types).
+            pub unsafe fn resolve(lib: &$crate::libloading::Library) -> Result<Self, String> {
                 Ok(Functions {
                     $($name: *lib
                         .get(concat!(stringify!($name), "\0").as_bytes())
@@ -112,7 +121,7 @@ macro_rules! functions {
     };
 }
 
-functions! {
+cann_functions! {
     /// Initialise the runtime (`config_path` may be null).
     fn aclInit(config_path: *const c_char) -> aclError;
     /// Release the runtime.
@@ -213,45 +222,55 @@ impl std::fmt::Display for LoadError {
 
 impl std::error::Error for LoadError {}
 
-/// The loaded runtime: the library (kept open) and its functions.
-pub struct Acl {
+/// A CANN library opened and its functions resolved.
+pub struct Loaded<F> {
     /// The file that was loaded.
     pub path: PathBuf,
     /// Its functions.
-    pub api: Functions,
+    pub api: F,
     _library: libloading::Library,
 }
 
-impl Acl {
-    /// Load `libascendcl.so` from the first of [`candidates`] that opens.
-    pub fn load() -> Result<Acl, LoadError> {
-        const LIBRARY: &str = "libascendcl.so";
-        let mut tried = Vec::new();
-        for path in candidates(LIBRARY) {
-            // SAFETY: loading CANN's runtime runs its initialisers, which is what using it means.
-            match unsafe { libloading::Library::new(&path) } {
-                Ok(library) => {
-                    // SAFETY: the library is libascendcl.so; the declarations follow its headers.
-                    let api = unsafe { Functions::resolve(&library) }.map_err(|symbol| {
-                        LoadError::MissingSymbol {
-                            path: path.clone(),
-                            symbol,
-                        }
-                    })?;
-                    return Ok(Acl {
-                        path,
-                        api,
-                        _library: library,
-                    });
-                }
-                Err(e) => tried.push((path, loader_reason(&e))),
+/// Open `library` from the first of [`candidates`] that opens and resolve its functions.
+///
+/// # Safety
+/// `resolve` must only declare functions the CANN library `library` exports, with their types.
+pub unsafe fn open<F>(
+    library: &str,
+    resolve: unsafe fn(&libloading::Library) -> Result<F, String>,
+) -> Result<Loaded<F>, LoadError> {
+    let mut tried = Vec::new();
+    for path in candidates(library) {
+        // SAFETY: loading a CANN library runs its initialisers, which is what using it means.
+        match unsafe { libloading::Library::new(&path) } {
+            Ok(lib) => {
+                // SAFETY: the caller's declarations follow this library's headers.
+                let api = unsafe { resolve(&lib) }.map_err(|symbol| LoadError::MissingSymbol {
+                    path: path.clone(),
+                    symbol,
+                })?;
+                return Ok(Loaded {
+                    path,
+                    api,
+                    _library: lib,
+                });
             }
+            Err(e) => tried.push((path, loader_reason(&e))),
         }
-        Err(LoadError::NotFound {
-            library: LIBRARY.into(),
-            tried,
-        })
     }
+    Err(LoadError::NotFound {
+        library: library.into(),
+        tried,
+    })
+}
+
+/// The loaded AscendCL runtime.
+pub type Acl = Loaded<Functions>;
+
+/// Load `libascendcl.so` (see [`candidates`]).
+pub fn load() -> Result<Acl, LoadError> {
+    // SAFETY: the declarations above follow CANN's acl/*.h (checked by the header test).
+    unsafe { open("libascendcl.so", Functions::resolve) }
 }
 
 /// The dynamic loader's message without libloading's prefix.

@@ -1,0 +1,96 @@
+//! Hand-written FFI to HCCL, CANN's collective communication library (`libhccl.so`): the types,
+//! constants and functions multi-device training calls, declared from CANN's `hccl/hccl.h` and
+//! `hccl/hccl_types.h` and loaded at run time like the AscendCL runtime (`ascendcl-sys`, whose
+//! loader and declaration macros this crate shares). mindkit's `tests/npu_headers.rs` checks every
+//! declaration against the headers.
+#![allow(non_camel_case_types, non_snake_case)]
+
+use ascendcl_sys::{aclrtStream, cann_constants, cann_functions, open, LoadError, Loaded};
+use std::ffi::{c_char, c_int, c_void};
+
+/// `HcclResult` (a C enum): 0 is success.
+pub type HcclResult = c_int;
+/// `HcclDataType` (a C enum).
+pub type HcclDataType = c_int;
+/// `HcclReduceOp` (a C enum).
+pub type HcclReduceOp = c_int;
+/// An opaque communicator handle.
+pub type HcclComm = *mut c_void;
+
+/// `HCCL_ROOT_INFO_BYTES`.
+pub const HCCL_ROOT_INFO_BYTES: usize = 4108;
+
+/// `HcclRootInfo`: what rank 0 hands every other rank (through any side channel) to build a
+/// communicator.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct HcclRootInfo {
+    /// Opaque bytes.
+    pub internal: [c_char; HCCL_ROOT_INFO_BYTES],
+}
+
+/// The sizes of the structs declared here, as `(C type name, size)`, for the header check.
+pub const STRUCT_SIZES: &[(&str, usize)] = &[("HcclRootInfo", std::mem::size_of::<HcclRootInfo>())];
+
+cann_constants! {
+    /// Success.
+    HCCL_SUCCESS: HcclResult = 0;
+    /// A parameter error.
+    HCCL_E_PARA: HcclResult = 1;
+    /// A call into the runtime failed.
+    HCCL_E_RUNTIME: HcclResult = 15;
+    /// A timeout.
+    HCCL_E_TIMEOUT: HcclResult = 9;
+    /// Sum.
+    HCCL_REDUCE_SUM: HcclReduceOp = 0;
+    /// Maximum.
+    HCCL_REDUCE_MAX: HcclReduceOp = 2;
+    /// int32.
+    HCCL_DATA_TYPE_INT32: HcclDataType = 2;
+    /// float16.
+    HCCL_DATA_TYPE_FP16: HcclDataType = 3;
+    /// float32.
+    HCCL_DATA_TYPE_FP32: HcclDataType = 4;
+    /// int64.
+    HCCL_DATA_TYPE_INT64: HcclDataType = 5;
+    /// bfloat16.
+    HCCL_DATA_TYPE_BFP16: HcclDataType = 11;
+}
+
+cann_functions! {
+    /// Rank 0: create the root info the other ranks join with.
+    fn HcclGetRootInfo(root_info: *mut HcclRootInfo) -> HcclResult;
+    /// Join the communicator of `n_ranks` as `rank`.
+    fn HcclCommInitRootInfo(n_ranks: u32, root_info: *const HcclRootInfo, rank: u32, comm: *mut HcclComm) -> HcclResult;
+    /// Join the communicator a rank table file describes.
+    fn HcclCommInitClusterInfo(cluster_info: *const c_char, rank: u32, comm: *mut HcclComm) -> HcclResult;
+    /// All-reduce `count` elements.
+    fn HcclAllReduce(send_buf: *mut c_void, recv_buf: *mut c_void, count: u64, data_type: HcclDataType, op: HcclReduceOp, comm: HcclComm, stream: aclrtStream) -> HcclResult;
+    /// All-gather `send_count` elements from every rank.
+    fn HcclAllGather(send_buf: *mut c_void, recv_buf: *mut c_void, send_count: u64, data_type: HcclDataType, comm: HcclComm, stream: aclrtStream) -> HcclResult;
+    /// Reduce, then scatter `recv_count` elements to each rank.
+    fn HcclReduceScatter(send_buf: *mut c_void, recv_buf: *mut c_void, recv_count: u64, data_type: HcclDataType, op: HcclReduceOp, comm: HcclComm, stream: aclrtStream) -> HcclResult;
+    /// Broadcast from `root`.
+    fn HcclBroadcast(buf: *mut c_void, count: u64, data_type: HcclDataType, root: u32, comm: HcclComm, stream: aclrtStream) -> HcclResult;
+    /// Send to one rank.
+    fn HcclSend(send_buf: *mut c_void, count: u64, data_type: HcclDataType, dest_rank: u32, comm: HcclComm, stream: aclrtStream) -> HcclResult;
+    /// Receive from one rank.
+    fn HcclRecv(recv_buf: *mut c_void, count: u64, data_type: HcclDataType, src_rank: u32, comm: HcclComm, stream: aclrtStream) -> HcclResult;
+    /// The number of ranks.
+    fn HcclGetRankSize(comm: HcclComm, rank_size: *mut u32) -> HcclResult;
+    /// This process's rank.
+    fn HcclGetRankId(comm: HcclComm, rank: *mut u32) -> HcclResult;
+    /// Destroy a communicator.
+    fn HcclCommDestroy(comm: HcclComm) -> HcclResult;
+    /// A result code's text.
+    fn HcclGetErrorString(code: HcclResult) -> *const c_char;
+}
+
+/// The loaded HCCL library.
+pub type Hccl = Loaded<Functions>;
+
+/// Load `libhccl.so` from where CANN installs it (`ascendcl_sys::candidates`).
+pub fn load() -> Result<Hccl, LoadError> {
+    // SAFETY: the declarations above follow CANN's hccl/*.h (checked by the header test).
+    unsafe { open("libhccl.so", Functions::resolve) }
+}
