@@ -10,12 +10,13 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The C spelling of a Rust type of the declarations (`*mut u32` → `uint32_t *`); C typedef
-/// names the crates re-declare (`aclError`, `aclrtStream`, `HcclComm`, …) are the same in both.
+/// The C spelling of a Rust type of the declarations (`*mut u32` → `uint32_t *`, const written
+/// after what it qualifies: `*const *const T` → `T const * const *`); C typedef names the crates
+/// re-declare (`aclError`, `aclrtStream`, `HcclComm`, `aclTensor`, …) are the same in both.
 fn c_type(rust: &str) -> String {
     let t: String = rust.split_whitespace().collect();
     if let Some(inner) = t.strip_prefix("*const") {
-        return format!("const {} *", c_type(inner));
+        return format!("{} const *", c_type(inner));
     }
     if let Some(inner) = t.strip_prefix("*mut") {
         return format!("{} *", c_type(inner));
@@ -24,12 +25,15 @@ fn c_type(rust: &str) -> String {
         "()" | "c_void" => "void",
         "c_char" => "char",
         "c_int" => "int",
+        "bool" => "bool",
+        "i8" => "int8_t",
         "i32" => "int32_t",
         "u32" => "uint32_t",
         "i64" => "int64_t",
         "u64" => "uint64_t",
         "usize" => "size_t",
         "f32" => "float",
+        "f64" => "double",
         other => other,
     }
     .to_string()
@@ -42,7 +46,10 @@ struct Declarations {
     structs: &'static [(&'static str, usize)],
 }
 
-const CRATES: [Declarations; 2] = [
+/// Declarations checked against CANN's own headers (ascendcl-sys's runtime, hccl-sys) and
+/// against `crates/ascendcl-sys/reference/aclnn-8.1.RC1.h` (aclnn, whose headers no fetchable
+/// package ships).
+const CRATES: [Declarations; 4] = [
     Declarations {
         functions: ascendcl_sys::FUNCTIONS,
         constants: ascendcl_sys::CONSTANTS,
@@ -53,12 +60,27 @@ const CRATES: [Declarations; 2] = [
         constants: hccl_sys::CONSTANTS,
         structs: hccl_sys::STRUCT_SIZES,
     },
+    Declarations {
+        functions: ascendcl_sys::aclnn::nnopbase::FUNCTIONS,
+        constants: &[],
+        structs: &[],
+    },
+    Declarations {
+        functions: ascendcl_sys::aclnn::opapi::FUNCTIONS,
+        constants: &[],
+        structs: &[],
+    },
 ];
+
+/// The transcribed aclnn header.
+fn aclnn_reference() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/ascendcl-sys/reference")
+}
 
 fn check_source(crates: &[Declarations]) -> String {
     let mut c = String::from(
         "#include <cstdio>\n#include <cstdint>\n#include <type_traits>\n\
-         #include \"acl/acl.h\"\n#include \"hccl/hccl.h\"\n\n",
+         #include \"acl/acl.h\"\n#include \"hccl/hccl.h\"\n#include \"aclnn-8.1.RC1.h\"\n\n",
     );
     for (name, ret, params) in crates.iter().flat_map(|d| d.functions) {
         let params: Vec<String> = params.iter().map(|p| c_type(p)).collect();
@@ -102,7 +124,7 @@ fn compile(
         "-Wno-deprecated-declarations",
         "-Wno-unused-variable",
     ]);
-    for dir in include {
+    for dir in include.iter().chain([&aclnn_reference()]) {
         cmd.arg("-I").arg(dir);
     }
     match output {
@@ -135,13 +157,17 @@ fn declarations_match_cann_headers() {
         .iter()
         .map(|d| d.functions.len() + d.constants.len())
         .sum();
-    assert!(checked > 45, "only {checked} declarations checked");
+    assert!(checked > 75, "only {checked} declarations checked");
 }
 
 #[test]
 fn a_wrong_declaration_fails_the_check() {
     assert_eq!(c_type("*mut *mut c_void"), "void * *");
-    assert_eq!(c_type("* const c_char"), "const char *");
+    assert_eq!(c_type("* const c_char"), "char const *");
+    assert_eq!(
+        c_type("*const *const aclTensor"),
+        "aclTensor const * const *"
+    );
     assert_eq!(c_type("HcclComm"), "HcclComm");
     let Some(include) = common::cann_include() else {
         return;
@@ -156,6 +182,11 @@ fn a_wrong_declaration_fails_the_check() {
         };
     for bad in [
         wrong("aclrtGetDeviceCount", "aclError", &["*mut i32"]),
+        wrong(
+            "aclCreateIntArray",
+            "*mut aclIntArray",
+            &["*const i64", "u32"],
+        ),
         wrong(
             "HcclAllReduce",
             "HcclResult",

@@ -10,6 +10,8 @@
 #![allow(non_camel_case_types, non_snake_case)]
 
 pub use libloading;
+
+pub mod aclnn;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
