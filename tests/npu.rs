@@ -1,114 +1,122 @@
-//! `mindkit npu info` through the whole runtime-loading path, on a stub `libascendcl.so` built
-//! here against CANN's own headers (so its functions have the headers' types): two fake 910B
-//! devices; a stub that lacks a function; no library at all. The stub only answers these calls:
-//! it is not the validating CANN stand-in the NPU backend will be tested on.
-
-mod common;
+//! `mindkit npu info` through the whole runtime-loading path, on the CANN stand-in
+//! (`crates/cann-stand-in`, built here into its own target directory): two devices, the
+//! stand-in's counters, a library that lacks the runtime's functions, and no library at all.
 
 use assert_cmd::Command;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
-const STUB: &str = r#"
-#include <string.h>
-#include "acl/acl.h"
-static int inits, current = -1;
-aclError aclInit(const char *configPath) { (void)configPath; return inits++ ? ACL_ERROR_REPEAT_INITIALIZE : ACL_SUCCESS; }
-aclError aclFinalize(void) { return inits-- > 0 ? ACL_SUCCESS : 100037; }
-const char *aclGetRecentErrMsg(void) { return "EE1001: the stub was asked for a device it does not have"; }
-const char *aclrtGetSocName(void) { return "Ascend910B4"; }
-aclError aclsysGetCANNVersion(aclCANNPackageName name, aclCANNPackageVersion *v) {
-    if (name != ACL_PKG_NAME_CANN) return ACL_ERROR_INVALID_PARAM;
-    strcpy(v->version, "8.1.RC1"); return ACL_SUCCESS; }
-aclError aclrtGetDeviceCount(uint32_t *count) { *count = DEVICES; return ACL_SUCCESS; }
-aclError aclrtSetDevice(int32_t id) { if (id >= DEVICES) return 107001; current = id; return ACL_SUCCESS; }
-aclError aclrtResetDevice(int32_t id) { (void)id; current = -1; return ACL_SUCCESS; }
-aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total) {
-    if (current < 0 || attr != ACL_HBM_MEM) return ACL_ERROR_INVALID_PARAM;
-    *total = (size_t)64 << 30; *free = (size_t)(60 - current) << 30; return ACL_SUCCESS; }
-aclError aclrtCreateStream(aclrtStream *s) { *s = 0; return ACL_SUCCESS; }
-aclError aclrtDestroyStream(aclrtStream s) { (void)s; return ACL_SUCCESS; }
-aclError aclrtSynchronizeStream(aclrtStream s) { (void)s; return ACL_SUCCESS; }
-aclError aclrtMalloc(void **p, size_t n, aclrtMemMallocPolicy policy) { (void)p; (void)n; (void)policy; return 207001; }
-aclError aclrtFree(void *p) { (void)p; return ACL_SUCCESS; }
-aclError aclrtMemcpy(void *d, size_t m, const void *s, size_t n, aclrtMemcpyKind k) { (void)d; (void)m; (void)s; (void)n; (void)k; return 207001; }
-#ifndef DROP_ASYNC
-aclError aclrtMemcpyAsync(void *d, size_t m, const void *s, size_t n, aclrtMemcpyKind k, aclrtStream st) { (void)d; (void)m; (void)s; (void)n; (void)k; (void)st; return 207001; }
-#endif
-"#;
+/// The stand-in `libascendcl.so`, built once per test run.
+fn stand_in() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/stand-in");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let out = std::process::Command::new(cargo)
+            .args(["build", "--quiet", "-p", "cann-stand-in", "--target-dir"])
+            .arg(&target)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        target.join("debug/libascendcl.so")
+    })
+}
 
-/// A toolkit directory whose `lib64/libascendcl.so` is the stub built with `defines`.
-fn stub_toolkit(dir: &Path, include: &[PathBuf], defines: &[&str]) -> PathBuf {
-    let lib64 = dir.join("lib64");
-    std::fs::create_dir_all(&lib64).unwrap();
-    std::fs::write(dir.join("stub.c"), STUB).unwrap();
-    let out = std::process::Command::new("cc")
-        .args(["-std=gnu11", "-Werror", "-Wall", "-shared", "-fPIC", "-I"])
-        .arg(&include[0])
-        .args(defines)
-        .arg(dir.join("stub.c"))
-        .arg("-o")
-        .arg(lib64.join("libascendcl.so"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+/// A toolkit directory whose `lib64/libascendcl.so` is `library`.
+fn toolkit(dir: &Path, library: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir.join("lib64")).unwrap();
+    std::fs::copy(library, dir.join("lib64/libascendcl.so")).unwrap();
     dir.to_path_buf()
 }
 
-fn npu_info(toolkit: &Path) -> assert_cmd::assert::Assert {
-    Command::cargo_bin("mindkit")
-        .unwrap()
-        .args(["npu", "info"])
+fn npu_info(toolkit: &Path) -> Command {
+    let mut cmd = Command::cargo_bin("mindkit").unwrap();
+    // cargo's LD_LIBRARY_PATH for tests holds its target directories, where a stand-in built
+    // there would be found by soname
+    cmd.args(["npu", "info"])
         .env("ASCEND_TOOLKIT_HOME", toolkit)
         .env_remove("ASCEND_HOME_PATH")
-        .assert()
+        .env_remove("LD_LIBRARY_PATH");
+    cmd
 }
 
 #[test]
 fn npu_info_reports_each_device_of_the_runtime() {
-    let Some(include) = common::cann_include() else {
-        return;
-    };
     let dir = tempfile::tempdir().unwrap();
-    let toolkit = stub_toolkit(dir.path(), &include, &["-DDEVICES=2"]);
-    let out = npu_info(&toolkit).success().get_output().stdout.clone();
+    let home = toolkit(&dir.path().join("toolkit"), stand_in());
+    let report = dir.path().join("report.json");
+    let out = npu_info(&home)
+        .env("MINDKIT_STAND_IN_DEVICES", "2")
+        .env("MINDKIT_STAND_IN_REPORT", &report)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let text = String::from_utf8(out).unwrap();
     assert!(text.contains("CANN     8.1.RC1"), "{text}");
-    assert!(text.contains("devices  2"), "{text}");
     assert!(text.contains("HCCL     libhccl.so not found"), "{text}");
+    assert!(text.contains("devices  2"), "{text}");
     assert!(
-        text.contains("npu 0    Ascend910B4, HBM 60.0 GiB free of 64.0 GiB"),
+        text.contains("npu 0    Ascend910B4, HBM 64.0 GiB free of 64.0 GiB"),
         "{text}"
     );
     assert!(
-        text.contains("npu 1    Ascend910B4, HBM 59.0 GiB free of 64.0 GiB"),
+        text.contains("npu 1    Ascend910B4, HBM 64.0 GiB free of 64.0 GiB"),
         "{text}"
     );
     assert!(
-        text.contains(&toolkit.join("lib64/libascendcl.so").display().to_string()),
+        text.contains(&home.join("lib64/libascendcl.so").display().to_string()),
         "{text}"
     );
+    // aclFinalize was reached (the report is written there) with nothing allocated
+    let report = std::fs::read_to_string(&report).unwrap();
+    assert!(report.contains("\"allocations\": 0"), "{report}");
 }
 
 #[test]
-fn a_runtime_without_a_needed_function_is_named() {
-    let Some(include) = common::cann_include() else {
+fn a_library_without_the_runtime_functions_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let libm = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libm.so.6",
+        "/lib64/libm.so.6",
+    ]
+    .iter()
+    .map(Path::new)
+    .find(|p| p.is_file());
+    let Some(libm) = libm else {
+        eprintln!("SKIPPED: no libm.so.6 to stand for a library without the runtime's functions");
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let toolkit = stub_toolkit(dir.path(), &include, &["-DDEVICES=1", "-DDROP_ASYNC"]);
-    let err = npu_info(&toolkit).failure().get_output().stderr.clone();
+    let home = toolkit(dir.path(), libm);
+    let err = npu_info(&home)
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
     let err = String::from_utf8(err).unwrap();
-    assert!(err.contains("has no function aclrtMemcpyAsync"), "{err}");
+    assert!(
+        err.contains("libascendcl.so has no function aclInit"),
+        "{err}"
+    );
 }
 
 #[test]
 fn without_cann_the_error_says_where_it_looked_and_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
-    let err = npu_info(dir.path()).failure().get_output().stderr.clone();
+    let err = npu_info(dir.path())
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
     let err = String::from_utf8(err).unwrap();
     assert!(err.contains("CANN's libascendcl.so was not found"), "{err}");
     assert!(
@@ -128,4 +136,130 @@ fn without_cann_the_error_says_where_it_looked_and_what_to_do() {
         err.contains("source /usr/local/Ascend/ascend-toolkit/set_env.sh"),
         "{err}"
     );
+}
+
+/// Calls into the stand-in in this process, with the message the runtime gives for a failure.
+struct Runtime {
+    api: ascendcl_sys::Functions,
+    _library: ascendcl_sys::libloading::Library,
+}
+
+impl Runtime {
+    fn open() -> Runtime {
+        // SAFETY: the stand-in exports the runtime's functions with ascendcl-sys's types.
+        let library = unsafe { ascendcl_sys::libloading::Library::new(stand_in()) }.unwrap();
+        let api = unsafe { ascendcl_sys::Functions::resolve(&library) }.unwrap();
+        Runtime {
+            api,
+            _library: library,
+        }
+    }
+
+    /// `code`, and the recent error message when it is not success.
+    fn said(&self, code: ascendcl_sys::aclError) -> (i32, String) {
+        // SAFETY: the runtime's own NUL-terminated string.
+        let message = unsafe { std::ffi::CStr::from_ptr((self.api.aclGetRecentErrMsg)()) };
+        let message = if code == 0 {
+            String::new()
+        } else {
+            message.to_string_lossy().into_owned()
+        };
+        (code, message)
+    }
+}
+
+#[test]
+fn the_stand_in_refuses_what_the_runtime_forbids() {
+    use ascendcl_sys::*;
+    use std::ffi::c_void;
+    let rt = Runtime::open();
+    let a = rt.api;
+    let expect = |got: (i32, String), code: i32, text: &str| {
+        assert!(
+            got.0 == code && got.1.contains(text),
+            "expected {code} '{text}', got {got:?}"
+        );
+    };
+    let mut ptr: *mut c_void = std::ptr::null_mut();
+    let mut count = 0u32;
+    // SAFETY (whole test): every pointer passed is a valid out-pointer or a buffer of the size
+    // given; the stand-in checks the device side.
+    unsafe {
+        expect(
+            rt.said((a.aclrtGetDeviceCount)(&mut count)),
+            100001,
+            "before aclInit",
+        );
+        expect(rt.said((a.aclInit)(std::ptr::null())), 0, "");
+        expect(
+            rt.said((a.aclrtMalloc)(&mut ptr, 64, ACL_MEM_MALLOC_HUGE_FIRST)),
+            107002,
+            "no device set",
+        );
+        expect(
+            rt.said((a.aclrtSetDevice)(3)),
+            107001,
+            "device 3 does not exist",
+        );
+        expect(rt.said((a.aclrtSetDevice)(0)), 0, "");
+        expect(
+            rt.said((a.aclrtMalloc)(&mut ptr, 0, ACL_MEM_MALLOC_HUGE_FIRST)),
+            100000,
+            "0 bytes",
+        );
+        expect(
+            rt.said((a.aclrtMalloc)(&mut ptr, 100, ACL_MEM_MALLOC_HUGE_FIRST)),
+            0,
+            "",
+        );
+        assert_eq!(ptr as usize % 64, 0, "device addresses are 64-byte aligned");
+        let host: Vec<u8> = (0..200).map(|i| i as u8).collect();
+        let h2d = ACL_MEMCPY_HOST_TO_DEVICE;
+        let src = host.as_ptr().cast();
+        expect(
+            rt.said((a.aclrtMemcpy)(ptr, 200, src, 200, h2d)),
+            100000,
+            "overrun the 100-byte allocation",
+        );
+        expect(
+            rt.said((a.aclrtMemcpy)(ptr, 50, src, 100, h2d)),
+            100000,
+            "exceeds destMax",
+        );
+        let stray = (ptr as usize + 4096 * 1024) as *mut c_void;
+        expect(
+            rt.said((a.aclrtMemcpy)(stray, 8, src, 8, h2d)),
+            100000,
+            "is not device memory",
+        );
+        let mut stream: aclrtStream = std::ptr::null_mut();
+        expect(rt.said((a.aclrtCreateStream)(&mut stream)), 0, "");
+        expect(
+            rt.said((a.aclrtMemcpyAsync)(ptr, 100, src, 100, h2d, stream)),
+            0,
+            "",
+        );
+        let mut back = vec![0u8; 100];
+        let d2h = ACL_MEMCPY_DEVICE_TO_HOST;
+        let dst = back.as_mut_ptr().cast();
+        expect(
+            rt.said((a.aclrtMemcpy)(dst, 100, ptr, 100, d2h)),
+            100000,
+            "before aclrtSynchronizeStream",
+        );
+        expect(rt.said((a.aclrtSynchronizeStream)(stream)), 0, "");
+        expect(rt.said((a.aclrtMemcpy)(dst, 100, ptr, 100, d2h)), 0, "");
+        assert_eq!(back, host[..100]);
+        expect(
+            rt.said((a.aclrtFree)(stray)),
+            207002,
+            "not the start of a live allocation",
+        );
+        expect(rt.said((a.aclrtDestroyStream)(stream)), 0, "");
+        expect(
+            rt.said((a.aclFinalize)()),
+            100000,
+            "1 allocations (100 bytes) and 0 streams never freed",
+        );
+    }
 }
