@@ -45,20 +45,25 @@ fn npu_info(toolkit: &Path) -> Command {
     cmd
 }
 
+/// What `cmd` printed on stdout, having succeeded.
+fn succeeds(mut cmd: Command) -> String {
+    String::from_utf8(cmd.assert().success().get_output().stdout.clone()).unwrap()
+}
+
+/// What `cmd` printed on stderr, having failed.
+fn fails(mut cmd: Command) -> String {
+    String::from_utf8(cmd.assert().failure().get_output().stderr.clone()).unwrap()
+}
+
 #[test]
 fn npu_info_reports_each_device_of_the_runtime() {
     let dir = tempfile::tempdir().unwrap();
     let home = toolkit(&dir.path().join("toolkit"), stand_in());
     let report = dir.path().join("report.json");
-    let out = npu_info(&home)
-        .env("MINDKIT_STAND_IN_DEVICES", "2")
-        .env("MINDKIT_STAND_IN_REPORT", &report)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let text = String::from_utf8(out).unwrap();
+    let mut cmd = npu_info(&home);
+    cmd.env("MINDKIT_STAND_IN_DEVICES", "2")
+        .env("MINDKIT_STAND_IN_REPORT", &report);
+    let text = succeeds(cmd);
     assert!(text.contains("CANN     8.1.RC1"), "{text}");
     assert!(text.contains("HCCL     libhccl.so not found"), "{text}");
     assert!(text.contains("devices  2"), "{text}");
@@ -95,13 +100,7 @@ fn a_library_without_the_runtime_functions_is_named() {
         return;
     };
     let home = toolkit(dir.path(), libm);
-    let err = npu_info(&home)
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
-    let err = String::from_utf8(err).unwrap();
+    let err = fails(npu_info(&home));
     assert!(
         err.contains("libascendcl.so has no function aclInit"),
         "{err}"
@@ -111,13 +110,7 @@ fn a_library_without_the_runtime_functions_is_named() {
 #[test]
 fn without_cann_the_error_says_where_it_looked_and_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
-    let err = npu_info(dir.path())
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
-    let err = String::from_utf8(err).unwrap();
+    let err = fails(npu_info(dir.path()));
     assert!(err.contains("CANN's libascendcl.so was not found"), "{err}");
     assert!(
         err.contains(
