@@ -180,7 +180,8 @@ fn uneven_stages(
 /// tensor it holds, or `None` for a Transformer-Engine `_extra_state` (written as `None`).
 pub type ChunkEntry = (Vec<String>, Option<Canon>);
 
-fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
+/// Key path of a layer tensor, `j` the layer's index in its model chunk.
+pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
     let mcore = |s: &str| vec![format!("decoder.layers.{j}.{s}")];
     let legacy = |s: &str| {
         vec![

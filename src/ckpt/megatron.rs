@@ -496,31 +496,27 @@ impl MegatronCkpt {
     /// Read and un-shard one canonical tensor with all its vocabulary rows (the padding
     /// included, for a checkpoint's own padded vocabulary).
     pub fn read_padded(&self, c: Canon) -> Result<Tensor> {
-        let (p, shards) = self
-            .index
-            .get(&c)
-            .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
-        let parts: Vec<Tensor> = shards
-            .iter()
-            .enumerate()
-            .map(|(t, s)| Ok(self.files[*p][t].read_tensor(&s.key, &s.tensor)?))
-            .collect::<Result<_>>()?;
+        let parts = self.read_shards(c)?;
         let rows = parts.iter().map(|t| t.shape[0]).sum();
         gather_tp(c.role, &parts, rows)
     }
 
     /// Read and un-shard one canonical tensor.
     pub fn read(&self, c: Canon) -> Result<Tensor> {
+        gather_tp(c.role, &self.read_shards(c)?, self.cfg.vocab)
+    }
+
+    /// The TP shards of one canonical tensor, in rank order.
+    fn read_shards(&self, c: Canon) -> Result<Vec<Tensor>> {
         let (p, shards) = self
             .index
             .get(&c)
             .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
-        let parts: Vec<Tensor> = shards
+        shards
             .iter()
             .enumerate()
             .map(|(t, s)| Ok(self.files[*p][t].read_tensor(&s.key, &s.tensor)?))
-            .collect::<Result<_>>()?;
-        gather_tp(c.role, &parts, self.cfg.vocab)
+            .collect()
     }
 
     /// The rank files, `[pp][tp]` flattened.

@@ -8,6 +8,7 @@
 
 use crate::arch::roles::{canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
+use crate::ckpt::layout::{global_key, layer_key, KeyLayout};
 
 /// Which factor of a LoRA adapter a parameter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,20 +91,13 @@ pub struct ParamTable {
     pub vocab_padded: usize,
 }
 
-/// Megatron's mcore key of a layer parameter.
-fn layer_name(role: Role, l: usize) -> String {
-    let suffix = match role {
-        Role::InputNorm => "input_layernorm.weight",
-        Role::Qkv => "self_attention.linear_qkv.weight",
-        Role::QkvBias => "self_attention.linear_qkv.bias",
-        Role::Proj => "self_attention.linear_proj.weight",
-        Role::ProjBias => "self_attention.linear_proj.bias",
-        Role::PostNorm => "pre_mlp_layernorm.weight",
-        Role::Fc1 => "mlp.linear_fc1.weight",
-        Role::Fc2 => "mlp.linear_fc2.weight",
-        Role::Embedding | Role::FinalNorm | Role::Output => unreachable!("not a layer role"),
-    };
-    format!("decoder.layers.{l}.{suffix}")
+/// Megatron's mcore key of a parameter (the layout megatron-core's GPTModel state dict uses).
+fn mcore_name(canon: Canon, tied: bool) -> String {
+    match canon.layer {
+        Some(l) => layer_key(KeyLayout::Mcore, canon.role, l),
+        None => global_key(KeyLayout::Mcore, canon.role, tied),
+    }
+    .concat()
 }
 
 impl ParamTable {
@@ -150,7 +144,7 @@ impl ParamTable {
         let global = |role| Canon { role, layer: None };
         push(
             global(Role::Embedding),
-            "embedding.word_embeddings.weight".into(),
+            mcore_name(global(Role::Embedding), cfg.tied),
         );
         // megatron-core builds an attention block's linear_proj before its linear_qkv
         // (megatron/core/transformer/attention.py: Attention.__init__, then SelfAttention).
@@ -165,21 +159,22 @@ impl ParamTable {
         roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
         for l in 0..cfg.layers {
             for &role in &roles {
-                push(
-                    Canon {
-                        role,
-                        layer: Some(l),
-                    },
-                    layer_name(role, l),
-                );
+                let canon = Canon {
+                    role,
+                    layer: Some(l),
+                };
+                push(canon, mcore_name(canon, cfg.tied));
             }
         }
         push(
             global(Role::FinalNorm),
-            "decoder.final_layernorm.weight".into(),
+            mcore_name(global(Role::FinalNorm), cfg.tied),
         );
         if !cfg.tied {
-            push(global(Role::Output), "output_layer.weight".into());
+            push(
+                global(Role::Output),
+                mcore_name(global(Role::Output), false),
+            );
         }
         ParamTable {
             params,
