@@ -6,14 +6,11 @@
 //! 8.1.RC1 declarations these follow, and mindkit's `tests/npu_headers.rs` checks them against it.
 
 use crate::{aclrtStream, cann_functions, open, LoadError, Loaded};
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_char, c_void};
 
 /// `aclnnStatus` (`int32_t`): 0 is success.
 pub type aclnnStatus = i32;
-/// `enum aclDataType`.
-pub type aclDataType = c_int;
-/// `enum aclFormat`.
-pub type aclFormat = c_int;
+pub use crate::{aclDataType, aclFormat};
 
 /// Declares opaque C structs, only ever handled behind pointers.
 macro_rules! opaque {
@@ -119,6 +116,63 @@ pub mod opapi {
         fn aclnnApplyAdamWV2GetWorkspaceSize(var_ref: *mut aclTensor, m_ref: *mut aclTensor, v_ref: *mut aclTensor, max_grad_norm_optional_ref: *mut aclTensor, grad: *const aclTensor, step: *const aclTensor, lr: f32, beta1: f32, beta2: f32, weight_decay: f32, eps: f32, amsgrad: bool, maximize: bool, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnApplyAdamWV2GetWorkspaceSize`].
         fn aclnnApplyAdamWV2(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = self.index_select(dim, index) (index INT64 or INT32).
+        fn aclnnIndexSelectGetWorkspaceSize(self_: *const aclTensor, dim: i64, index: *const aclTensor, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnIndexSelectGetWorkspaceSize`].
+        fn aclnnIndexSelect(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// self += alpha · other (other broadcast to self).
+        fn aclnnInplaceAddGetWorkspaceSize(self_ref: *const aclTensor, other: *const aclTensor, alpha: *const aclScalar, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnInplaceAddGetWorkspaceSize`].
+        fn aclnnInplaceAdd(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = Σ self over `dims`, as `dtype`.
+        fn aclnnReduceSumGetWorkspaceSize(self_: *const aclTensor, dims: *const aclIntArray, keep_dims: bool, dtype: aclDataType, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnReduceSumGetWorkspaceSize`].
+        fn aclnnReduceSum(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// self = src (strided views, dtype conversion).
+        fn aclnnInplaceCopyGetWorkspaceSize(self_ref: *mut aclTensor, src: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnInplaceCopyGetWorkspaceSize`].
+        fn aclnnInplaceCopy(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = x·cos + rotate(x)·sin (`mode` 0: rotate_half); x 4-D, cos/sin broadcast to it.
+        fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnRotaryPositionEmbeddingGetWorkspaceSize`].
+        fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// Flash attention over packed sequences (layout "TND", cumulative lengths); softmax max
+        /// and sum `[T, N, 8]` (fp32) saved for the backward.
+        fn aclnnFlashAttentionVarLenScoreGetWorkspaceSize(query: *const aclTensor, key: *const aclTensor, value: *const aclTensor, real_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, softmax_max_out: *const aclTensor, softmax_sum_out: *const aclTensor, softmax_out_out: *const aclTensor, attention_out_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnFlashAttentionVarLenScoreGetWorkspaceSize`].
+        fn aclnnFlashAttentionVarLenScore(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// dq, dk, dv of [`Functions::aclnnFlashAttentionVarLenScoreGetWorkspaceSize`].
+        fn aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize(query: *const aclTensor, key_in: *const aclTensor, value: *const aclTensor, dy: *const aclTensor, pse_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, softmax_max_optional: *const aclTensor, softmax_sum_optional: *const aclTensor, softmax_in_optional: *const aclTensor, attention_in_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, dq_out: *const aclTensor, dk_out: *const aclTensor, dv_out: *const aclTensor, dpse_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize`].
+        fn aclnnFlashAttentionUnpaddingScoreGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = log_softmax(self) along `dim`.
+        fn aclnnLogSoftmaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnLogSoftmaxGetWorkspaceSize`].
+        fn aclnnLogSoftmax(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// Cross entropy of `(N, C)` logits against `(N)` targets; log-probabilities saved.
+        fn aclnnCrossEntropyLossGetWorkspaceSize(input: *const aclTensor, target: *const aclTensor, weight_optional: *const aclTensor, reduction_optional: *mut c_char, ignore_index: i64, label_smoothing: f64, lse_square_scale_for_zloss: f64, return_zloss: bool, loss_out: *const aclTensor, log_prob_out: *const aclTensor, zloss_out: *const aclTensor, lse_for_zloss_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnCrossEntropyLossGetWorkspaceSize`].
+        fn aclnnCrossEntropyLoss(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// The logits' gradient from the saved log-probabilities.
+        fn aclnnCrossEntropyLossGradGetWorkspaceSize(grad_loss: *const aclTensor, log_prob: *const aclTensor, target: *const aclTensor, weight_optional: *const aclTensor, grad_zloss_optional: *const aclTensor, lse_for_zloss_optional: *const aclTensor, reduction_optional: *mut c_char, ignore_index: i64, label_smoothing: f64, lse_square_scale_for_zloss: f64, out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnCrossEntropyLossGradGetWorkspaceSize`].
+        fn aclnnCrossEntropyLossGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = self − alpha · other (broadcast).
+        fn aclnnSubGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, alpha: *const aclScalar, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnSubGetWorkspaceSize`].
+        fn aclnnSub(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = self · other (a scalar).
+        fn aclnnMulsGetWorkspaceSize(self_: *const aclTensor, other: *const aclScalar, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMulsGetWorkspaceSize`].
+        fn aclnnMuls(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// self ·= other (a scalar).
+        fn aclnnInplaceMulsGetWorkspaceSize(self_ref: *mut aclTensor, other: *const aclScalar, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnInplaceMulsGetWorkspaceSize`].
+        fn aclnnInplaceMuls(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// The p-norm of each tensor of a list, each into a one-element tensor of its dtype.
+        fn aclnnForeachNormGetWorkspaceSize(x: *const aclTensorList, scalar: *const aclScalar, out: *const aclTensorList, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnForeachNormGetWorkspaceSize`].
+        fn aclnnForeachNorm(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

@@ -27,6 +27,10 @@ pub type aclrtMemMallocPolicy = c_int;
 pub type aclrtMemcpyKind = c_int;
 /// `enum aclCANNPackageName`.
 pub type aclCANNPackageName = c_int;
+/// `enum aclDataType`.
+pub type aclDataType = c_int;
+/// `enum aclFormat`.
+pub type aclFormat = c_int;
 
 /// `ACL_PKG_VERSION_MAX_SIZE`.
 pub const ACL_PKG_VERSION_MAX_SIZE: usize = 128;
@@ -87,6 +91,22 @@ cann_constants! {
     ACL_MEMCPY_DEVICE_TO_DEVICE: aclrtMemcpyKind = 3;
     /// The CANN package, for `aclsysGetCANNVersion`.
     ACL_PKG_NAME_CANN: aclCANNPackageName = 0;
+    /// fp32.
+    ACL_FLOAT: aclDataType = 0;
+    /// fp16.
+    ACL_FLOAT16: aclDataType = 1;
+    /// int32.
+    ACL_INT32: aclDataType = 3;
+    /// uint8.
+    ACL_UINT8: aclDataType = 4;
+    /// int64.
+    ACL_INT64: aclDataType = 9;
+    /// bool (one byte).
+    ACL_BOOL: aclDataType = 12;
+    /// bf16.
+    ACL_BF16: aclDataType = 27;
+    /// The plain row-major format every tensor mindkit makes uses.
+    ACL_FORMAT_ND: aclFormat = 2;
 }
 
 /// Declares a library's C functions as a `Functions` struct of function pointers, resolved
@@ -154,6 +174,8 @@ cann_functions! {
     fn aclrtFree(dev_ptr: *mut c_void) -> aclError;
     /// Copy synchronously (no implicit stream synchronisation).
     fn aclrtMemcpy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize, kind: aclrtMemcpyKind) -> aclError;
+    /// Set `count` bytes to `value` in stream order.
+    fn aclrtMemsetAsync(dev_ptr: *mut c_void, max_count: usize, value: i32, count: usize, stream: aclrtStream) -> aclError;
     /// Copy in stream order.
     fn aclrtMemcpyAsync(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize, kind: aclrtMemcpyKind, stream: aclrtStream) -> aclError;
 }
