@@ -2,37 +2,11 @@
 //! (`crates/cann-stand-in`, built here into its own target directory): two devices, the
 //! stand-in's counters, a library that lacks the runtime's functions, and no library at all.
 
+mod common;
+
 use assert_cmd::Command;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-/// The stand-in `libascendcl.so`, built once per test run.
-fn stand_in() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/stand-in");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let out = std::process::Command::new(cargo)
-            .args(["build", "--quiet", "-p", "cann-stand-in", "--target-dir"])
-            .arg(&target)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        target.join("debug/libascendcl.so")
-    })
-}
-
-/// A toolkit directory whose `lib64/libascendcl.so` is `library`.
-fn toolkit(dir: &Path, library: &Path) -> PathBuf {
-    std::fs::create_dir_all(dir.join("lib64")).unwrap();
-    std::fs::copy(library, dir.join("lib64/libascendcl.so")).unwrap();
-    dir.to_path_buf()
-}
+use common::{stand_in, toolkit};
+use std::path::Path;
 
 fn npu_info(toolkit: &Path) -> Command {
     let mut cmd = Command::cargo_bin("mindkit").unwrap();

@@ -124,3 +124,37 @@ pub fn cann_include() -> Option<Vec<PathBuf>> {
     );
     Some(dirs)
 }
+
+/// The stand-in `libascendcl.so`, built once per test run.
+pub fn stand_in() -> &'static Path {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/stand-in");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let out = std::process::Command::new(cargo)
+            .args(["build", "--quiet", "-p", "cann-stand-in", "--target-dir"])
+            .arg(&target)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        target.join("debug/libascendcl.so")
+    })
+}
+
+/// A toolkit directory whose `lib64/libascendcl.so` is `library`, with `libnnopbase.so` and
+/// `libopapi.so` linked to it (the stand-in exports all three libraries' functions; the
+/// dynamic loader maps the one file once, so they share its state).
+pub fn toolkit(dir: &Path, library: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir.join("lib64")).unwrap();
+    std::fs::copy(library, dir.join("lib64/libascendcl.so")).unwrap();
+    for alias in ["libnnopbase.so", "libopapi.so"] {
+        std::os::unix::fs::symlink("libascendcl.so", dir.join("lib64").join(alias)).unwrap();
+    }
+    dir.to_path_buf()
+}
+
