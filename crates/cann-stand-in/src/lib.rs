@@ -453,3 +453,34 @@ pub extern "C" fn aclrtMemcpyAsync(
         rt.copy(dst, dest_max, src, count, kind, true)
     })
 }
+
+#[no_mangle]
+pub extern "C" fn aclrtMemsetAsync(
+    dev_ptr: *mut c_void,
+    max_count: usize,
+    value: i32,
+    count: usize,
+    stream: aclrtStream,
+) -> aclError {
+    with_device("aclrtMemsetAsync", |rt| {
+        if !rt.streams.contains(&(stream as usize)) {
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtMemsetAsync: {stream:?} is not a live stream"),
+            );
+        }
+        if count > max_count {
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!("aclrtMemsetAsync: count {count} exceeds maxCount {max_count}"),
+            );
+        }
+        match rt.region(dev_ptr as usize, count, "aclrtMemsetAsync destination") {
+            Ok(a) => a.written_async = true,
+            Err(code) => return code,
+        }
+        // SAFETY: the range was checked to lie inside a live allocation.
+        unsafe { std::ptr::write_bytes(dev_ptr as *mut u8, value as u8, count) };
+        ACL_SUCCESS
+    })
+}
