@@ -52,6 +52,17 @@ enum Command {
     /// Ascend NPUs: what CANN's runtime reports.
     #[command(subcommand)]
     Npu(NpuCommand),
+    /// Check every operator of a device's backend against the CPU backend (random inputs,
+    /// each dtype, forward and backward): the first command to run on a new machine.
+    Selftest {
+        /// The device to check: npu (against the CPU backend), or cpu (its backward
+        /// operators against finite differences of its forward ones).
+        #[arg(long, default_value = "npu")]
+        device: mindkit::engine::DeviceKind,
+        /// Which NPU (as `npu info` numbers them).
+        #[arg(long, default_value_t = 0)]
+        npu_id: i32,
+    },
     /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
     /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
     #[command(disable_help_flag = true)]
@@ -589,6 +600,13 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
         Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
+        Command::Selftest { device, npu_id } => {
+            let (text, passed) = mindkit::npu::selftest(device, npu_id)?;
+            print!("{text}");
+            if !passed {
+                std::process::exit(1);
+            }
+        }
         Command::Ckpt(CkptCommand::Info { path, keys, family }) => {
             let family = family.as_deref().map(family::by_name).transpose()?;
             print!("{}", info::info(&path, family, keys)?)

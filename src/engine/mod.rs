@@ -14,6 +14,7 @@
 //! cross-entropy log-sum-exp) and gradients of the optimizer's parameters are f32.
 
 pub mod cpu;
+pub mod selftest;
 
 use crate::tensor::host::Tensor as HostTensor;
 use crate::tensor::DType;
@@ -94,6 +95,24 @@ pub(crate) fn ensure(cond: bool, op: &'static str, msg: impl FnOnce() -> String)
     } else {
         Err(EngineError::Invalid { op, msg: msg() })
     }
+}
+
+/// `Invalid` unless every segment lies inside `0..rows`, in order, without gaps.
+pub(crate) fn check_segments(
+    op: &'static str,
+    segments: &[Range<usize>],
+    rows: usize,
+) -> Result<()> {
+    let mut at = 0;
+    for s in segments {
+        ensure(s.start == at && s.end > s.start, op, || {
+            format!("segment {s:?} does not continue at row {at}")
+        })?;
+        at = s.end;
+    }
+    ensure(at == rows, op, || {
+        format!("segments cover {at} rows of {rows}")
+    })
 }
 
 /// One sequence's rows in a ragged batch: the KV-cache slot it owns, how many positions that

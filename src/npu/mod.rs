@@ -1,5 +1,16 @@
-//! Ascend NPUs through CANN, loaded at run time (`ascendcl-sys`). Today: `mindkit npu info`;
-//! the aclnn backend of the engine comes next (until then `--device npu` is refused).
+//! Ascend NPUs through CANN, loaded at run time (`ascendcl-sys`): `mindkit npu info`, and the
+//! engine's backend on aclnn operators ([`Npu`]): a device context with one stream and a
+//! caching memory pool (`context.rs`, `memory.rs`), aclnn descriptors (`descriptor.rs`), the
+//! operators (`backend.rs`).
+
+mod backend;
+mod context;
+mod descriptor;
+mod memory;
+
+pub use backend::{Npu, NpuTensor};
+
+use crate::engine::{selftest, Device, DeviceKind};
 
 use ascendcl_sys::{
     aclError, Acl, ACL_ERROR_REPEAT_INITIALIZE, ACL_HBM_MEM, ACL_PKG_NAME_CANN, ACL_SUCCESS,
@@ -68,7 +79,7 @@ impl Drop for Runtime {
 ///
 /// # Safety
 /// `s` is null or points to a NUL-terminated string alive for the call.
-unsafe fn c_string(s: *const c_char) -> String {
+pub(crate) unsafe fn c_string(s: *const c_char) -> String {
     if s.is_null() {
         return String::new();
     }
@@ -122,4 +133,25 @@ pub fn info() -> Result<String, NpuError> {
         );
     }
     Ok(out)
+}
+
+/// `mindkit selftest`: the report and whether every check passed. On `npu`, every operator of
+/// the NPU backend against the CPU backend; on `cpu`, the CPU backend's backward operators
+/// against finite differences ([`crate::engine::selftest`]).
+pub fn selftest(device: DeviceKind, npu_id: i32) -> anyhow::Result<(String, bool)> {
+    let (title, name, checks) = match device {
+        DeviceKind::Npu => {
+            let npu = Npu::open(npu_id)?;
+            let checks = selftest::run(&npu)?;
+            let name = npu.describe();
+            (format!("{name} against the cpu backend"), name, checks)
+        }
+        DeviceKind::Cpu => (
+            "cpu: backward operators against finite differences of the forward ones".into(),
+            "cpu".into(),
+            selftest::gradients()?,
+        ),
+    };
+    let passed = checks.iter().all(selftest::Check::passed);
+    Ok((selftest::report(&title, &name, &checks), passed))
 }

@@ -15,8 +15,8 @@ mod swiglu;
 mod testing;
 
 use super::{
-    ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
-    Segment,
+    check_segments, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor,
+    Op, Result, Segment,
 };
 use crate::tensor::host::{decode_f32, encode_f32};
 use crate::tensor::panel::{PanelType, Panels};
@@ -212,20 +212,6 @@ impl Cpu {
 fn expect_shape(op: &'static str, what: &str, t: &CpuTensor, shape: &[usize]) -> Result<()> {
     ensure(t.shape == shape, op, || {
         format!("{what} is {:?}, expected {shape:?}", t.shape)
-    })
-}
-
-/// `Invalid` unless every segment lies inside `0..rows`, in order, without gaps.
-fn check_segments(op: &'static str, segments: &[Range<usize>], rows: usize) -> Result<()> {
-    let mut at = 0;
-    for s in segments {
-        ensure(s.start == at && s.end > s.start, op, || {
-            format!("segment {s:?} does not continue at row {at}")
-        })?;
-        at = s.end;
-    }
-    ensure(at == rows, op, || {
-        format!("segments cover {at} rows of {rows}")
     })
 }
 

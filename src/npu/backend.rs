@@ -1,0 +1,1221 @@
+//! The engine's [`Device`] and [`Backend`] on an Ascend NPU: every operator is one or a few
+//! aclnn operators queued on the device's one stream (see each method's doc in
+//! [`crate::engine::Backend`] for its aclnn pair), tensors live in pooled device memory, and
+//! the host waits for the device only when it reads a value.
+//!
+//! Where the trait's contract and an aclnn operator differ, the difference is bridged on the
+//! device: a dtype the operator does not take is cast (aclnnCast), a half-width RoPE table is
+//! widened to the operator's full width, the cross entropy's log-sum-exp is recovered from
+//! its log-probabilities (`lse = logit − log p` of any column). The attention's saved
+//! statistics are flash attention's own (softmax max and sum, `[2, n, heads, 8]` f32), which
+//! only its backward reads.
+
+use super::context::{Block, Context, Launch};
+use super::descriptor::{acl_dtype, View};
+use super::NpuError;
+use crate::engine::{
+    check_segments, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result,
+    Segment,
+};
+use crate::tensor::host::{decode_f32, Tensor as HostTensor};
+use crate::tensor::DType;
+use ascendcl_sys::aclnn::{aclOpExecutor, aclnnStatus};
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+impl From<NpuError> for EngineError {
+    fn from(e: NpuError) -> Self {
+        EngineError::Device(e.to_string())
+    }
+}
+
+/// Flash attention's compressed causal mask is this square (sparse mode 3, CANN's
+/// `sparse_mode` documentation; MindSpeed's `generate_mask.py` builds the same).
+const CAUSAL_MASK: usize = 2048;
+/// Lanes of flash attention's softmax statistics per row and head.
+const STAT_LANES: usize = 8;
+/// Flash attention's right-down causal sparse mode.
+const RIGHT_DOWN_CAUSAL: i64 = 3;
+/// Cross entropy's ignore index (torch's default; no label equals it).
+const IGNORE_INDEX: i64 = -100;
+
+/// A tensor in device memory (row-major, contiguous).
+pub struct NpuTensor {
+    block: Block,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl NpuTensor {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    fn cols(&self) -> usize {
+        self.shape[1..].iter().product()
+    }
+
+    /// The whole tensor.
+    fn view(&self) -> View {
+        View::new(self.block.ptr, self.dtype, &self.shape)
+    }
+
+    /// The whole tensor as `[rows, cols]`.
+    fn matrix(&self) -> View {
+        self.view().reshaped(&[self.rows(), self.cols()], 0)
+    }
+}
+
+/// One Ascend NPU (one stream).
+pub struct Npu {
+    ctx: Arc<Context>,
+    soc: String,
+    causal_mask: OnceLock<NpuTensor>,
+}
+
+/// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
+macro_rules! aclnn {
+    ($npu:expr, $prepare:ident, $launch:ident, $($arg:expr),* $(,)?) => {{
+        let op = $npu.ctx.op;
+        $npu.run(
+            stringify!($launch),
+            |ws, ex| {
+                // SAFETY: every descriptor passed outlives the launch (the caller drops them
+                // after this statement); ws and ex are valid out-pointers.
+                unsafe { (op.$prepare)($($arg,)* ws, ex) }
+            },
+            op.$launch,
+        )
+    }};
+}
+
+/// A NUL-terminated string for an operator's `char *` parameter.
+fn c_text<const N: usize>(s: &[u8; N]) -> [u8; N] {
+    debug_assert_eq!(s[N - 1], 0);
+    *s
+}
+
+impl Npu {
+    /// Open device `id` (CANN is loaded from its usual places, `ascendcl_sys::candidates`).
+    pub fn open(id: i32) -> std::result::Result<Npu, NpuError> {
+        let ctx = Context::open(id)?;
+        // SAFETY: the runtime's own NUL-terminated string.
+        let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
+        Ok(Npu {
+            ctx,
+            soc,
+            causal_mask: OnceLock::new(),
+        })
+    }
+
+    /// Device memory handed out, cached, and the peak handed out, in bytes.
+    pub fn memory(&self) -> (usize, usize, usize) {
+        self.ctx.memory()
+    }
+
+    fn run(
+        &self,
+        name: &'static str,
+        prepare: impl FnOnce(*mut u64, *mut *mut aclOpExecutor) -> aclnnStatus,
+        launch: Launch,
+    ) -> Result<()> {
+        Ok(self.ctx.run(name, prepare, launch)?)
+    }
+
+    /// An uninitialised tensor.
+    fn empty(&self, shape: &[usize], dtype: DType) -> Result<NpuTensor> {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        Ok(NpuTensor {
+            block: self.ctx.alloc(bytes)?,
+            shape: shape.to_vec(),
+            dtype,
+        })
+    }
+
+    /// A tensor of `bytes` queued for upload.
+    fn upload_bytes(&self, shape: &[usize], dtype: DType, bytes: Vec<u8>) -> Result<NpuTensor> {
+        let t = self.empty(shape, dtype)?;
+        self.ctx.upload(t.block.ptr, bytes)?;
+        Ok(t)
+    }
+
+    /// Indices as an int64 tensor.
+    fn indices(&self, ids: impl ExactSizeIterator<Item = i64>) -> Result<NpuTensor> {
+        let n = ids.len();
+        let bytes = ids.flat_map(i64::to_le_bytes).collect();
+        self.upload_bytes(&[n], DType::I64, bytes)
+    }
+
+    /// `x` in `dtype`: itself, or a cast copy.
+    fn as_dtype<'a>(&self, x: &'a NpuTensor, dtype: DType) -> Result<InDtype<'a>> {
+        if x.dtype == dtype {
+            Ok(InDtype::Same(x))
+        } else {
+            Ok(InDtype::Cast(self.cast(x, dtype)?))
+        }
+    }
+
+    /// `x` converted to `dtype` (itself when it has it).
+    fn converted(&self, x: NpuTensor, dtype: DType) -> Result<NpuTensor> {
+        if x.dtype == dtype {
+            Ok(x)
+        } else {
+            self.cast(&x, dtype)
+        }
+    }
+
+    /// `dst = src` through views (aclnnInplaceCopy; converts dtypes).
+    fn copy_view(&self, dst: &View, src: &View) -> Result<()> {
+        let (d, s) = (self.ctx.tensor(dst)?, self.ctx.tensor(src)?);
+        aclnn!(
+            self,
+            aclnnInplaceCopyGetWorkspaceSize,
+            aclnnInplaceCopy,
+            d.raw,
+            s.raw
+        )
+    }
+
+    /// `x += y` through views, `y` broadcast to `x` (aclnnInplaceAdd).
+    fn add_view(&self, x: &View, y: &View) -> Result<()> {
+        let (a, b, one) = (
+            self.ctx.tensor(x)?,
+            self.ctx.tensor(y)?,
+            self.ctx.scalar(1.0)?,
+        );
+        aclnn!(
+            self,
+            aclnnInplaceAddGetWorkspaceSize,
+            aclnnInplaceAdd,
+            a.raw,
+            b.raw,
+            one.raw
+        )
+    }
+
+    /// `out = x − y` through views, `y` broadcast to `x` (aclnnSub).
+    fn sub_view(&self, x: &View, y: &View, out: &View) -> Result<()> {
+        let (a, b) = (self.ctx.tensor(x)?, self.ctx.tensor(y)?);
+        let (o, one) = (self.ctx.tensor(out)?, self.ctx.scalar(1.0)?);
+        aclnn!(
+            self,
+            aclnnSubGetWorkspaceSize,
+            aclnnSub,
+            a.raw,
+            b.raw,
+            one.raw,
+            o.raw
+        )
+    }
+
+    /// `out = a · b` for views `a [.., n, k]`, `b [.., k, m]` (aclnnMatmul, dtype kept).
+    fn matmul_view(&self, a: &View, b: &View, out: &View) -> Result<()> {
+        let (x, w, o) = (
+            self.ctx.tensor(a)?,
+            self.ctx.tensor(b)?,
+            self.ctx.tensor(out)?,
+        );
+        aclnn!(
+            self,
+            aclnnMatmulGetWorkspaceSize,
+            aclnnMatmul,
+            x.raw,
+            w.raw,
+            o.raw,
+            0
+        )
+    }
+
+    /// The compressed causal mask flash attention takes in sparse mode 3 (1 = masked).
+    fn causal_mask(&self) -> Result<&NpuTensor> {
+        if let Some(mask) = self.causal_mask.get() {
+            return Ok(mask);
+        }
+        let bytes = (0..CAUSAL_MASK * CAUSAL_MASK)
+            .map(|i| u8::from(i % CAUSAL_MASK > i / CAUSAL_MASK))
+            .collect();
+        let mask = self.upload_bytes(&[CAUSAL_MASK, CAUSAL_MASK], DType::U8, bytes)?;
+        Ok(self.causal_mask.get_or_init(|| mask))
+    }
+
+    /// Causal flash attention over packed sequences (TND): query rows `q [tq, heads, d]`
+    /// against `k`, `v [tk, groups, d]`, sequence boundaries as cumulative lengths; writes
+    /// `out` and the softmax statistics `stats [2, tq, heads, 8]`.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention(
+        &self,
+        (q, k, v): (&View, &View, &View),
+        (cum_q, cum_kv): (&[i64], &[i64]),
+        s: AttentionShape,
+        stats: &NpuTensor,
+        out: &View,
+    ) -> Result<()> {
+        let c = &self.ctx;
+        let rows = stats.shape[1];
+        let per = rows * s.heads * STAT_LANES;
+        let stat = |i: usize| stats.view().reshaped(&[rows, s.heads, STAT_LANES], i * per);
+        let (qd, kd, vd) = (c.tensor(q)?, c.tensor(k)?, c.tensor(v)?);
+        let mask = c.tensor(&self.causal_mask()?.view())?;
+        let (sq, skv) = (c.int_array(cum_q)?, c.int_array(cum_kv)?);
+        let (max, sum, o) = (c.tensor(&stat(0))?, c.tensor(&stat(1))?, c.tensor(out)?);
+        let unused = c.tensor(&stats.view().reshaped(&[0], 0))?;
+        let mut layout = c_text(b"TND\0");
+        let null = std::ptr::null();
+        aclnn!(
+            self,
+            aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
+            aclnnFlashAttentionVarLenScore,
+            qd.raw,
+            kd.raw,
+            vd.raw,
+            null,
+            null,
+            null,
+            mask.raw,
+            std::ptr::null(),
+            sq.raw,
+            skv.raw,
+            f64::from(s.scale),
+            1.0,
+            65536,
+            0,
+            s.heads as i64,
+            layout.as_mut_ptr().cast(),
+            0,
+            RIGHT_DOWN_CAUSAL,
+            max.raw,
+            sum.raw,
+            unused.raw,
+            o.raw,
+        )
+    }
+
+    /// Cumulative row counts of `segments` (flash attention's actual sequence lengths).
+    fn cumulative(segments: &[Range<usize>]) -> Vec<i64> {
+        segments.iter().map(|r| r.end as i64).collect()
+    }
+}
+
+/// `Invalid` unless `t` has `shape`.
+fn expect_shape(op: &'static str, what: &str, t: &NpuTensor, shape: &[usize]) -> Result<()> {
+    ensure(t.shape == shape, op, || {
+        format!("{what} is {:?}, expected {shape:?}", t.shape)
+    })
+}
+
+impl Device for Npu {
+    type Tensor = NpuTensor;
+
+    fn describe(&self) -> String {
+        format!("npu {} ({})", self.ctx.device, self.soc)
+    }
+
+    fn supports(&self, op: Op, dtype: DType) -> bool {
+        let float = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+        match op {
+            // Updated in place as f32, as on the CPU: gradients, main parameters, moments.
+            Op::AdamW | Op::EmbeddingBwd => dtype == DType::F32,
+            _ => float,
+        }
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<NpuTensor> {
+        if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(EngineError::Unsupported {
+                op: "upload",
+                dtype: t.dtype,
+                device: self.describe(),
+            });
+        }
+        self.upload_bytes(&t.shape, t.dtype, t.data.clone())
+    }
+
+    fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Result<NpuTensor> {
+        ensure(
+            values.len() == shape.iter().product::<usize>(),
+            "upload_f32",
+            || format!("{} values for {shape:?}", values.len()),
+        )?;
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.upload_bytes(shape, DType::F32, bytes)
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<NpuTensor> {
+        let t = self.empty(shape, dtype)?;
+        self.ctx.zero(t.block.ptr, t.numel() * dtype.size())?;
+        Ok(t)
+    }
+
+    fn download_f32(&self, t: &NpuTensor) -> Result<Vec<f32>> {
+        let bytes = self.ctx.download(t.block.ptr, t.numel() * t.dtype.size())?;
+        let mut out = vec![0f32; t.numel()];
+        decode_f32(&bytes, t.dtype, &mut out).map_err(|e| EngineError::Invalid {
+            op: "download_f32",
+            msg: e.to_string(),
+        })?;
+        Ok(out)
+    }
+
+    fn download(&self, t: &NpuTensor) -> Result<HostTensor> {
+        let bytes = self.ctx.download(t.block.ptr, t.numel() * t.dtype.size())?;
+        Ok(HostTensor::new(t.dtype, t.shape.clone(), bytes))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(self.ctx.synchronize()?)
+    }
+
+    fn shape<'a>(&self, t: &'a NpuTensor) -> &'a [usize] {
+        &t.shape
+    }
+
+    fn dtype(&self, t: &NpuTensor) -> DType {
+        t.dtype
+    }
+}
+
+impl Backend for Npu {
+    fn embedding(&self, table: &NpuTensor, ids: &[u32]) -> Result<NpuTensor> {
+        let (v, h) = (table.rows(), table.cols());
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
+            return Err(EngineError::Invalid {
+                op: "embedding",
+                msg: format!("token id {bad} outside the table's {v} rows"),
+            });
+        }
+        let index = self.indices(ids.iter().map(|&i| i64::from(i)))?;
+        let out = self.empty(&[ids.len(), h], table.dtype)?;
+        {
+            let c = &self.ctx;
+            let (w, i, o) = (
+                c.tensor(&table.matrix())?,
+                c.tensor(&index.view())?,
+                c.tensor(&out.view())?,
+            );
+            aclnn!(
+                self,
+                aclnnEmbeddingGetWorkspaceSize,
+                aclnnEmbedding,
+                w.raw,
+                i.raw,
+                o.raw
+            )?;
+        }
+        self.converted(out, DType::F32)
+    }
+
+    fn embedding_bwd(&self, dy: &NpuTensor, ids: &[u32], dtable: &mut NpuTensor) -> Result<()> {
+        let (v, h) = (dtable.rows(), dtable.cols());
+        expect_shape("embedding_bwd", "dy", dy, &[ids.len(), h])?;
+        ensure(
+            ids.iter().all(|&id| (id as usize) < v),
+            "embedding_bwd",
+            || "token id outside the table".into(),
+        )?;
+        let index = self.indices(ids.iter().map(|&i| i64::from(i)))?;
+        let grad = self.empty(&[v, h], dy.dtype)?;
+        {
+            let c = &self.ctx;
+            let (g, i, o) = (
+                c.tensor(&dy.matrix())?,
+                c.tensor(&index.view())?,
+                c.tensor(&grad.view())?,
+            );
+            aclnn!(
+                self,
+                aclnnEmbeddingDenseBackwardGetWorkspaceSize,
+                aclnnEmbeddingDenseBackward,
+                g.raw,
+                i.raw,
+                v as u64,
+                u64::MAX,
+                false,
+                o.raw,
+            )?;
+        }
+        self.add_view(&dtable.matrix(), &grad.view())
+    }
+
+    fn select_rows(&self, x: &NpuTensor, rows: &[usize]) -> Result<NpuTensor> {
+        ensure(rows.iter().all(|&r| r < x.rows()), "select_rows", || {
+            format!("rows {rows:?} of {}", x.rows())
+        })?;
+        let index = self.indices(rows.iter().map(|&r| r as i64))?;
+        let out = self.empty(&[rows.len(), x.cols()], x.dtype)?;
+        let c = &self.ctx;
+        let (s, i, o) = (
+            c.tensor(&x.matrix())?,
+            c.tensor(&index.view())?,
+            c.tensor(&out.view())?,
+        );
+        aclnn!(
+            self,
+            aclnnIndexSelectGetWorkspaceSize,
+            aclnnIndexSelect,
+            s.raw,
+            0,
+            i.raw,
+            o.raw
+        )?;
+        drop((s, i, o));
+        Ok(out)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &NpuTensor,
+        gamma: &NpuTensor,
+        eps: f64,
+    ) -> Result<(NpuTensor, NpuTensor)> {
+        let (n, h) = (x.rows(), x.cols());
+        ensure(gamma.numel() == h, "rms_norm", || {
+            format!("γ of {} for rows of {h}", gamma.numel())
+        })?;
+        let (y, rstd) = (
+            self.empty(&x.shape, x.dtype)?,
+            self.empty(&[n], DType::F32)?,
+        );
+        {
+            let c = &self.ctx;
+            let (xd, g) = (
+                c.tensor(&x.matrix())?,
+                c.tensor(&gamma.view().reshaped(&[h], 0))?,
+            );
+            let (yd, r) = (c.tensor(&y.matrix())?, c.tensor(&rstd.view())?);
+            aclnn!(
+                self,
+                aclnnRmsNormGetWorkspaceSize,
+                aclnnRmsNorm,
+                xd.raw,
+                g.raw,
+                eps,
+                yd.raw,
+                r.raw
+            )?;
+        }
+        Ok((y, rstd))
+    }
+
+    fn rms_norm_bwd(
+        &self,
+        dy: &NpuTensor,
+        x: &NpuTensor,
+        gamma: &NpuTensor,
+        rstd: &NpuTensor,
+        dgamma: Option<&mut NpuTensor>,
+    ) -> Result<NpuTensor> {
+        let (n, h) = (x.rows(), x.cols());
+        expect_shape("rms_norm_bwd", "dy", dy, &x.shape)?;
+        expect_shape("rms_norm_bwd", "rstd", rstd, &[n])?;
+        ensure(
+            gamma.numel() == h && dgamma.as_ref().is_none_or(|d| d.numel() == h),
+            "rms_norm_bwd",
+            || "γ / dγ length".into(),
+        )?;
+        let (dx, dg) = (
+            self.empty(&x.shape, dy.dtype)?,
+            self.empty(&[h], DType::F32)?,
+        );
+        {
+            let c = &self.ctx;
+            let (dyd, xd, r) = (
+                c.tensor(&dy.matrix())?,
+                c.tensor(&x.matrix())?,
+                c.tensor(&rstd.view())?,
+            );
+            let g = c.tensor(&gamma.view().reshaped(&[h], 0))?;
+            let (dxd, dgd) = (c.tensor(&dx.matrix())?, c.tensor(&dg.view())?);
+            aclnn!(
+                self,
+                aclnnRmsNormGradGetWorkspaceSize,
+                aclnnRmsNormGrad,
+                dyd.raw,
+                xd.raw,
+                r.raw,
+                g.raw,
+                dxd.raw,
+                dgd.raw,
+            )?;
+        }
+        if let Some(d) = dgamma {
+            self.add_view(&d.view().reshaped(&[h], 0), &dg.view())?;
+        }
+        Ok(dx)
+    }
+
+    fn matmul(&self, x: &NpuTensor, w: &NpuTensor, bias: Option<&NpuTensor>) -> Result<NpuTensor> {
+        let (n, k, m) = (x.rows(), x.cols(), w.rows());
+        ensure(w.cols() == k, "matmul", || {
+            format!("[{n}, {k}] by {:?}ᵀ", w.shape)
+        })?;
+        let xw = self.as_dtype(x, w.dtype)?;
+        let out = self.empty(&[n, m], w.dtype)?;
+        // wᵀ as a view: [k, m] with strides [1, k]
+        let wt = w.view().strided(&[k, m], &[1, k as i64], 0);
+        self.matmul_view(&xw.matrix(), &wt, &out.view())?;
+        if let Some(b) = bias {
+            ensure(b.numel() == m, "matmul", || {
+                format!("bias of {} for {m} outputs", b.numel())
+            })?;
+            self.add_view(&out.view(), &b.view().reshaped(&[m], 0))?;
+        }
+        self.converted(out, x.dtype)
+    }
+
+    fn matmul_bwd(
+        &self,
+        dy: &NpuTensor,
+        x: &NpuTensor,
+        w: &NpuTensor,
+        dw: Option<&mut NpuTensor>,
+        dbias: Option<&mut NpuTensor>,
+    ) -> Result<NpuTensor> {
+        let (n, k, m) = (x.rows(), x.cols(), w.rows());
+        expect_shape("matmul_bwd", "dy", dy, &[n, m])?;
+        let dx = self.empty(&x.shape, dy.dtype)?;
+        let wd = self.as_dtype(w, dy.dtype)?;
+        self.matmul_view(&dy.view(), &wd.matrix(), &dx.matrix())?;
+        if let Some(dw) = dw {
+            expect_shape("matmul_bwd", "dw", dw, &[m, k])?;
+            let xd = self.as_dtype(x, dy.dtype)?;
+            let product = self.empty(&[m, k], dy.dtype)?;
+            // dyᵀ as a view: [m, n] with strides [1, m]
+            let dyt = dy.view().strided(&[m, n], &[1, m as i64], 0);
+            self.matmul_view(&dyt, &xd.matrix(), &product.view())?;
+            self.add_view(&dw.view(), &product.view())?;
+        }
+        if let Some(db) = dbias {
+            ensure(db.numel() == m, "matmul_bwd", || "dbias length".into())?;
+            let sum = self.empty(&[m], DType::F32)?;
+            {
+                let c = &self.ctx;
+                let (s, dims, o) = (
+                    c.tensor(&dy.view())?,
+                    c.int_array(&[0])?,
+                    c.tensor(&sum.view())?,
+                );
+                let f32_code = acl_dtype(DType::F32);
+                aclnn!(
+                    self,
+                    aclnnReduceSumGetWorkspaceSize,
+                    aclnnReduceSum,
+                    s.raw,
+                    dims.raw,
+                    false,
+                    f32_code,
+                    o.raw,
+                )?;
+            }
+            self.add_view(&db.view().reshaped(&[m], 0), &sum.view())?;
+        }
+        Ok(dx)
+    }
+
+    fn split_qkv(
+        &self,
+        qkv: &NpuTensor,
+        s: AttentionShape,
+    ) -> Result<(NpuTensor, NpuTensor, NpuTensor)> {
+        let (n, d, g) = (qkv.rows(), s.head_dim, s.groups);
+        let per_group = s.heads / g;
+        let width = g * (per_group + 2) * d;
+        ensure(qkv.cols() == width, "split_qkv", || {
+            format!("{:?} for {s:?}", qkv.shape)
+        })?;
+        let strides = [width as i64, ((per_group + 2) * d) as i64, 1];
+        let part = |cols: usize, at: usize| -> Result<NpuTensor> {
+            let t = self.empty(&[n, g * cols], qkv.dtype)?;
+            let src = qkv.view().strided(&[n, g, cols], &strides, at);
+            self.copy_view(&t.view().reshaped(&[n, g, cols], 0), &src)?;
+            Ok(t)
+        };
+        Ok((
+            part(per_group * d, 0)?,
+            part(d, per_group * d)?,
+            part(d, (per_group + 1) * d)?,
+        ))
+    }
+
+    fn merge_qkv(
+        &self,
+        dq: &NpuTensor,
+        dk: &NpuTensor,
+        dv: &NpuTensor,
+        s: AttentionShape,
+    ) -> Result<NpuTensor> {
+        let (n, d, g) = (dq.rows(), s.head_dim, s.groups);
+        let per_group = s.heads / g;
+        expect_shape("merge_qkv", "dq", dq, &[n, s.heads * d])?;
+        expect_shape("merge_qkv", "dk", dk, &[n, g * d])?;
+        expect_shape("merge_qkv", "dv", dv, &[n, g * d])?;
+        let width = g * (per_group + 2) * d;
+        let out = self.empty(&[n, width], dq.dtype)?;
+        let strides = [width as i64, ((per_group + 2) * d) as i64, 1];
+        for (part, cols, at) in [
+            (dq, per_group * d, 0),
+            (dk, d, per_group * d),
+            (dv, d, (per_group + 1) * d),
+        ] {
+            let dst = out.view().strided(&[n, g, cols], &strides, at);
+            self.copy_view(&dst, &part.view().reshaped(&[n, g, cols], 0))?;
+        }
+        Ok(out)
+    }
+
+    fn rope(
+        &self,
+        x: &mut NpuTensor,
+        cos: &NpuTensor,
+        sin: &NpuTensor,
+        inverse: bool,
+    ) -> Result<()> {
+        let (n, width, half) = (x.rows(), x.cols(), cos.cols());
+        ensure(
+            cos.shape == sin.shape && cos.rows() == n && half > 0 && width.is_multiple_of(2 * half),
+            "rope",
+            || format!("x {:?} with cos/sin {:?}", x.shape, cos.shape),
+        )?;
+        let d = 2 * half;
+        // The operator takes the full-width table of rotate_half: [cos | cos], [sin | sin].
+        let full = |t: &NpuTensor| -> Result<NpuTensor> {
+            let f = self.empty(&[n, d], x.dtype)?;
+            for at in [0, half] {
+                let dst = f.view().strided(&[n, half], &[d as i64, 1], at);
+                self.copy_view(&dst, &t.view())?;
+            }
+            Ok(f)
+        };
+        let (c, mut s) = (full(cos)?, full(sin)?);
+        if inverse {
+            self.scale(&mut s, -1.0)?;
+        }
+        let out = self.empty(&x.shape, x.dtype)?;
+        {
+            let table = [1, n, 1, d];
+            let rows = [1, n, width / d, d];
+            let ctx = &self.ctx;
+            let (xd, cd) = (
+                ctx.tensor(&x.view().reshaped(&rows, 0))?,
+                ctx.tensor(&c.view().reshaped(&table, 0))?,
+            );
+            let (sd, od) = (
+                ctx.tensor(&s.view().reshaped(&table, 0))?,
+                ctx.tensor(&out.view().reshaped(&rows, 0))?,
+            );
+            aclnn!(
+                self,
+                aclnnRotaryPositionEmbeddingGetWorkspaceSize,
+                aclnnRotaryPositionEmbedding,
+                xd.raw,
+                cd.raw,
+                sd.raw,
+                0,
+                od.raw,
+            )?;
+        }
+        *x = out;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &NpuTensor,
+        k: &NpuTensor,
+        v: &NpuTensor,
+        segments: &[Range<usize>],
+        s: AttentionShape,
+    ) -> Result<(NpuTensor, NpuTensor)> {
+        let n = q.rows();
+        expect_shape("attention", "q", q, &[n, s.heads * s.head_dim])?;
+        expect_shape("attention", "k", k, &[n, s.groups * s.head_dim])?;
+        expect_shape("attention", "v", v, &[n, s.groups * s.head_dim])?;
+        check_segments("attention", segments, n)?;
+        let cum = Self::cumulative(segments);
+        let o = self.empty(&q.shape, q.dtype)?;
+        let stats = self.empty(&[2, n, s.heads, STAT_LANES], DType::F32)?;
+        let (qv, kv, vv) = heads_views(q, k, v, s);
+        let out = o.view().reshaped(&[n, s.heads, s.head_dim], 0);
+        self.flash_attention((&qv, &kv, &vv), (&cum, &cum), s, &stats, &out)?;
+        Ok((o, stats))
+    }
+
+    fn attention_bwd(
+        &self,
+        d_o: &NpuTensor,
+        q: &NpuTensor,
+        k: &NpuTensor,
+        v: &NpuTensor,
+        o: &NpuTensor,
+        stats: &NpuTensor,
+        segments: &[Range<usize>],
+        s: AttentionShape,
+    ) -> Result<(NpuTensor, NpuTensor, NpuTensor)> {
+        let n = q.rows();
+        for (what, t) in [("dO", d_o), ("o", o)] {
+            expect_shape("attention_bwd", what, t, &q.shape)?;
+        }
+        expect_shape(
+            "attention_bwd",
+            "softmax statistics",
+            stats,
+            &[2, n, s.heads, STAT_LANES],
+        )?;
+        check_segments("attention_bwd", segments, n)?;
+        let cum = Self::cumulative(segments);
+        let (dq, dk, dv) = (
+            self.empty(&q.shape, d_o.dtype)?,
+            self.empty(&k.shape, d_o.dtype)?,
+            self.empty(&v.shape, d_o.dtype)?,
+        );
+        {
+            let c = &self.ctx;
+            let (qv, kv, vv) = heads_views(q, k, v, s);
+            let (dqv, dkv, dvv) = heads_views(&dq, &dk, &dv, s);
+            let per = n * s.heads * STAT_LANES;
+            let stat = |i: usize| stats.view().reshaped(&[n, s.heads, STAT_LANES], i * per);
+            let rows = [n, s.heads, s.head_dim];
+            let (qd, kd, vd) = (c.tensor(&qv)?, c.tensor(&kv)?, c.tensor(&vv)?);
+            let (dyd, od) = (
+                c.tensor(&d_o.view().reshaped(&rows, 0))?,
+                c.tensor(&o.view().reshaped(&rows, 0))?,
+            );
+            let (max, sum) = (c.tensor(&stat(0))?, c.tensor(&stat(1))?);
+            let mask = c.tensor(&self.causal_mask()?.view())?;
+            let (sq, skv) = (c.int_array(&cum)?, c.int_array(&cum)?);
+            let (dqd, dkd, dvd) = (c.tensor(&dqv)?, c.tensor(&dkv)?, c.tensor(&dvv)?);
+            let unused = || c.tensor(&stats.view().reshaped(&[0], 0));
+            let (softmax_in, dpse) = (unused()?, unused()?);
+            let mut layout = c_text(b"TND\0");
+            let null = std::ptr::null();
+            aclnn!(
+                self,
+                aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
+                aclnnFlashAttentionUnpaddingScoreGrad,
+                qd.raw,
+                kd.raw,
+                vd.raw,
+                dyd.raw,
+                null,
+                null,
+                null,
+                mask.raw,
+                max.raw,
+                sum.raw,
+                softmax_in.raw,
+                od.raw,
+                std::ptr::null(),
+                sq.raw,
+                skv.raw,
+                f64::from(s.scale),
+                1.0,
+                65536,
+                0,
+                s.heads as i64,
+                layout.as_mut_ptr().cast(),
+                0,
+                RIGHT_DOWN_CAUSAL,
+                dqd.raw,
+                dkd.raw,
+                dvd.raw,
+                dpse.raw,
+            )?;
+        }
+        Ok((dq, dk, dv))
+    }
+
+    fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> Result<NpuTensor> {
+        self.zeros(&[slots, capacity, width], DType::F32)
+    }
+
+    fn kv_store(&self, cache: &mut NpuTensor, x: &NpuTensor, segments: &[Segment]) -> Result<()> {
+        let (slots, capacity, width) = (cache.shape[0], cache.shape[1], cache.shape[2]);
+        ensure(
+            x.numel() == segments.iter().map(|s| s.len).sum::<usize>() * width,
+            "kv_store",
+            || "rows and segments disagree".into(),
+        )?;
+        let mut r = 0;
+        for s in segments {
+            ensure(
+                s.slot < slots && s.past + s.len <= capacity,
+                "kv_store",
+                || format!("segment {s:?} outside the KV cache of {slots} × {capacity}"),
+            )?;
+            let dst = cache
+                .view()
+                .reshaped(&[s.len, width], (s.slot * capacity + s.past) * width);
+            self.copy_view(&dst, &x.view().reshaped(&[s.len, width], r * width))?;
+            r += s.len;
+        }
+        Ok(())
+    }
+
+    fn cached_attention(
+        &self,
+        q: &NpuTensor,
+        k_cache: &NpuTensor,
+        v_cache: &NpuTensor,
+        segments: &[Segment],
+        s: AttentionShape,
+    ) -> Result<NpuTensor> {
+        let (slots, capacity, width) = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]);
+        let rows: usize = segments.iter().map(|seg| seg.len).sum();
+        let (hd, gd) = (s.heads * s.head_dim, s.groups * s.head_dim);
+        expect_shape("cached_attention", "q", q, &[rows, hd])?;
+        ensure(
+            width == gd
+                && segments
+                    .iter()
+                    .all(|seg| seg.slot < slots && seg.past + seg.len <= capacity),
+            "cached_attention",
+            || "a segment lies outside the KV cache".into(),
+        )?;
+        // The cache is f32; flash attention takes one dtype.
+        let qf = self.as_dtype(q, DType::F32)?;
+        let out = self.empty(&[rows, hd], DType::F32)?;
+        let mut r = 0;
+        for seg in segments {
+            let seen = seg.past + seg.len;
+            let at = seg.slot * capacity * width;
+            let kv = |t: &NpuTensor| t.view().reshaped(&[seen, s.groups, s.head_dim], at);
+            let qv = qf.view().reshaped(&[seg.len, s.heads, s.head_dim], r * hd);
+            let ov = out.view().reshaped(&[seg.len, s.heads, s.head_dim], r * hd);
+            let stats = self.empty(&[2, seg.len, s.heads, STAT_LANES], DType::F32)?;
+            let cum = ([seg.len as i64], [seen as i64]);
+            self.flash_attention(
+                (&qv, &kv(k_cache), &kv(v_cache)),
+                (&cum.0, &cum.1),
+                s,
+                &stats,
+                &ov,
+            )?;
+            r += seg.len;
+        }
+        self.converted(out, q.dtype)
+    }
+
+    fn swiglu(&self, x: &NpuTensor) -> Result<NpuTensor> {
+        let (n, f) = (x.rows(), x.cols() / 2);
+        ensure(x.cols().is_multiple_of(2), "swiglu", || {
+            format!("odd width {}", x.cols())
+        })?;
+        let out = self.empty(&[n, f], x.dtype)?;
+        {
+            let (xd, o) = (self.ctx.tensor(&x.matrix())?, self.ctx.tensor(&out.view())?);
+            aclnn!(
+                self,
+                aclnnSwiGluGetWorkspaceSize,
+                aclnnSwiGlu,
+                xd.raw,
+                -1,
+                o.raw
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn swiglu_bwd(&self, dy: &NpuTensor, x: &NpuTensor) -> Result<NpuTensor> {
+        let f = x.cols() / 2;
+        expect_shape("swiglu_bwd", "dy", dy, &[x.rows(), f])?;
+        let dx = self.empty(&x.shape, dy.dtype)?;
+        {
+            let c = &self.ctx;
+            let (g, xd, o) = (
+                c.tensor(&dy.view())?,
+                c.tensor(&x.matrix())?,
+                c.tensor(&dx.matrix())?,
+            );
+            aclnn!(
+                self,
+                aclnnSwiGluGradGetWorkspaceSize,
+                aclnnSwiGluGrad,
+                g.raw,
+                xd.raw,
+                -1,
+                o.raw
+            )?;
+        }
+        Ok(dx)
+    }
+
+    fn add_assign(&self, x: &mut NpuTensor, y: &NpuTensor) -> Result<()> {
+        expect_shape("add_assign", "y", y, &x.shape)?;
+        self.add_view(&x.view(), &y.view())
+    }
+
+    fn log_softmax(&self, x: &NpuTensor) -> Result<NpuTensor> {
+        let xf = self.as_dtype(x, DType::F32)?;
+        let out = self.empty(&x.shape, DType::F32)?;
+        {
+            let (xd, o) = (
+                self.ctx.tensor(&xf.matrix())?,
+                self.ctx.tensor(&out.matrix())?,
+            );
+            aclnn!(
+                self,
+                aclnnLogSoftmaxGetWorkspaceSize,
+                aclnnLogSoftmax,
+                xd.raw,
+                -1,
+                o.raw
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn cross_entropy(&self, logits: &NpuTensor, labels: &[u32]) -> Result<(NpuTensor, NpuTensor)> {
+        let (n, v) = (logits.rows(), logits.cols());
+        ensure(
+            labels.len() == n && labels.iter().all(|&l| (l as usize) < v),
+            "cross_entropy",
+            || format!("{} labels below {v} for {n} rows", labels.len()),
+        )?;
+        let lf = self.as_dtype(logits, DType::F32)?;
+        let target = self.indices(labels.iter().map(|&l| i64::from(l)))?;
+        let loss = self.empty(&[n], DType::F32)?;
+        let log_prob = self.empty(&[n, v], DType::F32)?;
+        let zloss = self.empty(&[2, n], DType::F32)?;
+        {
+            let c = &self.ctx;
+            let (x, t, w) = (
+                c.tensor(&lf.matrix())?,
+                c.tensor(&target.view())?,
+                std::ptr::null(),
+            );
+            let (l, p) = (c.tensor(&loss.view())?, c.tensor(&log_prob.view())?);
+            let (z, zl) = (
+                c.tensor(&zloss.view().reshaped(&[n], 0))?,
+                c.tensor(&zloss.view().reshaped(&[n], n))?,
+            );
+            let mut reduction = c_text(b"none\0");
+            aclnn!(
+                self,
+                aclnnCrossEntropyLossGetWorkspaceSize,
+                aclnnCrossEntropyLoss,
+                x.raw,
+                t.raw,
+                w,
+                reduction.as_mut_ptr().cast(),
+                IGNORE_INDEX,
+                0.0,
+                0.0,
+                false,
+                l.raw,
+                p.raw,
+                z.raw,
+                zl.raw,
+            )?;
+        }
+        // log p = logit − lse in every column, so lse = logit − log p of column 0.
+        let lse = self.empty(&[n], DType::F32)?;
+        let column = |t: &NpuTensor| t.view().strided(&[n], &[v as i64], 0);
+        self.sub_view(&column(&lf), &column(&log_prob), &lse.view())?;
+        Ok((loss, lse))
+    }
+
+    fn cross_entropy_bwd(
+        &self,
+        logits: NpuTensor,
+        labels: &[u32],
+        lse: &NpuTensor,
+        dloss: &NpuTensor,
+    ) -> Result<NpuTensor> {
+        let (n, v) = (logits.rows(), logits.cols());
+        expect_shape("cross_entropy_bwd", "lse", lse, &[n])?;
+        expect_shape("cross_entropy_bwd", "dloss", dloss, &[n])?;
+        ensure(labels.len() == n, "cross_entropy_bwd", || "labels".into())?;
+        let log_prob = self.empty(&[n, v], DType::F32)?;
+        self.sub_view(
+            &self.as_dtype(&logits, DType::F32)?.matrix(),
+            &lse.view().reshaped(&[n, 1], 0),
+            &log_prob.view(),
+        )?;
+        let target = self.indices(labels.iter().map(|&l| i64::from(l)))?;
+        // The gradient overwrites the logits' memory: the operator reads only log p.
+        {
+            let c = &self.ctx;
+            let (g, p, t) = (
+                c.tensor(&dloss.view())?,
+                c.tensor(&log_prob.view())?,
+                c.tensor(&target.view())?,
+            );
+            let out = c.tensor(&logits.matrix())?;
+            let null = std::ptr::null();
+            let mut reduction = c_text(b"none\0");
+            aclnn!(
+                self,
+                aclnnCrossEntropyLossGradGetWorkspaceSize,
+                aclnnCrossEntropyLossGrad,
+                g.raw,
+                p.raw,
+                t.raw,
+                null,
+                null,
+                null,
+                reduction.as_mut_ptr().cast(),
+                IGNORE_INDEX,
+                0.0,
+                0.0,
+                out.raw,
+            )?;
+        }
+        Ok(logits)
+    }
+
+    fn cast(&self, x: &NpuTensor, dtype: DType) -> Result<NpuTensor> {
+        ensure(self.supports(Op::Cast, dtype), "cast", || {
+            format!("to {dtype:?}")
+        })?;
+        let out = self.empty(&x.shape, dtype)?;
+        {
+            let (xd, o) = (self.ctx.tensor(&x.view())?, self.ctx.tensor(&out.view())?);
+            aclnn!(
+                self,
+                aclnnCastGetWorkspaceSize,
+                aclnnCast,
+                xd.raw,
+                acl_dtype(dtype),
+                o.raw
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn copy_into(&self, src: &NpuTensor, dst: &mut NpuTensor) -> Result<()> {
+        expect_shape("copy_into", "src", src, &dst.shape)?;
+        self.copy_view(&dst.view(), &src.view())
+    }
+
+    fn scaled(&self, x: &NpuTensor, s: f32) -> Result<NpuTensor> {
+        let out = self.empty(&x.shape, x.dtype)?;
+        {
+            let c = &self.ctx;
+            let (xd, k, o) = (c.tensor(&x.view())?, c.scalar(s)?, c.tensor(&out.view())?);
+            aclnn!(
+                self,
+                aclnnMulsGetWorkspaceSize,
+                aclnnMuls,
+                xd.raw,
+                k.raw,
+                o.raw
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn scale(&self, x: &mut NpuTensor, s: f32) -> Result<()> {
+        let (xd, k) = (self.ctx.tensor(&x.view())?, self.ctx.scalar(s)?);
+        aclnn!(
+            self,
+            aclnnInplaceMulsGetWorkspaceSize,
+            aclnnInplaceMuls,
+            xd.raw,
+            k.raw
+        )
+    }
+
+    fn sum_squares(&self, xs: &[&NpuTensor]) -> Result<f64> {
+        if xs.is_empty() {
+            return Ok(0.0);
+        }
+        // The operator's norms take their input's dtype: norms of f32 copies.
+        let wide = xs
+            .iter()
+            .map(|x| self.as_dtype(x, DType::F32))
+            .collect::<Result<Vec<_>>>()?;
+        let norms = self.empty(&[xs.len()], DType::F32)?;
+        {
+            let c = &self.ctx;
+            let inputs: Vec<View> = wide.iter().map(|x| x.view()).collect();
+            let outputs: Vec<View> = (0..xs.len())
+                .map(|i| norms.view().reshaped(&[1], i))
+                .collect();
+            let (x, p, o) = (c.list(&inputs)?, c.scalar(2.0)?, c.list(&outputs)?);
+            aclnn!(
+                self,
+                aclnnForeachNormGetWorkspaceSize,
+                aclnnForeachNorm,
+                x.raw,
+                p.raw,
+                o.raw
+            )?;
+        }
+        let norms = self.download_f32(&norms)?;
+        Ok(norms.iter().map(|&n| f64::from(n) * f64::from(n)).sum())
+    }
+
+    fn adamw(
+        &self,
+        param: &mut NpuTensor,
+        grad: &NpuTensor,
+        m: &mut NpuTensor,
+        v: &mut NpuTensor,
+        a: AdamWStep,
+    ) -> Result<()> {
+        for (what, t) in [("grad", grad), ("m", &*m), ("v", &*v)] {
+            expect_shape("adamw", what, t, &param.shape)?;
+        }
+        let step = self.indices(std::iter::once(a.step as i64))?;
+        let c = &self.ctx;
+        let (p, md, vd) = (
+            c.tensor(&param.view())?,
+            c.tensor(&m.view())?,
+            c.tensor(&v.view())?,
+        );
+        let (g, st) = (c.tensor(&grad.view())?, c.tensor(&step.view())?);
+        let (b1, b2) = (a.betas.0 as f32, a.betas.1 as f32);
+        aclnn!(
+            self,
+            aclnnApplyAdamWV2GetWorkspaceSize,
+            aclnnApplyAdamWV2,
+            p.raw,
+            md.raw,
+            vd.raw,
+            std::ptr::null_mut(),
+            g.raw,
+            st.raw,
+            a.lr as f32,
+            b1,
+            b2,
+            a.weight_decay as f32,
+            a.eps as f32,
+            false,
+            false,
+        )
+    }
+}
+
+/// `q [n, heads, d]`, `k`, `v [n, groups, d]` views of row-major activations.
+fn heads_views(
+    q: &NpuTensor,
+    k: &NpuTensor,
+    v: &NpuTensor,
+    s: AttentionShape,
+) -> (View, View, View) {
+    let n = q.rows();
+    (
+        q.view().reshaped(&[n, s.heads, s.head_dim], 0),
+        k.view().reshaped(&[n, s.groups, s.head_dim], 0),
+        v.view().reshaped(&[n, s.groups, s.head_dim], 0),
+    )
+}
+
+/// A tensor in the dtype an operator needs: the tensor itself, or a cast copy.
+enum InDtype<'a> {
+    Same(&'a NpuTensor),
+    Cast(NpuTensor),
+}
+
+impl std::ops::Deref for InDtype<'_> {
+    type Target = NpuTensor;
+    fn deref(&self) -> &NpuTensor {
+        match self {
+            InDtype::Same(t) => t,
+            InDtype::Cast(t) => t,
+        }
+    }
+}
