@@ -157,4 +157,3 @@ pub fn toolkit(dir: &Path, library: &Path) -> PathBuf {
     }
     dir.to_path_buf()
 }
-
