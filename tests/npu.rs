@@ -8,11 +8,17 @@ use assert_cmd::Command;
 use common::{stand_in, toolkit};
 use std::path::Path;
 
+/// `mindkit npu info` with CANN at `toolkit`.
 fn npu_info(toolkit: &Path) -> Command {
+    on_toolkit(toolkit, &["npu", "info"])
+}
+
+/// `mindkit args…` with CANN looked for at `toolkit` only.
+fn on_toolkit(toolkit: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::cargo_bin("mindkit").unwrap();
     // cargo's LD_LIBRARY_PATH for tests holds its target directories, where a stand-in built
     // there would be found by soname
-    cmd.args(["npu", "info"])
+    cmd.args(args)
         .env("ASCEND_TOOLKIT_HOME", toolkit)
         .env_remove("ASCEND_HOME_PATH")
         .env_remove("LD_LIBRARY_PATH");
@@ -103,6 +109,39 @@ fn without_cann_the_error_says_where_it_looked_and_what_to_do() {
         err.contains("source /usr/local/Ascend/ascend-toolkit/set_env.sh"),
         "{err}"
     );
+}
+
+#[test]
+fn without_cann_every_npu_command_says_what_it_looked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::fixture("models/demo");
+    let model = model.to_str().unwrap();
+    let boolq = common::fixture("eval/boolq-superglue.jsonl");
+    let commands: [&[&str]; 4] = [
+        &["selftest", "--device", "npu"],
+        &[
+            "generate", "--model", model, "--prompt", "x", "--device", "npu",
+        ],
+        &[
+            "eval",
+            "--model",
+            model,
+            "--task",
+            "boolq",
+            "--data",
+            boolq.to_str().unwrap(),
+            "--device",
+            "npu",
+        ],
+        &["train", "--device", "npu", "--data-path", "unused"],
+    ];
+    for args in commands {
+        let err = fails(on_toolkit(dir.path(), args));
+        assert!(
+            err.contains("CANN's libascendcl.so was not found") && err.contains("set_env.sh"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// Calls into the stand-in in this process, with the message the runtime gives for a failure.

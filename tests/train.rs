@@ -295,43 +295,6 @@ fn help_lists_every_flag_by_effect() {
     }
 }
 
-#[test]
-fn device_npu_is_a_clear_error_everywhere() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = corpus(dir.path());
-    let out = run(&args(&data, &["--device", "npu"])).failure();
-    assert!(
-        stderr(&out).contains("--device npu: this build has no Ascend NPU backend"),
-        "{}",
-        stderr(&out)
-    );
-    let model = fixture("models/demo");
-    let out = mindkit(&[
-        &"generate",
-        &"--model",
-        &model,
-        &"--prompt",
-        &"x",
-        &"--device",
-        &"npu",
-    ])
-    .failure();
-    assert!(stderr(&out).contains("--device npu"), "{}", stderr(&out));
-    let out = mindkit(&[
-        &"eval",
-        &"--model",
-        &model,
-        &"--task",
-        &"boolq",
-        &"--data",
-        &fixture("eval/boolq-superglue.jsonl"),
-        &"--device",
-        &"npu",
-    ])
-    .failure();
-    assert!(stderr(&out).contains("--device npu"), "{}", stderr(&out));
-}
-
 /// `(std, numel)` of an f32 tensor of a checkpoint.
 fn std_of(file: &mindkit::ckpt::torch::TorchFile, key: &str) -> f64 {
     let model = file.root().get("model").unwrap();

@@ -59,9 +59,9 @@ enum Command {
         /// operators against finite differences of its forward ones).
         #[arg(long, default_value = "npu")]
         device: mindkit::engine::DeviceKind,
-        /// Which NPU (as `npu info` numbers them).
-        #[arg(long, default_value_t = 0)]
-        npu_id: i32,
+        /// Which NPU (as `npu info` numbers them; default 0).
+        #[arg(long)]
+        npu_id: Option<i32>,
     },
     /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
     /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
@@ -136,9 +136,12 @@ struct EvalArgs {
     /// interruption, or with other reporting options) computes only what is missing.
     #[arg(long)]
     cache: Option<PathBuf>,
-    /// Compute device: cpu, or npu (Ascend; not in this build yet, a clear error).
+    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
     #[arg(long, default_value = "cpu")]
     device: mindkit::engine::DeviceKind,
+    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
+    #[arg(long)]
+    npu_id: Option<i32>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -179,9 +182,12 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Compute device: cpu, or npu (Ascend; not in this build yet, a clear error).
+    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
     #[arg(long, default_value = "cpu")]
     device: mindkit::engine::DeviceKind,
+    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
+    #[arg(long)]
+    npu_id: Option<i32>,
     /// No summary line on stderr.
     #[arg(long)]
     quiet: bool,
@@ -601,7 +607,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
         Command::Selftest { device, npu_id } => {
-            let (text, passed) = mindkit::npu::selftest(device, npu_id)?;
+            let (text, passed) = mindkit::npu::selftest(device_kind(device, npu_id)?)?;
             print!("{text}");
             if !passed {
                 std::process::exit(1);
@@ -632,7 +638,7 @@ fn run(cli: Cli) -> Result<()> {
                 output: a.output,
                 cache: a.cache,
                 progress: !a.quiet,
-                device: a.device,
+                device: device_kind(a.device, a.npu_id)?,
             };
             let report = eval::run(&opts)?;
             // The table first: a results file that cannot be written loses nothing shown.
@@ -712,7 +718,7 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
             stop: a.stop,
             eos: Vec::new(),
         },
-        device: a.device,
+        device: device_kind(a.device, a.npu_id)?,
     };
     let mut out = std::io::stdout().lock();
     let (g, stats) = generate::run(&request, |piece| {
@@ -750,4 +756,12 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `--device` with `--npu-id` applied.
+fn device_kind(
+    device: mindkit::engine::DeviceKind,
+    npu_id: Option<i32>,
+) -> anyhow::Result<mindkit::engine::DeviceKind> {
+    device.with_npu_id(npu_id).map_err(anyhow::Error::msg)
 }

@@ -56,8 +56,8 @@ pub enum DeviceKind {
     /// The host CPU ([`cpu::Cpu`]).
     #[default]
     Cpu,
-    /// An Ascend NPU through CANN.
-    Npu,
+    /// Ascend NPU number `.0` through CANN (`crate::npu::Npu`).
+    Npu(i32),
 }
 
 impl std::str::FromStr for DeviceKind {
@@ -65,23 +65,22 @@ impl std::str::FromStr for DeviceKind {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(DeviceKind::Cpu),
-            "npu" => Ok(DeviceKind::Npu),
+            "npu" => Ok(DeviceKind::Npu(0)),
             other => Err(format!("unknown device {other:?} (cpu or npu)")),
         }
     }
 }
 
-/// The CPU backend when `kind` asks for it; the NPU backend is not part of this build yet, so
-/// `npu` is a clear error rather than a silent fallback to the CPU.
-pub fn cpu_backend(kind: DeviceKind) -> Result<cpu::Cpu> {
-    match kind {
-        DeviceKind::Cpu => Ok(cpu::Cpu),
-        DeviceKind::Npu => Err(EngineError::Unavailable(
-            "npu",
-            "this build has no Ascend NPU backend yet (it will load CANN's libascendcl.so from \
-             $ASCEND_TOOLKIT_HOME/lib64 at run time); run with --device cpu"
-                .into(),
-        )),
+impl DeviceKind {
+    /// The device with `--npu-id` applied: an NPU's number; an error with another device,
+    /// where it would mean nothing.
+    pub fn with_npu_id(self, id: Option<i32>) -> std::result::Result<Self, String> {
+        match (self, id) {
+            (_, None) => Ok(self),
+            (DeviceKind::Npu(_), Some(id)) if id >= 0 => Ok(DeviceKind::Npu(id)),
+            (DeviceKind::Npu(_), Some(id)) => Err(format!("--npu-id {id}: not a device number")),
+            (DeviceKind::Cpu, Some(_)) => Err("--npu-id needs --device npu".into()),
+        }
     }
 }
 

@@ -11,8 +11,7 @@ mod pyrandom;
 
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
-use crate::engine::cpu::Cpu;
-use crate::engine::{Backend, Device};
+use crate::engine::Backend;
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
 use crate::util::{check_not_input, progress_bar, AtomicFile, OutputKind, ProgressUnit};
@@ -229,8 +228,20 @@ pub fn run(o: &EvalOptions) -> Result<EvalReport> {
     o.check()?;
     let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
-    let backend = crate::engine::cpu_backend(o.device)?;
-    let model = Model::load(&backend, &o.model)?;
+    crate::npu::with_backend!(o.device, |backend| evaluate_on(
+        &backend, o, &tokenizer, start
+    ))
+}
+
+/// [`run`] on `backend`.
+fn evaluate_on<B: Backend>(
+    backend: &B,
+    o: &EvalOptions,
+    tokenizer: &HfTokenizer,
+    start: Instant,
+) -> Result<EvalReport> {
+    let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
+    let model = Model::load(backend, &o.model)?;
     if tokenizer.vocab_size() > model.spec.vocab {
         bail!(
             "tokenizer {} has {} tokens but the model's vocabulary has {} rows",
@@ -424,8 +435,8 @@ pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
 
 /// The generated text of each of `docs` (prompted by `prompts`): from the cache where it has
 /// it, the rest generated together and added to the cache.
-fn generate_or_reuse(
-    model: &Model<Cpu>,
+fn generate_or_reuse<B: Backend>(
+    model: &Model<B>,
     tokenizer: &HfTokenizer,
     cache: &mut Option<Cache>,
     docs: &[gsm8k::GenDoc],
@@ -462,10 +473,10 @@ fn generate_or_reuse(
 
 /// A generation task (GSM8K): greedy generation per question (`--batch-size` questions decoded
 /// together), answers extracted and matched.
-fn run_generation(
+fn run_generation<B: Backend>(
     o: &EvalOptions,
     variant: gsm8k::Variant,
-    model: &Model<Cpu>,
+    model: &Model<B>,
     tokenizer: &HfTokenizer,
     cache: &mut Option<Cache>,
     start: Instant,
@@ -550,7 +561,7 @@ fn run_generation(
         "config": {
             "model": "mindkit",
             "model_args": format!("pretrained={}", o.model.display()),
-            "device": Cpu.describe(),
+            "device": model.backend().describe(),
             "limit": o.limit,
             "fewshot_seed": o.seed,
             "gen_kwargs": {"until": variant.stop(), "max_gen_toks": gsm8k::MAX_NEW_TOKENS, "do_sample": false},

@@ -361,8 +361,21 @@ pub fn run(r: &GenerateRequest, on_text: impl FnMut(&str)) -> Result<(Generation
     r.options.sampling.check()?;
     let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
     let tokenizer = HfTokenizer::load(tok_path)?;
-    let backend = crate::engine::cpu_backend(r.device)?;
-    let model = Model::load(&backend, &r.model)?;
+    crate::npu::with_backend!(r.device, |backend| {
+        generate_on(&backend, r, &tokenizer, on_text, start)
+    })
+}
+
+/// [`run`] on `backend`.
+fn generate_on<B: Backend>(
+    backend: &B,
+    r: &GenerateRequest,
+    tokenizer: &HfTokenizer,
+    on_text: impl FnMut(&str),
+    start: Instant,
+) -> Result<(Generation, GenerateStats)> {
+    let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
+    let model = Model::load(backend, &r.model)?;
     if tokenizer.vocab_size() > model.spec.vocab {
         bail!(
             "tokenizer {} has {} tokens but the model's vocabulary has {} rows: they do not belong together",
@@ -388,7 +401,7 @@ pub fn run(r: &GenerateRequest, on_text: impl FnMut(&str)) -> Result<(Generation
     }
     let load_seconds = start.elapsed().as_secs_f64();
     let start = Instant::now();
-    let generation = generate(&model, &tokenizer, &prompt, &options, on_text)?;
+    let generation = generate(&model, tokenizer, &prompt, &options, on_text)?;
     let stats = GenerateStats {
         prompt_tokens: prompt.len(),
         load_seconds,

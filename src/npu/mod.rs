@@ -3,6 +3,25 @@
 //! caching memory pool (`context.rs`, `memory.rs`), aclnn descriptors (`descriptor.rs`), the
 //! operators (`backend.rs`).
 
+/// Evaluate `$body` with `$b` bound to the backend `$kind` names: the CPU backend, or the
+/// NPU it numbers, opened (its error, e.g. no CANN, returned with `?`). The body is compiled
+/// for each backend.
+macro_rules! with_backend {
+    ($kind:expr, |$b:ident| $body:expr) => {
+        match $kind {
+            $crate::engine::DeviceKind::Cpu => {
+                let $b = $crate::engine::cpu::Cpu;
+                $body
+            }
+            $crate::engine::DeviceKind::Npu(id) => {
+                let $b = $crate::npu::Npu::open(id)?;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_backend;
+
 mod backend;
 mod context;
 mod descriptor;
@@ -138,10 +157,10 @@ pub fn info() -> Result<String, NpuError> {
 /// `mindkit selftest`: the report and whether every check passed. On `npu`, every operator of
 /// the NPU backend against the CPU backend; on `cpu`, the CPU backend's backward operators
 /// against finite differences ([`crate::engine::selftest`]).
-pub fn selftest(device: DeviceKind, npu_id: i32) -> anyhow::Result<(String, bool)> {
+pub fn selftest(device: DeviceKind) -> anyhow::Result<(String, bool)> {
     let (title, name, checks) = match device {
-        DeviceKind::Npu => {
-            let npu = Npu::open(npu_id)?;
+        DeviceKind::Npu(id) => {
+            let npu = Npu::open(id)?;
             let checks = selftest::run(&npu)?;
             let name = npu.describe();
             (format!("{name} against the cpu backend"), name, checks)

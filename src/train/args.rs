@@ -288,8 +288,8 @@ pub const FLAGS: &[Flag] = &[
     inert("sparse-mode", One, "an NPU flash-attention mask encoding; the mask is causal either way"),
     // mindkit's own.
     used("quiet", Nothing, "mindkit: no progress bar and no start-up notes (log lines still print)"),
-    used("device", One, "mindkit: cpu (default), or npu (Ascend; not in this build yet, a clear error)"),
-    used("npu-id", One, "mindkit: which NPU with --device npu"),
+    used("device", One, "mindkit: cpu (default), or npu (Ascend, through CANN's libraries found at run time)"),
+    used("npu-id", One, "mindkit: which NPU with --device npu (as `mindkit npu info` numbers them; default 0)"),
 ];
 
 /// A command-line problem.

@@ -84,9 +84,15 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
         .unwrap_or("cpu")
         .parse::<crate::engine::DeviceKind>()
         .map_err(|e| anyhow!("--device: {e}"))?;
-    let backend = crate::engine::cpu_backend(device)?;
-    let cfg = config::resolve(&parsed)?;
-    Trainer::new(backend, cfg, quiet)?.train()
+    let npu_id = parsed
+        .get("npu-id")
+        .map(|id| id.parse::<i32>().map_err(|e| anyhow!("--npu-id {id}: {e}")))
+        .transpose()?;
+    let device = device.with_npu_id(npu_id).map_err(anyhow::Error::msg)?;
+    crate::npu::with_backend!(device, |backend| {
+        let cfg = config::resolve(&parsed)?;
+        Trainer::new(backend, cfg, quiet)?.train()
+    })
 }
 
 /// Megatron's `num_floating_point_operations` inputs of this model.
