@@ -132,8 +132,9 @@ struct LayerSaved<T> {
 
 /// A micro-batch's forward pass: its per-row losses and what the backward pass needs.
 pub struct Forward<T> {
-    /// `[T]` per-row losses (f32, on the host).
-    pub losses: Vec<f32>,
+    /// `[T]` per-row losses (f32), left on the device until the step reads them (with the
+    /// gradient norm: one wait for the device per step).
+    pub losses: T,
     layers: Vec<LayerSaved<T>>,
     /// Final norm input `[T, h]`, its normed form and rstd.
     x: T,
@@ -202,7 +203,7 @@ pub fn forward<B: Backend>(
     let logits = b.matmul(&hf, &params[ids.output()], None)?;
     let (loss, lse) = b.cross_entropy(&logits, &batch.labels)?;
     Ok(Forward {
-        losses: b.download_f32(&loss)?,
+        losses: loss,
         layers,
         x,
         hf,
@@ -215,7 +216,8 @@ pub fn forward<B: Backend>(
 }
 
 /// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`:
-/// adds every parameter's gradient into `grads`.
+/// adds every parameter's gradient into `grads`, and hands back the forward's losses (which
+/// it does not read).
 pub fn backward<B: Backend>(
     b: &B,
     spec: &ModelSpec,
@@ -224,9 +226,10 @@ pub fn backward<B: Backend>(
     grads: &mut [B::Tensor],
     batch: &MicroBatch,
     fwd: Forward<B::Tensor>,
-) -> Result<()> {
+) -> Result<B::Tensor> {
     let shape = spec.attention;
     let Forward {
+        losses,
         layers,
         x,
         hf,
@@ -235,7 +238,6 @@ pub fn backward<B: Backend>(
         lse,
         cos,
         sin,
-        ..
     } = fwd;
     let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
     let dlogits = b.cross_entropy_bwd(logits, &batch.labels, &lse, &dloss)?;
@@ -278,7 +280,7 @@ pub fn backward<B: Backend>(
     if ids.trainable[ids.embedding] {
         b.embedding_bwd(&dx, &batch.tokens, &mut grads[ids.embedding])?;
     }
-    Ok(())
+    Ok(losses)
 }
 
 /// `y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ`; returns `y` and, with an adapter, `x·Aᵀ` for the

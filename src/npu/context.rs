@@ -11,6 +11,7 @@ use ascendcl_sys::{
 };
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Queued uploads' host bytes above which the host waits for the stream (and frees them).
@@ -37,6 +38,9 @@ pub struct Context {
     /// The device.
     pub device: i32,
     stream: usize,
+    /// Whether work was queued since the last synchronisation (a read after none needs no
+    /// wait).
+    queued: AtomicBool,
     pool: Mutex<Pool>,
     staged: Mutex<(Vec<Vec<u8>>, usize)>,
     _libraries: (
@@ -86,6 +90,7 @@ impl Context {
             op: op_api,
             device,
             stream: 0,
+            queued: AtomicBool::new(false),
             pool: Mutex::default(),
             staged: Mutex::default(),
             _libraries: (acl, nn, op),
@@ -219,6 +224,7 @@ impl Context {
                 self.stream(),
             )
         })?;
+        self.queued.store(true, Ordering::Release);
         let full = {
             let mut staged = lock(&self.staged);
             staged.1 += bytes.len();
@@ -237,12 +243,19 @@ impl Context {
         // SAFETY: `dst` is a block of at least `len` bytes.
         self.check("aclrtMemsetAsync", unsafe {
             (self.acl.aclrtMemsetAsync)(dst as *mut c_void, len, 0, len, self.stream())
-        })
+        })?;
+        self.queued.store(true, Ordering::Release);
+        Ok(())
     }
 
-    /// Wait for the stream, then copy `len` bytes from device address `src` to the host.
+    /// Wait for the stream (unless nothing was queued since the last wait), then copy `len`
+    /// bytes from device address `src` to the host.
     pub fn download(&self, src: usize, len: usize) -> Result<Vec<u8>, NpuError> {
-        self.synchronize()?;
+        if self.queued.load(Ordering::Acquire) {
+            self.synchronize()?;
+        } else {
+            self.bind()?;
+        }
         let mut out = vec![0u8; len];
         if len > 0 {
             // SAFETY: `src` is a block of at least `len` bytes, `out` has `len` bytes.
@@ -267,6 +280,7 @@ impl Context {
             (self.acl.aclrtSynchronizeStream)(self.stream())
         })?;
         *lock(&self.staged) = Default::default();
+        self.queued.store(false, Ordering::Release);
         Ok(())
     }
 
@@ -292,6 +306,7 @@ impl Context {
         // SAFETY: the executor comes from phase 1 with this workspace size; the workspace
         // block is at least `size` bytes.
         let status = unsafe { launch(ptr, size, executor, self.stream()) };
+        self.queued.store(true, Ordering::Release);
         self.check_nn(name, status)
     }
 }

@@ -475,16 +475,17 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
-    /// returns each micro-batch's loss sums and the rows processed.
+    /// returns each micro-batch's losses (on the device) with its loss mask, and the rows
+    /// processed.
     fn step_batches(
         &mut self,
         split: &data::Source,
         from: u64,
         train: bool,
-    ) -> Result<(data::LossSums, u64)> {
+    ) -> Result<(Vec<(B::Tensor, Vec<f32>)>, u64)> {
         let c = &self.cfg;
         let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
-        let (mut sums, mut tokens) = (data::LossSums::default(), 0u64);
+        let (mut losses, mut tokens) = (Vec::with_capacity(k), 0u64);
         for j in 0..k {
             let prepared = split.micro_batch(from + (j * m) as u64, m, k, c.averaging)?;
             let fwd = forward(
@@ -495,10 +496,8 @@ impl<B: Backend> Trainer<B> {
                 &prepared.batch,
                 self.activations(),
             )?;
-            let (s, n) = data::masked_sum(&fwd.losses, &prepared.mask);
-            sums.push(s, n);
             tokens += prepared.batch.tokens.len() as u64;
-            if train {
+            let loss = if train {
                 backward(
                     &self.b,
                     &self.spec,
@@ -507,10 +506,23 @@ impl<B: Backend> Trainer<B> {
                     &mut self.grads,
                     &prepared.batch,
                     fwd,
-                )?;
-            }
+                )?
+            } else {
+                fwd.losses
+            };
+            losses.push((loss, prepared.mask));
         }
-        Ok((sums, tokens))
+        Ok((losses, tokens))
+    }
+
+    /// The loss sums of micro-batches' losses (read from the device).
+    fn loss_sums(&self, losses: &[(B::Tensor, Vec<f32>)]) -> Result<data::LossSums> {
+        let mut sums = data::LossSums::default();
+        for (loss, mask) in losses {
+            let (s, n) = data::masked_sum(&self.b.download_f32(loss)?, mask);
+            sums.push(s, n);
+        }
+        Ok(sums)
     }
 
     /// One training iteration: returns (loss, grad norm, applied, tokens).
@@ -518,21 +530,33 @@ impl<B: Backend> Trainer<B> {
         for g in &mut self.grads {
             *g = self.b.zeros(self.b.shape(g), DType::F32)?;
         }
-        let (sums, tokens) = self.step_batches(train, self.consumed_train, true)?;
-        let n = sums.tokens();
+        let (losses, tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let n: f32 = losses
+            .iter()
+            .map(|(_, mask)| mask.iter().sum::<f32>())
+            .sum();
         if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
             let scale = 1.0 / n;
             for g in &mut self.grads {
                 self.b.scale(g, scale)?;
             }
         }
-        let loss = sums.report(self.token_weighted());
+        // The gradient norm waits for the device; the losses are read after it without
+        // another wait, and the update is queued after both are known.
+        let grad_norm = self.opt.grad_norm(&self.b, &self.grads)?;
+        let loss = self.loss_sums(&losses)?.report(self.token_weighted());
         let lr = self.cfg.schedule.lr(self.schedule_steps);
         let wd = self.cfg.schedule.wd(self.schedule_steps);
         let skip = self.cfg.skip_non_finite;
         let report = if loss.is_finite() || !skip {
-            self.opt
-                .step(&self.b, &mut self.params, &mut self.grads, lr, wd, skip)?
+            self.opt.apply(
+                &self.b,
+                &mut self.params,
+                &mut self.grads,
+                grad_norm,
+                (lr, wd),
+                skip,
+            )?
         } else {
             optim::StepReport {
                 grad_norm: f64::NAN,
@@ -564,7 +588,8 @@ impl<B: Backend> Trainer<B> {
         }
         let mut all = data::LossSums::default();
         for i in 0..iters {
-            let (sums, _) = self.step_batches(split, start + i * g, false)?;
+            let (losses, _) = self.step_batches(split, start + i * g, false)?;
+            let sums = self.loss_sums(&losses)?;
             all.extend(sums);
         }
         Ok(f64::from(all.report(self.token_weighted())))

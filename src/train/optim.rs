@@ -135,19 +135,18 @@ impl<T> Optimizer<T> {
         Ok(zeros)
     }
 
-    /// Clip and apply one AdamW step with learning rate `lr` and weight decay `wd` (the decay
-    /// group's; the other group has none). A non-finite gradient norm skips the update, as a
-    /// Megatron grad scaler would.
-    pub fn step<B: Backend<Tensor = T>>(
+    /// Clip by `grad_norm` (of [`Optimizer::grad_norm`]) and apply one AdamW step with
+    /// learning rate `lr` and weight decay `wd` (the decay group's; the other group has none).
+    /// A non-finite gradient norm skips the update, as a Megatron grad scaler would.
+    pub fn apply<B: Backend<Tensor = T>>(
         &mut self,
         b: &B,
         params: &mut [T],
         grads: &mut [T],
-        lr: f64,
-        wd: f64,
+        grad_norm: f64,
+        (lr, wd): (f64, f64),
         skip_non_finite: bool,
     ) -> Result<StepReport> {
-        let grad_norm = self.grad_norm(b, grads)?;
         if !grad_norm.is_finite() && skip_non_finite {
             return Ok(StepReport {
                 grad_norm,
