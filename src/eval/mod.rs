@@ -250,14 +250,14 @@ fn evaluate_on<B: Backend>(
             model.spec.vocab
         );
     }
-    let mut cache = open_cache(o, &model, &tokenizer)?;
+    let mut cache = open_cache(o, &model, tokenizer)?;
     let variant = match o.task {
         Task::Gsm8k => Some(gsm8k::Variant::Standard),
         Task::Gsm8kCot => Some(gsm8k::Variant::Cot),
         Task::Boolq | Task::Mmlu => None,
     };
     if let Some(variant) = variant {
-        return run_generation(o, variant, &model, &tokenizer, &mut cache, start);
+        return run_generation(o, variant, &model, tokenizer, &mut cache, start);
     }
     let (all, shots) = match o.task {
         Task::Gsm8k | Task::Gsm8kCot => unreachable!("generation tasks return above"),
@@ -269,7 +269,7 @@ fn evaluate_on<B: Backend>(
     };
     let original = all.len();
     let docs = limit_per_subtask(all, o.limit);
-    let mut scorer = Scorer::new(&model, &tokenizer, model.spec.max_positions);
+    let mut scorer = Scorer::new(&model, tokenizer, model.spec.max_positions);
     let mut log = open_log(&o.log_samples)?;
     let pb = progress_bar(docs.len() as u64, ProgressUnit::Docs, o.progress);
     pb.set_message(o.task.name());

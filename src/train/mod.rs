@@ -194,6 +194,9 @@ struct Interval {
 }
 
 /// The training state.
+/// A micro-batch's per-token losses, still on the device, and its loss mask.
+type PendingLoss<T> = (T, Vec<f32>);
+
 struct Trainer<B: Backend> {
     b: B,
     cfg: TrainConfig,
@@ -482,7 +485,7 @@ impl<B: Backend> Trainer<B> {
         split: &data::Source,
         from: u64,
         train: bool,
-    ) -> Result<(Vec<(B::Tensor, Vec<f32>)>, u64)> {
+    ) -> Result<(Vec<PendingLoss<B::Tensor>>, u64)> {
         let c = &self.cfg;
         let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
         let (mut losses, mut tokens) = (Vec::with_capacity(k), 0u64);
@@ -516,7 +519,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The loss sums of micro-batches' losses (read from the device).
-    fn loss_sums(&self, losses: &[(B::Tensor, Vec<f32>)]) -> Result<data::LossSums> {
+    fn loss_sums(&self, losses: &[PendingLoss<B::Tensor>]) -> Result<data::LossSums> {
         let mut sums = data::LossSums::default();
         for (loss, mask) in losses {
             let (s, n) = data::masked_sum(&self.b.download_f32(loss)?, mask);
