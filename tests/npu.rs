@@ -6,7 +6,7 @@ mod common;
 
 use assert_cmd::Command;
 use common::{stand_in, toolkit};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// `mindkit npu info` with CANN at `toolkit`.
 fn npu_info(toolkit: &Path) -> Command {
@@ -268,4 +268,99 @@ fn the_stand_in_refuses_what_the_runtime_forbids() {
             "1 allocations (100 bytes) and 0 streams never freed",
         );
     }
+}
+
+/// `mindkit args…` on the stand-in with its report written to `report`.
+fn on_stand_in(dir: &Path, args: &[&str]) -> (Command, PathBuf) {
+    let home = toolkit(&dir.join("toolkit"), stand_in());
+    let report = dir.join("report.json");
+    let mut cmd = on_toolkit(&home, args);
+    cmd.env("MINDKIT_STAND_IN_REPORT", &report);
+    (cmd, report)
+}
+
+#[test]
+fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cmd, report) = on_stand_in(dir.path(), &["selftest", "--device", "npu"]);
+    let table = succeeds(cmd);
+    assert!(
+        table.starts_with("npu 0 (Ascend910B4) against the cpu backend"),
+        "{table}"
+    );
+    for op in [
+        "matmul_bwd",
+        "attention_bwd",
+        "cached_attention",
+        "cross_entropy_bwd",
+        "rope",
+        "adamw",
+        "sum_squares",
+    ] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with(op) && l.ends_with("ok")),
+            "{op}: {table}"
+        );
+    }
+    assert!(table.contains(" 0 failed"), "{table}");
+    let counted = std::fs::read_to_string(report).unwrap();
+    assert!(counted.contains("\"launches\""), "{counted}");
+}
+
+#[test]
+fn selftest_on_the_cpu_checks_its_gradients() {
+    let table = succeeds(on_toolkit(
+        Path::new("/nonexistent"),
+        &["selftest", "--device", "cpu"],
+    ));
+    assert!(
+        table.contains("finite differences") && table.contains("7 of 7 checks passed"),
+        "{table}"
+    );
+}
+
+#[test]
+fn generate_and_eval_on_the_stand_in_equal_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::fixture("models/demo");
+    let model = model.to_str().unwrap();
+    let generate = [
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "12",
+    ];
+    let cpu = succeeds(on_toolkit(dir.path(), &generate));
+    let npu = succeeds(on_stand_in(dir.path(), &[&generate[..], &["--device", "npu"]].concat()).0);
+    assert_eq!(cpu, npu);
+    let boolq = common::fixture("eval/boolq-superglue.jsonl");
+    let results = |device: &str| {
+        let out = dir.path().join(format!("{device}.json"));
+        let eval = [
+            "eval",
+            "--model",
+            model,
+            "--task",
+            "boolq",
+            "--data",
+            boolq.to_str().unwrap(),
+            "--limit",
+            "6",
+            "--quiet",
+            "--device",
+            device,
+            "--output",
+            out.to_str().unwrap(),
+        ];
+        let (cmd, _) = on_stand_in(dir.path(), &eval);
+        succeeds(cmd);
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap();
+        json["results"]["boolq"]["acc,none"].as_f64().unwrap()
+    };
+    assert_eq!(results("cpu"), results("npu"));
 }

@@ -560,3 +560,68 @@ fn sigterm_with_exit_signal_handler_saves_and_exits_cleanly() {
         .join(format!("iter_{iteration:07}/mp_rank_00/model_optim_rng.pt"))
         .is_file());
 }
+
+/// `mindkit train` with `args` on the CANN stand-in (`--device npu`): its log, and what the
+/// stand-in counted (allocations, synchronizations, launches…).
+fn train_on_stand_in(dir: &Path, args: &[String]) -> (String, serde_json::Value) {
+    let home = common::toolkit(&dir.join("toolkit"), common::stand_in());
+    let report = dir.join("report.json");
+    let out = assert_cmd::Command::cargo_bin("mindkit")
+        .unwrap()
+        .args(args)
+        .args(["--device", "npu"])
+        .env("ASCEND_TOOLKIT_HOME", &home)
+        .env("MINDKIT_STAND_IN_REPORT", &report)
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("LD_LIBRARY_PATH")
+        .assert()
+        .success();
+    let counted = std::fs::read_to_string(&report).unwrap();
+    (stdout(&out), serde_json::from_str(&counted).unwrap())
+}
+
+/// A field of each iteration line, e.g. "lm loss".
+fn field(log: &str, name: &str) -> Vec<f64> {
+    iterations(log)
+        .iter()
+        .map(|l| {
+            let f = l.split(" | ").find(|f| f.trim().starts_with(name)).unwrap();
+            f.rsplit(':').next().unwrap().trim().parse().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_per_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    for (precision, tolerance) in [(None, 1e-4), (Some("--bf16"), 2e-2)] {
+        let extra: Vec<&str> = ["--train-iters", "6"]
+            .into_iter()
+            .chain(precision)
+            .collect();
+        let cpu = stdout(&run(&args(&data, &extra)).success());
+        let (npu, _) = train_on_stand_in(dir.path(), &args(&data, &extra));
+        for name in ["lm loss", "grad norm"] {
+            let (c, n) = (field(&cpu, name), field(&npu, name));
+            assert_eq!(c.len(), 6, "{cpu}");
+            for (i, (a, b)) in c.iter().zip(&n).enumerate() {
+                assert!(
+                    (a - b).abs() <= tolerance * a.abs(),
+                    "{precision:?} iteration {}: {name} cpu {a} npu {b}",
+                    i + 1
+                );
+            }
+        }
+    }
+    // Steps after the first allocate nothing and wait for the device once.
+    let counts =
+        |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters])).1;
+    let (three, six) = (counts("3"), counts("6"));
+    assert_eq!(three["allocations"], six["allocations"], "{three} {six}");
+    assert_eq!(
+        six["synchronizations"].as_u64().unwrap() - three["synchronizations"].as_u64().unwrap(),
+        3,
+        "{three} {six}"
+    );
+}

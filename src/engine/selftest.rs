@@ -27,6 +27,8 @@ pub struct Check {
     pub shape: String,
     /// The error (see the module doc); `None` when the device does not support it.
     pub error: Option<f32>,
+    /// Why it failed when the device returned an error instead of outputs.
+    pub failure: Option<String>,
     /// The tolerance.
     pub tolerance: f32,
 }
@@ -221,7 +223,7 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
     ]
 }
 
-/// Every check of `dut` against the CPU backend.
+/// Every check of `dut` against the CPU backend (an operator's error is its check's failure).
 pub fn run<B: Backend>(dut: &B) -> Result<Vec<Check>> {
     let cpu = Cpu;
     let mut checks = Vec::new();
@@ -232,17 +234,17 @@ pub fn run<B: Backend>(dut: &B) -> Result<Vec<Check>> {
                 dtype,
             };
             let supported = dut.supports(case.op, dtype) && cpu.supports(case.op, dtype);
-            let error = if supported {
-                let (got, want) = (case.run)(&mut inputs, dut, &cpu)?;
-                Some(error(&got, &want))
-            } else {
-                None
+            let (error, failure) = match supported.then(|| (case.run)(&mut inputs, dut, &cpu)) {
+                None => (None, None),
+                Some(Ok((got, want))) => (Some(error(&got, &want)), None),
+                Some(Err(e)) => (Some(f32::INFINITY), Some(e.to_string())),
             };
             checks.push(Check {
                 op: case.name,
                 dtype,
                 shape: case.shape.into(),
                 error,
+                failure,
                 tolerance: tolerance(dtype) * case.slack,
             });
         }
@@ -601,6 +603,9 @@ pub fn report(title: &str, device: &str, checks: &[Check]) -> String {
             "{:<18} {:<5} {:<34} {:>10} {:>9.1e}  {result}\n",
             c.op, dtype, c.shape, error, c.tolerance
         );
+        if let Some(why) = &c.failure {
+            out += &format!("    {why}\n");
+        }
     }
     let ran = checks.iter().filter(|c| c.error.is_some()).count();
     let failed = checks.iter().filter(|c| !c.passed()).count();
@@ -830,6 +835,7 @@ fn gradient_check(
         dtype: DType::F32,
         shape: shape.into(),
         error: Some(error(analytic, &numeric)),
+        failure: None,
         tolerance: GRADIENT_TOLERANCE,
     })
 }

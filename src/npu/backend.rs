@@ -1028,6 +1028,7 @@ impl Backend for Npu {
         expect_shape("cross_entropy_bwd", "lse", lse, &[n])?;
         expect_shape("cross_entropy_bwd", "dloss", dloss, &[n])?;
         ensure(labels.len() == n, "cross_entropy_bwd", || "labels".into())?;
+        let dtype = logits.dtype;
         let log_prob = self.empty(&[n, v], DType::F32)?;
         self.sub_view(
             &self.as_dtype(&logits, DType::F32)?.matrix(),
@@ -1035,7 +1036,12 @@ impl Backend for Npu {
             &log_prob.view(),
         )?;
         let target = self.indices(labels.iter().map(|&l| i64::from(l)))?;
-        // The gradient overwrites the logits' memory: the operator reads only log p.
+        // The gradient takes log p's dtype (f32): it overwrites f32 logits' memory (the
+        // operator reads only log p), else it is cast back to the logits' dtype.
+        let grad = match logits.dtype {
+            DType::F32 => logits,
+            _ => self.empty(&[n, v], DType::F32)?,
+        };
         {
             let c = &self.ctx;
             let (g, p, t) = (
@@ -1043,7 +1049,7 @@ impl Backend for Npu {
                 c.tensor(&log_prob.view())?,
                 c.tensor(&target.view())?,
             );
-            let out = c.tensor(&logits.matrix())?;
+            let out = c.tensor(&grad.matrix())?;
             let null = std::ptr::null();
             let mut reduction = c_text(b"none\0");
             aclnn!(
@@ -1063,7 +1069,7 @@ impl Backend for Npu {
                 out.raw,
             )?;
         }
-        Ok(logits)
+        self.converted(grad, dtype)
     }
 
     fn cast(&self, x: &NpuTensor, dtype: DType) -> Result<NpuTensor> {
