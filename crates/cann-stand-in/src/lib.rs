@@ -6,7 +6,14 @@
 //! synchronized, unknown streams, and anything still allocated at `aclFinalize` are errors with
 //! the runtime's codes and a message for `aclGetRecentErrMsg`. With `MINDKIT_STAND_IN_REPORT`
 //! set, `aclFinalize` writes what it counted (allocations, frees, copies, synchronizations, the
-//! most bytes live) there as JSON, so tests can assert the caller's behaviour.
+//! most bytes live, memsets, operator launches in all and per operator) there as JSON, so tests
+//! can assert the caller's behaviour.
+//!
+//! The same library stands in for `libnnopbase.so` and `libopapi.so` (tests link those names to
+//! it): the aclnn object model in [`aclnn`] and the operators in [`ops`], computed on host
+//! memory in f32, as strict about their contracts (descriptors over live memory, executors
+//! launched once with the workspace phase 1 asked for; descriptors and executors still alive
+//! at `aclFinalize` are leaks too).
 //!
 //! Test-only: never shipped, never a runtime for real work. The exported functions have the
 //! types `ascendcl-sys` declares (checked against CANN's headers).
@@ -24,6 +31,10 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_char, c_void, CString};
 use std::sync::{Mutex, MutexGuard};
+
+mod aclnn;
+mod ops;
+mod view;
 
 // Error codes of acl_base.h / rt_error_codes.h the stand-in answers with.
 const ACL_ERROR_INVALID_PARAM: aclError = 100000;
@@ -52,6 +63,9 @@ struct Counters {
     copies: u64,
     synchronizations: u64,
     peak_live_bytes: usize,
+    memsets: u64,
+    launches: u64,
+    ops: BTreeMap<&'static str, u64>,
 }
 
 #[derive(Default)]
@@ -61,6 +75,7 @@ struct Runtime {
     streams: BTreeSet<usize>,
     next_stream: usize,
     counters: Counters,
+    aclnn: aclnn::State,
 }
 
 static RUNTIME: Mutex<Option<Runtime>> = Mutex::new(None);
@@ -79,6 +94,13 @@ fn fail(code: aclError, message: String) -> aclError {
     let text = format!("EE9999: [mindkit CANN stand-in] {message}");
     LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text).unwrap_or_default());
     code
+}
+
+/// The message of the calling thread's most recent failure, without its prefix.
+fn recent_message() -> String {
+    let text = LAST_ERROR.with(|e| e.borrow().to_string_lossy().into_owned());
+    let prefix = "EE9999: [mindkit CANN stand-in] ";
+    text.strip_prefix(prefix).unwrap_or(&text).to_string()
 }
 
 /// Devices the stand-in has (`MINDKIT_STAND_IN_DEVICES`, default 1).
@@ -180,9 +202,14 @@ impl Runtime {
     /// The JSON report of what was counted.
     fn report(&self) -> String {
         let c = &self.counters;
+        let ops: Vec<String> = c
+            .ops
+            .iter()
+            .map(|(op, n)| format!("\"{op}\": {n}"))
+            .collect();
         format!(
-            "{{\"allocations\": {}, \"frees\": {}, \"copies\": {}, \"synchronizations\": {}, \"peak_live_bytes\": {}}}\n",
-            c.allocations, c.frees, c.copies, c.synchronizations, c.peak_live_bytes
+            "{{\"allocations\": {}, \"frees\": {}, \"copies\": {}, \"synchronizations\": {}, \"peak_live_bytes\": {}, \"memsets\": {}, \"launches\": {}, \"ops\": {{{}}}}}\n",
+            c.allocations, c.frees, c.copies, c.synchronizations, c.peak_live_bytes, c.memsets, c.launches, ops.join(", ")
         )
     }
 }
@@ -216,14 +243,22 @@ pub extern "C" fn aclFinalize() -> aclError {
     }
     let (bytes, streams) = (rt.live_bytes(), rt.streams.len());
     let leaked = rt.allocations.len();
-    *guard = None;
+    let mut problems = Vec::new();
     if leaked > 0 || streams > 0 {
-        return fail(
-            ACL_ERROR_INVALID_PARAM,
-            format!("aclFinalize with {leaked} allocations ({bytes} bytes) and {streams} streams never freed"),
-        );
+        problems.push(format!(
+            "{leaked} allocations ({bytes} bytes) and {streams} streams never freed"
+        ));
     }
-    ACL_SUCCESS
+    problems.extend(rt.aclnn.leaks());
+    // the state goes whatever leaked, so that a later aclInit starts afresh
+    *guard = None;
+    if problems.is_empty() {
+        return ACL_SUCCESS;
+    }
+    fail(
+        ACL_ERROR_INVALID_PARAM,
+        format!("aclFinalize with {}", problems.join("; ")),
+    )
 }
 
 #[no_mangle]
@@ -481,6 +516,7 @@ pub extern "C" fn aclrtMemsetAsync(
         }
         // SAFETY: the range was checked to lie inside a live allocation.
         unsafe { std::ptr::write_bytes(dev_ptr as *mut u8, value as u8, count) };
+        rt.counters.memsets += 1;
         ACL_SUCCESS
     })
 }
