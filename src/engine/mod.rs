@@ -13,6 +13,7 @@
 //! weights keep the dtype they were loaded in. Saved statistics (`rstd`, attention log-sum-exp,
 //! cross-entropy log-sum-exp) and gradients of the optimizer's parameters are f32.
 
+pub(crate) mod check;
 pub mod cpu;
 pub mod selftest;
 

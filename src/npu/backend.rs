@@ -14,8 +14,7 @@ use super::context::{Block, Context, Launch};
 use super::descriptor::{acl_dtype, View};
 use super::NpuError;
 use crate::engine::{
-    check_segments, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result,
-    Segment,
+    check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result, Segment,
 };
 use crate::tensor::host::{decode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
@@ -300,13 +299,6 @@ impl Npu {
     }
 }
 
-/// `Invalid` unless `t` has `shape`.
-fn expect_shape(op: &'static str, what: &str, t: &NpuTensor, shape: &[usize]) -> Result<()> {
-    ensure(t.shape == shape, op, || {
-        format!("{what} is {:?}, expected {shape:?}", t.shape)
-    })
-}
-
 impl Device for Npu {
     type Tensor = NpuTensor;
 
@@ -380,13 +372,8 @@ impl Device for Npu {
 
 impl Backend for Npu {
     fn embedding(&self, table: &NpuTensor, ids: &[u32]) -> Result<NpuTensor> {
-        let (v, h) = (table.rows(), table.cols());
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
-            return Err(EngineError::Invalid {
-                op: "embedding",
-                msg: format!("token id {bad} outside the table's {v} rows"),
-            });
-        }
+        check::ids(self, "embedding", table, ids)?;
+        let h = table.cols();
         let index = self.indices(ids.iter().map(|&i| i64::from(i)))?;
         let out = self.empty(&[ids.len(), h], table.dtype)?;
         {
@@ -409,13 +396,8 @@ impl Backend for Npu {
     }
 
     fn embedding_bwd(&self, dy: &NpuTensor, ids: &[u32], dtable: &mut NpuTensor) -> Result<()> {
+        check::embedding_bwd(self, dy, ids, dtable)?;
         let (v, h) = (dtable.rows(), dtable.cols());
-        expect_shape("embedding_bwd", "dy", dy, &[ids.len(), h])?;
-        ensure(
-            ids.iter().all(|&id| (id as usize) < v),
-            "embedding_bwd",
-            || "token id outside the table".into(),
-        )?;
         let index = self.indices(ids.iter().map(|&i| i64::from(i)))?;
         let grad = self.empty(&[v, h], dy.dtype)?;
         {
@@ -441,9 +423,7 @@ impl Backend for Npu {
     }
 
     fn select_rows(&self, x: &NpuTensor, rows: &[usize]) -> Result<NpuTensor> {
-        ensure(rows.iter().all(|&r| r < x.rows()), "select_rows", || {
-            format!("rows {rows:?} of {}", x.rows())
-        })?;
+        check::select_rows(self, x, rows)?;
         let index = self.indices(rows.iter().map(|&r| r as i64))?;
         let out = self.empty(&[rows.len(), x.cols()], x.dtype)?;
         let c = &self.ctx;
@@ -471,10 +451,8 @@ impl Backend for Npu {
         gamma: &NpuTensor,
         eps: f64,
     ) -> Result<(NpuTensor, NpuTensor)> {
+        check::rms_norm(self, x, gamma)?;
         let (n, h) = (x.rows(), x.cols());
-        ensure(gamma.numel() == h, "rms_norm", || {
-            format!("γ of {} for rows of {h}", gamma.numel())
-        })?;
         let (y, rstd) = (
             self.empty(&x.shape, x.dtype)?,
             self.empty(&[n], DType::F32)?,
@@ -508,14 +486,8 @@ impl Backend for Npu {
         rstd: &NpuTensor,
         dgamma: Option<&mut NpuTensor>,
     ) -> Result<NpuTensor> {
-        let (n, h) = (x.rows(), x.cols());
-        expect_shape("rms_norm_bwd", "dy", dy, &x.shape)?;
-        expect_shape("rms_norm_bwd", "rstd", rstd, &[n])?;
-        ensure(
-            gamma.numel() == h && dgamma.as_ref().is_none_or(|d| d.numel() == h),
-            "rms_norm_bwd",
-            || "γ / dγ length".into(),
-        )?;
+        check::rms_norm_bwd(self, (dy, x, rstd), gamma, dgamma.as_deref())?;
+        let h = x.cols();
         let (dx, dg) = (
             self.empty(&x.shape, dy.dtype)?,
             self.empty(&[h], DType::F32)?,
@@ -548,19 +520,13 @@ impl Backend for Npu {
     }
 
     fn matmul(&self, x: &NpuTensor, w: &NpuTensor, bias: Option<&NpuTensor>) -> Result<NpuTensor> {
-        let (n, k, m) = (x.rows(), x.cols(), w.rows());
-        ensure(w.cols() == k, "matmul", || {
-            format!("[{n}, {k}] by {:?}ᵀ", w.shape)
-        })?;
+        let (n, k, m) = check::matmul(self, x, w, bias)?;
         let xw = self.as_dtype(x, w.dtype)?;
         let out = self.empty(&[n, m], w.dtype)?;
         // wᵀ as a view: [k, m] with strides [1, k]
         let wt = w.view().strided(&[k, m], &[1, k as i64], 0);
         self.matmul_view(&xw.matrix(), &wt, &out.view())?;
         if let Some(b) = bias {
-            ensure(b.numel() == m, "matmul", || {
-                format!("bias of {} for {m} outputs", b.numel())
-            })?;
             self.add_view(&out.view(), &b.view().reshaped(&[m], 0))?;
         }
         self.converted(out, x.dtype)
@@ -574,13 +540,11 @@ impl Backend for Npu {
         dw: Option<&mut NpuTensor>,
         dbias: Option<&mut NpuTensor>,
     ) -> Result<NpuTensor> {
-        let (n, k, m) = (x.rows(), x.cols(), w.rows());
-        expect_shape("matmul_bwd", "dy", dy, &[n, m])?;
+        let (n, k, m) = check::matmul_bwd(self, (dy, x, w), dw.as_deref(), dbias.as_deref())?;
         let dx = self.empty(&x.shape, dy.dtype)?;
         let wd = self.as_dtype(w, dy.dtype)?;
         self.matmul_view(&dy.view(), &wd.matrix(), &dx.matrix())?;
         if let Some(dw) = dw {
-            expect_shape("matmul_bwd", "dw", dw, &[m, k])?;
             let xd = self.as_dtype(x, dy.dtype)?;
             let product = self.empty(&[m, k], dy.dtype)?;
             // dyᵀ as a view: [m, n] with strides [1, m]
@@ -589,7 +553,6 @@ impl Backend for Npu {
             self.add_view(&dw.view(), &product.view())?;
         }
         if let Some(db) = dbias {
-            ensure(db.numel() == m, "matmul_bwd", || "dbias length".into())?;
             let sum = self.empty(&[m], DType::F32)?;
             {
                 let c = &self.ctx;
@@ -622,10 +585,8 @@ impl Backend for Npu {
     ) -> Result<(NpuTensor, NpuTensor, NpuTensor)> {
         let (n, d, g) = (qkv.rows(), s.head_dim, s.groups);
         let per_group = s.heads / g;
+        check::split_qkv(self, qkv, s)?;
         let width = g * (per_group + 2) * d;
-        ensure(qkv.cols() == width, "split_qkv", || {
-            format!("{:?} for {s:?}", qkv.shape)
-        })?;
         let strides = [width as i64, ((per_group + 2) * d) as i64, 1];
         let part = |cols: usize, at: usize| -> Result<NpuTensor> {
             let t = self.empty(&[n, g * cols], qkv.dtype)?;
@@ -647,11 +608,9 @@ impl Backend for Npu {
         dv: &NpuTensor,
         s: AttentionShape,
     ) -> Result<NpuTensor> {
-        let (n, d, g) = (dq.rows(), s.head_dim, s.groups);
+        let n = check::heads(self, "merge_qkv", (dq, dk, dv), s)?;
+        let (d, g) = (s.head_dim, s.groups);
         let per_group = s.heads / g;
-        expect_shape("merge_qkv", "dq", dq, &[n, s.heads * d])?;
-        expect_shape("merge_qkv", "dk", dk, &[n, g * d])?;
-        expect_shape("merge_qkv", "dv", dv, &[n, g * d])?;
         let width = g * (per_group + 2) * d;
         let out = self.empty(&[n, width], dq.dtype)?;
         let strides = [width as i64, ((per_group + 2) * d) as i64, 1];
@@ -673,12 +632,8 @@ impl Backend for Npu {
         sin: &NpuTensor,
         inverse: bool,
     ) -> Result<()> {
+        check::rope(self, x, cos, sin)?;
         let (n, width, half) = (x.rows(), x.cols(), cos.cols());
-        ensure(
-            cos.shape == sin.shape && cos.rows() == n && half > 0 && width.is_multiple_of(2 * half),
-            "rope",
-            || format!("x {:?} with cos/sin {:?}", x.shape, cos.shape),
-        )?;
         let d = 2 * half;
         // The operator takes the full-width table of rotate_half: [cos | cos], [sin | sin].
         let full = |t: &NpuTensor| -> Result<NpuTensor> {
@@ -729,11 +684,7 @@ impl Backend for Npu {
         segments: &[Range<usize>],
         s: AttentionShape,
     ) -> Result<(NpuTensor, NpuTensor)> {
-        let n = q.rows();
-        expect_shape("attention", "q", q, &[n, s.heads * s.head_dim])?;
-        expect_shape("attention", "k", k, &[n, s.groups * s.head_dim])?;
-        expect_shape("attention", "v", v, &[n, s.groups * s.head_dim])?;
-        check_segments("attention", segments, n)?;
+        let n = check::attention(self, (q, k, v), segments, s)?;
         let cum = Self::cumulative(segments);
         let o = self.empty(&q.shape, q.dtype)?;
         let stats = self.empty(&[2, n, s.heads, STAT_LANES], DType::F32)?;
@@ -754,17 +705,15 @@ impl Backend for Npu {
         segments: &[Range<usize>],
         s: AttentionShape,
     ) -> Result<(NpuTensor, NpuTensor, NpuTensor)> {
-        let n = q.rows();
-        for (what, t) in [("dO", d_o), ("o", o)] {
-            expect_shape("attention_bwd", what, t, &q.shape)?;
-        }
-        expect_shape(
+        let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
+        let statistics = [2, n, s.heads, STAT_LANES];
+        check::expect_shape(
+            self,
             "attention_bwd",
             "softmax statistics",
             stats,
-            &[2, n, s.heads, STAT_LANES],
+            &statistics,
         )?;
-        check_segments("attention_bwd", segments, n)?;
         let cum = Self::cumulative(segments);
         let (dq, dk, dv) = (
             self.empty(&q.shape, d_o.dtype)?,
@@ -832,19 +781,10 @@ impl Backend for Npu {
     }
 
     fn kv_store(&self, cache: &mut NpuTensor, x: &NpuTensor, segments: &[Segment]) -> Result<()> {
-        let (slots, capacity, width) = (cache.shape[0], cache.shape[1], cache.shape[2]);
-        ensure(
-            x.numel() == segments.iter().map(|s| s.len).sum::<usize>() * width,
-            "kv_store",
-            || "rows and segments disagree".into(),
-        )?;
+        check::kv_store(self, cache, x, segments)?;
+        let (capacity, width) = (cache.shape[1], cache.shape[2]);
         let mut r = 0;
         for s in segments {
-            ensure(
-                s.slot < slots && s.past + s.len <= capacity,
-                "kv_store",
-                || format!("segment {s:?} outside the KV cache of {slots} × {capacity}"),
-            )?;
             let dst = cache
                 .view()
                 .reshaped(&[s.len, width], (s.slot * capacity + s.past) * width);
@@ -862,18 +802,9 @@ impl Backend for Npu {
         segments: &[Segment],
         s: AttentionShape,
     ) -> Result<NpuTensor> {
-        let (slots, capacity, width) = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]);
-        let rows: usize = segments.iter().map(|seg| seg.len).sum();
-        let (hd, gd) = (s.heads * s.head_dim, s.groups * s.head_dim);
-        expect_shape("cached_attention", "q", q, &[rows, hd])?;
-        ensure(
-            width == gd
-                && segments
-                    .iter()
-                    .all(|seg| seg.slot < slots && seg.past + seg.len <= capacity),
-            "cached_attention",
-            || "a segment lies outside the KV cache".into(),
-        )?;
+        let rows = check::cached_attention(self, q, k_cache, segments, s)?;
+        let (capacity, width) = (k_cache.shape[1], k_cache.shape[2]);
+        let hd = s.heads * s.head_dim;
         // The cache is f32; flash attention takes one dtype.
         let qf = self.as_dtype(q, DType::F32)?;
         let out = self.empty(&[rows, hd], DType::F32)?;
@@ -899,10 +830,8 @@ impl Backend for Npu {
     }
 
     fn swiglu(&self, x: &NpuTensor) -> Result<NpuTensor> {
+        check::swiglu(self, x, None)?;
         let (n, f) = (x.rows(), x.cols() / 2);
-        ensure(x.cols().is_multiple_of(2), "swiglu", || {
-            format!("odd width {}", x.cols())
-        })?;
         let out = self.empty(&[n, f], x.dtype)?;
         {
             let (xd, o) = (self.ctx.tensor(&x.matrix())?, self.ctx.tensor(&out.view())?);
@@ -919,8 +848,7 @@ impl Backend for Npu {
     }
 
     fn swiglu_bwd(&self, dy: &NpuTensor, x: &NpuTensor) -> Result<NpuTensor> {
-        let f = x.cols() / 2;
-        expect_shape("swiglu_bwd", "dy", dy, &[x.rows(), f])?;
+        check::swiglu(self, x, Some(dy))?;
         let dx = self.empty(&x.shape, dy.dtype)?;
         {
             let c = &self.ctx;
@@ -943,7 +871,7 @@ impl Backend for Npu {
     }
 
     fn add_assign(&self, x: &mut NpuTensor, y: &NpuTensor) -> Result<()> {
-        expect_shape("add_assign", "y", y, &x.shape)?;
+        check::expect_shape(self, "add_assign", "y", y, &x.shape)?;
         self.add_view(&x.view(), &y.view())
     }
 
@@ -968,12 +896,8 @@ impl Backend for Npu {
     }
 
     fn cross_entropy(&self, logits: &NpuTensor, labels: &[u32]) -> Result<(NpuTensor, NpuTensor)> {
+        check::cross_entropy(self, logits, labels)?;
         let (n, v) = (logits.rows(), logits.cols());
-        ensure(
-            labels.len() == n && labels.iter().all(|&l| (l as usize) < v),
-            "cross_entropy",
-            || format!("{} labels below {v} for {n} rows", labels.len()),
-        )?;
         let lf = self.as_dtype(logits, DType::F32)?;
         let target = self.indices(labels.iter().map(|&l| i64::from(l)))?;
         let loss = self.empty(&[n], DType::F32)?;
@@ -1024,10 +948,8 @@ impl Backend for Npu {
         lse: &NpuTensor,
         dloss: &NpuTensor,
     ) -> Result<NpuTensor> {
+        check::cross_entropy_bwd(self, &logits, labels, lse, dloss)?;
         let (n, v) = (logits.rows(), logits.cols());
-        expect_shape("cross_entropy_bwd", "lse", lse, &[n])?;
-        expect_shape("cross_entropy_bwd", "dloss", dloss, &[n])?;
-        ensure(labels.len() == n, "cross_entropy_bwd", || "labels".into())?;
         let dtype = logits.dtype;
         let log_prob = self.empty(&[n, v], DType::F32)?;
         self.sub_view(
@@ -1092,7 +1014,7 @@ impl Backend for Npu {
     }
 
     fn copy_into(&self, src: &NpuTensor, dst: &mut NpuTensor) -> Result<()> {
-        expect_shape("copy_into", "src", src, &dst.shape)?;
+        check::expect_shape(self, "copy_into", "src", src, &dst.shape)?;
         self.copy_view(&dst.view(), &src.view())
     }
 
@@ -1162,9 +1084,7 @@ impl Backend for Npu {
         v: &mut NpuTensor,
         a: AdamWStep,
     ) -> Result<()> {
-        for (what, t) in [("grad", grad), ("m", &*m), ("v", &*v)] {
-            expect_shape("adamw", what, t, &param.shape)?;
-        }
+        check::adamw(self, param, [("grad", grad), ("m", m), ("v", v)])?;
         let step = self.indices(std::iter::once(a.step as i64))?;
         let c = &self.ctx;
         let (p, md, vd) = (

@@ -15,8 +15,8 @@ mod swiglu;
 mod testing;
 
 use super::{
-    check_segments, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor,
-    Op, Result, Segment,
+    check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
+    Segment,
 };
 use crate::tensor::host::{decode_f32, encode_f32};
 use crate::tensor::panel::{PanelType, Panels};
@@ -208,13 +208,6 @@ impl Cpu {
     }
 }
 
-/// `Invalid` unless `a` has `shape`.
-fn expect_shape(op: &'static str, what: &str, t: &CpuTensor, shape: &[usize]) -> Result<()> {
-    ensure(t.shape == shape, op, || {
-        format!("{what} is {:?}, expected {shape:?}", t.shape)
-    })
-}
-
 impl Device for Cpu {
     type Tensor = CpuTensor;
 
@@ -326,13 +319,8 @@ impl Device for Cpu {
 
 impl Backend for Cpu {
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
-        let (v, h) = (table.rows(), table.cols());
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
-            return Err(EngineError::Invalid {
-                op: "embedding",
-                msg: format!("token id {bad} outside the table's {v} rows"),
-            });
-        }
+        check::ids(self, "embedding", table, ids)?;
+        let h = table.cols();
         let mut out = vec![0f32; ids.len() * h];
         out.par_chunks_mut(h)
             .zip(ids)
@@ -343,22 +331,15 @@ impl Backend for Cpu {
     }
 
     fn embedding_bwd(&self, dy: &CpuTensor, ids: &[u32], dtable: &mut CpuTensor) -> Result<()> {
-        let (v, h) = (dtable.rows(), dtable.cols());
-        expect_shape("embedding_bwd", "dy", dy, &[ids.len(), h])?;
-        ensure(
-            ids.iter().all(|&id| (id as usize) < v),
-            "embedding_bwd",
-            || "token id outside the table".into(),
-        )?;
+        check::embedding_bwd(self, dy, ids, dtable)?;
+        let h = dtable.cols();
         optim::embedding_bwd(&dy.values(), ids, h, dtable.f32_mut("embedding_bwd")?);
         Ok(())
     }
 
     fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        check::select_rows(self, x, rows)?;
         let c = x.cols();
-        ensure(rows.iter().all(|&r| r < x.rows()), "select_rows", || {
-            format!("rows {rows:?} of {}", x.rows())
-        })?;
         let v = x.values();
         let out = rows
             .iter()
@@ -374,10 +355,8 @@ impl Backend for Cpu {
         gamma: &CpuTensor,
         eps: f64,
     ) -> Result<(CpuTensor, CpuTensor)> {
+        check::rms_norm(self, x, gamma)?;
         let (n, h) = (x.rows(), x.cols());
-        ensure(gamma.numel() == h, "rms_norm", || {
-            format!("γ of {} for rows of {h}", gamma.numel())
-        })?;
         let (mut y, mut rstd) = (vec![0f32; n * h], vec![0f32; n]);
         norm::rms_norm_fwd(&x.values(), &gamma.values(), eps as f32, &mut y, &mut rstd);
         Ok((
@@ -394,14 +373,8 @@ impl Backend for Cpu {
         rstd: &CpuTensor,
         dgamma: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
+        check::rms_norm_bwd(self, (dy, x, rstd), gamma, dgamma.as_deref())?;
         let (n, h) = (x.rows(), x.cols());
-        expect_shape("rms_norm_bwd", "dy", dy, &x.shape)?;
-        expect_shape("rms_norm_bwd", "rstd", rstd, &[n])?;
-        ensure(
-            gamma.numel() == h && dgamma.as_ref().is_none_or(|d| d.numel() == h),
-            "rms_norm_bwd",
-            || "γ / dγ length".into(),
-        )?;
         let mut dx = vec![0f32; n * h];
         let dgamma = match dgamma {
             Some(d) => Some(d.f32_mut("rms_norm_bwd")?),
@@ -419,10 +392,7 @@ impl Backend for Cpu {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        let (n, k, m) = (x.rows(), x.cols(), w.rows());
-        ensure(w.cols() == k, "matmul", || {
-            format!("[{n}, {k}] by {:?}ᵀ", w.shape)
-        })?;
+        let (n, k, m) = check::matmul(self, x, w, bias)?;
         let xs = x.values();
         let mut out = if let Data::Panels(panels) = &w.data {
             panels.matmul(&xs, n)
@@ -432,9 +402,6 @@ impl Backend for Cpu {
             self.matmul_gemm(&xs, w, (n, k, m))
         };
         if let Some(b) = bias {
-            ensure(b.numel() == m, "matmul", || {
-                format!("bias of {} for {m} outputs", b.numel())
-            })?;
             let b = b.values();
             out.par_chunks_mut(m)
                 .for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
@@ -450,17 +417,14 @@ impl Backend for Cpu {
         dw: Option<&mut CpuTensor>,
         dbias: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
-        let (n, k, m) = (x.rows(), x.cols(), w.rows());
-        expect_shape("matmul_bwd", "dy", dy, &[n, m])?;
+        let (n, k, m) = check::matmul_bwd(self, (dy, x, w), dw.as_deref(), dbias.as_deref())?;
         let (dys, ws) = (dy.values(), w.values());
         let mut dx = vec![0f32; n * k];
         gemm::matmul(&dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
         if let Some(dw) = dw {
-            expect_shape("matmul_bwd", "dw", dw, &[m, k])?;
             gemm::matmul_tn_acc(&dys, &x.values(), (n, m, k), dw.f32_mut("matmul_bwd")?);
         }
         if let Some(db) = dbias {
-            ensure(db.numel() == m, "matmul_bwd", || "dbias length".into())?;
             let db = db.f32_mut("matmul_bwd")?;
             for row in dys.chunks_exact(m) {
                 db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
@@ -474,13 +438,9 @@ impl Backend for Cpu {
         qkv: &CpuTensor,
         s: AttentionShape,
     ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
+        check::split_qkv(self, qkv, s)?;
         let (n, d) = (qkv.rows(), s.head_dim);
         let per_group = s.heads / s.groups;
-        ensure(
-            qkv.cols() == s.groups * (per_group + 2) * d,
-            "split_qkv",
-            || format!("{:?} for {s:?}", qkv.shape),
-        )?;
         let mut q = Vec::with_capacity(n * s.heads * d);
         let mut k = Vec::with_capacity(n * s.groups * d);
         let mut v = Vec::with_capacity(n * s.groups * d);
@@ -506,11 +466,8 @@ impl Backend for Cpu {
         dv: &CpuTensor,
         s: AttentionShape,
     ) -> Result<CpuTensor> {
-        let (n, d) = (dq.rows(), s.head_dim);
-        let per_group = s.heads / s.groups;
-        expect_shape("merge_qkv", "dq", dq, &[n, s.heads * d])?;
-        expect_shape("merge_qkv", "dk", dk, &[n, s.groups * d])?;
-        expect_shape("merge_qkv", "dv", dv, &[n, s.groups * d])?;
+        let n = check::heads(self, "merge_qkv", (dq, dk, dv), s)?;
+        let (d, per_group) = (s.head_dim, s.heads / s.groups);
         let (q, k, v) = (dq.values(), dk.values(), dv.values());
         let width = s.groups * (per_group + 2) * d;
         let mut out = Vec::with_capacity(n * width);
@@ -533,14 +490,8 @@ impl Backend for Cpu {
         sin: &CpuTensor,
         inverse: bool,
     ) -> Result<()> {
+        check::rope(self, x, cos, sin)?;
         let width = x.cols();
-        ensure(
-            cos.shape == sin.shape
-                && cos.rows() == x.rows()
-                && width.is_multiple_of(2 * cos.cols()),
-            "rope",
-            || format!("x {:?} with cos/sin {:?}", x.shape, cos.shape),
-        )?;
         let (cos, sin) = (cos.values(), sin.values());
         match &mut x.data {
             Data::F32(v) => rope::rope(v, width, &cos, &sin, inverse),
@@ -561,11 +512,7 @@ impl Backend for Cpu {
         segments: &[Range<usize>],
         s: AttentionShape,
     ) -> Result<(CpuTensor, CpuTensor)> {
-        let n = q.rows();
-        expect_shape("attention", "q", q, &[n, s.heads * s.head_dim])?;
-        expect_shape("attention", "k", k, &[n, s.groups * s.head_dim])?;
-        expect_shape("attention", "v", v, &[n, s.groups * s.head_dim])?;
-        check_segments("attention", segments, n)?;
+        let n = check::attention(self, (q, k, v), segments, s)?;
         let (mut o, mut lse) = (
             vec![0f32; n * s.heads * s.head_dim],
             vec![0f32; n * s.heads],
@@ -589,12 +536,8 @@ impl Backend for Cpu {
         segments: &[Range<usize>],
         s: AttentionShape,
     ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
-        let n = q.rows();
-        for (what, t) in [("dO", d_o), ("o", o)] {
-            expect_shape("attention_bwd", what, t, &q.shape)?;
-        }
-        expect_shape("attention_bwd", "lse", lse, &[n, s.heads])?;
-        check_segments("attention_bwd", segments, n)?;
+        let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
+        check::expect_shape(self, "attention_bwd", "lse", lse, &[n, s.heads])?;
         let (mut dq, mut dk, mut dv) = (
             vec![0f32; q.numel()],
             vec![0f32; k.numel()],
@@ -627,21 +570,12 @@ impl Backend for Cpu {
     }
 
     fn kv_store(&self, cache: &mut CpuTensor, x: &CpuTensor, segments: &[Segment]) -> Result<()> {
-        let (slots, capacity, width) = (cache.shape[0], cache.shape[1], cache.shape[2]);
+        check::kv_store(self, cache, x, segments)?;
+        let (capacity, width) = (cache.shape[1], cache.shape[2]);
         let rows = x.values();
-        ensure(
-            rows.len() == segments.iter().map(|s| s.len).sum::<usize>() * width,
-            "kv_store",
-            || "rows and segments disagree".into(),
-        )?;
         let dst = cache.f32_mut("kv_store")?;
         let mut r = 0;
         for s in segments {
-            ensure(
-                s.slot < slots && s.past + s.len <= capacity,
-                "kv_store",
-                || format!("segment {s:?} outside the KV cache of {slots} × {capacity}"),
-            )?;
             let at = (s.slot * capacity + s.past) * width;
             dst[at..at + s.len * width].copy_from_slice(&rows[r * width..(r + s.len) * width]);
             r += s.len;
@@ -657,17 +591,8 @@ impl Backend for Cpu {
         segments: &[Segment],
         s: AttentionShape,
     ) -> Result<CpuTensor> {
-        let (slots, capacity, width) = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]);
-        let rows: usize = segments.iter().map(|seg| seg.len).sum();
-        expect_shape("cached_attention", "q", q, &[rows, s.heads * s.head_dim])?;
-        ensure(
-            width == s.groups * s.head_dim
-                && segments
-                    .iter()
-                    .all(|seg| seg.slot < slots && seg.past + seg.len <= capacity),
-            "cached_attention",
-            || "a segment lies outside the KV cache".into(),
-        )?;
+        check::cached_attention(self, q, k_cache, segments, s)?;
+        let (capacity, width) = (k_cache.shape[1], k_cache.shape[2]);
         let out = attention::cached_attention_fwd(
             &q.values(),
             &k_cache.values(),
@@ -680,25 +605,23 @@ impl Backend for Cpu {
     }
 
     fn swiglu(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        check::swiglu(self, x, None)?;
         let f = x.cols() / 2;
-        ensure(x.cols().is_multiple_of(2), "swiglu", || {
-            format!("odd width {}", x.cols())
-        })?;
         let mut out = vec![0f32; x.rows() * f];
         swiglu::swiglu_fwd(&x.values(), f, &mut out);
         Ok(CpuTensor::stored(vec![x.rows(), f], out, x.dtype()))
     }
 
     fn swiglu_bwd(&self, dy: &CpuTensor, x: &CpuTensor) -> Result<CpuTensor> {
+        check::swiglu(self, x, Some(dy))?;
         let f = x.cols() / 2;
-        expect_shape("swiglu_bwd", "dy", dy, &[x.rows(), f])?;
         let mut dx = vec![0f32; x.numel()];
         swiglu::swiglu_bwd(&dy.values(), &x.values(), f, &mut dx);
         Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        expect_shape("add_assign", "y", y, &x.shape.clone())?;
+        check::expect_shape(self, "add_assign", "y", y, &x.shape)?;
         let ys = y.values();
         match &mut x.data {
             Data::F32(v) => v
@@ -727,12 +650,8 @@ impl Backend for Cpu {
     }
 
     fn cross_entropy(&self, logits: &CpuTensor, labels: &[u32]) -> Result<(CpuTensor, CpuTensor)> {
+        check::cross_entropy(self, logits, labels)?;
         let (n, v) = (logits.rows(), logits.cols());
-        ensure(
-            labels.len() == n && labels.iter().all(|&l| (l as usize) < v),
-            "cross_entropy",
-            || format!("{} labels below {v} for {n} rows", labels.len()),
-        )?;
         let (mut loss, mut lse) = (vec![0f32; n], vec![0f32; n]);
         loss::cross_entropy_fwd(&logits.values(), labels, v, &mut loss, &mut lse);
         Ok((CpuTensor::new(vec![n], loss), CpuTensor::new(vec![n], lse)))
@@ -745,10 +664,8 @@ impl Backend for Cpu {
         lse: &CpuTensor,
         dloss: &CpuTensor,
     ) -> Result<CpuTensor> {
-        let (n, v) = (logits.rows(), logits.cols());
-        expect_shape("cross_entropy_bwd", "lse", lse, &[n])?;
-        expect_shape("cross_entropy_bwd", "dloss", dloss, &[n])?;
-        ensure(labels.len() == n, "cross_entropy_bwd", || "labels".into())?;
+        check::cross_entropy_bwd(self, &logits, labels, lse, dloss)?;
+        let v = logits.cols();
         let dtype = logits.dtype();
         let shape = logits.shape.clone();
         let mut values = match logits.data {
@@ -771,7 +688,7 @@ impl Backend for Cpu {
     }
 
     fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
-        expect_shape("copy_into", "src", src, &dst.shape.clone())?;
+        check::expect_shape(self, "copy_into", "src", src, &dst.shape)?;
         *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype());
         Ok(())
     }
@@ -799,9 +716,7 @@ impl Backend for Cpu {
         v: &mut CpuTensor,
         step: AdamWStep,
     ) -> Result<()> {
-        for (what, t) in [("grad", grad), ("m", &*m), ("v", &*v)] {
-            expect_shape("adamw", what, t, &param.shape.clone())?;
-        }
+        check::adamw(self, param, [("grad", grad), ("m", m), ("v", v)])?;
         let g = grad.values();
         optim::adamw(
             param.f32_mut("adamw")?,

@@ -1,0 +1,291 @@
+//! The operators' contract on shapes, checked once for every backend: each function takes
+//! the operator's inputs on any [`Device`] and fails with [`EngineError::Invalid`] naming the
+//! operator and what does not fit.
+
+use super::{ensure, AttentionShape, Device, EngineError, Result, Segment};
+use std::ops::Range;
+
+fn rows(shape: &[usize]) -> usize {
+    shape.first().copied().unwrap_or(1)
+}
+
+fn cols(shape: &[usize]) -> usize {
+    shape.iter().skip(1).product()
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// `Invalid` unless `t` has `shape`.
+pub fn expect_shape<D: Device>(
+    d: &D,
+    op: &'static str,
+    what: &str,
+    t: &D::Tensor,
+    shape: &[usize],
+) -> Result<()> {
+    let got = d.shape(t);
+    ensure(got == shape, op, || {
+        format!("{what} is {got:?}, expected {shape:?}")
+    })
+}
+
+/// Token ids below the `[v, h]` table's rows.
+pub fn ids<D: Device>(d: &D, op: &'static str, table: &D::Tensor, ids: &[u32]) -> Result<()> {
+    let v = rows(d.shape(table));
+    match ids.iter().find(|&&id| id as usize >= v) {
+        Some(bad) => Err(EngineError::Invalid {
+            op,
+            msg: format!("token id {bad} outside the table's {v} rows"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// [`super::Backend::embedding_bwd`].
+pub fn embedding_bwd<D: Device>(
+    d: &D,
+    dy: &D::Tensor,
+    token_ids: &[u32],
+    dtable: &D::Tensor,
+) -> Result<()> {
+    expect_shape(
+        d,
+        "embedding_bwd",
+        "dy",
+        dy,
+        &[token_ids.len(), cols(d.shape(dtable))],
+    )?;
+    ids(d, "embedding_bwd", dtable, token_ids)
+}
+
+/// [`super::Backend::select_rows`].
+pub fn select_rows<D: Device>(d: &D, x: &D::Tensor, selected: &[usize]) -> Result<()> {
+    let n = rows(d.shape(x));
+    ensure(selected.iter().all(|&r| r < n), "select_rows", || {
+        format!("rows {selected:?} of {n}")
+    })
+}
+
+/// [`super::Backend::rms_norm`].
+pub fn rms_norm<D: Device>(d: &D, x: &D::Tensor, gamma: &D::Tensor) -> Result<()> {
+    let (h, g) = (cols(d.shape(x)), numel(d.shape(gamma)));
+    ensure(g == h, "rms_norm", || format!("γ of {g} for rows of {h}"))
+}
+
+/// [`super::Backend::rms_norm_bwd`].
+pub fn rms_norm_bwd<D: Device>(
+    d: &D,
+    (dy, x, rstd): (&D::Tensor, &D::Tensor, &D::Tensor),
+    gamma: &D::Tensor,
+    dgamma: Option<&D::Tensor>,
+) -> Result<()> {
+    let (n, h) = (rows(d.shape(x)), cols(d.shape(x)));
+    expect_shape(d, "rms_norm_bwd", "dy", dy, d.shape(x))?;
+    expect_shape(d, "rms_norm_bwd", "rstd", rstd, &[n])?;
+    ensure(
+        numel(d.shape(gamma)) == h && dgamma.is_none_or(|g| numel(d.shape(g)) == h),
+        "rms_norm_bwd",
+        || "γ / dγ length".into(),
+    )
+}
+
+/// [`super::Backend::matmul`]: `(n, k, m)`.
+pub fn matmul<D: Device>(
+    d: &D,
+    x: &D::Tensor,
+    w: &D::Tensor,
+    bias: Option<&D::Tensor>,
+) -> Result<(usize, usize, usize)> {
+    let (n, k, m) = (rows(d.shape(x)), cols(d.shape(x)), rows(d.shape(w)));
+    ensure(cols(d.shape(w)) == k, "matmul", || {
+        format!("[{n}, {k}] by {:?}ᵀ", d.shape(w))
+    })?;
+    if let Some(b) = bias {
+        let len = numel(d.shape(b));
+        ensure(len == m, "matmul", || {
+            format!("bias of {len} for {m} outputs")
+        })?;
+    }
+    Ok((n, k, m))
+}
+
+/// [`super::Backend::matmul_bwd`]: `(n, k, m)`.
+pub fn matmul_bwd<D: Device>(
+    d: &D,
+    (dy, x, w): (&D::Tensor, &D::Tensor, &D::Tensor),
+    dw: Option<&D::Tensor>,
+    dbias: Option<&D::Tensor>,
+) -> Result<(usize, usize, usize)> {
+    let (n, k, m) = (rows(d.shape(x)), cols(d.shape(x)), rows(d.shape(w)));
+    expect_shape(d, "matmul_bwd", "dy", dy, &[n, m])?;
+    if let Some(dw) = dw {
+        expect_shape(d, "matmul_bwd", "dw", dw, &[m, k])?;
+    }
+    ensure(
+        dbias.is_none_or(|b| numel(d.shape(b)) == m),
+        "matmul_bwd",
+        || "dbias length".into(),
+    )?;
+    Ok((n, k, m))
+}
+
+/// [`super::Backend::split_qkv`].
+pub fn split_qkv<D: Device>(d: &D, qkv: &D::Tensor, s: AttentionShape) -> Result<()> {
+    let width = s.groups * (s.heads / s.groups + 2) * s.head_dim;
+    ensure(cols(d.shape(qkv)) == width, "split_qkv", || {
+        format!("{:?} for {s:?}", d.shape(qkv))
+    })
+}
+
+/// [`super::Backend::merge_qkv`] (and the `q`, `k`, `v` of attention): each `[n, heads·d]`
+/// or `[n, groups·d]`.
+pub fn heads<D: Device>(
+    d: &D,
+    op: &'static str,
+    (q, k, v): (&D::Tensor, &D::Tensor, &D::Tensor),
+    s: AttentionShape,
+) -> Result<usize> {
+    let n = rows(d.shape(q));
+    expect_shape(d, op, "q", q, &[n, s.heads * s.head_dim])?;
+    expect_shape(d, op, "k", k, &[n, s.groups * s.head_dim])?;
+    expect_shape(d, op, "v", v, &[n, s.groups * s.head_dim])?;
+    Ok(n)
+}
+
+/// [`super::Backend::rope`].
+pub fn rope<D: Device>(d: &D, x: &D::Tensor, cos: &D::Tensor, sin: &D::Tensor) -> Result<()> {
+    let (xs, cs) = (d.shape(x), d.shape(cos));
+    ensure(
+        cs == d.shape(sin)
+            && rows(cs) == rows(xs)
+            && cols(cs) > 0
+            && cols(xs).is_multiple_of(2 * cols(cs)),
+        "rope",
+        || format!("x {xs:?} with cos/sin {cs:?}"),
+    )
+}
+
+/// [`super::Backend::attention`]: the rows.
+pub fn attention<D: Device>(
+    d: &D,
+    qkv: (&D::Tensor, &D::Tensor, &D::Tensor),
+    segments: &[Range<usize>],
+    s: AttentionShape,
+) -> Result<usize> {
+    let n = heads(d, "attention", qkv, s)?;
+    super::check_segments("attention", segments, n)?;
+    Ok(n)
+}
+
+/// [`super::Backend::attention_bwd`] (the saved statistics are the backend's own).
+pub fn attention_bwd<D: Device>(
+    d: &D,
+    d_o: &D::Tensor,
+    qkv: (&D::Tensor, &D::Tensor, &D::Tensor),
+    o: &D::Tensor,
+    segments: &[Range<usize>],
+    s: AttentionShape,
+) -> Result<usize> {
+    let n = heads(d, "attention_bwd", qkv, s)?;
+    for (what, t) in [("dO", d_o), ("o", o)] {
+        expect_shape(d, "attention_bwd", what, t, d.shape(qkv.0))?;
+    }
+    super::check_segments("attention_bwd", segments, n)?;
+    Ok(n)
+}
+
+/// [`super::Backend::kv_store`]: each segment inside a `[slots, capacity, width]` cache.
+pub fn kv_store<D: Device>(
+    d: &D,
+    cache: &D::Tensor,
+    x: &D::Tensor,
+    segments: &[Segment],
+) -> Result<()> {
+    let width = d.shape(cache)[2];
+    ensure(
+        numel(d.shape(x)) == segments.iter().map(|s| s.len).sum::<usize>() * width,
+        "kv_store",
+        || "rows and segments disagree".into(),
+    )?;
+    in_cache(d, "kv_store", cache, segments)
+}
+
+/// Every segment inside the cache's slots and capacity.
+fn in_cache<D: Device>(
+    d: &D,
+    op: &'static str,
+    cache: &D::Tensor,
+    segments: &[Segment],
+) -> Result<()> {
+    let (slots, capacity) = (d.shape(cache)[0], d.shape(cache)[1]);
+    match segments
+        .iter()
+        .find(|s| s.slot >= slots || s.past + s.len > capacity)
+    {
+        Some(s) => Err(EngineError::Invalid {
+            op,
+            msg: format!("segment {s:?} outside the KV cache of {slots} × {capacity}"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// [`super::Backend::cached_attention`]: the rows.
+pub fn cached_attention<D: Device>(
+    d: &D,
+    q: &D::Tensor,
+    cache: &D::Tensor,
+    segments: &[Segment],
+    s: AttentionShape,
+) -> Result<usize> {
+    let rows: usize = segments.iter().map(|seg| seg.len).sum();
+    expect_shape(d, "cached_attention", "q", q, &[rows, s.heads * s.head_dim])?;
+    let width = d.shape(cache)[2];
+    ensure(width == s.groups * s.head_dim, "cached_attention", || {
+        format!("cache rows of {width} for {s:?}")
+    })?;
+    in_cache(d, "cached_attention", cache, segments)?;
+    Ok(rows)
+}
+
+/// [`super::Backend::swiglu`] and its backward (`dy`).
+pub fn swiglu<D: Device>(d: &D, x: &D::Tensor, dy: Option<&D::Tensor>) -> Result<()> {
+    let (n, w) = (rows(d.shape(x)), cols(d.shape(x)));
+    ensure(w.is_multiple_of(2), "swiglu", || format!("odd width {w}"))?;
+    match dy {
+        Some(dy) => expect_shape(d, "swiglu_bwd", "dy", dy, &[n, w / 2]),
+        None => Ok(()),
+    }
+}
+
+/// [`super::Backend::cross_entropy`].
+pub fn cross_entropy<D: Device>(d: &D, logits: &D::Tensor, labels: &[u32]) -> Result<()> {
+    let (n, v) = (rows(d.shape(logits)), cols(d.shape(logits)));
+    ensure(
+        labels.len() == n && labels.iter().all(|&l| (l as usize) < v),
+        "cross_entropy",
+        || format!("{} labels below {v} for {n} rows", labels.len()),
+    )
+}
+
+/// [`super::Backend::cross_entropy_bwd`].
+pub fn cross_entropy_bwd<D: Device>(
+    d: &D,
+    logits: &D::Tensor,
+    labels: &[u32],
+    lse: &D::Tensor,
+    dloss: &D::Tensor,
+) -> Result<()> {
+    let n = rows(d.shape(logits));
+    expect_shape(d, "cross_entropy_bwd", "lse", lse, &[n])?;
+    expect_shape(d, "cross_entropy_bwd", "dloss", dloss, &[n])?;
+    ensure(labels.len() == n, "cross_entropy_bwd", || "labels".into())
+}
+
+/// [`super::Backend::adamw`].
+pub fn adamw<D: Device>(d: &D, param: &D::Tensor, rest: [(&str, &D::Tensor); 3]) -> Result<()> {
+    rest.iter()
+        .try_for_each(|(what, t)| expect_shape(d, "adamw", what, t, d.shape(param)))
+}
