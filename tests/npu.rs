@@ -364,3 +364,32 @@ fn generate_and_eval_on_the_stand_in_equal_the_cpu() {
     };
     assert_eq!(results("cpu"), results("npu"));
 }
+
+#[test]
+fn without_a_rope_kernel_the_backend_says_so_and_falls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cmd, report) = on_stand_in(dir.path(), &["selftest", "--device", "npu"]);
+    cmd.env("MINDKIT_STAND_IN_NO_KERNEL", "aclnnRotaryPositionEmbedding");
+    let out = cmd.assert().success();
+    let (table, err) = (
+        String::from_utf8_lossy(&out.get_output().stdout),
+        String::from_utf8_lossy(&out.get_output().stderr),
+    );
+    assert!(
+        err.contains("no kernel of aclnnRotaryPositionEmbedding")
+            && err.contains("runs as aclnnMul + aclnnInplaceAdd"),
+        "{err}"
+    );
+    assert!(
+        table
+            .lines()
+            .filter(|l| l.starts_with("rope "))
+            .all(|l| l.ends_with("ok")),
+        "{table}"
+    );
+    let counted = std::fs::read_to_string(report).unwrap();
+    assert!(
+        counted.contains("\"aclnnMul\"") && !counted.contains("aclnnRotaryPositionEmbedding"),
+        "{counted}"
+    );
+}

@@ -20,6 +20,7 @@ use crate::tensor::host::{decode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
 use ascendcl_sys::aclnn::{aclOpExecutor, aclnnStatus};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 impl From<NpuError> for EngineError {
@@ -35,6 +36,9 @@ const CAUSAL_MASK: usize = 2048;
 const STAT_LANES: usize = 8;
 /// Flash attention's right-down causal sparse mode.
 const RIGHT_DOWN_CAUSAL: i64 = 3;
+/// aclnn's status for an operator without a kernel for the SoC
+/// (`ACLNN_ERR_INNER_FIND_KERNEL_ERROR`).
+const FIND_KERNEL_ERROR: i32 = 561003;
 /// Cross entropy's ignore index (torch's default; no label equals it).
 const IGNORE_INDEX: i64 = -100;
 
@@ -74,6 +78,9 @@ pub struct Npu {
     ctx: Arc<Context>,
     soc: String,
     causal_mask: OnceLock<NpuTensor>,
+    /// Set when CANN lacks aclnnRotaryPositionEmbedding (its symbol, or a kernel for this SoC):
+    /// rotary embedding then runs as aclnnMul and aclnnInplaceAdd.
+    rope_by_mul: AtomicBool,
 }
 
 /// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
@@ -102,13 +109,127 @@ impl Npu {
     /// Open device `id` (CANN is loaded from its usual places, `ascendcl_sys::candidates`).
     pub fn open(id: i32) -> std::result::Result<Npu, NpuError> {
         let ctx = Context::open(id)?;
+        let rope_symbols = ctx
+            .op
+            .aclnnRotaryPositionEmbeddingGetWorkspaceSize
+            .zip(ctx.op.aclnnRotaryPositionEmbedding);
         // SAFETY: the runtime's own NUL-terminated string.
         let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
-        Ok(Npu {
+        let npu = Npu {
             ctx,
             soc,
             causal_mask: OnceLock::new(),
-        })
+            rope_by_mul: AtomicBool::new(false),
+        };
+        if rope_symbols.is_none() {
+            npu.fall_back_to_mul_rope("has no function aclnnRotaryPositionEmbedding");
+        }
+        Ok(npu)
+    }
+
+    /// Run rotary embedding as aclnnMul and aclnnInplaceAdd from now on, saying so once.
+    fn fall_back_to_mul_rope(&self, why: &str) {
+        if !self.rope_by_mul.swap(true, Ordering::Relaxed) {
+            eprintln!(
+                "mindkit: warning: this CANN {why}: rotary embedding runs as aclnnMul + aclnnInplaceAdd (slower)"
+            );
+        }
+    }
+
+    /// `out = x·cos + rotate_half(x)·sin` by the fused operator; `Ok(false)` when CANN has no
+    /// kernel for it.
+    fn rope_fused(&self, x: &View, cos: &View, sin: &View, out: &View) -> Result<bool> {
+        let (Some(prepare), Some(launch)) = (
+            self.ctx.op.aclnnRotaryPositionEmbeddingGetWorkspaceSize,
+            self.ctx.op.aclnnRotaryPositionEmbedding,
+        ) else {
+            return Ok(false);
+        };
+        let c = &self.ctx;
+        let (xd, cd, sd, od) = (c.tensor(x)?, c.tensor(cos)?, c.tensor(sin)?, c.tensor(out)?);
+        let done = c.run(
+            "aclnnRotaryPositionEmbedding",
+            // SAFETY: the descriptors outlive the launch; ws and ex are valid out-pointers.
+            |ws, ex| unsafe { prepare(xd.raw, cd.raw, sd.raw, 0, od.raw, ws, ex) },
+            launch,
+        );
+        match done {
+            Err(NpuError::Call {
+                code: FIND_KERNEL_ERROR,
+                ..
+            }) => {
+                self.fall_back_to_mul_rope(
+                    "has no kernel of aclnnRotaryPositionEmbedding for this SoC",
+                );
+                Ok(false)
+            }
+            other => Ok(other.map(|()| true)?),
+        }
+    }
+
+    /// `out = x·cos + rotate_half(x)·sin` by aclnnMul and aclnnInplaceAdd, for `x`, `out`
+    /// `[n, heads, d]` and the tables `[n, 1, d]`.
+    fn rope_by_mul(
+        &self,
+        x: &NpuTensor,
+        (cos, sin): (&View, &View),
+        out: &NpuTensor,
+        d: usize,
+    ) -> Result<()> {
+        let (n, width, half) = (x.rows(), x.cols(), d / 2);
+        let heads = [n, width / d, d];
+        let halves = |t: &NpuTensor, at: usize| {
+            t.view()
+                .strided(&[n, width / d, half], &[width as i64, d as i64, 1], at)
+        };
+        let rotated = self.empty(&x.shape, x.dtype)?;
+        {
+            let c = &self.ctx;
+            let (src, dst, minus) = (
+                c.tensor(&halves(x, half))?,
+                c.tensor(&halves(&rotated, 0))?,
+                c.scalar(-1.0)?,
+            );
+            aclnn!(
+                self,
+                aclnnMulsGetWorkspaceSize,
+                aclnnMuls,
+                src.raw,
+                minus.raw,
+                dst.raw
+            )?;
+        }
+        self.copy_view(&halves(&rotated, half), &halves(x, 0))?;
+        self.mul_view(
+            &x.view().reshaped(&heads, 0),
+            cos,
+            &out.view().reshaped(&heads, 0),
+        )?;
+        // A separate product: no operator writes over its own input.
+        let sin_term = self.empty(&x.shape, x.dtype)?;
+        self.mul_view(
+            &rotated.view().reshaped(&heads, 0),
+            sin,
+            &sin_term.view().reshaped(&heads, 0),
+        )?;
+        self.add_view(&out.view(), &sin_term.view())
+    }
+
+    /// `out = a · b` through views, `b` broadcast to `a` (aclnnMul).
+    fn mul_view(&self, a: &View, b: &View, out: &View) -> Result<()> {
+        let (x, y, o) = (
+            self.ctx.tensor(a)?,
+            self.ctx.tensor(b)?,
+            self.ctx.tensor(out)?,
+        );
+        aclnn!(
+            self,
+            aclnnMulGetWorkspaceSize,
+            aclnnMul,
+            x.raw,
+            y.raw,
+            o.raw
+        )
     }
 
     /// Device memory handed out, cached, and the peak handed out, in bytes.
@@ -649,28 +770,21 @@ impl Backend for Npu {
             self.scale(&mut s, -1.0)?;
         }
         let out = self.empty(&x.shape, x.dtype)?;
-        {
-            let table = [1, n, 1, d];
-            let rows = [1, n, width / d, d];
-            let ctx = &self.ctx;
-            let (xd, cd) = (
-                ctx.tensor(&x.view().reshaped(&rows, 0))?,
-                ctx.tensor(&c.view().reshaped(&table, 0))?,
-            );
-            let (sd, od) = (
-                ctx.tensor(&s.view().reshaped(&table, 0))?,
-                ctx.tensor(&out.view().reshaped(&rows, 0))?,
-            );
-            aclnn!(
-                self,
-                aclnnRotaryPositionEmbeddingGetWorkspaceSize,
-                aclnnRotaryPositionEmbedding,
-                xd.raw,
-                cd.raw,
-                sd.raw,
-                0,
-                od.raw,
+        let (table, rows) = ([1, n, 1, d], [1, n, width / d, d]);
+        let four = |t: &NpuTensor, dims: &[usize]| t.view().reshaped(dims, 0);
+        let fused = !self.rope_by_mul.load(Ordering::Relaxed)
+            && self.rope_fused(
+                &four(x, &rows),
+                &four(&c, &table),
+                &four(&s, &table),
+                &four(&out, &rows),
             )?;
+        if !fused {
+            let (ct, st) = (
+                c.view().reshaped(&[n, 1, d], 0),
+                s.view().reshaped(&[n, 1, d], 0),
+            );
+            self.rope_by_mul(x, (&ct, &st), &out, d)?;
         }
         *x = out;
         Ok(())

@@ -136,3 +136,6 @@ aclnnStatus aclnnInplaceMuls(void *workspace, uint64_t workspaceSize, aclOpExecu
 aclnnStatus aclnnForeachNormGetWorkspaceSize(const aclTensorList *x, const aclScalar *scalar, const aclTensorList *out,
                                              uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnForeachNorm(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+aclnnStatus aclnnMulGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
+                                     uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnMul(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);

@@ -132,10 +132,10 @@ pub mod opapi {
         fn aclnnInplaceCopyGetWorkspaceSize(self_ref: *mut aclTensor, src: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnInplaceCopyGetWorkspaceSize`].
         fn aclnnInplaceCopy(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
-        /// out = x·cos + rotate(x)·sin (`mode` 0: rotate_half); x 4-D, cos/sin broadcast to it.
-        fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
-        /// Launch of [`Functions::aclnnRotaryPositionEmbeddingGetWorkspaceSize`].
-        fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = self · other (broadcast).
+        fn aclnnMulGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMulGetWorkspaceSize`].
+        fn aclnnMul(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
         /// Flash attention over packed sequences (layout "TND", cumulative lengths); softmax max
         /// and sum `[T, N, 8]` (fp32) saved for the backward.
         fn aclnnFlashAttentionVarLenScoreGetWorkspaceSize(query: *const aclTensor, key: *const aclTensor, value: *const aclTensor, real_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, softmax_max_out: *const aclTensor, softmax_sum_out: *const aclTensor, softmax_out_out: *const aclTensor, attention_out_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
@@ -173,6 +173,14 @@ pub mod opapi {
         fn aclnnForeachNormGetWorkspaceSize(x: *const aclTensorList, scalar: *const aclScalar, out: *const aclTensorList, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnForeachNormGetWorkspaceSize`].
         fn aclnnForeachNorm(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+
+        optional:
+        /// out = x·cos + rotate(x)·sin (`mode` 0: rotate_half); x 4-D, cos/sin broadcast to it.
+        /// Its header is not in 8.1.RC1's (ops-transformer's op_api header), and its symbol is
+        /// not certain to be in every libopapi.so: without it RoPE runs as Mul and Add.
+        fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnRotaryPositionEmbeddingGetWorkspaceSize`].
+        fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

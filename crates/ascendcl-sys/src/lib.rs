@@ -111,35 +111,51 @@ cann_constants! {
 
 /// Declares a library's C functions as a `Functions` struct of function pointers, resolved
 /// together when the library is loaded, and lists them in `FUNCTIONS` for the header check.
-/// Shared with `hccl-sys`.
+/// Functions after `optional:` may be missing from an installed CANN (the caller has a
+/// fallback): their fields are `Option`s. Shared with `hccl-sys`.
 #[macro_export]
 macro_rules! cann_functions {
-    ($($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
+    ($($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*
+     $(optional: $($(#[$odoc:meta])* fn $oname:ident($($oarg:ident: $oty:ty),*) -> $oret:ty;)*)?) => {
         /// The library's functions, resolved once when it is loaded.
         #[derive(Clone, Copy)]
         pub struct Functions {
             $($(#[$doc])* pub $name: unsafe extern "C" fn($($arg: $ty),*) -> $ret,)*
+            $($($(#[$odoc])* pub $oname: Option<unsafe extern "C" fn($($oarg: $oty),*) -> $oret>,)*)?
         }
 
         impl Functions {
-            /// Resolve every function; the first missing one is named.
+            /// Resolve every function; the required ones that are missing are named, all of
+            /// them.
             ///
             /// # Safety
             /// `lib` must be the CANN library these declarations follow (the symbols must have
             /// the declared types).
-            pub unsafe fn resolve(lib: &$crate::libloading::Library) -> Result<Self, String> {
+            pub unsafe fn resolve(lib: &$crate::libloading::Library) -> Result<Self, Vec<String>> {
+                let mut missing = Vec::new();
+                $(let $name = lib
+                    .get(concat!(stringify!($name), "\0").as_bytes())
+                    .map(|f| *f)
+                    .map_err(|_| missing.push(stringify!($name).to_string()));)*
+                if !missing.is_empty() {
+                    return Err(missing);
+                }
                 Ok(Functions {
-                    $($name: *lib
-                        .get(concat!(stringify!($name), "\0").as_bytes())
-                        .map_err(|_| stringify!($name).to_string())?,)*
+                    $($name: $name.expect("resolved above"),)*
+                    $($($oname: lib
+                        .get(concat!(stringify!($oname), "\0").as_bytes())
+                        .map(|f| *f)
+                        .ok(),)*)?
                 })
             }
         }
 
-        /// Every function declared here, as `(name, return type, parameter types)` in Rust
-        /// syntax, for the header check.
-        pub const FUNCTIONS: &[(&str, &str, &[&str])] =
-            &[$((stringify!($name), stringify!($ret), &[$(stringify!($ty)),*])),*];
+        /// Every function declared here (optional ones too), as `(name, return type,
+        /// parameter types)` in Rust syntax, for the header check.
+        pub const FUNCTIONS: &[(&str, &str, &[&str])] = &[
+            $((stringify!($name), stringify!($ret), &[$(stringify!($ty)),*]),)*
+            $($((stringify!($oname), stringify!($oret), &[$(stringify!($oty)),*]),)*)?
+        ];
     };
 }
 
@@ -206,12 +222,12 @@ pub enum LoadError {
         /// `(path, why it failed)` in search order.
         tried: Vec<(PathBuf, String)>,
     },
-    /// The library opened but lacks a function mindkit needs.
+    /// The library opened but lacks functions mindkit needs.
     MissingSymbol {
         /// The file opened.
         path: PathBuf,
-        /// The function.
-        symbol: String,
+        /// The functions.
+        symbols: Vec<String>,
     },
 }
 
@@ -235,10 +251,11 @@ impl std::fmt::Display for LoadError {
                      or set ASCEND_TOOLKIT_HOME to the toolkit's directory"
                 )
             }
-            LoadError::MissingSymbol { path, symbol } => write!(
+            LoadError::MissingSymbol { path, symbols } => write!(
                 f,
-                "{} has no function {symbol}: this CANN is older than mindkit needs (8.1.RC1 or newer)",
-                path.display()
+                "{} has no function {}: this CANN is older than mindkit needs (8.1.RC1 or newer)",
+                path.display(),
+                symbols.join(", ")
             ),
         }
     }
@@ -261,7 +278,7 @@ pub struct Loaded<F> {
 /// `resolve` must only declare functions the CANN library `library` exports, with their types.
 pub unsafe fn open<F>(
     library: &str,
-    resolve: unsafe fn(&libloading::Library) -> Result<F, String>,
+    resolve: unsafe fn(&libloading::Library) -> Result<F, Vec<String>>,
 ) -> Result<Loaded<F>, LoadError> {
     let mut tried = Vec::new();
     for path in candidates(library) {
@@ -269,9 +286,9 @@ pub unsafe fn open<F>(
         match unsafe { libloading::Library::new(&path) } {
             Ok(lib) => {
                 // SAFETY: the caller's declarations follow this library's headers.
-                let api = unsafe { resolve(&lib) }.map_err(|symbol| LoadError::MissingSymbol {
+                let api = unsafe { resolve(&lib) }.map_err(|symbols| LoadError::MissingSymbol {
                     path: path.clone(),
-                    symbol,
+                    symbols,
                 })?;
                 return Ok(Loaded {
                     path,

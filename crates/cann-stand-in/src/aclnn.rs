@@ -662,6 +662,17 @@ impl Plan<'_> {
 
 /// Phase 1 of `op`: `build` checks the arguments and returns the workspace size and kernel;
 /// the executor is written to `executor_out`.
+/// aclnn's status when an operator has no kernel for the SoC (as a CANN whose op package lacks
+/// it answers).
+const ACLNN_ERR_INNER_FIND_KERNEL_ERROR: aclnnStatus = 561003;
+
+/// Whether `MINDKIT_STAND_IN_NO_KERNEL` (operator names, comma-separated) lists `op`, to play a
+/// CANN that lacks it.
+fn without_kernel(op: &str) -> bool {
+    std::env::var("MINDKIT_STAND_IN_NO_KERNEL")
+        .is_ok_and(|ops| ops.split(',').any(|o| o.trim() == op))
+}
+
 pub(crate) fn phase1(
     op: &'static str,
     workspace_out: *mut u64,
@@ -680,6 +691,12 @@ pub(crate) fn phase1(
             return Err(fail(
                 ACLNN_ERR_PARAM_NULLPTR,
                 format!("{call}: workspaceSize or executor is NULL"),
+            ));
+        }
+        if without_kernel(op) {
+            return Err(fail(
+                ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
+                format!("{call}: no kernel of {op} for this SoC (MINDKIT_STAND_IN_NO_KERNEL)"),
             ));
         }
         let mut plan = Plan {

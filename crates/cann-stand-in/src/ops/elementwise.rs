@@ -66,38 +66,60 @@ fn add(
     executor: Ex,
 ) -> aclnnStatus {
     phase1(op, workspace_size, executor, |p| {
-        let in_place = a == out;
-        let (self_name, out_name) = if in_place {
-            ("selfRef", "selfRef")
-        } else {
-            ("self", "out")
-        };
-        let x = p.input(a, self_name)?;
-        let y = p.input(b, "other")?;
         let alpha = (sign * p.scalar(alpha, "alpha")?) as f32;
-        let o = p.output(out, out_name)?;
-        let shape = broadcast_shape(&x.dims, &y.dims);
-        ensure!(
-            p,
-            shape.as_deref() == Some(&o.dims[..]),
-            "other {:?} and {self_name} {:?} do not broadcast to {out_name} {:?}",
-            y.dims,
-            x.dims,
-            o.dims
-        );
-        let (x, y) = (x.broadcast_to(&o.dims), y.broadcast_to(&o.dims));
-        let (x, y) = (x.expect("broadcast checked"), y.expect("broadcast checked"));
-        let kernel: Kernel = Box::new(move || {
-            let sum: Vec<f32> = x
-                .read()
-                .iter()
-                .zip(y.read())
-                .map(|(a, b)| a + alpha * b)
-                .collect();
-            o.write(&sum);
-            Ok(())
-        });
-        Ok((0, kernel))
+        binary(p, (a, b, out), move |x, y| x + alpha * y)
+    })
+}
+
+/// `out = f(self, other)` elementwise, other broadcast to self (`out` may be `self`).
+fn binary(
+    p: &mut Plan,
+    (a, b, out): (*const aclTensor, *const aclTensor, *const aclTensor),
+    f: impl Fn(f32, f32) -> f32 + Send + 'static,
+) -> Result<(u64, Kernel), aclnnStatus> {
+    let in_place = a == out;
+    let (self_name, out_name) = if in_place {
+        ("selfRef", "selfRef")
+    } else {
+        ("self", "out")
+    };
+    let x = p.input(a, self_name)?;
+    let y = p.input(b, "other")?;
+    let o = p.output(out, out_name)?;
+    let shape = broadcast_shape(&x.dims, &y.dims);
+    ensure!(
+        p,
+        shape.as_deref() == Some(&o.dims[..]),
+        "other {:?} and {self_name} {:?} do not broadcast to {out_name} {:?}",
+        y.dims,
+        x.dims,
+        o.dims
+    );
+    let (x, y) = (x.broadcast_to(&o.dims), y.broadcast_to(&o.dims));
+    let (x, y) = (x.expect("broadcast checked"), y.expect("broadcast checked"));
+    let kernel: Kernel = Box::new(move || {
+        let values: Vec<f32> = x
+            .read()
+            .iter()
+            .zip(y.read())
+            .map(|(a, b)| f(*a, b))
+            .collect();
+        o.write(&values);
+        Ok(())
+    });
+    Ok((0, kernel))
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnMulGetWorkspaceSize(
+    self_: *const aclTensor,
+    other: *const aclTensor,
+    out: *mut aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1("aclnnMul", workspace_size, executor, |p| {
+        binary(p, (self_, other, out as *const aclTensor), |x, y| x * y)
     })
 }
 
