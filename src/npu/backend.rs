@@ -34,6 +34,10 @@ impl From<NpuError> for EngineError {
 const CAUSAL_MASK: usize = 2048;
 /// Lanes of flash attention's softmax statistics per row and head.
 const STAT_LANES: usize = 8;
+/// Flash attention's band (ignored in the causal sparse modes; MindSpeed's values).
+const PRE_TOKENS: i64 = 65536;
+/// See [`PRE_TOKENS`].
+const NEXT_TOKENS: i64 = 0;
 /// Flash attention's right-down causal sparse mode.
 const RIGHT_DOWN_CAUSAL: i64 = 3;
 /// aclnn's status for an operator without a kernel for the SoC
@@ -99,10 +103,18 @@ macro_rules! aclnn {
     }};
 }
 
-/// A NUL-terminated string for an operator's `char *` parameter.
-fn c_text<const N: usize>(s: &[u8; N]) -> [u8; N] {
-    debug_assert_eq!(s[N - 1], 0);
-    *s
+/// Flash attention's softmax max and sum in `stats [2, rows, heads, 8]`.
+fn softmax_stats(stats: &NpuTensor) -> (View, View) {
+    let dims = &stats.shape[1..];
+    let per: usize = dims.iter().product();
+    let part = |i: usize| stats.view().reshaped(dims, i * per);
+    (part(0), part(1))
+}
+
+/// An empty tensor for flash attention's outputs and inputs it does not use (op-plugin
+/// passes `at::empty({0})` there).
+fn empty_view(t: &NpuTensor) -> View {
+    t.view().reshaped(&[0], 0)
 }
 
 impl Npu {
@@ -375,15 +387,13 @@ impl Npu {
         out: &View,
     ) -> Result<()> {
         let c = &self.ctx;
-        let rows = stats.shape[1];
-        let per = rows * s.heads * STAT_LANES;
-        let stat = |i: usize| stats.view().reshaped(&[rows, s.heads, STAT_LANES], i * per);
+        let (max, sum) = softmax_stats(stats);
         let (qd, kd, vd) = (c.tensor(q)?, c.tensor(k)?, c.tensor(v)?);
         let mask = c.tensor(&self.causal_mask()?.view())?;
         let (sq, skv) = (c.int_array(cum_q)?, c.int_array(cum_kv)?);
-        let (max, sum, o) = (c.tensor(&stat(0))?, c.tensor(&stat(1))?, c.tensor(out)?);
-        let unused = c.tensor(&stats.view().reshaped(&[0], 0))?;
-        let mut layout = c_text(b"TND\0");
+        let (max, sum, o) = (c.tensor(&max)?, c.tensor(&sum)?, c.tensor(out)?);
+        let unused = c.tensor(&empty_view(stats))?;
+        let mut layout = *b"TND\0";
         let null = std::ptr::null();
         aclnn!(
             self,
@@ -401,8 +411,8 @@ impl Npu {
             skv.raw,
             f64::from(s.scale),
             1.0,
-            65536,
-            0,
+            PRE_TOKENS,
+            NEXT_TOKENS,
             s.heads as i64,
             layout.as_mut_ptr().cast(),
             0,
@@ -838,21 +848,19 @@ impl Backend for Npu {
             let c = &self.ctx;
             let (qv, kv, vv) = heads_views(q, k, v, s);
             let (dqv, dkv, dvv) = heads_views(&dq, &dk, &dv, s);
-            let per = n * s.heads * STAT_LANES;
-            let stat = |i: usize| stats.view().reshaped(&[n, s.heads, STAT_LANES], i * per);
+            let (max, sum) = softmax_stats(stats);
             let rows = [n, s.heads, s.head_dim];
             let (qd, kd, vd) = (c.tensor(&qv)?, c.tensor(&kv)?, c.tensor(&vv)?);
             let (dyd, od) = (
                 c.tensor(&d_o.view().reshaped(&rows, 0))?,
                 c.tensor(&o.view().reshaped(&rows, 0))?,
             );
-            let (max, sum) = (c.tensor(&stat(0))?, c.tensor(&stat(1))?);
+            let (max, sum) = (c.tensor(&max)?, c.tensor(&sum)?);
             let mask = c.tensor(&self.causal_mask()?.view())?;
             let (sq, skv) = (c.int_array(&cum)?, c.int_array(&cum)?);
             let (dqd, dkd, dvd) = (c.tensor(&dqv)?, c.tensor(&dkv)?, c.tensor(&dvv)?);
-            let unused = || c.tensor(&stats.view().reshaped(&[0], 0));
-            let (softmax_in, dpse) = (unused()?, unused()?);
-            let mut layout = c_text(b"TND\0");
+            let (softmax_in, dpse) = (c.tensor(&empty_view(stats))?, c.tensor(&empty_view(stats))?);
+            let mut layout = *b"TND\0";
             let null = std::ptr::null();
             aclnn!(
                 self,
@@ -875,8 +883,8 @@ impl Backend for Npu {
                 skv.raw,
                 f64::from(s.scale),
                 1.0,
-                65536,
-                0,
+                PRE_TOKENS,
+                NEXT_TOKENS,
                 s.heads as i64,
                 layout.as_mut_ptr().cast(),
                 0,
@@ -1029,7 +1037,7 @@ impl Backend for Npu {
                 c.tensor(&zloss.view().reshaped(&[n], 0))?,
                 c.tensor(&zloss.view().reshaped(&[n], n))?,
             );
-            let mut reduction = c_text(b"none\0");
+            let mut reduction = *b"none\0";
             aclnn!(
                 self,
                 aclnnCrossEntropyLossGetWorkspaceSize,
@@ -1087,7 +1095,7 @@ impl Backend for Npu {
             );
             let out = c.tensor(&grad.matrix())?;
             let null = std::ptr::null();
-            let mut reduction = c_text(b"none\0");
+            let mut reduction = *b"none\0";
             aclnn!(
                 self,
                 aclnnCrossEntropyLossGradGetWorkspaceSize,

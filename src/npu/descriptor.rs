@@ -7,10 +7,11 @@ use super::NpuError;
 use crate::tensor::DType;
 use ascendcl_sys::aclnn::{aclIntArray, aclScalar, aclTensor, aclTensorList};
 use ascendcl_sys::{
-    aclDataType, ACL_BF16, ACL_BOOL, ACL_FLOAT, ACL_FLOAT16, ACL_FORMAT_ND, ACL_INT32, ACL_INT64,
-    ACL_UINT8,
+    aclDataType, ACL_BF16, ACL_BOOL, ACL_DOUBLE, ACL_FLOAT, ACL_FLOAT16, ACL_FORMAT_ND, ACL_INT16,
+    ACL_INT32, ACL_INT64, ACL_INT8, ACL_UINT8,
 };
 use std::ffi::c_void;
+use std::marker::PhantomData;
 
 /// CANN's code of a dtype.
 pub fn acl_dtype(dtype: DType) -> aclDataType {
@@ -22,8 +23,9 @@ pub fn acl_dtype(dtype: DType) -> aclDataType {
         DType::I32 => ACL_INT32,
         DType::U8 => ACL_UINT8,
         DType::Bool => ACL_BOOL,
-        // Not produced by the backend (it stores only the types above).
-        DType::F64 | DType::I16 | DType::I8 => ACL_FLOAT,
+        DType::F64 => ACL_DOUBLE,
+        DType::I16 => ACL_INT16,
+        DType::I8 => ACL_INT8,
     }
 }
 
@@ -96,12 +98,12 @@ pub struct HostDesc<'c, T> {
     /// The descriptor.
     pub raw: *mut T,
     destroy: unsafe extern "C" fn(*const T) -> i32,
-    ctx: &'c Context,
+    /// The descriptor lives no longer than the loaded library its `destroy` belongs to.
+    _ctx: PhantomData<&'c Context>,
 }
 
 impl<T> Drop for HostDesc<'_, T> {
     fn drop(&mut self) {
-        let _ = self.ctx;
         // SAFETY: created by the matching aclCreate* function.
         unsafe { (self.destroy)(self.raw) };
     }
@@ -139,7 +141,7 @@ impl Context {
         Ok(HostDesc {
             raw,
             destroy: self.nn.aclDestroyScalar,
-            ctx: self,
+            _ctx: PhantomData,
         })
     }
 
@@ -151,7 +153,7 @@ impl Context {
         Ok(HostDesc {
             raw,
             destroy: self.nn.aclDestroyIntArray,
-            ctx: self,
+            _ctx: PhantomData,
         })
     }
 
@@ -170,7 +172,7 @@ impl Context {
         Ok(HostDesc {
             raw,
             destroy: self.nn.aclDestroyTensorList,
-            ctx: self,
+            _ctx: PhantomData,
         })
     }
 

@@ -95,12 +95,18 @@ cann_constants! {
     ACL_FLOAT: aclDataType = 0;
     /// fp16.
     ACL_FLOAT16: aclDataType = 1;
+    /// int8.
+    ACL_INT8: aclDataType = 2;
     /// int32.
     ACL_INT32: aclDataType = 3;
+    /// int16.
+    ACL_INT16: aclDataType = 6;
     /// uint8.
     ACL_UINT8: aclDataType = 4;
     /// int64.
     ACL_INT64: aclDataType = 9;
+    /// fp64.
+    ACL_DOUBLE: aclDataType = 11;
     /// bool (one byte).
     ACL_BOOL: aclDataType = 12;
     /// bf16.
