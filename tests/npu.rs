@@ -365,31 +365,67 @@ fn generate_and_eval_on_the_stand_in_equal_the_cpu() {
     assert_eq!(results("cpu"), results("npu"));
 }
 
-#[test]
-fn without_a_rope_kernel_the_backend_says_so_and_falls_back() {
+/// Selftest on a stand-in without the kernels of `missing`: the warning names the operator
+/// and the composition `instead`, the `checks` rows pass, and the stand-in ran `used` in place
+/// of `missing`.
+fn falls_back(missing: &[&str], instead: &str, checks: &[&str], used: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let (mut cmd, report) = on_stand_in(dir.path(), &["selftest", "--device", "npu"]);
-    cmd.env("MINDKIT_STAND_IN_NO_KERNEL", "aclnnRotaryPositionEmbedding");
+    cmd.env("MINDKIT_STAND_IN_NO_KERNEL", missing.join(","));
     let out = cmd.assert().success();
     let (table, err) = (
         String::from_utf8_lossy(&out.get_output().stdout),
         String::from_utf8_lossy(&out.get_output().stderr),
     );
     assert!(
-        err.contains("no kernel of aclnnRotaryPositionEmbedding")
-            && err.contains("runs as aclnnMul + aclnnInplaceAdd"),
+        err.contains(&format!("no kernel of {}", missing[0]))
+            && err.contains(&format!("runs as {instead}"))
+            && err.matches("warning").count() == 1,
         "{err}"
     );
-    assert!(
-        table
+    for check in checks {
+        let rows: Vec<&str> = table
             .lines()
-            .filter(|l| l.starts_with("rope "))
-            .all(|l| l.ends_with("ok")),
-        "{table}"
-    );
+            .filter(|l| l.starts_with(&format!("{check} ")))
+            .collect();
+        assert!(
+            rows.len() == 3 && rows.iter().all(|l| l.ends_with("ok")),
+            "{table}"
+        );
+    }
     let counted = std::fs::read_to_string(report).unwrap();
     assert!(
-        counted.contains("\"aclnnMul\"") && !counted.contains("aclnnRotaryPositionEmbedding"),
+        used.iter().all(|op| counted.contains(&format!("\"{op}\"")))
+            && missing.iter().all(|op| !counted.contains(op)),
         "{counted}"
     );
+}
+
+#[test]
+fn without_a_rope_kernel_the_backend_says_so_and_falls_back() {
+    falls_back(
+        &["aclnnRotaryPositionEmbedding"],
+        "aclnnMul + aclnnInplaceAdd",
+        &["rope"],
+        &["aclnnMul"],
+    );
+}
+
+#[test]
+fn without_flash_attention_kernels_attention_runs_as_batch_matmul_and_softmax() {
+    let attention = ["attention", "attention_bwd", "cached_attention"];
+    let used = [
+        "aclnnBatchMatMul",
+        "aclnnSoftmax",
+        "aclnnSoftmaxBackward",
+        "aclnnInplaceMaskedFillScalar",
+    ];
+    let instead = "aclnnBatchMatMul + aclnnSoftmax(+Backward)";
+    let both = [
+        "aclnnFlashAttentionVarLenScore",
+        "aclnnFlashAttentionUnpaddingScoreGrad",
+    ];
+    falls_back(&both, instead, &attention, &used);
+    // A CANN with the forward kernel but not the backward's: the backward falls back.
+    falls_back(&both[1..], instead, &attention, &used);
 }

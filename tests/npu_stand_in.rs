@@ -625,33 +625,35 @@ fn causal_flash_attention_over_two_sequences_matches_a_naive_one() {
             (c.nn.aclCreateIntArray)(lq.as_ptr(), 2),
             (c.nn.aclCreateIntArray)(lk.as_ptr(), 2),
         );
-        c.ok((op.aclnnFlashAttentionVarLenScoreGetWorkspaceSize)(
-            tq,
-            tkk,
-            tv,
-            null_mut(),
-            null_mut(),
-            null_mut(),
-            tm,
-            null_mut(),
-            aq,
-            ak,
-            f64::from(scale),
-            1.0,
-            65536,
-            0,
-            n as i64,
-            tnd,
-            0,
-            3,
-            tmax,
-            tsum,
-            empty,
-            to,
-            &mut ws,
-            &mut ex,
-        ));
-        c.launch(op.aclnnFlashAttentionVarLenScore, ws, ex);
+        c.ok(
+            (op.aclnnFlashAttentionVarLenScoreGetWorkspaceSize.unwrap())(
+                tq,
+                tkk,
+                tv,
+                null_mut(),
+                null_mut(),
+                null_mut(),
+                tm,
+                null_mut(),
+                aq,
+                ak,
+                f64::from(scale),
+                1.0,
+                65536,
+                0,
+                n as i64,
+                tnd,
+                0,
+                3,
+                tmax,
+                tsum,
+                empty,
+                to,
+                &mut ws,
+                &mut ex,
+            ),
+        );
+        c.launch(op.aclnnFlashAttentionVarLenScore.unwrap(), ws, ex);
         c.ok((c.nn.aclDestroyIntArray)(aq));
         c.ok((c.nn.aclDestroyIntArray)(ak));
     }
@@ -673,6 +675,78 @@ fn causal_flash_attention_over_two_sequences_matches_a_naive_one() {
     c.destroy(&[tq, tkk, tv, to, tmax, tsum, tm, empty]);
     for p in [pq, pk, pv, po, pmax, psum, pm] {
         c.free(p);
+    }
+    c.ok(c.finalize());
+}
+
+#[test]
+fn the_attention_fallback_operators_compute_and_refuse_what_they_should() {
+    let c = Cann::open();
+    let (nn, op) = (c.nn, c.op);
+    let (mut ws, mut ex) = (0u64, null_mut());
+    // two rows of three scores; the mask hides the last column of the first row
+    let scores = c.upload(&[1.0, 2.0, 3.0, 0.5, -1.0, 2.0]);
+    let mask = c.upload_bytes(&[0, 0, 1, 0, 0, 0]);
+    let (x, m) = (
+        c.tensor(scores, &[2, 3], ACL_FLOAT),
+        c.tensor(mask, &[2, 3], ACL_BOOL),
+    );
+    let as_float = c.tensor(scores, &[2, 3], ACL_FLOAT);
+    let narrow = c.tensor(mask, &[2, 2], ACL_BOOL);
+    let p_buf = c.upload(&[0.0; 6]);
+    let p = c.tensor(p_buf, &[2, 3], ACL_FLOAT);
+    let dy_buf = c.upload(&[0.3, -0.2, 0.9, 1.0, 0.0, -1.0]);
+    let dy = c.tensor(dy_buf, &[2, 3], ACL_FLOAT);
+    let dx_buf = c.upload(&[0.0; 6]);
+    let dx = c.tensor(dx_buf, &[2, 3], ACL_FLOAT);
+    let minus_inf = f32::NEG_INFINITY;
+    // SAFETY: valid out-pointers, descriptors of the stand-in, a host scalar.
+    unsafe {
+        let fill = (nn.aclCreateScalar)(&minus_inf as *const f32 as *mut c_void, ACL_FLOAT);
+        let masked_fill = op.aclnnInplaceMaskedFillScalarGetWorkspaceSize;
+        c.refused(
+            masked_fill(x, as_float, fill, &mut ws, &mut ex),
+            161002,
+            "mask",
+        );
+        c.refused(
+            masked_fill(x, narrow, fill, &mut ws, &mut ex),
+            161002,
+            "does not broadcast",
+        );
+        c.ok(masked_fill(x, m, fill, &mut ws, &mut ex));
+        c.launch(op.aclnnInplaceMaskedFillScalar, ws, ex);
+        c.ok((op.aclnnSoftmaxGetWorkspaceSize)(
+            x, -1, p, &mut ws, &mut ex,
+        ));
+        c.launch(op.aclnnSoftmax, ws, ex);
+        c.ok((op.aclnnSoftmaxBackwardGetWorkspaceSize)(
+            dy, p, -1, dx, &mut ws, &mut ex,
+        ));
+        c.launch(op.aclnnSoftmaxBackward, ws, ex);
+        c.refused(
+            (op.aclnnBatchMatMulGetWorkspaceSize)(x, x, p, 0, &mut ws, &mut ex),
+            161002,
+            "must be 3-D with the same batch",
+        );
+        c.ok((nn.aclDestroyScalar)(fill));
+    }
+    let (rows, grads) = (c.download(p_buf, 6), c.download(dx_buf, 6));
+    let want: [[f64; 3]; 2] = [[1.0, 2.0, f64::NEG_INFINITY], [0.5, -1.0, 2.0]];
+    let upstream = [[0.3, -0.2, 0.9], [1.0, 0.0, -1.0]];
+    for (r, (scores, dys)) in want.iter().zip(upstream).enumerate() {
+        let total: f64 = scores.iter().map(|s| s.exp()).sum();
+        let y: Vec<f64> = scores.iter().map(|s| s.exp() / total).collect();
+        let dot: f64 = y.iter().zip(dys).map(|(y, d)| y * d).sum();
+        for i in 0..3 {
+            let dx = y[i] * (dys[i] - dot);
+            assert!((f64::from(rows[r * 3 + i]) - y[i]).abs() < 1e-6, "{rows:?}");
+            assert!((f64::from(grads[r * 3 + i]) - dx).abs() < 1e-6, "{grads:?}");
+        }
+    }
+    c.destroy(&[x, m, as_float, narrow, p, dy, dx]);
+    for buf in [scores, mask, p_buf, dy_buf, dx_buf] {
+        c.free(buf);
     }
     c.ok(c.finalize());
 }

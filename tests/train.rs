@@ -561,9 +561,10 @@ fn sigterm_with_exit_signal_handler_saves_and_exits_cleanly() {
         .is_file());
 }
 
-/// `mindkit train` with `args` on the CANN stand-in (`--device npu`): its log, and what the
-/// stand-in counted (allocations, synchronizations, launches…).
-fn train_on_stand_in(dir: &Path, args: &[String]) -> (String, serde_json::Value) {
+/// `mindkit train` with `args` on the CANN stand-in (`--device npu`) lacking the kernels of
+/// `no_kernel` (comma-separated): its log, and what the stand-in counted (allocations,
+/// synchronizations, launches…).
+fn train_on_stand_in(dir: &Path, args: &[String], no_kernel: &str) -> (String, serde_json::Value) {
     let home = common::toolkit(&dir.join("toolkit"), common::stand_in());
     let report = dir.join("report.json");
     let out = assert_cmd::Command::cargo_bin("mindkit")
@@ -572,6 +573,7 @@ fn train_on_stand_in(dir: &Path, args: &[String]) -> (String, serde_json::Value)
         .args(["--device", "npu"])
         .env("ASCEND_TOOLKIT_HOME", &home)
         .env("MINDKIT_STAND_IN_REPORT", &report)
+        .env("MINDKIT_STAND_IN_NO_KERNEL", no_kernel)
         .env_remove("ASCEND_HOME_PATH")
         .env_remove("LD_LIBRARY_PATH")
         .assert()
@@ -595,20 +597,29 @@ fn field(log: &str, name: &str) -> Vec<f64> {
 fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_per_step() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    for (precision, tolerance) in [(None, 1e-4), (Some("--bf16"), 2e-2)] {
+    // fp32 and bf16 on flash attention, and fp32 on a CANN without its kernels (attention by
+    // BatchMatMul and Softmax).
+    let flash = "aclnnFlashAttentionVarLenScore";
+    for (precision, tolerance, no_kernel) in [
+        (None, 1e-4, ""),
+        (Some("--bf16"), 2e-2, ""),
+        (None, 1e-4, flash),
+    ] {
         let extra: Vec<&str> = ["--train-iters", "6"]
             .into_iter()
             .chain(precision)
             .collect();
         let cpu = stdout(&run(&args(&data, &extra)).success());
-        let (npu, _) = train_on_stand_in(dir.path(), &args(&data, &extra));
+        let (npu, counted) = train_on_stand_in(dir.path(), &args(&data, &extra), no_kernel);
+        let batched = counted["ops"].get("aclnnBatchMatMul").is_some();
+        assert_eq!(batched, !no_kernel.is_empty(), "{counted}");
         for name in ["lm loss", "grad norm"] {
             let (c, n) = (field(&cpu, name), field(&npu, name));
             assert_eq!(c.len(), 6, "{cpu}");
             for (i, (a, b)) in c.iter().zip(&n).enumerate() {
                 assert!(
                     (a - b).abs() <= tolerance * a.abs(),
-                    "{precision:?} iteration {}: {name} cpu {a} npu {b}",
+                    "{precision:?} {no_kernel} iteration {}: {name} cpu {a} npu {b}",
                     i + 1
                 );
             }
@@ -616,7 +627,7 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
     }
     // Steps after the first allocate nothing and wait for the device once.
     let counts =
-        |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters])).1;
+        |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters]), "").1;
     let (three, six) = (counts("3"), counts("6"));
     assert_eq!(three["allocations"], six["allocations"], "{three} {six}");
     assert_eq!(

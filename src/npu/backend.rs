@@ -21,7 +21,7 @@ use crate::tensor::DType;
 use ascendcl_sys::aclnn::{aclOpExecutor, aclnnStatus};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 
 impl From<NpuError> for EngineError {
     fn from(e: NpuError) -> Self {
@@ -34,12 +34,6 @@ impl From<NpuError> for EngineError {
 const CAUSAL_MASK: usize = 2048;
 /// Lanes of flash attention's softmax statistics per row and head.
 const STAT_LANES: usize = 8;
-/// Flash attention's band (ignored in the causal sparse modes; MindSpeed's values).
-const PRE_TOKENS: i64 = 65536;
-/// See [`PRE_TOKENS`].
-const NEXT_TOKENS: i64 = 0;
-/// Flash attention's right-down causal sparse mode.
-const RIGHT_DOWN_CAUSAL: i64 = 3;
 /// aclnn's status for an operator without a kernel for the SoC
 /// (`ACLNN_ERR_INNER_FIND_KERNEL_ERROR`).
 const FIND_KERNEL_ERROR: i32 = 561003;
@@ -77,14 +71,48 @@ impl NpuTensor {
     }
 }
 
+/// A fused operator CANN may lack (its functions, or a kernel for the SoC) and the
+/// composition of common operators that runs in its place then.
+struct Fused {
+    op: &'static str,
+    instead: &'static str,
+    absent: AtomicBool,
+}
+
+impl Fused {
+    fn new(op: &'static str, instead: &'static str) -> Fused {
+        Fused {
+            op,
+            instead,
+            absent: AtomicBool::new(false),
+        }
+    }
+
+    fn absent(&self) -> bool {
+        self.absent.load(Ordering::Relaxed)
+    }
+
+    /// Run the composition from now on, saying why once.
+    fn give_up(&self, why: &str) {
+        if !self.absent.swap(true, Ordering::Relaxed) {
+            eprintln!(
+                "mindkit: warning: this CANN {why}: {} runs as {} (slower)",
+                self.op, self.instead
+            );
+        }
+    }
+}
+
 /// One Ascend NPU (one stream).
 pub struct Npu {
     ctx: Arc<Context>,
     soc: String,
-    causal_mask: OnceLock<NpuTensor>,
-    /// Set when CANN lacks aclnnRotaryPositionEmbedding (its symbol, or a kernel for this SoC):
-    /// rotary embedding then runs as aclnnMul and aclnnInplaceAdd.
-    rope_by_mul: AtomicBool,
+    /// The causal mask, grown on demand ([`Npu::causal_mask`]).
+    causal_mask: Mutex<Option<NpuTensor>>,
+    /// aclnnRotaryPositionEmbedding, or aclnnMul and aclnnInplaceAdd.
+    rope: Fused,
+    /// Flash attention, or BatchMatMul and Softmax ([`attention`]).
+    flash: Fused,
 }
 
 /// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
@@ -102,6 +130,10 @@ macro_rules! aclnn {
         )
     }};
 }
+
+mod attention;
+
+use attention::Sequence;
 
 /// Flash attention's softmax max and sum in `stats [2, rows, heads, 8]`.
 fn softmax_stats(stats: &NpuTensor) -> (View, View) {
@@ -121,31 +153,37 @@ impl Npu {
     /// Open device `id` (CANN is loaded from its usual places, `ascendcl_sys::candidates`).
     pub fn open(id: i32) -> std::result::Result<Npu, NpuError> {
         let ctx = Context::open(id)?;
-        let rope_symbols = ctx
-            .op
-            .aclnnRotaryPositionEmbeddingGetWorkspaceSize
-            .zip(ctx.op.aclnnRotaryPositionEmbedding);
+        let op = &ctx.op;
+        let rope = op.aclnnRotaryPositionEmbeddingGetWorkspaceSize.is_some()
+            && op.aclnnRotaryPositionEmbedding.is_some();
+        let flash = op.aclnnFlashAttentionVarLenScoreGetWorkspaceSize.is_some()
+            && op.aclnnFlashAttentionVarLenScore.is_some()
+            && op
+                .aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize
+                .is_some()
+            && op.aclnnFlashAttentionUnpaddingScoreGrad.is_some();
         // SAFETY: the runtime's own NUL-terminated string.
         let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
         let npu = Npu {
             ctx,
             soc,
-            causal_mask: OnceLock::new(),
-            rope_by_mul: AtomicBool::new(false),
+            causal_mask: Mutex::new(None),
+            rope: Fused::new("rotary embedding", "aclnnMul + aclnnInplaceAdd"),
+            flash: Fused::new(
+                "attention",
+                "aclnnBatchMatMul + aclnnSoftmax(+Backward), one sequence at a time",
+            ),
         };
-        if rope_symbols.is_none() {
-            npu.fall_back_to_mul_rope("has no function aclnnRotaryPositionEmbedding");
+        if !rope {
+            npu.rope
+                .give_up("has no function aclnnRotaryPositionEmbedding");
         }
-        Ok(npu)
-    }
-
-    /// Run rotary embedding as aclnnMul and aclnnInplaceAdd from now on, saying so once.
-    fn fall_back_to_mul_rope(&self, why: &str) {
-        if !self.rope_by_mul.swap(true, Ordering::Relaxed) {
-            eprintln!(
-                "mindkit: warning: this CANN {why}: rotary embedding runs as aclnnMul + aclnnInplaceAdd (slower)"
+        if !flash {
+            npu.flash.give_up(
+                "has no function aclnnFlashAttentionVarLenScore or aclnnFlashAttentionUnpaddingScoreGrad",
             );
         }
+        Ok(npu)
     }
 
     /// `out = x·cos + rotate_half(x)·sin` by the fused operator; `Ok(false)` when CANN has no
@@ -170,9 +208,8 @@ impl Npu {
                 code: FIND_KERNEL_ERROR,
                 ..
             }) => {
-                self.fall_back_to_mul_rope(
-                    "has no kernel of aclnnRotaryPositionEmbedding for this SoC",
-                );
+                self.rope
+                    .give_up("has no kernel of aclnnRotaryPositionEmbedding for this SoC");
                 Ok(false)
             }
             other => Ok(other.map(|()| true)?),
@@ -359,68 +396,6 @@ impl Npu {
             w.raw,
             o.raw,
             0
-        )
-    }
-
-    /// The compressed causal mask flash attention takes in sparse mode 3 (1 = masked).
-    fn causal_mask(&self) -> Result<&NpuTensor> {
-        if let Some(mask) = self.causal_mask.get() {
-            return Ok(mask);
-        }
-        let bytes = (0..CAUSAL_MASK * CAUSAL_MASK)
-            .map(|i| u8::from(i % CAUSAL_MASK > i / CAUSAL_MASK))
-            .collect();
-        let mask = self.upload_bytes(&[CAUSAL_MASK, CAUSAL_MASK], DType::U8, bytes)?;
-        Ok(self.causal_mask.get_or_init(|| mask))
-    }
-
-    /// Causal flash attention over packed sequences (TND): query rows `q [tq, heads, d]`
-    /// against `k`, `v [tk, groups, d]`, sequence boundaries as cumulative lengths; writes
-    /// `out` and the softmax statistics `stats [2, tq, heads, 8]`.
-    #[allow(clippy::too_many_arguments)]
-    fn flash_attention(
-        &self,
-        (q, k, v): (&View, &View, &View),
-        (cum_q, cum_kv): (&[i64], &[i64]),
-        s: AttentionShape,
-        stats: &NpuTensor,
-        out: &View,
-    ) -> Result<()> {
-        let c = &self.ctx;
-        let (max, sum) = softmax_stats(stats);
-        let (qd, kd, vd) = (c.tensor(q)?, c.tensor(k)?, c.tensor(v)?);
-        let mask = c.tensor(&self.causal_mask()?.view())?;
-        let (sq, skv) = (c.int_array(cum_q)?, c.int_array(cum_kv)?);
-        let (max, sum, o) = (c.tensor(&max)?, c.tensor(&sum)?, c.tensor(out)?);
-        let unused = c.tensor(&empty_view(stats))?;
-        let mut layout = *b"TND\0";
-        let null = std::ptr::null();
-        aclnn!(
-            self,
-            aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
-            aclnnFlashAttentionVarLenScore,
-            qd.raw,
-            kd.raw,
-            vd.raw,
-            null,
-            null,
-            null,
-            mask.raw,
-            std::ptr::null(),
-            sq.raw,
-            skv.raw,
-            f64::from(s.scale),
-            1.0,
-            PRE_TOKENS,
-            NEXT_TOKENS,
-            s.heads as i64,
-            layout.as_mut_ptr().cast(),
-            0,
-            RIGHT_DOWN_CAUSAL,
-            max.raw,
-            sum.raw,
-            unused.raw,
-            o.raw,
         )
     }
 
@@ -782,7 +757,7 @@ impl Backend for Npu {
         let out = self.empty(&x.shape, x.dtype)?;
         let (table, rows) = ([1, n, 1, d], [1, n, width / d, d]);
         let four = |t: &NpuTensor, dims: &[usize]| t.view().reshaped(dims, 0);
-        let fused = !self.rope_by_mul.load(Ordering::Relaxed)
+        let fused = !self.rope.absent()
             && self.rope_fused(
                 &four(x, &rows),
                 &four(&c, &table),
@@ -814,7 +789,14 @@ impl Backend for Npu {
         let stats = self.empty(&[2, n, s.heads, STAT_LANES], DType::F32)?;
         let (qv, kv, vv) = heads_views(q, k, v, s);
         let out = o.view().reshaped(&[n, s.heads, s.head_dim], 0);
-        self.flash_attention((&qv, &kv, &vv), (&cum, &cum), s, &stats, &out)?;
+        let fused = !self.flash.absent()
+            && self.flash_attention(((&qv, &kv, &vv), (&cum, &cum)), s, &stats, &out)?;
+        if !fused {
+            for seq in sequences(segments, s) {
+                let qkv = (&q.view(), &k.view(), &v.view());
+                self.attention_by_matmul(qkv, seq, (s, q.dtype), &o.view())?;
+            }
+        }
         Ok((o, stats))
     }
 
@@ -844,56 +826,27 @@ impl Backend for Npu {
             self.empty(&k.shape, d_o.dtype)?,
             self.empty(&v.shape, d_o.dtype)?,
         );
-        {
-            let c = &self.ctx;
+        let fused = !self.flash.absent() && {
+            let rows = [n, s.heads, s.head_dim];
+            let (dy, ov) = (d_o.view().reshaped(&rows, 0), o.view().reshaped(&rows, 0));
             let (qv, kv, vv) = heads_views(q, k, v, s);
             let (dqv, dkv, dvv) = heads_views(&dq, &dk, &dv, s);
-            let (max, sum) = softmax_stats(stats);
-            let rows = [n, s.heads, s.head_dim];
-            let (qd, kd, vd) = (c.tensor(&qv)?, c.tensor(&kv)?, c.tensor(&vv)?);
-            let (dyd, od) = (
-                c.tensor(&d_o.view().reshaped(&rows, 0))?,
-                c.tensor(&o.view().reshaped(&rows, 0))?,
-            );
-            let (max, sum) = (c.tensor(&max)?, c.tensor(&sum)?);
-            let mask = c.tensor(&self.causal_mask()?.view())?;
-            let (sq, skv) = (c.int_array(&cum)?, c.int_array(&cum)?);
-            let (dqd, dkd, dvd) = (c.tensor(&dqv)?, c.tensor(&dkv)?, c.tensor(&dvv)?);
-            let (softmax_in, dpse) = (c.tensor(&empty_view(stats))?, c.tensor(&empty_view(stats))?);
-            let mut layout = *b"TND\0";
-            let null = std::ptr::null();
-            aclnn!(
-                self,
-                aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
-                aclnnFlashAttentionUnpaddingScoreGrad,
-                qd.raw,
-                kd.raw,
-                vd.raw,
-                dyd.raw,
-                null,
-                null,
-                null,
-                mask.raw,
-                max.raw,
-                sum.raw,
-                softmax_in.raw,
-                od.raw,
-                std::ptr::null(),
-                sq.raw,
-                skv.raw,
-                f64::from(s.scale),
-                1.0,
-                PRE_TOKENS,
-                NEXT_TOKENS,
-                s.heads as i64,
-                layout.as_mut_ptr().cast(),
-                0,
-                RIGHT_DOWN_CAUSAL,
-                dqd.raw,
-                dkd.raw,
-                dvd.raw,
-                dpse.raw,
-            )?;
+            self.flash_attention_grad(
+                ((&qv, &kv, &vv), (&cum, &cum)),
+                (&dy, &ov, stats),
+                (&dqv, &dkv, &dvv),
+                s,
+            )?
+        };
+        if !fused {
+            for seq in sequences(segments, s) {
+                self.attention_bwd_by_matmul(
+                    (&d_o.view(), &q.view(), &k.view(), &v.view()),
+                    seq,
+                    (s, d_o.dtype),
+                    (&dq.view(), &dk.view(), &dv.view()),
+                )?;
+            }
         }
         Ok((dq, dk, dv))
     }
@@ -932,20 +885,35 @@ impl Backend for Npu {
         let out = self.empty(&[rows, hd], DType::F32)?;
         let mut r = 0;
         for seg in segments {
-            let seen = seg.past + seg.len;
-            let at = seg.slot * capacity * width;
-            let kv = |t: &NpuTensor| t.view().reshaped(&[seen, s.groups, s.head_dim], at);
-            let qv = qf.view().reshaped(&[seg.len, s.heads, s.head_dim], r * hd);
-            let ov = out.view().reshaped(&[seg.len, s.heads, s.head_dim], r * hd);
+            let seq = Sequence {
+                q_at: r * hd,
+                kv_at: seg.slot * capacity * width,
+                len: seg.len,
+                kv_len: seg.past + seg.len,
+            };
+            let kv = |t: &NpuTensor| {
+                t.view()
+                    .reshaped(&[seq.kv_len, s.groups, s.head_dim], seq.kv_at)
+            };
+            let qv = qf
+                .view()
+                .reshaped(&[seg.len, s.heads, s.head_dim], seq.q_at);
+            let ov = out
+                .view()
+                .reshaped(&[seg.len, s.heads, s.head_dim], seq.q_at);
             let stats = self.empty(&[2, seg.len, s.heads, STAT_LANES], DType::F32)?;
-            let cum = ([seg.len as i64], [seen as i64]);
-            self.flash_attention(
-                (&qv, &kv(k_cache), &kv(v_cache)),
-                (&cum.0, &cum.1),
-                s,
-                &stats,
-                &ov,
-            )?;
+            let cum = ([seg.len as i64], [seq.kv_len as i64]);
+            let fused = !self.flash.absent()
+                && self.flash_attention(
+                    ((&qv, &kv(k_cache), &kv(v_cache)), (&cum.0, &cum.1)),
+                    s,
+                    &stats,
+                    &ov,
+                )?;
+            if !fused {
+                let qkv = (&qf.view(), &k_cache.view(), &v_cache.view());
+                self.attention_by_matmul(qkv, seq, (s, DType::F32), &out.view())?;
+            }
             r += seg.len;
         }
         self.converted(out, q.dtype)
@@ -1235,6 +1203,17 @@ impl Backend for Npu {
             false,
         )
     }
+}
+
+/// The sequences of packed activations (`segments` of rows, keys the same rows).
+fn sequences(segments: &[Range<usize>], s: AttentionShape) -> impl Iterator<Item = Sequence> + '_ {
+    let (hd, gw) = (s.heads * s.head_dim, s.groups * s.head_dim);
+    segments.iter().map(move |r| Sequence {
+        q_at: r.start * hd,
+        kv_at: r.start * gw,
+        len: r.len(),
+        kv_len: r.len(),
+    })
 }
 
 /// `q [n, heads, d]`, `k`, `v [n, groups, d]` views of row-major activations.

@@ -139,3 +139,17 @@ aclnnStatus aclnnForeachNorm(void *workspace, uint64_t workspaceSize, aclOpExecu
 aclnnStatus aclnnMulGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
                                      uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnMul(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+/* The flash-attention fallback: aclnn_batch_matmul.h, aclnn_softmax.h, aclnn_softmax_backward.h (NPU reference
+ * notes) and aclnn_masked_fill_scalar.h (hicann/ops-math conversion/masked_fill/docs/aclnnInplaceMaskedFillScalar.md) */
+aclnnStatus aclnnBatchMatMulGetWorkspaceSize(const aclTensor *self, const aclTensor *mat2, aclTensor *out,
+                                             int8_t cubeMathType, uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnBatchMatMul(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+aclnnStatus aclnnSoftmaxGetWorkspaceSize(const aclTensor *self, int64_t dim, aclTensor *out,
+                                         uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+aclnnStatus aclnnSoftmaxBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *output, int64_t dim,
+                                                 aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnSoftmaxBackward(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+aclnnStatus aclnnInplaceMaskedFillScalarGetWorkspaceSize(aclTensor *selfRef, const aclTensor *mask, const aclScalar *value,
+                                                         uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnInplaceMaskedFillScalar(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);

@@ -136,15 +136,6 @@ pub mod opapi {
         fn aclnnMulGetWorkspaceSize(self_: *const aclTensor, other: *const aclTensor, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnMulGetWorkspaceSize`].
         fn aclnnMul(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
-        /// Flash attention over packed sequences (layout "TND", cumulative lengths); softmax max
-        /// and sum `[T, N, 8]` (fp32) saved for the backward.
-        fn aclnnFlashAttentionVarLenScoreGetWorkspaceSize(query: *const aclTensor, key: *const aclTensor, value: *const aclTensor, real_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, softmax_max_out: *const aclTensor, softmax_sum_out: *const aclTensor, softmax_out_out: *const aclTensor, attention_out_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
-        /// Launch of [`Functions::aclnnFlashAttentionVarLenScoreGetWorkspaceSize`].
-        fn aclnnFlashAttentionVarLenScore(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
-        /// dq, dk, dv of [`Functions::aclnnFlashAttentionVarLenScoreGetWorkspaceSize`].
-        fn aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize(query: *const aclTensor, key_in: *const aclTensor, value: *const aclTensor, dy: *const aclTensor, pse_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, softmax_max_optional: *const aclTensor, softmax_sum_optional: *const aclTensor, softmax_in_optional: *const aclTensor, attention_in_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, dq_out: *const aclTensor, dk_out: *const aclTensor, dv_out: *const aclTensor, dpse_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
-        /// Launch of [`Functions::aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize`].
-        fn aclnnFlashAttentionUnpaddingScoreGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
         /// out = log_softmax(self) along `dim`.
         fn aclnnLogSoftmaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnLogSoftmaxGetWorkspaceSize`].
@@ -174,6 +165,23 @@ pub mod opapi {
         /// Launch of [`Functions::aclnnForeachNormGetWorkspaceSize`].
         fn aclnnForeachNorm(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
 
+        /// out[b] = self[b] @ mat2[b] (3-D, equal batches); `cube_math_type` 0 keeps the dtype.
+        fn aclnnBatchMatMulGetWorkspaceSize(self_: *const aclTensor, mat2: *const aclTensor, out: *mut aclTensor, cube_math_type: i8, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnBatchMatMulGetWorkspaceSize`].
+        fn aclnnBatchMatMul(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = softmax(self) along `dim`.
+        fn aclnnSoftmaxGetWorkspaceSize(self_: *const aclTensor, dim: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnSoftmaxGetWorkspaceSize`].
+        fn aclnnSoftmax(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// The gradient of softmax's input from its output's gradient and its output.
+        fn aclnnSoftmaxBackwardGetWorkspaceSize(grad_output: *const aclTensor, output: *const aclTensor, dim: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnSoftmaxBackwardGetWorkspaceSize`].
+        fn aclnnSoftmaxBackward(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// self = value where `mask` (BOOL, broadcast to self) is true.
+        fn aclnnInplaceMaskedFillScalarGetWorkspaceSize(self_ref: *mut aclTensor, mask: *const aclTensor, value: *const aclScalar, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnInplaceMaskedFillScalarGetWorkspaceSize`].
+        fn aclnnInplaceMaskedFillScalar(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+
         optional:
         /// out = x·cos + rotate(x)·sin (`mode` 0: rotate_half); x 4-D, cos/sin broadcast to it.
         /// Its header is not in 8.1.RC1's (ops-transformer's op_api header), and its symbol is
@@ -181,6 +189,17 @@ pub mod opapi {
         fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnRotaryPositionEmbeddingGetWorkspaceSize`].
         fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// Flash attention over packed sequences (layout "TND", cumulative lengths); softmax max
+        /// and sum `[T, N, 8]` (fp32) saved for the backward.
+        /// Optional: without the symbol, or a kernel for the SoC, attention runs as
+        /// BatchMatMul + Softmax.
+        fn aclnnFlashAttentionVarLenScoreGetWorkspaceSize(query: *const aclTensor, key: *const aclTensor, value: *const aclTensor, real_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, softmax_max_out: *const aclTensor, softmax_sum_out: *const aclTensor, softmax_out_out: *const aclTensor, attention_out_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnFlashAttentionVarLenScoreGetWorkspaceSize`].
+        fn aclnnFlashAttentionVarLenScore(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// dq, dk, dv of [`Functions::aclnnFlashAttentionVarLenScoreGetWorkspaceSize`].
+        fn aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize(query: *const aclTensor, key_in: *const aclTensor, value: *const aclTensor, dy: *const aclTensor, pse_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, softmax_max_optional: *const aclTensor, softmax_sum_optional: *const aclTensor, softmax_in_optional: *const aclTensor, attention_in_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, dq_out: *const aclTensor, dk_out: *const aclTensor, dv_out: *const aclTensor, dpse_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize`].
+        fn aclnnFlashAttentionUnpaddingScoreGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

@@ -660,8 +660,6 @@ impl Plan<'_> {
     }
 }
 
-/// Phase 1 of `op`: `build` checks the arguments and returns the workspace size and kernel;
-/// the executor is written to `executor_out`.
 /// aclnn's status when an operator has no kernel for the SoC (as a CANN whose op package lacks
 /// it answers).
 const ACLNN_ERR_INNER_FIND_KERNEL_ERROR: aclnnStatus = 561003;
@@ -673,6 +671,8 @@ fn without_kernel(op: &str) -> bool {
         .is_ok_and(|ops| ops.split(',').any(|o| o.trim() == op))
 }
 
+/// Phase 1 of `op`: `build` checks the arguments and returns the workspace size and kernel;
+/// the executor is written to `executor_out`.
 pub(crate) fn phase1(
     op: &'static str,
     workspace_out: *mut u64,

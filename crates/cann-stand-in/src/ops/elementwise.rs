@@ -1,11 +1,11 @@
 //! Elementwise operators (casts and copies, add and subtract with broadcasting, scaling, the
-//! AdamW step) and reductions (ReduceSum, ForeachNorm).
+//! masked fill, the AdamW step) and reductions (ReduceSum, ForeachNorm).
 
 use super::{unary, Ex, Ws, HEAVY};
 use crate::aclnn::{ensure, phase1, Kernel, Plan};
 use crate::view::{broadcast_shape, View};
 use ascendcl_sys::aclnn::{aclIntArray, aclScalar, aclTensor, aclTensorList, aclnnStatus};
-use ascendcl_sys::{aclDataType, ACL_FLOAT, ACL_INT64};
+use ascendcl_sys::{aclDataType, ACL_BOOL, ACL_FLOAT, ACL_INT64};
 
 /// `dst = src` converted to `dst`'s dtype (f64 in between, so integers stay exact).
 fn copy(src: View, dst: View) -> Kernel {
@@ -204,6 +204,44 @@ pub extern "C" fn aclnnInplaceMulsGetWorkspaceSize(
         self_ref,
         workspace_size,
         executor,
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnInplaceMaskedFillScalarGetWorkspaceSize(
+    self_ref: *mut aclTensor,
+    mask: *const aclTensor,
+    value: *const aclScalar,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1(
+        "aclnnInplaceMaskedFillScalar",
+        workspace_size,
+        executor,
+        |p| {
+            let x = p.output(self_ref, "selfRef")?;
+            let m = p.input(mask, "mask")?;
+            let value = p.scalar(value, "value")? as f32;
+            p.dtype(&m, "mask", ACL_BOOL)?;
+            let Some(m) = m.broadcast_to(&x.dims) else {
+                return Err(p.invalid(format_args!(
+                    "mask {:?} does not broadcast to selfRef {:?}",
+                    m.dims, x.dims
+                )));
+            };
+            let kernel: Kernel = Box::new(move || {
+                let filled: Vec<f32> = x
+                    .read()
+                    .into_iter()
+                    .zip(m.read_int())
+                    .map(|(v, masked)| if masked != 0 { value } else { v })
+                    .collect();
+                x.write(&filled);
+                Ok(())
+            });
+            Ok((0, kernel))
+        },
     )
 }
 

@@ -1,4 +1,4 @@
-//! LogSoftmax and the cross-entropy loss with its gradient (from the saved log-probabilities).
+//! LogSoftmax, Softmax(+Backward) and the cross-entropy loss with its gradient (from the saved log-probabilities).
 
 use super::{by_rows, checked_index, last_dim, Ex, Ws, HEAVY};
 use crate::aclnn::{ensure, phase1, Kernel, Plan};
@@ -14,15 +14,29 @@ fn log_softmax(row: &[f32], out: &mut [f32]) {
     out.iter_mut().zip(row).for_each(|(o, v)| *o = v - lse);
 }
 
-#[no_mangle]
-pub extern "C" fn aclnnLogSoftmaxGetWorkspaceSize(
-    self_: *const aclTensor,
-    dim: i64,
-    out: *mut aclTensor,
+/// `out = softmax(row)`, stable (fully masked rows, all −∞, give NaN as on the device).
+fn softmax(row: &[f32], out: &mut [f32]) {
+    log_softmax(row, out);
+    out.iter_mut().for_each(|v| *v = v.exp());
+}
+
+/// `dx = y · (dy − Σ dy·y)` of a softmax row `y`.
+fn softmax_backward(dy: &[f32], y: &[f32], dx: &mut [f32]) {
+    let dot: f32 = dy.iter().zip(y).map(|(a, b)| a * b).sum();
+    for ((d, &g), &y) in dx.iter_mut().zip(dy).zip(y) {
+        *d = y * (g - dot);
+    }
+}
+
+/// `out = f(row)` for each row of `self` along its last dimension (`dim`).
+fn along_rows(
+    op: &'static str,
+    (self_, dim, out): (*const aclTensor, i64, *const aclTensor),
+    f: fn(&[f32], &mut [f32]),
     workspace_size: Ws,
     executor: Ex,
 ) -> aclnnStatus {
-    phase1("aclnnLogSoftmax", workspace_size, executor, |p| {
+    phase1(op, workspace_size, executor, |p| {
         let x = p.input(self_, "self")?;
         let o = p.output(out, "out")?;
         p.float(&x, "self")?;
@@ -31,8 +45,65 @@ pub extern "C" fn aclnnLogSoftmaxGetWorkspaceSize(
         p.float(&o, "out")?;
         let kernel: Kernel = Box::new(move || {
             let c = x.last();
-            o.write(&by_rows(&x.read(), c, c, |_, row, out| {
-                log_softmax(row, out)
+            o.write(&by_rows(&x.read(), c, c, |_, row, out| f(row, out)));
+            Ok(())
+        });
+        Ok((0, kernel))
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnLogSoftmaxGetWorkspaceSize(
+    self_: *const aclTensor,
+    dim: i64,
+    out: *mut aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    let args = (self_, dim, out.cast_const());
+    along_rows(
+        "aclnnLogSoftmax",
+        args,
+        log_softmax,
+        workspace_size,
+        executor,
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnSoftmaxGetWorkspaceSize(
+    self_: *const aclTensor,
+    dim: i64,
+    out: *mut aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    let args = (self_, dim, out.cast_const());
+    along_rows("aclnnSoftmax", args, softmax, workspace_size, executor)
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnSoftmaxBackwardGetWorkspaceSize(
+    grad_output: *const aclTensor,
+    output: *const aclTensor,
+    dim: i64,
+    out: *mut aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1("aclnnSoftmaxBackward", workspace_size, executor, |p| {
+        let dy = p.input(grad_output, "gradOutput")?;
+        let y = p.input(output, "output")?;
+        let dx = p.output(out, "out")?;
+        p.float(&dy, "gradOutput")?;
+        last_dim(p, dim, dy.rank(), "dim")?;
+        for (v, name) in [(&y, "output"), (&dx, "out")] {
+            p.like(v, name, &dy)?;
+        }
+        let kernel: Kernel = Box::new(move || {
+            let (c, y) = (dy.last(), y.read());
+            dx.write(&by_rows(&dy.read(), c, c, |i, row, out| {
+                softmax_backward(row, &y[i * c..][..c], out)
             }));
             Ok(())
         });

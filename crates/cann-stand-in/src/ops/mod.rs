@@ -109,6 +109,10 @@ launches!(
     aclnnMuls,
     aclnnInplaceMuls,
     aclnnForeachNorm,
+    aclnnBatchMatMul,
+    aclnnSoftmax,
+    aclnnSoftmaxBackward,
+    aclnnInplaceMaskedFillScalar,
 );
 
 /// Every function ascendcl-sys declares for libnnopbase and libopapi is exported here with its
@@ -167,10 +171,14 @@ fn exports_have_the_declared_types() {
             aclnnRotaryPositionEmbeddingGetWorkspaceSize,
         ),
         aclnnRotaryPositionEmbedding: Some(aclnnRotaryPositionEmbedding),
-        aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
-        aclnnFlashAttentionVarLenScore,
-        aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
-        aclnnFlashAttentionUnpaddingScoreGrad,
+        aclnnFlashAttentionVarLenScoreGetWorkspaceSize: Some(
+            aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
+        ),
+        aclnnFlashAttentionVarLenScore: Some(aclnnFlashAttentionVarLenScore),
+        aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize: Some(
+            aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
+        ),
+        aclnnFlashAttentionUnpaddingScoreGrad: Some(aclnnFlashAttentionUnpaddingScoreGrad),
         aclnnLogSoftmaxGetWorkspaceSize,
         aclnnLogSoftmax,
         aclnnCrossEntropyLossGetWorkspaceSize,
@@ -187,5 +195,13 @@ fn exports_have_the_declared_types() {
         aclnnInplaceMuls,
         aclnnForeachNormGetWorkspaceSize,
         aclnnForeachNorm,
+        aclnnBatchMatMulGetWorkspaceSize,
+        aclnnBatchMatMul,
+        aclnnSoftmaxGetWorkspaceSize,
+        aclnnSoftmax,
+        aclnnSoftmaxBackwardGetWorkspaceSize,
+        aclnnSoftmaxBackward,
+        aclnnInplaceMaskedFillScalarGetWorkspaceSize,
+        aclnnInplaceMaskedFillScalar,
     };
 }

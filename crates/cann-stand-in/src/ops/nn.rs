@@ -1,4 +1,4 @@
-//! The layers' operators: Matmul, RmsNorm(+Grad), SwiGlu(+Grad), the rotary embedding, and the
+//! The layers' operators: Matmul and BatchMatMul, RmsNorm(+Grad), SwiGlu(+Grad), the rotary embedding, and the
 //! row gathers (Embedding, IndexSelect) with the embedding's gradient.
 
 use super::{by_rows, checked_index, last_dim, Ex, Ws, HEAVY};
@@ -25,7 +25,33 @@ pub extern "C" fn aclnnMatmulGetWorkspaceSize(
     workspace_size: Ws,
     executor: Ex,
 ) -> aclnnStatus {
-    phase1("aclnnMatmul", workspace_size, executor, |p| {
+    let args = (self_, mat2, out.cast_const(), cube_math_type);
+    matmul("aclnnMatmul", args, false, workspace_size, executor)
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnBatchMatMulGetWorkspaceSize(
+    self_: *const aclTensor,
+    mat2: *const aclTensor,
+    out: *mut aclTensor,
+    cube_math_type: i8,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    let args = (self_, mat2, out.cast_const(), cube_math_type);
+    matmul("aclnnBatchMatMul", args, true, workspace_size, executor)
+}
+
+/// `out = self @ mat2`, 2-D or 3-D with a broadcast batch; `batched` (BatchMatMul) asks for
+/// two 3-D operands of the same batch.
+fn matmul(
+    op: &'static str,
+    (self_, mat2, out, cube_math_type): (*const aclTensor, *const aclTensor, *const aclTensor, i8),
+    batched: bool,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1(op, workspace_size, executor, |p| {
         let a = p.input(self_, "self")?;
         let b = p.input(mat2, "mat2")?;
         let o = p.output(out, "out")?;
@@ -46,6 +72,13 @@ pub extern "C" fn aclnnMatmulGetWorkspaceSize(
             b.dims
         );
         let ((ba, n, k), (bb, k2, m)) = (matrix(&a), matrix(&b));
+        ensure!(
+            p,
+            !batched || (a.rank() == 3 && b.rank() == 3 && ba == bb),
+            "self {:?} and mat2 {:?} must be 3-D with the same batch",
+            a.dims,
+            b.dims
+        );
         let batches_fit = ba == bb || ba == 1 || bb == 1;
         ensure!(
             p,
