@@ -101,6 +101,21 @@ impl Fused {
             );
         }
     }
+
+    /// A launch of the fused operator `op`: `Ok(true)` done, `Ok(false)` when CANN has no
+    /// kernel of it for this SoC (the composition from now on).
+    fn outcome(&self, op: &str, done: std::result::Result<(), NpuError>) -> Result<bool> {
+        match done {
+            Err(NpuError::Call {
+                code: FIND_KERNEL_ERROR,
+                ..
+            }) => {
+                self.give_up(&format!("has no kernel of {op} for this SoC"));
+                Ok(false)
+            }
+            other => Ok(other.map(|()| true)?),
+        }
+    }
 }
 
 /// One Ascend NPU (one stream).
@@ -111,6 +126,8 @@ pub struct Npu {
     causal_mask: Mutex<Option<NpuTensor>>,
     /// aclnnRotaryPositionEmbedding, or aclnnMul and aclnnInplaceAdd.
     rope: Fused,
+    /// aclnnRotaryPositionEmbeddingGrad, or the forward rotation by −sin.
+    rope_grad: Fused,
     /// Flash attention, or BatchMatMul and Softmax ([`attention`]).
     flash: Fused,
 }
@@ -156,6 +173,10 @@ impl Npu {
         let op = &ctx.op;
         let rope = op.aclnnRotaryPositionEmbeddingGetWorkspaceSize.is_some()
             && op.aclnnRotaryPositionEmbedding.is_some();
+        let rope_grad = op
+            .aclnnRotaryPositionEmbeddingGradGetWorkspaceSize
+            .is_some()
+            && op.aclnnRotaryPositionEmbeddingGrad.is_some();
         let flash = op.aclnnFlashAttentionVarLenScoreGetWorkspaceSize.is_some()
             && op.aclnnFlashAttentionVarLenScore.is_some()
             && op
@@ -169,6 +190,7 @@ impl Npu {
             soc,
             causal_mask: Mutex::new(None),
             rope: Fused::new("rotary embedding", "aclnnMul + aclnnInplaceAdd"),
+            rope_grad: Fused::new("rotary embedding's backward", "its forward with −sin"),
             flash: Fused::new(
                 "attention",
                 "aclnnBatchMatMul + aclnnSoftmax(+Backward), one sequence at a time",
@@ -177,6 +199,10 @@ impl Npu {
         if !rope {
             npu.rope
                 .give_up("has no function aclnnRotaryPositionEmbedding");
+        }
+        if !rope_grad {
+            npu.rope_grad
+                .give_up("has no function aclnnRotaryPositionEmbeddingGrad");
         }
         if !flash {
             npu.flash.give_up(
@@ -203,17 +229,48 @@ impl Npu {
             |ws, ex| unsafe { prepare(xd.raw, cd.raw, sd.raw, 0, od.raw, ws, ex) },
             launch,
         );
-        match done {
-            Err(NpuError::Call {
-                code: FIND_KERNEL_ERROR,
-                ..
-            }) => {
-                self.rope
-                    .give_up("has no kernel of aclnnRotaryPositionEmbedding for this SoC");
-                Ok(false)
-            }
-            other => Ok(other.map(|()| true)?),
-        }
+        self.rope.outcome("aclnnRotaryPositionEmbedding", done)
+    }
+
+    /// `dx` of rotary embedding (the transposed rotation of `dy`) by its fused backward;
+    /// `Ok(false)` when CANN has no kernel for it. The tables' gradients are not asked for
+    /// (no x), but their outputs are passed, as op-plugin does.
+    fn rope_grad_fused(
+        &self,
+        dy: &View,
+        (cos, sin): (View, View),
+        dx: &View,
+        (table, dtype): (&[usize], DType),
+    ) -> Result<bool> {
+        let op = self.ctx.op;
+        let (Some(prepare), Some(launch)) = (
+            op.aclnnRotaryPositionEmbeddingGradGetWorkspaceSize,
+            op.aclnnRotaryPositionEmbeddingGrad,
+        ) else {
+            return Ok(false);
+        };
+        let (dcos, dsin) = (self.empty(table, dtype)?, self.empty(table, dtype)?);
+        let c = &self.ctx;
+        let (g, cd, sd, o) = (
+            c.tensor(dy)?,
+            c.tensor(&cos)?,
+            c.tensor(&sin)?,
+            c.tensor(dx)?,
+        );
+        let (dc, ds) = (c.tensor(&dcos.view())?, c.tensor(&dsin.view())?);
+        let null = std::ptr::null();
+        let done = c.run(
+            "aclnnRotaryPositionEmbeddingGrad",
+            // SAFETY: the descriptors outlive the launch; ws and ex are valid out-pointers.
+            |ws, ex| unsafe {
+                prepare(
+                    g.raw, cd.raw, sd.raw, null, 0, o.raw, dc.raw, ds.raw, ws, ex,
+                )
+            },
+            launch,
+        );
+        self.rope_grad
+            .outcome("aclnnRotaryPositionEmbeddingGrad", done)
     }
 
     /// `out = x·cos + rotate_half(x)·sin` by aclnnMul and aclnnInplaceAdd, for `x`, `out`
@@ -751,12 +808,25 @@ impl Backend for Npu {
             Ok(f)
         };
         let (c, mut s) = (full(cos)?, full(sin)?);
-        if inverse {
-            self.scale(&mut s, -1.0)?;
-        }
         let out = self.empty(&x.shape, x.dtype)?;
         let (table, rows) = ([1, n, 1, d], [1, n, width / d, d]);
         let four = |t: &NpuTensor, dims: &[usize]| t.view().reshaped(dims, 0);
+        if inverse
+            && !self.rope_grad.absent()
+            && self.rope_grad_fused(
+                &four(x, &rows),
+                (four(&c, &table), four(&s, &table)),
+                &four(&out, &rows),
+                (&table, x.dtype),
+            )?
+        {
+            *x = out;
+            return Ok(());
+        }
+        // The inverse rotation is the rotation by −sin.
+        if inverse {
+            self.scale(&mut s, -1.0)?;
+        }
         let fused = !self.rope.absent()
             && self.rope_fused(
                 &four(x, &rows),

@@ -88,6 +88,14 @@ aclnnStatus aclnnRotaryPositionEmbeddingGetWorkspaceSize(const aclTensor *x, con
                                                          aclOpExecutor **executor);
 aclnnStatus aclnnRotaryPositionEmbedding(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                          aclrtStream stream);
+/* aclnn_rotary_position_embedding_grad.h, likewise (ops-transformer docs/aclnnRotaryPositionEmbeddingGrad.md) */
+aclnnStatus aclnnRotaryPositionEmbeddingGradGetWorkspaceSize(const aclTensor *dy, const aclTensor *cos, const aclTensor *sin,
+                                                             const aclTensor *xOptional, int64_t mode,
+                                                             const aclTensor *dxOut, const aclTensor *dcosOut,
+                                                             const aclTensor *dsinOut, uint64_t *workspaceSize,
+                                                             aclOpExecutor **executor);
+aclnnStatus aclnnRotaryPositionEmbeddingGrad(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                             aclrtStream stream);
 aclnnStatus aclnnFlashAttentionVarLenScoreGetWorkspaceSize(
     const aclTensor *query, const aclTensor *key, const aclTensor *value, const aclTensor *realShiftOptional,
     const aclTensor *dropMaskOptional, const aclTensor *paddingMaskOptional, const aclTensor *attenMaskOptional,

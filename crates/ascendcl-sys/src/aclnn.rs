@@ -189,6 +189,12 @@ pub mod opapi {
         fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(x: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, mode: i64, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnRotaryPositionEmbeddingGetWorkspaceSize`].
         fn aclnnRotaryPositionEmbedding(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// dx of [`Functions::aclnnRotaryPositionEmbeddingGetWorkspaceSize`] (the transposed
+        /// rotation of dy); with `x_optional` the tables' gradients too. Optional like it:
+        /// without it the backward is the forward operator with −sin.
+        fn aclnnRotaryPositionEmbeddingGradGetWorkspaceSize(dy: *const aclTensor, cos: *const aclTensor, sin: *const aclTensor, x_optional: *const aclTensor, mode: i64, dx_out: *const aclTensor, dcos_out: *const aclTensor, dsin_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnRotaryPositionEmbeddingGradGetWorkspaceSize`].
+        fn aclnnRotaryPositionEmbeddingGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
         /// Flash attention over packed sequences (layout "TND", cumulative lengths); softmax max
         /// and sum `[T, N, 8]` (fp32) saved for the backward.
         /// Optional: without the symbol, or a kernel for the SoC, attention runs as

@@ -8,10 +8,9 @@
 //! probabilities `[heads, len, kv_len]` are materialised (the memory flash attention saves) and
 //! recomputed by the backward, so flash attention's saved statistics are then left unwritten.
 
-use super::{empty_view, softmax_stats, Npu, NpuTensor, CAUSAL_MASK, FIND_KERNEL_ERROR};
+use super::{empty_view, softmax_stats, Npu, NpuTensor, CAUSAL_MASK};
 use crate::engine::{AttentionShape, Backend, Result};
 use crate::npu::descriptor::View;
-use crate::npu::NpuError;
 use crate::tensor::DType;
 
 /// Flash attention's band (ignored in the causal sparse modes; MindSpeed's values).
@@ -167,7 +166,7 @@ impl Npu {
             },
             launch,
         );
-        self.flash_outcome("aclnnFlashAttentionVarLenScore", done)
+        self.flash.outcome("aclnnFlashAttentionVarLenScore", done)
     }
 
     /// `(dq, dk, dv)` of [`Npu::flash_attention`] from `d_o` and its saved `o` and `stats`
@@ -235,23 +234,8 @@ impl Npu {
             },
             launch,
         );
-        self.flash_outcome("aclnnFlashAttentionUnpaddingScoreGrad", done)
-    }
-
-    /// A flash-attention launch's outcome: `Ok(false)` (the fallback from now on, said once)
-    /// when CANN has no kernel of `op` for this SoC.
-    fn flash_outcome(&self, op: &str, done: std::result::Result<(), NpuError>) -> Result<bool> {
-        match done {
-            Err(NpuError::Call {
-                code: FIND_KERNEL_ERROR,
-                ..
-            }) => {
-                self.flash
-                    .give_up(&format!("has no kernel of {op} for this SoC"));
-                Ok(false)
-            }
-            other => Ok(other.map(|()| true)?),
-        }
+        self.flash
+            .outcome("aclnnFlashAttentionUnpaddingScoreGrad", done)
     }
 
     /// One sequence's attention without flash attention: `out` (query-side rows) from `q`

@@ -99,6 +99,7 @@ launches!(
     aclnnReduceSum,
     aclnnInplaceCopy,
     aclnnRotaryPositionEmbedding,
+    aclnnRotaryPositionEmbeddingGrad,
     aclnnFlashAttentionVarLenScore,
     aclnnFlashAttentionUnpaddingScoreGrad,
     aclnnLogSoftmax,
@@ -171,6 +172,10 @@ fn exports_have_the_declared_types() {
             aclnnRotaryPositionEmbeddingGetWorkspaceSize,
         ),
         aclnnRotaryPositionEmbedding: Some(aclnnRotaryPositionEmbedding),
+        aclnnRotaryPositionEmbeddingGradGetWorkspaceSize: Some(
+            aclnnRotaryPositionEmbeddingGradGetWorkspaceSize,
+        ),
+        aclnnRotaryPositionEmbeddingGrad: Some(aclnnRotaryPositionEmbeddingGrad),
         aclnnFlashAttentionVarLenScoreGetWorkspaceSize: Some(
             aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
         ),

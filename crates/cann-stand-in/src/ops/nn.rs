@@ -309,6 +309,69 @@ pub extern "C" fn aclnnSwiGluGradGetWorkspaceSize(
     })
 }
 
+/// The element rotation pairs element `j` of a row of `d` with, and the sign it takes in
+/// the rotated row: mode 0 `rotate_half` (`[-x2, x1]`), mode 1 interleaved (`[-x1, x0, …]`).
+fn rotation_partner(mode: i64, d: usize, j: usize) -> (usize, f32) {
+    match (mode, j) {
+        (0, j) if j < d / 2 => (j + d / 2, -1.0),
+        (0, j) => (j - d / 2, 1.0),
+        (_, j) if j % 2 == 0 => (j + 1, -1.0),
+        (_, j) => (j - 1, 1.0),
+    }
+}
+
+/// The rotary embedding's common checks: `x` (or `dy`) 4-D float of an even last dimension,
+/// the mode, `out` like it, and the cos and sin tables broadcast to it.
+fn rotary_args(
+    p: &Plan,
+    (x, name): (&View, &str),
+    (cos, sin): (View, View),
+    mode: i64,
+    out: &View,
+) -> Result<(View, View), aclnnStatus> {
+    p.float(x, name)?;
+    ensure!(p, x.rank() == 4, "{name} {:?} is not 4-D", x.dims);
+    ensure!(
+        p,
+        mode == 0 || mode == 1,
+        "mode {mode} is not 0 (half) or 1 (interleave)"
+    );
+    let d = x.last();
+    ensure!(p, d.is_multiple_of(2), "{name}'s last dimension {d} is odd");
+    p.like(out, "out", x)?;
+    let mut tables = Vec::new();
+    for (t, table) in [(cos, "cos"), (sin, "sin")] {
+        p.dtype(&t, table, x.dtype)?;
+        let b = t.broadcast_to(&x.dims).filter(|_| t.last() == d);
+        let Some(b) = b else {
+            return Err(p.invalid(format!(
+                "{table} {:?} does not broadcast to {name} {:?}",
+                t.dims, x.dims
+            )));
+        };
+        tables.push(b);
+    }
+    let sin = tables.pop().expect("two tables");
+    Ok((tables.pop().expect("two tables"), sin))
+}
+
+/// A kernel writing, row by row of `x` (last dimension `d`), `f(row, cos, sin, out)`.
+fn rotary_kernel(
+    x: View,
+    (cos, sin): (View, View),
+    out: View,
+    f: impl Fn(&[f32], &[f32], &[f32], &mut [f32]) + Send + 'static,
+) -> Kernel {
+    Box::new(move || {
+        let (c, s, d) = (cos.read(), sin.read(), x.last());
+        let ys = by_rows(&x.read(), d, d, |i, row, o| {
+            f(row, &c[i * d..][..d], &s[i * d..][..d], o)
+        });
+        out.write(&ys);
+        Ok(())
+    })
+}
+
 #[no_mangle]
 pub extern "C" fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(
     x: *const aclTensor,
@@ -319,57 +382,61 @@ pub extern "C" fn aclnnRotaryPositionEmbeddingGetWorkspaceSize(
     workspace_size: Ws,
     executor: Ex,
 ) -> aclnnStatus {
-    phase1(
-        "aclnnRotaryPositionEmbedding",
-        workspace_size,
-        executor,
-        |p| {
-            let x = p.input(x, "x")?;
-            let cos = p.input(cos, "cos")?;
-            let sin = p.input(sin, "sin")?;
-            let o = p.output(out, "out")?;
-            p.float(&x, "x")?;
-            ensure!(p, x.rank() == 4, "x {:?} is not 4-D", x.dims);
-            ensure!(
-                p,
-                mode == 0 || mode == 1,
-                "mode {mode} is not 0 (half) or 1 (interleave)"
-            );
-            let d = x.last();
-            ensure!(p, d.is_multiple_of(2), "x's last dimension {d} is odd");
-            p.like(&o, "out", &x)?;
-            let mut tables = Vec::new();
-            for (t, name) in [(cos, "cos"), (sin, "sin")] {
-                p.dtype(&t, name, x.dtype)?;
-                let b = t.broadcast_to(&x.dims).filter(|_| t.last() == d);
-                let Some(b) = b else {
-                    return Err(p.invalid(format!(
-                        "{name} {:?} does not broadcast to x {:?}",
-                        t.dims, x.dims
-                    )));
-                };
-                tables.push(b);
+    let op = "aclnnRotaryPositionEmbedding";
+    phase1(op, workspace_size, executor, |p| {
+        let x = p.input(x, "x")?;
+        let tables = (p.input(cos, "cos")?, p.input(sin, "sin")?);
+        let o = p.output(out, "out")?;
+        let tables = rotary_args(p, (&x, "x"), tables, mode, &o)?;
+        let d = x.last();
+        // y = x·cos + rotate(x)·sin
+        let kernel = rotary_kernel(x, tables, o, move |row, c, s, y| {
+            for j in 0..d {
+                let (partner, sign) = rotation_partner(mode, d, j);
+                y[j] = row[j] * c[j] + sign * row[partner] * s[j];
             }
-            let kernel: Kernel = Box::new(move || {
-                let (c, s) = (tables[0].read(), tables[1].read());
-                let ys = by_rows(&x.read(), d, d, |i, row, out| {
-                    let (c, s) = (&c[i * d..][..d], &s[i * d..][..d]);
-                    for j in 0..d {
-                        let rotated = match (mode, j) {
-                            (0, j) if j < d / 2 => -row[j + d / 2],
-                            (0, j) => row[j - d / 2],
-                            (_, j) if j % 2 == 0 => -row[j + 1],
-                            (_, j) => row[j - 1],
-                        };
-                        out[j] = row[j] * c[j] + rotated * s[j];
-                    }
-                });
-                o.write(&ys);
-                Ok(())
-            });
-            Ok((0, kernel))
-        },
-    )
+        });
+        Ok((0, kernel))
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn aclnnRotaryPositionEmbeddingGradGetWorkspaceSize(
+    dy: *const aclTensor,
+    cos: *const aclTensor,
+    sin: *const aclTensor,
+    x_optional: *const aclTensor,
+    mode: i64,
+    dx_out: *const aclTensor,
+    dcos_out: *const aclTensor,
+    dsin_out: *const aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    let op = "aclnnRotaryPositionEmbeddingGrad";
+    phase1(op, workspace_size, executor, |p| {
+        let dy = p.input(dy, "dy")?;
+        let (cos, sin) = (p.input(cos, "cos")?, p.input(sin, "sin")?);
+        // Without x the tables' gradients are not computed (op-plugin still passes outputs
+        // of the tables' shapes); the stand-in computes dx only.
+        p.absent(x_optional, "xOptional")?;
+        for (t, like, name) in [(dcos_out, &cos, "dcosOut"), (dsin_out, &sin, "dsinOut")] {
+            if let Some(v) = p.opt_output(t, name)? {
+                p.like(&v, name, like)?;
+            }
+        }
+        let dx = p.output(dx_out, "dxOut")?;
+        let tables = rotary_args(p, (&dy, "dy"), (cos, sin), mode, &dx)?;
+        let d = dy.last();
+        // dx_j = cos_j·dy_j − sign_j·sin_k·dy_k for j's partner k (the transposed rotation)
+        let kernel = rotary_kernel(dy, tables, dx, move |g, c, s, dx| {
+            for j in 0..d {
+                let (partner, sign) = rotation_partner(mode, d, j);
+                dx[j] = c[j] * g[j] - sign * s[partner] * g[partner];
+            }
+        });
+        Ok((0, kernel))
+    })
 }
 
 /// The indices' rows of `table [V, H]` into `out`, an index outside `[0, V)` a launch error.
