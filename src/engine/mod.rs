@@ -14,6 +14,7 @@
 //! cross-entropy log-sum-exp) and gradients of the optimizer's parameters are f32.
 
 pub(crate) mod check;
+pub mod comm;
 pub mod cpu;
 pub mod selftest;
 
@@ -42,6 +43,14 @@ pub enum EngineError {
         dtype: DType,
         /// The device.
         device: String,
+    },
+    /// A collective failed: the ranks disagree, or one left or never came.
+    #[error("rank {rank}: {msg}")]
+    Collective {
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What went wrong.
+        msg: String,
     },
     /// The device itself failed (an accelerator runtime error, with its own message).
     #[error("device error: {0}")]

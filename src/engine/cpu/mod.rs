@@ -5,6 +5,7 @@
 //! the `gemm` crate (`gemm.rs`). The kernels live one family a file.
 
 mod attention;
+pub mod comm;
 mod gemm;
 mod loss;
 mod norm;

@@ -1,0 +1,53 @@
+//! The collectives parallel training runs over (Megatron's process groups: one group per
+//! tensor-, pipeline- and data-parallel set of ranks), on a backend's tensors: all-reduce,
+//! all-gather, reduce-scatter, broadcast, send and receive, as NCCL and HCCL define them. Two
+//! implementations: ranks as threads of one process on the CPU backend
+//! ([`crate::engine::cpu::comm`]) and HCCL across NPUs (`crate::npu::comm`).
+//!
+//! Every rank of a group calls the same collectives in the same order with the same sizes;
+//! a call whose ranks disagree fails on all of them, naming the ranks and the values, and a
+//! rank that left the group, or does not arrive within the group's timeout, fails the call on
+//! the others — a job never hangs on a dead rank.
+
+use super::Result;
+
+/// The reduction of [`Communicator::all_reduce`] and [`Communicator::reduce_scatter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Σ over the ranks (gradients, loss sums).
+    Sum,
+    /// The largest (found-inf flags, the max norm).
+    Max,
+}
+
+/// Collectives among the ranks of one group.
+pub trait Communicator {
+    /// The backend's tensor.
+    type Tensor;
+
+    /// This rank's place in the group, `0..size`.
+    fn rank(&self) -> usize;
+
+    /// The ranks in the group.
+    fn size(&self) -> usize;
+
+    /// `x = op` over every rank's `x` (each rank gets the same result).
+    fn all_reduce(&self, x: &mut Self::Tensor, op: ReduceOp) -> Result<()>;
+
+    /// `out` = every rank's `x` in rank order, concatenated along the first dimension
+    /// (`out` holds `size` times `x`'s elements).
+    fn all_gather(&self, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
+
+    /// `out` = this rank's block (`x`'s elements split `size` ways, in rank order) of `op`
+    /// over every rank's `x`.
+    fn reduce_scatter(&self, x: &Self::Tensor, out: &mut Self::Tensor, op: ReduceOp) -> Result<()>;
+
+    /// `x` = rank `root`'s `x`.
+    fn broadcast(&self, x: &mut Self::Tensor, root: usize) -> Result<()>;
+
+    /// Send `x` to rank `to` (its matching [`Communicator::recv`] takes it).
+    fn send(&self, x: &Self::Tensor, to: usize) -> Result<()>;
+
+    /// `x` = what rank `from` sends next (the same number of elements and dtype).
+    fn recv(&self, x: &mut Self::Tensor, from: usize) -> Result<()>;
+}
