@@ -636,3 +636,94 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
         "{three} {six}"
     );
 }
+
+/// `a` and `b` within `tolerance` relative, iteration by iteration, for lm loss and grad norm.
+fn same_training(a: &str, b: &str, tolerance: f64, what: &str) {
+    for name in ["lm loss", "grad norm"] {
+        let (x, y) = (field(a, name), field(b, name));
+        assert_eq!(x.len(), y.len(), "{what}: {a}\n{b}");
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            assert!(
+                (p - q).abs() <= tolerance * p.abs(),
+                "{what} iteration {}: {name} {p} vs {q}",
+                i + 1
+            );
+        }
+    }
+}
+
+#[test]
+fn data_parallel_ranks_as_threads_train_as_one_rank_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let batch = ["--micro-batch-size", "1", "--global-batch-size", "8"];
+    let iters = ["--train-iters", "20", "--eod-mask-loss"];
+    for loss in [None, Some("--calculate-per-token-loss")] {
+        let extra: Vec<&str> = batch.into_iter().chain(iters).chain(loss).collect();
+        let one = stdout(&run(&args(&data, &extra)).success());
+        assert_eq!(iterations(&one).len(), 20, "{one}");
+        for world in ["2", "4"] {
+            let mut parallel = extra.clone();
+            parallel.extend(["--world-size", world]);
+            let out = run(&args(&data, &parallel)).success();
+            same_training(&one, &stdout(&out), 1e-5, &format!("{loss:?} DP{world}"));
+        }
+    }
+    // Rank 0 saves the one checkpoint Megatron's data-parallel ranks write; resuming from it
+    // on two ranks continues as one rank would.
+    let save = dir.path().join("save");
+    let first: Vec<&str> = batch.into_iter().chain(["--world-size", "2"]).collect();
+    let mut part = first.clone();
+    part.extend(["--save", save.to_str().unwrap(), "--exit-interval", "4"]);
+    run(&args(&data, &part)).success();
+    let mut written: Vec<String> = std::fs::read_dir(&save)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    written.sort();
+    assert_eq!(
+        written,
+        [
+            "iter_0000004",
+            "latest_checkpointed_iteration.txt",
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ],
+    );
+    let ranks: Vec<_> = std::fs::read_dir(save.join("iter_0000004"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(ranks, ["mp_rank_00"]);
+    assert!(save
+        .join("iter_0000004/mp_rank_00/model_optim_rng.pt")
+        .is_file());
+    let mut resume = args(&data, &first);
+    let at = resume.iter().position(|a| a == "--load").unwrap();
+    resume[at + 1] = save.to_str().unwrap().into();
+    let rest = stdout(&run(&resume).success());
+    let whole = stdout(&run(&args(&data, &batch)).success());
+    let tail: Vec<String> = iterations(&whole)[4..].to_vec();
+    same_training(&tail.join("\n"), &rest, 1e-5, "resumed DP2");
+}
+
+#[test]
+fn data_parallel_sizes_that_do_not_fit_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--world-size", "3"],
+            "not a multiple of --micro-batch-size 2 × 3 data-parallel ranks",
+        ),
+        (
+            &["--world-size", "2", "--device", "npu"],
+            "ranks on NPUs need HCCL",
+        ),
+        (&["--world-size", "0"], "--world-size"),
+    ];
+    for (extra, says) in cases {
+        let out = run(&args(&data, extra)).failure();
+        assert!(stderr(&out).contains(says), "{extra:?}: {}", stderr(&out));
+    }
+}

@@ -63,6 +63,7 @@ pub enum TokenizerError {
 type Result<T> = std::result::Result<T, TokenizerError>;
 
 /// A loaded tokenizer with its special tokens resolved to ids.
+#[derive(Clone)]
 pub struct HfTokenizer {
     inner: Tokenizer,
     path: PathBuf,

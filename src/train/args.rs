@@ -238,6 +238,7 @@ pub const FLAGS: &[Flag] = &[
     inert("wandb-project", One, "Weights & Biases is not built in; use --tensorboard-dir"),
     inert("wandb-exp-name", One, "Weights & Biases is not built in; use --tensorboard-dir"),
     // Parallelism (the parallel-training issue's; one rank here).
+    used("world-size", One, "ranks, as threads of this process on the CPU backend (default 1): data parallelism, each rank training on its slice of every global batch (mindkit's flag; torchrun or Slurm launching is not available yet)"),
     used("tensor-model-parallel-size", One, "1 (tensor parallelism is not available yet)"),
     used("pipeline-model-parallel-size", One, "1 (pipeline parallelism is not available yet)"),
     used("context-parallel-size", One, "1 (context parallelism is not available)"),

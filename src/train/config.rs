@@ -22,6 +22,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 
 /// Where the model's weights come from.
+#[derive(Clone)]
 pub enum Start {
     /// Initialised from a normal distribution (no `--load`).
     Scratch,
@@ -30,7 +31,7 @@ pub enum Start {
         /// The directory.
         dir: PathBuf,
         /// Its opened weights.
-        input: Box<Input>,
+        input: std::sync::Arc<Input>,
         /// Also restore iteration, consumed samples and (unless `no_optim`) the optimizer
         /// and schedule (a Megatron checkpoint without `--finetune`).
         resume: bool,
@@ -53,6 +54,7 @@ pub struct SaveConfig {
 }
 
 /// Everything a training run needs, resolved.
+#[derive(Clone)]
 pub struct TrainConfig {
     /// Architecture (dtype: the model parameters').
     pub model: ModelConfig,
@@ -78,6 +80,9 @@ pub struct TrainConfig {
     pub micro_batch: usize,
     /// G.
     pub global_batch: usize,
+    /// Data-parallel ranks (`--world-size` with TP = PP = 1): each takes its slice of every
+    /// global batch, as Megatron's sampler gives it.
+    pub data_parallel: usize,
     /// Iterations to reach.
     pub train_iters: u64,
     /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
@@ -492,6 +497,18 @@ fn check_single_rank(a: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The ranks `--world-size` asks for (1 by default). A process started by a launcher (torchrun's
+/// or Slurm's WORLD_SIZE / SLURM_NTASKS above 1) is refused: ranks as processes need HCCL, not
+/// available yet.
+fn world_size(a: &Args) -> Result<usize> {
+    for var in ["WORLD_SIZE", "SLURM_NTASKS"] {
+        if let Some(n) = std::env::var(var).ok().filter(|n| n.trim() != "1") {
+            bail!("{var}={n}: launching ranks as processes (torchrun, Slurm) is not available yet; run one process with --world-size N (ranks as threads, CPU)");
+        }
+    }
+    Ok(positive(a, "world-size")?.unwrap_or(1))
+}
+
 /// Resolve the command line.
 pub fn resolve(a: &Args) -> Result<TrainConfig> {
     check_single_rank(a)?;
@@ -554,6 +571,12 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     if !global_batch.is_multiple_of(micro_batch) {
         bail!("--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch}");
     }
+    let data_parallel = world_size(a)?;
+    if !global_batch.is_multiple_of(micro_batch * data_parallel) {
+        bail!(
+            "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"
+        );
+    }
     let g = global_batch as u64;
     let train_samples = a.parse_value::<u64>("train-samples")?;
     let train_iters = match (a.parse_value::<u64>("train-iters")?, train_samples) {
@@ -579,7 +602,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             let resume = hf_load.is_none() && !a.has("finetune");
             Start::Load {
                 dir,
-                input: Box::new(input),
+                input: std::sync::Arc::new(input),
                 resume,
                 no_optim: a.has("no-load-optim"),
             }
@@ -634,6 +657,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         seq_length,
         micro_batch,
         global_batch,
+        data_parallel,
         train_iters,
         train_samples: train_samples.unwrap_or(train_iters * g),
         schedule,

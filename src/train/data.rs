@@ -103,6 +103,26 @@ impl LossSums {
         self.parts.extend(other.parts);
     }
 
+    /// `[S₀, n₀, S₁, n₁, …]`, to send to other ranks.
+    pub fn flat(&self) -> Vec<f32> {
+        self.parts.iter().flat_map(|&(s, n)| [s, n]).collect()
+    }
+
+    /// The sums of `ranks` ranks' [`LossSums::flat`] concatenated in rank order, put back in
+    /// the order of the micro-batches of one global batch: rank r's j-th micro-batch is the
+    /// (j·ranks + r)-th.
+    pub fn interleaved(flat: &[f32], ranks: usize) -> LossSums {
+        let per_rank = flat.len() / 2 / ranks.max(1);
+        let parts = (0..per_rank * ranks)
+            .map(|i| {
+                let (j, r) = (i / ranks, i % ranks);
+                let at = 2 * (r * per_rank + j);
+                (flat[at], flat[at + 1])
+            })
+            .collect();
+        LossSums { parts }
+    }
+
     /// Unmasked tokens.
     pub fn tokens(&self) -> f32 {
         self.parts.iter().map(|p| p.1).sum()

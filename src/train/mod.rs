@@ -20,6 +20,8 @@ use crate::arch::roles::Role;
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
+use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::cpu::{Cpu, CpuTensor};
 use crate::engine::Backend;
 use crate::model::llama::{backward, forward, Ids};
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
@@ -89,10 +91,63 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
         .map(|id| id.parse::<i32>().map_err(|e| anyhow!("--npu-id {id}: {e}")))
         .transpose()?;
     let device = device.with_npu_id(npu_id).map_err(anyhow::Error::msg)?;
-    crate::npu::with_backend!(device, |backend| {
-        let cfg = config::resolve(&parsed)?;
-        Trainer::new(backend, cfg, quiet)?.train()
-    })
+    let cfg = config::resolve(&parsed)?;
+    if cfg.data_parallel > 1 {
+        if device != crate::engine::DeviceKind::Cpu {
+            bail!(
+                "--world-size {}: ranks on NPUs need HCCL, which training does not use yet; use --device cpu",
+                cfg.data_parallel
+            );
+        }
+        return on_threads(cfg, quiet);
+    }
+    crate::npu::with_backend!(device, |backend| Trainer::new(backend, cfg, quiet, None)?
+        .train())
+}
+
+/// How long a rank waits for the others at a collective (rank 0 may be saving a checkpoint).
+const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1800);
+
+/// Train with `cfg.data_parallel` ranks as threads of this process on the CPU backend; rank 0
+/// logs and saves. The summary is rank 0's; when ranks fail, the first failure that is not
+/// another rank leaving (the root cause) is returned.
+fn on_threads(cfg: TrainConfig, quiet: bool) -> Result<TrainSummary> {
+    let comms = crate::engine::cpu::comm::thread_group(cfg.data_parallel, RANK_TIMEOUT);
+    let results: Vec<Result<TrainSummary>> = std::thread::scope(|s| {
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let dp: Box<dyn Communicator<Tensor = CpuTensor>> = Box::new(comm);
+                    Trainer::new(Cpu, cfg, quiet || rank > 0, Some(dp))
+                        .and_then(Trainer::train)
+                        .with_context(|| format!("data-parallel rank {rank}"))
+                })
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|r| r.join().unwrap_or_else(|_| Err(anyhow!("a rank panicked"))))
+            .collect()
+    });
+    let mut failures: Vec<anyhow::Error> = Vec::new();
+    let mut summary = None;
+    for r in results {
+        match r {
+            Ok(s) => {
+                summary.get_or_insert(s);
+            }
+            Err(e) => failures.push(e),
+        }
+    }
+    let left = |e: &anyhow::Error| format!("{e:#}").contains("left the group");
+    match failures.iter().position(|e| !left(e)) {
+        Some(i) => Err(failures.swap_remove(i)),
+        None if !failures.is_empty() => Err(failures.swap_remove(0)),
+        None => summary.ok_or_else(|| anyhow!("internal: no rank reported")),
+    }
 }
 
 /// Megatron's `num_floating_point_operations` inputs of this model.
@@ -215,12 +270,22 @@ struct Trainer<B: Backend> {
     quiet: bool,
     stop: Option<Arc<AtomicBool>>,
     tensorboard: Option<tensorboard::TensorBoard>,
+    /// The data-parallel group (None: one rank).
+    dp: Option<Box<dyn Communicator<Tensor = B::Tensor>>>,
+    /// This rank's place in it (0 alone): rank 0 logs and saves.
+    rank: usize,
 }
 
 impl<B: Backend> Trainer<B> {
-    fn new(b: B, cfg: TrainConfig, quiet: bool) -> Result<Self> {
+    fn new(
+        b: B,
+        cfg: TrainConfig,
+        quiet: bool,
+        dp: Option<Box<dyn Communicator<Tensor = B::Tensor>>>,
+    ) -> Result<Self> {
         let spec = ModelSpec::from_config(&cfg.model)?;
-        if let Some(save) = &cfg.save {
+        let rank = dp.as_ref().map_or(0, |c| c.rank());
+        if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
             checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
         }
         let lora = cfg.lora.as_ref().map(|l| &l.spec);
@@ -262,6 +327,7 @@ impl<B: Backend> Trainer<B> {
         let tensorboard = cfg
             .tensorboard
             .as_ref()
+            .filter(|_| rank == 0)
             .map(|(dir, _)| tensorboard::TensorBoard::create(dir))
             .transpose()?;
         let mut t = Trainer {
@@ -280,6 +346,8 @@ impl<B: Backend> Trainer<B> {
             quiet,
             stop,
             tensorboard,
+            dp,
+            rank,
             cfg,
         };
         t.resume(&trained)?;
@@ -488,9 +556,14 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<(Vec<PendingLoss<B::Tensor>>, u64)> {
         let c = &self.cfg;
         let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
-        let (mut losses, mut tokens) = (Vec::with_capacity(k), 0u64);
-        for j in 0..k {
-            let prepared = split.micro_batch(from + (j * m) as u64, m, k, c.averaging)?;
+        // Megatron's sampler: rank r's j-th micro-batch is the (j·DP + r)-th of the global
+        // batch; every micro-batch weighs 1/K of the whole batch (the gradients are summed
+        // over the ranks).
+        let dp = c.data_parallel;
+        let (mut losses, mut tokens) = (Vec::with_capacity(k / dp), 0u64);
+        for j in 0..k / dp {
+            let at = from + ((j * dp + self.rank) * m) as u64;
+            let prepared = split.micro_batch(at, m, k, c.averaging)?;
             let fwd = forward(
                 &self.b,
                 &self.spec,
@@ -528,16 +601,54 @@ impl<B: Backend> Trainer<B> {
         Ok(sums)
     }
 
+    /// Every data-parallel rank's loss sums, in the single rank's order of micro-batches (rank
+    /// r's j-th is the (j·DP + r)-th), so the reported loss is the single rank's.
+    fn gathered(&self, local: data::LossSums) -> Result<data::LossSums> {
+        let Some(dp) = &self.dp else {
+            return Ok(local);
+        };
+        let flat = local.flat();
+        let mine = self.b.upload_f32(&[flat.len()], &flat)?;
+        let mut all = self.b.zeros(&[flat.len() * dp.size()], DType::F32)?;
+        dp.all_gather(&mine, &mut all)?;
+        Ok(data::LossSums::interleaved(
+            &self.b.download_f32(&all)?,
+            dp.size(),
+        ))
+    }
+
+    /// `x` summed over the data-parallel ranks.
+    fn summed(&self, x: f32) -> Result<f32> {
+        let Some(dp) = &self.dp else {
+            return Ok(x);
+        };
+        let mut t = self.b.upload_f32(&[1], &[x])?;
+        dp.all_reduce(&mut t, ReduceOp::Sum)?;
+        Ok(self.b.download_f32(&t)?[0])
+    }
+
     /// One training iteration: returns (loss, grad norm, applied, tokens).
     fn train_step(&mut self, train: &data::Source) -> Result<(f32, f64, bool, u64)> {
         for g in &mut self.grads {
             *g = self.b.zeros(self.b.shape(g), DType::F32)?;
         }
-        let (losses, tokens) = self.step_batches(train, self.consumed_train, true)?;
-        let n: f32 = losses
+        let (losses, mut tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let mut n: f32 = losses
             .iter()
             .map(|(_, mask)| mask.iter().sum::<f32>())
             .sum();
+        // Data parallel: gradients summed over the ranks, the losses of every rank's
+        // micro-batches known to each (finalize_model_grads' all-reduces).
+        let mut everyone = None;
+        if let Some(dp) = &self.dp {
+            for g in &mut self.grads {
+                dp.all_reduce(g, ReduceOp::Sum)?;
+            }
+            let sums = self.gathered(self.loss_sums(&losses)?)?;
+            n = sums.tokens();
+            tokens = self.summed(tokens as f32)? as u64;
+            everyone = Some(sums);
+        }
         if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
             let scale = 1.0 / n;
             for g in &mut self.grads {
@@ -547,7 +658,11 @@ impl<B: Backend> Trainer<B> {
         // The gradient norm waits for the device; the losses are read after it without
         // another wait, and the update is queued after both are known.
         let grad_norm = self.opt.grad_norm(&self.b, &self.grads)?;
-        let loss = self.loss_sums(&losses)?.report(self.token_weighted());
+        let sums = match everyone {
+            Some(sums) => sums,
+            None => self.loss_sums(&losses)?,
+        };
+        let loss = sums.report(self.token_weighted());
         let lr = self.cfg.schedule.lr(self.schedule_steps);
         let wd = self.cfg.schedule.wd(self.schedule_steps);
         let skip = self.cfg.skip_non_finite;
@@ -592,7 +707,7 @@ impl<B: Backend> Trainer<B> {
         let mut all = data::LossSums::default();
         for i in 0..iters {
             let (losses, _) = self.step_batches(split, start + i * g, false)?;
-            let sums = self.loss_sums(&losses)?;
+            let sums = self.gathered(self.loss_sums(&losses)?)?;
             all.extend(sums);
         }
         Ok(f64::from(all.report(self.token_weighted())))
@@ -605,8 +720,11 @@ impl<B: Backend> Trainer<B> {
         Ok(loss)
     }
 
-    /// Print (above the progress bar) one line.
+    /// Print (above the progress bar) one line; rank 0 speaks for all.
     fn say(&self, bar: &indicatif::ProgressBar, line: &str) {
+        if self.rank != 0 {
+            return;
+        }
         if bar.is_hidden() {
             println!("{line}");
         } else {
@@ -705,7 +823,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     fn save(&self, bar: &indicatif::ProgressBar) -> Result<Option<std::path::PathBuf>> {
-        let Some(save) = &self.cfg.save else {
+        let Some(save) = self.cfg.save.as_ref().filter(|_| self.rank == 0) else {
             return Ok(None);
         };
         let start = Instant::now();
@@ -747,6 +865,13 @@ impl<B: Backend> Trainer<B> {
                 if self.cfg.bf16 { "bf16" } else { "fp32" },
                 self.b.describe()
             );
+            if let Some(dp) = &self.dp {
+                eprintln!(
+                    "mindkit train: {} data-parallel ranks (threads), {} micro-batches each per iteration",
+                    dp.size(),
+                    self.cfg.global_batch / (self.cfg.micro_batch * dp.size())
+                );
+            }
             for (flag, why) in &self.cfg.inert {
                 eprintln!("mindkit train: note: --{flag} has no effect here: {why}");
             }
@@ -861,7 +986,7 @@ impl<B: Backend> Trainer<B> {
                 saved = self.save(&bar)?;
                 saved_at = Some(self.iteration);
             }
-            if let Some(why) = self.exit_reason(started) {
+            if let Some(why) = self.agreed_exit(started)? {
                 if saved_at != Some(self.iteration) {
                     saved = self.save(&bar)?;
                     saved_at = Some(self.iteration);
@@ -930,6 +1055,21 @@ impl<B: Backend> Trainer<B> {
             tb.scalars(self.iteration, self.consumed_train, &scalars)?;
         }
         Ok(())
+    }
+
+    /// [`Trainer::exit_reason`], agreed by the data-parallel ranks: one rank's reason stops
+    /// them all (Megatron all-reduces its exit flags).
+    fn agreed_exit(&self, started: Instant) -> Result<Option<String>> {
+        let mine = self.exit_reason(started);
+        let Some(dp) = &self.dp else {
+            return Ok(mine);
+        };
+        let mut flag = self
+            .b
+            .upload_f32(&[1], &[f32::from(u8::from(mine.is_some()))])?;
+        dp.all_reduce(&mut flag, ReduceOp::Max)?;
+        let anyone = self.b.download_f32(&flag)?[0] > 0.0;
+        Ok(mine.or_else(|| anyone.then(|| "as another data-parallel rank stops.".into())))
     }
 
     /// Why the run should save and stop now (`checkpoint_and_decide_exit`).
