@@ -244,7 +244,7 @@ pub const FLAGS: &[Flag] = &[
     used("context-parallel-size", One, "1 (context parallelism is not available)"),
     used("expert-model-parallel-size", One, "1"),
     used("sequence-parallel", Nothing, "switched off at TP 1, as Megatron does"),
-    inert("use-distributed-optimizer", Nothing, "shards optimizer state over data-parallel ranks; one rank holds it all"),
+    inert("use-distributed-optimizer", Nothing, "every data-parallel rank holds the whole optimizer state (the same training; no distrib_optim.pt)"),
     used("num-layers-per-virtual-pipeline-stage", One, "needs pipeline parallelism (not available yet)"),
     used("num-virtual-stages-per-pipeline-rank", One, "needs pipeline parallelism (not available yet)"),
     used("decoder-first-pipeline-num-layers", One, "needs pipeline parallelism (not available yet)"),
