@@ -9,7 +9,8 @@
 //! rank that left the group, or does not arrive within the group's timeout, fails the call on
 //! the others — a job never hangs on a dead rank.
 
-use super::Result;
+use super::{EngineError, Result};
+use crate::tensor::DType;
 
 /// The reduction of [`Communicator::all_reduce`] and [`Communicator::reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,4 +51,47 @@ pub trait Communicator {
 
     /// `x` = what rank `from` sends next (the same number of elements and dtype).
     fn recv(&self, x: &mut Self::Tensor, from: usize) -> Result<()>;
+}
+
+/// A tensor's shape and dtype, as the checks below see it.
+pub(crate) type Layout<'a> = (&'a [usize], DType);
+
+/// `x` holds `times` × `y`'s elements of the same dtype (all-gather's output, reduce-scatter's
+/// input, over a group of `times`), or an error naming the collective.
+pub(crate) fn expect_multiple(
+    op: &'static str,
+    (x, y): (Layout, Layout),
+    times: usize,
+) -> Result<()> {
+    let numel = |l: Layout| l.0.iter().product::<usize>();
+    if numel(x) == times * numel(y) && x.1 == y.1 {
+        return Ok(());
+    }
+    Err(EngineError::Invalid {
+        op,
+        msg: format!(
+            "{:?} {:?} is not {times} × {:?} {:?} ({times} ranks)",
+            x.0, x.1, y.0, y.1
+        ),
+    })
+}
+
+/// `peer` is a rank of the group of `size` other than `rank` (send/recv), or `rank` itself
+/// may be (`may_be_self`: a broadcast's root).
+pub(crate) fn expect_rank(
+    op: &'static str,
+    peer: usize,
+    (rank, size): (usize, usize),
+    may_be_self: bool,
+) -> Result<()> {
+    if peer < size && (may_be_self || peer != rank) {
+        return Ok(());
+    }
+    Err(EngineError::Invalid {
+        op,
+        msg: format!(
+            "rank {peer} is not {} rank of this group of {size}",
+            if may_be_self { "a" } else { "another" }
+        ),
+    })
 }

@@ -6,7 +6,7 @@
 //! Sends wait in a mailbox per (sender, receiver) until received.
 
 use super::CpuTensor;
-use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, ReduceOp};
 use crate::engine::{EngineError, Result};
 use crate::tensor::DType;
 use std::cell::Cell;
@@ -93,6 +93,10 @@ impl fmt::Display for Signature {
         }
         Ok(())
     }
+}
+
+fn layout(x: &CpuTensor) -> Layout<'_> {
+    (&x.shape, x.dtype())
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -212,38 +216,6 @@ impl ThreadComm {
             root: None,
         }
     }
-
-    /// `x`'s elements are `times` those of `y`, or an error naming the collective.
-    fn fits(&self, op: &'static str, (x, y): (&CpuTensor, &CpuTensor), times: usize) -> Result<()> {
-        if x.numel() == times * y.numel() && x.dtype() == y.dtype() {
-            return Ok(());
-        }
-        Err(EngineError::Invalid {
-            op,
-            msg: format!(
-                "{:?} {:?} is not {times} × {:?} {:?} ({} ranks)",
-                x.shape,
-                x.dtype(),
-                y.shape,
-                y.dtype(),
-                self.size()
-            ),
-        })
-    }
-
-    /// A peer rank other than this one.
-    fn peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer < self.size() && peer != self.rank {
-            return Ok(());
-        }
-        Err(EngineError::Invalid {
-            op,
-            msg: format!(
-                "rank {peer} is not another rank of this group of {}",
-                self.size()
-            ),
-        })
-    }
 }
 
 impl Communicator for ThreadComm {
@@ -268,7 +240,7 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
-        self.fits("all_gather", (out, x), self.size())?;
+        expect_multiple("all_gather", (layout(out), layout(x)), self.size())?;
         let parts = self.exchange(self.call("all_gather", x), x.values().into_owned())?;
         let values = parts
             .iter()
@@ -279,7 +251,7 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter(&self, x: &CpuTensor, out: &mut CpuTensor, op: ReduceOp) -> Result<()> {
-        self.fits("reduce_scatter", (x, out), self.size())?;
+        expect_multiple("reduce_scatter", (layout(x), layout(out)), self.size())?;
         let call = Signature {
             op: Some(op),
             ..self.call("reduce_scatter", x)
@@ -292,12 +264,7 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, x: &mut CpuTensor, root: usize) -> Result<()> {
-        if root >= self.size() {
-            return Err(EngineError::Invalid {
-                op: "broadcast",
-                msg: format!("root {root} is not a rank of this group of {}", self.size()),
-            });
-        }
+        expect_rank("broadcast", root, (self.rank, self.size()), true)?;
         let call = Signature {
             root: Some(root),
             ..self.call("broadcast", x)
@@ -314,7 +281,7 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&self, x: &CpuTensor, to: usize) -> Result<()> {
-        self.peer("send", to)?;
+        expect_rank("send", to, (self.rank, self.size()), false)?;
         let part = Part {
             call: self.call("send", x),
             values: Arc::new(x.values().into_owned()),
@@ -329,7 +296,7 @@ impl Communicator for ThreadComm {
     }
 
     fn recv(&self, x: &mut CpuTensor, from: usize) -> Result<()> {
-        self.peer("recv", from)?;
+        expect_rank("recv", from, (self.rank, self.size()), false)?;
         let what = format!("recv from rank {from}");
         let key = (from, self.rank);
         let got = self.wait_for(
