@@ -718,7 +718,7 @@ fn data_parallel_sizes_that_do_not_fit_are_refused() {
         ),
         (
             &["--world-size", "2", "--device", "npu"],
-            "ranks on NPUs need HCCL",
+            "CANN's libhccl.so was not found",
         ),
         (&["--world-size", "0"], "--world-size"),
     ];

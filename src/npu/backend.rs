@@ -48,6 +48,19 @@ pub struct NpuTensor {
 }
 
 impl NpuTensor {
+    /// Its device address (for HCCL, which takes raw buffers).
+    pub(crate) fn device_ptr(&self) -> usize {
+        self.block.ptr
+    }
+
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -336,6 +349,11 @@ impl Npu {
             y.raw,
             o.raw
         )
+    }
+
+    /// The device context (its stream), for the collectives queued beside the operators.
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
     }
 
     /// Device memory handed out, cached, and the peak handed out, in bytes.

@@ -284,6 +284,15 @@ impl Context {
         Ok(())
     }
 
+    /// Queue work that is not an aclnn operator (a collective) on the stream: `f` is given
+    /// the stream on this thread's bound device.
+    pub fn on_stream<T>(&self, f: impl FnOnce(aclrtStream) -> T) -> Result<T, NpuError> {
+        self.bind()?;
+        let out = f(self.stream());
+        self.queued.store(true, Ordering::Release);
+        Ok(out)
+    }
+
     /// Run an aclnn operator: phase 1 (`prepare`, given the workspace-size and executor
     /// out-pointers), a workspace from the pool, then `launch` on the stream, which consumes
     /// the executor. The workspace block returns to the pool at once: later work on the one

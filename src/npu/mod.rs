@@ -1,7 +1,7 @@
 //! Ascend NPUs through CANN, loaded at run time (`ascendcl-sys`): `mindkit npu info`, and the
 //! engine's backend on aclnn operators ([`Npu`]): a device context with one stream and a
 //! caching memory pool (`context.rs`, `memory.rs`), aclnn descriptors (`descriptor.rs`), the
-//! operators (`backend.rs`).
+//! operators (`backend.rs`), and HCCL's collectives between NPUs (`comm.rs`).
 
 /// Evaluate `$body` with `$b` bound to the backend `$kind` names: the CPU backend, or the
 /// NPU it numbers, opened (its error, e.g. no CANN, returned with `?`). The body is compiled
@@ -23,6 +23,7 @@ macro_rules! with_backend {
 pub(crate) use with_backend;
 
 mod backend;
+pub mod comm;
 mod context;
 mod descriptor;
 mod memory;

@@ -21,11 +21,13 @@ use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::comm::{Communicator, ReduceOp};
-use crate::engine::cpu::{Cpu, CpuTensor};
-use crate::engine::Backend;
+use crate::engine::cpu::Cpu;
+use crate::engine::{Backend, DeviceKind, EngineError};
 use crate::model::llama::{backward, forward, Ids};
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
 use crate::model::ModelSpec;
+use crate::npu::comm::Hccl;
+use crate::npu::Npu;
 use crate::tensor::host::Tensor as HostTensor;
 use crate::tensor::DType;
 use crate::util::{progress_bar, ProgressUnit};
@@ -35,7 +37,7 @@ use optim::Optimizer;
 use rand::SeedableRng;
 use rand_distr::Distribution;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// How a run ended.
@@ -93,13 +95,7 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
     let device = device.with_npu_id(npu_id).map_err(anyhow::Error::msg)?;
     let cfg = config::resolve(&parsed)?;
     if cfg.data_parallel > 1 {
-        if device != crate::engine::DeviceKind::Cpu {
-            bail!(
-                "--world-size {}: ranks on NPUs need HCCL, which training does not use yet; use --device cpu",
-                cfg.data_parallel
-            );
-        }
-        return on_threads(cfg, quiet);
+        return on_threads(cfg, quiet, device);
     }
     crate::npu::with_backend!(device, |backend| Trainer::new(backend, cfg, quiet, None)?
         .train())
@@ -108,20 +104,54 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
 /// How long a rank waits for the others at a collective (rank 0 may be saving a checkpoint).
 const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1800);
 
-/// Train with `cfg.data_parallel` ranks as threads of this process on the CPU backend; rank 0
-/// logs and saves. The summary is rank 0's; when ranks fail, the first failure that is not
-/// another rank leaving (the root cause) is returned.
-fn on_threads(cfg: TrainConfig, quiet: bool) -> Result<TrainSummary> {
-    let comms = crate::engine::cpu::comm::thread_group(cfg.data_parallel, RANK_TIMEOUT);
+/// A rank's backend and its data-parallel group.
+type RankSetup<B> = (
+    B,
+    Box<dyn Communicator<Tensor = <B as crate::engine::Device>::Tensor>>,
+);
+
+/// Train with `cfg.data_parallel` ranks as threads of this process: on the CPU backend
+/// through a thread group, or one NPU each from `--npu-id` on through HCCL.
+fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<TrainSummary> {
+    let ranks = cfg.data_parallel;
+    match device {
+        DeviceKind::Cpu => {
+            let comms: Vec<_> = crate::engine::cpu::comm::thread_group(ranks, RANK_TIMEOUT)
+                .into_iter()
+                .map(|c| Mutex::new(Some(c)))
+                .collect();
+            run_ranks(&cfg, quiet, |rank| {
+                let comm = comms[rank].lock().ok().and_then(|mut c| c.take());
+                let comm = comm.ok_or_else(|| anyhow!("internal: rank {rank} set up twice"))?;
+                Ok::<RankSetup<Cpu>, anyhow::Error>((Cpu, Box::new(comm)))
+            })
+        }
+        DeviceKind::Npu(first) => {
+            let root = crate::npu::comm::root_info()?;
+            run_ranks(&cfg, quiet, |rank| {
+                let npu = Npu::open(first + rank as i32)?;
+                let comm = Hccl::join(&npu, ranks, rank, &root)?;
+                Ok::<RankSetup<Npu>, anyhow::Error>((npu, Box::new(comm)))
+            })
+        }
+    }
+}
+
+/// Run rank `0..cfg.data_parallel` each in its own thread on what `setup` gives it; rank 0
+/// logs and saves. The summary is rank 0's; when ranks fail, the first failure that is not a
+/// collective failing because of another rank (the root cause) is returned.
+fn run_ranks<B: Backend>(
+    cfg: &TrainConfig,
+    quiet: bool,
+    setup: impl Fn(usize) -> Result<RankSetup<B>> + Sync,
+) -> Result<TrainSummary> {
     let results: Vec<Result<TrainSummary>> = std::thread::scope(|s| {
-        let ranks: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let cfg = cfg.clone();
+        let ranks: Vec<_> = (0..cfg.data_parallel)
+            .map(|rank| {
+                let setup = &setup;
                 s.spawn(move || {
-                    let rank = comm.rank();
-                    let dp: Box<dyn Communicator<Tensor = CpuTensor>> = Box::new(comm);
-                    Trainer::new(Cpu, cfg, quiet || rank > 0, Some(dp))
+                    let (b, dp) = setup(rank)?;
+                    Trainer::new(b, cfg.clone(), quiet || rank > 0, Some(dp))
                         .and_then(Trainer::train)
                         .with_context(|| format!("data-parallel rank {rank}"))
                 })
@@ -142,8 +172,15 @@ fn on_threads(cfg: TrainConfig, quiet: bool) -> Result<TrainSummary> {
             Err(e) => failures.push(e),
         }
     }
-    let left = |e: &anyhow::Error| format!("{e:#}").contains("left the group");
-    match failures.iter().position(|e| !left(e)) {
+    let collective = |e: &anyhow::Error| {
+        e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<EngineError>(),
+                Some(EngineError::Collective { .. })
+            )
+        })
+    };
+    match failures.iter().position(|e| !collective(e)) {
         Some(i) => Err(failures.swap_remove(i)),
         None if !failures.is_empty() => Err(failures.swap_remove(0)),
         None => summary.ok_or_else(|| anyhow!("internal: no rank reported")),

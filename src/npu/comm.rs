@@ -1,0 +1,215 @@
+//! HCCL across NPUs: the NPU backend's [`Communicator`]. Rank 0 makes the root info
+//! ([`root_info`]) that every rank, one per device, joins with ([`Hccl::join`]); how the root
+//! info travels between processes is the launcher's business (torchrun's store or a rank table
+//! file). Collectives are queued on the device's one stream, like its operators, in place
+//! where HCCL allows it (all-reduce, broadcast).
+
+use super::backend::{Npu, NpuTensor};
+use super::context::Context;
+use super::NpuError;
+use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, ReduceOp};
+use crate::engine::{EngineError, Result};
+use crate::tensor::DType;
+use hccl_sys::{
+    HcclDataType, HcclResult, HcclRootInfo, HCCL_DATA_TYPE_BFP16, HCCL_DATA_TYPE_FP16,
+    HCCL_DATA_TYPE_FP32, HCCL_DATA_TYPE_INT32, HCCL_DATA_TYPE_INT64, HCCL_REDUCE_MAX,
+    HCCL_REDUCE_SUM, HCCL_SUCCESS,
+};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// The root info a group's ranks join with, made on rank 0.
+pub fn root_info() -> std::result::Result<HcclRootInfo, NpuError> {
+    let hccl = hccl_sys::load()?;
+    let mut info = HcclRootInfo {
+        internal: [0; hccl_sys::HCCL_ROOT_INFO_BYTES],
+    };
+    // SAFETY: a valid out-pointer to a root info.
+    let code = unsafe { (hccl.api.HcclGetRootInfo)(&mut info) };
+    check(&hccl, "HcclGetRootInfo", code).map_err(|msg| NpuError::Call {
+        call: "HcclGetRootInfo",
+        code,
+        message: msg,
+    })?;
+    Ok(info)
+}
+
+/// One rank of an HCCL communicator, on its NPU's stream; destroyed when dropped.
+pub struct Hccl {
+    lib: hccl_sys::Hccl,
+    comm: hccl_sys::HcclComm,
+    ctx: Arc<Context>,
+    rank: usize,
+    size: usize,
+}
+
+/// `""` on success, else the call, the code's name and the runtime's message.
+fn check(lib: &hccl_sys::Hccl, call: &str, code: HcclResult) -> std::result::Result<(), String> {
+    if code == HCCL_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: HCCL returns a static NUL-terminated string (or null).
+    let name = unsafe { super::c_string((lib.api.HcclGetErrorString)(code)) };
+    Err(format!("{call} failed with {name} ({code})"))
+}
+
+/// HCCL's code of a dtype it reduces.
+fn hccl_dtype(dtype: DType) -> Option<HcclDataType> {
+    Some(match dtype {
+        DType::F32 => HCCL_DATA_TYPE_FP32,
+        DType::F16 => HCCL_DATA_TYPE_FP16,
+        DType::BF16 => HCCL_DATA_TYPE_BFP16,
+        DType::I32 => HCCL_DATA_TYPE_INT32,
+        DType::I64 => HCCL_DATA_TYPE_INT64,
+        _ => return None,
+    })
+}
+
+impl Hccl {
+    /// Join the group of `size` as `rank` on `npu`, with rank 0's `root` info (blocks until
+    /// every rank joined, or HCCL's connect timeout).
+    pub fn join(npu: &Npu, size: usize, rank: usize, root: &HcclRootInfo) -> Result<Hccl> {
+        let lib = hccl_sys::load().map_err(|e| EngineError::Device(e.to_string()))?;
+        let ctx = npu.context().clone();
+        ctx.bind()?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: the root info is HcclRootInfo's 4108 bytes; a valid out-pointer.
+        let code =
+            unsafe { (lib.api.HcclCommInitRootInfo)(size as u32, root, rank as u32, &mut comm) };
+        let hccl = Hccl {
+            lib,
+            comm,
+            ctx,
+            rank,
+            size,
+        };
+        hccl.done("HcclCommInitRootInfo", code)?;
+        Ok(hccl)
+    }
+
+    /// A collective's result code as the engine's error, with the runtime's message.
+    fn done(&self, call: &str, code: HcclResult) -> Result<()> {
+        check(&self.lib, call, code).map_err(|msg| EngineError::Collective {
+            rank: self.rank,
+            msg: format!("{msg}: {}", self.ctx.recent_error()),
+        })
+    }
+
+    /// A tensor's device address, element count and HCCL dtype.
+    fn buffer(&self, op: &'static str, x: &NpuTensor) -> Result<(*mut c_void, u64, HcclDataType)> {
+        let dtype = x.dtype();
+        let code = hccl_dtype(dtype).ok_or_else(|| EngineError::Unsupported {
+            op,
+            dtype,
+            device: "HCCL".into(),
+        })?;
+        Ok((
+            x.device_ptr() as *mut c_void,
+            x.shape().iter().product::<usize>() as u64,
+            code,
+        ))
+    }
+
+    fn me(&self) -> (usize, usize) {
+        (self.rank, self.size)
+    }
+
+    /// Queue `call` on the device's stream and check its result.
+    fn queue(&self, name: &str, call: impl FnOnce(*mut c_void) -> HcclResult) -> Result<()> {
+        let code = self.ctx.on_stream(call)?;
+        self.done(name, code)
+    }
+}
+
+fn reduce_op(op: ReduceOp) -> hccl_sys::HcclReduceOp {
+    match op {
+        ReduceOp::Sum => HCCL_REDUCE_SUM,
+        ReduceOp::Max => HCCL_REDUCE_MAX,
+    }
+}
+
+fn layout(x: &NpuTensor) -> Layout<'_> {
+    (x.shape(), x.dtype())
+}
+
+impl Communicator for Hccl {
+    type Tensor = NpuTensor;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce(&self, x: &mut NpuTensor, op: ReduceOp) -> Result<()> {
+        let (ptr, count, dtype) = self.buffer("all_reduce", x)?;
+        let f = self.lib.api.HcclAllReduce;
+        // SAFETY: `ptr` holds `count` elements of `dtype` (in place is allowed).
+        self.queue("HcclAllReduce", |s| unsafe {
+            f(ptr, ptr, count, dtype, reduce_op(op), self.comm, s)
+        })
+    }
+
+    fn all_gather(&self, x: &NpuTensor, out: &mut NpuTensor) -> Result<()> {
+        expect_multiple("all_gather", (layout(out), layout(x)), self.size)?;
+        let (send, count, dtype) = self.buffer("all_gather", x)?;
+        let recv = out.device_ptr() as *mut c_void;
+        let f = self.lib.api.HcclAllGather;
+        // SAFETY: `recv` holds `size` × `count` elements of `dtype`.
+        self.queue("HcclAllGather", |s| unsafe {
+            f(send, recv, count, dtype, self.comm, s)
+        })
+    }
+
+    fn reduce_scatter(&self, x: &NpuTensor, out: &mut NpuTensor, op: ReduceOp) -> Result<()> {
+        expect_multiple("reduce_scatter", (layout(x), layout(out)), self.size)?;
+        let (recv, count, dtype) = self.buffer("reduce_scatter", out)?;
+        let send = x.device_ptr() as *mut c_void;
+        let f = self.lib.api.HcclReduceScatter;
+        // SAFETY: `send` holds `size` × `count` elements of `dtype`, `recv` `count`.
+        self.queue("HcclReduceScatter", |s| unsafe {
+            f(send, recv, count, dtype, reduce_op(op), self.comm, s)
+        })
+    }
+
+    fn broadcast(&self, x: &mut NpuTensor, root: usize) -> Result<()> {
+        expect_rank("broadcast", root, self.me(), true)?;
+        let (ptr, count, dtype) = self.buffer("broadcast", x)?;
+        let f = self.lib.api.HcclBroadcast;
+        // SAFETY: `ptr` holds `count` elements of `dtype`.
+        self.queue("HcclBroadcast", |s| unsafe {
+            f(ptr, count, dtype, root as u32, self.comm, s)
+        })
+    }
+
+    fn send(&self, x: &NpuTensor, to: usize) -> Result<()> {
+        expect_rank("send", to, self.me(), false)?;
+        let (ptr, count, dtype) = self.buffer("send", x)?;
+        let f = self.lib.api.HcclSend;
+        // SAFETY: `ptr` holds `count` elements of `dtype`.
+        self.queue("HcclSend", |s| unsafe {
+            f(ptr, count, dtype, to as u32, self.comm, s)
+        })
+    }
+
+    fn recv(&self, x: &mut NpuTensor, from: usize) -> Result<()> {
+        expect_rank("recv", from, self.me(), false)?;
+        let (ptr, count, dtype) = self.buffer("recv", x)?;
+        let f = self.lib.api.HcclRecv;
+        // SAFETY: `ptr` holds `count` elements of `dtype`.
+        self.queue("HcclRecv", |s| unsafe {
+            f(ptr, count, dtype, from as u32, self.comm, s)
+        })
+    }
+}
+
+impl Drop for Hccl {
+    fn drop(&mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: a communicator of this library, destroyed once.
+            unsafe { (self.lib.api.HcclCommDestroy)(self.comm) };
+        }
+    }
+}
