@@ -45,7 +45,8 @@ fn npu_info_reports_each_device_of_the_runtime() {
         .env("MINDKIT_STAND_IN_REPORT", &report);
     let text = succeeds(cmd);
     assert!(text.contains("CANN     8.1.RC1"), "{text}");
-    assert!(text.contains("HCCL     libhccl.so not found"), "{text}");
+    let hccl = home.join("lib64/libhccl.so").display().to_string();
+    assert!(text.contains(&format!("HCCL     {hccl}")), "{text}");
     assert!(text.contains("devices  2"), "{text}");
     assert!(
         text.contains("npu 0    Ascend910B4, HBM 64.0 GiB free of 64.0 GiB"),

@@ -574,6 +574,7 @@ fn train_on_stand_in(dir: &Path, args: &[String], no_kernel: &str) -> (String, s
         .env("ASCEND_TOOLKIT_HOME", &home)
         .env("MINDKIT_STAND_IN_REPORT", &report)
         .env("MINDKIT_STAND_IN_NO_KERNEL", no_kernel)
+        .env("MINDKIT_STAND_IN_DEVICES", "2")
         .env_remove("ASCEND_HOME_PATH")
         .env_remove("LD_LIBRARY_PATH")
         .assert()
@@ -625,6 +626,20 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
             }
         }
     }
+    // Two data-parallel ranks, one stand-in NPU each, joined over the stand-in's HCCL.
+    let six = ["--train-iters", "6"];
+    let cpu = stdout(&run(&args(&data, &six)).success());
+    let mut parallel = args(&data, &six);
+    parallel.extend(["--world-size".into(), "2".into()]);
+    let (npu, counted) = train_on_stand_in(dir.path(), &parallel, "");
+    same_training(&cpu, &npu, 1e-4, "DP2 on the NPU stand-in");
+    // Every step all-reduces each gradient and gathers the loss sums (the counts are both ranks').
+    let hccl = &counted["hccl"];
+    let calls = |f: &str| hccl[f]["calls"].as_u64().unwrap_or(0);
+    assert!(
+        calls("HcclAllReduce") >= 2 * 6 && calls("HcclAllGather") >= 2 * 6,
+        "{counted}"
+    );
     // Steps after the first allocate nothing and wait for the device once.
     let counts =
         |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters]), "").1;

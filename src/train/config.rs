@@ -500,7 +500,7 @@ fn check_single_rank(a: &Args) -> Result<()> {
 /// The ranks `--world-size` asks for (1 by default). A process started by a launcher (torchrun's
 /// or Slurm's WORLD_SIZE / SLURM_NTASKS above 1) is refused: ranks as processes need HCCL, not
 /// available yet.
-fn world_size(a: &Args) -> Result<usize> {
+pub fn world_size(a: &Args) -> Result<usize> {
     for var in ["WORLD_SIZE", "SLURM_NTASKS"] {
         if let Some(n) = std::env::var(var).ok().filter(|n| n.trim() != "1") {
             bail!("{var}={n}: launching ranks as processes (torchrun, Slurm) is not available yet; run one process with --world-size N (ranks as threads, CPU)");

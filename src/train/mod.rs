@@ -93,12 +93,14 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
         .map(|id| id.parse::<i32>().map_err(|e| anyhow!("--npu-id {id}: {e}")))
         .transpose()?;
     let device = device.with_npu_id(npu_id).map_err(anyhow::Error::msg)?;
-    let cfg = config::resolve(&parsed)?;
-    if cfg.data_parallel > 1 {
-        return on_threads(cfg, quiet, device);
+    if config::world_size(&parsed)? > 1 {
+        return on_threads(config::resolve(&parsed)?, quiet, device);
     }
-    crate::npu::with_backend!(device, |backend| Trainer::new(backend, cfg, quiet, None)?
-        .train())
+    // The device first: without CANN, `--device npu` says so before the flags are read.
+    crate::npu::with_backend!(device, |backend| {
+        let cfg = config::resolve(&parsed)?;
+        Trainer::new(backend, cfg, quiet, None)?.train()
+    })
 }
 
 /// How long a rank waits for the others at a collective (rank 0 may be saving a checkpoint).

@@ -146,8 +146,8 @@ pub fn stand_in() -> &'static Path {
     })
 }
 
-/// A toolkit directory whose `lib64/libascendcl.so` is `library`, with `libnnopbase.so` and
-/// `libopapi.so` linked to it (the stand-in exports all three libraries' functions; the
+/// A toolkit directory whose `lib64/libascendcl.so` is `library`, with `libnnopbase.so`,
+/// `libopapi.so` and `libhccl.so` linked to it (the stand-in exports all four libraries' functions; the
 /// dynamic loader maps the one file once, so they share its state).
 pub fn toolkit(dir: &Path, library: &Path) -> PathBuf {
     if dir.join("lib64/libascendcl.so").exists() {
@@ -155,7 +155,7 @@ pub fn toolkit(dir: &Path, library: &Path) -> PathBuf {
     }
     std::fs::create_dir_all(dir.join("lib64")).unwrap();
     std::fs::copy(library, dir.join("lib64/libascendcl.so")).unwrap();
-    for alias in ["libnnopbase.so", "libopapi.so"] {
+    for alias in ["libnnopbase.so", "libopapi.so", "libhccl.so"] {
         std::os::unix::fs::symlink("libascendcl.so", dir.join("lib64").join(alias)).unwrap();
     }
     dir.to_path_buf()

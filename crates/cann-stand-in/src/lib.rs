@@ -13,7 +13,8 @@
 //! it): the aclnn object model in [`aclnn`] and the operators in [`ops`], computed on host
 //! memory in f32, as strict about their contracts (descriptors over live memory, executors
 //! launched once with the workspace phase 1 asked for; descriptors and executors still alive
-//! at `aclFinalize` are leaks too).
+//! at `aclFinalize` are leaks too); and for `libhccl.so`: HCCL's collectives between the ranks
+//! (threads) of this process, in [`collectives`].
 //!
 //! Test-only: never shipped, never a runtime for real work. The exported functions have the
 //! types `ascendcl-sys` declares (checked against CANN's headers).
@@ -33,6 +34,7 @@ use std::ffi::{c_char, c_void, CString};
 use std::sync::{Mutex, MutexGuard};
 
 mod aclnn;
+mod collectives;
 mod ops;
 mod view;
 
@@ -208,8 +210,8 @@ impl Runtime {
             .map(|(op, n)| format!("\"{op}\": {n}"))
             .collect();
         format!(
-            "{{\"allocations\": {}, \"frees\": {}, \"copies\": {}, \"synchronizations\": {}, \"peak_live_bytes\": {}, \"memsets\": {}, \"launches\": {}, \"ops\": {{{}}}}}\n",
-            c.allocations, c.frees, c.copies, c.synchronizations, c.peak_live_bytes, c.memsets, c.launches, ops.join(", ")
+            "{{\"allocations\": {}, \"frees\": {}, \"copies\": {}, \"synchronizations\": {}, \"peak_live_bytes\": {}, \"memsets\": {}, \"launches\": {}, \"ops\": {{{}}}, \"hccl\": {{{}}}}}\n",
+            c.allocations, c.frees, c.copies, c.synchronizations, c.peak_live_bytes, c.memsets, c.launches, ops.join(", "), collectives::counted()
         )
     }
 }
@@ -250,6 +252,7 @@ pub extern "C" fn aclFinalize() -> aclError {
         ));
     }
     problems.extend(rt.aclnn.leaks());
+    problems.extend(collectives::leaks());
     // the state goes whatever leaked, so that a later aclInit starts afresh
     *guard = None;
     if problems.is_empty() {

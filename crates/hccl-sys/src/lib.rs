@@ -37,8 +37,14 @@ cann_constants! {
     HCCL_SUCCESS: HcclResult = 0;
     /// A parameter error.
     HCCL_E_PARA: HcclResult = 1;
+    /// An internal error.
+    HCCL_E_INTERNAL: HcclResult = 4;
+    /// Not supported.
+    HCCL_E_NOT_SUPPORT: HcclResult = 5;
     /// A call into the runtime failed.
     HCCL_E_RUNTIME: HcclResult = 15;
+    /// A remote rank failed (or left).
+    HCCL_E_REMOTE: HcclResult = 21;
     /// A timeout.
     HCCL_E_TIMEOUT: HcclResult = 9;
     /// Sum.
