@@ -13,8 +13,8 @@
 //! it): the aclnn object model in [`aclnn`] and the operators in [`ops`], computed on host
 //! memory in f32, as strict about their contracts (descriptors over live memory, executors
 //! launched once with the workspace phase 1 asked for; descriptors and executors still alive
-//! at `aclFinalize` are leaks too); and for `libhccl.so`: HCCL's collectives between the ranks
-//! (threads) of this process, in [`collectives`].
+//! at `aclFinalize` are leaks too); and for `libhccl.so`: HCCL's communicators and collectives
+//! between the ranks (processes or threads) of this machine, in [`hccl`].
 //!
 //! Test-only: never shipped, never a runtime for real work. The exported functions have the
 //! types `ascendcl-sys` declares (checked against CANN's headers).
@@ -34,7 +34,7 @@ use std::ffi::{c_char, c_void, CString};
 use std::sync::{Mutex, MutexGuard};
 
 mod aclnn;
-mod collectives;
+mod hccl;
 mod ops;
 mod view;
 
@@ -211,7 +211,7 @@ impl Runtime {
             .collect();
         format!(
             "{{\"allocations\": {}, \"frees\": {}, \"copies\": {}, \"synchronizations\": {}, \"peak_live_bytes\": {}, \"memsets\": {}, \"launches\": {}, \"ops\": {{{}}}, \"hccl\": {{{}}}}}\n",
-            c.allocations, c.frees, c.copies, c.synchronizations, c.peak_live_bytes, c.memsets, c.launches, ops.join(", "), collectives::counted()
+            c.allocations, c.frees, c.copies, c.synchronizations, c.peak_live_bytes, c.memsets, c.launches, ops.join(", "), hccl::counted()
         )
     }
 }
@@ -252,7 +252,7 @@ pub extern "C" fn aclFinalize() -> aclError {
         ));
     }
     problems.extend(rt.aclnn.leaks());
-    problems.extend(collectives::leaks());
+    problems.extend(hccl::leaks());
     // the state goes whatever leaked, so that a later aclInit starts afresh
     *guard = None;
     if problems.is_empty() {

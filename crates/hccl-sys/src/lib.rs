@@ -29,6 +29,27 @@ pub struct HcclRootInfo {
     pub internal: [c_char; HCCL_ROOT_INFO_BYTES],
 }
 
+impl HcclRootInfo {
+    /// The bytes, to hand to the other ranks.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.internal.iter().map(|&c| c as u8).collect()
+    }
+
+    /// The root info another rank handed over, if `bytes` has a root info's size.
+    pub fn from_bytes(bytes: &[u8]) -> Option<HcclRootInfo> {
+        let mut info = HcclRootInfo {
+            internal: [0; HCCL_ROOT_INFO_BYTES],
+        };
+        if bytes.len() != info.internal.len() {
+            return None;
+        }
+        for (c, &b) in info.internal.iter_mut().zip(bytes) {
+            *c = b as c_char;
+        }
+        Some(info)
+    }
+}
+
 /// The sizes of the structs declared here, as `(C type name, size)`, for the header check.
 pub const STRUCT_SIZES: &[(&str, usize)] = &[("HcclRootInfo", std::mem::size_of::<HcclRootInfo>())];
 
@@ -37,6 +58,8 @@ cann_constants! {
     HCCL_SUCCESS: HcclResult = 0;
     /// A parameter error.
     HCCL_E_PARA: HcclResult = 1;
+    /// A NULL pointer.
+    HCCL_E_PTR: HcclResult = 2;
     /// An internal error.
     HCCL_E_INTERNAL: HcclResult = 4;
     /// Not supported.
@@ -47,10 +70,22 @@ cann_constants! {
     HCCL_E_REMOTE: HcclResult = 21;
     /// A timeout.
     HCCL_E_TIMEOUT: HcclResult = 9;
+    /// A file (the rank table) could not be opened or read.
+    HCCL_E_OPEN_FILE_FAILURE: HcclResult = 10;
+    /// A connection to another rank (or the root) could not be made.
+    HCCL_E_TCP_CONNECT: HcclResult = 11;
     /// Sum.
     HCCL_REDUCE_SUM: HcclReduceOp = 0;
+    /// Product.
+    HCCL_REDUCE_PROD: HcclReduceOp = 1;
     /// Maximum.
     HCCL_REDUCE_MAX: HcclReduceOp = 2;
+    /// Minimum.
+    HCCL_REDUCE_MIN: HcclReduceOp = 3;
+    /// int8.
+    HCCL_DATA_TYPE_INT8: HcclDataType = 0;
+    /// int16.
+    HCCL_DATA_TYPE_INT16: HcclDataType = 1;
     /// int32.
     HCCL_DATA_TYPE_INT32: HcclDataType = 2;
     /// float16.
@@ -59,6 +94,16 @@ cann_constants! {
     HCCL_DATA_TYPE_FP32: HcclDataType = 4;
     /// int64.
     HCCL_DATA_TYPE_INT64: HcclDataType = 5;
+    /// uint64.
+    HCCL_DATA_TYPE_UINT64: HcclDataType = 6;
+    /// uint8.
+    HCCL_DATA_TYPE_UINT8: HcclDataType = 7;
+    /// uint16.
+    HCCL_DATA_TYPE_UINT16: HcclDataType = 8;
+    /// uint32.
+    HCCL_DATA_TYPE_UINT32: HcclDataType = 9;
+    /// float64.
+    HCCL_DATA_TYPE_FP64: HcclDataType = 10;
     /// bfloat16.
     HCCL_DATA_TYPE_BFP16: HcclDataType = 11;
 }
