@@ -1,0 +1,456 @@
+//! The CPU backend's [`Communicator`]: one [`Group`] of collectives over a [`Link`] between the
+//! ranks — threads of one process ([`threads`], from `mindkit train --world-size N`) or
+//! processes joined by TCP sockets ([`sockets`], one per rank under torchrun or Slurm).
+//!
+//! A collective brings each rank's values, under the call's sequence number, to every rank;
+//! each rank computes its result from all of them in rank order, so every rank gets the same
+//! bits whatever the link (sums accumulate in f32 in rank order, halves rounded once, as the
+//! HCCL stand-in does). Ranks whose calls differ fail together, naming both calls.
+
+pub mod sockets;
+pub mod threads;
+
+pub use sockets::{socket_group, SocketComm};
+pub use threads::{thread_group, ThreadComm};
+
+use super::CpuTensor;
+use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, ReduceOp};
+use crate::engine::{EngineError, Result};
+use crate::tensor::DType;
+use std::cell::Cell;
+use std::fmt;
+use std::sync::Arc;
+
+/// How the ranks of a group reach each other.
+pub trait Link {
+    /// This rank's place in the group.
+    fn rank(&self) -> usize;
+    /// The ranks in the group.
+    fn size(&self) -> usize;
+    /// Bring `part` to collective number `seq`; every rank's part, in rank order, once all
+    /// are there (`what` names the call in errors).
+    fn exchange(&self, seq: u64, what: &str, part: Part) -> Result<Vec<Part>>;
+    /// Leave `part` for rank `to`, without waiting for it to be taken.
+    fn post(&self, to: usize, part: Part) -> Result<()>;
+    /// The next part rank `from` posted to this rank.
+    fn take(&self, from: usize) -> Result<Part>;
+}
+
+/// What a rank brings to a call: the call as it sees it, and its values.
+#[derive(Clone)]
+pub struct Part {
+    call: Signature,
+    values: Arc<Vec<f32>>,
+}
+
+/// A call as one rank makes it: every rank's must be equal.
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct Signature {
+    kind: Kind,
+    count: usize,
+    dtype: DType,
+    op: Option<ReduceOp>,
+    root: Option<usize>,
+}
+
+/// The collectives, and point-to-point messages.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Send,
+}
+
+impl Kind {
+    const ALL: [Kind; 5] = [
+        Kind::AllReduce,
+        Kind::AllGather,
+        Kind::ReduceScatter,
+        Kind::Broadcast,
+        Kind::Send,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::AllGather => "all_gather",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::Broadcast => "broadcast",
+            Kind::Send => "send",
+        }
+    }
+}
+
+impl fmt::Display for Signature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} of {} {:?}", self.kind.name(), self.count, self.dtype)?;
+        if let Some(op) = self.op {
+            write!(f, " ({op:?})")?;
+        }
+        if let Some(root) = self.root {
+            write!(f, " from rank {root}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The error of a collective on `rank`.
+fn collective_error(rank: usize, msg: String) -> EngineError {
+    EngineError::Collective { rank, msg }
+}
+
+/// Collectives among the ranks of one group, over link `L`. Dropping it leaves the group: the
+/// other ranks' calls that wait for it fail.
+pub struct Group<L: Link> {
+    link: L,
+    /// The sequence number of this rank's next collective.
+    next: Cell<u64>,
+}
+
+impl<L: Link> Group<L> {
+    fn new(link: L) -> Self {
+        Group {
+            link,
+            next: Cell::new(0),
+        }
+    }
+
+    /// Bring `values` to the next collective, described by `call`; every rank's part, in rank
+    /// order, once all are there and agree.
+    fn exchange(&self, call: Signature, values: Vec<f32>) -> Result<Vec<Part>> {
+        let seq = self.next.replace(self.next.get() + 1);
+        let what = format!("{} #{seq}", call.kind.name());
+        let part = Part {
+            call,
+            values: Arc::new(values),
+        };
+        let parts = self.link.exchange(seq, &what, part)?;
+        match parts.iter().position(|p| p.call != call) {
+            Some(r) => Err(collective_error(
+                self.link.rank(),
+                format!(
+                    "{what}: ranks disagree: rank {} calls {call}, rank {r} calls {}",
+                    self.link.rank(),
+                    parts[r].call
+                ),
+            )),
+            None => Ok(parts),
+        }
+    }
+
+    /// `op` over every part's values, in rank order.
+    fn reduce(parts: &[Part], op: ReduceOp) -> Vec<f32> {
+        let mut acc = parts[0].values.to_vec();
+        for p in &parts[1..] {
+            for (a, &v) in acc.iter_mut().zip(p.values.iter()) {
+                *a = match op {
+                    ReduceOp::Sum => *a + v,
+                    ReduceOp::Max => a.max(v),
+                };
+            }
+        }
+        acc
+    }
+
+    fn call(&self, kind: Kind, x: &CpuTensor) -> Signature {
+        Signature {
+            kind,
+            count: x.numel(),
+            dtype: x.dtype(),
+            op: None,
+            root: None,
+        }
+    }
+}
+
+fn layout(x: &CpuTensor) -> Layout<'_> {
+    (&x.shape, x.dtype())
+}
+
+impl<L: Link> Communicator for Group<L> {
+    type Tensor = CpuTensor;
+
+    fn rank(&self) -> usize {
+        self.link.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.link.size()
+    }
+
+    fn all_reduce(&self, x: &mut CpuTensor, op: ReduceOp) -> Result<()> {
+        let call = Signature {
+            op: Some(op),
+            ..self.call(Kind::AllReduce, x)
+        };
+        let parts = self.exchange(call, x.values().into_owned())?;
+        *x = CpuTensor::stored(x.shape.clone(), Self::reduce(&parts, op), x.dtype());
+        Ok(())
+    }
+
+    fn all_gather(&self, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
+        expect_multiple("all_gather", (layout(out), layout(x)), self.size())?;
+        let parts = self.exchange(self.call(Kind::AllGather, x), x.values().into_owned())?;
+        let values = parts
+            .iter()
+            .flat_map(|p| p.values.iter().copied())
+            .collect();
+        *out = CpuTensor::stored(out.shape.clone(), values, out.dtype());
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, x: &CpuTensor, out: &mut CpuTensor, op: ReduceOp) -> Result<()> {
+        expect_multiple("reduce_scatter", (layout(x), layout(out)), self.size())?;
+        let call = Signature {
+            op: Some(op),
+            ..self.call(Kind::ReduceScatter, x)
+        };
+        let parts = self.exchange(call, x.values().into_owned())?;
+        let n = out.numel();
+        let block = Self::reduce(&parts, op)[self.rank() * n..][..n].to_vec();
+        *out = CpuTensor::stored(out.shape.clone(), block, out.dtype());
+        Ok(())
+    }
+
+    fn broadcast(&self, x: &mut CpuTensor, root: usize) -> Result<()> {
+        expect_rank("broadcast", root, (self.rank(), self.size()), true)?;
+        let call = Signature {
+            root: Some(root),
+            ..self.call(Kind::Broadcast, x)
+        };
+        // Only the root's values are read.
+        let mine = if self.rank() == root {
+            x.values().into_owned()
+        } else {
+            Vec::new()
+        };
+        let parts = self.exchange(call, mine)?;
+        *x = CpuTensor::stored(x.shape.clone(), parts[root].values.to_vec(), x.dtype());
+        Ok(())
+    }
+
+    fn send(&self, x: &CpuTensor, to: usize) -> Result<()> {
+        expect_rank("send", to, (self.rank(), self.size()), false)?;
+        let part = Part {
+            call: self.call(Kind::Send, x),
+            values: Arc::new(x.values().into_owned()),
+        };
+        self.link.post(to, part)
+    }
+
+    fn recv(&self, x: &mut CpuTensor, from: usize) -> Result<()> {
+        expect_rank("recv", from, (self.rank(), self.size()), false)?;
+        let got = self.link.take(from)?;
+        let want = self.call(Kind::Send, x);
+        if got.call != want {
+            return Err(collective_error(
+                self.rank(),
+                format!(
+                    "recv from rank {from}: rank {from} sent {}, rank {} receives {want}",
+                    got.call,
+                    self.rank()
+                ),
+            ));
+        }
+        *x = CpuTensor::stored(x.shape.clone(), got.values.to_vec(), x.dtype());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    type Comm = Box<dyn Communicator<Tensor = CpuTensor>>;
+
+    /// Run `f` on each rank of a group of `size` in its own thread, the ranks linked by
+    /// shared memory or by sockets; each rank's result.
+    fn on_ranks<T: Send>(
+        sockets: bool,
+        size: usize,
+        timeout: Duration,
+        f: impl Fn(Comm) -> T + Sync,
+    ) -> Vec<T> {
+        let mut threads = thread_group(size, timeout).into_iter();
+        let listeners: Vec<TcpListener> = (0..size)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let comms: Vec<Box<dyn FnOnce() -> Comm + Send>> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(rank, listener)| -> Box<dyn FnOnce() -> Comm + Send> {
+                let thread = threads.next().unwrap();
+                let addrs = addrs.clone();
+                if sockets {
+                    Box::new(move || {
+                        Box::new(socket_group(rank, listener, &addrs, 7, timeout).unwrap())
+                    })
+                } else {
+                    Box::new(move || Box::new(thread))
+                }
+            })
+            .collect();
+        std::thread::scope(|s| {
+            let f = &f;
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|make| s.spawn(move || f(make())))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn t(values: &[f32], dtype: DType) -> CpuTensor {
+        CpuTensor::stored(vec![values.len()], values.to_vec(), dtype)
+    }
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn collectives_give_every_rank_the_same_results() {
+        for sockets in [false, true] {
+            let results = on_ranks(sockets, 3, SECOND * 10, |c| {
+                let r = c.rank() as f32;
+                let mut sum = t(&[r, 10.0 * r], DType::F32);
+                c.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                let mut max = t(&[r, -r], DType::BF16);
+                c.all_reduce(&mut max, ReduceOp::Max).unwrap();
+                let mut gathered = t(&[0.0; 6], DType::F32);
+                c.all_gather(&t(&[r, r + 0.5], DType::F32), &mut gathered)
+                    .unwrap();
+                let mut block = t(&[0.0; 2], DType::F32);
+                let x: Vec<f32> = (0..6).map(|i| i as f32 * (r + 1.0)).collect();
+                c.reduce_scatter(&t(&x, DType::F32), &mut block, ReduceOp::Sum)
+                    .unwrap();
+                // a ring, in both directions around a collective: each rank sends to the
+                // next and receives from the previous
+                let size = c.size();
+                c.send(&t(&[r * 7.0], DType::F32), (c.rank() + 1) % size)
+                    .unwrap();
+                let mut root = t(&[r; 2], DType::F16);
+                c.broadcast(&mut root, 2).unwrap();
+                let mut got = t(&[0.0], DType::F32);
+                c.recv(&mut got, (c.rank() + size - 1) % size).unwrap();
+                let v = |x: &CpuTensor| x.values().into_owned();
+                [v(&sum), v(&max), v(&gathered), v(&block), v(&root), v(&got)]
+            });
+            for (rank, [sum, max, gathered, block, root, got]) in results.into_iter().enumerate() {
+                assert_eq!(sum, [3.0, 30.0]);
+                assert_eq!(max, [2.0, 0.0]);
+                assert_eq!(gathered, [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+                // Σ over ranks of i·(r + 1) = 6i; rank r's block is i = 2r, 2r + 1
+                let i = 2.0 * rank as f32;
+                assert_eq!(block, [6.0 * i, 6.0 * (i + 1.0)]);
+                assert_eq!(root, [2.0, 2.0]);
+                assert_eq!(got, [((rank + 2) % 3) as f32 * 7.0]);
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_sending_each_other_megabytes_do_not_block() {
+        let n = 3 << 20;
+        let results = on_ranks(true, 2, SECOND * 30, |c| {
+            let other = 1 - c.rank();
+            c.send(&t(&vec![c.rank() as f32; n], DType::F32), other)
+                .unwrap();
+            let mut x = t(&vec![1.0; n], DType::F32);
+            c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            let mut got = t(&vec![0.0; n], DType::F32);
+            c.recv(&mut got, other).unwrap();
+            (x.values()[n - 1], got.values()[n - 1])
+        });
+        assert_eq!(results, [(2.0, 1.0), (2.0, 0.0)]);
+    }
+
+    #[test]
+    fn ranks_that_disagree_fail_together_naming_both() {
+        for sockets in [false, true] {
+            let errors = on_ranks(sockets, 2, SECOND * 10, |c| {
+                let mut x = t(&vec![1.0; 2 + c.rank()], DType::F32);
+                c.all_reduce(&mut x, ReduceOp::Sum).unwrap_err().to_string()
+            });
+            for e in errors {
+                assert!(
+                    e.contains("all_reduce #0: ranks disagree")
+                        && e.contains("all_reduce of 2 F32 (Sum)")
+                        && e.contains("all_reduce of 3 F32 (Sum)"),
+                    "{e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_that_leaves_or_never_comes_fails_the_others_without_a_hang() {
+        for sockets in [false, true] {
+            let errors = on_ranks(sockets, 3, SECOND * 30, |c| {
+                if c.rank() == 1 {
+                    return String::new(); // leaves: its communicator is dropped
+                }
+                let mut x = t(&[1.0], DType::F32);
+                c.all_reduce(&mut x, ReduceOp::Sum).unwrap_err().to_string()
+            });
+            assert!(errors[0].contains("rank 1 left the group"), "{errors:?}");
+            let late = on_ranks(sockets, 2, Duration::from_millis(50), |c| {
+                let mut x = t(&[1.0], DType::F32);
+                match c.rank() {
+                    0 => c.recv(&mut x, 1).unwrap_err().to_string(),
+                    _ => {
+                        std::thread::sleep(Duration::from_millis(500));
+                        String::new()
+                    }
+                }
+            });
+            assert!(
+                late[0].contains("rank(s) [1] did not arrive within 0.05 s"),
+                "{late:?}"
+            );
+            let mismatch = on_ranks(sockets, 2, SECOND * 10, |c| {
+                if c.rank() == 0 {
+                    c.send(&t(&[1.0, 2.0], DType::F32), 1)
+                        .map(|_| String::new())
+                } else {
+                    let mut one = t(&[0.0], DType::F32);
+                    c.recv(&mut one, 0).map(|_| String::new())
+                }
+            });
+            let e = mismatch[1].as_ref().unwrap_err().to_string();
+            assert!(
+                e.contains("rank 0 sent send of 2 F32, rank 1 receives send of 1 F32"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_connection_from_another_group_is_ignored() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let me = listener.local_addr().unwrap();
+        let stray = std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(me).unwrap();
+            let hello = [
+                &b"mindkit-cpu-grp1"[..],
+                &8u64.to_le_bytes(),
+                &2u64.to_le_bytes(),
+            ];
+            std::io::Write::write_all(&mut s, &[&hello.concat()[..], &1u64.to_le_bytes()].concat())
+                .unwrap();
+            s
+        });
+        let e = socket_group(0, listener, &[me, me], 7, Duration::from_millis(300))
+            .err()
+            .unwrap()
+            .to_string();
+        drop(stray.join());
+        assert!(
+            e.contains("rank(s) [1] did not connect within 0.3 s"),
+            "{e}"
+        );
+    }
+}
