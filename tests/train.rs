@@ -640,6 +640,37 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
         calls("HcclAllReduce") >= 2 * 6 && calls("HcclAllGather") >= 2 * 6,
         "{counted}"
     );
+    // The same two ranks as processes, as torchrun starts them: the root info goes through
+    // the store, the collectives through the stand-in's hub in rank 0's process.
+    let home = common::toolkit(&dir.path().join("toolkit"), common::stand_in());
+    parallel.truncate(parallel.len() - 2);
+    parallel.extend(["--device".into(), "npu".into()]);
+    let ranks = outputs(spawn_ranks(&parallel, 2, |rank| {
+        let report = dir.path().join(format!("report-{rank}.json"));
+        vec![
+            ("ASCEND_TOOLKIT_HOME", home.clone().into()),
+            ("MINDKIT_STAND_IN_REPORT", report.into()),
+            ("MINDKIT_STAND_IN_DEVICES", "2".into()),
+            ("LD_LIBRARY_PATH", "".into()),
+        ]
+    }));
+    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
+        assert!(ok, "rank {rank}: {err}");
+    }
+    same_training(
+        &npu,
+        &ranks[0].1,
+        0.0,
+        "DP2 as processes on the NPU stand-in",
+    );
+    for rank in 0..2 {
+        let report = std::fs::read_to_string(dir.path().join(format!("report-{rank}.json")));
+        let counted: serde_json::Value = serde_json::from_str(&report.unwrap()).unwrap();
+        assert!(
+            counted["hccl"]["HcclAllReduce"]["calls"].as_u64() >= Some(6),
+            "{counted}"
+        );
+    }
     // Steps after the first allocate nothing and wait for the device once.
     let counts =
         |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters]), "").1;
@@ -720,6 +751,100 @@ fn data_parallel_ranks_as_threads_train_as_one_rank_does() {
     let whole = stdout(&run(&args(&data, &batch)).success());
     let tail: Vec<String> = iterations(&whole)[4..].to_vec();
     same_training(&tail.join("\n"), &rest, 1e-5, "resumed DP2");
+}
+
+/// `mindkit train` with `args` as `ranks` processes started as torchrun starts them without its
+/// agent's store (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: rank 0 hosts the
+/// store), each given `env(rank)` too.
+fn spawn_ranks(
+    args: &[String],
+    ranks: usize,
+    env: impl Fn(usize) -> Vec<(&'static str, std::ffi::OsString)>,
+) -> Vec<std::process::Child> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    (0..ranks)
+        .map(|rank| {
+            std::process::Command::new(assert_cmd::cargo::cargo_bin("mindkit"))
+                .args(args)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", ranks.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .envs(env(rank))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Every rank's output, each killed past five minutes.
+fn outputs(children: Vec<std::process::Child>) -> Vec<(bool, String, String)> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    children
+        .into_iter()
+        .map(|mut child| {
+            while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            (out.status.success(), text(&out.stdout), text(&out.stderr))
+        })
+        .collect()
+}
+
+#[test]
+fn data_parallel_ranks_as_processes_train_as_ranks_as_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let extra = ["--micro-batch-size", "1", "--global-batch-size", "4"];
+    let saving = |name: &str| {
+        let at = dir.path().join(name);
+        let flags = ["--save", at.to_str().unwrap(), "--save-interval", "10"];
+        (at.clone(), args(&data, &[&extra[..], &flags].concat()))
+    };
+    let (by_threads, mut threads) = saving("threads");
+    threads.extend(["--world-size".into(), "2".into()]);
+    let threads = stdout(&run(&threads).success());
+    let (by_processes, processes) = saving("processes");
+    let ranks = outputs(spawn_ranks(&processes, 2, |_| Vec::new()));
+    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
+        assert!(ok, "rank {rank}: {err}");
+    }
+    // Rank 0 logs what the threads' rank 0 logs, bit for bit, and saves the same checkpoint;
+    // rank 1 logs nothing.
+    same_training(&threads, &ranks[0].1, 0.0, "DP2 as processes");
+    assert_eq!(iterations(&ranks[0].1).len(), 10);
+    assert!(ranks[1].1.is_empty(), "{}", ranks[1].1);
+    let checkpoint =
+        |at: &Path| std::fs::read(at.join("iter_0000010/mp_rank_00/model_optim_rng.pt"));
+    assert!(checkpoint(&by_threads).unwrap() == checkpoint(&by_processes).unwrap());
+    // A rank that dies mid-run ends the others at once, naming it.
+    let long = args(&data, &[&extra[..], &["--train-iters", "100000"]].concat());
+    let mut children = spawn_ranks(&long, 2, |_| Vec::new());
+    let mut first = String::new();
+    let mut lines = std::io::BufReader::new(children[0].stdout.take().unwrap());
+    while !first.contains("lm loss") {
+        first.clear();
+        assert!(std::io::BufRead::read_line(&mut lines, &mut first).unwrap() > 0);
+    }
+    children[1].kill().unwrap();
+    let ranks = outputs(children);
+    drop(lines); // read to the end: rank 0 never met a closed stdout
+    assert!(!ranks[0].0, "rank 0 went on without rank 1");
+    assert!(
+        ranks[0].2.contains("rank 1 left the group"),
+        "{}",
+        ranks[0].2
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! HCCL across NPUs: the NPU backend's [`Communicator`]. Rank 0 makes the root info
 //! ([`root_info`]) that every rank, one per device, joins with ([`Hccl::join`]); how the root
-//! info travels between processes is the launcher's business (torchrun's store or a rank table
-//! file). Collectives are queued on the device's one stream, like its operators, in place
+//! info travels between processes is the launcher's business (`mindkit train` hands it over
+//! through torchrun's store; [`HcclRootInfo::to_bytes`] / [`HcclRootInfo::from_bytes`]). Collectives are queued on the device's one stream, like its operators, in place
 //! where HCCL allows it (all-reduce, broadcast).
 
 use super::backend::{Npu, NpuTensor};
@@ -10,10 +10,10 @@ use super::NpuError;
 use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, ReduceOp};
 use crate::engine::{EngineError, Result};
 use crate::tensor::DType;
+pub use hccl_sys::HcclRootInfo;
 use hccl_sys::{
-    HcclDataType, HcclResult, HcclRootInfo, HCCL_DATA_TYPE_BFP16, HCCL_DATA_TYPE_FP16,
-    HCCL_DATA_TYPE_FP32, HCCL_DATA_TYPE_INT32, HCCL_DATA_TYPE_INT64, HCCL_REDUCE_MAX,
-    HCCL_REDUCE_SUM, HCCL_SUCCESS,
+    HcclDataType, HcclResult, HCCL_DATA_TYPE_BFP16, HCCL_DATA_TYPE_FP16, HCCL_DATA_TYPE_FP32,
+    HCCL_DATA_TYPE_INT32, HCCL_DATA_TYPE_INT64, HCCL_REDUCE_MAX, HCCL_REDUCE_SUM, HCCL_SUCCESS,
 };
 use std::ffi::c_void;
 use std::sync::Arc;

@@ -497,16 +497,22 @@ fn check_single_rank(a: &Args) -> Result<()> {
     Ok(())
 }
 
-/// The ranks `--world-size` asks for (1 by default). A process started by a launcher (torchrun's
-/// or Slurm's WORLD_SIZE / SLURM_NTASKS above 1) is refused: ranks as processes need HCCL, not
-/// available yet.
+/// The ranks of this run: the launcher's (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS) for a
+/// process it started, else `--world-size` (ranks as threads of this process; 1 by default).
+/// A `--world-size` that differs from the launcher's is an error.
 pub fn world_size(a: &Args) -> Result<usize> {
-    for var in ["WORLD_SIZE", "SLURM_NTASKS"] {
-        if let Some(n) = std::env::var(var).ok().filter(|n| n.trim() != "1") {
-            bail!("{var}={n}: launching ranks as processes (torchrun, Slurm) is not available yet; run one process with --world-size N (ranks as threads, CPU)");
-        }
+    let flag = positive(a, "world-size")?;
+    let Some(launch) = super::store::from_launcher()? else {
+        return Ok(flag.unwrap_or(1));
+    };
+    match flag {
+        Some(n) if n != launch.world_size => bail!(
+            "--world-size {n}: the launcher ({:?}) started {} ranks",
+            launch.launcher,
+            launch.world_size
+        ),
+        _ => Ok(launch.world_size),
     }
-    Ok(positive(a, "world-size")?.unwrap_or(1))
 }
 
 /// Resolve the command line.

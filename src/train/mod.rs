@@ -14,6 +14,7 @@ pub mod data;
 pub mod log;
 pub mod optim;
 pub mod schedule;
+pub mod store;
 pub mod tensorboard;
 
 use crate::arch::roles::Role;
@@ -93,6 +94,9 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
         .map(|id| id.parse::<i32>().map_err(|e| anyhow!("--npu-id {id}: {e}")))
         .transpose()?;
     let device = device.with_npu_id(npu_id).map_err(anyhow::Error::msg)?;
+    if let Some(launch) = store::from_launcher()? {
+        return as_process(&launch, config::resolve(&parsed)?, quiet, device);
+    }
     if config::world_size(&parsed)? > 1 {
         return on_threads(config::resolve(&parsed)?, quiet, device);
     }
@@ -135,6 +139,70 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
                 let comm = Hccl::join(&npu, ranks, rank, &root)?;
                 Ok::<RankSetup<Npu>, anyhow::Error>((npu, Box::new(comm)))
             })
+        }
+    }
+}
+
+/// Train as one rank of a launcher's processes (torchrun, Slurm): the ranks meet through the
+/// launcher's store — every rank's socket address on the CPU backend, rank 0's HCCL root info
+/// on NPUs (each rank on NPU `--npu-id` + LOCAL_RANK, as Megatron takes `LOCAL_RANK`'s device).
+fn as_process(
+    launch: &store::Launch,
+    cfg: TrainConfig,
+    quiet: bool,
+    device: DeviceKind,
+) -> Result<TrainSummary> {
+    let (rank, ranks) = (launch.rank, launch.world_size);
+    // Rank 0 may host the store: it stays up until this rank is done.
+    let (_server, mut store) = launch.connect(RANK_TIMEOUT)?;
+    let quiet = quiet || rank > 0;
+    let context = || format!("data-parallel rank {rank} of {ranks}");
+    match device {
+        DeviceKind::Cpu => {
+            let listener = std::net::TcpListener::bind((store.local_ip()?, 0))
+                .context("listening for the other ranks")?;
+            let key = |r: usize| launch.key(&format!("cpu_group/{r}"));
+            let mine = listener.local_addr()?.to_string();
+            store.set(&key(rank), mine.as_bytes())?;
+            let peers = (0..ranks)
+                .map(|r| {
+                    let addr = String::from_utf8(store.get(&key(r))?)?;
+                    addr.parse()
+                        .with_context(|| format!("rank {r}'s address {addr:?} in the store"))
+                })
+                .collect::<Result<Vec<std::net::SocketAddr>>>()?;
+            let token = u64::from(launch.master_port) << 32 | u64::from(launch.restart_count);
+            let comm = crate::engine::cpu::comm::socket_group(
+                rank,
+                listener,
+                &peers,
+                token,
+                RANK_TIMEOUT,
+            )?;
+            Trainer::new(Cpu, cfg, quiet, Some(Box::new(comm)))
+                .and_then(Trainer::train)
+                .with_context(context)
+        }
+        DeviceKind::Npu(first) => {
+            let key = launch.key("hccl_root_info");
+            let root = if rank == 0 {
+                let root = crate::npu::comm::root_info()?;
+                store.set(&key, &root.to_bytes())?;
+                root
+            } else {
+                let bytes = store.get(&key)?;
+                crate::npu::comm::HcclRootInfo::from_bytes(&bytes).ok_or_else(|| {
+                    anyhow!(
+                        "the store's {key} holds {} bytes, not an HCCL root info",
+                        bytes.len()
+                    )
+                })?
+            };
+            let npu = Npu::open(first + launch.local_rank as i32)?;
+            let comm = Hccl::join(&npu, ranks, rank, &root)?;
+            Trainer::new(npu, cfg, quiet, Some(Box::new(comm)))
+                .and_then(Trainer::train)
+                .with_context(context)
         }
     }
 }
