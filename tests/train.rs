@@ -671,6 +671,49 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
             "{counted}"
         );
     }
+    // The same, the ranks joined by a rank table file (HcclCommInitClusterInfo), not the store.
+    let table = dir.path().join("rank_table.json");
+    std::fs::write(
+        &table,
+        r#"{"version": "1.0", "server_count": "1", "status": "completed", "server_list": [{"server_id": "node_0", "device": [
+            {"device_id": "0", "device_ip": "192.168.100.101", "rank_id": "0"},
+            {"device_id": "1", "device_ip": "192.168.100.102", "rank_id": "1"}]}]}"#,
+    )
+    .unwrap();
+    let mut by_table = parallel.clone();
+    by_table.extend(["--rank-table-file".into(), table.to_str().unwrap().into()]);
+    let ranks = outputs(spawn_ranks(&by_table, 2, |_| {
+        vec![
+            ("ASCEND_TOOLKIT_HOME", home.clone().into()),
+            ("MINDKIT_STAND_IN_DEVICES", "2".into()),
+            ("LD_LIBRARY_PATH", "".into()),
+        ]
+    }));
+    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
+        assert!(ok, "rank {rank}: {err}");
+    }
+    same_training(
+        &npu,
+        &ranks[0].1,
+        0.0,
+        "DP2 by a rank table on the NPU stand-in",
+    );
+    // Three ranks launched for a table of two: every rank says so.
+    let at = by_table
+        .iter()
+        .position(|a| a == "--global-batch-size")
+        .unwrap();
+    by_table[at + 1] = "6".into();
+    let ranks = outputs(spawn_ranks(&by_table, 3, |_| {
+        vec![
+            ("ASCEND_TOOLKIT_HOME", home.clone().into()),
+            ("MINDKIT_STAND_IN_DEVICES", "3".into()),
+            ("LD_LIBRARY_PATH", "".into()),
+        ]
+    }));
+    for (ok, _, err) in &ranks {
+        assert!(!ok && err.contains("rank_table.json"), "{err}");
+    }
     // Steps after the first allocate nothing and wait for the device once.
     let counts =
         |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters]), "").1;
@@ -851,10 +894,14 @@ fn data_parallel_ranks_as_processes_train_as_ranks_as_threads_do() {
 fn data_parallel_sizes_that_do_not_fit_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 4] = [
         (
             &["--world-size", "3"],
             "not a multiple of --micro-batch-size 2 × 3 data-parallel ranks",
+        ),
+        (
+            &["--rank-table-file", "rank_table.json"],
+            "a rank table joins ranks started by a launcher",
         ),
         (
             &["--world-size", "2", "--device", "npu"],
@@ -865,5 +912,18 @@ fn data_parallel_sizes_that_do_not_fit_are_refused() {
     for (extra, says) in cases {
         let out = run(&args(&data, extra)).failure();
         assert!(stderr(&out).contains(says), "{extra:?}: {}", stderr(&out));
+    }
+    // Under a launcher: its world size rules, and a rank table needs NPUs.
+    let launched: [(&[&str], &str); 2] = [
+        (
+            &["--world-size", "4"],
+            "--world-size 4: the launcher (Torchrun) started 2 ranks",
+        ),
+        (&["--rank-table-file", "t.json"], "it needs --device npu"),
+    ];
+    for (extra, says) in launched {
+        for (ok, _, err) in outputs(spawn_ranks(&args(&data, extra), 2, |_| Vec::new())) {
+            assert!(!ok && err.contains(says), "{extra:?}: {err}");
+        }
     }
 }

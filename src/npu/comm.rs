@@ -15,7 +15,9 @@ use hccl_sys::{
     HcclDataType, HcclResult, HCCL_DATA_TYPE_BFP16, HCCL_DATA_TYPE_FP16, HCCL_DATA_TYPE_FP32,
     HCCL_DATA_TYPE_INT32, HCCL_DATA_TYPE_INT64, HCCL_REDUCE_MAX, HCCL_REDUCE_SUM, HCCL_SUCCESS,
 };
-use std::ffi::c_void;
+use std::ffi::{c_void, CString};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::sync::Arc;
 
 /// The root info a group's ranks join with, made on rank 0.
@@ -69,13 +71,52 @@ impl Hccl {
     /// Join the group of `size` as `rank` on `npu`, with rank 0's `root` info (blocks until
     /// every rank joined, or HCCL's connect timeout).
     pub fn join(npu: &Npu, size: usize, rank: usize, root: &HcclRootInfo) -> Result<Hccl> {
+        Self::init(npu, (rank, size), "HcclCommInitRootInfo", |lib, comm| {
+            // SAFETY: the root info is HcclRootInfo's 4108 bytes; a valid out-pointer.
+            unsafe { (lib.api.HcclCommInitRootInfo)(size as u32, root, rank as u32, comm) }
+        })
+    }
+
+    /// Join as `rank` on `npu` the group that the rank table file `table` describes (CANN's
+    /// `RANK_TABLE_FILE` JSON), which must hold `size` ranks.
+    pub fn join_table(npu: &Npu, table: &Path, size: usize, rank: usize) -> Result<Hccl> {
+        let path =
+            CString::new(table.as_os_str().as_bytes()).map_err(|_| EngineError::Invalid {
+                op: "HcclCommInitClusterInfo",
+                msg: format!("{}: a path with a NUL byte", table.display()),
+            })?;
+        let hccl = Self::init(npu, (rank, size), "HcclCommInitClusterInfo", |lib, comm| {
+            // SAFETY: a NUL-terminated path; a valid out-pointer.
+            unsafe { (lib.api.HcclCommInitClusterInfo)(path.as_ptr(), rank as u32, comm) }
+        })?;
+        let mut ranks = 0u32;
+        // SAFETY: a live communicator; a valid out-pointer.
+        let code = unsafe { (hccl.lib.api.HcclGetRankSize)(hccl.comm, &mut ranks) };
+        hccl.done("HcclGetRankSize", code)?;
+        if ranks as usize != size {
+            return Err(EngineError::Collective {
+                rank,
+                msg: format!(
+                    "rank table {} holds {ranks} ranks, the launcher started {size}",
+                    table.display()
+                ),
+            });
+        }
+        Ok(hccl)
+    }
+
+    /// Make this rank's communicator on `npu` with `make` (HCCL's `call`).
+    fn init(
+        npu: &Npu,
+        (rank, size): (usize, usize),
+        call: &str,
+        make: impl FnOnce(&hccl_sys::Hccl, *mut hccl_sys::HcclComm) -> HcclResult,
+    ) -> Result<Hccl> {
         let lib = hccl_sys::load().map_err(|e| EngineError::Device(e.to_string()))?;
         let ctx = npu.context().clone();
         ctx.bind()?;
         let mut comm = std::ptr::null_mut();
-        // SAFETY: the root info is HcclRootInfo's 4108 bytes; a valid out-pointer.
-        let code =
-            unsafe { (lib.api.HcclCommInitRootInfo)(size as u32, root, rank as u32, &mut comm) };
+        let code = make(&lib, &mut comm);
         let hccl = Hccl {
             lib,
             comm,
@@ -83,7 +124,7 @@ impl Hccl {
             rank,
             size,
         };
-        hccl.done("HcclCommInitRootInfo", code)?;
+        hccl.done(call, code)?;
         Ok(hccl)
     }
 

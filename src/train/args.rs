@@ -238,7 +238,8 @@ pub const FLAGS: &[Flag] = &[
     inert("wandb-project", One, "Weights & Biases is not built in; use --tensorboard-dir"),
     inert("wandb-exp-name", One, "Weights & Biases is not built in; use --tensorboard-dir"),
     // Parallelism (the parallel-training issue's; one rank here).
-    used("world-size", One, "ranks, as threads of this process on the CPU backend (default 1): data parallelism, each rank training on its slice of every global batch (mindkit's flag; torchrun or Slurm launching is not available yet)"),
+    used("world-size", One, "ranks as threads of this process (default 1; one NPU each from --npu-id on with --device npu): data parallelism, each rank training on its slice of every global batch (mindkit's flag; under torchrun or Slurm the launcher's ranks, one process each)"),
+    used("rank-table-file", One, "with --device npu under a launcher: join the ranks over HCCL by this rank table (CANN's JSON; default $RANK_TABLE_FILE, as torch_npu reads it) instead of the launcher's store"),
     used("tensor-model-parallel-size", One, "1 (tensor parallelism is not available yet)"),
     used("pipeline-model-parallel-size", One, "1 (pipeline parallelism is not available yet)"),
     used("context-parallel-size", One, "1 (context parallelism is not available)"),
@@ -290,7 +291,7 @@ pub const FLAGS: &[Flag] = &[
     // mindkit's own.
     used("quiet", Nothing, "mindkit: no progress bar and no start-up notes (log lines still print)"),
     used("device", One, "mindkit: cpu (default), or npu (Ascend, through CANN's libraries found at run time)"),
-    used("npu-id", One, "mindkit: which NPU with --device npu (as `mindkit npu info` numbers them; default 0)"),
+    used("npu-id", One, "mindkit: which NPU with --device npu (as `mindkit npu info` numbers them; default 0); under a launcher, rank r of a node takes --npu-id + LOCAL_RANK"),
 ];
 
 /// A command-line problem.

@@ -37,6 +37,7 @@ use config::{ScheduleSource, Start, TrainConfig};
 use optim::Optimizer;
 use rand::SeedableRng;
 use rand_distr::Distribution;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -94,8 +95,22 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
         .map(|id| id.parse::<i32>().map_err(|e| anyhow!("--npu-id {id}: {e}")))
         .transpose()?;
     let device = device.with_npu_id(npu_id).map_err(anyhow::Error::msg)?;
+    let rank_table = parsed.get("rank-table-file").map(PathBuf::from);
     if let Some(launch) = store::from_launcher()? {
-        return as_process(&launch, config::resolve(&parsed)?, quiet, device);
+        // torch_npu reads RANK_TABLE_FILE for its NPU ranks; MindSpeed-LLM scripts export it.
+        let from_env = || std::env::var_os("RANK_TABLE_FILE").map(PathBuf::from);
+        let rank_table = match device {
+            DeviceKind::Npu(_) => rank_table.or_else(from_env),
+            DeviceKind::Cpu => rank_table,
+        };
+        let cfg = config::resolve(&parsed)?;
+        return as_process(&launch, cfg, (quiet, rank_table), device);
+    }
+    if let Some(table) = rank_table {
+        bail!(
+            "--rank-table-file {}: a rank table joins ranks started by a launcher (torchrun, Slurm), one process each",
+            table.display()
+        );
     }
     if config::world_size(&parsed)? > 1 {
         return on_threads(config::resolve(&parsed)?, quiet, device);
@@ -143,27 +158,31 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
     }
 }
 
-/// Train as one rank of a launcher's processes (torchrun, Slurm): the ranks meet through the
-/// launcher's store — every rank's socket address on the CPU backend, rank 0's HCCL root info
-/// on NPUs (each rank on NPU `--npu-id` + LOCAL_RANK, as Megatron takes `LOCAL_RANK`'s device).
+/// Train as one rank of a launcher's processes (torchrun, Slurm), each on NPU `--npu-id` +
+/// LOCAL_RANK with `--device npu` (Megatron takes `LOCAL_RANK`'s device). The ranks meet
+/// through the launcher's store — every rank's socket address on the CPU backend, rank 0's
+/// HCCL root info on NPUs — or, on NPUs given a rank table file, through HCCL's own rendezvous.
 fn as_process(
     launch: &store::Launch,
     cfg: TrainConfig,
-    quiet: bool,
+    (quiet, rank_table): (bool, Option<PathBuf>),
     device: DeviceKind,
 ) -> Result<TrainSummary> {
     let (rank, ranks) = (launch.rank, launch.world_size);
-    // Rank 0 may host the store: it stays up until this rank is done.
-    let (_server, mut store) = launch.connect(RANK_TIMEOUT)?;
     let quiet = quiet || rank > 0;
     let context = || format!("data-parallel rank {rank} of {ranks}");
-    match device {
-        DeviceKind::Cpu => {
+    let timeout = RANK_TIMEOUT;
+    match (device, rank_table) {
+        (DeviceKind::Cpu, Some(_)) => {
+            bail!("--rank-table-file (RANK_TABLE_FILE) joins NPUs over HCCL: it needs --device npu")
+        }
+        (DeviceKind::Cpu, None) => {
+            // Rank 0 may host the store: it stays up until this rank is done.
+            let (_server, mut store) = launch.connect(timeout)?;
             let listener = std::net::TcpListener::bind((store.local_ip()?, 0))
                 .context("listening for the other ranks")?;
             let key = |r: usize| launch.key(&format!("cpu_group/{r}"));
-            let mine = listener.local_addr()?.to_string();
-            store.set(&key(rank), mine.as_bytes())?;
+            store.set(&key(rank), listener.local_addr()?.to_string().as_bytes())?;
             let peers = (0..ranks)
                 .map(|r| {
                     let addr = String::from_utf8(store.get(&key(r))?)?;
@@ -172,39 +191,47 @@ fn as_process(
                 })
                 .collect::<Result<Vec<std::net::SocketAddr>>>()?;
             let token = u64::from(launch.master_port) << 32 | u64::from(launch.restart_count);
-            let comm = crate::engine::cpu::comm::socket_group(
-                rank,
-                listener,
-                &peers,
-                token,
-                RANK_TIMEOUT,
-            )?;
+            let comm =
+                crate::engine::cpu::comm::socket_group(rank, listener, &peers, token, timeout)?;
             Trainer::new(Cpu, cfg, quiet, Some(Box::new(comm)))
                 .and_then(Trainer::train)
                 .with_context(context)
         }
-        DeviceKind::Npu(first) => {
-            let key = launch.key("hccl_root_info");
-            let root = if rank == 0 {
-                let root = crate::npu::comm::root_info()?;
-                store.set(&key, &root.to_bytes())?;
-                root
-            } else {
-                let bytes = store.get(&key)?;
-                crate::npu::comm::HcclRootInfo::from_bytes(&bytes).ok_or_else(|| {
-                    anyhow!(
-                        "the store's {key} holds {} bytes, not an HCCL root info",
-                        bytes.len()
-                    )
-                })?
-            };
+        (DeviceKind::Npu(first), table) => {
             let npu = Npu::open(first + launch.local_rank as i32)?;
-            let comm = Hccl::join(&npu, ranks, rank, &root)?;
+            let comm = match table {
+                Some(table) => Hccl::join_table(&npu, &table, ranks, rank)
+                    .with_context(|| format!("joining by the rank table {}", table.display()))?,
+                None => {
+                    let (_server, mut store) = launch.connect(timeout)?;
+                    Hccl::join(&npu, ranks, rank, &root_info_through(&mut store, launch)?)?
+                }
+            };
             Trainer::new(npu, cfg, quiet, Some(Box::new(comm)))
                 .and_then(Trainer::train)
                 .with_context(context)
         }
     }
+}
+
+/// Rank 0's HCCL root info: made here on rank 0 and set in the store, read from it elsewhere.
+fn root_info_through(
+    store: &mut store::TcpStore,
+    launch: &store::Launch,
+) -> Result<crate::npu::comm::HcclRootInfo> {
+    let key = launch.key("hccl_root_info");
+    if launch.rank == 0 {
+        let root = crate::npu::comm::root_info()?;
+        store.set(&key, &root.to_bytes())?;
+        return Ok(root);
+    }
+    let bytes = store.get(&key)?;
+    crate::npu::comm::HcclRootInfo::from_bytes(&bytes).ok_or_else(|| {
+        anyhow!(
+            "the store's {key} holds {} bytes, not an HCCL root info",
+            bytes.len()
+        )
+    })
 }
 
 /// Run rank `0..cfg.data_parallel` each in its own thread on what `setup` gives it; rank 0

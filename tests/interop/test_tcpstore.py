@@ -159,9 +159,22 @@ def test_slurm_without_master_addr_says_what_to_set(probe):
     assert rc != 0 and "MASTER_ADDR and MASTER_PORT" in err, err
 
 
-def test_torchrun_launches_mindkit_train(tmp_path):
-    """`torchrun --no-python --nproc-per-node 2 mindkit train …` (the agent's store, ranks as
-    processes over sockets) logs what `mindkit train --world-size 2` (ranks as threads) does."""
+def stand_in_toolkit(at):
+    """A CANN toolkit directory on the project's stand-in (built by `cargo test`)."""
+    library = ROOT / "target/stand-in/debug/libascendcl.so"
+    if not library.exists():
+        pytest.skip(f"{library} not built (cargo test builds it)")
+    (at / "lib64").mkdir(parents=True)
+    for name in ["libascendcl.so", "libnnopbase.so", "libopapi.so", "libhccl.so"]:
+        (at / "lib64" / name).symlink_to(library)
+    return at
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+def test_torchrun_launches_mindkit_train(tmp_path, device):
+    """`torchrun --no-python --nproc-per-node 2 mindkit train …` (the agent's store; ranks as
+    processes over sockets on the CPU, over the stand-in's HCCL on NPUs) logs what
+    `mindkit train --world-size 2` (ranks as threads) does, bit for bit."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     fixtures = ROOT / "fixtures"
     subprocess.run([binary, "preprocess", "--input", fixtures / "corpus/pretrain.jsonl", "--output-prefix",
@@ -170,13 +183,17 @@ def test_torchrun_launches_mindkit_train(tmp_path):
     args = ["train", "--load", fixtures / "models/demo", "--data-path", tmp_path / "corpus_text_document",
             "--split", "1", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
             "--train-iters", "6", "--lr", "1e-3", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-            "--log-interval", "1", "--eval-iters", "0", "--quiet"]
+            "--log-interval", "1", "--eval-iters", "0", "--quiet", "--device", device]
     args = [str(a) for a in args]
-    rc, threads, err = finish(start([binary, *args, "--world-size", "2"], env=launch_env()))
+    extra = {}
+    if device == "npu":
+        extra = dict(ASCEND_TOOLKIT_HOME=stand_in_toolkit(tmp_path / "toolkit"), MINDKIT_STAND_IN_DEVICES=2,
+                     LD_LIBRARY_PATH="")
+    rc, threads, err = finish(start([binary, *args, "--world-size", "2"], env=launch_env(**extra)))
     assert rc == 0, err
     cmd = [sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "2",
            "--master-port", str(free_port()), binary, *args]
-    rc, processes, err = finish(start(cmd, env=launch_env(OMP_NUM_THREADS=1)))
+    rc, processes, err = finish(start(cmd, env=launch_env(OMP_NUM_THREADS=1, **extra)))
     assert rc == 0, processes + err
 
     def losses(log):
