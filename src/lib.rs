@@ -13,12 +13,12 @@
 //! | 0 | [`util`] | atomic outputs (temporary name, rename when complete, clean-up on interrupt), `--force` rules, the progress bar |
 //! | 1 | [`arch`] | what a model is, apart from files and engines: `ModelConfig`, families as data (tensor names, QKV packing), canonical tensors (roles, shapes) |
 //! | 1 | [`data`] | records → Megatron `.bin/.idx` (`preprocess`, handlers, tokenizer), `IndexedDataset`, `GPTDataset` / `BlendedDataset` samples, the fine-tuning dataset, `data info/show` |
-//! | 1 | [`engine`] | the compute contract: `Device` (memory, transfers, capabilities) and `Backend` ops as forward/backward pairs with their shape contract (`check`), the collectives' contract (`comm::Communicator`; ranks as threads on the CPU: `cpu::comm`), the CPU backend every other backend is checked against, and `selftest` (a backend against the CPU; the CPU's gradients against finite differences) |
+//! | 1 | [`engine`] | the compute contract: `Device` (memory, transfers, capabilities) and `Backend` ops as forward/backward pairs with their shape contract (`check`), the collectives' contract (`comm::Communicator`; on the CPU, ranks as threads or as processes joined by sockets: `cpu::comm`), the CPU backend every other backend is checked against, and `selftest` (a backend against the CPU; the CPU's gradients against finite differences) |
 //! | 2 | [`ckpt`] | checkpoint formats (`torch` pickle reader/writer, `hf` safetensors, `megatron` directories; `config` reads and writes `ModelConfig`), what a tensor becomes across TP/PP (`transform`, `layout`), `convert`, `ckpt info`, `lora` |
 //! | 3 | [`model`] | the LLaMA-family decoder on any `Backend`: parameter table, forward, backward, KV-cached generation |
 //! | 2 | [`npu`] | Ascend NPUs through CANN, loaded at run time (`crates/ascendcl-sys`): `npu info`, the engine's backend on aclnn operators (one stream, caching pool), HCCL's collectives (`comm`), `selftest`, and `with_backend!`, which runs a command on the device `--device` names |
 //! | 4 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
-//! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints, data-parallel ranks as threads |
+//! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints, data-parallel ranks as threads or as a launcher's processes (`store`: torch's TCPStore, torchrun / Slurm environments) |
 //! | – | [`fuzzing`] | entry points for the cargo-fuzz targets in `fuzz/` and their seed inputs |
 //!
 //! Project documents the code relies on (formats, Megatron semantics, test assets) are in `docs/`.
