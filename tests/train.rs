@@ -758,6 +758,24 @@ fn data_parallel_ranks_as_threads_train_as_one_rank_does() {
             same_training(&one, &stdout(&out), 1e-5, &format!("{loss:?} DP{world}"));
         }
     }
+    // --log-comm-stats: each iteration all-reduces every gradient in f32 (Megatron's
+    // data-parallel all-reduce) plus the token count and the exit flag, and gathers the loss sums.
+    let counted: Vec<&str> = batch
+        .into_iter()
+        .chain(["--world-size", "2", "--log-comm-stats"])
+        .collect();
+    let log = stdout(&run(&args(&data, &counted)).success());
+    let comm: Vec<&str> = log.lines().filter(|l| l.contains("[comm]")).collect();
+    assert_eq!(comm.len(), 10, "{log}");
+    for line in comm {
+        let number = |after: &str| -> u64 {
+            let rest = &line[line.find(after).unwrap() + after.len()..];
+            rest.split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let params = number("Megatron's gradient all-reduce: ");
+        assert_eq!(number("all_reduce 17 calls "), 4 * params + 8, "{line}");
+        assert!(line.contains("all_gather 1 calls"), "{line}");
+    }
     // Rank 0 saves the one checkpoint Megatron's data-parallel ranks write; resuming from it
     // on two ranks continues as one rank would.
     let save = dir.path().join("save");

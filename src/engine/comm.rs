@@ -11,6 +11,8 @@
 
 use super::{EngineError, Result};
 use crate::tensor::DType;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 
 /// The reduction of [`Communicator::all_reduce`] and [`Communicator::reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +53,93 @@ pub trait Communicator {
 
     /// `x` = what rank `from` sends next (the same number of elements and dtype).
     fn recv(&self, x: &mut Self::Tensor, from: usize) -> Result<()>;
+}
+
+/// What a tensor weighs when handed to a collective: its elements × its dtype's bytes.
+pub trait Payload {
+    /// The bytes.
+    fn payload_bytes(&self) -> u64;
+}
+
+/// Calls and bytes of one collective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Count {
+    /// How many calls.
+    pub calls: u64,
+    /// The bytes this rank handed in: the tensor of an all-reduce, a broadcast or a send, this
+    /// rank's part of an all-gather, the whole input of a reduce-scatter (NCCL's and HCCL's
+    /// buffer sizes; a ring moves about 2(n−1)/n of an all-reduce's over each link).
+    pub bytes: u64,
+}
+
+/// A communicator that counts what each of its collectives moves (`--log-comm-stats`).
+pub struct Counted<T> {
+    inner: Box<dyn Communicator<Tensor = T>>,
+    counts: RefCell<BTreeMap<&'static str, Count>>,
+}
+
+impl<T: Payload> Counted<T> {
+    /// Count the calls of `inner`.
+    pub fn new(inner: Box<dyn Communicator<Tensor = T>>) -> Self {
+        Counted {
+            inner,
+            counts: RefCell::new(BTreeMap::new()),
+        }
+    }
+
+    /// The counts since the last take, by collective, then zero.
+    pub fn take(&self) -> BTreeMap<&'static str, Count> {
+        std::mem::take(&mut *self.counts.borrow_mut())
+    }
+
+    fn count(&self, name: &'static str, x: &T) {
+        let mut counts = self.counts.borrow_mut();
+        let c = counts.entry(name).or_default();
+        c.calls += 1;
+        c.bytes += x.payload_bytes();
+    }
+}
+
+impl<T: Payload> Communicator for Counted<T> {
+    type Tensor = T;
+
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    fn all_reduce(&self, x: &mut T, op: ReduceOp) -> Result<()> {
+        self.count("all_reduce", x);
+        self.inner.all_reduce(x, op)
+    }
+
+    fn all_gather(&self, x: &T, out: &mut T) -> Result<()> {
+        self.count("all_gather", x);
+        self.inner.all_gather(x, out)
+    }
+
+    fn reduce_scatter(&self, x: &T, out: &mut T, op: ReduceOp) -> Result<()> {
+        self.count("reduce_scatter", x);
+        self.inner.reduce_scatter(x, out, op)
+    }
+
+    fn broadcast(&self, x: &mut T, root: usize) -> Result<()> {
+        self.count("broadcast", x);
+        self.inner.broadcast(x, root)
+    }
+
+    fn send(&self, x: &T, to: usize) -> Result<()> {
+        self.count("send", x);
+        self.inner.send(x, to)
+    }
+
+    fn recv(&self, x: &mut T, from: usize) -> Result<()> {
+        self.count("recv", x);
+        self.inner.recv(x, from)
+    }
 }
 
 /// A tensor's shape and dtype, as the checks below see it.

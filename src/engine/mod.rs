@@ -194,7 +194,7 @@ pub enum Op {
 /// Memory, transfers and synchronisation of a compute device.
 pub trait Device: Sync {
     /// A tensor in the device's memory.
-    type Tensor: Send + Sync;
+    type Tensor: Send + Sync + comm::Payload;
 
     /// The device, in words.
     fn describe(&self) -> String;

@@ -7,7 +7,7 @@
 use super::backend::{Npu, NpuTensor};
 use super::context::Context;
 use super::NpuError;
-use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, ReduceOp};
+use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, Payload, ReduceOp};
 use crate::engine::{EngineError, Result};
 use crate::tensor::DType;
 pub use hccl_sys::HcclRootInfo;
@@ -166,6 +166,12 @@ fn reduce_op(op: ReduceOp) -> hccl_sys::HcclReduceOp {
     match op {
         ReduceOp::Sum => HCCL_REDUCE_SUM,
         ReduceOp::Max => HCCL_REDUCE_MAX,
+    }
+}
+
+impl Payload for NpuTensor {
+    fn payload_bytes(&self) -> u64 {
+        (self.shape().iter().product::<usize>() * self.dtype().size()) as u64
     }
 }
 

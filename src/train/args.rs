@@ -227,6 +227,7 @@ pub const FLAGS: &[Flag] = &[
     used("eval-iters", One, "validation iterations per run (default 100)"),
     used("log-interval", One, "iterations between log lines (default 100)"),
     used("log-throughput", Nothing, "add TFLOP/s to the log line"),
+    used("log-comm-stats", Nothing, "mindkit: after each log line, what this rank's collectives moved per iteration (calls, bytes) beside Megatron's data-parallel gradient all-reduce"),
     used("tensorboard-dir", One, "write TensorBoard scalars here"),
     used("tensorboard-log-interval", One, "iterations between TensorBoard scalars (default 1)"),
     used("log-validation-ppl-to-tensorboard", Nothing, "also write validation PPL"),

@@ -108,6 +108,8 @@ pub struct TrainConfig {
     pub log_interval: u64,
     /// `--log-throughput`.
     pub log_throughput: bool,
+    /// `--log-comm-stats` (mindkit's): the collectives' calls and bytes after each log line.
+    pub log_comm_stats: bool,
     /// `--log-params-norm`, `--log-num-zeros-in-grad`.
     pub log_norms: (bool, bool),
     /// `--tensorboard-dir` and its interval.
@@ -683,6 +685,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         eval: (eval_iters > 0).then_some((eval_interval, eval_iters)),
         log_interval: positive(a, "log-interval")?.unwrap_or(100) as u64,
         log_throughput: a.has("log-throughput"),
+        log_comm_stats: a.has("log-comm-stats"),
         log_norms: (a.has("log-params-norm"), a.has("log-num-zeros-in-grad")),
         tensorboard: a
             .get("tensorboard-dir")

@@ -21,7 +21,7 @@ use crate::arch::roles::Role;
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
-use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::cpu::Cpu;
 use crate::engine::{Backend, DeviceKind, EngineError};
 use crate::model::llama::{backward, forward, Ids};
@@ -404,8 +404,8 @@ struct Trainer<B: Backend> {
     quiet: bool,
     stop: Option<Arc<AtomicBool>>,
     tensorboard: Option<tensorboard::TensorBoard>,
-    /// The data-parallel group (None: one rank).
-    dp: Option<Box<dyn Communicator<Tensor = B::Tensor>>>,
+    /// The data-parallel group (None: one rank), its collectives counted.
+    dp: Option<Counted<B::Tensor>>,
     /// This rank's place in it (0 alone): rank 0 logs and saves.
     rank: usize,
 }
@@ -480,7 +480,7 @@ impl<B: Backend> Trainer<B> {
             quiet,
             stop,
             tensorboard,
-            dp,
+            dp: dp.map(Counted::new),
             rank,
             cfg,
         };
@@ -1001,7 +1001,7 @@ impl<B: Backend> Trainer<B> {
             );
             if let Some(dp) = &self.dp {
                 eprintln!(
-                    "mindkit train: {} data-parallel ranks (threads), {} micro-batches each per iteration",
+                    "mindkit train: {} data-parallel ranks, {} micro-batches each per iteration",
                     dp.size(),
                     self.cfg.global_batch / (self.cfg.micro_batch * dp.size())
                 );
@@ -1044,6 +1044,7 @@ impl<B: Backend> Trainer<B> {
                 .map(|t| t.1)
                 .filter(|&every| self.iteration.is_multiple_of(every));
             let log_now = self.iteration.is_multiple_of(self.cfg.log_interval);
+            let mut logged = None;
             let norms = if log_now || tb_now.is_some() {
                 self.norms()?
             } else {
@@ -1087,6 +1088,7 @@ impl<B: Backend> Trainer<B> {
                     tokens_per_second: interval.tokens as f64 / seconds.max(1e-9),
                 };
                 self.say(&bar, &line.to_string());
+                logged = Some(n);
                 if let Some(tb) = &mut self.tensorboard {
                     tb.scalars(
                         self.iteration,
@@ -1120,7 +1122,13 @@ impl<B: Backend> Trainer<B> {
                 saved = self.save(&bar)?;
                 saved_at = Some(self.iteration);
             }
-            if let Some(why) = self.agreed_exit(started)? {
+            let exit = self.agreed_exit(started)?;
+            // After the exit flags' all-reduce: each interval counts whole iterations.
+            let comm = logged.and_then(|n| self.comm_line(n));
+            if let Some(comm) = comm.filter(|_| self.cfg.log_comm_stats) {
+                self.say(&bar, &comm);
+            }
+            if let Some(why) = exit {
                 if saved_at != Some(self.iteration) {
                     saved = self.save(&bar)?;
                     saved_at = Some(self.iteration);
@@ -1189,6 +1197,28 @@ impl<B: Backend> Trainer<B> {
             tb.scalars(self.iteration, self.consumed_train, &scalars)?;
         }
         Ok(())
+    }
+
+    /// `--log-comm-stats`: what this rank's collectives moved per iteration over the last
+    /// `iterations`, beside Megatron's data-parallel gradient all-reduce: every trained
+    /// parameter's gradient in f32 (Megatron reduces gradients in f32 under --bf16 too).
+    fn comm_line(&self, iterations: u64) -> Option<String> {
+        let dp = self.dp.as_ref()?;
+        let per = |x: u64| x as f64 / iterations.max(1) as f64;
+        let counted: Vec<String> = (dp.take().iter())
+            .map(|(name, c)| format!("{name} {} calls {} bytes", per(c.calls), per(c.bytes)))
+            .collect();
+        let trained: usize = (self.table.params.iter())
+            .filter(|p| p.trainable)
+            .map(ParamInfo::numel)
+            .sum();
+        Some(format!(
+            " [comm] per iteration, data-parallel rank {} of {}: {} | Megatron's gradient all-reduce: {trained} parameters × 4 bytes = {} bytes",
+            self.rank,
+            dp.size(),
+            counted.join(", "),
+            4 * trained
+        ))
     }
 
     /// [`Trainer::exit_reason`], agreed by the data-parallel ranks: one rank's reason stops

@@ -14,7 +14,7 @@ pub use sockets::{socket_group, SocketComm};
 pub use threads::{thread_group, ThreadComm};
 
 use super::CpuTensor;
-use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, ReduceOp};
+use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, Payload, ReduceOp};
 use crate::engine::{EngineError, Result};
 use crate::tensor::DType;
 use std::cell::Cell;
@@ -93,6 +93,12 @@ impl fmt::Display for Signature {
             write!(f, " from rank {root}")?;
         }
         Ok(())
+    }
+}
+
+impl Payload for CpuTensor {
+    fn payload_bytes(&self) -> u64 {
+        (self.numel() * self.dtype().size()) as u64
     }
 }
 
