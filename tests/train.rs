@@ -912,7 +912,11 @@ fn data_parallel_ranks_as_processes_train_as_ranks_as_threads_do() {
 fn data_parallel_sizes_that_do_not_fit_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["--world-size", "2", "--distributed-timeout-minutes", "0"],
+            "--distributed-timeout-minutes",
+        ),
         (
             &["--world-size", "3"],
             "not a multiple of --micro-batch-size 2 × 3 data-parallel ranks",

@@ -252,7 +252,7 @@ pub const FLAGS: &[Flag] = &[
     used("decoder-first-pipeline-num-layers", One, "needs pipeline parallelism (not available yet)"),
     used("decoder-last-pipeline-num-layers", One, "needs pipeline parallelism (not available yet)"),
     inert("distributed-backend", One, LAUNCH),
-    inert("distributed-timeout-minutes", One, LAUNCH),
+    used("distributed-timeout-minutes", One, "how long a rank waits for the others at a collective or the launcher's store (default 10); HCCL's own waits follow HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT"),
     inert("local-rank", One, LAUNCH),
     inert("local_rank", One, LAUNCH),
     inert("nproc_per_node", One, LAUNCH),

@@ -108,6 +108,9 @@ pub struct TrainConfig {
     pub log_interval: u64,
     /// `--log-throughput`.
     pub log_throughput: bool,
+    /// `--distributed-timeout-minutes` (10 by default, as Megatron's): how long a rank waits
+    /// for the others, at the launcher's store and at a collective on the CPU backend.
+    pub rank_timeout: std::time::Duration,
     /// `--log-comm-stats` (mindkit's): the collectives' calls and bytes after each log line.
     pub log_comm_stats: bool,
     /// `--log-params-norm`, `--log-num-zeros-in-grad`.
@@ -686,6 +689,9 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         log_interval: positive(a, "log-interval")?.unwrap_or(100) as u64,
         log_throughput: a.has("log-throughput"),
         log_comm_stats: a.has("log-comm-stats"),
+        rank_timeout: std::time::Duration::from_secs(
+            60 * positive(a, "distributed-timeout-minutes")?.unwrap_or(10) as u64,
+        ),
         log_norms: (a.has("log-params-norm"), a.has("log-num-zeros-in-grad")),
         tensorboard: a
             .get("tensorboard-dir")

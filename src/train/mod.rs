@@ -122,9 +122,6 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
     })
 }
 
-/// How long a rank waits for the others at a collective (rank 0 may be saving a checkpoint).
-const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1800);
-
 /// A rank's backend and its data-parallel group.
 type RankSetup<B> = (
     B,
@@ -137,7 +134,7 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
     let ranks = cfg.data_parallel;
     match device {
         DeviceKind::Cpu => {
-            let comms: Vec<_> = crate::engine::cpu::comm::thread_group(ranks, RANK_TIMEOUT)
+            let comms: Vec<_> = crate::engine::cpu::comm::thread_group(ranks, cfg.rank_timeout)
                 .into_iter()
                 .map(|c| Mutex::new(Some(c)))
                 .collect();
@@ -171,7 +168,7 @@ fn as_process(
     let (rank, ranks) = (launch.rank, launch.world_size);
     let quiet = quiet || rank > 0;
     let context = || format!("data-parallel rank {rank} of {ranks}");
-    let timeout = RANK_TIMEOUT;
+    let timeout = cfg.rank_timeout;
     match (device, rank_table) {
         (DeviceKind::Cpu, Some(_)) => {
             bail!("--rank-table-file (RANK_TABLE_FILE) joins NPUs over HCCL: it needs --device npu")
