@@ -7,6 +7,7 @@ use super::args::Args;
 use super::data::LossAveraging;
 use super::data::SftRows;
 use super::optim::AdamConfig;
+use super::parallel::{Axis, Layout};
 use super::schedule::{DecayStyle, Schedule, WdStyle};
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
@@ -582,7 +583,13 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     if !global_batch.is_multiple_of(micro_batch) {
         bail!("--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch}");
     }
-    let data_parallel = world_size(a)?;
+    let size = |flag| positive(a, flag).map(|n| n.unwrap_or(1));
+    let (tp, pp, cp) = (
+        size("tensor-model-parallel-size")?,
+        size("pipeline-model-parallel-size")?,
+        size("context-parallel-size")?,
+    );
+    let data_parallel = Layout::new(world_size(a)?, tp, pp, cp)?.size(Axis::Dp);
     if !global_batch.is_multiple_of(micro_batch * data_parallel) {
         bail!(
             "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"

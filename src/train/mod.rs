@@ -13,6 +13,7 @@ pub mod config;
 pub mod data;
 pub mod log;
 pub mod optim;
+pub mod parallel;
 pub mod schedule;
 pub mod store;
 pub mod tensorboard;

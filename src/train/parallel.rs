@@ -1,0 +1,179 @@
+//! Where each rank sits in a parallel layout, as megatron-core numbers the ranks: the global
+//! rank is a mixed-radix number over the parallel dimensions in the order `tp-cp-ep-dp-pp`
+//! (`initialize_model_parallel`'s default `order`), tensor-parallel fastest; a group of some
+//! dimensions holds the ranks that differ only in those (megatron-core
+//! megatron/core/parallel_state.py `RankGenerator`, `generate_masked_orthogonal_rank_groups`).
+//! Expert parallelism has its own generator there and is always 1 for the LLaMA family here.
+
+use anyhow::{bail, Result};
+
+/// One parallel dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Axis {
+    /// Tensor parallelism.
+    Tp,
+    /// Context parallelism.
+    Cp,
+    /// Data parallelism.
+    Dp,
+    /// Pipeline parallelism.
+    Pp,
+}
+
+impl Axis {
+    /// Megatron's order of the dimensions, fastest first (expert parallelism, 1, left out).
+    pub const ORDER: [Axis; 4] = [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp];
+
+    /// Megatron's token for it (`"tp"`, …).
+    pub fn token(self) -> &'static str {
+        match self {
+            Axis::Tp => "tp",
+            Axis::Cp => "cp",
+            Axis::Dp => "dp",
+            Axis::Pp => "pp",
+        }
+    }
+}
+
+/// The sizes of the parallel dimensions; their product is the world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Sizes in [`Axis::ORDER`].
+    sizes: [usize; 4],
+}
+
+impl Layout {
+    /// The layout of `world` ranks with these tensor-, pipeline- and context-parallel sizes;
+    /// data parallelism takes the rest (`world / (tp·pp·cp)`, as Megatron derives it).
+    pub fn new(world: usize, tp: usize, pp: usize, cp: usize) -> Result<Layout> {
+        if tp == 0 || pp == 0 || cp == 0 {
+            bail!("parallel sizes must be at least 1 (TP {tp}, PP {pp}, CP {cp})");
+        }
+        let model = tp * pp * cp;
+        if world == 0 || !world.is_multiple_of(model) {
+            bail!("world size {world} is not a multiple of TP {tp} × PP {pp} × CP {cp} = {model}");
+        }
+        Ok(Layout {
+            sizes: [tp, cp, world / model, pp],
+        })
+    }
+
+    /// The size of `axis`.
+    pub fn size(&self, axis: Axis) -> usize {
+        self.sizes[Self::at(axis)]
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.sizes.iter().product()
+    }
+
+    /// `rank`'s index along `axis`.
+    pub fn coordinate(&self, rank: usize, axis: Axis) -> usize {
+        let i = Self::at(axis);
+        rank / self.sizes[..i].iter().product::<usize>() % self.sizes[i]
+    }
+
+    /// Every group over `axes` (megatron-core's `RankGenerator.get_ranks("tp-dp")` for
+    /// `[Tp, Dp]`): the ranks that differ only along `axes`, each group in increasing order of
+    /// the masked mixed-radix index, the groups in increasing order of the others'.
+    pub fn groups(&self, axes: &[Axis]) -> Vec<Vec<usize>> {
+        let mask: Vec<bool> = Axis::ORDER.iter().map(|a| axes.contains(a)).collect();
+        let strides: Vec<usize> = (0..4).map(|i| self.sizes[..i].iter().product()).collect();
+        let pick = |want: bool| -> (Vec<usize>, Vec<usize>) {
+            (0..4)
+                .filter(|&i| mask[i] == want)
+                .map(|i| (self.sizes[i], strides[i]))
+                .unzip()
+        };
+        let (in_shape, in_stride) = pick(true);
+        let (out_shape, out_stride) = pick(false);
+        let size: usize = in_shape.iter().product();
+        (0..self.world() / size)
+            .map(|group| {
+                let base = place(group, &out_shape, &out_stride);
+                (0..size)
+                    .map(|r| base + place(r, &in_shape, &in_stride))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The group over `axes` that holds `rank`.
+    pub fn group_of(&self, rank: usize, axes: &[Axis]) -> Vec<usize> {
+        self.groups(axes)
+            .into_iter()
+            .find(|g| g.contains(&rank))
+            .expect("every rank is in one group of each kind")
+    }
+
+    fn at(axis: Axis) -> usize {
+        Axis::ORDER.iter().position(|&a| a == axis).unwrap()
+    }
+}
+
+/// The global rank of mixed-radix `index` over `shape` (fastest first), each digit weighted
+/// by its dimension's global `stride`.
+fn place(index: usize, shape: &[usize], stride: &[usize]) -> usize {
+    let mut rest = index;
+    shape
+        .iter()
+        .zip(stride)
+        .map(|(&s, &d)| {
+            let digit = rest % s;
+            rest /= s;
+            digit * d
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn megatrons_documented_example() {
+        // parallel_state.py's docstring: 16 ranks, TP 2, PP 4 → DP 2.
+        let l = Layout::new(16, 2, 4, 1).unwrap();
+        assert_eq!(
+            l.groups(&[Axis::Tp]),
+            [
+                [0, 1],
+                [2, 3],
+                [4, 5],
+                [6, 7],
+                [8, 9],
+                [10, 11],
+                [12, 13],
+                [14, 15]
+            ]
+        );
+        assert_eq!(
+            l.groups(&[Axis::Dp]),
+            [
+                [0, 2],
+                [1, 3],
+                [4, 6],
+                [5, 7],
+                [8, 10],
+                [9, 11],
+                [12, 14],
+                [13, 15]
+            ]
+        );
+        assert_eq!(
+            l.groups(&[Axis::Pp]),
+            [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+        );
+        // rank 13: TP rank 1, DP rank 0, PP rank 3; its model-parallel group is DP rank 0's.
+        assert_eq!(
+            [Axis::Tp, Axis::Dp, Axis::Pp].map(|a| l.coordinate(13, a)),
+            [1, 0, 3]
+        );
+        assert_eq!(
+            l.group_of(13, &[Axis::Tp, Axis::Pp]),
+            [0, 1, 4, 5, 8, 9, 12, 13]
+        );
+        assert!(Layout::new(6, 4, 1, 1).is_err());
+    }
+}
