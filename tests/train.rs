@@ -640,80 +640,6 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
         calls("HcclAllReduce") >= 2 * 6 && calls("HcclAllGather") >= 2 * 6,
         "{counted}"
     );
-    // The same two ranks as processes, as torchrun starts them: the root info goes through
-    // the store, the collectives through the stand-in's hub in rank 0's process.
-    let home = common::toolkit(&dir.path().join("toolkit"), common::stand_in());
-    parallel.truncate(parallel.len() - 2);
-    parallel.extend(["--device".into(), "npu".into()]);
-    let ranks = outputs(spawn_ranks(&parallel, 2, |rank| {
-        let report = dir.path().join(format!("report-{rank}.json"));
-        vec![
-            ("ASCEND_TOOLKIT_HOME", home.clone().into()),
-            ("MINDKIT_STAND_IN_REPORT", report.into()),
-            ("MINDKIT_STAND_IN_DEVICES", "2".into()),
-            ("LD_LIBRARY_PATH", "".into()),
-        ]
-    }));
-    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
-        assert!(ok, "rank {rank}: {err}");
-    }
-    same_training(
-        &npu,
-        &ranks[0].1,
-        0.0,
-        "DP2 as processes on the NPU stand-in",
-    );
-    for rank in 0..2 {
-        let report = std::fs::read_to_string(dir.path().join(format!("report-{rank}.json")));
-        let counted: serde_json::Value = serde_json::from_str(&report.unwrap()).unwrap();
-        assert!(
-            counted["hccl"]["HcclAllReduce"]["calls"].as_u64() >= Some(6),
-            "{counted}"
-        );
-    }
-    // The same, the ranks joined by a rank table file (HcclCommInitClusterInfo), not the store.
-    let table = dir.path().join("rank_table.json");
-    std::fs::write(
-        &table,
-        r#"{"version": "1.0", "server_count": "1", "status": "completed", "server_list": [{"server_id": "node_0", "device": [
-            {"device_id": "0", "device_ip": "192.168.100.101", "rank_id": "0"},
-            {"device_id": "1", "device_ip": "192.168.100.102", "rank_id": "1"}]}]}"#,
-    )
-    .unwrap();
-    let mut by_table = parallel.clone();
-    by_table.extend(["--rank-table-file".into(), table.to_str().unwrap().into()]);
-    let ranks = outputs(spawn_ranks(&by_table, 2, |_| {
-        vec![
-            ("ASCEND_TOOLKIT_HOME", home.clone().into()),
-            ("MINDKIT_STAND_IN_DEVICES", "2".into()),
-            ("LD_LIBRARY_PATH", "".into()),
-        ]
-    }));
-    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
-        assert!(ok, "rank {rank}: {err}");
-    }
-    same_training(
-        &npu,
-        &ranks[0].1,
-        0.0,
-        "DP2 by a rank table on the NPU stand-in",
-    );
-    // Three ranks launched for a table of two: every rank says so.
-    let at = by_table
-        .iter()
-        .position(|a| a == "--global-batch-size")
-        .unwrap();
-    by_table[at + 1] = "6".into();
-    let ranks = outputs(spawn_ranks(&by_table, 3, |_| {
-        vec![
-            ("ASCEND_TOOLKIT_HOME", home.clone().into()),
-            ("MINDKIT_STAND_IN_DEVICES", "3".into()),
-            ("LD_LIBRARY_PATH", "".into()),
-        ]
-    }));
-    for (ok, _, err) in &ranks {
-        assert!(!ok && err.contains("rank_table.json"), "{err}");
-    }
     // Steps after the first allocate nothing and wait for the device once.
     let counts =
         |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters]), "").1;
@@ -724,6 +650,72 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
         3,
         "{three} {six}"
     );
+}
+
+/// The environment of a rank on the CANN stand-in in `home` with `devices` NPUs.
+fn stand_in_env(home: &Path, devices: usize) -> Vec<(&'static str, std::ffi::OsString)> {
+    vec![
+        ("ASCEND_TOOLKIT_HOME", home.into()),
+        ("MINDKIT_STAND_IN_DEVICES", devices.to_string().into()),
+        ("LD_LIBRARY_PATH", "".into()),
+    ]
+}
+
+/// Every rank succeeded; rank 0's log.
+fn succeeded(ranks: &[(bool, String, String)]) -> &str {
+    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
+        assert!(ok, "rank {rank}: {err}");
+    }
+    &ranks[0].1
+}
+
+#[test]
+fn npu_ranks_as_processes_train_as_npu_ranks_as_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let mut parallel = args(&data, &["--train-iters", "6", "--world-size", "2"]);
+    let (threads, _) = train_on_stand_in(dir.path(), &parallel, "");
+    // As processes, as torchrun starts them: the root info goes through the store, the
+    // collectives through the stand-in's hub in rank 0's process.
+    let home = common::toolkit(&dir.path().join("toolkit"), common::stand_in());
+    parallel.truncate(parallel.len() - 2);
+    parallel.extend(["--device".into(), "npu".into()]);
+    let ranks = outputs(spawn_ranks(&parallel, 2, |rank| {
+        let report = dir.path().join(format!("report-{rank}.json"));
+        let mut env = stand_in_env(&home, 2);
+        env.push(("MINDKIT_STAND_IN_REPORT", report.into()));
+        env
+    }));
+    same_training(&threads, succeeded(&ranks), 0.0, "DP2 as processes");
+    for rank in 0..2 {
+        let report = std::fs::read_to_string(dir.path().join(format!("report-{rank}.json")));
+        let counted: serde_json::Value = serde_json::from_str(&report.unwrap()).unwrap();
+        let calls = counted["hccl"]["HcclAllReduce"]["calls"].as_u64();
+        assert!(calls >= Some(6), "{counted}");
+    }
+    // The ranks joined by a rank table file (HcclCommInitClusterInfo), not the store.
+    let table = dir.path().join("rank_table.json");
+    std::fs::write(
+        &table,
+        r#"{"version": "1.0", "server_count": "1", "status": "completed", "server_list": [{"server_id": "node_0", "device": [
+            {"device_id": "0", "device_ip": "192.168.100.101", "rank_id": "0"},
+            {"device_id": "1", "device_ip": "192.168.100.102", "rank_id": "1"}]}]}"#,
+    )
+    .unwrap();
+    let mut by_table = parallel.clone();
+    by_table.extend(["--rank-table-file".into(), table.to_str().unwrap().into()]);
+    let ranks = outputs(spawn_ranks(&by_table, 2, |_| stand_in_env(&home, 2)));
+    same_training(&threads, succeeded(&ranks), 0.0, "DP2 by a rank table");
+    // Three ranks launched for a table of two: every rank says so.
+    let at = by_table
+        .iter()
+        .position(|a| a == "--global-batch-size")
+        .unwrap();
+    by_table[at + 1] = "6".into();
+    let ranks = outputs(spawn_ranks(&by_table, 3, |_| stand_in_env(&home, 3)));
+    for (ok, _, err) in &ranks {
+        assert!(!ok && err.contains("rank_table.json"), "{err}");
+    }
 }
 
 /// `a` and `b` within `tolerance` relative, iteration by iteration, for lm loss and grad norm.
@@ -877,12 +869,9 @@ fn data_parallel_ranks_as_processes_train_as_ranks_as_threads_do() {
     let threads = stdout(&run(&threads).success());
     let (by_processes, processes) = saving("processes");
     let ranks = outputs(spawn_ranks(&processes, 2, |_| Vec::new()));
-    for (rank, (ok, _, err)) in ranks.iter().enumerate() {
-        assert!(ok, "rank {rank}: {err}");
-    }
     // Rank 0 logs what the threads' rank 0 logs, bit for bit, and saves the same checkpoint;
     // rank 1 logs nothing.
-    same_training(&threads, &ranks[0].1, 0.0, "DP2 as processes");
+    same_training(&threads, succeeded(&ranks), 0.0, "DP2 as processes");
     assert_eq!(iterations(&ranks[0].1).len(), 10);
     assert!(ranks[1].1.is_empty(), "{}", ranks[1].1);
     let checkpoint =

@@ -20,6 +20,15 @@ def mindkit():
     return run
 
 
+def example(name):
+    """The path of the built example `name` (examples/NAME.rs); skips the test when not built."""
+    examples = pathlib.Path(os.environ.get("MINDKIT_EXAMPLES", ROOT / "target/release/examples"))
+    binary = examples / name
+    if not binary.exists():
+        pytest.skip(f"{binary} not built (cargo build --release --examples)")
+    return str(binary)
+
+
 @pytest.fixture(scope="session")
 def assets():
     path = pathlib.Path(os.environ.get("MINDKIT_ASSETS", pathlib.Path.home() / ".cache/mindkit/assets"))

@@ -2,25 +2,19 @@
 megatron-core's own RankGenerator: every group kind the decoder's parallel state forms, for
 layouts of up to 64 ranks."""
 import json
-import os
-import pathlib
 import subprocess
 
 import pytest
+from conftest import example
 from megatron.core.parallel_state import RankGenerator
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAYOUTS = [(w, tp, pp, cp) for w in (1, 2, 4, 6, 8, 12, 16, 24, 32, 64) for tp in (1, 2, 4, 8)
            for pp in (1, 2, 3, 4) for cp in (1, 2) if w % (tp * pp * cp) == 0]
 
 
 @pytest.fixture(scope="session")
 def rank_groups():
-    examples = pathlib.Path(os.environ.get("MINDKIT_EXAMPLES", ROOT / "target/release/examples"))
-    binary = examples / "rank_groups"
-    if not binary.exists():
-        pytest.skip(f"{binary} not built (cargo build --release --examples)")
-    return str(binary)
+    return example("rank_groups")
 
 
 def test_rank_groups_equal_megatron_cores(rank_groups):

@@ -4,7 +4,6 @@ server, and the real launcher — torchrun's elastic agent hosting the store, as
 is launched — plus the launches where rank 0 must host the store itself."""
 import datetime
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -14,8 +13,8 @@ import time
 
 import pytest
 import torch.distributed as dist
+from conftest import ROOT, example
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHORT = datetime.timedelta(seconds=10)
 # Every subprocess is killed (with its process group) past this, so nothing can hang CI.
 BOUND = 60
@@ -23,11 +22,7 @@ BOUND = 60
 
 @pytest.fixture(scope="session")
 def probe():
-    examples = pathlib.Path(os.environ.get("MINDKIT_EXAMPLES", ROOT / "target/release/examples"))
-    binary = examples / "store_probe"
-    if not binary.exists():
-        pytest.skip(f"{binary} not built (cargo build --release --examples)")
-    return str(binary)
+    return example("store_probe")
 
 
 def free_port():

@@ -2,7 +2,6 @@
 → torch.load(weights_only=True) gives back the same tensors, and the archive is what torch writes."""
 import argparse
 import os
-import pathlib
 import struct
 import subprocess
 import zipfile
@@ -10,16 +9,13 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from conftest import example
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
 def pt_copy():
-    examples = pathlib.Path(os.environ.get("MINDKIT_EXAMPLES", ROOT / "target/release/examples"))
-    binary = examples / "pt_copy"
-    if not binary.exists():
-        pytest.skip(f"{binary} not built (cargo build --release --examples)")
+    binary = example("pt_copy")
 
     def run(src, dst):
         r = subprocess.run([binary, src, dst], capture_output=True, text=True)
@@ -100,8 +96,7 @@ def test_pickled_code_is_refused(pt_copy, tmp_path):
             return (os.system, ("echo should-not-run",))
 
     torch.save({"x": Evil()}, tmp_path / "evil.pt")
-    binary = pathlib.Path(os.environ.get("MINDKIT_EXAMPLES", ROOT / "target/release/examples")) / "pt_copy"
-    r = subprocess.run([binary, tmp_path / "evil.pt", tmp_path / "out.pt"], capture_output=True, text=True)
+    r = subprocess.run([example("pt_copy"), tmp_path / "evil.pt", tmp_path / "out.pt"], capture_output=True, text=True)
     assert r.returncode != 0 and "forbidden global" in r.stderr and "system" in r.stderr, r.stderr
     assert "should-not-run" not in r.stdout
     assert not (tmp_path / "out.pt").exists()
