@@ -281,31 +281,35 @@ mod tests {
         timeout: Duration,
         f: impl Fn(Comm) -> T + Sync,
     ) -> Vec<T> {
-        let mut threads = thread_group(size, timeout).into_iter();
+        if sockets {
+            return on_socket_ranks(size, timeout, |c| f(Box::new(c)));
+        }
+        std::thread::scope(|s| {
+            let f = &f;
+            let handles: Vec<_> = (thread_group(size, timeout).into_iter())
+                .map(|c| s.spawn(move || f(Box::new(c))))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Run `f` on each rank of a socket group of `size` on this machine, each in its own
+    /// thread; each rank's result.
+    fn on_socket_ranks<T: Send>(
+        size: usize,
+        timeout: Duration,
+        f: impl Fn(SocketComm) -> T + Sync,
+    ) -> Vec<T> {
         let listeners: Vec<TcpListener> = (0..size)
             .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
             .collect();
         let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-        let comms: Vec<Box<dyn FnOnce() -> Comm + Send>> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(rank, listener)| -> Box<dyn FnOnce() -> Comm + Send> {
-                let thread = threads.next().unwrap();
-                let addrs = addrs.clone();
-                if sockets {
-                    Box::new(move || {
-                        Box::new(socket_group(rank, listener, &addrs, 7, timeout).unwrap())
-                    })
-                } else {
-                    Box::new(move || Box::new(thread))
-                }
-            })
-            .collect();
         std::thread::scope(|s| {
-            let f = &f;
-            let handles: Vec<_> = comms
-                .into_iter()
-                .map(|make| s.spawn(move || f(make())))
+            let (f, addrs) = (&f, &addrs);
+            let handles: Vec<_> = (listeners.into_iter().enumerate())
+                .map(|(rank, l)| {
+                    s.spawn(move || f(socket_group(rank, l, addrs, 7, timeout).unwrap()))
+                })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
@@ -432,6 +436,54 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn subgroups_share_the_mesh_without_mixing_their_frames() {
+        // Four ranks as TP 2 × DP 2: TP groups [0, 1], [2, 3]; DP groups [0, 2], [1, 3]. Each
+        // rank interleaves collectives and messages on both and on the world group.
+        let results = on_socket_ranks(4, SECOND * 10, |world| {
+            let rank = world.rank();
+            let tp = world
+                .subgroup(1, vec![rank / 2 * 2, rank / 2 * 2 + 1])
+                .unwrap();
+            let dp = world.subgroup(2, vec![rank % 2, rank % 2 + 2]).unwrap();
+            let r = rank as f32;
+            let other_tp = 1 - tp.rank();
+            tp.send(&t(&[r], DType::F32), other_tp).unwrap();
+            let mut in_dp = t(&[r, 1.0], DType::F32);
+            dp.all_reduce(&mut in_dp, ReduceOp::Sum).unwrap();
+            let mut in_tp = t(&[r], DType::F32);
+            tp.all_reduce(&mut in_tp, ReduceOp::Max).unwrap();
+            let mut all = t(&[0.0; 4], DType::F32);
+            world.all_gather(&t(&[r], DType::F32), &mut all).unwrap();
+            let mut got = t(&[0.0], DType::F32);
+            tp.recv(&mut got, other_tp).unwrap();
+            let v = |x: &CpuTensor| x.values().into_owned();
+            [v(&in_dp), v(&in_tp), v(&all), v(&got)]
+        });
+        for (rank, [in_dp, in_tp, all, got]) in results.into_iter().enumerate() {
+            let r = rank as f32;
+            assert_eq!(in_dp, [2.0 * (rank % 2) as f32 + 2.0, 2.0]);
+            assert_eq!(in_tp, [(rank / 2 * 2 + 1) as f32]);
+            assert_eq!(all, [0.0, 1.0, 2.0, 3.0]);
+            assert_eq!(got, [if rank % 2 == 0 { r + 1.0 } else { r - 1.0 }]);
+        }
+        let errors = on_socket_ranks(2, SECOND * 10, |world| {
+            let not_mine = vec![1 - world.rank()];
+            [world.subgroup(0, vec![0, 1]), world.subgroup(3, not_mine)]
+                .map(|g| g.err().unwrap().to_string())
+        });
+        assert!(
+            errors[0][0].contains("id 0 is the world's"),
+            "{:?}",
+            errors[0]
+        );
+        assert!(
+            errors[0][1].contains("rank 0 is not in the subgroup [1]"),
+            "{:?}",
+            errors[0]
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Ranks as processes (torchrun's or Slurm's, one per rank), joined by TCP: [`socket_group`]
 //! connects each rank to every other (rank r connects to the ranks below it and accepts the
-//! ones above), after the launcher's store told every rank the others' addresses.
+//! ones above), after the launcher's store told every rank the others' addresses. Subgroups
+//! (a tensor-parallel pair, a data-parallel set: [`SocketComm::subgroup`]) run over the same
+//! connections, their frames told apart by the group's id.
 //!
 //! Each connection carries frames one way per direction: a collective's part (its sequence
 //! number, the call, the values) or a point-to-point message. A rank writes its part to every
@@ -16,9 +18,10 @@ use crate::engine::comm::ReduceOp;
 use crate::engine::Result;
 use crate::tensor::DType;
 use std::cell::RefCell;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::rc::Rc;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -70,10 +73,14 @@ pub fn socket_group(
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| collective_error(rank, format!("setting up the connections: {e}")))?;
     Ok(Group::new(Sockets {
-        rank,
-        size,
-        timeout,
-        peers,
+        mesh: Rc::new(Mesh {
+            rank,
+            timeout,
+            peers,
+        }),
+        id: 0,
+        members: (0..size).collect(),
+        me: rank,
     }))
 }
 
@@ -128,12 +135,23 @@ fn accept_higher(
     Ok(())
 }
 
-/// A rank's connections to the other ranks of its group.
+/// A group of ranks over the connections of the whole mesh: the world group that
+/// [`socket_group`] returns, or one of its subgroups ([`SocketComm::subgroup`]).
 pub struct Sockets {
+    mesh: Rc<Mesh>,
+    /// The group's id on the wire: 0 for the world, the caller's for a subgroup.
+    id: u32,
+    /// The global ranks of the group, in its rank order.
+    members: Vec<usize>,
+    /// This rank's place among them.
+    me: usize,
+}
+
+/// This rank's connections to every other rank.
+struct Mesh {
     rank: usize,
-    size: usize,
     timeout: Duration,
-    /// By rank; `None` at this rank's own place.
+    /// By global rank; `None` at this rank's own place.
     peers: Vec<Option<Peer>>,
 }
 
@@ -145,9 +163,11 @@ struct Peer {
     out: Option<mpsc::Sender<Arc<Vec<u8>>>>,
     writer: Option<JoinHandle<()>>,
     /// Frames read ahead of their turn.
-    early_calls: RefCell<VecDeque<(u64, Part)>>,
-    early_posts: RefCell<VecDeque<Part>>,
+    early: RefCell<HashMap<FrameKey, VecDeque<(u64, Part)>>>,
 }
+
+/// A frame's group id and kind.
+type FrameKey = (u32, u8);
 
 /// What a frame carries.
 const COLLECTIVE: u8 = 0;
@@ -175,8 +195,7 @@ impl Peer {
             stream,
             out: Some(out),
             writer: Some(writer),
-            early_calls: RefCell::new(VecDeque::new()),
-            early_posts: RefCell::new(VecDeque::new()),
+            early: RefCell::new(HashMap::new()),
         })
     }
 
@@ -186,27 +205,28 @@ impl Peer {
             .map_err(|_| format!("rank {} left the group", self.rank))
     }
 
-    /// Read frames until one of the kind `want` comes; others wait for their turn.
-    fn read_until(&self, want: u8) -> std::result::Result<(u64, Part), String> {
+    /// Read frames until one of the kind `want` for group `group` comes; others wait for
+    /// their turn.
+    fn read_until(&self, group: u32, want: u8) -> std::result::Result<(u64, Part), String> {
+        let key = (group, want);
+        if let Some(early) = self
+            .early
+            .borrow_mut()
+            .get_mut(&key)
+            .and_then(VecDeque::pop_front)
+        {
+            return Ok(early);
+        }
         loop {
-            match want {
-                COLLECTIVE => {
-                    if let Some(early) = self.early_calls.borrow_mut().pop_front() {
-                        return Ok(early);
-                    }
-                }
-                _ => {
-                    if let Some(early) = self.early_posts.borrow_mut().pop_front() {
-                        return Ok((0, early));
-                    }
-                }
+            let (got, seq, part) = read_frame(&mut *self.reader.borrow_mut(), self.rank)?;
+            if got == key {
+                return Ok((seq, part));
             }
-            let (tag, seq, part) = read_frame(&mut *self.reader.borrow_mut(), self.rank)?;
-            match tag {
-                t if t == want => return Ok((seq, part)),
-                COLLECTIVE => self.early_calls.borrow_mut().push_back((seq, part)),
-                _ => self.early_posts.borrow_mut().push_back(part),
-            }
+            self.early
+                .borrow_mut()
+                .entry(got)
+                .or_default()
+                .push_back((seq, part));
         }
     }
 }
@@ -223,37 +243,91 @@ impl Drop for Peer {
 }
 
 impl Sockets {
+    /// The connection to the group's rank `r`.
     fn peer(&self, r: usize) -> &Peer {
-        self.peers[r]
+        self.mesh.peers[self.members[r]]
             .as_ref()
             .expect("callers name other ranks only")
+    }
+
+    fn others(&self) -> impl Iterator<Item = &Peer> {
+        (0..self.members.len())
+            .filter(|&r| r != self.me)
+            .map(|r| self.peer(r))
+    }
+
+    /// A read error as the group reports it: a timeout names the rank and the time.
+    fn timed_out(&self, e: String, r: usize) -> String {
+        if e == TIMED_OUT {
+            format!(
+                "rank(s) [{r}] did not arrive within {} s",
+                self.mesh.timeout.as_secs_f64()
+            )
+        } else {
+            e
+        }
+    }
+}
+
+impl Group<Sockets> {
+    /// The subgroup of the global ranks `members` (in its rank order; this rank among them),
+    /// over the same connections. `id` names it on the wire: every member passes the same,
+    /// and no other group this rank belongs to has it (0 is the world's).
+    pub fn subgroup(&self, id: u32, members: Vec<usize>) -> Result<SocketComm> {
+        let world = &self.link.mesh;
+        let fail = |msg: String| collective_error(world.rank, msg);
+        if id == 0 {
+            return Err(fail("subgroup id 0 is the world's".into()));
+        }
+        let me = members
+            .iter()
+            .position(|&r| r == world.rank)
+            .ok_or_else(|| {
+                fail(format!(
+                    "rank {} is not in the subgroup {members:?}",
+                    world.rank
+                ))
+            })?;
+        let unique: std::collections::BTreeSet<_> = members.iter().collect();
+        if unique.len() != members.len() || members.iter().any(|&r| r >= world.peers.len()) {
+            return Err(fail(format!(
+                "{members:?} are not distinct ranks of a group of {}",
+                world.peers.len()
+            )));
+        }
+        Ok(Group::new(Sockets {
+            mesh: world.clone(),
+            id,
+            members,
+            me,
+        }))
     }
 }
 
 impl Link for Sockets {
     fn rank(&self) -> usize {
-        self.rank
+        self.me
     }
 
     fn size(&self) -> usize {
-        self.size
+        self.members.len()
     }
 
     fn exchange(&self, seq: u64, what: &str, part: Part) -> Result<Vec<Part>> {
-        let fail = |msg: String| collective_error(self.rank, format!("{what}: {msg}"));
-        let frame = Arc::new(encode(COLLECTIVE, seq, &part));
-        for peer in self.peers.iter().flatten() {
+        let fail = |msg: String| collective_error(self.me, format!("{what}: {msg}"));
+        let frame = Arc::new(encode((self.id, COLLECTIVE), seq, &part));
+        for peer in self.others() {
             peer.write(frame.clone()).map_err(fail)?;
         }
-        let mut parts = Vec::with_capacity(self.size);
-        for r in 0..self.size {
-            if r == self.rank {
+        let mut parts = Vec::with_capacity(self.members.len());
+        for r in 0..self.members.len() {
+            if r == self.me {
                 parts.push(part.clone());
                 continue;
             }
             let (got, p) = self
                 .peer(r)
-                .read_until(COLLECTIVE)
+                .read_until(self.id, COLLECTIVE)
                 .map_err(|e| fail(self.timed_out(e, r)))?;
             if got != seq {
                 return Err(fail(format!("rank {r} is at collective #{got}")));
@@ -265,14 +339,14 @@ impl Link for Sockets {
 
     fn post(&self, to: usize, part: Part) -> Result<()> {
         self.peer(to)
-            .write(Arc::new(encode(POST, 0, &part)))
-            .map_err(|e| collective_error(self.rank, format!("send to rank {to}: {e}")))
+            .write(Arc::new(encode((self.id, POST), 0, &part)))
+            .map_err(|e| collective_error(self.me, format!("send to rank {to}: {e}")))
     }
 
     fn take(&self, from: usize) -> Result<Part> {
-        let (_, part) = self.peer(from).read_until(POST).map_err(|e| {
+        let (_, part) = self.peer(from).read_until(self.id, POST).map_err(|e| {
             collective_error(
-                self.rank,
+                self.me,
                 format!("recv from rank {from}: {}", self.timed_out(e, from)),
             )
         })?;
@@ -280,26 +354,18 @@ impl Link for Sockets {
     }
 }
 
-impl Sockets {
-    /// A read error as the group reports it: a timeout names the rank and the time.
-    fn timed_out(&self, e: String, r: usize) -> String {
-        if e == TIMED_OUT {
-            format!(
-                "rank(s) [{r}] did not arrive within {} s",
-                self.timeout.as_secs_f64()
-            )
-        } else {
-            e
-        }
-    }
-}
-
 const TIMED_OUT: &str = "timed out";
 
-/// The frame of `part`: tag, sequence number, the call, then the values as f32 LE.
-fn encode(tag: u8, seq: u64, part: &Part) -> Vec<u8> {
+/// A frame's fixed part: group (4), kind (1), sequence number (8), collective (1), count (8),
+/// dtype (1), reduction (1), root (8), values (8).
+const HEAD: usize = 40;
+
+/// The frame of `part`: its group and kind, sequence number, the call, then the values as
+/// f32 LE.
+fn encode((group, tag): FrameKey, seq: u64, part: &Part) -> Vec<u8> {
     let c = &part.call;
-    let mut f = Vec::with_capacity(48 + 4 * part.values.len());
+    let mut f = Vec::with_capacity(HEAD + 4 * part.values.len());
+    f.extend_from_slice(&group.to_le_bytes());
     f.push(tag);
     f.extend_from_slice(&seq.to_le_bytes());
     f.push(c.kind as u8);
@@ -319,9 +385,14 @@ fn encode(tag: u8, seq: u64, part: &Part) -> Vec<u8> {
 }
 
 /// Read one frame from rank `from`; the values' length is trusted only as far as bytes arrive.
-fn read_frame(r: &mut impl Read, from: usize) -> std::result::Result<(u8, u64, Part), String> {
-    let mut head = [0u8; 36];
-    r.read_exact(&mut head).map_err(|e| read_error(&e, from))?;
+fn read_frame(
+    r: &mut impl Read,
+    from: usize,
+) -> std::result::Result<(FrameKey, u64, Part), String> {
+    let mut frame = [0u8; HEAD];
+    r.read_exact(&mut frame).map_err(|e| read_error(&e, from))?;
+    let group = u32::from_le_bytes(frame[..4].try_into().unwrap());
+    let head = &frame[4..];
     let word = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().unwrap());
     let bad = |what: &str| format!("rank {from} sent a frame with {what}");
     let tag = head[0];
@@ -359,7 +430,7 @@ fn read_frame(r: &mut impl Read, from: usize) -> std::result::Result<(u8, u64, P
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect();
     Ok((
-        tag,
+        (group, tag),
         word(1),
         Part {
             call,
