@@ -1,8 +1,10 @@
 //! HCCL across NPUs: the NPU backend's [`Communicator`]. Rank 0 makes the root info
 //! ([`root_info`]) that every rank, one per device, joins with ([`Hccl::join`]); how the root
 //! info travels between processes is the launcher's business (`mindkit train` hands it over
-//! through torchrun's store; [`HcclRootInfo::to_bytes`] / [`HcclRootInfo::from_bytes`]). Collectives are queued on the device's one stream, like its operators, in place
-//! where HCCL allows it (all-reduce, broadcast).
+//! through torchrun's store: [`HcclRootInfo::to_bytes`] / [`HcclRootInfo::from_bytes`]); ranks
+//! may also join by a rank table file ([`Hccl::join_table`]). Collectives are queued on the
+//! device's one stream, like its operators, in place where HCCL allows it (all-reduce,
+//! broadcast).
 
 use super::backend::{Npu, NpuTensor};
 use super::context::Context;

@@ -177,20 +177,7 @@ fn as_process(
         (DeviceKind::Cpu, None) => {
             // Rank 0 may host the store: it stays up until this rank is done.
             let (_server, mut store) = launch.connect(timeout)?;
-            let listener = std::net::TcpListener::bind((store.local_ip()?, 0))
-                .context("listening for the other ranks")?;
-            let key = |r: usize| launch.key(&format!("cpu_group/{r}"));
-            store.set(&key(rank), listener.local_addr()?.to_string().as_bytes())?;
-            let peers = (0..ranks)
-                .map(|r| {
-                    let addr = String::from_utf8(store.get(&key(r))?)?;
-                    addr.parse()
-                        .with_context(|| format!("rank {r}'s address {addr:?} in the store"))
-                })
-                .collect::<Result<Vec<std::net::SocketAddr>>>()?;
-            let token = u64::from(launch.master_port) << 32 | u64::from(launch.restart_count);
-            let comm =
-                crate::engine::cpu::comm::socket_group(rank, listener, &peers, token, timeout)?;
+            let comm = socket_group_through(&mut store, launch, timeout)?;
             Trainer::new(Cpu, cfg, quiet, Some(Box::new(comm)))
                 .and_then(Trainer::train)
                 .with_context(context)
@@ -210,6 +197,34 @@ fn as_process(
                 .with_context(context)
         }
     }
+}
+
+/// The CPU ranks' socket group: each rank listens on its interface that reaches the store,
+/// sets that address in the store and reads every other rank's.
+fn socket_group_through(
+    store: &mut store::TcpStore,
+    launch: &store::Launch,
+    timeout: std::time::Duration,
+) -> Result<crate::engine::cpu::comm::SocketComm> {
+    let listener = std::net::TcpListener::bind((store.local_ip()?, 0))
+        .context("listening for the other ranks")?;
+    let key = |r: usize| launch.key(&format!("cpu_group/{r}"));
+    store.set(
+        &key(launch.rank),
+        listener.local_addr()?.to_string().as_bytes(),
+    )?;
+    let peers = (0..launch.world_size)
+        .map(|r| {
+            let addr = String::from_utf8(store.get(&key(r))?)?;
+            addr.parse()
+                .with_context(|| format!("rank {r}'s address {addr:?} in the store"))
+        })
+        .collect::<Result<Vec<std::net::SocketAddr>>>()?;
+    // Unique to this launch attempt: a rank of another job or attempt is refused.
+    let token = u64::from(launch.master_port) << 32 | u64::from(launch.restart_count);
+    let comm =
+        crate::engine::cpu::comm::socket_group(launch.rank, listener, &peers, token, timeout)?;
+    Ok(comm)
 }
 
 /// Rank 0's HCCL root info: made here on rank 0 and set in the store, read from it elsewhere.

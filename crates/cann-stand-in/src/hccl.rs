@@ -588,14 +588,7 @@ pub extern "C" fn HcclAllGather(
     stream: aclrtStream,
 ) -> HcclResult {
     let call = call(Kind::AllGather, send_count, data_type);
-    collective(call, (comm, stream), |c| {
-        let name = Kind::AllGather.name();
-        let all = send_count.saturating_mul(u64::from(c.size));
-        Ok(Buffers {
-            send: Some(buffer(name, send_buf, send_count, data_type)?),
-            recv: buffer(name, recv_buf, all, data_type)?,
-        })
-    })
+    spread(call, (send_buf, recv_buf), (comm, stream))
 }
 
 #[no_mangle]
@@ -612,12 +605,27 @@ pub extern "C" fn HcclReduceScatter(
         op,
         ..call(Kind::ReduceScatter, recv_count, data_type)
     };
+    spread(call, (send_buf, recv_buf), (comm, stream))
+}
+
+/// An all-gather (each rank's `count` into `size` × `count`) or a reduce-scatter (`size` ×
+/// `count` into each rank's `count`).
+fn spread(
+    call: Call,
+    (send_buf, recv_buf): (*mut c_void, *mut c_void),
+    (comm, stream): (HcclComm, aclrtStream),
+) -> HcclResult {
     collective(call, (comm, stream), |c| {
-        let name = Kind::ReduceScatter.name();
-        let all = recv_count.saturating_mul(u64::from(c.size));
+        let (name, one) = (call.kind.name(), call.count);
+        let all = one.saturating_mul(u64::from(c.size));
+        let (send, recv) = if call.kind == Kind::AllGather {
+            (one, all)
+        } else {
+            (all, one)
+        };
         Ok(Buffers {
-            send: Some(buffer(name, send_buf, all, data_type)?),
-            recv: buffer(name, recv_buf, recv_count, data_type)?,
+            send: Some(buffer(name, send_buf, send, call.dtype)?),
+            recv: buffer(name, recv_buf, recv, call.dtype)?,
         })
     })
 }

@@ -55,13 +55,8 @@ pub fn socket_group(
         let mut s = TcpStream::connect_timeout(addr, timeout).map_err(|e| {
             collective_error(rank, format!("connecting to rank {r} at {addr}: {e}"))
         })?;
-        let hello = [
-            &HELLO[..],
-            &token.to_le_bytes(),
-            &(size as u64).to_le_bytes(),
-        ]
-        .concat();
-        s.write_all(&[hello, (rank as u64).to_le_bytes().to_vec()].concat())
+        let words = [token, size as u64, rank as u64].map(u64::to_le_bytes);
+        s.write_all(&[&HELLO[..], &words[0], &words[1], &words[2]].concat())
             .map_err(|e| collective_error(rank, format!("greeting rank {r} at {addr}: {e}")))?;
         streams[r] = Some(s);
     }
