@@ -175,8 +175,8 @@ fn bad_input_is_refused_before_any_work() {
         (vec!["--fp16"], "--fp16 is not supported"),
         (vec!["--no-such-flag"], "unknown flag --no-such-flag"),
         (
-            vec!["--tensor-model-parallel-size", "2"],
-            "parallel training is not available",
+            vec!["--pipeline-model-parallel-size", "2"],
+            "trains with tensor and data parallelism only",
         ),
         (
             vec!["--attention-dropout", "0.1"],
@@ -901,10 +901,35 @@ fn data_parallel_ranks_as_processes_train_as_ranks_as_threads_do() {
 fn data_parallel_sizes_that_do_not_fit_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 10] = [
         (
             &["--world-size", "2", "--distributed-timeout-minutes", "0"],
             "--distributed-timeout-minutes",
+        ),
+        (
+            &["--tensor-model-parallel-size", "4"],
+            "--tensor-model-parallel-size 4: --num-query-groups 2 is not a multiple of it",
+        ),
+        (
+            &["--tensor-model-parallel-size", "2", "--world-size", "3"],
+            "world size 3 is not a multiple of TP 2",
+        ),
+        (
+            &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            "--sequence-parallel: sequence parallelism is not built yet",
+        ),
+        (
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--lora-target-modules",
+                "linear_qkv",
+            ],
+            "LoRA with tensor parallelism is not built yet",
+        ),
+        (
+            &["--tensor-model-parallel-size", "2", "--device", "npu"],
+            "tensor parallelism on NPUs (its vocabulary-parallel operators) is not built yet",
         ),
         (
             &["--world-size", "3"],
@@ -937,4 +962,191 @@ fn data_parallel_sizes_that_do_not_fit_are_refused() {
             assert!(!ok && err.contains(says), "{extra:?}: {err}");
         }
     }
+}
+
+/// The flags of a model initialised at random (no `--load`): tied embeddings, GQA and a QKV
+/// bias (Qwen2's shape).
+fn tied_with_qkv_bias(data: &Path, extra: &[&str]) -> Vec<String> {
+    let demo = fixture("models/demo");
+    let model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "96",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--add-qkv-bias",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--max-position-embeddings",
+        "64",
+        "--tokenizer-name-or-path",
+        demo.to_str().unwrap(),
+    ];
+    let mut a = args(data, &[&model[..], extra].concat());
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    a
+}
+
+/// Every weight of two checkpoints (any layout), converted to HF: equal within `tolerance`
+/// of the larger of 1 and the tensor's largest value.
+fn same_hf_weights(dir: &Path, a: &Path, b: &Path, tolerance: f32) {
+    let hf = |from: &Path, name: &str| {
+        let to = dir.join(name);
+        let _ = std::fs::remove_dir_all(&to);
+        mindkit(&[
+            &"convert",
+            &"--to",
+            &"hf",
+            &"--input",
+            &from,
+            &"--output",
+            &to,
+            &"--quiet",
+        ])
+        .success();
+        mindkit::ckpt::convert::open_checkpoint(&to, None, None).unwrap()
+    };
+    let (x, y) = (hf(a, "hf_a"), hf(b, "hf_b"));
+    for c in mindkit::arch::roles::canonical(&x.cfg) {
+        let values = |input: &mindkit::ckpt::convert::Input| {
+            mindkit::tensor::host::to_f32(&input.read(c).unwrap()).unwrap()
+        };
+        let (p, q) = (values(&x), values(&y));
+        assert_eq!(p.len(), q.len(), "{c:?}");
+        let scale = p.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let worst = p
+            .iter()
+            .zip(&q)
+            .fold(0f32, |m, (u, v)| m.max((u - v).abs()));
+        assert!(worst <= tolerance * scale, "{c:?}: differs by {worst}");
+    }
+}
+
+#[test]
+fn tensor_parallel_ranks_train_as_one_rank_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let batch = ["--micro-batch-size", "1", "--global-batch-size", "8"];
+    let iters = [
+        "--train-iters",
+        "20",
+        "--eod-mask-loss",
+        "--save-interval",
+        "20",
+    ];
+    type Model = fn(&Path, &[&str]) -> Vec<String>;
+    let models: [(&str, Model); 2] = [("untied", args), ("tied", tied_with_qkv_bias)];
+    for (name, model) in models {
+        let one_dir = path(&format!("{name}_one"));
+        let one: Vec<&str> = [&batch[..], &iters, &["--save", &one_dir]].concat();
+        let one_log = stdout(&run(&model(&data, &one)).success());
+        assert_eq!(iterations(&one_log).len(), 20, "{one_log}");
+        for world in ["2", "4"] {
+            let layout = format!("TP2 × DP{} {name}", world.parse::<usize>().unwrap() / 2);
+            let save = path(&format!("{name}_tp2_{world}"));
+            let tp: Vec<&str> = [&batch[..], &iters]
+                .concat()
+                .into_iter()
+                .chain(["--tensor-model-parallel-size", "2", "--world-size", world])
+                .chain(["--save", &save])
+                .collect();
+            let log = stdout(&run(&model(&data, &tp)).success());
+            same_training(&one_log, &log, 1e-5, &layout);
+            // Megatron's files: one per tensor-parallel rank; the same HF weights. (The key
+            // bias's gradient is zero but for rounding, which Adam scales up: hence the
+            // tolerance against the larger of 1 and the tensor's values.)
+            for rank in ["mp_rank_00", "mp_rank_01"] {
+                let file = Path::new(&save).join("iter_0000020").join(rank);
+                assert!(file.join("model_optim_rng.pt").is_file(), "{layout}");
+            }
+            same_hf_weights(dir.path(), Path::new(&one_dir), Path::new(&save), 1e-5);
+        }
+    }
+    // --log-comm-stats: per micro-batch, 2 all-reduces of [T, h] per layer each way, the
+    // embedding's and the output layer's, and the cross entropy's three of [T]; per
+    // iteration the gradient norm's and the exit flag's.
+    let counted: Vec<&str> = batch
+        .into_iter()
+        .chain(["--tensor-model-parallel-size", "2", "--world-size", "4"])
+        .chain(["--log-comm-stats"])
+        .collect();
+    let log = stdout(&run(&args(&data, &counted)).success());
+    let comm: Vec<&str> = log.lines().filter(|l| l.contains("[comm]")).collect();
+    assert_eq!(comm.len(), 10, "{log}");
+    for line in comm {
+        let tp = &line[line.find("tensor-parallel rank").unwrap()..];
+        let number = |after: &str| -> u64 {
+            let rest = &tp[tp.find(after).unwrap() + after.len()..];
+            rest.split_whitespace().next().unwrap().parse().unwrap()
+        };
+        // 4 micro-batches × (4·2 + 2 + 3) + 2 calls.
+        let megatron = number("micro-batches = ");
+        assert_eq!(number("all_reduce 54 calls "), megatron + 8, "{line}");
+        assert_eq!(megatron, 4 * (10 * 32 * 64 * 4 + 3 * 32 * 4), "{line}");
+    }
+}
+
+#[test]
+fn tensor_parallel_ranks_as_processes_and_resumed_train_as_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let tp = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+    ];
+    let saving = |name: &str, extra: &[&str]| {
+        let at = dir.path().join(name);
+        let flags = ["--save", at.to_str().unwrap(), "--save-interval", "10"];
+        (at.clone(), args(&data, &[&tp[..], &flags, extra].concat()))
+    };
+    let (by_threads, threads) = saving("threads", &[]);
+    let threads = stdout(&run(&threads).success());
+    let (by_processes, processes) = saving("processes", &[]);
+    let ranks = outputs(spawn_ranks(&processes, 2, |_| Vec::new()));
+    same_training(&threads, succeeded(&ranks), 0.0, "TP2 as processes");
+    for rank in ["mp_rank_00", "mp_rank_01"] {
+        let file = |at: &Path| {
+            std::fs::read(
+                at.join("iter_0000010")
+                    .join(rank)
+                    .join("model_optim_rng.pt"),
+            )
+            .unwrap()
+        };
+        assert!(file(&by_threads) == file(&by_processes), "{rank}");
+    }
+    // Stopped at iteration 6 and resumed, the run continues as the whole one did.
+    let (half, first) = saving("half", &["--exit-interval", "6"]);
+    run(&first).success();
+    let (_, mut resume) = saving("half", &[]);
+    let at = resume.iter().position(|a| a == "--load").unwrap();
+    resume[at + 1] = half.to_str().unwrap().into();
+    let rest = stdout(&run(&resume).success());
+    let tail: Vec<String> = iterations(&threads)[6..].to_vec();
+    same_training(&tail.join("\n"), &rest, 0.0, "resumed TP2");
+    // Another layout's training state is refused; its weights load resharded.
+    let mut one = args(&data, &["--micro-batch-size", "1"]);
+    one[at + 1] = half.to_str().unwrap().into();
+    let out = run(&one).failure();
+    assert!(
+        stderr(&out).contains("resuming training state on tensor-parallel rank 0 of 1 needs a checkpoint of the same layout"),
+        "{}",
+        stderr(&out)
+    );
+    one.push("--finetune".into());
+    assert_eq!(iterations(&stdout(&run(&one).success())).len(), 10);
 }

@@ -147,6 +147,12 @@ fn split_of(role: Role) -> Split {
     }
 }
 
+/// Whether tensor parallelism splits a role (Megatron's `tensor_model_parallel` attribute);
+/// every TP rank holds a copy of the others.
+pub fn is_tp_split(role: Role) -> bool {
+    split_of(role) != Split::Replicated
+}
+
 /// Whether a role is a row-parallel linear layer (split on its input dimension: attention
 /// output, fc2). Its LoRA `A` is split like it and `B` replicated; column-parallel layers
 /// (qkv, fc1) split `B` and replicate `A` (docs/checkpoints.md §6.2).

@@ -34,7 +34,10 @@ pub fn expect_shape<D: Device>(
 /// Token ids below the `[v, h]` table's rows.
 pub fn ids<D: Device>(d: &D, op: &'static str, table: &D::Tensor, ids: &[u32]) -> Result<()> {
     let v = rows(d.shape(table));
-    match ids.iter().find(|&&id| id as usize >= v) {
+    match ids
+        .iter()
+        .find(|&&id| id as usize >= v && id != super::NO_ROW)
+    {
         Some(bad) => Err(EngineError::Invalid {
             op,
             msg: format!("token id {bad} outside the table's {v} rows"),
@@ -264,7 +267,10 @@ pub fn swiglu<D: Device>(d: &D, x: &D::Tensor, dy: Option<&D::Tensor>) -> Result
 pub fn cross_entropy<D: Device>(d: &D, logits: &D::Tensor, labels: &[u32]) -> Result<()> {
     let (n, v) = (rows(d.shape(logits)), cols(d.shape(logits)));
     ensure(
-        labels.len() == n && labels.iter().all(|&l| (l as usize) < v),
+        labels.len() == n
+            && labels
+                .iter()
+                .all(|&l| (l as usize) < v || l == super::NO_ROW),
         "cross_entropy",
         || format!("{} labels below {v} for {n} rows", labels.len()),
     )

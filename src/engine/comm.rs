@@ -87,6 +87,12 @@ impl<T: Payload> Counted<T> {
         }
     }
 
+    /// The communicator itself, for calls that are not the training's (a checkpoint's
+    /// handshake), left out of the counts.
+    pub fn uncounted(&self) -> &dyn Communicator<Tensor = T> {
+        &*self.inner
+    }
+
     /// The counts since the last take, by collective, then zero.
     pub fn take(&self) -> BTreeMap<&'static str, Count> {
         std::mem::take(&mut *self.counts.borrow_mut())

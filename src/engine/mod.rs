@@ -97,6 +97,14 @@ impl DeviceKind {
 /// A result of the engine.
 pub type Result<T> = std::result::Result<T, EngineError>;
 
+/// A token id or label that no row of this rank's vocabulary shard holds (Megatron's
+/// vocabulary-parallel embedding and cross entropy mask them: megatron-core
+/// megatron/core/tensor_parallel/layers.py `VocabParallelEmbedding.forward`,
+/// cross_entropy.py `VocabParallelCrossEntropy`): [`Backend::embedding`] gives it a zero row,
+/// [`Backend::embedding_bwd`] skips it, and [`Backend::cross_entropy`] /
+/// [`Backend::cross_entropy_bwd`] count no target logit for it.
+pub const NO_ROW: u32 = u32::MAX;
+
 /// Fail with [`EngineError::Invalid`] unless `cond` holds.
 pub(crate) fn ensure(cond: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<()> {
     if cond {
@@ -227,10 +235,11 @@ pub trait Device: Sync {
 /// The operators. Shapes in the docs: n = rows (tokens), h = hidden, k/m = matmul inner/outer.
 pub trait Backend: Device {
     /// Rows `ids` of `table [v, h]` → `[n, h]`, as f32 whatever the table's dtype (a bf16
-    /// model casts them with [`Backend::cast`]) (aclnnEmbedding). Overwrites.
+    /// model casts them with [`Backend::cast`]); a zero row for [`NO_ROW`] (aclnnEmbedding).
+    /// Overwrites.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
-    /// `dtable += onehot(ids)ᵀ · dy` (aclnnEmbeddingDenseBackward + aclnnInplaceAdd).
-    /// Accumulates.
+    /// `dtable += onehot(ids)ᵀ · dy`, [`NO_ROW`] ids skipped (aclnnEmbeddingDenseBackward +
+    /// aclnnInplaceAdd). Accumulates.
     fn embedding_bwd(
         &self,
         dy: &Self::Tensor,
@@ -361,7 +370,8 @@ pub trait Backend: Device {
     /// Log-softmax over the last dimension (aclnnLogSoftmax). Overwrites.
     fn log_softmax(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// Per-row cross entropy of `logits [n, v]` against `labels`: returns `loss [n]` and the
-    /// rows' log-sum-exp `[n]`, both f32, computed in f32 whatever the logits' dtype
+    /// rows' log-sum-exp `[n]`, both f32, computed in f32 whatever the logits' dtype; a
+    /// [`NO_ROW`] label's loss is the log-sum-exp itself (no target logit in this shard)
     /// (aclnnCrossEntropyLoss, reduction none). Overwrites.
     fn cross_entropy(
         &self,
@@ -369,7 +379,9 @@ pub trait Backend: Device {
         labels: &[u32],
     ) -> Result<(Self::Tensor, Self::Tensor)>;
     /// The gradient of `Σ dloss · loss` with respect to the logits, which it consumes (their
-    /// memory may hold the result) (aclnnCrossEntropyLossGrad). Overwrites.
+    /// memory may hold the result): `dloss · (exp(logits − lse) − onehot(label))`, no onehot
+    /// for a [`NO_ROW`] label; `lse` may be the whole vocabulary's when the logits are a
+    /// shard of it (aclnnCrossEntropyLossGrad). Overwrites.
     fn cross_entropy_bwd(
         &self,
         logits: Self::Tensor,

@@ -5,13 +5,56 @@
 //! Legend: T = rows (tokens of the micro-batch, sequence after sequence), h = hidden,
 //! qw = heads·d, kw = groups·d, F = ffn, Vp = padded vocabulary. Parameters and gradients are
 //! indexed by the [`ParamTable`]; gradients are f32 and **accumulate** across micro-batches.
+//!
+//! Under tensor parallelism each rank holds its shard of the parameters and runs this same
+//! code on its heads, groups, FFN columns and vocabulary rows, with Megatron's collectives
+//! (megatron-core megatron/core/tensor_parallel/layers.py, mappings.py, cross_entropy.py):
+//! the row-parallel outputs (linear_proj, linear_fc2) and the vocabulary-parallel embedding
+//! are all-reduced in the forward pass, the column-parallel inputs' gradients (linear_qkv,
+//! linear_fc1, the output layer) in the backward pass, and the cross entropy reduces its
+//! maximum, target logit and Σexp over the vocabulary shards.
 
 use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;
 use crate::arch::roles::{Canon, Role};
-use crate::engine::{Backend, Result};
+use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::{Backend, Result, NO_ROW};
 use crate::tensor::DType;
 use std::ops::Range;
+
+/// One rank's place in tensor parallelism.
+pub struct TensorParallel<'a, T> {
+    /// The tensor-parallel group.
+    pub group: &'a dyn Communicator<Tensor = T>,
+    /// The vocabulary rows this rank's embedding and output shards hold.
+    pub vocab: Range<usize>,
+}
+
+impl<T> TensorParallel<'_, T> {
+    /// Ids (tokens or labels) as rows of this rank's vocabulary shard, [`NO_ROW`] for the
+    /// others'.
+    fn local(&self, ids: &[u32]) -> Vec<u32> {
+        let v = &self.vocab;
+        ids.iter()
+            .map(|&id| {
+                let id = id as usize;
+                if v.contains(&id) {
+                    (id - v.start) as u32
+                } else {
+                    NO_ROW
+                }
+            })
+            .collect()
+    }
+}
+
+/// `x` summed over the tensor-parallel ranks (nothing alone).
+fn tp_sum<T>(tp: Option<&TensorParallel<T>>, x: &mut T) -> Result<()> {
+    match tp {
+        Some(tp) => tp.group.all_reduce(x, ReduceOp::Sum),
+        None => Ok(()),
+    }
+}
 
 /// A linear layer: its weight, bias and LoRA factors in the table.
 #[derive(Debug, Clone, Copy)]
@@ -152,10 +195,10 @@ pub struct Forward<T> {
 pub fn forward<B: Backend>(
     b: &B,
     spec: &ModelSpec,
-    ids: &Ids,
-    params: &[B::Tensor],
+    (ids, params): (&Ids, &[B::Tensor]),
     batch: &MicroBatch,
     activations: DType,
+    tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<Forward<B::Tensor>> {
     let t = batch.tokens.len();
     let shape = spec.attention;
@@ -163,10 +206,20 @@ pub fn forward<B: Backend>(
     let half = [t, shape.head_dim / 2];
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
     let eps = spec.norm_eps;
-    let mut x = b.embedding(&params[ids.embedding], &batch.tokens)?;
+    let tokens = match tp {
+        Some(tp) => tp.local(&batch.tokens),
+        None => batch.tokens.clone(),
+    };
+    let mut x = b.embedding(&params[ids.embedding], &tokens)?;
     if activations != DType::F32 {
         x = b.cast(&x, activations)?;
     }
+    tp_sum(tp, &mut x)?;
+    // A row-parallel layer's bias is added once, by tensor-parallel rank 0, before the sum.
+    let row_parallel = |lin: Linear| match tp {
+        Some(tp) if tp.group.rank() > 0 => Linear { bias: None, ..lin },
+        _ => lin,
+    };
     let mut layers = Vec::with_capacity(ids.layers.len());
     for l in &ids.layers {
         let (h1, rstd1) = b.rms_norm(&x, &params[l.input_norm], eps)?;
@@ -175,12 +228,14 @@ pub fn forward<B: Backend>(
         b.rope(&mut q, &cos, &sin, false)?;
         b.rope(&mut k, &cos, &sin, false)?;
         let (o, lse) = b.attention(&q, &k, &v, &batch.segments, shape)?;
-        let (mut x_mid, u_proj) = linear_fwd(b, &o, l.proj, params, ids.lora_scale)?;
+        let (mut x_mid, u_proj) = linear_fwd(b, &o, row_parallel(l.proj), params, ids.lora_scale)?;
+        tp_sum(tp, &mut x_mid)?;
         b.add_assign(&mut x_mid, &x)?;
         let (h2, rstd2) = b.rms_norm(&x_mid, &params[l.post_norm], eps)?;
         let (up, u_fc1) = linear_fwd(b, &h2, l.fc1, params, ids.lora_scale)?;
         let act = b.swiglu(&up)?;
-        let (mut out, u_fc2) = linear_fwd(b, &act, l.fc2, params, ids.lora_scale)?;
+        let (mut out, u_fc2) = linear_fwd(b, &act, row_parallel(l.fc2), params, ids.lora_scale)?;
+        tp_sum(tp, &mut out)?;
         b.add_assign(&mut out, &x_mid)?;
         layers.push(LayerSaved {
             x: std::mem::replace(&mut x, out),
@@ -201,7 +256,10 @@ pub fn forward<B: Backend>(
     }
     let (hf, rstdf) = b.rms_norm(&x, &params[ids.final_norm], eps)?;
     let logits = b.matmul(&hf, &params[ids.output()], None)?;
-    let (loss, lse) = b.cross_entropy(&logits, &batch.labels)?;
+    let (loss, lse) = match tp {
+        Some(tp) => vocab_parallel_cross_entropy(b, tp, &logits, &tp.local(&batch.labels))?,
+        None => b.cross_entropy(&logits, &batch.labels)?,
+    };
     Ok(Forward {
         losses: loss,
         layers,
@@ -221,11 +279,10 @@ pub fn forward<B: Backend>(
 pub fn backward<B: Backend>(
     b: &B,
     spec: &ModelSpec,
-    ids: &Ids,
-    params: &[B::Tensor],
-    grads: &mut [B::Tensor],
+    (ids, params, grads): (&Ids, &[B::Tensor], &mut [B::Tensor]),
     batch: &MicroBatch,
     fwd: Forward<B::Tensor>,
+    tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<B::Tensor> {
     let shape = spec.attention;
     let Forward {
@@ -240,21 +297,27 @@ pub fn backward<B: Backend>(
         sin,
     } = fwd;
     let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
-    let dlogits = b.cross_entropy_bwd(logits, &batch.labels, &lse, &dloss)?;
+    let (labels, tokens) = match tp {
+        Some(tp) => (tp.local(&batch.labels), tp.local(&batch.tokens)),
+        None => (batch.labels.clone(), batch.tokens.clone()),
+    };
+    let dlogits = b.cross_entropy_bwd(logits, &labels, &lse, &dloss)?;
     let output = Linear {
         w: ids.output(),
         bias: None,
         lora: None,
     };
-    let dhf = linear_bwd(b, &dlogits, &hf, None, output, params, grads, ids)?;
+    let mut dhf = linear_bwd(b, &dlogits, &hf, None, output, params, grads, ids)?;
     drop(dlogits);
+    tp_sum(tp, &mut dhf)?;
     let mut dx = rms_grad(b, &dhf, &x, params, grads, ids, ids.final_norm, &rstdf)?;
     for (l, s) in ids.layers.iter().zip(layers).rev() {
         let [u_qkv, u_proj, u_fc1, u_fc2] = &s.lora;
         // out = x_mid + fc2(swiglu(fc1(norm(x_mid)))): dx flows to both.
         let dact = linear_bwd(b, &dx, &s.act, u_fc2.as_ref(), l.fc2, params, grads, ids)?;
         let dup = b.swiglu_bwd(&dact, &s.up)?;
-        let dh2 = linear_bwd(b, &dup, &s.h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
+        let mut dh2 = linear_bwd(b, &dup, &s.h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
+        tp_sum(tp, &mut dh2)?;
         let mut dx_mid = rms_grad(b, &dh2, &s.x_mid, params, grads, ids, l.post_norm, &s.rstd2)?;
         b.add_assign(&mut dx_mid, &dx)?;
         // x_mid = x + proj(attention(rope(q), rope(k), v)), (q, k, v) = split(qkv(norm(x))).
@@ -273,14 +336,49 @@ pub fn backward<B: Backend>(
         b.rope(&mut dq, &cos, &sin, true)?;
         b.rope(&mut dk, &cos, &sin, true)?;
         let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;
-        let dh1 = linear_bwd(b, &dqkv, &s.h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
+        let mut dh1 = linear_bwd(b, &dqkv, &s.h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
+        tp_sum(tp, &mut dh1)?;
         dx = rms_grad(b, &dh1, &s.x, params, grads, ids, l.input_norm, &s.rstd1)?;
         b.add_assign(&mut dx, &dx_mid)?;
     }
     if ids.trainable[ids.embedding] {
-        b.embedding_bwd(&dx, &batch.tokens, &mut grads[ids.embedding])?;
+        b.embedding_bwd(&dx, &tokens, &mut grads[ids.embedding])?;
     }
     Ok(losses)
+}
+
+/// The cross entropy of logits over this rank's vocabulary shard against `labels` (rows of
+/// the shard, or [`NO_ROW`]), as the whole vocabulary's: the shards' log-sum-exps and target
+/// logits reduced over the group (Megatron's three all-reduces of `[T]` f32: the maximum,
+/// the target logit, Σexp). Returns the per-row loss and the whole vocabulary's log-sum-exp,
+/// which the backward pass's softmax takes.
+fn vocab_parallel_cross_entropy<B: Backend>(
+    b: &B,
+    tp: &TensorParallel<B::Tensor>,
+    logits: &B::Tensor,
+    labels: &[u32],
+) -> Result<(B::Tensor, B::Tensor)> {
+    let (loss, lse) = b.cross_entropy(logits, labels)?;
+    let (loss, lse) = (b.download_f32(&loss)?, b.download_f32(&lse)?);
+    let n = [lse.len()];
+    let reduced = |values: Vec<f32>, op| -> Result<Vec<f32>> {
+        let mut t = b.upload_f32(&n, &values)?;
+        tp.group.all_reduce(&mut t, op)?;
+        b.download_f32(&t)
+    };
+    let max = reduced(lse.clone(), ReduceOp::Max)?;
+    // A shard's loss is its log-sum-exp less the target logit if it holds the label.
+    let target = reduced(
+        lse.iter().zip(&loss).map(|(l, x)| l - x).collect(),
+        ReduceOp::Sum,
+    )?;
+    let shifted = lse.iter().zip(&max).map(|(l, m)| (l - m).exp()).collect();
+    let sum_exp = reduced(shifted, ReduceOp::Sum)?;
+    let whole: Vec<f32> = (max.iter().zip(&sum_exp))
+        .map(|(m, s)| (f64::from(*m) + f64::from(*s).ln()) as f32)
+        .collect();
+    let loss: Vec<f32> = whole.iter().zip(&target).map(|(l, t)| l - t).collect();
+    Ok((b.upload_f32(&n, &loss)?, b.upload_f32(&n, &whole)?))
 }
 
 /// `y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ`; returns `y` and, with an adapter, `x·Aᵀ` for the

@@ -62,6 +62,14 @@ impl ModelSpec {
             rope: Rope::new(cfg)?,
         })
     }
+
+    /// One tensor-parallel rank's part of the model over `tp` ranks: its heads and query
+    /// groups (Megatron splits both; every rank keeps the whole hidden size).
+    pub fn tensor_parallel(mut self, tp: usize) -> Self {
+        self.attention.heads /= tp;
+        self.attention.groups /= tp;
+        self
+    }
 }
 
 /// One decoder layer's weights.

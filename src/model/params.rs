@@ -9,6 +9,7 @@
 use crate::arch::roles::{canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
 use crate::ckpt::layout::{global_key, layer_key, KeyLayout};
+use crate::ckpt::transform::{is_tp_split, shard_shape};
 
 /// Which factor of a LoRA adapter a parameter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +38,9 @@ pub struct ParamInfo {
     pub scaled_init: bool,
     /// Whether the optimizer updates it (everything, or only the LoRA factors).
     pub trainable: bool,
+    /// Whether tensor parallelism splits it; else every tensor-parallel rank holds a copy
+    /// (and the gradient norm counts it once).
+    pub tp_split: bool,
 }
 
 impl ParamInfo {
@@ -119,6 +123,7 @@ impl ParamTable {
                 decay: !(name.ends_with(".bias") || shape.len() == 1),
                 scaled_init: matches!(canon.role, Role::Proj | Role::Fc2),
                 trainable: base_trained,
+                tp_split: is_tp_split(canon.role),
                 name: name.clone(),
                 shape,
             });
@@ -137,6 +142,7 @@ impl ParamTable {
                         decay: true,
                         scaled_init: false,
                         trainable: true,
+                        tp_split: false,
                     });
                 }
             }
@@ -180,6 +186,16 @@ impl ParamTable {
             params,
             vocab_padded,
         }
+    }
+
+    /// One tensor-parallel rank's table of `cfg`'s model over `tp` ranks: the split
+    /// parameters' shards' shapes (the padded vocabulary split by rows).
+    pub fn tensor_parallel(&self, cfg: &ModelConfig, tp: usize) -> ParamTable {
+        let mut t = self.clone();
+        for p in t.params.iter_mut().filter(|p| p.lora.is_none()) {
+            p.shape = shard_shape(cfg, p.canon.role, tp, self.vocab_padded);
+        }
+        t
     }
 
     /// The index of a base tensor.

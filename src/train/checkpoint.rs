@@ -91,6 +91,8 @@ pub struct Snapshot<'a> {
     pub flops: f64,
     /// Extra model tensors by Megatron key (LoRA adapters), saved after the base weights.
     pub extra: Vec<(String, Tensor)>,
+    /// This rank's tensor-parallel rank and the group's size (its `mp_rank_TT`, and `args`).
+    pub tp: (usize, usize),
 }
 
 /// The pickled form of a JSON value (the scheduler's state dict).
@@ -282,14 +284,45 @@ pub fn iteration_dir(iteration: u64) -> String {
     format!("iter_{iteration:07}")
 }
 
-/// Write a checkpoint of `snap` under `save`: the iteration directory first (temporary, then
-/// renamed), the tracker last. Returns the rank file written.
+/// Write a one-rank checkpoint of `snap` under `save`: the iteration directory first
+/// (temporary, then renamed), the tracker last. Returns the rank file written.
 pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
+    let temp = begin(save, snap.iteration)?;
+    write_rank(temp.path(), snap)?;
+    finish(save, temp, snap.iteration)
+}
+
+/// The temporary directory of iteration `iteration`'s checkpoint under `save`, which every
+/// rank writes its file into before [`finish`] renames it.
+pub fn begin(save: &Path, iteration: u64) -> Result<TempOutput> {
     std::fs::create_dir_all(save).with_context(|| format!("creating --save {}", save.display()))?;
+    Ok(TempOutput::dir(
+        &save.join(iteration_dir(iteration)),
+        &SAVE_DIR,
+        true,
+    )?)
+}
+
+/// Rename the complete iteration directory into place, then point the tracker at it. Returns
+/// the first rank's file.
+pub fn finish(save: &Path, temp: TempOutput, iteration: u64) -> Result<PathBuf> {
+    temp.commit()?;
+    let mut tracker = AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)?;
+    tracker.write_all(iteration.to_string().as_bytes())?;
+    tracker.finish()?;
+    Ok(save
+        .join(iteration_dir(iteration))
+        .join(rank_dir(0, 0, 1))
+        .join(RANK_FILE))
+}
+
+/// Write this rank's `mp_rank_TT/model_optim_rng.pt` of `snap` into the iteration directory
+/// `dir`.
+pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     let mut args = megatron_args(
         snap.cfg,
         &ParallelArgs {
-            tp: 1,
+            tp: snap.tp.1,
             pp: 1,
             vpp: 1,
             first_last: None,
@@ -344,20 +377,14 @@ pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
         s("num_floating_point_operations_so_far"),
         Value::Float(snap.flops),
     ));
-    let target = save.join(iteration_dir(snap.iteration));
-    let temp = TempOutput::dir(&target, &SAVE_DIR, true)?;
-    let rank = temp.path().join(rank_dir(0, 0, 1));
+    let rank = dir.join(rank_dir(snap.tp.0, 0, 1));
     std::fs::create_dir_all(&rank).with_context(|| format!("creating {}", rank.display()))?;
     let mut w = PtWriter::create(&rank.join(RANK_FILE), &Value::Dict(root), false)?;
     for (key, bytes) in st.data.iter().enumerate() {
         w.write_storage(&key.to_string(), bytes)?;
     }
     w.finish()?;
-    temp.commit()?;
-    let mut tracker = AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)?;
-    tracker.write_all(snap.iteration.to_string().as_bytes())?;
-    tracker.finish()?;
-    Ok(target.join(rank_dir(0, 0, 1)).join(RANK_FILE))
+    Ok(())
 }
 
 /// Replace `host[i]` by the tensor named `table.params[i].name` in the one-rank checkpoint
@@ -369,7 +396,7 @@ pub fn load_named(
     pick: impl Fn(&crate::model::params::ParamInfo) -> bool,
     host: &mut [Tensor],
 ) -> Result<()> {
-    let path = rank_file(dir)?;
+    let path = rank_file(dir, (0, 1))?;
     let f = TorchFile::open(&path)?;
     let mut keys = std::collections::BTreeMap::new();
     for chunk in crate::ckpt::megatron::chunks(&f)? {
@@ -453,8 +480,9 @@ fn value_json(v: &Value) -> Json {
     }
 }
 
-/// The single rank file of a one-rank checkpoint directory (root or iteration directory).
-pub fn rank_file(dir: &Path) -> Result<PathBuf> {
+/// Tensor-parallel rank `tp.0`'s file of a checkpoint directory (root or iteration
+/// directory) saved by `tp.1` tensor-parallel ranks.
+pub fn rank_file(dir: &Path, tp: (usize, usize)) -> Result<PathBuf> {
     let iter_dir = if dir.join(TRACKER).is_file() {
         let text = std::fs::read_to_string(dir.join(TRACKER))?;
         let text = text.trim();
@@ -470,12 +498,18 @@ pub fn rank_file(dir: &Path) -> Result<PathBuf> {
     } else {
         dir.to_path_buf()
     };
-    let file = iter_dir.join(rank_dir(0, 0, 1)).join(RANK_FILE);
-    if !file.is_file() {
+    let file = iter_dir.join(rank_dir(tp.0, 0, 1)).join(RANK_FILE);
+    let other_layout =
+        iter_dir.join(rank_dir(tp.1, 0, 1)).exists() || iter_dir.join(rank_dir(0, 0, 2)).exists();
+    if !file.is_file() || other_layout {
         bail!(
-            "{}: resuming training state needs a one-rank checkpoint (mp_rank_00/{RANK_FILE}); \
-             load the weights of other layouts with --finetune or --no-load-optim",
-            iter_dir.display()
+            "{}: resuming training state on tensor-parallel rank {} of {} needs a checkpoint of \
+             the same layout ({}/{RANK_FILE}, no pipeline stages); load the weights of other \
+             layouts with --finetune or --no-load-optim",
+            iter_dir.display(),
+            tp.0,
+            tp.1,
+            rank_dir(tp.0, 0, 1)
         );
     }
     Ok(file)
@@ -487,15 +521,23 @@ pub fn rank_file(dir: &Path) -> Result<PathBuf> {
 /// matches them, by weight-decay multiplier).
 pub fn load_state(
     dir: &Path,
-    table: &ParamTable,
+    (table, tp): (&ParamTable, (usize, usize)),
     trained: &[bool],
     weights_only: bool,
 ) -> Result<Resumed> {
-    let path = rank_file(dir)?;
+    let path = rank_file(dir, tp)?;
     let f = TorchFile::open(&path)?;
     let root = f.root();
     let args = root.get("args");
     let arg = |k: &str| args.and_then(|a| a.get(k));
+    if let Some(saved) = int_of(arg("tensor_model_parallel_size")).filter(|&n| n != tp.1 as u64) {
+        bail!(
+            "{}: saved by {saved} tensor-parallel ranks, this run has {}: resuming its training \
+             state needs the same layout; load its weights with --finetune or --no-load-optim",
+            path.display(),
+            tp.1
+        );
+    }
     let mut resumed = Resumed {
         iteration: int_of(root.get("iteration"))
             .ok_or_else(|| anyhow!("{}: no iteration", path.display()))?,

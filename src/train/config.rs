@@ -81,9 +81,11 @@ pub struct TrainConfig {
     pub micro_batch: usize,
     /// G.
     pub global_batch: usize,
-    /// Data-parallel ranks (`--world-size` with TP = PP = 1): each takes its slice of every
-    /// global batch, as Megatron's sampler gives it.
+    /// Data-parallel ranks (the world size over TP × PP): each takes its slice of every global
+    /// batch, as Megatron's sampler gives it.
     pub data_parallel: usize,
+    /// Where the ranks sit (TP, DP; PP 1 for now).
+    pub layout: Layout,
     /// Iterations to reach.
     pub train_iters: u64,
     /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
@@ -464,8 +466,8 @@ fn schedule(a: &Args, iters: u64, samples: Option<u64>, g: u64) -> Result<Schedu
     Ok(s)
 }
 
-/// Refuse what belongs to multi-rank training, and switch off sequence parallelism at TP 1
-/// as Megatron does.
+/// Refuse the parallelism not built yet (pipeline, context, expert), and switch off sequence
+/// parallelism at TP 1 as Megatron does.
 fn check_single_rank(a: &Args) -> Result<()> {
     for flag in [
         "tensor-model-parallel-size",
@@ -473,8 +475,10 @@ fn check_single_rank(a: &Args) -> Result<()> {
         "context-parallel-size",
         "expert-model-parallel-size",
     ] {
-        if let Some(n) = positive(a, flag)?.filter(|&n| n > 1) {
-            bail!("--{flag} {n}: parallel training is not available yet; this build trains on one rank (use 1)");
+        if let Some(n) =
+            positive(a, flag)?.filter(|&n| n > 1 && flag != "tensor-model-parallel-size")
+        {
+            bail!("--{flag} {n}: this build trains with tensor and data parallelism only (use 1)");
         }
     }
     for flag in [
@@ -503,13 +507,58 @@ fn check_single_rank(a: &Args) -> Result<()> {
     Ok(())
 }
 
+/// What tensor parallelism over `tp` ranks needs: heads, query groups, FFN and the padded
+/// vocabulary split evenly (Megatron's `validate_args` and layer constructors), and the parts
+/// not built for it yet refused by name.
+fn check_tensor_parallel(
+    a: &Args,
+    model: &ModelConfig,
+    vocab_padded: usize,
+    tp: usize,
+) -> Result<()> {
+    if tp == 1 {
+        return Ok(());
+    }
+    let flag = "--tensor-model-parallel-size";
+    for (what, n) in [
+        ("--num-attention-heads", model.heads),
+        ("--num-query-groups", model.groups),
+        ("--ffn-hidden-size", model.ffn),
+        ("the padded vocabulary (--padded-vocab-size)", vocab_padded),
+    ] {
+        if !n.is_multiple_of(tp) {
+            bail!("{flag} {tp}: {what} {n} is not a multiple of it");
+        }
+    }
+    if a.has("sequence-parallel") {
+        bail!("--sequence-parallel: sequence parallelism is not built yet (drop it: the training is the same without it)");
+    }
+    if a.has("lora-target-modules") {
+        bail!("{flag} {tp}: LoRA with tensor parallelism is not built yet (use 1)");
+    }
+    if a.get("device") == Some("npu") {
+        bail!("{flag} {tp}: tensor parallelism on NPUs (its vocabulary-parallel operators) is not built yet; it runs on --device cpu");
+    }
+    Ok(())
+}
+
 /// The ranks of this run: the launcher's (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS) for a
-/// process it started, else `--world-size` (ranks as threads of this process; 1 by default).
+/// process it started, else `--world-size` (ranks as threads of this process; TP × PP × CP by
+/// default).
 /// A `--world-size` that differs from the launcher's is an error.
 pub fn world_size(a: &Args) -> Result<usize> {
     let flag = positive(a, "world-size")?;
     let Some(launch) = super::store::from_launcher()? else {
-        return Ok(flag.unwrap_or(1));
+        // One data-parallel rank by default: TP × PP × CP ranks.
+        let mut model = 1;
+        for size in [
+            "tensor-model-parallel-size",
+            "pipeline-model-parallel-size",
+            "context-parallel-size",
+        ] {
+            model *= positive(a, size)?.unwrap_or(1);
+        }
+        return Ok(flag.unwrap_or(model));
     };
     match flag {
         Some(n) if n != launch.world_size => bail!(
@@ -555,9 +604,11 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     let (tokenizer, masks) = tokenizer(a, carried)?;
     let mut model = model_config(a, input.as_ref(), tokenizer.vocab_size())?;
     let divisible_by = positive(a, "make-vocab-size-divisible-by")?.unwrap_or(128);
+    let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
+    // Megatron pads to a multiple of the divisor × TP (training.py `_vocab_size_with_padding`).
     let vocab_padded = match positive(a, "padded-vocab-size")? {
         Some(v) => v,
-        None => tokenizer.vocab_size().div_ceil(divisible_by) * divisible_by,
+        None => tokenizer.vocab_size().div_ceil(divisible_by * tp) * divisible_by * tp,
     };
     if tokenizer.vocab_size() > vocab_padded || model.vocab > vocab_padded {
         bail!(
@@ -589,7 +640,9 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         size("pipeline-model-parallel-size")?,
         size("context-parallel-size")?,
     );
-    let data_parallel = Layout::new(world_size(a)?, tp, pp, cp)?.size(Axis::Dp);
+    let layout = Layout::new(world_size(a)?, tp, pp, cp)?;
+    let data_parallel = layout.size(Axis::Dp);
+    check_tensor_parallel(a, &model, vocab_padded, tp)?;
     if !global_batch.is_multiple_of(micro_batch * data_parallel) {
         bail!(
             "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"
@@ -676,6 +729,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         micro_batch,
         global_batch,
         data_parallel,
+        layout,
         train_iters,
         train_samples: train_samples.unwrap_or(train_iters * g),
         schedule,

@@ -20,12 +20,13 @@ pub mod tensorboard;
 
 use crate::arch::roles::Role;
 use crate::ckpt::torch::pickle::Value;
+use crate::ckpt::transform::tp_shard;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
 use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::cpu::Cpu;
 use crate::engine::{Backend, DeviceKind, EngineError};
-use crate::model::llama::{backward, forward, Ids};
+use crate::model::llama::{backward, forward, Ids, TensorParallel};
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
 use crate::model::ModelSpec;
 use crate::npu::comm::Hccl;
@@ -36,6 +37,7 @@ use crate::util::{progress_bar, ProgressUnit};
 use anyhow::{anyhow, bail, Context, Result};
 use config::{ScheduleSource, Start, TrainConfig};
 use optim::Optimizer;
+use parallel::{Axis, Layout};
 use rand::SeedableRng;
 use rand_distr::Distribution;
 use std::path::PathBuf;
@@ -119,30 +121,114 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
     // The device first: without CANN, `--device npu` says so before the flags are read.
     crate::npu::with_backend!(device, |backend| {
         let cfg = config::resolve(&parsed)?;
-        Trainer::new(backend, cfg, quiet, None)?.train()
+        Trainer::new(backend, cfg, quiet, Groups::alone())?.train()
     })
 }
 
-/// A rank's backend and its data-parallel group.
-type RankSetup<B> = (
-    B,
-    Box<dyn Communicator<Tensor = <B as crate::engine::Device>::Tensor>>,
+/// A group's collectives on a backend's tensors.
+type Comm<T> = Box<dyn Communicator<Tensor = T>>;
+
+/// One rank's place among the ranks: its global rank and the tensor- and data-parallel
+/// groups it belongs to (`None` where it is alone along that axis).
+pub struct Groups<T> {
+    rank: usize,
+    tp: Option<Comm<T>>,
+    dp: Option<Comm<T>>,
+}
+
+impl<T> Groups<T> {
+    /// A single rank.
+    fn alone() -> Self {
+        Groups {
+            rank: 0,
+            tp: None,
+            dp: None,
+        }
+    }
+
+    /// Rank `rank` of a data-parallel run.
+    fn data_parallel(rank: usize, dp: Comm<T>) -> Self {
+        Groups {
+            rank,
+            tp: None,
+            dp: Some(dp),
+        }
+    }
+}
+
+/// A rank's backend and its groups.
+type RankSetup<B> = (B, Groups<<B as crate::engine::Device>::Tensor>);
+
+/// Every rank's tensor- and data-parallel thread communicators of `layout` (`None` where
+/// it is alone along that axis), by global rank.
+type ThreadPair = (
+    Option<crate::engine::cpu::comm::ThreadComm>,
+    Option<crate::engine::cpu::comm::ThreadComm>,
 );
 
-/// Train with `cfg.data_parallel` ranks as threads of this process: on the CPU backend
-/// through a thread group, or one NPU each from `--npu-id` on through HCCL.
+fn thread_groups(layout: &Layout, timeout: std::time::Duration) -> Vec<ThreadPair> {
+    let mut pairs: Vec<ThreadPair> = (0..layout.world()).map(|_| (None, None)).collect();
+    for axis in [Axis::Tp, Axis::Dp] {
+        if layout.size(axis) == 1 {
+            continue;
+        }
+        for members in layout.groups(&[axis]) {
+            let comms = crate::engine::cpu::comm::thread_group(members.len(), timeout);
+            for (comm, &r) in comms.into_iter().zip(&members) {
+                match axis {
+                    Axis::Tp => pairs[r].0 = Some(comm),
+                    _ => pairs[r].1 = Some(comm),
+                }
+            }
+        }
+    }
+    pairs
+}
+
+/// This process's groups of `layout` over its socket connections to every rank: its
+/// tensor-parallel group as subgroup 1, its data-parallel group as subgroup 2.
+fn socket_groups(
+    world: crate::engine::cpu::comm::SocketComm,
+    layout: &Layout,
+    rank: usize,
+) -> Result<Groups<crate::engine::cpu::CpuTensor>> {
+    let mut groups = Groups {
+        rank,
+        ..Groups::alone()
+    };
+    for (axis, id) in [(Axis::Tp, 1), (Axis::Dp, 2)] {
+        if layout.size(axis) == 1 {
+            continue;
+        }
+        let comm: Comm<_> = Box::new(world.subgroup(id, layout.group_of(rank, &[axis]))?);
+        match axis {
+            Axis::Tp => groups.tp = Some(comm),
+            _ => groups.dp = Some(comm),
+        }
+    }
+    Ok(groups)
+}
+
+/// Train with the layout's ranks as threads of this process: on the CPU backend through
+/// thread groups, or (data parallelism) one NPU each from `--npu-id` on through HCCL.
 fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<TrainSummary> {
-    let ranks = cfg.data_parallel;
+    let ranks = cfg.layout.world();
     match device {
         DeviceKind::Cpu => {
-            let comms: Vec<_> = crate::engine::cpu::comm::thread_group(ranks, cfg.rank_timeout)
+            let pairs: Vec<_> = thread_groups(&cfg.layout, cfg.rank_timeout)
                 .into_iter()
-                .map(|c| Mutex::new(Some(c)))
+                .map(|g| Mutex::new(Some(g)))
                 .collect();
             run_ranks(&cfg, quiet, |rank| {
-                let comm = comms[rank].lock().ok().and_then(|mut c| c.take());
-                let comm = comm.ok_or_else(|| anyhow!("internal: rank {rank} set up twice"))?;
-                Ok::<RankSetup<Cpu>, anyhow::Error>((Cpu, Box::new(comm)))
+                let pair = pairs[rank].lock().ok().and_then(|mut g| g.take());
+                let (tp, dp) = pair.ok_or_else(|| anyhow!("internal: rank {rank} set up twice"))?;
+                let boxed = |c: crate::engine::cpu::comm::ThreadComm| -> Comm<_> { Box::new(c) };
+                let groups = Groups {
+                    rank,
+                    tp: tp.map(boxed),
+                    dp: dp.map(boxed),
+                };
+                Ok::<RankSetup<Cpu>, anyhow::Error>((Cpu, groups))
             })
         }
         DeviceKind::Npu(first) => {
@@ -150,7 +236,10 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
             run_ranks(&cfg, quiet, |rank| {
                 let npu = Npu::open(first + rank as i32)?;
                 let comm = Hccl::join(&npu, ranks, rank, &root)?;
-                Ok::<RankSetup<Npu>, anyhow::Error>((npu, Box::new(comm)))
+                Ok::<RankSetup<Npu>, anyhow::Error>((
+                    npu,
+                    Groups::data_parallel(rank, Box::new(comm)),
+                ))
             })
         }
     }
@@ -168,7 +257,7 @@ fn as_process(
 ) -> Result<TrainSummary> {
     let (rank, ranks) = (launch.rank, launch.world_size);
     let quiet = quiet || rank > 0;
-    let context = || format!("data-parallel rank {rank} of {ranks}");
+    let context = || format!("rank {rank} of {ranks}");
     let timeout = cfg.rank_timeout;
     match (device, rank_table) {
         (DeviceKind::Cpu, Some(_)) => {
@@ -178,7 +267,8 @@ fn as_process(
             // Rank 0 may host the store: it stays up until this rank is done.
             let (_server, mut store) = launch.connect(timeout)?;
             let comm = socket_group_through(&mut store, launch, timeout)?;
-            Trainer::new(Cpu, cfg, quiet, Some(Box::new(comm)))
+            let groups = socket_groups(comm, &cfg.layout, rank)?;
+            Trainer::new(Cpu, cfg, quiet, groups)
                 .and_then(Trainer::train)
                 .with_context(context)
         }
@@ -192,7 +282,7 @@ fn as_process(
                     Hccl::join(&npu, ranks, rank, &root_info_through(&mut store, launch)?)?
                 }
             };
-            Trainer::new(npu, cfg, quiet, Some(Box::new(comm)))
+            Trainer::new(npu, cfg, quiet, Groups::data_parallel(rank, Box::new(comm)))
                 .and_then(Trainer::train)
                 .with_context(context)
         }
@@ -247,7 +337,7 @@ fn root_info_through(
     })
 }
 
-/// Run rank `0..cfg.data_parallel` each in its own thread on what `setup` gives it; rank 0
+/// Run every rank of the layout in its own thread on what `setup` gives it; rank 0
 /// logs and saves. The summary is rank 0's; when ranks fail, the first failure that is not a
 /// collective failing because of another rank (the root cause) is returned.
 fn run_ranks<B: Backend>(
@@ -256,14 +346,14 @@ fn run_ranks<B: Backend>(
     setup: impl Fn(usize) -> Result<RankSetup<B>> + Sync,
 ) -> Result<TrainSummary> {
     let results: Vec<Result<TrainSummary>> = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..cfg.data_parallel)
+        let ranks: Vec<_> = (0..cfg.layout.world())
             .map(|rank| {
                 let setup = &setup;
                 s.spawn(move || {
-                    let (b, dp) = setup(rank)?;
-                    Trainer::new(b, cfg.clone(), quiet || rank > 0, Some(dp))
+                    let (b, groups) = setup(rank)?;
+                    Trainer::new(b, cfg.clone(), quiet || rank > 0, groups)
                         .and_then(Trainer::train)
-                        .with_context(|| format!("data-parallel rank {rank}"))
+                        .with_context(|| format!("rank {rank}"))
                 })
             })
             .collect();
@@ -317,8 +407,13 @@ fn flops_model(cfg: &TrainConfig) -> log::FlopsModel {
 /// linear_proj and linear_fc2; the embedding's own σ if given), ones for norms, zeros for
 /// biases —, and LoRA factors as peft initialises them: A uniform in ±1/√in (kaiming uniform
 /// with a = √5), B zeros. Seeded by `--seed`; no generator can reproduce torch's draws, so the
-/// statistics match, not the values.
-fn initial_params(cfg: &TrainConfig, table: &ParamTable) -> Result<Vec<HostTensor>> {
+/// statistics match, not the values. Each tensor is drawn or read whole, as one rank would,
+/// and cut to tensor-parallel rank `tp.0`'s shard of `tp.1`.
+fn initial_params(
+    cfg: &TrainConfig,
+    table: &ParamTable,
+    tp: (usize, usize),
+) -> Result<Vec<HostTensor>> {
     let (std, embedding_std) = cfg.init_std;
     let scaled = std / (2.0 * cfg.model.layers as f64).sqrt();
     let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(cfg.seed));
@@ -365,6 +460,13 @@ fn initial_params(cfg: &TrainConfig, table: &ParamTable) -> Result<Vec<HostTenso
                 t.cast(dtype).map_err(|e| anyhow!(e))
             }
             _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e)),
+        })
+        .zip(&table.params)
+        .map(|(t, p)| match (t, p.lora) {
+            (Ok(t), None) if tp.1 > 1 => {
+                Ok(tp_shard(p.canon.role, &t, tp.0, tp.1, table.vocab_padded))
+            }
+            (t, _) => t,
         })
         .collect()
 }
@@ -417,21 +519,22 @@ struct Trainer<B: Backend> {
     quiet: bool,
     stop: Option<Arc<AtomicBool>>,
     tensorboard: Option<tensorboard::TensorBoard>,
+    /// The tensor-parallel group (None: one rank), its collectives counted.
+    tp: Option<Counted<B::Tensor>>,
     /// The data-parallel group (None: one rank), its collectives counted.
     dp: Option<Counted<B::Tensor>>,
-    /// This rank's place in it (0 alone): rank 0 logs and saves.
+    /// The global rank (0 alone): rank 0 logs; the ranks of data-parallel rank 0 save.
     rank: usize,
 }
 
 impl<B: Backend> Trainer<B> {
-    fn new(
-        b: B,
-        cfg: TrainConfig,
-        quiet: bool,
-        dp: Option<Box<dyn Communicator<Tensor = B::Tensor>>>,
-    ) -> Result<Self> {
-        let spec = ModelSpec::from_config(&cfg.model)?;
-        let rank = dp.as_ref().map_or(0, |c| c.rank());
+    fn new(b: B, cfg: TrainConfig, quiet: bool, groups: Groups<B::Tensor>) -> Result<Self> {
+        let tp = (
+            groups.tp.as_ref().map_or(0, |g| g.rank()),
+            cfg.layout.size(Axis::Tp),
+        );
+        let spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        let rank = groups.rank;
         if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
             checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
         }
@@ -450,7 +553,8 @@ impl<B: Backend> Trainer<B> {
         }
         let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
             .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
-        let mut host = initial_params(&cfg, &table)?;
+        let mut host = initial_params(&cfg, &table, tp)?;
+        let table = table.tensor_parallel(&cfg.model, tp.1);
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
             checkpoint::load_named(dir, &table, |p| p.lora.is_some(), &mut host)?;
         }
@@ -493,7 +597,8 @@ impl<B: Backend> Trainer<B> {
             quiet,
             stop,
             tensorboard,
-            dp: dp.map(Counted::new),
+            tp: groups.tp.map(Counted::new),
+            dp: groups.dp.map(Counted::new),
             rank,
             cfg,
         };
@@ -529,7 +634,7 @@ impl<B: Backend> Trainer<B> {
             _ => return Ok(()),
         };
         let no_optim = &no_optim;
-        let state = checkpoint::load_state(&dir, &self.table, trained, *no_optim)?;
+        let state = checkpoint::load_state(&dir, (&self.table, self.tp()), trained, *no_optim)?;
         self.iteration = state.iteration;
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
@@ -706,29 +811,36 @@ impl<B: Backend> Trainer<B> {
         // Megatron's sampler: rank r's j-th micro-batch is the (j·DP + r)-th of the global
         // batch; every micro-batch weighs 1/K of the whole batch (the gradients are summed
         // over the ranks).
-        let dp = c.data_parallel;
+        let (dp, dp_rank) = self.dp.as_ref().map_or((1, 0), |g| (g.size(), g.rank()));
+        let tp = self.tp.as_ref().map(|group| {
+            let rows = c.vocab_padded / group.size();
+            let first = group.rank() * rows;
+            TensorParallel {
+                group: group as &dyn Communicator<Tensor = B::Tensor>,
+                vocab: first..first + rows,
+            }
+        });
         let (mut losses, mut tokens) = (Vec::with_capacity(k / dp), 0u64);
         for j in 0..k / dp {
-            let at = from + ((j * dp + self.rank) * m) as u64;
+            let at = from + ((j * dp + dp_rank) * m) as u64;
             let prepared = split.micro_batch(at, m, k, c.averaging)?;
             let fwd = forward(
                 &self.b,
                 &self.spec,
-                &self.ids,
-                &self.params,
+                (&self.ids, &self.params),
                 &prepared.batch,
                 self.activations(),
+                tp.as_ref(),
             )?;
             tokens += prepared.batch.tokens.len() as u64;
             let loss = if train {
                 backward(
                     &self.b,
                     &self.spec,
-                    &self.ids,
-                    &self.params,
-                    &mut self.grads,
+                    (&self.ids, &self.params, &mut self.grads),
                     &prepared.batch,
                     fwd,
+                    tp.as_ref(),
                 )?
             } else {
                 fwd.losses
@@ -804,7 +916,7 @@ impl<B: Backend> Trainer<B> {
         }
         // The gradient norm waits for the device; the losses are read after it without
         // another wait, and the update is queued after both are known.
-        let grad_norm = self.opt.grad_norm(&self.b, &self.grads)?;
+        let grad_norm = self.model_norm(&self.grads)?;
         let sums = match everyone {
             Some(sums) => sums,
             None => self.loss_sums(&losses)?,
@@ -966,25 +1078,100 @@ impl<B: Backend> Trainer<B> {
                 .map(|_| c.schedule.state_dict(self.schedule_steps)),
             flops: self.flops,
             extra,
+            tp: self.tp(),
         })
     }
 
+    /// This rank's tensor-parallel rank and the group's size.
+    fn tp(&self) -> (usize, usize) {
+        self.tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
+    }
+
+    /// Save a checkpoint: the ranks of data-parallel rank 0 write one file each, the
+    /// tracker last (by rank 0, once every file is complete).
     fn save(&self, bar: &indicatif::ProgressBar) -> Result<Option<std::path::PathBuf>> {
-        let Some(save) = self.cfg.save.as_ref().filter(|_| self.rank == 0) else {
+        let writes = self.dp.as_ref().is_none_or(|g| g.rank() == 0);
+        let Some(save) = self.cfg.save.as_ref().filter(|_| writes) else {
             return Ok(None);
         };
         let start = Instant::now();
-        let path = checkpoint::save(&save.dir, &self.snapshot()?)?;
+        let snap = self.snapshot()?;
+        let path = match &self.tp {
+            None => checkpoint::save(&save.dir, &snap)?,
+            Some(tp) => self.save_shards(tp.uncounted(), &save.dir, &snap)?,
+        };
+        let (t, tps) = self.tp();
         self.say(
             bar,
             &format!(
-                "  successfully saved checkpoint from iteration {:>7} to {} [ t 1/1, p 1/1 ] ({:.1} s)",
+                "  successfully saved checkpoint from iteration {:>7} to {} [ t {}/{tps}, p 1/1 ] ({:.1} s)",
                 self.iteration,
                 save.dir.display(),
+                t + 1,
                 start.elapsed().as_secs_f64()
             ),
         );
         Ok(Some(path))
+    }
+
+    /// Every tensor-parallel rank's file into one temporary iteration directory that rank 0
+    /// of the group makes (its name sent to the others) and renames into place once all are
+    /// written; a rank that fails makes the save fail on all, leaving no directory behind.
+    fn save_shards(
+        &self,
+        tp: &dyn Communicator<Tensor = B::Tensor>,
+        dir: &std::path::Path,
+        snap: &checkpoint::Snapshot,
+    ) -> Result<std::path::PathBuf> {
+        const NAME: usize = 256;
+        let b = &self.b;
+        let temp = match tp.rank() {
+            0 => Some(checkpoint::begin(dir, snap.iteration)),
+            _ => None,
+        };
+        // [length or −1 on failure, the name's bytes…]
+        let mut message = vec![0f32; NAME + 1];
+        let name = temp.as_ref().map(|t| match t {
+            Ok(t) => t.path().file_name().map(|n| n.as_encoded_bytes().to_vec()),
+            Err(_) => None,
+        });
+        match name.flatten().filter(|n| n.len() <= NAME) {
+            Some(n) => {
+                message[0] = n.len() as f32;
+                for (slot, &byte) in message[1..].iter_mut().zip(&n) {
+                    *slot = f32::from(byte);
+                }
+            }
+            None => message[0] = -1.0,
+        }
+        let mut t = b.upload_f32(&[NAME + 1], &message)?;
+        tp.broadcast(&mut t, 0)?;
+        let message = b.download_f32(&t)?;
+        let temp = temp.transpose()?;
+        if message[0] < 0.0 {
+            bail!(
+                "tensor-parallel rank 0 could not start the checkpoint in {}",
+                dir.display()
+            );
+        }
+        let name: Vec<u8> = (message[1..=message[0] as usize].iter())
+            .map(|&x| x as u8)
+            .collect();
+        let into = dir.join(String::from_utf8_lossy(&name).as_ref());
+        let written = checkpoint::write_rank(&into, snap);
+        let mut failed = b.upload_f32(&[1], &[f32::from(u8::from(written.is_err()))])?;
+        tp.all_reduce(&mut failed, ReduceOp::Max)?;
+        written?;
+        if b.download_f32(&failed)?[0] > 0.0 {
+            bail!("another tensor-parallel rank failed to write its part of the checkpoint");
+        }
+        match temp {
+            Some(temp) => checkpoint::finish(dir, temp, snap.iteration),
+            None => Ok(dir
+                .join(checkpoint::iteration_dir(snap.iteration))
+                .join(crate::ckpt::megatron::rank_dir(tp.rank(), 0, 1))
+                .join(crate::ckpt::megatron::RANK_FILE)),
+        }
     }
 
     fn train(mut self) -> Result<TrainSummary> {
@@ -1012,11 +1199,14 @@ impl<B: Backend> Trainer<B> {
                 if self.cfg.bf16 { "bf16" } else { "fp32" },
                 self.b.describe()
             );
-            if let Some(dp) = &self.dp {
+            let c = &self.cfg;
+            if c.layout.world() > 1 {
                 eprintln!(
-                    "mindkit train: {} data-parallel ranks, {} micro-batches each per iteration",
-                    dp.size(),
-                    self.cfg.global_batch / (self.cfg.micro_batch * dp.size())
+                    "mindkit train: {} ranks: {} tensor-parallel × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
+                    c.layout.world(),
+                    c.layout.size(Axis::Tp),
+                    c.data_parallel,
+                    c.global_batch / (c.micro_batch * c.data_parallel)
                 );
             }
             for (flag, why) in &self.cfg.inert {
@@ -1188,16 +1378,57 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked for.
+    /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked
+    /// for: over the trained parameters (their f32 main copies under `--bf16`), Megatron's
+    /// `count_zeros_fp32` and `calc_params_l2_norm`.
     fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
         let (params, zeros) = self.cfg.log_norms;
-        let zeros = zeros
-            .then(|| self.opt.zeros_in_grads(&self.b, &self.grads))
-            .transpose()?;
-        let params = params
-            .then(|| self.opt.params_norm(&self.b, &self.params))
-            .transpose()?;
-        Ok((zeros.map(|z| z as f64), params))
+        let zeros = if zeros {
+            let mut n = 0;
+            for i in self.counted() {
+                n += (self.b.download_f32(&self.grads[i])?.iter())
+                    .filter(|&&x| x == 0.0)
+                    .count();
+            }
+            Some(self.tp_summed(n as f64)?)
+        } else {
+            None
+        };
+        let params = match (params, self.opt.main.as_ref()) {
+            (false, _) => None,
+            (true, Some(main)) => Some(self.model_norm(main)?),
+            (true, None) => Some(self.model_norm(&self.params)?),
+        };
+        Ok((zeros, params))
+    }
+
+    /// The trained parameters this rank counts in a model-wide sum: its shards, and the
+    /// parameters every tensor-parallel rank holds a copy of on its rank 0 only (Megatron's
+    /// `param_is_not_tensor_parallel_duplicate`).
+    fn counted(&self) -> Vec<usize> {
+        let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
+        (self.table.params.iter().enumerate())
+            .filter(|(_, p)| p.trainable && (first || p.tp_split))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// `x` summed over the tensor-parallel ranks, in f32 as Megatron reduces its norms
+    /// (megatron/core/optimizer/clip_grads.py `get_grad_norm_fp32`).
+    fn tp_summed(&self, x: f64) -> Result<f64> {
+        let Some(tp) = &self.tp else {
+            return Ok(x);
+        };
+        let mut t = self.b.upload_f32(&[1], &[x as f32])?;
+        tp.all_reduce(&mut t, ReduceOp::Sum)?;
+        Ok(f64::from(self.b.download_f32(&t)?[0]))
+    }
+
+    /// The L2 norm of the whole model's `tensors` (gradients or parameters, one per entry of
+    /// the table), over the tensor-parallel ranks.
+    fn model_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
+        let counted: Vec<&B::Tensor> = self.counted().into_iter().map(|i| &tensors[i]).collect();
+        Ok(self.tp_summed(self.b.sum_squares(&counted)?)?.sqrt())
     }
 
     fn write_validation(&mut self, loss: f64) -> Result<()> {
@@ -1213,40 +1444,70 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// `--log-comm-stats`: what this rank's collectives moved per iteration over the last
-    /// `iterations`, beside Megatron's data-parallel gradient all-reduce: every trained
-    /// parameter's gradient in f32 (Megatron reduces gradients in f32 under --bf16 too).
+    /// `iterations`, group by group, beside Megatron's for the layout: the data-parallel
+    /// gradient all-reduce (every trained parameter's gradient in f32: Megatron reduces
+    /// gradients in f32 under --bf16 too), and per micro-batch the tensor-parallel
+    /// all-reduces of `[T, h]` activations (the embedding's and each layer's two row-parallel
+    /// outputs forward, the output layer's and each layer's two column-parallel inputs'
+    /// gradients backward) and the cross entropy's three of `[T]` f32.
     fn comm_line(&self, iterations: u64) -> Option<String> {
-        let dp = self.dp.as_ref()?;
         let per = |x: u64| x as f64 / iterations.max(1) as f64;
-        let counted: Vec<String> = (dp.take().iter())
-            .map(|(name, c)| format!("{name} {} calls {} bytes", per(c.calls), per(c.bytes)))
-            .collect();
-        let trained: usize = (self.table.params.iter())
-            .filter(|p| p.trainable)
-            .map(ParamInfo::numel)
-            .sum();
-        Some(format!(
-            " [comm] per iteration, data-parallel rank {} of {}: {} | Megatron's gradient all-reduce: {trained} parameters × 4 bytes = {} bytes",
-            self.rank,
-            dp.size(),
-            counted.join(", "),
-            4 * trained
-        ))
+        let counted = |g: &Counted<B::Tensor>| -> String {
+            (g.take().iter())
+                .map(|(name, c)| format!("{name} {} calls {} bytes", per(c.calls), per(c.bytes)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut parts = Vec::new();
+        if let Some(dp) = &self.dp {
+            let trained: usize = (self.table.params.iter())
+                .filter(|p| p.trainable)
+                .map(ParamInfo::numel)
+                .sum();
+            parts.push(format!(
+                "data-parallel rank {} of {}: {} | Megatron's gradient all-reduce: {trained} parameters × 4 bytes = {} bytes",
+                dp.rank(),
+                dp.size(),
+                counted(dp),
+                4 * trained
+            ));
+        }
+        if let Some(tp) = &self.tp {
+            let c = &self.cfg;
+            let (rows, layers) = (c.micro_batch * c.seq_length, c.model.layers);
+            let micro_batches = c.global_batch / (c.micro_batch * c.data_parallel);
+            let activations = self.activations().size();
+            let per_batch = (4 * layers + 2) * rows * c.model.hidden * activations + 3 * rows * 4;
+            parts.push(format!(
+                "tensor-parallel rank {} of {}: {} | Megatron's activation all-reduces: ({} × [{rows}, {}] {:?} + 3 × [{rows}] f32) × {micro_batches} micro-batches = {} bytes",
+                tp.rank(),
+                tp.size(),
+                counted(tp),
+                4 * layers + 2,
+                c.model.hidden,
+                self.activations(),
+                per_batch * micro_batches
+            ));
+        }
+        (!parts.is_empty()).then(|| format!(" [comm] per iteration, {}", parts.join("; ")))
     }
 
-    /// [`Trainer::exit_reason`], agreed by the data-parallel ranks: one rank's reason stops
-    /// them all (Megatron all-reduces its exit flags).
+    /// [`Trainer::exit_reason`], agreed by all ranks: one rank's reason stops them all
+    /// (Megatron all-reduces its exit flags).
     fn agreed_exit(&self, started: Instant) -> Result<Option<String>> {
         let mine = self.exit_reason(started);
-        let Some(dp) = &self.dp else {
+        if self.tp.is_none() && self.dp.is_none() {
             return Ok(mine);
-        };
+        }
         let mut flag = self
             .b
             .upload_f32(&[1], &[f32::from(u8::from(mine.is_some()))])?;
-        dp.all_reduce(&mut flag, ReduceOp::Max)?;
+        // Over the data-parallel group, then the tensor-parallel one: every rank of the world.
+        for group in [&self.dp, &self.tp].into_iter().flatten() {
+            group.all_reduce(&mut flag, ReduceOp::Max)?;
+        }
         let anyone = self.b.download_f32(&flag)?[0] > 0.0;
-        Ok(mine.or_else(|| anyone.then(|| "as another data-parallel rank stops.".into())))
+        Ok(mine.or_else(|| anyone.then(|| "as another rank stops.".into())))
     }
 
     /// Why the run should save and stop now (`checkpoint_and_decide_exit`).

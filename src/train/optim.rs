@@ -106,36 +106,7 @@ impl<T> Optimizer<T> {
         self.config
     }
 
-    /// The global L2 norm of the trained parameters' gradients (f64 of f32 values).
-    pub fn grad_norm<B: Backend<Tensor = T>>(&self, b: &B, grads: &[T]) -> Result<f64> {
-        let trained: Vec<&T> = (grads.iter().enumerate())
-            .filter(|(i, _)| self.trainable[*i])
-            .map(|(_, g)| g)
-            .collect();
-        Ok(b.sum_squares(&trained)?.sqrt())
-    }
-
-    /// The L2 norm of the trained parameters (their f32 main copies under `--bf16`), as
-    /// Megatron's `calc_params_l2_norm` reports it for `--log-params-norm`.
-    pub fn params_norm<B: Backend<Tensor = T>>(&self, b: &B, params: &[T]) -> Result<f64> {
-        let trained: Vec<&T> = (0..params.len())
-            .filter(|&i| self.trainable[i])
-            .map(|i| self.main.as_ref().map_or(&params[i], |m| &m[i]))
-            .collect();
-        Ok(b.sum_squares(&trained)?.sqrt())
-    }
-
-    /// How many gradient elements of the trained parameters are zero (Megatron's
-    /// `count_zeros_fp32`, for `--log-num-zeros-in-grad`).
-    pub fn zeros_in_grads<B: Backend<Tensor = T>>(&self, b: &B, grads: &[T]) -> Result<u64> {
-        let mut zeros = 0;
-        for (g, _) in grads.iter().zip(&self.trainable).filter(|(_, &t)| t) {
-            zeros += b.download_f32(g)?.iter().filter(|&&x| x == 0.0).count() as u64;
-        }
-        Ok(zeros)
-    }
-
-    /// Clip by `grad_norm` (of [`Optimizer::grad_norm`]) and apply one AdamW step with
+    /// Clip by `grad_norm` (the global gradient norm) and apply one AdamW step with
     /// learning rate `lr` and weight decay `wd` (the decay group's; the other group has none).
     /// A non-finite gradient norm skips the update, as a Megatron grad scaler would.
     pub fn apply<B: Backend<Tensor = T>>(

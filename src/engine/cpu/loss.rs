@@ -7,7 +7,8 @@
 use crate::tensor::simd;
 use rayon::prelude::*;
 
-/// `loss [n]` and `lse [n]` (both overwritten) of `logits [n, v]` against `labels [n]`.
+/// `loss [n]` and `lse [n]` (both overwritten) of `logits [n, v]` against `labels [n]`; a
+/// label past the row (`NO_ROW`) has no target logit.
 pub fn cross_entropy_fwd(
     logits: &[f32],
     labels: &[u32],
@@ -23,12 +24,14 @@ pub fn cross_entropy_fwd(
             let sum = f64::from(simd::sum_exp_sub(row, max));
             let log_sum = sum.ln() + f64::from(max);
             *lse = log_sum as f32;
-            *loss = (log_sum - f64::from(row[label as usize])) as f32;
+            let target = row.get(label as usize).map_or(0.0, |&x| f64::from(x));
+            *loss = (log_sum - target) as f32;
         });
 }
 
 /// The gradient of `Σ dloss[r] · loss[r]`, written over `logits` (which it consumes):
-/// `dlogits = dloss · (softmax − onehot(label))`.
+/// `dlogits = dloss · (exp(logits − lse) − onehot(label))`, no onehot for a label past the
+/// row.
 pub fn cross_entropy_bwd(logits: &mut [f32], labels: &[u32], lse: &[f32], dloss: &[f32], v: usize) {
     logits
         .par_chunks_mut(v)
@@ -39,7 +42,9 @@ pub fn cross_entropy_bwd(logits: &mut [f32], labels: &[u32], lse: &[f32], dloss:
                 return;
             }
             simd::exp_sub(row, lse, dl);
-            row[label as usize] -= dl;
+            if let Some(x) = row.get_mut(label as usize) {
+                *x -= dl;
+            }
         });
 }
 

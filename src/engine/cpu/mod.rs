@@ -17,7 +17,7 @@ mod testing;
 
 use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
-    Segment,
+    Segment, NO_ROW,
 };
 use crate::tensor::host::{decode_f32, encode_f32};
 use crate::tensor::panel::{PanelType, Panels};
@@ -325,6 +325,7 @@ impl Backend for Cpu {
         let mut out = vec![0f32; ids.len() * h];
         out.par_chunks_mut(h)
             .zip(ids)
+            .filter(|(_, id)| **id != NO_ROW)
             .for_each_init(Vec::new, |buf, (o, &id)| {
                 o.copy_from_slice(table.row(id as usize, buf));
             });

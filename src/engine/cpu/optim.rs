@@ -1,7 +1,7 @@
 //! Optimizer kernels: AdamW (aclnnApplyAdamWV2) and the sum of squares behind the gradient
 //! norm (aclnnForeachNorm), and the embedding gradient (aclnnEmbeddingDenseBackward).
 
-use crate::engine::AdamWStep;
+use crate::engine::{AdamWStep, NO_ROW};
 use rayon::prelude::*;
 
 /// Elements per parallel task.
@@ -60,10 +60,10 @@ pub fn embedding_bwd(dy: &[f32], ids: &[u32], h: usize, dtable: &mut [f32]) {
     let out = crate::tensor::SharedOut(dtable.as_mut_ptr());
     (0..blocks).into_par_iter().for_each(|b| {
         let cols = b * EMBED_COLS..((b + 1) * EMBED_COLS).min(h);
-        for (t, &id) in ids.iter().enumerate() {
+        for (t, &id) in ids.iter().enumerate().filter(|(_, id)| **id != NO_ROW) {
             for c in cols.clone() {
-                // SAFETY: column block b belongs to this task alone; id < v is checked by the
-                // caller (ids index the table in the forward pass).
+                // SAFETY: column block b belongs to this task alone; id < v (or NO_ROW,
+                // skipped) is checked by the caller.
                 unsafe { *out.at(id as usize * h + c) += dy[t * h + c] };
             }
         }
