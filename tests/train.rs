@@ -915,8 +915,14 @@ fn data_parallel_sizes_that_do_not_fit_are_refused() {
             "world size 3 is not a multiple of TP 2",
         ),
         (
-            &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-            "--sequence-parallel: sequence parallelism is not built yet",
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--seq-length",
+                "33",
+            ],
+            "--sequence-parallel: --seq-length 33 is not a multiple of --tensor-model-parallel-size 2",
         ),
         (
             &[
@@ -1053,14 +1059,16 @@ fn tensor_parallel_ranks_train_as_one_rank_does() {
         let one: Vec<&str> = [&batch[..], &iters, &["--save", &one_dir]].concat();
         let one_log = stdout(&run(&model(&data, &one)).success());
         assert_eq!(iterations(&one_log).len(), 20, "{one_log}");
-        for world in ["2", "4"] {
-            let layout = format!("TP2 × DP{} {name}", world.parse::<usize>().unwrap() / 2);
-            let save = path(&format!("{name}_tp2_{world}"));
+        for (world, sp) in [("2", None), ("4", None), ("2", Some("--sequence-parallel"))] {
+            let dp = world.parse::<usize>().unwrap() / 2;
+            let layout = format!("TP2 × DP{dp} {sp:?} {name}");
+            let save = path(&format!("{name}_tp2_{world}_{}", sp.is_some()));
             let tp: Vec<&str> = [&batch[..], &iters]
                 .concat()
                 .into_iter()
                 .chain(["--tensor-model-parallel-size", "2", "--world-size", world])
                 .chain(["--save", &save])
+                .chain(sp)
                 .collect();
             let log = stdout(&run(&model(&data, &tp)).success());
             same_training(&one_log, &log, 1e-5, &layout);
@@ -1074,27 +1082,53 @@ fn tensor_parallel_ranks_train_as_one_rank_does() {
             same_hf_weights(dir.path(), Path::new(&one_dir), Path::new(&save), 1e-5);
         }
     }
-    // --log-comm-stats: per micro-batch, 2 all-reduces of [T, h] per layer each way, the
-    // embedding's and the output layer's, and the cross entropy's three of [T]; per
-    // iteration the gradient norm's and the exit flag's.
-    let counted: Vec<&str> = batch
-        .into_iter()
-        .chain(["--tensor-model-parallel-size", "2", "--world-size", "4"])
-        .chain(["--log-comm-stats"])
-        .collect();
-    let log = stdout(&run(&args(&data, &counted)).success());
-    let comm: Vec<&str> = log.lines().filter(|l| l.contains("[comm]")).collect();
-    assert_eq!(comm.len(), 10, "{log}");
-    for line in comm {
-        let tp = &line[line.find("tensor-parallel rank").unwrap()..];
-        let number = |after: &str| -> u64 {
-            let rest = &tp[tp.find(after).unwrap() + after.len()..];
-            rest.split_whitespace().next().unwrap().parse().unwrap()
-        };
-        // 4 micro-batches × (4·2 + 2 + 3) + 2 calls.
-        let megatron = number("micro-batches = ");
-        assert_eq!(number("all_reduce 54 calls "), megatron + 8, "{line}");
-        assert_eq!(megatron, 4 * (10 * 32 * 64 * 4 + 3 * 32 * 4), "{line}");
+    // --log-comm-stats, 4 micro-batches of T = 32 rows per iteration on the 2-layer demo
+    // model: per micro-batch 2 all-reduces of [T, h] per layer each way, the embedding's and
+    // the output layer's, and the cross entropy's three of [T]; per iteration the gradient
+    // norm's and the exit flag's. Under sequence parallelism reduce-scatters take the
+    // activations' all-reduces' place, 6L + 3 all-gathers of [T / 2, h] join them, and the
+    // norm weights' gradients are all-reduced once.
+    let block = 32 * 64 * 4;
+    for (sp, megatron_calls) in [
+        (None, [54, 0, 0]),
+        (Some("--sequence-parallel"), [15, 60, 40]),
+    ] {
+        let counted: Vec<&str> = batch
+            .into_iter()
+            .chain(["--tensor-model-parallel-size", "2", "--world-size", "4"])
+            .chain(["--log-comm-stats"])
+            .chain(sp)
+            .collect();
+        let log = stdout(&run(&args(&data, &counted)).success());
+        let comm: Vec<&str> = log.lines().filter(|l| l.contains("[comm]")).collect();
+        assert_eq!(comm.len(), 10, "{log}");
+        for line in comm {
+            let tp = &line[line.find("tensor-parallel rank").unwrap()..];
+            let number = |after: &str| -> u64 {
+                let rest = &tp[tp.find(after).unwrap() + after.len()..];
+                rest.split_whitespace().next().unwrap().parse().unwrap()
+            };
+            let [reduces, gathers, scatters] = megatron_calls;
+            let all_reduce = number(&format!("all_reduce {reduces} calls "));
+            match sp {
+                None => {
+                    let megatron = number("micro-batches = ");
+                    assert_eq!(all_reduce, megatron + 8, "{line}");
+                    assert_eq!(megatron, 4 * (10 * block + 3 * 32 * 4), "{line}");
+                }
+                Some(_) => {
+                    let gathered = number(&format!("all_gather {gathers} calls "));
+                    assert_eq!(gathered, number("micro-batches = "), "{line}");
+                    assert_eq!(gathered, 4 * 15 * block / 2, "{line}");
+                    let scattered = number(&format!("reduce_scatter {scatters} calls "));
+                    assert_eq!(scattered, number("× 4 = "), "{line}");
+                    assert_eq!(scattered, 4 * 10 * block, "{line}");
+                    // The norms: 2 per layer and the final one, 64 each.
+                    let norms = 4 * 3 * 32 * 4 + 5 * 64 * 4;
+                    assert_eq!(all_reduce, norms + 8, "{line}");
+                }
+            }
+        }
     }
 }
 

@@ -12,7 +12,11 @@
 //! the row-parallel outputs (linear_proj, linear_fc2) and the vocabulary-parallel embedding
 //! are all-reduced in the forward pass, the column-parallel inputs' gradients (linear_qkv,
 //! linear_fc1, the output layer) in the backward pass, and the cross entropy reduces its
-//! maximum, target logit and Σexp over the vocabulary shards.
+//! maximum, target logit and Σexp over the vocabulary shards. With sequence parallelism the
+//! residual stream and the norms hold this rank's rows only: the sums become reduce-scatters,
+//! and the column-parallel layers' inputs and the row-parallel layers' output gradients are
+//! all-gathered (the inputs again in the backward pass, as Megatron re-gathers them for the
+//! weight gradients rather than keep them).
 
 use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;
@@ -28,6 +32,8 @@ pub struct TensorParallel<'a, T> {
     pub group: &'a dyn Communicator<Tensor = T>,
     /// The vocabulary rows this rank's embedding and output shards hold.
     pub vocab: Range<usize>,
+    /// Sequence parallelism: the residual stream holds this rank's block of rows.
+    pub sequence_parallel: bool,
 }
 
 impl<T> TensorParallel<'_, T> {
@@ -48,12 +54,45 @@ impl<T> TensorParallel<'_, T> {
     }
 }
 
-/// `x` summed over the tensor-parallel ranks (nothing alone).
-fn tp_sum<T>(tp: Option<&TensorParallel<T>>, x: &mut T) -> Result<()> {
+/// Partial sums over the tensor-parallel ranks (a row-parallel layer's output, the
+/// embedding's rows, a column-parallel layer's input gradient), summed: all-reduced, or under
+/// sequence parallelism reduce-scattered to this rank's rows (nothing alone).
+fn reduced<B: Backend>(
+    b: &B,
+    tp: Option<&TensorParallel<B::Tensor>>,
+    mut x: B::Tensor,
+) -> Result<B::Tensor> {
     match tp {
-        Some(tp) => tp.group.all_reduce(x, ReduceOp::Sum),
-        None => Ok(()),
+        None => Ok(x),
+        Some(tp) if !tp.sequence_parallel => {
+            tp.group.all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok(x)
+        }
+        Some(tp) => {
+            let mut shape = b.shape(&x).to_vec();
+            shape[0] /= tp.group.size();
+            let mut out = b.zeros(&shape, b.dtype(&x))?;
+            tp.group.reduce_scatter(&x, &mut out, ReduceOp::Sum)?;
+            Ok(out)
+        }
     }
+}
+
+/// Under sequence parallelism, every rank's rows of `x` (all-gather): a column-parallel
+/// layer's input, a row-parallel layer's output gradient; `None` where `x` holds every row.
+fn gathered<B: Backend>(
+    b: &B,
+    tp: Option<&TensorParallel<B::Tensor>>,
+    x: &B::Tensor,
+) -> Result<Option<B::Tensor>> {
+    let Some(tp) = tp.filter(|tp| tp.sequence_parallel) else {
+        return Ok(None);
+    };
+    let mut shape = b.shape(x).to_vec();
+    shape[0] *= tp.group.size();
+    let mut out = b.zeros(&shape, b.dtype(x))?;
+    tp.group.all_gather(x, &mut out)?;
+    Ok(Some(out))
 }
 
 /// A linear layer: its weight, bias and LoRA factors in the table.
@@ -214,7 +253,7 @@ pub fn forward<B: Backend>(
     if activations != DType::F32 {
         x = b.cast(&x, activations)?;
     }
-    tp_sum(tp, &mut x)?;
+    let mut x = reduced(b, tp, x)?;
     // A row-parallel layer's bias is added once, by tensor-parallel rank 0, before the sum.
     let row_parallel = |lin: Linear| match tp {
         Some(tp) if tp.group.rank() > 0 => Linear { bias: None, ..lin },
@@ -223,19 +262,33 @@ pub fn forward<B: Backend>(
     let mut layers = Vec::with_capacity(ids.layers.len());
     for l in &ids.layers {
         let (h1, rstd1) = b.rms_norm(&x, &params[l.input_norm], eps)?;
-        let (qkv, u_qkv) = linear_fwd(b, &h1, l.qkv, params, ids.lora_scale)?;
+        let all = gathered(b, tp, &h1)?;
+        let (qkv, u_qkv) = linear_fwd(
+            b,
+            all.as_ref().unwrap_or(&h1),
+            l.qkv,
+            params,
+            ids.lora_scale,
+        )?;
         let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
         b.rope(&mut q, &cos, &sin, false)?;
         b.rope(&mut k, &cos, &sin, false)?;
         let (o, lse) = b.attention(&q, &k, &v, &batch.segments, shape)?;
-        let (mut x_mid, u_proj) = linear_fwd(b, &o, row_parallel(l.proj), params, ids.lora_scale)?;
-        tp_sum(tp, &mut x_mid)?;
+        let (x_mid, u_proj) = linear_fwd(b, &o, row_parallel(l.proj), params, ids.lora_scale)?;
+        let mut x_mid = reduced(b, tp, x_mid)?;
         b.add_assign(&mut x_mid, &x)?;
         let (h2, rstd2) = b.rms_norm(&x_mid, &params[l.post_norm], eps)?;
-        let (up, u_fc1) = linear_fwd(b, &h2, l.fc1, params, ids.lora_scale)?;
+        let all = gathered(b, tp, &h2)?;
+        let (up, u_fc1) = linear_fwd(
+            b,
+            all.as_ref().unwrap_or(&h2),
+            l.fc1,
+            params,
+            ids.lora_scale,
+        )?;
         let act = b.swiglu(&up)?;
-        let (mut out, u_fc2) = linear_fwd(b, &act, row_parallel(l.fc2), params, ids.lora_scale)?;
-        tp_sum(tp, &mut out)?;
+        let (out, u_fc2) = linear_fwd(b, &act, row_parallel(l.fc2), params, ids.lora_scale)?;
+        let mut out = reduced(b, tp, out)?;
         b.add_assign(&mut out, &x_mid)?;
         layers.push(LayerSaved {
             x: std::mem::replace(&mut x, out),
@@ -255,7 +308,8 @@ pub fn forward<B: Backend>(
         });
     }
     let (hf, rstdf) = b.rms_norm(&x, &params[ids.final_norm], eps)?;
-    let logits = b.matmul(&hf, &params[ids.output()], None)?;
+    let all = gathered(b, tp, &hf)?;
+    let logits = b.matmul(all.as_ref().unwrap_or(&hf), &params[ids.output()], None)?;
     let (loss, lse) = match tp {
         Some(tp) => vocab_parallel_cross_entropy(b, tp, &logits, &tp.local(&batch.labels))?,
         None => b.cross_entropy(&logits, &batch.labels)?,
@@ -307,23 +361,30 @@ pub fn backward<B: Backend>(
         bias: None,
         lora: None,
     };
-    let mut dhf = linear_bwd(b, &dlogits, &hf, None, output, params, grads, ids)?;
+    let all = gathered(b, tp, &hf)?;
+    let whole = all.as_ref().unwrap_or(&hf);
+    let dhf = linear_bwd(b, &dlogits, whole, None, output, params, grads, ids)?;
     drop(dlogits);
-    tp_sum(tp, &mut dhf)?;
+    let dhf = reduced(b, tp, dhf)?;
     let mut dx = rms_grad(b, &dhf, &x, params, grads, ids, ids.final_norm, &rstdf)?;
     for (l, s) in ids.layers.iter().zip(layers).rev() {
         let [u_qkv, u_proj, u_fc1, u_fc2] = &s.lora;
         // out = x_mid + fc2(swiglu(fc1(norm(x_mid)))): dx flows to both.
-        let dact = linear_bwd(b, &dx, &s.act, u_fc2.as_ref(), l.fc2, params, grads, ids)?;
+        let all = gathered(b, tp, &dx)?;
+        let dy = all.as_ref().unwrap_or(&dx);
+        let dact = linear_bwd(b, dy, &s.act, u_fc2.as_ref(), l.fc2, params, grads, ids)?;
         let dup = b.swiglu_bwd(&dact, &s.up)?;
-        let mut dh2 = linear_bwd(b, &dup, &s.h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
-        tp_sum(tp, &mut dh2)?;
+        let all = gathered(b, tp, &s.h2)?;
+        let h2 = all.as_ref().unwrap_or(&s.h2);
+        let dh2 = linear_bwd(b, &dup, h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
+        let dh2 = reduced(b, tp, dh2)?;
         let mut dx_mid = rms_grad(b, &dh2, &s.x_mid, params, grads, ids, l.post_norm, &s.rstd2)?;
         b.add_assign(&mut dx_mid, &dx)?;
         // x_mid = x + proj(attention(rope(q), rope(k), v)), (q, k, v) = split(qkv(norm(x))).
+        let all = gathered(b, tp, &dx_mid)?;
         let d_o = linear_bwd(
             b,
-            &dx_mid,
+            all.as_ref().unwrap_or(&dx_mid),
             &s.o,
             u_proj.as_ref(),
             l.proj,
@@ -336,13 +397,20 @@ pub fn backward<B: Backend>(
         b.rope(&mut dq, &cos, &sin, true)?;
         b.rope(&mut dk, &cos, &sin, true)?;
         let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;
-        let mut dh1 = linear_bwd(b, &dqkv, &s.h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
-        tp_sum(tp, &mut dh1)?;
+        let all = gathered(b, tp, &s.h1)?;
+        let h1 = all.as_ref().unwrap_or(&s.h1);
+        let dh1 = linear_bwd(b, &dqkv, h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
+        let dh1 = reduced(b, tp, dh1)?;
         dx = rms_grad(b, &dh1, &s.x, params, grads, ids, l.input_norm, &s.rstd1)?;
         b.add_assign(&mut dx, &dx_mid)?;
     }
     if ids.trainable[ids.embedding] {
-        b.embedding_bwd(&dx, &tokens, &mut grads[ids.embedding])?;
+        let all = gathered(b, tp, &dx)?;
+        b.embedding_bwd(
+            all.as_ref().unwrap_or(&dx),
+            &tokens,
+            &mut grads[ids.embedding],
+        )?;
     }
     Ok(losses)
 }

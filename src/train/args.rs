@@ -238,14 +238,14 @@ pub const FLAGS: &[Flag] = &[
     inert("timing-log-level", One, "no per-kernel timers"),
     inert("wandb-project", One, "Weights & Biases is not built in; use --tensorboard-dir"),
     inert("wandb-exp-name", One, "Weights & Biases is not built in; use --tensorboard-dir"),
-    // Parallelism (the parallel-training issue's; one rank here).
-    used("world-size", One, "ranks as threads of this process (default 1; one NPU each from --npu-id on with --device npu): data parallelism, each rank training on its slice of every global batch (mindkit's flag; under torchrun or Slurm the launcher's ranks, one process each)"),
+    // Parallelism.
+    used("world-size", One, "ranks as threads of this process (default TP; one NPU each from --npu-id on with --device npu): data parallelism takes world / TP ranks, each training on its slice of every global batch (mindkit's flag; under torchrun or Slurm the launcher's ranks, one process each)"),
     used("rank-table-file", One, "with --device npu under a launcher: join the ranks over HCCL by this rank table (CANN's JSON; default $RANK_TABLE_FILE, as torch_npu reads it) instead of the launcher's store"),
-    used("tensor-model-parallel-size", One, "1 (tensor parallelism is not available yet)"),
+    used("tensor-model-parallel-size", One, "tensor parallelism, Megatron's (on --device cpu; default 1)"),
     used("pipeline-model-parallel-size", One, "1 (pipeline parallelism is not available yet)"),
     used("context-parallel-size", One, "1 (context parallelism is not available)"),
     used("expert-model-parallel-size", One, "1"),
-    used("sequence-parallel", Nothing, "switched off at TP 1, as Megatron does"),
+    used("sequence-parallel", Nothing, "sequence parallelism with tensor parallelism (switched off at TP 1, as Megatron does)"),
     inert("use-distributed-optimizer", Nothing, "every data-parallel rank holds the whole optimizer state (the same training; no distrib_optim.pt)"),
     used("num-layers-per-virtual-pipeline-stage", One, "needs pipeline parallelism (not available yet)"),
     used("num-virtual-stages-per-pipeline-rank", One, "needs pipeline parallelism (not available yet)"),

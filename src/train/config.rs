@@ -86,6 +86,8 @@ pub struct TrainConfig {
     pub data_parallel: usize,
     /// Where the ranks sit (TP, DP; PP 1 for now).
     pub layout: Layout,
+    /// `--sequence-parallel` at TP > 1.
+    pub sequence_parallel: bool,
     /// Iterations to reach.
     pub train_iters: u64,
     /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
@@ -530,8 +532,9 @@ fn check_tensor_parallel(
             bail!("{flag} {tp}: {what} {n} is not a multiple of it");
         }
     }
-    if a.has("sequence-parallel") {
-        bail!("--sequence-parallel: sequence parallelism is not built yet (drop it: the training is the same without it)");
+    let seq = positive(a, "seq-length")?.unwrap_or(0);
+    if a.has("sequence-parallel") && !seq.is_multiple_of(tp) {
+        bail!("--sequence-parallel: --seq-length {seq} is not a multiple of {flag} {tp}");
     }
     if a.has("lora-target-modules") {
         bail!("{flag} {tp}: LoRA with tensor parallelism is not built yet (use 1)");
@@ -730,6 +733,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         global_batch,
         data_parallel,
         layout,
+        sequence_parallel: tp > 1 && a.has("sequence-parallel"),
         train_iters,
         train_samples: train_samples.unwrap_or(train_iters * g),
         schedule,

@@ -818,6 +818,7 @@ impl<B: Backend> Trainer<B> {
             TensorParallel {
                 group: group as &dyn Communicator<Tensor = B::Tensor>,
                 vocab: first..first + rows,
+                sequence_parallel: c.sequence_parallel,
             }
         });
         let (mut losses, mut tokens) = (Vec::with_capacity(k / dp), 0u64);
@@ -848,6 +849,42 @@ impl<B: Backend> Trainer<B> {
             losses.push((loss, prepared.mask));
         }
         Ok((losses, tokens))
+    }
+
+    /// Under sequence parallelism a norm weight's gradient covers this rank's rows only:
+    /// summed over the tensor-parallel ranks in one all-reduce of them all
+    /// (megatron/core/distributed/finalize_model_grads.py
+    /// `_allreduce_non_tensor_model_parallel_grads`). A row-parallel bias needs none here:
+    /// its gradient is taken over every row.
+    fn sum_norm_grads(&mut self) -> Result<()> {
+        let Some(tp) = self.tp.as_ref().filter(|_| self.cfg.sequence_parallel) else {
+            return Ok(());
+        };
+        let norms: Vec<usize> = (self.table.params.iter().enumerate())
+            .filter(|(_, p)| {
+                p.trainable
+                    && matches!(
+                        p.canon.role,
+                        Role::InputNorm | Role::PostNorm | Role::FinalNorm
+                    )
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let mut flat = Vec::new();
+        for &i in &norms {
+            flat.extend(self.b.download_f32(&self.grads[i])?);
+        }
+        let mut t = self.b.upload_f32(&[flat.len()], &flat)?;
+        tp.all_reduce(&mut t, ReduceOp::Sum)?;
+        let summed = self.b.download_f32(&t)?;
+        let mut at = 0;
+        for i in norms {
+            let n = self.table.params[i].numel();
+            let shape = self.table.params[i].shape.clone();
+            self.grads[i] = self.b.upload_f32(&shape, &summed[at..at + n])?;
+            at += n;
+        }
+        Ok(())
     }
 
     /// The loss sums of micro-batches' losses (read from the device).
@@ -899,6 +936,7 @@ impl<B: Backend> Trainer<B> {
         // Data parallel: gradients summed over the ranks, the losses of every rank's
         // micro-batches known to each (finalize_model_grads' all-reduces).
         let mut everyone = None;
+        self.sum_norm_grads()?;
         if let Some(dp) = &self.dp {
             for g in &mut self.grads {
                 dp.all_reduce(g, ReduceOp::Sum)?;
@@ -1473,23 +1511,59 @@ impl<B: Backend> Trainer<B> {
             ));
         }
         if let Some(tp) = &self.tp {
-            let c = &self.cfg;
-            let (rows, layers) = (c.micro_batch * c.seq_length, c.model.layers);
-            let micro_batches = c.global_batch / (c.micro_batch * c.data_parallel);
-            let activations = self.activations().size();
-            let per_batch = (4 * layers + 2) * rows * c.model.hidden * activations + 3 * rows * 4;
             parts.push(format!(
-                "tensor-parallel rank {} of {}: {} | Megatron's activation all-reduces: ({} × [{rows}, {}] {:?} + 3 × [{rows}] f32) × {micro_batches} micro-batches = {} bytes",
+                "tensor-parallel rank {} of {}: {} | Megatron's {}",
                 tp.rank(),
                 tp.size(),
                 counted(tp),
-                4 * layers + 2,
-                c.model.hidden,
-                self.activations(),
-                per_batch * micro_batches
+                self.tp_formula(tp.size())
             ));
         }
         (!parts.is_empty()).then(|| format!(" [comm] per iteration, {}", parts.join("; ")))
+    }
+
+    /// Megatron's tensor-parallel traffic per iteration over `tp` ranks, in the counts' terms
+    /// (an all-gather counts this rank's part, a reduce-scatter its whole input). Per
+    /// micro-batch of T rows: the cross entropy's three all-reduces of `[T]` f32, and of
+    /// `[T, h]` activations either 4L + 2 all-reduces (the embedding's and each layer's two
+    /// row-parallel outputs forward, the output layer's and each layer's two column-parallel
+    /// inputs' gradients backward) or, under sequence parallelism, 4L + 2 reduce-scatters in
+    /// their place and 6L + 3 all-gathers (the column-parallel inputs forward and again
+    /// backward, the row-parallel output gradients and the embedding's); then per iteration
+    /// the norm weights' gradient all-reduce under sequence parallelism.
+    fn tp_formula(&self, tp: usize) -> String {
+        let c = &self.cfg;
+        let (rows, layers, hidden) = (c.micro_batch * c.seq_length, c.model.layers, c.model.hidden);
+        let k = c.global_batch / (c.micro_batch * c.data_parallel);
+        let a = self.activations();
+        let block = rows * hidden * a.size();
+        let entropy = 3 * rows * 4;
+        if !c.sequence_parallel {
+            let bytes = k * ((4 * layers + 2) * block + entropy);
+            return format!(
+                "all-reduces: ({} × [{rows}, {hidden}] {a:?} + 3 × [{rows}] f32) × {k} micro-batches = {bytes} bytes",
+                4 * layers + 2
+            );
+        }
+        let norms: usize = (self.table.params.iter())
+            .filter(|p| {
+                p.trainable
+                    && matches!(
+                        p.canon.role,
+                        Role::InputNorm | Role::PostNorm | Role::FinalNorm
+                    )
+            })
+            .map(ParamInfo::numel)
+            .sum();
+        format!(
+            "all-gathers: {} × [{}, {hidden}] {a:?} × {k} micro-batches = {} bytes; reduce-scatters: {} × [{rows}, {hidden}] {a:?} × {k} = {} bytes; all-reduces: 3 × [{rows}] f32 × {k} + {norms} norm gradients × 4 = {} bytes",
+            6 * layers + 3,
+            rows / tp,
+            k * (6 * layers + 3) * block / tp,
+            4 * layers + 2,
+            k * (4 * layers + 2) * block,
+            k * entropy + 4 * norms
+        )
     }
 
     /// [`Trainer::exit_reason`], agreed by all ranks: one rank's reason stops them all
