@@ -7,9 +7,12 @@
 //!
 //! Values a backend defines for itself are not compared: attention's saved statistics (only
 //! its backward reads them, and that is compared).
+//!
+//! The embedding and cross entropy run twice: on a whole vocabulary's ids and labels, and on
+//! a vocabulary shard's, some of them [`NO_ROW`] (tensor parallelism).
 
 use super::cpu::Cpu;
-use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment};
+use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment, NO_ROW};
 use crate::tensor::host::{encode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
 use rand::rngs::StdRng;
@@ -76,6 +79,8 @@ fn error(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
 struct Inputs {
     rng: StdRng,
     dtype: DType,
+    /// Whether every third id is [`NO_ROW`] (a vocabulary shard's).
+    no_row: bool,
 }
 
 impl Inputs {
@@ -94,9 +99,13 @@ impl Inputs {
         HostTensor::new(dtype, shape.to_vec(), bytes)
     }
 
+    /// `n` ids below `below`, every third [`NO_ROW`] in a shard's check.
     fn ids(&mut self, n: usize, below: usize) -> Vec<u32> {
         (0..n)
-            .map(|_| self.rng.random_range(0..below as u32))
+            .map(|t| match self.rng.random_range(0..below as u32) {
+                _ if self.no_row && t % 3 == 1 => NO_ROW,
+                id => id,
+            })
             .collect()
     }
 }
@@ -135,6 +144,8 @@ struct Case<B> {
     shape: &'static str,
     /// Tolerance multiplier (long chains of roundings).
     slack: f32,
+    /// Some ids or labels are [`NO_ROW`] ([`Inputs::no_row`]).
+    no_row: bool,
     run: fn(&mut Inputs, &B, &Cpu) -> Result<Outputs>,
 }
 
@@ -142,22 +153,44 @@ struct Case<B> {
 fn cases<B: Backend>() -> Vec<Case<B>> {
     macro_rules! case {
         ($name:literal, $op:ident, $shape:literal, $slack:literal, $f:ident) => {
+            case!($name, $op, $shape, $slack, $f, false)
+        };
+        ($name:literal, $op:ident, $shape:literal, $slack:literal, $f:ident, $no_row:literal) => {
             Case {
                 name: $name,
                 op: Op::$op,
                 shape: $shape,
                 slack: $slack,
+                no_row: $no_row,
                 run: $f::<B>,
             }
         };
     }
+    // A vocabulary shard's check: `case!` with some ids or labels NO_ROW.
+    macro_rules! shard {
+        ($name:literal, $op:ident, $shape:literal, $f:ident) => {
+            case!($name, $op, $shape, 1.0, $f, true)
+        };
+    }
     vec![
         case!("embedding", Embedding, "[37,24] × 13 ids", 1.0, embedding),
+        shard!(
+            "embedding",
+            Embedding,
+            "[37,24] × 13 ids, 4 NO_ROW",
+            embedding
+        ),
         case!(
             "embedding_bwd",
             EmbeddingBwd,
             "[13,24] → [37,24]",
             1.0,
+            embedding_bwd
+        ),
+        shard!(
+            "embedding_bwd",
+            EmbeddingBwd,
+            "[13,24] → [37,24], 4 NO_ROW",
             embedding_bwd
         ),
         case!("select_rows", Embedding, "[11,6] rows 3", 1.0, select_rows),
@@ -207,11 +240,23 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
         case!("add_assign", Add, "[7,13]", 1.0, add_assign),
         case!("log_softmax", LogSoftmax, "[5,33]", 1.0, log_softmax),
         case!("cross_entropy", CrossEntropy, "[6,50]", 1.0, cross_entropy),
+        shard!(
+            "cross_entropy",
+            CrossEntropy,
+            "[6,50], 2 labels NO_ROW",
+            cross_entropy
+        ),
         case!(
             "cross_entropy_bwd",
             CrossEntropyBwd,
             "[6,50]",
             1.0,
+            cross_entropy_bwd
+        ),
+        shard!(
+            "cross_entropy_bwd",
+            CrossEntropyBwd,
+            "[6,50], 2 labels NO_ROW",
             cross_entropy_bwd
         ),
         case!("cast", Cast, "[7,11] → f32, bf16, f16", 1.0, cast),
@@ -232,6 +277,7 @@ pub fn run<B: Backend>(dut: &B) -> Result<Vec<Check>> {
             let mut inputs = Inputs {
                 rng: StdRng::seed_from_u64(0x5e1f_7e57 + i as u64),
                 dtype,
+                no_row: case.no_row,
             };
             let supported = dut.supports(case.op, dtype) && cpu.supports(case.op, dtype);
             let (error, failure) = match supported.then(|| (case.run)(&mut inputs, dut, &cpu)) {
@@ -630,6 +676,7 @@ pub fn gradients() -> Result<Vec<Check>> {
     let mut i = Inputs {
         rng: StdRng::seed_from_u64(0x9_7ad),
         dtype: DType::F32,
+        no_row: false,
     };
     let mut values =
         |n: usize| -> Vec<f32> { (0..n).map(|_| i.rng.random_range(-1.0..1.0)).collect() };

@@ -6,15 +6,17 @@
 //! Where the trait's contract and an aclnn operator differ, the difference is bridged on the
 //! device: a dtype the operator does not take is cast (aclnnCast), a half-width RoPE table is
 //! widened to the operator's full width, the cross entropy's log-sum-exp is recovered from
-//! its log-probabilities (`lse = logit − log p` of any column). The attention's saved
-//! statistics are flash attention's own (softmax max and sum, `[2, n, heads, 8]` f32), which
-//! only its backward reads.
+//! its log-probabilities (`lse = logit − log p` of any column), a vocabulary shard's
+//! [`NO_ROW`] ids and labels are given an index the operator takes and their rows corrected
+//! after it ([`Npu::targets`]). The attention's saved statistics are flash attention's own
+//! (softmax max and sum, `[2, n, heads, 8]` f32), which only its backward reads.
 
 use super::context::{Block, Context, Launch};
 use super::descriptor::{acl_dtype, View};
 use super::NpuError;
 use crate::engine::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result, Segment,
+    NO_ROW,
 };
 use crate::tensor::host::{decode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
@@ -37,7 +39,8 @@ const STAT_LANES: usize = 8;
 /// aclnn's status for an operator without a kernel for the SoC
 /// (`ACLNN_ERR_INNER_FIND_KERNEL_ERROR`).
 const FIND_KERNEL_ERROR: i32 = 561003;
-/// Cross entropy's ignore index (torch's default; no label equals it).
+/// Cross entropy's ignore index (torch's default; no label equals it): the forward's for a
+/// [`NO_ROW`] label, whose loss is then set to its log-sum-exp.
 const IGNORE_INDEX: i64 = -100;
 
 /// A tensor in device memory (row-major, contiguous).
@@ -394,6 +397,60 @@ impl Npu {
         self.upload_bytes(&[n], DType::I64, bytes)
     }
 
+    /// Token ids or labels as int64 indices, [`NO_ROW`] as `no_row`: an index the operator
+    /// takes, its effect on those rows undone after it ([`Npu::no_row_mask`]).
+    fn targets(&self, ids: &[u32], no_row: i64) -> Result<NpuTensor> {
+        self.indices(
+            ids.iter()
+                .map(|&i| if i == NO_ROW { no_row } else { i64::from(i) }),
+        )
+    }
+
+    /// Where `ids` are [`NO_ROW`], an `[n]` mask in `dtype`, each element `mark(is NO_ROW)`;
+    /// None when no id is, so a whole vocabulary's ids cost no correction.
+    fn no_row_mask<const W: usize>(
+        &self,
+        ids: &[u32],
+        dtype: DType,
+        mark: fn(bool) -> [u8; W],
+    ) -> Result<Option<NpuTensor>> {
+        if !ids.contains(&NO_ROW) {
+            return Ok(None);
+        }
+        let bytes = ids.iter().flat_map(|&i| mark(i == NO_ROW)).collect();
+        Ok(Some(self.upload_bytes(&[ids.len()], dtype, bytes)?))
+    }
+
+    /// The f32 mask of [`Npu::no_row_mask`]: 1 at a [`NO_ROW`] row, for [`Npu::add_masked`].
+    fn no_row_ones(&self, labels: &[u32]) -> Result<Option<NpuTensor>> {
+        self.no_row_mask(labels, DType::F32, |hit| {
+            f32::from(u8::from(hit)).to_le_bytes()
+        })
+    }
+
+    /// `y += mask · x` for views `[n]` (aclnnMul, aclnnInplaceAdd): the cross entropy's
+    /// share of the [`NO_ROW`] rows that its aclnn operator, given another label, left out.
+    fn add_masked(&self, y: &View, mask: &NpuTensor, x: &View) -> Result<()> {
+        let masked = self.empty(&mask.shape, DType::F32)?;
+        self.mul_view(&mask.view(), x, &masked.view())?;
+        self.add_view(y, &masked.view())
+    }
+
+    /// `x = value` where `mask` (BOOL, broadcast to `x`) is true, in place
+    /// (aclnnInplaceMaskedFillScalar).
+    fn masked_fill(&self, x: &View, mask: &View, value: f32) -> Result<()> {
+        let c = &self.ctx;
+        let (xd, m, v) = (c.tensor(x)?, c.tensor(mask)?, c.scalar(value)?);
+        aclnn!(
+            self,
+            aclnnInplaceMaskedFillScalarGetWorkspaceSize,
+            aclnnInplaceMaskedFillScalar,
+            xd.raw,
+            m.raw,
+            v.raw
+        )
+    }
+
     /// `x` in `dtype`: itself, or a cast copy.
     fn as_dtype<'a>(&self, x: &'a NpuTensor, dtype: DType) -> Result<InDtype<'a>> {
         if x.dtype == dtype {
@@ -554,9 +611,10 @@ impl Device for Npu {
 impl Backend for Npu {
     fn embedding(&self, table: &NpuTensor, ids: &[u32]) -> Result<NpuTensor> {
         check::ids(self, "embedding", table, ids)?;
-        let h = table.cols();
-        let index = self.indices(ids.iter().map(|&i| i64::from(i)))?;
-        let out = self.empty(&[ids.len(), h], table.dtype)?;
+        let (n, h) = (ids.len(), table.cols());
+        // A NO_ROW id gathers row 0, then its row is zeroed (Megatron's masked fill).
+        let index = self.targets(ids, 0)?;
+        let out = self.empty(&[n, h], table.dtype)?;
         {
             let c = &self.ctx;
             let (w, i, o) = (
@@ -573,14 +631,19 @@ impl Backend for Npu {
                 o.raw
             )?;
         }
+        if let Some(mask) = self.no_row_mask(ids, DType::Bool, |hit| [u8::from(hit)])? {
+            self.masked_fill(&out.view(), &mask.view().reshaped(&[n, 1], 0), 0.0)?;
+        }
         self.converted(out, DType::F32)
     }
 
     fn embedding_bwd(&self, dy: &NpuTensor, ids: &[u32], dtable: &mut NpuTensor) -> Result<()> {
         check::embedding_bwd(self, dy, ids, dtable)?;
         let (v, h) = (dtable.rows(), dtable.cols());
-        let index = self.indices(ids.iter().map(|&i| i64::from(i)))?;
-        let grad = self.empty(&[v, h], dy.dtype)?;
+        // NO_ROW ids accumulate into a spare row v of the gradient, which is not added.
+        let rows = v + usize::from(ids.contains(&NO_ROW));
+        let index = self.targets(ids, v as i64)?;
+        let grad = self.empty(&[rows, h], dy.dtype)?;
         {
             let c = &self.ctx;
             let (g, i, o) = (
@@ -594,13 +657,13 @@ impl Backend for Npu {
                 aclnnEmbeddingDenseBackward,
                 g.raw,
                 i.raw,
-                v as u64,
+                rows as u64,
                 u64::MAX,
                 false,
                 o.raw,
             )?;
         }
-        self.add_view(&dtable.matrix(), &grad.view())
+        self.add_view(&dtable.matrix(), &grad.view().reshaped(&[v, h], 0))
     }
 
     fn select_rows(&self, x: &NpuTensor, rows: &[usize]) -> Result<NpuTensor> {
@@ -1077,7 +1140,8 @@ impl Backend for Npu {
         check::cross_entropy(self, logits, labels)?;
         let (n, v) = (logits.rows(), logits.cols());
         let lf = self.as_dtype(logits, DType::F32)?;
-        let target = self.indices(labels.iter().map(|&l| i64::from(l)))?;
+        // A NO_ROW label is ignored (loss 0), then its loss is set to the lse below.
+        let target = self.targets(labels, IGNORE_INDEX)?;
         let loss = self.empty(&[n], DType::F32)?;
         let log_prob = self.empty(&[n, v], DType::F32)?;
         let zloss = self.empty(&[2, n], DType::F32)?;
@@ -1116,6 +1180,9 @@ impl Backend for Npu {
         let lse = self.empty(&[n], DType::F32)?;
         let column = |t: &NpuTensor| t.view().strided(&[n], &[v as i64], 0);
         self.sub_view(&column(&lf), &column(&log_prob), &lse.view())?;
+        if let Some(mask) = self.no_row_ones(labels)? {
+            self.add_masked(&loss.view(), &mask, &lse.view())?;
+        }
         Ok((loss, lse))
     }
 
@@ -1135,7 +1202,8 @@ impl Backend for Npu {
             &lse.view().reshaped(&[n, 1], 0),
             &log_prob.view(),
         )?;
-        let target = self.indices(labels.iter().map(|&l| i64::from(l)))?;
+        // A NO_ROW label takes class 0, whose −dloss is added back below.
+        let target = self.targets(labels, 0)?;
         // The gradient takes log p's dtype (f32): it overwrites f32 logits' memory (the
         // operator reads only log p), else it is cast back to the logits' dtype.
         let grad = match logits.dtype {
@@ -1168,6 +1236,10 @@ impl Backend for Npu {
                 0.0,
                 out.raw,
             )?;
+        }
+        if let Some(mask) = self.no_row_ones(labels)? {
+            let class0 = grad.view().strided(&[n], &[v as i64], 0);
+            self.add_masked(&class0, &mask, &dloss.view())?;
         }
         self.converted(grad, dtype)
     }

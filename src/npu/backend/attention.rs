@@ -337,20 +337,7 @@ impl Npu {
         let (mask, side) = self.causal_mask(seq.kv_len)?;
         let past = seq.kv_len - seq.len;
         let visible = mask.strided(&[seq.len, seq.kv_len], &[side as i64, 1], past * side);
-        let c = &self.ctx;
-        let (x, m, value) = (
-            c.tensor(&scores.view())?,
-            c.tensor(&visible)?,
-            c.scalar(f32::NEG_INFINITY)?,
-        );
-        aclnn!(
-            self,
-            aclnnInplaceMaskedFillScalarGetWorkspaceSize,
-            aclnnInplaceMaskedFillScalar,
-            x.raw,
-            m.raw,
-            value.raw
-        )
+        self.masked_fill(&scores.view(), &visible, f32::NEG_INFINITY)
     }
 
     /// `out[b] = a[b] @ b[b]` (aclnnBatchMatMul, the dtype kept).
