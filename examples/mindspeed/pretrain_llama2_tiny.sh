@@ -1,17 +1,18 @@
 #!/bin/bash
 # MindSpeed-LLM's examples/mcore/llama2/pretrain_llama2_13b_ptd.sh with its sizes shrunk to a
-# model that trains in seconds on a CPU and the launcher line `python -m torch.distributed.launch
-# $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by `mindkit train`. Every other flag is the
+# model that trains in seconds on a CPU (2 ranks, TP 2 with sequence parallelism, instead of 8)
+# and the launcher line `python -m torch.distributed.launch $DISTRIBUTED_ARGS pretrain_gpt.py`
+# replaced by `torchrun $DISTRIBUTED_ARGS --no-python mindkit train`. Every other flag is the
 # original's: the NPU kernel and overlap flags are accepted and have no effect on the CPU
-# (`mindkit train --help` lists them). TP is 1: parallel training is not in mindkit yet.
+# (`mindkit train --help` lists them).
 export HCCL_CONNECT_TIMEOUT=3600
 export HCCL_EXEC_TIMEOUT=3600
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 
-NPUS_PER_NODE=1
+NPUS_PER_NODE=2
 MASTER_ADDR=localhost
-MASTER_PORT=6000
+MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=1
 NODE_RANK=0
 WORLD_SIZE=$(($NPUS_PER_NODE*$NNODES))
@@ -20,8 +21,16 @@ CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-your model save ckpt path}"
 DATA_PATH="${DATA_PATH:-your data path}"
 TOKENIZER_MODEL="${TOKENIZER_MODEL:-your tokenizer path}"
 CKPT_LOAD_DIR="${CKPT_LOAD_DIR:-your model ckpt path}"
-TP=1
+TP=2
 PP=1
+
+DISTRIBUTED_ARGS="
+    --nproc_per_node $NPUS_PER_NODE \
+    --nnodes $NNODES \
+    --node_rank $NODE_RANK \
+    --master_addr $MASTER_ADDR \
+    --master_port $MASTER_PORT
+"
 
 GPT_ARGS="
     --use-mcore-models \
@@ -89,7 +98,7 @@ OUTPUT_ARGS="
     --eval-iters 2 \
 "
 
-mindkit train \
+torchrun $DISTRIBUTED_ARGS --no-python mindkit train \
     $GPT_ARGS \
     $DATA_ARGS \
     $OUTPUT_ARGS \

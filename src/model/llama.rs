@@ -69,9 +69,7 @@ fn reduced<B: Backend>(
             Ok(x)
         }
         Some(tp) => {
-            let mut shape = b.shape(&x).to_vec();
-            shape[0] /= tp.group.size();
-            let mut out = b.zeros(&shape, b.dtype(&x))?;
+            let mut out = zeros_of_rows(b, &x, b.shape(&x)[0] / tp.group.size())?;
             tp.group.reduce_scatter(&x, &mut out, ReduceOp::Sum)?;
             Ok(out)
         }
@@ -88,11 +86,16 @@ fn gathered<B: Backend>(
     let Some(tp) = tp.filter(|tp| tp.sequence_parallel) else {
         return Ok(None);
     };
-    let mut shape = b.shape(x).to_vec();
-    shape[0] *= tp.group.size();
-    let mut out = b.zeros(&shape, b.dtype(x))?;
+    let mut out = zeros_of_rows(b, x, b.shape(x)[0] * tp.group.size())?;
     tp.group.all_gather(x, &mut out)?;
     Ok(Some(out))
+}
+
+/// Zeros of `x`'s dtype and row width, `rows` rows.
+fn zeros_of_rows<B: Backend>(b: &B, x: &B::Tensor, rows: usize) -> Result<B::Tensor> {
+    let mut shape = b.shape(x).to_vec();
+    shape[0] = rows;
+    b.zeros(&shape, b.dtype(x))
 }
 
 /// A linear layer: its weight, bias and LoRA factors in the table.

@@ -241,7 +241,7 @@ pub const FLAGS: &[Flag] = &[
     // Parallelism.
     used("world-size", One, "ranks as threads of this process (default TP; one NPU each from --npu-id on with --device npu): data parallelism takes world / TP ranks, each training on its slice of every global batch (mindkit's flag; under torchrun or Slurm the launcher's ranks, one process each)"),
     used("rank-table-file", One, "with --device npu under a launcher: join the ranks over HCCL by this rank table (CANN's JSON; default $RANK_TABLE_FILE, as torch_npu reads it) instead of the launcher's store"),
-    used("tensor-model-parallel-size", One, "tensor parallelism, Megatron's (on --device cpu; default 1)"),
+    used("tensor-model-parallel-size", One, "tensor parallelism, Megatron's (default 1)"),
     used("pipeline-model-parallel-size", One, "1 (pipeline parallelism is not available yet)"),
     used("context-parallel-size", One, "1 (context parallelism is not available)"),
     used("expert-model-parallel-size", One, "1"),

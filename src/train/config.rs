@@ -539,9 +539,6 @@ fn check_tensor_parallel(
     if a.has("lora-target-modules") {
         bail!("{flag} {tp}: LoRA with tensor parallelism is not built yet (use 1)");
     }
-    if a.get("device") == Some("npu") {
-        bail!("{flag} {tp}: tensor parallelism on NPUs (its vocabulary-parallel operators) is not built yet; it runs on --device cpu");
-    }
     Ok(())
 }
 

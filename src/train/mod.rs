@@ -146,7 +146,7 @@ impl<T> Groups<T> {
         }
     }
 
-    /// Rank `rank` of a data-parallel run.
+    /// Rank `rank` of a data-parallel run (one group of every rank).
     fn data_parallel(rank: usize, dp: Comm<T>) -> Self {
         Groups {
             rank,
@@ -212,7 +212,6 @@ fn socket_groups(
 /// Train with the layout's ranks as threads of this process: on the CPU backend through
 /// thread groups, or (data parallelism) one NPU each from `--npu-id` on through HCCL.
 fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<TrainSummary> {
-    let ranks = cfg.layout.world();
     match device {
         DeviceKind::Cpu => {
             let pairs: Vec<_> = thread_groups(&cfg.layout, cfg.rank_timeout)
@@ -232,17 +231,56 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
             })
         }
         DeviceKind::Npu(first) => {
-            let root = crate::npu::comm::root_info()?;
+            // One HCCL root info per group, made before the ranks start.
+            let roots = |axis| -> Result<Vec<crate::npu::comm::HcclRootInfo>> {
+                let n = cfg.layout.world() / cfg.layout.size(axis);
+                let many = cfg.layout.size(axis) > 1;
+                (0..if many { n } else { 0 })
+                    .map(|_| Ok(crate::npu::comm::root_info()?))
+                    .collect()
+            };
+            let (tp_roots, dp_roots) = (roots(Axis::Tp)?, roots(Axis::Dp)?);
             run_ranks(&cfg, quiet, |rank| {
                 let npu = Npu::open(first + rank as i32)?;
-                let comm = Hccl::join(&npu, ranks, rank, &root)?;
-                Ok::<RankSetup<Npu>, anyhow::Error>((
-                    npu,
-                    Groups::data_parallel(rank, Box::new(comm)),
-                ))
+                let groups = hccl_groups(&npu, &cfg.layout, rank, |axis, g| {
+                    Ok(match axis {
+                        Axis::Tp => tp_roots[g],
+                        _ => dp_roots[g],
+                    })
+                })?;
+                Ok::<RankSetup<Npu>, anyhow::Error>((npu, groups))
             })
         }
     }
+}
+
+/// Rank `rank`'s HCCL communicators of `layout` on `npu`: its tensor-parallel group's, then
+/// its data-parallel group's (every rank joins in this order), each from the root info
+/// `root(axis, group index)` gives.
+fn hccl_groups(
+    npu: &Npu,
+    layout: &Layout,
+    rank: usize,
+    mut root: impl FnMut(Axis, usize) -> Result<crate::npu::comm::HcclRootInfo>,
+) -> Result<Groups<crate::npu::NpuTensor>> {
+    let mut groups = Groups {
+        rank,
+        ..Groups::alone()
+    };
+    for axis in [Axis::Tp, Axis::Dp] {
+        if layout.size(axis) == 1 {
+            continue;
+        }
+        let all = layout.groups(&[axis]);
+        let g = all.iter().position(|m| m.contains(&rank)).unwrap_or(0);
+        let at = all[g].iter().position(|&r| r == rank).unwrap_or(0);
+        let comm: Comm<_> = Box::new(Hccl::join(npu, all[g].len(), at, &root(axis, g)?)?);
+        match axis {
+            Axis::Tp => groups.tp = Some(comm),
+            _ => groups.dp = Some(comm),
+        }
+    }
+    Ok(groups)
 }
 
 /// Train as one rank of a launcher's processes (torchrun, Slurm), each on NPU `--npu-id` +
@@ -274,15 +312,27 @@ fn as_process(
         }
         (DeviceKind::Npu(first), table) => {
             let npu = Npu::open(first + launch.local_rank as i32)?;
-            let comm = match table {
-                Some(table) => Hccl::join_table(&npu, &table, ranks, rank)
-                    .with_context(|| format!("joining by the rank table {}", table.display()))?,
+            let groups = match table {
+                Some(table) if cfg.layout.world() == cfg.data_parallel => {
+                    let comm = Hccl::join_table(&npu, &table, ranks, rank).with_context(|| {
+                        format!("joining by the rank table {}", table.display())
+                    })?;
+                    Groups::data_parallel(rank, Box::new(comm))
+                }
+                Some(table) => bail!(
+                    "--rank-table-file {}: joins one data-parallel group; with tensor parallelism the ranks meet through the launcher's store (leave the rank table out)",
+                    table.display()
+                ),
                 None => {
                     let (_server, mut store) = launch.connect(timeout)?;
-                    Hccl::join(&npu, ranks, rank, &root_info_through(&mut store, launch)?)?
+                    hccl_groups(&npu, &cfg.layout, rank, |axis, g| {
+                        let key = format!("hccl_root_info/{}/{g}", axis.token());
+                        let first = cfg.layout.groups(&[axis])[g][0] == rank;
+                        root_info_through(&mut store, launch, &key, first)
+                    })?
                 }
             };
-            Trainer::new(npu, cfg, quiet, Groups::data_parallel(rank, Box::new(comm)))
+            Trainer::new(npu, cfg, quiet, groups)
                 .and_then(Trainer::train)
                 .with_context(context)
         }
@@ -317,13 +367,16 @@ fn socket_group_through(
     Ok(comm)
 }
 
-/// Rank 0's HCCL root info: made here on rank 0 and set in the store, read from it elsewhere.
+/// A group's HCCL root info under `name` in the store: made here on its `first` rank and set
+/// in the store, read from it on the others.
 fn root_info_through(
     store: &mut store::TcpStore,
     launch: &store::Launch,
+    name: &str,
+    first: bool,
 ) -> Result<crate::npu::comm::HcclRootInfo> {
-    let key = launch.key("hccl_root_info");
-    if launch.rank == 0 {
+    let key = launch.key(name);
+    if first {
         let root = crate::npu::comm::root_info()?;
         store.set(&key, &root.to_bytes())?;
         return Ok(root);

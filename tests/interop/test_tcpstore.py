@@ -4,6 +4,7 @@ server, and the real launcher — torchrun's elastic agent hosting the store, as
 is launched — plus the launches where rank 0 must host the store itself."""
 import datetime
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -165,11 +166,13 @@ def stand_in_toolkit(at):
     return at
 
 
+@pytest.mark.parametrize("layout", ["dp2", "tp2+sp"])
 @pytest.mark.parametrize("device", ["cpu", "npu"])
-def test_torchrun_launches_mindkit_train(tmp_path, device):
+def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
     """`torchrun --no-python --nproc-per-node 2 mindkit train …` (the agent's store; ranks as
-    processes over sockets on the CPU, over the stand-in's HCCL on NPUs) logs what
-    `mindkit train --world-size 2` (ranks as threads) does, bit for bit."""
+    processes over sockets on the CPU, over the stand-in's HCCL on NPUs), data- or
+    tensor-parallel, logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
+    bit."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     fixtures = ROOT / "fixtures"
     subprocess.run([binary, "preprocess", "--input", fixtures / "corpus/pretrain.jsonl", "--output-prefix",
@@ -179,6 +182,8 @@ def test_torchrun_launches_mindkit_train(tmp_path, device):
             "--split", "1", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
             "--train-iters", "6", "--lr", "1e-3", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
             "--log-interval", "1", "--eval-iters", "0", "--quiet", "--device", device]
+    if layout == "tp2+sp":
+        args += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     args = [str(a) for a in args]
     extra = {}
     if device == "npu":
@@ -197,3 +202,39 @@ def test_torchrun_launches_mindkit_train(tmp_path, device):
 
     assert len(losses(threads)) == 6, threads
     assert losses(processes) == losses(threads), processes + err
+
+
+def test_mindspeed_script_under_torchrun(tmp_path):
+    """examples/mindspeed/pretrain_llama2_tiny.sh (MindSpeed-LLM's pretrain_llama2_13b_ptd.sh,
+    shrunk, TP 2 with sequence parallelism) under the real torchrun: two processes train, and
+    each tensor-parallel rank saves its file."""
+    binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
+    tokenizer = ROOT / "fixtures/models/demo"
+    # 512 documents, so that --split 949,50,1 leaves the test split one.
+    lines = (ROOT / "fixtures/corpus/pretrain.jsonl").read_text()
+    (tmp_path / "big.jsonl").write_text(lines * 32)
+    subprocess.run([binary, "preprocess", "--input", tmp_path / "big.jsonl", "--output-prefix",
+                    tmp_path / "corpus", "--tokenizer", tokenizer, "--append-eod", "--quiet"], check=True)
+    data = tmp_path / "corpus_text_document"
+    # The script's architecture (LLaMA-2: no GQA) from scratch, as an HF directory.
+    subprocess.run([binary, "train", "--data-path", data, "--split", "1", "--seq-length", "32",
+                    "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--attention-dropout", "0.0",
+                    "--hidden-dropout", "0.0", "--eval-iters", "0", "--quiet", "--save", tmp_path / "scratch",
+                    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
+                    "--num-attention-heads", "4", "--swiglu", "--disable-bias-linear",
+                    "--untie-embeddings-and-output-weights", "--tokenizer-name-or-path", tokenizer],
+                   check=True, env=launch_env())
+    subprocess.run([binary, "convert", "--to", "hf", "--input", tmp_path / "scratch", "--output", tmp_path / "hf",
+                    "--quiet"], check=True)
+    (tmp_path / "logs").mkdir()
+    torchrun = pathlib.Path(sys.executable).parent
+    env = launch_env(OMP_NUM_THREADS=1, PATH=f"{torchrun}:{pathlib.Path(binary).parent}:{os.environ['PATH']}",
+                     CKPT_LOAD_DIR=tmp_path / "hf", CKPT_SAVE_DIR=tmp_path / "saved", DATA_PATH=data,
+                     TOKENIZER_MODEL=tokenizer,
+                     MASTER_PORT=free_port())
+    script = ROOT / "examples/mindspeed/pretrain_llama2_tiny.sh"
+    rc, out, err = finish(start(["bash", str(script)], env=env, cwd=tmp_path), timeout=300)
+    assert "iteration       10/      10" in out, out + err
+    assert "validation loss at iteration 5 |" in out, out + err
+    for rank in ["mp_rank_00", "mp_rank_01"]:
+        assert (tmp_path / "saved/iter_0000010" / rank / "model_optim_rng.pt").is_file(), out + err
