@@ -21,6 +21,7 @@
 use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;
 use crate::arch::roles::{Canon, Role};
+use crate::ckpt::transform::is_row_parallel;
 use crate::engine::comm::{Communicator, ReduceOp};
 use crate::engine::{Backend, Result, NO_ROW};
 use crate::tensor::DType;
@@ -105,6 +106,8 @@ struct Linear {
     bias: Option<usize>,
     /// `(A, B)` of its adapter.
     lora: Option<(usize, usize)>,
+    /// Row-parallel (split on its input: linear_proj, linear_fc2), else column-parallel.
+    row: bool,
 }
 
 /// Where each parameter of a layer sits in the table.
@@ -144,6 +147,7 @@ impl Ids {
                 lora: table
                     .lora_index(canon, LoraPart::A)
                     .zip(table.lora_index(canon, LoraPart::B)),
+                row: is_row_parallel(role),
             })
         };
         let mut ids = Vec::with_capacity(layers);
@@ -257,11 +261,6 @@ pub fn forward<B: Backend>(
         x = b.cast(&x, activations)?;
     }
     let mut x = reduced(b, tp, x)?;
-    // A row-parallel layer's bias is added once, by tensor-parallel rank 0, before the sum.
-    let row_parallel = |lin: Linear| match tp {
-        Some(tp) if tp.group.rank() > 0 => Linear { bias: None, ..lin },
-        _ => lin,
-    };
     let mut layers = Vec::with_capacity(ids.layers.len());
     for l in &ids.layers {
         let (h1, rstd1) = b.rms_norm(&x, &params[l.input_norm], eps)?;
@@ -270,14 +269,14 @@ pub fn forward<B: Backend>(
             b,
             all.as_ref().unwrap_or(&h1),
             l.qkv,
-            params,
-            ids.lora_scale,
+            (params, ids.lora_scale),
+            tp,
         )?;
         let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
         b.rope(&mut q, &cos, &sin, false)?;
         b.rope(&mut k, &cos, &sin, false)?;
         let (o, lse) = b.attention(&q, &k, &v, &batch.segments, shape)?;
-        let (x_mid, u_proj) = linear_fwd(b, &o, row_parallel(l.proj), params, ids.lora_scale)?;
+        let (x_mid, u_proj) = linear_fwd(b, &o, l.proj, (params, ids.lora_scale), tp)?;
         let mut x_mid = reduced(b, tp, x_mid)?;
         b.add_assign(&mut x_mid, &x)?;
         let (h2, rstd2) = b.rms_norm(&x_mid, &params[l.post_norm], eps)?;
@@ -286,11 +285,11 @@ pub fn forward<B: Backend>(
             b,
             all.as_ref().unwrap_or(&h2),
             l.fc1,
-            params,
-            ids.lora_scale,
+            (params, ids.lora_scale),
+            tp,
         )?;
         let act = b.swiglu(&up)?;
-        let (out, u_fc2) = linear_fwd(b, &act, row_parallel(l.fc2), params, ids.lora_scale)?;
+        let (out, u_fc2) = linear_fwd(b, &act, l.fc2, (params, ids.lora_scale), tp)?;
         let mut out = reduced(b, tp, out)?;
         b.add_assign(&mut out, &x_mid)?;
         layers.push(LayerSaved {
@@ -363,10 +362,18 @@ pub fn backward<B: Backend>(
         w: ids.output(),
         bias: None,
         lora: None,
+        row: false,
     };
     let all = gathered(b, tp, &hf)?;
     let whole = all.as_ref().unwrap_or(&hf);
-    let dhf = linear_bwd(b, &dlogits, whole, None, output, params, grads, ids)?;
+    let dhf = linear_bwd(
+        b,
+        &dlogits,
+        (whole, None),
+        output,
+        (params, &mut *grads, ids),
+        tp,
+    )?;
     drop(dlogits);
     let dhf = reduced(b, tp, dhf)?;
     let mut dx = rms_grad(b, &dhf, &x, params, grads, ids, ids.final_norm, &rstdf)?;
@@ -375,11 +382,25 @@ pub fn backward<B: Backend>(
         // out = x_mid + fc2(swiglu(fc1(norm(x_mid)))): dx flows to both.
         let all = gathered(b, tp, &dx)?;
         let dy = all.as_ref().unwrap_or(&dx);
-        let dact = linear_bwd(b, dy, &s.act, u_fc2.as_ref(), l.fc2, params, grads, ids)?;
+        let dact = linear_bwd(
+            b,
+            dy,
+            (&s.act, u_fc2.as_ref()),
+            l.fc2,
+            (params, &mut *grads, ids),
+            tp,
+        )?;
         let dup = b.swiglu_bwd(&dact, &s.up)?;
         let all = gathered(b, tp, &s.h2)?;
         let h2 = all.as_ref().unwrap_or(&s.h2);
-        let dh2 = linear_bwd(b, &dup, h2, u_fc1.as_ref(), l.fc1, params, grads, ids)?;
+        let dh2 = linear_bwd(
+            b,
+            &dup,
+            (h2, u_fc1.as_ref()),
+            l.fc1,
+            (params, &mut *grads, ids),
+            tp,
+        )?;
         let dh2 = reduced(b, tp, dh2)?;
         let mut dx_mid = rms_grad(b, &dh2, &s.x_mid, params, grads, ids, l.post_norm, &s.rstd2)?;
         b.add_assign(&mut dx_mid, &dx)?;
@@ -388,12 +409,10 @@ pub fn backward<B: Backend>(
         let d_o = linear_bwd(
             b,
             all.as_ref().unwrap_or(&dx_mid),
-            &s.o,
-            u_proj.as_ref(),
+            (&s.o, u_proj.as_ref()),
             l.proj,
-            params,
-            grads,
-            ids,
+            (params, &mut *grads, ids),
+            tp,
         )?;
         let (mut dq, mut dk, dv) =
             b.attention_bwd(&d_o, &s.q, &s.k, &s.v, &s.o, &s.lse, &batch.segments, shape)?;
@@ -402,7 +421,14 @@ pub fn backward<B: Backend>(
         let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;
         let all = gathered(b, tp, &s.h1)?;
         let h1 = all.as_ref().unwrap_or(&s.h1);
-        let dh1 = linear_bwd(b, &dqkv, h1, u_qkv.as_ref(), l.qkv, params, grads, ids)?;
+        let dh1 = linear_bwd(
+            b,
+            &dqkv,
+            (h1, u_qkv.as_ref()),
+            l.qkv,
+            (params, &mut *grads, ids),
+            tp,
+        )?;
         let dh1 = reduced(b, tp, dh1)?;
         dx = rms_grad(b, &dh1, &s.x, params, grads, ids, l.input_norm, &s.rstd1)?;
         b.add_assign(&mut dx, &dx_mid)?;
@@ -452,35 +478,51 @@ fn vocab_parallel_cross_entropy<B: Backend>(
     Ok((b.upload_f32(&n, &loss)?, b.upload_f32(&n, &whole)?))
 }
 
+/// Whether this rank adds a term every tensor-parallel rank computes alike to a sum the
+/// group reduces afterwards: rank 0 alone does, so that the sum counts it once.
+fn counts_once<T>(tp: Option<&TensorParallel<T>>) -> bool {
+    tp.is_none_or(|tp| tp.group.rank() == 0)
+}
+
 /// `y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ`; returns `y` and, with an adapter, `x·Aᵀ` for the
-/// backward pass.
+/// backward pass. Under tensor parallelism a row-parallel layer's `y` is a partial sum the
+/// caller reduces: its bias and adapter term are added by one rank, and its adapter's `A`
+/// being row-parallel too (peft's megatron LoRA layer, peft/tuners/lora/tp_layer.py), `x·Aᵀ`
+/// is summed over the ranks here.
 fn linear_fwd<B: Backend>(
     b: &B,
     x: &B::Tensor,
     lin: Linear,
-    params: &[B::Tensor],
-    scale: f32,
+    (params, scale): (&[B::Tensor], f32),
+    tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<(B::Tensor, Option<B::Tensor>)> {
-    let mut y = b.matmul(x, &params[lin.w], lin.bias.map(|i| &params[i]))?;
+    let once = !lin.row || counts_once(tp);
+    let bias = lin.bias.filter(|_| once).map(|i| &params[i]);
+    let mut y = b.matmul(x, &params[lin.w], bias)?;
     let Some((a, bb)) = lin.lora else {
         return Ok((y, None));
     };
-    let u = b.matmul(x, &params[a], None)?;
-    b.add_assign(&mut y, &b.scaled(&b.matmul(&u, &params[bb], None)?, scale)?)?;
+    let mut u = b.matmul(x, &params[a], None)?;
+    if lin.row {
+        u = reduced(b, tp, u)?;
+    }
+    if once {
+        b.add_assign(&mut y, &b.scaled(&b.matmul(&u, &params[bb], None)?, scale)?)?;
+    }
     Ok((y, Some(u)))
 }
 
 /// `dx` of [`linear_fwd`], accumulating the gradients of whatever of W, bias, A, B is trained.
-#[allow(clippy::too_many_arguments)]
+/// Under tensor parallelism a column-parallel layer's `dx` is a partial sum the caller
+/// reduces; its adapter's `B` being column-parallel too, `x·Aᵀ`'s gradient is summed over
+/// the ranks here and the adapter's part of `dx`, alike on every rank, added by one.
 fn linear_bwd<B: Backend>(
     b: &B,
     dy: &B::Tensor,
-    x: &B::Tensor,
-    u: Option<&B::Tensor>,
+    (x, u): (&B::Tensor, Option<&B::Tensor>),
     lin: Linear,
-    params: &[B::Tensor],
-    grads: &mut [B::Tensor],
-    ids: &Ids,
+    (params, grads, ids): (&[B::Tensor], &mut [B::Tensor], &Ids),
+    tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<B::Tensor> {
     let trained = |i: usize| ids.trainable[i];
     let mut dx = match lin.bias.filter(|&bi| trained(lin.w) && trained(bi)) {
@@ -496,11 +538,14 @@ fn linear_bwd<B: Backend>(
     if let (Some((a, bb)), Some(u)) = (lin.lora, u) {
         // y += s·u·Bᵀ with u = x·Aᵀ.
         let dys = b.scaled(dy, ids.lora_scale)?;
-        let du = b.matmul_bwd(&dys, u, &params[bb], Some(&mut grads[bb]), None)?;
-        b.add_assign(
-            &mut dx,
-            &b.matmul_bwd(&du, x, &params[a], Some(&mut grads[a]), None)?,
-        )?;
+        let mut du = b.matmul_bwd(&dys, u, &params[bb], Some(&mut grads[bb]), None)?;
+        if !lin.row {
+            du = reduced(b, tp, du)?;
+        }
+        let dx_a = b.matmul_bwd(&du, x, &params[a], Some(&mut grads[a]), None)?;
+        if lin.row || counts_once(tp) {
+            b.add_assign(&mut dx, &dx_a)?;
+        }
     }
     Ok(dx)
 }

@@ -9,7 +9,7 @@
 use crate::arch::roles::{canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
 use crate::ckpt::layout::{global_key, layer_key, KeyLayout};
-use crate::ckpt::transform::{is_tp_split, shard_shape};
+use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
 
 /// Which factor of a LoRA adapter a parameter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +142,9 @@ impl ParamTable {
                         decay: true,
                         scaled_init: false,
                         trainable: true,
-                        tp_split: false,
+                        // peft's megatron LoRA layer: a row-parallel layer's A is split like
+                        // it, a column-parallel layer's B; the other factor is whole.
+                        tp_split: (part == LoraPart::A) == is_row_parallel(canon.role),
                     });
                 }
             }
@@ -189,11 +191,18 @@ impl ParamTable {
     }
 
     /// One tensor-parallel rank's table of `cfg`'s model over `tp` ranks: the split
-    /// parameters' shards' shapes (the padded vocabulary split by rows).
+    /// parameters' shards' shapes (the padded vocabulary split by rows; a split LoRA factor
+    /// as its layer's input or output).
     pub fn tensor_parallel(&self, cfg: &ModelConfig, tp: usize) -> ParamTable {
         let mut t = self.clone();
-        for p in t.params.iter_mut().filter(|p| p.lora.is_none()) {
-            p.shape = shard_shape(cfg, p.canon.role, tp, self.vocab_padded);
+        for p in t.params.iter_mut() {
+            let shard = shard_shape(cfg, p.canon.role, tp, self.vocab_padded);
+            match p.lora {
+                None => p.shape = shard,
+                Some(LoraPart::A) if p.tp_split => p.shape[1] = shard[1],
+                Some(LoraPart::B) if p.tp_split => p.shape[0] = shard[0],
+                Some(_) => {}
+            }
         }
         t
     }

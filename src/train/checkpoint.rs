@@ -387,16 +387,17 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     Ok(())
 }
 
-/// Replace `host[i]` by the tensor named `table.params[i].name` in the one-rank checkpoint
-/// `dir`, for every parameter `pick` selects (the LoRA adapters of `--lora-load`): shapes
-/// checked, cast to the parameter's dtype.
+/// Replace `host[i]` by the tensor named `table.params[i].name` in tensor-parallel rank
+/// `tp.0`'s file of the checkpoint `dir` saved by `tp.1` ranks, for every parameter `pick`
+/// selects (the LoRA adapters of `--lora-load`): shapes checked, cast to the parameter's
+/// dtype.
 pub fn load_named(
     dir: &Path,
-    table: &ParamTable,
+    (table, tp): (&ParamTable, (usize, usize)),
     pick: impl Fn(&crate::model::params::ParamInfo) -> bool,
     host: &mut [Tensor],
 ) -> Result<()> {
-    let path = rank_file(dir, (0, 1))?;
+    let path = rank_file(dir, tp)?;
     let f = TorchFile::open(&path)?;
     let mut keys = std::collections::BTreeMap::new();
     for chunk in crate::ckpt::megatron::chunks(&f)? {

@@ -515,11 +515,11 @@ fn initial_params(
             _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e)),
         })
         .zip(&table.params)
-        .map(|(t, p)| match (t, p.lora) {
-            (Ok(t), None) if tp.1 > 1 => {
+        .map(|(t, p)| match t {
+            Ok(t) if tp.1 > 1 && p.tp_split => {
                 Ok(tp_shard(p.canon.role, &t, tp.0, tp.1, table.vocab_padded))
             }
-            (t, _) => t,
+            t => t,
         })
         .collect()
 }
@@ -609,7 +609,7 @@ impl<B: Backend> Trainer<B> {
         let mut host = initial_params(&cfg, &table, tp)?;
         let table = table.tensor_parallel(&cfg.model, tp.1);
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
-            checkpoint::load_named(dir, &table, |p| p.lora.is_some(), &mut host)?;
+            checkpoint::load_named(dir, (&table, tp), |p| p.lora.is_some(), &mut host)?;
         }
         let params: Vec<B::Tensor> = host
             .iter()
@@ -1592,9 +1592,15 @@ impl<B: Backend> Trainer<B> {
         let block = rows * hidden * a.size();
         let entropy = 3 * rows * 4;
         if !c.sequence_parallel {
-            let bytes = k * ((4 * layers + 2) * block + entropy);
+            // With LoRA, each adapter's x·Aᵀ (row-parallel layers, forward) or its gradient
+            // (column-parallel layers, backward) too.
+            let (adapters, r) = c
+                .lora
+                .as_ref()
+                .map_or((0, 0), |l| (l.spec.targets.len() * layers, l.spec.r));
+            let bytes = k * ((4 * layers + 2) * block + adapters * rows * r * a.size() + entropy);
             return format!(
-                "all-reduces: ({} × [{rows}, {hidden}] {a:?} + 3 × [{rows}] f32) × {k} micro-batches = {bytes} bytes",
+                "all-reduces: ({} × [{rows}, {hidden}] {a:?} + {adapters} × [{rows}, {r}] {a:?} + 3 × [{rows}] f32) × {k} micro-batches = {bytes} bytes",
                 4 * layers + 2
             );
         }
