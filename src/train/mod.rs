@@ -572,6 +572,8 @@ struct Trainer<B: Backend> {
     quiet: bool,
     stop: Option<Arc<AtomicBool>>,
     tensorboard: Option<tensorboard::TensorBoard>,
+    /// Elements of the whole model (every rank's shards).
+    model_numel: usize,
     /// The tensor-parallel group (None: one rank), its collectives counted.
     tp: Option<Counted<B::Tensor>>,
     /// The data-parallel group (None: one rank), its collectives counted.
@@ -607,6 +609,7 @@ impl<B: Backend> Trainer<B> {
         let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
             .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
         let mut host = initial_params(&cfg, &table, tp)?;
+        let model_numel = table.numel();
         let table = table.tensor_parallel(&cfg.model, tp.1);
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
             checkpoint::load_named(dir, (&table, tp), |p| p.lora.is_some(), &mut host)?;
@@ -650,6 +653,7 @@ impl<B: Backend> Trainer<B> {
             quiet,
             stop,
             tensorboard,
+            model_numel,
             tp: groups.tp.map(Counted::new),
             dp: groups.dp.map(Counted::new),
             rank,
@@ -1278,7 +1282,7 @@ impl<B: Backend> Trainer<B> {
         {
             bail!("internal: the train split holds fewer samples than the run consumes");
         }
-        let params: usize = self.table.numel();
+        let params = self.model_numel;
         if !self.quiet {
             eprintln!(
                 "mindkit train: {} parameters, {} layers, hidden {}, vocabulary {} (padded {}), {} on {}",
