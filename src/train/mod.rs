@@ -146,6 +146,30 @@ impl<T> Groups<T> {
         }
     }
 
+    /// Rank `rank`'s groups of `layout`: `join(axis)` makes its communicator along each axis
+    /// where the layout has more than one rank, tensor-parallel first (every rank joins in
+    /// this order).
+    fn of_layout(
+        rank: usize,
+        layout: &Layout,
+        mut join: impl FnMut(Axis) -> Result<Comm<T>>,
+    ) -> Result<Self> {
+        let mut groups = Groups {
+            rank,
+            ..Groups::alone()
+        };
+        for axis in [Axis::Tp, Axis::Dp] {
+            if layout.size(axis) > 1 {
+                let comm = Some(join(axis)?);
+                match axis {
+                    Axis::Tp => groups.tp = comm,
+                    _ => groups.dp = comm,
+                }
+            }
+        }
+        Ok(groups)
+    }
+
     /// Rank `rank` of a data-parallel run (one group of every rank).
     fn data_parallel(rank: usize, dp: Comm<T>) -> Self {
         Groups {
@@ -192,21 +216,12 @@ fn socket_groups(
     layout: &Layout,
     rank: usize,
 ) -> Result<Groups<crate::engine::cpu::CpuTensor>> {
-    let mut groups = Groups {
-        rank,
-        ..Groups::alone()
-    };
-    for (axis, id) in [(Axis::Tp, 1), (Axis::Dp, 2)] {
-        if layout.size(axis) == 1 {
-            continue;
-        }
-        let comm: Comm<_> = Box::new(world.subgroup(id, layout.group_of(rank, &[axis]))?);
-        match axis {
-            Axis::Tp => groups.tp = Some(comm),
-            _ => groups.dp = Some(comm),
-        }
-    }
-    Ok(groups)
+    Groups::of_layout(rank, layout, |axis| {
+        let id = if axis == Axis::Tp { 1 } else { 2 };
+        Ok(Box::new(
+            world.subgroup(id, layout.group_of(rank, &[axis]))?,
+        ))
+    })
 }
 
 /// Train with the layout's ranks as threads of this process: on the CPU backend through
@@ -242,7 +257,7 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
             let (tp_roots, dp_roots) = (roots(Axis::Tp)?, roots(Axis::Dp)?);
             run_ranks(&cfg, quiet, |rank| {
                 let npu = Npu::open(first + rank as i32)?;
-                let groups = hccl_groups(&npu, &cfg.layout, rank, |axis, g| {
+                let groups = hccl_groups(&npu, &cfg.layout, rank, |axis, g, _| {
                     Ok(match axis {
                         Axis::Tp => tp_roots[g],
                         _ => dp_roots[g],
@@ -254,33 +269,21 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
     }
 }
 
-/// Rank `rank`'s HCCL communicators of `layout` on `npu`: its tensor-parallel group's, then
-/// its data-parallel group's (every rank joins in this order), each from the root info
-/// `root(axis, group index)` gives.
+/// Rank `rank`'s HCCL communicators of `layout` on `npu`, each from the root info
+/// `root(axis, group index, whether this rank is the group's first)` gives.
 fn hccl_groups(
     npu: &Npu,
     layout: &Layout,
     rank: usize,
-    mut root: impl FnMut(Axis, usize) -> Result<crate::npu::comm::HcclRootInfo>,
+    mut root: impl FnMut(Axis, usize, bool) -> Result<crate::npu::comm::HcclRootInfo>,
 ) -> Result<Groups<crate::npu::NpuTensor>> {
-    let mut groups = Groups {
-        rank,
-        ..Groups::alone()
-    };
-    for axis in [Axis::Tp, Axis::Dp] {
-        if layout.size(axis) == 1 {
-            continue;
-        }
+    Groups::of_layout(rank, layout, |axis| {
         let all = layout.groups(&[axis]);
         let g = all.iter().position(|m| m.contains(&rank)).unwrap_or(0);
         let at = all[g].iter().position(|&r| r == rank).unwrap_or(0);
-        let comm: Comm<_> = Box::new(Hccl::join(npu, all[g].len(), at, &root(axis, g)?)?);
-        match axis {
-            Axis::Tp => groups.tp = Some(comm),
-            _ => groups.dp = Some(comm),
-        }
-    }
-    Ok(groups)
+        let info = root(axis, g, at == 0)?;
+        Ok(Box::new(Hccl::join(npu, all[g].len(), at, &info)?))
+    })
 }
 
 /// Train as one rank of a launcher's processes (torchrun, Slurm), each on NPU `--npu-id` +
@@ -325,9 +328,8 @@ fn as_process(
                 ),
                 None => {
                     let (_server, mut store) = launch.connect(timeout)?;
-                    hccl_groups(&npu, &cfg.layout, rank, |axis, g| {
+                    hccl_groups(&npu, &cfg.layout, rank, |axis, g, first| {
                         let key = format!("hccl_root_info/{}/{g}", axis.token());
-                        let first = cfg.layout.groups(&[axis])[g][0] == rank;
                         root_info_through(&mut store, launch, &key, first)
                     })?
                 }
@@ -908,6 +910,16 @@ impl<B: Backend> Trainer<B> {
         Ok((losses, tokens))
     }
 
+    /// The trained norm weights: under sequence parallelism, the parameters whose gradients
+    /// each rank takes over its rows only (Megatron's `sequence_parallel` attribute).
+    fn trained_norms(&self) -> Vec<usize> {
+        let norm = |r| matches!(r, Role::InputNorm | Role::PostNorm | Role::FinalNorm);
+        (self.table.params.iter().enumerate())
+            .filter(|(_, p)| p.trainable && norm(p.canon.role))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
     /// Under sequence parallelism a norm weight's gradient covers this rank's rows only:
     /// summed over the tensor-parallel ranks in one all-reduce of them all
     /// (megatron/core/distributed/finalize_model_grads.py
@@ -917,16 +929,7 @@ impl<B: Backend> Trainer<B> {
         let Some(tp) = self.tp.as_ref().filter(|_| self.cfg.sequence_parallel) else {
             return Ok(());
         };
-        let norms: Vec<usize> = (self.table.params.iter().enumerate())
-            .filter(|(_, p)| {
-                p.trainable
-                    && matches!(
-                        p.canon.role,
-                        Role::InputNorm | Role::PostNorm | Role::FinalNorm
-                    )
-            })
-            .map(|(i, _)| i)
-            .collect();
+        let norms = self.trained_norms();
         let mut flat = Vec::new();
         for &i in &norms {
             flat.extend(self.b.download_f32(&self.grads[i])?);
@@ -1608,15 +1611,8 @@ impl<B: Backend> Trainer<B> {
                 4 * layers + 2
             );
         }
-        let norms: usize = (self.table.params.iter())
-            .filter(|p| {
-                p.trainable
-                    && matches!(
-                        p.canon.role,
-                        Role::InputNorm | Role::PostNorm | Role::FinalNorm
-                    )
-            })
-            .map(ParamInfo::numel)
+        let norms: usize = (self.trained_norms().into_iter())
+            .map(|i| self.table.params[i].numel())
             .sum();
         format!(
             "all-gathers: {} × [{}, {hidden}] {a:?} × {k} micro-batches = {} bytes; reduce-scatters: {} × [{rows}, {hidden}] {a:?} × {k} = {} bytes; all-reduces: 3 × [{rows}] f32 × {k} + {norms} norm gradients × 4 = {} bytes",
