@@ -88,6 +88,15 @@ pub(crate) fn counted() -> String {
 }
 
 /// Communicators never destroyed (for `aclFinalize`'s leak report).
+/// Keep this process's hubs until their ranks in other processes are done with them (at most
+/// `HCCL_EXEC_TIMEOUT`): called by `aclFinalize`, which a process calls on its way out. Not
+/// while a communicator of this process lives: its rank would never leave.
+pub(crate) fn await_departures() {
+    if locked(&LIVE).is_empty() {
+        hub::await_departures(exec_timeout_ms());
+    }
+}
+
 pub(crate) fn leaks() -> Option<String> {
     let n = locked(&LIVE).len();
     (n > 0).then(|| format!("{n} HCCL communicators never destroyed"))

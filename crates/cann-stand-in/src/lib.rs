@@ -255,6 +255,8 @@ pub extern "C" fn aclFinalize() -> aclError {
     problems.extend(hccl::leaks());
     // the state goes whatever leaked, so that a later aclInit starts afresh
     *guard = None;
+    drop(guard);
+    hccl::await_departures();
     if problems.is_empty() {
         return ACL_SUCCESS;
     }

@@ -4,7 +4,9 @@
 //! rank's same-numbered call, checks they agree, computes the result once and answers each rank
 //! its part; it holds sends until the matching receive. A rank whose connection closes (its
 //! communicator destroyed, or its process gone) fails whatever waits on it, so nothing hangs.
-//! Once every rank joined (or the join timed out) the socket's path is removed.
+//! Once every rank joined (or the join timed out) the socket's path is removed. The process
+//! serving hubs waits at `aclFinalize` until their ranks left ([`await_departures`]): were it to
+//! exit first, a rank of another process still reading its last result would find the hub gone.
 
 use super::data;
 use super::wire::{self, Call, Data, Kind, Reply, Request};
@@ -61,6 +63,9 @@ struct Mail {
     data: Data,
 }
 
+/// The hubs this process serves.
+static HOSTED: Mutex<Vec<Arc<Hub>>> = Mutex::new(Vec::new());
+
 /// Bind `path` and serve a hub there from a new thread.
 pub(crate) fn start(path: &Path) -> std::io::Result<()> {
     let listener = UnixListener::bind(path)?;
@@ -69,6 +74,10 @@ pub(crate) fn start(path: &Path) -> std::io::Result<()> {
         group: Mutex::new(Group::default()),
         changed: Condvar::new(),
     });
+    HOSTED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Arc::clone(&hub));
     std::thread::Builder::new()
         .name("hccl-stand-in-hub".into())
         .spawn(move || accept(&hub, &listener))?;
@@ -86,6 +95,18 @@ fn accept(hub: &Arc<Hub>, listener: &UnixListener) {
                 .name("hccl-stand-in-rank".into())
                 .spawn(move || serve(&hub, stream));
         }
+    }
+}
+
+/// Wait until every rank that joined a hub of this process left it (destroyed its communicator
+/// or closed its connection), at most `timeout_ms` per hub; the hubs are then forgotten.
+pub(crate) fn await_departures(timeout_ms: u64) {
+    let hubs = std::mem::take(&mut *HOSTED.lock().unwrap_or_else(|e| e.into_inner()));
+    for hub in hubs {
+        let g = hub.lock();
+        let _ = hub.wait_for(g, timeout_ms, |g| {
+            g.joined.iter().all(|r| g.gone.contains_key(r)).then_some(())
+        });
     }
 }
 
