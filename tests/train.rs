@@ -162,6 +162,7 @@ fn bad_input_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     let save = dir.path().join("save");
+    let split = |flags: &'static str| flags.split(' ').collect::<Vec<_>>();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["--global-batch-size", "5"],
@@ -175,8 +176,24 @@ fn bad_input_is_refused_before_any_work() {
         (vec!["--fp16"], "--fp16 is not supported"),
         (vec!["--no-such-flag"], "unknown flag --no-such-flag"),
         (
-            vec!["--pipeline-model-parallel-size", "2"],
-            "trains with tensor and data parallelism only",
+            vec!["--context-parallel-size", "2"],
+            "trains with tensor, pipeline and data parallelism only",
+        ),
+        (
+            split("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"),
+            "the interleaved pipeline schedule is not built yet",
+        ),
+        (
+            vec!["--pipeline-model-parallel-size", "4"],
+            "--pipeline-model-parallel-size 4 does not divide --num-layers 2",
+        ),
+        (
+            vec!["--decoder-first-pipeline-num-layers", "1"],
+            "need --pipeline-model-parallel-size of at least 2",
+        ),
+        (
+            split("--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2"),
+            "stage 0 would hold no layers",
         ),
         (
             vec!["--attention-dropout", "0.1"],
@@ -729,21 +746,21 @@ fn npu_ranks_as_processes_train_as_npu_ranks_as_threads_do() {
     for (ok, _, err) in &ranks {
         assert!(!ok && err.contains("rank_table.json"), "{err}");
     }
-    // Tensor and sequence parallelism on two stand-in NPUs: as the CPU trains, and as
-    // processes (the tensor-parallel group's root info through the store) as threads.
+    // Tensor and sequence parallelism, and pipeline stages (sending and receiving over
+    // HCCL), on two stand-in NPUs: as the CPU trains, and as processes (the group's root info
+    // through the store) as threads.
     let tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
-    let mut parallel = args(&data, &[&["--train-iters", "6"][..], &tp].concat());
-    let cpu = stdout(&run(&parallel).success());
-    let (threads, _) = train_on_stand_in(dir.path(), &parallel, "");
-    same_training(&cpu, &threads, 1e-4, "TP2 + SP on the NPU stand-in");
-    parallel.extend(["--device".into(), "npu".into()]);
-    let ranks = outputs(spawn_ranks(&parallel, 2, |_| stand_in_env(&home, 2)));
-    same_training(
-        &threads,
-        succeeded(&ranks),
-        0.0,
-        "TP2 + SP as NPU processes",
-    );
+    let pp = ["--pipeline-model-parallel-size", "2"];
+    for (layout, what) in [(&tp[..], "TP2 + SP"), (&pp[..], "PP2")] {
+        let mut parallel = args(&data, &[&["--train-iters", "6"][..], layout].concat());
+        let cpu = stdout(&run(&parallel).success());
+        let (threads, _) = train_on_stand_in(dir.path(), &parallel, "");
+        same_training(&cpu, &threads, 1e-4, &format!("{what} on the NPU stand-in"));
+        parallel.extend(["--device".into(), "npu".into()]);
+        let ranks = outputs(spawn_ranks(&parallel, 2, |_| stand_in_env(&home, 2)));
+        let as_processes = format!("{what} as NPU processes");
+        same_training(&threads, succeeded(&ranks), 0.0, &as_processes);
+    }
 }
 
 /// `a` and `b` within `tolerance` relative, iteration by iteration, for lm loss and grad norm.
@@ -1077,7 +1094,6 @@ fn tensor_parallel_ranks_train_as_one_rank_does() {
         "--save-interval",
         "20",
     ];
-    type Model = fn(&Path, &[&str]) -> Vec<String>;
     let models: [(&str, Model); 2] = [("untied", args), ("tied", tied_with_qkv_bias)];
     for (name, model) in models {
         let one_dir = path(&format!("{name}_one"));
@@ -1157,57 +1173,213 @@ fn tensor_parallel_ranks_train_as_one_rank_does() {
     }
 }
 
+/// A model's flags: the data, then the run's own.
+type Model = fn(&Path, &[&str]) -> Vec<String>;
+
+/// `args` loading `dir`: its `--load` pointed there, or one added.
+fn loading(mut args: Vec<String>, dir: &Path) -> Vec<String> {
+    match args.iter().position(|a| a == "--load") {
+        Some(at) => args[at + 1] = dir.to_str().unwrap().into(),
+        None => args.extend(["--load".into(), dir.to_str().unwrap().into()]),
+    }
+    args
+}
+
+/// `model` trained with `layout` for 10 iterations, saving at the end, as threads and as two
+/// processes started as torchrun starts them: the same log, bit for bit, and byte-identical
+/// files in `rank_dirs`. Stopped at iteration 6 and resumed, the run ends as the whole one
+/// did. Returns the checkpoint of iteration 6.
+fn processes_and_resumed_train_as_threads(
+    dir: &Path,
+    model: Model,
+    layout: &[&str],
+    rank_dirs: &[&str],
+) -> PathBuf {
+    let data = corpus(dir);
+    let what = format!("{layout:?}");
+    let saving = |name: &str, extra: &[&str]| {
+        let at = dir.join(name);
+        let flags = ["--save", at.to_str().unwrap(), "--save-interval", "10"];
+        (at.clone(), model(&data, &[layout, &flags, extra].concat()))
+    };
+    let (by_threads, threads) = saving("threads", &[]);
+    let threads = stdout(&run(&threads).success());
+    let (by_processes, processes) = saving("processes", &[]);
+    let ranks = outputs(spawn_ranks(&processes, 2, |_| Vec::new()));
+    same_training(
+        &threads,
+        succeeded(&ranks),
+        0.0,
+        &format!("{what} as processes"),
+    );
+    for rank in rank_dirs {
+        let file = |at: &Path| {
+            let file = at
+                .join("iter_0000010")
+                .join(rank)
+                .join("model_optim_rng.pt");
+            std::fs::read(file).unwrap()
+        };
+        assert!(file(&by_threads) == file(&by_processes), "{what} {rank}");
+    }
+    let (half, first) = saving("half", &["--exit-interval", "6"]);
+    run(&first).success();
+    let rest = stdout(&run(&loading(saving("half", &[]).1, &half)).success());
+    let tail: Vec<String> = iterations(&threads)[6..].to_vec();
+    same_training(&tail.join("\n"), &rest, 0.0, &format!("resumed {what}"));
+    half
+}
+
+/// Resuming `half`'s training state on one rank is refused as another layout, naming the
+/// file it lacks; its weights load with --finetune.
+fn other_layout_loads_weights_only(one: Vec<String>, half: &Path) {
+    let mut one = loading(one, half);
+    let out = run(&one).failure();
+    assert!(
+        stderr(&out).contains("resuming training state on tensor-parallel rank 0 of 1, pipeline stage 0 of 1 needs a checkpoint of the same layout (mp_rank_00/model_optim_rng.pt)"),
+        "{}",
+        stderr(&out)
+    );
+    one.push("--finetune".into());
+    assert_eq!(iterations(&stdout(&run(&one).success())).len(), 10);
+}
+
 #[test]
 fn tensor_parallel_ranks_as_processes_and_resumed_train_as_threads_do() {
     let dir = tempfile::tempdir().unwrap();
-    let data = corpus(dir.path());
     let tp = [
         "--tensor-model-parallel-size",
         "2",
         "--micro-batch-size",
         "1",
     ];
-    let saving = |name: &str, extra: &[&str]| {
-        let at = dir.path().join(name);
-        let flags = ["--save", at.to_str().unwrap(), "--save-interval", "10"];
-        (at.clone(), args(&data, &[&tp[..], &flags, extra].concat()))
-    };
-    let (by_threads, threads) = saving("threads", &[]);
-    let threads = stdout(&run(&threads).success());
-    let (by_processes, processes) = saving("processes", &[]);
-    let ranks = outputs(spawn_ranks(&processes, 2, |_| Vec::new()));
-    same_training(&threads, succeeded(&ranks), 0.0, "TP2 as processes");
-    for rank in ["mp_rank_00", "mp_rank_01"] {
-        let file = |at: &Path| {
-            std::fs::read(
-                at.join("iter_0000010")
-                    .join(rank)
-                    .join("model_optim_rng.pt"),
-            )
-            .unwrap()
-        };
-        assert!(file(&by_threads) == file(&by_processes), "{rank}");
-    }
-    // Stopped at iteration 6 and resumed, the run continues as the whole one did.
-    let (half, first) = saving("half", &["--exit-interval", "6"]);
-    run(&first).success();
-    let (_, mut resume) = saving("half", &[]);
-    let at = resume.iter().position(|a| a == "--load").unwrap();
-    resume[at + 1] = half.to_str().unwrap().into();
-    let rest = stdout(&run(&resume).success());
-    let tail: Vec<String> = iterations(&threads)[6..].to_vec();
-    same_training(&tail.join("\n"), &rest, 0.0, "resumed TP2");
-    // Another layout's training state is refused; its weights load resharded.
-    let mut one = args(&data, &["--micro-batch-size", "1"]);
-    one[at + 1] = half.to_str().unwrap().into();
-    let out = run(&one).failure();
-    assert!(
-        stderr(&out).contains("resuming training state on tensor-parallel rank 0 of 1 needs a checkpoint of the same layout"),
-        "{}",
-        stderr(&out)
+    let half = processes_and_resumed_train_as_threads(
+        dir.path(),
+        args,
+        &tp,
+        &["mp_rank_00", "mp_rank_01"],
     );
-    one.push("--finetune".into());
-    assert_eq!(iterations(&stdout(&run(&one).success())).len(), 10);
+    let data = dir.path().join("corpus_text_document");
+    other_layout_loads_weights_only(args(&data, &["--micro-batch-size", "1"]), &half);
+}
+
+/// The tied, biased model of [`tied_with_qkv_bias`] with 4 layers.
+fn four_tied_layers(data: &Path, extra: &[&str]) -> Vec<String> {
+    tied_with_qkv_bias(data, &[&["--num-layers", "4"][..], extra].concat())
+}
+
+#[test]
+fn pipeline_stages_train_as_one_rank_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let batch = ["--micro-batch-size", "1", "--global-batch-size", "8"];
+    let iters = [
+        "--train-iters",
+        "20",
+        "--eod-mask-loss",
+        "--save-interval",
+        "20",
+    ];
+    let pp2 = ["--pipeline-model-parallel-size", "2"];
+    let tp2 = ["--tensor-model-parallel-size", "2"];
+    // (model, layout flags, tensor-parallel ranks, pipeline stages)
+    let layouts: [(&str, Model, Vec<&str>, usize, usize); 6] = [
+        ("untied", args, pp2.to_vec(), 1, 2),
+        (
+            "untied",
+            args,
+            [&pp2[..], &["--world-size", "4"]].concat(),
+            1,
+            2,
+        ),
+        (
+            "untied",
+            args,
+            [
+                &pp2[..],
+                &tp2,
+                &["--sequence-parallel", "--world-size", "8"],
+            ]
+            .concat(),
+            2,
+            2,
+        ),
+        (
+            "tied",
+            four_tied_layers,
+            [&pp2[..], &["--decoder-first-pipeline-num-layers", "1"]].concat(),
+            1,
+            2,
+        ),
+        (
+            "tied",
+            four_tied_layers,
+            vec!["--pipeline-model-parallel-size", "4"],
+            1,
+            4,
+        ),
+        ("tied", four_tied_layers, [&pp2[..], &tp2].concat(), 2, 2),
+    ];
+    let mut ones = std::collections::BTreeMap::new();
+    for (i, (name, model, layout, tp, pp)) in layouts.into_iter().enumerate() {
+        let one_dir = path(&format!("{name}_one"));
+        let one_log = ones.entry(name).or_insert_with(|| {
+            let one: Vec<&str> = [&batch[..], &iters, &["--save", &one_dir]].concat();
+            let log = stdout(&run(&model(&data, &one)).success());
+            assert_eq!(iterations(&log).len(), 20, "{log}");
+            log
+        });
+        let what = format!("{name} {layout:?}");
+        let save = path(&format!("pp_{i}"));
+        let flags = [&batch[..], &iters, &layout, &["--save", &save]].concat();
+        let log = stdout(&run(&model(&data, &flags)).success());
+        same_training(one_log, &log, 1e-5, &what);
+        // Megatron's files, mp_rank_TT_PPP; the same HF weights.
+        for (t, p) in (0..tp).flat_map(|t| (0..pp).map(move |p| (t, p))) {
+            let file = Path::new(&save)
+                .join("iter_0000020")
+                .join(format!("mp_rank_{t:02}_{p:03}"))
+                .join("model_optim_rng.pt");
+            assert!(file.is_file(), "{what}: {}", file.display());
+        }
+        same_hf_weights(dir.path(), Path::new(&one_dir), Path::new(&save), 1e-5);
+    }
+    // --log-comm-stats on stage 0 of 2 (rank 0 logs), 8 micro-batches of T = 32 rows: each
+    // stage's output [T, h] sent forward and its gradient received back, the tied embedding's
+    // gradient [Vp, h] f32 sent and received once, and the 1F1B bubble 1/9.
+    let counted = [&batch[..], &pp2, &["--log-comm-stats"]].concat();
+    let log = stdout(&run(&four_tied_layers(&data, &counted)).success());
+    let line = log.lines().find(|l| l.contains("[comm]")).unwrap();
+    let bytes = 8 * 32 * 64 * 4 + 512 * 64 * 4;
+    for part in ["send 9 calls", "recv 9 calls"] {
+        assert!(line.contains(&format!("{part} {bytes} bytes")), "{line}");
+    }
+    assert!(
+        line.contains(&format!(
+            "= {bytes} bytes; bubble (PP − 1) / (K + PP − 1) = 1/9"
+        )),
+        "{line}"
+    );
+}
+
+#[test]
+fn pipeline_stages_as_processes_and_resumed_train_as_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let pp = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--decoder-last-pipeline-num-layers",
+        "1",
+    ];
+    let half = processes_and_resumed_train_as_threads(
+        dir.path(),
+        four_tied_layers,
+        &pp,
+        &["mp_rank_00_000", "mp_rank_00_001"],
+    );
+    let data = dir.path().join("corpus_text_document");
+    other_layout_loads_weights_only(four_tied_layers(&data, &[]), &half);
 }
 
 #[test]
@@ -1257,9 +1429,19 @@ fn lora_on_tensor_parallel_ranks_trains_as_one_rank_does() {
         out
     };
     let one_merged = merged("one");
-    for (name, world) in [("tp2", "2"), ("tp2dp2", "4")] {
-        let tp = ["--tensor-model-parallel-size", "2", "--world-size", world];
-        let log = stdout(&run(&saving(name, &tp)).success());
+    let pp2 = ["--pipeline-model-parallel-size", "2"];
+    for (name, layout) in [
+        ("tp2", vec!["--tensor-model-parallel-size", "2"]),
+        (
+            "tp2dp2",
+            vec!["--tensor-model-parallel-size", "2", "--world-size", "4"],
+        ),
+        (
+            "tp2pp2",
+            [&pp2[..], &["--tensor-model-parallel-size", "2"]].concat(),
+        ),
+    ] {
+        let log = stdout(&run(&saving(name, &layout)).success());
         same_training(&one, &log, 1e-5, &format!("LoRA {name}"));
         // Each rank's adapter shards; merged, the one-rank run's model.
         same_hf_weights(dir.path(), &one_merged, &merged(name), 1e-5);

@@ -23,7 +23,7 @@ use super::ModelSpec;
 use crate::arch::roles::{Canon, Role};
 use crate::ckpt::transform::is_row_parallel;
 use crate::engine::comm::{Communicator, ReduceOp};
-use crate::engine::{Backend, Result, NO_ROW};
+use crate::engine::{Backend, EngineError, Result, NO_ROW};
 use crate::tensor::DType;
 use std::ops::Range;
 
@@ -121,23 +121,26 @@ struct LayerIds {
     fc2: Linear,
 }
 
-/// Where every parameter sits in the table, and which are trained.
+/// Where every parameter of a model or pipeline stage sits in the table, and which are
+/// trained.
 #[derive(Debug, Clone)]
 pub struct Ids {
-    embedding: usize,
+    /// The input embedding (the first pipeline stage).
+    embedding: Option<usize>,
     layers: Vec<LayerIds>,
-    final_norm: usize,
-    /// `None` when the output layer is the embedding.
-    output: Option<usize>,
+    /// The final norm and output layer (the last stage; the output layer may be the
+    /// embedding, or on a later stage than the first its copy).
+    head: Option<(usize, usize)>,
     trainable: Vec<bool>,
     /// LoRA's alpha / r.
     lora_scale: f32,
 }
 
 impl Ids {
-    /// Look every parameter of a model of `layers` layers up in `table` (`lora_scale`: the
-    /// adapters' alpha / r, if any).
-    pub fn new(table: &ParamTable, layers: usize, lora_scale: f32) -> Option<Ids> {
+    /// Look up in `table` every parameter of a model or pipeline stage holding `layers`
+    /// (`lora_scale`: the adapters' alpha / r, if any): the embedding unless a shared copy,
+    /// the final norm with the output layer if there.
+    pub fn new(table: &ParamTable, layers: Range<usize>, lora_scale: f32) -> Option<Ids> {
         let at = |role, layer| table.index(Canon { role, layer });
         let linear = |role, bias: Option<Role>, layer| {
             let canon = Canon { role, layer };
@@ -150,8 +153,8 @@ impl Ids {
                 row: is_row_parallel(role),
             })
         };
-        let mut ids = Vec::with_capacity(layers);
-        for l in 0..layers {
+        let mut ids = Vec::with_capacity(layers.len());
+        for l in layers {
             let layer = Some(l);
             ids.push(LayerIds {
                 input_norm: at(Role::InputNorm, layer)?,
@@ -162,18 +165,18 @@ impl Ids {
                 fc2: linear(Role::Fc2, None, layer)?,
             });
         }
+        let embedding = at(Role::Embedding, None);
+        let head = match at(Role::FinalNorm, None) {
+            Some(norm) => Some((norm, at(Role::Output, None).or(embedding)?)),
+            None => None,
+        };
         Some(Ids {
-            embedding: at(Role::Embedding, None)?,
+            embedding: embedding.filter(|&e| !table.params[e].shared),
             layers: ids,
-            final_norm: at(Role::FinalNorm, None)?,
-            output: at(Role::Output, None),
+            head,
             trainable: table.params.iter().map(|p| p.trainable).collect(),
             lora_scale,
         })
-    }
-
-    fn output(&self) -> usize {
-        self.output.unwrap_or(self.embedding)
     }
 }
 
@@ -219,12 +222,8 @@ struct LayerSaved<T> {
     lora: [Option<T>; 4],
 }
 
-/// A micro-batch's forward pass: its per-row losses and what the backward pass needs.
-pub struct Forward<T> {
-    /// `[T]` per-row losses (f32), left on the device until the step reads them (with the
-    /// gradient norm: one wait for the device per step).
-    pub losses: T,
-    layers: Vec<LayerSaved<T>>,
+/// What the final norm and output layer's backward pass needs.
+struct HeadSaved<T> {
     /// Final norm input `[T, h]`, its normed form and rstd.
     x: T,
     hf: T,
@@ -232,17 +231,30 @@ pub struct Forward<T> {
     /// Logits `[T, Vp]` and their log-sum-exp `[T]`.
     logits: T,
     lse: T,
+}
+
+/// A micro-batch's forward pass through a model or pipeline stage: what it hands on and what
+/// the backward pass needs.
+pub struct Forward<T> {
+    /// With the output layer, the `[T]` per-row losses (f32), left on the device until the
+    /// step reads them (with the gradient norm: one wait for the device per step); on an
+    /// earlier pipeline stage its output `[T, h]` (this rank's rows under sequence
+    /// parallelism) for the next stage.
+    pub out: T,
+    layers: Vec<LayerSaved<T>>,
+    head: Option<HeadSaved<T>>,
     /// RoPE tables of the micro-batch.
     cos: T,
     sin: T,
 }
 
-/// Run one micro-batch forward, keeping what [`backward`] needs.
+/// Run one micro-batch forward through the model, or through a pipeline stage given the
+/// previous stage's output as `input`, keeping what [`backward`] needs.
 pub fn forward<B: Backend>(
     b: &B,
     spec: &ModelSpec,
     (ids, params): (&Ids, &[B::Tensor]),
-    batch: &MicroBatch,
+    (batch, input): (&MicroBatch, Option<B::Tensor>),
     activations: DType,
     tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<Forward<B::Tensor>> {
@@ -252,15 +264,27 @@ pub fn forward<B: Backend>(
     let half = [t, shape.head_dim / 2];
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
     let eps = spec.norm_eps;
-    let tokens = match tp {
-        Some(tp) => tp.local(&batch.tokens),
-        None => batch.tokens.clone(),
+    let mut x = match (input, ids.embedding) {
+        (Some(x), _) => x,
+        (None, Some(e)) => {
+            let tokens = match tp {
+                Some(tp) => tp.local(&batch.tokens),
+                None => batch.tokens.clone(),
+            };
+            let mut x = b.embedding(&params[e], &tokens)?;
+            if activations != DType::F32 {
+                x = b.cast(&x, activations)?;
+            }
+            reduced(b, tp, x)?
+        }
+        (None, None) => {
+            return Err(EngineError::Invalid {
+                op: "forward",
+                msg: "a pipeline stage without the embedding needs the previous stage's output"
+                    .into(),
+            })
+        }
     };
-    let mut x = b.embedding(&params[ids.embedding], &tokens)?;
-    if activations != DType::F32 {
-        x = b.cast(&x, activations)?;
-    }
-    let mut x = reduced(b, tp, x)?;
     let mut layers = Vec::with_capacity(ids.layers.len());
     for l in &ids.layers {
         let (h1, rstd1) = b.rms_norm(&x, &params[l.input_norm], eps)?;
@@ -309,57 +333,62 @@ pub fn forward<B: Backend>(
             lora: [u_qkv, u_proj, u_fc1, u_fc2],
         });
     }
-    let (hf, rstdf) = b.rms_norm(&x, &params[ids.final_norm], eps)?;
+    let Some((final_norm, output)) = ids.head else {
+        return Ok(Forward {
+            out: x,
+            layers,
+            head: None,
+            cos,
+            sin,
+        });
+    };
+    let (hf, rstdf) = b.rms_norm(&x, &params[final_norm], eps)?;
     let all = gathered(b, tp, &hf)?;
-    let logits = b.matmul(all.as_ref().unwrap_or(&hf), &params[ids.output()], None)?;
+    let logits = b.matmul(all.as_ref().unwrap_or(&hf), &params[output], None)?;
     let (loss, lse) = match tp {
         Some(tp) => vocab_parallel_cross_entropy(b, tp, &logits, &tp.local(&batch.labels))?,
         None => b.cross_entropy(&logits, &batch.labels)?,
     };
     Ok(Forward {
-        losses: loss,
+        out: loss,
         layers,
-        x,
-        hf,
-        rstdf,
-        logits,
-        lse,
+        head: Some(HeadSaved {
+            x,
+            hf,
+            rstdf,
+            logits,
+            lse,
+        }),
         cos,
         sin,
     })
 }
 
-/// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`:
-/// adds every parameter's gradient into `grads`, and hands back the forward's losses (which
-/// it does not read).
-pub fn backward<B: Backend>(
+/// The gradient of the objective `Σ dloss · loss` with respect to the last layer's output:
+/// through the cross entropy, the output layer and the final norm, whose gradients it adds.
+fn head_backward<B: Backend>(
     b: &B,
-    spec: &ModelSpec,
     (ids, params, grads): (&Ids, &[B::Tensor], &mut [B::Tensor]),
     batch: &MicroBatch,
-    fwd: Forward<B::Tensor>,
+    head: HeadSaved<B::Tensor>,
+    (final_norm, output): (usize, usize),
     tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<B::Tensor> {
-    let shape = spec.attention;
-    let Forward {
-        losses,
-        layers,
+    let HeadSaved {
         x,
         hf,
         rstdf,
         logits,
         lse,
-        cos,
-        sin,
-    } = fwd;
+    } = head;
     let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
-    let (labels, tokens) = match tp {
-        Some(tp) => (tp.local(&batch.labels), tp.local(&batch.tokens)),
-        None => (batch.labels.clone(), batch.tokens.clone()),
+    let labels = match tp {
+        Some(tp) => tp.local(&batch.labels),
+        None => batch.labels.clone(),
     };
     let dlogits = b.cross_entropy_bwd(logits, &labels, &lse, &dloss)?;
     let output = Linear {
-        w: ids.output(),
+        w: output,
         bias: None,
         lora: None,
         row: false,
@@ -376,7 +405,43 @@ pub fn backward<B: Backend>(
     )?;
     drop(dlogits);
     let dhf = reduced(b, tp, dhf)?;
-    let mut dx = rms_grad(b, &dhf, &x, params, grads, ids, ids.final_norm, &rstdf)?;
+    rms_grad(b, &dhf, &x, params, grads, ids, final_norm, &rstdf)
+}
+
+/// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`, from
+/// the loss (with the output layer) or from `dout`, the next pipeline stage's gradient of this
+/// stage's output: adds every parameter's gradient into `grads`. Hands back the forward's
+/// losses (which it does not read; on an earlier stage, its output) and, without the
+/// embedding, the gradient of the stage's input for the previous stage.
+pub fn backward<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    (ids, params, grads): (&Ids, &[B::Tensor], &mut [B::Tensor]),
+    (batch, dout): (&MicroBatch, Option<B::Tensor>),
+    fwd: Forward<B::Tensor>,
+    tp: Option<&TensorParallel<B::Tensor>>,
+) -> Result<(B::Tensor, Option<B::Tensor>)> {
+    let shape = spec.attention;
+    let Forward {
+        out,
+        layers,
+        head,
+        cos,
+        sin,
+    } = fwd;
+    let mut dx = match (head, ids.head, dout) {
+        (Some(head), Some(at), _) => {
+            head_backward(b, (ids, params, &mut *grads), batch, head, at, tp)?
+        }
+        (_, _, Some(dout)) => dout,
+        _ => {
+            return Err(EngineError::Invalid {
+                op: "backward",
+                msg: "a pipeline stage without the output layer needs the gradient of its output"
+                    .into(),
+            })
+        }
+    };
     for (l, s) in ids.layers.iter().zip(layers).rev() {
         let [u_qkv, u_proj, u_fc1, u_fc2] = &s.lora;
         // out = x_mid + fc2(swiglu(fc1(norm(x_mid)))): dx flows to both.
@@ -433,15 +498,18 @@ pub fn backward<B: Backend>(
         dx = rms_grad(b, &dh1, &s.x, params, grads, ids, l.input_norm, &s.rstd1)?;
         b.add_assign(&mut dx, &dx_mid)?;
     }
-    if ids.trainable[ids.embedding] {
+    let Some(e) = ids.embedding else {
+        return Ok((out, Some(dx)));
+    };
+    if ids.trainable[e] {
+        let tokens = match tp {
+            Some(tp) => tp.local(&batch.tokens),
+            None => batch.tokens.clone(),
+        };
         let all = gathered(b, tp, &dx)?;
-        b.embedding_bwd(
-            all.as_ref().unwrap_or(&dx),
-            &tokens,
-            &mut grads[ids.embedding],
-        )?;
+        b.embedding_bwd(all.as_ref().unwrap_or(&dx), &tokens, &mut grads[e])?;
     }
-    Ok(losses)
+    Ok((out, None))
 }
 
 /// The cross entropy of logits over this rank's vocabulary shard against `labels` (rows of

@@ -10,6 +10,7 @@ use crate::arch::roles::{canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
 use crate::ckpt::layout::{global_key, layer_key, KeyLayout};
 use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
+use std::ops::Range;
 
 /// Which factor of a LoRA adapter a parameter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +42,10 @@ pub struct ParamInfo {
     /// Whether tensor parallelism splits it; else every tensor-parallel rank holds a copy
     /// (and the gradient norm counts it once).
     pub tp_split: bool,
+    /// A pipeline stage's copy of a parameter another stage holds: the tied embedding as the
+    /// last stage's output layer (Megatron's `shared` attribute). Trained alike, its gradient
+    /// summed with the first stage's, and counted there only.
+    pub shared: bool,
 }
 
 impl ParamInfo {
@@ -124,6 +129,7 @@ impl ParamTable {
                 scaled_init: matches!(canon.role, Role::Proj | Role::Fc2),
                 trainable: base_trained,
                 tp_split: is_tp_split(canon.role),
+                shared: false,
                 name: name.clone(),
                 shape,
             });
@@ -145,6 +151,7 @@ impl ParamTable {
                         // peft's megatron LoRA layer: a row-parallel layer's A is split like
                         // it, a column-parallel layer's B; the other factor is whole.
                         tp_split: (part == LoraPart::A) == is_row_parallel(canon.role),
+                        shared: false,
                     });
                 }
             }
@@ -205,6 +212,57 @@ impl ParamTable {
             }
         }
         t
+    }
+
+    /// One pipeline stage's table: the embedding on the first stage, the stage's `layers`
+    /// (named by their index in the stage, as its checkpoint file names them), the final norm
+    /// and output layer on the last stage. A tied embedding is also the last stage's output
+    /// layer there (megatron-core's `LanguageModule.setup_embeddings_and_output_layer`): a
+    /// [`ParamInfo::shared`] copy named `output_layer.weight`, registered last as
+    /// `GPTModel` registers its output layer.
+    pub fn pipeline_stage(&self, layers: &Range<usize>, (first, last): (bool, bool)) -> ParamTable {
+        let mut params = Vec::new();
+        for p in &self.params {
+            let keep = match (p.canon.layer, p.canon.role) {
+                (Some(l), _) => layers.contains(&l),
+                (None, Role::Embedding) => first,
+                (None, _) => last,
+            };
+            if !keep {
+                continue;
+            }
+            let mut p = p.clone();
+            if let Some(l) = p.canon.layer {
+                let (global, local) = (
+                    format!("layers.{l}."),
+                    format!("layers.{}.", l - layers.start),
+                );
+                p.name = p.name.replacen(&global, &local, 1);
+            }
+            params.push(p);
+        }
+        let tied = self
+            .index(Canon {
+                role: Role::Output,
+                layer: None,
+            })
+            .is_none();
+        if last && !first && tied {
+            if let Some(e) = self.index(Canon {
+                role: Role::Embedding,
+                layer: None,
+            }) {
+                params.push(ParamInfo {
+                    name: global_key(KeyLayout::Mcore, Role::Output, true).concat(),
+                    shared: true,
+                    ..self.params[e].clone()
+                });
+            }
+        }
+        ParamTable {
+            params,
+            vocab_padded: self.vocab_padded,
+        }
     }
 
     /// The index of a base tensor.

@@ -10,9 +10,10 @@
 //! No `rng_state` is written (mindkit's training draws no random numbers after
 //! initialisation): Megatron loads these checkpoints with `--no-load-rng` or `--finetune`.
 
+use super::parallel::Stage;
 use crate::arch::ModelConfig;
 use crate::ckpt::config::{megatron_args, ParallelArgs};
-use crate::ckpt::layout::{chunk_entries, KeyLayout};
+use crate::ckpt::layout::{chunk_entries, KeyLayout, Parallel};
 use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
 use crate::ckpt::torch::save::PtWriter;
@@ -93,6 +94,15 @@ pub struct Snapshot<'a> {
     pub extra: Vec<(String, Tensor)>,
     /// This rank's tensor-parallel rank and the group's size (its `mp_rank_TT`, and `args`).
     pub tp: (usize, usize),
+    /// This rank's pipeline stage (its `_PPP`, and which layers its file holds).
+    pub stage: &'a Stage,
+    /// Layers of every stage (recorded in `args` when uneven).
+    pub stages: &'a [usize],
+}
+
+/// The `mp_rank_TT[_PPP]` directory of tensor-parallel rank `tp` on `stage`.
+pub fn rank_dir_of(tp: usize, stage: &Stage) -> String {
+    rank_dir(tp, stage.index, stage.count)
 }
 
 /// The pickled form of a JSON value (the scheduler's state dict).
@@ -289,7 +299,7 @@ pub fn iteration_dir(iteration: u64) -> String {
 pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
     let temp = begin(save, snap.iteration)?;
     write_rank(temp.path(), snap)?;
-    finish(save, temp, snap.iteration)
+    finish(save, temp, snap)
 }
 
 /// The temporary directory of iteration `iteration`'s checkpoint under `save`, which every
@@ -303,29 +313,36 @@ pub fn begin(save: &Path, iteration: u64) -> Result<TempOutput> {
     )?)
 }
 
-/// Rename the complete iteration directory into place, then point the tracker at it. Returns
-/// the first rank's file.
-pub fn finish(save: &Path, temp: TempOutput, iteration: u64) -> Result<PathBuf> {
+/// Rename the complete iteration directory of `snap` (the first rank's) into place, then
+/// point the tracker at it. Returns the first rank's file.
+pub fn finish(save: &Path, temp: TempOutput, snap: &Snapshot) -> Result<PathBuf> {
     temp.commit()?;
     let mut tracker = AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)?;
-    tracker.write_all(iteration.to_string().as_bytes())?;
+    tracker.write_all(snap.iteration.to_string().as_bytes())?;
     tracker.finish()?;
     Ok(save
-        .join(iteration_dir(iteration))
-        .join(rank_dir(0, 0, 1))
+        .join(iteration_dir(snap.iteration))
+        .join(rank_dir_of(0, snap.stage))
         .join(RANK_FILE))
 }
 
-/// Write this rank's `mp_rank_TT/model_optim_rng.pt` of `snap` into the iteration directory
-/// `dir`.
+/// Write this rank's `mp_rank_TT[_PPP]/model_optim_rng.pt` of `snap` into the iteration
+/// directory `dir`.
 pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
+    let stage = snap.stage;
+    let parallel = Parallel {
+        tp: snap.tp.1,
+        pp: stage.count,
+        vpp: 1,
+        stage_layers: snap.stages.to_vec(),
+    };
     let mut args = megatron_args(
         snap.cfg,
         &ParallelArgs {
             tp: snap.tp.1,
-            pp: 1,
+            pp: stage.count,
             vpp: 1,
-            first_last: None,
+            first_last: parallel.first_last(),
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
         },
@@ -339,10 +356,10 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     let entries = chunk_entries(
         snap.layout,
         snap.cfg,
-        &(0..snap.cfg.layers).collect::<Vec<_>>(),
-        true,
-        true,
-        1,
+        &stage.layers.clone().collect::<Vec<_>>(),
+        stage.first(),
+        stage.last(),
+        stage.count,
     );
     // A LoRA-only checkpoint (--lora-ckpt-filter) keeps only adapter keys, as MindSpeed-LLM's
     // filter does: not even the Transformer Engine layout's `_extra_state` placeholders.
@@ -377,7 +394,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         s("num_floating_point_operations_so_far"),
         Value::Float(snap.flops),
     ));
-    let rank = dir.join(rank_dir(snap.tp.0, 0, 1));
+    let rank = dir.join(rank_dir_of(snap.tp.0, stage));
     std::fs::create_dir_all(&rank).with_context(|| format!("creating {}", rank.display()))?;
     let mut w = PtWriter::create(&rank.join(RANK_FILE), &Value::Dict(root), false)?;
     for (key, bytes) in st.data.iter().enumerate() {
@@ -387,17 +404,17 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     Ok(())
 }
 
-/// Replace `host[i]` by the tensor named `table.params[i].name` in tensor-parallel rank
-/// `tp.0`'s file of the checkpoint `dir` saved by `tp.1` ranks, for every parameter `pick`
-/// selects (the LoRA adapters of `--lora-load`): shapes checked, cast to the parameter's
-/// dtype.
+/// Replace `host[i]` by the tensor named `table.params[i].name` in this rank's file of the
+/// checkpoint `dir` (`at`: its tensor-parallel and pipeline rank and their sizes), for every
+/// parameter `pick` selects (the LoRA adapters of `--lora-load`): shapes checked, cast to the
+/// parameter's dtype.
 pub fn load_named(
     dir: &Path,
-    (table, tp): (&ParamTable, (usize, usize)),
+    (table, at): (&ParamTable, RankAt),
     pick: impl Fn(&crate::model::params::ParamInfo) -> bool,
     host: &mut [Tensor],
 ) -> Result<()> {
-    let path = rank_file(dir, tp)?;
+    let path = rank_file(dir, at)?;
     let f = TorchFile::open(&path)?;
     let mut keys = std::collections::BTreeMap::new();
     for chunk in crate::ckpt::megatron::chunks(&f)? {
@@ -481,9 +498,12 @@ fn value_json(v: &Value) -> Json {
     }
 }
 
-/// Tensor-parallel rank `tp.0`'s file of a checkpoint directory (root or iteration
-/// directory) saved by `tp.1` tensor-parallel ranks.
-pub fn rank_file(dir: &Path, tp: (usize, usize)) -> Result<PathBuf> {
+/// A rank's place in a checkpoint's layout: `((tp rank, TP), (pp rank, PP))`.
+pub type RankAt = ((usize, usize), (usize, usize));
+
+/// The file of tensor-parallel rank `tp.0` of `tp.1` on pipeline stage `pp.0` of `pp.1` in a
+/// checkpoint directory (root or iteration directory), which must be of that layout.
+pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
     let iter_dir = if dir.join(TRACKER).is_file() {
         let text = std::fs::read_to_string(dir.join(TRACKER))?;
         let text = text.trim();
@@ -499,18 +519,22 @@ pub fn rank_file(dir: &Path, tp: (usize, usize)) -> Result<PathBuf> {
     } else {
         dir.to_path_buf()
     };
-    let file = iter_dir.join(rank_dir(tp.0, 0, 1)).join(RANK_FILE);
-    let other_layout =
-        iter_dir.join(rank_dir(tp.1, 0, 1)).exists() || iter_dir.join(rank_dir(0, 0, 2)).exists();
+    let name = rank_dir(tp.0, pp.0, pp.1);
+    let file = iter_dir.join(&name).join(RANK_FILE);
+    // a rank beyond this layout's, or a stage of another pipeline, is another layout's
+    let other_layout = iter_dir.join(rank_dir(tp.1, pp.0, pp.1)).exists()
+        || iter_dir.join(rank_dir(tp.0, pp.1, pp.1 + 1)).exists()
+        || (pp.1 == 1 && iter_dir.join(rank_dir(0, 0, 2)).exists());
     if !file.is_file() || other_layout {
         bail!(
-            "{}: resuming training state on tensor-parallel rank {} of {} needs a checkpoint of \
-             the same layout ({}/{RANK_FILE}, no pipeline stages); load the weights of other \
-             layouts with --finetune or --no-load-optim",
+            "{}: resuming training state on tensor-parallel rank {} of {}, pipeline stage {} of \
+             {} needs a checkpoint of the same layout ({name}/{RANK_FILE}); load the weights of \
+             other layouts with --finetune or --no-load-optim",
             iter_dir.display(),
             tp.0,
             tp.1,
-            rank_dir(tp.0, 0, 1)
+            pp.0,
+            pp.1,
         );
     }
     Ok(file)
@@ -522,11 +546,12 @@ pub fn rank_file(dir: &Path, tp: (usize, usize)) -> Result<PathBuf> {
 /// matches them, by weight-decay multiplier).
 pub fn load_state(
     dir: &Path,
-    (table, tp): (&ParamTable, (usize, usize)),
+    (table, at): (&ParamTable, RankAt),
     trained: &[bool],
     weights_only: bool,
 ) -> Result<Resumed> {
-    let path = rank_file(dir, tp)?;
+    let path = rank_file(dir, at)?;
+    let (tp, pp) = at;
     let f = TorchFile::open(&path)?;
     let root = f.root();
     let args = root.get("args");
@@ -537,6 +562,14 @@ pub fn load_state(
              state needs the same layout; load its weights with --finetune or --no-load-optim",
             path.display(),
             tp.1
+        );
+    }
+    if let Some(saved) = int_of(arg("pipeline_model_parallel_size")).filter(|&n| n != pp.1 as u64) {
+        bail!(
+            "{}: saved by {saved} pipeline stages, this run has {}: resuming its training \
+             state needs the same layout; load its weights with --finetune or --no-load-optim",
+            path.display(),
+            pp.1
         );
     }
     let mut resumed = Resumed {

@@ -84,8 +84,10 @@ pub struct TrainConfig {
     /// Data-parallel ranks (the world size over TP × PP): each takes its slice of every global
     /// batch, as Megatron's sampler gives it.
     pub data_parallel: usize,
-    /// Where the ranks sit (TP, DP; PP 1 for now).
+    /// Where the ranks sit (TP, DP, PP).
     pub layout: Layout,
+    /// Layers of each pipeline stage (one entry without pipeline parallelism).
+    pub stages: Vec<usize>,
     /// `--sequence-parallel` at TP > 1.
     pub sequence_parallel: bool,
     /// Iterations to reach.
@@ -468,29 +470,20 @@ fn schedule(a: &Args, iters: u64, samples: Option<u64>, g: u64) -> Result<Schedu
     Ok(s)
 }
 
-/// Refuse the parallelism not built yet (pipeline, context, expert), and switch off sequence
-/// parallelism at TP 1 as Megatron does.
+/// Refuse what is not built yet (context and expert parallelism, the interleaved pipeline
+/// schedule, other data loaders, optimizers and checkpoint formats).
 fn check_single_rank(a: &Args) -> Result<()> {
-    for flag in [
-        "tensor-model-parallel-size",
-        "pipeline-model-parallel-size",
-        "context-parallel-size",
-        "expert-model-parallel-size",
-    ] {
-        if let Some(n) =
-            positive(a, flag)?.filter(|&n| n > 1 && flag != "tensor-model-parallel-size")
-        {
-            bail!("--{flag} {n}: this build trains with tensor and data parallelism only (use 1)");
+    for flag in ["context-parallel-size", "expert-model-parallel-size"] {
+        if let Some(n) = positive(a, flag)?.filter(|&n| n > 1) {
+            bail!("--{flag} {n}: this build trains with tensor, pipeline and data parallelism only (use 1)");
         }
     }
     for flag in [
         "num-layers-per-virtual-pipeline-stage",
         "num-virtual-stages-per-pipeline-rank",
-        "decoder-first-pipeline-num-layers",
-        "decoder-last-pipeline-num-layers",
     ] {
         if a.has(flag) {
-            bail!("--{flag} needs pipeline parallelism, which is not available yet");
+            bail!("--{flag}: the interleaved pipeline schedule is not built yet");
         }
     }
     if let Some(t) = a.get("dataloader-type").filter(|t| *t != "single") {
@@ -507,6 +500,34 @@ fn check_single_rank(a: &Args) -> Result<()> {
     }
 
     Ok(())
+}
+
+/// The layers of each of `pp` pipeline stages: `--num-layers` split evenly, or the first and/or
+/// last stage's given counts and the rest evenly (Megatron's `--decoder-first/last-pipeline-
+/// num-layers`, megatron-core megatron/core/transformer/transformer_layer.py
+/// `get_transformer_layer_offset`), as `mindkit convert` lays a checkpoint out.
+fn pipeline_stages(a: &Args, model: &ModelConfig, pp: usize) -> Result<Vec<usize>> {
+    let first = a.parse_value::<usize>("decoder-first-pipeline-num-layers")?;
+    let last = a.parse_value::<usize>("decoder-last-pipeline-num-layers")?;
+    if pp == 1 {
+        if first.is_some() || last.is_some() {
+            bail!("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size of at least 2");
+        }
+        return Ok(vec![model.layers]);
+    }
+    let l = model.layers;
+    if first.is_none() && last.is_none() && !l.is_multiple_of(pp) {
+        bail!("--pipeline-model-parallel-size {pp} does not divide --num-layers {l}: give --decoder-first/last-pipeline-num-layers for uneven stages");
+    }
+    let parallel = crate::ckpt::layout::Parallel::new(model, 1, pp, 1, (first, last))
+        .context("--decoder-first/last-pipeline-num-layers")?;
+    if let Some(p) = parallel.stage_layers.iter().position(|&n| n == 0) {
+        bail!(
+            "--pipeline-model-parallel-size {pp}: stage {p} would hold no layers ({:?})",
+            parallel.stage_layers
+        );
+    }
+    Ok(parallel.stage_layers)
 }
 
 /// What tensor parallelism over `tp` ranks needs: heads, query groups, FFN and the padded
@@ -643,6 +664,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     let layout = Layout::new(world_size(a)?, tp, pp, cp)?;
     let data_parallel = layout.size(Axis::Dp);
     check_tensor_parallel(a, &model, vocab_padded, tp)?;
+    let stages = pipeline_stages(a, &model, pp)?;
     if !global_batch.is_multiple_of(micro_batch * data_parallel) {
         bail!(
             "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"
@@ -730,6 +752,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         global_batch,
         data_parallel,
         layout,
+        stages,
         sequence_parallel: tp > 1 && a.has("sequence-parallel"),
         train_iters,
         train_samples: train_samples.unwrap_or(train_iters * g),

@@ -18,7 +18,7 @@ pub mod schedule;
 pub mod store;
 pub mod tensorboard;
 
-use crate::arch::roles::Role;
+use crate::arch::roles::{Canon, Role};
 use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::transform::tp_shard;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
@@ -26,7 +26,7 @@ use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::cpu::Cpu;
 use crate::engine::{Backend, DeviceKind, EngineError};
-use crate::model::llama::{backward, forward, Ids, TensorParallel};
+use crate::model::llama::{backward, forward, Ids, MicroBatch, TensorParallel};
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
 use crate::model::ModelSpec;
 use crate::npu::comm::Hccl;
@@ -37,7 +37,7 @@ use crate::util::{progress_bar, ProgressUnit};
 use anyhow::{anyhow, bail, Context, Result};
 use config::{ScheduleSource, Start, TrainConfig};
 use optim::Optimizer;
-use parallel::{Axis, Layout};
+use parallel::{Axis, Layout, Stage};
 use rand::SeedableRng;
 use rand_distr::Distribution;
 use std::path::PathBuf;
@@ -128,13 +128,17 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
 /// A group's collectives on a backend's tensors.
 type Comm<T> = Box<dyn Communicator<Tensor = T>>;
 
-/// One rank's place among the ranks: its global rank and the tensor- and data-parallel
-/// groups it belongs to (`None` where it is alone along that axis).
+/// One rank's place among the ranks: its global rank and the tensor-, data- and
+/// pipeline-parallel groups it belongs to (`None` where it is alone along that axis).
 pub struct Groups<T> {
     rank: usize,
     tp: Option<Comm<T>>,
     dp: Option<Comm<T>>,
+    pp: Option<Comm<T>>,
 }
+
+/// The axes a rank has a group along, in the order every rank joins them.
+const GROUP_AXES: [Axis; 3] = [Axis::Tp, Axis::Dp, Axis::Pp];
 
 impl<T> Groups<T> {
     /// A single rank.
@@ -143,11 +147,12 @@ impl<T> Groups<T> {
             rank: 0,
             tp: None,
             dp: None,
+            pp: None,
         }
     }
 
     /// Rank `rank`'s groups of `layout`: `join(axis)` makes its communicator along each axis
-    /// where the layout has more than one rank, tensor-parallel first (every rank joins in
+    /// where the layout has more than one rank, in [`GROUP_AXES`] order (every rank joins in
     /// this order).
     fn of_layout(
         rank: usize,
@@ -158,24 +163,29 @@ impl<T> Groups<T> {
             rank,
             ..Groups::alone()
         };
-        for axis in [Axis::Tp, Axis::Dp] {
+        for axis in GROUP_AXES {
             if layout.size(axis) > 1 {
-                let comm = Some(join(axis)?);
-                match axis {
-                    Axis::Tp => groups.tp = comm,
-                    _ => groups.dp = comm,
-                }
+                *groups.slot(axis) = Some(join(axis)?);
             }
         }
         Ok(groups)
+    }
+
+    /// The group along `axis`.
+    fn slot(&mut self, axis: Axis) -> &mut Option<Comm<T>> {
+        match axis {
+            Axis::Tp => &mut self.tp,
+            Axis::Pp => &mut self.pp,
+            _ => &mut self.dp,
+        }
     }
 
     /// Rank `rank` of a data-parallel run (one group of every rank).
     fn data_parallel(rank: usize, dp: Comm<T>) -> Self {
         Groups {
             rank,
-            tp: None,
             dp: Some(dp),
+            ..Groups::alone()
         }
     }
 }
@@ -183,41 +193,37 @@ impl<T> Groups<T> {
 /// A rank's backend and its groups.
 type RankSetup<B> = (B, Groups<<B as crate::engine::Device>::Tensor>);
 
-/// Every rank's tensor- and data-parallel thread communicators of `layout` (`None` where
-/// it is alone along that axis), by global rank.
-type ThreadPair = (
-    Option<crate::engine::cpu::comm::ThreadComm>,
-    Option<crate::engine::cpu::comm::ThreadComm>,
-);
+/// Every rank's thread communicators of `layout` along [`GROUP_AXES`] (`None` where it is
+/// alone along that axis), by global rank.
+type ThreadComms = Vec<Option<crate::engine::cpu::comm::ThreadComm>>;
 
-fn thread_groups(layout: &Layout, timeout: std::time::Duration) -> Vec<ThreadPair> {
-    let mut pairs: Vec<ThreadPair> = (0..layout.world()).map(|_| (None, None)).collect();
-    for axis in [Axis::Tp, Axis::Dp] {
+fn thread_groups(layout: &Layout, timeout: std::time::Duration) -> Vec<ThreadComms> {
+    let mut comms: Vec<ThreadComms> = (0..layout.world())
+        .map(|_| GROUP_AXES.iter().map(|_| None).collect())
+        .collect();
+    for (a, &axis) in GROUP_AXES.iter().enumerate() {
         if layout.size(axis) == 1 {
             continue;
         }
         for members in layout.groups(&[axis]) {
-            let comms = crate::engine::cpu::comm::thread_group(members.len(), timeout);
-            for (comm, &r) in comms.into_iter().zip(&members) {
-                match axis {
-                    Axis::Tp => pairs[r].0 = Some(comm),
-                    _ => pairs[r].1 = Some(comm),
-                }
+            let group = crate::engine::cpu::comm::thread_group(members.len(), timeout);
+            for (comm, &r) in group.into_iter().zip(&members) {
+                comms[r][a] = Some(comm);
             }
         }
     }
-    pairs
+    comms
 }
 
 /// This process's groups of `layout` over its socket connections to every rank: its
-/// tensor-parallel group as subgroup 1, its data-parallel group as subgroup 2.
+/// tensor-, data- and pipeline-parallel groups as subgroups 1, 2 and 3.
 fn socket_groups(
     world: crate::engine::cpu::comm::SocketComm,
     layout: &Layout,
     rank: usize,
 ) -> Result<Groups<crate::engine::cpu::CpuTensor>> {
     Groups::of_layout(rank, layout, |axis| {
-        let id = if axis == Axis::Tp { 1 } else { 2 };
+        let id = 1 + GROUP_AXES.iter().position(|&a| a == axis).unwrap_or(0) as u32;
         Ok(Box::new(
             world.subgroup(id, layout.group_of(rank, &[axis]))?,
         ))
@@ -229,19 +235,20 @@ fn socket_groups(
 fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<TrainSummary> {
     match device {
         DeviceKind::Cpu => {
-            let pairs: Vec<_> = thread_groups(&cfg.layout, cfg.rank_timeout)
+            let comms: Vec<_> = thread_groups(&cfg.layout, cfg.rank_timeout)
                 .into_iter()
                 .map(|g| Mutex::new(Some(g)))
                 .collect();
             run_ranks(&cfg, quiet, |rank| {
-                let pair = pairs[rank].lock().ok().and_then(|mut g| g.take());
-                let (tp, dp) = pair.ok_or_else(|| anyhow!("internal: rank {rank} set up twice"))?;
-                let boxed = |c: crate::engine::cpu::comm::ThreadComm| -> Comm<_> { Box::new(c) };
-                let groups = Groups {
+                let mine = comms[rank].lock().ok().and_then(|mut g| g.take());
+                let mine = mine.ok_or_else(|| anyhow!("internal: rank {rank} set up twice"))?;
+                let mut groups = Groups {
                     rank,
-                    tp: tp.map(boxed),
-                    dp: dp.map(boxed),
+                    ..Groups::alone()
                 };
+                for (axis, comm) in GROUP_AXES.into_iter().zip(mine) {
+                    *groups.slot(axis) = comm.map(|c| Box::new(c) as Comm<_>);
+                }
                 Ok::<RankSetup<Cpu>, anyhow::Error>((Cpu, groups))
             })
         }
@@ -254,14 +261,15 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
                     .map(|_| Ok(crate::npu::comm::root_info()?))
                     .collect()
             };
-            let (tp_roots, dp_roots) = (roots(Axis::Tp)?, roots(Axis::Dp)?);
+            let roots = GROUP_AXES
+                .iter()
+                .map(|&axis| roots(axis))
+                .collect::<Result<Vec<_>>>()?;
             run_ranks(&cfg, quiet, |rank| {
                 let npu = Npu::open(first + rank as i32)?;
                 let groups = hccl_groups(&npu, &cfg.layout, rank, |axis, g, _| {
-                    Ok(match axis {
-                        Axis::Tp => tp_roots[g],
-                        _ => dp_roots[g],
-                    })
+                    let a = GROUP_AXES.iter().position(|&x| x == axis).unwrap_or(0);
+                    Ok(roots[a][g])
                 })?;
                 Ok::<RankSetup<Npu>, anyhow::Error>((npu, groups))
             })
@@ -457,16 +465,18 @@ fn flops_model(cfg: &TrainConfig) -> log::FlopsModel {
     }
 }
 
-/// The starting weights: base weights from `--load` (padded to the run's vocabulary, cast to
-/// its dtype) or initialised as megatron-core does — normal(0, σ) for matrices (σ/√(2L) for
-/// linear_proj and linear_fc2; the embedding's own σ if given), ones for norms, zeros for
-/// biases —, and LoRA factors as peft initialises them: A uniform in ±1/√in (kaiming uniform
-/// with a = √5), B zeros. Seeded by `--seed`; no generator can reproduce torch's draws, so the
-/// statistics match, not the values. Each tensor is drawn or read whole, as one rank would,
-/// and cut to tensor-parallel rank `tp.0`'s shard of `tp.1`.
+/// The starting weights of this rank's parameters `mine` (a tensor-parallel shard of a
+/// pipeline stage of the model `whole`): base weights from `--load` (padded to the run's
+/// vocabulary, cast to its dtype) or initialised as megatron-core does — normal(0, σ) for
+/// matrices (σ/√(2L) for linear_proj and linear_fc2; the embedding's own σ if given), ones for
+/// norms, zeros for biases —, and LoRA factors as peft initialises them: A uniform in ±1/√in
+/// (kaiming uniform with a = √5), B zeros. Seeded by `--seed`; no generator can reproduce
+/// torch's draws, so the statistics match, not the values. Every tensor of the model is drawn
+/// in turn, as one rank would (a stage reads only its own), and cut to tensor-parallel rank
+/// `tp.0`'s shard of `tp.1`.
 fn initial_params(
     cfg: &TrainConfig,
-    table: &ParamTable,
+    (whole, mine): (&ParamTable, &ParamTable),
     tp: (usize, usize),
 ) -> Result<Vec<HostTensor>> {
     let (std, embedding_std) = cfg.init_std;
@@ -496,13 +506,17 @@ fn initial_params(
             }
         })
     };
-    table
-        .params
-        .iter()
-        .map(|p| match (&cfg.start, p.lora) {
+    let mut out: Vec<Option<HostTensor>> = vec![None; mine.params.len()];
+    for p in &whole.params {
+        let slots: Vec<usize> = (mine.params.iter().enumerate())
+            .filter(|(_, q)| q.canon == p.canon && q.lora == p.lora)
+            .map(|(i, _)| i)
+            .collect();
+        let t = match (&cfg.start, p.lora) {
+            (Start::Load { .. }, None) if slots.is_empty() => continue,
             (Start::Load { input, .. }, None) => {
                 let t = input
-                    .read_padded(p.canon, table.vocab_padded)
+                    .read_padded(p.canon, whole.vocab_padded)
                     .with_context(|| format!("--load: {}", p.name))?;
                 if t.shape != p.shape {
                     bail!(
@@ -512,17 +526,22 @@ fn initial_params(
                         p.shape
                     );
                 }
-                t.cast(dtype).map_err(|e| anyhow!(e))
+                t.cast(dtype).map_err(|e| anyhow!(e))?
             }
-            _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e)),
-        })
-        .zip(&table.params)
-        .map(|(t, p)| match t {
-            Ok(t) if tp.1 > 1 && p.tp_split => {
-                Ok(tp_shard(p.canon.role, &t, tp.0, tp.1, table.vocab_padded))
-            }
-            t => t,
-        })
+            // drawn whether kept or not: every stage's generator goes through the whole model
+            _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e))?,
+        };
+        let t = match tp.1 > 1 && p.tp_split {
+            true => tp_shard(p.canon.role, &t, tp.0, tp.1, whole.vocab_padded),
+            false => t,
+        };
+        for i in slots {
+            out[i] = Some(t.clone());
+        }
+    }
+    out.into_iter()
+        .zip(&mine.params)
+        .map(|(t, p)| t.ok_or_else(|| anyhow!("internal: no initial value for {}", p.name)))
         .collect()
 }
 
@@ -541,6 +560,64 @@ fn lora_args(l: &LoraSpec) -> Vec<(String, Value)> {
     ]
 }
 
+/// What came from the previous and from the next pipeline stage.
+type Neighbours<T> = (Option<T>, Option<T>);
+
+/// What a stage's backward pass hands on: the losses (on the last stage) and the gradient of
+/// the stage's input (on all but the first).
+type StageGradients<T> = (Option<T>, Option<T>);
+
+/// What one pipeline stage sends to and receives from its neighbours at one point of the
+/// schedule: a receive is described by the micro-batch whose activation (or gradient) comes.
+struct P2p<'a, T> {
+    send_next: Option<&'a T>,
+    recv_prev: Option<&'a MicroBatch>,
+    send_prev: Option<&'a T>,
+    recv_next: Option<&'a MicroBatch>,
+}
+
+impl<T> Clone for P2p<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for P2p<'_, T> {}
+
+impl<T> Default for P2p<'_, T> {
+    fn default() -> Self {
+        P2p {
+            send_next: None,
+            recv_prev: None,
+            send_prev: None,
+            recv_next: None,
+        }
+    }
+}
+
+impl<'a, T> P2p<'a, T> {
+    fn recv_prev(batch: &'a MicroBatch) -> Self {
+        P2p {
+            recv_prev: Some(batch),
+            ..P2p::default()
+        }
+    }
+
+    fn recv_next(batch: &'a MicroBatch) -> Self {
+        P2p {
+            recv_next: Some(batch),
+            ..P2p::default()
+        }
+    }
+
+    fn send_next(x: &'a T) -> Self {
+        P2p {
+            send_next: Some(x),
+            ..P2p::default()
+        }
+    }
+}
+
 /// Running sums of one log interval (`training_log`'s `total_loss_dict`).
 #[derive(Default)]
 struct Interval {
@@ -553,8 +630,9 @@ struct Interval {
 }
 
 /// The training state.
-/// A micro-batch's per-token losses, still on the device, and its loss mask.
-type PendingLoss<T> = (T, Vec<f32>);
+/// A micro-batch's per-token losses, still on the device (on the last pipeline stage), and
+/// its loss mask.
+type PendingLoss<T> = (Option<T>, Vec<f32>);
 
 struct Trainer<B: Backend> {
     b: B,
@@ -580,6 +658,10 @@ struct Trainer<B: Backend> {
     tp: Option<Counted<B::Tensor>>,
     /// The data-parallel group (None: one rank), its collectives counted.
     dp: Option<Counted<B::Tensor>>,
+    /// The pipeline-parallel group (None: one stage), its collectives counted.
+    pp: Option<Counted<B::Tensor>>,
+    /// This rank's pipeline stage.
+    stage: Stage,
     /// The global rank (0 alone): rank 0 logs; the ranks of data-parallel rank 0 save.
     rank: usize,
 }
@@ -591,6 +673,7 @@ impl<B: Backend> Trainer<B> {
             cfg.layout.size(Axis::Tp),
         );
         let spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        let stage = Stage::of(&cfg.stages, groups.pp.as_ref().map_or(0, |g| g.rank()));
         let rank = groups.rank;
         if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
             checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
@@ -608,13 +691,20 @@ impl<B: Backend> Trainer<B> {
                 p.decay = false;
             }
         }
-        let ids = Ids::new(&table, cfg.model.layers, lora.map_or(1.0, LoraSpec::scale))
-            .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
-        let mut host = initial_params(&cfg, &table, tp)?;
         let model_numel = table.numel();
-        let table = table.tensor_parallel(&cfg.model, tp.1);
+        let mine = (table.tensor_parallel(&cfg.model, tp.1))
+            .pipeline_stage(&stage.layers, (stage.first(), stage.last()));
+        let mut host = initial_params(&cfg, (&table, &mine), tp)?;
+        let table = mine;
+        let ids = Ids::new(
+            &table,
+            stage.layers.clone(),
+            lora.map_or(1.0, LoraSpec::scale),
+        )
+        .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
-            checkpoint::load_named(dir, (&table, tp), |p| p.lora.is_some(), &mut host)?;
+            let at = (tp, stage.rank());
+            checkpoint::load_named(dir, (&table, at), |p| p.lora.is_some(), &mut host)?;
         }
         let params: Vec<B::Tensor> = host
             .iter()
@@ -658,6 +748,8 @@ impl<B: Backend> Trainer<B> {
             model_numel,
             tp: groups.tp.map(Counted::new),
             dp: groups.dp.map(Counted::new),
+            pp: groups.pp.map(Counted::new),
+            stage,
             rank,
             cfg,
         };
@@ -693,7 +785,8 @@ impl<B: Backend> Trainer<B> {
             _ => return Ok(()),
         };
         let no_optim = &no_optim;
-        let state = checkpoint::load_state(&dir, (&self.table, self.tp()), trained, *no_optim)?;
+        let at = (self.tp(), self.stage.rank());
+        let state = checkpoint::load_state(&dir, (&self.table, at), trained, *no_optim)?;
         self.iteration = state.iteration;
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
@@ -857,8 +950,12 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
-    /// returns each micro-batch's losses (on the device) with its loss mask, and the rows
-    /// processed.
+    /// returns each micro-batch's loss mask with, on the last pipeline stage, its losses (on
+    /// the device), and the rows processed. Over pipeline stages the micro-batches run in
+    /// Megatron's 1F1B order (megatron-core megatron/core/pipeline_parallel/schedules.py
+    /// `forward_backward_pipelining_without_interleaving`): PP − stage − 1 forward passes
+    /// first, then one forward and one backward pass in turn, then the remaining backward
+    /// passes; each micro-batch's gradients add in micro-batch order, as on one stage.
     fn step_batches(
         &mut self,
         split: &data::Source,
@@ -871,45 +968,173 @@ impl<B: Backend> Trainer<B> {
         // batch; every micro-batch weighs 1/K of the whole batch (the gradients are summed
         // over the ranks).
         let (dp, dp_rank) = self.dp.as_ref().map_or((1, 0), |g| (g.size(), g.rank()));
-        let tp = self.tp.as_ref().map(|group| {
-            let rows = c.vocab_padded / group.size();
-            let first = group.rank() * rows;
-            TensorParallel {
-                group: group as &dyn Communicator<Tensor = B::Tensor>,
-                vocab: first..first + rows,
-                sequence_parallel: c.sequence_parallel,
-            }
-        });
-        let (mut losses, mut tokens) = (Vec::with_capacity(k / dp), 0u64);
+        let mut batches = Vec::with_capacity(k / dp);
         for j in 0..k / dp {
             let at = from + ((j * dp + dp_rank) * m) as u64;
-            let prepared = split.micro_batch(at, m, k, c.averaging)?;
-            let fwd = forward(
-                &self.b,
-                &self.spec,
-                (&self.ids, &self.params),
-                &prepared.batch,
-                self.activations(),
-                tp.as_ref(),
-            )?;
-            tokens += prepared.batch.tokens.len() as u64;
-            let loss = if train {
-                backward(
-                    &self.b,
-                    &self.spec,
-                    (&self.ids, &self.params, &mut self.grads),
-                    &prepared.batch,
-                    fwd,
-                    tp.as_ref(),
-                )?
-            } else {
-                fwd.losses
-            };
-            losses.push((loss, prepared.mask));
+            batches.push(split.micro_batch(at, m, k, c.averaging)?);
+        }
+        let tokens = batches.iter().map(|p| p.batch.tokens.len() as u64).sum();
+        let n = batches.len();
+        let warmup = match train {
+            true => (self.stage.count - self.stage.index - 1).min(n),
+            false => n,
+        };
+        let mut fwds = std::collections::VecDeque::new();
+        let mut losses = Vec::with_capacity(n);
+        let mut keep = |t: Option<B::Tensor>, j: usize| {
+            losses.push((t, batches[j].mask.clone()));
+        };
+        let mut input = None;
+        for j in 0..n {
+            if j <= warmup {
+                input = self.p2p(P2p::recv_prev(&batches[j].batch))?.0;
+            }
+            let fwd = self.forward_pass(&batches[j].batch, input.take())?;
+            if j < warmup {
+                self.p2p(P2p::send_next(&fwd.out))?;
+                match train {
+                    true => fwds.push_back(fwd),
+                    false => keep(self.stage.last().then_some(fwd.out), j),
+                }
+                continue;
+            }
+            // steady 1F1B: this forward pass's output out, the oldest backward pass's gradient in
+            let i = j - warmup;
+            let grad = self.p2p(P2p {
+                send_next: Some(&fwd.out),
+                recv_next: Some(&batches[i].batch),
+                ..P2p::default()
+            })?;
+            fwds.push_back(fwd);
+            let oldest =
+                (fwds.pop_front()).ok_or_else(|| anyhow!("internal: no forward pass pending"))?;
+            let (loss, dinput) = self.backward_pass(&batches[i].batch, oldest, grad.1)?;
+            keep(loss, i);
+            let next = (j + 1 < n).then(|| &batches[j + 1].batch);
+            input = self
+                .p2p(P2p {
+                    send_prev: dinput.as_ref(),
+                    recv_prev: next,
+                    ..P2p::default()
+                })?
+                .0;
+        }
+        let cooldown = n - fwds.len();
+        for (i, prepared) in batches.iter().enumerate().skip(cooldown) {
+            let grad = self.p2p(P2p::recv_next(&prepared.batch))?.1;
+            let oldest =
+                (fwds.pop_front()).ok_or_else(|| anyhow!("internal: no forward pass pending"))?;
+            let (loss, dinput) = self.backward_pass(&prepared.batch, oldest, grad)?;
+            keep(loss, i);
+            self.p2p(P2p {
+                send_prev: dinput.as_ref(),
+                ..P2p::default()
+            })?;
         }
         Ok((losses, tokens))
     }
 
+    /// One micro-batch forward through this rank's stage.
+    fn forward_pass(
+        &self,
+        batch: &MicroBatch,
+        input: Option<B::Tensor>,
+    ) -> Result<crate::model::llama::Forward<B::Tensor>> {
+        let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        Ok(forward(
+            &self.b,
+            &self.spec,
+            (&self.ids, &self.params),
+            (batch, input),
+            self.activations(),
+            tp.as_ref(),
+        )?)
+    }
+
+    /// One micro-batch backward through this rank's stage: its losses on the last stage, the
+    /// gradient of its input on the others.
+    fn backward_pass(
+        &mut self,
+        batch: &MicroBatch,
+        fwd: crate::model::llama::Forward<B::Tensor>,
+        grad: Option<B::Tensor>,
+    ) -> Result<StageGradients<B::Tensor>> {
+        let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let (out, dinput) = backward(
+            &self.b,
+            &self.spec,
+            (&self.ids, &self.params, &mut self.grads),
+            (batch, grad),
+            fwd,
+            tp.as_ref(),
+        )?;
+        Ok((self.stage.last().then_some(out), dinput))
+    }
+
+    /// Megatron's point-to-point step between pipeline stages
+    /// (megatron/core/pipeline_parallel/p2p_communication.py `_p2p_ops`): the sends and
+    /// receives a stage has with its neighbours, an even stage sending first and an odd one
+    /// receiving first, so that each send meets its receive even where a send waits for it.
+    /// A stage has no neighbour before the first or after the last. Returns what came from
+    /// the previous and the next stage.
+    fn p2p(&self, step: P2p<'_, B::Tensor>) -> Result<Neighbours<B::Tensor>> {
+        let Some(pp) = &self.pp else {
+            return Ok((None, None));
+        };
+        let (me, first, last) = (self.stage.index, self.stage.first(), self.stage.last());
+        let activation = |batch: &MicroBatch| -> Result<B::Tensor> {
+            let rows = batch.tokens.len()
+                / if self.cfg.sequence_parallel {
+                    self.tp().1
+                } else {
+                    1
+                };
+            Ok(self
+                .b
+                .zeros(&[rows, self.cfg.model.hidden], self.activations())?)
+        };
+        let recv = |batch, from| -> Result<B::Tensor> {
+            let mut x = activation(batch)?;
+            pp.recv(&mut x, from)?;
+            Ok(x)
+        };
+        let (mut from_prev, mut from_next) = (None, None);
+        let ops: [u8; 4] = if me % 2 == 0 {
+            [0, 1, 2, 3]
+        } else {
+            [1, 0, 3, 2]
+        };
+        for op in ops {
+            match (op, step) {
+                (
+                    0,
+                    P2p {
+                        send_next: Some(x), ..
+                    },
+                ) if !last => pp.send(x, me + 1)?,
+                (
+                    1,
+                    P2p {
+                        recv_prev: Some(b), ..
+                    },
+                ) if !first => from_prev = Some(recv(b, me - 1)?),
+                (
+                    2,
+                    P2p {
+                        send_prev: Some(x), ..
+                    },
+                ) if !first => pp.send(x, me - 1)?,
+                (
+                    3,
+                    P2p {
+                        recv_next: Some(b), ..
+                    },
+                ) if !last => from_next = Some(recv(b, me + 1)?),
+                _ => {}
+            }
+        }
+        Ok((from_prev, from_next))
+    }
     /// The trained norm weights: under sequence parallelism, the parameters whose gradients
     /// each rank takes over its rows only (Megatron's `sequence_parallel` attribute).
     fn trained_norms(&self) -> Vec<usize> {
@@ -947,14 +1172,70 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
-    /// The loss sums of micro-batches' losses (read from the device).
+    /// The loss sums of micro-batches' losses (read from the device; the last pipeline
+    /// stage's).
     fn loss_sums(&self, losses: &[PendingLoss<B::Tensor>]) -> Result<data::LossSums> {
         let mut sums = data::LossSums::default();
         for (loss, mask) in losses {
+            let loss = loss
+                .as_ref()
+                .ok_or_else(|| anyhow!("internal: losses read off the last pipeline stage"))?;
             let (s, n) = data::masked_sum(&self.b.download_f32(loss)?, mask);
             sums.push(s, n);
         }
         Ok(sums)
+    }
+
+    /// The loss sums of every micro-batch of the global batch, known to every rank: gathered
+    /// over the last pipeline stage's data-parallel ranks, then sent from it to the other
+    /// stages (Megatron reports the loss from the last stage; here rank 0 logs it).
+    fn everyones_losses(&self, losses: &[PendingLoss<B::Tensor>]) -> Result<data::LossSums> {
+        if self.pp.is_none() {
+            return self.gathered(self.loss_sums(losses)?);
+        }
+        let mut flat = vec![0f32; 2 * self.cfg.global_batch / self.cfg.micro_batch];
+        if self.stage.last() {
+            flat = self.gathered(self.loss_sums(losses)?)?.flat();
+        }
+        let mut t = self.b.upload_f32(&[flat.len()], &flat)?;
+        if let Some(pp) = &self.pp {
+            pp.broadcast(&mut t, self.stage.count - 1)?;
+        }
+        Ok(data::LossSums::interleaved(&self.b.download_f32(&t)?, 1))
+    }
+
+    /// The tied embedding's gradient summed over the first pipeline stage (its lookup's) and
+    /// the last (its copy's, as the output layer), the same sum on both so that the copies
+    /// stay equal (megatron/core/distributed/finalize_model_grads.py
+    /// `_allreduce_word_embedding_grads`, an all-reduce of the two here a send each way).
+    fn sum_shared_embedding(&mut self) -> Result<()> {
+        let (Some(pp), false) = (&self.pp, self.stage.first() && self.stage.last()) else {
+            return Ok(());
+        };
+        let embedding = Canon {
+            role: Role::Embedding,
+            layer: None,
+        };
+        let tied = self.cfg.model.tied;
+        let at = self
+            .table
+            .index(embedding)
+            .filter(|&i| tied && self.table.params[i].trainable);
+        let Some(i) = at.filter(|_| self.stage.first() || self.stage.last()) else {
+            return Ok(());
+        };
+        let (first, last) = (0, self.stage.count - 1);
+        let mut theirs = self.b.zeros(&self.table.params[i].shape, DType::F32)?;
+        if self.stage.first() {
+            pp.send(&self.grads[i], last)?;
+            pp.recv(&mut theirs, last)?;
+        } else {
+            pp.recv(&mut theirs, first)?;
+            pp.send(&self.grads[i], first)?;
+        }
+        // IEEE addition commutes: both stages get the same bits.
+        self.b.add_assign(&mut self.grads[i], &theirs)?;
+        Ok(())
     }
 
     /// Every data-parallel rank's loss sums, in the single rank's order of micro-batches (rank
@@ -993,17 +1274,21 @@ impl<B: Backend> Trainer<B> {
             .iter()
             .map(|(_, mask)| mask.iter().sum::<f32>())
             .sum();
-        // Data parallel: gradients summed over the ranks, the losses of every rank's
-        // micro-batches known to each (finalize_model_grads' all-reduces).
+        // Data parallel: gradients summed over the ranks; the losses of every rank's
+        // micro-batches known to each (finalize_model_grads' all-reduces), and over pipeline
+        // stages to every stage.
         let mut everyone = None;
         self.sum_norm_grads()?;
         if let Some(dp) = &self.dp {
             for g in &mut self.grads {
                 dp.all_reduce(g, ReduceOp::Sum)?;
             }
-            let sums = self.gathered(self.loss_sums(&losses)?)?;
-            n = sums.tokens();
             tokens = self.summed(tokens as f32)? as u64;
+        }
+        self.sum_shared_embedding()?;
+        if self.dp.is_some() || self.pp.is_some() {
+            let sums = self.everyones_losses(&losses)?;
+            n = sums.tokens();
             everyone = Some(sums);
         }
         if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
@@ -1064,8 +1349,7 @@ impl<B: Backend> Trainer<B> {
         let mut all = data::LossSums::default();
         for i in 0..iters {
             let (losses, _) = self.step_batches(split, start + i * g, false)?;
-            let sums = self.gathered(self.loss_sums(&losses)?)?;
-            all.extend(sums);
+            all.extend(self.everyones_losses(&losses)?);
         }
         Ok(f64::from(all.report(self.token_weighted())))
     }
@@ -1177,6 +1461,8 @@ impl<B: Backend> Trainer<B> {
             flops: self.flops,
             extra,
             tp: self.tp(),
+            stage: &self.stage,
+            stages: &c.stages,
         })
     }
 
@@ -1194,38 +1480,46 @@ impl<B: Backend> Trainer<B> {
         };
         let start = Instant::now();
         let snap = self.snapshot()?;
-        let path = match &self.tp {
-            None => checkpoint::save(&save.dir, &snap)?,
-            Some(tp) => self.save_shards(tp.uncounted(), &save.dir, &snap)?,
+        // Over the model-parallel ranks: the pipeline stages, then each stage's TP group.
+        let groups: Vec<_> = [&self.pp, &self.tp]
+            .into_iter()
+            .flatten()
+            .map(Counted::uncounted)
+            .collect();
+        let path = match groups.is_empty() {
+            true => checkpoint::save(&save.dir, &snap)?,
+            false => self.save_shards(&groups, &save.dir, &snap)?,
         };
-        let (t, tps) = self.tp();
+        let ((t, tps), (p, pps)) = (self.tp(), self.stage.rank());
         self.say(
             bar,
             &format!(
-                "  successfully saved checkpoint from iteration {:>7} to {} [ t {}/{tps}, p 1/1 ] ({:.1} s)",
+                "  successfully saved checkpoint from iteration {:>7} to {} [ t {}/{tps}, p {}/{pps} ] ({:.1} s)",
                 self.iteration,
                 save.dir.display(),
                 t + 1,
+                p + 1,
                 start.elapsed().as_secs_f64()
             ),
         );
         Ok(Some(path))
     }
 
-    /// Every tensor-parallel rank's file into one temporary iteration directory that rank 0
-    /// of the group makes (its name sent to the others) and renames into place once all are
-    /// written; a rank that fails makes the save fail on all, leaving no directory behind.
+    /// Every model-parallel rank's file into one temporary iteration directory that its rank 0
+    /// makes (its name sent down `groups`, each from its rank 0: the pipeline, then the
+    /// tensor-parallel group) and renames into place once all are written; a rank that fails
+    /// makes the save fail on all, leaving no directory behind.
     fn save_shards(
         &self,
-        tp: &dyn Communicator<Tensor = B::Tensor>,
+        groups: &[&dyn Communicator<Tensor = B::Tensor>],
         dir: &std::path::Path,
         snap: &checkpoint::Snapshot,
     ) -> Result<std::path::PathBuf> {
         const NAME: usize = 256;
         let b = &self.b;
-        let temp = match tp.rank() {
-            0 => Some(checkpoint::begin(dir, snap.iteration)),
-            _ => None,
+        let temp = match groups.iter().all(|g| g.rank() == 0) {
+            true => Some(checkpoint::begin(dir, snap.iteration)),
+            false => None,
         };
         // [length or −1 on failure, the name's bytes…]
         let mut message = vec![0f32; NAME + 1];
@@ -1243,12 +1537,14 @@ impl<B: Backend> Trainer<B> {
             None => message[0] = -1.0,
         }
         let mut t = b.upload_f32(&[NAME + 1], &message)?;
-        tp.broadcast(&mut t, 0)?;
+        for g in groups {
+            g.broadcast(&mut t, 0)?;
+        }
         let message = b.download_f32(&t)?;
         let temp = temp.transpose()?;
         if message[0] < 0.0 {
             bail!(
-                "tensor-parallel rank 0 could not start the checkpoint in {}",
+                "model-parallel rank 0 could not start the checkpoint in {}",
                 dir.display()
             );
         }
@@ -1258,16 +1554,18 @@ impl<B: Backend> Trainer<B> {
         let into = dir.join(String::from_utf8_lossy(&name).as_ref());
         let written = checkpoint::write_rank(&into, snap);
         let mut failed = b.upload_f32(&[1], &[f32::from(u8::from(written.is_err()))])?;
-        tp.all_reduce(&mut failed, ReduceOp::Max)?;
+        for g in groups.iter().rev() {
+            g.all_reduce(&mut failed, ReduceOp::Max)?;
+        }
         written?;
         if b.download_f32(&failed)?[0] > 0.0 {
-            bail!("another tensor-parallel rank failed to write its part of the checkpoint");
+            bail!("another model-parallel rank failed to write its part of the checkpoint");
         }
         match temp {
-            Some(temp) => checkpoint::finish(dir, temp, snap.iteration),
+            Some(temp) => checkpoint::finish(dir, temp, snap),
             None => Ok(dir
                 .join(checkpoint::iteration_dir(snap.iteration))
-                .join(crate::ckpt::megatron::rank_dir(tp.rank(), 0, 1))
+                .join(checkpoint::rank_dir_of(snap.tp.0, snap.stage))
                 .join(crate::ckpt::megatron::RANK_FILE)),
         }
     }
@@ -1300,9 +1598,11 @@ impl<B: Backend> Trainer<B> {
             let c = &self.cfg;
             if c.layout.world() > 1 {
                 eprintln!(
-                    "mindkit train: {} ranks: {} tensor-parallel × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
+                    "mindkit train: {} ranks: {} tensor-parallel × {} pipeline stages {:?} × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
                     c.layout.world(),
                     c.layout.size(Axis::Tp),
+                    c.layout.size(Axis::Pp),
+                    c.stages,
                     c.data_parallel,
                     c.global_batch / (c.micro_batch * c.data_parallel)
                 );
@@ -1488,7 +1788,7 @@ impl<B: Backend> Trainer<B> {
                     .filter(|&&x| x == 0.0)
                     .count();
             }
-            Some(self.tp_summed(n as f64)?)
+            Some(self.mp_summed(n as f64)?)
         } else {
             None
         };
@@ -1506,19 +1806,22 @@ impl<B: Backend> Trainer<B> {
     fn counted(&self) -> Vec<usize> {
         let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
         (self.table.params.iter().enumerate())
-            .filter(|(_, p)| p.trainable && (first || p.tp_split))
+            .filter(|(_, p)| p.trainable && !p.shared && (first || p.tp_split))
             .map(|(i, _)| i)
             .collect()
     }
 
-    /// `x` summed over the tensor-parallel ranks, in f32 as Megatron reduces its norms
-    /// (megatron/core/optimizer/clip_grads.py `get_grad_norm_fp32`).
-    fn tp_summed(&self, x: f64) -> Result<f64> {
-        let Some(tp) = &self.tp else {
+    /// `x` summed over the model-parallel ranks (tensor-parallel, then pipeline stages), in
+    /// f32 as Megatron reduces its norms (megatron/core/optimizer/clip_grads.py
+    /// `get_grad_norm_fp32`, one all-reduce over the model-parallel group there).
+    fn mp_summed(&self, x: f64) -> Result<f64> {
+        if self.tp.is_none() && self.pp.is_none() {
             return Ok(x);
-        };
+        }
         let mut t = self.b.upload_f32(&[1], &[x as f32])?;
-        tp.all_reduce(&mut t, ReduceOp::Sum)?;
+        for group in [&self.tp, &self.pp].into_iter().flatten() {
+            group.all_reduce(&mut t, ReduceOp::Sum)?;
+        }
         Ok(f64::from(self.b.download_f32(&t)?[0]))
     }
 
@@ -1526,7 +1829,7 @@ impl<B: Backend> Trainer<B> {
     /// the table), over the tensor-parallel ranks.
     fn model_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
         let counted: Vec<&B::Tensor> = self.counted().into_iter().map(|i| &tensors[i]).collect();
-        Ok(self.tp_summed(self.b.sum_squares(&counted)?)?.sqrt())
+        Ok(self.mp_summed(self.b.sum_squares(&counted)?)?.sqrt())
     }
 
     fn write_validation(&mut self, loss: f64) -> Result<()> {
@@ -1579,6 +1882,15 @@ impl<B: Backend> Trainer<B> {
                 self.tp_formula(tp.size())
             ));
         }
+        if let Some(pp) = &self.pp {
+            parts.push(format!(
+                "pipeline stage {} of {}: {} | Megatron's {}",
+                pp.rank(),
+                pp.size(),
+                counted(pp),
+                self.pp_formula()
+            ));
+        }
         (!parts.is_empty()).then(|| format!(" [comm] per iteration, {}", parts.join("; ")))
     }
 
@@ -1625,18 +1937,59 @@ impl<B: Backend> Trainer<B> {
         )
     }
 
+    /// Megatron's point-to-point traffic per iteration of this pipeline stage: per
+    /// micro-batch of T rows, its output `[T', h]` sent to the next stage and its input's
+    /// gradient sent to the previous (T' = T / TP under sequence parallelism), the same
+    /// received; the tied embedding's gradient `[Vp / TP, h]` f32 sent and received between the
+    /// first and last stage; and the 1F1B schedule's bubble, (PP − 1) / (K + PP − 1) of the
+    /// iteration with K micro-batches (each stage idles for PP − 1 forward and backward slots).
+    fn pp_formula(&self) -> String {
+        let c = &self.cfg;
+        let tp = self.tp().1;
+        let rows = c.micro_batch * c.seq_length / if c.sequence_parallel { tp } else { 1 };
+        let a = self.activations();
+        let k = c.global_batch / (c.micro_batch * c.data_parallel);
+        let block = rows * c.model.hidden * a.size();
+        let (first, last) = (self.stage.first(), self.stage.last());
+        let sends = k * (usize::from(!last) + usize::from(!first));
+        let tied = self.cfg.model.tied
+            && (first || last)
+            && self
+                .table
+                .params
+                .iter()
+                .any(|p| p.canon.role == Role::Embedding && p.trainable);
+        let embedding = match tied {
+            true => c.vocab_padded / tp * c.model.hidden * 4,
+            false => 0,
+        };
+        let p = self.stage.count;
+        format!(
+            "sends and receives, each: {sends} × [{rows}, {}] {a:?} + {} × [{}, {}] f32 = {} bytes; bubble (PP − 1) / (K + PP − 1) = {}/{} = {:.3}",
+            c.model.hidden,
+            usize::from(tied),
+            c.vocab_padded / tp,
+            c.model.hidden,
+            sends * block + embedding,
+            p - 1,
+            k + p - 1,
+            (p - 1) as f64 / (k + p - 1) as f64
+        )
+    }
+
     /// [`Trainer::exit_reason`], agreed by all ranks: one rank's reason stops them all
     /// (Megatron all-reduces its exit flags).
     fn agreed_exit(&self, started: Instant) -> Result<Option<String>> {
         let mine = self.exit_reason(started);
-        if self.tp.is_none() && self.dp.is_none() {
+        if self.tp.is_none() && self.dp.is_none() && self.pp.is_none() {
             return Ok(mine);
         }
         let mut flag = self
             .b
             .upload_f32(&[1], &[f32::from(u8::from(mine.is_some()))])?;
-        // Over the data-parallel group, then the tensor-parallel one: every rank of the world.
-        for group in [&self.dp, &self.tp].into_iter().flatten() {
+        // Over the data-parallel group, the tensor-parallel one, then the pipeline: every rank
+        // of the world.
+        for group in [&self.dp, &self.tp, &self.pp].into_iter().flatten() {
             group.all_reduce(&mut flag, ReduceOp::Max)?;
         }
         let anyone = self.b.download_f32(&flag)?[0] > 0.0;
@@ -1662,6 +2015,22 @@ impl<B: Backend> Trainer<B> {
             _ => None,
         }
     }
+}
+
+/// A rank's place in tensor parallelism over `group`.
+fn tensor_parallel<'a, T: crate::engine::comm::Payload>(
+    group: Option<&'a Counted<T>>,
+    cfg: &TrainConfig,
+) -> Option<TensorParallel<'a, T>> {
+    group.map(|group| {
+        let rows = cfg.vocab_padded / group.size();
+        let first = group.rank() * rows;
+        TensorParallel {
+            group: group as &dyn Communicator<Tensor = T>,
+            vocab: first..first + rows,
+            sequence_parallel: cfg.sequence_parallel,
+        }
+    })
 }
 
 /// Local time as Megatron prints it (`%Y-%m-%d %H:%M:%S`).

@@ -6,6 +6,7 @@
 //! Expert parallelism has its own generator there and is always 1 for the LLaMA family here.
 
 use anyhow::{bail, Result};
+use std::ops::Range;
 
 /// One parallel dimension.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +110,44 @@ impl Layout {
 
     fn at(axis: Axis) -> usize {
         Axis::ORDER.iter().position(|&a| a == axis).unwrap()
+    }
+}
+
+/// One pipeline stage: its index among the stages and the global layers it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage {
+    /// Its pipeline-parallel rank.
+    pub index: usize,
+    /// Pipeline stages.
+    pub count: usize,
+    /// Its layers.
+    pub layers: Range<usize>,
+}
+
+impl Stage {
+    /// Stage `index` of the stages holding `stages[p]` layers each, in order.
+    pub fn of(stages: &[usize], index: usize) -> Stage {
+        let start: usize = stages[..index].iter().sum();
+        Stage {
+            index,
+            count: stages.len(),
+            layers: start..start + stages[index],
+        }
+    }
+
+    /// Whether it holds the embedding.
+    pub fn first(&self) -> bool {
+        self.index == 0
+    }
+
+    /// Whether it holds the final norm, the output layer and the loss.
+    pub fn last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+
+    /// `(index, count)`.
+    pub fn rank(&self) -> (usize, usize) {
+        (self.index, self.count)
     }
 }
 

@@ -166,12 +166,12 @@ def stand_in_toolkit(at):
     return at
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2+sp"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2+sp", "pp2"])
 @pytest.mark.parametrize("device", ["cpu", "npu"])
 def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
     """`torchrun --no-python --nproc-per-node 2 mindkit train …` (the agent's store; ranks as
-    processes over sockets on the CPU, over the stand-in's HCCL on NPUs), data- or
-    tensor-parallel, logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
+    processes over sockets on the CPU, over the stand-in's HCCL on NPUs), data-, tensor- or
+    pipeline-parallel, logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
     bit."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     fixtures = ROOT / "fixtures"
@@ -184,6 +184,8 @@ def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
             "--log-interval", "1", "--eval-iters", "0", "--quiet", "--device", device]
     if layout == "tp2+sp":
         args += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    if layout == "pp2":
+        args += ["--pipeline-model-parallel-size", "2"]
     args = [str(a) for a in args]
     extra = {}
     if device == "npu":

@@ -105,7 +105,10 @@ pub(crate) fn await_departures(timeout_ms: u64) {
     for hub in hubs {
         let g = hub.lock();
         let _ = hub.wait_for(g, timeout_ms, |g| {
-            g.joined.iter().all(|r| g.gone.contains_key(r)).then_some(())
+            g.joined
+                .iter()
+                .all(|r| g.gone.contains_key(r))
+                .then_some(())
         });
     }
 }
