@@ -496,9 +496,15 @@ fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
     assert!(log.contains("on test set"), "{log}");
     let teed = std::fs::read_to_string(d.join("logs/train_llama2_tiny.log")).unwrap();
     assert_eq!(teed, log);
-    assert!(d
-        .join("pretrained/iter_0000010/mp_rank_00/model_optim_rng.pt")
-        .is_file());
+    for rank in [
+        "mp_rank_00_000",
+        "mp_rank_01_000",
+        "mp_rank_00_001",
+        "mp_rank_01_001",
+    ] {
+        let file = d.join("pretrained/iter_0000010").join(rank);
+        assert!(file.join("model_optim_rng.pt").is_file(), "{rank}");
+    }
 
     mindkit(&[
         &"preprocess",

@@ -1,6 +1,7 @@
 #!/bin/bash
 # MindSpeed-LLM's examples/mcore/llama2/pretrain_llama2_13b_ptd.sh with its sizes shrunk to a
-# model that trains in seconds on a CPU (2 ranks, TP 2 with sequence parallelism, instead of 8)
+# model that trains in seconds on a CPU (4 ranks: TP 2 with sequence parallelism × PP 2, where
+# the original has TP 8, PP 1)
 # and the launcher line `python -m torch.distributed.launch $DISTRIBUTED_ARGS pretrain_gpt.py`
 # replaced by `torchrun $DISTRIBUTED_ARGS --no-python mindkit train`. Every other flag is the
 # original's: the NPU kernel and overlap flags are accepted and have no effect on the CPU
@@ -10,7 +11,7 @@ export HCCL_EXEC_TIMEOUT=3600
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 
-NPUS_PER_NODE=2
+NPUS_PER_NODE=4
 MASTER_ADDR=localhost
 MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=1
@@ -22,7 +23,7 @@ DATA_PATH="${DATA_PATH:-your data path}"
 TOKENIZER_MODEL="${TOKENIZER_MODEL:-your tokenizer path}"
 CKPT_LOAD_DIR="${CKPT_LOAD_DIR:-your model ckpt path}"
 TP=2
-PP=1
+PP=2
 
 DISTRIBUTED_ARGS="
     --nproc_per_node $NPUS_PER_NODE \

@@ -3,7 +3,8 @@
 # model that trains in seconds on a CPU and the launcher line `torchrun $DISTRIBUTED_ARGS
 # posttrain_gpt.py` replaced by `mindkit train`. Every other flag is the original's: the NPU
 # kernel and overlap flags are accepted and have no effect on the CPU (`mindkit train --help`
-# lists them). TP is 1: parallel training is not in mindkit yet.
+# lists them). It fine-tunes as one rank from the pretraining script's TP 2 × PP 2 checkpoint,
+# resharded on load.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 export HCCL_CONNECT_TIMEOUT=1200

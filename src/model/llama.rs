@@ -17,6 +17,10 @@
 //! and the column-parallel layers' inputs and the row-parallel layers' output gradients are
 //! all-gathered (the inputs again in the backward pass, as Megatron re-gathers them for the
 //! weight gradients rather than keep them).
+//!
+//! A pipeline stage runs the same code on its layers: the first from the embedding, the others
+//! from the previous stage's output; the last to the loss, the others to their output, whose
+//! gradient the backward pass then takes from the next stage.
 
 use super::params::{LoraPart, ParamTable};
 use super::ModelSpec;

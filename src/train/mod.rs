@@ -6,6 +6,11 @@
 //! micro-batches forward and backward (gradients accumulated in f32), the global gradient norm
 //! and clip, one AdamW step at `lr((i − 1)·G)`, then logging, validation, saving and the exit
 //! conditions. Flags: [`args`]; their resolution: [`config`].
+//!
+//! Across ranks ([`parallel`]): each rank holds its tensor-parallel shard of its pipeline
+//! stage's parameters and trains its data-parallel slice of the batch; the stages run the
+//! micro-batches in Megatron's 1F1B order, and the gradients are summed over the data-parallel
+//! group (and the tied embedding's over the first and last stage) before one AdamW step.
 
 pub mod args;
 pub mod checkpoint;

@@ -208,8 +208,8 @@ def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
 
 def test_mindspeed_script_under_torchrun(tmp_path):
     """examples/mindspeed/pretrain_llama2_tiny.sh (MindSpeed-LLM's pretrain_llama2_13b_ptd.sh,
-    shrunk, TP 2 with sequence parallelism) under the real torchrun: two processes train, and
-    each tensor-parallel rank saves its file."""
+    shrunk, TP 2 with sequence parallelism × PP 2) under the real torchrun: four processes train,
+    and each tensor-parallel rank of each stage saves its file."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     tokenizer = ROOT / "fixtures/models/demo"
     # 512 documents, so that --split 949,50,1 leaves the test split one.
@@ -238,5 +238,5 @@ def test_mindspeed_script_under_torchrun(tmp_path):
     rc, out, err = finish(start(["bash", str(script)], env=env, cwd=tmp_path), timeout=300)
     assert "iteration       10/      10" in out, out + err
     assert "validation loss at iteration 5 |" in out, out + err
-    for rank in ["mp_rank_00", "mp_rank_01"]:
+    for rank in ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"]:
         assert (tmp_path / "saved/iter_0000010" / rank / "model_optim_rng.pt").is_file(), out + err
