@@ -160,15 +160,20 @@ impl Storages {
     }
 }
 
-/// Megatron's two parameter groups over the trained parameters: (decay, no decay), ids
-/// consecutive group by group in table order.
-pub fn param_groups(table: &ParamTable, trained: &[bool]) -> [Vec<usize>; 2] {
-    let pick = |decay: bool| -> Vec<usize> {
-        (0..table.params.len())
-            .filter(|&i| trained[i] && table.params[i].decay == decay)
-            .collect()
-    };
-    [pick(true), pick(false)]
+/// Megatron's parameter groups over the trained parameters, as `(weight decay, members)`:
+/// one per decay setting present, in the order their first members come in the table (a
+/// pipeline stage without the embedding starts with a norm: its no-decay group comes first),
+/// members in table order (megatron/core/optimizer/__init__.py `_get_param_groups`). Ids are
+/// consecutive group by group.
+pub fn param_groups(table: &ParamTable, trained: &[bool]) -> Vec<(bool, Vec<usize>)> {
+    let mut groups: Vec<(bool, Vec<usize>)> = Vec::new();
+    for (i, p) in table.params.iter().enumerate().filter(|&(i, _)| trained[i]) {
+        match groups.iter_mut().find(|(decay, _)| *decay == p.decay) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((p.decay, vec![i])),
+        }
+    }
+    groups
 }
 
 /// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`.
@@ -177,8 +182,8 @@ fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) 
     let groups = param_groups(table, &trained);
     let mut state = Vec::new();
     let mut id = 0i64;
-    let mut ids = [Vec::new(), Vec::new()];
-    for (g, members) in groups.iter().enumerate() {
+    let mut ids = vec![Vec::new(); groups.len()];
+    for (g, (_, members)) in groups.iter().enumerate() {
         for &p in members {
             if let (Some(m), Some(v)) = (&opt.exp_avg[p], &opt.exp_avg_sq[p]) {
                 let step = Tensor::new(
@@ -226,20 +231,20 @@ fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) 
             (s("params"), Value::List(params)),
         ])
     };
-    let [decayed, plain] = ids;
+    let saved_groups = groups
+        .iter()
+        .zip(ids)
+        .map(|((decay, _), ids)| group(*decay, ids));
     let torch = Value::Dict(vec![
         (s("state"), Value::Dict(state)),
-        (
-            s("param_groups"),
-            Value::List(vec![group(true, decayed), group(false, plain)]),
-        ),
+        (s("param_groups"), Value::List(saved_groups.collect())),
     ]);
     match &opt.main {
         None => torch,
         Some(main) => {
             let lists = groups
                 .iter()
-                .map(|members| {
+                .map(|(_, members)| {
                     Value::List(
                         members
                             .iter()
@@ -614,8 +619,8 @@ pub fn load_state(
         },
     };
     let states = torch.get("state");
-    for (g, members) in groups.iter().enumerate() {
-        let want_mult = if g == 0 { 1.0 } else { 0.0 };
+    for (g, (decay, members)) in groups.iter().enumerate() {
+        let want_mult = if *decay { 1.0 } else { 0.0 };
         let saved = saved_groups
             .iter()
             .enumerate()
@@ -641,7 +646,7 @@ pub fn load_state(
                 members.len()
             );
         }
-        if g == 0 {
+        if *decay {
             state.hyper.lr = float_of(saved.get("lr")).unwrap_or(0.0);
             state.hyper.weight_decay = float_of(saved.get("weight_decay")).unwrap_or(0.0);
         }

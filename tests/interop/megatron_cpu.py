@@ -28,7 +28,9 @@ def load_pt(path):
         return torch.load(path, weights_only=True)
 
 
-def gpt_model(a):
+def gpt_model(a, pre_process=True, post_process=True):
+    """GPTModel (or, with `pre_process` / `post_process` as Megatron sets them per stage, one
+    pipeline stage of it) of the checkpoint args `a`, in the current parallel state."""
     init()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -41,9 +43,14 @@ def gpt_model(a):
         add_qkv_bias=a.add_qkv_bias, bias_activation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32)
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=getattr(a, "tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=getattr(a, "pipeline_model_parallel_size", 1),
+        sequence_parallel=getattr(a, "sequence_parallel", False),
+        num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None))
     return GPTModel(
-        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
