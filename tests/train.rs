@@ -162,51 +162,43 @@ fn bad_input_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     let save = dir.path().join("save");
-    let split = |flags: &'static str| flags.split(' ').collect::<Vec<_>>();
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    // (flags, what the refusal says)
+    let cases: [(&str, &str); 14] = [
         (
-            vec!["--global-batch-size", "5"],
+            "--global-batch-size 5",
             "not a multiple of --micro-batch-size",
         ),
-        (vec!["--seq-length", "100000"], "above the model's"),
+        ("--seq-length 100000", "above the model's"),
+        ("--num-layers 3", "does not match the --load checkpoint's 2"),
+        ("--fp16", "--fp16 is not supported"),
+        ("--no-such-flag", "unknown flag --no-such-flag"),
         (
-            vec!["--num-layers", "3"],
-            "does not match the --load checkpoint's 2",
-        ),
-        (vec!["--fp16"], "--fp16 is not supported"),
-        (vec!["--no-such-flag"], "unknown flag --no-such-flag"),
-        (
-            vec!["--context-parallel-size", "2"],
+            "--context-parallel-size 2",
             "trains with tensor, pipeline and data parallelism only",
         ),
         (
-            split("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"),
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
             "the interleaved pipeline schedule is not built yet",
         ),
         (
-            vec!["--pipeline-model-parallel-size", "4"],
+            "--pipeline-model-parallel-size 4",
             "--pipeline-model-parallel-size 4 does not divide --num-layers 2",
         ),
         (
-            vec!["--decoder-first-pipeline-num-layers", "1"],
+            "--decoder-first-pipeline-num-layers 1",
             "need --pipeline-model-parallel-size of at least 2",
         ),
         (
-            split("--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2"),
+            "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2",
             "stage 0 would hold no layers",
         ),
-        (
-            vec!["--attention-dropout", "0.1"],
-            "dropout is not implemented",
-        ),
-        (
-            vec!["--lr-warmup-iters", "20"],
-            "must be shorter than decay",
-        ),
-        (vec!["--lora-r", "4"], "needs --lora-target-modules"),
-        (vec!["--ckpt-format", "torch_dist"], "only torch"),
+        ("--attention-dropout 0.1", "dropout is not implemented"),
+        ("--lr-warmup-iters 20", "must be shorter than decay"),
+        ("--lora-r 4", "needs --lora-target-modules"),
+        ("--ckpt-format torch_dist", "only torch"),
     ];
     for (extra, says) in cases {
+        let extra = split(extra);
         let mut a = args(&data, &extra);
         a.extend(["--save".to_string(), save.to_str().unwrap().to_string()]);
         let out = run(&a).failure();
@@ -1087,19 +1079,24 @@ fn same_hf_weights(dir: &Path, a: &Path, b: &Path, tolerance: f32) {
     }
 }
 
+/// A global batch of 8 micro-batches of 1.
+const EIGHT_MICRO_BATCHES: [&str; 4] = ["--micro-batch-size", "1", "--global-batch-size", "8"];
+
+/// 20 iterations with --eod-mask-loss, saved at the end.
+const TWENTY_SAVED: [&str; 5] = [
+    "--train-iters",
+    "20",
+    "--eod-mask-loss",
+    "--save-interval",
+    "20",
+];
+
 #[test]
 fn tensor_parallel_ranks_train_as_one_rank_does() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
-    let batch = ["--micro-batch-size", "1", "--global-batch-size", "8"];
-    let iters = [
-        "--train-iters",
-        "20",
-        "--eod-mask-loss",
-        "--save-interval",
-        "20",
-    ];
+    let (batch, iters) = (EIGHT_MICRO_BATCHES, TWENTY_SAVED);
     let models: [(&str, Model); 2] = [("untied", args), ("tied", tied_with_qkv_bias)];
     for (name, model) in models {
         let one_dir = path(&format!("{name}_one"));
@@ -1193,8 +1190,8 @@ fn loading(mut args: Vec<String>, dir: &Path) -> Vec<String> {
 
 /// `model` trained with `layout` for 10 iterations, saving at the end, as threads and as two
 /// processes started as torchrun starts them: the same log, bit for bit, and byte-identical
-/// files in `rank_dirs`. Stopped at iteration 6 and resumed, the run ends as the whole one
-/// did. Returns the checkpoint of iteration 6.
+/// files in `rank_dirs` (every file there). Stopped at iteration 6 and resumed, the run ends as
+/// the whole one did. Returns the checkpoint of iteration 6.
 fn processes_and_resumed_train_as_threads(
     dir: &Path,
     model: Model,
@@ -1219,14 +1216,21 @@ fn processes_and_resumed_train_as_threads(
         &format!("{what} as processes"),
     );
     for rank in rank_dirs {
-        let file = |at: &Path| {
-            let file = at
-                .join("iter_0000010")
-                .join(rank)
-                .join("model_optim_rng.pt");
-            std::fs::read(file).unwrap()
+        let files = |at: &Path| -> Vec<(std::ffi::OsString, Vec<u8>)> {
+            let dir = at.join("iter_0000010").join(rank);
+            let mut files: Vec<_> = (std::fs::read_dir(dir).unwrap())
+                .map(|e| e.unwrap().path())
+                .map(|f| {
+                    (
+                        f.file_name().unwrap().to_owned(),
+                        std::fs::read(&f).unwrap(),
+                    )
+                })
+                .collect();
+            files.sort();
+            files
         };
-        assert!(file(&by_threads) == file(&by_processes), "{what} {rank}");
+        assert!(files(&by_threads) == files(&by_processes), "{what} {rank}");
     }
     let (half, first) = saving("half", &["--exit-interval", "6"]);
     run(&first).success();
@@ -1279,14 +1283,7 @@ fn pipeline_stages_train_as_one_rank_does() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
-    let batch = ["--micro-batch-size", "1", "--global-batch-size", "8"];
-    let iters = [
-        "--train-iters",
-        "20",
-        "--eod-mask-loss",
-        "--save-interval",
-        "20",
-    ];
+    let (batch, iters) = (EIGHT_MICRO_BATCHES, TWENTY_SAVED);
     let pp2 = ["--pipeline-model-parallel-size", "2"];
     let tp2 = ["--tensor-model-parallel-size", "2"];
     // (model, layout flags, tensor-parallel ranks, pipeline stages)
@@ -1386,6 +1383,134 @@ fn pipeline_stages_as_processes_and_resumed_train_as_threads_do() {
     );
     let data = dir.path().join("corpus_text_document");
     other_layout_loads_weights_only(four_tied_layers(&data, &[]), &half);
+}
+
+#[test]
+fn the_distributed_optimizer_trains_as_one_rank_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name);
+    let common = [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "20",
+        "--save-interval",
+        "20",
+    ];
+    let distributed = "--use-distributed-optimizer";
+    let mut ones = std::collections::BTreeMap::new();
+    // (model, precision, layout, rank directories)
+    type Case = (
+        &'static str,
+        Model,
+        Option<&'static str>,
+        Vec<&'static str>,
+        Vec<&'static str>,
+    );
+    let layouts: [Case; 4] = [
+        (
+            "untied",
+            args,
+            None,
+            vec!["--world-size", "2"],
+            vec!["mp_rank_00"],
+        ),
+        (
+            "untied",
+            args,
+            Some("--bf16"),
+            vec!["--world-size", "2"],
+            vec!["mp_rank_00"],
+        ),
+        // a pipeline's tied embedding in a bucket of its own on the first and last stage
+        (
+            "tied",
+            four_tied_layers,
+            None,
+            split("--world-size 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
+            vec![
+                "mp_rank_00_000",
+                "mp_rank_01_000",
+                "mp_rank_00_001",
+                "mp_rank_01_001",
+            ],
+        ),
+        // buckets of 20,000 elements (--overlap-grad-reduce --ddp-bucket-size)
+        (
+            "untied",
+            args,
+            None,
+            split("--world-size 4 --overlap-grad-reduce --ddp-bucket-size 20000"),
+            vec!["mp_rank_00"],
+        ),
+    ];
+    for (i, (name, model, precision, layout, rank_dirs)) in layouts.into_iter().enumerate() {
+        // fp32 against one rank; bf16 against the same ranks without the distributed optimizer
+        // (bf16 gradients summed over ranks round differently from one rank's)
+        let reference: Vec<&str> = match precision {
+            Some(_) => layout.clone(),
+            None => Vec::new(),
+        };
+        let one_dir = path(&format!("{name}_{precision:?}_{}_one", reference.len()));
+        let one_log = ones
+            .entry((name, precision, reference.clone()))
+            .or_insert_with(|| {
+                let flags = [
+                    &common[..],
+                    &reference,
+                    &["--save", one_dir.to_str().unwrap()],
+                ]
+                .concat();
+                let flags: Vec<&str> = flags.into_iter().chain(precision).collect();
+                stdout(&run(&model(&data, &flags)).success())
+            });
+        let save = path(&format!("distributed_{i}"));
+        let flags = [
+            &common[..],
+            &layout,
+            &[distributed, "--save", save.to_str().unwrap()],
+        ]
+        .concat();
+        let flags: Vec<&str> = flags.into_iter().chain(precision).collect();
+        let log = stdout(&run(&model(&data, &flags)).success());
+        let what = format!("{name} {precision:?} {layout:?}");
+        same_training(one_log, &log, 1e-5, &what);
+        for rank in rank_dirs {
+            let at = save.join("iter_0000020").join(rank);
+            for file in ["model_optim_rng.pt", "distrib_optim.pt"] {
+                assert!(at.join(file).is_file(), "{what}: {rank}/{file}");
+            }
+        }
+        same_hf_weights(dir.path(), &one_dir, &save, 1e-5);
+    }
+    // As two processes, as threads; resumed bit for bit; the state needs the same optimizer.
+    std::fs::create_dir(path("processes")).unwrap();
+    let half = processes_and_resumed_train_as_threads(
+        &path("processes"),
+        args,
+        &[distributed, "--world-size", "2", "--micro-batch-size", "1"],
+        &["mp_rank_00"],
+    );
+    let mut without = loading(
+        args(&data, &["--world-size", "2", "--micro-batch-size", "1"]),
+        &half,
+    );
+    let out = run(&without).failure();
+    assert!(
+        stderr(&out).contains("saved with --use-distributed-optimizer"),
+        "{}",
+        stderr(&out)
+    );
+    without.push("--no-load-optim".into());
+    run(&without).success();
+}
+
+/// Flags from one string.
+fn split(flags: &'static str) -> Vec<&'static str> {
+    flags.split(' ').collect()
 }
 
 #[test]

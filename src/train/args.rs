@@ -246,7 +246,8 @@ pub const FLAGS: &[Flag] = &[
     used("context-parallel-size", One, "1 (context parallelism is not available)"),
     used("expert-model-parallel-size", One, "1"),
     used("sequence-parallel", Nothing, "sequence parallelism with tensor parallelism (switched off at TP 1, as Megatron does)"),
-    inert("use-distributed-optimizer", Nothing, "every data-parallel rank holds the whole optimizer state (the same training; no distrib_optim.pt)"),
+    used("use-distributed-optimizer", Nothing, "Megatron's distributed optimizer: gradients reduce-scattered, each data-parallel rank's Adam state over its 1/DP of the flat buffer, parameters all-gathered; checkpoints with distrib_optim.pt"),
+    used("ddp-bucket-size", One, "elements per gradient bucket with --overlap-grad-reduce (Megatron's default max(40M, 1M × DP)): it shapes distrib_optim.pt's layout"),
     used("num-layers-per-virtual-pipeline-stage", One, "the interleaved schedule (not available yet)"),
     used("num-virtual-stages-per-pipeline-rank", One, "the interleaved schedule (not available yet)"),
     used("decoder-first-pipeline-num-layers", One, "layers of the first pipeline stage, the others spread evenly"),
@@ -276,7 +277,7 @@ pub const FLAGS: &[Flag] = &[
     inert("cross-entropy-loss-fusion", Nothing, KERNEL),
     inert("use-ascend-mc2", Nothing, KERNEL),
     inert("use-fused-ring-attention-update", Nothing, KERNEL),
-    inert("overlap-grad-reduce", Nothing, OVERLAP),
+    used("overlap-grad-reduce", Nothing, "no overlap here; with --use-distributed-optimizer it buckets the gradient buffer as Megatron does (--ddp-bucket-size), which distrib_optim.pt's layout follows"),
     inert("overlap-param-gather", Nothing, OVERLAP),
     inert("no-async-tensor-model-parallel-allreduce", Nothing, OVERLAP),
     inert("reuse-fp32-param", Nothing, MEMORY),
@@ -494,7 +495,7 @@ mod tests {
             Args::parse(&args("stray")),
             Err(ArgsError::Stray(_))
         ));
-        let a = Args::parse(&args("--use-flash-attn --overlap-grad-reduce")).unwrap();
+        let a = Args::parse(&args("--use-flash-attn --overlap-param-gather")).unwrap();
         assert_eq!(a.inert().len(), 2);
         assert!(a.parse_value::<usize>("num-layers").unwrap().is_none());
     }

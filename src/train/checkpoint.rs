@@ -49,6 +49,24 @@ pub struct OptimizerState {
     pub hyper: GroupHyper,
 }
 
+/// The distributed optimizer's state of one tensor-parallel rank of one stage, gathered to its
+/// data-parallel rank 0 (megatron/core/optimizer/distrib_optimizer.py
+/// `get_parameter_state_dp_zero`), written as `distrib_optim.pt`.
+pub struct DistributedState {
+    /// Main parameters, first and second moments: the flat buffer's buckets, each up to its
+    /// last parameter (alignment gaps zero).
+    pub world: [Vec<f32>; 3],
+    /// The model parameters' dtype (the buffer's key pairs it with the f32 gradients').
+    pub param_dtype: DType,
+    /// Steps taken.
+    pub steps: u64,
+    /// The groups' settings.
+    pub hyper: GroupHyper,
+}
+
+/// The file the distributed optimizer's state goes in, beside `model_optim_rng.pt`.
+pub const DISTRIBUTED_FILE: &str = "distrib_optim.pt";
+
 /// What the torch parameter groups record.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupHyper {
@@ -84,8 +102,10 @@ pub struct Snapshot<'a> {
     pub iteration: u64,
     /// Training state recorded in `args`.
     pub args: Vec<(String, Value)>,
-    /// Optimizer state (`None` with `--no-save-optim`).
+    /// Optimizer state (`None` with `--no-save-optim` or the distributed optimizer).
     pub optimizer: Option<OptimizerState>,
+    /// The distributed optimizer's state (its data-parallel rank 0's, gathered).
+    pub distributed: Option<DistributedState>,
     /// The scheduler's state dict.
     pub scheduler: Option<Json>,
     /// FLOPs so far.
@@ -176,6 +196,88 @@ pub fn param_groups(table: &ParamTable, trained: &[bool]) -> Vec<(bool, Vec<usiz
     groups
 }
 
+/// One torch parameter group as Megatron saves it: its group keys, torch AdamW's settings, and
+/// its `params` ids — or, for the distributed optimizer, no ids and the step count.
+fn group_value(
+    decay: bool,
+    h: &GroupHyper,
+    params: Option<Vec<Value>>,
+    step: Option<u64>,
+) -> Value {
+    let mult = if decay { 1.0 } else { 0.0 };
+    let mut items = vec![
+        (s("wd_mult"), Value::Float(mult)),
+        (s("lr_mult"), Value::Float(1.0)),
+        (s("is_expert_parallel"), Value::Bool(false)),
+        (s("is_decoupled_lr"), Value::Bool(false)),
+        (s("max_lr"), Value::Float(h.max_lr)),
+        (s("min_lr"), Value::Float(h.min_lr)),
+        (s("lr"), Value::Float(h.lr)),
+        (
+            s("betas"),
+            Value::Tuple(vec![Value::Float(h.betas.0), Value::Float(h.betas.1)]),
+        ),
+        (s("eps"), Value::Float(h.eps)),
+        (s("weight_decay"), Value::Float(h.weight_decay * mult)),
+        (s("amsgrad"), Value::Bool(false)),
+        (s("maximize"), Value::Bool(false)),
+        (s("foreach"), Value::None),
+        (s("capturable"), Value::Bool(false)),
+        (s("differentiable"), Value::Bool(false)),
+        (s("fused"), Value::None),
+        (s("decoupled_weight_decay"), Value::Bool(true)),
+    ];
+    items.extend(params.map(|ids| (s("params"), Value::List(ids))));
+    items.extend(step.map(|n| (s("step"), Value::Int(n as i64))));
+    Value::Dict(items)
+}
+
+/// The distributed optimizer's `optimizer` entry of `model_optim_rng.pt`: the parameter groups
+/// without ids or state, each with the step count (`DistributedOptimizer.state_dict`); the
+/// state is in `distrib_optim.pt`.
+fn distributed_groups(table: &ParamTable, d: &DistributedState) -> Value {
+    let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
+    let groups = param_groups(table, &trained)
+        .iter()
+        .map(|(decay, _)| group_value(*decay, &d.hyper, None, Some(d.steps)))
+        .collect();
+    Value::Dict(vec![(
+        s("optimizer"),
+        Value::Dict(vec![(s("param_groups"), Value::List(groups))]),
+    )])
+}
+
+/// `distrib_optim.pt`: `{"buckets_coalesced": True, 0: {(param dtype, float32): {"param",
+/// "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}}` (one buffer: mindkit's
+/// parameters share one dtype).
+fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
+    let mut st = Storages::default();
+    let n = d.world[0].len();
+    let mut state = Vec::new();
+    for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(&d.world) {
+        let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        state.push((s(key), st.tensor(&Tensor::new(DType::F32, vec![n], bytes))));
+    }
+    state.push((s("numel_unpadded"), Value::Int(n as i64)));
+    let dtypes = Value::Tuple(vec![
+        Value::TorchDType(d.param_dtype),
+        Value::TorchDType(DType::F32),
+    ]);
+    let root = Value::Dict(vec![
+        (s("buckets_coalesced"), Value::Bool(true)),
+        (
+            Value::Int(0),
+            Value::Dict(vec![(dtypes, Value::Dict(state))]),
+        ),
+    ]);
+    let mut w = PtWriter::create(path, &root, false)?;
+    for (key, bytes) in st.data.iter().enumerate() {
+        w.write_storage(&key.to_string(), bytes)?;
+    }
+    w.finish()?;
+    Ok(())
+}
+
 /// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`.
 fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) -> Value {
     let trained: Vec<bool> = opt.exp_avg.iter().map(Option::is_some).collect();
@@ -204,37 +306,10 @@ fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) 
             id += 1;
         }
     }
-    let h = opt.hyper;
-    let group = |decay: bool, params: Vec<Value>| {
-        let mult = if decay { 1.0 } else { 0.0 };
-        Value::Dict(vec![
-            (s("wd_mult"), Value::Float(mult)),
-            (s("lr_mult"), Value::Float(1.0)),
-            (s("is_expert_parallel"), Value::Bool(false)),
-            (s("is_decoupled_lr"), Value::Bool(false)),
-            (s("max_lr"), Value::Float(h.max_lr)),
-            (s("min_lr"), Value::Float(h.min_lr)),
-            (s("lr"), Value::Float(h.lr)),
-            (
-                s("betas"),
-                Value::Tuple(vec![Value::Float(h.betas.0), Value::Float(h.betas.1)]),
-            ),
-            (s("eps"), Value::Float(h.eps)),
-            (s("weight_decay"), Value::Float(h.weight_decay * mult)),
-            (s("amsgrad"), Value::Bool(false)),
-            (s("maximize"), Value::Bool(false)),
-            (s("foreach"), Value::None),
-            (s("capturable"), Value::Bool(false)),
-            (s("differentiable"), Value::Bool(false)),
-            (s("fused"), Value::None),
-            (s("decoupled_weight_decay"), Value::Bool(true)),
-            (s("params"), Value::List(params)),
-        ])
-    };
     let saved_groups = groups
         .iter()
         .zip(ids)
-        .map(|((decay, _), ids)| group(*decay, ids));
+        .map(|((decay, _), ids)| group_value(*decay, &opt.hyper, Some(ids), None));
     let torch = Value::Dict(vec![
         (s("state"), Value::Dict(state)),
         (s("param_groups"), Value::List(saved_groups.collect())),
@@ -392,6 +467,9 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     if let Some(opt) = &snap.optimizer {
         root.push((s("optimizer"), optimizer_value(snap.table, opt, &mut st)));
     }
+    if let Some(d) = &snap.distributed {
+        root.push((s("optimizer"), distributed_groups(snap.table, d)));
+    }
     if let Some(sched) = &snap.scheduler {
         root.push((s("opt_param_scheduler"), json_value(sched)));
     }
@@ -406,6 +484,9 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         w.write_storage(&key.to_string(), bytes)?;
     }
     w.finish()?;
+    if let Some(d) = &snap.distributed {
+        write_distributed(&rank.join(DISTRIBUTED_FILE), d)?;
+    }
     Ok(())
 }
 
@@ -545,6 +626,76 @@ pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
     Ok(file)
 }
 
+/// The distributed optimizer's state in this rank's `distrib_optim.pt` of the checkpoint `dir`
+/// (`at`: its place in the layout), whose buffer must hold `numel_unpadded` elements: the
+/// world tensors of main parameters and moments ([`DistributedState::world`]) and the steps
+/// taken (the parameter groups' `step` in `model_optim_rng.pt`).
+pub fn load_distributed(
+    dir: &Path,
+    at: RankAt,
+    numel_unpadded: usize,
+) -> Result<([Vec<f32>; 3], u64)> {
+    let model = rank_file(dir, at)?;
+    let path = model.with_file_name(DISTRIBUTED_FILE);
+    if !path.is_file() {
+        bail!(
+            "{}: no {DISTRIBUTED_FILE}: the checkpoint was saved without --use-distributed-optimizer; \
+             resume without it, or pass --no-load-optim",
+            model.display()
+        );
+    }
+    let groups = TorchFile::open(&model)?;
+    let step = (groups.root().get("optimizer"))
+        .and_then(|o| o.get("optimizer"))
+        .and_then(|o| o.get("param_groups"))
+        .and_then(|g| match g {
+            Value::List(groups) => groups.first().and_then(|g| int_of(g.get("step"))),
+            _ => None,
+        });
+    let steps = step.ok_or_else(|| {
+        anyhow!(
+            "{}: no optimizer step count in its parameter groups",
+            model.display()
+        )
+    })?;
+    let f = TorchFile::open(&path)?;
+    let buffer = match f.root() {
+        Value::Dict(items) => items
+            .iter()
+            .find(|(k, _)| *k == Value::Int(0))
+            .map(|(_, v)| v),
+        _ => None,
+    };
+    let state = match buffer {
+        Some(Value::Dict(by_dtype)) if by_dtype.len() == 1 => &by_dtype[0].1,
+        _ => bail!("{}: no buffer 0 of one dtype pair", path.display()),
+    };
+    let saved = int_of(state.get("numel_unpadded"));
+    if saved != Some(numel_unpadded as u64) {
+        bail!(
+            "{}: its buffer holds {saved:?} elements, this run's {numel_unpadded}: another model, \
+             layout or bucket size (--overlap-grad-reduce, --ddp-bucket-size)",
+            path.display()
+        );
+    }
+    let mut world: [Vec<f32>; 3] = Default::default();
+    for (slot, key) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
+        let Some(Value::Tensor(t)) = state.get(key) else {
+            bail!("{}: no {key}", path.display());
+        };
+        let t = f.read_tensor(key, t)?;
+        *slot = crate::tensor::host::to_f32(&t).map_err(|e| anyhow!(e))?;
+        if slot.len() != numel_unpadded {
+            bail!(
+                "{}: {key} holds {} elements, not {numel_unpadded}",
+                path.display(),
+                slot.len()
+            );
+        }
+    }
+    Ok((world, steps))
+}
+
 /// Read the training state of a checkpoint written by [`save`] (or by Megatron on one rank):
 /// iteration, consumed samples, scheduler, and — unless `weights_only` — the optimizer state
 /// mapped back onto `table` (groups matched as Megatron's `_filter_and_reorder_param_groups`
@@ -600,7 +751,21 @@ pub fn load_state(
         _ => (opt, None),
     };
     let groups = param_groups(table, trained);
+    let distributed = || {
+        anyhow!(
+            "{}: saved with --use-distributed-optimizer (its Adam state is in {DISTRIBUTED_FILE}); \
+             resume with it, or pass --no-load-optim",
+            path.display()
+        )
+    };
     let Some(Value::List(saved_groups)) = torch.get("param_groups") else {
+        if opt
+            .get("optimizer")
+            .and_then(|o| o.get("param_groups"))
+            .is_some()
+        {
+            return Err(distributed());
+        }
         bail!("{}: optimizer without param_groups", path.display());
     };
     let n = table.params.len();
@@ -635,7 +800,7 @@ pub fn load_state(
             ),
         };
         let Some(Value::List(ids)) = saved.get("params") else {
-            bail!("{}: parameter group without params", path.display());
+            return Err(distributed());
         };
         if ids.len() != members.len() {
             bail!(

@@ -90,6 +90,9 @@ pub struct TrainConfig {
     pub stages: Vec<usize>,
     /// `--sequence-parallel` at TP > 1.
     pub sequence_parallel: bool,
+    /// `--use-distributed-optimizer`, with the gradient bucket size in elements (`None`: one
+    /// bucket, Megatron's layout without `--overlap-grad-reduce`).
+    pub distributed_optimizer: Option<Option<usize>>,
     /// Iterations to reach.
     pub train_iters: u64,
     /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
@@ -754,6 +757,15 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         layout,
         stages,
         sequence_parallel: tp > 1 && a.has("sequence-parallel"),
+        distributed_optimizer: match a.has("use-distributed-optimizer") {
+            false => None,
+            // megatron/training/training.py get_model: the bucket size only with overlap
+            true if a.has("overlap-grad-reduce") => Some(Some(
+                positive(a, "ddp-bucket-size")?
+                    .unwrap_or((1_000_000 * data_parallel).max(40_000_000)),
+            )),
+            true => Some(None),
+        },
         train_iters,
         train_samples: train_samples.unwrap_or(train_iters * g),
         schedule,

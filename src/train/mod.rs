@@ -16,6 +16,7 @@ pub mod args;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod distrib;
 pub mod log;
 pub mod optim;
 pub mod parallel;
@@ -665,6 +666,9 @@ struct Trainer<B: Backend> {
     dp: Option<Counted<B::Tensor>>,
     /// The pipeline-parallel group (None: one stage), its collectives counted.
     pp: Option<Counted<B::Tensor>>,
+    /// The distributed optimizer's state (`--use-distributed-optimizer`; `opt` then holds
+    /// none).
+    sharded: Option<distrib::Sharded<B::Tensor>>,
     /// This rank's pipeline stage.
     stage: Stage,
     /// The global rank (0 alone): rank 0 logs; the ranks of data-parallel rank 0 save.
@@ -722,7 +726,25 @@ impl<B: Backend> Trainer<B> {
             .map(|p| b.zeros(if p.trainable { &p.shape } else { &[0] }, DType::F32))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
-        let opt = Optimizer::new(&b, &table, &params, trained.clone(), cfg.adam)?;
+        // With the distributed optimizer the Adam state is the rank's pieces' only.
+        let sharded = match cfg.distributed_optimizer {
+            Some(bucket_size) => {
+                let dp = groups.dp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+                // a pipeline's tied embedding (and its copy) has a bucket of its own
+                let shared = cfg.model.tied && stage.count > 1;
+                let own_bucket = |i: usize| shared && table.params[i].canon.role == Role::Embedding;
+                let table_params = (&table, &params[..]);
+                // distributed_data_parallel.py: no buckets after the first pipeline stage
+                let at = (bucket_size.filter(|_| stage.first()), own_bucket);
+                Some(distrib::Sharded::new(&b, table_params, dp, at, cfg.adam)?)
+            }
+            None => None,
+        };
+        let whole_state = match sharded {
+            Some(_) => vec![false; trained.len()],
+            None => trained.clone(),
+        };
+        let opt = Optimizer::new(&b, &table, &params, whole_state, cfg.adam)?;
         let stop = if cfg.exit.on_signal {
             Some(crate::util::defer_signals()?)
         } else {
@@ -742,6 +764,7 @@ impl<B: Backend> Trainer<B> {
             params,
             grads,
             opt,
+            sharded,
             iteration: 0,
             consumed_train: 0,
             consumed_valid: 0,
@@ -791,7 +814,9 @@ impl<B: Backend> Trainer<B> {
         };
         let no_optim = &no_optim;
         let at = (self.tp(), self.stage.rank());
-        let state = checkpoint::load_state(&dir, (&self.table, at), trained, *no_optim)?;
+        // the distributed optimizer's state is in its own file
+        let weights_only = *no_optim || self.sharded.is_some();
+        let state = checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?;
         self.iteration = state.iteration;
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
@@ -802,6 +827,13 @@ impl<B: Backend> Trainer<B> {
         if let Some(sched) = &state.scheduler {
             self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
             self.apply_checkpoint_schedule(sched)?;
+        }
+        if let Some(sharded) = self.sharded.as_mut() {
+            let numel = sharded.layout.numel_unpadded();
+            let (world, steps) = checkpoint::load_distributed(&dir, at, numel)?;
+            let [main, m, v] = &world;
+            sharded.load(&self.b, [main, m, v], steps)?;
+            return Ok(());
         }
         let Some(opt) = state.optimizer else {
             return Ok(());
@@ -1284,13 +1316,23 @@ impl<B: Backend> Trainer<B> {
         // stages to every stage.
         let mut everyone = None;
         self.sum_norm_grads()?;
-        if let Some(dp) = &self.dp {
-            for g in &mut self.grads {
-                dp.all_reduce(g, ReduceOp::Sum)?;
+        self.sum_shared_embedding()?;
+        let dp = self
+            .dp
+            .as_ref()
+            .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
+        match (self.sharded.as_mut(), dp) {
+            (Some(sharded), dp) => sharded.reduce_scatter(&self.b, &self.grads, dp)?,
+            (None, Some(dp)) => {
+                for g in &mut self.grads {
+                    dp.all_reduce(g, ReduceOp::Sum)?;
+                }
             }
+            (None, None) => {}
+        }
+        if self.dp.is_some() {
             tokens = self.summed(tokens as f32)? as u64;
         }
-        self.sum_shared_embedding()?;
         if self.dp.is_some() || self.pp.is_some() {
             let sums = self.everyones_losses(&losses)?;
             n = sums.tokens();
@@ -1298,13 +1340,20 @@ impl<B: Backend> Trainer<B> {
         }
         if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
             let scale = 1.0 / n;
-            for g in &mut self.grads {
+            let grads = match self.sharded.as_mut() {
+                Some(sharded) => &mut sharded.grads,
+                None => &mut self.grads,
+            };
+            for g in grads {
                 self.b.scale(g, scale)?;
             }
         }
         // The gradient norm waits for the device; the losses are read after it without
         // another wait, and the update is queued after both are known.
-        let grad_norm = self.model_norm(&self.grads)?;
+        let grad_norm = match &self.sharded {
+            Some(sharded) => self.pieces_norm(&sharded.grads)?,
+            None => self.model_norm(&self.grads)?,
+        };
         let sums = match everyone {
             Some(sums) => sums,
             None => self.loss_sums(&losses)?,
@@ -1314,14 +1363,7 @@ impl<B: Backend> Trainer<B> {
         let wd = self.cfg.schedule.wd(self.schedule_steps);
         let skip = self.cfg.skip_non_finite;
         let report = if loss.is_finite() || !skip {
-            self.opt.apply(
-                &self.b,
-                &mut self.params,
-                &mut self.grads,
-                grad_norm,
-                (lr, wd),
-                skip,
-            )?
+            self.apply(grad_norm, (lr, wd))?
         } else {
             optim::StepReport {
                 grad_norm: f64::NAN,
@@ -1333,6 +1375,55 @@ impl<B: Backend> Trainer<B> {
         }
         self.consumed_train += self.cfg.global_batch as u64;
         Ok((loss, report.grad_norm, report.applied, tokens))
+    }
+
+    /// One optimizer step with the gradient norm `grad_norm` at `(lr, wd)`: over the whole
+    /// model, or over this rank's pieces, whose parameters every rank then gathers.
+    fn apply(&mut self, grad_norm: f64, (lr, wd): (f64, f64)) -> Result<optim::StepReport> {
+        let skip = self.cfg.skip_non_finite;
+        let Some(sharded) = self.sharded.as_mut() else {
+            let (params, grads) = (&mut self.params, &mut self.grads);
+            return Ok(self
+                .opt
+                .apply(&self.b, params, grads, grad_norm, (lr, wd), skip)?);
+        };
+        let (main, grads) = (&mut sharded.main, &mut sharded.grads);
+        let report = sharded
+            .opt
+            .apply(&self.b, main, grads, grad_norm, (lr, wd), skip)?;
+        if report.applied {
+            let dp = self
+                .dp
+                .as_ref()
+                .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
+            let to = (&self.table, &mut self.params[..]);
+            sharded.gather_params(&self.b, to, self.cfg.model.dtype, dp)?;
+        }
+        Ok(report)
+    }
+
+    /// The L2 norm over every rank's pieces of the distributed optimizer (`tensors`: this
+    /// rank's, one per piece), counting each parameter once: its shards on every
+    /// tensor-parallel rank, a replicated one on rank 0, a pipeline's embedding copy not at
+    /// all (Megatron's `get_grad_norm_fp32` over the shards, all-reduced over every rank).
+    fn pieces_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
+        let counted = self.counted();
+        let Some(sharded) = &self.sharded else {
+            return Ok(0.0);
+        };
+        let mine: Vec<&B::Tensor> = (sharded.pieces.iter().zip(tensors))
+            .filter(|(p, _)| counted.contains(&p.param))
+            .map(|(_, t)| t)
+            .collect();
+        let local = match mine.is_empty() {
+            true => 0.0,
+            false => self.b.sum_squares(&mine)?,
+        };
+        let over_dp = match &self.dp {
+            Some(_) => f64::from(self.summed(local as f32)?),
+            None => local,
+        };
+        Ok(self.mp_summed(over_dp)?.sqrt())
     }
 
     /// The lm loss over `iters` global batches of `split` from sample `start`, reduced over all
@@ -1379,7 +1470,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The host copy of everything a checkpoint holds.
-    fn snapshot(&self) -> Result<checkpoint::Snapshot<'_>> {
+    fn snapshot(&self, gathered: Option<[Vec<f32>; 3]>) -> Result<checkpoint::Snapshot<'_>> {
         let b = &self.b;
         let params = self
             .params
@@ -1387,8 +1478,25 @@ impl<B: Backend> Trainer<B> {
             .map(|p| b.download(p))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let save = self.cfg.save.as_ref();
+        let hyper = checkpoint::GroupHyper {
+            lr: self.cfg.schedule.lr(self.schedule_steps),
+            max_lr: self.cfg.schedule.max_lr,
+            min_lr: self.cfg.schedule.min_lr,
+            weight_decay: self.cfg.schedule.wd(self.schedule_steps),
+            betas: self.cfg.adam.betas,
+            eps: self.cfg.adam.eps,
+        };
+        let distributed = match (gathered, &self.sharded) {
+            (Some(world), Some(sharded)) => Some(checkpoint::DistributedState {
+                world,
+                param_dtype: self.cfg.model.dtype,
+                steps: sharded.opt.steps,
+                hyper,
+            }),
+            _ => None,
+        };
         let optimizer = match save {
-            Some(s) if !s.no_optim => {
+            Some(s) if !s.no_optim && self.sharded.is_none() => {
                 let trained = |i: usize| self.table.params[i].trainable;
                 let host = |ts: &[B::Tensor]| -> Result<Vec<Option<HostTensor>>> {
                     (ts.iter().enumerate())
@@ -1400,14 +1508,7 @@ impl<B: Backend> Trainer<B> {
                     exp_avg: host(&self.opt.exp_avg)?,
                     exp_avg_sq: host(&self.opt.exp_avg_sq)?,
                     main: self.opt.main.as_deref().map(host).transpose()?,
-                    hyper: checkpoint::GroupHyper {
-                        lr: self.cfg.schedule.lr(self.schedule_steps),
-                        max_lr: self.cfg.schedule.max_lr,
-                        min_lr: self.cfg.schedule.min_lr,
-                        weight_decay: self.cfg.schedule.wd(self.schedule_steps),
-                        betas: self.cfg.adam.betas,
-                        eps: self.cfg.adam.eps,
-                    },
+                    hyper,
                 })
             }
             _ => None,
@@ -1460,6 +1561,7 @@ impl<B: Backend> Trainer<B> {
             iteration: self.iteration,
             args,
             optimizer,
+            distributed,
             scheduler: save
                 .filter(|s| !s.no_optim)
                 .map(|_| c.schedule.state_dict(self.schedule_steps)),
@@ -1479,12 +1581,21 @@ impl<B: Backend> Trainer<B> {
     /// Save a checkpoint: the ranks of data-parallel rank 0 write one file each, the
     /// tracker last (by rank 0, once every file is complete).
     fn save(&self, bar: &indicatif::ProgressBar) -> Result<Option<std::path::PathBuf>> {
+        let start = Instant::now();
+        // The distributed optimizer's state goes to data-parallel rank 0 first: every
+        // data-parallel rank sends its pieces.
+        let gathered = match (&self.sharded, &self.cfg.save) {
+            (Some(sharded), Some(save)) if !save.no_optim => {
+                let dp = self.dp.as_ref().map(Counted::uncounted);
+                sharded.gathered_state(&self.b, dp)?
+            }
+            _ => None,
+        };
         let writes = self.dp.as_ref().is_none_or(|g| g.rank() == 0);
         let Some(save) = self.cfg.save.as_ref().filter(|_| writes) else {
             return Ok(None);
         };
-        let start = Instant::now();
-        let snap = self.snapshot()?;
+        let snap = self.snapshot(gathered)?;
         // Over the model-parallel ranks: the pipeline stages, then each stage's TP group.
         let groups: Vec<_> = [&self.pp, &self.tp]
             .into_iter()
@@ -1786,21 +1897,35 @@ impl<B: Backend> Trainer<B> {
     /// `count_zeros_fp32` and `calc_params_l2_norm`.
     fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
         let (params, zeros) = self.cfg.log_norms;
+        let counted = self.counted();
         let zeros = if zeros {
+            // the gradients this rank counts: of its counted parameters, or their pieces
+            let grads: Vec<&B::Tensor> = match &self.sharded {
+                Some(sharded) => (sharded.pieces.iter().zip(&sharded.grads))
+                    .filter(|(p, _)| counted.contains(&p.param))
+                    .map(|(_, g)| g)
+                    .collect(),
+                None => counted.iter().map(|&i| &self.grads[i]).collect(),
+            };
             let mut n = 0;
-            for i in self.counted() {
-                n += (self.b.download_f32(&self.grads[i])?.iter())
+            for g in grads {
+                n += (self.b.download_f32(g)?.iter())
                     .filter(|&&x| x == 0.0)
                     .count();
             }
-            Some(self.mp_summed(n as f64)?)
+            let n = match &self.sharded {
+                Some(_) => f64::from(self.summed(n as f32)?),
+                None => n as f64,
+            };
+            Some(self.mp_summed(n)?)
         } else {
             None
         };
-        let params = match (params, self.opt.main.as_ref()) {
-            (false, _) => None,
-            (true, Some(main)) => Some(self.model_norm(main)?),
-            (true, None) => Some(self.model_norm(&self.params)?),
+        let params = match (params, &self.sharded, self.opt.main.as_ref()) {
+            (false, _, _) => None,
+            (true, Some(sharded), _) => Some(self.pieces_norm(&sharded.main)?),
+            (true, None, Some(main)) => Some(self.model_norm(main)?),
+            (true, None, None) => Some(self.model_norm(&self.params)?),
         };
         Ok((zeros, params))
     }
@@ -1870,12 +1995,29 @@ impl<B: Backend> Trainer<B> {
                 .filter(|p| p.trainable)
                 .map(ParamInfo::numel)
                 .sum();
+            let megatron = match &self.sharded {
+                // the padded buffer's gradients reduce-scattered in f32, this rank's part of its
+                // parameters all-gathered in their dtype
+                Some(sharded) => {
+                    let (numel, dtype) = (sharded.layout.numel(), self.cfg.model.dtype);
+                    format!(
+                        "distributed optimizer's reduce-scatter: {numel} buffer elements × 4 bytes = {} bytes; all-gather: {numel} / {} × {} bytes = {} bytes",
+                        4 * numel,
+                        dp.size(),
+                        dtype.size(),
+                        numel / dp.size() * dtype.size()
+                    )
+                }
+                None => format!(
+                    "gradient all-reduce: {trained} parameters × 4 bytes = {} bytes",
+                    4 * trained
+                ),
+            };
             parts.push(format!(
-                "data-parallel rank {} of {}: {} | Megatron's gradient all-reduce: {trained} parameters × 4 bytes = {} bytes",
+                "data-parallel rank {} of {}: {} | Megatron's {megatron}",
                 dp.rank(),
                 dp.size(),
                 counted(dp),
-                4 * trained
             ));
         }
         if let Some(tp) = &self.tp {

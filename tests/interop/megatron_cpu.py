@@ -1,6 +1,6 @@
-"""megatron-core's GPTModel on CPU, built from the args of a Megatron checkpoint: the three
-patches a CPU-only run needs (current_device → cpu, an explicit causal mask, a no-op RNG-tracker
-fork) and a single-process gloo group."""
+"""megatron-core's GPTModel on CPU, built from the args of a Megatron checkpoint: the patches a
+CPU-only run needs (current_device → cpu, `.cuda()` a no-op, an explicit causal mask, a no-op
+RNG-tracker fork) and a single-process gloo group."""
 import argparse
 import contextlib
 import os
@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 torch.cuda.current_device = lambda: torch.device("cpu")
+# LanguageModule moves a pipeline's tied embedding copy, DDP its buffers, to the GPU.
+torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 def init():

@@ -12,9 +12,6 @@ import torch
 
 import megatron_cpu
 
-# LanguageModule moves the tied embedding's copy to the GPU before its all-reduce.
-torch.Tensor.cuda = lambda self, *a, **k: self
-
 
 def main(iteration_dir):
     from megatron.core import parallel_state, tensor_parallel

@@ -354,3 +354,39 @@ def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family):
                            for pp in range(2))
             assert torch.equal(first["model"]["embedding.word_embeddings.weight"],
                                last["model"]["output_layer.weight"])
+
+
+@pytest.mark.parametrize("family,bf16", [("llama", False), ("qwen2", True)])
+def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_path, family, bf16):
+    """--use-distributed-optimizer on two data-parallel ranks: distrib_optim.pt holds one
+    buffer keyed by (param dtype, float32) whose numel_unpadded and every parameter's offsets
+    are those megatron-core's own DistributedDataParallel buffer gives the model (reverse order,
+    64-element alignment), each parameter's main copy there equal to the saved weights (in bf16,
+    as bf16), and model_optim_rng.pt's optimizer the groups without ids, each with its step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_model(tmp_path / "model", family)
+    data = write_data(tmp_path / "data")
+    mindkit_train(model_dir, data, tmp_path, ["--use-distributed-optimizer", "--world-size", "2",
+                                              *(["--bf16"] if bf16 else [])])
+    rank_dir = tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00"
+    obj = load_pt(rank_dir / "model_optim_rng.pt")
+    groups = obj["optimizer"]["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and all(g["step"] == ITERS for g in groups)
+    assert all("params" not in g for g in groups) and "state" not in obj["optimizer"]["optimizer"]
+    model = gpt_model(obj["args"])
+    model.load_state_dict({k: v.float() for k, v in obj["model"].items()}, strict=True)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    (buffer,) = ddp.buffers
+    state = torch.load(rank_dir / "distrib_optim.pt", weights_only=True)
+    assert state["buckets_coalesced"] is True
+    (key, saved), = state[0].items()
+    assert key == ((torch.bfloat16 if bf16 else torch.float32), torch.float32)
+    assert saved["numel_unpadded"] == buffer.numel_unpadded == saved["param"].numel()
+    names = {p: n for n, p in model.named_parameters()}
+    for p, (start, end, _) in buffer.param_index_map.items():
+        main = saved["param"][start:end]
+        weight = obj["model"][names[p]].flatten()
+        assert torch.equal(main.to(weight.dtype), weight), names[p]
+        assert saved["exp_avg_sq"][start:end].max() > 0, names[p]  # (padded vocabulary rows get none)

@@ -1,0 +1,486 @@
+//! Megatron's distributed optimizer (`--use-distributed-optimizer`): where each trained
+//! parameter sits in the flat gradient and parameter buffer, and which slice of it each
+//! data-parallel rank owns (megatron-core megatron/core/distributed/param_and_grad_buffer.py
+//! `_ParamAndGradBuffer.__init__`, megatron/core/optimizer/distrib_optimizer.py
+//! `_build_model_gbuf_range`). The buffer holds the parameters in reverse registration order,
+//! each starting at a multiple of 64 elements; a bucket closes where it reaches the bucket size
+//! (one bucket without one) or after a pipeline's shared embedding, which has a bucket of its
+//! own, and is padded to a multiple of lcm(DP, 128), so that each rank owns one contiguous
+//! 1/DP of every bucket. The gradients are reduce-scattered into those slices, Adam updates
+//! them, and the parameters are all-gathered back.
+
+use super::optim::{AdamConfig, Optimizer};
+use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::{Backend, EngineError, Result};
+use crate::model::params::{ParamInfo, ParamTable};
+use crate::tensor::host::Tensor as HostTensor;
+use crate::tensor::DType;
+use std::ops::Range;
+
+/// One parameter's place in the buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    /// Its index in the parameter table.
+    pub param: usize,
+    /// Its elements `[start, start + numel)` in the buffer.
+    pub range: Range<usize>,
+}
+
+/// One bucket: `[start, end)` of the buffer, `unpadded` of them up to its last parameter's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    /// First element.
+    pub start: usize,
+    /// One past its padded end (a multiple of lcm(DP, 128)).
+    pub end: usize,
+    /// Elements up to its last parameter's end (alignment gaps included).
+    pub unpadded: usize,
+}
+
+/// A rank's buffer layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BufferLayout {
+    /// The parameters in buffer order.
+    pub placed: Vec<Placed>,
+    /// The buckets in buffer order.
+    pub buckets: Vec<Bucket>,
+    /// Data-parallel ranks sharing it.
+    pub dp: usize,
+}
+
+/// A piece of a parameter that a rank owns: its elements `param_range` of the flattened
+/// parameter, at `local` in the rank's shard (its slices of every bucket, concatenated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    /// The parameter's index in the table.
+    pub param: usize,
+    /// Elements of the flattened parameter.
+    pub param_range: Range<usize>,
+    /// Where they sit in the rank's shard.
+    pub local: Range<usize>,
+}
+
+fn pad(x: usize, m: usize) -> usize {
+    x.div_ceil(m) * m
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
+}
+
+impl BufferLayout {
+    /// The layout of `params` (`(table index, elements)` in registration order) over `dp`
+    /// ranks with buckets of `bucket_size` elements (`None`: one bucket), `own_bucket`
+    /// saying which parameter is a pipeline's shared embedding.
+    pub fn new(
+        params: &[(usize, usize)],
+        dp: usize,
+        bucket_size: Option<usize>,
+        own_bucket: impl Fn(usize) -> bool,
+    ) -> BufferLayout {
+        let multiple = lcm(dp.max(1), 128);
+        let mut layout = BufferLayout {
+            placed: Vec::with_capacity(params.len()),
+            buckets: Vec::new(),
+            dp: dp.max(1),
+        };
+        let (mut bucket_start, mut param_start, mut open) = (0, 0, false);
+        let close = |buckets: &mut Vec<Bucket>, start: &mut usize, end_unpadded: usize| {
+            let end = pad(end_unpadded, multiple);
+            buckets.push(Bucket {
+                start: *start,
+                end,
+                unpadded: end_unpadded - *start,
+            });
+            *start = end;
+            end
+        };
+        for &(param, numel) in params.iter().rev() {
+            param_start = pad(param_start, 64);
+            let shared = own_bucket(param);
+            if shared && open {
+                param_start = close(&mut layout.buckets, &mut bucket_start, param_start);
+            }
+            let end = param_start + numel;
+            layout.placed.push(Placed {
+                param,
+                range: param_start..end,
+            });
+            open = true;
+            let full = bucket_size.is_some_and(|size| end - bucket_start >= size);
+            param_start = match full || shared {
+                true => {
+                    open = false;
+                    close(&mut layout.buckets, &mut bucket_start, end)
+                }
+                false => end,
+            };
+        }
+        if open {
+            close(&mut layout.buckets, &mut bucket_start, param_start);
+        }
+        layout
+    }
+
+    /// Elements of the padded buffer.
+    pub fn numel(&self) -> usize {
+        self.buckets.last().map_or(0, |b| b.end)
+    }
+
+    /// Elements up to each bucket's last parameter, summed (Megatron's `numel_unpadded`).
+    pub fn numel_unpadded(&self) -> usize {
+        self.buckets.iter().map(|b| b.unpadded).sum()
+    }
+
+    /// Elements of one rank's shard: 1/DP of every bucket.
+    pub fn shard_numel(&self) -> usize {
+        self.numel() / self.dp
+    }
+
+    /// Rank `rank`'s slice of each bucket, as buffer ranges.
+    pub fn slices(&self, rank: usize) -> Vec<Range<usize>> {
+        (self.buckets.iter())
+            .map(|b| {
+                let size = (b.end - b.start) / self.dp;
+                b.start + rank * size..b.start + (rank + 1) * size
+            })
+            .collect()
+    }
+
+    /// The pieces of parameters rank `rank` owns, in buffer order.
+    pub fn pieces(&self, rank: usize) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let mut local_start = 0;
+        for slice in self.slices(rank) {
+            for p in &self.placed {
+                let (lo, hi) = (p.range.start.max(slice.start), p.range.end.min(slice.end));
+                if lo < hi {
+                    out.push(Piece {
+                        param: p.param,
+                        param_range: lo - p.range.start..hi - p.range.start,
+                        local: local_start + lo - slice.start..local_start + hi - slice.start,
+                    });
+                }
+            }
+            local_start += slice.len();
+        }
+        out
+    }
+}
+
+/// A data-parallel rank's part of the distributed optimizer: its pieces of the trained
+/// parameters with their f32 main copies, gradients and Adam state.
+pub struct Sharded<T> {
+    /// The buffer layout (the same on every data-parallel rank).
+    pub layout: BufferLayout,
+    /// This rank's data-parallel rank.
+    pub rank: usize,
+    /// The pieces it owns.
+    pub pieces: Vec<Piece>,
+    /// Their f32 main parameters (Megatron's `shard_fp32_from_float16_groups` / `shard_fp32_groups`).
+    pub main: Vec<T>,
+    /// Their gradients, summed over the data-parallel ranks.
+    pub grads: Vec<T>,
+    /// Adam over the pieces.
+    pub opt: Optimizer<T>,
+}
+
+/// A group's collectives on a backend's tensors.
+type Group<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
+
+impl<T> Sharded<T> {
+    /// Rank `rank` of `dp`'s part of the trained parameters of `table` (`params`, their
+    /// values), buckets of `bucket_size` elements, `own_bucket` marking a pipeline's shared
+    /// embedding.
+    pub fn new<B: Backend<Tensor = T>>(
+        b: &B,
+        (table, params): (&ParamTable, &[T]),
+        (rank, dp): (usize, usize),
+        (bucket_size, own_bucket): (Option<usize>, impl Fn(usize) -> bool),
+        config: AdamConfig,
+    ) -> Result<Self> {
+        let trained: Vec<(usize, usize)> = (table.params.iter().enumerate())
+            .filter(|(_, p)| p.trainable)
+            .map(|(i, p)| (i, p.numel()))
+            .collect();
+        let layout = BufferLayout::new(&trained, dp, bucket_size, own_bucket);
+        let pieces = layout.pieces(rank);
+        let mut main = Vec::with_capacity(pieces.len());
+        for piece in &pieces {
+            let whole = b.download_f32(&params[piece.param])?;
+            main.push(b.upload_f32(
+                &[piece.param_range.len()],
+                &whole[piece.param_range.clone()],
+            )?);
+        }
+        let grads = (main.iter())
+            .map(|m| b.zeros(b.shape(m), DType::F32))
+            .collect::<Result<Vec<_>>>()?;
+        let piece_table = ParamTable {
+            params: (pieces.iter())
+                .map(|piece| ParamInfo {
+                    shape: vec![piece.param_range.len()],
+                    ..table.params[piece.param].clone()
+                })
+                .collect(),
+            vocab_padded: table.vocab_padded,
+        };
+        let opt = Optimizer::new(b, &piece_table, &main, vec![true; pieces.len()], config)?;
+        Ok(Sharded {
+            layout,
+            rank,
+            pieces,
+            main,
+            grads,
+            opt,
+        })
+    }
+
+    /// Sum the trained parameters' gradients `grads` over the data-parallel group `dp` into
+    /// this rank's pieces: the flat buffer reduce-scattered bucket by bucket (Megatron's
+    /// `start_grad_sync`).
+    pub fn reduce_scatter<B: Backend<Tensor = T>>(
+        &mut self,
+        b: &B,
+        grads: &[T],
+        dp: Group<'_, T>,
+    ) -> Result<()> {
+        let mut flat = vec![0f32; self.layout.numel()];
+        for p in &self.layout.placed {
+            flat[p.range.clone()].copy_from_slice(&b.download_f32(&grads[p.param])?);
+        }
+        let mut shard = Vec::with_capacity(self.layout.shard_numel());
+        for bucket in &self.layout.buckets {
+            let whole = b.upload_f32(
+                &[bucket.end - bucket.start],
+                &flat[bucket.start..bucket.end],
+            )?;
+            let part = match dp {
+                Some(dp) => {
+                    let mut part =
+                        b.zeros(&[(bucket.end - bucket.start) / dp.size()], DType::F32)?;
+                    dp.reduce_scatter(&whole, &mut part, ReduceOp::Sum)?;
+                    part
+                }
+                None => whole,
+            };
+            shard.extend(b.download_f32(&part)?);
+        }
+        for (piece, g) in self.pieces.iter().zip(&mut self.grads) {
+            *g = b.upload_f32(&[piece.local.len()], &shard[piece.local.clone()])?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's updated main pieces into the trained `params` (of `dtype`, shaped as
+    /// `table` says): this rank's slice of each bucket cast to `dtype` and all-gathered over
+    /// `dp` (Megatron's `_copy_main_params_to_model_params`, then `start_param_sync`).
+    pub fn gather_params<B: Backend<Tensor = T>>(
+        &self,
+        b: &B,
+        (table, params): (&ParamTable, &mut [T]),
+        dtype: DType,
+        dp: Group<'_, T>,
+    ) -> Result<()> {
+        let mut shard = vec![0f32; self.layout.shard_numel()];
+        for (piece, m) in self.pieces.iter().zip(&self.main) {
+            shard[piece.local.clone()].copy_from_slice(&b.download_f32(m)?);
+        }
+        let mut flat = vec![0f32; self.layout.numel()];
+        let mut at = 0;
+        for (bucket, slice) in self
+            .layout
+            .buckets
+            .iter()
+            .zip(self.layout.slices(self.rank))
+        {
+            let mine = HostTensor::from_f32(dtype, vec![slice.len()], &shard[at..at + slice.len()])
+                .map_err(|e| EngineError::Invalid {
+                    op: "gather_params",
+                    msg: e.to_string(),
+                })?;
+            let mine = b.upload(&mine)?;
+            let whole = match dp {
+                Some(dp) => {
+                    let mut whole = b.zeros(&[bucket.end - bucket.start], dtype)?;
+                    dp.all_gather(&mine, &mut whole)?;
+                    whole
+                }
+                None => mine,
+            };
+            flat[bucket.start..bucket.end].copy_from_slice(&b.download_f32(&whole)?);
+            at += slice.len();
+        }
+        for p in &self.layout.placed {
+            let shape = &table.params[p.param].shape;
+            let t = HostTensor::from_f32(dtype, shape.clone(), &flat[p.range.clone()]).map_err(
+                |e| EngineError::Invalid {
+                    op: "gather_params",
+                    msg: e.to_string(),
+                },
+            )?;
+            params[p.param] = b.upload(&t)?;
+        }
+        Ok(())
+    }
+
+    /// The state of every rank's pieces on data-parallel rank 0, as Megatron's
+    /// `get_parameter_state_dp_zero` writes it: main parameters, first and second moments,
+    /// each the buffer's buckets up to their last parameter (alignment gaps zero); `None` on
+    /// the other ranks, which send theirs.
+    pub fn gathered_state<B: Backend<Tensor = T>>(
+        &self,
+        b: &B,
+        dp: Group<'_, T>,
+    ) -> Result<Option<[Vec<f32>; 3]>> {
+        let mut out: [Vec<f32>; 3] = Default::default();
+        for (k, pieces) in [&self.main, &self.opt.exp_avg, &self.opt.exp_avg_sq]
+            .into_iter()
+            .enumerate()
+        {
+            let mut shard = vec![0f32; self.layout.shard_numel()];
+            for (piece, t) in self.pieces.iter().zip(pieces) {
+                shard[piece.local.clone()].copy_from_slice(&b.download_f32(t)?);
+            }
+            let all = match dp {
+                Some(dp) => {
+                    let mine = b.upload_f32(&[shard.len()], &shard)?;
+                    let mut all = b.zeros(&[shard.len() * dp.size()], DType::F32)?;
+                    dp.all_gather(&mine, &mut all)?;
+                    b.download_f32(&all)?
+                }
+                None => shard,
+            };
+            out[k] = self.world(&all);
+        }
+        Ok((self.rank == 0).then_some(out))
+    }
+
+    /// Every rank's shard concatenated (rank order) as the world tensor: each bucket's
+    /// elements up to its last parameter.
+    fn world(&self, shards: &[f32]) -> Vec<f32> {
+        let per_rank = self.layout.shard_numel();
+        let mut world = Vec::with_capacity(self.layout.numel_unpadded());
+        let mut at = 0;
+        for bucket in &self.layout.buckets {
+            let size = (bucket.end - bucket.start) / self.layout.dp;
+            let whole: Vec<f32> = (0..self.layout.dp)
+                .flat_map(|r| {
+                    shards[r * per_rank + at..r * per_rank + at + size]
+                        .iter()
+                        .copied()
+                })
+                .collect();
+            world.extend_from_slice(&whole[..bucket.unpadded]);
+            at += size;
+        }
+        world
+    }
+
+    /// Load this rank's pieces of main parameters and moments from the world tensors of a
+    /// `distrib_optim.pt` ([`Sharded::gathered_state`]'s form), after `steps` steps.
+    pub fn load<B: Backend<Tensor = T>>(
+        &mut self,
+        b: &B,
+        world: [&[f32]; 3],
+        steps: u64,
+    ) -> Result<()> {
+        let mut bucket_offset = Vec::with_capacity(self.layout.buckets.len());
+        let mut before = 0;
+        for bucket in &self.layout.buckets {
+            bucket_offset.push((bucket.start..bucket.end, before));
+            before += bucket.unpadded;
+        }
+        let placed: std::collections::HashMap<usize, usize> = (self.layout.placed.iter())
+            .map(|p| (p.param, p.range.start))
+            .collect();
+        for (i, piece) in self.pieces.iter().enumerate() {
+            let at = placed[&piece.param] + piece.param_range.start;
+            let (range, before) = (bucket_offset.iter())
+                .find(|(r, _)| r.contains(&at))
+                .cloned()
+                .ok_or_else(|| EngineError::Invalid {
+                    op: "load",
+                    msg: "internal: a piece outside the buffer".into(),
+                })?;
+            let from = before + at - range.start;
+            let slice = from..from + piece.param_range.len();
+            let n = [piece.param_range.len()];
+            self.main[i] = b.upload_f32(&n, &world[0][slice.clone()])?;
+            self.opt.exp_avg[i] = b.upload_f32(&n, &world[1][slice.clone()])?;
+            self.opt.exp_avg_sq[i] = b.upload_f32(&n, &world[2][slice])?;
+        }
+        self.opt.steps = steps;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_are_laid_out_in_reverse_at_multiples_of_64() {
+        // named_parameters A (100), B (30), C (10) over 4 ranks: C [0, 10), B [64, 94),
+        // A [128, 228); one bucket padded to 256; 64 elements a rank.
+        let layout = BufferLayout::new(&[(0, 100), (1, 30), (2, 10)], 4, None, |_| false);
+        let ranges: Vec<_> = layout.placed.iter().map(|p| p.range.clone()).collect();
+        assert_eq!(ranges, [0..10, 64..94, 128..228]);
+        assert_eq!((layout.numel(), layout.numel_unpadded()), (256, 228));
+        assert_eq!(layout.shard_numel(), 64);
+        // rank 2 owns [128, 192): A's first 64 elements
+        assert_eq!(
+            layout.pieces(2),
+            [Piece {
+                param: 0,
+                param_range: 0..64,
+                local: 0..64
+            }]
+        );
+        // rank 1 owns [64, 128): B whole
+        assert_eq!(layout.pieces(1)[0].param_range, 0..30);
+    }
+
+    #[test]
+    fn buckets_close_at_their_size_and_around_a_shared_embedding() {
+        // embedding (0) shared: a bucket of its own, after the others' bucket closes
+        let params = [(0, 300), (1, 50), (2, 70)];
+        let layout = BufferLayout::new(&params, 2, None, |p| p == 0);
+        assert_eq!(
+            layout.buckets,
+            [
+                Bucket {
+                    start: 0,
+                    end: 256,
+                    unpadded: 192
+                },
+                Bucket {
+                    start: 256,
+                    end: 640,
+                    unpadded: 300
+                }
+            ]
+        );
+        // bucket size 60: parameter 2 (70) fills the first bucket, 1 and 0 the next
+        let sized = BufferLayout::new(&params, 2, Some(60), |_| false);
+        assert_eq!(sized.buckets.len(), 2);
+        assert_eq!(sized.buckets[1].start, 128);
+        assert_eq!(sized.placed[1].range, 128..178);
+        // every element of every parameter is owned by exactly one rank
+        for layout in [&layout, &sized] {
+            let mut owned = [0usize; 3];
+            for r in 0..2 {
+                for piece in layout.pieces(r) {
+                    owned[piece.param] += piece.param_range.len();
+                }
+            }
+            assert_eq!(owned, [300, 50, 70]);
+        }
+    }
+}
