@@ -1425,12 +1425,13 @@ fn the_distributed_optimizer_trains_as_one_rank_does() {
             vec!["--world-size", "2"],
             vec!["mp_rank_00"],
         ),
-        // a pipeline's tied embedding in a bucket of its own on the first and last stage
+        // a pipeline's tied embedding in a bucket of its own on the first and last stage; the
+        // first stage's other parameters in 3 buckets, each padded to 65536 elements
         (
             "tied",
             four_tied_layers,
             None,
-            split("--world-size 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
+            split("--world-size 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --overlap-grad-reduce --ddp-num-buckets 3 --ddp-pad-buckets-for-high-nccl-busbw"),
             vec![
                 "mp_rank_00_000",
                 "mp_rank_01_000",

@@ -248,6 +248,8 @@ pub const FLAGS: &[Flag] = &[
     used("sequence-parallel", Nothing, "sequence parallelism with tensor parallelism (switched off at TP 1, as Megatron does)"),
     used("use-distributed-optimizer", Nothing, "Megatron's distributed optimizer: gradients reduce-scattered, each data-parallel rank's Adam state over its 1/DP of the flat buffer, parameters all-gathered; checkpoints with distrib_optim.pt"),
     used("ddp-bucket-size", One, "elements per gradient bucket with --overlap-grad-reduce (Megatron's default max(40M, 1M × DP)): it shapes distrib_optim.pt's layout"),
+    used("ddp-num-buckets", One, "with --overlap-grad-reduce, buckets of the rank's parameters / N elements (instead of --ddp-bucket-size)"),
+    used("ddp-pad-buckets-for-high-nccl-busbw", Nothing, "pad each gradient bucket to a multiple of lcm(DP, 128, 65536) elements (distrib_optim.pt's layout follows)"),
     used("num-layers-per-virtual-pipeline-stage", One, "the interleaved schedule (not available yet)"),
     used("num-virtual-stages-per-pipeline-rank", One, "the interleaved schedule (not available yet)"),
     used("decoder-first-pipeline-num-layers", One, "layers of the first pipeline stage, the others spread evenly"),

@@ -90,9 +90,8 @@ pub struct TrainConfig {
     pub stages: Vec<usize>,
     /// `--sequence-parallel` at TP > 1.
     pub sequence_parallel: bool,
-    /// `--use-distributed-optimizer`, with the gradient bucket size in elements (`None`: one
-    /// bucket, Megatron's layout without `--overlap-grad-reduce`).
-    pub distributed_optimizer: Option<Option<usize>>,
+    /// `--use-distributed-optimizer` and how its buffer is bucketed.
+    pub distributed_optimizer: Option<Buckets>,
     /// Iterations to reach.
     pub train_iters: u64,
     /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
@@ -566,6 +565,57 @@ fn check_tensor_parallel(
     Ok(())
 }
 
+/// How the distributed optimizer buckets its buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buckets {
+    /// Elements per bucket (`None`: one bucket).
+    pub size: Option<BucketSize>,
+    /// `--ddp-pad-buckets-for-high-nccl-busbw`: buckets padded to lcm(DP, 128, 65536).
+    pub pad_high: bool,
+}
+
+/// A bucket size, given or derived from the rank's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BucketSize {
+    /// This many elements.
+    Elements(usize),
+    /// The rank's parameters (all of them, frozen too) over this many buckets.
+    Split(usize),
+}
+
+impl BucketSize {
+    /// Elements per bucket for a rank of `parameters` elements.
+    pub fn elements(self, parameters: usize) -> usize {
+        match self {
+            BucketSize::Elements(n) => n,
+            BucketSize::Split(n) => parameters / n,
+        }
+    }
+}
+
+/// Megatron's bucketing of the distributed optimizer's buffer (megatron/training/training.py
+/// `get_model`): buckets only with `--overlap-grad-reduce`, of `--ddp-bucket-size` elements,
+/// or the rank's parameters over `--ddp-num-buckets`, or max(40M, 1M × DP).
+fn buckets(a: &Args, data_parallel: usize) -> Result<Buckets> {
+    let (size, count) = (
+        positive(a, "ddp-bucket-size")?,
+        positive(a, "ddp-num-buckets")?,
+    );
+    let size = match (size, count) {
+        (Some(_), Some(_)) => bail!("--ddp-bucket-size and --ddp-num-buckets exclude each other"),
+        _ if !a.has("overlap-grad-reduce") => None,
+        (Some(n), None) => Some(BucketSize::Elements(n)),
+        (None, Some(n)) => Some(BucketSize::Split(n)),
+        (None, None) => Some(BucketSize::Elements(
+            (1_000_000 * data_parallel).max(40_000_000),
+        )),
+    };
+    Ok(Buckets {
+        size,
+        pad_high: a.has("ddp-pad-buckets-for-high-nccl-busbw"),
+    })
+}
+
 /// The ranks of this run: the launcher's (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS) for a
 /// process it started, else `--world-size` (ranks as threads of this process; TP × PP × CP by
 /// default).
@@ -759,12 +809,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         sequence_parallel: tp > 1 && a.has("sequence-parallel"),
         distributed_optimizer: match a.has("use-distributed-optimizer") {
             false => None,
-            // megatron/training/training.py get_model: the bucket size only with overlap
-            true if a.has("overlap-grad-reduce") => Some(Some(
-                positive(a, "ddp-bucket-size")?
-                    .unwrap_or((1_000_000 * data_parallel).max(40_000_000)),
-            )),
-            true => Some(None),
+            true => Some(buckets(a, data_parallel)?),
         },
         train_iters,
         train_samples: train_samples.unwrap_or(train_iters * g),

@@ -76,15 +76,21 @@ fn lcm(a: usize, b: usize) -> usize {
 
 impl BufferLayout {
     /// The layout of `params` (`(table index, elements)` in registration order) over `dp`
-    /// ranks with buckets of `bucket_size` elements (`None`: one bucket), `own_bucket`
-    /// saying which parameter is a pipeline's shared embedding.
+    /// ranks with buckets of `bucket_size` elements (`None`: one bucket), each padded to a
+    /// multiple of lcm(DP, 128) — and of 65536 with `pad_high` —, `own_bucket` saying which
+    /// parameter is a pipeline's shared embedding.
     pub fn new(
         params: &[(usize, usize)],
         dp: usize,
-        bucket_size: Option<usize>,
+        (bucket_size, pad_high): (Option<usize>, bool),
         own_bucket: impl Fn(usize) -> bool,
     ) -> BufferLayout {
         let multiple = lcm(dp.max(1), 128);
+        let multiple = if pad_high {
+            lcm(multiple, 65536)
+        } else {
+            multiple
+        };
         let mut layout = BufferLayout {
             placed: Vec::with_capacity(params.len()),
             buckets: Vec::new(),
@@ -202,14 +208,14 @@ impl<T> Sharded<T> {
         b: &B,
         (table, params): (&ParamTable, &[T]),
         (rank, dp): (usize, usize),
-        (bucket_size, own_bucket): (Option<usize>, impl Fn(usize) -> bool),
+        (bucket_size, pad_high, own_bucket): (Option<usize>, bool, impl Fn(usize) -> bool),
         config: AdamConfig,
     ) -> Result<Self> {
         let trained: Vec<(usize, usize)> = (table.params.iter().enumerate())
             .filter(|(_, p)| p.trainable)
             .map(|(i, p)| (i, p.numel()))
             .collect();
-        let layout = BufferLayout::new(&trained, dp, bucket_size, own_bucket);
+        let layout = BufferLayout::new(&trained, dp, (bucket_size, pad_high), own_bucket);
         let pieces = layout.pieces(rank);
         let mut main = Vec::with_capacity(pieces.len());
         for piece in &pieces {
@@ -429,7 +435,7 @@ mod tests {
     fn parameters_are_laid_out_in_reverse_at_multiples_of_64() {
         // named_parameters A (100), B (30), C (10) over 4 ranks: C [0, 10), B [64, 94),
         // A [128, 228); one bucket padded to 256; 64 elements a rank.
-        let layout = BufferLayout::new(&[(0, 100), (1, 30), (2, 10)], 4, None, |_| false);
+        let layout = BufferLayout::new(&[(0, 100), (1, 30), (2, 10)], 4, (None, false), |_| false);
         let ranges: Vec<_> = layout.placed.iter().map(|p| p.range.clone()).collect();
         assert_eq!(ranges, [0..10, 64..94, 128..228]);
         assert_eq!((layout.numel(), layout.numel_unpadded()), (256, 228));
@@ -451,7 +457,7 @@ mod tests {
     fn buckets_close_at_their_size_and_around_a_shared_embedding() {
         // embedding (0) shared: a bucket of its own, after the others' bucket closes
         let params = [(0, 300), (1, 50), (2, 70)];
-        let layout = BufferLayout::new(&params, 2, None, |p| p == 0);
+        let layout = BufferLayout::new(&params, 2, (None, false), |p| p == 0);
         assert_eq!(
             layout.buckets,
             [
@@ -468,12 +474,15 @@ mod tests {
             ]
         );
         // bucket size 60: parameter 2 (70) fills the first bucket, 1 and 0 the next
-        let sized = BufferLayout::new(&params, 2, Some(60), |_| false);
+        let sized = BufferLayout::new(&params, 2, (Some(60), false), |_| false);
         assert_eq!(sized.buckets.len(), 2);
         assert_eq!(sized.buckets[1].start, 128);
         assert_eq!(sized.placed[1].range, 128..178);
+        // padded for NCCL's bus bandwidth: one bucket of 65536
+        let high = BufferLayout::new(&params, 2, (None, true), |_| false);
+        assert_eq!((high.numel(), high.numel_unpadded()), (65536, 492));
         // every element of every parameter is owned by exactly one rank
-        for layout in [&layout, &sized] {
+        for layout in [&layout, &sized, &high] {
             let mut owned = [0usize; 3];
             for r in 0..2 {
                 for piece in layout.pieces(r) {

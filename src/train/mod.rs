@@ -728,14 +728,16 @@ impl<B: Backend> Trainer<B> {
         let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
         // With the distributed optimizer the Adam state is the rank's pieces' only.
         let sharded = match cfg.distributed_optimizer {
-            Some(bucket_size) => {
+            Some(buckets) => {
                 let dp = groups.dp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
                 // a pipeline's tied embedding (and its copy) has a bucket of its own
                 let shared = cfg.model.tied && stage.count > 1;
                 let own_bucket = |i: usize| shared && table.params[i].canon.role == Role::Embedding;
                 let table_params = (&table, &params[..]);
                 // distributed_data_parallel.py: no buckets after the first pipeline stage
-                let at = (bucket_size.filter(|_| stage.first()), own_bucket);
+                let size = buckets.size.filter(|_| stage.first());
+                let size = size.map(|s| s.elements(table.numel()));
+                let at = (size, buckets.pad_high, own_bucket);
                 Some(distrib::Sharded::new(&b, table_params, dp, at, cfg.adam)?)
             }
             None => None,

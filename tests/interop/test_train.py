@@ -356,19 +356,22 @@ def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family):
                                last["model"]["output_layer.weight"])
 
 
-@pytest.mark.parametrize("family,bf16", [("llama", False), ("qwen2", True)])
-def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_path, family, bf16):
+@pytest.mark.parametrize("family,bf16,bucket", [("llama", False, None), ("qwen2", True, None),
+                                                ("llama", False, 20000)])
+def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_path, family, bf16, bucket):
     """--use-distributed-optimizer on two data-parallel ranks: distrib_optim.pt holds one
     buffer keyed by (param dtype, float32) whose numel_unpadded and every parameter's offsets
     are those megatron-core's own DistributedDataParallel buffer gives the model (reverse order,
-    64-element alignment), each parameter's main copy there equal to the saved weights (in bf16,
-    as bf16), and model_optim_rng.pt's optimizer the groups without ids, each with its step."""
+    64-element alignment; one bucket, or buckets of --ddp-bucket-size with --overlap-grad-reduce),
+    each parameter's main copy there equal to the saved weights (in bf16, as bf16), and
+    model_optim_rng.pt's optimizer the groups without ids, each with its step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron_cpu import gpt_model, load_pt
     model_dir = make_model(tmp_path / "model", family)
     data = write_data(tmp_path / "data")
+    buckets = ["--overlap-grad-reduce", "--ddp-bucket-size", str(bucket)] if bucket else []
     mindkit_train(model_dir, data, tmp_path, ["--use-distributed-optimizer", "--world-size", "2",
-                                              *(["--bf16"] if bf16 else [])])
+                                              *(["--bf16"] if bf16 else []), *buckets])
     rank_dir = tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00"
     obj = load_pt(rank_dir / "model_optim_rng.pt")
     groups = obj["optimizer"]["optimizer"]["param_groups"]
@@ -377,7 +380,8 @@ def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_pa
     model = gpt_model(obj["args"])
     model.load_state_dict({k: v.float() for k, v in obj["model"].items()}, strict=True)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=bucket is not None,
+        bucket_size=bucket), model)
     (buffer,) = ddp.buffers
     state = torch.load(rank_dir / "distrib_optim.pt", weights_only=True)
     assert state["buckets_coalesced"] is True
@@ -385,7 +389,14 @@ def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_pa
     assert key == ((torch.bfloat16 if bf16 else torch.float32), torch.float32)
     assert saved["numel_unpadded"] == buffer.numel_unpadded == saved["param"].numel()
     names = {p: n for n, p in model.named_parameters()}
-    for p, (start, end, _) in buffer.param_index_map.items():
+    # the file holds each bucket up to its last parameter, bucket after bucket
+    before, at = 0, {}
+    for b in buffer.buckets:
+        at[b.bucket_id] = before - b.offset
+        before += b.numel_unpadded
+    assert (len(buffer.buckets) > 1) == (bucket is not None)
+    for p, (start, end, bucket_id) in buffer.param_index_map.items():
+        start, end = start + at[bucket_id], end + at[bucket_id]
         main = saved["param"][start:end]
         weight = obj["model"][names[p]].flatten()
         assert torch.equal(main.to(weight.dtype), weight), names[p]
