@@ -294,10 +294,7 @@ impl<T> Sharded<T> {
         dtype: DType,
         dp: Group<'_, T>,
     ) -> Result<()> {
-        let mut shard = vec![0f32; self.layout.shard_numel()];
-        for (piece, m) in self.pieces.iter().zip(&self.main) {
-            shard[piece.local.clone()].copy_from_slice(&b.download_f32(m)?);
-        }
+        let shard = self.shard_of(b, &self.main)?;
         let mut flat = vec![0f32; self.layout.numel()];
         let mut at = 0;
         for (bucket, slice) in self
@@ -306,12 +303,11 @@ impl<T> Sharded<T> {
             .iter()
             .zip(self.layout.slices(self.rank))
         {
-            let mine = HostTensor::from_f32(dtype, vec![slice.len()], &shard[at..at + slice.len()])
-                .map_err(|e| EngineError::Invalid {
-                    op: "gather_params",
-                    msg: e.to_string(),
-                })?;
-            let mine = b.upload(&mine)?;
+            let mine = b.upload(&host(
+                dtype,
+                vec![slice.len()],
+                &shard[at..at + slice.len()],
+            )?)?;
             let whole = match dp {
                 Some(dp) => {
                     let mut whole = b.zeros(&[bucket.end - bucket.start], dtype)?;
@@ -325,13 +321,7 @@ impl<T> Sharded<T> {
         }
         for p in &self.layout.placed {
             let shape = &table.params[p.param].shape;
-            let t = HostTensor::from_f32(dtype, shape.clone(), &flat[p.range.clone()]).map_err(
-                |e| EngineError::Invalid {
-                    op: "gather_params",
-                    msg: e.to_string(),
-                },
-            )?;
-            params[p.param] = b.upload(&t)?;
+            params[p.param] = b.upload(&host(dtype, shape.clone(), &flat[p.range.clone()])?)?;
         }
         Ok(())
     }
@@ -350,10 +340,7 @@ impl<T> Sharded<T> {
             .into_iter()
             .enumerate()
         {
-            let mut shard = vec![0f32; self.layout.shard_numel()];
-            for (piece, t) in self.pieces.iter().zip(pieces) {
-                shard[piece.local.clone()].copy_from_slice(&b.download_f32(t)?);
-            }
+            let shard = self.shard_of(b, pieces)?;
             let all = match dp {
                 Some(dp) => {
                     let mine = b.upload_f32(&[shard.len()], &shard)?;
@@ -366,6 +353,15 @@ impl<T> Sharded<T> {
             out[k] = self.world(&all);
         }
         Ok((self.rank == 0).then_some(out))
+    }
+
+    /// This rank's shard holding `tensors`, one per piece, each at its place.
+    fn shard_of<B: Backend<Tensor = T>>(&self, b: &B, tensors: &[T]) -> Result<Vec<f32>> {
+        let mut shard = vec![0f32; self.layout.shard_numel()];
+        for (piece, t) in self.pieces.iter().zip(tensors) {
+            shard[piece.local.clone()].copy_from_slice(&b.download_f32(t)?);
+        }
+        Ok(shard)
     }
 
     /// Every rank's shard concatenated (rank order) as the world tensor: each bucket's
@@ -425,6 +421,14 @@ impl<T> Sharded<T> {
         self.opt.steps = steps;
         Ok(())
     }
+}
+
+/// A host tensor of `dtype` holding `values`.
+fn host(dtype: DType, shape: Vec<usize>, values: &[f32]) -> Result<HostTensor> {
+    HostTensor::from_f32(dtype, shape, values).map_err(|e| EngineError::Invalid {
+        op: "distributed optimizer",
+        msg: e.to_string(),
+    })
 }
 
 #[cfg(test)]

@@ -1255,12 +1255,10 @@ impl<B: Backend> Trainer<B> {
             role: Role::Embedding,
             layer: None,
         };
+        // only the first and last stage hold the embedding (or its copy)
         let tied = self.cfg.model.tied;
-        let at = self
-            .table
-            .index(embedding)
-            .filter(|&i| tied && self.table.params[i].trainable);
-        let Some(i) = at.filter(|_| self.stage.first() || self.stage.last()) else {
+        let at = self.table.index(embedding);
+        let Some(i) = at.filter(|&i| tied && self.table.params[i].trainable) else {
             return Ok(());
         };
         let (first, last) = (0, self.stage.count - 1);
@@ -1353,7 +1351,7 @@ impl<B: Backend> Trainer<B> {
         // The gradient norm waits for the device; the losses are read after it without
         // another wait, and the update is queued after both are known.
         let grad_norm = match &self.sharded {
-            Some(sharded) => self.pieces_norm(&sharded.grads)?,
+            Some(sharded) => self.model_norm(&sharded.grads)?,
             None => self.model_norm(&self.grads)?,
         };
         let sums = match everyone {
@@ -1402,30 +1400,6 @@ impl<B: Backend> Trainer<B> {
             sharded.gather_params(&self.b, to, self.cfg.model.dtype, dp)?;
         }
         Ok(report)
-    }
-
-    /// The L2 norm over every rank's pieces of the distributed optimizer (`tensors`: this
-    /// rank's, one per piece), counting each parameter once: its shards on every
-    /// tensor-parallel rank, a replicated one on rank 0, a pipeline's embedding copy not at
-    /// all (Megatron's `get_grad_norm_fp32` over the shards, all-reduced over every rank).
-    fn pieces_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
-        let counted = self.counted();
-        let Some(sharded) = &self.sharded else {
-            return Ok(0.0);
-        };
-        let mine: Vec<&B::Tensor> = (sharded.pieces.iter().zip(tensors))
-            .filter(|(p, _)| counted.contains(&p.param))
-            .map(|(_, t)| t)
-            .collect();
-        let local = match mine.is_empty() {
-            true => 0.0,
-            false => self.b.sum_squares(&mine)?,
-        };
-        let over_dp = match &self.dp {
-            Some(_) => f64::from(self.summed(local as f32)?),
-            None => local,
-        };
-        Ok(self.mp_summed(over_dp)?.sqrt())
     }
 
     /// The lm loss over `iters` global batches of `split` from sample `start`, reduced over all
@@ -1899,33 +1873,24 @@ impl<B: Backend> Trainer<B> {
     /// `count_zeros_fp32` and `calc_params_l2_norm`.
     fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
         let (params, zeros) = self.cfg.log_norms;
-        let counted = self.counted();
         let zeros = if zeros {
-            // the gradients this rank counts: of its counted parameters, or their pieces
-            let grads: Vec<&B::Tensor> = match &self.sharded {
-                Some(sharded) => (sharded.pieces.iter().zip(&sharded.grads))
-                    .filter(|(p, _)| counted.contains(&p.param))
-                    .map(|(_, g)| g)
-                    .collect(),
-                None => counted.iter().map(|&i| &self.grads[i]).collect(),
+            let grads = match &self.sharded {
+                Some(sharded) => &sharded.grads,
+                None => &self.grads,
             };
             let mut n = 0;
-            for g in grads {
+            for g in self.counted_of(grads) {
                 n += (self.b.download_f32(g)?.iter())
                     .filter(|&&x| x == 0.0)
                     .count();
             }
-            let n = match &self.sharded {
-                Some(_) => f64::from(self.summed(n as f32)?),
-                None => n as f64,
-            };
-            Some(self.mp_summed(n)?)
+            Some(self.model_summed(n as f64)?)
         } else {
             None
         };
         let params = match (params, &self.sharded, self.opt.main.as_ref()) {
             (false, _, _) => None,
-            (true, Some(sharded), _) => Some(self.pieces_norm(&sharded.main)?),
+            (true, Some(sharded), _) => Some(self.model_norm(&sharded.main)?),
             (true, None, Some(main)) => Some(self.model_norm(main)?),
             (true, None, None) => Some(self.model_norm(&self.params)?),
         };
@@ -1934,7 +1899,8 @@ impl<B: Backend> Trainer<B> {
 
     /// The trained parameters this rank counts in a model-wide sum: its shards, and the
     /// parameters every tensor-parallel rank holds a copy of on its rank 0 only (Megatron's
-    /// `param_is_not_tensor_parallel_duplicate`).
+    /// `param_is_not_tensor_parallel_duplicate`), and not a pipeline's embedding copy
+    /// (`param_is_not_shared`).
     fn counted(&self) -> Vec<usize> {
         let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
         (self.table.params.iter().enumerate())
@@ -1957,11 +1923,41 @@ impl<B: Backend> Trainer<B> {
         Ok(f64::from(self.b.download_f32(&t)?[0]))
     }
 
-    /// The L2 norm of the whole model's `tensors` (gradients or parameters, one per entry of
-    /// the table), over the tensor-parallel ranks.
+    /// Of `tensors` (one per entry of the table, or with the distributed optimizer one per
+    /// piece), those this rank counts in a model-wide sum: of its [`Trainer::counted`]
+    /// parameters.
+    fn counted_of<'a>(&self, tensors: &'a [B::Tensor]) -> Vec<&'a B::Tensor> {
+        let counted = self.counted();
+        match &self.sharded {
+            Some(sharded) => (sharded.pieces.iter().zip(tensors))
+                .filter(|(p, _)| counted.contains(&p.param))
+                .map(|(_, t)| t)
+                .collect(),
+            None => counted.iter().map(|&i| &tensors[i]).collect(),
+        }
+    }
+
+    /// `x`, this rank's part of a model-wide sum, summed over the ranks holding the other
+    /// parts: the model-parallel ranks, and with the distributed optimizer (each data-parallel
+    /// rank holding its pieces) the data-parallel ones first (Megatron all-reduces the
+    /// distributed optimizer's norms over every rank).
+    fn model_summed(&self, x: f64) -> Result<f64> {
+        let x = match (&self.sharded, &self.dp) {
+            (Some(_), Some(_)) => f64::from(self.summed(x as f32)?),
+            _ => x,
+        };
+        self.mp_summed(x)
+    }
+
+    /// The L2 norm of the whole model's `tensors` (gradients or parameters, as
+    /// [`Trainer::counted_of`] takes them), over the ranks holding its parts.
     fn model_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
-        let counted: Vec<&B::Tensor> = self.counted().into_iter().map(|i| &tensors[i]).collect();
-        Ok(self.mp_summed(self.b.sum_squares(&counted)?)?.sqrt())
+        let counted = self.counted_of(tensors);
+        let local = match counted.is_empty() {
+            true => 0.0,
+            false => self.b.sum_squares(&counted)?,
+        };
+        Ok(self.model_summed(local)?.sqrt())
     }
 
     fn write_validation(&mut self, loss: f64) -> Result<()> {
