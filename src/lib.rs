@@ -18,7 +18,7 @@
 //! | 3 | [`model`] | the LLaMA-family decoder on any `Backend`: parameter table, forward, backward, KV-cached generation |
 //! | 2 | [`npu`] | Ascend NPUs through CANN, loaded at run time (`crates/ascendcl-sys`): `npu info`, the engine's backend on aclnn operators (one stream, caching pool), HCCL's collectives (`comm`), `selftest`, and `with_backend!`, which runs a command on the device `--device` names |
 //! | 4 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
-//! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints; tensor-, pipeline- (1F1B) and data-parallel ranks as threads or as a launcher's processes (`store`: torch's TCPStore, torchrun / Slurm environments; `parallel`: megatron-core's rank layout, groups and pipeline stages) |
+//! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints; tensor-, pipeline- (1F1B, or interleaved over model chunks) and data-parallel ranks as threads or as a launcher's processes (`store`: torch's TCPStore, torchrun / Slurm environments; `parallel`: megatron-core's rank layout, groups and pipeline stages; `pipeline`: the schedules) |
 //! | – | [`fuzzing`] | entry points for the cargo-fuzz targets in `fuzz/` and their seed inputs |
 //!
 //! Project documents the code relies on (formats, Megatron semantics, test assets) are in `docs/`.

@@ -163,7 +163,7 @@ fn bad_input_is_refused_before_any_work() {
     let data = corpus(dir.path());
     let save = dir.path().join("save");
     // (flags, what the refusal says)
-    let cases: [(&str, &str); 14] = [
+    let cases: [(&str, &str); 16] = [
         (
             "--global-batch-size 5",
             "not a multiple of --micro-batch-size",
@@ -177,8 +177,16 @@ fn bad_input_is_refused_before_any_work() {
             "trains with tensor, pipeline and data parallelism only",
         ),
         (
-            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
-            "the interleaved pipeline schedule is not built yet",
+            "--num-virtual-stages-per-pipeline-rank 2",
+            "needs --pipeline-model-parallel-size of at least 2",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication",
+            "needs --pipeline-model-parallel-size above 2",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+            "--num-layers 2 does not split into 2 pipeline stages × 2 model chunks",
         ),
         (
             "--pipeline-model-parallel-size 4",
@@ -744,13 +752,19 @@ fn npu_ranks_as_processes_train_as_npu_ranks_as_threads_do() {
     for (ok, _, err) in &ranks {
         assert!(!ok && err.contains("rank_table.json"), "{err}");
     }
-    // Tensor and sequence parallelism, and pipeline stages (sending and receiving over
-    // HCCL), on two stand-in NPUs: as the CPU trains, and as processes (the group's root info
+    // Tensor and sequence parallelism, and pipeline stages with one or two model chunks
+    // each (sending and receiving over HCCL, round the ring), on two stand-in NPUs: as the CPU trains, and as processes (the group's root info
     // through the store) as threads.
     let tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
     let pp = ["--pipeline-model-parallel-size", "2"];
-    for (layout, what) in [(&tp[..], "TP2 + SP"), (&pp[..], "PP2")] {
-        let mut parallel = args(&data, &[&["--train-iters", "6"][..], layout].concat());
+    let vpp = [&pp[..], &["--num-virtual-stages-per-pipeline-rank", "2"]].concat();
+    let layouts: [(Model, &[&str], &str); 3] = [
+        (args, &tp, "TP2 + SP"),
+        (args, &pp, "PP2"),
+        (four_tied_layers, &vpp, "PP2 × VPP2"),
+    ];
+    for (model, layout, what) in layouts {
+        let mut parallel = model(&data, &[&["--train-iters", "6"][..], layout].concat());
         let cpu = stdout(&run(&parallel).success());
         let (threads, _) = train_on_stand_in(dir.path(), &parallel, "");
         same_training(&cpu, &threads, 1e-4, &format!("{what} on the NPU stand-in"));
@@ -1383,6 +1397,159 @@ fn pipeline_stages_as_processes_and_resumed_train_as_threads_do() {
     );
     let data = dir.path().join("corpus_text_document");
     other_layout_loads_weights_only(four_tied_layers(&data, &[]), &half);
+}
+
+#[test]
+fn the_interleaved_schedule_trains_and_evaluates_as_one_rank_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (batch, iters) = (EIGHT_MICRO_BATCHES, TWENTY_SAVED);
+    let evaluated = [
+        "--split",
+        "90,10,0",
+        "--eval-interval",
+        "10",
+        "--eval-iters",
+        "2",
+    ];
+    let pp2 = ["--pipeline-model-parallel-size", "2"];
+    let untied = ["--untie-embeddings-and-output-weights"];
+    // (model flags, layout flags, tensor-parallel ranks); every layout: 2 stages of 2 chunks
+    let layouts: [(Vec<&str>, Vec<&str>, usize); 3] = [
+        (
+            vec![],
+            [&pp2[..], &["--num-layers-per-virtual-pipeline-stage", "1"]].concat(),
+            1,
+        ),
+        (
+            untied.to_vec(),
+            [
+                &pp2[..],
+                &["--num-virtual-stages-per-pipeline-rank", "2"],
+                &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                &["--world-size", "8"],
+            ]
+            .concat(),
+            2,
+        ),
+        (
+            vec![],
+            [
+                &pp2[..],
+                &["--num-virtual-stages-per-pipeline-rank", "2"],
+                &["--microbatch-group-size-per-virtual-pipeline-stage", "3"],
+            ]
+            .concat(),
+            1,
+        ),
+    ];
+    for (flags, refusal) in [
+        (
+            "--microbatch-group-size-per-virtual-pipeline-stage 1",
+            "must be from --pipeline-model-parallel-size 2 to the 8 micro-batches",
+        ),
+        (
+            "--use-distributed-optimizer",
+            "with a virtual pipeline (one buffer per model chunk) is not built yet",
+        ),
+    ] {
+        let flags: Vec<&str> = [&pp2[..], &["--num-virtual-stages-per-pipeline-rank", "2"]]
+            .concat()
+            .into_iter()
+            .chain(flags.split(' '))
+            .collect();
+        let out = run(&four_tied_layers(&data, &[&batch[..], &flags].concat())).failure();
+        assert!(
+            stderr(&out).contains(refusal),
+            "{flags:?}: {}",
+            stderr(&out)
+        );
+    }
+    let validation = |log: &str| -> Vec<String> {
+        (log.lines())
+            .filter(|l| l.contains("validation loss"))
+            .map(str::to_string)
+            .collect()
+    };
+    let mut ones = std::collections::BTreeMap::new();
+    for (i, (model, layout, tp)) in layouts.into_iter().enumerate() {
+        let one_dir = path(&format!("one_{}", model.len()));
+        let common = [&batch[..], &iters, &evaluated, &model].concat();
+        let one_log = ones.entry(model.len()).or_insert_with(|| {
+            let one = [&common[..], &["--save", &one_dir]].concat();
+            stdout(&run(&four_tied_layers(&data, &one)).success())
+        });
+        let what = format!("{model:?} {layout:?}");
+        let save = path(&format!("vpp_{i}"));
+        let flags = [&common[..], &layout, &["--save", &save]].concat();
+        let log = stdout(&run(&four_tied_layers(&data, &flags)).success());
+        same_training(one_log, &log, 1e-5, &what);
+        assert_eq!(validation(one_log).len(), 3, "{one_log}");
+        assert_eq!(validation(one_log), validation(&log), "{what}");
+        // Megatron's model chunks: `model0` and `model1` in each rank's file
+        for (t, p) in (0..tp).flat_map(|t| (0..2).map(move |p| (t, p))) {
+            let file = Path::new(&save)
+                .join("iter_0000020")
+                .join(format!("mp_rank_{t:02}_{p:03}"))
+                .join("model_optim_rng.pt");
+            let f = mindkit::ckpt::torch::TorchFile::open(&file).unwrap();
+            for key in ["model0", "model1"] {
+                assert!(
+                    f.root().get(key).is_some(),
+                    "{what}: {} {key}",
+                    file.display()
+                );
+            }
+            assert!(f.root().get("model").is_none());
+        }
+        same_hf_weights(dir.path(), Path::new(&one_dir), Path::new(&save), 1e-5);
+    }
+    // --log-comm-stats on stage 0 of 2, 8 micro-batches of T = 32 rows: per micro-batch, chunk
+    // 0's output out and chunk 1's input gradient back (chunk 0 has nothing before it) and
+    // chunk 1's output out, the same received; the bubble (PP − 1) / (V·K + PP − 1) = 1/17.
+    let chunked = [
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--log-comm-stats",
+    ];
+    let counted = [&batch[..], &pp2, &chunked].concat();
+    let log = stdout(&run(&four_tied_layers(&data, &counted)).success());
+    let line = log.lines().find(|l| l.contains("[comm]")).unwrap();
+    let bytes = 24 * 32 * 64 * 4 + 512 * 64 * 4;
+    for part in ["send 25 calls", "recv 25 calls"] {
+        assert!(line.contains(&format!("{part} {bytes} bytes")), "{line}");
+    }
+    assert!(
+        line.contains(&format!(
+            "= {bytes} bytes; bubble (PP − 1) / (2·K + PP − 1) = 1/17"
+        )),
+        "{line}"
+    );
+}
+
+#[test]
+fn the_interleaved_schedule_as_processes_and_resumed_trains_as_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let vpp = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ];
+    let ranks = ["mp_rank_00_000", "mp_rank_00_001"];
+    let half = processes_and_resumed_train_as_threads(dir.path(), four_tied_layers, &vpp, &ranks);
+    // the same stages without chunks hold other tensors in another order
+    let data = dir.path().join("corpus_text_document");
+    let mut pp2 = loading(four_tied_layers(&data, &vpp[..2]), &half);
+    let out = run(&pp2).failure();
+    assert!(
+        stderr(&out).contains("saved with 2 model chunk(s) per pipeline stage, this run has 1"),
+        "{}",
+        stderr(&out)
+    );
+    pp2.push("--finetune".into());
+    assert_eq!(iterations(&stdout(&run(&pp2).success())).len(), 10);
 }
 
 #[test]

@@ -46,6 +46,8 @@ pub struct ParamInfo {
     /// last stage's output layer (Megatron's `shared` attribute). Trained alike, its gradient
     /// summed with the first stage's, and counted there only.
     pub shared: bool,
+    /// The model chunk of its pipeline stage that holds it (0 without a virtual pipeline).
+    pub chunk: usize,
 }
 
 impl ParamInfo {
@@ -130,6 +132,7 @@ impl ParamTable {
                 trainable: base_trained,
                 tp_split: is_tp_split(canon.role),
                 shared: false,
+                chunk: 0,
                 name: name.clone(),
                 shape,
             });
@@ -152,6 +155,7 @@ impl ParamTable {
                         // it, a column-parallel layer's B; the other factor is whole.
                         tp_split: (part == LoraPart::A) == is_row_parallel(canon.role),
                         shared: false,
+                        chunk: 0,
                     });
                 }
             }
@@ -262,6 +266,36 @@ impl ParamTable {
         ParamTable {
             params,
             vocab_padded: self.vocab_padded,
+        }
+    }
+
+    /// One pipeline stage's tables of its model chunks (`chunks[v]`: the layers of chunk `v`;
+    /// `first`/`last`: whether the stage is the pipeline's first or last): chunk 0 of the
+    /// first stage holds the embedding and the last chunk of the last stage the head, as
+    /// [`ParamTable::pipeline_stage`] lays each out, its parameters marked with the chunk.
+    pub fn pipeline_chunks(
+        &self,
+        chunks: &[Range<usize>],
+        (first, last): (bool, bool),
+    ) -> Vec<ParamTable> {
+        let n = chunks.len();
+        (chunks.iter().enumerate())
+            .map(|(v, layers)| {
+                let mut t = self.pipeline_stage(layers, (first && v == 0, last && v + 1 == n));
+                for p in &mut t.params {
+                    p.chunk = v;
+                }
+                t
+            })
+            .collect()
+    }
+
+    /// The tables of model chunks as one, in order (megatron-core's optimizer takes the
+    /// chunks' parameters in turn).
+    pub fn concat(tables: &[ParamTable]) -> ParamTable {
+        ParamTable {
+            params: tables.iter().flat_map(|t| t.params.clone()).collect(),
+            vocab_padded: tables.first().map_or(0, |t| t.vocab_padded),
         }
     }
 

@@ -110,8 +110,9 @@ pub struct Snapshot<'a> {
     pub scheduler: Option<Json>,
     /// FLOPs so far.
     pub flops: f64,
-    /// Extra model tensors by Megatron key (LoRA adapters), saved after the base weights.
-    pub extra: Vec<(String, Tensor)>,
+    /// Extra model tensors by model chunk and Megatron key (LoRA adapters), saved after the
+    /// base weights.
+    pub extra: Vec<(usize, String, Tensor)>,
     /// This rank's tensor-parallel rank and the group's size (its `mp_rank_TT`, and `args`).
     pub tp: (usize, usize),
     /// This rank's pipeline stage (its `_PPP`, and which layers its file holds).
@@ -410,10 +411,11 @@ pub fn finish(save: &Path, temp: TempOutput, snap: &Snapshot) -> Result<PathBuf>
 /// directory `dir`.
 pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     let stage = snap.stage;
+    let vpp = stage.chunks.len();
     let parallel = Parallel {
         tp: snap.tp.1,
         pp: stage.count,
-        vpp: 1,
+        vpp,
         stage_layers: snap.stages.to_vec(),
     };
     let mut args = megatron_args(
@@ -421,7 +423,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         &ParallelArgs {
             tp: snap.tp.1,
             pp: stage.count,
-            vpp: 1,
+            vpp,
             first_last: parallel.first_last(),
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
@@ -432,38 +434,48 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         set_arg(&mut args, k, v.clone());
     }
     let mut st = Storages::default();
-    let mut model = Vec::new();
-    let entries = chunk_entries(
-        snap.layout,
-        snap.cfg,
-        &stage.layers.clone().collect::<Vec<_>>(),
-        stage.first(),
-        stage.last(),
-        stage.count,
-    );
     // A LoRA-only checkpoint (--lora-ckpt-filter) keeps only adapter keys, as MindSpeed-LLM's
     // filter does: not even the Transformer Engine layout's `_extra_state` placeholders.
     let base_saved = snap.saved.iter().any(|&s| s);
-    for (path, canon) in &entries {
-        let value = match canon {
-            None if !base_saved => continue,
-            None => Value::None,
-            Some(c) => match snap.table.index(*c).filter(|&i| snap.saved[i]) {
-                Some(i) => st.tensor(&snap.params[i]),
-                None => continue,
-            },
+    let mut models = Vec::with_capacity(vpp);
+    for (v, layers) in stage.chunks.iter().enumerate() {
+        let entries = chunk_entries(
+            snap.layout,
+            snap.cfg,
+            &layers.clone().collect::<Vec<_>>(),
+            stage.first() && v == 0,
+            stage.last() && v + 1 == vpp,
+            stage.count,
+        );
+        let mut model = Vec::new();
+        for (path, canon) in &entries {
+            let value = match canon {
+                None if !base_saved => continue,
+                None => Value::None,
+                Some(c) => match snap.table.index(*c).filter(|&i| snap.saved[i]) {
+                    Some(i) => st.tensor(&snap.params[i]),
+                    None => continue,
+                },
+            };
+            model.push((s(&path.join(".")), value));
+        }
+        for (_, key, t) in snap.extra.iter().filter(|(chunk, ..)| *chunk == v) {
+            model.push((s(key), st.tensor(t)));
+        }
+        // megatron/training/checkpointing.py `generate_state_dict`: `model`, or `model0`,
+        // `model1`, … with model chunks
+        let name = match vpp {
+            1 => "model".to_string(),
+            _ => format!("model{v}"),
         };
-        model.push((s(&path.join(".")), value));
-    }
-    for (key, t) in &snap.extra {
-        model.push((s(key), st.tensor(t)));
+        models.push((s(&name), Value::Dict(model)));
     }
     let mut root = vec![
         (s("args"), Value::Namespace(args)),
         (s("checkpoint_version"), Value::Float(3.0)),
         (s("iteration"), Value::Int(snap.iteration as i64)),
-        (s("model"), Value::Dict(model)),
     ];
+    root.extend(models);
     if let Some(opt) = &snap.optimizer {
         root.push((s("optimizer"), optimizer_value(snap.table, opt, &mut st)));
     }
@@ -502,15 +514,18 @@ pub fn load_named(
 ) -> Result<()> {
     let path = rank_file(dir, at)?;
     let f = TorchFile::open(&path)?;
-    let mut keys = std::collections::BTreeMap::new();
+    // each model chunk's keys (`model`, or `model0`, `model1`, …)
+    let mut chunks = Vec::new();
     for chunk in crate::ckpt::megatron::chunks(&f)? {
+        let mut keys = std::collections::BTreeMap::new();
         crate::ckpt::megatron::flatten(chunk, false, &path, &mut keys)?;
+        chunks.push(keys);
     }
     for (p, slot) in table.params.iter().zip(host.iter_mut()) {
         if !pick(p) {
             continue;
         }
-        let Some(Value::Tensor(t)) = keys.get(&p.name) else {
+        let Some(Value::Tensor(t)) = chunks.get(p.chunk).and_then(|k| k.get(&p.name)) else {
             bail!(
                 "{}: no {} (the adapter does not match --lora-r / --lora-target-modules)",
                 path.display(),
@@ -726,6 +741,16 @@ pub fn load_state(
              state needs the same layout; load its weights with --finetune or --no-load-optim",
             path.display(),
             pp.1
+        );
+    }
+    let chunks = table.params.last().map_or(1, |p| p.chunk + 1) as u64;
+    let saved = int_of(arg("virtual_pipeline_model_parallel_size")).unwrap_or(1);
+    if saved != chunks {
+        bail!(
+            "{}: saved with {saved} model chunk(s) per pipeline stage, this run has {chunks}: \
+             resuming its training state needs the same layout; load its weights with \
+             --finetune or --no-load-optim",
+            path.display()
         );
     }
     let mut resumed = Resumed {

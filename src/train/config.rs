@@ -88,6 +88,9 @@ pub struct TrainConfig {
     pub layout: Layout,
     /// Layers of each pipeline stage (one entry without pipeline parallelism).
     pub stages: Vec<usize>,
+    /// The virtual pipeline: model chunks per stage and the micro-batches each chunk runs in
+    /// a row (`None`: one chunk per stage, the 1F1B schedule).
+    pub virtual_pipeline: Option<VirtualPipeline>,
     /// `--sequence-parallel` at TP > 1.
     pub sequence_parallel: bool,
     /// `--use-distributed-optimizer` and how its buffer is bucketed.
@@ -472,20 +475,11 @@ fn schedule(a: &Args, iters: u64, samples: Option<u64>, g: u64) -> Result<Schedu
     Ok(s)
 }
 
-/// Refuse what is not built yet (context and expert parallelism, the interleaved pipeline
-/// schedule, other data loaders, optimizers and checkpoint formats).
+/// Refuse what is not built yet (context and expert parallelism, other data loaders, optimizers and checkpoint formats).
 fn check_single_rank(a: &Args) -> Result<()> {
     for flag in ["context-parallel-size", "expert-model-parallel-size"] {
         if let Some(n) = positive(a, flag)?.filter(|&n| n > 1) {
             bail!("--{flag} {n}: this build trains with tensor, pipeline and data parallelism only (use 1)");
-        }
-    }
-    for flag in [
-        "num-layers-per-virtual-pipeline-stage",
-        "num-virtual-stages-per-pipeline-rank",
-    ] {
-        if a.has(flag) {
-            bail!("--{flag}: the interleaved pipeline schedule is not built yet");
         }
     }
     if let Some(t) = a.get("dataloader-type").filter(|t| *t != "single") {
@@ -508,7 +502,7 @@ fn check_single_rank(a: &Args) -> Result<()> {
 /// last stage's given counts and the rest evenly (Megatron's `--decoder-first/last-pipeline-
 /// num-layers`, megatron-core megatron/core/transformer/transformer_layer.py
 /// `get_transformer_layer_offset`), as `mindkit convert` lays a checkpoint out.
-fn pipeline_stages(a: &Args, model: &ModelConfig, pp: usize) -> Result<Vec<usize>> {
+fn pipeline_stages(a: &Args, model: &ModelConfig, (pp, vpp): (usize, usize)) -> Result<Vec<usize>> {
     let first = a.parse_value::<usize>("decoder-first-pipeline-num-layers")?;
     let last = a.parse_value::<usize>("decoder-last-pipeline-num-layers")?;
     if pp == 1 {
@@ -521,7 +515,10 @@ fn pipeline_stages(a: &Args, model: &ModelConfig, pp: usize) -> Result<Vec<usize
     if first.is_none() && last.is_none() && !l.is_multiple_of(pp) {
         bail!("--pipeline-model-parallel-size {pp} does not divide --num-layers {l}: give --decoder-first/last-pipeline-num-layers for uneven stages");
     }
-    let parallel = crate::ckpt::layout::Parallel::new(model, 1, pp, 1, (first, last))
+    if first.is_none() && last.is_none() && !l.is_multiple_of(pp * vpp) {
+        bail!("--num-layers {l} does not split into {pp} pipeline stages × {vpp} model chunks");
+    }
+    let parallel = crate::ckpt::layout::Parallel::new(model, 1, pp, vpp, (first, last))
         .context("--decoder-first/last-pipeline-num-layers")?;
     if let Some(p) = parallel.stage_layers.iter().position(|&n| n == 0) {
         bail!(
@@ -530,6 +527,68 @@ fn pipeline_stages(a: &Args, model: &ModelConfig, pp: usize) -> Result<Vec<usize
         );
     }
     Ok(parallel.stage_layers)
+}
+
+/// A virtual pipeline (Megatron's interleaved schedule).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VirtualPipeline {
+    /// Model chunks per pipeline stage (V ≥ 2).
+    pub chunks: usize,
+    /// Micro-batches a chunk runs in a row (`--microbatch-group-size-per-virtual-pipeline-
+    /// stage`, default PP).
+    pub group: usize,
+}
+
+/// Model chunks per pipeline stage: `--num-virtual-stages-per-pipeline-rank`, or the stage's
+/// layers over `--num-layers-per-virtual-pipeline-stage` (Megatron's `validate_args`: one of
+/// the two, the latter only with even stages; 1 without either).
+fn virtual_stages(a: &Args, model: &ModelConfig, pp: usize) -> Result<usize> {
+    let per_chunk = positive(a, "num-layers-per-virtual-pipeline-stage")?;
+    let chunks = positive(a, "num-virtual-stages-per-pipeline-rank")?;
+    let v = match (per_chunk, chunks) {
+        (Some(_), Some(_)) => bail!("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other"),
+        (None, None) => return Ok(1),
+        (None, Some(v)) => v,
+        (Some(n), None) => {
+            let uneven = ["decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers"];
+            if uneven.iter().any(|f| a.has(f)) {
+                bail!("--num-layers-per-virtual-pipeline-stage: with uneven stages give --num-virtual-stages-per-pipeline-rank instead (as Megatron asks)");
+            }
+            let l = model.layers;
+            if !l.is_multiple_of(pp) || !(l / pp).is_multiple_of(n) {
+                bail!("--num-layers-per-virtual-pipeline-stage {n}: the {l} layers over {pp} pipeline stages do not split into chunks of {n}");
+            }
+            l / pp / n
+        }
+    };
+    if v > 1 && pp < 2 {
+        bail!("a virtual pipeline ({v} model chunks per stage) needs --pipeline-model-parallel-size of at least 2");
+    }
+    if v > 1 && pp < 3 && a.has("no-overlap-p2p-communication") {
+        bail!("--no-overlap-p2p-communication with a virtual pipeline needs --pipeline-model-parallel-size above 2 (Megatron's check: no two sends and receives between the same two ranks in one batch)");
+    }
+    Ok(v)
+}
+
+/// The interleaved schedule's micro-batch groups, checked as megatron-core's
+/// `forward_backward_pipelining_with_interleaving` checks them against the `micro` micro-
+/// batches of a data-parallel rank: PP ≤ group ≤ micro, and the last group empty or of at
+/// least PP.
+fn virtual_pipeline(
+    a: &Args,
+    (pp, chunks): (usize, usize),
+    micro: usize,
+) -> Result<VirtualPipeline> {
+    let flag = "microbatch-group-size-per-virtual-pipeline-stage";
+    let group = positive(a, flag)?.unwrap_or(pp);
+    if group < pp || group > micro {
+        bail!("--{flag} {group}: the micro-batches a model chunk runs in a row must be from --pipeline-model-parallel-size {pp} to the {micro} micro-batches of a data-parallel rank per iteration (--global-batch-size / (--micro-batch-size × data-parallel ranks))");
+    }
+    let rest = micro % group;
+    if rest > 0 && rest < pp {
+        bail!("the interleaved schedule: {micro} micro-batches per data-parallel rank leave a last group of {rest} (of --{flag} {group}), fewer than --pipeline-model-parallel-size {pp}; Megatron refuses it (it stalls the pipeline)");
+    }
+    Ok(VirtualPipeline { chunks, group })
 }
 
 /// What tensor parallelism over `tp` ranks needs: heads, query groups, FFN and the padded
@@ -717,11 +776,23 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     let layout = Layout::new(world_size(a)?, tp, pp, cp)?;
     let data_parallel = layout.size(Axis::Dp);
     check_tensor_parallel(a, &model, vocab_padded, tp)?;
-    let stages = pipeline_stages(a, &model, pp)?;
+    let chunks = virtual_stages(a, &model, pp)?;
+    let stages = pipeline_stages(a, &model, (pp, chunks))?;
     if !global_batch.is_multiple_of(micro_batch * data_parallel) {
         bail!(
             "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"
         );
+    }
+    let virtual_pipeline = match chunks {
+        1 => None,
+        _ => Some(virtual_pipeline(
+            a,
+            (pp, chunks),
+            global_batch / micro_batch / data_parallel,
+        )?),
+    };
+    if virtual_pipeline.is_some() && a.has("use-distributed-optimizer") {
+        bail!("--use-distributed-optimizer with a virtual pipeline (one buffer per model chunk) is not built yet");
     }
     let g = global_batch as u64;
     let train_samples = a.parse_value::<u64>("train-samples")?;
@@ -806,6 +877,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         data_parallel,
         layout,
         stages,
+        virtual_pipeline,
         sequence_parallel: tp > 1 && a.has("sequence-parallel"),
         distributed_optimizer: match a.has("use-distributed-optimizer") {
             false => None,

@@ -8,8 +8,9 @@
 //! conditions. Flags: [`args`]; their resolution: [`config`].
 //!
 //! Across ranks ([`parallel`]): each rank holds its tensor-parallel shard of its pipeline
-//! stage's parameters and trains its data-parallel slice of the batch; the stages run the
-//! micro-batches in Megatron's 1F1B order, and the gradients are summed over the data-parallel
+//! stage's parameters (one model chunk, or several with a virtual pipeline) and trains its
+//! data-parallel slice of the batch; the stages run the micro-batches in Megatron's 1F1B or
+//! interleaved order ([`pipeline`]), and the gradients are summed over the data-parallel
 //! group (and the tied embedding's over the first and last stage) before one AdamW step.
 
 pub mod args;
@@ -20,6 +21,7 @@ pub mod distrib;
 pub mod log;
 pub mod optim;
 pub mod parallel;
+pub mod pipeline;
 pub mod schedule;
 pub mod store;
 pub mod tensorboard;
@@ -569,59 +571,15 @@ fn lora_args(l: &LoraSpec) -> Vec<(String, Value)> {
 /// What came from the previous and from the next pipeline stage.
 type Neighbours<T> = (Option<T>, Option<T>);
 
-/// What a stage's backward pass hands on: the losses (on the last stage) and the gradient of
-/// the stage's input (on all but the first).
+/// What a chunk's backward pass hands on: the losses (of the model's last chunk) and the
+/// gradient of the chunk's input (all but the model's first).
 type StageGradients<T> = (Option<T>, Option<T>);
 
-/// What one pipeline stage sends to and receives from its neighbours at one point of the
-/// schedule: a receive is described by the micro-batch whose activation (or gradient) comes.
-struct P2p<'a, T> {
-    send_next: Option<&'a T>,
-    recv_prev: Option<&'a MicroBatch>,
-    send_prev: Option<&'a T>,
-    recv_next: Option<&'a MicroBatch>,
-}
-
-impl<T> Clone for P2p<'_, T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<T> Copy for P2p<'_, T> {}
-
-impl<T> Default for P2p<'_, T> {
-    fn default() -> Self {
-        P2p {
-            send_next: None,
-            recv_prev: None,
-            send_prev: None,
-            recv_next: None,
-        }
-    }
-}
-
-impl<'a, T> P2p<'a, T> {
-    fn recv_prev(batch: &'a MicroBatch) -> Self {
-        P2p {
-            recv_prev: Some(batch),
-            ..P2p::default()
-        }
-    }
-
-    fn recv_next(batch: &'a MicroBatch) -> Self {
-        P2p {
-            recv_next: Some(batch),
-            ..P2p::default()
-        }
-    }
-
-    fn send_next(x: &'a T) -> Self {
-        P2p {
-            send_next: Some(x),
-            ..P2p::default()
-        }
-    }
+/// One model chunk of a rank's pipeline stage: its parameters' ids, numbered within it, and
+/// where its parameters sit among the rank's.
+struct Chunk {
+    ids: Ids,
+    params: std::ops::Range<usize>,
 }
 
 /// Running sums of one log interval (`training_log`'s `total_loss_dict`).
@@ -645,7 +603,8 @@ struct Trainer<B: Backend> {
     cfg: TrainConfig,
     spec: ModelSpec,
     table: ParamTable,
-    ids: Ids,
+    /// The model chunks of this rank's stage (one without a virtual pipeline).
+    chunks: Vec<Chunk>,
     params: Vec<B::Tensor>,
     grads: Vec<B::Tensor>,
     opt: Optimizer<B::Tensor>,
@@ -682,7 +641,8 @@ impl<B: Backend> Trainer<B> {
             cfg.layout.size(Axis::Tp),
         );
         let spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
-        let stage = Stage::of(&cfg.stages, groups.pp.as_ref().map_or(0, |g| g.rank()));
+        let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
+        let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
         let rank = groups.rank;
         if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
             checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
@@ -701,16 +661,21 @@ impl<B: Backend> Trainer<B> {
             }
         }
         let model_numel = table.numel();
-        let mine = (table.tensor_parallel(&cfg.model, tp.1))
-            .pipeline_stage(&stage.layers, (stage.first(), stage.last()));
+        let tables = (table.tensor_parallel(&cfg.model, tp.1))
+            .pipeline_chunks(&stage.chunks, (stage.first(), stage.last()));
+        let mine = ParamTable::concat(&tables);
         let mut host = initial_params(&cfg, (&table, &mine), tp)?;
         let table = mine;
-        let ids = Ids::new(
-            &table,
-            stage.layers.clone(),
-            lora.map_or(1.0, LoraSpec::scale),
-        )
-        .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
+        let lora_scale = lora.map_or(1.0, LoraSpec::scale);
+        let mut start = 0;
+        let mut chunks = Vec::with_capacity(tables.len());
+        for (t, layers) in tables.iter().zip(&stage.chunks) {
+            let ids = Ids::new(t, layers.clone(), lora_scale)
+                .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
+            let params = start..start + t.params.len();
+            start = params.end;
+            chunks.push(Chunk { ids, params });
+        }
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
             let at = (tp, stage.rank());
             checkpoint::load_named(dir, (&table, at), |p| p.lora.is_some(), &mut host)?;
@@ -762,7 +727,7 @@ impl<B: Backend> Trainer<B> {
             b,
             spec,
             table,
-            ids,
+            chunks,
             params,
             grads,
             opt,
@@ -990,11 +955,9 @@ impl<B: Backend> Trainer<B> {
 
     /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
     /// returns each micro-batch's loss mask with, on the last pipeline stage, its losses (on
-    /// the device), and the rows processed. Over pipeline stages the micro-batches run in
-    /// Megatron's 1F1B order (megatron-core megatron/core/pipeline_parallel/schedules.py
-    /// `forward_backward_pipelining_without_interleaving`): PP − stage − 1 forward passes
-    /// first, then one forward and one backward pass in turn, then the remaining backward
-    /// passes; each micro-batch's gradients add in micro-batch order, as on one stage.
+    /// the device), and the rows processed. Over pipeline stages the passes run in
+    /// Megatron's order ([`pipeline`]: 1F1B, or interleaved over model chunks); each chunk's
+    /// gradients add in micro-batch order, as on one stage.
     fn step_batches(
         &mut self,
         split: &data::Source,
@@ -1013,127 +976,163 @@ impl<B: Backend> Trainer<B> {
             batches.push(split.micro_batch(at, m, k, c.averaging)?);
         }
         let tokens = batches.iter().map(|p| p.batch.tokens.len() as u64).sum();
-        let n = batches.len();
-        let warmup = match train {
-            true => (self.stage.count - self.stage.index - 1).min(n),
-            false => n,
+        let pipe = self.pipeline(batches.len());
+        let mut losses: Vec<PendingLoss<B::Tensor>> =
+            batches.iter().map(|p| (None, p.mask.clone())).collect();
+        let mut inputs = std::collections::HashMap::new();
+        let mut out_grads = std::collections::HashMap::new();
+        let mut saved = std::collections::HashMap::new();
+        let mut in_grads = std::collections::HashMap::new();
+        let missing = |what: &str, slot: pipeline::Slot| {
+            anyhow!(
+                "internal: pipeline schedule: no {what} for chunk {} micro-batch {}",
+                slot.0,
+                slot.1
+            )
         };
-        let mut fwds = std::collections::VecDeque::new();
-        let mut losses = Vec::with_capacity(n);
-        let mut keep = |t: Option<B::Tensor>, j: usize| {
-            losses.push((t, batches[j].mask.clone()));
-        };
-        let mut input = None;
-        for j in 0..n {
-            if j <= warmup {
-                input = self.p2p(P2p::recv_prev(&batches[j].batch))?.0;
-            }
-            let fwd = self.forward_pass(&batches[j].batch, input.take())?;
-            if j < warmup {
-                self.p2p(P2p::send_next(&fwd.out))?;
-                match train {
-                    true => fwds.push_back(fwd),
-                    false => keep(self.stage.last().then_some(fwd.out), j),
+        for op in pipe.ops(train) {
+            match op {
+                pipeline::Op::Forward(slot) => {
+                    let batch = &batches[slot.1].batch;
+                    let fwd = self.forward_pass(slot.0, batch, inputs.remove(&slot))?;
+                    match !train && pipe.model_last(slot.0) {
+                        true => losses[slot.1].0 = Some(fwd.out),
+                        false => _ = saved.insert(slot, fwd),
+                    }
                 }
-                continue;
+                pipeline::Op::Backward(slot) => {
+                    let fwd = saved
+                        .remove(&slot)
+                        .ok_or_else(|| missing("forward pass", slot))?;
+                    let batch = &batches[slot.1].batch;
+                    let grad = out_grads.remove(&slot);
+                    let (loss, dinput) = self.backward_pass(slot.0, batch, fwd, grad)?;
+                    if loss.is_some() {
+                        losses[slot.1].0 = loss;
+                    }
+                    if let Some(d) = dinput {
+                        in_grads.insert(slot, d);
+                    }
+                }
+                pipeline::Op::Exchange(x) => {
+                    let to_next = match x.send_next {
+                        Some(slot) => {
+                            Some(&saved.get(&slot).ok_or_else(|| missing("output", slot))?.out)
+                        }
+                        None => None,
+                    };
+                    let to_prev = match x.send_prev {
+                        Some(slot) => Some(
+                            in_grads
+                                .get(&slot)
+                                .ok_or_else(|| missing("input gradient", slot))?,
+                        ),
+                        None => None,
+                    };
+                    let rows = |slot: pipeline::Slot| batches[slot.1].batch.tokens.len();
+                    let (from_prev, from_next) = self.p2p(&x, (to_next, to_prev), rows)?;
+                    if let (Some(slot), Some(t)) = (x.recv_prev, from_prev) {
+                        inputs.insert(slot, t);
+                    }
+                    if let (Some(slot), Some(t)) = (x.recv_next, from_next) {
+                        out_grads.insert(slot, t);
+                    }
+                    if let Some(slot) = x.send_prev {
+                        in_grads.remove(&slot);
+                    }
+                    if let Some(slot) = x.send_next.filter(|_| !train) {
+                        saved.remove(&slot);
+                    }
+                }
             }
-            // steady 1F1B: this forward pass's output out, the oldest backward pass's gradient in
-            let i = j - warmup;
-            let grad = self.p2p(P2p {
-                send_next: Some(&fwd.out),
-                recv_next: Some(&batches[i].batch),
-                ..P2p::default()
-            })?;
-            fwds.push_back(fwd);
-            let oldest =
-                (fwds.pop_front()).ok_or_else(|| anyhow!("internal: no forward pass pending"))?;
-            let (loss, dinput) = self.backward_pass(&batches[i].batch, oldest, grad.1)?;
-            keep(loss, i);
-            let next = (j + 1 < n).then(|| &batches[j + 1].batch);
-            input = self
-                .p2p(P2p {
-                    send_prev: dinput.as_ref(),
-                    recv_prev: next,
-                    ..P2p::default()
-                })?
-                .0;
-        }
-        let cooldown = n - fwds.len();
-        for (i, prepared) in batches.iter().enumerate().skip(cooldown) {
-            let grad = self.p2p(P2p::recv_next(&prepared.batch))?.1;
-            let oldest =
-                (fwds.pop_front()).ok_or_else(|| anyhow!("internal: no forward pass pending"))?;
-            let (loss, dinput) = self.backward_pass(&prepared.batch, oldest, grad)?;
-            keep(loss, i);
-            self.p2p(P2p {
-                send_prev: dinput.as_ref(),
-                ..P2p::default()
-            })?;
         }
         Ok((losses, tokens))
     }
 
-    /// One micro-batch forward through this rank's stage.
+    /// This rank's stage of the pipeline over `micro` micro-batches.
+    fn pipeline(&self, micro: usize) -> pipeline::Pipeline {
+        let v = self.cfg.virtual_pipeline;
+        pipeline::Pipeline {
+            stages: self.stage.count,
+            chunks: self.chunks.len(),
+            micro,
+            group: v.map_or(self.stage.count, |v| v.group),
+            stage: self.stage.index,
+        }
+    }
+
+    /// One micro-batch forward through model chunk `chunk` of this rank's stage.
     fn forward_pass(
         &self,
+        chunk: usize,
         batch: &MicroBatch,
         input: Option<B::Tensor>,
     ) -> Result<crate::model::llama::Forward<B::Tensor>> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let Chunk { ids, params } = &self.chunks[chunk];
         Ok(forward(
             &self.b,
             &self.spec,
-            (&self.ids, &self.params),
+            (ids, &self.params[params.clone()]),
             (batch, input),
             self.activations(),
             tp.as_ref(),
         )?)
     }
 
-    /// One micro-batch backward through this rank's stage: its losses on the last stage, the
-    /// gradient of its input on the others.
+    /// One micro-batch backward through model chunk `chunk`: its losses on the model's last
+    /// chunk, the gradient of its input on the others.
     fn backward_pass(
         &mut self,
+        chunk: usize,
         batch: &MicroBatch,
         fwd: crate::model::llama::Forward<B::Tensor>,
         grad: Option<B::Tensor>,
     ) -> Result<StageGradients<B::Tensor>> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let Chunk { ids, params } = &self.chunks[chunk];
         let (out, dinput) = backward(
             &self.b,
             &self.spec,
-            (&self.ids, &self.params, &mut self.grads),
+            (
+                ids,
+                &self.params[params.clone()],
+                &mut self.grads[params.clone()],
+            ),
             (batch, grad),
             fwd,
             tp.as_ref(),
         )?;
-        Ok((self.stage.last().then_some(out), dinput))
+        let last = self.stage.last() && chunk + 1 == self.chunks.len();
+        Ok((last.then_some(out), dinput))
     }
 
     /// Megatron's point-to-point step between pipeline stages
-    /// (megatron/core/pipeline_parallel/p2p_communication.py `_p2p_ops`): the sends and
-    /// receives a stage has with its neighbours, an even stage sending first and an odd one
-    /// receiving first, so that each send meets its receive even where a send waits for it.
-    /// A stage has no neighbour before the first or after the last. Returns what came from
-    /// the previous and the next stage.
-    fn p2p(&self, step: P2p<'_, B::Tensor>) -> Result<Neighbours<B::Tensor>> {
+    /// (megatron/core/pipeline_parallel/p2p_communication.py `_p2p_ops`): the sends (`to_next`,
+    /// `to_prev`) and receives of `x`, an even stage sending first and an odd one receiving
+    /// first, so that each send meets its receive even where a send waits for it. The stages
+    /// form a ring (the last one's next is the first, for the interleaved schedule's chunks);
+    /// a received tensor has `rows(slot)` rows of the micro-batch it serves (over the
+    /// tensor-parallel ranks under sequence parallelism). Returns what came from the previous
+    /// and the next stage.
+    fn p2p(
+        &self,
+        x: &pipeline::Exchange,
+        (to_next, to_prev): (Option<&B::Tensor>, Option<&B::Tensor>),
+        rows: impl Fn(pipeline::Slot) -> usize,
+    ) -> Result<Neighbours<B::Tensor>> {
         let Some(pp) = &self.pp else {
             return Ok((None, None));
         };
-        let (me, first, last) = (self.stage.index, self.stage.first(), self.stage.last());
-        let activation = |batch: &MicroBatch| -> Result<B::Tensor> {
-            let rows = batch.tokens.len()
-                / if self.cfg.sequence_parallel {
-                    self.tp().1
-                } else {
-                    1
-                };
-            Ok(self
-                .b
-                .zeros(&[rows, self.cfg.model.hidden], self.activations())?)
+        let (me, count) = (self.stage.index, self.stage.count);
+        let (next, prev) = ((me + 1) % count, (me + count - 1) % count);
+        let sp = match self.cfg.sequence_parallel {
+            true => self.tp().1,
+            false => 1,
         };
-        let recv = |batch, from| -> Result<B::Tensor> {
-            let mut x = activation(batch)?;
+        let recv = |slot: pipeline::Slot, from| -> Result<B::Tensor> {
+            let shape = [rows(slot) / sp, self.cfg.model.hidden];
+            let mut x = self.b.zeros(&shape, self.activations())?;
             pp.recv(&mut x, from)?;
             Ok(x)
         };
@@ -1144,36 +1143,16 @@ impl<B: Backend> Trainer<B> {
             [1, 0, 3, 2]
         };
         for op in ops {
-            match (op, step) {
-                (
-                    0,
-                    P2p {
-                        send_next: Some(x), ..
-                    },
-                ) if !last => pp.send(x, me + 1)?,
-                (
-                    1,
-                    P2p {
-                        recv_prev: Some(b), ..
-                    },
-                ) if !first => from_prev = Some(recv(b, me - 1)?),
-                (
-                    2,
-                    P2p {
-                        send_prev: Some(x), ..
-                    },
-                ) if !first => pp.send(x, me - 1)?,
-                (
-                    3,
-                    P2p {
-                        recv_next: Some(b), ..
-                    },
-                ) if !last => from_next = Some(recv(b, me + 1)?),
-                _ => {}
+            match op {
+                0 => to_next.map(|t| pp.send(t, next)).transpose().map(drop)?,
+                1 => from_prev = x.recv_prev.map(|s| recv(s, prev)).transpose()?,
+                2 => to_prev.map(|t| pp.send(t, prev)).transpose().map(drop)?,
+                _ => from_next = x.recv_next.map(|s| recv(s, next)).transpose()?,
             }
         }
         Ok((from_prev, from_next))
     }
+
     /// The trained norm weights: under sequence parallelism, the parameters whose gradients
     /// each rank takes over its rows only (Megatron's `sequence_parallel` attribute).
     fn trained_norms(&self) -> Vec<usize> {
@@ -1518,7 +1497,7 @@ impl<B: Backend> Trainer<B> {
             args.extend(lora_args(&l.spec));
             for (p, t) in self.table.params.iter().zip(&params) {
                 if p.lora.is_some() {
-                    extra.push((p.name.clone(), t.clone()));
+                    extra.push((p.chunk, p.name.clone(), t.clone()));
                 }
             }
         }
@@ -1689,8 +1668,15 @@ impl<B: Backend> Trainer<B> {
             );
             let c = &self.cfg;
             if c.layout.world() > 1 {
+                let chunks = match c.virtual_pipeline {
+                    Some(v) => format!(
+                        " in {} model chunks each (interleaved, groups of {})",
+                        v.chunks, v.group
+                    ),
+                    None => String::new(),
+                };
                 eprintln!(
-                    "mindkit train: {} ranks: {} tensor-parallel × {} pipeline stages {:?} × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
+                    "mindkit train: {} ranks: {} tensor-parallel × {} pipeline stages {:?}{chunks} × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
                     c.layout.world(),
                     c.layout.size(Axis::Tp),
                     c.layout.size(Axis::Pp),
@@ -2083,11 +2069,13 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Megatron's point-to-point traffic per iteration of this pipeline stage: per
-    /// micro-batch of T rows, its output `[T', h]` sent to the next stage and its input's
-    /// gradient sent to the previous (T' = T / TP under sequence parallelism), the same
+    /// micro-batch of T rows and model chunk, the chunk's output `[T', h]` sent to the next
+    /// stage (but from the model's last chunk) and its input's gradient sent to the previous
+    /// (but from the model's first) (T' = T / TP under sequence parallelism), the same
     /// received; the tied embedding's gradient `[Vp / TP, h]` f32 sent and received between the
-    /// first and last stage; and the 1F1B schedule's bubble, (PP − 1) / (K + PP − 1) of the
-    /// iteration with K micro-batches (each stage idles for PP − 1 forward and backward slots).
+    /// first and last stage; and the schedule's bubble, (PP − 1) / (V·K + PP − 1) of the
+    /// iteration with K micro-batches and V model chunks per stage (each stage idles for
+    /// PP − 1 forward and backward slots of one chunk; V = 1 is 1F1B's (PP − 1) / (K + PP − 1)).
     fn pp_formula(&self) -> String {
         let c = &self.cfg;
         let tp = self.tp().1;
@@ -2096,7 +2084,8 @@ impl<B: Backend> Trainer<B> {
         let k = c.global_batch / (c.micro_batch * c.data_parallel);
         let block = rows * c.model.hidden * a.size();
         let (first, last) = (self.stage.first(), self.stage.last());
-        let sends = k * (usize::from(!last) + usize::from(!first));
+        let v = self.chunks.len();
+        let sends = k * (2 * v - usize::from(last) - usize::from(first));
         let tied = self.cfg.model.tied
             && (first || last)
             && self
@@ -2109,16 +2098,20 @@ impl<B: Backend> Trainer<B> {
             false => 0,
         };
         let p = self.stage.count;
+        let (bubble, vk) = match v {
+            1 => ("(PP − 1) / (K + PP − 1)".to_string(), k),
+            _ => (format!("(PP − 1) / ({v}·K + PP − 1)"), v * k),
+        };
         format!(
-            "sends and receives, each: {sends} × [{rows}, {}] {a:?} + {} × [{}, {}] f32 = {} bytes; bubble (PP − 1) / (K + PP − 1) = {}/{} = {:.3}",
+            "sends and receives, each: {sends} × [{rows}, {}] {a:?} + {} × [{}, {}] f32 = {} bytes; bubble {bubble} = {}/{} = {:.3}",
             c.model.hidden,
             usize::from(tied),
             c.vocab_padded / tp,
             c.model.hidden,
             sends * block + embedding,
             p - 1,
-            k + p - 1,
-            (p - 1) as f64 / (k + p - 1) as f64
+            vk + p - 1,
+            (p - 1) as f64 / (vk + p - 1) as f64
         )
     }
 

@@ -113,25 +113,41 @@ impl Layout {
     }
 }
 
-/// One pipeline stage: its index among the stages and the global layers it holds.
+/// One pipeline stage: its index among the stages and the global layers of each of its
+/// model chunks (one, or several with a virtual pipeline).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stage {
     /// Its pipeline-parallel rank.
     pub index: usize,
     /// Pipeline stages.
     pub count: usize,
-    /// Its layers.
-    pub layers: Range<usize>,
+    /// The layers of each model chunk.
+    pub chunks: Vec<Range<usize>>,
 }
 
 impl Stage {
-    /// Stage `index` of the stages holding `stages[p]` layers each, in order.
-    pub fn of(stages: &[usize], index: usize) -> Stage {
-        let start: usize = stages[..index].iter().sum();
+    /// Stage `index` of the stages holding `stages[p]` layers each, in `vpp` model chunks:
+    /// chunk `v` of each stage holds its share of the `v`-th `1/vpp` of the layers
+    /// (megatron-core `get_transformer_layer_offset`, [`crate::ckpt::layout::Parallel::
+    /// chunk_layers`]).
+    pub fn of(stages: &[usize], vpp: usize, index: usize) -> Stage {
+        let parallel = crate::ckpt::layout::Parallel {
+            tp: 1,
+            pp: stages.len(),
+            vpp,
+            stage_layers: stages.to_vec(),
+        };
+        let chunks = (0..vpp)
+            .map(|v| {
+                let layers = parallel.chunk_layers(index, v);
+                let start = layers.first().copied().unwrap_or(0);
+                start..start + layers.len()
+            })
+            .collect();
         Stage {
             index,
             count: stages.len(),
-            layers: start..start + stages[index],
+            chunks,
         }
     }
 

@@ -166,12 +166,12 @@ def stand_in_toolkit(at):
     return at
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2+sp", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2+sp", "pp2", "pp2+vpp2"])
 @pytest.mark.parametrize("device", ["cpu", "npu"])
 def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
     """`torchrun --no-python --nproc-per-node 2 mindkit train …` (the agent's store; ranks as
     processes over sockets on the CPU, over the stand-in's HCCL on NPUs), data-, tensor- or
-    pipeline-parallel, logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
+    pipeline-parallel (with two model chunks per stage too), logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
     bit."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     fixtures = ROOT / "fixtures"
@@ -184,8 +184,15 @@ def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
             "--log-interval", "1", "--eval-iters", "0", "--quiet", "--device", device]
     if layout == "tp2+sp":
         args += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    if layout == "pp2":
+    if layout.startswith("pp2"):
         args += ["--pipeline-model-parallel-size", "2"]
+    if layout == "pp2+vpp2":
+        # four layers from scratch (the demo model has two), in two chunks per stage
+        load = args.index("--load")
+        del args[load:load + 2]
+        args += ["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu", "--disable-bias-linear",
+                 "--max-position-embeddings", "64", "--tokenizer-name-or-path", fixtures / "models/demo"]
     args = [str(a) for a in args]
     extra = {}
     if device == "npu":
