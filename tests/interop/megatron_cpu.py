@@ -30,9 +30,10 @@ def load_pt(path):
         return torch.load(path, weights_only=True)
 
 
-def gpt_model(a, pre_process=True, post_process=True):
+def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
     """GPTModel (or, with `pre_process` / `post_process` as Megatron sets them per stage, one
-    pipeline stage of it) of the checkpoint args `a`, in the current parallel state."""
+    pipeline stage of it, or model chunk `vp_stage` of one) of the checkpoint args `a`, in the
+    current parallel state."""
     init()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -50,13 +51,14 @@ def gpt_model(a, pre_process=True, post_process=True):
         pipeline_model_parallel_size=getattr(a, "pipeline_model_parallel_size", 1),
         sequence_parallel=getattr(a, "sequence_parallel", False),
         num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
-        num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None))
+        num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
+        virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None))
     return GPTModel(
         config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-        rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0)
+        rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0, vp_stage=vp_stage)
 
 
 def logits(model, ids, vocab):

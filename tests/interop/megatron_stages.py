@@ -1,8 +1,12 @@
 """Run under torchrun, one process per rank of a TP × PP checkpoint iteration directory (the
-only argument): megatron-core's parallel state over gloo, then, as Megatron's load_checkpoint
-does on each rank, that rank's GPTModel stage (pre/post process as Megatron sets them) loads its
-mp_rank_TT_PPP file strictly and torch's AdamW over megatron-core's parameter groups of the
-stage loads its optimizer state, every moment shaped as its parameter. Prints one line per rank."""
+only argument): megatron-core's parallel state over gloo, then, as Megatron's get_model and
+load_checkpoint do on each rank, that rank's GPTModel stage — or, with a virtual pipeline, each of
+its model chunks (pre/post process and vp_stage as Megatron sets them) — loads its
+mp_rank_TT_PPP file (`model`, or `model0`, `model1`, …) strictly, and torch's AdamW over
+megatron-core's parameter groups of the stage's chunks loads its optimizer state, every moment
+shaped as its parameter. With an HF directory of the same checkpoint as the second argument,
+every layer of every chunk (megatron-core's own layer numbering of the chunk) holds that HF
+layer's down projection (this rank's shard). Prints one line per rank."""
 import contextlib
 import os
 import pathlib
@@ -13,35 +17,58 @@ import torch
 import megatron_cpu
 
 
-def main(iteration_dir):
+def same_layers(chunks, hf_dir, tp, tp_size):
+    """Each chunk's layers, by megatron-core's global layer_number, hold the HF model's."""
+    from safetensors.torch import load_file
+    hf = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        hf.update(load_file(f))
+    seen = []
+    for model in chunks:
+        for j, layer in enumerate(model.decoder.layers):
+            down = hf[f"model.layers.{layer.layer_number - 1}.mlp.down_proj.weight"]
+            mine = model.state_dict()[f"decoder.layers.{j}.mlp.linear_fc2.weight"]
+            assert torch.equal(down.chunk(tp_size, dim=1)[tp].to(mine.dtype), mine), layer.layer_number
+            seen.append(layer.layer_number)
+    return seen
+
+
+def main(iteration_dir, hf_dir=None):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.optimizer import _get_param_groups
     torch.distributed.init_process_group("gloo")
     a = megatron_cpu.load_pt(iteration_dir / "mp_rank_00_000/model_optim_rng.pt")["args"]
-    parallel_state.initialize_model_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
+    vpp = getattr(a, "virtual_pipeline_model_parallel_size", None)
+    parallel_state.initialize_model_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, vpp)
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *x, **k: contextlib.nullcontext()
     tp = parallel_state.get_tensor_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_rank()
     obj = megatron_cpu.load_pt(iteration_dir / f"mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt")
-    model = megatron_cpu.gpt_model(obj["args"], parallel_state.is_pipeline_first_stage(),
-                                   parallel_state.is_pipeline_last_stage())
-    result = model.load_state_dict(obj["model"], strict=True)
-    assert not result.missing_keys and not result.unexpected_keys, result
-    groups = _get_param_groups([model], None, None, 1.0, a.lr, a.min_lr, None, None)
+    chunks = []
+    for v in range(vpp or 1):
+        stage = dict(ignore_virtual=vpp is None, vp_stage=v if vpp else None)
+        model = megatron_cpu.gpt_model(obj["args"], parallel_state.is_pipeline_first_stage(**stage),
+                                       parallel_state.is_pipeline_last_stage(**stage), stage["vp_stage"])
+        result = model.load_state_dict(obj[f"model{v}" if vpp else "model"], strict=True)
+        assert not result.missing_keys and not result.unexpected_keys, (v, result)
+        chunks.append(model)
+    layers = same_layers(chunks, hf_dir, tp, a.tensor_model_parallel_size) if hf_dir else []
+    groups = _get_param_groups(chunks, None, None, 1.0, a.lr, a.min_lr, None, None)
     opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay)
     mine = [len(g["params"]) for g in obj["optimizer"]["param_groups"]]
     theirs = [len(g["params"]) for g in opt.param_groups]
-    assert mine == theirs, (mine, theirs, [[n for n, p in model.named_parameters()]])
+    assert mine == theirs, (mine, theirs, [[n for n, p in m.named_parameters()] for m in chunks])
     opt.load_state_dict(obj["optimizer"])
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state[p]
             assert state["exp_avg"].shape == p.shape and state["exp_avg_sq"].shape == p.shape
-    print(f"rank {torch.distributed.get_rank()}: tp {tp} pp {pp}: {len(obj['model'])} tensors loaded, "
+    tensors = sum(len(m.state_dict()) for m in chunks)
+    print(f"rank {torch.distributed.get_rank()}: tp {tp} pp {pp}: {len(chunks)} chunk(s), layers {layers}, {tensors} tensors loaded, "
           f"{sum(len(g['params']) for g in opt.param_groups)} optimizer states", flush=True)
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
-    main(pathlib.Path(sys.argv[1]))
+    main(*map(pathlib.Path, sys.argv[1:]))

@@ -27,11 +27,11 @@ EOD = 2                # its </s>
 ITERS = 20
 
 
-def make_model(out, family):
+def make_model(out, family, layers=2):
     """A seeded tiny HF model of `family` whose vocabulary is the shipped tokenizer's."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD)
     torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3}[family])
@@ -320,20 +320,30 @@ def test_lora_matches_peft(tmp_path, mindkit):
     assert (merged / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family):
+@pytest.mark.parametrize("family,chunks", [("llama", 1), ("qwen2", 1), ("qwen2", 2)],
+                         ids=["llama", "qwen2", "qwen2-vpp2"])
+def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, chunks):
     """A TP 2 × PP 2 checkpoint (untied GQA; tied with q/k/v biases: the last stage's copy of
-    the embedding as its output layer) as Megatron's load_checkpoint reads it, under the real
-    torchrun: each of the four ranks builds its GPTModel stage in megatron-core's parallel state
-    (gloo) and loads its mp_rank_TT_PPP file strictly, and its optimizer state into AdamW over
-    megatron-core's parameter groups of the stage (a stage's groups in the order of their first
-    parameters); the tied embedding's copies are equal."""
+    the embedding as its output layer; and tied over four layers in two model chunks per stage)
+    as Megatron's get_model and load_checkpoint read it, under the real torchrun: each of the
+    four ranks builds its GPTModel stage — or each model chunk, with megatron-core's layer offsets
+    for it — in megatron-core's parallel state (gloo) and loads its mp_rank_TT_PPP file strictly,
+    and its optimizer state into AdamW over megatron-core's parameter groups of the stage's
+    chunks (a stage's groups in the order of their first parameters); each chunk's layers, as
+    megatron-core numbers them, hold what mindkit's own HF conversion puts at those layers; the
+    tied embedding's copies are equal."""
     import socket
     import sys
-    model_dir = make_model(tmp_path / "model", family)
+    model_dir = make_model(tmp_path / "model", family, layers=2 * chunks)
     data = write_data(tmp_path / "data")
+    virtual = ["--num-virtual-stages-per-pipeline-rank", str(chunks)] if chunks > 1 else []
     mindkit_train(model_dir, data, tmp_path, ["--tensor-model-parallel-size", "2",
-                                              "--pipeline-model-parallel-size", "2"])
+                                              "--pipeline-model-parallel-size", "2", *virtual])
+    # mindkit's own reading of the checkpoint, against which megatron-core's layer numbering is checked
+    hf = tmp_path / "hf"
+    binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
+    subprocess.run([binary, "convert", "--to", "hf", "--input", tmp_path / "ckpt", "--output", hf, "--quiet"],
+                   check=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -341,19 +351,25 @@ def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family):
     env["OMP_NUM_THREADS"] = "1"
     script = pathlib.Path(__file__).parent / "megatron_stages.py"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                        "--master-port", str(port), str(script), str(tmp_path / f"ckpt/iter_{ITERS:07d}")],
+                        "--master-port", str(port), str(script), str(tmp_path / f"ckpt/iter_{ITERS:07d}"),
+                        str(hf)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     # (gloo's own lines may interleave with the ranks')
     assert r.stdout.count("tensors loaded") == 4, r.stdout + r.stderr
+    # every layer on exactly one rank of each tensor-parallel pair
+    import re
+    held = [int(n) for found in re.findall(r"layers \[([0-9, ]*)\]", r.stdout) for n in found.split(", ")]
+    assert sorted(held) == sorted(list(range(1, 2 * chunks + 1)) * 2), r.stdout
     if family == "qwen2":
         # the tied embedding's two copies stayed equal, shard by shard
         from megatron_cpu import load_pt
         for tp in range(2):
             first, last = (load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt")
                            for pp in range(2))
-            assert torch.equal(first["model"]["embedding.word_embeddings.weight"],
-                               last["model"]["output_layer.weight"])
+            (first, last) = (first["model0"], last[f"model{chunks - 1}"]) if chunks > 1 else (first["model"],
+                                                                                           last["model"])
+            assert torch.equal(first["embedding.word_embeddings.weight"], last["output_layer.weight"])
 
 
 @pytest.mark.parametrize("family,bf16,bucket", [("llama", False, None), ("qwen2", True, None),
