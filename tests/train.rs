@@ -1450,8 +1450,8 @@ fn the_interleaved_schedule_trains_and_evaluates_as_one_rank_does() {
             "must be from --pipeline-model-parallel-size 2 to the 8 micro-batches",
         ),
         (
-            "--use-distributed-optimizer",
-            "with a virtual pipeline (one buffer per model chunk) is not built yet",
+            "--microbatch-group-size-per-virtual-pipeline-stage 7",
+            "leave a last group of 1",
         ),
     ] {
         let flags: Vec<&str> = [&pp2[..], &["--num-virtual-stages-per-pipeline-rank", "2"]]
@@ -1550,6 +1550,11 @@ fn the_interleaved_schedule_as_processes_and_resumed_trains_as_threads_do() {
     );
     pp2.push("--finetune".into());
     assert_eq!(iterations(&stdout(&run(&pp2).success())).len(), 10);
+    // with the distributed optimizer: a buffer per chunk in distrib_optim.pt, resumed too
+    let sharded = dir.path().join("distributed");
+    std::fs::create_dir(&sharded).unwrap();
+    let flags = [&vpp[..], &["--use-distributed-optimizer"]].concat();
+    processes_and_resumed_train_as_threads(&sharded, four_tied_layers, &flags, &ranks);
 }
 
 #[test]
@@ -1577,13 +1582,21 @@ fn the_distributed_optimizer_trains_as_one_rank_does() {
         Vec<&'static str>,
         Vec<&'static str>,
     );
-    let layouts: [Case; 4] = [
+    let layouts: [Case; 5] = [
         (
             "untied",
             args,
             None,
             vec!["--world-size", "2"],
             vec!["mp_rank_00"],
+        ),
+        // a buffer per model chunk, the first stage's first one in buckets
+        (
+            "tied",
+            four_tied_layers,
+            None,
+            split("--world-size 4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce --ddp-bucket-size 5000"),
+            vec!["mp_rank_00_000", "mp_rank_00_001"],
         ),
         (
             "untied",

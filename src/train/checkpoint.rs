@@ -54,8 +54,11 @@ pub struct OptimizerState {
 /// `get_parameter_state_dp_zero`), written as `distrib_optim.pt`.
 pub struct DistributedState {
     /// Main parameters, first and second moments: the flat buffer's buckets, each up to its
-    /// last parameter (alignment gaps zero).
+    /// last parameter (alignment gaps zero); with several buffers (one per model chunk), one
+    /// after the other.
     pub world: [Vec<f32>; 3],
+    /// The elements of each buffer in `world` (its `numel_unpadded`).
+    pub buffers: Vec<usize>,
     /// The model parameters' dtype (the buffer's key pairs it with the f32 gradients').
     pub param_dtype: DType,
     /// Steps taken.
@@ -249,29 +252,34 @@ fn distributed_groups(table: &ParamTable, d: &DistributedState) -> Value {
 }
 
 /// `distrib_optim.pt`: `{"buckets_coalesced": True, 0: {(param dtype, float32): {"param",
-/// "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}}` (one buffer: mindkit's
-/// parameters share one dtype).
+/// "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}, 1: …}`, a key per buffer
+/// (megatron-core's `gbuf_idx`: one buffer per model chunk, mindkit's parameters sharing one
+/// dtype).
 fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
     let mut st = Storages::default();
-    let n = d.world[0].len();
-    let mut state = Vec::new();
-    for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(&d.world) {
-        let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-        state.push((s(key), st.tensor(&Tensor::new(DType::F32, vec![n], bytes))));
-    }
-    state.push((s("numel_unpadded"), Value::Int(n as i64)));
-    let dtypes = Value::Tuple(vec![
-        Value::TorchDType(d.param_dtype),
-        Value::TorchDType(DType::F32),
-    ]);
-    let root = Value::Dict(vec![
-        (s("buckets_coalesced"), Value::Bool(true)),
-        (
-            Value::Int(0),
+    let mut root = vec![(s("buckets_coalesced"), Value::Bool(true))];
+    let mut at = 0;
+    for (i, &n) in d.buffers.iter().enumerate() {
+        let mut state = Vec::new();
+        for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(&d.world) {
+            let bytes = values[at..at + n]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            state.push((s(key), st.tensor(&Tensor::new(DType::F32, vec![n], bytes))));
+        }
+        state.push((s("numel_unpadded"), Value::Int(n as i64)));
+        let dtypes = Value::Tuple(vec![
+            Value::TorchDType(d.param_dtype),
+            Value::TorchDType(DType::F32),
+        ]);
+        root.push((
+            Value::Int(i as i64),
             Value::Dict(vec![(dtypes, Value::Dict(state))]),
-        ),
-    ]);
-    let mut w = PtWriter::create(path, &root, false)?;
+        ));
+        at += n;
+    }
+    let mut w = PtWriter::create(path, &Value::Dict(root), false)?;
     for (key, bytes) in st.data.iter().enumerate() {
         w.write_storage(&key.to_string(), bytes)?;
     }
@@ -645,11 +653,7 @@ pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
 /// (`at`: its place in the layout), whose buffer must hold `numel_unpadded` elements: the
 /// world tensors of main parameters and moments ([`DistributedState::world`]) and the steps
 /// taken (the parameter groups' `step` in `model_optim_rng.pt`).
-pub fn load_distributed(
-    dir: &Path,
-    at: RankAt,
-    numel_unpadded: usize,
-) -> Result<([Vec<f32>; 3], u64)> {
+pub fn load_distributed(dir: &Path, at: RankAt, buffers: &[usize]) -> Result<([Vec<f32>; 3], u64)> {
     let model = rank_file(dir, at)?;
     let path = model.with_file_name(DISTRIBUTED_FILE);
     if !path.is_file() {
@@ -674,38 +678,49 @@ pub fn load_distributed(
         )
     })?;
     let f = TorchFile::open(&path)?;
-    let buffer = match f.root() {
-        Value::Dict(items) => items
-            .iter()
-            .find(|(k, _)| *k == Value::Int(0))
-            .map(|(_, v)| v),
-        _ => None,
+    let Value::Dict(items) = f.root() else {
+        bail!("{}: not a dict", path.display());
     };
-    let state = match buffer {
-        Some(Value::Dict(by_dtype)) if by_dtype.len() == 1 => &by_dtype[0].1,
-        _ => bail!("{}: no buffer 0 of one dtype pair", path.display()),
-    };
-    let saved = int_of(state.get("numel_unpadded"));
-    if saved != Some(numel_unpadded as u64) {
+    let saved = items
+        .iter()
+        .filter(|(k, _)| matches!(k, Value::Int(_)))
+        .count();
+    if saved != buffers.len() {
         bail!(
-            "{}: its buffer holds {saved:?} elements, this run's {numel_unpadded}: another model, \
-             layout or bucket size (--overlap-grad-reduce, --ddp-bucket-size)",
-            path.display()
+            "{}: {saved} buffer(s), this run has {} (one per model chunk): another layout",
+            path.display(),
+            buffers.len()
         );
     }
     let mut world: [Vec<f32>; 3] = Default::default();
-    for (slot, key) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
-        let Some(Value::Tensor(t)) = state.get(key) else {
-            bail!("{}: no {key}", path.display());
+    for (i, &n) in buffers.iter().enumerate() {
+        let buffer = items.iter().find(|(k, _)| *k == Value::Int(i as i64));
+        let state = match buffer.map(|(_, v)| v) {
+            Some(Value::Dict(by_dtype)) if by_dtype.len() == 1 => &by_dtype[0].1,
+            _ => bail!("{}: no buffer {i} of one dtype pair", path.display()),
         };
-        let t = f.read_tensor(key, t)?;
-        *slot = crate::tensor::host::to_f32(&t).map_err(|e| anyhow!(e))?;
-        if slot.len() != numel_unpadded {
+        let saved = int_of(state.get("numel_unpadded"));
+        if saved != Some(n as u64) {
             bail!(
-                "{}: {key} holds {} elements, not {numel_unpadded}",
-                path.display(),
-                slot.len()
+                "{}: its buffer {i} holds {saved:?} elements, this run's {n}: another model, \
+                 layout or bucket size (--overlap-grad-reduce, --ddp-bucket-size)",
+                path.display()
             );
+        }
+        for (slot, key) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
+            let Some(Value::Tensor(t)) = state.get(key) else {
+                bail!("{}: no {key} in buffer {i}", path.display());
+            };
+            let t = f.read_tensor(key, t)?;
+            let values = crate::tensor::host::to_f32(&t).map_err(|e| anyhow!(e))?;
+            if values.len() != n {
+                bail!(
+                    "{}: {key} of buffer {i} holds {} elements, not {n}",
+                    path.display(),
+                    values.len()
+                );
+            }
+            slot.extend(values);
         }
     }
     Ok((world, steps))

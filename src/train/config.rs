@@ -791,9 +791,6 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             global_batch / micro_batch / data_parallel,
         )?),
     };
-    if virtual_pipeline.is_some() && a.has("use-distributed-optimizer") {
-        bail!("--use-distributed-optimizer with a virtual pipeline (one buffer per model chunk) is not built yet");
-    }
     let g = global_batch as u64;
     let train_samples = a.parse_value::<u64>("train-samples")?;
     let train_iters = match (a.parse_value::<u64>("train-iters")?, train_samples) {
@@ -982,6 +979,22 @@ fn recorded_args(
         ("optimizer", json!("adam")),
         ("bf16", json!(bf16)),
         ("fp16", json!(false)),
+        // what shaped distrib_optim.pt's buffers, and the interleaved schedule's groups
+        (
+            "use_distributed_optimizer",
+            json!(a.has("use-distributed-optimizer")),
+        ),
+        ("overlap_grad_reduce", json!(a.has("overlap-grad-reduce"))),
+        ("ddp_bucket_size", json!(int("ddp-bucket-size")?)),
+        ("ddp_num_buckets", json!(int("ddp-num-buckets")?)),
+        (
+            "ddp_pad_buckets_for_high_nccl_busbw",
+            json!(a.has("ddp-pad-buckets-for-high-nccl-busbw")),
+        ),
+        (
+            "microbatch_group_size_per_vp_stage",
+            json!(int("microbatch-group-size-per-virtual-pipeline-stage")?),
+        ),
     ])
 }
 

@@ -6,8 +6,10 @@
 //! each starting at a multiple of 64 elements; a bucket closes where it reaches the bucket size
 //! (one bucket without one) or after a pipeline's shared embedding, which has a bucket of its
 //! own, and is padded to a multiple of lcm(DP, 128), so that each rank owns one contiguous
-//! 1/DP of every bucket. The gradients are reduce-scattered into those slices, Adam updates
-//! them, and the parameters are all-gathered back.
+//! 1/DP of every bucket. With a virtual pipeline each model chunk has its own buffer (its own
+//! DistributedDataParallel in megatron-core), laid end to end here. The gradients are
+//! reduce-scattered into those slices, Adam updates them, and the parameters are all-gathered
+//! back.
 
 use super::optim::{AdamConfig, Optimizer};
 use crate::engine::comm::{Communicator, ReduceOp};
@@ -37,7 +39,7 @@ pub struct Bucket {
     pub unpadded: usize,
 }
 
-/// A rank's buffer layout.
+/// A rank's buffer layout: one buffer, or with model chunks one per chunk, laid end to end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BufferLayout {
     /// The parameters in buffer order.
@@ -46,6 +48,8 @@ pub struct BufferLayout {
     pub buckets: Vec<Bucket>,
     /// Data-parallel ranks sharing it.
     pub dp: usize,
+    /// How many of the buckets each buffer holds, in order.
+    pub buffers: Vec<usize>,
 }
 
 /// A piece of a parameter that a rank owns: its elements `param_range` of the flattened
@@ -95,6 +99,7 @@ impl BufferLayout {
             placed: Vec::with_capacity(params.len()),
             buckets: Vec::new(),
             dp: dp.max(1),
+            buffers: Vec::new(),
         };
         let (mut bucket_start, mut param_start, mut open) = (0, 0, false);
         let close = |buckets: &mut Vec<Bucket>, start: &mut usize, end_unpadded: usize| {
@@ -131,7 +136,48 @@ impl BufferLayout {
         if open {
             close(&mut layout.buckets, &mut bucket_start, param_start);
         }
+        layout.buffers = vec![layout.buckets.len()];
         layout
+    }
+
+    /// The buffers of model chunks (megatron-core wraps each chunk in its own
+    /// DistributedDataParallel), one after the other: a rank's shard is its slice of every
+    /// bucket of every buffer, in order (the buffers' ends are padded, so the offsets keep
+    /// every alignment).
+    pub fn chain(layouts: Vec<BufferLayout>) -> BufferLayout {
+        let mut out = BufferLayout {
+            placed: Vec::new(),
+            buckets: Vec::new(),
+            dp: layouts.first().map_or(1, |l| l.dp),
+            buffers: Vec::new(),
+        };
+        for l in layouts {
+            let offset = out.numel();
+            let shift = |r: &Range<usize>| r.start + offset..r.end + offset;
+            (out.placed).extend(l.placed.iter().map(|p| Placed {
+                param: p.param,
+                range: shift(&p.range),
+            }));
+            (out.buckets).extend(l.buckets.iter().map(|b| Bucket {
+                start: b.start + offset,
+                end: b.end + offset,
+                ..*b
+            }));
+            out.buffers.extend(l.buffers);
+        }
+        out
+    }
+
+    /// Megatron's `numel_unpadded` of each buffer.
+    pub fn buffer_numel_unpadded(&self) -> Vec<usize> {
+        let mut at = 0;
+        (self.buffers.iter())
+            .map(|&n| {
+                let sum = self.buckets[at..at + n].iter().map(|b| b.unpadded).sum();
+                at += n;
+                sum
+            })
+            .collect()
     }
 
     /// Elements of the padded buffer.
@@ -202,8 +248,9 @@ type Group<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
 
 impl<T> Sharded<T> {
     /// Rank `rank` of `dp`'s part of the trained parameters of `table` (`params`, their
-    /// values), buckets of `bucket_size` elements, `own_bucket` marking a pipeline's shared
-    /// embedding.
+    /// values): a buffer per model chunk, the first one's in buckets of `bucket_size` elements
+    /// (megatron-core's DDP disables bucketing after the first chunk), `own_bucket` marking a
+    /// pipeline's shared embedding; a chunk with nothing to train has no buffer.
     pub fn new<B: Backend<Tensor = T>>(
         b: &B,
         (table, params): (&ParamTable, &[T]),
@@ -211,11 +258,19 @@ impl<T> Sharded<T> {
         (bucket_size, pad_high, own_bucket): (Option<usize>, bool, impl Fn(usize) -> bool),
         config: AdamConfig,
     ) -> Result<Self> {
-        let trained: Vec<(usize, usize)> = (table.params.iter().enumerate())
-            .filter(|(_, p)| p.trainable)
-            .map(|(i, p)| (i, p.numel()))
+        let chunks = table.params.last().map_or(0, |p| p.chunk + 1);
+        let layouts = (0..chunks)
+            .map(|v| {
+                let trained: Vec<(usize, usize)> = (table.params.iter().enumerate())
+                    .filter(|(_, p)| p.trainable && p.chunk == v)
+                    .map(|(i, p)| (i, p.numel()))
+                    .collect();
+                let size = bucket_size.filter(|_| v == 0);
+                BufferLayout::new(&trained, dp, (size, pad_high), &own_bucket)
+            })
+            .filter(|l| !l.placed.is_empty())
             .collect();
-        let layout = BufferLayout::new(&trained, dp, (bucket_size, pad_high), own_bucket);
+        let layout = BufferLayout::chain(layouts);
         let pieces = layout.pieces(rank);
         let mut main = Vec::with_capacity(pieces.len());
         for piece in &pieces {
@@ -365,7 +420,7 @@ impl<T> Sharded<T> {
     }
 
     /// Every rank's shard concatenated (rank order) as the world tensor: each bucket's
-    /// elements up to its last parameter.
+    /// elements up to its last parameter (with several buffers, theirs one after the other).
     fn world(&self, shards: &[f32]) -> Vec<f32> {
         let per_rank = self.layout.shard_numel();
         let mut world = Vec::with_capacity(self.layout.numel_unpadded());
@@ -455,6 +510,22 @@ mod tests {
         );
         // rank 1 owns [64, 128): B whole
         assert_eq!(layout.pieces(1)[0].param_range, 0..30);
+    }
+
+    #[test]
+    fn model_chunks_buffers_lie_end_to_end() {
+        // chunk 0: A (100) in a bucket padded to 128; chunk 1: B (30), C (10) from 128 on
+        let first = BufferLayout::new(&[(0, 100)], 2, (None, false), |_| false);
+        let second = BufferLayout::new(&[(1, 30), (2, 10)], 2, (None, false), |_| false);
+        let chained = BufferLayout::chain(vec![first, second]);
+        let ranges: Vec<_> = chained.placed.iter().map(|p| p.range.clone()).collect();
+        assert_eq!(ranges, [0..100, 128..138, 192..222]);
+        assert_eq!(chained.buffers, [1, 1]);
+        assert_eq!(chained.buffer_numel_unpadded(), [100, 94]);
+        // rank 1's shard: [64, 128) of the first buffer, [192, 256) of the second
+        let pieces = chained.pieces(1);
+        assert_eq!((pieces[0].param, pieces[0].param_range.clone()), (0, 64..100));
+        assert_eq!((pieces[1].param, pieces[1].local.clone()), (1, 64..94));
     }
 
     #[test]

@@ -796,8 +796,8 @@ impl<B: Backend> Trainer<B> {
             self.apply_checkpoint_schedule(sched)?;
         }
         if let Some(sharded) = self.sharded.as_mut() {
-            let numel = sharded.layout.numel_unpadded();
-            let (world, steps) = checkpoint::load_distributed(&dir, at, numel)?;
+            let buffers = sharded.layout.buffer_numel_unpadded();
+            let (world, steps) = checkpoint::load_distributed(&dir, at, &buffers)?;
             let [main, m, v] = &world;
             sharded.load(&self.b, [main, m, v], steps)?;
             return Ok(());
@@ -1444,6 +1444,7 @@ impl<B: Backend> Trainer<B> {
         let distributed = match (gathered, &self.sharded) {
             (Some(world), Some(sharded)) => Some(checkpoint::DistributedState {
                 world,
+                buffers: sharded.layout.buffer_numel_unpadded(),
                 param_dtype: self.cfg.model.dtype,
                 steps: sharded.opt.steps,
                 hyper,

@@ -67,3 +67,29 @@ def logits(model, ids, vocab):
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
     with torch.no_grad():
         return model(ids, pos, mask)[..., :vocab]
+
+
+def same_buffer(model, weights, saved, bucket_size=None, disable_bucketing=False):
+    """megatron-core's own DistributedDataParallel buffer of `model` (distributed optimizer,
+    buckets of `bucket_size` unless disabled) lays out `saved` — one buffer of a distrib_optim.pt
+    — as mindkit wrote it: its numel_unpadded, and each parameter's main copy (`weights`, the
+    model state dict saved beside it) at the parameter's offset, bucket after bucket up to each
+    bucket's last parameter. Returns the buffer's buckets."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=bucket_size is not None,
+        bucket_size=bucket_size), model, disable_bucketing=disable_bucketing)
+    (buffer,) = ddp.buffers
+    assert saved["numel_unpadded"] == buffer.numel_unpadded == saved["param"].numel()
+    names = {p: n for n, p in model.named_parameters()}
+    before, at = 0, {}
+    for b in buffer.buckets:
+        at[b.bucket_id] = before - b.offset
+        before += b.numel_unpadded
+    for p, (start, end, bucket_id) in buffer.param_index_map.items():
+        start, end = start + at[bucket_id], end + at[bucket_id]
+        main = saved["param"][start:end]
+        weight = weights[names[p].removeprefix("module.")].flatten()
+        assert torch.equal(main.to(weight.dtype), weight), names[p]
+        assert saved["exp_avg_sq"][start:end].max() > 0, names[p]  # (padded vocabulary rows get none)
+    return buffer.buckets

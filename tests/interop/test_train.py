@@ -320,16 +320,19 @@ def test_lora_matches_peft(tmp_path, mindkit):
     assert (merged / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("family,chunks", [("llama", 1), ("qwen2", 1), ("qwen2", 2)],
-                         ids=["llama", "qwen2", "qwen2-vpp2"])
-def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, chunks):
+@pytest.mark.parametrize("family,chunks,distributed", [("llama", 1, False), ("qwen2", 1, False),
+                                                      ("qwen2", 2, False), ("llama", 2, True)],
+                         ids=["llama", "qwen2", "qwen2-vpp2", "llama-vpp2-distributed-optimizer"])
+def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, chunks, distributed):
     """A TP 2 × PP 2 checkpoint (untied GQA; tied with q/k/v biases: the last stage's copy of
     the embedding as its output layer; and tied over four layers in two model chunks per stage)
     as Megatron's get_model and load_checkpoint read it, under the real torchrun: each of the
     four ranks builds its GPTModel stage — or each model chunk, with megatron-core's layer offsets
     for it — in megatron-core's parallel state (gloo) and loads its mp_rank_TT_PPP file strictly,
     and its optimizer state into AdamW over megatron-core's parameter groups of the stage's
-    chunks (a stage's groups in the order of their first parameters); each chunk's layers, as
+    chunks (a stage's groups in the order of their first parameters) — or, with the distributed
+    optimizer (two data-parallel ranks), each chunk's buffer in distrib_optim.pt is laid out as
+    megatron-core's DDP of the chunk lays it —; each chunk's layers, as
     megatron-core numbers them, hold what mindkit's own HF conversion puts at those layers; the
     tied embedding's copies are equal."""
     import socket
@@ -337,8 +340,11 @@ def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, c
     model_dir = make_model(tmp_path / "model", family, layers=2 * chunks)
     data = write_data(tmp_path / "data")
     virtual = ["--num-virtual-stages-per-pipeline-rank", str(chunks)] if chunks > 1 else []
+    # the distributed optimizer over two data-parallel ranks, the first chunk in buckets
+    sharded = ["--use-distributed-optimizer", "--world-size", "8", "--overlap-grad-reduce",
+               "--ddp-bucket-size", "20000"] if distributed else []
     mindkit_train(model_dir, data, tmp_path, ["--tensor-model-parallel-size", "2",
-                                              "--pipeline-model-parallel-size", "2", *virtual])
+                                              "--pipeline-model-parallel-size", "2", *virtual, *sharded])
     # mindkit's own reading of the checkpoint, against which megatron-core's layer numbering is checked
     hf = tmp_path / "hf"
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
@@ -357,6 +363,7 @@ def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, c
     assert r.returncode == 0, r.stdout + r.stderr
     # (gloo's own lines may interleave with the ranks')
     assert r.stdout.count("tensors loaded") == 4, r.stdout + r.stderr
+    assert r.stdout.count("buffer(s) as megatron-core's") == (4 if distributed else 0), r.stdout + r.stderr
     # every layer on exactly one rank of each tensor-parallel pair
     import re
     held = [int(n) for found in re.findall(r"layers \[([0-9, ]*)\]", r.stdout) for n in found.split(", ")]
@@ -381,8 +388,7 @@ def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_pa
     64-element alignment; one bucket, or buckets of --ddp-bucket-size with --overlap-grad-reduce),
     each parameter's main copy there equal to the saved weights (in bf16, as bf16), and
     model_optim_rng.pt's optimizer the groups without ids, each with its step."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron_cpu import gpt_model, load_pt
+    from megatron_cpu import gpt_model, load_pt, same_buffer
     model_dir = make_model(tmp_path / "model", family)
     data = write_data(tmp_path / "data")
     buckets = ["--overlap-grad-reduce", "--ddp-bucket-size", str(bucket)] if bucket else []
@@ -395,25 +401,9 @@ def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_pa
     assert all("params" not in g for g in groups) and "state" not in obj["optimizer"]["optimizer"]
     model = gpt_model(obj["args"])
     model.load_state_dict({k: v.float() for k, v in obj["model"].items()}, strict=True)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=bucket is not None,
-        bucket_size=bucket), model)
-    (buffer,) = ddp.buffers
     state = torch.load(rank_dir / "distrib_optim.pt", weights_only=True)
     assert state["buckets_coalesced"] is True
     (key, saved), = state[0].items()
     assert key == ((torch.bfloat16 if bf16 else torch.float32), torch.float32)
-    assert saved["numel_unpadded"] == buffer.numel_unpadded == saved["param"].numel()
-    names = {p: n for n, p in model.named_parameters()}
-    # the file holds each bucket up to its last parameter, bucket after bucket
-    before, at = 0, {}
-    for b in buffer.buckets:
-        at[b.bucket_id] = before - b.offset
-        before += b.numel_unpadded
-    assert (len(buffer.buckets) > 1) == (bucket is not None)
-    for p, (start, end, bucket_id) in buffer.param_index_map.items():
-        start, end = start + at[bucket_id], end + at[bucket_id]
-        main = saved["param"][start:end]
-        weight = obj["model"][names[p]].flatten()
-        assert torch.equal(main.to(weight.dtype), weight), names[p]
-        assert saved["exp_avg_sq"][start:end].max() > 0, names[p]  # (padded vocabulary rows get none)
+    buckets = same_buffer(model, obj["model"], saved, bucket)
+    assert (len(buckets) > 1) == (bucket is not None)
