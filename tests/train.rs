@@ -547,6 +547,45 @@ fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
     ])
     .success();
     assert!(d.join("merged/model.safetensors").is_file());
+
+    // Qwen2.5's script (TP 2 + SP × DP 2 with the distributed optimizer) resumes the iteration
+    // of a one-rank checkpoint of its architecture, its weights resharded (--no-load-optim).
+    let flags = "--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 \
+                 --group-query-attention --num-query-groups 2 --add-qkv-bias --swiglu \
+                 --disable-bias-linear --padded-vocab-size 512 --make-vocab-size-divisible-by 1 \
+                 --rotary-base 1000000 --norm-epsilon 1e-6 --max-position-embeddings 64 \
+                 --seq-length 64 --micro-batch-size 1 --global-batch-size 1 --train-iters 1 --lr 0 \
+                 --min-lr 0 --lr-warmup-iters 0";
+    let scratch = d.join("qwen_scratch");
+    let mut a = args(&data, &split(flags));
+    a.extend(["--save".into(), scratch.to_str().unwrap().into()]);
+    a.extend([
+        "--tokenizer-name-or-path".into(),
+        tokenizer.to_str().unwrap().into(),
+    ]);
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    run(&a).success();
+    let log = launch_script(
+        "pretrain_qwen25_tiny.sh",
+        d,
+        &[
+            ("CKPT_LOAD_DIR", &scratch),
+            ("CKPT_SAVE_DIR", &d.join("qwen")),
+            ("DATA_PATH", &data),
+            ("TOKENIZER_PATH", &tokenizer),
+        ],
+    );
+    assert!(
+        log.contains("iteration        2/      10 | consumed samples:            9"),
+        "{log}"
+    );
+    for rank in ["mp_rank_00", "mp_rank_01"] {
+        let files = d.join("qwen/iter_0000010").join(rank);
+        for file in ["model_optim_rng.pt", "distrib_optim.pt"] {
+            assert!(files.join(file).is_file(), "{rank}/{file}");
+        }
+    }
 }
 
 #[test]

@@ -74,9 +74,11 @@ const fn refused(name: &'static str, takes: Takes, why: &'static str) -> Flag {
 use Takes::{List, Nothing, One};
 
 const KERNEL: &str = "picks a CUDA/NPU kernel; the math is the same";
-const OVERLAP: &str = "overlaps communication; nothing to overlap on one rank";
+const OVERLAP: &str =
+    "overlaps communication with computation; mindkit runs them in turn, the result is the same";
 const MEMORY: &str = "saves device memory; the result is the same";
-const LAUNCH: &str = "launcher/cluster setting; no effect on one rank";
+const LAUNCH: &str =
+    "a launcher or cluster setting; the ranks meet through the launcher's environment and store";
 
 /// Every flag `mindkit train` knows.
 pub const FLAGS: &[Flag] = &[
@@ -282,6 +284,8 @@ pub const FLAGS: &[Flag] = &[
     inert("cross-entropy-loss-fusion", Nothing, KERNEL),
     inert("use-ascend-mc2", Nothing, KERNEL),
     inert("use-fused-ring-attention-update", Nothing, KERNEL),
+    inert("use-cp-send-recv-overlap", Nothing, OVERLAP),
+    inert("context-parallel-algo", One, "picks the context-parallel algorithm; context parallelism is 1 here (above 1 is refused)"),
     used("overlap-grad-reduce", Nothing, "no overlap here; with --use-distributed-optimizer it buckets the gradient buffer as Megatron does (--ddp-bucket-size), which distrib_optim.pt's layout follows"),
     inert("overlap-param-gather", Nothing, OVERLAP),
     inert("no-async-tensor-model-parallel-allreduce", Nothing, OVERLAP),

@@ -610,10 +610,9 @@ fn value_json(v: &Value) -> Json {
 /// A rank's place in a checkpoint's layout: `((tp rank, TP), (pp rank, PP))`.
 pub type RankAt = ((usize, usize), (usize, usize));
 
-/// The file of tensor-parallel rank `tp.0` of `tp.1` on pipeline stage `pp.0` of `pp.1` in a
-/// checkpoint directory (root or iteration directory), which must be of that layout.
-pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
-    let iter_dir = if dir.join(TRACKER).is_file() {
+/// The iteration directory of a checkpoint directory: the tracker's, or `dir` itself.
+fn checkpoint_iteration_dir(dir: &Path) -> Result<PathBuf> {
+    Ok(if dir.join(TRACKER).is_file() {
         let text = std::fs::read_to_string(dir.join(TRACKER))?;
         let text = text.trim();
         let sub = match text.parse::<u64>() {
@@ -627,7 +626,24 @@ pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
         dir.join(sub)
     } else {
         dir.to_path_buf()
-    };
+    })
+}
+
+/// The first rank's file of a checkpoint of any layout (`mp_rank_00`, or `mp_rank_00_000` of
+/// a pipeline).
+fn first_rank_file(dir: &Path) -> Result<PathBuf> {
+    let iter_dir = checkpoint_iteration_dir(dir)?;
+    ["mp_rank_00", "mp_rank_00_000"]
+        .iter()
+        .map(|r| iter_dir.join(r).join(RANK_FILE))
+        .find(|f| f.is_file())
+        .ok_or_else(|| anyhow!("{}: no mp_rank_00[_000]/{RANK_FILE}", iter_dir.display()))
+}
+
+/// The file of tensor-parallel rank `tp.0` of `tp.1` on pipeline stage `pp.0` of `pp.1` in a
+/// checkpoint directory (root or iteration directory), which must be of that layout.
+pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
+    let iter_dir = checkpoint_iteration_dir(dir)?;
     let name = rank_dir(tp.0, pp.0, pp.1);
     let file = iter_dir.join(&name).join(RANK_FILE);
     // a rank beyond this layout's, or a stage of another pipeline, is another layout's
@@ -726,6 +742,29 @@ pub fn load_distributed(dir: &Path, at: RankAt, buffers: &[usize]) -> Result<([V
     Ok((world, steps))
 }
 
+/// The progress a rank file records: iteration, consumed samples, FLOPs and the scheduler.
+fn progress(path: &Path, root: &Value) -> Result<Resumed> {
+    let arg = |k: &str| root.get("args").and_then(|a| a.get(k));
+    Ok(Resumed {
+        iteration: int_of(root.get("iteration"))
+            .ok_or_else(|| anyhow!("{}: no iteration", path.display()))?,
+        consumed_train: int_of(arg("consumed_train_samples")).unwrap_or(0),
+        consumed_valid: int_of(arg("consumed_valid_samples")).unwrap_or(0),
+        flops: float_of(root.get("num_floating_point_operations_so_far")).unwrap_or(0.0),
+        scheduler: root.get("opt_param_scheduler").map(value_json),
+        optimizer: None,
+    })
+}
+
+/// The progress of a checkpoint of any layout (`--no-load-optim`: Megatron still takes the
+/// iteration and consumed samples; the weights are resharded as they load), from its first
+/// rank's file.
+pub fn load_progress(dir: &Path) -> Result<Resumed> {
+    let path = first_rank_file(dir)?;
+    let f = TorchFile::open(&path)?;
+    progress(&path, f.root())
+}
+
 /// Read the training state of a checkpoint written by [`save`] (or by Megatron on one rank):
 /// iteration, consumed samples, scheduler, and — unless `weights_only` — the optimizer state
 /// mapped back onto `table` (groups matched as Megatron's `_filter_and_reorder_param_groups`
@@ -768,15 +807,7 @@ pub fn load_state(
             path.display()
         );
     }
-    let mut resumed = Resumed {
-        iteration: int_of(root.get("iteration"))
-            .ok_or_else(|| anyhow!("{}: no iteration", path.display()))?,
-        consumed_train: int_of(arg("consumed_train_samples")).unwrap_or(0),
-        consumed_valid: int_of(arg("consumed_valid_samples")).unwrap_or(0),
-        flops: float_of(root.get("num_floating_point_operations_so_far")).unwrap_or(0.0),
-        scheduler: root.get("opt_param_scheduler").map(value_json),
-        optimizer: None,
-    };
+    let mut resumed = progress(&path, root)?;
     if weights_only {
         return Ok(resumed);
     }

@@ -524,7 +524,10 @@ mod tests {
         assert_eq!(chained.buffer_numel_unpadded(), [100, 94]);
         // rank 1's shard: [64, 128) of the first buffer, [192, 256) of the second
         let pieces = chained.pieces(1);
-        assert_eq!((pieces[0].param, pieces[0].param_range.clone()), (0, 64..100));
+        assert_eq!(
+            (pieces[0].param, pieces[0].param_range.clone()),
+            (0, 64..100)
+        );
         assert_eq!((pieces[1].param, pieces[1].local.clone()), (1, 64..94));
     }
 

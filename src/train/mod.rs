@@ -779,16 +779,20 @@ impl<B: Backend> Trainer<B> {
             ) => (dir.clone(), *no_optim),
             _ => return Ok(()),
         };
-        let no_optim = &no_optim;
         let at = (self.tp(), self.stage.rank());
         // the distributed optimizer's state is in its own file
-        let weights_only = *no_optim || self.sharded.is_some();
-        let state = checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?;
+        let state = match no_optim {
+            true => checkpoint::load_progress(&dir)?,
+            false => {
+                let weights_only = self.sharded.is_some();
+                checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?
+            }
+        };
         self.iteration = state.iteration;
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
         self.flops = state.flops;
-        if *no_optim {
+        if no_optim {
             return Ok(());
         }
         if let Some(sched) = &state.scheduler {

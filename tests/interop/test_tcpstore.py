@@ -247,3 +247,49 @@ def test_mindspeed_script_under_torchrun(tmp_path):
     assert "validation loss at iteration 5 |" in out, out + err
     for rank in ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"]:
         assert (tmp_path / "saved/iter_0000010" / rank / "model_optim_rng.pt").is_file(), out + err
+
+
+def test_mindspeed_distributed_optimizer_script_under_torchrun(tmp_path):
+    """examples/mindspeed/pretrain_qwen25_tiny.sh (MindSpeed-LLM's pretrain_qwen25_0point5_32k_ptd.sh,
+    shrunk: TP 2 with sequence parallelism × DP 2 with the distributed optimizer) under the real
+    torchrun: four processes resume the iteration of a one-rank checkpoint (its weights resharded,
+    --no-load-optim), train as the same flags on four ranks as threads do, bit for bit, and each
+    tensor-parallel rank saves its model and distributed optimizer files."""
+    binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
+    tokenizer = ROOT / "fixtures/models/demo"
+    subprocess.run([binary, "preprocess", "--input", ROOT / "fixtures/corpus/pretrain.jsonl", "--output-prefix",
+                    tmp_path / "corpus", "--tokenizer", tokenizer, "--append-eod", "--quiet"], check=True)
+    data = tmp_path / "corpus_text_document"
+    # The script's architecture (Qwen2.5: GQA, q/k/v biases, tied) from scratch, one rank, one iteration.
+    subprocess.run([binary, "train", "--data-path", data, "--split", "1", "--seq-length", "64",
+                    "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--attention-dropout", "0.0",
+                    "--hidden-dropout", "0.0", "--eval-iters", "0", "--quiet", "--save", tmp_path / "scratch",
+                    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
+                    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+                    "--add-qkv-bias", "--swiglu", "--disable-bias-linear", "--padded-vocab-size", "512",
+                    "--make-vocab-size-divisible-by", "1", "--rotary-base", "1000000", "--norm-epsilon", "1e-6",
+                    "--max-position-embeddings", "64", "--tokenizer-name-or-path", tokenizer],
+                   check=True, env=launch_env())
+    (tmp_path / "logs").mkdir()
+    # `torchrun` as a shim that runs what follows --no-python as four ranks as threads
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "torchrun").write_text('#!/bin/bash\nwhile [ "$1" != --no-python ]; do shift; done\nshift\n'
+                                   'exec "$@" --world-size 4 --save "$CKPT_SAVE_DIR-threads"\n')
+    (shim / "torchrun").chmod(0o755)
+    torchrun = pathlib.Path(sys.executable).parent
+    script = ROOT / "examples/mindspeed/pretrain_qwen25_tiny.sh"
+    logs = {}
+    for name, first in [("threads", shim), ("processes", torchrun)]:
+        env = launch_env(OMP_NUM_THREADS=1, PATH=f"{first}:{pathlib.Path(binary).parent}:{os.environ['PATH']}",
+                         CKPT_LOAD_DIR=tmp_path / "scratch", CKPT_SAVE_DIR=tmp_path / "saved",
+                         DATA_PATH=data, TOKENIZER_PATH=tokenizer, MASTER_PORT=free_port())
+        rc, out, err = finish(start(["bash", str(script)], env=env, cwd=tmp_path), timeout=300)
+        assert "iteration       10/      10 | consumed samples:           73" in out, out + err
+        logs[name] = [line.split("| lm loss:")[1].split("| number")[0] for line in out.splitlines()
+                      if "| lm loss:" in line]
+    assert len(logs["processes"]) == 9 and logs["processes"] == logs["threads"], logs
+    for saved in ["saved", "saved-threads"]:
+        for rank in ["mp_rank_00", "mp_rank_01"]:
+            for file in ["model_optim_rng.pt", "distrib_optim.pt"]:
+                assert (tmp_path / saved / "iter_0000010" / rank / file).is_file(), (saved, rank, file)
