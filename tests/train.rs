@@ -715,6 +715,25 @@ fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_
         calls("HcclAllReduce") >= 2 * 6 && calls("HcclAllGather") >= 2 * 6,
         "{counted}"
     );
+    // The distributed optimizer keeps its buffers on the device: the same training, and its
+    // steps wait for the device only once more per rank than plain data parallelism's (the
+    // gradient norm's sum over the data-parallel ranks, read back as Megatron reads it).
+    let on_two = |iters: &str, extra: &[&str]| {
+        let flags = [&["--train-iters", iters, "--world-size", "2"][..], extra].concat();
+        train_on_stand_in(dir.path(), &args(&data, &flags), "")
+    };
+    let sharded = ["--use-distributed-optimizer"];
+    same_training(
+        &cpu,
+        &on_two("6", &sharded).0,
+        1e-4,
+        "DP2 + DO on the stand-in",
+    );
+    let waits = |extra: &[&str]| {
+        let (three, six) = (on_two("3", extra).1, on_two("6", extra).1);
+        six["synchronizations"].as_u64().unwrap() - three["synchronizations"].as_u64().unwrap()
+    };
+    assert_eq!(waits(&sharded), waits(&[]) + 2 * 3);
     // Steps after the first allocate nothing and wait for the device once.
     let counts =
         |iters: &str| train_on_stand_in(dir.path(), &args(&data, &["--train-iters", iters]), "").1;

@@ -31,6 +31,22 @@ pub fn expect_shape<D: Device>(
     })
 }
 
+/// `Invalid` unless `n` elements from `at` lie within `t`.
+pub fn expect_range<D: Device>(
+    d: &D,
+    op: &'static str,
+    what: &str,
+    (t, at): (&D::Tensor, usize),
+    n: usize,
+) -> Result<()> {
+    let numel: usize = d.shape(t).iter().product();
+    ensure(
+        at.checked_add(n).is_some_and(|end| end <= numel),
+        op,
+        || format!("{what}: elements {at}..{} of {numel}", at.saturating_add(n)),
+    )
+}
+
 /// Token ids below the `[v, h]` table's rows.
 pub fn ids<D: Device>(d: &D, op: &'static str, table: &D::Tensor, ids: &[u32]) -> Result<()> {
     let v = rows(d.shape(table));

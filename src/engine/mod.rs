@@ -394,6 +394,15 @@ pub trait Backend: Device {
     /// `dst = src` converted to `dst`'s dtype (the main f32 parameter copied into a bf16 model
     /// parameter) (aclnnInplaceCopy). Overwrites `dst`.
     fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
+    /// `dst[to..to + n] = src[at..at + n]` over the two tensors' elements in row-major order,
+    /// converted to `dst`'s dtype (aclnnInplaceCopy over views of the two storages): a
+    /// parameter into its place in a flat buffer and back. Overwrites that range of `dst` only.
+    fn copy_range(
+        &self,
+        src: (&Self::Tensor, usize),
+        dst: (&mut Self::Tensor, usize),
+        n: usize,
+    ) -> Result<()>;
     /// `s · x` as a new tensor of `x`'s dtype (aclnnMuls). Overwrites.
     fn scaled(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor>;
     /// `x ·= s` (aclnnInplaceMuls).

@@ -261,6 +261,13 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
         ),
         case!("cast", Cast, "[7,11] → f32, bf16, f16", 1.0, cast),
         case!("copy_into", Cast, "[4,9] → f32", 1.0, copy_into),
+        case!(
+            "copy_range",
+            Cast,
+            "[4,9][7..30] → [40][3..26] f32, bf16",
+            1.0,
+            copy_range
+        ),
         case!("scaled", Add, "[5,7] · 0.37", 1.0, scaled),
         case!("scale", AdamW, "[5,7] ·= 0.37", 1.0, scale),
         case!("adamw", AdamW, "[33,7] step 3", 1.0, adamw),
@@ -583,6 +590,21 @@ fn copy_into<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> 
         let mut dst = b.zeros(&[4, 9], DType::F32)?;
         b.copy_into(&b.upload(&src)?, &mut dst)?;
         vec![b.download_f32(&dst)?]
+    }))
+}
+
+fn copy_range<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let src = i.tensor(&[4, 9]);
+    Ok(on_both!(dut, cpu, |b| {
+        let src = b.upload(&src)?;
+        let mut outs = Vec::new();
+        for dtype in [DType::F32, DType::BF16] {
+            let mut dst = b.upload_f32(&[40], &[0.5; 40])?;
+            dst = b.cast(&dst, dtype)?;
+            b.copy_range((&src, 7), (&mut dst, 3), 23)?;
+            outs.push(b.download_f32(&dst)?);
+        }
+        outs
     }))
 }
 

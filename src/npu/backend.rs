@@ -1268,6 +1268,20 @@ impl Backend for Npu {
         self.copy_view(&dst.view(), &src.view())
     }
 
+    fn copy_range(
+        &self,
+        (src, at): (&NpuTensor, usize),
+        (dst, to): (&mut NpuTensor, usize),
+        n: usize,
+    ) -> Result<()> {
+        check::expect_range(self, "copy_range", "src", (src, at), n)?;
+        check::expect_range(self, "copy_range", "dst", (dst, to), n)?;
+        self.copy_view(
+            &dst.view().reshaped(&[n], to),
+            &src.view().reshaped(&[n], at),
+        )
+    }
+
     fn scaled(&self, x: &NpuTensor, s: f32) -> Result<NpuTensor> {
         let out = self.empty(&x.shape, x.dtype)?;
         {

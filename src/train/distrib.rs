@@ -15,7 +15,6 @@ use super::optim::{AdamConfig, Optimizer};
 use crate::engine::comm::{Communicator, ReduceOp};
 use crate::engine::{Backend, EngineError, Result};
 use crate::model::params::{ParamInfo, ParamTable};
-use crate::tensor::host::Tensor as HostTensor;
 use crate::tensor::DType;
 use std::ops::Range;
 
@@ -243,6 +242,14 @@ pub struct Sharded<T> {
     pub opt: Optimizer<T>,
 }
 
+/// A bucket with what this rank has of it (see [`Sharded::buckets`]).
+struct BucketParts {
+    bucket: Bucket,
+    placed: Range<usize>,
+    pieces: Range<usize>,
+    slice_start: usize,
+}
+
 /// A group's collectives on a backend's tensors.
 type Group<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
 
@@ -304,24 +311,30 @@ impl<T> Sharded<T> {
     }
 
     /// Sum the trained parameters' gradients `grads` over the data-parallel group `dp` into
-    /// this rank's pieces: the flat buffer reduce-scattered bucket by bucket (Megatron's
-    /// `start_grad_sync`).
+    /// this rank's pieces: each bucket of the flat buffer assembled on the device and
+    /// reduce-scattered (Megatron's `start_grad_sync`), the pieces cut from this rank's part.
     pub fn reduce_scatter<B: Backend<Tensor = T>>(
         &mut self,
         b: &B,
         grads: &[T],
         dp: Group<'_, T>,
     ) -> Result<()> {
-        let mut flat = vec![0f32; self.layout.numel()];
-        for p in &self.layout.placed {
-            flat[p.range.clone()].copy_from_slice(&b.download_f32(&grads[p.param])?);
-        }
-        let mut shard = Vec::with_capacity(self.layout.shard_numel());
-        for bucket in &self.layout.buckets {
-            let whole = b.upload_f32(
-                &[bucket.end - bucket.start],
-                &flat[bucket.start..bucket.end],
-            )?;
+        for BucketParts {
+            bucket,
+            placed,
+            pieces,
+            slice_start,
+        } in self.buckets().collect::<Vec<_>>()
+        {
+            let mut whole = b.zeros(&[bucket.end - bucket.start], DType::F32)?;
+            for p in &self.layout.placed[placed] {
+                let n = p.range.len();
+                b.copy_range(
+                    (&grads[p.param], 0),
+                    (&mut whole, p.range.start - bucket.start),
+                    n,
+                )?;
+            }
             let part = match dp {
                 Some(dp) => {
                     let mut part =
@@ -331,38 +344,39 @@ impl<T> Sharded<T> {
                 }
                 None => whole,
             };
-            shard.extend(b.download_f32(&part)?);
-        }
-        for (piece, g) in self.pieces.iter().zip(&mut self.grads) {
-            *g = b.upload_f32(&[piece.local.len()], &shard[piece.local.clone()])?;
+            for k in pieces {
+                let local = self.pieces[k].local.clone();
+                let at = local.start - slice_start;
+                b.copy_range((&part, at), (&mut self.grads[k], 0), local.len())?;
+            }
         }
         Ok(())
     }
 
-    /// Every rank's updated main pieces into the trained `params` (of `dtype`, shaped as
-    /// `table` says): this rank's slice of each bucket cast to `dtype` and all-gathered over
-    /// `dp` (Megatron's `_copy_main_params_to_model_params`, then `start_param_sync`).
+    /// Every rank's updated main pieces into the trained `params` (of `dtype`): this rank's
+    /// slice of each bucket cast to `dtype` on the device and all-gathered over `dp` (Megatron's
+    /// `_copy_main_params_to_model_params`, then `start_param_sync`), each parameter copied out
+    /// of its bucket.
     pub fn gather_params<B: Backend<Tensor = T>>(
         &self,
         b: &B,
-        (table, params): (&ParamTable, &mut [T]),
+        params: &mut [T],
         dtype: DType,
         dp: Group<'_, T>,
     ) -> Result<()> {
-        let shard = self.shard_of(b, &self.main)?;
-        let mut flat = vec![0f32; self.layout.numel()];
-        let mut at = 0;
-        for (bucket, slice) in self
-            .layout
-            .buckets
-            .iter()
-            .zip(self.layout.slices(self.rank))
+        for BucketParts {
+            bucket,
+            placed,
+            pieces,
+            slice_start,
+        } in self.buckets()
         {
-            let mine = b.upload(&host(
-                dtype,
-                vec![slice.len()],
-                &shard[at..at + slice.len()],
-            )?)?;
+            let mut mine = b.zeros(&[(bucket.end - bucket.start) / self.layout.dp], dtype)?;
+            for k in pieces {
+                let local = self.pieces[k].local.clone();
+                let at = local.start - slice_start;
+                b.copy_range((&self.main[k], 0), (&mut mine, at), local.len())?;
+            }
             let whole = match dp {
                 Some(dp) => {
                     let mut whole = b.zeros(&[bucket.end - bucket.start], dtype)?;
@@ -371,14 +385,38 @@ impl<T> Sharded<T> {
                 }
                 None => mine,
             };
-            flat[bucket.start..bucket.end].copy_from_slice(&b.download_f32(&whole)?);
-            at += slice.len();
-        }
-        for p in &self.layout.placed {
-            let shape = &table.params[p.param].shape;
-            params[p.param] = b.upload(&host(dtype, shape.clone(), &flat[p.range.clone()])?)?;
+            for p in &self.layout.placed[placed] {
+                let n = p.range.len();
+                b.copy_range(
+                    (&whole, p.range.start - bucket.start),
+                    (&mut params[p.param], 0),
+                    n,
+                )?;
+            }
         }
         Ok(())
+    }
+
+    /// Each bucket with the parameters it holds (a range of `layout.placed`), this rank's
+    /// pieces of it (a range of `pieces`) and where its slice starts in the rank's shard.
+    fn buckets(&self) -> impl Iterator<Item = BucketParts> + '_ {
+        let (mut placed, mut pieces, mut local) = (0, 0, 0);
+        (self.layout.buckets.iter()).map(move |&bucket| {
+            let (first_placed, first_piece, slice_start) = (placed, pieces, local);
+            while (self.layout.placed.get(placed)).is_some_and(|p| p.range.end <= bucket.end) {
+                placed += 1;
+            }
+            local += (bucket.end - bucket.start) / self.layout.dp;
+            while (self.pieces.get(pieces)).is_some_and(|p| p.local.start < local) {
+                pieces += 1;
+            }
+            BucketParts {
+                bucket,
+                placed: first_placed..placed,
+                pieces: first_piece..pieces,
+                slice_start,
+            }
+        })
     }
 
     /// The state of every rank's pieces on data-parallel rank 0, as Megatron's
@@ -476,14 +514,6 @@ impl<T> Sharded<T> {
         self.opt.steps = steps;
         Ok(())
     }
-}
-
-/// A host tensor of `dtype` holding `values`.
-fn host(dtype: DType, shape: Vec<usize>, values: &[f32]) -> Result<HostTensor> {
-    HostTensor::from_f32(dtype, shape, values).map_err(|e| EngineError::Invalid {
-        op: "distributed optimizer",
-        msg: e.to_string(),
-    })
 }
 
 #[cfg(test)]

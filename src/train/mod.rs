@@ -1379,8 +1379,7 @@ impl<B: Backend> Trainer<B> {
                 .dp
                 .as_ref()
                 .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
-            let to = (&self.table, &mut self.params[..]);
-            sharded.gather_params(&self.b, to, self.cfg.model.dtype, dp)?;
+            sharded.gather_params(&self.b, &mut self.params, self.cfg.model.dtype, dp)?;
         }
         Ok(report)
     }

@@ -143,6 +143,14 @@ impl CpuTensor {
     }
 }
 
+/// The error for an operation on a weight packed for inference matmuls.
+fn packed(op: &'static str) -> EngineError {
+    EngineError::Invalid {
+        op,
+        msg: "a weight packed for matmul is read only by matmul".into(),
+    }
+}
+
 /// Rows of `x` at or below which a matmul runs as dot products (decoding), above as GEMM.
 const SKINNY_ROWS: usize = 4;
 /// Weight rows per parallel task.
@@ -692,6 +700,37 @@ impl Backend for Cpu {
     fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
         check::expect_shape(self, "copy_into", "src", src, &dst.shape)?;
         *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype());
+        Ok(())
+    }
+
+    fn copy_range(
+        &self,
+        (src, at): (&CpuTensor, usize),
+        (dst, to): (&mut CpuTensor, usize),
+        n: usize,
+    ) -> Result<()> {
+        check::expect_range(self, "copy_range", "src", (src, at), n)?;
+        check::expect_range(self, "copy_range", "dst", (dst, to), n)?;
+        let mut buf = Vec::new();
+        let values: &[f32] = match &src.data {
+            Data::F32(v) => &v[at..at + n],
+            Data::Half(dtype, bits) => {
+                buf.resize(n, 0.0);
+                widen(&bits[at..at + n], *dtype, &mut buf);
+                &buf
+            }
+            Data::Panels(_) => return Err(packed("copy_range")),
+        };
+        match &mut dst.data {
+            Data::F32(v) => v[to..to + n].copy_from_slice(values),
+            Data::Half(DType::BF16, bits) => narrow_bf16(values, &mut bits[to..to + n]),
+            Data::Half(_, bits) => {
+                for (b, &v) in bits[to..to + n].iter_mut().zip(values) {
+                    *b = half::f16::from_f32(v).to_bits();
+                }
+            }
+            Data::Panels(_) => return Err(packed("copy_range")),
+        }
         Ok(())
     }
 
