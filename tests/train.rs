@@ -548,7 +548,8 @@ fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
     .success();
     assert!(d.join("merged/model.safetensors").is_file());
 
-    // Qwen2.5's script (TP 2 + SP × DP 2 with the distributed optimizer) resumes the iteration
+    // Qwen2.5's script (TP 2 + SP × PP 2 × DP 2 with the distributed optimizer; one data-parallel
+    // rank here, the launcher's stand-in starting the default TP × PP ranks) resumes the iteration
     // of a one-rank checkpoint of its architecture, its weights resharded (--no-load-optim).
     let flags = "--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 \
                  --group-query-attention --num-query-groups 2 --add-qkv-bias --swiglu \
@@ -580,7 +581,12 @@ fn mindspeed_launch_scripts_run_with_only_the_program_renamed() {
         log.contains("iteration        2/      10 | consumed samples:            9"),
         "{log}"
     );
-    for rank in ["mp_rank_00", "mp_rank_01"] {
+    for rank in [
+        "mp_rank_00_000",
+        "mp_rank_01_000",
+        "mp_rank_00_001",
+        "mp_rank_01_001",
+    ] {
         let files = d.join("qwen/iter_0000010").join(rank);
         for file in ["model_optim_rng.pt", "distrib_optim.pt"] {
             assert!(files.join(file).is_file(), "{rank}/{file}");

@@ -1,14 +1,14 @@
 #!/bin/bash
 # MindSpeed-LLM's examples/mcore/qwen25/pretrain_qwen25_0point5_32k_ptd.sh with its sizes shrunk
-# to a model that trains in seconds on a CPU (4 ranks: TP 2 with sequence parallelism × DP 2 with
-# the distributed optimizer, where the original has 8 ranks of TP 1 × CP 2; context parallelism
-# is not built, so CP is 1 here) and the launcher line `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py`
+# to a model that trains in seconds on a CPU (8 ranks: TP 2 with sequence parallelism × PP 2 × DP 2
+# with the distributed optimizer, where the original has 8 ranks of TP 1 × CP 2 × DP 4; context
+# parallelism is not built, so CP is 1 here) and the launcher line `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py`
 # replaced by `torchrun $DISTRIBUTED_ARGS --no-python mindkit train`. Every other flag is the
 # original's: the NPU kernel and overlap flags are accepted and have no effect on the CPU
 # (`mindkit train --help` lists them).
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-NPUS_PER_NODE=4
+NPUS_PER_NODE=8
 MASTER_ADDR=localhost
 MASTER_PORT=${MASTER_PORT:-6011}
 NNODES=1
@@ -22,7 +22,7 @@ TOKENIZER_PATH="${TOKENIZER_PATH:-your tokenizer path}"
 CKPT_LOAD_DIR="${CKPT_LOAD_DIR:-your model ckpt path}"
 
 TP=2
-PP=1
+PP=2
 CP=1
 MBS=1
 GBS=8

@@ -251,10 +251,10 @@ def test_mindspeed_script_under_torchrun(tmp_path):
 
 def test_mindspeed_distributed_optimizer_script_under_torchrun(tmp_path):
     """examples/mindspeed/pretrain_qwen25_tiny.sh (MindSpeed-LLM's pretrain_qwen25_0point5_32k_ptd.sh,
-    shrunk: TP 2 with sequence parallelism × DP 2 with the distributed optimizer) under the real
-    torchrun: four processes resume the iteration of a one-rank checkpoint (its weights resharded,
-    --no-load-optim), train as the same flags on four ranks as threads do, bit for bit, and each
-    tensor-parallel rank saves its model and distributed optimizer files."""
+    shrunk: TP 2 with sequence parallelism × PP 2 × DP 2 with the distributed optimizer) under the
+    real torchrun: eight processes resume the iteration of a one-rank checkpoint (its weights
+    resharded, --no-load-optim), train as the same flags on eight ranks as threads do, bit for bit,
+    and each tensor-parallel rank of each stage saves its model and distributed optimizer files."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     tokenizer = ROOT / "fixtures/models/demo"
     subprocess.run([binary, "preprocess", "--input", ROOT / "fixtures/corpus/pretrain.jsonl", "--output-prefix",
@@ -271,11 +271,11 @@ def test_mindspeed_distributed_optimizer_script_under_torchrun(tmp_path):
                     "--max-position-embeddings", "64", "--tokenizer-name-or-path", tokenizer],
                    check=True, env=launch_env())
     (tmp_path / "logs").mkdir()
-    # `torchrun` as a shim that runs what follows --no-python as four ranks as threads
+    # `torchrun` as a shim that runs what follows --no-python as eight ranks as threads
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "torchrun").write_text('#!/bin/bash\nwhile [ "$1" != --no-python ]; do shift; done\nshift\n'
-                                   'exec "$@" --world-size 4 --save "$CKPT_SAVE_DIR-threads"\n')
+                                   'exec "$@" --world-size 8 --save "$CKPT_SAVE_DIR-threads"\n')
     (shim / "torchrun").chmod(0o755)
     torchrun = pathlib.Path(sys.executable).parent
     script = ROOT / "examples/mindspeed/pretrain_qwen25_tiny.sh"
@@ -290,6 +290,6 @@ def test_mindspeed_distributed_optimizer_script_under_torchrun(tmp_path):
                       if "| lm loss:" in line]
     assert len(logs["processes"]) == 9 and logs["processes"] == logs["threads"], logs
     for saved in ["saved", "saved-threads"]:
-        for rank in ["mp_rank_00", "mp_rank_01"]:
+        for rank in ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"]:
             for file in ["model_optim_rng.pt", "distrib_optim.pt"]:
                 assert (tmp_path / saved / "iter_0000010" / rank / file).is_file(), (saved, rank, file)
