@@ -830,3 +830,62 @@ fn rank_tables_join_ranks_and_bad_ones_are_refused_naming_the_file() {
         ok(unsafe { (cann().acl.aclrtResetDevice)(0) });
     });
 }
+
+#[test]
+fn sub_communicators_reduce_over_their_ranks_and_bad_ones_are_refused() {
+    with_runtime(|| {
+        let root = root_info();
+        let sums = thread_ranks(
+            4,
+            |rank| Rank::join(&root, 4, rank),
+            |r| {
+                // ranks {0, 2} and {1, 3}, each group named by its first rank
+                let mut members = [r.rank % 2, r.rank % 2 + 2];
+                let (id, me) = (u64::from(members[0]), r.rank / 2);
+                let mut parent = r.comm;
+                let mut sub = null_mut();
+                let mut create = |ids: &mut [u32], me: u32, config: &mut HcclCommConfig| {
+                    let n = ids.len() as u32;
+                    // SAFETY: a live communicator, `n` rank ids, a configuration and an
+                    // out-pointer, all outliving the call.
+                    unsafe {
+                        (cann().hccl.HcclCreateSubCommConfig)(
+                            &mut parent,
+                            n,
+                            ids.as_mut_ptr(),
+                            id,
+                            me,
+                            config,
+                            &mut sub,
+                        )
+                    }
+                };
+                let mut unmade = HcclCommConfig::new();
+                unmade.reserved[8] = 0;
+                let code = create(&mut members, me, &mut unmade);
+                refused(code, HCCL_E_PARA, &["not made by HcclCommConfigInit"]);
+                let code = create(&mut members, 1 - me, &mut HcclCommConfig::new());
+                refused(code, HCCL_E_PARA, &["the caller is rank"]);
+                let code = create(&mut [r.rank, 4], 0, &mut HcclCommConfig::new());
+                refused(code, HCCL_E_PARA, &["not distinct ranks of the 4"]);
+                ok(create(&mut members, me, &mut HcclCommConfig::new()));
+                let (mut rank, mut size) = (0, 0);
+                let x = r.upload(&bytes_of_f32(&[r.rank as f32 + 1.0]));
+                // SAFETY: the sub-communicator just made, valid out-pointers, a device buffer
+                // of 1 f32 and this rank's stream.
+                unsafe {
+                    ok((cann().hccl.HcclGetRankId)(sub, &mut rank));
+                    ok((cann().hccl.HcclGetRankSize)(sub, &mut size));
+                    let hccl = &cann().hccl;
+                    let (f32, sum) = (HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM);
+                    ok((hccl.HcclAllReduce)(x, x, 1, f32, sum, sub, r.stream));
+                }
+                let total = r.f32s(x, 1)[0];
+                // SAFETY: the sub-communicator made above, destroyed once.
+                ok(unsafe { (cann().hccl.HcclCommDestroy)(sub) });
+                (rank, size, total)
+            },
+        );
+        assert_eq!(sums, [(0, 2, 4.0), (0, 2, 6.0), (1, 2, 4.0), (1, 2, 6.0)]);
+    });
+}

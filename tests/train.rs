@@ -836,7 +836,33 @@ fn npu_ranks_as_processes_train_as_npu_ranks_as_threads_do() {
         let ranks = outputs(spawn_ranks(&parallel, 2, |_| stand_in_env(&home, 2)));
         let as_processes = format!("{what} as NPU processes");
         same_training(&threads, succeeded(&ranks), 0.0, &as_processes);
+        // joined by the rank table: its communicator's sub-communicators per group
+        parallel.extend(["--rank-table-file".into(), table.to_str().unwrap().into()]);
+        let ranks = outputs(spawn_ranks(&parallel, 2, |_| stand_in_env(&home, 2)));
+        let by_table = format!("{what} by a rank table");
+        same_training(&threads, succeeded(&ranks), 0.0, &by_table);
     }
+    // Four ranks by a rank table, TP 2 × DP 2: two groups along each axis.
+    let devices: Vec<String> = (0..4)
+        .map(|r| {
+            format!(r#"{{"device_id": "{r}", "device_ip": "192.168.100.10{r}", "rank_id": "{r}"}}"#)
+        })
+        .collect();
+    let table = dir.path().join("rank_table_4.json");
+    std::fs::write(
+        &table,
+        format!(
+            r#"{{"version": "1.0", "server_count": "1", "status": "completed", "server_list": [{{"server_id": "node_0", "device": [{}]}}]}}"#,
+            devices.join(", ")
+        ),
+    )
+    .unwrap();
+    let mut four = args(&data, &[&["--train-iters", "6"][..], &tp].concat());
+    let cpu = stdout(&run(&[&four[..], &["--world-size".into(), "4".into()]].concat()).success());
+    four.extend(["--device".into(), "npu".into(), "--rank-table-file".into()]);
+    four.push(table.to_str().unwrap().into());
+    let ranks = outputs(spawn_ranks(&four, 4, |_| stand_in_env(&home, 4)));
+    same_training(&cpu, succeeded(&ranks), 1e-4, "TP2 × DP2 by a rank table");
 }
 
 /// `a` and `b` within `tolerance` relative, iteration by iteration, for lm loss and grad norm.

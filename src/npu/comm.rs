@@ -45,6 +45,8 @@ pub struct Hccl {
     ctx: Arc<Context>,
     rank: usize,
     size: usize,
+    /// The communicator a sub-communicator was made from, kept alive until it is destroyed.
+    parent: Option<std::rc::Rc<Hccl>>,
 }
 
 /// `""` on success, else the call, the code's name and the runtime's message.
@@ -107,6 +109,38 @@ impl Hccl {
         Ok(hccl)
     }
 
+    /// Join on `npu` the sub-communicator `id` of `parent` over its ranks `ranks` (this rank
+    /// among them): `HcclCreateSubCommConfig` with HCCL's default settings, as torch_npu makes a
+    /// process group's communicator from a rank table's global one.
+    pub fn sub(parent: &std::rc::Rc<Hccl>, npu: &Npu, ranks: &[usize], id: u64) -> Result<Hccl> {
+        let me = ranks.iter().position(|&r| r == parent.rank);
+        let me = me.ok_or_else(|| EngineError::Collective {
+            rank: parent.rank,
+            msg: format!("sub-communicator {id} of ranks {ranks:?} leaves this rank out"),
+        })?;
+        let mut ids: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
+        let mut config = hccl_sys::HcclCommConfig::new();
+        let mut whole = parent.comm;
+        let call = "HcclCreateSubCommConfig";
+        let mut sub = Self::init(npu, (me, ranks.len()), call, |lib, comm| {
+            // SAFETY: a live communicator, `ids.len()` ranks, an initialised configuration and
+            // a valid out-pointer, each outliving the call.
+            unsafe {
+                (lib.api.HcclCreateSubCommConfig)(
+                    &mut whole,
+                    ids.len() as u32,
+                    ids.as_mut_ptr(),
+                    id,
+                    me as u32,
+                    &mut config,
+                    comm,
+                )
+            }
+        })?;
+        sub.parent = Some(parent.clone());
+        Ok(sub)
+    }
+
     /// Make this rank's communicator on `npu` with `make` (HCCL's `call`).
     fn init(
         npu: &Npu,
@@ -125,6 +159,7 @@ impl Hccl {
             ctx,
             rank,
             size,
+            parent: None,
         };
         hccl.done(call, code)?;
         Ok(hccl)

@@ -332,16 +332,12 @@ fn as_process(
         (DeviceKind::Npu(first), table) => {
             let npu = Npu::open(first + launch.local_rank as i32)?;
             let groups = match table {
-                Some(table) if cfg.layout.world() == cfg.data_parallel => {
-                    let comm = Hccl::join_table(&npu, &table, ranks, rank).with_context(|| {
+                Some(table) => {
+                    let world = Hccl::join_table(&npu, &table, ranks, rank).with_context(|| {
                         format!("joining by the rank table {}", table.display())
                     })?;
-                    Groups::data_parallel(rank, Box::new(comm))
+                    table_groups(&npu, world, &cfg.layout, rank)?
                 }
-                Some(table) => bail!(
-                    "--rank-table-file {}: joins one data-parallel group; with tensor parallelism the ranks meet through the launcher's store (leave the rank table out)",
-                    table.display()
-                ),
                 None => {
                     let (_server, mut store) = launch.connect(timeout)?;
                     hccl_groups(&npu, &cfg.layout, rank, |axis, g, first| {
@@ -355,6 +351,30 @@ fn as_process(
                 .with_context(context)
         }
     }
+}
+
+/// Rank `rank`'s groups of `layout` from the communicator of every rank a rank table made:
+/// that communicator itself when every rank is data-parallel, else a sub-communicator per
+/// axis (HCCL's `HcclCreateSubCommConfig`, as torch_npu makes its process groups), each named
+/// by its axis and first rank.
+fn table_groups(
+    npu: &Npu,
+    world: Hccl,
+    layout: &Layout,
+    rank: usize,
+) -> Result<Groups<crate::npu::NpuTensor>> {
+    if layout.world() == layout.size(Axis::Dp) {
+        return Ok(Groups::data_parallel(rank, Box::new(world)));
+    }
+    let world = std::rc::Rc::new(world);
+    Groups::of_layout(rank, layout, |axis| {
+        let members = layout.group_of(rank, &[axis]);
+        let a = GROUP_AXES.iter().position(|&x| x == axis).unwrap_or(0) as u64;
+        let id = (a + 1) << 32 | members[0] as u64;
+        let comm = Hccl::sub(&world, npu, &members, id)
+            .with_context(|| format!("joining the {} group {members:?}", axis.token()))?;
+        Ok(Box::new(comm))
+    })
 }
 
 /// The CPU ranks' socket group: each rank listens on its interface that reaches the store,

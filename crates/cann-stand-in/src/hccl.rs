@@ -4,7 +4,8 @@
 //!
 //! `HcclGetRootInfo` starts a [`hub`] in the calling process, serving a Unix-domain socket whose
 //! path the root info carries; `HcclCommInitClusterInfo` derives the socket from the rank
-//! table's path and rank 0 serves it. Each communicator is one connection to its hub, speaking
+//! table's path and rank 0 serves it; `HcclCreateSubCommConfig` derives it from the parent's
+//! socket and the sub-communicator's id, and the sub-communicator's rank 0 serves it. Each communicator is one connection to its hub, speaking
 //! [`wire`]'s frames: a call checks its arguments here (the runtime initialised and a device
 //! bound, a live communicator, a known stream, buffers that are device memory holding `count`
 //! elements, a dtype and reduction HCCL has), copies its send bytes out of device memory,
@@ -46,6 +47,8 @@ const MAX_SOCKET_PATH: usize = 100;
 struct Comm {
     rank: u32,
     size: u32,
+    /// Its hub's socket (sub-communicators derive theirs from it).
+    socket: PathBuf,
     link: Mutex<Link>,
 }
 
@@ -221,7 +224,7 @@ pub extern "C" fn HcclCommInitRootInfo(
             let why = format!("{CALL}: cannot reach the root info's hub at {} ({e}): did the process of HcclGetRootInfo exit, or did every rank join already?", path.display());
             fail(HCCL_E_TCP_CONNECT, why)
         })?;
-        put(CALL, comm, join(CALL, hub, n_ranks, rank)?)
+        put(CALL, comm, join(CALL, (hub, path), n_ranks, rank)?)
     };
     result(init())
 }
@@ -238,10 +241,16 @@ fn check_rank(call: &str, rank: u32, size: u32) -> Result<(), HcclResult> {
 
 /// Join the communicator of `size` served at the end of `hub` as `rank`, waiting for the
 /// others; the new communicator's handle.
-fn join(call: &str, hub: UnixStream, size: u32, rank: u32) -> Result<HcclComm, HcclResult> {
+fn join(
+    call: &str,
+    (hub, socket): (UnixStream, PathBuf),
+    size: u32,
+    rank: u32,
+) -> Result<HcclComm, HcclResult> {
     let comm = Comm {
         rank,
         size,
+        socket,
         link: Mutex::new(Link { hub, next_call: 0 }),
     };
     let timeout_ms = connect_timeout_ms();
@@ -281,12 +290,76 @@ pub extern "C" fn HcclCommInitClusterInfo(
         check_rank(CALL, rank, table.size)?;
         let socket = rank_table_socket(&table.canonical);
         if rank == 0 {
-            serve_rank_table(&socket)?;
+            serve(CALL, &socket)?;
         }
-        let hub = connect_until_timeout(&socket)?;
-        put(CALL, comm, join(CALL, hub, table.size, rank)?)
+        let hub = connect_until_timeout(CALL, &socket)?;
+        put(CALL, comm, join(CALL, (hub, socket), table.size, rank)?)
     };
     result(init())
+}
+
+#[no_mangle]
+pub extern "C" fn HcclCreateSubCommConfig(
+    comm: *mut HcclComm,
+    rank_num: u32,
+    rank_ids: *mut u32,
+    sub_comm_id: u64,
+    sub_comm_rank_id: u32,
+    config: *mut HcclCommConfig,
+    sub_comm: *mut HcclComm,
+) -> HcclResult {
+    const CALL: &str = "HcclCreateSubCommConfig";
+    let init = || {
+        check_device(CALL)?;
+        let null = |what: &str| fail(HCCL_E_PTR, format!("{CALL}: {what} is NULL"));
+        // SAFETY: the caller's pointers, when not NULL.
+        let parent = *unsafe { comm.as_ref() }.ok_or_else(|| null("comm"))?;
+        let parent = comm_of(CALL, parent)?;
+        // SAFETY: the caller's configuration, when not NULL.
+        let config = unsafe { config.as_ref() }.ok_or_else(|| null("config"))?;
+        let (size, magic, version) = config.header();
+        if magic != HCCL_COMM_CONFIG_MAGIC_WORD || size == 0 || version == 0 {
+            let why = format!("{CALL}: config not made by HcclCommConfigInit (size {size}, magic {magic:#x}, version {version})");
+            return Err(fail(HCCL_E_PARA, why));
+        }
+        if rank_ids.is_null() {
+            return Err(null("rankIds"));
+        }
+        // SAFETY: the caller's array of rank_num ranks.
+        let ids = unsafe { std::slice::from_raw_parts(rank_ids, rank_num as usize) };
+        let distinct: BTreeSet<u32> = ids.iter().copied().collect();
+        if ids.is_empty() || distinct.len() != ids.len() || ids.iter().any(|&r| r >= parent.size) {
+            let why = format!(
+                "{CALL}: rankIds {ids:?} are not distinct ranks of the {} of comm",
+                parent.size
+            );
+            return Err(fail(HCCL_E_PARA, why));
+        }
+        check_rank(CALL, sub_comm_rank_id, rank_num)?;
+        if ids[sub_comm_rank_id as usize] != parent.rank {
+            let why = format!("{CALL}: subCommRankId {sub_comm_rank_id} is rank {} of comm, the caller is rank {}", ids[sub_comm_rank_id as usize], parent.rank);
+            return Err(fail(HCCL_E_PARA, why));
+        }
+        let socket = sub_socket(&parent.socket, sub_comm_id);
+        if sub_comm_rank_id == 0 {
+            serve(CALL, &socket)?;
+        }
+        let hub = connect_until_timeout(CALL, &socket)?;
+        put(
+            CALL,
+            sub_comm,
+            join(CALL, (hub, socket), rank_num, sub_comm_rank_id)?,
+        )
+    };
+    result(init())
+}
+
+/// The hub socket of sub-communicator `id` of the communicator served at `parent`.
+fn sub_socket(parent: &Path, id: u64) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (parent, id).hash(&mut hasher);
+    socket_path(&format!("mindkit-hccl-sub-{:016x}.sock", hasher.finish()))
 }
 
 /// The hub socket of the rank table at `canonical`: the same for every rank of the job.
@@ -298,34 +371,32 @@ fn rank_table_socket(canonical: &Path) -> PathBuf {
     socket_path(&format!("mindkit-hccl-table-{:016x}.sock", hasher.finish()))
 }
 
-/// Rank 0: serve the rank table's hub, replacing a socket a dead job left.
-fn serve_rank_table(socket: &Path) -> Result<(), HcclResult> {
+/// Rank 0 (of a rank table, or of a sub-communicator): serve the hub, replacing a socket a
+/// dead job left.
+fn serve(call: &str, socket: &Path) -> Result<(), HcclResult> {
     let busy = socket.exists() && UnixStream::connect(socket).is_ok();
     if busy {
         let why = format!(
-            "HcclCommInitClusterInfo: another rank 0 serves this rank table at {}",
+            "{call}: another rank 0 serves this communicator at {}",
             socket.display()
         );
         return Err(fail(HCCL_E_PARA, why));
     }
     let _ = std::fs::remove_file(socket);
     hub::start(socket).map_err(|e| {
-        let why = format!(
-            "HcclCommInitClusterInfo: cannot serve a hub at {}: {e}",
-            socket.display()
-        );
+        let why = format!("{call}: cannot serve a hub at {}: {e}", socket.display());
         fail(HCCL_E_INTERNAL, why)
     })
 }
 
-/// Connect to a rank table's hub, retrying until rank 0 serves it or the connect timeout.
-fn connect_until_timeout(socket: &Path) -> Result<UnixStream, HcclResult> {
+/// Connect to a hub rank 0 serves, retrying until it does or the connect timeout.
+fn connect_until_timeout(call: &str, socket: &Path) -> Result<UnixStream, HcclResult> {
     let deadline = Instant::now().checked_add(Duration::from_millis(connect_timeout_ms()));
     loop {
         match UnixStream::connect(socket) {
             Ok(hub) => return Ok(hub),
             Err(e) if deadline.is_some_and(|d| Instant::now() >= d) => {
-                let why = format!("HcclCommInitClusterInfo: rank 0 never served the rank table at {} ({e}; HCCL_CONNECT_TIMEOUT)", socket.display());
+                let why = format!("{call}: rank 0 never served the communicator at {} ({e}; HCCL_CONNECT_TIMEOUT)", socket.display());
                 return Err(fail(HCCL_E_TIMEOUT, why));
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
@@ -791,6 +862,7 @@ const _: hccl_sys::Functions = hccl_sys::Functions {
     HcclGetRootInfo,
     HcclCommInitRootInfo,
     HcclCommInitClusterInfo,
+    HcclCreateSubCommConfig,
     HcclAllReduce,
     HcclAllGather,
     HcclReduceScatter,

@@ -50,8 +50,92 @@ impl HcclRootInfo {
     }
 }
 
+/// A `*_CONFIG_NOT_SET` value: HCCL's default.
+pub const HCCL_COMM_CONFIG_NOT_SET: u32 = HCCL_COMM_BUFFSIZE_CONFIG_NOT_SET;
+
+/// `HcclCommConfig` (version 10 of CANN's hccl_types.h): a communicator's settings, opening
+/// with a header (`size`, `magicWord`, `version`, reserved) by which HCCL reads older and newer
+/// layouts alike. Made by [`HcclCommConfig::new`], as the header's inline
+/// `HcclCommConfigInit` makes it: every setting left to HCCL.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct HcclCommConfig {
+    /// `size_t size; uint32_t magicWord; uint32_t version; uint64_t reserved`.
+    pub reserved: [c_char; HCCL_COMM_CONFIG_INFO_BYTES as usize],
+    pub hcclBufferSize: u32,
+    pub hcclDeterministic: u32,
+    pub hcclCommName: [c_char; 128],
+    pub hcclUdi: [c_char; 128],
+    pub hcclOpExpansionMode: u32,
+    pub hcclRdmaTrafficClass: u32,
+    pub hcclRdmaServiceLevel: u32,
+    pub hcclWorldRankID: u32,
+    pub hcclJobID: u64,
+    pub aclGraphZeroCopyEnable: u8,
+    pub hcclExecTimeOut: i32,
+    pub hcclAlgo: [c_char; 1600],
+    pub hcclRetryEnable: [c_char; 50],
+    pub hcclRetryParams: [c_char; 128],
+    pub hcclBufferName: [c_char; 128],
+    pub hcclQos: u32,
+    pub hcclSymWinMaxMemSizePerRank: u64,
+}
+
+impl HcclCommConfig {
+    /// `HcclCommConfigInit`'s configuration: the header filled in, every setting not set.
+    pub fn new() -> HcclCommConfig {
+        let mut reserved = [0 as c_char; HCCL_COMM_CONFIG_INFO_BYTES as usize];
+        let header = [
+            &(std::mem::size_of::<HcclCommConfig>() as u64).to_ne_bytes()[..],
+            &HCCL_COMM_CONFIG_MAGIC_WORD.to_ne_bytes(),
+            &HCCL_COMM_CONFIG_VERSION.to_ne_bytes(),
+        ]
+        .concat();
+        for (r, &b) in reserved.iter_mut().zip(&header) {
+            *r = b as c_char;
+        }
+        HcclCommConfig {
+            reserved,
+            hcclBufferSize: HCCL_COMM_CONFIG_NOT_SET,
+            hcclDeterministic: HCCL_COMM_CONFIG_NOT_SET,
+            hcclCommName: [0; 128],
+            hcclUdi: [0; 128],
+            hcclOpExpansionMode: 0,
+            hcclRdmaTrafficClass: HCCL_COMM_CONFIG_NOT_SET,
+            hcclRdmaServiceLevel: HCCL_COMM_CONFIG_NOT_SET,
+            hcclWorldRankID: 0,
+            hcclJobID: 0,
+            aclGraphZeroCopyEnable: 0,
+            hcclExecTimeOut: -1,
+            hcclAlgo: [0; 1600],
+            hcclRetryEnable: [0; 50],
+            hcclRetryParams: [0; 128],
+            hcclBufferName: [0; 128],
+            hcclQos: HCCL_COMM_CONFIG_NOT_SET,
+            hcclSymWinMaxMemSizePerRank: 16,
+        }
+    }
+
+    /// The header's `(size, magicWord, version)`.
+    pub fn header(&self) -> (u64, u32, u32) {
+        let b: Vec<u8> = self.reserved.iter().map(|&c| c as u8).collect();
+        let word = |at: usize| u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        let size = u64::from_ne_bytes(b[..8].try_into().unwrap_or_default());
+        (size, word(8), word(12))
+    }
+}
+
+impl Default for HcclCommConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The sizes of the structs declared here, as `(C type name, size)`, for the header check.
-pub const STRUCT_SIZES: &[(&str, usize)] = &[("HcclRootInfo", std::mem::size_of::<HcclRootInfo>())];
+pub const STRUCT_SIZES: &[(&str, usize)] = &[
+    ("HcclRootInfo", std::mem::size_of::<HcclRootInfo>()),
+    ("HcclCommConfig", std::mem::size_of::<HcclCommConfig>()),
+];
 
 cann_constants! {
     /// Success.
@@ -106,6 +190,14 @@ cann_constants! {
     HCCL_DATA_TYPE_FP64: HcclDataType = 10;
     /// bfloat16.
     HCCL_DATA_TYPE_BFP16: HcclDataType = 11;
+    /// The bytes of the versioned header at the start of [`HcclCommConfig`].
+    HCCL_COMM_CONFIG_INFO_BYTES: u32 = 24;
+    /// The header's magic word.
+    HCCL_COMM_CONFIG_MAGIC_WORD: u32 = 0xf0f0_f0f0;
+    /// The header's version of the layout [`HcclCommConfig`] follows.
+    HCCL_COMM_CONFIG_VERSION: u32 = 10;
+    /// `hcclBufferSize` left to HCCL.
+    HCCL_COMM_BUFFSIZE_CONFIG_NOT_SET: u32 = 0xffff_ffff;
 }
 
 cann_functions! {
@@ -115,6 +207,9 @@ cann_functions! {
     fn HcclCommInitRootInfo(n_ranks: u32, root_info: *const HcclRootInfo, rank: u32, comm: *mut HcclComm) -> HcclResult;
     /// Join the communicator a rank table file describes.
     fn HcclCommInitClusterInfo(cluster_info: *const c_char, rank: u32, comm: *mut HcclComm) -> HcclResult;
+    /// Join a communicator of `rank_num` ranks of `comm` (their ranks there in `rank_ids`, this
+    /// rank's index among them `sub_comm_rank_id`), identified by `sub_comm_id` among `comm`'s.
+    fn HcclCreateSubCommConfig(comm: *mut HcclComm, rank_num: u32, rank_ids: *mut u32, sub_comm_id: u64, sub_comm_rank_id: u32, config: *mut HcclCommConfig, sub_comm: *mut HcclComm) -> HcclResult;
     /// All-reduce `count` elements.
     fn HcclAllReduce(send_buf: *mut c_void, recv_buf: *mut c_void, count: u64, data_type: HcclDataType, op: HcclReduceOp, comm: HcclComm, stream: aclrtStream) -> HcclResult;
     /// All-gather `send_count` elements from every rank.
