@@ -213,6 +213,15 @@ def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
     assert losses(processes) == losses(threads), processes + err
 
 
+def from_scratch(binary, data, save, arch):
+    """One iteration of a 2-layer h 64 SwiGLU model with `arch`'s flags from scratch, saved at `save`."""
+    subprocess.run([binary, "train", "--data-path", data, "--split", "1", "--micro-batch-size", "1",
+                    "--train-iters", "1", "--lr", "0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+                    "--eval-iters", "0", "--quiet", "--save", save, "--num-layers", "2", "--hidden-size", "64",
+                    "--ffn-hidden-size", "176", "--num-attention-heads", "4", "--swiglu", "--disable-bias-linear",
+                    *arch], check=True, env=launch_env())
+
+
 def test_mindspeed_script_under_torchrun(tmp_path):
     """examples/mindspeed/pretrain_llama2_tiny.sh (MindSpeed-LLM's pretrain_llama2_13b_ptd.sh,
     shrunk, TP 2 with sequence parallelism × PP 2) under the real torchrun: four processes train,
@@ -226,13 +235,8 @@ def test_mindspeed_script_under_torchrun(tmp_path):
                     tmp_path / "corpus", "--tokenizer", tokenizer, "--append-eod", "--quiet"], check=True)
     data = tmp_path / "corpus_text_document"
     # The script's architecture (LLaMA-2: no GQA) from scratch, as an HF directory.
-    subprocess.run([binary, "train", "--data-path", data, "--split", "1", "--seq-length", "32",
-                    "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--attention-dropout", "0.0",
-                    "--hidden-dropout", "0.0", "--eval-iters", "0", "--quiet", "--save", tmp_path / "scratch",
-                    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
-                    "--num-attention-heads", "4", "--swiglu", "--disable-bias-linear",
-                    "--untie-embeddings-and-output-weights", "--tokenizer-name-or-path", tokenizer],
-                   check=True, env=launch_env())
+    from_scratch(binary, data, tmp_path / "scratch", ["--seq-length", "32", "--untie-embeddings-and-output-weights",
+                                                       "--tokenizer-name-or-path", tokenizer])
     subprocess.run([binary, "convert", "--to", "hf", "--input", tmp_path / "scratch", "--output", tmp_path / "hf",
                     "--quiet"], check=True)
     (tmp_path / "logs").mkdir()
@@ -261,15 +265,10 @@ def test_mindspeed_distributed_optimizer_script_under_torchrun(tmp_path):
                     tmp_path / "corpus", "--tokenizer", tokenizer, "--append-eod", "--quiet"], check=True)
     data = tmp_path / "corpus_text_document"
     # The script's architecture (Qwen2.5: GQA, q/k/v biases, tied) from scratch, one rank, one iteration.
-    subprocess.run([binary, "train", "--data-path", data, "--split", "1", "--seq-length", "64",
-                    "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--attention-dropout", "0.0",
-                    "--hidden-dropout", "0.0", "--eval-iters", "0", "--quiet", "--save", tmp_path / "scratch",
-                    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
-                    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-                    "--add-qkv-bias", "--swiglu", "--disable-bias-linear", "--padded-vocab-size", "512",
-                    "--make-vocab-size-divisible-by", "1", "--rotary-base", "1000000", "--norm-epsilon", "1e-6",
-                    "--max-position-embeddings", "64", "--tokenizer-name-or-path", tokenizer],
-                   check=True, env=launch_env())
+    from_scratch(binary, data, tmp_path / "scratch",
+                 ["--seq-length", "64", "--group-query-attention", "--num-query-groups", "2", "--add-qkv-bias",
+                  "--padded-vocab-size", "512", "--make-vocab-size-divisible-by", "1", "--rotary-base", "1000000",
+                  "--norm-epsilon", "1e-6", "--max-position-embeddings", "64", "--tokenizer-name-or-path", tokenizer])
     (tmp_path / "logs").mkdir()
     # `torchrun` as a shim that runs what follows --no-python as eight ranks as threads
     shim = tmp_path / "shim"
