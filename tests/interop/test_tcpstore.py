@@ -166,12 +166,13 @@ def stand_in_toolkit(at):
     return at
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2+sp", "pp2", "pp2+vpp2"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2+do", "tp2+sp", "pp2", "pp2+vpp2"])
 @pytest.mark.parametrize("device", ["cpu", "npu"])
 def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
     """`torchrun --no-python --nproc-per-node 2 mindkit train …` (the agent's store; ranks as
     processes over sockets on the CPU, over the stand-in's HCCL on NPUs), data-, tensor- or
-    pipeline-parallel (with two model chunks per stage too), logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
+    pipeline-parallel (with two model chunks per stage too), or data-parallel with the distributed
+    optimizer, logs what `mindkit train --world-size 2` (ranks as threads) does, bit for
     bit."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     fixtures = ROOT / "fixtures"
@@ -182,6 +183,8 @@ def test_torchrun_launches_mindkit_train(tmp_path, device, layout):
             "--split", "1", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
             "--train-iters", "6", "--lr", "1e-3", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
             "--log-interval", "1", "--eval-iters", "0", "--quiet", "--device", device]
+    if layout == "dp2+do":
+        args += ["--use-distributed-optimizer"]
     if layout == "tp2+sp":
         args += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     if layout.startswith("pp2"):
