@@ -250,6 +250,20 @@ struct BucketParts {
     slice_start: usize,
 }
 
+impl BucketParts {
+    /// This rank's pieces of the bucket: each one's index, where it starts in the rank's part
+    /// of the bucket, and its length.
+    fn offsets<'a>(
+        &'a self,
+        pieces: &'a [Piece],
+    ) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+        (self.pieces.clone()).map(move |k| {
+            let local = &pieces[k].local;
+            (k, local.start - self.slice_start, local.len())
+        })
+    }
+}
+
 /// A group's collectives on a backend's tensors.
 type Group<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
 
@@ -319,15 +333,10 @@ impl<T> Sharded<T> {
         grads: &[T],
         dp: Group<'_, T>,
     ) -> Result<()> {
-        for BucketParts {
-            bucket,
-            placed,
-            pieces,
-            slice_start,
-        } in self.buckets().collect::<Vec<_>>()
-        {
+        for parts in self.buckets().collect::<Vec<_>>() {
+            let bucket = parts.bucket;
             let mut whole = b.zeros(&[bucket.end - bucket.start], DType::F32)?;
-            for p in &self.layout.placed[placed] {
+            for p in &self.layout.placed[parts.placed.clone()] {
                 let n = p.range.len();
                 b.copy_range(
                     (&grads[p.param], 0),
@@ -344,10 +353,8 @@ impl<T> Sharded<T> {
                 }
                 None => whole,
             };
-            for k in pieces {
-                let local = self.pieces[k].local.clone();
-                let at = local.start - slice_start;
-                b.copy_range((&part, at), (&mut self.grads[k], 0), local.len())?;
+            for (k, at, n) in parts.offsets(&self.pieces) {
+                b.copy_range((&part, at), (&mut self.grads[k], 0), n)?;
             }
         }
         Ok(())
@@ -364,18 +371,11 @@ impl<T> Sharded<T> {
         dtype: DType,
         dp: Group<'_, T>,
     ) -> Result<()> {
-        for BucketParts {
-            bucket,
-            placed,
-            pieces,
-            slice_start,
-        } in self.buckets()
-        {
+        for parts in self.buckets() {
+            let bucket = parts.bucket;
             let mut mine = b.zeros(&[(bucket.end - bucket.start) / self.layout.dp], dtype)?;
-            for k in pieces {
-                let local = self.pieces[k].local.clone();
-                let at = local.start - slice_start;
-                b.copy_range((&self.main[k], 0), (&mut mine, at), local.len())?;
+            for (k, at, n) in parts.offsets(&self.pieces) {
+                b.copy_range((&self.main[k], 0), (&mut mine, at), n)?;
             }
             let whole = match dp {
                 Some(dp) => {
@@ -385,7 +385,7 @@ impl<T> Sharded<T> {
                 }
                 None => mine,
             };
-            for p in &self.layout.placed[placed] {
+            for p in &self.layout.placed[parts.placed.clone()] {
                 let n = p.range.len();
                 b.copy_range(
                     (&whole, p.range.start - bucket.start),
