@@ -1,9 +1,11 @@
 //! The CPU backend: the reference every other backend is checked against. rayon over rows,
 //! heads and blocks; every operator computes in f32 and stores its output in the dtype of its
 //! main input (f32, or bf16/f16 rounded to nearest even). Inference weights are packed as
-//! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; other matrices go through
-//! the `gemm` crate (`gemm.rs`). The kernels live one family a file.
+//! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; bf16 training products run
+//! on AMX tiles where the CPU has them (`amx.rs`); other matrices go through the `gemm` crate
+//! (`gemm.rs`). The kernels live one family a file.
 
+mod amx;
 mod attention;
 pub mod comm;
 mod gemm;
@@ -60,18 +62,11 @@ impl CpuTensor {
     /// f32 values stored in `dtype` (f32, or bf16/f16 rounded to nearest even).
     fn stored(shape: Vec<usize>, values: Vec<f32>, dtype: DType) -> Self {
         let data = match dtype {
-            DType::BF16 => {
+            DType::BF16 | DType::F16 => {
                 let mut bits = vec![0u16; values.len()];
-                narrow_bf16(&values, &mut bits);
+                narrow_half(&values, dtype, &mut bits);
                 Data::Half(dtype, bits)
             }
-            DType::F16 => Data::Half(
-                dtype,
-                values
-                    .iter()
-                    .map(|&v| half::f16::from_f32(v).to_bits())
-                    .collect(),
-            ),
             _ => Data::F32(values),
         };
         CpuTensor { shape, data }
@@ -95,8 +90,17 @@ impl CpuTensor {
             Data::F32(v) => Cow::Borrowed(v),
             _ => {
                 let mut buf = Vec::new();
-                Cow::Owned(self.row_block(0, self.rows(), &mut buf).to_vec())
+                self.row_block(0, self.rows(), &mut buf);
+                Cow::Owned(buf)
             }
+        }
+    }
+
+    /// Its bf16 bits, where it holds bf16 (not packed).
+    fn bf16_bits(&self) -> Option<&[u16]> {
+        match &self.data {
+            Data::Half(DType::BF16, bits) => Some(bits),
+            _ => None,
         }
     }
 
@@ -143,12 +147,50 @@ impl CpuTensor {
     }
 }
 
+/// Round f32 values to half bits of `dtype` (BF16 or F16), nearest even.
+fn narrow_half(values: &[f32], dtype: DType, bits: &mut [u16]) {
+    if dtype == DType::BF16 {
+        narrow_bf16(values, bits);
+    } else {
+        for (b, &v) in bits.iter_mut().zip(values) {
+            *b = half::f16::from_f32(v).to_bits();
+        }
+    }
+}
+
 /// The error for an operation on a weight packed for inference matmuls.
 fn packed(op: &'static str) -> EngineError {
     EngineError::Invalid {
         op,
         msg: "a weight packed for matmul is read only by matmul".into(),
     }
+}
+
+/// Both operands' bf16 bits, where AMX tiles can multiply them.
+fn amx_pair<'a>(a: &'a CpuTensor, b: &'a CpuTensor) -> Option<(&'a [u16], &'a [u16])> {
+    Some((a.bf16_bits()?, b.bf16_bits()?)).filter(|_| amx::available())
+}
+
+/// `dw [m, k] += dyᵀ · x` for bf16 `dy [n, m]`, `x [n, k]` on AMX tiles, transposing the
+/// smaller of the two for the tiles' left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
+fn amx_weight_grad(dy: &[u16], x: &[u16], (n, m, k): (usize, usize, usize), dw: &mut [f32]) {
+    let (left, right, shape, transposed) = if m > k {
+        (x, dy, (k, n, m), true)
+    } else {
+        (dy, x, (m, n, k), false)
+    };
+    let dst = amx::Dst::F32 {
+        out: dw,
+        stride: k,
+        store: Store::Accumulate,
+        transposed,
+    };
+    amx::matmul(
+        amx::Operand::transposed(left),
+        amx::Operand::rows(right),
+        shape,
+        dst,
+    );
 }
 
 /// Rows of `x` at or below which a matmul runs as dot products (decoding), above as GEMM.
@@ -403,13 +445,26 @@ impl Backend for Cpu {
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
         let (n, k, m) = check::matmul(self, x, w, bias)?;
-        let xs = x.values();
+        if let (Some((xb, wb)), true) = (amx_pair(x, w), n > SKINNY_ROWS) {
+            let bias = bias.map(|b| b.values());
+            let mut out = vec![0u16; n * m];
+            let (x, w) = (amx::Operand::rows(xb), amx::Operand::transposed(wb));
+            let dst = amx::Dst::Bf16 {
+                out: &mut out,
+                bias: bias.as_deref(),
+            };
+            amx::matmul(x, w, (n, k, m), dst);
+            return Ok(CpuTensor {
+                shape: vec![n, m],
+                data: Data::Half(DType::BF16, out),
+            });
+        }
         let mut out = if let Data::Panels(panels) = &w.data {
-            panels.matmul(&xs, n)
+            panels.matmul(&x.values(), n)
         } else if n <= SKINNY_ROWS {
-            self.matmul_skinny(&xs, w, (n, k, m))
+            self.matmul_skinny(&x.values(), w, (n, k, m))
         } else {
-            self.matmul_gemm(&xs, w, (n, k, m))
+            self.matmul_gemm(&x.values(), w, (n, k, m))
         };
         if let Some(b) = bias {
             let b = b.values();
@@ -428,19 +483,39 @@ impl Backend for Cpu {
         dbias: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
         let (n, k, m) = check::matmul_bwd(self, (dy, x, w), dw.as_deref(), dbias.as_deref())?;
-        let (dys, ws) = (dy.values(), w.values());
-        let mut dx = vec![0f32; n * k];
-        gemm::matmul(&dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
+        let dx = if let Some((dyb, wb)) = amx_pair(dy, w) {
+            let mut dx = vec![0u16; n * k];
+            let (dy, w) = (amx::Operand::rows(dyb), amx::Operand::rows(wb));
+            let dst = amx::Dst::Bf16 {
+                out: &mut dx,
+                bias: None,
+            };
+            amx::matmul(dy, w, (n, m, k), dst);
+            CpuTensor {
+                shape: x.shape.clone(),
+                data: Data::Half(DType::BF16, dx),
+            }
+        } else {
+            let mut dx = vec![0f32; n * k];
+            let (dys, ws) = (dy.values(), w.values());
+            gemm::matmul(&dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
+            CpuTensor::stored(x.shape.clone(), dx, dy.dtype())
+        };
         if let Some(dw) = dw {
-            gemm::matmul_tn_acc(&dys, &x.values(), (n, m, k), dw.f32_mut("matmul_bwd")?);
+            let dw = dw.f32_mut("matmul_bwd")?;
+            if let Some((dyb, xb)) = amx_pair(dy, x) {
+                amx_weight_grad(dyb, xb, (n, m, k), dw);
+            } else {
+                gemm::matmul_tn_acc(&dy.values(), &x.values(), (n, m, k), dw);
+            }
         }
         if let Some(db) = dbias {
             let db = db.f32_mut("matmul_bwd")?;
-            for row in dys.chunks_exact(m) {
+            for row in dy.values().chunks_exact(m) {
                 db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
             }
         }
-        Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
+        Ok(dx)
     }
 
     fn split_qkv(
@@ -661,9 +736,12 @@ impl Backend for Cpu {
 
     fn cross_entropy(&self, logits: &CpuTensor, labels: &[u32]) -> Result<(CpuTensor, CpuTensor)> {
         check::cross_entropy(self, logits, labels)?;
-        let (n, v) = (logits.rows(), logits.cols());
+        if matches!(logits.data, Data::Panels(_)) {
+            return Err(packed("cross_entropy"));
+        }
+        let n = logits.rows();
         let (mut loss, mut lse) = (vec![0f32; n], vec![0f32; n]);
-        loss::cross_entropy_fwd(&logits.values(), labels, v, &mut loss, &mut lse);
+        loss::cross_entropy_fwd(logits, labels, &mut loss, &mut lse);
         Ok((CpuTensor::new(vec![n], loss), CpuTensor::new(vec![n], lse)))
     }
 
@@ -675,15 +753,15 @@ impl Backend for Cpu {
         dloss: &CpuTensor,
     ) -> Result<CpuTensor> {
         check::cross_entropy_bwd(self, &logits, labels, lse, dloss)?;
-        let v = logits.cols();
-        let dtype = logits.dtype();
-        let shape = logits.shape.clone();
-        let mut values = match logits.data {
-            Data::F32(v) => v,
-            _ => logits.values().into_owned(),
-        };
-        loss::cross_entropy_bwd(&mut values, labels, &lse.values(), &dloss.values(), v);
-        Ok(CpuTensor::stored(shape, values, dtype))
+        if matches!(logits.data, Data::Panels(_)) {
+            return Err(packed("cross_entropy_bwd"));
+        }
+        Ok(loss::cross_entropy_bwd(
+            logits,
+            labels,
+            &lse.values(),
+            &dloss.values(),
+        ))
     }
 
     fn cast(&self, x: &CpuTensor, dtype: DType) -> Result<CpuTensor> {
@@ -699,7 +777,13 @@ impl Backend for Cpu {
 
     fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
         check::expect_shape(self, "copy_into", "src", src, &dst.shape)?;
-        *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype());
+        match &mut dst.data {
+            Data::F32(out) => out.copy_from_slice(&src.values()),
+            Data::Half(dtype, bits) => narrow_half(&src.values(), *dtype, bits),
+            Data::Panels(_) => {
+                *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype())
+            }
+        }
         Ok(())
     }
 
@@ -723,12 +807,7 @@ impl Backend for Cpu {
         };
         match &mut dst.data {
             Data::F32(v) => v[to..to + n].copy_from_slice(values),
-            Data::Half(DType::BF16, bits) => narrow_bf16(values, &mut bits[to..to + n]),
-            Data::Half(_, bits) => {
-                for (b, &v) in bits[to..to + n].iter_mut().zip(values) {
-                    *b = half::f16::from_f32(v).to_bits();
-                }
-            }
+            Data::Half(dtype, bits) => narrow_half(values, *dtype, &mut bits[to..to + n]),
             Data::Panels(_) => return Err(packed("copy_range")),
         }
         Ok(())

@@ -20,27 +20,63 @@ pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], a: A
     let bc2_sqrt = ((1.0 - b2.powf(a.step as f64)).sqrt()) as f32;
     let step_size = (a.lr / bc1) as f32;
     let eps = a.eps as f32;
+    let update = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
+        for i in 0..p.len() {
+            p[i] *= decay;
+            m[i] += w1 * (g[i] - m[i]);
+            v[i] = v[i] * b2f + w2 * (g[i] * g[i]);
+            let denom = v[i].sqrt() / bc2_sqrt + eps;
+            p[i] += -step_size * (m[i] / denom);
+        }
+    };
     param
         .par_chunks_mut(CHUNK)
         .zip(grad.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
         .for_each(|((p, g), (m, v))| {
-            for i in 0..p.len() {
-                p[i] *= decay;
-                m[i] += w1 * (g[i] - m[i]);
-                v[i] = v[i] * b2f + w2 * (g[i] * g[i]);
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] += -step_size * (m[i] / denom);
+            // Each operation is exactly rounded, so 16-lane code computes the same bits.
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has the feature the function was compiled for.
+                return unsafe { in_avx512(|| update(p, g, m, v)) };
             }
+            update(p, g, m, v)
         });
 }
 
-/// `Σ x²` in f64 (chunks summed in a fixed order).
+/// `f` compiled for AVX-512 where it is inlined (the loops it runs vectorize to 16 lanes).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn in_avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// Independent f64 sums one chunk of [`sum_squares`] keeps (lanes of vector registers).
+const LANES: usize = 32;
+
+/// `Σ x²` in f64: within a chunk [`LANES`] running sums of every 32nd element, then the
+/// lanes and the chunks summed in a fixed order.
 pub fn sum_squares(x: &[f32]) -> f64 {
-    let parts: Vec<f64> = x
-        .par_chunks(CHUNK)
-        .map(|c| c.iter().map(|&v| f64::from(v) * f64::from(v)).sum())
-        .collect();
+    let chunk_sum = |c: &[f32]| {
+        let mut lanes = [0f64; LANES];
+        let tail = c.chunks_exact(LANES);
+        let rest: f64 = tail
+            .remainder()
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum();
+        for block in tail {
+            for (s, &v) in lanes.iter_mut().zip(block) {
+                *s += f64::from(v) * f64::from(v);
+            }
+        }
+        lanes.iter().sum::<f64>() + rest
+    };
+    let parts: Vec<f64> = x.par_chunks(CHUNK).map(chunk_sum).collect();
     parts.iter().sum()
 }
 

@@ -1,0 +1,649 @@
+//! bf16 matrix products on AMX tiles (Intel Advanced Matrix Extensions, `TDPBF16PS`): the
+//! training matmuls of `--bf16` on CPUs that have them (Sapphire Rapids and later). A tile
+//! product multiplies 16 × 32 bf16 by 32 × 16 bf16 and accumulates in f32, as the bf16 GEMMs
+//! of GPUs and NPUs do (products exact, sums in f32, input and output denormals flushed).
+//!
+//! The left operand is read as row-major tiles (borrowed where it already is one in whole
+//! blocks, else copied zero-padded: rows to 32, the inner dimension to 32); the right one is
+//! packed in the pair ("VNNI") layout the instruction reads — for each 16 output columns, rows
+//! of 16 (k, k + 1) pairs. Each task then computes
+//! 32 × 32 blocks of the output on four accumulator tiles, every output summed over the whole
+//! inner dimension in a fixed order, so results do not depend on the number of threads.
+//!
+//! Linux hands AMX state to a process only once asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
+//! [`available`] asks once and answers false wherever the CPU, the kernel or the build cannot
+//! run it, and callers fall back to f32 products.
+
+use super::gemm::Store;
+use crate::tensor::simd::narrow_bf16;
+use rayon::prelude::*;
+
+/// How an operand's bits are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Row-major as the product reads it.
+    Rows,
+    /// The product reads its transpose: a logical `r × c` operand stored as `c × r` row-major.
+    Transposed,
+}
+
+/// A bf16 operand of a product: `rows × cols` as the product reads it.
+#[derive(Clone, Copy)]
+pub struct Operand<'a> {
+    pub bits: &'a [u16],
+    pub layout: Layout,
+}
+
+impl<'a> Operand<'a> {
+    /// Stored as the product reads it.
+    pub fn rows(bits: &'a [u16]) -> Self {
+        Operand {
+            bits,
+            layout: Layout::Rows,
+        }
+    }
+
+    /// Stored as its transpose.
+    pub fn transposed(bits: &'a [u16]) -> Self {
+        Operand {
+            bits,
+            layout: Layout::Transposed,
+        }
+    }
+}
+
+/// Where a product lands.
+pub enum Dst<'a> {
+    /// f32 rows `stride` apart, overwritten or accumulated; `transposed`: the destination holds
+    /// the product's transpose (product element (i, j) at `out[j·stride + i]`).
+    F32 {
+        out: &'a mut [f32],
+        stride: usize,
+        store: Store,
+        transposed: bool,
+    },
+    /// Contiguous bf16 rows, overwritten with the f32 sums plus `bias` (per column), rounded to
+    /// nearest even.
+    Bf16 {
+        out: &'a mut [u16],
+        bias: Option<&'a [f32]>,
+    },
+}
+
+/// Output rows and columns of one block (2 × 2 tiles of 16 × 16).
+const BLOCK: usize = 32;
+/// Inner elements one tile product consumes.
+const DEPTH: usize = 32;
+/// Output blocks along each axis one task computes.
+const TASK_BLOCKS: (usize, usize) = (4, 8);
+
+/// Whether AMX bf16 tiles can be used in this process (CPU, kernel and permission).
+pub fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // cpuid leaf 7 exists where the highest leaf (leaf 0's eax) is at least 7.
+    let leaf7 = (__cpuid(0).eax >= 7).then(|| __cpuid_count(7, 0));
+    let Some(leaf7) = leaf7 else { return false };
+    const AMX_BF16: u32 = 1 << 22;
+    const AMX_TILE: u32 = 1 << 24;
+    if leaf7.edx & (AMX_BF16 | AMX_TILE) != AMX_BF16 | AMX_TILE {
+        return false;
+    }
+    // Linux's arch/x86/include/uapi/asm/prctl.h: ARCH_REQ_XCOMP_PERM; XFEATURE_XTILEDATA = 18.
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with this request only changes which state the kernel saves for us.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// The left operand as tiles read it: row-major, `depth_p` (a multiple of [`DEPTH`]) apart,
+/// at least `rows` rounded up to [`BLOCK`] rows. Borrowed where the operand already is one.
+fn left_rows<'a>(
+    a: Operand<'a>,
+    (rows, depth): (usize, usize),
+) -> (std::borrow::Cow<'a, [u16]>, usize) {
+    if a.layout == Layout::Rows && rows % BLOCK == 0 && depth % DEPTH == 0 && depth > 0 {
+        return (std::borrow::Cow::Borrowed(&a.bits[..rows * depth]), depth);
+    }
+    let depth_p = depth.div_ceil(DEPTH).max(1) * DEPTH;
+    let mut out = vec![0u16; rows.div_ceil(BLOCK) * BLOCK * depth_p];
+    out.par_chunks_mut(BLOCK * depth_p)
+        .enumerate()
+        .for_each(|(b, block)| {
+            let r0 = b * BLOCK;
+            let live = (rows - r0).min(BLOCK);
+            match a.layout {
+                Layout::Rows => {
+                    for (r, row) in block.chunks_exact_mut(depth_p).take(live).enumerate() {
+                        row[..depth].copy_from_slice(&a.bits[(r0 + r) * depth..][..depth]);
+                    }
+                }
+                // Source row k holds column k of the operand: gather 32 of them at a time so
+                // that their cache lines stay hot while each output row fills.
+                Layout::Transposed => {
+                    for k0 in (0..depth).step_by(DEPTH) {
+                        let width = (depth - k0).min(DEPTH);
+                        for (r, row) in block.chunks_exact_mut(depth_p).take(live).enumerate() {
+                            for (q, d) in row[k0..k0 + width].iter_mut().enumerate() {
+                                *d = a.bits[(k0 + q) * rows + r0 + r];
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    (std::borrow::Cow::Owned(out), depth_p)
+}
+
+/// The right operand (`depth × cols`) in pair layout: for each 16 columns, `depth_p / 2` rows
+/// of 16 `(k, k + 1)` pairs (as u32, k in the low half); columns padded to [`BLOCK`], depth to
+/// [`DEPTH`] with zeros.
+fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<u32> {
+    // A task fills PAIR_ROWS pair rows of PANELS panels: the source rows it reads and the panel
+    // rows it writes stay within few pages and cache sets (panels are a power of two apart).
+    const PAIR_ROWS: usize = 32;
+    const PANELS: usize = 16;
+    let (pairs, panels) = (depth_p / 2, cols.div_ceil(BLOCK) * 2);
+    let len = pairs * panels * TILE;
+    let mut out: Vec<u32> = Vec::with_capacity(len);
+    let dst = SharedU32(out.as_mut_ptr());
+    let tasks = (pairs.div_ceil(PAIR_ROWS), panels.div_ceil(PANELS));
+    (0..tasks.0 * tasks.1).into_par_iter().for_each(|task| {
+        let (pi, ti) = (task / tasks.1, task % tasks.1);
+        let p_range = pi * PAIR_ROWS..((pi + 1) * PAIR_ROWS).min(pairs);
+        for t in ti * PANELS..((ti + 1) * PANELS).min(panels) {
+            for p in p_range.clone() {
+                // SAFETY: (t, p) < (panels, pairs) addresses 16 elements inside the capacity;
+                // every (t, p) belongs to exactly one task.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(dst.at((t * pairs + p) * TILE), TILE) };
+                pair_row(b, (depth, cols), (2 * p, t * TILE), row);
+            }
+        }
+    });
+    // SAFETY: the tasks wrote all (panels, pairs) rows of 16 elements.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// Columns of a pair-layout panel (one tile's width).
+const TILE: usize = BLOCK / 2;
+
+/// A raw output the packing tasks write disjoint rows of.
+#[derive(Clone, Copy)]
+struct SharedU32(*mut u32);
+// SAFETY: tasks write disjoint rows (see `pack_right`).
+unsafe impl Send for SharedU32 {}
+unsafe impl Sync for SharedU32 {}
+
+impl SharedU32 {
+    /// Element `i`'s place.
+    ///
+    /// # Safety
+    /// `i` lies inside the allocation.
+    unsafe fn at(self, i: usize) -> *mut u32 {
+        // SAFETY: forwarded.
+        unsafe { self.0.add(i) }
+    }
+}
+
+/// Pair row `k / 2` of the panel from column `c0`: `(b[k][c], b[k + 1][c])` for 16 columns,
+/// zero past the operand.
+#[inline]
+fn pair_row(b: Operand, (depth, cols): (usize, usize), (k, c0): (usize, usize), row: &mut [u32]) {
+    if b.layout == Layout::Rows && c0 + TILE <= cols && k + 1 < depth {
+        let lo = &b.bits[k * cols + c0..][..TILE];
+        let hi = &b.bits[(k + 1) * cols + c0..][..TILE];
+        return interleave(lo, hi, row);
+    }
+    let at = |k: usize, c: usize| match b.layout {
+        _ if k >= depth || c >= cols => 0,
+        Layout::Rows => b.bits[k * cols + c] as u32,
+        Layout::Transposed => b.bits[c * depth + k] as u32,
+    };
+    for (c, d) in row.iter_mut().enumerate() {
+        *d = at(k, c0 + c) | at(k + 1, c0 + c) << 16;
+    }
+}
+
+/// `out[c] = lo[c] | hi[c] << 16` for 16 columns.
+#[inline]
+fn interleave(lo: &[u16], hi: &[u16], out: &mut [u32]) {
+    assert!(lo.len() >= 16 && hi.len() >= 16 && out.len() >= 16);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86-64; 16 elements of each slice are read or written (asserted).
+    unsafe {
+        use std::arch::x86_64::*;
+        let (l, h, o) = (
+            lo.as_ptr() as *const __m128i,
+            hi.as_ptr() as *const __m128i,
+            out.as_mut_ptr() as *mut __m128i,
+        );
+        for half in 0..2 {
+            let (l, h) = (_mm_loadu_si128(l.add(half)), _mm_loadu_si128(h.add(half)));
+            _mm_storeu_si128(o.add(2 * half), _mm_unpacklo_epi16(l, h));
+            _mm_storeu_si128(o.add(2 * half + 1), _mm_unpackhi_epi16(l, h));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for ((d, &l), &h) in out[..16].iter_mut().zip(lo).zip(hi) {
+        *d = l as u32 | (h as u32) << 16;
+    }
+}
+
+/// `dst = / += a (rows × depth) · b (depth × cols)` on AMX tiles, blocks of the output in
+/// parallel. Call only where [`available`] is true.
+///
+/// # Panics
+/// If an operand or the destination is smaller than its shape says.
+pub fn matmul(a: Operand, b: Operand, (rows, depth, cols): (usize, usize, usize), dst: Dst) {
+    assert!(available(), "internal: AMX product without AMX");
+    let fits = match &dst {
+        Dst::F32 {
+            out,
+            stride,
+            transposed,
+            ..
+        } => {
+            let (r, c) = if *transposed {
+                (cols, rows)
+            } else {
+                (rows, cols)
+            };
+            *stride >= c && (r == 0 || out.len() >= (r - 1) * stride + c)
+        }
+        Dst::Bf16 { out, bias } => out.len() >= rows * cols && bias.is_none_or(|b| b.len() >= cols),
+    };
+    assert!(
+        a.bits.len() >= rows * depth && b.bits.len() >= depth * cols && fits,
+        "internal: AMX product shapes"
+    );
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let (left, depth_p) = left_rows(a, (rows, depth));
+    let right = pack_right(b, (depth, cols), depth_p);
+    let (row_blocks, col_blocks) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
+    let (row_tasks, col_tasks) = (
+        row_blocks.div_ceil(TASK_BLOCKS.0),
+        col_blocks.div_ceil(TASK_BLOCKS.1),
+    );
+    let sink = Sink::new(dst, cols);
+    (0..row_tasks * col_tasks).into_par_iter().for_each(|task| {
+        let (rt, ct) = (task % row_tasks, task / row_tasks);
+        let rbs = rt * TASK_BLOCKS.0..((rt + 1) * TASK_BLOCKS.0).min(row_blocks);
+        let cbs = ct * TASK_BLOCKS.1..((ct + 1) * TASK_BLOCKS.1).min(col_blocks);
+        let mut acc = [0f32; BLOCK * BLOCK];
+        // SAFETY: `available` said AMX runs here.
+        let _tiles = unsafe { Tiles::configure() };
+        for cb in cbs {
+            for rb in rbs.clone() {
+                let (r0, c0) = (rb * BLOCK, cb * BLOCK);
+                // SAFETY: the tiles are configured; the left block's 32 rows of depth_p and
+                // the right block's two 16-column panels of depth_p / 2 pairs lie inside the
+                // buffers (whole blocks).
+                unsafe {
+                    block_product(
+                        left[r0 * depth_p..].as_ptr(),
+                        right[c0 * depth_p / 2..].as_ptr(),
+                        depth_p,
+                        &mut acc,
+                    )
+                };
+                let live = ((rows - r0).min(BLOCK), (cols - c0).min(BLOCK));
+                // SAFETY: the block lies inside the product's rows × cols; tasks' blocks are
+                // disjoint.
+                unsafe { sink.put(&acc, (r0, c0), live) };
+            }
+        }
+    });
+}
+
+/// A [`Dst`] that parallel tasks write disjoint blocks of.
+struct Sink {
+    out: *mut u8,
+    stride: usize,
+    kind: SinkKind,
+}
+
+// SAFETY: tasks write disjoint blocks (see `Sink::put`).
+unsafe impl Send for Sink {}
+unsafe impl Sync for Sink {}
+
+enum SinkKind {
+    F32 { store: Store, transposed: bool },
+    Bf16 { bias: Option<*const f32> },
+}
+
+impl Sink {
+    fn new(dst: Dst, cols: usize) -> Self {
+        match dst {
+            Dst::F32 {
+                out,
+                stride,
+                store,
+                transposed,
+            } => Sink {
+                out: out.as_mut_ptr() as *mut u8,
+                stride,
+                kind: SinkKind::F32 { store, transposed },
+            },
+            Dst::Bf16 { out, bias } => Sink {
+                out: out.as_mut_ptr() as *mut u8,
+                stride: cols,
+                kind: SinkKind::Bf16 {
+                    bias: bias.map(|b| b.as_ptr()),
+                },
+            },
+        }
+    }
+
+    /// Writes the `live` rows and columns of a block's sums at `(r0, c0)` of the product.
+    ///
+    /// # Safety
+    /// The block lies inside the product the destination was checked for; no other thread
+    /// writes it meanwhile.
+    unsafe fn put(
+        &self,
+        acc: &[f32; BLOCK * BLOCK],
+        (r0, c0): (usize, usize),
+        (live_r, live_c): (usize, usize),
+    ) {
+        let rows = acc
+            .chunks_exact(BLOCK)
+            .take(live_r)
+            .map(|row| &row[..live_c]);
+        // SAFETY (all arms): forwarded from the caller; offsets stay inside the destination.
+        unsafe {
+            match self.kind {
+                SinkKind::F32 {
+                    store,
+                    transposed: false,
+                } => {
+                    for (r, sums) in rows.enumerate() {
+                        let d = std::slice::from_raw_parts_mut(
+                            (self.out as *mut f32).add((r0 + r) * self.stride + c0),
+                            live_c,
+                        );
+                        match store {
+                            Store::Overwrite => d.copy_from_slice(sums),
+                            Store::Accumulate => d.iter_mut().zip(sums).for_each(|(d, s)| *d += s),
+                        }
+                    }
+                }
+                SinkKind::F32 {
+                    store,
+                    transposed: true,
+                } => {
+                    for (r, sums) in rows.enumerate() {
+                        for (c, &s) in sums.iter().enumerate() {
+                            let d = (self.out as *mut f32).add((c0 + c) * self.stride + r0 + r);
+                            *d = if store == Store::Accumulate {
+                                *d + s
+                            } else {
+                                s
+                            };
+                        }
+                    }
+                }
+                SinkKind::Bf16 { bias } => {
+                    let mut row = [0f32; BLOCK];
+                    for (r, sums) in rows.enumerate() {
+                        row[..live_c].copy_from_slice(sums);
+                        if let Some(bias) = bias {
+                            let bias = std::slice::from_raw_parts(bias.add(c0), live_c);
+                            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                        }
+                        let d = std::slice::from_raw_parts_mut(
+                            (self.out as *mut u16).add((r0 + r) * self.stride + c0),
+                            live_c,
+                        );
+                        narrow_bf16(&row[..live_c], d);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tile configuration `ldtilecfg` reads (palette 1): eight tiles of 16 rows × 64 bytes —
+/// tmm0–3 the f32 accumulators, tmm4–5 left tiles, tmm6–7 right tiles.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+    tail: [u8; 16],
+}
+
+const TILE_CONFIG: TileConfig = TileConfig {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+    tail: [0; 16],
+};
+
+/// This thread's tiles configured as [`TILE_CONFIG`] while it lives; released on drop.
+struct Tiles;
+
+impl Tiles {
+    /// # Safety
+    /// AMX is [`available`].
+    unsafe fn configure() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded; ldtilecfg reads the 64-byte configuration only.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) &TILE_CONFIG, options(nostack, readonly))
+        };
+        Tiles
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a configured thread releases its tile state.
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem))
+        };
+    }
+}
+
+/// `acc (32 × 32, row-major) = left (32 rows, depth_p apart) · right (two pair-layout panels
+/// of 16 columns, depth_p · 16 apart)`.
+///
+/// # Safety
+/// The thread's [`Tiles`] are configured; `left` holds 32 rows of `depth_p` elements, `right` two panels of
+/// `depth_p · 16`; `depth_p` is a positive multiple of [`DEPTH`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn block_product(
+    left: *const u16,
+    right: *const u32,
+    depth_p: usize,
+    acc: &mut [f32; BLOCK * BLOCK],
+) {
+    use std::arch::asm;
+    let left_stride = depth_p * 2;
+    // SAFETY: per the contract above; the loop reads 64 bytes of each of the 16 rows of both
+    // left tiles and 1024 bytes of both right panels per step, depth_p / 32 steps.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a0} + {sa}]",
+            "tileloadd tmm5, [{a1} + {sa}]",
+            "tileloadd tmm6, [{b0} + {sb}]",
+            "tileloadd tmm7, [{b1} + {sb}]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b0}, 1024",
+            "add {b1}, 1024",
+            "dec {steps}",
+            "jnz 2b",
+            "tilestored [{c} + {sc}], tmm0",
+            "tilestored [{c1} + {sc}], tmm1",
+            "tilestored [{c2} + {sc}], tmm2",
+            "tilestored [{c3} + {sc}], tmm3",
+            a0 = inout(reg) left => _,
+            a1 = inout(reg) left.add(16 * depth_p) => _,
+            b0 = inout(reg) right => _,
+            b1 = inout(reg) right.add(8 * depth_p) => _,
+            sa = in(reg) left_stride,
+            sb = in(reg) 64usize,
+            steps = inout(reg) depth_p / DEPTH => _,
+            c = in(reg) acc.as_mut_ptr(),
+            c1 = in(reg) acc.as_mut_ptr().add(16),
+            c2 = in(reg) acc.as_mut_ptr().add(16 * BLOCK),
+            c3 = in(reg) acc.as_mut_ptr().add(16 * BLOCK + 16),
+            sc = in(reg) BLOCK * 4,
+            options(nostack),
+        );
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn block_product(_: *const u16, _: *const u32, _: usize, _: &mut [f32; BLOCK * BLOCK]) {
+    unreachable!("AMX exists on x86-64 only")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cpu::testing::seeded;
+
+    fn bf16_of(v: &[f32]) -> Vec<u16> {
+        let mut bits = vec![0u16; v.len()];
+        narrow_bf16(v, &mut bits);
+        bits
+    }
+
+    fn value(bits: &[u16], i: usize) -> f64 {
+        f32::from_bits((bits[i] as u32) << 16) as f64
+    }
+
+    /// The product's element (i, j) in f64, from operands stored in `layouts`.
+    fn want(
+        (a, b): (&[u16], &[u16]),
+        layouts: (Layout, Layout),
+        (rows, depth, cols): (usize, usize, usize),
+        (i, j): (usize, usize),
+    ) -> f64 {
+        (0..depth)
+            .map(|k| {
+                let ai = if layouts.0 == Layout::Rows {
+                    i * depth + k
+                } else {
+                    k * rows + i
+                };
+                let bi = if layouts.1 == Layout::Rows {
+                    k * cols + j
+                } else {
+                    j * depth + k
+                };
+                value(a, ai) * value(b, bi)
+            })
+            .sum()
+    }
+
+    #[test]
+    fn tile_products_match_the_definition_in_every_layout_and_destination() {
+        if !available() {
+            eprintln!("skipped: no AMX bf16 on this CPU");
+            return;
+        }
+        let layouts = [Layout::Rows, Layout::Transposed];
+        for shape @ (rows, depth, cols) in [(70, 45, 66), (64, 64, 32), (1, 3, 1), (33, 96, 100)] {
+            let a = bf16_of(&seeded(rows * depth, 1));
+            let b = bf16_of(&seeded(depth * cols, 2));
+            let bias = seeded(cols, 3);
+            for (la, lb) in layouts.iter().flat_map(|&la| layouts.map(|lb| (la, lb))) {
+                let operands = (
+                    Operand {
+                        bits: &a,
+                        layout: la,
+                    },
+                    Operand {
+                        bits: &b,
+                        layout: lb,
+                    },
+                );
+                let expect = |i, j| want((&a, &b), (la, lb), shape, (i, j));
+                let stride = cols + 3;
+                let mut out = vec![0.5f32; rows * stride];
+                let dst = Dst::F32 {
+                    out: &mut out,
+                    stride,
+                    store: Store::Accumulate,
+                    transposed: false,
+                };
+                matmul(operands.0, operands.1, shape, dst);
+                let t_stride = rows + 2;
+                let mut out_t = vec![0.25f32; cols * t_stride];
+                let dst = Dst::F32 {
+                    out: &mut out_t,
+                    stride: t_stride,
+                    store: Store::Overwrite,
+                    transposed: true,
+                };
+                matmul(operands.0, operands.1, shape, dst);
+                let mut out_bf16 = vec![0u16; rows * cols];
+                let dst = Dst::Bf16 {
+                    out: &mut out_bf16,
+                    bias: Some(&bias),
+                };
+                matmul(operands.0, operands.1, shape, dst);
+                let tol = 1e-5 * depth as f64;
+                for i in 0..rows {
+                    for j in 0..cols {
+                        let e = expect(i, j);
+                        let got = out[i * stride + j] as f64 - 0.5;
+                        assert!(
+                            (got - e).abs() < tol,
+                            "{la:?} {lb:?} ({i}, {j}): {got} vs {e}"
+                        );
+                        assert!((out_t[j * t_stride + i] as f64 - e).abs() < tol);
+                        let e_bf16 = e + bias[j] as f64;
+                        let got = value(&out_bf16, i * cols + j);
+                        assert!(
+                            (got - e_bf16).abs() < tol + e_bf16.abs() / 128.0,
+                            "bf16 ({i}, {j})"
+                        );
+                    }
+                    assert!(out[i * stride + cols..(i + 1) * stride]
+                        .iter()
+                        .all(|&v| v == 0.5));
+                }
+                assert!(out_t
+                    .chunks_exact(t_stride)
+                    .all(|r| r[rows..].iter().all(|&v| v == 0.25)));
+            }
+        }
+    }
+}
