@@ -1748,14 +1748,20 @@ fn the_distributed_optimizer_trains_as_one_rank_does() {
         let flags: Vec<&str> = flags.into_iter().chain(precision).collect();
         let log = stdout(&run(&model(&data, &flags)).success());
         let what = format!("{name} {precision:?} {layout:?}");
-        same_training(one_log, &log, 1e-5, &what);
+        // bf16: the gradient norm's f64 sums (over pieces with the distributed optimizer, over
+        // parameters without) round differently in their last bits; the clip coefficient then
+        // moves a few main parameters across a bf16 rounding boundary.
+        let tolerance = if precision.is_some() { 2e-3 } else { 1e-5 };
+        same_training(one_log, &log, tolerance, &what);
         for rank in rank_dirs {
             let at = save.join("iter_0000020").join(rank);
             for file in ["model_optim_rng.pt", "distrib_optim.pt"] {
                 assert!(at.join(file).is_file(), "{what}: {rank}/{file}");
             }
         }
-        same_hf_weights(dir.path(), &one_dir, &save, 1e-5);
+        // bf16: a few weights one bf16 step (2⁻¹² at their size) apart, for the same reason.
+        let weights = if precision.is_some() { 1e-3 } else { 1e-5 };
+        same_hf_weights(dir.path(), &one_dir, &save, weights);
     }
     // As two processes, as threads; resumed bit for bit; the state needs the same optimizer.
     std::fs::create_dir(path("processes")).unwrap();
