@@ -62,10 +62,10 @@ pub enum Dst<'a> {
         store: Store,
         transposed: bool,
     },
-    /// Contiguous bf16 rows, overwritten with the f32 sums plus `bias` (per column), rounded to
-    /// nearest even.
+    /// Contiguous bf16 rows, written with the f32 sums plus `bias` (per column), rounded to
+    /// nearest even (every element is written).
     Bf16 {
-        out: &'a mut [u16],
+        out: &'a mut [std::mem::MaybeUninit<u16>],
         bias: Option<&'a [f32]>,
     },
 }
@@ -247,6 +247,24 @@ fn interleave(lo: &[u16], hi: &[u16], out: &mut [u32]) {
     }
 }
 
+/// `a (rows × depth) · b (depth × cols) + bias` as new bf16 rows (see [`Dst::Bf16`]).
+pub fn product_bf16(
+    a: Operand,
+    b: Operand,
+    (rows, depth, cols): (usize, usize, usize),
+    bias: Option<&[f32]>,
+) -> Vec<u16> {
+    let mut out = Vec::with_capacity(rows * cols);
+    let dst = Dst::Bf16 {
+        out: &mut out.spare_capacity_mut()[..rows * cols],
+        bias,
+    };
+    matmul(a, b, (rows, depth, cols), dst);
+    // SAFETY: the product wrote every one of the rows × cols elements.
+    unsafe { out.set_len(rows * cols) };
+    out
+}
+
 /// `dst = / += a (rows × depth) · b (depth × cols)` on AMX tiles, blocks of the output in
 /// parallel. Call only where [`available`] is true.
 ///
@@ -403,18 +421,17 @@ impl Sink {
                     }
                 }
                 SinkKind::Bf16 { bias } => {
-                    let mut row = [0f32; BLOCK];
+                    let (mut row, mut bits) = ([0f32; BLOCK], [0u16; BLOCK]);
                     for (r, sums) in rows.enumerate() {
                         row[..live_c].copy_from_slice(sums);
                         if let Some(bias) = bias {
                             let bias = std::slice::from_raw_parts(bias.add(c0), live_c);
                             row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
                         }
-                        let d = std::slice::from_raw_parts_mut(
-                            (self.out as *mut u16).add((r0 + r) * self.stride + c0),
-                            live_c,
-                        );
-                        narrow_bf16(&row[..live_c], d);
+                        narrow_bf16(&row[..live_c], &mut bits[..live_c]);
+                        // The destination may be uninitialized: written, never read.
+                        let d = (self.out as *mut u16).add((r0 + r) * self.stride + c0);
+                        std::ptr::copy_nonoverlapping(bits.as_ptr(), d, live_c);
                     }
                 }
             }
@@ -613,12 +630,7 @@ mod tests {
                     transposed: true,
                 };
                 matmul(operands.0, operands.1, shape, dst);
-                let mut out_bf16 = vec![0u16; rows * cols];
-                let dst = Dst::Bf16 {
-                    out: &mut out_bf16,
-                    bias: Some(&bias),
-                };
-                matmul(operands.0, operands.1, shape, dst);
+                let out_bf16 = product_bf16(operands.0, operands.1, shape, Some(&bias));
                 let tol = 1e-5 * depth as f64;
                 for i in 0..rows {
                     for j in 0..cols {

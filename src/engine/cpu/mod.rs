@@ -134,6 +134,13 @@ impl CpuTensor {
         let c = self.cols();
         match &self.data {
             Data::F32(v) => &v[from * c..to * c],
+            // Extended from an exact-size iterator: no zero-fill before the values.
+            Data::Half(DType::BF16, bits) => {
+                buf.clear();
+                let bits = &bits[from * c..to * c];
+                buf.extend(bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
+                buf
+            }
             Data::Half(dtype, bits) => {
                 buf.resize((to - from) * c, 0.0);
                 widen(&bits[from * c..to * c], *dtype, buf);
@@ -192,6 +199,9 @@ fn amx_weight_grad(dy: &[u16], x: &[u16], (n, m, k): (usize, usize, usize), dw: 
         dst,
     );
 }
+
+/// Elements per task of an in-place half-precision sum.
+const ADD_CHUNK: usize = 1 << 14;
 
 /// Rows of `x` at or below which a matmul runs as dot products (decoding), above as GEMM.
 const SKINNY_ROWS: usize = 4;
@@ -447,13 +457,8 @@ impl Backend for Cpu {
         let (n, k, m) = check::matmul(self, x, w, bias)?;
         if let (Some((xb, wb)), true) = (amx_pair(x, w), n > SKINNY_ROWS) {
             let bias = bias.map(|b| b.values());
-            let mut out = vec![0u16; n * m];
             let (x, w) = (amx::Operand::rows(xb), amx::Operand::transposed(wb));
-            let dst = amx::Dst::Bf16 {
-                out: &mut out,
-                bias: bias.as_deref(),
-            };
-            amx::matmul(x, w, (n, k, m), dst);
+            let out = amx::product_bf16(x, w, (n, k, m), bias.as_deref());
             return Ok(CpuTensor {
                 shape: vec![n, m],
                 data: Data::Half(DType::BF16, out),
@@ -484,16 +489,10 @@ impl Backend for Cpu {
     ) -> Result<CpuTensor> {
         let (n, k, m) = check::matmul_bwd(self, (dy, x, w), dw.as_deref(), dbias.as_deref())?;
         let dx = if let Some((dyb, wb)) = amx_pair(dy, w) {
-            let mut dx = vec![0u16; n * k];
             let (dy, w) = (amx::Operand::rows(dyb), amx::Operand::rows(wb));
-            let dst = amx::Dst::Bf16 {
-                out: &mut dx,
-                bias: None,
-            };
-            amx::matmul(dy, w, (n, m, k), dst);
             CpuTensor {
                 shape: x.shape.clone(),
-                data: Data::Half(DType::BF16, dx),
+                data: Data::Half(DType::BF16, amx::product_bf16(dy, w, (n, m, k), None)),
             }
         } else {
             let mut dx = vec![0f32; n * k];
@@ -713,11 +712,18 @@ impl Backend for Cpu {
                 .par_iter_mut()
                 .zip(ys.par_iter())
                 .for_each(|(a, b)| *a += b),
-            _ => {
-                let mut v = x.values().into_owned();
-                v.iter_mut().zip(ys.iter()).for_each(|(a, b)| *a += b);
-                *x = CpuTensor::stored(x.shape.clone(), v, x.dtype());
+            Data::Half(dtype, bits) => {
+                let dtype = *dtype;
+                bits.par_chunks_mut(ADD_CHUNK)
+                    .zip(ys.par_chunks(ADD_CHUNK))
+                    .for_each_init(Vec::new, |buf: &mut Vec<f32>, (bits, ys)| {
+                        buf.resize(bits.len(), 0.0);
+                        widen(bits, dtype, buf);
+                        buf.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
+                        narrow_half(buf, dtype, bits);
+                    })
             }
+            Data::Panels(_) => return Err(packed("add_assign")),
         }
         Ok(())
     }
