@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark: time per training iteration of `mindkit train` (fp32, and --bf16) against PyTorch
-# eager (transformers LlamaForCausalLM, fp32, torch.optim.AdamW) on the same random-token data,
+# eager (transformers LlamaForCausalLM, fp32, torch.optim.AdamW; --bf16 products run on AMX tiles where
+# the CPU has them) on the same random-token data,
 # same threads, micro batch = global batch, side by side; RUNS rounds, medians of the per-run
 # medians (warm-up iterations dropped), peak RSS of each process tree (scripts/bench/measure.py).
 # Shapes: tiny (hidden 256, 4 layers, vocab 32000) and smollm2 (SmolLM2-135M: hidden 576,
