@@ -169,11 +169,18 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
         let p_range = pi * PAIR_ROWS..((pi + 1) * PAIR_ROWS).min(pairs);
         for t in ti * PANELS..((ti + 1) * PANELS).min(panels) {
             for p in p_range.clone() {
-                // SAFETY: (t, p) < (panels, pairs) addresses 16 elements inside the capacity;
-                // every (t, p) belongs to exactly one task.
-                let row =
-                    unsafe { std::slice::from_raw_parts_mut(dst.at((t * pairs + p) * TILE), TILE) };
-                pair_row(b, (depth, cols), (2 * p, t * TILE), row);
+                let mut row = [0u32; TILE];
+                pair_row(b, (depth, cols), (2 * p, t * TILE), &mut row);
+                // SAFETY: (t, p) < (panels, pairs) addresses 16 elements inside the capacity
+                // (written, never read while uninitialized); every (t, p) belongs to exactly
+                // one task.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        row.as_ptr(),
+                        dst.at((t * pairs + p) * TILE),
+                        TILE,
+                    )
+                };
             }
         }
     });
