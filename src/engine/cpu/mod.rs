@@ -488,6 +488,9 @@ impl Backend for Cpu {
         dbias: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
         let (n, k, m) = check::matmul_bwd(self, (dy, x, w), dw.as_deref(), dbias.as_deref())?;
+        // dy widened to f32 at most once, by the first product or sum that reads it so.
+        let dy_f32 = std::cell::OnceCell::new();
+        let dys = || dy_f32.get_or_init(|| dy.values());
         let dx = if let Some((dyb, wb)) = amx_pair(dy, w) {
             let (dy, w) = (amx::Operand::rows(dyb), amx::Operand::rows(wb));
             CpuTensor {
@@ -496,8 +499,8 @@ impl Backend for Cpu {
             }
         } else {
             let mut dx = vec![0f32; n * k];
-            let (dys, ws) = (dy.values(), w.values());
-            gemm::matmul(&dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
+            let (dys, ws) = (dys(), w.values());
+            gemm::matmul(dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
             CpuTensor::stored(x.shape.clone(), dx, dy.dtype())
         };
         if let Some(dw) = dw {
@@ -505,12 +508,12 @@ impl Backend for Cpu {
             if let Some((dyb, xb)) = amx_pair(dy, x) {
                 amx_weight_grad(dyb, xb, (n, m, k), dw);
             } else {
-                gemm::matmul_tn_acc(&dy.values(), &x.values(), (n, m, k), dw);
+                gemm::matmul_tn_acc(dys(), &x.values(), (n, m, k), dw);
             }
         }
         if let Some(db) = dbias {
             let db = db.f32_mut("matmul_bwd")?;
-            for row in dy.values().chunks_exact(m) {
+            for row in dys().chunks_exact(m) {
                 db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
             }
         }
