@@ -12,7 +12,9 @@ mod gemm;
 mod loss;
 mod norm;
 mod optim;
+mod qkv;
 mod rope;
+mod rows;
 mod swiglu;
 #[cfg(test)]
 mod testing;
@@ -64,7 +66,7 @@ impl CpuTensor {
         let data = match dtype {
             DType::BF16 | DType::F16 => {
                 let mut bits = vec![0u16; values.len()];
-                narrow_half(&values, dtype, &mut bits);
+                narrow_half_parallel(&values, dtype, &mut bits);
                 Data::Half(dtype, bits)
             }
             _ => Data::F32(values),
@@ -88,7 +90,15 @@ impl CpuTensor {
     fn values(&self) -> Cow<'_, [f32]> {
         match &self.data {
             Data::F32(v) => Cow::Borrowed(v),
-            _ => {
+            Data::Half(dtype, bits) => {
+                let mut values = vec![0f32; bits.len()];
+                values
+                    .par_chunks_mut(CONVERT_CHUNK)
+                    .zip(bits.par_chunks(CONVERT_CHUNK))
+                    .for_each(|(values, bits)| widen(bits, *dtype, values));
+                Cow::Owned(values)
+            }
+            Data::Panels(_) => {
                 let mut buf = Vec::new();
                 self.row_block(0, self.rows(), &mut buf);
                 Cow::Owned(buf)
@@ -165,6 +175,16 @@ fn narrow_half(values: &[f32], dtype: DType, bits: &mut [u16]) {
     }
 }
 
+/// Elements per task of a whole-tensor conversion between f32 and half.
+const CONVERT_CHUNK: usize = 1 << 16;
+
+/// [`narrow_half`] of a whole tensor, chunks in parallel.
+fn narrow_half_parallel(values: &[f32], dtype: DType, bits: &mut [u16]) {
+    bits.par_chunks_mut(CONVERT_CHUNK)
+        .zip(values.par_chunks(CONVERT_CHUNK))
+        .for_each(|(bits, values)| narrow_half(values, dtype, bits));
+}
+
 /// The error for an operation on a weight packed for inference matmuls.
 fn packed(op: &'static str) -> EngineError {
     EngineError::Invalid {
@@ -199,9 +219,6 @@ fn amx_weight_grad(dy: &[u16], x: &[u16], (n, m, k): (usize, usize, usize), dw: 
         dst,
     );
 }
-
-/// Elements per task of an in-place half-precision sum.
-const ADD_CHUNK: usize = 1 << 14;
 
 /// Rows of `x` at or below which a matmul runs as dot products (decoding), above as GEMM.
 const SKINNY_ROWS: usize = 4;
@@ -418,13 +435,18 @@ impl Backend for Cpu {
         eps: f64,
     ) -> Result<(CpuTensor, CpuTensor)> {
         check::rms_norm(self, x, gamma)?;
-        let (n, h) = (x.rows(), x.cols());
-        let (mut y, mut rstd) = (vec![0f32; n * h], vec![0f32; n]);
-        norm::rms_norm_fwd(&x.values(), &gamma.values(), eps as f32, &mut y, &mut rstd);
-        Ok((
-            CpuTensor::stored(x.shape.clone(), y, x.dtype()),
-            CpuTensor::new(vec![n], rstd),
-        ))
+        let (n, gamma) = (x.rows(), gamma.values());
+        let (y, rstd) = rows::map_rows(
+            [x],
+            (x.shape.clone(), x.dtype()),
+            rows::block_rows(x.cols()),
+            |rows, [x], y| {
+                let mut rstd = vec![0f32; rows.len()];
+                norm::rms_norm_fwd(x, &gamma, eps as f32, y, &mut rstd);
+                rstd
+            },
+        );
+        Ok((y, CpuTensor::new(vec![n], rstd.concat())))
     }
 
     fn rms_norm_bwd(
@@ -436,21 +458,30 @@ impl Backend for Cpu {
         dgamma: Option<&mut CpuTensor>,
     ) -> Result<CpuTensor> {
         check::rms_norm_bwd(self, (dy, x, rstd), gamma, dgamma.as_deref())?;
-        let (n, h) = (x.rows(), x.cols());
-        let mut dx = vec![0f32; n * h];
         let dgamma = match dgamma {
             Some(d) => Some(d.f32_mut("rms_norm_bwd")?),
             None => None,
         };
-        norm::rms_norm_bwd(
-            &dy.values(),
-            &x.values(),
-            &gamma.values(),
-            &rstd.values(),
-            &mut dx,
-            dgamma,
+        let (h, gamma, rstd) = (x.cols(), gamma.values(), rstd.values());
+        let learns = dgamma.is_some();
+        // Each block's part of dγ, added in block order below.
+        let (dx, parts) = rows::map_rows(
+            [dy, x],
+            (x.shape.clone(), dy.dtype()),
+            rows::block_rows(h),
+            |rows, [dy, x], dx| {
+                let mut part = vec![0f32; if learns { h } else { 0 }];
+                let part_out = learns.then_some(&mut part[..]);
+                norm::rms_norm_bwd(dy, x, &gamma, &rstd[rows], dx, part_out);
+                part
+            },
         );
-        Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
+        if let Some(dgamma) = dgamma {
+            for part in parts {
+                dgamma.iter_mut().zip(part).for_each(|(g, p)| *g += p);
+            }
+        }
+        Ok(dx)
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
@@ -526,24 +557,18 @@ impl Backend for Cpu {
         s: AttentionShape,
     ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
         check::split_qkv(self, qkv, s)?;
-        let (n, d) = (qkv.rows(), s.head_dim);
-        let per_group = s.heads / s.groups;
-        let mut q = Vec::with_capacity(n * s.heads * d);
-        let mut k = Vec::with_capacity(n * s.groups * d);
-        let mut v = Vec::with_capacity(n * s.groups * d);
-        for row in qkv.values().chunks_exact(qkv.cols()) {
-            for group in row.chunks_exact((per_group + 2) * d) {
-                q.extend_from_slice(&group[..per_group * d]);
-                k.extend_from_slice(&group[per_group * d..(per_group + 1) * d]);
-                v.extend_from_slice(&group[(per_group + 1) * d..]);
-            }
-        }
-        let dt = qkv.dtype();
-        Ok((
-            CpuTensor::stored(vec![n, s.heads * d], q, dt),
-            CpuTensor::stored(vec![n, s.groups * d], k, dt),
-            CpuTensor::stored(vec![n, s.groups * d], v, dt),
-        ))
+        let n = qkv.rows();
+        let parts = match &qkv.data {
+            Data::F32(v) => qkv::split(v, s).map(Data::F32),
+            Data::Half(dtype, bits) => qkv::split(bits, s).map(|p| Data::Half(*dtype, p)),
+            Data::Panels(_) => return Err(packed("split_qkv")),
+        };
+        let [q, k, v] = parts;
+        let tensor = |data, heads: usize| CpuTensor {
+            shape: vec![n, heads * s.head_dim],
+            data,
+        };
+        Ok((tensor(q, s.heads), tensor(k, s.groups), tensor(v, s.groups)))
     }
 
     fn merge_qkv(
@@ -554,20 +579,25 @@ impl Backend for Cpu {
         s: AttentionShape,
     ) -> Result<CpuTensor> {
         let n = check::heads(self, "merge_qkv", (dq, dk, dv), s)?;
-        let (d, per_group) = (s.head_dim, s.heads / s.groups);
-        let (q, k, v) = (dq.values(), dk.values(), dv.values());
-        let width = s.groups * (per_group + 2) * d;
-        let mut out = Vec::with_capacity(n * width);
-        for r in 0..n {
-            for g in 0..s.groups {
-                let qa = r * s.heads * d + g * per_group * d;
-                let ka = (r * s.groups + g) * d;
-                out.extend_from_slice(&q[qa..qa + per_group * d]);
-                out.extend_from_slice(&k[ka..ka + d]);
-                out.extend_from_slice(&v[ka..ka + d]);
+        let width = (s.heads + 2 * s.groups) * s.head_dim;
+        let data = match (&dq.data, &dk.data, &dv.data) {
+            (Data::F32(q), Data::F32(k), Data::F32(v)) => Data::F32(qkv::merge([q, k, v], s)),
+            (Data::Half(dt, q), Data::Half(dk_t, k), Data::Half(dv_t, v))
+                if dt == dk_t && dt == dv_t =>
+            {
+                Data::Half(*dt, qkv::merge([q, k, v], s))
             }
-        }
-        Ok(CpuTensor::stored(vec![n, width], out, dq.dtype()))
+            // Mixed storage: through f32, stored as dq.
+            _ => {
+                let (q, k, v) = (dq.values(), dk.values(), dv.values());
+                let merged = qkv::merge([&q[..], &k[..], &v[..]], s);
+                return Ok(CpuTensor::stored(vec![n, width], merged, dq.dtype()));
+            }
+        };
+        Ok(CpuTensor {
+            shape: vec![n, width],
+            data,
+        })
     }
 
     fn rope(
@@ -579,16 +609,12 @@ impl Backend for Cpu {
     ) -> Result<()> {
         check::rope(self, x, cos, sin)?;
         let width = x.cols();
+        let half = cos.cols();
         let (cos, sin) = (cos.values(), sin.values());
-        match &mut x.data {
-            Data::F32(v) => rope::rope(v, width, &cos, &sin, inverse),
-            _ => {
-                let mut v = x.values().into_owned();
-                rope::rope(&mut v, width, &cos, &sin, inverse);
-                *x = CpuTensor::stored(x.shape.clone(), v, x.dtype());
-            }
-        }
-        Ok(())
+        rows::update_rows("rope", x, [], rows::block_rows(width), |rows, x, []| {
+            let at = rows.start * half..rows.end * half;
+            rope::rope(x, width, &cos[at.clone()], &sin[at], inverse);
+        })
     }
 
     fn attention(
@@ -694,41 +720,29 @@ impl Backend for Cpu {
     fn swiglu(&self, x: &CpuTensor) -> Result<CpuTensor> {
         check::swiglu(self, x, None)?;
         let f = x.cols() / 2;
-        let mut out = vec![0f32; x.rows() * f];
-        swiglu::swiglu_fwd(&x.values(), f, &mut out);
-        Ok(CpuTensor::stored(vec![x.rows(), f], out, x.dtype()))
+        let shape = (vec![x.rows(), f], x.dtype());
+        let block = rows::block_rows(2 * f);
+        let (y, _) = rows::map_rows([x], shape, block, |_, [x], y| swiglu::swiglu_fwd(x, f, y));
+        Ok(y)
     }
 
     fn swiglu_bwd(&self, dy: &CpuTensor, x: &CpuTensor) -> Result<CpuTensor> {
         check::swiglu(self, x, Some(dy))?;
         let f = x.cols() / 2;
-        let mut dx = vec![0f32; x.numel()];
-        swiglu::swiglu_bwd(&dy.values(), &x.values(), f, &mut dx);
-        Ok(CpuTensor::stored(x.shape.clone(), dx, dy.dtype()))
+        let shape = (x.shape.clone(), dy.dtype());
+        let block = rows::block_rows(2 * f);
+        let (dx, _) = rows::map_rows([dy, x], shape, block, |_, [dy, x], dx| {
+            swiglu::swiglu_bwd(dy, x, f, dx)
+        });
+        Ok(dx)
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         check::expect_shape(self, "add_assign", "y", y, &x.shape)?;
-        let ys = y.values();
-        match &mut x.data {
-            Data::F32(v) => v
-                .par_iter_mut()
-                .zip(ys.par_iter())
-                .for_each(|(a, b)| *a += b),
-            Data::Half(dtype, bits) => {
-                let dtype = *dtype;
-                bits.par_chunks_mut(ADD_CHUNK)
-                    .zip(ys.par_chunks(ADD_CHUNK))
-                    .for_each_init(Vec::new, |buf: &mut Vec<f32>, (bits, ys)| {
-                        buf.resize(bits.len(), 0.0);
-                        widen(bits, dtype, buf);
-                        buf.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
-                        narrow_half(buf, dtype, bits);
-                    })
-            }
-            Data::Panels(_) => return Err(packed("add_assign")),
-        }
-        Ok(())
+        let block = rows::block_rows(x.cols());
+        rows::update_rows("add_assign", x, [y], block, |_, x, [y]| {
+            x.iter_mut().zip(y).for_each(|(a, b)| *a += b)
+        })
     }
 
     fn log_softmax(&self, x: &CpuTensor) -> Result<CpuTensor> {
@@ -788,7 +802,7 @@ impl Backend for Cpu {
         check::expect_shape(self, "copy_into", "src", src, &dst.shape)?;
         match &mut dst.data {
             Data::F32(out) => out.copy_from_slice(&src.values()),
-            Data::Half(dtype, bits) => narrow_half(&src.values(), *dtype, bits),
+            Data::Half(dtype, bits) => narrow_half_parallel(&src.values(), *dtype, bits),
             Data::Panels(_) => {
                 *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype())
             }

@@ -4,14 +4,14 @@
 //! computed in f32 as HF `LlamaRMSNorm` and Megatron's RMSNorm do (γ applied last).
 
 use crate::tensor::simd::dot;
-use rayon::prelude::*;
 
 /// `y [n, h] = x · rstd · γ`, `rstd [n]` saved for the backward pass. Overwrites `y`, `rstd`.
+/// One thread: the backend runs blocks of rows in parallel.
 pub fn rms_norm_fwd(x: &[f32], gamma: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
     let h = gamma.len();
-    y.par_chunks_mut(h)
-        .zip(x.par_chunks(h))
-        .zip(rstd.par_iter_mut())
+    y.chunks_exact_mut(h)
+        .zip(x.chunks_exact(h))
+        .zip(rstd.iter_mut())
         .for_each(|((y, x), r)| {
             *r = 1.0 / (dot(x, x) / h as f32 + eps).sqrt();
             for ((y, &x), &g) in y.iter_mut().zip(x).zip(gamma) {
@@ -20,12 +20,9 @@ pub fn rms_norm_fwd(x: &[f32], gamma: &[f32], eps: f32, y: &mut [f32], rstd: &mu
         });
 }
 
-/// Rows per task of the γ gradient: their partial sums are added in a fixed order, so the
-/// result does not depend on the thread count.
-const GRAD_ROWS: usize = 64;
-
 /// `dx [n, h]` (overwritten) and `dγ [h]` (accumulated, unless frozen) of [`rms_norm_fwd`]:
-/// `dx = rstd·(γ∘dy) − rstd³/h · x · Σ(γ∘dy∘x)`, `dγ += Σ_rows dy ∘ x · rstd`.
+/// `dx = rstd·(γ∘dy) − rstd³/h · x · Σ(γ∘dy∘x)`, `dγ += Σ_rows dy ∘ x · rstd`. One thread: the
+/// backend runs blocks of rows in parallel and adds their `dγ` parts in block order.
 pub fn rms_norm_bwd(
     dy: &[f32],
     x: &[f32],
@@ -35,37 +32,21 @@ pub fn rms_norm_bwd(
     dgamma: Option<&mut [f32]>,
 ) {
     let h = gamma.len();
-    dx.par_chunks_mut(h)
-        .zip(dy.par_chunks(h).zip(x.par_chunks(h)))
-        .zip(rstd.par_iter())
-        .for_each(|((dx, (dy, x)), &r)| {
-            let mut proj = 0f32;
-            for ((&dy, &x), &g) in dy.iter().zip(x).zip(gamma) {
-                proj += g * dy * x;
-            }
-            let c = r * r * r * proj / h as f32;
-            for (((dx, &dy), &x), &g) in dx.iter_mut().zip(dy).zip(x).zip(gamma) {
-                *dx = r * g * dy - c * x;
-            }
-        });
+    let rows = || dy.chunks_exact(h).zip(x.chunks_exact(h)).zip(rstd);
+    for (dx, ((dy, x), &r)) in dx.chunks_exact_mut(h).zip(rows()) {
+        let mut proj = 0f32;
+        for ((&dy, &x), &g) in dy.iter().zip(x).zip(gamma) {
+            proj += g * dy * x;
+        }
+        let c = r * r * r * proj / h as f32;
+        for (((dx, &dy), &x), &g) in dx.iter_mut().zip(dy).zip(x).zip(gamma) {
+            *dx = r * g * dy - c * x;
+        }
+    }
     let Some(dgamma) = dgamma else { return };
-    let partials: Vec<Vec<f32>> = dy
-        .par_chunks(h * GRAD_ROWS)
-        .zip(x.par_chunks(h * GRAD_ROWS))
-        .zip(rstd.par_chunks(GRAD_ROWS))
-        .map(|((dy, x), rstd)| {
-            let mut acc = vec![0f32; h];
-            for ((dy, x), &r) in dy.chunks_exact(h).zip(x.chunks_exact(h)).zip(rstd) {
-                for ((a, &dy), &x) in acc.iter_mut().zip(dy).zip(x) {
-                    *a += dy * x * r;
-                }
-            }
-            acc
-        })
-        .collect();
-    for p in partials {
-        for (g, v) in dgamma.iter_mut().zip(p) {
-            *g += v;
+    for ((dy, x), &r) in rows() {
+        for ((a, &dy), &x) in dgamma.iter_mut().zip(dy).zip(x) {
+            *a += dy * x * r;
         }
     }
 }

@@ -5,13 +5,12 @@
 //! `(x1, x2)` halves become `(x1·cos − x2·sin, x2·cos + x1·sin)`. The rotation is orthogonal,
 //! so its backward pass is the same rotation by −θ.
 
-use rayon::prelude::*;
-
 /// Rotate every head of `x [n, width]` in place; `inverse` rotates by −θ (the backward pass).
+/// One thread: the backend runs blocks of rows in parallel.
 pub fn rope(x: &mut [f32], width: usize, cos: &[f32], sin: &[f32], inverse: bool) {
     let half = cos.len() / (x.len() / width).max(1);
     let sign = if inverse { -1.0f32 } else { 1.0 };
-    x.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+    x.chunks_mut(width).enumerate().for_each(|(r, row)| {
         let (c, s) = (
             &cos[r * half..(r + 1) * half],
             &sin[r * half..(r + 1) * half],

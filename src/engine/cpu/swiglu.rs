@@ -4,12 +4,12 @@
 //! `linear_fc1` order); `y [n, f] = silu(gate) · up`, `silu(a) = a·σ(a)`.
 
 use crate::tensor::simd::{silu_mul, swiglu_grad};
-use rayon::prelude::*;
 
-/// `y [n, f] = silu(gate) · up` (overwrites `y`).
+/// `y [n, f] = silu(gate) · up` (overwrites `y`). One thread: the backend runs blocks of rows
+/// in parallel.
 pub fn swiglu_fwd(x: &[f32], f: usize, y: &mut [f32]) {
-    y.par_chunks_mut(f)
-        .zip(x.par_chunks(2 * f))
+    y.chunks_exact_mut(f)
+        .zip(x.chunks_exact(2 * f))
         .for_each(|(y, row)| {
             let (gate, up) = row.split_at(f);
             silu_mul(gate, up, y);
@@ -19,9 +19,9 @@ pub fn swiglu_fwd(x: &[f32], f: usize, y: &mut [f32]) {
 /// `dx [n, 2f]` (overwritten) of [`swiglu_fwd`]: `d gate = dy·up·σ(a)(1 + a(1 − σ(a)))`,
 /// `d up = dy·silu(a)`.
 pub fn swiglu_bwd(dy: &[f32], x: &[f32], f: usize, dx: &mut [f32]) {
-    dx.par_chunks_mut(2 * f)
-        .zip(x.par_chunks(2 * f))
-        .zip(dy.par_chunks(f))
+    dx.chunks_exact_mut(2 * f)
+        .zip(x.chunks_exact(2 * f))
+        .zip(dy.chunks_exact(f))
         .for_each(|((dx, x), dy)| {
             let (gate, up) = x.split_at(f);
             let (dgate, dup) = dx.split_at_mut(f);
