@@ -32,6 +32,8 @@ pub enum Layout {
 pub struct Operand<'a> {
     pub bits: &'a [u16],
     pub layout: Layout,
+    /// Elements from one stored row to the next; `None`: stored rows are contiguous.
+    pub pitch: Option<usize>,
 }
 
 impl<'a> Operand<'a> {
@@ -40,6 +42,7 @@ impl<'a> Operand<'a> {
         Operand {
             bits,
             layout: Layout::Rows,
+            pitch: None,
         }
     }
 
@@ -48,7 +51,27 @@ impl<'a> Operand<'a> {
         Operand {
             bits,
             layout: Layout::Transposed,
+            pitch: None,
         }
+    }
+
+    /// Stored rows and their length for a logical `rows × cols` operand.
+    fn stored(&self, (rows, cols): (usize, usize)) -> (usize, usize) {
+        match self.layout {
+            Layout::Rows => (rows, cols),
+            Layout::Transposed => (cols, rows),
+        }
+    }
+
+    /// Elements from one stored row to the next of a logical `rows × cols` operand.
+    fn pitch_of(&self, shape: (usize, usize)) -> usize {
+        self.pitch.unwrap_or(self.stored(shape).1)
+    }
+
+    /// Whether the bits hold the whole logical `rows × cols` operand.
+    fn holds(&self, shape: (usize, usize)) -> bool {
+        let (n, len) = self.stored(shape);
+        n == 0 || len == 0 || self.bits.len() >= (n - 1) * self.pitch_of(shape) + len
     }
 }
 
@@ -118,7 +141,13 @@ fn left_rows<'a>(
     a: Operand<'a>,
     (rows, depth): (usize, usize),
 ) -> (std::borrow::Cow<'a, [u16]>, usize) {
-    if a.layout == Layout::Rows && rows % BLOCK == 0 && depth % DEPTH == 0 && depth > 0 {
+    let pitch = a.pitch_of((rows, depth));
+    if a.layout == Layout::Rows
+        && rows % BLOCK == 0
+        && depth % DEPTH == 0
+        && depth > 0
+        && pitch == depth
+    {
         return (std::borrow::Cow::Borrowed(&a.bits[..rows * depth]), depth);
     }
     let depth_p = depth.div_ceil(DEPTH).max(1) * DEPTH;
@@ -131,7 +160,7 @@ fn left_rows<'a>(
             match a.layout {
                 Layout::Rows => {
                     for (r, row) in block.chunks_exact_mut(depth_p).take(live).enumerate() {
-                        row[..depth].copy_from_slice(&a.bits[(r0 + r) * depth..][..depth]);
+                        row[..depth].copy_from_slice(&a.bits[(r0 + r) * pitch..][..depth]);
                     }
                 }
                 // Source row k holds column k of the operand: gather 32 of them at a time so
@@ -141,7 +170,7 @@ fn left_rows<'a>(
                         let width = (depth - k0).min(DEPTH);
                         for (r, row) in block.chunks_exact_mut(depth_p).take(live).enumerate() {
                             for (q, d) in row[k0..k0 + width].iter_mut().enumerate() {
-                                *d = a.bits[(k0 + q) * rows + r0 + r];
+                                *d = a.bits[(k0 + q) * pitch + r0 + r];
                             }
                         }
                     }
@@ -214,15 +243,24 @@ impl SharedU32 {
 /// zero past the operand.
 #[inline]
 fn pair_row(b: Operand, (depth, cols): (usize, usize), (k, c0): (usize, usize), row: &mut [u32]) {
+    let pitch = b.pitch_of((depth, cols));
     if b.layout == Layout::Rows && c0 + TILE <= cols && k + 1 < depth {
-        let lo = &b.bits[k * cols + c0..][..TILE];
-        let hi = &b.bits[(k + 1) * cols + c0..][..TILE];
+        let lo = &b.bits[k * pitch + c0..][..TILE];
+        let hi = &b.bits[(k + 1) * pitch + c0..][..TILE];
         return interleave(lo, hi, row);
+    }
+    if b.layout == Layout::Transposed && c0 + TILE <= cols && k + 1 < depth {
+        // Stored row c holds column c: each pair is two adjacent elements of it.
+        for (c, d) in row.iter_mut().enumerate() {
+            let pair = &b.bits[(c0 + c) * pitch + k..][..2];
+            *d = u32::from(pair[0]) | u32::from(pair[1]) << 16;
+        }
+        return;
     }
     let at = |k: usize, c: usize| match b.layout {
         _ if k >= depth || c >= cols => 0,
-        Layout::Rows => b.bits[k * cols + c] as u32,
-        Layout::Transposed => b.bits[c * depth + k] as u32,
+        Layout::Rows => b.bits[k * pitch + c] as u32,
+        Layout::Transposed => b.bits[c * pitch + k] as u32,
     };
     for (c, d) in row.iter_mut().enumerate() {
         *d = at(k, c0 + c) | at(k + 1, c0 + c) << 16;
@@ -296,7 +334,7 @@ pub fn matmul(a: Operand, b: Operand, (rows, depth, cols): (usize, usize, usize)
         Dst::Bf16 { out, bias } => out.len() >= rows * cols && bias.is_none_or(|b| b.len() >= cols),
     };
     assert!(
-        a.bits.len() >= rows * depth && b.bits.len() >= depth * cols && fits,
+        a.holds((rows, depth)) && b.holds((depth, cols)) && fits,
         "internal: AMX product shapes"
     );
     if rows == 0 || cols == 0 {
@@ -390,10 +428,7 @@ impl Sink {
         (r0, c0): (usize, usize),
         (live_r, live_c): (usize, usize),
     ) {
-        let rows = acc
-            .chunks_exact(BLOCK)
-            .take(live_r)
-            .map(|row| &row[..live_c]);
+        let rows = acc.chunks_exact(BLOCK).take(live_r);
         // SAFETY (all arms): forwarded from the caller; offsets stay inside the destination.
         unsafe {
             match self.kind {
@@ -402,12 +437,19 @@ impl Sink {
                     transposed: false,
                 } => {
                     for (r, sums) in rows.enumerate() {
-                        let d = std::slice::from_raw_parts_mut(
-                            (self.out as *mut f32).add((r0 + r) * self.stride + c0),
-                            live_c,
-                        );
+                        let d = (self.out as *mut f32).add((r0 + r) * self.stride + c0);
+                        if live_c == BLOCK {
+                            // Whole rows as arrays: vector moves, not a memcpy call per row.
+                            let (d, sums) = (&mut *(d as *mut [f32; BLOCK]), sums_array(sums));
+                            match store {
+                                Store::Overwrite => *d = *sums,
+                                Store::Accumulate => add_row(d, sums),
+                            }
+                            continue;
+                        }
+                        let d = std::slice::from_raw_parts_mut(d, live_c);
                         match store {
-                            Store::Overwrite => d.copy_from_slice(sums),
+                            Store::Overwrite => d.copy_from_slice(&sums[..live_c]),
                             Store::Accumulate => d.iter_mut().zip(sums).for_each(|(d, s)| *d += s),
                         }
                     }
@@ -417,7 +459,7 @@ impl Sink {
                     transposed: true,
                 } => {
                     for (r, sums) in rows.enumerate() {
-                        for (c, &s) in sums.iter().enumerate() {
+                        for (c, &s) in sums[..live_c].iter().enumerate() {
                             let d = (self.out as *mut f32).add((c0 + c) * self.stride + r0 + r);
                             *d = if store == Store::Accumulate {
                                 *d + s
@@ -428,21 +470,45 @@ impl Sink {
                     }
                 }
                 SinkKind::Bf16 { bias } => {
-                    let (mut row, mut bits) = ([0f32; BLOCK], [0u16; BLOCK]);
-                    for (r, sums) in rows.enumerate() {
-                        row[..live_c].copy_from_slice(sums);
-                        if let Some(bias) = bias {
-                            let bias = std::slice::from_raw_parts(bias.add(c0), live_c);
+                    let mut block = *acc;
+                    if let Some(bias) = bias {
+                        let bias = std::slice::from_raw_parts(bias.add(c0), live_c);
+                        for row in block.chunks_exact_mut(BLOCK).take(live_r) {
                             row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
                         }
-                        narrow_bf16(&row[..live_c], &mut bits[..live_c]);
+                    }
+                    let mut bits = [0u16; BLOCK * BLOCK];
+                    narrow_bf16(&block[..live_r * BLOCK], &mut bits[..live_r * BLOCK]);
+                    for (r, row) in bits.chunks_exact(BLOCK).take(live_r).enumerate() {
                         // The destination may be uninitialized: written, never read.
                         let d = (self.out as *mut u16).add((r0 + r) * self.stride + c0);
-                        std::ptr::copy_nonoverlapping(bits.as_ptr(), d, live_c);
+                        if live_c == BLOCK {
+                            (d as *mut [u16; BLOCK]).write_unaligned(*bits_array(row));
+                        } else {
+                            std::ptr::copy_nonoverlapping(row.as_ptr(), d, live_c);
+                        }
                     }
                 }
             }
         }
+    }
+}
+
+/// A block row as an array (its length is [`BLOCK`]).
+fn sums_array(row: &[f32]) -> &[f32; BLOCK] {
+    row.try_into().expect("a block row")
+}
+
+/// A block row of bits as an array.
+fn bits_array(row: &[u16]) -> &[u16; BLOCK] {
+    row.try_into().expect("a block row")
+}
+
+/// `d += sums` over a whole block row.
+#[inline]
+fn add_row(d: &mut [f32; BLOCK], sums: &[f32; BLOCK]) {
+    for (d, s) in d.iter_mut().zip(sums) {
+        *d += s;
     }
 }
 
@@ -612,10 +678,12 @@ mod tests {
                     Operand {
                         bits: &a,
                         layout: la,
+                        pitch: None,
                     },
                     Operand {
                         bits: &b,
                         layout: lb,
+                        pitch: None,
                     },
                 );
                 let expect = |i, j| want((&a, &b), (la, lb), shape, (i, j));
@@ -662,7 +730,52 @@ mod tests {
                 assert!(out_t
                     .chunks_exact(t_stride)
                     .all(|r| r[rows..].iter().all(|&v| v == 0.25)));
+                // Column blocks of wider matrices: the same sums.
+                let (a_wide, b_wide) = (
+                    pitched(operands.0, (rows, depth)),
+                    pitched(operands.1, (depth, cols)),
+                );
+                let mut out_p = vec![0.5f32; rows * stride];
+                let dst = Dst::F32 {
+                    out: &mut out_p,
+                    stride,
+                    store: Store::Accumulate,
+                    transposed: false,
+                };
+                matmul(a_wide.as_operand(), b_wide.as_operand(), shape, dst);
+                assert_eq!(out_p, out, "{la:?} {lb:?} pitched");
             }
+        }
+    }
+
+    /// An operand's stored rows 5 elements apart, NaN between them.
+    struct Pitched {
+        bits: Vec<u16>,
+        layout: Layout,
+        pitch: usize,
+    }
+
+    impl Pitched {
+        fn as_operand(&self) -> Operand<'_> {
+            Operand {
+                bits: &self.bits,
+                layout: self.layout,
+                pitch: Some(self.pitch),
+            }
+        }
+    }
+
+    fn pitched(op: Operand, shape: (usize, usize)) -> Pitched {
+        let (n, len) = op.stored(shape);
+        let pitch = len + 5;
+        let mut bits = vec![0x7FC0u16; n * pitch];
+        for (r, row) in bits.chunks_exact_mut(pitch).enumerate() {
+            row[..len].copy_from_slice(&op.bits[r * len..(r + 1) * len]);
+        }
+        Pitched {
+            bits,
+            layout: op.layout,
+            pitch,
         }
     }
 }

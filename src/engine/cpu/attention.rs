@@ -9,9 +9,10 @@
 //! `--reset-attention-mask`); no row sees another segment. Head h reads key/value group
 //! `h / (nh/ng)`.
 
+use super::amx::{self, Operand};
 use super::gemm::{gemm_into, Store, Strided};
 use crate::engine::{AttentionShape, Segment};
-use crate::tensor::simd::{self, softmax};
+use crate::tensor::simd::{self, narrow_bf16, softmax};
 use crate::tensor::SharedOut;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -51,16 +52,7 @@ pub fn attention_fwd(q: &[f32], k: &[f32], v: &[f32], at: Layout, o: &mut [f32],
     );
     let out = SharedOut(o.as_mut_ptr());
     let lse_out = SharedOut(lse.as_mut_ptr());
-    let tasks: Vec<(Range<usize>, usize, usize)> = at
-        .segments
-        .iter()
-        .flat_map(|seg| {
-            (0..nh).flat_map(move |h| {
-                (0..seg.len().div_ceil(BLOCK)).map(move |b| (seg.clone(), h, b * BLOCK))
-            })
-        })
-        .collect();
-    tasks
+    query_blocks(at, BLOCK)
         .into_par_iter()
         .for_each_init(Vec::new, |scores, (seg, h, t0)| {
             let rows = (seg.len() - t0).min(BLOCK);
@@ -100,6 +92,44 @@ pub fn attention_fwd(q: &[f32], k: &[f32], v: &[f32], at: Layout, o: &mut [f32],
         });
 }
 
+/// Every (segment, head, first row) of blocks of `block` query rows.
+fn query_blocks(at: Layout, block: usize) -> Vec<(Range<usize>, usize, usize)> {
+    at.segments
+        .iter()
+        .flat_map(|seg| {
+            (0..at.shape.heads).flat_map(move |h| {
+                (0..seg.len().div_ceil(block)).map(move |b| (seg.clone(), h, b * block))
+            })
+        })
+        .collect()
+}
+
+/// `D [T, nh]`: per row and head `Σ dO ∘ O`, the softmax Jacobian's correction term, of
+/// elements `widen` reads as f32.
+fn deltas<E: Copy + Sync>(
+    d_o: &[E],
+    o: &[E],
+    at: Layout,
+    widen: impl Fn(E) -> f32 + Sync,
+) -> Vec<f32> {
+    let (d, qw, nh) = (at.shape.head_dim, at.qw(), at.shape.heads);
+    let mut delta = vec![0f32; at.rows() * nh];
+    delta
+        .par_chunks_mut(nh)
+        .zip(d_o.par_chunks(qw).zip(o.par_chunks(qw)))
+        .for_each(|(dl, (gr, orow))| {
+            for (h, dl) in dl.iter_mut().enumerate() {
+                let span = h * d..(h + 1) * d;
+                *dl = gr[span.clone()]
+                    .iter()
+                    .zip(&orow[span])
+                    .map(|(&a, &b)| widen(a) * widen(b))
+                    .sum();
+            }
+        });
+    delta
+}
+
 /// Softmax of `row[..visible]` in place (the rest zeroed); returns its log-sum-exp.
 fn softmax_lse(row: &mut [f32], visible: usize) -> f32 {
     let (seen, masked) = row.split_at_mut(visible);
@@ -137,21 +167,7 @@ pub fn attention_bwd(
             && lse.len() == rows * nh,
         "internal: attention gradient shapes"
     );
-    // D = rowsum(dO ∘ O) per (row, head): the softmax Jacobian's correction term.
-    let mut delta = vec![0f32; rows * nh];
-    delta
-        .par_chunks_mut(nh)
-        .zip(d_o.par_chunks(qw).zip(o.par_chunks(qw)))
-        .for_each(|(dl, (gr, orow))| {
-            for (h, dl) in dl.iter_mut().enumerate() {
-                let span = h * d..(h + 1) * d;
-                *dl = gr[span.clone()]
-                    .iter()
-                    .zip(&orow[span])
-                    .map(|(a, b)| a * b)
-                    .sum();
-            }
-        });
+    let delta = deltas(d_o, o, at, |x| x);
     dk.fill(0.0);
     dv.fill(0.0);
     let (dq_out, dk_out, dv_out) = (
@@ -247,6 +263,239 @@ pub fn attention_bwd(
             }
         },
     );
+}
+
+/// Query rows per block of the bf16 products on AMX tiles: few, large products, so that their
+/// set-up costs little (the masked half of the diagonal block is computed and discarded).
+const AMX_BLOCK: usize = 256;
+
+/// The bf16 bits of one attention call's `q [T, qw]`, `k`, `v [T, kw]`.
+#[derive(Clone, Copy)]
+pub struct Bf16Qkv<'a> {
+    pub q: &'a [u16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+}
+
+/// Head (or group) `h`'s columns of `x [T, width]` from row `row` as a product operand:
+/// `[rows, d]` (`Rows`) or its transpose (`Transposed`).
+fn head_operand(
+    x: &[u16],
+    (row, width): (usize, usize),
+    h: usize,
+    d: usize,
+    layout: amx::Layout,
+) -> Operand<'_> {
+    Operand {
+        bits: &x[row * width + h * d..],
+        layout,
+        pitch: Some(width),
+    }
+}
+
+/// `out = / += a · b` for `a [m, k]`, `b [k, n]` into contiguous f32 rows.
+fn product(a: Operand, b: Operand, shape: (usize, usize, usize), out: &mut [f32], store: Store) {
+    let dst = amx::Dst::F32 {
+        out,
+        stride: shape.2,
+        store,
+        transposed: false,
+    };
+    amx::matmul(a, b, shape, dst);
+}
+
+/// Rounded to bf16 into `bits` (resized to match).
+fn narrowed(values: &[f32], bits: &mut Vec<u16>) {
+    bits.resize(values.len(), 0);
+    narrow_bf16(values, bits);
+}
+
+/// [`attention_fwd`] of bf16 `q`, `k`, `v` with its products on AMX tiles: scores summed in
+/// f32, softmax in f32, the probabilities rounded to bf16 for `P·V` (as FlashAttention's bf16
+/// kernels and Megatron's unfused bf16 attention do). Call only where [`amx::available`].
+pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]) {
+    let s = at.shape;
+    let (d, qw, kw, nh) = (s.head_dim, at.qw(), at.kw(), s.heads);
+    let (n, per_group) = (at.rows(), nh / s.groups);
+    assert!(
+        x.q.len() == n * qw && x.k.len() == n * kw && x.v.len() == n * kw,
+        "internal: attention shapes"
+    );
+    assert!(
+        o.len() == n * qw && lse.len() == n * nh,
+        "internal: attention outputs"
+    );
+    let (out, lse_out) = (SharedOut(o.as_mut_ptr()), SharedOut(lse.as_mut_ptr()));
+    query_blocks(at, AMX_BLOCK).into_par_iter().for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(scores, probs, block_o), (seg, h, t0)| {
+            let (rows, g, row) = (
+                (seg.len() - t0).min(AMX_BLOCK),
+                h / per_group,
+                seg.start + t0,
+            );
+            let seen = t0 + rows;
+            let q = head_operand(x.q, (row, qw), h, d, amx::Layout::Rows);
+            let k_t = head_operand(x.k, (seg.start, kw), g, d, amx::Layout::Transposed);
+            scores.resize(rows * seen, 0.0);
+            product(q, k_t, (rows, d, seen), scores, Store::Overwrite);
+            for (r, sc) in scores.chunks_exact_mut(seen).enumerate() {
+                let visible = t0 + r + 1;
+                sc[..visible].iter_mut().for_each(|v| *v *= s.scale);
+                let log_sum = softmax_lse(sc, visible);
+                // SAFETY: row + r < T; this task alone writes lse's (rows of the block, h).
+                unsafe { *lse_out.at((row + r) * nh + h) = log_sum };
+            }
+            narrowed(scores, probs);
+            block_o.resize(rows * d, 0.0);
+            let v = head_operand(x.v, (seg.start, kw), g, d, amx::Layout::Rows);
+            product(
+                amx::Operand::rows(probs),
+                v,
+                (rows, seen, d),
+                block_o,
+                Store::Overwrite,
+            );
+            for (r, values) in block_o.chunks_exact(d).enumerate() {
+                // SAFETY: row + r < T, columns h·d.. + d < qw; this task alone writes them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        values.as_ptr(),
+                        out.at((row + r) * qw + h * d),
+                        d,
+                    )
+                };
+            }
+        },
+    );
+}
+
+/// [`attention_bwd`] of bf16 operands with its products on AMX tiles (probabilities and
+/// score gradients rounded to bf16 for the products, as FlashAttention's bf16 backward does;
+/// softmax and sums in f32). Call only where [`amx::available`].
+pub fn attention_bwd_bf16(
+    (d_o, o): (&[u16], &[u16]),
+    x: Bf16Qkv,
+    lse: &[f32],
+    at: Layout,
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let s = at.shape;
+    let (d, qw, kw, nh) = (s.head_dim, at.qw(), at.kw(), s.heads);
+    let (n, per_group) = (at.rows(), nh / s.groups);
+    assert!(
+        [x.q.len(), o.len(), d_o.len(), dq.len()]
+            .iter()
+            .all(|&l| l == n * qw)
+            && [x.k.len(), x.v.len(), dk.len(), dv.len()]
+                .iter()
+                .all(|&l| l == n * kw)
+            && lse.len() == n * nh,
+        "internal: attention gradient shapes"
+    );
+    let delta = deltas(d_o, o, at, |b| f32::from_bits(u32::from(b) << 16));
+    let (dq_out, dk_out, dv_out) = (
+        SharedOut(dq.as_mut_ptr()),
+        SharedOut(dk.as_mut_ptr()),
+        SharedOut(dv.as_mut_ptr()),
+    );
+    let tasks: Vec<(Range<usize>, usize)> = at
+        .segments
+        .iter()
+        .flat_map(|seg| (0..s.groups).map(move |g| (seg.clone(), g)))
+        .collect();
+    tasks.into_par_iter().for_each(|(seg, g)| {
+        let (mut p, mut dp, mut block_dq) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut p_bits, mut ds_bits) = (Vec::new(), Vec::new());
+        let (mut dk_g, mut dv_g) = (vec![0f32; seg.len() * d], vec![0f32; seg.len() * d]);
+        let group = |x, layout| head_operand(x, (seg.start, kw), g, d, layout);
+        for h in g * per_group..(g + 1) * per_group {
+            for t0 in (0..seg.len()).step_by(AMX_BLOCK) {
+                let (rows, row) = ((seg.len() - t0).min(AMX_BLOCK), seg.start + t0);
+                let seen = t0 + rows;
+                let q = head_operand(x.q, (row, qw), h, d, amx::Layout::Rows);
+                let grad = head_operand(d_o, (row, qw), h, d, amx::Layout::Rows);
+                p.resize(rows * seen, 0.0);
+                dp.resize(rows * seen, 0.0);
+                let shape = (rows, d, seen);
+                product(
+                    q,
+                    group(x.k, amx::Layout::Transposed),
+                    shape,
+                    &mut p,
+                    Store::Overwrite,
+                );
+                product(
+                    grad,
+                    group(x.v, amx::Layout::Transposed),
+                    shape,
+                    &mut dp,
+                    Store::Overwrite,
+                );
+                for (r, (pr, dpr)) in p
+                    .chunks_exact_mut(seen)
+                    .zip(dp.chunks_exact_mut(seen))
+                    .enumerate()
+                {
+                    let (l, dl) = (lse[(row + r) * nh + h], delta[(row + r) * nh + h]);
+                    let visible = t0 + r + 1;
+                    pr[..visible].iter_mut().for_each(|v| *v *= s.scale);
+                    simd::exp_sub(&mut pr[..visible], l, 1.0);
+                    for (dp, &p) in dpr[..visible].iter_mut().zip(&pr[..visible]) {
+                        *dp = p * (*dp - dl);
+                    }
+                    pr[visible..].fill(0.0);
+                    dpr[visible..].fill(0.0);
+                }
+                narrowed(&p, &mut p_bits);
+                narrowed(&dp, &mut ds_bits);
+                // dq = scale · dS · K; dk += dSᵀ · Q and dv += Pᵀ · dO (dk scaled at the end).
+                block_dq.resize(rows * d, 0.0);
+                let ds = amx::Operand::rows(&ds_bits);
+                product(
+                    ds,
+                    group(x.k, amx::Layout::Rows),
+                    (rows, seen, d),
+                    &mut block_dq,
+                    Store::Overwrite,
+                );
+                for (r, values) in block_dq.chunks_exact(d).enumerate() {
+                    for (c, &v) in values.iter().enumerate() {
+                        // SAFETY: row + r < T, head h of group g: this task alone writes it.
+                        unsafe { *dq_out.at((row + r) * qw + h * d + c) = v * s.scale };
+                    }
+                }
+                let (ds_t, p_t) = (
+                    amx::Operand::transposed(&ds_bits),
+                    amx::Operand::transposed(&p_bits),
+                );
+                product(
+                    ds_t,
+                    q,
+                    (seen, rows, d),
+                    &mut dk_g[..seen * d],
+                    Store::Accumulate,
+                );
+                product(
+                    p_t,
+                    grad,
+                    (seen, rows, d),
+                    &mut dv_g[..seen * d],
+                    Store::Accumulate,
+                );
+            }
+        }
+        for (r, (dk_row, dv_row)) in dk_g.chunks_exact(d).zip(dv_g.chunks_exact(d)).enumerate() {
+            let at = (seg.start + r) * kw + g * d;
+            for c in 0..d {
+                // SAFETY: the segment's rows, group g's columns: this task's alone.
+                unsafe {
+                    *dk_out.at(at + c) = dk_row[c] * s.scale;
+                    *dv_out.at(at + c) = dv_row[c];
+                }
+            }
+        }
+    });
 }
 
 /// Inference attention over a KV cache `[slots, capacity, kw]`: each segment's new query rows
@@ -402,5 +651,82 @@ mod tests {
         check_grad("dq", &q, &dq, |x| loss(x, &k, &v));
         check_grad("dk", &k, &dk, |x| loss(&q, x, &v));
         check_grad("dv", &v, &dv, |x| loss(&q, &k, x));
+    }
+
+    /// bf16 bits of `v` and the f32 values they hold.
+    fn rounded(v: &[f32]) -> (Vec<u16>, Vec<f32>) {
+        let mut bits = vec![0u16; v.len()];
+        narrow_bf16(v, &mut bits);
+        let values = bits
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        (bits, values)
+    }
+
+    /// `|a − b| ≤ tol · max |b|` element for element.
+    fn close(name: &str, a: &[f32], b: &[f32], tol: f32) {
+        let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * scale,
+                "{name}[{i}]: {x} vs {y} (of {scale})"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_attention_on_amx_tiles_matches_the_f32_kernels_within_bf16_rounding() {
+        if !amx::available() {
+            eprintln!("skipped: no AMX bf16 on this CPU");
+            return;
+        }
+        let s = AttentionShape {
+            heads: 4,
+            groups: 2,
+            head_dim: 40,
+            scale: 1.0 / 40f32.sqrt(),
+        };
+        // A sequence longer than one block of AMX_BLOCK rows, then two short documents.
+        let segments = [0..300, 300..310, 310..320];
+        let rows = 320;
+        let (qw, kw) = (s.heads * s.head_dim, s.groups * s.head_dim);
+        let scaled = |v: Vec<f32>| v.iter().map(|x| 3.0 * x).collect::<Vec<_>>();
+        let (qb, q) = rounded(&scaled(seeded(rows * qw, 1)));
+        let (kb, k) = rounded(&scaled(seeded(rows * kw, 2)));
+        let (vb, v) = rounded(&seeded(rows * kw, 3));
+        let at = Layout {
+            shape: s,
+            segments: &segments,
+        };
+        let x = Bf16Qkv {
+            q: &qb,
+            k: &kb,
+            v: &vb,
+        };
+        let (mut o_ref, mut lse_ref) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
+        attention_fwd(&q, &k, &v, at, &mut o_ref, &mut lse_ref);
+        let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
+        attention_fwd_bf16(x, at, &mut o, &mut lse);
+        close("lse", &lse, &lse_ref, 1e-5);
+        close("o", &o, &o_ref, 1e-2);
+
+        let (ob, o) = rounded(&o);
+        let (gb, d_o) = rounded(&seeded(rows * qw, 4));
+        let zeros = |n| vec![0.0; n];
+        let mut want = (zeros(rows * qw), zeros(rows * kw), zeros(rows * kw));
+        let grads = (&mut want.0[..], &mut want.1[..], &mut want.2[..]);
+        attention_bwd(&d_o, &q, &k, &v, &o, &lse, at, grads);
+        let mut got = (zeros(rows * qw), zeros(rows * kw), zeros(rows * kw));
+        attention_bwd_bf16(
+            (&gb, &ob),
+            x,
+            &lse,
+            at,
+            (&mut got.0, &mut got.1, &mut got.2),
+        );
+        close("dq", &got.0, &want.0, 2e-2);
+        close("dk", &got.1, &want.1, 2e-2);
+        close("dv", &got.2, &want.2, 2e-2);
     }
 }

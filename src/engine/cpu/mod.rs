@@ -198,6 +198,20 @@ fn amx_pair<'a>(a: &'a CpuTensor, b: &'a CpuTensor) -> Option<(&'a [u16], &'a [u
     Some((a.bf16_bits()?, b.bf16_bits()?)).filter(|_| amx::available())
 }
 
+/// The bits of bf16 `q`, `k`, `v`, where AMX tiles can run their attention.
+fn bf16_qkv<'a>(
+    q: &'a CpuTensor,
+    k: &'a CpuTensor,
+    v: &'a CpuTensor,
+) -> Option<attention::Bf16Qkv<'a>> {
+    let x = attention::Bf16Qkv {
+        q: q.bf16_bits()?,
+        k: k.bf16_bits()?,
+        v: v.bf16_bits()?,
+    };
+    Some(x).filter(|_| amx::available())
+}
+
 /// `dw [m, k] += dyᵀ · x` for bf16 `dy [n, m]`, `x [n, k]` on AMX tiles, transposing the
 /// smaller of the two for the tiles' left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
 fn amx_weight_grad(dy: &[u16], x: &[u16], (n, m, k): (usize, usize, usize), dw: &mut [f32]) {
@@ -631,7 +645,17 @@ impl Backend for Cpu {
             vec![0f32; n * s.heads],
         );
         let at = attention::Layout { shape: s, segments };
-        attention::attention_fwd(&q.values(), &k.values(), &v.values(), at, &mut o, &mut lse);
+        match bf16_qkv(q, k, v) {
+            Some(x) => attention::attention_fwd_bf16(x, at, &mut o, &mut lse),
+            None => attention::attention_fwd(
+                &q.values(),
+                &k.values(),
+                &v.values(),
+                at,
+                &mut o,
+                &mut lse,
+            ),
+        }
         Ok((
             CpuTensor::stored(q.shape.clone(), o, q.dtype()),
             CpuTensor::new(vec![n, s.heads], lse),
@@ -657,16 +681,22 @@ impl Backend for Cpu {
             vec![0f32; v.numel()],
         );
         let at = attention::Layout { shape: s, segments };
-        attention::attention_bwd(
-            &d_o.values(),
-            &q.values(),
-            &k.values(),
-            &v.values(),
-            &o.values(),
-            &lse.values(),
-            at,
-            (&mut dq, &mut dk, &mut dv),
-        );
+        let grads = (&mut dq[..], &mut dk[..], &mut dv[..]);
+        match (bf16_qkv(q, k, v), d_o.bf16_bits(), o.bf16_bits()) {
+            (Some(x), Some(d_o), Some(o)) => {
+                attention::attention_bwd_bf16((d_o, o), x, &lse.values(), at, grads)
+            }
+            _ => attention::attention_bwd(
+                &d_o.values(),
+                &q.values(),
+                &k.values(),
+                &v.values(),
+                &o.values(),
+                &lse.values(),
+                at,
+                grads,
+            ),
+        }
         let dt = d_o.dtype();
         Ok((
             CpuTensor::stored(q.shape.clone(), dq, dt),
