@@ -307,7 +307,14 @@ pub fn cross_entropy_bwd<D: Device>(
 }
 
 /// [`super::Backend::adamw`].
-pub fn adamw<D: Device>(d: &D, param: &D::Tensor, rest: [(&str, &D::Tensor); 3]) -> Result<()> {
+pub fn adamw<D: Device>(
+    d: &D,
+    param: &D::Tensor,
+    rest: [(&str, &D::Tensor); 3],
+    model: Option<&D::Tensor>,
+) -> Result<()> {
+    let model = model.map(|t| ("model", t));
     rest.iter()
+        .chain(model.as_ref())
         .try_for_each(|(what, t)| expect_shape(d, "adamw", what, t, d.shape(param)))
 }

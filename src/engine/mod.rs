@@ -171,6 +171,9 @@ pub struct AdamWStep {
     pub weight_decay: f64,
     /// Step number, from 1.
     pub step: u64,
+    /// The gradient is multiplied by it first, in place: Megatron's clipping coefficient
+    /// (`--clip-grad` over the global norm), 1 when the norm is within the bound.
+    pub grad_scale: f32,
 }
 
 /// The operators, for [`Device::supports`] and `mindkit selftest`.
@@ -410,14 +413,16 @@ pub trait Backend: Device {
     /// `Σ x²` of each tensor, summed in f64 on the host (aclnnForeachNorm, read back: one host
     /// synchronisation).
     fn sum_squares(&self, xs: &[&Self::Tensor]) -> Result<f64>;
-    /// One AdamW step of `param` (f32) with `grad`, moments `m`, `v` updated in place
-    /// (aclnnApplyAdamWV2). Overwrites all three.
+    /// One AdamW step of `param` (f32) with `grad` scaled in place by `step.grad_scale`
+    /// (aclnnInplaceMuls), moments `m`, `v` updated in place (aclnnApplyAdamWV2), then `param`
+    /// copied into `model` where given, as [`Backend::copy_into`] does (the bf16 weights of
+    /// mixed precision). Overwrites all of them; one pass over memory where the backend can.
     fn adamw(
         &self,
         param: &mut Self::Tensor,
-        grad: &Self::Tensor,
-        m: &mut Self::Tensor,
-        v: &mut Self::Tensor,
+        grad: &mut Self::Tensor,
+        moments: (&mut Self::Tensor, &mut Self::Tensor),
         step: AdamWStep,
+        model: Option<&mut Self::Tensor>,
     ) -> Result<()>;
 }

@@ -633,15 +633,19 @@ fn adamw<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
         eps: 1e-8,
         weight_decay: 0.1,
         step: 3,
+        grad_scale: 0.5,
     };
     Ok(on_both!(dut, cpu, |b| {
-        let (mut p, mut m) = (b.upload(&p)?, b.upload(&m)?);
+        let (mut p, mut g, mut m) = (b.upload(&p)?, b.upload(&g)?, b.upload(&m)?);
         let mut v = b.upload_f32(&[33, 7], &v_values)?;
-        b.adamw(&mut p, &b.upload(&g)?, &mut m, &mut v, step)?;
+        let mut model = b.zeros(&[33, 7], DType::BF16)?;
+        b.adamw(&mut p, &mut g, (&mut m, &mut v), step, Some(&mut model))?;
         vec![
             b.download_f32(&p)?,
+            b.download_f32(&g)?,
             b.download_f32(&m)?,
             b.download_f32(&v)?,
+            b.download_f32(&model)?,
         ]
     }))
 }

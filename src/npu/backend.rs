@@ -1343,12 +1343,33 @@ impl Backend for Npu {
     fn adamw(
         &self,
         param: &mut NpuTensor,
+        grad: &mut NpuTensor,
+        (m, v): (&mut NpuTensor, &mut NpuTensor),
+        a: AdamWStep,
+        model: Option<&mut NpuTensor>,
+    ) -> Result<()> {
+        let rest = [("grad", &*grad), ("m", &*m), ("v", &*v)];
+        check::adamw(self, param, rest, model.as_deref())?;
+        if a.grad_scale != 1.0 {
+            self.scale(grad, a.grad_scale)?;
+        }
+        self.apply_adamw(param, grad, (m, v), a)?;
+        match model {
+            Some(model) => self.copy_into(param, model),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Npu {
+    /// aclnnApplyAdamWV2 on `param`, `m`, `v` in place.
+    fn apply_adamw(
+        &self,
+        param: &mut NpuTensor,
         grad: &NpuTensor,
-        m: &mut NpuTensor,
-        v: &mut NpuTensor,
+        (m, v): (&mut NpuTensor, &mut NpuTensor),
         a: AdamWStep,
     ) -> Result<()> {
-        check::adamw(self, param, [("grad", grad), ("m", m), ("v", v)])?;
         let step = self.indices(std::iter::once(a.step as i64))?;
         let c = &self.ctx;
         let (p, md, vd) = (

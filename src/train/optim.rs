@@ -124,17 +124,14 @@ impl<T> Optimizer<T> {
                 applied: false,
             });
         }
+        // Megatron's clip coefficient, applied to each gradient as its update reads it.
         let clip = self.config.clip_grad;
-        if clip > 0.0 {
-            let coeff = clip / (grad_norm + 1e-6);
-            if coeff < 1.0 {
-                for (i, g) in grads.iter_mut().enumerate() {
-                    if self.trainable[i] {
-                        b.scale(g, coeff as f32)?;
-                    }
-                }
-            }
-        }
+        let coeff = clip / (grad_norm + 1e-6);
+        let grad_scale = if clip > 0.0 && coeff < 1.0 {
+            coeff as f32
+        } else {
+            1.0
+        };
         self.steps += 1;
         for i in 0..params.len() {
             if !self.trainable[i] {
@@ -146,25 +143,18 @@ impl<T> Optimizer<T> {
                 eps: self.config.eps,
                 weight_decay: if self.decay[i] { wd } else { 0.0 },
                 step: self.steps,
+                grad_scale,
             };
+            let moments = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
             match &mut self.main {
-                None => b.adamw(
-                    &mut params[i],
-                    &grads[i],
-                    &mut self.exp_avg[i],
-                    &mut self.exp_avg_sq[i],
+                None => b.adamw(&mut params[i], &mut grads[i], moments, step, None)?,
+                Some(main) => b.adamw(
+                    &mut main[i],
+                    &mut grads[i],
+                    moments,
                     step,
+                    Some(&mut params[i]),
                 )?,
-                Some(main) => {
-                    b.adamw(
-                        &mut main[i],
-                        &grads[i],
-                        &mut self.exp_avg[i],
-                        &mut self.exp_avg_sq[i],
-                        step,
-                    )?;
-                    b.copy_into(&main[i], &mut params[i])?;
-                }
             }
         }
         Ok(StepReport {

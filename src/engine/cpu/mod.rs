@@ -884,20 +884,31 @@ impl Backend for Cpu {
     fn adamw(
         &self,
         param: &mut CpuTensor,
-        grad: &CpuTensor,
-        m: &mut CpuTensor,
-        v: &mut CpuTensor,
+        grad: &mut CpuTensor,
+        (m, v): (&mut CpuTensor, &mut CpuTensor),
         step: AdamWStep,
+        model: Option<&mut CpuTensor>,
     ) -> Result<()> {
-        check::adamw(self, param, [("grad", grad), ("m", m), ("v", v)])?;
-        let g = grad.values();
-        optim::adamw(
-            param.f32_mut("adamw")?,
-            &g,
+        let rest = [("grad", &*grad), ("m", &*m), ("v", &*v)];
+        check::adamw(self, param, rest, model.as_deref())?;
+        let state = (
+            grad.f32_mut("adamw")?,
             m.f32_mut("adamw")?,
             v.f32_mut("adamw")?,
-            step,
         );
+        match model {
+            // bf16 weights rounded from each block while it is in cache.
+            Some(CpuTensor {
+                data: Data::Half(dtype, bits),
+                ..
+            }) => optim::adamw(param.f32_mut("adamw")?, state, step, Some((*dtype, bits))),
+            model => {
+                optim::adamw(param.f32_mut("adamw")?, state, step, None);
+                if let Some(model) = model {
+                    self.copy_into(param, model)?;
+                }
+            }
+        }
         Ok(())
     }
 }

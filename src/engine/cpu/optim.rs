@@ -2,16 +2,24 @@
 //! norm (aclnnForeachNorm), and the embedding gradient (aclnnEmbeddingDenseBackward).
 
 use crate::engine::{AdamWStep, NO_ROW};
+use crate::tensor::DType;
 use rayon::prelude::*;
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
 
-/// One AdamW step on `param` with `grad`, moments `m`, `v` updated in place, in the order and
-/// precision of torch's single-tensor `AdamW` (torch/optim/adamw.py, `_single_tensor_adam`
-/// with decoupled decay): `p ·= 1 − lr·wd; m = lerp(m, g, 1 − β₁); v = β₂v + (1 − β₂)g²;
-/// p −= lr/bc₁ · m / (√v/√bc₂ + ε)`.
-pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], a: AdamWStep) {
+/// One AdamW step on `param` with `grad` (first multiplied in place by `a.grad_scale` unless
+/// that is 1), moments `m`, `v` updated in place, in the order and precision of torch's
+/// single-tensor `AdamW` (torch/optim/adamw.py, `_single_tensor_adam` with decoupled decay):
+/// `p ·= 1 − lr·wd; m = lerp(m, g, 1 − β₁); v = β₂v + (1 − β₂)g²; p −= lr/bc₁ · m /
+/// (√v/√bc₂ + ε)`; then `p` rounded into `model`'s half bits where given. Each chunk goes
+/// through all of it while in cache: one pass over memory.
+pub fn adamw(
+    param: &mut [f32],
+    (grad, m, v): (&mut [f32], &mut [f32], &mut [f32]),
+    a: AdamWStep,
+    model: Option<(DType, &mut [u16])>,
+) {
     let (b1, b2) = a.betas;
     let decay = (1.0 - a.lr * a.weight_decay) as f32;
     let w1 = (1.0 - b1) as f32;
@@ -20,7 +28,11 @@ pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], a: A
     let bc2_sqrt = ((1.0 - b2.powf(a.step as f64)).sqrt()) as f32;
     let step_size = (a.lr / bc1) as f32;
     let eps = a.eps as f32;
-    let update = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
+    let grad_scale = a.grad_scale;
+    let update = |p: &mut [f32], g: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+        if grad_scale != 1.0 {
+            g.iter_mut().for_each(|g| *g *= grad_scale);
+        }
         for i in 0..p.len() {
             p[i] *= decay;
             m[i] += w1 * (g[i] - m[i]);
@@ -29,19 +41,30 @@ pub fn adamw(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], a: A
             p[i] += -step_size * (m[i] / denom);
         }
     };
-    param
+    let run = |p: &mut [f32], g: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+        // Each operation is exactly rounded, so 16-lane code computes the same bits.
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has the feature the function was compiled for.
+            return unsafe { in_avx512(|| update(p, g, m, v)) };
+        }
+        update(p, g, m, v)
+    };
+    let chunks = param
         .par_chunks_mut(CHUNK)
-        .zip(grad.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-        .for_each(|((p, g), (m, v))| {
-            // Each operation is exactly rounded, so 16-lane code computes the same bits.
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has the feature the function was compiled for.
-                return unsafe { in_avx512(|| update(p, g, m, v)) };
-            }
-            update(p, g, m, v)
-        });
+        .zip(grad.par_chunks_mut(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)));
+    match model {
+        Some((dtype, bits)) => {
+            chunks
+                .zip(bits.par_chunks_mut(CHUNK))
+                .for_each(|(((p, g), (m, v)), bits)| {
+                    run(p, g, m, v);
+                    super::narrow_half(p, dtype, bits);
+                })
+        }
+        None => chunks.for_each(|((p, g), (m, v))| run(p, g, m, v)),
+    }
 }
 
 /// `f` compiled for AVX-512 where it is inlined (the loops it runs vectorize to 16 lanes).
@@ -116,7 +139,7 @@ mod tests {
     #[test]
     fn two_steps_equal_torch() {
         let mut p = vec![1.0f32, -2.0, 0.5];
-        let g = [0.1f32, 0.2, -0.3];
+        let mut g = [0.1f32, 0.2, -0.3];
         let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
         for step in 1..=2 {
             let a = AdamWStep {
@@ -125,8 +148,9 @@ mod tests {
                 eps: 1e-8,
                 weight_decay: 0.1,
                 step,
+                grad_scale: 1.0,
             };
-            adamw(&mut p, &g, &mut m, &mut v, a);
+            adamw(&mut p, (&mut g, &mut m, &mut v), a, None);
         }
         // Bit for bit.
         assert_eq!(p, [0.978_011_1_f32, -2.015_992_2, 0.518_990_5]);
