@@ -362,9 +362,39 @@ pub fn sum_exp_sub(v: &[f32], shift: f32) -> f32 {
     sum_exp_sub_portable(v, shift)
 }
 
+/// `max` over [`LANES`] independent running maxima, so that the loop vectorizes (the maximum
+/// does not depend on the order; NaNs are skipped as `f32::max` skips them).
+#[inline]
+fn max_lanes(v: &[f32]) -> f32 {
+    let chunks = v.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for c in chunks {
+        for i in 0..LANES {
+            lanes[i] = lanes[i].max(c[i]);
+        }
+    }
+    lanes.iter().copied().fold(tail, f32::max)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn max_avx512(v: &[f32]) -> f32 {
+    max_lanes(v)
+}
+
 /// The largest value (−∞ for an empty slice).
 pub fn max(v: &[f32]) -> f32 {
-    v.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has the feature the function was compiled for.
+        return unsafe { max_avx512(v) };
+    }
+    max_lanes(v)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -468,6 +498,19 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_in_lanes_equals_the_fold_and_skips_nans() {
+        for n in [0, 1, 15, 16, 17, 100] {
+            let mut v: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32) - 5.0).collect();
+            if n > 20 {
+                v[3] = f32::NAN;
+                v[90] = 7.5;
+            }
+            let want = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max(&v), want, "{n} values");
+        }
+    }
 
     #[test]
     fn dot_matches_the_scalar_loop() {

@@ -104,6 +104,26 @@ fn query_blocks(at: Layout, block: usize) -> Vec<(Range<usize>, usize, usize)> {
         .collect()
 }
 
+/// Every (segment, group): a backward task (it alone writes the group's `dk`, `dv` columns of
+/// the segment's rows and its heads' `dq` columns).
+fn group_tasks(at: Layout) -> Vec<(Range<usize>, usize)> {
+    at.segments
+        .iter()
+        .flat_map(|seg| (0..at.shape.groups).map(move |g| (seg.clone(), g)))
+        .collect()
+}
+
+/// A row's probabilities `P = e^(scores − lse)` and score gradients `dS = P ∘ (dP − D)`, in
+/// place over its `visible` keys (the rest zeroed).
+fn softmax_grad_row(p: &mut [f32], dp: &mut [f32], visible: usize, (lse, delta): (f32, f32)) {
+    simd::exp_sub(&mut p[..visible], lse, 1.0);
+    for (dp, &p) in dp[..visible].iter_mut().zip(&p[..visible]) {
+        *dp = p * (*dp - delta);
+    }
+    p[visible..].fill(0.0);
+    dp[visible..].fill(0.0);
+}
+
 /// `D [T, nh]`: per row and head `Σ dO ∘ O`, the softmax Jacobian's correction term, of
 /// elements `widen` reads as f32.
 fn deltas<E: Copy + Sync>(
@@ -175,12 +195,7 @@ pub fn attention_bwd(
         SharedOut(dk.as_mut_ptr()),
         SharedOut(dv.as_mut_ptr()),
     );
-    let tasks: Vec<(Range<usize>, usize)> = at
-        .segments
-        .iter()
-        .flat_map(|seg| (0..s.groups).map(move |g| (seg.clone(), g)))
-        .collect();
-    tasks.into_par_iter().for_each_init(
+    group_tasks(at).into_par_iter().for_each_init(
         || (Vec::new(), Vec::new()),
         |(p, dp), (seg, g)| {
             let kv_at = seg.start * kw + g * d;
@@ -217,18 +232,12 @@ pub fn attention_bwd(
                         );
                         for r in 0..rows {
                             let row = seg.start + t0 + r;
-                            let (l, dl) = (lse[row * nh + h], delta[row * nh + h]);
-                            let visible = t0 + r + 1;
+                            let stats = (lse[row * nh + h], delta[row * nh + h]);
                             let (pr, dpr) = (
                                 &mut p[r * seen..(r + 1) * seen],
                                 &mut dp[r * seen..(r + 1) * seen],
                             );
-                            simd::exp_sub(&mut pr[..visible], l, 1.0);
-                            for (dp, &p) in dpr[..visible].iter_mut().zip(&pr[..visible]) {
-                                *dp = p * (*dp - dl);
-                            }
-                            pr[visible..].fill(0.0);
-                            dpr[visible..].fill(0.0);
+                            softmax_grad_row(pr, dpr, t0 + r + 1, stats);
                         }
                         // dq = scale · dS · K; dk += scale · dSᵀ · Q; dv += Pᵀ · dO.
                         gemm_into(
@@ -267,7 +276,7 @@ pub fn attention_bwd(
 
 /// Query rows per block of the bf16 products on AMX tiles: few, large products, so that their
 /// set-up costs little (the masked half of the diagonal block is computed and discarded).
-const AMX_BLOCK: usize = 256;
+const AMX_BLOCK: usize = 128;
 
 /// The bf16 bits of one attention call's `q [T, qw]`, `k`, `v [T, kw]`.
 #[derive(Clone, Copy)]
@@ -399,12 +408,7 @@ pub fn attention_bwd_bf16(
         SharedOut(dk.as_mut_ptr()),
         SharedOut(dv.as_mut_ptr()),
     );
-    let tasks: Vec<(Range<usize>, usize)> = at
-        .segments
-        .iter()
-        .flat_map(|seg| (0..s.groups).map(move |g| (seg.clone(), g)))
-        .collect();
-    tasks.into_par_iter().for_each(|(seg, g)| {
+    group_tasks(at).into_par_iter().for_each(|(seg, g)| {
         let (mut p, mut dp, mut block_dq) = (Vec::new(), Vec::new(), Vec::new());
         let (mut p_bits, mut ds_bits) = (Vec::new(), Vec::new());
         let (mut dk_g, mut dv_g) = (vec![0f32; seg.len() * d], vec![0f32; seg.len() * d]);
@@ -437,15 +441,10 @@ pub fn attention_bwd_bf16(
                     .zip(dp.chunks_exact_mut(seen))
                     .enumerate()
                 {
-                    let (l, dl) = (lse[(row + r) * nh + h], delta[(row + r) * nh + h]);
+                    let stats = (lse[(row + r) * nh + h], delta[(row + r) * nh + h]);
                     let visible = t0 + r + 1;
                     pr[..visible].iter_mut().for_each(|v| *v *= s.scale);
-                    simd::exp_sub(&mut pr[..visible], l, 1.0);
-                    for (dp, &p) in dpr[..visible].iter_mut().zip(&pr[..visible]) {
-                        *dp = p * (*dp - dl);
-                    }
-                    pr[visible..].fill(0.0);
-                    dpr[visible..].fill(0.0);
+                    softmax_grad_row(pr, dpr, visible, stats);
                 }
                 narrowed(&p, &mut p_bits);
                 narrowed(&dp, &mut ds_bits);
