@@ -187,6 +187,18 @@ fn narrow_half_parallel(values: &[f32], dtype: DType, bits: &mut [u16]) {
         .for_each(|(bits, values)| narrow_half(values, dtype, bits));
 }
 
+/// `n` zeros written by all threads, chunk by chunk (a model's gradients are zeroed every step,
+/// and one thread's memset of them leaves the others idle).
+fn zeroed<T: Copy + Default + Send + Sync>(n: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    v.spare_capacity_mut()
+        .par_chunks_mut(CONVERT_CHUNK)
+        .for_each(|chunk| chunk.fill(std::mem::MaybeUninit::new(T::default())));
+    // SAFETY: the chunks covered all n elements of the capacity.
+    unsafe { v.set_len(n) };
+    v
+}
+
 /// The error for an operation on a weight packed for inference matmuls.
 fn packed(op: &'static str) -> EngineError {
     EngineError::Invalid {
@@ -377,7 +389,14 @@ impl Device for Cpu {
 
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<CpuTensor> {
         let n = shape.iter().product();
-        Ok(CpuTensor::stored(shape.to_vec(), vec![0f32; n], dtype))
+        let data = match dtype {
+            DType::BF16 | DType::F16 => Data::Half(dtype, zeroed(n)),
+            _ => Data::F32(zeroed(n)),
+        };
+        Ok(CpuTensor {
+            shape: shape.to_vec(),
+            data,
+        })
     }
 
     fn download_f32(&self, t: &CpuTensor) -> Result<Vec<f32>> {
