@@ -67,7 +67,7 @@ impl CpuTensor {
     fn stored(shape: Vec<usize>, values: Vec<f32>, dtype: DType) -> Self {
         let data = match dtype {
             DType::BF16 | DType::F16 => {
-                let mut bits = vec![0u16; values.len()];
+                let mut bits = zeroed(values.len());
                 narrow_half_parallel(&values, dtype, &mut bits);
                 Data::Half(dtype, bits)
             }
@@ -93,7 +93,7 @@ impl CpuTensor {
         match &self.data {
             Data::F32(v) => Cow::Borrowed(v),
             Data::Half(dtype, bits) => {
-                let mut values = vec![0f32; bits.len()];
+                let mut values = zeroed(bits.len());
                 values
                     .par_chunks_mut(CONVERT_CHUNK)
                     .zip(bits.par_chunks(CONVERT_CHUNK))

@@ -3,7 +3,7 @@
 //! kernel on it and narrows the block it computed straight into the result's storage. A bf16
 //! operator so makes no whole-tensor f32 copies, and all of it runs on every thread.
 
-use super::{narrow_half, packed, CpuTensor, Data};
+use super::{narrow_half, packed, zeroed, CpuTensor, Data};
 use crate::engine::Result;
 use crate::tensor::DType;
 use rayon::prelude::*;
@@ -53,7 +53,7 @@ pub fn map_rows<R: Send, const N: usize>(
     let rows_of = |b: usize| b * block..((b + 1) * block).min(n);
     let (data, results) = match dtype {
         DType::BF16 | DType::F16 => {
-            let mut bits = vec![0u16; n * cols];
+            let mut bits = zeroed(n * cols);
             let results = bits
                 .par_chunks_mut(chunk)
                 .enumerate()
@@ -68,7 +68,7 @@ pub fn map_rows<R: Send, const N: usize>(
             (Data::Half(dtype, bits), results)
         }
         _ => {
-            let mut values = vec![0f32; n * cols];
+            let mut values = zeroed(n * cols);
             let results = values
                 .par_chunks_mut(chunk)
                 .enumerate()
