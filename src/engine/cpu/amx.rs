@@ -6,7 +6,8 @@
 //! The left operand is read as row-major tiles (borrowed where it already is one in whole
 //! blocks, else copied zero-padded: rows to 32, the inner dimension to 32); the right one is
 //! packed in the pair ("VNNI") layout the instruction reads — for each 16 output columns, rows
-//! of 16 (k, k + 1) pairs. Each task then computes
+//! of 16 (k, k + 1) pairs; operands stored transposed are moved in whole 32 × 32 (left) or
+//! 16 × 16-pair (right) register transposes. Each task then computes
 //! 32 × 32 blocks of the output on four accumulator tiles, every output summed over the whole
 //! inner dimension in a fixed order, so results do not depend on the number of threads.
 //!
@@ -15,6 +16,7 @@
 //! run it, and callers fall back to f32 products.
 
 use super::gemm::Store;
+use super::transpose;
 use crate::tensor::simd::narrow_bf16;
 use rayon::prelude::*;
 
@@ -114,7 +116,10 @@ fn detect() -> bool {
     let Some(leaf7) = leaf7 else { return false };
     const AMX_BF16: u32 = 1 << 22;
     const AMX_TILE: u32 = 1 << 24;
-    if leaf7.edx & (AMX_BF16 | AMX_TILE) != AMX_BF16 | AMX_TILE {
+    // The packing transposes (`super::transpose`) use AVX-512BW, which every AMX CPU has.
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw");
+    if leaf7.edx & (AMX_BF16 | AMX_TILE) != AMX_BF16 | AMX_TILE || !avx512 {
         return false;
     }
     // Linux's arch/x86/include/uapi/asm/prctl.h: ARCH_REQ_XCOMP_PERM; XFEATURE_XTILEDATA = 18.
@@ -168,6 +173,11 @@ fn left_rows<'a>(
                 Layout::Transposed => {
                     for k0 in (0..depth).step_by(DEPTH) {
                         let width = (depth - k0).min(DEPTH);
+                        if (width, live) == (DEPTH, BLOCK) {
+                            let src = &a.bits[k0 * pitch + r0..];
+                            transpose::columns(src, pitch, &mut block[k0..], depth_p);
+                            continue;
+                        }
                         for (r, row) in block.chunks_exact_mut(depth_p).take(live).enumerate() {
                             for (q, d) in row[k0..k0 + width].iter_mut().enumerate() {
                                 *d = a.bits[(k0 + q) * pitch + r0 + r];
@@ -197,6 +207,21 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
         let (pi, ti) = (task / tasks.1, task % tasks.1);
         let p_range = pi * PAIR_ROWS..((pi + 1) * PAIR_ROWS).min(pairs);
         for t in ti * PANELS..((ti + 1) * PANELS).min(panels) {
+            if let Some(pitch) = pair_block_pitch(b, (depth, cols), (p_range.clone(), t)) {
+                for p in p_range.clone().step_by(TILE) {
+                    let mut block = [0u32; TILE * TILE];
+                    transpose::pairs(&b.bits[t * TILE * pitch + 2 * p..], pitch, &mut block);
+                    // SAFETY: as below, for the 16 consecutive pair rows from p.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            block.as_ptr(),
+                            dst.at((t * pairs + p) * TILE),
+                            TILE * TILE,
+                        )
+                    };
+                }
+                continue;
+            }
             for p in p_range.clone() {
                 let mut row = [0u32; TILE];
                 pair_row(b, (depth, cols), (2 * p, t * TILE), &mut row);
@@ -216,6 +241,22 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
     // SAFETY: the tasks wrote all (panels, pairs) rows of 16 elements.
     unsafe { out.set_len(len) };
     out
+}
+
+/// The stored row pitch of a transposed right operand whose panel `t` is whole over the pair
+/// rows `p_range` (a whole number of 16-row blocks, inside the operand's depth): those pair
+/// rows are then transposed 16 × 16 at a time.
+fn pair_block_pitch(
+    b: Operand,
+    (depth, cols): (usize, usize),
+    (p_range, t): (std::ops::Range<usize>, usize),
+) -> Option<usize> {
+    let whole = b.layout == Layout::Transposed
+        && (t + 1) * TILE <= cols
+        && 2 * p_range.end <= depth
+        && p_range.len() % TILE == 0
+        && p_range.start % TILE == 0;
+    whole.then(|| b.pitch_of((depth, cols)))
 }
 
 /// Columns of a pair-layout panel (one tile's width).

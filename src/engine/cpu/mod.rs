@@ -20,6 +20,7 @@ mod rows;
 mod swiglu;
 #[cfg(test)]
 mod testing;
+mod transpose;
 
 use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,

@@ -1,0 +1,183 @@
+//! Block transposes for packing AMX tile operands: a 32 × 32 block of bf16 bits and a 16 × 16
+//! block of bf16 pairs, moved in AVX-512 registers (five or four rounds of two-source
+//! permutes, each swapping the off-diagonal halves of ever smaller sub-blocks) instead of one
+//! element at a time. Callers run them only where AMX is available, which implies AVX-512BW
+//! ([`super::amx::available`] checks both).
+
+/// `dst[r · dst_pitch + q] = src[q · pitch + r]` for `r, q < 32`.
+///
+/// # Panics
+/// If a slice is shorter than its 32 rows.
+pub fn columns(src: &[u16], pitch: usize, dst: &mut [u16], dst_pitch: usize) {
+    assert!(
+        src.len() >= 31 * pitch + 32 && dst.len() >= 31 * dst_pitch + 32,
+        "internal: transpose block outside its slices"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F/BW are there (module contract); 32 rows of 32 elements of each slice
+    // (asserted above) are read or written.
+    unsafe {
+        columns_avx512(src.as_ptr(), pitch, dst.as_mut_ptr(), dst_pitch)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for r in 0..32 {
+        for q in 0..32 {
+            dst[r * dst_pitch + q] = src[q * pitch + r];
+        }
+    }
+}
+
+/// `dst[p · 16 + c] = src[c · pitch + 2p] | src[c · pitch + 2p + 1] << 16` for `p, c < 16`:
+/// the pair rows of one 16-column tile panel read from 16 stored columns.
+///
+/// # Panics
+/// If `src` is shorter than its 16 rows.
+pub fn pairs(src: &[u16], pitch: usize, dst: &mut [u32; 256]) {
+    assert!(
+        src.len() >= 15 * pitch + 32,
+        "internal: transpose block outside its slice"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is there (module contract); 16 rows of 32 elements of `src` (asserted
+    // above) are read, `dst` is written whole.
+    unsafe {
+        pairs_avx512(src.as_ptr(), pitch, dst.as_mut_ptr())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for p in 0..16 {
+        for c in 0..16 {
+            let at = c * pitch + 2 * p;
+            dst[p * 16 + c] = u32::from(src[at]) | u32::from(src[at + 1]) << 16;
+        }
+    }
+}
+
+/// Permute indices of one round over `LANES` lanes that swaps sub-blocks of `s` lanes between
+/// rows `i` (`low`) and `i + s` (`!low`): lanes below `LANES` pick the first row, the others
+/// the second.
+const fn round_indices<const LANES: usize>(s: usize, low: bool) -> [u16; LANES] {
+    let mut idx = [0u16; LANES];
+    let mut j = 0;
+    while j < LANES {
+        idx[j] = match (j & s == 0, low) {
+            (true, true) => j,
+            (false, true) => LANES + j - s,
+            (true, false) => j + s,
+            (false, false) => LANES + j,
+        } as u16;
+        j += 1;
+    }
+    idx
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn columns_avx512(src: *const u16, pitch: usize, dst: *mut u16, dst_pitch: usize) {
+    use std::arch::x86_64::*;
+    const ROUNDS: [([u16; 32], [u16; 32], usize); 5] = {
+        let mut r = [([0u16; 32], [0u16; 32], 0); 5];
+        let mut i = 0;
+        while i < 5 {
+            let s = 16 >> i;
+            r[i] = (round_indices(s, true), round_indices(s, false), s);
+            i += 1;
+        }
+        r
+    };
+    // SAFETY (loads and stores): the caller's 32 rows of 32 elements.
+    let mut rows: [__m512i; 32] =
+        std::array::from_fn(|q| unsafe { _mm512_loadu_si512(src.add(q * pitch).cast()) });
+    for (low, high, s) in ROUNDS {
+        // SAFETY: 32 u16 indices are 64 bytes.
+        let (low, high) = unsafe {
+            (
+                _mm512_loadu_si512(low.as_ptr().cast()),
+                _mm512_loadu_si512(high.as_ptr().cast()),
+            )
+        };
+        for i in (0..32).filter(|i| i & s == 0) {
+            let (a, b) = (rows[i], rows[i + s]);
+            rows[i] = _mm512_permutex2var_epi16(a, low, b);
+            rows[i + s] = _mm512_permutex2var_epi16(a, high, b);
+        }
+    }
+    for (r, row) in rows.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_si512(dst.add(r * dst_pitch).cast(), *row) };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pairs_avx512(src: *const u16, pitch: usize, dst: *mut u32) {
+    use std::arch::x86_64::*;
+    const ROUNDS: [([u32; 16], [u32; 16], usize); 4] = {
+        let mut r = [([0u32; 16], [0u32; 16], 0); 4];
+        let mut i = 0;
+        while i < 4 {
+            let s = 8 >> i;
+            let (low, high) = (round_indices::<16>(s, true), round_indices::<16>(s, false));
+            let mut j = 0;
+            while j < 16 {
+                r[i].0[j] = low[j] as u32;
+                r[i].1[j] = high[j] as u32;
+                j += 1;
+            }
+            r[i].2 = s;
+            i += 1;
+        }
+        r
+    };
+    // SAFETY (loads and stores): the caller's 16 rows of 32 u16, and 256 u32 of `dst`.
+    let mut rows: [__m512i; 16] =
+        std::array::from_fn(|c| unsafe { _mm512_loadu_si512(src.add(c * pitch).cast()) });
+    for (low, high, s) in ROUNDS {
+        // SAFETY: 16 u32 indices are 64 bytes.
+        let (low, high) = unsafe {
+            (
+                _mm512_loadu_si512(low.as_ptr().cast()),
+                _mm512_loadu_si512(high.as_ptr().cast()),
+            )
+        };
+        for i in (0..16).filter(|i| i & s == 0) {
+            let (a, b) = (rows[i], rows[i + s]);
+            rows[i] = _mm512_permutex2var_epi32(a, low, b);
+            rows[i + s] = _mm512_permutex2var_epi32(a, high, b);
+        }
+    }
+    for (p, row) in rows.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_si512(dst.add(p * 16).cast(), *row) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_transpose_as_defined() {
+        if !super::super::amx::available() {
+            eprintln!("skipped: no AMX (and so no AVX-512 promise) on this CPU");
+            return;
+        }
+        let (pitch, dst_pitch) = (37, 40);
+        let src: Vec<u16> = (0..32 * pitch).map(|i| (i * 7 + 3) as u16).collect();
+        let mut dst = vec![0u16; 32 * dst_pitch];
+        columns(&src, pitch, &mut dst, dst_pitch);
+        for r in 0..32 {
+            for q in 0..32 {
+                assert_eq!(dst[r * dst_pitch + q], src[q * pitch + r], "({r}, {q})");
+            }
+        }
+        let mut pair_rows = [0u32; 256];
+        pairs(&src, pitch, &mut pair_rows);
+        for p in 0..16 {
+            for c in 0..16 {
+                let at = c * pitch + 2 * p;
+                let want = u32::from(src[at]) | u32::from(src[at + 1]) << 16;
+                assert_eq!(pair_rows[p * 16 + c], want, "({p}, {c})");
+            }
+        }
+    }
+}
