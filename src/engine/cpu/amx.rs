@@ -207,6 +207,16 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
         let (pi, ti) = (task / tasks.1, task % tasks.1);
         let p_range = pi * PAIR_ROWS..((pi + 1) * PAIR_ROWS).min(pairs);
         for t in ti * PANELS..((ti + 1) * PANELS).min(panels) {
+            if let Some(pitch) = whole_pairs_pitch(b, (depth, cols), (p_range.clone(), t)) {
+                for p in p_range.clone() {
+                    let row = &b.bits[2 * p * pitch + t * TILE..];
+                    // SAFETY: as below.
+                    unsafe {
+                        transpose::interleave(row, &row[pitch..], dst.at((t * pairs + p) * TILE))
+                    };
+                }
+                continue;
+            }
             if let Some(pitch) = pair_block_pitch(b, (depth, cols), (p_range.clone(), t)) {
                 for p in p_range.clone().step_by(TILE) {
                     let mut block = [0u32; TILE * TILE];
@@ -259,6 +269,18 @@ fn pair_block_pitch(
     whole.then(|| b.pitch_of((depth, cols)))
 }
 
+/// The stored row pitch of a row-major right operand whose panel `t` is whole over the pair
+/// rows `p_range` (inside the operand's depth): each pair row is then two stored rows'
+/// 16 columns interleaved.
+fn whole_pairs_pitch(
+    b: Operand,
+    (depth, cols): (usize, usize),
+    (p_range, t): (std::ops::Range<usize>, usize),
+) -> Option<usize> {
+    let whole = b.layout == Layout::Rows && (t + 1) * TILE <= cols && 2 * p_range.end <= depth;
+    whole.then(|| b.pitch_of((depth, cols)))
+}
+
 /// Columns of a pair-layout panel (one tile's width).
 const TILE: usize = BLOCK / 2;
 
@@ -285,11 +307,6 @@ impl SharedU32 {
 #[inline]
 fn pair_row(b: Operand, (depth, cols): (usize, usize), (k, c0): (usize, usize), row: &mut [u32]) {
     let pitch = b.pitch_of((depth, cols));
-    if b.layout == Layout::Rows && c0 + TILE <= cols && k + 1 < depth {
-        let lo = &b.bits[k * pitch + c0..][..TILE];
-        let hi = &b.bits[(k + 1) * pitch + c0..][..TILE];
-        return interleave(lo, hi, row);
-    }
     if b.layout == Layout::Transposed && c0 + TILE <= cols && k + 1 < depth {
         // Stored row c holds column c: each pair is two adjacent elements of it.
         for (c, d) in row.iter_mut().enumerate() {
@@ -305,31 +322,6 @@ fn pair_row(b: Operand, (depth, cols): (usize, usize), (k, c0): (usize, usize), 
     };
     for (c, d) in row.iter_mut().enumerate() {
         *d = at(k, c0 + c) | at(k + 1, c0 + c) << 16;
-    }
-}
-
-/// `out[c] = lo[c] | hi[c] << 16` for 16 columns.
-#[inline]
-fn interleave(lo: &[u16], hi: &[u16], out: &mut [u32]) {
-    assert!(lo.len() >= 16 && hi.len() >= 16 && out.len() >= 16);
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE2 is part of x86-64; 16 elements of each slice are read or written (asserted).
-    unsafe {
-        use std::arch::x86_64::*;
-        let (l, h, o) = (
-            lo.as_ptr() as *const __m128i,
-            hi.as_ptr() as *const __m128i,
-            out.as_mut_ptr() as *mut __m128i,
-        );
-        for half in 0..2 {
-            let (l, h) = (_mm_loadu_si128(l.add(half)), _mm_loadu_si128(h.add(half)));
-            _mm_storeu_si128(o.add(2 * half), _mm_unpacklo_epi16(l, h));
-            _mm_storeu_si128(o.add(2 * half + 1), _mm_unpackhi_epi16(l, h));
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    for ((d, &l), &h) in out[..16].iter_mut().zip(lo).zip(hi) {
-        *d = l as u32 | (h as u32) << 16;
     }
 }
 

@@ -1,5 +1,5 @@
 //! Block transposes for packing AMX tile operands: a 32 × 32 block of bf16 bits and a 16 × 16
-//! block of bf16 pairs, moved in AVX-512 registers (five or four rounds of two-source
+//! block of bf16 pairs (and the pair interleave of two rows), moved in AVX-512 registers (five or four rounds of two-source
 //! permutes, each swapping the off-diagonal halves of ever smaller sub-blocks) instead of one
 //! element at a time. Callers run them only where AMX is available, which implies AVX-512BW
 //! ([`super::amx::available`] checks both).
@@ -49,6 +49,32 @@ pub fn pairs(src: &[u16], pitch: usize, dst: &mut [u32; 256]) {
             let at = c * pitch + 2 * p;
             dst[p * 16 + c] = u32::from(src[at]) | u32::from(src[at + 1]) << 16;
         }
+    }
+}
+
+/// `out[c] = lo[c] | hi[c] << 16` for `c < 16`: one pair row of a tile panel from two stored
+/// rows.
+///
+/// # Safety
+/// `out` is valid for writing 16 elements.
+///
+/// # Panics
+/// If `lo` or `hi` is shorter than 16.
+pub unsafe fn interleave(lo: &[u16], hi: &[u16], out: *mut u32) {
+    assert!(
+        lo.len() >= 16 && hi.len() >= 16,
+        "internal: interleave rows too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F/BW are there (module contract); 16 elements of each row are read
+    // (asserted), 16 written (the caller's promise).
+    unsafe {
+        interleave_avx512(lo.as_ptr(), hi.as_ptr(), out)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for c in 0..16 {
+        // SAFETY: the caller's 16 elements.
+        unsafe { out.add(c).write(u32::from(lo[c]) | u32::from(hi[c]) << 16) };
     }
 }
 
@@ -104,6 +130,32 @@ unsafe fn columns_avx512(src: *const u16, pitch: usize, dst: *mut u16, dst_pitch
     for (r, row) in rows.iter().enumerate() {
         // SAFETY: as above.
         unsafe { _mm512_storeu_si512(dst.add(r * dst_pitch).cast(), *row) };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn interleave_avx512(lo: *const u16, hi: *const u16, out: *mut u32) {
+    use std::arch::x86_64::*;
+    // Lane j of the result: element j / 2 of `lo` (j even) or of `hi` (j odd, at 16 + j / 2
+    // of the joined register).
+    const INDICES: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut j = 0;
+        while j < 32 {
+            idx[j] = (j / 2 + if j % 2 == 0 { 0 } else { 16 }) as u16;
+            j += 1;
+        }
+        idx
+    };
+    // SAFETY: the caller's 16 elements of each row and of `out`; the indices are 64 bytes.
+    unsafe {
+        let joined = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(lo.cast())),
+            _mm256_loadu_si256(hi.cast()),
+        );
+        let idx = _mm512_loadu_si512(INDICES.as_ptr().cast());
+        _mm512_storeu_si512(out.cast(), _mm512_permutexvar_epi16(idx, joined));
     }
 }
 
@@ -178,6 +230,13 @@ mod tests {
                 let want = u32::from(src[at]) | u32::from(src[at + 1]) << 16;
                 assert_eq!(pair_rows[p * 16 + c], want, "({p}, {c})");
             }
+        }
+        let mut row = [0u32; 16];
+        // SAFETY: `row` holds 16 elements.
+        unsafe { interleave(&src[5..], &src[5 + pitch..], row.as_mut_ptr()) };
+        for (c, &v) in row.iter().enumerate() {
+            let want = u32::from(src[5 + c]) | u32::from(src[5 + pitch + c]) << 16;
+            assert_eq!(v, want, "{c}");
         }
     }
 }
