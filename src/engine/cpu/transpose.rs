@@ -81,6 +81,7 @@ pub unsafe fn interleave(lo: &[u16], hi: &[u16], out: *mut u32) {
 /// Permute indices of one round over `LANES` lanes that swaps sub-blocks of `s` lanes between
 /// rows `i` (`low`) and `i + s` (`!low`): lanes below `LANES` pick the first row, the others
 /// the second.
+#[cfg(target_arch = "x86_64")]
 const fn round_indices<const LANES: usize>(s: usize, low: bool) -> [u16; LANES] {
     let mut idx = [0u16; LANES];
     let mut j = 0;
@@ -96,37 +97,76 @@ const fn round_indices<const LANES: usize>(s: usize, low: bool) -> [u16; LANES] 
     idx
 }
 
+/// The index vectors (low, high) of the rounds over 32 lanes of 16 bits, `s` = 16, 8, …, 1.
+#[cfg(target_arch = "x86_64")]
+const ROUNDS_16: [([u16; 32], [u16; 32]); 5] = {
+    let mut r = [([0u16; 32], [0u16; 32]); 5];
+    let mut i = 0;
+    while i < 5 {
+        r[i] = (round_indices(16 >> i, true), round_indices(16 >> i, false));
+        i += 1;
+    }
+    r
+};
+
+/// The index vectors of the rounds over 16 lanes of 32 bits, `s` = 8, 4, 2, 1.
+#[cfg(target_arch = "x86_64")]
+const ROUNDS_32: [([u32; 16], [u32; 16]); 4] = {
+    let mut r = [([0u32; 16], [0u32; 16]); 4];
+    let mut i = 0;
+    while i < 4 {
+        let (low, high) = (
+            round_indices::<16>(8 >> i, true),
+            round_indices::<16>(8 >> i, false),
+        );
+        let mut j = 0;
+        while j < 16 {
+            (r[i].0[j], r[i].1[j]) = (low[j] as u32, high[j] as u32);
+            j += 1;
+        }
+        i += 1;
+    }
+    r
+};
+
+/// Transposes `N` rows of `N` lanes in registers: round after round (`s` = N / 2, …, 1, each
+/// with its (low, high) index vectors from `rounds`), rows `i` and `i + s` swap their
+/// off-diagonal sub-blocks of `s` lanes through `permute(a, indices, b)` (lanes below `N`
+/// from `a`). The callers, compiled for AVX-512, pass the vector operations as closures.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn transpose_rows<const N: usize>(
+    rows: &mut [std::arch::x86_64::__m512i; N],
+    rounds: impl Iterator<Item = (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i)>,
+    permute: impl Fn(
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+    ) -> std::arch::x86_64::__m512i,
+) {
+    for (round, (low, high)) in rounds.enumerate() {
+        let s = N >> (round + 1);
+        for i in (0..N).filter(|i| i & s == 0) {
+            let (a, b) = (rows[i], rows[i + s]);
+            rows[i] = permute(a, low, b);
+            rows[i + s] = permute(a, high, b);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn columns_avx512(src: *const u16, pitch: usize, dst: *mut u16, dst_pitch: usize) {
     use std::arch::x86_64::*;
-    const ROUNDS: [([u16; 32], [u16; 32], usize); 5] = {
-        let mut r = [([0u16; 32], [0u16; 32], 0); 5];
-        let mut i = 0;
-        while i < 5 {
-            let s = 16 >> i;
-            r[i] = (round_indices(s, true), round_indices(s, false), s);
-            i += 1;
-        }
-        r
-    };
     // SAFETY (loads and stores): the caller's 32 rows of 32 elements.
     let mut rows: [__m512i; 32] =
         std::array::from_fn(|q| unsafe { _mm512_loadu_si512(src.add(q * pitch).cast()) });
-    for (low, high, s) in ROUNDS {
-        // SAFETY: 32 u16 indices are 64 bytes.
-        let (low, high) = unsafe {
-            (
-                _mm512_loadu_si512(low.as_ptr().cast()),
-                _mm512_loadu_si512(high.as_ptr().cast()),
-            )
-        };
-        for i in (0..32).filter(|i| i & s == 0) {
-            let (a, b) = (rows[i], rows[i + s]);
-            rows[i] = _mm512_permutex2var_epi16(a, low, b);
-            rows[i + s] = _mm512_permutex2var_epi16(a, high, b);
-        }
-    }
+    // SAFETY: 32 u16 indices are 64 bytes.
+    let load = |v: &[u16; 32]| unsafe { _mm512_loadu_si512(v.as_ptr().cast()) };
+    let rounds = ROUNDS_16.iter().map(|(low, high)| (load(low), load(high)));
+    transpose_rows(&mut rows, rounds, |a, idx, b| {
+        _mm512_permutex2var_epi16(a, idx, b)
+    });
     for (r, row) in rows.iter().enumerate() {
         // SAFETY: as above.
         unsafe { _mm512_storeu_si512(dst.add(r * dst_pitch).cast(), *row) };
@@ -163,40 +203,15 @@ unsafe fn interleave_avx512(lo: *const u16, hi: *const u16, out: *mut u32) {
 #[target_feature(enable = "avx512f")]
 unsafe fn pairs_avx512(src: *const u16, pitch: usize, dst: *mut u32) {
     use std::arch::x86_64::*;
-    const ROUNDS: [([u32; 16], [u32; 16], usize); 4] = {
-        let mut r = [([0u32; 16], [0u32; 16], 0); 4];
-        let mut i = 0;
-        while i < 4 {
-            let s = 8 >> i;
-            let (low, high) = (round_indices::<16>(s, true), round_indices::<16>(s, false));
-            let mut j = 0;
-            while j < 16 {
-                r[i].0[j] = low[j] as u32;
-                r[i].1[j] = high[j] as u32;
-                j += 1;
-            }
-            r[i].2 = s;
-            i += 1;
-        }
-        r
-    };
     // SAFETY (loads and stores): the caller's 16 rows of 32 u16, and 256 u32 of `dst`.
     let mut rows: [__m512i; 16] =
         std::array::from_fn(|c| unsafe { _mm512_loadu_si512(src.add(c * pitch).cast()) });
-    for (low, high, s) in ROUNDS {
-        // SAFETY: 16 u32 indices are 64 bytes.
-        let (low, high) = unsafe {
-            (
-                _mm512_loadu_si512(low.as_ptr().cast()),
-                _mm512_loadu_si512(high.as_ptr().cast()),
-            )
-        };
-        for i in (0..16).filter(|i| i & s == 0) {
-            let (a, b) = (rows[i], rows[i + s]);
-            rows[i] = _mm512_permutex2var_epi32(a, low, b);
-            rows[i + s] = _mm512_permutex2var_epi32(a, high, b);
-        }
-    }
+    // SAFETY: 16 u32 indices are 64 bytes.
+    let load = |v: &[u32; 16]| unsafe { _mm512_loadu_si512(v.as_ptr().cast()) };
+    let rounds = ROUNDS_32.iter().map(|(low, high)| (load(low), load(high)));
+    transpose_rows(&mut rows, rounds, |a, idx, b| {
+        _mm512_permutex2var_epi32(a, idx, b)
+    });
     for (p, row) in rows.iter().enumerate() {
         // SAFETY: as above.
         unsafe { _mm512_storeu_si512(dst.add(p * 16).cast(), *row) };
