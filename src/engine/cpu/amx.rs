@@ -197,6 +197,8 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
     // A task fills PAIR_ROWS pair rows of PANELS panels: the source rows it reads and the panel
     // rows it writes stay within few pages and cache sets (panels are a power of two apart).
     const PAIR_ROWS: usize = 32;
+    // Each task's pair rows start at a multiple of 16 (see `whole_panel`).
+    const _: () = assert!(PAIR_ROWS.is_multiple_of(TILE));
     const PANELS: usize = 16;
     let (pairs, panels) = (depth_p / 2, cols.div_ceil(BLOCK) * 2);
     let len = pairs * panels * TILE;
@@ -207,28 +209,33 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
         let (pi, ti) = (task / tasks.1, task % tasks.1);
         let p_range = pi * PAIR_ROWS..((pi + 1) * PAIR_ROWS).min(pairs);
         for t in ti * PANELS..((ti + 1) * PANELS).min(panels) {
-            if let Some(pitch) = whole_pairs_pitch(b, (depth, cols), (p_range.clone(), t)) {
-                for p in p_range.clone() {
-                    let row = &b.bits[2 * p * pitch + t * TILE..];
-                    // SAFETY: as below.
-                    unsafe {
-                        transpose::interleave(row, &row[pitch..], dst.at((t * pairs + p) * TILE))
-                    };
-                }
-                continue;
-            }
-            if let Some(pitch) = pair_block_pitch(b, (depth, cols), (p_range.clone(), t)) {
-                for p in p_range.clone().step_by(TILE) {
-                    let mut block = [0u32; TILE * TILE];
-                    transpose::pairs(&b.bits[t * TILE * pitch + 2 * p..], pitch, &mut block);
-                    // SAFETY: as below, for the 16 consecutive pair rows from p.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            block.as_ptr(),
-                            dst.at((t * pairs + p) * TILE),
-                            TILE * TILE,
-                        )
-                    };
+            if let Some(pitch) = whole_panel(b, (depth, cols), (p_range.clone(), t)) {
+                match b.layout {
+                    Layout::Rows => {
+                        for p in p_range.clone() {
+                            let row = &b.bits[2 * p * pitch + t * TILE..];
+                            // SAFETY: as below.
+                            unsafe {
+                                let dst = dst.at((t * pairs + p) * TILE);
+                                transpose::interleave(row, &row[pitch..], dst)
+                            };
+                        }
+                    }
+                    Layout::Transposed => {
+                        for p in p_range.clone().step_by(TILE) {
+                            let mut block = [0u32; TILE * TILE];
+                            let src = &b.bits[t * TILE * pitch + 2 * p..];
+                            transpose::pairs(src, pitch, &mut block);
+                            // SAFETY: as below, for the 16 consecutive pair rows from p.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    block.as_ptr(),
+                                    dst.at((t * pairs + p) * TILE),
+                                    TILE * TILE,
+                                )
+                            };
+                        }
+                    }
                 }
                 continue;
             }
@@ -253,31 +260,17 @@ fn pack_right(b: Operand, (depth, cols): (usize, usize), depth_p: usize) -> Vec<
     out
 }
 
-/// The stored row pitch of a transposed right operand whose panel `t` is whole over the pair
-/// rows `p_range` (a whole number of 16-row blocks, inside the operand's depth): those pair
-/// rows are then transposed 16 × 16 at a time.
-fn pair_block_pitch(
+/// The stored row pitch of a right operand whose panel `t` is whole over the pair rows
+/// `p_range` (its columns and both rows of each pair inside the operand; stored transposed, a
+/// whole number of 16-row blocks): its pair rows are then built from whole registers — two
+/// stored rows interleaved, or 16 × 16 pairs transposed. `p_range` starts at a multiple of 16.
+fn whole_panel(
     b: Operand,
     (depth, cols): (usize, usize),
     (p_range, t): (std::ops::Range<usize>, usize),
 ) -> Option<usize> {
-    let whole = b.layout == Layout::Transposed
-        && (t + 1) * TILE <= cols
-        && 2 * p_range.end <= depth
-        && p_range.len() % TILE == 0
-        && p_range.start % TILE == 0;
-    whole.then(|| b.pitch_of((depth, cols)))
-}
-
-/// The stored row pitch of a row-major right operand whose panel `t` is whole over the pair
-/// rows `p_range` (inside the operand's depth): each pair row is then two stored rows'
-/// 16 columns interleaved.
-fn whole_pairs_pitch(
-    b: Operand,
-    (depth, cols): (usize, usize),
-    (p_range, t): (std::ops::Range<usize>, usize),
-) -> Option<usize> {
-    let whole = b.layout == Layout::Rows && (t + 1) * TILE <= cols && 2 * p_range.end <= depth;
+    let blocks = b.layout == Layout::Rows || p_range.len() % TILE == 0;
+    let whole = (t + 1) * TILE <= cols && 2 * p_range.end <= depth && blocks;
     whole.then(|| b.pitch_of((depth, cols)))
 }
 
@@ -307,14 +300,6 @@ impl SharedU32 {
 #[inline]
 fn pair_row(b: Operand, (depth, cols): (usize, usize), (k, c0): (usize, usize), row: &mut [u32]) {
     let pitch = b.pitch_of((depth, cols));
-    if b.layout == Layout::Transposed && c0 + TILE <= cols && k + 1 < depth {
-        // Stored row c holds column c: each pair is two adjacent elements of it.
-        for (c, d) in row.iter_mut().enumerate() {
-            let pair = &b.bits[(c0 + c) * pitch + k..][..2];
-            *d = u32::from(pair[0]) | u32::from(pair[1]) << 16;
-        }
-        return;
-    }
     let at = |k: usize, c: usize| match b.layout {
         _ if k >= depth || c >= cols => 0,
         Layout::Rows => b.bits[k * pitch + c] as u32,
