@@ -413,10 +413,11 @@ pub trait Backend: Device {
     /// `Σ x²` of each tensor, summed in f64 on the host (aclnnForeachNorm, read back: one host
     /// synchronisation).
     fn sum_squares(&self, xs: &[&Self::Tensor]) -> Result<f64>;
-    /// One AdamW step of `param` (f32) with `grad` scaled in place by `step.grad_scale`
+    /// One AdamW step of `param` (f32) with `grad` scaled by `step.grad_scale`
     /// (aclnnInplaceMuls), moments `m`, `v` updated in place (aclnnApplyAdamWV2), then `param`
     /// copied into `model` where given, as [`Backend::copy_into`] does (the bf16 weights of
-    /// mixed precision). Overwrites all of them; one pass over memory where the backend can.
+    /// mixed precision), and `grad` zeroed, ready for the next step's accumulation
+    /// (aclrtMemsetAsync). Overwrites all of them; one pass over memory where the backend can.
     fn adamw(
         &self,
         param: &mut Self::Tensor,

@@ -1354,10 +1354,12 @@ impl Backend for Npu {
             self.scale(grad, a.grad_scale)?;
         }
         self.apply_adamw(param, grad, (m, v), a)?;
-        match model {
-            Some(model) => self.copy_into(param, model),
-            None => Ok(()),
+        if let Some(model) = model {
+            self.copy_into(param, model)?;
         }
+        self.ctx
+            .zero(grad.block.ptr, grad.numel() * grad.dtype.size())?;
+        Ok(())
     }
 }
 

@@ -627,6 +627,10 @@ struct Trainer<B: Backend> {
     chunks: Vec<Chunk>,
     params: Vec<B::Tensor>,
     grads: Vec<B::Tensor>,
+    /// Whether `grads` hold zeros (fresh, or left so by the optimizer's step).
+    grads_zeroed: bool,
+    /// `--log-num-zeros-in-grad`: the step just taken's count, when it is reported.
+    zeros_in_grad: Option<f64>,
     opt: Optimizer<B::Tensor>,
     iteration: u64,
     consumed_train: u64,
@@ -750,6 +754,8 @@ impl<B: Backend> Trainer<B> {
             chunks,
             params,
             grads,
+            grads_zeroed: true,
+            zeros_in_grad: None,
             opt,
             sharded,
             iteration: 0,
@@ -1306,9 +1312,12 @@ impl<B: Backend> Trainer<B> {
 
     /// One training iteration: returns (loss, grad norm, applied, tokens).
     fn train_step(&mut self, train: &data::Source) -> Result<(f32, f64, bool, u64)> {
-        for g in &mut self.grads {
-            *g = self.b.zeros(self.b.shape(g), DType::F32)?;
+        if !self.grads_zeroed {
+            for g in &mut self.grads {
+                *g = self.b.zeros(self.b.shape(g), DType::F32)?;
+            }
         }
+        self.grads_zeroed = false;
         let (losses, mut tokens) = self.step_batches(train, self.consumed_train, true)?;
         let mut n: f32 = losses
             .iter()
@@ -1365,6 +1374,13 @@ impl<B: Backend> Trainer<B> {
         let lr = self.cfg.schedule.lr(self.schedule_steps);
         let wd = self.cfg.schedule.wd(self.schedule_steps);
         let skip = self.cfg.skip_non_finite;
+        let applies = !skip || (loss.is_finite() && grad_norm.is_finite());
+        // Counted after clipping, as Megatron counts them, before the step zeroes them.
+        self.zeros_in_grad = match self.cfg.log_norms.1 && self.reports(self.iteration + 1) {
+            true if applies => Some(self.count_zeros(self.cfg.adam.clip_scale(grad_norm))?),
+            true => Some(self.count_zeros(1.0)?),
+            false => None,
+        };
         let report = if loss.is_finite() || !skip {
             self.apply(grad_norm, (lr, wd))?
         } else {
@@ -1376,6 +1392,8 @@ impl<B: Backend> Trainer<B> {
         if report.applied {
             self.schedule_steps += self.cfg.global_batch as u64;
         }
+        // The distributed optimizer's step zeroes its own pieces, not these.
+        self.grads_zeroed = report.applied && self.sharded.is_none();
         self.consumed_train += self.cfg.global_batch as u64;
         Ok((loss, report.grad_norm, report.applied, tokens))
     }
@@ -1740,20 +1758,15 @@ impl<B: Backend> Trainer<B> {
             bar.set_message(format!("lm loss {loss:.4}"));
             // Megatron prints the schedule one step ahead (what the next update will use).
             let lr_printed = self.cfg.schedule.lr(self.schedule_steps) as f32;
-            let tb_now = self
-                .cfg
-                .tensorboard
-                .as_ref()
-                .map(|t| t.1)
-                .filter(|&every| self.iteration.is_multiple_of(every));
+            let tb_now = self.tensorboard_now(self.iteration);
             let log_now = self.iteration.is_multiple_of(self.cfg.log_interval);
             let mut logged = None;
-            let norms = if log_now || tb_now.is_some() {
+            let norms = if self.reports(self.iteration) {
                 self.norms()?
             } else {
                 (None, None)
             };
-            if let (Some(tb), Some(_)) = (&mut self.tensorboard, tb_now) {
+            if let (Some(tb), true) = (&mut self.tensorboard, tb_now) {
                 let mut scalars = vec![
                     ("learning-rate", f64::from(lr_printed)),
                     ("batch-size", g as f64),
@@ -1878,27 +1891,38 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// Whether iteration `iteration` is logged or written to TensorBoard.
+    fn reports(&self, iteration: u64) -> bool {
+        iteration.is_multiple_of(self.cfg.log_interval) || self.tensorboard_now(iteration)
+    }
+
+    /// Whether iteration `iteration` writes TensorBoard scalars.
+    fn tensorboard_now(&self, iteration: u64) -> bool {
+        (self.cfg.tensorboard.as_ref()).is_some_and(|t| iteration.is_multiple_of(t.1))
+    }
+
+    /// Megatron's `count_zeros_fp32` over the trained gradients multiplied by `scale` (the clip
+    /// coefficient the step is about to apply).
+    fn count_zeros(&self, scale: f32) -> Result<f64> {
+        let grads = match &self.sharded {
+            Some(sharded) => &sharded.grads,
+            None => &self.grads,
+        };
+        let mut n = 0;
+        for g in self.counted_of(grads) {
+            n += (self.b.download_f32(g)?.iter())
+                .filter(|&&x| x * scale == 0.0)
+                .count();
+        }
+        self.model_summed(n as f64)
+    }
+
     /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked
     /// for: over the trained parameters (their f32 main copies under `--bf16`), Megatron's
-    /// `count_zeros_fp32` and `calc_params_l2_norm`.
+    /// `count_zeros_fp32` (counted before the step) and `calc_params_l2_norm`.
     fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
-        let (params, zeros) = self.cfg.log_norms;
-        let zeros = if zeros {
-            let grads = match &self.sharded {
-                Some(sharded) => &sharded.grads,
-                None => &self.grads,
-            };
-            let mut n = 0;
-            for g in self.counted_of(grads) {
-                n += (self.b.download_f32(g)?.iter())
-                    .filter(|&&x| x == 0.0)
-                    .count();
-            }
-            Some(self.model_summed(n as f64)?)
-        } else {
-            None
-        };
-        let params = match (params, &self.sharded, self.opt.main.as_ref()) {
+        let zeros = self.zeros_in_grad;
+        let params = match (self.cfg.log_norms.0, &self.sharded, self.opt.main.as_ref()) {
             (false, _, _) => None,
             (true, Some(sharded), _) => Some(self.model_norm(&sharded.main)?),
             (true, None, Some(main)) => Some(self.model_norm(main)?),

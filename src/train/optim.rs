@@ -19,6 +19,20 @@ pub struct AdamConfig {
     pub clip_grad: f64,
 }
 
+impl AdamConfig {
+    /// Megatron's clip coefficient for the global gradient norm `grad_norm`, 1 within the
+    /// bound: each gradient is multiplied by it as its update reads it.
+    pub fn clip_scale(&self, grad_norm: f64) -> f32 {
+        let clip = self.clip_grad;
+        let coeff = clip / (grad_norm + 1e-6);
+        if clip > 0.0 && coeff < 1.0 {
+            coeff as f32
+        } else {
+            1.0
+        }
+    }
+}
+
 /// The optimizer's state.
 pub struct Optimizer<T> {
     /// f32 main parameters when the model's are bf16 (`--bf16`).
@@ -107,7 +121,8 @@ impl<T> Optimizer<T> {
     }
 
     /// Clip by `grad_norm` (the global gradient norm) and apply one AdamW step with
-    /// learning rate `lr` and weight decay `wd` (the decay group's; the other group has none).
+    /// learning rate `lr` and weight decay `wd` (the decay group's; the other group has none),
+    /// leaving the trained parameters' `grads` zeroed.
     /// A non-finite gradient norm skips the update, as a Megatron grad scaler would.
     pub fn apply<B: Backend<Tensor = T>>(
         &mut self,
@@ -124,14 +139,7 @@ impl<T> Optimizer<T> {
                 applied: false,
             });
         }
-        // Megatron's clip coefficient, applied to each gradient as its update reads it.
-        let clip = self.config.clip_grad;
-        let coeff = clip / (grad_norm + 1e-6);
-        let grad_scale = if clip > 0.0 && coeff < 1.0 {
-            coeff as f32
-        } else {
-            1.0
-        };
+        let grad_scale = self.config.clip_scale(grad_norm);
         self.steps += 1;
         for i in 0..params.len() {
             if !self.trainable[i] {

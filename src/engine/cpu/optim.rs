@@ -8,12 +8,13 @@ use rayon::prelude::*;
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
 
-/// One AdamW step on `param` with `grad` (first multiplied in place by `a.grad_scale` unless
-/// that is 1), moments `m`, `v` updated in place, in the order and precision of torch's
+/// One AdamW step on `param` with `grad` (first multiplied by `a.grad_scale` unless that is
+/// 1), moments `m`, `v` updated in place, in the order and precision of torch's
 /// single-tensor `AdamW` (torch/optim/adamw.py, `_single_tensor_adam` with decoupled decay):
 /// `p ·= 1 − lr·wd; m = lerp(m, g, 1 − β₁); v = β₂v + (1 − β₂)g²; p −= lr/bc₁ · m /
-/// (√v/√bc₂ + ε)`; then `p` rounded into `model`'s half bits where given. Each chunk goes
-/// through all of it while in cache: one pass over memory.
+/// (√v/√bc₂ + ε)`; then `p` rounded into `model`'s half bits where given, and `grad` zeroed
+/// for the next accumulation. Each chunk goes through all of it while in cache: one pass over
+/// memory (zeroing the gradient here spares the trainer a pass of its own).
 pub fn adamw(
     param: &mut [f32],
     (grad, m, v): (&mut [f32], &mut [f32], &mut [f32]),
@@ -30,13 +31,12 @@ pub fn adamw(
     let eps = a.eps as f32;
     let grad_scale = a.grad_scale;
     let update = |p: &mut [f32], g: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-        if grad_scale != 1.0 {
-            g.iter_mut().for_each(|g| *g *= grad_scale);
-        }
         for i in 0..p.len() {
+            // × 1 is exact, so scaling unconditionally gives the same bits.
+            let g = std::mem::take(&mut g[i]) * grad_scale;
             p[i] *= decay;
-            m[i] += w1 * (g[i] - m[i]);
-            v[i] = v[i] * b2f + w2 * (g[i] * g[i]);
+            m[i] += w1 * (g - m[i]);
+            v[i] = v[i] * b2f + w2 * (g * g);
             let denom = v[i].sqrt() / bc2_sqrt + eps;
             p[i] += -step_size * (m[i] / denom);
         }
@@ -139,7 +139,7 @@ mod tests {
     #[test]
     fn two_steps_equal_torch() {
         let mut p = vec![1.0f32, -2.0, 0.5];
-        let mut g = [0.1f32, 0.2, -0.3];
+        let g = [0.1f32, 0.2, -0.3];
         let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
         for step in 1..=2 {
             let a = AdamWStep {
@@ -150,7 +150,9 @@ mod tests {
                 step,
                 grad_scale: 1.0,
             };
+            let mut g = g;
             adamw(&mut p, (&mut g, &mut m, &mut v), a, None);
+            assert_eq!(g, [0.0; 3], "the gradient is left zeroed");
         }
         // Bit for bit.
         assert_eq!(p, [0.978_011_1_f32, -2.015_992_2, 0.518_990_5]);
