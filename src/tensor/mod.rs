@@ -27,4 +27,14 @@ impl SharedOut {
         // SAFETY: forwarded from the caller.
         unsafe { self.0.add(i) }
     }
+
+    /// The `n` elements from `i` as a slice.
+    ///
+    /// # Safety
+    /// `i..i + n` must lie inside the output, and nothing else may touch it while the slice
+    /// lives.
+    pub(crate) unsafe fn slice<'a>(self, i: usize, n: usize) -> &'a mut [f32] {
+        // SAFETY: forwarded from the caller.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(i), n) }
+    }
 }

@@ -459,10 +459,11 @@ pub fn attention_bwd_bf16(
                     Store::Overwrite,
                 );
                 for (r, values) in block_dq.chunks_exact(d).enumerate() {
-                    for (c, &v) in values.iter().enumerate() {
-                        // SAFETY: row + r < T, head h of group g: this task alone writes it.
-                        unsafe { *dq_out.at((row + r) * qw + h * d + c) = v * s.scale };
-                    }
+                    // SAFETY: row + r < T, head h of group g: this task alone writes it.
+                    let dst = unsafe { dq_out.slice((row + r) * qw + h * d, d) };
+                    dst.iter_mut()
+                        .zip(values)
+                        .for_each(|(o, &v)| *o = v * s.scale);
                 }
                 let (ds_t, p_t) = (
                     amx::Operand::transposed(&ds_bits),
@@ -486,13 +487,13 @@ pub fn attention_bwd_bf16(
         }
         for (r, (dk_row, dv_row)) in dk_g.chunks_exact(d).zip(dv_g.chunks_exact(d)).enumerate() {
             let at = (seg.start + r) * kw + g * d;
-            for c in 0..d {
-                // SAFETY: the segment's rows, group g's columns: this task's alone.
-                unsafe {
-                    *dk_out.at(at + c) = dk_row[c] * s.scale;
-                    *dv_out.at(at + c) = dv_row[c];
-                }
-            }
+            // SAFETY: the segment's rows, group g's columns: this task's alone.
+            let (dk_dst, dv_dst) = unsafe { (dk_out.slice(at, d), dv_out.slice(at, d)) };
+            dk_dst
+                .iter_mut()
+                .zip(dk_row)
+                .for_each(|(o, &v)| *o = v * s.scale);
+            dv_dst.copy_from_slice(dv_row);
         }
     });
 }
