@@ -34,10 +34,12 @@ pub fn rms_norm_bwd(
     let h = gamma.len();
     let rows = || dy.chunks_exact(h).zip(x.chunks_exact(h)).zip(rstd);
     for (dx, ((dy, x), &r)) in dx.chunks_exact_mut(h).zip(rows()) {
-        let mut proj = 0f32;
-        for ((&dy, &x), &g) in dy.iter().zip(x).zip(gamma) {
-            proj += g * dy * x;
+        // γ∘dy, then its dot product with x summed in the lanes of `dot` (one running sum
+        // would wait on every addition).
+        for ((d, &dy), &g) in dx.iter_mut().zip(dy).zip(gamma) {
+            *d = g * dy;
         }
+        let proj = dot(dx, x);
         let c = r * r * r * proj / h as f32;
         for (((dx, &dy), &x), &g) in dx.iter_mut().zip(dy).zip(x).zip(gamma) {
             *dx = r * g * dy - c * x;
