@@ -47,7 +47,7 @@ pub fn cross_entropy_bwd(
             *x -= dl;
         }
     };
-    match &mut logits.data {
+    match logits.data_mut() {
         Data::F32(values) => values
             .par_chunks_mut(v)
             .enumerate()

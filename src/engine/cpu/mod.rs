@@ -44,6 +44,10 @@ pub struct Cpu;
 pub struct CpuTensor {
     shape: Vec<usize>,
     data: Data,
+    /// Every element is known to be +0 (set where the backend made it so, cleared by every
+    /// mutable access through [`CpuTensor::data_mut`]): a weight gradient's first product may
+    /// then overwrite it instead of reading it to add.
+    zero: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -59,6 +63,7 @@ impl CpuTensor {
     fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
         debug_assert_eq!(values.len(), shape.iter().product::<usize>());
         CpuTensor {
+            zero: false,
             shape,
             data: Data::F32(values),
         }
@@ -74,7 +79,11 @@ impl CpuTensor {
             }
             _ => Data::F32(values),
         };
-        CpuTensor { shape, data }
+        CpuTensor {
+            shape,
+            data,
+            zero: false,
+        }
     }
 
     fn dtype(&self) -> DType {
@@ -117,8 +126,15 @@ impl CpuTensor {
         }
     }
 
+    /// Its storage, to change: it is no longer known to be zero.
+    fn data_mut(&mut self) -> &mut Data {
+        self.zero = false;
+        &mut self.data
+    }
+
     /// Its f32 values to update in place; an error for a half or packed tensor.
     fn f32_mut(&mut self, op: &'static str) -> Result<&mut [f32]> {
+        self.zero = false;
         match &mut self.data {
             Data::F32(v) => Ok(v),
             _ => Err(EngineError::Invalid {
@@ -227,9 +243,15 @@ fn bf16_qkv<'a>(
     Some(x).filter(|_| amx::available())
 }
 
-/// `dw [m, k] += dyᵀ · x` for bf16 `dy [n, m]`, `x [n, k]` on AMX tiles, transposing the
+/// `dw [m, k] = / += dyᵀ · x` (`store`) for bf16 `dy [n, m]`, `x [n, k]` on AMX tiles, transposing the
 /// smaller of the two for the tiles' left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
-fn amx_weight_grad(dy: &[u16], x: &[u16], (n, m, k): (usize, usize, usize), dw: &mut [f32]) {
+fn amx_weight_grad(
+    dy: &[u16],
+    x: &[u16],
+    (n, m, k): (usize, usize, usize),
+    dw: &mut [f32],
+    store: Store,
+) {
     let (left, right, shape, transposed) = if m > k {
         (x, dy, (k, n, m), true)
     } else {
@@ -238,7 +260,7 @@ fn amx_weight_grad(dy: &[u16], x: &[u16], (n, m, k): (usize, usize, usize), dw: 
     let dst = amx::Dst::F32 {
         out: dw,
         stride: k,
-        store: Store::Accumulate,
+        store,
         transposed,
     };
     amx::matmul(
@@ -357,6 +379,7 @@ impl Device for Cpu {
             }
         };
         Ok(CpuTensor {
+            zero: false,
             shape: t.shape.clone(),
             data,
         })
@@ -367,6 +390,7 @@ impl Device for Cpu {
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuTensor> {
         match PanelType::for_weights(t.dtype) {
             Some(ty) if t.shape.len() == 2 => Ok(CpuTensor {
+                zero: false,
                 shape: t.shape.clone(),
                 data: Data::Panels(Panels::pack(ty, &t.data, (t.shape[0], t.shape[1])).map_err(
                     |e| EngineError::Invalid {
@@ -395,6 +419,7 @@ impl Device for Cpu {
             _ => Data::F32(zeroed(n)),
         };
         Ok(CpuTensor {
+            zero: true,
             shape: shape.to_vec(),
             data,
         })
@@ -527,6 +552,7 @@ impl Backend for Cpu {
             let (x, w) = (amx::Operand::rows(xb), amx::Operand::transposed(wb));
             let out = amx::product_bf16(x, w, (n, k, m), bias.as_deref());
             return Ok(CpuTensor {
+                zero: false,
                 shape: vec![n, m],
                 data: Data::Half(DType::BF16, out),
             });
@@ -561,6 +587,7 @@ impl Backend for Cpu {
         let dx = if let Some((dyb, wb)) = amx_pair(dy, w) {
             let (dy, w) = (amx::Operand::rows(dyb), amx::Operand::rows(wb));
             CpuTensor {
+                zero: false,
                 shape: x.shape.clone(),
                 data: Data::Half(DType::BF16, amx::product_bf16(dy, w, (n, m, k), None)),
             }
@@ -571,9 +598,15 @@ impl Backend for Cpu {
             CpuTensor::stored(x.shape.clone(), dx, dy.dtype())
         };
         if let Some(dw) = dw {
+            // A gradient known to be zero (the step's first contribution) is overwritten, not
+            // read and added to: the same values, without reading it.
+            let store = match dw.zero {
+                true => Store::Overwrite,
+                false => Store::Accumulate,
+            };
             let dw = dw.f32_mut("matmul_bwd")?;
             if let Some((dyb, xb)) = amx_pair(dy, x) {
-                amx_weight_grad(dyb, xb, (n, m, k), dw);
+                amx_weight_grad(dyb, xb, (n, m, k), dw, store);
             } else {
                 gemm::matmul_tn_acc(dys(), &x.values(), (n, m, k), dw);
             }
@@ -601,6 +634,7 @@ impl Backend for Cpu {
         };
         let [q, k, v] = parts;
         let tensor = |data, heads: usize| CpuTensor {
+            zero: false,
             shape: vec![n, heads * s.head_dim],
             data,
         };
@@ -631,6 +665,7 @@ impl Backend for Cpu {
             }
         };
         Ok(CpuTensor {
+            zero: false,
             shape: vec![n, width],
             data,
         })
@@ -852,7 +887,7 @@ impl Backend for Cpu {
 
     fn copy_into(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
         check::expect_shape(self, "copy_into", "src", src, &dst.shape)?;
-        match &mut dst.data {
+        match dst.data_mut() {
             Data::F32(out) => out.copy_from_slice(&src.values()),
             Data::Half(dtype, bits) => narrow_half_parallel(&src.values(), *dtype, bits),
             Data::Panels(_) => {
@@ -880,7 +915,7 @@ impl Backend for Cpu {
             }
             Data::Panels(_) => return Err(packed("copy_range")),
         };
-        match &mut dst.data {
+        match dst.data_mut() {
             Data::F32(v) => v[to..to + n].copy_from_slice(values),
             Data::Half(dtype, bits) => narrow_half(values, *dtype, &mut bits[to..to + n]),
             Data::Panels(_) => return Err(packed("copy_range")),
@@ -913,6 +948,11 @@ impl Backend for Cpu {
     ) -> Result<()> {
         let rest = [("grad", &*grad), ("m", &*m), ("v", &*v)];
         check::adamw(self, param, rest, model.as_deref())?;
+        // The bf16 weights below are written through a pattern, not `data_mut`.
+        let mut model = model;
+        if let Some(model) = model.as_deref_mut() {
+            model.zero = false;
+        }
         let state = (
             grad.f32_mut("adamw")?,
             m.f32_mut("adamw")?,
@@ -931,6 +971,8 @@ impl Backend for Cpu {
                 }
             }
         }
+        // optim::adamw left the gradient zeroed.
+        grad.zero = true;
         Ok(())
     }
 }

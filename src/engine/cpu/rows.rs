@@ -80,7 +80,14 @@ pub fn map_rows<R: Send, const N: usize>(
             (Data::F32(values), results)
         }
     };
-    (CpuTensor { shape, data }, results)
+    (
+        CpuTensor {
+            shape,
+            data,
+            zero: false,
+        },
+        results,
+    )
 }
 
 /// `kernel(rows, x's rows, inputs' rows)` updating `x` in place, blocks of `block` rows in
@@ -95,7 +102,7 @@ pub fn update_rows<const N: usize>(
     let (n, cols) = (x.rows(), x.cols());
     let chunk = (block * cols).max(1);
     let rows_of = |b: usize| b * block..((b + 1) * block).min(n);
-    match &mut x.data {
+    match x.data_mut() {
         Data::F32(values) => values.par_chunks_mut(chunk).enumerate().for_each_init(
             buffers::<N>,
             |(ins, _), (b, out)| {
