@@ -41,15 +41,9 @@ pub fn adamw(
             p[i] += -step_size * (m[i] / denom);
         }
     };
-    let run = |p: &mut [f32], g: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-        // Each operation is exactly rounded, so 16-lane code computes the same bits.
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the feature the function was compiled for.
-            return unsafe { in_avx512(|| update(p, g, m, v)) };
-        }
-        update(p, g, m, v)
-    };
+    // Each operation is exactly rounded, so 16-lane code computes the same bits.
+    let run =
+        |p: &mut [f32], g: &mut [f32], m: &mut [f32], v: &mut [f32]| widest(|| update(p, g, m, v));
     let chunks = param
         .par_chunks_mut(CHUNK)
         .zip(grad.par_chunks_mut(CHUNK))
@@ -65,6 +59,17 @@ pub fn adamw(
         }
         None => chunks.for_each(|((p, g), (m, v))| run(p, g, m, v)),
     }
+}
+
+/// `f`, compiled for AVX-512 where the CPU has it (see [`in_avx512`]), else as it is.
+#[inline]
+fn widest<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has the feature the function was compiled for.
+        return unsafe { in_avx512(f) };
+    }
+    f()
 }
 
 /// `f` compiled for AVX-512 where it is inlined (the loops it runs vectorize to 16 lanes).
@@ -99,16 +104,10 @@ pub fn sum_squares(x: &[f32]) -> f64 {
         }
         lanes.iter().sum::<f64>() + rest
     };
-    let run = |c: &[f32]| {
-        // Each operation is exactly rounded, so 8-lane code computes the same bits.
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the feature the function was compiled for.
-            return unsafe { in_avx512(|| chunk_sum(c)) };
-        }
-        chunk_sum(c)
-    };
-    let parts: Vec<f64> = x.par_chunks(CHUNK).map(run).collect();
+    // Each operation is exactly rounded, so 8-lane code computes the same bits.
+    let parts: Vec<f64> = (x.par_chunks(CHUNK))
+        .map(|c| widest(|| chunk_sum(c)))
+        .collect();
     parts.iter().sum()
 }
 
