@@ -21,6 +21,8 @@ pub const PANEL: usize = 32;
 /// panel loads and the broadcasts.
 #[cfg(target_arch = "x86_64")]
 const TILE_ROWS: usize = 6;
+#[cfg(target_arch = "x86_64")]
+const FMA_ROWS: usize = 12;
 
 /// How a panel's elements are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -364,8 +366,14 @@ unsafe fn pair_tile<const ROWS: usize>(p: &PanelProduct, i0: usize, scale: f32, 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn fma_rows<const KIND: u8>(p: &PanelProduct, scale: f32, accumulate: bool) {
-    for i0 in (0..p.rows).step_by(TILE_ROWS) {
-        match (p.rows - i0).min(TILE_ROWS) {
+    for i0 in (0..p.rows).step_by(FMA_ROWS) {
+        match (p.rows - i0).min(FMA_ROWS) {
+            12 => fma_tile::<12, KIND>(p, i0, scale, accumulate),
+            11 => fma_tile::<11, KIND>(p, i0, scale, accumulate),
+            10 => fma_tile::<10, KIND>(p, i0, scale, accumulate),
+            9 => fma_tile::<9, KIND>(p, i0, scale, accumulate),
+            8 => fma_tile::<8, KIND>(p, i0, scale, accumulate),
+            7 => fma_tile::<7, KIND>(p, i0, scale, accumulate),
             6 => fma_tile::<6, KIND>(p, i0, scale, accumulate),
             5 => fma_tile::<5, KIND>(p, i0, scale, accumulate),
             4 => fma_tile::<4, KIND>(p, i0, scale, accumulate),
@@ -410,6 +418,35 @@ unsafe fn panel_product(p: &PanelProduct, scale: f32, accumulate: bool) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("panel product without the panel kernel: {}", p.rows);
+}
+
+/// `dst = / += lhs · panel` for one f32 panel (`k × PANEL`, its first `width` columns live):
+/// `rows` output rows `dst_stride` apart, lhs rows of `k` elements `lhs_stride` apart; each
+/// output summed in registers over the k inner elements in order, then stored or added.
+///
+/// # Safety
+/// [`has_panel_kernel`] is true; the `rows × width` outputs, the `rows × k` lhs elements and
+/// the `k × PANEL` panel lie inside live buffers; no other thread touches those outputs.
+pub(crate) unsafe fn f32_panel_product(
+    (dst, dst_stride): (*mut f32, usize),
+    (lhs, lhs_stride): (*const f32, usize),
+    panel: *const f32,
+    (rows, k, width): (usize, usize, usize),
+    accumulate: bool,
+) {
+    let product = PanelProduct {
+        dst,
+        dst_stride,
+        lhs: lhs as *const u8,
+        lhs_stride,
+        panel: panel as *const u8,
+        panel_type: PanelType::F32,
+        rows,
+        k,
+        width,
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe { panel_product(&product, 1.0, accumulate) };
 }
 
 /// `dst[n × m] += scale · lhs[n × k] · rhs[k × m]` for a small inner dimension `k` (a

@@ -15,19 +15,10 @@
 //! [`available`] asks once and answers false wherever the CPU, the kernel or the build cannot
 //! run it, and callers fall back to f32 products.
 
-use super::gemm::Store;
+use super::gemm::{Layout, Store};
 use super::transpose;
 use crate::tensor::simd::narrow_bf16;
 use rayon::prelude::*;
-
-/// How an operand's bits are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Layout {
-    /// Row-major as the product reads it.
-    Rows,
-    /// The product reads its transpose: a logical `r × c` operand stored as `c × r` row-major.
-    Transposed,
-}
 
 /// A bf16 operand of a product: `rows × cols` as the product reads it.
 #[derive(Clone, Copy)]

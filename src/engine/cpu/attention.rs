@@ -10,7 +10,7 @@
 //! `h / (nh/ng)`.
 
 use super::amx::{self, Operand};
-use super::gemm::{gemm_into, Store, Strided};
+use super::gemm::{self, gemm_into, Store, Strided};
 use crate::engine::{AttentionShape, Segment};
 use crate::tensor::simd::{self, narrow_bf16, softmax};
 use crate::tensor::SharedOut;
@@ -293,7 +293,7 @@ fn head_operand(
     (row, width): (usize, usize),
     h: usize,
     d: usize,
-    layout: amx::Layout,
+    layout: gemm::Layout,
 ) -> Operand<'_> {
     Operand {
         bits: &x[row * width + h * d..],
@@ -344,8 +344,8 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
                 seg.start + t0,
             );
             let seen = t0 + rows;
-            let q = head_operand(x.q, (row, qw), h, d, amx::Layout::Rows);
-            let k_t = head_operand(x.k, (seg.start, kw), g, d, amx::Layout::Transposed);
+            let q = head_operand(x.q, (row, qw), h, d, gemm::Layout::Rows);
+            let k_t = head_operand(x.k, (seg.start, kw), g, d, gemm::Layout::Transposed);
             scores.resize(rows * seen, 0.0);
             product(q, k_t, (rows, d, seen), scores, Store::Overwrite);
             for (r, sc) in scores.chunks_exact_mut(seen).enumerate() {
@@ -357,7 +357,7 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
             }
             narrowed(scores, probs);
             block_o.resize(rows * d, 0.0);
-            let v = head_operand(x.v, (seg.start, kw), g, d, amx::Layout::Rows);
+            let v = head_operand(x.v, (seg.start, kw), g, d, gemm::Layout::Rows);
             product(
                 amx::Operand::rows(probs),
                 v,
@@ -417,21 +417,21 @@ pub fn attention_bwd_bf16(
             for t0 in (0..seg.len()).step_by(AMX_BLOCK) {
                 let (rows, row) = ((seg.len() - t0).min(AMX_BLOCK), seg.start + t0);
                 let seen = t0 + rows;
-                let q = head_operand(x.q, (row, qw), h, d, amx::Layout::Rows);
-                let grad = head_operand(d_o, (row, qw), h, d, amx::Layout::Rows);
+                let q = head_operand(x.q, (row, qw), h, d, gemm::Layout::Rows);
+                let grad = head_operand(d_o, (row, qw), h, d, gemm::Layout::Rows);
                 p.resize(rows * seen, 0.0);
                 dp.resize(rows * seen, 0.0);
                 let shape = (rows, d, seen);
                 product(
                     q,
-                    group(x.k, amx::Layout::Transposed),
+                    group(x.k, gemm::Layout::Transposed),
                     shape,
                     &mut p,
                     Store::Overwrite,
                 );
                 product(
                     grad,
-                    group(x.v, amx::Layout::Transposed),
+                    group(x.v, gemm::Layout::Transposed),
                     shape,
                     &mut dp,
                     Store::Overwrite,
@@ -453,7 +453,7 @@ pub fn attention_bwd_bf16(
                 let ds = amx::Operand::rows(&ds_bits);
                 product(
                     ds,
-                    group(x.k, amx::Layout::Rows),
+                    group(x.k, gemm::Layout::Rows),
                     (rows, seen, d),
                     &mut block_dq,
                     Store::Overwrite,

@@ -1,6 +1,11 @@
-//! f32 matrix products on strided views, through the `gemm` crate (its kernels pick AVX-512,
-//! AVX2 or scalar code at run time): the forms a forward and a backward pass need —
-//! `x·wᵀ`, `dy·w`, `dw += dyᵀ·x` — and the blocked attention products.
+//! f32 matrix products: the forms a forward and a backward pass need — `x·wᵀ`, `dy·w`,
+//! `dw += dyᵀ·x` — on the AVX-512 panel kernel where the CPU has it (the `gemm` crate's
+//! stable builds stop at AVX2), else on the `gemm` crate; and the blocked attention products
+//! on strided views, through the `gemm` crate.
+
+use super::transpose;
+use crate::tensor::panel::{f32_panel_product, has_panel_kernel, PANEL};
+use crate::tensor::SharedOut;
 
 /// A matrix in a buffer: element (i, j) at `ptr + i·row_stride + j·col_stride`.
 #[derive(Clone, Copy)]
@@ -89,69 +94,225 @@ pub unsafe fn gemm_into(
     }
 }
 
-/// Rows of the output each parallel task computes.
+/// How an operand is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Row-major as the product reads it.
+    Rows,
+    /// The product reads its transpose: a logical `r × c` operand stored as `c × r` row-major.
+    Transposed,
+}
+
+/// A contiguous f32 operand of [`product`].
+#[derive(Clone, Copy)]
+pub struct Matrix<'a> {
+    pub values: &'a [f32],
+    pub layout: Layout,
+}
+
+impl<'a> Matrix<'a> {
+    /// Stored as the product reads it.
+    pub fn rows(values: &'a [f32]) -> Self {
+        Matrix {
+            values,
+            layout: Layout::Rows,
+        }
+    }
+
+    /// Stored as its transpose.
+    pub fn transposed(values: &'a [f32]) -> Self {
+        Matrix {
+            values,
+            layout: Layout::Transposed,
+        }
+    }
+
+    /// The logical `rows × cols` operand from row `r0` on, as a strided view.
+    fn strided(&self, (rows, cols): (usize, usize), r0: usize) -> Strided {
+        match self.layout {
+            Layout::Rows => Strided::rows(self.values, r0 * cols, cols),
+            Layout::Transposed => Strided::columns(self.values, r0, rows),
+        }
+    }
+}
+
+/// `out (m × n, contiguous) = / += lhs (m × k) · rhs (k × n)`, blocks of the output in
+/// parallel. Where the CPU has AVX-512 the AVX-512 panel kernel computes it (`rhs` packed as
+/// 32-column panels once, each output summed over the inner dimension in slices of
+/// [`PANEL_DEPTH`], in order); elsewhere the `gemm` crate's kernels do. Either way every
+/// output is summed in an order that does not depend on the number of threads.
+///
+/// # Panics
+/// If an operand or `out` is smaller than its shape says.
+pub fn product(
+    lhs: Matrix,
+    rhs: Matrix,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    store: Store,
+) {
+    assert!(
+        lhs.values.len() >= m * k && rhs.values.len() >= k * n && out.len() >= m * n,
+        "internal: product shapes"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if store == Store::Overwrite {
+            out[..m * n].fill(0.0);
+        }
+        return;
+    }
+    if has_panel_kernel() {
+        panel_product(lhs, rhs, (m, k, n), out, store);
+    } else {
+        crate_product(lhs, rhs, (m, k, n), out, store);
+    }
+}
+
+/// Output rows of one parallel task of [`crate_product`].
 const TASK_ROWS: usize = 64;
 
-/// `out [n, m] = / += a [n, k] · b`, where `b` is `[k, m]` row-major (`b_t` false) or the
-/// transpose of a row-major `[m, k]` (`b_t` true); row blocks of the output in parallel.
-pub fn matmul(
-    a: &[f32],
-    b: &[f32],
-    b_t: bool,
-    (n, k, m): (usize, usize, usize),
+/// [`product`] on the `gemm` crate: row blocks of the output in parallel.
+fn crate_product(
+    lhs: Matrix,
+    rhs: Matrix,
+    (m, k, n): (usize, usize, usize),
     out: &mut [f32],
     store: Store,
 ) {
     use rayon::prelude::*;
-    assert!(
-        a.len() >= n * k && b.len() >= k * m && out.len() >= n * m,
-        "internal: matmul shapes"
-    );
-    let rhs = if b_t {
-        Strided::columns(b, 0, k)
-    } else {
-        Strided::rows(b, 0, m)
-    };
-    out[..n * m]
-        .par_chunks_mut(TASK_ROWS * m)
+    let right = rhs.strided((k, n), 0);
+    out[..m * n]
+        .par_chunks_mut(TASK_ROWS * n)
         .enumerate()
         .for_each(|(t, block)| {
-            let rows = block.len() / m;
-            let lhs = Strided::rows(a, t * TASK_ROWS * k, k);
-            // SAFETY: the task writes its own `rows × m` block; lhs addresses rows of `a`
-            // inside its `n × k`, rhs the `k × m` of `b` (asserted above).
-            unsafe { gemm_into(block.as_mut_ptr(), m, (rows, m, k), lhs, rhs, 1.0, store) };
+            let rows = block.len() / n;
+            let left = lhs.strided((m, k), t * TASK_ROWS);
+            // SAFETY: the task writes its own `rows × n` block; left addresses rows
+            // t·64.. of lhs inside its m × k, right the k × n of rhs (asserted by `product`).
+            unsafe { gemm_into(block.as_mut_ptr(), n, (rows, n, k), left, right, 1.0, store) };
         });
 }
 
-/// `dw [m, k] += dyᵀ · x` for `dy [n, m]`, `x [n, k]` (the weight gradient of `y = x·wᵀ`):
-/// row blocks of `dw` in parallel, each summing over all n rows in order.
-pub fn matmul_tn_acc(dy: &[f32], x: &[f32], (n, m, k): (usize, usize, usize), dw: &mut [f32]) {
+/// Inner elements one pass of the panel kernel sums before it adds to the output: a
+/// 256 × 32 panel slice (32 KiB) stays in L1 while every row of a task reads it.
+const PANEL_DEPTH: usize = 256;
+/// Output rows of one panel-kernel task.
+const PANEL_TASK_ROWS: usize = 96;
+/// Panels (of [`PANEL`] output columns) one panel-kernel task covers at most.
+const TASK_PANELS: usize = 8;
+
+/// [`product`] on the AVX-512 panel kernel (call only where [`has_panel_kernel`]).
+fn panel_product(
+    lhs: Matrix,
+    rhs: Matrix,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    store: Store,
+) {
     use rayon::prelude::*;
-    assert!(
-        dy.len() >= n * m && x.len() >= n * k && dw.len() >= m * k,
-        "internal: matmul shapes"
-    );
-    dw[..m * k]
-        .par_chunks_mut(TASK_ROWS * k)
+    PACKED.with_borrow_mut(|panels| {
+        pack_panels(rhs, (k, n), panels);
+        let count = n.div_ceil(PANEL);
+        // A left operand stored transposed is moved into rows once per task: let one task
+        // cover every panel then.
+        let per_task = match lhs.layout {
+            Layout::Rows => count.div_ceil(count.div_ceil(TASK_PANELS)),
+            Layout::Transposed => count,
+        };
+        let (row_tasks, col_tasks) = (m.div_ceil(PANEL_TASK_ROWS), count.div_ceil(per_task));
+        let dst = SharedOut(out.as_mut_ptr());
+        let panels = &panels[..count * k * PANEL];
+        (0..row_tasks * col_tasks)
+            .into_par_iter()
+            .for_each_init(Vec::new, |buf, task| {
+                let (rt, ct) = (task % row_tasks, task / row_tasks);
+                let rows = rt * PANEL_TASK_ROWS..((rt + 1) * PANEL_TASK_ROWS).min(m);
+                let (left, pitch) = left_rows(lhs, (m, k), rows.clone(), buf);
+                for k0 in (0..k).step_by(PANEL_DEPTH) {
+                    let depth = (k - k0).min(PANEL_DEPTH);
+                    let accumulate = k0 > 0 || store == Store::Accumulate;
+                    for p in ct * per_task..((ct + 1) * per_task).min(count) {
+                        let width = (n - p * PANEL).min(PANEL);
+                        // SAFETY: the kernel runs here; the task's rows × width outputs at
+                        // column p·32 lie inside out (m × n, asserted by `product`) and no
+                        // other task writes them; `left` holds rows.len() rows of k elements
+                        // `pitch` apart; panel p holds k × 32 elements, of which rows
+                        // k0..k0 + depth are read.
+                        unsafe {
+                            f32_panel_product(
+                                (dst.at(rows.start * n + p * PANEL), n),
+                                (left[k0..].as_ptr(), pitch),
+                                panels[(p * k + k0) * PANEL..].as_ptr(),
+                                (rows.len(), depth, width),
+                                accumulate,
+                            )
+                        };
+                    }
+                }
+            });
+    });
+}
+
+thread_local! {
+    /// The packed right operand of the calling thread's last product, kept so that the next
+    /// one reuses its pages (the largest, an output layer's weight, is as big as the weight).
+    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Rows `rows` of the `m × k` operand as row-major rows (`.1` elements apart): borrowed where
+/// it is stored so, else transposed into `buf`.
+fn left_rows<'a>(
+    lhs: Matrix<'a>,
+    (m, k): (usize, usize),
+    rows: std::ops::Range<usize>,
+    buf: &'a mut Vec<f32>,
+) -> (&'a [f32], usize) {
+    match lhs.layout {
+        Layout::Rows => (&lhs.values[rows.start * k..rows.end * k], k),
+        Layout::Transposed => {
+            // Rows a multiple of 4 KiB apart would share L1 sets: the kernel reads six at once.
+            let pitch = k + 16;
+            buf.clear();
+            buf.resize(rows.len() * pitch, 0.0);
+            let stored = &lhs.values[rows.start..];
+            transpose::f32_matrix(stored, m, (k, rows.len()), buf, pitch);
+            (buf, pitch)
+        }
+    }
+}
+
+/// `rhs (k × n)` into `panels` as ⌈n / 32⌉ panels of `k × 32` (row q of panel p holds columns
+/// `32p .. 32p + 32` of row q, zero past n), panels in parallel. `panels` only grows.
+fn pack_panels(rhs: Matrix, (k, n): (usize, usize), panels: &mut Vec<f32>) {
+    use rayon::prelude::*;
+    let len = n.div_ceil(PANEL) * k * PANEL;
+    if panels.len() < len {
+        panels.resize(len, 0.0);
+    }
+    panels[..len]
+        .par_chunks_mut(k * PANEL)
         .enumerate()
-        .for_each(|(t, block)| {
-            let rows = block.len() / k;
-            let lhs = Strided::columns(dy, t * TASK_ROWS, m);
-            let rhs = Strided::rows(x, 0, k);
-            // SAFETY: the task writes its own `rows × k` block of dw; lhs reads columns
-            // t·64.. of dy (n × m), rhs all of x (n × k), both inside (asserted above).
-            unsafe {
-                gemm_into(
-                    block.as_mut_ptr(),
-                    k,
-                    (rows, k, n),
-                    lhs,
-                    rhs,
-                    1.0,
-                    Store::Accumulate,
-                )
-            };
+        .for_each(|(p, panel)| {
+            let (j0, width) = (p * PANEL, (n - p * PANEL).min(PANEL));
+            match rhs.layout {
+                Layout::Rows => {
+                    for (q, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+                        row[..width].copy_from_slice(&rhs.values[q * n + j0..][..width]);
+                        row[width..].fill(0.0);
+                    }
+                }
+                Layout::Transposed => {
+                    transpose::f32_matrix(&rhs.values[j0 * k..], k, (width, k), panel, PANEL);
+                    if width < PANEL {
+                        for row in panel.chunks_exact_mut(PANEL) {
+                            row[width..].fill(0.0);
+                        }
+                    }
+                }
+            }
         });
 }
 
@@ -160,44 +321,83 @@ mod tests {
     use super::*;
     use crate::engine::cpu::testing::seeded;
 
-    fn naive(
-        a: &[f32],
-        b: &[f32],
-        (n, k, m): (usize, usize, usize),
-        at: impl Fn(usize, usize) -> usize,
-    ) -> Vec<f32> {
-        let mut out = vec![0f32; n * m];
-        for i in 0..n {
-            for j in 0..m {
-                out[i * m + j] = (0..k).map(|l| a[i * k + l] * b[at(l, j)]).sum();
+    /// `lhs (m × k) · rhs (k × n)` summed in f64, operands stored in the layouts given.
+    fn naive(lhs: Matrix, rhs: Matrix, (m, k, n): (usize, usize, usize)) -> Vec<f64> {
+        let at = |x: &Matrix, (rows, cols): (usize, usize), i: usize, j: usize| match x.layout {
+            Layout::Rows => x.values[i * cols + j] as f64,
+            Layout::Transposed => x.values[j * rows + i] as f64,
+        };
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|l| at(&lhs, (m, k), i, l) * at(&rhs, (k, n), l, j))
+                    .sum();
             }
         }
         out
     }
 
-    #[test]
-    fn products_match_the_definition() {
-        let (n, k, m) = (70, 9, 66);
-        let a = seeded(n * k, 1);
-        let b = seeded(k * m, 2);
-        let mut out = vec![0f32; n * m];
-        matmul(&a, &b, false, (n, k, m), &mut out, Store::Overwrite);
-        let want = naive(&a, &b, (n, k, m), |l, j| l * m + j);
-        assert!(out.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-5));
-        matmul(&a, &b, true, (n, k, m), &mut out, Store::Accumulate);
-        let want_t = naive(&a, &b, (n, k, m), |l, j| j * k + l);
-        assert!(out
-            .iter()
-            .zip(want.iter().zip(&want_t))
-            .all(|(x, (y, z))| (x - y - z).abs() < 1e-5));
-        let dy = seeded(n * m, 3);
-        let mut dw = vec![1f32; m * k];
-        matmul_tn_acc(&dy, &a, (n, m, k), &mut dw);
-        for j in 0..m {
-            for l in 0..k {
-                let want: f32 = 1.0 + (0..n).map(|i| dy[i * m + j] * a[i * k + l]).sum::<f32>();
-                assert!((dw[j * k + l] - want).abs() < 1e-4, "{j},{l}");
+    type Kernel = fn(Matrix, Matrix, (usize, usize, usize), &mut [f32], Store);
+
+    /// Every layout pair, both stores, shapes with partial blocks, panels and depth slices.
+    fn check_products(kernel: Kernel) {
+        let layouts = [Layout::Rows, Layout::Transposed];
+        for (m, k, n) in [(70, 9, 66), (100, 300, 33), (5, 600, 64)] {
+            let (a, b) = (seeded(m * k, 1), seeded(k * n, 2));
+            for (la, lb) in layouts.iter().flat_map(|&la| layouts.map(|lb| (la, lb))) {
+                let lhs = Matrix {
+                    values: &a,
+                    layout: la,
+                };
+                let rhs = Matrix {
+                    values: &b,
+                    layout: lb,
+                };
+                let want = naive(lhs, rhs, (m, k, n));
+                let tolerance = 1e-5 * k as f64;
+                let mut out = vec![f32::NAN; m * n];
+                kernel(lhs, rhs, (m, k, n), &mut out, Store::Overwrite);
+                let close = |o: &[f32], add: f64| {
+                    o.iter()
+                        .zip(&want)
+                        .all(|(o, w)| (*o as f64 - w - add).abs() < tolerance)
+                };
+                assert!(close(&out, 0.0), "{la:?} {lb:?} {m}x{k}x{n}");
+                out.fill(1.0);
+                kernel(lhs, rhs, (m, k, n), &mut out, Store::Accumulate);
+                assert!(close(&out, 1.0), "{la:?} {lb:?} {m}x{k}x{n} accumulated");
             }
         }
+    }
+
+    #[test]
+    fn products_match_the_definition() {
+        check_products(product);
+        check_products(crate_product);
+        if has_panel_kernel() {
+            check_products(panel_product);
+        }
+    }
+
+    #[test]
+    fn an_empty_inner_dimension_overwrites_with_zeros() {
+        let mut out = vec![f32::NAN; 6];
+        product(
+            Matrix::rows(&[]),
+            Matrix::rows(&[]),
+            (2, 0, 3),
+            &mut out,
+            Store::Overwrite,
+        );
+        assert_eq!(out, vec![0.0; 6]);
+        product(
+            Matrix::rows(&[]),
+            Matrix::rows(&[]),
+            (2, 0, 3),
+            &mut out,
+            Store::Accumulate,
+        );
+        assert_eq!(out, vec![0.0; 6]);
     }
 }

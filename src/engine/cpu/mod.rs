@@ -29,8 +29,8 @@ use super::{
 use crate::tensor::host::{decode_f32, encode_f32};
 use crate::tensor::panel::{PanelType, Panels};
 use crate::tensor::simd::{dot, narrow_bf16, widen};
-use crate::tensor::{DType, SharedOut};
-use gemm::{gemm_into, Store, Strided};
+use crate::tensor::DType;
+use gemm::Store;
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -309,30 +309,17 @@ impl Cpu {
         out
     }
 
-    /// The same product as GEMM calls on column blocks of the output, in parallel.
+    /// The same product on f32 GEMM kernels (weights stored in half precision widened first).
     fn matmul_gemm(&self, x: &[f32], w: &CpuTensor, (n, k, m): (usize, usize, usize)) -> Vec<f32> {
         let mut out = vec![0f32; n * m];
-        let shared = SharedOut(out.as_mut_ptr());
-        (0..m.div_ceil(ROW_BLOCK))
-            .into_par_iter()
-            .for_each_init(Vec::new, |buf, b| {
-                let (j0, j1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
-                let rows = w.row_block(j0, j1, buf);
-                // SAFETY: the task writes columns j0..j1 of the n × m output only (row stride
-                // m); blocks are disjoint. x is n × k row-major; rows is (j1 - j0) × k, read
-                // as its transpose (k × (j1 - j0)). All indices lie inside the buffers.
-                unsafe {
-                    gemm_into(
-                        shared.at(j0),
-                        m,
-                        (n, j1 - j0, k),
-                        Strided::rows(x, 0, k),
-                        Strided::columns(rows, 0, k),
-                        1.0,
-                        Store::Overwrite,
-                    );
-                }
-            });
+        let (lhs, w) = (gemm::Matrix::rows(x), w.values());
+        gemm::product(
+            lhs,
+            gemm::Matrix::transposed(&w),
+            (n, k, m),
+            &mut out,
+            Store::Overwrite,
+        );
         out
     }
 }
@@ -593,8 +580,14 @@ impl Backend for Cpu {
             }
         } else {
             let mut dx = vec![0f32; n * k];
-            let (dys, ws) = (dys(), w.values());
-            gemm::matmul(dys, &ws, false, (n, m, k), &mut dx, Store::Overwrite);
+            let (dys, ws) = (gemm::Matrix::rows(dys()), w.values());
+            gemm::product(
+                dys,
+                gemm::Matrix::rows(&ws),
+                (n, m, k),
+                &mut dx,
+                Store::Overwrite,
+            );
             CpuTensor::stored(x.shape.clone(), dx, dy.dtype())
         };
         if let Some(dw) = dw {
@@ -608,7 +601,8 @@ impl Backend for Cpu {
             if let Some((dyb, xb)) = amx_pair(dy, x) {
                 amx_weight_grad(dyb, xb, (n, m, k), dw, store);
             } else {
-                gemm::matmul_tn_acc(dys(), &x.values(), (n, m, k), dw);
+                let (dys, xs) = (gemm::Matrix::transposed(dys()), x.values());
+                gemm::product(dys, gemm::Matrix::rows(&xs), (m, n, k), dw, store);
             }
         }
         if let Some(db) = dbias {

@@ -1,8 +1,10 @@
-//! Block transposes for packing AMX tile operands: a 32 × 32 block of bf16 bits and a 16 × 16
-//! block of bf16 pairs (and the pair interleave of two rows), moved in AVX-512 registers (five or four rounds of two-source
-//! permutes, each swapping the off-diagonal halves of ever smaller sub-blocks) instead of one
-//! element at a time. Callers run them only where AMX is available, which implies AVX-512BW
-//! ([`super::amx::available`] checks both).
+//! Block transposes for packing matrix-product operands: for AMX tiles a 32 × 32 block of bf16
+//! bits and a 16 × 16 block of bf16 pairs (and the pair interleave of two rows), for the f32
+//! panel kernel f32 matrices in 16 × 16 blocks — moved in AVX-512 registers (five or four
+//! rounds of two-source permutes, each swapping the off-diagonal halves of ever smaller
+//! sub-blocks) instead of one element at a time. Callers run the bf16 ones only where AMX is
+//! available, which implies AVX-512BW ([`super::amx::available`] checks both), the f32 one
+//! where AVX-512F is.
 
 /// `dst[r · dst_pitch + q] = src[q · pitch + r]` for `r, q < 32`.
 ///
@@ -41,13 +43,64 @@ pub fn pairs(src: &[u16], pitch: usize, dst: &mut [u32; 256]) {
     // SAFETY: AVX-512F is there (module contract); 16 rows of 32 elements of `src` (asserted
     // above) are read, `dst` is written whole.
     unsafe {
-        pairs_avx512(src.as_ptr(), pitch, dst.as_mut_ptr())
+        words_avx512(src.as_ptr().cast(), pitch * 2, dst.as_mut_ptr().cast(), 64)
     }
     #[cfg(not(target_arch = "x86_64"))]
     for p in 0..16 {
         for c in 0..16 {
             let at = c * pitch + 2 * p;
             dst[p * 16 + c] = u32::from(src[at]) | u32::from(src[at + 1]) << 16;
+        }
+    }
+}
+
+/// `dst[c · dst_pitch + r] = src[r · pitch + c]` for `r < rows`, `c < cols`: whole 16 × 16
+/// blocks in registers, the ragged edges one element at a time. Callers run it only where
+/// AVX-512F is (the f32 panel kernel's condition).
+///
+/// # Panics
+/// If a slice is shorter than its rows.
+pub fn f32_matrix(
+    src: &[f32],
+    pitch: usize,
+    (rows, cols): (usize, usize),
+    dst: &mut [f32],
+    dst_pitch: usize,
+) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!(
+        src.len() >= (rows - 1) * pitch + cols && dst.len() >= (cols - 1) * dst_pitch + rows,
+        "internal: transpose outside its slices"
+    );
+    let (whole_rows, whole_cols) = (rows / 16 * 16, cols / 16 * 16);
+    for r0 in (0..whole_rows).step_by(16) {
+        for c0 in (0..whole_cols).step_by(16) {
+            let (from, to) = (&src[r0 * pitch + c0..], &mut dst[c0 * dst_pitch + r0..]);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F is there (contract); the block's 16 rows of 16 elements lie
+            // inside both slices (asserted above).
+            unsafe {
+                words_avx512(
+                    from.as_ptr().cast(),
+                    pitch * 4,
+                    to.as_mut_ptr().cast(),
+                    dst_pitch * 4,
+                )
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            for r in 0..16 {
+                for c in 0..16 {
+                    to[c * dst_pitch + r] = from[r * pitch + c];
+                }
+            }
+        }
+    }
+    for r in 0..rows {
+        let first = if r < whole_rows { whole_cols } else { 0 };
+        for c in first..cols {
+            dst[c * dst_pitch + r] = src[r * pitch + c];
         }
     }
 }
@@ -199,11 +252,13 @@ unsafe fn interleave_avx512(lo: *const u16, hi: *const u16, out: *mut u32) {
     }
 }
 
+/// 16 rows of 16 32-bit words (`pitch` bytes apart) transposed into 16 rows `dst_pitch` bytes
+/// apart.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn pairs_avx512(src: *const u16, pitch: usize, dst: *mut u32) {
+unsafe fn words_avx512(src: *const u8, pitch: usize, dst: *mut u8, dst_pitch: usize) {
     use std::arch::x86_64::*;
-    // SAFETY (loads and stores): the caller's 16 rows of 32 u16, and 256 u32 of `dst`.
+    // SAFETY (loads and stores): the caller's 16 rows of 64 bytes in each.
     let mut rows: [__m512i; 16] =
         std::array::from_fn(|c| unsafe { _mm512_loadu_si512(src.add(c * pitch).cast()) });
     // SAFETY: 16 u32 indices are 64 bytes.
@@ -214,7 +269,7 @@ unsafe fn pairs_avx512(src: *const u16, pitch: usize, dst: *mut u32) {
     });
     for (p, row) in rows.iter().enumerate() {
         // SAFETY: as above.
-        unsafe { _mm512_storeu_si512(dst.add(p * 16).cast(), *row) };
+        unsafe { _mm512_storeu_si512(dst.add(p * dst_pitch).cast(), *row) };
     }
 }
 
@@ -244,6 +299,17 @@ mod tests {
                 let at = c * pitch + 2 * p;
                 let want = u32::from(src[at]) | u32::from(src[at + 1]) << 16;
                 assert_eq!(pair_rows[p * 16 + c], want, "({p}, {c})");
+            }
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            let values: Vec<f32> = src.iter().map(|&v| v as f32).collect();
+            let (rows, cols) = (31, 21);
+            let mut out = vec![0f32; cols * 41];
+            f32_matrix(&values, pitch, (rows, cols), &mut out, 41);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(out[c * 41 + r], values[r * pitch + c], "({r}, {c})");
+                }
             }
         }
         let mut row = [0u32; 16];
