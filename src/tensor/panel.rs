@@ -1,5 +1,6 @@
-//! Matrix products on packed panels: the CPU backend's prefill and decode matmul, and the
-//! LoRA merge's low-rank update. A weight `w [m, k]` is stored as ⌈m / 32⌉ panels of
+//! Matrix products on packed panels: the CPU backend's prefill and decode matmul, its f32
+//! training products (`engine/cpu/gemm.rs` packs their right operands), and the LoRA merge's
+//! low-rank update. A weight `w [m, k]` is stored as ⌈m / 32⌉ panels of
 //! k × 32 elements (weight rows become panel columns), in the weight's own dtype, so one
 //! AVX-512 micro-kernel reads 32 output columns per inner step with two vector loads.
 //!
@@ -17,12 +18,13 @@ use rayon::prelude::*;
 /// Columns of a panel: two 512-bit registers of f32.
 pub const PANEL: usize = 32;
 
-/// Rows of the output one micro-tile covers: 6 × 2 accumulators leave registers for the
-/// panel loads and the broadcasts.
-#[cfg(target_arch = "x86_64")]
-const TILE_ROWS: usize = 6;
+/// Rows of the output one f32 micro-tile covers: 12 × 2 accumulators leave 8 of the 32 vector
+/// registers for the panel loads and the broadcasts (6 rows ran ~10 % slower, 14 spill).
 #[cfg(target_arch = "x86_64")]
 const FMA_ROWS: usize = 12;
+/// Rows of the output one bf16-pair micro-tile covers (6 × 2 accumulators).
+#[cfg(target_arch = "x86_64")]
+const PAIR_ROWS: usize = 6;
 
 /// How a panel's elements are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -388,8 +390,8 @@ unsafe fn fma_rows<const KIND: u8>(p: &PanelProduct, scale: f32, accumulate: boo
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn pair_rows(p: &PanelProduct, scale: f32, accumulate: bool) {
-    for i0 in (0..p.rows).step_by(TILE_ROWS) {
-        match (p.rows - i0).min(TILE_ROWS) {
+    for i0 in (0..p.rows).step_by(PAIR_ROWS) {
+        match (p.rows - i0).min(PAIR_ROWS) {
             6 => pair_tile::<6>(p, i0, scale, accumulate),
             5 => pair_tile::<5>(p, i0, scale, accumulate),
             4 => pair_tile::<4>(p, i0, scale, accumulate),

@@ -2,10 +2,11 @@
 //! heads and blocks; every operator computes in f32 and stores its output in the dtype of its
 //! main input (f32, or bf16/f16 rounded to nearest even). Inference weights are packed as
 //! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; bf16 training products
-//! (linear layers and attention) run on AMX tiles where the CPU has them (`amx.rs`); other
-//! matrices go through the `gemm` crate (`gemm.rs`). Element-wise operators run over blocks of
-//! rows, each widened and rounded back by the task that owns it (`rows.rs`). The kernels live
-//! one family a file.
+//! (linear layers and attention) run on AMX tiles where the CPU has them (`amx.rs`); f32
+//! training products of the linear layers run on the same AVX-512 panel kernel, their right
+//! operand packed per product, and everything else on the `gemm` crate (`gemm.rs`).
+//! Element-wise operators run over blocks of rows, each widened and rounded back by the task
+//! that owns it (`rows.rs`). The kernels live one family a file.
 
 mod amx;
 mod attention;
