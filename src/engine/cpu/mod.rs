@@ -30,8 +30,8 @@ use super::{
 use crate::tensor::host::{decode_f32, encode_f32};
 use crate::tensor::panel::{PanelType, Panels};
 use crate::tensor::simd::{dot, narrow_bf16, widen};
-use crate::tensor::DType;
-use gemm::Store;
+use crate::tensor::{DType, SharedOut};
+use gemm::{gemm_into, Store, Strided};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -310,17 +310,37 @@ impl Cpu {
         out
     }
 
-    /// The same product on f32 GEMM kernels (weights stored in half precision widened first).
+    /// The same product on f32 GEMM kernels: f32 weights whole (`gemm::product`), weights
+    /// stored in half precision widened a block of rows at a time (never a whole f32 copy) and
+    /// multiplied as column blocks of the output in parallel.
     fn matmul_gemm(&self, x: &[f32], w: &CpuTensor, (n, k, m): (usize, usize, usize)) -> Vec<f32> {
         let mut out = vec![0f32; n * m];
-        let (lhs, w) = (gemm::Matrix::rows(x), w.values());
-        gemm::product(
-            lhs,
-            gemm::Matrix::transposed(&w),
-            (n, k, m),
-            &mut out,
-            Store::Overwrite,
-        );
+        if let Data::F32(ws) = &w.data {
+            let (lhs, rhs) = (gemm::Matrix::rows(x), gemm::Matrix::transposed(ws));
+            gemm::product(lhs, rhs, (n, k, m), &mut out, Store::Overwrite);
+            return out;
+        }
+        let shared = SharedOut(out.as_mut_ptr());
+        (0..m.div_ceil(ROW_BLOCK))
+            .into_par_iter()
+            .for_each_init(Vec::new, |buf, b| {
+                let (j0, j1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+                let rows = w.row_block(j0, j1, buf);
+                // SAFETY: the task writes columns j0..j1 of the n × m output only (row stride
+                // m); blocks are disjoint. x is n × k row-major; rows is (j1 - j0) × k, read
+                // as its transpose (k × (j1 - j0)). All indices lie inside the buffers.
+                unsafe {
+                    gemm_into(
+                        shared.at(j0),
+                        m,
+                        (n, j1 - j0, k),
+                        Strided::rows(x, 0, k),
+                        Strided::columns(rows, 0, k),
+                        1.0,
+                        Store::Overwrite,
+                    );
+                }
+            });
         out
     }
 }
