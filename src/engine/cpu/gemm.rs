@@ -213,7 +213,7 @@ fn panel_product(
     store: Store,
 ) {
     use rayon::prelude::*;
-    PACKED.with_borrow_mut(|panels| {
+    let mut run = |panels: &mut Vec<f32>| {
         pack_panels(rhs, (k, n), panels);
         let count = n.div_ceil(PANEL);
         // A left operand stored transposed is moved into rows once per task: let one task
@@ -253,6 +253,12 @@ fn panel_product(
                     }
                 }
             });
+    };
+    // A product nested in another on this thread (a rayon worker that took on other work while
+    // waiting) packs into a buffer of its own.
+    PACKED.with(|packed| match packed.try_borrow_mut() {
+        Ok(mut panels) => run(&mut panels),
+        Err(_) => run(&mut Vec::new()),
     });
 }
 
@@ -378,6 +384,23 @@ mod tests {
         if has_panel_kernel() {
             check_products(panel_product);
         }
+    }
+
+    #[test]
+    fn a_product_nested_in_another_on_its_thread_packs_on_its_own() {
+        let (m, k, n) = (50, 70, 90);
+        let (a, b) = (seeded(m * k, 4), seeded(k * n, 5));
+        let (lhs, rhs) = (Matrix::rows(&a), Matrix::transposed(&b));
+        let mut want = vec![0f32; m * n];
+        product(lhs, rhs, (m, k, n), &mut want, Store::Overwrite);
+        // What a rayon worker that takes on another product while it waits inside one sees:
+        // this thread's packing buffer already borrowed.
+        let nested = PACKED.with_borrow_mut(|_outer| {
+            let mut out = vec![0f32; m * n];
+            product(lhs, rhs, (m, k, n), &mut out, Store::Overwrite);
+            out
+        });
+        assert!(nested == want);
     }
 
     #[test]
