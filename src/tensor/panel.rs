@@ -130,6 +130,12 @@ impl Panels {
         Ok(Panels { ty, k, m, bytes })
     }
 
+    /// The panels' bytes where they hold bf16 pairs ([`PanelType::Bf16Pairs`]): ⌈m / 32⌉
+    /// panels of ⌈k / 2⌉ pair rows, each the 32 columns' `(q, q + 1)` pairs side by side.
+    pub fn bf16_pairs(&self) -> Option<&[u8]> {
+        (self.ty == PanelType::Bf16Pairs).then_some(&self.bytes[..])
+    }
+
     /// The dtype of the weights it holds.
     pub fn dtype(&self) -> DType {
         match self.ty {
@@ -191,6 +197,7 @@ impl Panels {
                 rows: n,
                 k,
                 width: (m - b * PANEL).min(PANEL),
+                pair_rows: SIDE_BY_SIDE,
             };
             // SAFETY: panels exist only where the kernel runs (`PanelType::for_weights`);
             // lhs holds n rows of lhs_stride ≥ k elements of the type the panel type reads;
@@ -234,7 +241,23 @@ struct PanelProduct {
     k: usize,
     /// Output columns the panel holds (≤ [`PANEL`]; the rest of it is padding).
     width: usize,
+    /// Where a `Bf16Pairs` panel's pair rows lie.
+    pair_rows: PairRows,
 }
+
+/// Where the pair rows of a `Bf16Pairs` panel lie, in bf16 elements: pair row `r` of columns
+/// 0..16 at `r · step`, that of columns 16..32 `hi` further.
+#[derive(Clone, Copy)]
+struct PairRows {
+    step: usize,
+    hi: usize,
+}
+
+/// [`Panels`]' pair rows: the 32 columns side by side.
+const SIDE_BY_SIDE: PairRows = PairRows {
+    step: 2 * PANEL,
+    hi: PANEL,
+};
 
 /// Whether the panel kernel can run here (AVX-512F).
 pub fn has_panel_kernel() -> bool {
@@ -247,7 +270,7 @@ pub fn has_panel_kernel() -> bool {
 }
 
 /// Whether bf16 pairs can be multiplied here (AVX512_BF16).
-fn has_bf16_pairs() -> bool {
+pub(crate) fn has_bf16_pairs() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512bf16")
@@ -350,10 +373,10 @@ unsafe fn pair_tile<const ROWS: usize>(p: &PanelProduct, i0: usize, scale: f32, 
     let lhs = (p.lhs as *const u16).add(i0 * p.lhs_stride);
     let panel = p.panel as *const u16;
     for pair in 0..p.k.div_ceil(2) {
-        let row = panel.add(pair * 2 * PANEL);
+        let row = panel.add(pair * p.pair_rows.step);
         let a0: __m512bh = std::mem::transmute(_mm512_loadu_si512(row as *const __m512i));
         let a1: __m512bh =
-            std::mem::transmute(_mm512_loadu_si512(row.add(PANEL) as *const __m512i));
+            std::mem::transmute(_mm512_loadu_si512(row.add(p.pair_rows.hi) as *const __m512i));
         for (ii, acc) in acc.iter_mut().enumerate() {
             let x = (lhs.add(ii * p.lhs_stride + 2 * pair) as *const i32).read_unaligned();
             let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(x));
@@ -422,30 +445,57 @@ unsafe fn panel_product(p: &PanelProduct, scale: f32, accumulate: bool) {
     unreachable!("panel product without the panel kernel: {}", p.rows);
 }
 
-/// `dst = / += lhs · panel` for one f32 panel (`k × PANEL`, its first `width` columns live):
-/// `rows` output rows `dst_stride` apart, lhs rows of `k` elements `lhs_stride` apart; each
-/// output summed in registers over the k inner elements in order, then stored or added.
+/// One panel that [`rows_times_panel`] reads.
+#[derive(Clone, Copy)]
+pub(crate) enum Panel {
+    /// `k × PANEL` f32 (the lhs rows are f32).
+    F32(*const f32),
+    /// bf16 pairs for `vdpbf16ps` (the lhs rows are bf16, of an even `k`, zero where the panel
+    /// is padding): `k / 2` pair rows `step` elements apart, each 16 `(q, q + 1)` pairs of
+    /// columns 0..16 and, `hi` elements further, 16 of columns 16..32 (the AMX tiles'
+    /// right-operand layout, or [`Panels`]').
+    Bf16Pairs {
+        bits: *const u16,
+        step: usize,
+        hi: usize,
+    },
+}
+
+/// `dst = / += lhs · panel` for one panel (its first `width` columns live): `rows` output rows
+/// `dst_stride` apart, lhs rows of `k` elements `lhs_stride` apart (of the panel's element
+/// type); each output summed in registers over the k inner elements in order, then stored or
+/// added.
 ///
 /// # Safety
-/// [`has_panel_kernel`] is true; the `rows × width` outputs, the `rows × k` lhs elements and
-/// the `k × PANEL` panel lie inside live buffers; no other thread touches those outputs.
-pub(crate) unsafe fn f32_panel_product(
+/// [`has_panel_kernel`] is true (and AVX512_BF16 is there for bf16 pairs); the `rows × width`
+/// outputs, the `rows × k` lhs elements and the panel's `k` rows lie inside live buffers; no
+/// other thread touches those outputs.
+pub(crate) unsafe fn rows_times_panel(
     (dst, dst_stride): (*mut f32, usize),
-    (lhs, lhs_stride): (*const f32, usize),
-    panel: *const f32,
+    (lhs, lhs_stride): (*const u8, usize),
+    panel: Panel,
     (rows, k, width): (usize, usize, usize),
     accumulate: bool,
 ) {
+    let (panel, panel_type, pair_rows) = match panel {
+        Panel::F32(values) => (values as *const u8, PanelType::F32, SIDE_BY_SIDE),
+        Panel::Bf16Pairs { bits, step, hi } => (
+            bits as *const u8,
+            PanelType::Bf16Pairs,
+            PairRows { step, hi },
+        ),
+    };
     let product = PanelProduct {
         dst,
         dst_stride,
-        lhs: lhs as *const u8,
+        lhs,
         lhs_stride,
-        panel: panel as *const u8,
-        panel_type: PanelType::F32,
+        panel,
+        panel_type,
         rows,
         k,
         width,
+        pair_rows,
     };
     // SAFETY: forwarded from the caller.
     unsafe { panel_product(&product, 1.0, accumulate) };
@@ -485,6 +535,7 @@ pub fn rank_update(
             rows: n,
             k,
             width,
+            pair_rows: SIDE_BY_SIDE,
         };
         // SAFETY: the kernel exists; rows < n, columns j0..j0 + width < m, q < k and the
         // panel is k × PANEL, all inside the slices (checked above).

@@ -9,7 +9,7 @@
 //! `--reset-attention-mask`); no row sees another segment. Head h reads key/value group
 //! `h / (nh/ng)`.
 
-use super::amx::{self, Operand};
+use super::bf16_gemm::{self, Operand};
 use super::gemm::{self, gemm_into, Store, Strided};
 use crate::engine::{AttentionShape, Segment};
 use crate::tensor::simd::{self, narrow_bf16, softmax};
@@ -274,9 +274,9 @@ pub fn attention_bwd(
     );
 }
 
-/// Query rows per block of the bf16 products on AMX tiles: few, large products, so that their
+/// Query rows per block of the bf16 products: few, large products, so that their
 /// set-up costs little (the masked half of the diagonal block is computed and discarded).
-const AMX_BLOCK: usize = 128;
+const BF16_BLOCK: usize = 128;
 
 /// The bf16 bits of one attention call's `q [T, qw]`, `k`, `v [T, kw]`.
 #[derive(Clone, Copy)]
@@ -304,13 +304,13 @@ fn head_operand(
 
 /// `out = / += a · b` for `a [m, k]`, `b [k, n]` into contiguous f32 rows.
 fn product(a: Operand, b: Operand, shape: (usize, usize, usize), out: &mut [f32], store: Store) {
-    let dst = amx::Dst::F32 {
+    let dst = bf16_gemm::Dst::F32 {
         out,
         stride: shape.2,
         store,
         transposed: false,
     };
-    amx::matmul(a, b, shape, dst);
+    bf16_gemm::matmul(a, b, shape, dst);
 }
 
 /// Rounded to bf16 into `bits` (resized to match).
@@ -319,9 +319,9 @@ fn narrowed(values: &[f32], bits: &mut Vec<u16>) {
     narrow_bf16(values, bits);
 }
 
-/// [`attention_fwd`] of bf16 `q`, `k`, `v` with its products on AMX tiles: scores summed in
+/// [`attention_fwd`] of bf16 `q`, `k`, `v` with its bf16 products (`bf16_gemm`): scores summed in
 /// f32, softmax in f32, the probabilities rounded to bf16 for `P·V` (as FlashAttention's bf16
-/// kernels and Megatron's unfused bf16 attention do). Call only where [`amx::available`].
+/// kernels and Megatron's unfused bf16 attention do). Call only where [`bf16_gemm::available`].
 pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]) {
     let s = at.shape;
     let (d, qw, kw, nh) = (s.head_dim, at.qw(), at.kw(), s.heads);
@@ -335,11 +335,11 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
         "internal: attention outputs"
     );
     let (out, lse_out) = (SharedOut(o.as_mut_ptr()), SharedOut(lse.as_mut_ptr()));
-    query_blocks(at, AMX_BLOCK).into_par_iter().for_each_init(
+    query_blocks(at, BF16_BLOCK).into_par_iter().for_each_init(
         || (Vec::new(), Vec::new(), Vec::new()),
         |(scores, probs, block_o), (seg, h, t0)| {
             let (rows, g, row) = (
-                (seg.len() - t0).min(AMX_BLOCK),
+                (seg.len() - t0).min(BF16_BLOCK),
                 h / per_group,
                 seg.start + t0,
             );
@@ -359,7 +359,7 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
             block_o.resize(rows * d, 0.0);
             let v = head_operand(x.v, (seg.start, kw), g, d, gemm::Layout::Rows);
             product(
-                amx::Operand::rows(probs),
+                bf16_gemm::Operand::rows(probs),
                 v,
                 (rows, seen, d),
                 block_o,
@@ -379,9 +379,9 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
     );
 }
 
-/// [`attention_bwd`] of bf16 operands with its products on AMX tiles (probabilities and
+/// [`attention_bwd`] of bf16 operands with its bf16 products (`bf16_gemm`; probabilities and
 /// score gradients rounded to bf16 for the products, as FlashAttention's bf16 backward does;
-/// softmax and sums in f32). Call only where [`amx::available`].
+/// softmax and sums in f32). Call only where [`bf16_gemm::available`].
 pub fn attention_bwd_bf16(
     (d_o, o): (&[u16], &[u16]),
     x: Bf16Qkv,
@@ -414,8 +414,8 @@ pub fn attention_bwd_bf16(
         let (mut dk_g, mut dv_g) = (vec![0f32; seg.len() * d], vec![0f32; seg.len() * d]);
         let group = |x, layout| head_operand(x, (seg.start, kw), g, d, layout);
         for h in g * per_group..(g + 1) * per_group {
-            for t0 in (0..seg.len()).step_by(AMX_BLOCK) {
-                let (rows, row) = ((seg.len() - t0).min(AMX_BLOCK), seg.start + t0);
+            for t0 in (0..seg.len()).step_by(BF16_BLOCK) {
+                let (rows, row) = ((seg.len() - t0).min(BF16_BLOCK), seg.start + t0);
                 let seen = t0 + rows;
                 let q = head_operand(x.q, (row, qw), h, d, gemm::Layout::Rows);
                 let grad = head_operand(d_o, (row, qw), h, d, gemm::Layout::Rows);
@@ -450,7 +450,7 @@ pub fn attention_bwd_bf16(
                 narrowed(&dp, &mut ds_bits);
                 // dq = scale · dS · K; dk += dSᵀ · Q and dv += Pᵀ · dO (dk scaled at the end).
                 block_dq.resize(rows * d, 0.0);
-                let ds = amx::Operand::rows(&ds_bits);
+                let ds = bf16_gemm::Operand::rows(&ds_bits);
                 product(
                     ds,
                     group(x.k, gemm::Layout::Rows),
@@ -466,8 +466,8 @@ pub fn attention_bwd_bf16(
                         .for_each(|(o, &v)| *o = v * s.scale);
                 }
                 let (ds_t, p_t) = (
-                    amx::Operand::transposed(&ds_bits),
-                    amx::Operand::transposed(&p_bits),
+                    bf16_gemm::Operand::transposed(&ds_bits),
+                    bf16_gemm::Operand::transposed(&p_bits),
                 );
                 product(
                     ds_t,
@@ -676,9 +676,9 @@ mod tests {
     }
 
     #[test]
-    fn bf16_attention_on_amx_tiles_matches_the_f32_kernels_within_bf16_rounding() {
-        if !amx::available() {
-            eprintln!("skipped: no AMX bf16 on this CPU");
+    fn bf16_attention_on_bf16_products_matches_the_f32_kernels_within_bf16_rounding() {
+        if !bf16_gemm::available() {
+            eprintln!("skipped: neither AMX nor AVX512_BF16 on this CPU");
             return;
         }
         let s = AttentionShape {
@@ -687,7 +687,7 @@ mod tests {
             head_dim: 40,
             scale: 1.0 / 40f32.sqrt(),
         };
-        // A sequence longer than one block of AMX_BLOCK rows, then two short documents.
+        // A sequence longer than one block of BF16_BLOCK rows, then two short documents.
         let segments = [0..300, 300..310, 310..320];
         let rows = 320;
         let (qw, kw) = (s.heads * s.head_dim, s.groups * s.head_dim);

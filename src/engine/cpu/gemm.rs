@@ -4,7 +4,7 @@
 //! on strided views, through the `gemm` crate.
 
 use super::transpose;
-use crate::tensor::panel::{f32_panel_product, has_panel_kernel, PANEL};
+use crate::tensor::panel::{has_panel_kernel, rows_times_panel, Panel, PANEL};
 use crate::tensor::SharedOut;
 
 /// A matrix in a buffer: element (i, j) at `ptr + i·row_stride + j·col_stride`.
@@ -242,10 +242,10 @@ fn panel_product(
                         // `pitch` apart; panel p holds k × 32 elements, of which rows
                         // k0..k0 + depth are read.
                         unsafe {
-                            f32_panel_product(
+                            rows_times_panel(
                                 (dst.at(rows.start * n + p * PANEL), n),
-                                (left[k0..].as_ptr(), pitch),
-                                panels[(p * k + k0) * PANEL..].as_ptr(),
+                                (left[k0..].as_ptr() as *const u8, pitch),
+                                Panel::F32(panels[(p * k + k0) * PANEL..].as_ptr()),
                                 (rows.len(), depth, width),
                                 accumulate,
                             )

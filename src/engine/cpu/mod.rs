@@ -2,14 +2,15 @@
 //! heads and blocks; every operator computes in f32 and stores its output in the dtype of its
 //! main input (f32, or bf16/f16 rounded to nearest even). Inference weights are packed as
 //! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; bf16 training products
-//! (linear layers and attention) run on AMX tiles where the CPU has them (`amx.rs`); f32
+//! (linear layers and attention) run on AMX tiles, else on AVX512_BF16's `vdpbf16ps`, where the
+//! CPU has them (`bf16_gemm.rs`); f32
 //! training products of the linear layers run on the same AVX-512 panel kernel, their right
 //! operand packed per product, and everything else on the `gemm` crate (`gemm.rs`).
 //! Element-wise operators run over blocks of rows, each widened and rounded back by the task
 //! that owns it (`rows.rs`). The kernels live one family a file.
 
-mod amx;
 mod attention;
+mod bf16_gemm;
 pub mod comm;
 mod gemm;
 mod loss;
@@ -225,12 +226,12 @@ fn packed(op: &'static str) -> EngineError {
     }
 }
 
-/// Both operands' bf16 bits, where AMX tiles can multiply them.
-fn amx_pair<'a>(a: &'a CpuTensor, b: &'a CpuTensor) -> Option<(&'a [u16], &'a [u16])> {
-    Some((a.bf16_bits()?, b.bf16_bits()?)).filter(|_| amx::available())
+/// Both operands' bf16 bits, where bf16 products run (`bf16_gemm`).
+fn bf16_pair<'a>(a: &'a CpuTensor, b: &'a CpuTensor) -> Option<(&'a [u16], &'a [u16])> {
+    Some((a.bf16_bits()?, b.bf16_bits()?)).filter(|_| bf16_gemm::available())
 }
 
-/// The bits of bf16 `q`, `k`, `v`, where AMX tiles can run their attention.
+/// The bits of bf16 `q`, `k`, `v`, where bf16 products can run their attention.
 fn bf16_qkv<'a>(
     q: &'a CpuTensor,
     k: &'a CpuTensor,
@@ -241,12 +242,12 @@ fn bf16_qkv<'a>(
         k: k.bf16_bits()?,
         v: v.bf16_bits()?,
     };
-    Some(x).filter(|_| amx::available())
+    Some(x).filter(|_| bf16_gemm::available())
 }
 
-/// `dw [m, k] = / += dyᵀ · x` (`store`) for bf16 `dy [n, m]`, `x [n, k]` on AMX tiles, transposing the
-/// smaller of the two for the tiles' left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
-fn amx_weight_grad(
+/// `dw [m, k] = / += dyᵀ · x` (`store`) for bf16 `dy [n, m]`, `x [n, k]` on bf16 products, transposing the
+/// smaller of the two for the products' left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
+fn bf16_weight_grad(
     dy: &[u16],
     x: &[u16],
     (n, m, k): (usize, usize, usize),
@@ -258,15 +259,15 @@ fn amx_weight_grad(
     } else {
         (dy, x, (m, n, k), false)
     };
-    let dst = amx::Dst::F32 {
+    let dst = bf16_gemm::Dst::F32 {
         out: dw,
         stride: k,
         store,
         transposed,
     };
-    amx::matmul(
-        amx::Operand::transposed(left),
-        amx::Operand::rows(right),
+    bf16_gemm::matmul(
+        bf16_gemm::Operand::transposed(left),
+        bf16_gemm::Operand::rows(right),
         shape,
         dst,
     );
@@ -555,10 +556,13 @@ impl Backend for Cpu {
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
         let (n, k, m) = check::matmul(self, x, w, bias)?;
-        if let (Some((xb, wb)), true) = (amx_pair(x, w), n > SKINNY_ROWS) {
+        if let (Some((xb, wb)), true) = (bf16_pair(x, w), n > SKINNY_ROWS) {
             let bias = bias.map(|b| b.values());
-            let (x, w) = (amx::Operand::rows(xb), amx::Operand::transposed(wb));
-            let out = amx::product_bf16(x, w, (n, k, m), bias.as_deref());
+            let (x, w) = (
+                bf16_gemm::Operand::rows(xb),
+                bf16_gemm::Operand::transposed(wb),
+            );
+            let out = bf16_gemm::product_bf16(x, w, (n, k, m), bias.as_deref());
             return Ok(CpuTensor {
                 zero: false,
                 shape: vec![n, m],
@@ -566,7 +570,12 @@ impl Backend for Cpu {
             });
         }
         let mut out = if let Data::Panels(panels) = &w.data {
-            panels.matmul(&x.values(), n)
+            let pairs = panels.bf16_pairs();
+            match pairs.filter(|_| bf16_gemm::tiles_read_panels(n, k)) {
+                // bf16 prefill on AMX tiles, straight from the inference panels.
+                Some(bytes) => bf16_gemm::panels_product(&x.values(), bytes, (n, k, m)),
+                None => panels.matmul(&x.values(), n),
+            }
         } else if n <= SKINNY_ROWS {
             self.matmul_skinny(&x.values(), w, (n, k, m))
         } else {
@@ -592,12 +601,12 @@ impl Backend for Cpu {
         // dy widened to f32 at most once, by the first product or sum that reads it so.
         let dy_f32 = std::cell::OnceCell::new();
         let dys = || dy_f32.get_or_init(|| dy.values());
-        let dx = if let Some((dyb, wb)) = amx_pair(dy, w) {
-            let (dy, w) = (amx::Operand::rows(dyb), amx::Operand::rows(wb));
+        let dx = if let Some((dyb, wb)) = bf16_pair(dy, w) {
+            let (dy, w) = (bf16_gemm::Operand::rows(dyb), bf16_gemm::Operand::rows(wb));
             CpuTensor {
                 zero: false,
                 shape: x.shape.clone(),
-                data: Data::Half(DType::BF16, amx::product_bf16(dy, w, (n, m, k), None)),
+                data: Data::Half(DType::BF16, bf16_gemm::product_bf16(dy, w, (n, m, k), None)),
             }
         } else {
             let mut dx = vec![0f32; n * k];
@@ -619,8 +628,8 @@ impl Backend for Cpu {
                 false => Store::Accumulate,
             };
             let dw = dw.f32_mut("matmul_bwd")?;
-            if let Some((dyb, xb)) = amx_pair(dy, x) {
-                amx_weight_grad(dyb, xb, (n, m, k), dw, store);
+            if let Some((dyb, xb)) = bf16_pair(dy, x) {
+                bf16_weight_grad(dyb, xb, (n, m, k), dw, store);
             } else {
                 let (dys, xs) = (gemm::Matrix::transposed(dys()), x.values());
                 gemm::product(dys, gemm::Matrix::rows(&xs), (m, n, k), dw, store);

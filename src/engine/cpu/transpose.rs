@@ -1,10 +1,10 @@
-//! Block transposes for packing matrix-product operands: for AMX tiles a 32 × 32 block of bf16
-//! bits and a 16 × 16 block of bf16 pairs (and the pair interleave of two rows), for the f32
-//! panel kernel f32 matrices in 16 × 16 blocks — moved in AVX-512 registers (five or four
-//! rounds of two-source permutes, each swapping the off-diagonal halves of ever smaller
-//! sub-blocks) instead of one element at a time. Callers run the bf16 ones only where AMX is
-//! available, which implies AVX-512BW ([`super::amx::available`] checks both), the f32 one
-//! where AVX-512F is.
+//! Block transposes for packing matrix-product operands: for the bf16 products a 32 × 32 block
+//! of bf16 bits and a 16 × 16 block of bf16 pairs (and the pair interleave of two rows), for
+//! the f32 panel kernel f32 matrices in 16 × 16 blocks — moved in AVX-512 registers (five or
+//! four rounds of two-source permutes, each swapping the off-diagonal halves of ever smaller
+//! sub-blocks) instead of one element at a time. Callers run the bf16 ones only where bf16
+//! products run, which implies AVX-512BW ([`super::bf16_gemm::available`] checks it), the f32
+//! one where AVX-512F is.
 
 /// `dst[r · dst_pitch + q] = src[q · pitch + r]` for `r, q < 32`.
 ///
@@ -279,8 +279,8 @@ mod tests {
 
     #[test]
     fn blocks_transpose_as_defined() {
-        if !super::super::amx::available() {
-            eprintln!("skipped: no AMX (and so no AVX-512 promise) on this CPU");
+        if !super::super::bf16_gemm::available() {
+            eprintln!("skipped: no bf16 products (and so no AVX-512BW promise) on this CPU");
             return;
         }
         let (pitch, dst_pitch) = (37, 40);

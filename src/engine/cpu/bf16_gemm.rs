@@ -1,22 +1,27 @@
-//! bf16 matrix products on AMX tiles (Intel Advanced Matrix Extensions, `TDPBF16PS`): the
-//! training matmuls of `--bf16` on CPUs that have them (Sapphire Rapids and later). A tile
-//! product multiplies 16 × 32 bf16 by 32 × 16 bf16 and accumulates in f32, as the bf16 GEMMs
-//! of GPUs and NPUs do (products exact, sums in f32, input and output denormals flushed).
+//! bf16 matrix products, summed in f32 (products exact, sums in f32, input and output
+//! denormals flushed), as the bf16 GEMMs of GPUs and NPUs compute them: the training matmuls of
+//! `--bf16` and the bf16 attention. Two engines, chosen once per process ([`engine`]):
+//! - AMX tiles (Intel Advanced Matrix Extensions, `TDPBF16PS`, Sapphire Rapids and later): a
+//!   tile product multiplies 16 × 32 bf16 by 32 × 16 bf16;
+//! - elsewhere AVX512_BF16's `vdpbf16ps` (Zen 4, Cooper Lake and later): the panel kernel's
+//!   bf16-pair tiles (`tensor/panel.rs`), at twice the rate of f32 FMAs.
 //!
-//! The left operand is read as row-major tiles (borrowed where it already is one in whole
+//! The left operand is read as row-major rows (borrowed where it already is one in whole
 //! blocks, else copied zero-padded: rows to 32, the inner dimension to 32); the right one is
-//! packed in the pair ("VNNI") layout the instruction reads — for each 16 output columns, rows
+//! packed in the pair ("VNNI") layout both instructions read — for each 16 output columns, rows
 //! of 16 (k, k + 1) pairs; operands stored transposed are moved in whole 32 × 32 (left) or
 //! 16 × 16-pair (right) register transposes. Each task then computes
-//! 32 × 32 blocks of the output on four accumulator tiles, every output summed over the whole
-//! inner dimension in a fixed order, so results do not depend on the number of threads.
+//! 32 × 32 blocks of the output (on four accumulator tiles, or 6-row register tiles), every
+//! output summed over the whole inner dimension in a fixed order, so results do not depend on
+//! the number of threads.
 //!
 //! Linux hands AMX state to a process only once asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
-//! [`available`] asks once and answers false wherever the CPU, the kernel or the build cannot
-//! run it, and callers fall back to f32 products.
+//! [`engine`] asks once. `MINDKIT_NO_AMX=1` leaves the tiles unused (to measure the other
+//! engine on an AMX machine). Where neither engine runs, callers fall back to f32 products.
 
 use super::gemm::{Layout, Store};
 use super::transpose;
+use crate::tensor::panel::{has_bf16_pairs, rows_times_panel, Panel};
 use crate::tensor::simd::narrow_bf16;
 use rayon::prelude::*;
 
@@ -93,12 +98,45 @@ const DEPTH: usize = 32;
 /// Output blocks along each axis one task computes.
 const TASK_BLOCKS: (usize, usize) = (4, 8);
 
-/// Whether AMX bf16 tiles can be used in this process (CPU, kernel and permission).
-pub fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(detect)
+/// The hardware that multiplies bf16 here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// AMX tiles.
+    Tiles,
+    /// AVX512_BF16's `vdpbf16ps` on AVX-512 registers.
+    Pairs,
 }
 
+/// The engine bf16 products run on in this process, if any (CPU, kernel, permission and
+/// `MINDKIT_NO_AMX`).
+pub fn engine() -> Option<Engine> {
+    static ENGINE: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
+    *ENGINE.get_or_init(|| {
+        let tiles_unwanted = std::env::var_os("MINDKIT_NO_AMX").is_some_and(|v| v == "1");
+        if !tiles_unwanted && detect() {
+            return Some(Engine::Tiles);
+        }
+        pairs_run().then_some(Engine::Pairs)
+    })
+}
+
+/// Whether the [`Engine::Pairs`] kernels run here: AVX512_BF16, and AVX-512BW for the packing
+/// transposes (`super::transpose`).
+fn pairs_run() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw") && has_bf16_pairs()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether bf16 products can run here (on either engine).
+pub fn available() -> bool {
+    engine().is_some()
+}
+
+/// Whether AMX bf16 tiles can be used in this process (CPU, kernel and permission).
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn detect() -> bool {
     use std::arch::x86_64::{__cpuid, __cpuid_count};
@@ -319,14 +357,87 @@ pub fn product_bf16(
     out
 }
 
-/// `dst = / += a (rows × depth) · b (depth × cols)` on AMX tiles, blocks of the output in
-/// parallel. Call only where [`available`] is true.
+/// `dst = / += a (rows × depth) · b (depth × cols)` on this process's [`engine`], blocks of the
+/// output in parallel. Call only where [`available`] is true.
 ///
 /// # Panics
 /// If an operand or the destination is smaller than its shape says.
-pub fn matmul(a: Operand, b: Operand, (rows, depth, cols): (usize, usize, usize), dst: Dst) {
-    assert!(available(), "internal: AMX product without AMX");
-    let fits = match &dst {
+pub fn matmul(a: Operand, b: Operand, shape: (usize, usize, usize), dst: Dst) {
+    let engine = engine().expect("internal: bf16 product without a bf16 engine");
+    matmul_on(engine, a, b, shape, dst);
+}
+
+/// [`matmul`] on `engine`, which must run here.
+fn matmul_on(
+    engine: Engine,
+    a: Operand,
+    b: Operand,
+    (rows, depth, cols): (usize, usize, usize),
+    dst: Dst,
+) {
+    assert!(
+        a.holds((rows, depth)) && b.holds((depth, cols)) && dst_fits(&dst, (rows, cols)),
+        "internal: bf16 product shapes"
+    );
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let (left, depth_p) = left_rows(a, (rows, depth));
+    let right = Right::Split(pack_right(b, (depth, cols), depth_p));
+    multiply(engine, (&left, depth_p), &right, (rows, cols), dst);
+}
+
+/// Whether [`panels_product`] multiplies `n` rows by weights of inner dimension `k` on AMX
+/// tiles here: prefill-sized products (decoding is faster on the pair kernel's one-row tiles),
+/// whole tile steps.
+pub fn tiles_read_panels(n: usize, k: usize) -> bool {
+    engine() == Some(Engine::Tiles) && n >= BLOCK && k > 0 && k.is_multiple_of(DEPTH)
+}
+
+/// `x [n, k] · wᵀ [k, m]` for weights packed as `tensor::panel::Panels` of bf16 pairs (their
+/// bytes, [`Panels::bf16_pairs`](crate::tensor::panel::Panels::bf16_pairs)): the rows of `x`
+/// rounded to bf16, products summed in f32. `k` is a multiple of 32.
+///
+/// # Panics
+/// If a buffer is smaller than its shape says, or `k` is not a multiple of 32.
+pub fn panels_product(x: &[f32], panels: &[u8], (n, k, m): (usize, usize, usize)) -> Vec<f32> {
+    let engine = engine().expect("internal: bf16 product without a bf16 engine");
+    panels_product_on(engine, x, panels, (n, k, m))
+}
+
+/// [`panels_product`] on `engine`, which must run here.
+fn panels_product_on(
+    engine: Engine,
+    x: &[f32],
+    panels: &[u8],
+    (n, k, m): (usize, usize, usize),
+) -> Vec<f32> {
+    assert!(
+        k.is_multiple_of(DEPTH) && x.len() >= n * k && panels.len() >= m.div_ceil(BLOCK) * k * 64,
+        "internal: bf16 panel product shapes"
+    );
+    let mut out = vec![0f32; n * m];
+    if n == 0 || m == 0 || k == 0 {
+        return out;
+    }
+    // Rows padded to whole blocks with zeros.
+    let mut left = vec![0u16; n.div_ceil(BLOCK) * BLOCK * k];
+    left.par_chunks_mut(k)
+        .zip(x[..n * k].par_chunks(k))
+        .for_each(|(bits, row)| narrow_bf16(row, bits));
+    let dst = Dst::F32 {
+        out: &mut out,
+        stride: m,
+        store: Store::Overwrite,
+        transposed: false,
+    };
+    multiply(engine, (&left, k), &Right::SideBySide(panels), (n, m), dst);
+    out
+}
+
+/// Whether `dst` holds a `rows × cols` product.
+fn dst_fits(dst: &Dst, (rows, cols): (usize, usize)) -> bool {
+    match dst {
         Dst::F32 {
             out,
             stride,
@@ -341,16 +452,47 @@ pub fn matmul(a: Operand, b: Operand, (rows, depth, cols): (usize, usize, usize)
             *stride >= c && (r == 0 || out.len() >= (r - 1) * stride + c)
         }
         Dst::Bf16 { out, bias } => out.len() >= rows * cols && bias.is_none_or(|b| b.len() >= cols),
-    };
-    assert!(
-        a.holds((rows, depth)) && b.holds((depth, cols)) && fits,
-        "internal: AMX product shapes"
-    );
-    if rows == 0 || cols == 0 {
-        return;
     }
-    let (left, depth_p) = left_rows(a, (rows, depth));
-    let right = pack_right(b, (depth, cols), depth_p);
+}
+
+/// The right operand in a pair layout the kernels read.
+enum Right<'a> {
+    /// [`pack_right`]'s: panels of 16 columns, `depth_p / 2` rows of 16 pairs each.
+    Split(Vec<u32>),
+    /// `Panels`' bf16 pairs: panels of 32 columns, each pair row the 16 pairs of columns 0..16,
+    /// then those of columns 16..32.
+    SideBySide(&'a [u8]),
+}
+
+impl Right<'_> {
+    /// Where column block `cb`'s pairs lie: its first pair row, and in bytes the offset of
+    /// columns 16..32 from columns 0..16 and that from one pair row to the next.
+    fn block(&self, cb: usize, depth_p: usize) -> (*const u8, usize, usize) {
+        const PAIR: usize = 4;
+        match self {
+            Right::Split(bits) => (
+                bits[cb * BLOCK * depth_p / 2..].as_ptr() as *const u8,
+                depth_p / 2 * TILE * PAIR,
+                TILE * PAIR,
+            ),
+            Right::SideBySide(bytes) => (
+                bytes[cb * depth_p / 2 * BLOCK * PAIR..].as_ptr(),
+                TILE * PAIR,
+                BLOCK * PAIR,
+            ),
+        }
+    }
+}
+
+/// `dst = / += left · right`: `left` zero-padded rows (whole blocks of rows, `depth_p`
+/// elements each), `right` packed for the same `depth_p`; blocks of the output in parallel.
+fn multiply(
+    engine: Engine,
+    (left, depth_p): (&[u16], usize),
+    right: &Right,
+    (rows, cols): (usize, usize),
+    dst: Dst,
+) {
     let (row_blocks, col_blocks) = (rows.div_ceil(BLOCK), cols.div_ceil(BLOCK));
     let (row_tasks, col_tasks) = (
         row_blocks.div_ceil(TASK_BLOCKS.0),
@@ -362,21 +504,20 @@ pub fn matmul(a: Operand, b: Operand, (rows, depth, cols): (usize, usize, usize)
         let rbs = rt * TASK_BLOCKS.0..((rt + 1) * TASK_BLOCKS.0).min(row_blocks);
         let cbs = ct * TASK_BLOCKS.1..((ct + 1) * TASK_BLOCKS.1).min(col_blocks);
         let mut acc = [0f32; BLOCK * BLOCK];
-        // SAFETY: `available` said AMX runs here.
-        let _tiles = unsafe { Tiles::configure() };
+        // SAFETY: `engine` said AMX runs here.
+        let _tiles = (engine == Engine::Tiles).then(|| unsafe { Tiles::configure() });
         for cb in cbs {
             for rb in rbs.clone() {
                 let (r0, c0) = (rb * BLOCK, cb * BLOCK);
-                // SAFETY: the tiles are configured; the left block's 32 rows of depth_p and
-                // the right block's two 16-column panels of depth_p / 2 pairs lie inside the
-                // buffers (whole blocks).
+                let (a, b) = (left[r0 * depth_p..].as_ptr(), right.block(cb, depth_p));
+                // SAFETY: the engine runs here (tiles configured for AMX); the left block's 32
+                // rows of depth_p and the right block's depth_p / 2 pair rows of 32 columns
+                // lie inside the buffers (whole blocks).
                 unsafe {
-                    block_product(
-                        left[r0 * depth_p..].as_ptr(),
-                        right[c0 * depth_p / 2..].as_ptr(),
-                        depth_p,
-                        &mut acc,
-                    )
+                    match engine {
+                        Engine::Tiles => block_product(a, b, depth_p, &mut acc),
+                        Engine::Pairs => pair_block(a, b, depth_p, &mut acc),
+                    }
                 };
                 let live = ((rows - r0).min(BLOCK), (cols - c0).min(BLOCK));
                 // SAFETY: the block lies inside the product's rows × cols; tasks' blocks are
@@ -547,7 +688,7 @@ struct Tiles;
 
 impl Tiles {
     /// # Safety
-    /// AMX is [`available`].
+    /// The engine is [`Engine::Tiles`].
     unsafe fn configure() -> Self {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded; ldtilecfg reads the 64-byte configuration only.
@@ -568,23 +709,52 @@ impl Drop for Tiles {
     }
 }
 
-/// `acc (32 × 32, row-major) = left (32 rows, depth_p apart) · right (two pair-layout panels
-/// of 16 columns, depth_p · 16 apart)`.
+/// [`block_product`] on `vdpbf16ps`.
 ///
 /// # Safety
-/// The thread's [`Tiles`] are configured; `left` holds 32 rows of `depth_p` elements, `right` two panels of
-/// `depth_p · 16`; `depth_p` is a positive multiple of [`DEPTH`].
+/// The engine is [`Engine::Pairs`]; the operands as for [`block_product`].
+unsafe fn pair_block(
+    left: *const u16,
+    (right, hi, step): (*const u8, usize, usize),
+    depth_p: usize,
+    acc: &mut [f32; BLOCK * BLOCK],
+) {
+    const BF16: usize = 2;
+    // SAFETY: forwarded.
+    unsafe {
+        let bits = right as *const u16;
+        rows_times_panel(
+            (acc.as_mut_ptr(), BLOCK),
+            (left as *const u8, depth_p),
+            Panel::Bf16Pairs {
+                bits,
+                step: step / BF16,
+                hi: hi / BF16,
+            },
+            (BLOCK, depth_p, BLOCK),
+            false,
+        )
+    }
+}
+
+/// `acc (32 × 32, row-major) = left (32 rows, depth_p apart) · right` (a column block's
+/// `depth_p / 2` pair rows, `step` bytes apart, columns 16..32 `hi` bytes after 0..16).
+///
+/// # Safety
+/// The thread's [`Tiles`] are configured; `left` holds 32 rows of `depth_p` elements, `right`
+/// the block's pair rows; `depth_p` is a positive multiple of [`DEPTH`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn block_product(
     left: *const u16,
-    right: *const u32,
+    (right, hi, step): (*const u8, usize, usize),
     depth_p: usize,
     acc: &mut [f32; BLOCK * BLOCK],
 ) {
     use std::arch::asm;
     let left_stride = depth_p * 2;
     // SAFETY: per the contract above; the loop reads 64 bytes of each of the 16 rows of both
-    // left tiles and 1024 bytes of both right panels per step, depth_p / 32 steps.
+    // left tiles and of 16 pair rows of both right halves per step, depth_p / 32 steps; the
+    // sums go to the four 16 × 16 quarters of acc (rows 128 bytes apart).
     unsafe {
         asm!(
             "tilezero tmm0",
@@ -602,25 +772,26 @@ unsafe fn block_product(
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a0}, 64",
             "add {a1}, 64",
-            "add {b0}, 1024",
-            "add {b1}, 1024",
+            "add {b0}, {advance}",
+            "add {b1}, {advance}",
             "dec {steps}",
             "jnz 2b",
             "tilestored [{c} + {sc}], tmm0",
-            "tilestored [{c1} + {sc}], tmm1",
-            "tilestored [{c2} + {sc}], tmm2",
-            "tilestored [{c3} + {sc}], tmm3",
+            "lea {a0}, [{c} + 64]",
+            "tilestored [{a0} + {sc}], tmm1",
+            "lea {a0}, [{c} + 2048]",
+            "tilestored [{a0} + {sc}], tmm2",
+            "lea {a0}, [{c} + 2112]",
+            "tilestored [{a0} + {sc}], tmm3",
             a0 = inout(reg) left => _,
             a1 = inout(reg) left.add(16 * depth_p) => _,
             b0 = inout(reg) right => _,
-            b1 = inout(reg) right.add(8 * depth_p) => _,
+            b1 = inout(reg) right.add(hi) => _,
             sa = in(reg) left_stride,
-            sb = in(reg) 64usize,
+            sb = in(reg) step,
+            advance = in(reg) 16 * step,
             steps = inout(reg) depth_p / DEPTH => _,
             c = in(reg) acc.as_mut_ptr(),
-            c1 = in(reg) acc.as_mut_ptr().add(16),
-            c2 = in(reg) acc.as_mut_ptr().add(16 * BLOCK),
-            c3 = in(reg) acc.as_mut_ptr().add(16 * BLOCK + 16),
             sc = in(reg) BLOCK * 4,
             options(nostack),
         );
@@ -628,7 +799,12 @@ unsafe fn block_product(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn block_product(_: *const u16, _: *const u32, _: usize, _: &mut [f32; BLOCK * BLOCK]) {
+unsafe fn block_product(
+    _: *const u16,
+    _: (*const u8, usize, usize),
+    _: usize,
+    _: &mut [f32; BLOCK * BLOCK],
+) {
     unreachable!("AMX exists on x86-64 only")
 }
 
@@ -671,12 +847,26 @@ mod tests {
             .sum()
     }
 
+    /// The engines that run on this CPU (whatever `MINDKIT_NO_AMX` says).
+    fn engines() -> Vec<Engine> {
+        let tiles = detect().then_some(Engine::Tiles);
+        tiles
+            .into_iter()
+            .chain(pairs_run().then_some(Engine::Pairs))
+            .collect()
+    }
+
     #[test]
-    fn tile_products_match_the_definition_in_every_layout_and_destination() {
-        if !available() {
-            eprintln!("skipped: no AMX bf16 on this CPU");
-            return;
+    fn bf16_products_match_the_definition_in_every_layout_and_destination() {
+        if engines().is_empty() {
+            eprintln!("skipped: neither AMX nor AVX512_BF16 on this CPU");
         }
+        for engine in engines() {
+            products_match_the_definition(engine);
+        }
+    }
+
+    fn products_match_the_definition(engine: Engine) {
         let layouts = [Layout::Rows, Layout::Transposed];
         for shape @ (rows, depth, cols) in [(70, 45, 66), (64, 64, 32), (1, 3, 1), (33, 96, 100)] {
             let a = bf16_of(&seeded(rows * depth, 1));
@@ -704,7 +894,7 @@ mod tests {
                     store: Store::Accumulate,
                     transposed: false,
                 };
-                matmul(operands.0, operands.1, shape, dst);
+                matmul_on(engine, operands.0, operands.1, shape, dst);
                 let t_stride = rows + 2;
                 let mut out_t = vec![0.25f32; cols * t_stride];
                 let dst = Dst::F32 {
@@ -713,8 +903,18 @@ mod tests {
                     store: Store::Overwrite,
                     transposed: true,
                 };
-                matmul(operands.0, operands.1, shape, dst);
-                let out_bf16 = product_bf16(operands.0, operands.1, shape, Some(&bias));
+                matmul_on(engine, operands.0, operands.1, shape, dst);
+                let mut out_bf16 = vec![std::mem::MaybeUninit::new(0u16); rows * cols];
+                let dst = Dst::Bf16 {
+                    out: &mut out_bf16,
+                    bias: Some(&bias),
+                };
+                matmul_on(engine, operands.0, operands.1, shape, dst);
+                // SAFETY: initialized above.
+                let out_bf16: Vec<u16> = out_bf16
+                    .iter()
+                    .map(|b| unsafe { b.assume_init() })
+                    .collect();
                 let tol = 1e-5 * depth as f64;
                 for i in 0..rows {
                     for j in 0..cols {
@@ -722,7 +922,7 @@ mod tests {
                         let got = out[i * stride + j] as f64 - 0.5;
                         assert!(
                             (got - e).abs() < tol,
-                            "{la:?} {lb:?} ({i}, {j}): {got} vs {e}"
+                            "{engine:?} {la:?} {lb:?} ({i}, {j}): {got} vs {e}"
                         );
                         assert!((out_t[j * t_stride + i] as f64 - e).abs() < tol);
                         let e_bf16 = e + bias[j] as f64;
@@ -751,8 +951,31 @@ mod tests {
                     store: Store::Accumulate,
                     transposed: false,
                 };
-                matmul(a_wide.as_operand(), b_wide.as_operand(), shape, dst);
-                assert_eq!(out_p, out, "{la:?} {lb:?} pitched");
+                matmul_on(engine, a_wide.as_operand(), b_wide.as_operand(), shape, dst);
+                assert_eq!(out_p, out, "{engine:?} {la:?} {lb:?} pitched");
+            }
+        }
+    }
+
+    #[test]
+    fn inference_panels_multiply_as_the_definition_on_every_engine() {
+        use crate::tensor::panel::{PanelType, Panels};
+        for engine in engines() {
+            for (n, k, m) in [(70, 64, 66), (33, 96, 100), (32, 32, 5)] {
+                let x = seeded(n * k, 4);
+                let w = bf16_of(&seeded(m * k, 5));
+                let bytes: Vec<u8> = w.iter().flat_map(|b| b.to_le_bytes()).collect();
+                let panels = Panels::pack(PanelType::Bf16Pairs, &bytes, (m, k)).unwrap();
+                let pairs = panels.bf16_pairs().unwrap();
+                let got = panels_product_on(engine, &x, pairs, (n, k, m));
+                let xb = bf16_of(&x);
+                for (i, j) in (0..n).flat_map(|i| (0..m).map(move |j| (i, j))) {
+                    let e: f64 = (0..k)
+                        .map(|q| value(&xb, i * k + q) * value(&w, j * k + q))
+                        .sum();
+                    let got = got[i * m + j] as f64;
+                    assert!((got - e).abs() < 1e-5 * k as f64, "{engine:?} ({i}, {j})");
+                }
             }
         }
     }
