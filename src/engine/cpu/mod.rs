@@ -64,10 +64,15 @@ enum Data {
 impl CpuTensor {
     fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
         debug_assert_eq!(values.len(), shape.iter().product::<usize>());
+        CpuTensor::holding(shape, Data::F32(values))
+    }
+
+    /// `data` of `shape`, not known to be zero.
+    fn holding(shape: Vec<usize>, data: Data) -> Self {
         CpuTensor {
-            zero: false,
             shape,
-            data: Data::F32(values),
+            data,
+            zero: false,
         }
     }
 
@@ -81,11 +86,7 @@ impl CpuTensor {
             }
             _ => Data::F32(values),
         };
-        CpuTensor {
-            shape,
-            data,
-            zero: false,
-        }
+        CpuTensor::holding(shape, data)
     }
 
     fn dtype(&self) -> DType {
@@ -387,27 +388,22 @@ impl Device for Cpu {
                 })
             }
         };
-        Ok(CpuTensor {
-            zero: false,
-            shape: t.shape.clone(),
-            data,
-        })
+        Ok(CpuTensor::holding(t.shape.clone(), data))
     }
 
     /// Packed as panels where the AVX-512 kernel runs, so that no matmul packs or widens
     /// weights again; as [`Device::upload`] elsewhere.
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuTensor> {
         match PanelType::for_weights(t.dtype) {
-            Some(ty) if t.shape.len() == 2 => Ok(CpuTensor {
-                zero: false,
-                shape: t.shape.clone(),
-                data: Data::Panels(Panels::pack(ty, &t.data, (t.shape[0], t.shape[1])).map_err(
-                    |e| EngineError::Invalid {
+            Some(ty) if t.shape.len() == 2 => {
+                let panels = Panels::pack(ty, &t.data, (t.shape[0], t.shape[1])).map_err(|e| {
+                    EngineError::Invalid {
                         op: "upload_matrix",
                         msg: e.to_string(),
-                    },
-                )?),
-            }),
+                    }
+                })?;
+                Ok(CpuTensor::holding(t.shape.clone(), Data::Panels(panels)))
+            }
             _ => self.upload(t),
         }
     }
@@ -563,11 +559,7 @@ impl Backend for Cpu {
                 bf16_gemm::Operand::transposed(wb),
             );
             let out = bf16_gemm::product_bf16(x, w, (n, k, m), bias.as_deref());
-            return Ok(CpuTensor {
-                zero: false,
-                shape: vec![n, m],
-                data: Data::Half(DType::BF16, out),
-            });
+            return Ok(CpuTensor::holding(vec![n, m], Data::Half(DType::BF16, out)));
         }
         let mut out = if let Data::Panels(panels) = &w.data {
             let pairs = panels.bf16_pairs();
@@ -603,11 +595,10 @@ impl Backend for Cpu {
         let dys = || dy_f32.get_or_init(|| dy.values());
         let dx = if let Some((dyb, wb)) = bf16_pair(dy, w) {
             let (dy, w) = (bf16_gemm::Operand::rows(dyb), bf16_gemm::Operand::rows(wb));
-            CpuTensor {
-                zero: false,
-                shape: x.shape.clone(),
-                data: Data::Half(DType::BF16, bf16_gemm::product_bf16(dy, w, (n, m, k), None)),
-            }
+            CpuTensor::holding(
+                x.shape.clone(),
+                Data::Half(DType::BF16, bf16_gemm::product_bf16(dy, w, (n, m, k), None)),
+            )
         } else {
             let mut dx = vec![0f32; n * k];
             let (dys, ws) = (gemm::Matrix::rows(dys()), w.values());
@@ -657,11 +648,7 @@ impl Backend for Cpu {
             Data::Panels(_) => return Err(packed("split_qkv")),
         };
         let [q, k, v] = parts;
-        let tensor = |data, heads: usize| CpuTensor {
-            zero: false,
-            shape: vec![n, heads * s.head_dim],
-            data,
-        };
+        let tensor = |data, heads: usize| CpuTensor::holding(vec![n, heads * s.head_dim], data);
         Ok((tensor(q, s.heads), tensor(k, s.groups), tensor(v, s.groups)))
     }
 
@@ -688,11 +675,7 @@ impl Backend for Cpu {
                 return Ok(CpuTensor::stored(vec![n, width], merged, dq.dtype()));
             }
         };
-        Ok(CpuTensor {
-            zero: false,
-            shape: vec![n, width],
-            data,
-        })
+        Ok(CpuTensor::holding(vec![n, width], data))
     }
 
     fn rope(

@@ -80,14 +80,7 @@ pub fn map_rows<R: Send, const N: usize>(
             (Data::F32(values), results)
         }
     };
-    (
-        CpuTensor {
-            shape,
-            data,
-            zero: false,
-        },
-        results,
-    )
+    (CpuTensor::holding(shape, data), results)
 }
 
 /// `kernel(rows, x's rows, inputs' rows)` updating `x` in place, blocks of `block` rows in
