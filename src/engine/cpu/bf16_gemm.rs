@@ -1,10 +1,13 @@
 //! bf16 matrix products, summed in f32 (products exact, sums in f32, input and output
 //! denormals flushed), as the bf16 GEMMs of GPUs and NPUs compute them: the training matmuls of
-//! `--bf16` and the bf16 attention. Two engines, chosen once per process ([`engine`]):
+//! `--bf16`, the bf16 attention, and on AMX the inference prefill on bf16 weights (read from the
+//! inference panels as they are, [`panels_product`]). Two engines, chosen once per process
+//! ([`engine`]):
 //! - AMX tiles (Intel Advanced Matrix Extensions, `TDPBF16PS`, Sapphire Rapids and later): a
 //!   tile product multiplies 16 × 32 bf16 by 32 × 16 bf16;
 //! - elsewhere AVX512_BF16's `vdpbf16ps` (Zen 4, Cooper Lake and later): the panel kernel's
-//!   bf16-pair tiles (`tensor/panel.rs`), at twice the rate of f32 FMAs.
+//!   bf16-pair tiles (`tensor/panel.rs`) — twice the work per cycle of an f32 FMA on Zen 4
+//!   (on Sapphire Rapids, where the tiles are used, half of it).
 //!
 //! The left operand is read as row-major rows (borrowed where it already is one in whole
 //! blocks, else copied zero-padded: rows to 32, the inner dimension to 32); the right one is
