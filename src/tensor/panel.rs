@@ -175,11 +175,7 @@ impl Panels {
         let pairs = self.ty == PanelType::Bf16Pairs;
         let (lhs, lhs_stride) = if pairs {
             let stride = k.div_ceil(2) * 2;
-            let mut bits = vec![0u16; n * stride];
-            for (dst, src) in bits.chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
-                narrow_bf16(src, &mut dst[..k]);
-            }
-            (LhsRows::Bf16(bits), stride)
+            (LhsRows::Bf16(bf16_rows(x, (n, k), (n, stride))), stride)
         } else {
             (LhsRows::F32(x), k)
         };
@@ -207,6 +203,22 @@ impl Panels {
         });
         out
     }
+}
+
+/// The `n` rows of `k` values of `x` rounded to bf16 (nearest even) as `rows` rows of `stride`
+/// elements, zero past the values (`rows ≥ n`, `stride ≥ k`), rows in parallel.
+pub(crate) fn bf16_rows(
+    x: &[f32],
+    (n, k): (usize, usize),
+    (rows, stride): (usize, usize),
+) -> Vec<u16> {
+    let mut bits = vec![0u16; rows * stride];
+    if k > 0 {
+        bits.par_chunks_mut(stride)
+            .zip(x[..n * k].par_chunks(k))
+            .for_each(|(dst, src)| narrow_bf16(src, &mut dst[..k]));
+    }
+    bits
 }
 
 /// The left operand of a panel product: f32 rows, or bf16 rows for `Bf16Pairs` panels.

@@ -24,7 +24,7 @@
 
 use super::gemm::{Layout, Store};
 use super::transpose;
-use crate::tensor::panel::{has_bf16_pairs, rows_times_panel, Panel};
+use crate::tensor::panel::{bf16_rows, has_bf16_pairs, rows_times_panel, Panel};
 use crate::tensor::simd::narrow_bf16;
 use rayon::prelude::*;
 
@@ -424,10 +424,7 @@ fn panels_product_on(
         return out;
     }
     // Rows padded to whole blocks with zeros.
-    let mut left = vec![0u16; n.div_ceil(BLOCK) * BLOCK * k];
-    left.par_chunks_mut(k)
-        .zip(x[..n * k].par_chunks(k))
-        .for_each(|(bits, row)| narrow_bf16(row, bits));
+    let left = bf16_rows(x, (n, k), (n.div_ceil(BLOCK) * BLOCK, k));
     let dst = Dst::F32 {
         out: &mut out,
         stride: m,
@@ -780,11 +777,11 @@ unsafe fn block_product(
             "dec {steps}",
             "jnz 2b",
             "tilestored [{c} + {sc}], tmm0",
-            "lea {a0}, [{c} + 64]",
+            "lea {a0}, [{c} + {right_half}]",
             "tilestored [{a0} + {sc}], tmm1",
-            "lea {a0}, [{c} + 2048]",
+            "lea {a0}, [{c} + {lower_half}]",
             "tilestored [{a0} + {sc}], tmm2",
-            "lea {a0}, [{c} + 2112]",
+            "lea {a0}, [{c} + {lower_half} + {right_half}]",
             "tilestored [{a0} + {sc}], tmm3",
             a0 = inout(reg) left => _,
             a1 = inout(reg) left.add(16 * depth_p) => _,
@@ -796,6 +793,8 @@ unsafe fn block_product(
             steps = inout(reg) depth_p / DEPTH => _,
             c = in(reg) acc.as_mut_ptr(),
             sc = in(reg) BLOCK * 4,
+            right_half = const 16 * 4,
+            lower_half = const 16 * BLOCK * 4,
             options(nostack),
         );
     }

@@ -3,9 +3,9 @@
 //! main input (f32, or bf16/f16 rounded to nearest even). Inference weights are packed as
 //! panels for the AVX-512 kernel (`panel.rs`) where the CPU has it; bf16 training products
 //! (linear layers and attention) run on AMX tiles, else on AVX512_BF16's `vdpbf16ps`, where the
-//! CPU has them (`bf16_gemm.rs`); f32
-//! training products of the linear layers run on the same AVX-512 panel kernel, their right
-//! operand packed per product, and everything else on the `gemm` crate (`gemm.rs`).
+//! CPU has them (`bf16_gemm.rs`), as does bf16 prefill on AMX; f32 training products of the
+//! linear layers run on the same AVX-512 panel kernel, their right operand packed per product,
+//! and everything else on the `gemm` crate (`gemm.rs`).
 //! Element-wise operators run over blocks of rows, each widened and rounded back by the task
 //! that owns it (`rows.rs`). The kernels live one family a file.
 
@@ -246,8 +246,8 @@ fn bf16_qkv<'a>(
     Some(x).filter(|_| bf16_gemm::available())
 }
 
-/// `dw [m, k] = / += dyᵀ · x` (`store`) for bf16 `dy [n, m]`, `x [n, k]` on bf16 products, transposing the
-/// smaller of the two for the products' left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
+/// `dw [m, k] = / += dyᵀ · x` (`store`) for bf16 `dy [n, m]`, `x [n, k]` (`bf16_gemm`),
+/// transposing the smaller of the two for the left operand (when `m > k`, as `dwᵀ = xᵀ · dy`).
 fn bf16_weight_grad(
     dy: &[u16],
     x: &[u16],
