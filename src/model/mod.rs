@@ -1,23 +1,34 @@
-//! The LLaMA-family decoder (llama 1/2/3, mistral, qwen2, internlm, baichuan, aquila): its
-//! configuration and its forward pass, written once against the engine's [`Backend`].
+//! The decoder of every model family mindkit runs, written once against the engine's
+//! [`Backend`]: one [`layer`] composed of an attention kind ([`attention`]) and an MLP kind
+//! ([`mlp`]), stacked for training ([`decoder`]: forward returning what the backward pass
+//! needs, backward consuming it) and for inference ([`Model`]: the same layer over a KV
+//! cache), over one parameter representation (the [`params::ParamTable`]'s tensors).
 //!
 //! Weights are the checkpoint module's canonical tensors (Megatron order: GQA-grouped fused
 //! QKV, `[gate; up]`), so an HF directory and a Megatron checkpoint of any TP/PP load the same
 //! way and the fused projections map onto single matmuls.
 
+mod attention;
+pub mod decoder;
 pub mod generate;
-pub mod llama;
+mod layer;
+mod linear;
+mod mlp;
+pub mod parallel;
 pub mod params;
 mod rope;
 
-use crate::arch::roles::{canonical, Canon, Role};
+use crate::arch::roles::Role;
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::open_checkpoint;
 use crate::engine::{AttentionShape, Backend, Segment};
 use anyhow::{anyhow, bail, Result};
+use attention::Attend;
+use decoder::Ids;
+use parallel::TensorParallel;
+use params::ParamTable;
 use rayon::prelude::*;
 use rope::Rope;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// What the forward pass needs to know of a model.
@@ -72,28 +83,29 @@ impl ModelSpec {
     }
 }
 
-/// One decoder layer's weights.
-struct Layer<T> {
-    input_norm: T,
-    qkv: T,
-    qkv_bias: Option<T>,
-    proj: T,
-    proj_bias: Option<T>,
-    post_norm: T,
-    fc1: T,
-    fc2: T,
+/// What every layer of one pass reads: the backend, the model's shape, the parameters (as
+/// the [`ParamTable`] indexes them) and which are trained, LoRA's scale, the tensor-parallel
+/// group, and the rotary tables `cos`, `sin` `[T, d/2]` of the pass's rows.
+struct Pass<'a, B: Backend> {
+    b: &'a B,
+    spec: &'a ModelSpec,
+    params: &'a [B::Tensor],
+    trainable: &'a [bool],
+    lora_scale: f32,
+    tp: Option<&'a TensorParallel<'a, B::Tensor>>,
+    rope: (&'a B::Tensor, &'a B::Tensor),
 }
 
-/// A loaded model on a backend.
+/// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
+/// training, whole (one rank), with a KV cache.
 pub struct Model<'b, B: Backend> {
     backend: &'b B,
     /// Its configuration.
     pub spec: ModelSpec,
-    embedding: B::Tensor,
-    layers: Vec<Layer<B::Tensor>>,
-    final_norm: B::Tensor,
-    /// `None` when tied to the embedding.
-    output: Option<B::Tensor>,
+    /// Where each parameter sits in `params`.
+    ids: Ids,
+    /// The parameters, in the [`ParamTable`]'s order, in their stored dtype.
+    params: Vec<B::Tensor>,
     /// The files it was loaded from.
     source_files: Vec<PathBuf>,
 }
@@ -135,13 +147,12 @@ impl<'b, B: Backend> Model<'b, B> {
             );
         }
         let spec = ModelSpec::from_config(&input.cfg)?;
-        let canon = canonical(&input.cfg);
-        let loaded: Vec<B::Tensor> = canon
-            .par_iter()
-            .map(|&c| {
-                let t = input.read(c)?;
+        let table = ParamTable::new(&input.cfg, input.cfg.vocab, None);
+        let params = (table.params.par_iter())
+            .map(|p| {
+                let t = input.read(p.canon)?;
                 let matrix = matches!(
-                    c.role,
+                    p.canon.role,
                     Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2 | Role::Output
                 );
                 if matrix {
@@ -149,46 +160,16 @@ impl<'b, B: Backend> Model<'b, B> {
                 } else {
                     backend.upload(&t)
                 }
-                .map_err(|e| anyhow!("{}: {c:?}: {e}", dir.display()))
+                .map_err(|e| anyhow!("{}: {:?}: {e}", dir.display(), p.canon))
             })
             .collect::<Result<_>>()?;
-        let mut by_canon: HashMap<Canon, B::Tensor> = canon.into_iter().zip(loaded).collect();
-        let mut take = |role, layer| {
-            by_canon
-                .remove(&Canon { role, layer })
-                .ok_or_else(|| anyhow!("internal: {role:?} of layer {layer:?} was not loaded"))
-        };
-        let mut layers = Vec::with_capacity(spec.layers);
-        for l in 0..spec.layers {
-            let at = Some(l);
-            layers.push(Layer {
-                input_norm: take(Role::InputNorm, at)?,
-                qkv: take(Role::Qkv, at)?,
-                qkv_bias: input
-                    .cfg
-                    .qkv_bias
-                    .then(|| take(Role::QkvBias, at))
-                    .transpose()?,
-                proj: take(Role::Proj, at)?,
-                proj_bias: input
-                    .cfg
-                    .proj_bias
-                    .then(|| take(Role::ProjBias, at))
-                    .transpose()?,
-                post_norm: take(Role::PostNorm, at)?,
-                fc1: take(Role::Fc1, at)?,
-                fc2: take(Role::Fc2, at)?,
-            });
-        }
+        let ids = Ids::new(&table, 0..spec.layers, 1.0)
+            .ok_or_else(|| anyhow!("internal: the parameter table misses a tensor"))?;
         Ok(Model {
             backend,
-            embedding: take(Role::Embedding, None)?,
-            final_norm: take(Role::FinalNorm, None)?,
-            output: (!input.cfg.tied)
-                .then(|| take(Role::Output, None))
-                .transpose()?,
-            layers,
             spec,
+            ids,
+            params,
             source_files: input.files(),
         })
     }
@@ -259,27 +240,25 @@ impl<'b, B: Backend> Model<'b, B> {
         let (cos, sin) = spec.rope.tables(&positions);
         let half = [positions.len(), spec.attention.head_dim / 2];
         let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-        let shape = spec.attention;
-        let mut x = b.embedding(&self.embedding, &ids)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let (h, _) = b.rms_norm(&x, &layer.input_norm, spec.norm_eps)?;
-            let qkv = b.matmul(&h, &layer.qkv, layer.qkv_bias.as_ref())?;
-            let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
-            b.rope(&mut q, &cos, &sin, false)?;
-            b.rope(&mut k, &cos, &sin, false)?;
-            b.kv_store(&mut cache.keys[l], &k, &segments)?;
-            b.kv_store(&mut cache.values[l], &v, &segments)?;
-            let a = b.cached_attention(&q, &cache.keys[l], &cache.values[l], &segments, shape)?;
-            b.add_assign(
-                &mut x,
-                &b.matmul(&a, &layer.proj, layer.proj_bias.as_ref())?,
-            )?;
-            let (h, _) = b.rms_norm(&x, &layer.post_norm, spec.norm_eps)?;
-            let up = b.swiglu(&b.matmul(&h, &layer.fc1, None)?)?;
-            b.add_assign(&mut x, &b.matmul(&up, &layer.fc2, None)?)?;
+        let p = self.ids.pass((b, spec), &self.params, None, (&cos, &sin));
+        let (embedding, (final_norm, output)) = (self.ids.whole_model())
+            .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
+        let mut x = b.embedding(&self.params[embedding], &ids)?;
+        let caches = cache.keys.iter_mut().zip(&mut cache.values);
+        for (layer, (keys, values)) in self.ids.layers.iter().zip(caches) {
+            let attend = Attend::Cached {
+                keys,
+                values,
+                segments: &segments,
+            };
+            x = layer.forward(&p, x, attend)?.0;
         }
-        let (x, _) = b.rms_norm(&b.select_rows(&x, rows)?, &self.final_norm, spec.norm_eps)?;
-        Ok(b.matmul(&x, self.output.as_ref().unwrap_or(&self.embedding), None)?)
+        let (x, _) = b.rms_norm(
+            &b.select_rows(&x, rows)?,
+            &self.params[final_norm],
+            spec.norm_eps,
+        )?;
+        Ok(b.matmul(&x, &self.params[output], None)?)
     }
 
     /// The backend it runs on.

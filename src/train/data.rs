@@ -5,7 +5,7 @@
 
 use crate::data::gpt_dataset::{MaskConfig, Sample, SplitSamples};
 use crate::data::sft_dataset::{SftDataset, IGNORE};
-use crate::model::llama::MicroBatch;
+use crate::model::decoder::MicroBatch;
 use anyhow::Result;
 use std::sync::Arc;
 

@@ -34,7 +34,8 @@ use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::cpu::Cpu;
 use crate::engine::{Backend, DeviceKind, EngineError};
-use crate::model::llama::{backward, forward, Ids, MicroBatch, TensorParallel};
+use crate::model::decoder::{backward, forward, Ids, MicroBatch, Saved};
+use crate::model::parallel::TensorParallel;
 use crate::model::params::{LoraPart, LoraSpec, ParamInfo, ParamTable};
 use crate::model::ModelSpec;
 use crate::npu::comm::Hccl;
@@ -591,10 +592,6 @@ fn lora_args(l: &LoraSpec) -> Vec<(String, Value)> {
 /// What came from the previous and from the next pipeline stage.
 type Neighbours<T> = (Option<T>, Option<T>);
 
-/// What a chunk's backward pass hands on: the losses (of the model's last chunk) and the
-/// gradient of the chunk's input (all but the model's first).
-type StageGradients<T> = (Option<T>, Option<T>);
-
 /// One model chunk of a rank's pipeline stage: its parameters' ids, numbered within it, and
 /// where its parameters sit among the rank's.
 struct Chunk {
@@ -1011,6 +1008,7 @@ impl<B: Backend> Trainer<B> {
             batches.iter().map(|p| (None, p.mask.clone())).collect();
         let mut inputs = std::collections::HashMap::new();
         let mut out_grads = std::collections::HashMap::new();
+        let mut outputs = std::collections::HashMap::new();
         let mut saved = std::collections::HashMap::new();
         let mut in_grads = std::collections::HashMap::new();
         let missing = |what: &str, slot: pipeline::Slot| {
@@ -1024,10 +1022,13 @@ impl<B: Backend> Trainer<B> {
             match op {
                 pipeline::Op::Forward(slot) => {
                     let batch = &batches[slot.1].batch;
-                    let fwd = self.forward_pass(slot.0, batch, inputs.remove(&slot))?;
-                    match !train && pipe.model_last(slot.0) {
-                        true => losses[slot.1].0 = Some(fwd.out),
-                        false => _ = saved.insert(slot, fwd),
+                    let (out, fwd) = self.forward_pass(slot.0, batch, inputs.remove(&slot))?;
+                    match pipe.model_last(slot.0) {
+                        true => losses[slot.1].0 = Some(out),
+                        false => _ = outputs.insert(slot, out),
+                    }
+                    if train {
+                        saved.insert(slot, fwd);
                     }
                 }
                 pipeline::Op::Backward(slot) => {
@@ -1036,18 +1037,14 @@ impl<B: Backend> Trainer<B> {
                         .ok_or_else(|| missing("forward pass", slot))?;
                     let batch = &batches[slot.1].batch;
                     let grad = out_grads.remove(&slot);
-                    let (loss, dinput) = self.backward_pass(slot.0, batch, fwd, grad)?;
-                    if loss.is_some() {
-                        losses[slot.1].0 = loss;
-                    }
-                    if let Some(d) = dinput {
+                    if let Some(d) = self.backward_pass(slot.0, batch, fwd, grad)? {
                         in_grads.insert(slot, d);
                     }
                 }
                 pipeline::Op::Exchange(x) => {
                     let to_next = match x.send_next {
                         Some(slot) => {
-                            Some(&saved.get(&slot).ok_or_else(|| missing("output", slot))?.out)
+                            Some(outputs.get(&slot).ok_or_else(|| missing("output", slot))?)
                         }
                         None => None,
                     };
@@ -1070,8 +1067,8 @@ impl<B: Backend> Trainer<B> {
                     if let Some(slot) = x.send_prev {
                         in_grads.remove(&slot);
                     }
-                    if let Some(slot) = x.send_next.filter(|_| !train) {
-                        saved.remove(&slot);
+                    if let Some(slot) = x.send_next {
+                        outputs.remove(&slot);
                     }
                 }
             }
@@ -1097,7 +1094,7 @@ impl<B: Backend> Trainer<B> {
         chunk: usize,
         batch: &MicroBatch,
         input: Option<B::Tensor>,
-    ) -> Result<crate::model::llama::Forward<B::Tensor>> {
+    ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
         let Chunk { ids, params } = &self.chunks[chunk];
         Ok(forward(
@@ -1110,18 +1107,18 @@ impl<B: Backend> Trainer<B> {
         )?)
     }
 
-    /// One micro-batch backward through model chunk `chunk`: its losses on the model's last
-    /// chunk, the gradient of its input on the others.
+    /// One micro-batch backward through model chunk `chunk`: the gradient of its input on
+    /// all but the model's first chunk.
     fn backward_pass(
         &mut self,
         chunk: usize,
         batch: &MicroBatch,
-        fwd: crate::model::llama::Forward<B::Tensor>,
+        saved: Saved<B::Tensor>,
         grad: Option<B::Tensor>,
-    ) -> Result<StageGradients<B::Tensor>> {
+    ) -> Result<Option<B::Tensor>> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
         let Chunk { ids, params } = &self.chunks[chunk];
-        let (out, dinput) = backward(
+        Ok(backward(
             &self.b,
             &self.spec,
             (
@@ -1130,11 +1127,9 @@ impl<B: Backend> Trainer<B> {
                 &mut self.grads[params.clone()],
             ),
             (batch, grad),
-            fwd,
+            saved,
             tp.as_ref(),
-        )?;
-        let last = self.stage.last() && chunk + 1 == self.chunks.len();
-        Ok((last.then_some(out), dinput))
+        )?)
     }
 
     /// Megatron's point-to-point step between pipeline stages

@@ -1,0 +1,78 @@
+//! The attention kinds of the decoder layer: what sits between the layer's input norm and
+//! its first residual sum. Each kind has a forward pass returning its output and what its
+//! backward pass needs, and that backward pass; inference runs the same forward pass over a
+//! KV cache.
+
+mod gqa;
+
+use crate::engine::{Backend, Result, Segment};
+use crate::model::params::ParamTable;
+use crate::model::Pass;
+use gqa::Gqa;
+use std::ops::Range;
+
+/// A layer's attention.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::model) enum Attention {
+    /// Grouped-query (or multi-head) self-attention.
+    Gqa(Gqa),
+}
+
+/// What an attention's backward pass needs of its forward pass.
+pub(in crate::model) enum AttentionSaved<T> {
+    /// Of [`Attention::Gqa`].
+    Gqa(gqa::Saved<T>),
+}
+
+/// Where the keys and values a query attends to come from.
+pub(in crate::model) enum Attend<'a, T> {
+    /// Training: the rows' own, causally within each of these row ranges (sequences, or
+    /// documents with `--reset-attention-mask`).
+    Segments(&'a [Range<usize>]),
+    /// Inference: this layer's cache, which the new rows' keys and values extend first.
+    Cached {
+        /// Keys `[slots, capacity, kw]` of every cached sequence.
+        keys: &'a mut T,
+        /// Values, alike.
+        values: &'a mut T,
+        /// Each sequence's new rows.
+        segments: &'a [Segment],
+    },
+}
+
+impl Attention {
+    /// Layer `layer`'s attention in `table`, `None` if the table lacks it.
+    pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Attention> {
+        Gqa::of(table, layer).map(Attention::Gqa)
+    }
+
+    /// The attention of the normed input `h [T, h]`: its output `[T, h]` (summed over the
+    /// tensor-parallel ranks) and what the backward pass needs.
+    pub(in crate::model) fn forward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        h: B::Tensor,
+        attend: Attend<B::Tensor>,
+    ) -> Result<(B::Tensor, AttentionSaved<B::Tensor>)> {
+        match self {
+            Attention::Gqa(a) => {
+                let (out, saved) = a.forward(p, h, attend)?;
+                Ok((out, AttentionSaved::Gqa(saved)))
+            }
+        }
+    }
+
+    /// The gradient of the normed input given `dy`, the gradient of the output, over the
+    /// row ranges the forward pass attended within; accumulates the parameters' gradients.
+    pub(in crate::model) fn backward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        saved: AttentionSaved<B::Tensor>,
+        dy: (&B::Tensor, &[Range<usize>]),
+    ) -> Result<B::Tensor> {
+        match (self, saved) {
+            (Attention::Gqa(a), AttentionSaved::Gqa(s)) => a.backward(p, grads, s, dy),
+        }
+    }
+}

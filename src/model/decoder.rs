@@ -1,0 +1,324 @@
+//! The decoder stack for training: one micro-batch's forward pass through a model or
+//! pipeline stage (embedding, the [`Layer`]s, final norm, output layer, cross entropy),
+//! keeping what the backward pass needs, and the backward pass in exactly the reverse order
+//! (as llm.c writes `gpt2_forward` / `gpt2_backward`), over the engine's [`Backend`]
+//! operators.
+//!
+//! Legend: T = rows (tokens of the micro-batch, sequence after sequence), h = hidden,
+//! Vp = padded vocabulary. Parameters and gradients are indexed by the [`ParamTable`];
+//! gradients are f32 and **accumulate** across micro-batches.
+//!
+//! Under tensor parallelism each rank holds its shard of the parameters and runs this same
+//! code on its heads, groups, FFN columns and vocabulary rows, with Megatron's collectives
+//! (megatron-core megatron/core/tensor_parallel/layers.py, mappings.py, cross_entropy.py):
+//! the row-parallel outputs (linear_proj, linear_fc2) and the vocabulary-parallel embedding
+//! are all-reduced in the forward pass, the column-parallel inputs' gradients (linear_qkv,
+//! linear_fc1, the output layer) in the backward pass, and the cross entropy reduces its
+//! maximum, target logit and Σexp over the vocabulary shards. With sequence parallelism the
+//! residual stream and the norms hold this rank's rows only: the sums become reduce-scatters,
+//! and the column-parallel layers' inputs and the row-parallel layers' output gradients are
+//! all-gathered (the inputs again in the backward pass, as Megatron re-gathers them for the
+//! weight gradients rather than keep them).
+//!
+//! A pipeline stage runs the same code on its layers: the first from the embedding, the others
+//! from the previous stage's output; the last to the loss, the others to their output, whose
+//! gradient the backward pass then takes from the next stage.
+
+use super::attention::Attend;
+use super::layer::{rms_grad, Layer, LayerSaved};
+use super::linear::Linear;
+use super::parallel::{gathered, local_ids, reduced, TensorParallel};
+use super::params::ParamTable;
+use super::{ModelSpec, Pass};
+use crate::arch::roles::{Canon, Role};
+use crate::engine::comm::ReduceOp;
+use crate::engine::{Backend, EngineError, Result};
+use crate::tensor::DType;
+use std::ops::Range;
+
+/// Where every parameter of a model or pipeline stage sits in the table, and which are
+/// trained.
+#[derive(Debug, Clone)]
+pub struct Ids {
+    /// The input embedding (the first pipeline stage).
+    pub(super) embedding: Option<usize>,
+    pub(super) layers: Vec<Layer>,
+    /// The final norm and output layer (the last stage; the output layer may be the
+    /// embedding, or on a later stage than the first its copy).
+    pub(super) head: Option<(usize, usize)>,
+    pub(super) trainable: Vec<bool>,
+    /// LoRA's alpha / r.
+    pub(super) lora_scale: f32,
+}
+
+impl Ids {
+    /// Look up in `table` every parameter of a model or pipeline stage holding `layers`
+    /// (`lora_scale`: the adapters' alpha / r, if any): the embedding unless a shared copy,
+    /// the final norm with the output layer if there.
+    pub fn new(table: &ParamTable, layers: Range<usize>, lora_scale: f32) -> Option<Ids> {
+        let at = |role| table.index(Canon { role, layer: None });
+        let embedding = at(Role::Embedding);
+        let head = match at(Role::FinalNorm) {
+            Some(norm) => Some((norm, at(Role::Output).or(embedding)?)),
+            None => None,
+        };
+        Some(Ids {
+            embedding: embedding.filter(|&e| !table.params[e].shared),
+            layers: layers.map(|l| Layer::of(table, l)).collect::<Option<_>>()?,
+            head,
+            trainable: table.params.iter().map(|p| p.trainable).collect(),
+            lora_scale,
+        })
+    }
+
+    /// The embedding and the head `(final norm, output layer)` of a whole model (`None` for
+    /// a pipeline stage that lacks either).
+    pub(super) fn whole_model(&self) -> Option<(usize, (usize, usize))> {
+        self.embedding.zip(self.head)
+    }
+
+    /// A pass over `params` (indexed as this table) with these rotary tables.
+    pub(super) fn pass<'a, B: Backend>(
+        &'a self,
+        (b, spec): (&'a B, &'a ModelSpec),
+        params: &'a [B::Tensor],
+        tp: Option<&'a TensorParallel<'a, B::Tensor>>,
+        rope: (&'a B::Tensor, &'a B::Tensor),
+    ) -> Pass<'a, B> {
+        Pass {
+            b,
+            spec,
+            params,
+            trainable: &self.trainable,
+            lora_scale: self.lora_scale,
+            tp,
+            rope,
+        }
+    }
+}
+
+/// One micro-batch.
+#[derive(Debug, Clone)]
+pub struct MicroBatch {
+    /// `[T]` input ids.
+    pub tokens: Vec<u32>,
+    /// `[T]` target ids.
+    pub labels: Vec<u32>,
+    /// `[T]` the gradient of the objective with respect to each row's loss (Megatron's
+    /// `mask / max(n, 1) / K`, or the mask itself with per-token loss).
+    pub dloss: Vec<f32>,
+    /// Attention segments (row ranges covering `0..T`): each sequence, or each document of it
+    /// with `--reset-attention-mask`.
+    pub segments: Vec<Range<usize>>,
+    /// `[T]` RoPE position of each row (0..S per sequence: Megatron's RoPE does not read
+    /// `position_ids`).
+    pub positions: Vec<usize>,
+}
+
+/// What the final norm and output layer's backward pass needs.
+struct HeadSaved<T> {
+    /// Final norm input `[T, h]`, its normed form and rstd.
+    x: T,
+    hf: T,
+    rstdf: T,
+    /// Logits `[T, Vp]` and their log-sum-exp `[T]`.
+    logits: T,
+    lse: T,
+}
+
+/// What a micro-batch's backward pass through a model or pipeline stage needs of its forward
+/// pass.
+pub struct Saved<T> {
+    layers: Vec<LayerSaved<T>>,
+    head: Option<HeadSaved<T>>,
+    /// RoPE tables `[T, d/2]` of the micro-batch.
+    cos: T,
+    sin: T,
+}
+
+/// Run one micro-batch forward through the model, or through a pipeline stage given the
+/// previous stage's output as `input`. Returns its output — with the output layer the `[T]`
+/// per-row losses (f32), on an earlier pipeline stage its `[T, h]` output (this rank's rows
+/// under sequence parallelism) for the next stage — and what [`backward`] needs.
+pub fn forward<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    (ids, params): (&Ids, &[B::Tensor]),
+    (batch, input): (&MicroBatch, Option<B::Tensor>),
+    activations: DType,
+    tp: Option<&TensorParallel<B::Tensor>>,
+) -> Result<(B::Tensor, Saved<B::Tensor>)> {
+    let (cos, sin) = spec.rope_tables(&batch.positions);
+    let half = [batch.tokens.len(), spec.attention.head_dim / 2];
+    let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
+    let p = ids.pass((b, spec), params, tp, (&cos, &sin));
+    let mut x = match (input, ids.embedding) {
+        (Some(x), _) => x,
+        (None, Some(e)) => {
+            let mut x = b.embedding(&params[e], &local_ids(tp, &batch.tokens))?;
+            if activations != DType::F32 {
+                x = b.cast(&x, activations)?;
+            }
+            reduced(b, tp, x)?
+        }
+        (None, None) => {
+            return Err(EngineError::Invalid {
+                op: "forward",
+                msg: "a pipeline stage without the embedding needs the previous stage's output"
+                    .into(),
+            })
+        }
+    };
+    let mut layers = Vec::with_capacity(ids.layers.len());
+    for layer in &ids.layers {
+        let (out, saved) = layer.forward(&p, x, Attend::Segments(&batch.segments))?;
+        layers.push(saved);
+        x = out;
+    }
+    let (out, head) = match ids.head {
+        Some((final_norm, output)) => {
+            let (loss, head) = head_forward(&p, x, (final_norm, output), &batch.labels)?;
+            (loss, Some(head))
+        }
+        None => (x, None),
+    };
+    let saved = Saved {
+        layers,
+        head,
+        cos,
+        sin,
+    };
+    Ok((out, saved))
+}
+
+/// The per-row losses `[T]` of the last layer's output `x`: final norm, output layer, cross
+/// entropy against `labels`.
+fn head_forward<B: Backend>(
+    p: &Pass<B>,
+    x: B::Tensor,
+    (final_norm, output): (usize, usize),
+    labels: &[u32],
+) -> Result<(B::Tensor, HeadSaved<B::Tensor>)> {
+    let b = p.b;
+    let (hf, rstdf) = b.rms_norm(&x, &p.params[final_norm], p.spec.norm_eps)?;
+    let all = gathered(b, p.tp, &hf)?;
+    let logits = b.matmul(all.as_ref().unwrap_or(&hf), &p.params[output], None)?;
+    let (loss, lse) = match p.tp {
+        Some(tp) => vocab_parallel_cross_entropy(b, tp, &logits, &tp.local(labels))?,
+        None => b.cross_entropy(&logits, labels)?,
+    };
+    let saved = HeadSaved {
+        x,
+        hf,
+        rstdf,
+        logits,
+        lse,
+    };
+    Ok((loss, saved))
+}
+
+/// The gradient of the objective `Σ dloss · loss` with respect to the last layer's output:
+/// through the cross entropy, the output layer and the final norm, whose gradients it adds.
+fn head_backward<B: Backend>(
+    p: &Pass<B>,
+    grads: &mut [B::Tensor],
+    batch: &MicroBatch,
+    head: HeadSaved<B::Tensor>,
+    (final_norm, output): (usize, usize),
+) -> Result<B::Tensor> {
+    let b = p.b;
+    let HeadSaved {
+        x,
+        hf,
+        rstdf,
+        logits,
+        lse,
+    } = head;
+    let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
+    let labels = local_ids(p.tp, &batch.labels);
+    let dlogits = b.cross_entropy_bwd(logits, &labels, &lse, &dloss)?;
+    let all = gathered(b, p.tp, &hf)?;
+    let whole = all.as_ref().unwrap_or(&hf);
+    let dhf = Linear::weight(output).backward(p, grads, &dlogits, (whole, None))?;
+    drop(dlogits);
+    let dhf = reduced(b, p.tp, dhf)?;
+    rms_grad(p, grads, (&dhf, &x), final_norm, &rstdf)
+}
+
+/// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`, from
+/// the loss (with the output layer) or from `dout`, the next pipeline stage's gradient of this
+/// stage's output: adds every parameter's gradient into `grads`. Returns, without the
+/// embedding, the gradient of the stage's input for the previous stage.
+pub fn backward<B: Backend>(
+    b: &B,
+    spec: &ModelSpec,
+    (ids, params, grads): (&Ids, &[B::Tensor], &mut [B::Tensor]),
+    (batch, dout): (&MicroBatch, Option<B::Tensor>),
+    saved: Saved<B::Tensor>,
+    tp: Option<&TensorParallel<B::Tensor>>,
+) -> Result<Option<B::Tensor>> {
+    let Saved {
+        layers,
+        head,
+        cos,
+        sin,
+    } = saved;
+    let p = ids.pass((b, spec), params, tp, (&cos, &sin));
+    let mut dx = match (head, ids.head, dout) {
+        (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,
+        (_, _, Some(dout)) => dout,
+        _ => {
+            return Err(EngineError::Invalid {
+                op: "backward",
+                msg: "a pipeline stage without the output layer needs the gradient of its output"
+                    .into(),
+            })
+        }
+    };
+    for (layer, s) in ids.layers.iter().zip(layers).rev() {
+        dx = layer.backward(&p, grads, s, (dx, &batch.segments))?;
+    }
+    let Some(e) = ids.embedding else {
+        return Ok(Some(dx));
+    };
+    if ids.trainable[e] {
+        let tokens = local_ids(tp, &batch.tokens);
+        let all = gathered(b, tp, &dx)?;
+        b.embedding_bwd(all.as_ref().unwrap_or(&dx), &tokens, &mut grads[e])?;
+    }
+    Ok(None)
+}
+
+/// The cross entropy of logits over this rank's vocabulary shard against `labels` (rows of
+/// the shard, or [`crate::engine::NO_ROW`]), as the whole vocabulary's: the shards'
+/// log-sum-exps and target logits reduced over the group (Megatron's three all-reduces of
+/// `[T]` f32: the maximum, the target logit, Σexp). Returns the per-row loss and the whole
+/// vocabulary's log-sum-exp, which the backward pass's softmax takes.
+fn vocab_parallel_cross_entropy<B: Backend>(
+    b: &B,
+    tp: &TensorParallel<B::Tensor>,
+    logits: &B::Tensor,
+    labels: &[u32],
+) -> Result<(B::Tensor, B::Tensor)> {
+    let (loss, lse) = b.cross_entropy(logits, labels)?;
+    let (loss, lse) = (b.download_f32(&loss)?, b.download_f32(&lse)?);
+    let n = [lse.len()];
+    let reduced = |values: Vec<f32>, op| -> Result<Vec<f32>> {
+        let mut t = b.upload_f32(&n, &values)?;
+        tp.group.all_reduce(&mut t, op)?;
+        b.download_f32(&t)
+    };
+    let max = reduced(lse.clone(), ReduceOp::Max)?;
+    // A shard's loss is its log-sum-exp less the target logit if it holds the label.
+    let target = reduced(
+        lse.iter().zip(&loss).map(|(l, x)| l - x).collect(),
+        ReduceOp::Sum,
+    )?;
+    let shifted = lse.iter().zip(&max).map(|(l, m)| (l - m).exp()).collect();
+    let sum_exp = reduced(shifted, ReduceOp::Sum)?;
+    let whole: Vec<f32> = (max.iter().zip(&sum_exp))
+        .map(|(m, s)| (f64::from(*m) + f64::from(*s).ln()) as f32)
+        .collect();
+    let loss: Vec<f32> = whole.iter().zip(&target).map(|(l, t)| l - t).collect();
+    Ok((b.upload_f32(&n, &loss)?, b.upload_f32(&n, &whole)?))
+}

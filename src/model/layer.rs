@@ -1,0 +1,116 @@
+//! The one decoder layer every family runs, in training and in inference: input norm →
+//! attention kind → residual sum → norm → MLP kind → residual sum (megatron-core
+//! megatron/core/transformer/transformer_layer.py `TransformerLayer`). A family is the kinds
+//! it composes ([`Attention`], [`Mlp`]), never a copy of this code.
+//!
+//! Legend: T = rows (this rank's block of them under sequence parallelism), h = hidden.
+
+use super::attention::{Attend, Attention, AttentionSaved};
+use super::mlp::{Mlp, MlpSaved};
+use super::params::ParamTable;
+use super::Pass;
+use crate::arch::roles::{Canon, Role};
+use crate::engine::{Backend, Result};
+use std::ops::Range;
+
+/// Where one layer's parameters sit in the table, by kind.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Layer {
+    /// RMSNorm γ `[h]` before the attention.
+    input_norm: usize,
+    attention: Attention,
+    /// RMSNorm γ `[h]` before the MLP.
+    post_norm: usize,
+    mlp: Mlp,
+}
+
+/// What one layer's backward pass needs of its forward pass.
+pub(super) struct LayerSaved<T> {
+    /// The layer's input (residual) `[T, h]` and the input norm's `rstd [T]`.
+    x: T,
+    rstd1: T,
+    attention: AttentionSaved<T>,
+    /// The residual after the attention `[T, h]` and the second norm's `rstd [T]`.
+    x_mid: T,
+    rstd2: T,
+    mlp: MlpSaved<T>,
+}
+
+impl Layer {
+    /// Layer `layer` of `table`, `None` if the table lacks any of its parameters.
+    pub(super) fn of(table: &ParamTable, layer: usize) -> Option<Layer> {
+        let at = |role| {
+            table.index(Canon {
+                role,
+                layer: Some(layer),
+            })
+        };
+        Some(Layer {
+            input_norm: at(Role::InputNorm)?,
+            attention: Attention::of(table, layer)?,
+            post_norm: at(Role::PostNorm)?,
+            mlp: Mlp::of(table, layer)?,
+        })
+    }
+
+    /// The layer's output `[T, h]` for input `x [T, h]`, and what the backward pass needs.
+    pub(super) fn forward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        x: B::Tensor,
+        attend: Attend<B::Tensor>,
+    ) -> Result<(B::Tensor, LayerSaved<B::Tensor>)> {
+        let (b, eps) = (p.b, p.spec.norm_eps);
+        let (h1, rstd1) = b.rms_norm(&x, &p.params[self.input_norm], eps)?;
+        let (mut x_mid, attention) = self.attention.forward(p, h1, attend)?;
+        b.add_assign(&mut x_mid, &x)?;
+        let (h2, rstd2) = b.rms_norm(&x_mid, &p.params[self.post_norm], eps)?;
+        let (mut out, mlp) = self.mlp.forward(p, h2)?;
+        b.add_assign(&mut out, &x_mid)?;
+        let saved = LayerSaved {
+            x,
+            rstd1,
+            attention,
+            x_mid,
+            rstd2,
+            mlp,
+        };
+        Ok((out, saved))
+    }
+
+    /// The gradient of the layer's input given `dout`, the gradient of its output (the
+    /// forward pass attended within `segments`); accumulates the parameters' gradients.
+    pub(super) fn backward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        s: LayerSaved<B::Tensor>,
+        (dout, segments): (B::Tensor, &[Range<usize>]),
+    ) -> Result<B::Tensor> {
+        let b = p.b;
+        // out = x_mid + mlp(norm(x_mid)): dout flows to both.
+        let dh2 = self.mlp.backward(p, grads, s.mlp, &dout)?;
+        let mut dx_mid = rms_grad(p, grads, (&dh2, &s.x_mid), self.post_norm, &s.rstd2)?;
+        b.add_assign(&mut dx_mid, &dout)?;
+        // x_mid = x + attention(norm(x)).
+        let dh1 = self
+            .attention
+            .backward(p, grads, s.attention, (&dx_mid, segments))?;
+        let mut dx = rms_grad(p, grads, (&dh1, &s.x), self.input_norm, &s.rstd1)?;
+        b.add_assign(&mut dx, &dx_mid)?;
+        Ok(dx)
+    }
+}
+
+/// `dx` of `y = rms_norm(x)·γ` given `dy`, accumulating γ's gradient (parameter `gamma`) when
+/// it is trained.
+pub(super) fn rms_grad<B: Backend>(
+    p: &Pass<B>,
+    grads: &mut [B::Tensor],
+    (dy, x): (&B::Tensor, &B::Tensor),
+    gamma: usize,
+    rstd: &B::Tensor,
+) -> Result<B::Tensor> {
+    let dgamma = p.trainable[gamma].then(|| &mut grads[gamma]);
+    p.b.rms_norm_bwd(dy, x, &p.params[gamma], rstd, dgamma)
+}

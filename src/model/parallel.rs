@@ -1,0 +1,98 @@
+//! Megatron's tensor-parallel collectives as the decoder uses them (megatron-core
+//! megatron/core/tensor_parallel/layers.py, mappings.py): a rank's place in its group, the
+//! sums of row-parallel outputs and column-parallel input gradients, and sequence
+//! parallelism's gathers.
+//!
+//! Legend: T = rows of the micro-batch (this rank's block of them under sequence
+//! parallelism), w = a row's width.
+
+use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::{Backend, Result, NO_ROW};
+use std::ops::Range;
+
+/// One rank's place in tensor parallelism.
+pub struct TensorParallel<'a, T> {
+    /// The tensor-parallel group.
+    pub group: &'a dyn Communicator<Tensor = T>,
+    /// The vocabulary rows this rank's embedding and output shards hold.
+    pub vocab: Range<usize>,
+    /// Sequence parallelism: the residual stream holds this rank's block of rows.
+    pub sequence_parallel: bool,
+}
+
+impl<T> TensorParallel<'_, T> {
+    /// Ids (tokens or labels) as rows of this rank's vocabulary shard, [`NO_ROW`] for the
+    /// others'.
+    pub(super) fn local(&self, ids: &[u32]) -> Vec<u32> {
+        let v = &self.vocab;
+        ids.iter()
+            .map(|&id| {
+                let id = id as usize;
+                if v.contains(&id) {
+                    (id - v.start) as u32
+                } else {
+                    NO_ROW
+                }
+            })
+            .collect()
+    }
+}
+
+/// Ids as rows of this rank's vocabulary shard (all of them without tensor parallelism).
+pub(super) fn local_ids<T>(tp: Option<&TensorParallel<T>>, ids: &[u32]) -> Vec<u32> {
+    match tp {
+        Some(tp) => tp.local(ids),
+        None => ids.to_vec(),
+    }
+}
+
+/// Partial sums `[T·tp, w]` (or `[T, w]`) over the tensor-parallel ranks (a row-parallel
+/// layer's output, the embedding's rows, a column-parallel layer's input gradient), summed:
+/// all-reduced, or under sequence parallelism reduce-scattered to this rank's rows (nothing
+/// alone).
+pub(super) fn reduced<B: Backend>(
+    b: &B,
+    tp: Option<&TensorParallel<B::Tensor>>,
+    mut x: B::Tensor,
+) -> Result<B::Tensor> {
+    match tp {
+        None => Ok(x),
+        Some(tp) if !tp.sequence_parallel => {
+            tp.group.all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok(x)
+        }
+        Some(tp) => {
+            let mut out = zeros_of_rows(b, &x, b.shape(&x)[0] / tp.group.size())?;
+            tp.group.reduce_scatter(&x, &mut out, ReduceOp::Sum)?;
+            Ok(out)
+        }
+    }
+}
+
+/// Under sequence parallelism, every rank's rows of `x` (all-gather): a column-parallel
+/// layer's input, a row-parallel layer's output gradient; `None` where `x` holds every row.
+pub(super) fn gathered<B: Backend>(
+    b: &B,
+    tp: Option<&TensorParallel<B::Tensor>>,
+    x: &B::Tensor,
+) -> Result<Option<B::Tensor>> {
+    let Some(tp) = tp.filter(|tp| tp.sequence_parallel) else {
+        return Ok(None);
+    };
+    let mut out = zeros_of_rows(b, x, b.shape(x)[0] * tp.group.size())?;
+    tp.group.all_gather(x, &mut out)?;
+    Ok(Some(out))
+}
+
+/// Zeros of `x`'s dtype and row width, `rows` rows.
+fn zeros_of_rows<B: Backend>(b: &B, x: &B::Tensor, rows: usize) -> Result<B::Tensor> {
+    let mut shape = b.shape(x).to_vec();
+    shape[0] = rows;
+    b.zeros(&shape, b.dtype(x))
+}
+
+/// Whether this rank adds a term every tensor-parallel rank computes alike to a sum the
+/// group reduces afterwards: rank 0 alone does, so that the sum counts it once.
+pub(super) fn counts_once<T>(tp: Option<&TensorParallel<T>>) -> bool {
+    tp.is_none_or(|tp| tp.group.rank() == 0)
+}
