@@ -1,0 +1,157 @@
+//! Megatron torch-format training checkpoints (megatron/training/checkpointing.py,
+//! `--ckpt-format torch`): `<save>/iter_XXXXXXX/mp_rank_00/model_optim_rng.pt` holding `args`,
+//! `checkpoint_version` 3.0, `iteration`, `model`, `optimizer` (the torch optimizer's
+//! `state_dict`: Adam moments and step per parameter id, two parameter groups; with `--bf16`
+//! wrapped with the f32 main parameters as `fp32_from_fp16_params`), `opt_param_scheduler` and
+//! `num_floating_point_operations_so_far`; then `latest_checkpointed_iteration.txt`. The
+//! iteration directory is written under a temporary name and renamed into place before the
+//! tracker names it, so an interrupted save leaves the previous checkpoint the latest one.
+//!
+//! No `rng_state` is written (mindkit's training draws no random numbers after
+//! initialisation): Megatron loads these checkpoints with `--no-load-rng` or `--finetune`.
+//!
+//! Here what a checkpoint holds and the names both sides share; writing is `write`, reading
+//! back (resuming) is `read`.
+
+mod read;
+mod write;
+
+pub use read::{load_distributed, load_named, load_progress, load_state, rank_file, Resumed};
+pub use write::{begin, finish, json_value, prepare, save, set_arg, write_rank};
+
+use super::parallel::Stage;
+use crate::arch::ModelConfig;
+use crate::ckpt::layout::KeyLayout;
+use crate::ckpt::megatron::rank_dir;
+use crate::ckpt::torch::pickle::Value;
+use crate::model::params::ParamTable;
+use crate::tensor::host::Tensor;
+use crate::tensor::DType;
+use crate::util::OutputKind;
+use serde_json::Value as Json;
+
+/// A checkpoint directory (`--save`) as an output: mindkit adds iteration directories and the
+/// tracker, and never removes anything else.
+pub static SAVE_DIR: OutputKind = OutputKind {
+    tag: "ckpt",
+    what: "training checkpoint",
+    dir: None,
+};
+
+/// The optimizer's state on the host, in parameter-table order.
+pub struct OptimizerState {
+    /// Optimizer steps taken.
+    pub steps: u64,
+    /// Adam moments (f32), `None` for frozen parameters.
+    pub exp_avg: Vec<Option<Tensor>>,
+    /// Second moments.
+    pub exp_avg_sq: Vec<Option<Tensor>>,
+    /// f32 main parameters (`--bf16`), `None` for frozen parameters.
+    pub main: Option<Vec<Option<Tensor>>>,
+    /// Hyper-parameters recorded in the parameter groups.
+    pub hyper: GroupHyper,
+}
+
+/// The distributed optimizer's state of one tensor-parallel rank of one stage, gathered to its
+/// data-parallel rank 0 (megatron/core/optimizer/distrib_optimizer.py
+/// `get_parameter_state_dp_zero`), written as `distrib_optim.pt`.
+pub struct DistributedState {
+    /// Main parameters, first and second moments: the flat buffer's buckets, each up to its
+    /// last parameter (alignment gaps zero); with several buffers (one per model chunk), one
+    /// after the other.
+    pub world: [Vec<f32>; 3],
+    /// The elements of each buffer in `world` (its `numel_unpadded`).
+    pub buffers: Vec<usize>,
+    /// The model parameters' dtype (the buffer's key pairs it with the f32 gradients').
+    pub param_dtype: DType,
+    /// Steps taken.
+    pub steps: u64,
+    /// The groups' settings.
+    pub hyper: GroupHyper,
+}
+
+/// The file the distributed optimizer's state goes in, beside `model_optim_rng.pt`.
+pub const DISTRIBUTED_FILE: &str = "distrib_optim.pt";
+
+/// What the torch parameter groups record.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupHyper {
+    /// Current learning rate.
+    pub lr: f64,
+    /// `--lr`, `--min-lr`.
+    pub max_lr: f64,
+    /// `--min-lr`.
+    pub min_lr: f64,
+    /// Current weight decay of the decayed group.
+    pub weight_decay: f64,
+    /// β₁, β₂.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+}
+
+/// Everything a checkpoint records.
+pub struct Snapshot<'a> {
+    /// Architecture (dtype = the model parameters').
+    pub cfg: &'a ModelConfig,
+    /// Parameters, in table order.
+    pub table: &'a ParamTable,
+    /// Model parameters on the host, in table order (dtype = `cfg.dtype`).
+    pub params: Vec<Tensor>,
+    /// Which parameters go into the file (all, or the LoRA ones with `--lora-ckpt-filter`).
+    pub saved: Vec<bool>,
+    /// Key layout of `model`.
+    pub layout: KeyLayout,
+    /// `--make-vocab-size-divisible-by`.
+    pub divisible_by: usize,
+    /// Completed iterations.
+    pub iteration: u64,
+    /// Training state recorded in `args`.
+    pub args: Vec<(String, Value)>,
+    /// Optimizer state (`None` with `--no-save-optim` or the distributed optimizer).
+    pub optimizer: Option<OptimizerState>,
+    /// The distributed optimizer's state (its data-parallel rank 0's, gathered).
+    pub distributed: Option<DistributedState>,
+    /// The scheduler's state dict.
+    pub scheduler: Option<Json>,
+    /// FLOPs so far.
+    pub flops: f64,
+    /// Extra model tensors by model chunk and Megatron key (LoRA adapters), saved after the
+    /// base weights.
+    pub extra: Vec<(usize, String, Tensor)>,
+    /// This rank's tensor-parallel rank and the group's size (its `mp_rank_TT`, and `args`).
+    pub tp: (usize, usize),
+    /// This rank's pipeline stage (its `_PPP`, and which layers its file holds).
+    pub stage: &'a Stage,
+    /// Layers of every stage (recorded in `args` when uneven).
+    pub stages: &'a [usize],
+}
+
+/// The `mp_rank_TT[_PPP]` directory of tensor-parallel rank `tp` on `stage`.
+pub fn rank_dir_of(tp: usize, stage: &Stage) -> String {
+    rank_dir(tp, stage.index, stage.count)
+}
+
+/// Megatron's parameter groups over the trained parameters, as `(weight decay, members)`:
+/// one per decay setting present, in the order their first members come in the table (a
+/// pipeline stage without the embedding starts with a norm: its no-decay group comes first),
+/// members in table order (megatron/core/optimizer/__init__.py `_get_param_groups`). Ids are
+/// consecutive group by group.
+pub fn param_groups(table: &ParamTable, trained: &[bool]) -> Vec<(bool, Vec<usize>)> {
+    let mut groups: Vec<(bool, Vec<usize>)> = Vec::new();
+    for (i, p) in table.params.iter().enumerate().filter(|&(i, _)| trained[i]) {
+        match groups.iter_mut().find(|(decay, _)| *decay == p.decay) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((p.decay, vec![i])),
+        }
+    }
+    groups
+}
+
+/// The `iter_XXXXXXX` name of an iteration.
+pub fn iteration_dir(iteration: u64) -> String {
+    format!("iter_{iteration:07}")
+}
+
+/// A rank's place in a checkpoint's layout: `((tp rank, TP), (pp rank, PP))`.
+pub type RankAt = ((usize, usize), (usize, usize));

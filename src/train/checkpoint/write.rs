@@ -1,0 +1,378 @@
+//! Writing a checkpoint: each rank's `model_optim_rng.pt` (and `distrib_optim.pt`) into a
+//! temporary iteration directory, renamed into place before the tracker names it.
+
+use super::{iteration_dir, param_groups, rank_dir_of};
+use super::{DistributedState, GroupHyper, OptimizerState, Snapshot, DISTRIBUTED_FILE, SAVE_DIR};
+use crate::ckpt::config::{megatron_args, ParallelArgs};
+use crate::ckpt::layout::{chunk_entries, Parallel};
+use crate::ckpt::megatron::{RANK_FILE, TRACKER};
+use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
+use crate::ckpt::torch::save::PtWriter;
+use crate::model::params::ParamTable;
+use crate::tensor::host::Tensor;
+use crate::tensor::DType;
+use crate::util::{AtomicFile, TempOutput};
+use anyhow::{Context, Result};
+use serde_json::Value as Json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The pickled form of a JSON value (the scheduler's state dict).
+/// A JSON value as the pickle value Python's json module would give.
+pub fn json_value(j: &Json) -> Value {
+    match j {
+        Json::Null => Value::None,
+        Json::Bool(b) => Value::Bool(*b),
+        Json::Number(n) => n
+            .as_i64()
+            .map(Value::Int)
+            .unwrap_or_else(|| Value::Float(n.as_f64().unwrap_or(f64::NAN))),
+        Json::String(s) => Value::Str(s.clone()),
+        Json::Array(a) => Value::List(a.iter().map(json_value).collect()),
+        Json::Object(o) => Value::Dict(
+            o.iter()
+                .map(|(k, v)| (Value::Str(k.clone()), json_value(v)))
+                .collect(),
+        ),
+    }
+}
+
+fn s(k: &str) -> Value {
+    Value::Str(k.to_string())
+}
+
+/// Storages of one rank file, in the order the pickle names them.
+#[derive(Default)]
+struct Storages {
+    data: Vec<Vec<u8>>,
+}
+
+impl Storages {
+    /// A tensor value over a new storage holding `t`.
+    fn tensor(&mut self, t: &Tensor) -> Value {
+        let shape: Vec<u64> = t.shape.iter().map(|&n| n as u64).collect();
+        let mut stride = vec![1u64; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            stride[i] = stride[i + 1] * shape[i + 1];
+        }
+        let numel = shape.iter().product();
+        let key = self.data.len().to_string();
+        self.data.push(t.data.clone());
+        Value::Tensor(Box::new(TensorRef {
+            storage: StorageRef {
+                key,
+                dtype: t.dtype,
+                location: "cpu".into(),
+                numel,
+            },
+            offset: 0,
+            shape,
+            stride,
+        }))
+    }
+}
+
+/// One torch parameter group as Megatron saves it: its group keys, torch AdamW's settings, and
+/// its `params` ids — or, for the distributed optimizer, no ids and the step count.
+fn group_value(
+    decay: bool,
+    h: &GroupHyper,
+    params: Option<Vec<Value>>,
+    step: Option<u64>,
+) -> Value {
+    let mult = if decay { 1.0 } else { 0.0 };
+    let mut items = vec![
+        (s("wd_mult"), Value::Float(mult)),
+        (s("lr_mult"), Value::Float(1.0)),
+        (s("is_expert_parallel"), Value::Bool(false)),
+        (s("is_decoupled_lr"), Value::Bool(false)),
+        (s("max_lr"), Value::Float(h.max_lr)),
+        (s("min_lr"), Value::Float(h.min_lr)),
+        (s("lr"), Value::Float(h.lr)),
+        (
+            s("betas"),
+            Value::Tuple(vec![Value::Float(h.betas.0), Value::Float(h.betas.1)]),
+        ),
+        (s("eps"), Value::Float(h.eps)),
+        (s("weight_decay"), Value::Float(h.weight_decay * mult)),
+        (s("amsgrad"), Value::Bool(false)),
+        (s("maximize"), Value::Bool(false)),
+        (s("foreach"), Value::None),
+        (s("capturable"), Value::Bool(false)),
+        (s("differentiable"), Value::Bool(false)),
+        (s("fused"), Value::None),
+        (s("decoupled_weight_decay"), Value::Bool(true)),
+    ];
+    items.extend(params.map(|ids| (s("params"), Value::List(ids))));
+    items.extend(step.map(|n| (s("step"), Value::Int(n as i64))));
+    Value::Dict(items)
+}
+
+/// The distributed optimizer's `optimizer` entry of `model_optim_rng.pt`: the parameter groups
+/// without ids or state, each with the step count (`DistributedOptimizer.state_dict`); the
+/// state is in `distrib_optim.pt`.
+fn distributed_groups(table: &ParamTable, d: &DistributedState) -> Value {
+    let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
+    let groups = param_groups(table, &trained)
+        .iter()
+        .map(|(decay, _)| group_value(*decay, &d.hyper, None, Some(d.steps)))
+        .collect();
+    Value::Dict(vec![(
+        s("optimizer"),
+        Value::Dict(vec![(s("param_groups"), Value::List(groups))]),
+    )])
+}
+
+/// `distrib_optim.pt`: `{"buckets_coalesced": True, 0: {(param dtype, float32): {"param",
+/// "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}, 1: …}`, a key per buffer
+/// (megatron-core's `gbuf_idx`: one buffer per model chunk, mindkit's parameters sharing one
+/// dtype).
+fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
+    let mut st = Storages::default();
+    let mut root = vec![(s("buckets_coalesced"), Value::Bool(true))];
+    let mut at = 0;
+    for (i, &n) in d.buffers.iter().enumerate() {
+        let mut state = Vec::new();
+        for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(&d.world) {
+            let bytes = values[at..at + n]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            state.push((s(key), st.tensor(&Tensor::new(DType::F32, vec![n], bytes))));
+        }
+        state.push((s("numel_unpadded"), Value::Int(n as i64)));
+        let dtypes = Value::Tuple(vec![
+            Value::TorchDType(d.param_dtype),
+            Value::TorchDType(DType::F32),
+        ]);
+        root.push((
+            Value::Int(i as i64),
+            Value::Dict(vec![(dtypes, Value::Dict(state))]),
+        ));
+        at += n;
+    }
+    let mut w = PtWriter::create(path, &Value::Dict(root), false)?;
+    for (key, bytes) in st.data.iter().enumerate() {
+        w.write_storage(&key.to_string(), bytes)?;
+    }
+    w.finish()?;
+    Ok(())
+}
+
+/// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`.
+fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) -> Value {
+    let trained: Vec<bool> = opt.exp_avg.iter().map(Option::is_some).collect();
+    let groups = param_groups(table, &trained);
+    let mut state = Vec::new();
+    let mut id = 0i64;
+    let mut ids = vec![Vec::new(); groups.len()];
+    for (g, (_, members)) in groups.iter().enumerate() {
+        for &p in members {
+            if let (Some(m), Some(v)) = (&opt.exp_avg[p], &opt.exp_avg_sq[p]) {
+                let step = Tensor::new(
+                    DType::F32,
+                    vec![],
+                    (opt.steps as f32).to_le_bytes().to_vec(),
+                );
+                state.push((
+                    Value::Int(id),
+                    Value::Dict(vec![
+                        (s("step"), st.tensor(&step)),
+                        (s("exp_avg"), st.tensor(m)),
+                        (s("exp_avg_sq"), st.tensor(v)),
+                    ]),
+                ));
+            }
+            ids[g].push(Value::Int(id));
+            id += 1;
+        }
+    }
+    let saved_groups = groups
+        .iter()
+        .zip(ids)
+        .map(|((decay, _), ids)| group_value(*decay, &opt.hyper, Some(ids), None));
+    let torch = Value::Dict(vec![
+        (s("state"), Value::Dict(state)),
+        (s("param_groups"), Value::List(saved_groups.collect())),
+    ]);
+    match &opt.main {
+        None => torch,
+        Some(main) => {
+            let lists = groups
+                .iter()
+                .map(|(_, members)| {
+                    Value::List(
+                        members
+                            .iter()
+                            .filter_map(|&p| main[p].as_ref().map(|t| st.tensor(t)))
+                            .collect(),
+                    )
+                })
+                .collect();
+            Value::Dict(vec![
+                (s("optimizer"), torch),
+                (s("fp32_from_fp16_params"), Value::List(lists)),
+            ])
+        }
+    }
+}
+
+/// Set (or add) `args.key`.
+pub fn set_arg(args: &mut Vec<(String, Value)>, key: &str, v: Value) {
+    match args.iter_mut().find(|(k, _)| k == key) {
+        Some(slot) => slot.1 = v,
+        None => args.push((key.to_string(), v)),
+    }
+}
+
+/// Make `--save` ready before any training: the directory created, proven writable by a
+/// temporary file, and the tokenizer files copied beside the checkpoints (as `mindkit
+/// convert` does, so that the checkpoint converts back to a complete HF directory and
+/// resumes without naming the tokenizer again).
+pub fn prepare(save: &Path, tokenizer: &Path) -> Result<()> {
+    std::fs::create_dir_all(save)
+        .with_context(|| format!("--save {}: cannot create it", save.display()))?;
+    drop(
+        AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)
+            .with_context(|| format!("--save {}: cannot write there", save.display()))?,
+    );
+    let dir = if tokenizer.is_dir() {
+        tokenizer.to_path_buf()
+    } else {
+        tokenizer
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
+    if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
+        crate::ckpt::hf::copy_side_files(&dir, save)?;
+    }
+    Ok(())
+}
+
+/// Write a one-rank checkpoint of `snap` under `save`: the iteration directory first
+/// (temporary, then renamed), the tracker last. Returns the rank file written.
+pub fn save(save: &Path, snap: &Snapshot) -> Result<PathBuf> {
+    let temp = begin(save, snap.iteration)?;
+    write_rank(temp.path(), snap)?;
+    finish(save, temp, snap)
+}
+
+/// The temporary directory of iteration `iteration`'s checkpoint under `save`, which every
+/// rank writes its file into before [`finish`] renames it.
+pub fn begin(save: &Path, iteration: u64) -> Result<TempOutput> {
+    std::fs::create_dir_all(save).with_context(|| format!("creating --save {}", save.display()))?;
+    Ok(TempOutput::dir(
+        &save.join(iteration_dir(iteration)),
+        &SAVE_DIR,
+        true,
+    )?)
+}
+
+/// Rename the complete iteration directory of `snap` (the first rank's) into place, then
+/// point the tracker at it. Returns the first rank's file.
+pub fn finish(save: &Path, temp: TempOutput, snap: &Snapshot) -> Result<PathBuf> {
+    temp.commit()?;
+    let mut tracker = AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)?;
+    tracker.write_all(snap.iteration.to_string().as_bytes())?;
+    tracker.finish()?;
+    Ok(save
+        .join(iteration_dir(snap.iteration))
+        .join(rank_dir_of(0, snap.stage))
+        .join(RANK_FILE))
+}
+
+/// Write this rank's `mp_rank_TT[_PPP]/model_optim_rng.pt` of `snap` into the iteration
+/// directory `dir`.
+pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
+    let stage = snap.stage;
+    let vpp = stage.chunks.len();
+    let parallel = Parallel {
+        tp: snap.tp.1,
+        pp: stage.count,
+        vpp,
+        stage_layers: snap.stages.to_vec(),
+    };
+    let mut args = megatron_args(
+        snap.cfg,
+        &ParallelArgs {
+            tp: snap.tp.1,
+            pp: stage.count,
+            vpp,
+            first_last: parallel.first_last(),
+            padded_vocab: snap.table.vocab_padded,
+            divisible_by: snap.divisible_by,
+        },
+        &snap.args,
+    );
+    for (k, v) in &snap.args {
+        set_arg(&mut args, k, v.clone());
+    }
+    let mut st = Storages::default();
+    // A LoRA-only checkpoint (--lora-ckpt-filter) keeps only adapter keys, as MindSpeed-LLM's
+    // filter does: not even the Transformer Engine layout's `_extra_state` placeholders.
+    let base_saved = snap.saved.iter().any(|&s| s);
+    let mut models = Vec::with_capacity(vpp);
+    for (v, layers) in stage.chunks.iter().enumerate() {
+        let entries = chunk_entries(
+            snap.layout,
+            snap.cfg,
+            &layers.clone().collect::<Vec<_>>(),
+            stage.first() && v == 0,
+            stage.last() && v + 1 == vpp,
+            stage.count,
+        );
+        let mut model = Vec::new();
+        for (path, canon) in &entries {
+            let value = match canon {
+                None if !base_saved => continue,
+                None => Value::None,
+                Some(c) => match snap.table.index(*c).filter(|&i| snap.saved[i]) {
+                    Some(i) => st.tensor(&snap.params[i]),
+                    None => continue,
+                },
+            };
+            model.push((s(&path.join(".")), value));
+        }
+        for (_, key, t) in snap.extra.iter().filter(|(chunk, ..)| *chunk == v) {
+            model.push((s(key), st.tensor(t)));
+        }
+        // megatron/training/checkpointing.py `generate_state_dict`: `model`, or `model0`,
+        // `model1`, … with model chunks
+        let name = match vpp {
+            1 => "model".to_string(),
+            _ => format!("model{v}"),
+        };
+        models.push((s(&name), Value::Dict(model)));
+    }
+    let mut root = vec![
+        (s("args"), Value::Namespace(args)),
+        (s("checkpoint_version"), Value::Float(3.0)),
+        (s("iteration"), Value::Int(snap.iteration as i64)),
+    ];
+    root.extend(models);
+    if let Some(opt) = &snap.optimizer {
+        root.push((s("optimizer"), optimizer_value(snap.table, opt, &mut st)));
+    }
+    if let Some(d) = &snap.distributed {
+        root.push((s("optimizer"), distributed_groups(snap.table, d)));
+    }
+    if let Some(sched) = &snap.scheduler {
+        root.push((s("opt_param_scheduler"), json_value(sched)));
+    }
+    root.push((
+        s("num_floating_point_operations_so_far"),
+        Value::Float(snap.flops),
+    ));
+    let rank = dir.join(rank_dir_of(snap.tp.0, stage));
+    std::fs::create_dir_all(&rank).with_context(|| format!("creating {}", rank.display()))?;
+    let mut w = PtWriter::create(&rank.join(RANK_FILE), &Value::Dict(root), false)?;
+    for (key, bytes) in st.data.iter().enumerate() {
+        w.write_storage(&key.to_string(), bytes)?;
+    }
+    w.finish()?;
+    if let Some(d) = &snap.distributed {
+        write_distributed(&rank.join(DISTRIBUTED_FILE), d)?;
+    }
+    Ok(())
+}

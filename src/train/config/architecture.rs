@@ -1,0 +1,221 @@
+//! The model a run trains: the tokenizer and its ids, and the architecture from the flags or
+//! from `--load` (every flag given checked against it).
+
+use super::positive;
+use crate::arch::ModelConfig;
+use crate::ckpt::convert::Input;
+use crate::ckpt::torch::pickle::Value;
+use crate::data::gpt_dataset::MaskConfig;
+use crate::data::handlers::template::Template;
+use crate::data::tokenizer::HfTokenizer;
+use crate::tensor::DType;
+use crate::train::args::Args;
+use anyhow::{anyhow, bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// The tokenizer and its ids, as the named `--tokenizer-type` derives them.
+pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer, MaskConfig)> {
+    let path = a
+        .get("tokenizer-name-or-path")
+        .or_else(|| a.get("tokenizer-model"))
+        .map(PathBuf::from)
+        .or_else(|| load.cloned())
+        .ok_or_else(|| anyhow!("--tokenizer-name-or-path (or --tokenizer-model) is required"))?;
+    let mut tok = HfTokenizer::load(&path)
+        .with_context(|| format!("--tokenizer-name-or-path {}", path.display()))?;
+    if let Some(name) = a.get("prompt-type") {
+        // MindSpeed-LLM's fix_model_tokenizer: the template's stop word becomes eos (the EOD).
+        let template = Template::load(name, a.get("prompt-type-path").map(Path::new))
+            .map_err(|e| anyhow!("--prompt-type {name}: {e}"))?;
+        template
+            .fix_tokenizer(&mut tok)
+            .map_err(|e| anyhow!("--prompt-type {name}: {e}"))?;
+    }
+    let eod = tok.eos().ok_or_else(|| {
+        anyhow!(
+            "the tokenizer {} defines no eos token, Megatron's EOD",
+            path.display()
+        )
+    })?;
+    let kind = a.get("tokenizer-type").unwrap_or("HuggingFaceTokenizer");
+    // MindSpeed-LLM's PretrainedFromHF falls back to eos for a missing pad (its training
+    // tokenizer.py); Megatron's HuggingFaceTokenizer reports none, which GPTDataset treats as -1.
+    let pad = match kind {
+        "PretrainedFromHF" => Some(tok.pad().unwrap_or(eod)),
+        "HuggingFaceTokenizer" | "Llama2Tokenizer" => tok.pad(),
+        other => bail!(
+            "--tokenizer-type {other} is not supported (HuggingFaceTokenizer, PretrainedFromHF, \
+             Llama2Tokenizer)"
+        ),
+    };
+    let masks = MaskConfig {
+        eod,
+        pad,
+        eod_mask_loss: a.has("eod-mask-loss"),
+        reset_attention_mask: a.has("reset-attention-mask"),
+    };
+    Ok((tok, masks))
+}
+
+/// Megatron `args` synthesised from the architecture flags, for the one args reader.
+fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
+    let mut out = Vec::new();
+    for (flag, key) in [
+        ("num-layers", "num_layers"),
+        ("hidden-size", "hidden_size"),
+        ("ffn-hidden-size", "ffn_hidden_size"),
+        ("num-attention-heads", "num_attention_heads"),
+        ("num-query-groups", "num_query_groups"),
+        ("kv-channels", "kv_channels"),
+        ("max-position-embeddings", "max_position_embeddings"),
+    ] {
+        if let Some(v) = positive(a, flag)? {
+            out.push((key.to_string(), Value::Int(v as i64)));
+        }
+    }
+    for (flag, key) in [
+        ("rotary-base", "rotary_base"),
+        ("norm-epsilon", "norm_epsilon"),
+        ("rope-scaling-factor", "rope_scaling_factor"),
+        ("low-freq-factor", "low_freq_factor"),
+        ("high-freq-factor", "high_freq_factor"),
+        (
+            "original-max-position-embeddings",
+            "original_max_position_embeddings",
+        ),
+    ] {
+        if let Some(v) = a.parse_value::<f64>(flag)? {
+            out.push((key.to_string(), Value::Float(v)));
+        }
+    }
+    for (flag, key) in [
+        ("group-query-attention", "group_query_attention"),
+        ("add-qkv-bias", "add_qkv_bias"),
+        (
+            "untie-embeddings-and-output-weights",
+            "untie_embeddings_and_output_weights",
+        ),
+        ("use-rope-scaling", "use_rope_scaling"),
+    ] {
+        out.push((key.to_string(), Value::Bool(a.has(flag))));
+    }
+    if let Some(t) = a.get("rope-scaling-type") {
+        out.push(("rope_scaling_type".into(), Value::Str(t.to_string())));
+    }
+    Ok(out)
+}
+
+/// Refuse architecture flags outside the LLaMA family.
+fn check_family_flags(a: &Args) -> Result<()> {
+    if let Some(n) = a.get("normalization").filter(|n| *n != "RMSNorm") {
+        bail!("--normalization {n}: only RMSNorm (the LLaMA family) is implemented");
+    }
+    if let Some(p) = a.get("position-embedding-type").filter(|p| *p != "rope") {
+        bail!("--position-embedding-type {p}: only rope is implemented");
+    }
+    if let Some(p) = a
+        .parse_value::<f64>("rotary-percent")?
+        .filter(|p| *p != 1.0)
+    {
+        bail!("--rotary-percent {p}: only 1.0 (the whole head rotated) is implemented");
+    }
+    for flag in ["attention-dropout", "hidden-dropout"] {
+        match a.parse_value::<f64>(flag)? {
+            Some(0.0) => {}
+            Some(p) => bail!("--{flag} {p}: dropout is not implemented; pass --{flag} 0.0"),
+            None => bail!(
+                "--{flag} is not given, and Megatron's default is 0.1: dropout is not implemented \
+                 here, so pass --{flag} 0.0 (as LLaMA recipes do)"
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// The architecture: from the flags, or from `--load` with every given flag checked.
+pub(super) fn model_config(
+    a: &Args,
+    input: Option<&Input>,
+    tokenizer_vocab: usize,
+) -> Result<ModelConfig> {
+    check_family_flags(a)?;
+    let flags = architecture_args(a)?;
+    let Some(input) = input else {
+        if !a.has("swiglu") {
+            bail!("--swiglu is required: the LLaMA family's MLP is SwiGLU");
+        }
+        if !a.has("disable-bias-linear") {
+            bail!(
+                "--disable-bias-linear is required: Megatron adds biases to every linear layer \
+                 by default, which no LLaMA-family model has (--add-qkv-bias adds Qwen2's)"
+            );
+        }
+        let mut args = flags;
+        if !args.iter().any(|(k, _)| k == "ffn_hidden_size") {
+            // Megatron's SwiGLU default (validate_args).
+            let h = positive(a, "hidden-size")?
+                .ok_or_else(|| anyhow!("--hidden-size is required without --load"))?;
+            let ffn = ((4 * h * 2) as f64 / 3.0 / 64.0) as usize * 64;
+            args.push(("ffn_hidden_size".into(), Value::Int(ffn as i64)));
+        }
+        args.push(("vocab_size".into(), Value::Int(tokenizer_vocab as i64)));
+        return ModelConfig::from_megatron_args(&args, None, DType::F32, tokenizer_vocab)
+            .context("the architecture flags (without --load every one of --num-layers --hidden-size --num-attention-heads is needed)");
+    };
+    let cfg = input.cfg.clone();
+    let checks: [(&str, usize); 6] = [
+        ("num-layers", cfg.layers),
+        ("hidden-size", cfg.hidden),
+        ("ffn-hidden-size", cfg.ffn),
+        ("num-attention-heads", cfg.heads),
+        ("kv-channels", cfg.head_dim),
+        ("max-position-embeddings", cfg.max_positions),
+    ];
+    for (flag, have) in checks {
+        if let Some(v) = positive(a, flag)? {
+            if v != have && flag != "max-position-embeddings" {
+                bail!("--{flag} {v} does not match the --load checkpoint's {have}");
+            }
+        }
+    }
+    if a.has("group-query-attention") {
+        if let Some(g) = positive(a, "num-query-groups")?.filter(|&g| g != cfg.groups) {
+            bail!(
+                "--num-query-groups {g} does not match the --load checkpoint's {}",
+                cfg.groups
+            );
+        }
+    }
+    if a.has("untie-embeddings-and-output-weights") == cfg.tied && has_any_architecture(a) {
+        bail!(
+            "--untie-embeddings-and-output-weights is {}given, but the --load checkpoint's output layer is {}",
+            if cfg.tied { "" } else { "not " },
+            if cfg.tied { "tied to the embedding" } else { "separate" }
+        );
+    }
+    if a.has("add-qkv-bias") && !cfg.qkv_bias {
+        bail!("--add-qkv-bias is given, but the --load checkpoint has no q/k/v biases");
+    }
+    Ok(cfg)
+}
+
+/// Whether the command line describes the architecture at all (then it must agree with
+/// `--load`; a bare `--load` takes everything from the checkpoint).
+fn has_any_architecture(a: &Args) -> bool {
+    ["num-layers", "hidden-size", "num-attention-heads"]
+        .iter()
+        .any(|f| a.has(f))
+}
+
+/// MindSpeed-LLM's `--model-type-hf` names (llama2, qwen25, …) as mindkit's family names.
+pub(super) fn family_name(model_type: &str) -> &str {
+    match model_type {
+        t if t.starts_with("llama") => "llama",
+        t if t.starts_with("qwen") => "qwen2",
+        t if t.starts_with("mistral") => "mistral",
+        t if t.starts_with("internlm") => "internlm",
+        t if t.starts_with("baichuan") => "baichuan",
+        t if t.starts_with("aquila") => "aquila",
+        other => other,
+    }
+}

@@ -1,0 +1,505 @@
+//! Turning Megatron / MindSpeed-LLM flags into one resolved training configuration, checked
+//! before any work: architecture (from the flags, or from `--load` with the flags checked
+//! against it), tokenizer ids, data, batches, schedule, optimizer, checkpoints, logging.
+//! Defaults are Megatron-LM core 0.15's (megatron/training/arguments.py).
+//!
+//! By job: the model and tokenizer (`architecture`), the parallel layout (`parallelism`), the
+//! optimizer's schedule and recorded flags (`optimizer`), MindSpeed-LLM's fine-tuning
+//! (`finetune`); here the resolved types, the flag helpers they share, and [`resolve`].
+
+mod architecture;
+mod finetune;
+mod optimizer;
+mod parallelism;
+
+pub use parallelism::{BucketSize, Buckets, VirtualPipeline};
+
+use super::args::Args;
+use super::data::LossAveraging;
+use super::data::SftRows;
+use super::optim::AdamConfig;
+use super::parallel::{Axis, Layout};
+use super::schedule::Schedule;
+use crate::arch::ModelConfig;
+use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
+use crate::ckpt::layout::KeyLayout;
+use crate::data::gpt_dataset::{Blend, MaskConfig};
+use crate::data::sft_dataset::Order;
+use crate::data::tokenizer::HfTokenizer;
+use crate::model::params::LoraSpec;
+use crate::tensor::DType;
+use anyhow::{anyhow, bail, Result};
+use architecture::{family_name, model_config, tokenizer};
+use finetune::{lora_config, sft_config};
+use optimizer::{recorded_args, schedule};
+use parallelism::{
+    buckets, check_tensor_parallel, pipeline_stages, virtual_pipeline, virtual_stages,
+};
+use std::path::PathBuf;
+
+/// Where the model's weights come from.
+#[derive(Clone)]
+pub enum Start {
+    /// Initialised from a normal distribution (no `--load`).
+    Scratch,
+    /// `--load`: an HF directory or a Megatron checkpoint.
+    Load {
+        /// The directory.
+        dir: PathBuf,
+        /// Its opened weights.
+        input: std::sync::Arc<Input>,
+        /// Also restore iteration, consumed samples and (unless `no_optim`) the optimizer
+        /// and schedule (a Megatron checkpoint without `--finetune`).
+        resume: bool,
+        /// `--no-load-optim`.
+        no_optim: bool,
+    },
+}
+
+/// How often and where checkpoints go.
+#[derive(Debug, Clone)]
+pub struct SaveConfig {
+    /// `--save`.
+    pub dir: PathBuf,
+    /// `--save-interval` (`None`: only at the end).
+    pub interval: Option<u64>,
+    /// `--no-save-optim`.
+    pub no_optim: bool,
+    /// Key layout from `--transformer-impl`.
+    pub layout: KeyLayout,
+}
+
+/// Everything a training run needs, resolved.
+#[derive(Clone)]
+pub struct TrainConfig {
+    /// Architecture (dtype: the model parameters').
+    pub model: ModelConfig,
+    /// Rows of the embedding and output (the padded vocabulary).
+    pub vocab_padded: usize,
+    /// `--make-vocab-size-divisible-by`.
+    pub divisible_by: usize,
+    /// Where the weights come from.
+    pub start: Start,
+    /// The tokenizer (its vocabulary size and special tokens matter).
+    pub tokenizer: HfTokenizer,
+    /// `--data-path`.
+    pub blend: Blend,
+    /// `--split`.
+    pub split: String,
+    /// `--seed`.
+    pub seed: u32,
+    /// EOD, pad and masking.
+    pub masks: MaskConfig,
+    /// S.
+    pub seq_length: usize,
+    /// M and G.
+    pub micro_batch: usize,
+    /// G.
+    pub global_batch: usize,
+    /// Data-parallel ranks (the world size over TP × PP): each takes its slice of every global
+    /// batch, as Megatron's sampler gives it.
+    pub data_parallel: usize,
+    /// Where the ranks sit (TP, DP, PP).
+    pub layout: Layout,
+    /// Layers of each pipeline stage (one entry without pipeline parallelism).
+    pub stages: Vec<usize>,
+    /// The virtual pipeline: model chunks per stage and the micro-batches each chunk runs in
+    /// a row (`None`: one chunk per stage, the 1F1B schedule).
+    pub virtual_pipeline: Option<VirtualPipeline>,
+    /// `--sequence-parallel` at TP > 1.
+    pub sequence_parallel: bool,
+    /// `--use-distributed-optimizer` and how its buffer is bucketed.
+    pub distributed_optimizer: Option<Buckets>,
+    /// Iterations to reach.
+    pub train_iters: u64,
+    /// Samples the train split is built for: `--train-samples`, else iterations × global batch.
+    pub train_samples: u64,
+    /// The learning-rate schedule.
+    pub schedule: Schedule,
+    /// Resume the schedule from the checkpoint's values (`--use-checkpoint-opt-param-scheduler`)
+    /// or keep the command line's (`--override-opt-param-scheduler`); else they must agree.
+    pub schedule_source: ScheduleSource,
+    /// Adam.
+    pub adam: AdamConfig,
+    /// Loss averaging.
+    pub averaging: LossAveraging,
+    /// `--bf16`.
+    pub bf16: bool,
+    /// `--init-method-std` and `--embedding-init-method-std`.
+    pub init_std: (f64, Option<f64>),
+    /// Checkpoints.
+    pub save: Option<SaveConfig>,
+    /// `--eval-interval`, `--eval-iters`.
+    pub eval: Option<(u64, u64)>,
+    /// `--log-interval`.
+    pub log_interval: u64,
+    /// `--log-throughput`.
+    pub log_throughput: bool,
+    /// `--distributed-timeout-minutes` (10 by default, as Megatron's): how long a rank waits
+    /// for the others, at the launcher's store and at a collective on the CPU backend.
+    pub rank_timeout: std::time::Duration,
+    /// `--log-comm-stats` (mindkit's): the collectives' calls and bytes after each log line.
+    pub log_comm_stats: bool,
+    /// `--log-params-norm`, `--log-num-zeros-in-grad`.
+    pub log_norms: (bool, bool),
+    /// `--tensorboard-dir` and its interval.
+    pub tensorboard: Option<(PathBuf, u64)>,
+    /// `--log-validation-ppl-to-tensorboard`.
+    pub tensorboard_ppl: bool,
+    /// `--exit-interval`, `--exit-duration-in-mins`, `--exit-signal-handler`.
+    pub exit: ExitConfig,
+    /// Skip an update whose gradient norm is not finite (default), or apply it.
+    pub skip_non_finite: bool,
+    /// `--mid-level-dataset-surplus`.
+    pub surplus: f64,
+    /// The optimizer and schedule flags as Megatron's `args` holds them after `validate_args`
+    /// (checkpoints record them).
+    pub recorded: Vec<(&'static str, serde_json::Value)>,
+    /// Flags given that have no effect here.
+    pub inert: Vec<(&'static str, &'static str)>,
+    /// Fine-tuning data (`--is-instruction-dataset`), instead of GPT pretraining samples.
+    pub sft: Option<SftConfig>,
+    /// LoRA adapters (`--lora-r`, `--lora-target-modules`): only they are trained.
+    pub lora: Option<LoraConfig>,
+}
+
+/// MindSpeed-LLM's LoRA settings.
+#[derive(Debug, Clone)]
+pub struct LoraConfig {
+    /// Rank, alpha, targets.
+    pub spec: LoraSpec,
+    /// `--lora-ckpt-filter`: checkpoints hold only the adapters.
+    pub ckpt_filter: bool,
+    /// `--lora-load`: adapters (and, unless `--finetune`, the training state) to resume from.
+    pub load: Option<PathBuf>,
+}
+
+/// MindSpeed-LLM fine-tuning data.
+#[derive(Debug, Clone)]
+pub struct SftConfig {
+    /// The one prefix MindSpeed-LLM reads (the first of `--data-path`).
+    pub prefix: PathBuf,
+    /// Row layout.
+    pub rows: SftRows,
+    /// Shuffling and padding of epochs.
+    pub order: Order,
+}
+
+/// Where the schedule's settings come from on resume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleSource {
+    /// They must equal the checkpoint's (Megatron's default).
+    Check,
+    /// The checkpoint's (`--use-checkpoint-opt-param-scheduler`).
+    Checkpoint,
+    /// The command line's (`--override-opt-param-scheduler`).
+    CommandLine,
+}
+
+/// When to stop early.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExitConfig {
+    /// Save and exit every N iterations.
+    pub interval: Option<u64>,
+    /// Save and exit after this many minutes.
+    pub minutes: Option<f64>,
+    /// Save and exit on SIGTERM / SIGINT.
+    pub on_signal: bool,
+}
+
+fn flag_error(flag: &str, why: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("--{flag}: {why}")
+}
+
+/// A flag that must be a positive integer if given.
+fn positive(a: &Args, flag: &str) -> Result<Option<usize>> {
+    match a.parse_value::<usize>(flag)? {
+        Some(0) => Err(flag_error(flag, "must be at least 1")),
+        v => Ok(v),
+    }
+}
+
+/// A non-negative finite float flag.
+fn non_negative(a: &Args, flag: &str) -> Result<Option<f64>> {
+    match a.parse_value::<f64>(flag)? {
+        Some(v) if !(v.is_finite() && v >= 0.0) => {
+            Err(flag_error(flag, format!("{v} is not a finite number ≥ 0")))
+        }
+        v => Ok(v),
+    }
+}
+
+/// Refuse what is not built yet (context and expert parallelism, other data loaders, optimizers and checkpoint formats).
+fn check_single_rank(a: &Args) -> Result<()> {
+    for flag in ["context-parallel-size", "expert-model-parallel-size"] {
+        if let Some(n) = positive(a, flag)?.filter(|&n| n > 1) {
+            bail!("--{flag} {n}: this build trains with tensor, pipeline and data parallelism only (use 1)");
+        }
+    }
+    if let Some(t) = a.get("dataloader-type").filter(|t| *t != "single") {
+        bail!("--dataloader-type {t}: only single (Megatron's default sequential sampler) is implemented");
+    }
+    if let Some(o) = a.get("optimizer").filter(|o| *o != "adam") {
+        bail!("--optimizer {o}: only adam (AdamW) is implemented");
+    }
+    if let Some(f) = a.get("ckpt-format").filter(|f| *f != "torch") {
+        bail!("--ckpt-format {f}: only torch (one model_optim_rng.pt per rank) is written; pass --ckpt-format torch");
+    }
+    if let Some(stage) = a.get("stage").filter(|s| *s != "sft") {
+        bail!("--stage {stage}: only sft (supervised fine-tuning) is implemented");
+    }
+
+    Ok(())
+}
+
+/// The ranks of this run: the launcher's (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS) for a
+/// process it started, else `--world-size` (ranks as threads of this process; TP × PP × CP by
+/// default).
+/// A `--world-size` that differs from the launcher's is an error.
+pub fn world_size(a: &Args) -> Result<usize> {
+    let flag = positive(a, "world-size")?;
+    let Some(launch) = super::store::from_launcher()? else {
+        // One data-parallel rank by default: TP × PP × CP ranks.
+        let mut model = 1;
+        for size in [
+            "tensor-model-parallel-size",
+            "pipeline-model-parallel-size",
+            "context-parallel-size",
+        ] {
+            model *= positive(a, size)?.unwrap_or(1);
+        }
+        return Ok(flag.unwrap_or(model));
+    };
+    match flag {
+        Some(n) if n != launch.world_size => bail!(
+            "--world-size {n}: the launcher ({:?}) started {} ranks",
+            launch.launcher,
+            launch.world_size
+        ),
+        _ => Ok(launch.world_size),
+    }
+}
+
+/// Resolve the command line.
+pub fn resolve(a: &Args) -> Result<TrainConfig> {
+    check_single_rank(a)?;
+    let load = a.get("load").map(PathBuf::from);
+    let input = match &load {
+        Some(dir) if dir.exists() => Some(open_checkpoint(
+            dir,
+            None,
+            a.get("model-type-hf").map(family_name),
+        )?),
+        Some(dir) if a.has("exit-on-missing-checkpoint") => {
+            bail!("--load {}: no checkpoint there", dir.display())
+        }
+        Some(dir) => {
+            eprintln!(
+                "mindkit: warning: --load {} does not exist; starting from random weights",
+                dir.display()
+            );
+            None
+        }
+        None => None,
+    };
+    let hf_load = match (&load, &input) {
+        (Some(dir), Some(_)) if detect(dir)? == Format::Hf => Some(dir.clone()),
+        _ => None,
+    };
+    // The tokenizer defaults to the one a checkpoint carries (HF directories, and the
+    // tokenizer files mindkit copies next to the checkpoints it writes).
+    let carried = load
+        .as_ref()
+        .filter(|d| d.join("tokenizer.json").is_file() || d.join("vocab.json").is_file());
+    let (tokenizer, masks) = tokenizer(a, carried)?;
+    let mut model = model_config(a, input.as_ref(), tokenizer.vocab_size())?;
+    let divisible_by = positive(a, "make-vocab-size-divisible-by")?.unwrap_or(128);
+    let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
+    // Megatron pads to a multiple of the divisor × TP (training.py `_vocab_size_with_padding`).
+    let vocab_padded = match positive(a, "padded-vocab-size")? {
+        Some(v) => v,
+        None => tokenizer.vocab_size().div_ceil(divisible_by * tp) * divisible_by * tp,
+    };
+    if tokenizer.vocab_size() > vocab_padded || model.vocab > vocab_padded {
+        bail!(
+            "the padded vocabulary ({vocab_padded}) is smaller than the tokenizer's {} / the \
+             model's {} tokens: raise --padded-vocab-size",
+            tokenizer.vocab_size(),
+            model.vocab
+        );
+    }
+    let bf16 = a.has("bf16");
+    model.dtype = if bf16 { DType::BF16 } else { DType::F32 };
+    let seq_length =
+        positive(a, "seq-length")?.ok_or_else(|| anyhow!("--seq-length is required"))?;
+    if seq_length > model.max_positions {
+        bail!(
+            "--seq-length {seq_length} is above the model's {} positions (max_position_embeddings)",
+            model.max_positions
+        );
+    }
+    let micro_batch = positive(a, "micro-batch-size")?
+        .ok_or_else(|| anyhow!("--micro-batch-size is required"))?;
+    let global_batch = positive(a, "global-batch-size")?.unwrap_or(micro_batch);
+    if !global_batch.is_multiple_of(micro_batch) {
+        bail!("--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch}");
+    }
+    let size = |flag| positive(a, flag).map(|n| n.unwrap_or(1));
+    let (tp, pp, cp) = (
+        size("tensor-model-parallel-size")?,
+        size("pipeline-model-parallel-size")?,
+        size("context-parallel-size")?,
+    );
+    let layout = Layout::new(world_size(a)?, tp, pp, cp)?;
+    let data_parallel = layout.size(Axis::Dp);
+    check_tensor_parallel(a, &model, vocab_padded, tp)?;
+    let chunks = virtual_stages(a, &model, pp)?;
+    let stages = pipeline_stages(a, &model, (pp, chunks))?;
+    if !global_batch.is_multiple_of(micro_batch * data_parallel) {
+        bail!(
+            "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"
+        );
+    }
+    let virtual_pipeline = match chunks {
+        1 => None,
+        _ => Some(virtual_pipeline(
+            a,
+            (pp, chunks),
+            global_batch / micro_batch / data_parallel,
+        )?),
+    };
+    let g = global_batch as u64;
+    let train_samples = a.parse_value::<u64>("train-samples")?;
+    let train_iters = match (a.parse_value::<u64>("train-iters")?, train_samples) {
+        (Some(_), Some(_)) => bail!("--train-iters and --train-samples exclude each other"),
+        (Some(i), None) => i,
+        (None, Some(s)) => s / g,
+        (None, None) => bail!("either --train-iters or --train-samples is required"),
+    };
+    let schedule = schedule(a, train_iters, train_samples, g)?;
+    let schedule_source = match (a.has("use-checkpoint-opt-param-scheduler"), a.has("override-opt-param-scheduler")) {
+        (true, true) => bail!("--use-checkpoint-opt-param-scheduler and --override-opt-param-scheduler exclude each other"),
+        (true, false) => ScheduleSource::Checkpoint,
+        (false, true) => ScheduleSource::CommandLine,
+        (false, false) => ScheduleSource::Check,
+    };
+    let blend = Blend::parse(
+        a.list("data-path")
+            .ok_or_else(|| anyhow!("--data-path is required"))?,
+    )?;
+    let sft = sft_config(a, &blend, &tokenizer, &masks, seq_length, global_batch)?;
+    let start = match (load, input) {
+        (Some(dir), Some(input)) => {
+            let resume = hf_load.is_none() && !a.has("finetune");
+            Start::Load {
+                dir,
+                input: std::sync::Arc::new(input),
+                resume,
+                no_optim: a.has("no-load-optim"),
+            }
+        }
+        _ => Start::Scratch,
+    };
+    let save = match a.get("save") {
+        None => None,
+        Some(dir) => Some(SaveConfig {
+            dir: PathBuf::from(dir),
+            interval: positive(a, "save-interval")?.map(|n| n as u64),
+            no_optim: a.has("no-save-optim"),
+            layout: match a.get("transformer-impl").unwrap_or("local") {
+                "local" => KeyLayout::Mcore,
+                "transformer_engine" => KeyLayout::McoreTe,
+                other => bail!("--transformer-impl {other}: expected local or transformer_engine"),
+            },
+        }),
+    };
+    let eval_iters = a.parse_value::<u64>("eval-iters")?.unwrap_or(100);
+    let eval_interval = positive(a, "eval-interval")?.unwrap_or(1000) as u64;
+    let clip_grad = non_negative(a, "clip-grad")?.unwrap_or(1.0);
+    let betas = (
+        non_negative(a, "adam-beta1")?.unwrap_or(0.9),
+        non_negative(a, "adam-beta2")?.unwrap_or(0.999),
+    );
+    if betas.0 >= 1.0 || betas.1 >= 1.0 {
+        bail!("--adam-beta1/--adam-beta2 must be below 1, got {betas:?}");
+    }
+    let eps = a.parse_value::<f64>("adam-eps")?.unwrap_or(1e-8);
+    if !(eps > 0.0 && eps.is_finite()) {
+        bail!("--adam-eps must be a positive number, got {eps}");
+    }
+    let adam = AdamConfig {
+        betas,
+        eps,
+        clip_grad,
+    };
+    let recorded = recorded_args(a, &schedule, &adam, bf16)?;
+    Ok(TrainConfig {
+        model,
+        vocab_padded,
+        divisible_by,
+        start,
+        tokenizer,
+        blend,
+        split: a.get("split").unwrap_or("969, 30, 1").to_string(),
+        seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
+        surplus: non_negative(a, "mid-level-dataset-surplus")?
+            .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
+        masks,
+        seq_length,
+        micro_batch,
+        global_batch,
+        data_parallel,
+        layout,
+        stages,
+        virtual_pipeline,
+        sequence_parallel: tp > 1 && a.has("sequence-parallel"),
+        distributed_optimizer: match a.has("use-distributed-optimizer") {
+            false => None,
+            true => Some(buckets(a, data_parallel)?),
+        },
+        train_iters,
+        train_samples: train_samples.unwrap_or(train_iters * g),
+        schedule,
+        schedule_source,
+        adam,
+        averaging: if a.has("calculate-per-token-loss") {
+            LossAveraging::PerToken
+        } else {
+            LossAveraging::PerMicroBatch
+        },
+        bf16,
+        init_std: (
+            non_negative(a, "init-method-std")?.unwrap_or(0.02),
+            non_negative(a, "embedding-init-method-std")?,
+        ),
+        save,
+        eval: (eval_iters > 0).then_some((eval_interval, eval_iters)),
+        log_interval: positive(a, "log-interval")?.unwrap_or(100) as u64,
+        log_throughput: a.has("log-throughput"),
+        log_comm_stats: a.has("log-comm-stats"),
+        rank_timeout: std::time::Duration::from_secs(
+            60 * positive(a, "distributed-timeout-minutes")?.unwrap_or(10) as u64,
+        ),
+        log_norms: (a.has("log-params-norm"), a.has("log-num-zeros-in-grad")),
+        tensorboard: a
+            .get("tensorboard-dir")
+            .map(|d| {
+                Ok::<_, anyhow::Error>((
+                    PathBuf::from(d),
+                    positive(a, "tensorboard-log-interval")?.unwrap_or(1) as u64,
+                ))
+            })
+            .transpose()?,
+        tensorboard_ppl: a.has("log-validation-ppl-to-tensorboard"),
+        exit: ExitConfig {
+            interval: positive(a, "exit-interval")?.map(|n| n as u64),
+            minutes: non_negative(a, "exit-duration-in-mins")?,
+            on_signal: a.has("exit-signal-handler"),
+        },
+        skip_non_finite: !a.has("no-check-for-nan-in-loss-and-grad"),
+        recorded,
+        inert: a.inert(),
+        sft,
+        lora: lora_config(a)?,
+    })
+}

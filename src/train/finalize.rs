@@ -1,0 +1,238 @@
+//! Gradients and losses across ranks after the micro-batches (megatron/core/distributed/
+//! finalize_model_grads.py): the sequence-parallel norm and tied-embedding gradient sums, the
+//! losses gathered to every rank, and the model-wide sums behind the gradient norm, the
+//! parameter norm and the zeros counted in the gradient.
+
+use super::data;
+use super::step::PendingLoss;
+use super::trainer::Trainer;
+use crate::arch::roles::{Canon, Role};
+use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::Backend;
+use crate::tensor::DType;
+use anyhow::{anyhow, Result};
+
+impl<B: Backend> Trainer<B> {
+    /// The trained norm weights: under sequence parallelism, the parameters whose gradients
+    /// each rank takes over its rows only (Megatron's `sequence_parallel` attribute).
+    pub(super) fn trained_norms(&self) -> Vec<usize> {
+        let norm = |r| matches!(r, Role::InputNorm | Role::PostNorm | Role::FinalNorm);
+        (self.table.params.iter().enumerate())
+            .filter(|(_, p)| p.trainable && norm(p.canon.role))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Under sequence parallelism a norm weight's gradient covers this rank's rows only:
+    /// summed over the tensor-parallel ranks in one all-reduce of them all
+    /// (megatron/core/distributed/finalize_model_grads.py
+    /// `_allreduce_non_tensor_model_parallel_grads`). A row-parallel bias needs none here:
+    /// its gradient is taken over every row.
+    pub(super) fn sum_norm_grads(&mut self) -> Result<()> {
+        let Some(tp) = self.tp.as_ref().filter(|_| self.cfg.sequence_parallel) else {
+            return Ok(());
+        };
+        let norms = self.trained_norms();
+        let mut flat = Vec::new();
+        for &i in &norms {
+            flat.extend(self.b.download_f32(&self.grads[i])?);
+        }
+        let mut t = self.b.upload_f32(&[flat.len()], &flat)?;
+        tp.all_reduce(&mut t, ReduceOp::Sum)?;
+        let summed = self.b.download_f32(&t)?;
+        let mut at = 0;
+        for i in norms {
+            let n = self.table.params[i].numel();
+            let shape = self.table.params[i].shape.clone();
+            self.grads[i] = self.b.upload_f32(&shape, &summed[at..at + n])?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// The loss sums of micro-batches' losses (read from the device; the last pipeline
+    /// stage's).
+    pub(super) fn loss_sums(&self, losses: &[PendingLoss<B::Tensor>]) -> Result<data::LossSums> {
+        let mut sums = data::LossSums::default();
+        for (loss, mask) in losses {
+            let loss = loss
+                .as_ref()
+                .ok_or_else(|| anyhow!("internal: losses read off the last pipeline stage"))?;
+            let (s, n) = data::masked_sum(&self.b.download_f32(loss)?, mask);
+            sums.push(s, n);
+        }
+        Ok(sums)
+    }
+
+    /// The loss sums of every micro-batch of the global batch, known to every rank: gathered
+    /// over the last pipeline stage's data-parallel ranks, then sent from it to the other
+    /// stages (Megatron reports the loss from the last stage; here rank 0 logs it).
+    pub(super) fn everyones_losses(
+        &self,
+        losses: &[PendingLoss<B::Tensor>],
+    ) -> Result<data::LossSums> {
+        if self.pp.is_none() {
+            return self.gathered(self.loss_sums(losses)?);
+        }
+        let mut flat = vec![0f32; 2 * self.cfg.global_batch / self.cfg.micro_batch];
+        if self.stage.last() {
+            flat = self.gathered(self.loss_sums(losses)?)?.flat();
+        }
+        let mut t = self.b.upload_f32(&[flat.len()], &flat)?;
+        if let Some(pp) = &self.pp {
+            pp.broadcast(&mut t, self.stage.count - 1)?;
+        }
+        Ok(data::LossSums::interleaved(&self.b.download_f32(&t)?, 1))
+    }
+
+    /// The tied embedding's gradient summed over the first pipeline stage (its lookup's) and
+    /// the last (its copy's, as the output layer), the same sum on both so that the copies
+    /// stay equal (megatron/core/distributed/finalize_model_grads.py
+    /// `_allreduce_word_embedding_grads`, an all-reduce of the two here a send each way).
+    pub(super) fn sum_shared_embedding(&mut self) -> Result<()> {
+        let (Some(pp), false) = (&self.pp, self.stage.first() && self.stage.last()) else {
+            return Ok(());
+        };
+        let embedding = Canon {
+            role: Role::Embedding,
+            layer: None,
+        };
+        // only the first and last stage hold the embedding (or its copy)
+        let tied = self.cfg.model.tied;
+        let at = self.table.index(embedding);
+        let Some(i) = at.filter(|&i| tied && self.table.params[i].trainable) else {
+            return Ok(());
+        };
+        let (first, last) = (0, self.stage.count - 1);
+        let mut theirs = self.b.zeros(&self.table.params[i].shape, DType::F32)?;
+        if self.stage.first() {
+            pp.send(&self.grads[i], last)?;
+            pp.recv(&mut theirs, last)?;
+        } else {
+            pp.recv(&mut theirs, first)?;
+            pp.send(&self.grads[i], first)?;
+        }
+        // IEEE addition commutes: both stages get the same bits.
+        self.b.add_assign(&mut self.grads[i], &theirs)?;
+        Ok(())
+    }
+
+    /// Every data-parallel rank's loss sums, in the single rank's order of micro-batches (rank
+    /// r's j-th is the (j·DP + r)-th), so the reported loss is the single rank's.
+    fn gathered(&self, local: data::LossSums) -> Result<data::LossSums> {
+        let Some(dp) = &self.dp else {
+            return Ok(local);
+        };
+        let flat = local.flat();
+        let mine = self.b.upload_f32(&[flat.len()], &flat)?;
+        let mut all = self.b.zeros(&[flat.len() * dp.size()], DType::F32)?;
+        dp.all_gather(&mine, &mut all)?;
+        Ok(data::LossSums::interleaved(
+            &self.b.download_f32(&all)?,
+            dp.size(),
+        ))
+    }
+
+    /// `x` summed over the data-parallel ranks.
+    pub(super) fn summed(&self, x: f32) -> Result<f32> {
+        let Some(dp) = &self.dp else {
+            return Ok(x);
+        };
+        let mut t = self.b.upload_f32(&[1], &[x])?;
+        dp.all_reduce(&mut t, ReduceOp::Sum)?;
+        Ok(self.b.download_f32(&t)?[0])
+    }
+
+    /// Megatron's `count_zeros_fp32` over the trained gradients multiplied by `scale` (the clip
+    /// coefficient the step is about to apply).
+    pub(super) fn count_zeros(&self, scale: f32) -> Result<f64> {
+        let grads = match &self.sharded {
+            Some(sharded) => &sharded.grads,
+            None => &self.grads,
+        };
+        let mut n = 0;
+        for g in self.counted_of(grads) {
+            n += (self.b.download_f32(g)?.iter())
+                .filter(|&&x| x * scale == 0.0)
+                .count();
+        }
+        self.model_summed(n as f64)
+    }
+
+    /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked
+    /// for: over the trained parameters (their f32 main copies under `--bf16`), Megatron's
+    /// `count_zeros_fp32` (counted before the step) and `calc_params_l2_norm`.
+    pub(super) fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
+        let zeros = self.zeros_in_grad;
+        let params = match (self.cfg.log_norms.0, &self.sharded, self.opt.main.as_ref()) {
+            (false, _, _) => None,
+            (true, Some(sharded), _) => Some(self.model_norm(&sharded.main)?),
+            (true, None, Some(main)) => Some(self.model_norm(main)?),
+            (true, None, None) => Some(self.model_norm(&self.params)?),
+        };
+        Ok((zeros, params))
+    }
+
+    /// The trained parameters this rank counts in a model-wide sum: its shards, and the
+    /// parameters every tensor-parallel rank holds a copy of on its rank 0 only (Megatron's
+    /// `param_is_not_tensor_parallel_duplicate`), and not a pipeline's embedding copy
+    /// (`param_is_not_shared`).
+    fn counted(&self) -> Vec<usize> {
+        let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
+        (self.table.params.iter().enumerate())
+            .filter(|(_, p)| p.trainable && !p.shared && (first || p.tp_split))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// `x` summed over the model-parallel ranks (tensor-parallel, then pipeline stages), in
+    /// f32 as Megatron reduces its norms (megatron/core/optimizer/clip_grads.py
+    /// `get_grad_norm_fp32`, one all-reduce over the model-parallel group there).
+    fn mp_summed(&self, x: f64) -> Result<f64> {
+        if self.tp.is_none() && self.pp.is_none() {
+            return Ok(x);
+        }
+        let mut t = self.b.upload_f32(&[1], &[x as f32])?;
+        for group in [&self.tp, &self.pp].into_iter().flatten() {
+            group.all_reduce(&mut t, ReduceOp::Sum)?;
+        }
+        Ok(f64::from(self.b.download_f32(&t)?[0]))
+    }
+
+    /// Of `tensors` (one per entry of the table, or with the distributed optimizer one per
+    /// piece), those this rank counts in a model-wide sum: of its [`Trainer::counted`]
+    /// parameters.
+    fn counted_of<'a>(&self, tensors: &'a [B::Tensor]) -> Vec<&'a B::Tensor> {
+        let counted = self.counted();
+        match &self.sharded {
+            Some(sharded) => (sharded.pieces.iter().zip(tensors))
+                .filter(|(p, _)| counted.contains(&p.param))
+                .map(|(_, t)| t)
+                .collect(),
+            None => counted.iter().map(|&i| &tensors[i]).collect(),
+        }
+    }
+
+    /// `x`, this rank's part of a model-wide sum, summed over the ranks holding the other
+    /// parts: the model-parallel ranks, and with the distributed optimizer (each data-parallel
+    /// rank holding its pieces) the data-parallel ones first (Megatron all-reduces the
+    /// distributed optimizer's norms over every rank).
+    fn model_summed(&self, x: f64) -> Result<f64> {
+        let x = match (&self.sharded, &self.dp) {
+            (Some(_), Some(_)) => f64::from(self.summed(x as f32)?),
+            _ => x,
+        };
+        self.mp_summed(x)
+    }
+
+    /// The L2 norm of the whole model's `tensors` (gradients or parameters, as
+    /// [`Trainer::counted_of`] takes them), over the ranks holding its parts.
+    pub(super) fn model_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
+        let counted = self.counted_of(tensors);
+        let local = match counted.is_empty() {
+            true => 0.0,
+            false => self.b.sum_squares(&counted)?,
+        };
+        Ok(self.model_summed(local)?.sqrt())
+    }
+}

@@ -1,0 +1,360 @@
+//! Checkpoints of a run: the training state restored from `--load` (or `--lora-load`) and
+//! saved to `--save`, one file per model-parallel rank.
+
+use super::checkpoint;
+use super::config::{ScheduleSource, Start};
+use super::trainer::Trainer;
+use crate::ckpt::torch::pickle::Value;
+use crate::engine::comm::{Communicator, Counted, ReduceOp};
+use crate::engine::Backend;
+use crate::model::params::LoraSpec;
+use crate::tensor::host::Tensor as HostTensor;
+use anyhow::{bail, Result};
+use std::time::Instant;
+
+impl<B: Backend> Trainer<B> {
+    /// Restore iteration, samples, schedule and optimizer from `--load` (unless
+    /// `--finetune`, an HF directory, or `--no-load-optim` for the last two).
+    pub(super) fn resume(&mut self, trained: &[bool]) -> Result<()> {
+        // With LoRA the training state travels with the adapters (--lora-load).
+        let (dir, no_optim) = match (&self.cfg.start, &self.cfg.lora) {
+            (
+                Start::Load {
+                    resume: true,
+                    no_optim,
+                    ..
+                },
+                Some(l),
+            ) => match &l.load {
+                Some(dir) => (dir.clone(), *no_optim),
+                None => return Ok(()),
+            },
+            (
+                Start::Load {
+                    dir,
+                    resume: true,
+                    no_optim,
+                    ..
+                },
+                None,
+            ) => (dir.clone(), *no_optim),
+            _ => return Ok(()),
+        };
+        let at = (self.tp(), self.stage.rank());
+        // the distributed optimizer's state is in its own file
+        let state = match no_optim {
+            true => checkpoint::load_progress(&dir)?,
+            false => {
+                let weights_only = self.sharded.is_some();
+                checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?
+            }
+        };
+        self.iteration = state.iteration;
+        self.consumed_train = state.consumed_train;
+        self.consumed_valid = state.consumed_valid;
+        self.flops = state.flops;
+        if no_optim {
+            return Ok(());
+        }
+        if let Some(sched) = &state.scheduler {
+            self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
+            self.apply_checkpoint_schedule(sched)?;
+        }
+        if let Some(sharded) = self.sharded.as_mut() {
+            let buffers = sharded.layout.buffer_numel_unpadded();
+            let (world, steps) = checkpoint::load_distributed(&dir, at, &buffers)?;
+            let [main, m, v] = &world;
+            sharded.load(&self.b, [main, m, v], steps)?;
+            return Ok(());
+        }
+        let Some(opt) = state.optimizer else {
+            return Ok(());
+        };
+        let b = &self.b;
+        for (i, (m, v)) in opt.exp_avg.into_iter().zip(opt.exp_avg_sq).enumerate() {
+            if let (Some(m), Some(v)) = (m, v) {
+                self.opt.exp_avg[i] = b.upload(&m)?;
+                self.opt.exp_avg_sq[i] = b.upload(&v)?;
+            }
+        }
+        if let (Some(main), Some(saved)) = (self.opt.main.as_mut(), opt.main) {
+            for (slot, t) in main.iter_mut().zip(saved) {
+                if let Some(t) = t {
+                    *slot = b.upload(&t)?;
+                }
+            }
+        }
+        self.opt.steps = opt.steps;
+        Ok(())
+    }
+
+    /// Megatron's `OptimizerParamScheduler.load_state_dict`: the checkpoint's settings must
+    /// equal the command line's unless told which to use.
+    fn apply_checkpoint_schedule(&mut self, sched: &serde_json::Value) -> Result<()> {
+        let s = &mut self.cfg.schedule;
+        let num = |k: &str| sched.get(k).and_then(|v| v.as_f64());
+        let checks: [(&str, &str, f64, Option<f64>); 4] = [
+            ("max_lr", "--lr", s.max_lr, num("max_lr")),
+            ("min_lr", "--min-lr", s.min_lr, num("min_lr")),
+            (
+                "lr_warmup_steps",
+                "warmup",
+                s.warmup_steps,
+                num("lr_warmup_steps"),
+            ),
+            (
+                "lr_decay_steps",
+                "decay length",
+                s.decay_steps as f64,
+                num("lr_decay_steps"),
+            ),
+        ];
+        for (key, what, ours, theirs) in checks {
+            let Some(theirs) = theirs else { continue };
+            match self.cfg.schedule_source {
+                ScheduleSource::CommandLine => {}
+                ScheduleSource::Checkpoint => match key {
+                    "max_lr" => s.max_lr = theirs,
+                    "min_lr" => s.min_lr = theirs,
+                    "lr_warmup_steps" => s.warmup_steps = theirs,
+                    _ => s.decay_steps = theirs as u64,
+                },
+                ScheduleSource::Check if ours != theirs => bail!(
+                    "the checkpoint's schedule has {key} {theirs}, the command line {what} gives \
+                     {ours}: pass --override-opt-param-scheduler to use the command line's or \
+                     --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+                ),
+                ScheduleSource::Check => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The host copy of everything a checkpoint holds.
+    fn snapshot(&self, gathered: Option<[Vec<f32>; 3]>) -> Result<checkpoint::Snapshot<'_>> {
+        let b = &self.b;
+        let params = self
+            .params
+            .iter()
+            .map(|p| b.download(p))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let save = self.cfg.save.as_ref();
+        let hyper = checkpoint::GroupHyper {
+            lr: self.cfg.schedule.lr(self.schedule_steps),
+            max_lr: self.cfg.schedule.max_lr,
+            min_lr: self.cfg.schedule.min_lr,
+            weight_decay: self.cfg.schedule.wd(self.schedule_steps),
+            betas: self.cfg.adam.betas,
+            eps: self.cfg.adam.eps,
+        };
+        let distributed = match (gathered, &self.sharded) {
+            (Some(world), Some(sharded)) => Some(checkpoint::DistributedState {
+                world,
+                buffers: sharded.layout.buffer_numel_unpadded(),
+                param_dtype: self.cfg.model.dtype,
+                steps: sharded.opt.steps,
+                hyper,
+            }),
+            _ => None,
+        };
+        let optimizer = match save {
+            Some(s) if !s.no_optim && self.sharded.is_none() => {
+                let trained = |i: usize| self.table.params[i].trainable;
+                let host = |ts: &[B::Tensor]| -> Result<Vec<Option<HostTensor>>> {
+                    (ts.iter().enumerate())
+                        .map(|(i, t)| Ok(trained(i).then(|| b.download(t)).transpose()?))
+                        .collect()
+                };
+                Some(checkpoint::OptimizerState {
+                    steps: self.opt.steps,
+                    exp_avg: host(&self.opt.exp_avg)?,
+                    exp_avg_sq: host(&self.opt.exp_avg_sq)?,
+                    main: self.opt.main.as_deref().map(host).transpose()?,
+                    hyper,
+                })
+            }
+            _ => None,
+        };
+        let c = &self.cfg;
+        let int = |v: u64| Value::Int(v as i64);
+        let recorded = c.recorded.iter();
+        let mut args: Vec<_> = recorded
+            .map(|(k, v)| (k.to_string(), checkpoint::json_value(v)))
+            .collect();
+        args.extend([
+            ("iteration".to_string(), int(self.iteration)),
+            ("train_iters".into(), int(c.train_iters)),
+            ("consumed_train_samples".into(), int(self.consumed_train)),
+            ("consumed_valid_samples".into(), int(self.consumed_valid)),
+            ("skipped_train_samples".into(), int(0)),
+            ("seq_length".into(), int(c.seq_length as u64)),
+            ("micro_batch_size".into(), int(c.micro_batch as u64)),
+            ("global_batch_size".into(), int(c.global_batch as u64)),
+            ("seed".into(), int(u64::from(c.seed))),
+            ("lr".into(), Value::Float(c.schedule.max_lr)),
+            ("min_lr".into(), Value::Float(c.schedule.min_lr)),
+            (
+                "lr_decay_style".into(),
+                Value::Str(c.schedule.decay_style.name().into()),
+            ),
+        ]);
+        let filter = c.lora.as_ref().is_some_and(|l| l.ckpt_filter);
+        let mut extra = Vec::new();
+        if let Some(l) = &c.lora {
+            args.extend(lora_args(&l.spec));
+            for (p, t) in self.table.params.iter().zip(&params) {
+                if p.lora.is_some() {
+                    extra.push((p.chunk, p.name.clone(), t.clone()));
+                }
+            }
+        }
+        Ok(checkpoint::Snapshot {
+            cfg: &c.model,
+            table: &self.table,
+            saved: self
+                .table
+                .params
+                .iter()
+                .map(|p| p.lora.is_none() && !filter)
+                .collect(),
+            params,
+            layout: save.map_or(crate::ckpt::layout::KeyLayout::Mcore, |s| s.layout),
+            divisible_by: c.divisible_by,
+            iteration: self.iteration,
+            args,
+            optimizer,
+            distributed,
+            scheduler: save
+                .filter(|s| !s.no_optim)
+                .map(|_| c.schedule.state_dict(self.schedule_steps)),
+            flops: self.flops,
+            extra,
+            tp: self.tp(),
+            stage: &self.stage,
+            stages: &c.stages,
+        })
+    }
+
+    /// Save a checkpoint: the ranks of data-parallel rank 0 write one file each, the
+    /// tracker last (by rank 0, once every file is complete).
+    pub(super) fn save(&self, bar: &indicatif::ProgressBar) -> Result<Option<std::path::PathBuf>> {
+        let start = Instant::now();
+        // The distributed optimizer's state goes to data-parallel rank 0 first: every
+        // data-parallel rank sends its pieces.
+        let gathered = match (&self.sharded, &self.cfg.save) {
+            (Some(sharded), Some(save)) if !save.no_optim => {
+                let dp = self.dp.as_ref().map(Counted::uncounted);
+                sharded.gathered_state(&self.b, dp)?
+            }
+            _ => None,
+        };
+        let writes = self.dp.as_ref().is_none_or(|g| g.rank() == 0);
+        let Some(save) = self.cfg.save.as_ref().filter(|_| writes) else {
+            return Ok(None);
+        };
+        let snap = self.snapshot(gathered)?;
+        // Over the model-parallel ranks: the pipeline stages, then each stage's TP group.
+        let groups: Vec<_> = [&self.pp, &self.tp]
+            .into_iter()
+            .flatten()
+            .map(Counted::uncounted)
+            .collect();
+        let path = match groups.is_empty() {
+            true => checkpoint::save(&save.dir, &snap)?,
+            false => self.save_shards(&groups, &save.dir, &snap)?,
+        };
+        let ((t, tps), (p, pps)) = (self.tp(), self.stage.rank());
+        self.say(
+            bar,
+            &format!(
+                "  successfully saved checkpoint from iteration {:>7} to {} [ t {}/{tps}, p {}/{pps} ] ({:.1} s)",
+                self.iteration,
+                save.dir.display(),
+                t + 1,
+                p + 1,
+                start.elapsed().as_secs_f64()
+            ),
+        );
+        Ok(Some(path))
+    }
+
+    /// Every model-parallel rank's file into one temporary iteration directory that its rank 0
+    /// makes (its name sent down `groups`, each from its rank 0: the pipeline, then the
+    /// tensor-parallel group) and renames into place once all are written; a rank that fails
+    /// makes the save fail on all, leaving no directory behind.
+    fn save_shards(
+        &self,
+        groups: &[&dyn Communicator<Tensor = B::Tensor>],
+        dir: &std::path::Path,
+        snap: &checkpoint::Snapshot,
+    ) -> Result<std::path::PathBuf> {
+        const NAME: usize = 256;
+        let b = &self.b;
+        let temp = match groups.iter().all(|g| g.rank() == 0) {
+            true => Some(checkpoint::begin(dir, snap.iteration)),
+            false => None,
+        };
+        // [length or −1 on failure, the name's bytes…]
+        let mut message = vec![0f32; NAME + 1];
+        let name = temp.as_ref().map(|t| match t {
+            Ok(t) => t.path().file_name().map(|n| n.as_encoded_bytes().to_vec()),
+            Err(_) => None,
+        });
+        match name.flatten().filter(|n| n.len() <= NAME) {
+            Some(n) => {
+                message[0] = n.len() as f32;
+                for (slot, &byte) in message[1..].iter_mut().zip(&n) {
+                    *slot = f32::from(byte);
+                }
+            }
+            None => message[0] = -1.0,
+        }
+        let mut t = b.upload_f32(&[NAME + 1], &message)?;
+        for g in groups {
+            g.broadcast(&mut t, 0)?;
+        }
+        let message = b.download_f32(&t)?;
+        let temp = temp.transpose()?;
+        if message[0] < 0.0 {
+            bail!(
+                "model-parallel rank 0 could not start the checkpoint in {}",
+                dir.display()
+            );
+        }
+        let name: Vec<u8> = (message[1..=message[0] as usize].iter())
+            .map(|&x| x as u8)
+            .collect();
+        let into = dir.join(String::from_utf8_lossy(&name).as_ref());
+        let written = checkpoint::write_rank(&into, snap);
+        let mut failed = b.upload_f32(&[1], &[f32::from(u8::from(written.is_err()))])?;
+        for g in groups.iter().rev() {
+            g.all_reduce(&mut failed, ReduceOp::Max)?;
+        }
+        written?;
+        if b.download_f32(&failed)?[0] > 0.0 {
+            bail!("another model-parallel rank failed to write its part of the checkpoint");
+        }
+        match temp {
+            Some(temp) => checkpoint::finish(dir, temp, snap),
+            None => Ok(dir
+                .join(checkpoint::iteration_dir(snap.iteration))
+                .join(checkpoint::rank_dir_of(snap.tp.0, snap.stage))
+                .join(crate::ckpt::megatron::RANK_FILE)),
+        }
+    }
+}
+
+/// What MindSpeed-LLM records of LoRA in `args` (read back by `mindkit lora merge`).
+fn lora_args(l: &LoraSpec) -> Vec<(String, Value)> {
+    let modules = l
+        .targets
+        .iter()
+        .filter_map(|&r| LoraSpec::module(r))
+        .map(|m| Value::Str(m.into()))
+        .collect();
+    vec![
+        ("lora_r".into(), Value::Int(l.r as i64)),
+        ("lora_alpha".into(), Value::Float(l.alpha)),
+        ("lora_target_modules".into(), Value::List(modules)),
+    ]
+}

@@ -1,0 +1,236 @@
+//! One step's micro-batches through this rank's pipeline stage: forward and backward passes
+//! of its model chunks in the schedule's order ([`pipeline`]), and the point-to-point
+//! exchanges between stages.
+
+use super::config::TrainConfig;
+use super::data;
+use super::pipeline;
+use super::trainer::{Chunk, Trainer};
+use crate::engine::comm::{Communicator, Counted};
+use crate::engine::Backend;
+use crate::model::decoder::{backward, forward, MicroBatch, Saved};
+use crate::model::parallel::TensorParallel;
+use anyhow::{anyhow, Result};
+
+/// What came from the previous and from the next pipeline stage.
+type Neighbours<T> = (Option<T>, Option<T>);
+
+/// A micro-batch's per-token losses, still on the device (on the last pipeline stage), and
+/// its loss mask.
+pub(super) type PendingLoss<T> = (Option<T>, Vec<f32>);
+
+impl<B: Backend> Trainer<B> {
+    /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
+    /// returns each micro-batch's loss mask with, on the last pipeline stage, its losses (on
+    /// the device), and the rows processed. Over pipeline stages the passes run in
+    /// Megatron's order ([`pipeline`]: 1F1B, or interleaved over model chunks); each chunk's
+    /// gradients add in micro-batch order, as on one stage.
+    pub(super) fn step_batches(
+        &mut self,
+        split: &data::Source,
+        from: u64,
+        train: bool,
+    ) -> Result<(Vec<PendingLoss<B::Tensor>>, u64)> {
+        let c = &self.cfg;
+        let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
+        // Megatron's sampler: rank r's j-th micro-batch is the (j·DP + r)-th of the global
+        // batch; every micro-batch weighs 1/K of the whole batch (the gradients are summed
+        // over the ranks).
+        let (dp, dp_rank) = self.dp.as_ref().map_or((1, 0), |g| (g.size(), g.rank()));
+        let mut batches = Vec::with_capacity(k / dp);
+        for j in 0..k / dp {
+            let at = from + ((j * dp + dp_rank) * m) as u64;
+            batches.push(split.micro_batch(at, m, k, c.averaging)?);
+        }
+        let tokens = batches.iter().map(|p| p.batch.tokens.len() as u64).sum();
+        let pipe = self.pipeline(batches.len());
+        let mut losses: Vec<PendingLoss<B::Tensor>> =
+            batches.iter().map(|p| (None, p.mask.clone())).collect();
+        let mut inputs = std::collections::HashMap::new();
+        let mut out_grads = std::collections::HashMap::new();
+        let mut outputs = std::collections::HashMap::new();
+        let mut saved = std::collections::HashMap::new();
+        let mut in_grads = std::collections::HashMap::new();
+        let missing = |what: &str, slot: pipeline::Slot| {
+            anyhow!(
+                "internal: pipeline schedule: no {what} for chunk {} micro-batch {}",
+                slot.0,
+                slot.1
+            )
+        };
+        for op in pipe.ops(train) {
+            match op {
+                pipeline::Op::Forward(slot) => {
+                    let batch = &batches[slot.1].batch;
+                    let (out, fwd) = self.forward_pass(slot.0, batch, inputs.remove(&slot))?;
+                    match pipe.model_last(slot.0) {
+                        true => losses[slot.1].0 = Some(out),
+                        false => _ = outputs.insert(slot, out),
+                    }
+                    if train {
+                        saved.insert(slot, fwd);
+                    }
+                }
+                pipeline::Op::Backward(slot) => {
+                    let fwd = saved
+                        .remove(&slot)
+                        .ok_or_else(|| missing("forward pass", slot))?;
+                    let batch = &batches[slot.1].batch;
+                    let grad = out_grads.remove(&slot);
+                    if let Some(d) = self.backward_pass(slot.0, batch, fwd, grad)? {
+                        in_grads.insert(slot, d);
+                    }
+                }
+                pipeline::Op::Exchange(x) => {
+                    let to_next = match x.send_next {
+                        Some(slot) => {
+                            Some(outputs.get(&slot).ok_or_else(|| missing("output", slot))?)
+                        }
+                        None => None,
+                    };
+                    let to_prev = match x.send_prev {
+                        Some(slot) => Some(
+                            in_grads
+                                .get(&slot)
+                                .ok_or_else(|| missing("input gradient", slot))?,
+                        ),
+                        None => None,
+                    };
+                    let rows = |slot: pipeline::Slot| batches[slot.1].batch.tokens.len();
+                    let (from_prev, from_next) = self.p2p(&x, (to_next, to_prev), rows)?;
+                    if let (Some(slot), Some(t)) = (x.recv_prev, from_prev) {
+                        inputs.insert(slot, t);
+                    }
+                    if let (Some(slot), Some(t)) = (x.recv_next, from_next) {
+                        out_grads.insert(slot, t);
+                    }
+                    if let Some(slot) = x.send_prev {
+                        in_grads.remove(&slot);
+                    }
+                    if let Some(slot) = x.send_next {
+                        outputs.remove(&slot);
+                    }
+                }
+            }
+        }
+        Ok((losses, tokens))
+    }
+
+    /// This rank's stage of the pipeline over `micro` micro-batches.
+    fn pipeline(&self, micro: usize) -> pipeline::Pipeline {
+        let v = self.cfg.virtual_pipeline;
+        pipeline::Pipeline {
+            stages: self.stage.count,
+            chunks: self.chunks.len(),
+            micro,
+            group: v.map_or(self.stage.count, |v| v.group),
+            stage: self.stage.index,
+        }
+    }
+
+    /// One micro-batch forward through model chunk `chunk` of this rank's stage.
+    fn forward_pass(
+        &self,
+        chunk: usize,
+        batch: &MicroBatch,
+        input: Option<B::Tensor>,
+    ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
+        let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let Chunk { ids, params } = &self.chunks[chunk];
+        Ok(forward(
+            &self.b,
+            &self.spec,
+            (ids, &self.params[params.clone()]),
+            (batch, input),
+            self.activations(),
+            tp.as_ref(),
+        )?)
+    }
+
+    /// One micro-batch backward through model chunk `chunk`: the gradient of its input on
+    /// all but the model's first chunk.
+    fn backward_pass(
+        &mut self,
+        chunk: usize,
+        batch: &MicroBatch,
+        saved: Saved<B::Tensor>,
+        grad: Option<B::Tensor>,
+    ) -> Result<Option<B::Tensor>> {
+        let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let Chunk { ids, params } = &self.chunks[chunk];
+        Ok(backward(
+            &self.b,
+            &self.spec,
+            (
+                ids,
+                &self.params[params.clone()],
+                &mut self.grads[params.clone()],
+            ),
+            (batch, grad),
+            saved,
+            tp.as_ref(),
+        )?)
+    }
+
+    /// Megatron's point-to-point step between pipeline stages
+    /// (megatron/core/pipeline_parallel/p2p_communication.py `_p2p_ops`): the sends (`to_next`,
+    /// `to_prev`) and receives of `x`, an even stage sending first and an odd one receiving
+    /// first, so that each send meets its receive even where a send waits for it. The stages
+    /// form a ring (the last one's next is the first, for the interleaved schedule's chunks);
+    /// a received tensor has `rows(slot)` rows of the micro-batch it serves (over the
+    /// tensor-parallel ranks under sequence parallelism). Returns what came from the previous
+    /// and the next stage.
+    fn p2p(
+        &self,
+        x: &pipeline::Exchange,
+        (to_next, to_prev): (Option<&B::Tensor>, Option<&B::Tensor>),
+        rows: impl Fn(pipeline::Slot) -> usize,
+    ) -> Result<Neighbours<B::Tensor>> {
+        let Some(pp) = &self.pp else {
+            return Ok((None, None));
+        };
+        let (me, count) = (self.stage.index, self.stage.count);
+        let (next, prev) = ((me + 1) % count, (me + count - 1) % count);
+        let sp = match self.cfg.sequence_parallel {
+            true => self.tp().1,
+            false => 1,
+        };
+        let recv = |slot: pipeline::Slot, from| -> Result<B::Tensor> {
+            let shape = [rows(slot) / sp, self.cfg.model.hidden];
+            let mut x = self.b.zeros(&shape, self.activations())?;
+            pp.recv(&mut x, from)?;
+            Ok(x)
+        };
+        let (mut from_prev, mut from_next) = (None, None);
+        let ops: [u8; 4] = if me % 2 == 0 {
+            [0, 1, 2, 3]
+        } else {
+            [1, 0, 3, 2]
+        };
+        for op in ops {
+            match op {
+                0 => to_next.map(|t| pp.send(t, next)).transpose().map(drop)?,
+                1 => from_prev = x.recv_prev.map(|s| recv(s, prev)).transpose()?,
+                2 => to_prev.map(|t| pp.send(t, prev)).transpose().map(drop)?,
+                _ => from_next = x.recv_next.map(|s| recv(s, next)).transpose()?,
+            }
+        }
+        Ok((from_prev, from_next))
+    }
+}
+
+/// A rank's place in tensor parallelism over `group`.
+fn tensor_parallel<'a, T: crate::engine::comm::Payload>(
+    group: Option<&'a Counted<T>>,
+    cfg: &TrainConfig,
+) -> Option<TensorParallel<'a, T>> {
+    group.map(|group| {
+        let rows = cfg.vocab_padded / group.size();
+        let first = group.rank() * rows;
+        TensorParallel {
+            group: group as &dyn Communicator<Tensor = T>,
+            vocab: first..first + rows,
+            sequence_parallel: cfg.sequence_parallel,
+        }
+    })
+}

@@ -1,0 +1,623 @@
+//! The training state of one rank and Megatron's loop over it (megatron/training/training.py
+//! `train`, `train_step`): set-up, the iterations, optimizer steps, logging, validation, saving
+//! and the exit conditions.
+
+use super::config::TrainConfig;
+use super::init::initial_params;
+use super::launch::Groups;
+use super::optim::{self, Optimizer};
+use super::parallel::{Axis, Stage};
+use super::report::{chrono_now, flops_model};
+use super::{checkpoint, data, distrib, log, tensorboard, TrainSummary};
+use crate::arch::roles::Role;
+use crate::engine::comm::{Communicator, Counted, ReduceOp};
+use crate::engine::Backend;
+use crate::model::decoder::Ids;
+use crate::model::params::{LoraSpec, ParamTable};
+use crate::model::ModelSpec;
+use crate::tensor::DType;
+use crate::util::{progress_bar, ProgressUnit};
+use anyhow::{anyhow, bail, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One model chunk of a rank's pipeline stage: its parameters' ids, numbered within it, and
+/// where its parameters sit among the rank's.
+pub(super) struct Chunk {
+    pub(super) ids: Ids,
+    pub(super) params: std::ops::Range<usize>,
+}
+
+/// Running sums of one log interval (`training_log`'s `total_loss_dict`).
+#[derive(Default)]
+struct Interval {
+    loss_sum: f32,
+    advanced: u64,
+    skipped: u64,
+    nan: u64,
+    tokens: u64,
+    start: Option<Instant>,
+}
+
+/// The training state.
+pub(super) struct Trainer<B: Backend> {
+    pub(super) b: B,
+    pub(super) cfg: TrainConfig,
+    pub(super) spec: ModelSpec,
+    pub(super) table: ParamTable,
+    /// The model chunks of this rank's stage (one without a virtual pipeline).
+    pub(super) chunks: Vec<Chunk>,
+    pub(super) params: Vec<B::Tensor>,
+    pub(super) grads: Vec<B::Tensor>,
+    /// Whether `grads` hold zeros (fresh, or left so by the optimizer's step).
+    pub(super) grads_zeroed: bool,
+    /// `--log-num-zeros-in-grad`: the step just taken's count, when it is reported.
+    pub(super) zeros_in_grad: Option<f64>,
+    pub(super) opt: Optimizer<B::Tensor>,
+    pub(super) iteration: u64,
+    pub(super) consumed_train: u64,
+    pub(super) consumed_valid: u64,
+    /// Samples the schedule has counted (successful steps × G).
+    pub(super) schedule_steps: u64,
+    pub(super) flops: f64,
+    pub(super) quiet: bool,
+    pub(super) stop: Option<Arc<AtomicBool>>,
+    pub(super) tensorboard: Option<tensorboard::TensorBoard>,
+    /// Elements of the whole model (every rank's shards).
+    pub(super) model_numel: usize,
+    /// The tensor-parallel group (None: one rank), its collectives counted.
+    pub(super) tp: Option<Counted<B::Tensor>>,
+    /// The data-parallel group (None: one rank), its collectives counted.
+    pub(super) dp: Option<Counted<B::Tensor>>,
+    /// The pipeline-parallel group (None: one stage), its collectives counted.
+    pub(super) pp: Option<Counted<B::Tensor>>,
+    /// The distributed optimizer's state (`--use-distributed-optimizer`; `opt` then holds
+    /// none).
+    pub(super) sharded: Option<distrib::Sharded<B::Tensor>>,
+    /// This rank's pipeline stage.
+    pub(super) stage: Stage,
+    /// The global rank (0 alone): rank 0 logs; the ranks of data-parallel rank 0 save.
+    pub(super) rank: usize,
+}
+
+impl<B: Backend> Trainer<B> {
+    pub(super) fn new(
+        b: B,
+        cfg: TrainConfig,
+        quiet: bool,
+        groups: Groups<B::Tensor>,
+    ) -> Result<Self> {
+        let tp = (
+            groups.tp.as_ref().map_or(0, |g| g.rank()),
+            cfg.layout.size(Axis::Tp),
+        );
+        let spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
+        let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
+        let rank = groups.rank;
+        if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
+            checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
+        }
+        let lora = cfg.lora.as_ref().map(|l| &l.spec);
+        let mut table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
+        if cfg.init_std.1.is_some() {
+            // training.py passes default_skip_embedding_weight_decay when
+            // --embedding-init-method-std is given: no decay on parameters named "embedding".
+            for p in table
+                .params
+                .iter_mut()
+                .filter(|p| p.name.contains("embedding"))
+            {
+                p.decay = false;
+            }
+        }
+        let model_numel = table.numel();
+        let tables = (table.tensor_parallel(&cfg.model, tp.1))
+            .pipeline_chunks(&stage.chunks, (stage.first(), stage.last()));
+        let mine = ParamTable::concat(&tables);
+        let mut host = initial_params(&cfg, (&table, &mine), tp)?;
+        let table = mine;
+        let lora_scale = lora.map_or(1.0, LoraSpec::scale);
+        let mut start = 0;
+        let mut chunks = Vec::with_capacity(tables.len());
+        for (t, layers) in tables.iter().zip(&stage.chunks) {
+            let ids = Ids::new(t, layers.clone(), lora_scale)
+                .ok_or_else(|| anyhow!("internal: parameter table incomplete"))?;
+            let params = start..start + t.params.len();
+            start = params.end;
+            chunks.push(Chunk { ids, params });
+        }
+        if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
+            let at = (tp, stage.rank());
+            checkpoint::load_named(dir, (&table, at), |p| p.lora.is_some(), &mut host)?;
+        }
+        let params: Vec<B::Tensor> = host
+            .iter()
+            .map(|t| b.upload(t))
+            .collect::<std::result::Result<_, _>>()?;
+        // Frozen parameters (LoRA's base) get no gradient buffer.
+        let grads = table
+            .params
+            .iter()
+            .map(|p| b.zeros(if p.trainable { &p.shape } else { &[0] }, DType::F32))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
+        // With the distributed optimizer the Adam state is the rank's pieces' only.
+        let sharded = match cfg.distributed_optimizer {
+            Some(buckets) => {
+                let dp = groups.dp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+                // a pipeline's tied embedding (and its copy) has a bucket of its own
+                let shared = cfg.model.tied && stage.count > 1;
+                let own_bucket = |i: usize| shared && table.params[i].canon.role == Role::Embedding;
+                let table_params = (&table, &params[..]);
+                // distributed_data_parallel.py: no buckets after the first pipeline stage
+                let size = buckets.size.filter(|_| stage.first());
+                let size = size.map(|s| s.elements(table.numel()));
+                let at = (size, buckets.pad_high, own_bucket);
+                Some(distrib::Sharded::new(&b, table_params, dp, at, cfg.adam)?)
+            }
+            None => None,
+        };
+        let whole_state = match sharded {
+            Some(_) => vec![false; trained.len()],
+            None => trained.clone(),
+        };
+        let opt = Optimizer::new(&b, &table, &params, whole_state, cfg.adam)?;
+        let stop = if cfg.exit.on_signal {
+            Some(crate::util::defer_signals()?)
+        } else {
+            None
+        };
+        let tensorboard = cfg
+            .tensorboard
+            .as_ref()
+            .filter(|_| rank == 0)
+            .map(|(dir, _)| tensorboard::TensorBoard::create(dir))
+            .transpose()?;
+        let mut t = Trainer {
+            b,
+            spec,
+            table,
+            chunks,
+            params,
+            grads,
+            grads_zeroed: true,
+            zeros_in_grad: None,
+            opt,
+            sharded,
+            iteration: 0,
+            consumed_train: 0,
+            consumed_valid: 0,
+            schedule_steps: 0,
+            flops: 0.0,
+            quiet,
+            stop,
+            tensorboard,
+            model_numel,
+            tp: groups.tp.map(Counted::new),
+            dp: groups.dp.map(Counted::new),
+            pp: groups.pp.map(Counted::new),
+            stage,
+            rank,
+            cfg,
+        };
+        t.resume(&trained)?;
+        Ok(t)
+    }
+
+    /// One training iteration: returns (loss, grad norm, applied, tokens).
+    fn train_step(&mut self, train: &data::Source) -> Result<(f32, f64, bool, u64)> {
+        if !self.grads_zeroed {
+            for g in &mut self.grads {
+                *g = self.b.zeros(self.b.shape(g), DType::F32)?;
+            }
+        }
+        self.grads_zeroed = false;
+        let (losses, mut tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let mut n: f32 = losses
+            .iter()
+            .map(|(_, mask)| mask.iter().sum::<f32>())
+            .sum();
+        // Data parallel: gradients summed over the ranks; the losses of every rank's
+        // micro-batches known to each (finalize_model_grads' all-reduces), and over pipeline
+        // stages to every stage.
+        let mut everyone = None;
+        self.sum_norm_grads()?;
+        self.sum_shared_embedding()?;
+        let dp = self
+            .dp
+            .as_ref()
+            .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
+        match (self.sharded.as_mut(), dp) {
+            (Some(sharded), dp) => sharded.reduce_scatter(&self.b, &self.grads, dp)?,
+            (None, Some(dp)) => {
+                for g in &mut self.grads {
+                    dp.all_reduce(g, ReduceOp::Sum)?;
+                }
+            }
+            (None, None) => {}
+        }
+        if self.dp.is_some() {
+            tokens = self.summed(tokens as f32)? as u64;
+        }
+        if self.dp.is_some() || self.pp.is_some() {
+            let sums = self.everyones_losses(&losses)?;
+            n = sums.tokens();
+            everyone = Some(sums);
+        }
+        if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
+            let scale = 1.0 / n;
+            let grads = match self.sharded.as_mut() {
+                Some(sharded) => &mut sharded.grads,
+                None => &mut self.grads,
+            };
+            for g in grads {
+                self.b.scale(g, scale)?;
+            }
+        }
+        // The gradient norm waits for the device; the losses are read after it without
+        // another wait, and the update is queued after both are known.
+        let grad_norm = match &self.sharded {
+            Some(sharded) => self.model_norm(&sharded.grads)?,
+            None => self.model_norm(&self.grads)?,
+        };
+        let sums = match everyone {
+            Some(sums) => sums,
+            None => self.loss_sums(&losses)?,
+        };
+        let loss = sums.report(self.token_weighted());
+        let lr = self.cfg.schedule.lr(self.schedule_steps);
+        let wd = self.cfg.schedule.wd(self.schedule_steps);
+        let skip = self.cfg.skip_non_finite;
+        let applies = !skip || (loss.is_finite() && grad_norm.is_finite());
+        // Counted after clipping, as Megatron counts them, before the step zeroes them.
+        self.zeros_in_grad = match self.cfg.log_norms.1 && self.reports(self.iteration + 1) {
+            true if applies => Some(self.count_zeros(self.cfg.adam.clip_scale(grad_norm))?),
+            true => Some(self.count_zeros(1.0)?),
+            false => None,
+        };
+        let report = if loss.is_finite() || !skip {
+            self.apply(grad_norm, (lr, wd))?
+        } else {
+            optim::StepReport {
+                grad_norm: f64::NAN,
+                applied: false,
+            }
+        };
+        if report.applied {
+            self.schedule_steps += self.cfg.global_batch as u64;
+        }
+        // The distributed optimizer's step zeroes its own pieces, not these.
+        self.grads_zeroed = report.applied && self.sharded.is_none();
+        self.consumed_train += self.cfg.global_batch as u64;
+        Ok((loss, report.grad_norm, report.applied, tokens))
+    }
+
+    /// One optimizer step with the gradient norm `grad_norm` at `(lr, wd)`: over the whole
+    /// model, or over this rank's pieces, whose parameters every rank then gathers.
+    fn apply(&mut self, grad_norm: f64, (lr, wd): (f64, f64)) -> Result<optim::StepReport> {
+        let skip = self.cfg.skip_non_finite;
+        let Some(sharded) = self.sharded.as_mut() else {
+            let (params, grads) = (&mut self.params, &mut self.grads);
+            return Ok(self
+                .opt
+                .apply(&self.b, params, grads, grad_norm, (lr, wd), skip)?);
+        };
+        let (main, grads) = (&mut sharded.main, &mut sharded.grads);
+        let report = sharded
+            .opt
+            .apply(&self.b, main, grads, grad_norm, (lr, wd), skip)?;
+        if report.applied {
+            let dp = self
+                .dp
+                .as_ref()
+                .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
+            sharded.gather_params(&self.b, &mut self.params, self.cfg.model.dtype, dp)?;
+        }
+        Ok(report)
+    }
+
+    /// The lm loss over `iters` global batches of `split` from sample `start`, reduced over all
+    /// their micro-batches as the training loss is.
+    fn evaluate(
+        &mut self,
+        split: &data::Source,
+        name: &str,
+        start: u64,
+        iters: u64,
+    ) -> Result<f64> {
+        let g = self.cfg.global_batch as u64;
+        if start + iters * g > split.len() as u64 {
+            bail!(
+                "the {name} split has {} samples, fewer than the evaluations ask for",
+                split.len()
+            );
+        }
+        let mut all = data::LossSums::default();
+        for i in 0..iters {
+            let (losses, _) = self.step_batches(split, start + i * g, false)?;
+            all.extend(self.everyones_losses(&losses)?);
+        }
+        Ok(f64::from(all.report(self.token_weighted())))
+    }
+
+    /// Validation over `eval_iters` global batches from where the last one stopped.
+    fn validate(&mut self, valid: &data::Source, iters: u64) -> Result<f64> {
+        let loss = self.evaluate(valid, "validation", self.consumed_valid, iters)?;
+        self.consumed_valid += iters * self.cfg.global_batch as u64;
+        Ok(loss)
+    }
+
+    /// Print (above the progress bar) one line; rank 0 speaks for all.
+    pub(super) fn say(&self, bar: &indicatif::ProgressBar, line: &str) {
+        if self.rank != 0 {
+            return;
+        }
+        if bar.is_hidden() {
+            println!("{line}");
+        } else {
+            bar.println(line);
+        }
+    }
+
+    /// This rank's tensor-parallel rank and the group's size.
+    pub(super) fn tp(&self) -> (usize, usize) {
+        self.tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
+    }
+
+    pub(super) fn activations(&self) -> DType {
+        if self.cfg.bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    pub(super) fn train(mut self) -> Result<TrainSummary> {
+        self.check_vocab()?;
+        let splits = self.datasets()?;
+        let [Some(train), valid, test] = splits else {
+            bail!("--split {:?} gives the train split no data", self.cfg.split);
+        };
+        let c_iters = self.cfg.train_iters;
+        if self.consumed_train
+            + (c_iters - self.iteration.min(c_iters)) * self.cfg.global_batch as u64
+            > train.len() as u64
+        {
+            bail!("internal: the train split holds fewer samples than the run consumes");
+        }
+        let params = self.model_numel;
+        if !self.quiet {
+            eprintln!(
+                "mindkit train: {} parameters, {} layers, hidden {}, vocabulary {} (padded {}), {} on {}",
+                params,
+                self.cfg.model.layers,
+                self.cfg.model.hidden,
+                self.cfg.model.vocab,
+                self.cfg.vocab_padded,
+                if self.cfg.bf16 { "bf16" } else { "fp32" },
+                self.b.describe()
+            );
+            let c = &self.cfg;
+            if c.layout.world() > 1 {
+                let chunks = match c.virtual_pipeline {
+                    Some(v) => format!(
+                        " in {} model chunks each (interleaved, groups of {})",
+                        v.chunks, v.group
+                    ),
+                    None => String::new(),
+                };
+                eprintln!(
+                    "mindkit train: {} ranks: {} tensor-parallel × {} pipeline stages {:?}{chunks} × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
+                    c.layout.world(),
+                    c.layout.size(Axis::Tp),
+                    c.layout.size(Axis::Pp),
+                    c.stages,
+                    c.data_parallel,
+                    c.global_batch / (c.micro_batch * c.data_parallel)
+                );
+            }
+            for (flag, why) in &self.cfg.inert {
+                eprintln!("mindkit train: note: --{flag} has no effect here: {why}");
+            }
+        }
+        let bar = progress_bar(c_iters, ProgressUnit::Iterations, !self.quiet);
+        bar.set_position(self.iteration);
+        let started = Instant::now();
+        let flops_model = flops_model(&self.cfg);
+        let g = self.cfg.global_batch as u64;
+        let mut interval = Interval::default();
+        let (mut last_loss, mut saved, mut stopped) = (None, None, None);
+        let mut saved_at = None;
+        let mut total_tokens = 0u64;
+        while self.iteration < c_iters {
+            interval.start.get_or_insert_with(Instant::now);
+            let (loss, grad_norm, applied, tokens) = self.train_step(&train)?;
+            self.iteration += 1;
+            self.flops += log::flops_per_step(&flops_model, g);
+            total_tokens += tokens;
+            interval.tokens += tokens;
+            if applied {
+                interval.advanced += 1;
+                interval.loss_sum += loss;
+            } else {
+                interval.skipped += 1;
+                interval.nan += u64::from(!loss.is_finite() || !grad_norm.is_finite());
+            }
+            bar.set_position(self.iteration);
+            bar.set_message(format!("lm loss {loss:.4}"));
+            // Megatron prints the schedule one step ahead (what the next update will use).
+            let lr_printed = self.cfg.schedule.lr(self.schedule_steps) as f32;
+            let tb_now = self.tensorboard_now(self.iteration);
+            let log_now = self.iteration.is_multiple_of(self.cfg.log_interval);
+            let mut logged = None;
+            let norms = if self.reports(self.iteration) {
+                self.norms()?
+            } else {
+                (None, None)
+            };
+            if let (Some(tb), true) = (&mut self.tensorboard, tb_now) {
+                let mut scalars = vec![
+                    ("learning-rate", f64::from(lr_printed)),
+                    ("batch-size", g as f64),
+                    ("lm loss", f64::from(loss)),
+                    ("loss-scale", 1.0),
+                    ("grad-norm", f64::from(grad_norm as f32)),
+                ];
+                scalars.extend(norms.0.map(|z| ("num-zeros", z)));
+                scalars.extend(norms.1.map(|p| ("params-norm", p)));
+                tb.scalars(self.iteration, self.consumed_train, &scalars)?;
+            }
+            if log_now {
+                let seconds = interval.start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+                let n = (interval.advanced + interval.skipped).max(1);
+                let per_iteration = seconds / n as f64;
+                let mean = f64::from(interval.loss_sum) / interval.advanced.max(1) as f64;
+                let line = log::IterationLine {
+                    time: chrono_now(),
+                    iteration: self.iteration,
+                    train_iters: c_iters,
+                    consumed_samples: self.consumed_train,
+                    seconds_per_iteration: per_iteration,
+                    tflops: self
+                        .cfg
+                        .log_throughput
+                        .then(|| log::flops_per_step(&flops_model, g) / (per_iteration * 1e12)),
+                    lr: lr_printed,
+                    global_batch: g,
+                    loss: mean,
+                    grad_norm: Some(grad_norm as f32),
+                    num_zeros: norms.0,
+                    params_norm: norms.1,
+                    skipped: interval.skipped,
+                    nan: interval.nan,
+                    tokens_per_second: interval.tokens as f64 / seconds.max(1e-9),
+                };
+                self.say(&bar, &line.to_string());
+                logged = Some(n);
+                if let Some(tb) = &mut self.tensorboard {
+                    tb.scalars(
+                        self.iteration,
+                        self.consumed_train,
+                        &[
+                            ("iteration-time", per_iteration),
+                            ("throughput", line.tokens_per_second),
+                        ],
+                    )?;
+                }
+                last_loss = Some(mean);
+                interval = Interval::default();
+            }
+            if let (Some((every, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
+                if self.iteration.is_multiple_of(every) {
+                    let loss = self.validate(valid, iters)?;
+                    self.say(
+                        &bar,
+                        &log::validation_box(&format!("iteration {}", self.iteration), loss),
+                    );
+                    self.write_validation(loss)?;
+                }
+            }
+            let interval_save = self
+                .cfg
+                .save
+                .as_ref()
+                .and_then(|s| s.interval)
+                .is_some_and(|n| self.iteration.is_multiple_of(n));
+            if interval_save {
+                saved = self.save(&bar)?;
+                saved_at = Some(self.iteration);
+            }
+            let exit = self.agreed_exit(started)?;
+            // After the exit flags' all-reduce: each interval counts whole iterations.
+            let comm = logged.and_then(|n| self.comm_line(n));
+            if let Some(comm) = comm.filter(|_| self.cfg.log_comm_stats) {
+                self.say(&bar, &comm);
+            }
+            if let Some(why) = exit {
+                if saved_at != Some(self.iteration) {
+                    saved = self.save(&bar)?;
+                    saved_at = Some(self.iteration);
+                }
+                self.say(
+                    &bar,
+                    &format!("[exiting program {why}] datetime: {} ", chrono_now()),
+                );
+                stopped = Some(why);
+                break;
+            }
+        }
+        if stopped.is_none() {
+            if self.iteration > 0 && saved_at != Some(self.iteration) {
+                saved = self.save(&bar)?;
+            }
+            if let (Some((_, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
+                if self.consumed_valid + iters * g <= valid.len() as u64 {
+                    let loss = self.validate(valid, iters)?;
+                    let prefix = format!("iteration {} on validation set", self.iteration);
+                    self.say(&bar, &log::validation_box(&prefix, loss));
+                    self.write_validation(loss)?;
+                }
+            }
+            // Megatron's pretrain() ends with the test split, read from its start.
+            if let (Some((_, iters)), Some(test)) = (self.cfg.eval, test.as_ref()) {
+                let loss = self.evaluate(test, "test", 0, iters)?;
+                let prefix = format!("iteration {} on test set", self.iteration);
+                self.say(&bar, &log::validation_box(&prefix, loss));
+                // Under the same tag as validation, as evaluate_and_print_results writes it.
+                self.write_validation(loss)?;
+            }
+        }
+        bar.finish_and_clear();
+        let seconds = started.elapsed().as_secs_f64();
+        Ok(TrainSummary {
+            iteration: self.iteration,
+            consumed_samples: self.consumed_train,
+            last_loss,
+            seconds,
+            tokens_per_second: total_tokens as f64 / seconds.max(1e-9),
+            stopped,
+            saved,
+        })
+    }
+
+    /// [`Trainer::exit_reason`], agreed by all ranks: one rank's reason stops them all
+    /// (Megatron all-reduces its exit flags).
+    fn agreed_exit(&self, started: Instant) -> Result<Option<String>> {
+        let mine = self.exit_reason(started);
+        if self.tp.is_none() && self.dp.is_none() && self.pp.is_none() {
+            return Ok(mine);
+        }
+        let mut flag = self
+            .b
+            .upload_f32(&[1], &[f32::from(u8::from(mine.is_some()))])?;
+        // Over the data-parallel group, the tensor-parallel one, then the pipeline: every rank
+        // of the world.
+        for group in [&self.dp, &self.tp, &self.pp].into_iter().flatten() {
+            group.all_reduce(&mut flag, ReduceOp::Max)?;
+        }
+        let anyone = self.b.download_f32(&flag)?[0] > 0.0;
+        Ok(mine.or_else(|| anyone.then(|| "as another rank stops.".into())))
+    }
+
+    /// Why the run should save and stop now (`checkpoint_and_decide_exit`).
+    fn exit_reason(&self, started: Instant) -> Option<String> {
+        let e = self.cfg.exit;
+        if self.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+            return Some("after receiving SIGTERM.".into());
+        }
+        if let Some(minutes) = e.minutes {
+            let elapsed = started.elapsed().as_secs_f64() / 60.0;
+            if elapsed > minutes {
+                return Some(format!("after {elapsed} minutes"));
+            }
+        }
+        match e.interval {
+            Some(n) if self.iteration.is_multiple_of(n) => {
+                Some(format!("at iteration {}", self.iteration))
+            }
+            _ => None,
+        }
+    }
+}
