@@ -814,6 +814,7 @@ unsafe fn block_product(
 mod tests {
     use super::*;
     use crate::engine::cpu::testing::seeded;
+    use crate::tensor::dtype::bf16_to_f32;
 
     fn bf16_of(v: &[f32]) -> Vec<u16> {
         let mut bits = vec![0u16; v.len()];
@@ -822,7 +823,7 @@ mod tests {
     }
 
     fn value(bits: &[u16], i: usize) -> f64 {
-        f32::from_bits((bits[i] as u32) << 16) as f64
+        bf16_to_f32(bits[i]) as f64
     }
 
     /// The product's element (i, j) in f64, from operands stored in `layouts`.
