@@ -10,9 +10,10 @@
 //! `h / (nh/ng)`.
 
 use super::bf16_gemm::{self, Operand};
-use super::gemm::{self, gemm_into, Store, Strided};
+use super::gemm;
 use crate::engine::{AttentionShape, Segment};
 use crate::tensor::dtype::bf16_to_f32;
+use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::simd::{self, narrow_bf16, softmax};
 use crate::tensor::SharedOut;
 use rayon::prelude::*;

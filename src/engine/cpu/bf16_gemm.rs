@@ -22,8 +22,9 @@
 //! [`engine`] asks once. `MINDKIT_NO_AMX=1` leaves the tiles unused (to measure the other
 //! engine on an AMX machine). Where neither engine runs, callers fall back to f32 products.
 
-use super::gemm::{Layout, Store};
+use super::gemm::Layout;
 use super::transpose;
+use crate::tensor::matmul::Store;
 use crate::tensor::panel::{bf16_rows, has_bf16_pairs, rows_times_panel, Panel};
 use crate::tensor::simd::narrow_bf16;
 use rayon::prelude::*;

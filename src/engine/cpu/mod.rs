@@ -30,10 +30,10 @@ use super::{
 };
 use crate::tensor::dtype::bf16_to_f32;
 use crate::tensor::host::{decode_f32, encode_f32};
+use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::panel::{PanelType, Panels};
 use crate::tensor::simd::{dot, narrow_bf16, widen};
 use crate::tensor::{DType, SharedOut};
-use gemm::{gemm_into, Store, Strided};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
