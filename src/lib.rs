@@ -21,6 +21,19 @@
 //! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints; tensor-, pipeline- (1F1B, or interleaved over model chunks) and data-parallel ranks as threads or as a launcher's processes (`store`: torch's TCPStore, torchrun / Slurm environments; `parallel`: megatron-core's rank layout, groups and pipeline stages; `pipeline`: the schedules); by job: `launch` (ranks as threads, processes or HCCL groups; the only file of `train` that imports `npu`), `trainer` (the state and the loop), `step` (one step through the pipeline schedule), `finalize` (gradient and loss sums, norms: `finalize_model_grads`), `resume` (checkpoints restored and saved; formats in `checkpoint`), `init`, `datasets`, `report` |
 //! | – | [`fuzzing`] | entry points for the cargo-fuzz targets in `fuzz/` and their seed inputs |
 //!
+//! # Errors
+//!
+//! Floors 0 and 1 (`tensor`, `util`, `arch`, `data`, `engine`) return typed errors: a `thiserror`
+//! enum per module (`CastError`, `OutputError`, `IndexedError`, `EngineError`, …), one variant per
+//! failure, naming the file, tensor or field involved. `anyhow` starts at floor 2, where formats
+//! become commands: `ckpt` (HF and Megatron directories, `transform`, `convert`, `lora`, `info`),
+//! `npu`'s commands, [`model`], [`eval`], [`train`] and the binary return `anyhow::Result` and add
+//! `.context()` saying what was being read or done. The parts of those modules that fail in one
+//! precise way stay typed beneath the context: `ckpt::torch` (`TorchError`, `PickleError`),
+//! `ckpt::config`'s field checks (`ConfigError`), `npu`'s `NpuError`, `train`'s `ArgsError`. The
+//! binary prints the chain once (`mindkit: {:#}`). One exception below floor 2: the panel packing
+//! in `tensor` returns `anyhow`, which the engine turns into an `EngineError`.
+//!
 //! Project documents the code relies on (formats, Megatron semantics, test assets) are in `docs/`.
 #![deny(missing_docs)]
 

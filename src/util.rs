@@ -782,7 +782,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item9_output_is_contains_or_inside_an_input() {
+    fn an_output_that_is_or_contains_or_lies_inside_an_input_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let proj = dir.path().join("proj");
         let model = proj.join("model");
@@ -801,7 +801,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item9_force_replaces_only_a_previous_output() {
+    fn force_replaces_only_a_previous_output() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
         std::fs::create_dir_all(out.join("part_1")).unwrap();
@@ -824,7 +824,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item12_stale_temporaries_named_then_removed_with_force() {
+    fn stale_temporaries_named_then_removed_with_force() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
         let stale = dir.path().join(".mindkit-testdir-out-Ab12Cd");
@@ -840,7 +840,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item11_temporaries_get_the_umask_permissions() {
+    fn temporaries_get_the_umask_permissions() {
         // The umask is process-wide: read it here without changing it (via a fresh directory).
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("probe")).unwrap();

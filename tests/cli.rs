@@ -332,7 +332,7 @@ fn text_bin(dir: &Path) -> Vec<u8> {
 }
 
 #[test]
-fn issue17_item4_mixed_formats_refused() {
+fn mixed_formats_refused() {
     use std::io::Write;
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(GOOD.repeat(3).as_bytes()).unwrap();
@@ -414,7 +414,7 @@ fn binary_inputs(dir: &Path, values: &[&[u8]]) -> [PathBuf; 2] {
 }
 
 #[test]
-fn issue17_item5_binary_column_read_as_utf8() {
+fn binary_column_read_as_utf8() {
     let texts = ["hello world", "héllo wörld, 你好"];
     let dir = tempfile::tempdir().unwrap();
     let as_text = write(
@@ -483,7 +483,7 @@ fn refuses_instruction_record(handler: &[&str], line: &str, fragment: &str, reas
 }
 
 #[test]
-fn issue17_item14_instruction_records_missing_fields_are_errors() {
+fn instruction_records_missing_fields_are_errors() {
     let alpaca_chat = ["--handler", "alpaca", "--prompt-type", "alpaca"];
     let alpaca = ["--handler", "alpaca"];
     let sharegpt = ["--handler", "sharegpt", "--prompt-type", "chatml"];
@@ -542,7 +542,7 @@ fn issue17_item14_instruction_records_missing_fields_are_errors() {
 }
 
 #[test]
-fn issue17_item14_conversations_mindspeed_drops_are_dropped_and_counted() {
+fn conversations_mindspeed_drops_are_dropped_and_counted() {
     // MindSpeed-LLM skips these itself (the goldens hold them as dropped): mindkit does too,
     // without --skip-bad-records, and counts them.
     let dir = tempfile::tempdir().unwrap();
@@ -561,7 +561,7 @@ fn issue17_item14_conversations_mindspeed_drops_are_dropped_and_counted() {
 }
 
 #[test]
-fn issue17_item15_record_above_max_record_bytes_is_refused() {
+fn record_above_max_record_bytes_is_refused() {
     let big = format!("{{\"text\": \"{}\"}}\n", "word ".repeat(1000));
     let input = format!("{GOOD}{big}{GOOD}");
     let cap = ["--max-record-bytes", "4096"];
@@ -596,7 +596,7 @@ fn issue17_item15_record_above_max_record_bytes_is_refused() {
 }
 
 #[test]
-fn issue17_item16_malformed_shard_names_the_flag() {
+fn malformed_shard_names_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let input = PathBuf::from(CORPUS).join("pretrain.jsonl");
     for (spec, why) in [
@@ -619,7 +619,7 @@ fn issue17_item16_malformed_shard_names_the_flag() {
 }
 
 #[test]
-fn issue17_item19_help_shows_every_alias() {
+fn help_shows_every_alias() {
     let help = mindkit().args(["preprocess", "--help"]).assert().success();
     let help = String::from_utf8_lossy(&help.get_output().stdout).into_owned();
     for alias in [
@@ -636,7 +636,7 @@ fn issue17_item19_help_shows_every_alias() {
 }
 
 #[test]
-fn issue17_item19_quiet_is_silent_in_preprocess_and_merge() {
+fn quiet_is_silent_in_preprocess_and_merge() {
     let dir = tempfile::tempdir().unwrap();
     let input = PathBuf::from(CORPUS).join("pretrain.jsonl");
     let a = preprocess(dir.path(), &input, &[]);
@@ -662,7 +662,7 @@ fn issue17_item19_quiet_is_silent_in_preprocess_and_merge() {
 }
 
 #[test]
-fn issue17_item19_missing_required_flags_are_command_line_errors() {
+fn missing_required_flags_are_command_line_errors() {
     let out = mindkit()
         .args(["preprocess", "--input", CORPUS])
         .assert()
@@ -685,7 +685,7 @@ fn issue17_item19_missing_required_flags_are_command_line_errors() {
 }
 
 #[test]
-fn issue17_item7_a_mismatched_pair_is_refused_by_every_reader() {
+fn a_mismatched_pair_is_refused_by_every_reader() {
     // What a crash between the .bin and .idx renames of a replace used to leave: the new .bin
     // beside the previous run's .idx.
     // The old index describes fewer bytes than the new .bin holds: every sequence it points to
@@ -718,7 +718,7 @@ fn issue17_item7_a_mismatched_pair_is_refused_by_every_reader() {
 }
 
 #[test]
-fn issue17_item11_datasets_get_the_umask_permissions() {
+fn datasets_get_the_umask_permissions() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
@@ -761,7 +761,7 @@ fn issue17_item11_datasets_get_the_umask_permissions() {
 }
 
 #[test]
-fn issue17_item12_a_signal_removes_the_temporaries() {
+fn a_signal_removes_the_temporaries() {
     // The input is a named pipe nobody writes to: preprocess has created its output
     // temporaries and waits for input, for as long as the test needs.
     for (signal, status) in [("TERM", 143), ("INT", 130)] {

@@ -274,7 +274,7 @@ fn invalid_plans_are_refused_before_writing() {
 }
 
 #[test]
-fn issue17_item9_force_keeps_user_files() {
+fn force_keeps_user_files() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     std::fs::create_dir(&out).unwrap();
@@ -293,7 +293,7 @@ fn issue17_item9_force_keeps_user_files() {
 }
 
 #[test]
-fn issue17_item9_force_replaces_a_previous_output() {
+fn force_replaces_a_previous_output() {
     let tmp = tempfile::tempdir().unwrap();
     let (m, h) = (tmp.path().join("m"), tmp.path().join("h"));
     convert("megatron", &model("llama"), &m, &[]);
@@ -314,7 +314,7 @@ fn issue17_item9_force_replaces_a_previous_output() {
 }
 
 #[test]
-fn issue17_item9_output_around_or_inside_the_input_is_refused() {
+fn output_around_or_inside_the_input_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let proj = tmp.path().join("proj");
     let input = proj.join("model");
@@ -353,7 +353,7 @@ fn assert_plain_modes(dir: &Path) {
 }
 
 #[test]
-fn issue17_item11_outputs_get_the_umask_permissions() {
+fn outputs_get_the_umask_permissions() {
     let tmp = tempfile::tempdir().unwrap();
     let (m, h) = (tmp.path().join("m"), tmp.path().join("h"));
     // A private (0600) tokenizer file in the input must not make a private output either.
@@ -384,7 +384,7 @@ fn issue17_item11_outputs_get_the_umask_permissions() {
 }
 
 #[test]
-fn issue17_item12_stale_temporaries_are_named_and_removed_with_force() {
+fn stale_temporaries_are_named_and_removed_with_force() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     // What a killed run leaves: a partial temporary directory beside the output.
@@ -402,7 +402,7 @@ fn issue17_item12_stale_temporaries_are_named_and_removed_with_force() {
 }
 
 #[test]
-fn issue17_item16_a_write_error_prints_only_that_error() {
+fn a_write_error_prints_only_that_error() {
     // Files larger than the limit fail to write with EFBIG ("File too large"), as a full disk
     // fails with ENOSPC; SIGXFSZ, which would kill the process instead, is ignored.
     let tmp = tempfile::tempdir().unwrap();

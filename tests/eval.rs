@@ -205,7 +205,7 @@ fn stderr(a: &assert_cmd::assert::Assert) -> String {
 }
 
 #[test]
-fn issue20_the_demo_model_runs_generate_and_eval() {
+fn the_demo_model_runs_generate_and_eval() {
     let out = mindkit(&[
         &"generate",
         &"--model",
@@ -223,7 +223,7 @@ fn issue20_the_demo_model_runs_generate_and_eval() {
 }
 
 #[test]
-fn issue17_item3_a_cache_is_refused_after_the_weights_change() {
+fn a_cache_is_refused_after_the_weights_change() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     common::copy_dir(&fixture("models/demo"), &model);
@@ -251,7 +251,7 @@ fn issue17_item3_a_cache_is_refused_after_the_weights_change() {
 }
 
 #[test]
-fn issue17_item8_bad_sampling_and_limits_are_refused_up_front() {
+fn bad_sampling_and_limits_are_refused_up_front() {
     for (arg, says) in [
         ("--temperature=NaN", "--temperature"),
         ("--temperature=-1", "--temperature"),
@@ -280,7 +280,7 @@ fn issue17_item8_bad_sampling_and_limits_are_refused_up_front() {
 }
 
 #[test]
-fn issue17_item8_nan_weights_are_an_error_not_a_score() {
+fn nan_weights_are_an_error_not_a_score() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     common::copy_dir(&fixture("models/demo"), &model);
@@ -308,7 +308,7 @@ fn issue17_item8_nan_weights_are_an_error_not_a_score() {
 }
 
 #[test]
-fn issue17_item13_a_malformed_data_line_is_named() {
+fn a_malformed_data_line_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let good =
         r#"{"question": "is the sky blue", "passage": "Sky -- The sky is blue.", "label": 1}"#;
@@ -334,7 +334,7 @@ fn issue17_item13_a_malformed_data_line_is_named() {
 }
 
 #[test]
-fn issue17_item10_outputs_never_overwrite_inputs_and_fail_before_the_work() {
+fn outputs_never_overwrite_inputs_and_fail_before_the_work() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("boolq.jsonl");
     std::fs::copy(fixture("eval/boolq-superglue.jsonl"), &data).unwrap();

@@ -71,7 +71,7 @@ fn stderr_of_failure(args: &[&dyn AsRef<std::ffi::OsStr>]) -> String {
 }
 
 #[test]
-fn issue17_item1_deep_pickle_is_refused_by_every_command() {
+fn deep_pickle_is_refused_by_every_command() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = megatron_llama(tmp.path(), 1);
     // Control: a shallow nest beside the model leaves a checkpoint every command reads.
@@ -154,7 +154,7 @@ fn generate_and_convert_fail(model: &Path, tokenizer: &Path, to: &str, out: &Pat
 }
 
 #[test]
-fn issue17_item6_config_fields_of_the_wrong_type_are_errors() {
+fn config_fields_of_the_wrong_type_are_errors() {
     refused_config(
         "/rope_theta",
         json!("500000"),
@@ -201,7 +201,7 @@ fn issue17_item6_config_fields_of_the_wrong_type_are_errors() {
 }
 
 #[test]
-fn issue17_item8_nonsensical_numbers_are_refused_up_front() {
+fn nonsensical_numbers_are_refused_up_front() {
     let positive = "it must be a finite number above 0";
     refused_config("/rms_norm_eps", json!(0.0), "rms_norm_eps", positive);
     refused_config("/rms_norm_eps", json!(-1e-6), "rms_norm_eps", positive);
@@ -227,7 +227,7 @@ fn issue17_item8_nonsensical_numbers_are_refused_up_front() {
 }
 
 #[test]
-fn issue17_item16_zero_heads_and_uneven_groups_read_right() {
+fn zero_heads_and_uneven_groups_read_right() {
     refused_config(
         "/num_attention_heads",
         json!(0),
@@ -259,7 +259,7 @@ fn edit_args(pickle: &mut Vec<u8>, name: &str, value: &[u8]) {
 }
 
 #[test]
-fn issue17_item6_and_8_megatron_args_are_checked() {
+fn megatron_args_of_the_wrong_type_or_out_of_range_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let base = megatron_llama(tmp.path(), 1);
     for (value, what) in [
@@ -298,7 +298,7 @@ fn adapter_with_config(dir: &Path, edit: impl Fn(&mut Json)) -> PathBuf {
 }
 
 #[test]
-fn issue17_item8_lora_scales_that_overflow_are_errors() {
+fn lora_scales_that_overflow_are_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let base = fixture("models/llama");
     let out = tmp.path().join("merged");
@@ -326,7 +326,7 @@ fn issue17_item8_lora_scales_that_overflow_are_errors() {
 }
 
 #[test]
-fn issue17_item16_a_missing_rank_file_is_named() {
+fn a_missing_rank_file_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = megatron_llama(tmp.path(), 2);
     let missing = rank_file(&ckpt, 1);
@@ -340,7 +340,7 @@ fn issue17_item16_a_missing_rank_file_is_named() {
 }
 
 #[test]
-fn issue17_item21_an_adapter_for_another_base_warns() {
+fn an_adapter_for_another_base_warns() {
     let tmp = tempfile::tempdir().unwrap();
     let base = fixture("models/llama");
     let merge = |adapter: &Path, out: &str| {

@@ -384,7 +384,7 @@ fn lora_info_describes_both_kinds() {
 }
 
 #[test]
-fn issue17_item9_the_adapter_or_base_is_never_the_output() {
+fn the_adapter_or_base_is_never_the_output() {
     let tmp = tempfile::tempdir().unwrap();
     let (base, adapter) = (tmp.path().join("base"), tmp.path().join("adapter"));
     copy_dir(&fixture("models/llama"), &base);

@@ -814,7 +814,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item6_config_json_fields_of_the_wrong_type_are_errors() {
+    fn config_json_fields_of_the_wrong_type_are_errors() {
         let c = hf(|_| {}).unwrap();
         assert_eq!((c.rope_theta, c.norm_eps, c.head_dim), (500000.0, 1e-5, 16));
         refused(
@@ -917,7 +917,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item8_config_json_numbers_out_of_range_are_errors() {
+    fn config_json_numbers_out_of_range_are_errors() {
         let positive = "it must be a finite number above 0";
         refused(
             set_hf,
@@ -1023,7 +1023,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item6_megatron_args_of_the_wrong_type_are_errors() {
+    fn megatron_args_of_the_wrong_type_are_errors() {
         assert_eq!(
             set_arg("rotary_base", Value::Int(500000))
                 .unwrap()
@@ -1093,7 +1093,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item8_megatron_args_out_of_range_are_errors() {
+    fn megatron_args_out_of_range_are_errors() {
         refused(
             set_arg,
             &[

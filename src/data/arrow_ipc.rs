@@ -216,7 +216,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_fuzz_arrow_declared_lengths_are_checked() {
+    fn arrow_declared_lengths_are_checked() {
         check_bytes(&stream()).unwrap();
         check_bytes(&file()).unwrap();
         // What the records fuzzer fed arrow-rs: lengths that made it allocate 2 GiB (and

@@ -861,13 +861,13 @@ mod tests {
     #[test]
     fn pointer_outside_bin() {
         // pointer of sequence 0 lives at 34 + 4*2 (the last one is checked against the .bin's
-        // length first: issue17_item7_mismatched_pair_refused)
+        // length first: mismatched_pair_refused)
         let e = corrupt_open(|b| b[42..50].copy_from_slice(&1000i64.to_le_bytes()));
         assert!(e.to_string().contains("outside"), "{e}");
     }
 
     #[test]
-    fn issue17_item7_mismatched_pair_refused() {
+    fn mismatched_pair_refused() {
         // A crash between the renames of a replace (before the .idx was removed first) left the
         // previous run's .idx beside the new .bin: both the longer and the shorter case.
         for (old, new) in [

@@ -189,7 +189,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_fuzz_parquet_footer_sizes_are_checked() {
+    fn parquet_footer_sizes_are_checked() {
         check_bytes(&crate::fuzzing::parquet_bytes(&["one", "two"])).unwrap();
         // What the records fuzzer found: FileMetaData whose key_value_metadata (field 5) list
         // declares 33 M elements in one byte (the fuzzer's declared 9.9 G: parquet reserved 63 GB).

@@ -1255,7 +1255,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item15_lines_are_held_up_to_the_cap() {
+    fn lines_are_held_up_to_the_cap() {
         let text = b"short\nexactly10\n0123456789ab\nlast";
         // A tiny buffer, so that lines straddle refills.
         let mut reader = BufReader::with_capacity(3, &text[..]);
@@ -1275,7 +1275,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item4_listing_of_several_formats_is_an_error() {
+    fn listing_of_several_formats_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         for name in ["a.jsonl", "b.jsonl", "c.json", "README.txt", "LICENSE"] {
             std::fs::write(dir.path().join(name), b"{}\n").unwrap();
@@ -1310,7 +1310,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item5_binary_types_read_as_text() {
+    fn binary_types_read_as_text() {
         let item = Arc::new(Field::new("item", DataType::Binary, false));
         let list = DataType::List(item);
         let text_list = text_type(&list).unwrap();
@@ -1332,7 +1332,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item5_nested_binary_is_read_as_text() {
+    fn nested_binary_is_read_as_text() {
         use arrow::array::{BinaryArray, ListArray, StructArray};
         use arrow::buffer::OffsetBuffer;
         use arrow::datatypes::Fields;

@@ -97,7 +97,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn issue17_fuzz_decoder_panics_become_errors() {
+    fn decoder_panics_become_errors() {
         let e = contain_panics(|| -> u8 { panic!("fb.fields() was None") }).unwrap_err();
         assert!(
             e.contains("malformed data") && e.contains("fb.fields() was None"),

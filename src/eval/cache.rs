@@ -223,7 +223,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item3_a_cache_follows_the_weights_not_their_path() {
+    fn a_cache_follows_the_weights_not_their_path() {
         let dir = tempfile::tempdir().unwrap();
         let weights = dir.path().join("model.safetensors");
         std::fs::write(&weights, b"weights one").unwrap();

@@ -1,5 +1,7 @@
 //! The element types of tensors everywhere in mindkit: checkpoint storages, the engine's
 //! buffers, casts. How each format names them lives with the format (torch: `ckpt::torch::pickle`).
+//! Also the one bf16 rounding and widening of single values, which every loop over bf16 bits
+//! (the casts in `host.rs`, the SIMD kernels in `simd.rs`, the CPU engine) calls.
 
 /// Element types of tensors (those torch storages hold).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -35,5 +37,67 @@ impl DType {
             DType::F16 | DType::BF16 | DType::I16 => 2,
             DType::I8 | DType::U8 | DType::Bool => 1,
         }
+    }
+}
+
+/// `x` rounded to the nearest bfloat16, ties to even (NaN stays a quiet NaN): what
+/// `half::bf16::from_f32` and torch compute, written branch-free so the loops over it vectorize.
+#[inline]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) as u16) | 0x0040;
+    if b & 0x7FFF_FFFF > 0x7F80_0000 {
+        nan
+    } else {
+        rounded
+    }
+}
+
+/// The f32 that bfloat16 `bits` hold (exact: the bits become the top half, every NaN payload
+/// kept as it is, unlike `half::bf16::to_f32`, which sets the quiet bit of a signalling NaN).
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_matches_half() {
+        // A stride coprime with 2³² walks bit patterns of every class: normals, subnormals,
+        // ties, infinities, NaNs.
+        let mut bits = 0u32;
+        for _ in 0..(1 << 22) {
+            let x = f32::from_bits(bits);
+            assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "{bits:#x}");
+            bits = bits.wrapping_add(0x9E37_79B1 >> 10 | 1);
+        }
+        for x in [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            -0.0,
+            0.0,
+            1.003_906_3,
+            1.011_718_8,
+        ] {
+            assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "{x}");
+        }
+    }
+
+    #[test]
+    fn bf16_widening_matches_half_and_keeps_signalling_nans() {
+        for bits in 0..=u16::MAX {
+            let want = half::bf16::from_bits(bits).to_f32();
+            if !want.is_nan() {
+                assert_eq!(bf16_to_f32(bits).to_bits(), want.to_bits(), "{bits:#x}");
+            }
+        }
+        // half quiets a signalling NaN (0x7FC1_0000); the bits are kept here.
+        assert_eq!(bf16_to_f32(0x7F81).to_bits(), 0x7F81_0000);
+        assert_eq!(bf16_to_f32(0xFFC0).to_bits(), 0xFFC0_0000);
     }
 }

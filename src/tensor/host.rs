@@ -2,6 +2,7 @@
 //! checkpoint conversion needs: row/column slicing and concatenation, row padding, casts.
 //! Every move copies bytes, so a round trip through them is bit-exact.
 
+use super::dtype::{bf16_bits, bf16_to_f32};
 use super::simd::narrow_bf16;
 use super::DType;
 use half::f16;
@@ -145,28 +146,13 @@ pub fn encode_f32(values: &[f32], to: DType, out: &mut [u8]) -> Result<(), CastE
     Ok(())
 }
 
-/// `x` rounded to the nearest bfloat16, ties to even (NaN stays a quiet NaN): what
-/// `half::bf16::from_f32` and torch compute, written branch-free so the loops over it vectorize.
-#[inline]
-pub fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
-    let nan = ((b >> 16) as u16) | 0x0040;
-    if b & 0x7FFF_FFFF > 0x7F80_0000 {
-        nan
-    } else {
-        rounded
-    }
-}
-
 /// Decode the little-endian `dtype` elements of `bytes` into `out` (one f32 per element).
 pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), CastError> {
     match dtype {
         DType::F32 => (out.iter_mut().zip(bytes.chunks_exact(4)))
             .for_each(|(v, c)| *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        DType::BF16 => (out.iter_mut().zip(bytes.chunks_exact(2))).for_each(|(v, c)| {
-            *v = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)
-        }),
+        DType::BF16 => (out.iter_mut().zip(bytes.chunks_exact(2)))
+            .for_each(|(v, c)| *v = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))),
         DType::F16 => (out.iter_mut().zip(bytes.chunks_exact(2)))
             .for_each(|(v, c)| *v = f16::from_le_bytes([c[0], c[1]]).to_f32()),
         other => return Err(CastError::From(other)),
@@ -213,29 +199,6 @@ mod tests {
         assert_eq!(p.shape, vec![5, 2]);
         assert_eq!(p.rows(4, 5).data, x.rows(2, 3).data);
         assert_eq!(p.rows_padded(0, 3), x);
-    }
-
-    #[test]
-    fn bf16_rounding_matches_half() {
-        // A stride coprime with 2³² walks bit patterns of every class: normals, subnormals,
-        // ties, infinities, NaNs.
-        let mut bits = 0u32;
-        for _ in 0..(1 << 22) {
-            let x = f32::from_bits(bits);
-            assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "{bits:#x}");
-            bits = bits.wrapping_add(0x9E37_79B1 >> 10 | 1);
-        }
-        for x in [
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::MAX,
-            -0.0,
-            0.0,
-            1.003_906_3,
-            1.011_718_8,
-        ] {
-            assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "{x}");
-        }
     }
 
     #[test]

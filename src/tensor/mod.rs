@@ -1,10 +1,13 @@
-//! The floor everything else stands on: the one [`DType`], host tensors (bytes + dtype + shape,
-//! slicing, casts, bf16 rounding) and the SIMD kernels both the checkpoint formats and the CPU
-//! engine use (widen/narrow, dot, exp-based loops, packed-panel matmul, the LoRA merge's
-//! low-rank update). Imports nothing else of mindkit's.
+//! The floor everything else stands on: the one [`DType`] with the one bf16 rounding and
+//! widening of a value (`dtype.rs`), host tensors (bytes + dtype + shape, slicing, casts) and
+//! the SIMD kernels both the checkpoint formats and the CPU engine use (widen/narrow, dot,
+//! exp-based loops, packed-panel matmul, the LoRA merge's low-rank update) and the one wrapper
+//! over the `gemm` crate (`matmul.rs`). Imports nothing else of mindkit's; inside, no two files
+//! import each other (`dtype` and `matmul` import nothing, `simd` only `dtype`).
 
 pub mod dtype;
 pub mod host;
+pub(crate) mod matmul;
 pub(crate) mod panel;
 pub(crate) mod simd;
 

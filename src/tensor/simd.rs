@@ -1,7 +1,7 @@
 //! The CPU backend's inner loops, compiled once per instruction set and chosen at run time
 //! (the binary targets baseline x86-64, so without this they would run on SSE2).
 
-use super::host::bf16_bits;
+use super::dtype::{bf16_bits, bf16_to_f32};
 use crate::tensor::DType;
 use half::f16;
 use half::slice::HalfBitsSliceExt;
@@ -68,7 +68,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 fn widen_bf16(src: &[u16], dst: &mut [f32]) {
     for (d, &s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits(u32::from(s) << 16);
+        *d = bf16_to_f32(s);
     }
 }
 

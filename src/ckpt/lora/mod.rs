@@ -17,6 +17,7 @@ use super::transform::{gather_tp, RowBlock};
 use crate::arch::roles::{Canon, Role};
 use crate::arch::ModelConfig;
 use crate::tensor::host::{decode_f32, encode_f32, to_f32, Tensor};
+use crate::tensor::matmul::{self, gemm_into, Strided};
 use crate::tensor::panel;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Result};
@@ -253,6 +254,10 @@ impl View<'_> {
     fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
     }
+
+    fn strided(&self) -> Strided {
+        Strided::new(self.data, self.rs, self.cs)
+    }
 }
 
 /// `dst[n × m] += scale · lhs[n × k] · rhs[k × m]` (dst row-major, contiguous).
@@ -261,31 +266,20 @@ fn add_product(dst: &mut [f32], n: usize, m: usize, k: usize, lhs: View, rhs: Vi
     if n == 0 || m == 0 || k == 0 {
         return;
     }
+    let (lhs, rhs) = (lhs.strided(), rhs.strided());
     // SAFETY: every index gemm touches lies inside the slices (checked above); dst is
     // exclusively borrowed and does not alias lhs/rhs.
     unsafe {
-        gemm::gemm(
-            n,
-            m,
-            k,
+        gemm_into(
             dst.as_mut_ptr(),
-            1,
-            m as isize,
-            true,
-            lhs.data.as_ptr(),
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.data.as_ptr(),
-            rhs.cs as isize,
-            rhs.rs as isize,
-            1.0,
+            m,
+            (n, m, k),
+            lhs,
+            rhs,
             scale,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+            matmul::Store::Accumulate,
+        )
+    };
 }
 
 /// Elements of the f32 working tile (rows of a tensor merged together, kept in cache).

@@ -1279,7 +1279,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item1_nesting_is_bounded() {
+    fn nesting_is_bounded() {
         for p in [
             with_nested_lists(200_000),
             with_nested_lists(MAX_DEPTH),
@@ -1328,7 +1328,7 @@ mod tests {
     }
 
     #[test]
-    fn issue17_item2_memory_is_budgeted() {
+    fn memory_is_budgeted() {
         // The issue's 40 MB pickle of 20 M ints (2 bytes each), scaled down 40 times with the floor.
         let limits = Limits {
             floor: MEMORY_FLOOR / 40,

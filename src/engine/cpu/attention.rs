@@ -10,8 +10,10 @@
 //! `h / (nh/ng)`.
 
 use super::bf16_gemm::{self, Operand};
-use super::gemm::{self, gemm_into, Store, Strided};
+use super::gemm;
 use crate::engine::{AttentionShape, Segment};
+use crate::tensor::dtype::bf16_to_f32;
+use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::simd::{self, narrow_bf16, softmax};
 use crate::tensor::SharedOut;
 use rayon::prelude::*;
@@ -402,7 +404,7 @@ pub fn attention_bwd_bf16(
             && lse.len() == n * nh,
         "internal: attention gradient shapes"
     );
-    let delta = deltas(d_o, o, at, |b| f32::from_bits(u32::from(b) << 16));
+    let delta = deltas(d_o, o, at, bf16_to_f32);
     let (dq_out, dk_out, dv_out) = (
         SharedOut(dq.as_mut_ptr()),
         SharedOut(dk.as_mut_ptr()),
@@ -657,10 +659,7 @@ mod tests {
     fn rounded(v: &[f32]) -> (Vec<u16>, Vec<f32>) {
         let mut bits = vec![0u16; v.len()];
         narrow_bf16(v, &mut bits);
-        let values = bits
-            .iter()
-            .map(|&b| f32::from_bits(u32::from(b) << 16))
-            .collect();
+        let values = bits.iter().copied().map(bf16_to_f32).collect();
         (bits, values)
     }
 

@@ -22,8 +22,9 @@
 //! [`engine`] asks once. `MINDKIT_NO_AMX=1` leaves the tiles unused (to measure the other
 //! engine on an AMX machine). Where neither engine runs, callers fall back to f32 products.
 
-use super::gemm::{Layout, Store};
+use super::gemm::Layout;
 use super::transpose;
+use crate::tensor::matmul::Store;
 use crate::tensor::panel::{bf16_rows, has_bf16_pairs, rows_times_panel, Panel};
 use crate::tensor::simd::narrow_bf16;
 use rayon::prelude::*;
@@ -814,6 +815,7 @@ unsafe fn block_product(
 mod tests {
     use super::*;
     use crate::engine::cpu::testing::seeded;
+    use crate::tensor::dtype::bf16_to_f32;
 
     fn bf16_of(v: &[f32]) -> Vec<u16> {
         let mut bits = vec![0u16; v.len()];
@@ -822,7 +824,7 @@ mod tests {
     }
 
     fn value(bits: &[u16], i: usize) -> f64 {
-        f32::from_bits((bits[i] as u32) << 16) as f64
+        bf16_to_f32(bits[i]) as f64
     }
 
     /// The product's element (i, j) in f64, from operands stored in `layouts`.

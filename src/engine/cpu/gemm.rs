@@ -1,98 +1,12 @@
 //! f32 matrix products: the forms a forward and a backward pass need — `x·wᵀ`, `dy·w`,
 //! `dw += dyᵀ·x` — on the AVX-512 panel kernel where the CPU has it (the `gemm` crate's
-//! stable builds stop at AVX2), else on the `gemm` crate; and the blocked attention products
-//! on strided views, through the `gemm` crate.
+//! stable builds stop at AVX2), else on the `gemm` crate through [`gemm_into`] (the blocked
+//! attention products on strided views call it directly).
 
 use super::transpose;
+use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::panel::{has_panel_kernel, rows_times_panel, Panel, PANEL};
 use crate::tensor::SharedOut;
-
-/// A matrix in a buffer: element (i, j) at `ptr + i·row_stride + j·col_stride`.
-#[derive(Clone, Copy)]
-pub struct Strided {
-    ptr: *const f32,
-    row_stride: isize,
-    col_stride: isize,
-}
-
-// SAFETY: a Strided is a read-only view; the functions that take one state what they read.
-unsafe impl Send for Strided {}
-unsafe impl Sync for Strided {}
-
-impl Strided {
-    /// Rows `row_stride` apart, columns contiguous, starting at `data[offset]`.
-    pub fn rows(data: &[f32], offset: usize, row_stride: usize) -> Self {
-        Strided {
-            // SAFETY: callers address only elements inside `data` (see gemm_into).
-            ptr: data[offset..].as_ptr(),
-            row_stride: row_stride as isize,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of [`Strided::rows`]: element (i, j) is `data[offset + j·stride + i]`.
-    pub fn columns(data: &[f32], offset: usize, stride: usize) -> Self {
-        Strided {
-            ptr: data[offset..].as_ptr(),
-            row_stride: 1,
-            col_stride: stride as isize,
-        }
-    }
-}
-
-/// How the product lands in the destination.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Store {
-    /// `dst = scale · lhs·rhs`.
-    Overwrite,
-    /// `dst += scale · lhs·rhs`.
-    Accumulate,
-}
-
-/// `dst (m × n, rows dst_stride apart) = / += scale · lhs (m × k) · rhs (k × n)`,
-/// single-threaded (callers parallelize over blocks).
-///
-/// # Safety
-/// Every element the shapes and strides address lies inside live buffers, and no other
-/// thread touches the m × n elements of `dst` meanwhile.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_into(
-    dst: *mut f32,
-    dst_stride: usize,
-    (m, n, k): (usize, usize, usize),
-    lhs: Strided,
-    rhs: Strided,
-    scale: f32,
-    store: Store,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_stride as isize,
-            store == Store::Accumulate,
-            lhs.ptr,
-            lhs.col_stride,
-            lhs.row_stride,
-            rhs.ptr,
-            rhs.col_stride,
-            rhs.row_stride,
-            1.0,
-            scale,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
 
 /// How an operand is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -28,11 +28,12 @@ use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
     Segment, NO_ROW,
 };
+use crate::tensor::dtype::bf16_to_f32;
 use crate::tensor::host::{decode_f32, encode_f32};
+use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::panel::{PanelType, Panels};
 use crate::tensor::simd::{dot, narrow_bf16, widen};
 use crate::tensor::{DType, SharedOut};
-use gemm::{gemm_into, Store, Strided};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -170,7 +171,7 @@ impl CpuTensor {
             Data::Half(DType::BF16, bits) => {
                 buf.clear();
                 let bits = &bits[from * c..to * c];
-                buf.extend(bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
+                buf.extend(bits.iter().copied().map(bf16_to_f32));
                 buf
             }
             Data::Half(dtype, bits) => {
