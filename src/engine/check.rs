@@ -88,9 +88,13 @@ pub fn select_rows<D: Device>(d: &D, x: &D::Tensor, selected: &[usize]) -> Resul
 }
 
 /// [`super::Backend::rms_norm`].
-pub fn rms_norm<D: Device>(d: &D, x: &D::Tensor, gamma: &D::Tensor) -> Result<()> {
+/// Returns the groups per row: the row's width over γ's.
+pub fn rms_norm<D: Device>(d: &D, x: &D::Tensor, gamma: &D::Tensor) -> Result<usize> {
     let (h, g) = (cols(d.shape(x)), numel(d.shape(gamma)));
-    ensure(g == h, "rms_norm", || format!("γ of {g} for rows of {h}"))
+    ensure(g > 0 && h % g == 0, "rms_norm", || {
+        format!("γ of {g} for rows of {h}")
+    })?;
+    Ok(h / g)
 }
 
 /// [`super::Backend::rms_norm_bwd`].
@@ -100,11 +104,18 @@ pub fn rms_norm_bwd<D: Device>(
     gamma: &D::Tensor,
     dgamma: Option<&D::Tensor>,
 ) -> Result<()> {
-    let (n, h) = (rows(d.shape(x)), cols(d.shape(x)));
+    let groups = rms_norm(d, x, gamma)?;
     expect_shape(d, "rms_norm_bwd", "dy", dy, d.shape(x))?;
-    expect_shape(d, "rms_norm_bwd", "rstd", rstd, &[n])?;
+    expect_shape(
+        d,
+        "rms_norm_bwd",
+        "rstd",
+        rstd,
+        &[rows(d.shape(x)) * groups],
+    )?;
+    let g = numel(d.shape(gamma));
     ensure(
-        numel(d.shape(gamma)) == h && dgamma.is_none_or(|g| numel(d.shape(g)) == h),
+        dgamma.is_none_or(|dg| numel(d.shape(dg)) == g),
         "rms_norm_bwd",
         || "γ / dγ length".into(),
     )

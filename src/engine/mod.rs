@@ -251,8 +251,9 @@ pub trait Backend: Device {
     ) -> Result<()>;
     /// Rows `rows` of `x` (aclnnIndexSelect). Overwrites.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
-    /// `y = x · rstd · γ` over the last dimension, `rstd = 1/√(mean(x²) + eps)` `[n]` f32
-    /// (aclnnRmsNorm). Overwrites.
+    /// `y = x · rstd · γ` over each γ-wide group of a row (the whole last dimension, or each
+    /// head of `[n, heads·d]` for a `[d]` γ: Qwen3's q/k norms), `rstd = 1/√(mean(x²) + eps)`
+    /// `[n·groups]` f32 (aclnnRmsNorm on `x` seen as `[n·groups, |γ|]`). Overwrites.
     fn rms_norm(
         &self,
         x: &Self::Tensor,

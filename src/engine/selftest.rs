@@ -196,6 +196,14 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
         case!("select_rows", Embedding, "[11,6] rows 3", 1.0, select_rows),
         case!("rms_norm", RmsNorm, "[7,48]", 1.0, rms_norm),
         case!("rms_norm_bwd", RmsNormBwd, "[7,48]", 2.0, rms_norm_bwd),
+        case!("rms_norm", RmsNorm, "[7,48] per head of 16", 1.0, head_norm),
+        case!(
+            "rms_norm_bwd",
+            RmsNormBwd,
+            "[7,48] per head of 16",
+            2.0,
+            head_norm_bwd
+        ),
         case!("matmul", Matmul, "[9,40]·[24,40]ᵀ + bias", 1.0, matmul),
         case!("matmul n=1", Matmul, "[1,40]·[24,40]ᵀ", 1.0, matmul_row),
         case!(
@@ -329,7 +337,17 @@ fn select_rows<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs
 }
 
 fn rms_norm<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
-    let (x, gamma) = (i.tensor(&[7, 48]), i.tensor(&[48]));
+    rms_norm_of(i, dut, cpu, 48)
+}
+
+/// Qwen3's q/k norm: each 16-wide head of a 48-wide row normed alone.
+fn head_norm<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    rms_norm_of(i, dut, cpu, 16)
+}
+
+/// [`Backend::rms_norm`] of `[7, 48]` rows in groups of `width`.
+fn rms_norm_of<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu, width: usize) -> Result<Outputs> {
+    let (x, gamma) = (i.tensor(&[7, 48]), i.tensor(&[width]));
     Ok(on_both!(dut, cpu, |b| {
         let (y, rstd) = b.rms_norm(&b.upload(&x)?, &b.upload(&gamma)?, 1e-5)?;
         vec![b.download_f32(&y)?, b.download_f32(&rstd)?]
@@ -337,8 +355,23 @@ fn rms_norm<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
 }
 
 fn rms_norm_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
-    let (x, gamma, dy) = (i.tensor(&[7, 48]), i.tensor(&[48]), i.tensor(&[7, 48]));
-    let dgamma = i.tensor_in(&[48], DType::F32);
+    rms_norm_bwd_of(i, dut, cpu, 48)
+}
+
+/// The backward of [`head_norm`].
+fn head_norm_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    rms_norm_bwd_of(i, dut, cpu, 16)
+}
+
+/// [`Backend::rms_norm_bwd`] of `[7, 48]` rows in groups of `width`.
+fn rms_norm_bwd_of<B: Backend>(
+    i: &mut Inputs,
+    dut: &B,
+    cpu: &Cpu,
+    width: usize,
+) -> Result<Outputs> {
+    let (x, gamma, dy) = (i.tensor(&[7, 48]), i.tensor(&[width]), i.tensor(&[7, 48]));
+    let dgamma = i.tensor_in(&[width], DType::F32);
     Ok(on_both!(dut, cpu, |b| {
         let (x, gamma) = (b.upload(&x)?, b.upload(&gamma)?);
         let (_, rstd) = b.rms_norm(&x, &gamma, 1e-5)?;

@@ -695,8 +695,8 @@ impl Backend for Npu {
         gamma: &NpuTensor,
         eps: f64,
     ) -> Result<(NpuTensor, NpuTensor)> {
-        check::rms_norm(self, x, gamma)?;
-        let (n, h) = (x.rows(), x.cols());
+        let groups = check::rms_norm(self, x, gamma)?;
+        let (n, h) = (x.rows() * groups, x.cols() / groups);
         let (y, rstd) = (
             self.empty(&x.shape, x.dtype)?,
             self.empty(&[n], DType::F32)?,
@@ -704,10 +704,11 @@ impl Backend for Npu {
         {
             let c = &self.ctx;
             let (xd, g) = (
-                c.tensor(&x.matrix())?,
+                c.tensor(&x.view().reshaped(&[n, h], 0))?,
                 c.tensor(&gamma.view().reshaped(&[h], 0))?,
             );
-            let (yd, r) = (c.tensor(&y.matrix())?, c.tensor(&rstd.view())?);
+            let rows = y.view().reshaped(&[n, h], 0);
+            let (yd, r) = (c.tensor(&rows)?, c.tensor(&rstd.view())?);
             aclnn!(
                 self,
                 aclnnRmsNormGetWorkspaceSize,
@@ -731,7 +732,9 @@ impl Backend for Npu {
         dgamma: Option<&mut NpuTensor>,
     ) -> Result<NpuTensor> {
         check::rms_norm_bwd(self, (dy, x, rstd), gamma, dgamma.as_deref())?;
-        let h = x.cols();
+        let n = rstd.shape.iter().product::<usize>();
+        let h = x.rows() * x.cols() / n;
+        let rows = |t: &NpuTensor| t.view().reshaped(&[n, h], 0);
         let (dx, dg) = (
             self.empty(&x.shape, dy.dtype)?,
             self.empty(&[h], DType::F32)?,
@@ -739,12 +742,12 @@ impl Backend for Npu {
         {
             let c = &self.ctx;
             let (dyd, xd, r) = (
-                c.tensor(&dy.matrix())?,
-                c.tensor(&x.matrix())?,
+                c.tensor(&rows(dy))?,
+                c.tensor(&rows(x))?,
                 c.tensor(&rstd.view())?,
             );
             let g = c.tensor(&gamma.view().reshaped(&[h], 0))?;
-            let (dxd, dgd) = (c.tensor(&dx.matrix())?, c.tensor(&dg.view())?);
+            let (dxd, dgd) = (c.tensor(&rows(&dx))?, c.tensor(&dg.view())?);
             aclnn!(
                 self,
                 aclnnRmsNormGradGetWorkspaceSize,

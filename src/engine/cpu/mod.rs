@@ -501,19 +501,19 @@ impl Backend for Cpu {
         gamma: &CpuTensor,
         eps: f64,
     ) -> Result<(CpuTensor, CpuTensor)> {
-        check::rms_norm(self, x, gamma)?;
+        let groups = check::rms_norm(self, x, gamma)?;
         let (n, gamma) = (x.rows(), gamma.values());
         let (y, rstd) = rows::map_rows(
             [x],
             (x.shape.clone(), x.dtype()),
             rows::block_rows(x.cols()),
             |rows, [x], y| {
-                let mut rstd = vec![0f32; rows.len()];
+                let mut rstd = vec![0f32; rows.len() * groups];
                 norm::rms_norm_fwd(x, &gamma, eps as f32, y, &mut rstd);
                 rstd
             },
         );
-        Ok((y, CpuTensor::new(vec![n], rstd.concat())))
+        Ok((y, CpuTensor::new(vec![n * groups], rstd.concat())))
     }
 
     fn rms_norm_bwd(
@@ -529,17 +529,20 @@ impl Backend for Cpu {
             Some(d) => Some(d.f32_mut("rms_norm_bwd")?),
             None => None,
         };
+        let groups = x.cols() / gamma.shape.iter().product::<usize>();
         let (h, gamma, rstd) = (x.cols(), gamma.values(), rstd.values());
         let learns = dgamma.is_some();
+        let width = gamma.len();
         // Each block's part of dγ, added in block order below.
         let (dx, parts) = rows::map_rows(
             [dy, x],
             (x.shape.clone(), dy.dtype()),
             rows::block_rows(h),
             |rows, [dy, x], dx| {
-                let mut part = vec![0f32; if learns { h } else { 0 }];
+                let mut part = vec![0f32; if learns { width } else { 0 }];
                 let part_out = learns.then_some(&mut part[..]);
-                norm::rms_norm_bwd(dy, x, &gamma, &rstd[rows], dx, part_out);
+                let rstd = &rstd[rows.start * groups..rows.end * groups];
+                norm::rms_norm_bwd(dy, x, &gamma, rstd, dx, part_out);
                 part
             },
         );

@@ -60,20 +60,23 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        let (n, h) = (3, 8);
-        let x = seeded(n * h, 1);
-        let gamma = seeded(h, 2);
-        let dy = seeded(n * h, 3);
-        let loss = |x: &[f32], gamma: &[f32]| {
-            let (mut y, mut r) = (vec![0.0; n * h], vec![0.0; n]);
-            rms_norm_fwd(x, gamma, 1e-5, &mut y, &mut r);
-            y.iter().zip(&dy).map(|(a, b)| (a * b) as f64).sum::<f64>()
-        };
-        let (mut y, mut rstd) = (vec![0.0; n * h], vec![0.0; n]);
-        rms_norm_fwd(&x, &gamma, 1e-5, &mut y, &mut rstd);
-        let (mut dx, mut dgamma) = (vec![0.0; n * h], vec![0.0; h]);
-        rms_norm_bwd(&dy, &x, &gamma, &rstd, &mut dx, Some(&mut dgamma));
-        check_grad("dx", &x, &dx, |x| loss(x, &gamma));
-        check_grad("dgamma", &gamma, &dgamma, |g| loss(&x, g));
+        // γ the width of the row, and γ of one head of three (Qwen3's q/k norms).
+        for (n, h, groups) in [(3, 8, 1), (2, 8, 3)] {
+            let x = seeded(n * h * groups, 1);
+            let gamma = seeded(h, 2);
+            let dy = seeded(n * h * groups, 3);
+            let rows = n * groups;
+            let loss = |x: &[f32], gamma: &[f32]| {
+                let (mut y, mut r) = (vec![0.0; rows * h], vec![0.0; rows]);
+                rms_norm_fwd(x, gamma, 1e-5, &mut y, &mut r);
+                y.iter().zip(&dy).map(|(a, b)| (a * b) as f64).sum::<f64>()
+            };
+            let (mut y, mut rstd) = (vec![0.0; rows * h], vec![0.0; rows]);
+            rms_norm_fwd(&x, &gamma, 1e-5, &mut y, &mut rstd);
+            let (mut dx, mut dgamma) = (vec![0.0; rows * h], vec![0.0; h]);
+            rms_norm_bwd(&dy, &x, &gamma, &rstd, &mut dx, Some(&mut dgamma));
+            check_grad("dx", &x, &dx, |x| loss(x, &gamma));
+            check_grad("dgamma", &gamma, &dgamma, |g| loss(&x, g));
+        }
     }
 }
