@@ -28,6 +28,9 @@ pub struct Family {
     pub bias_key: Option<&'static str>,
     /// Whether the family always has q/k/v biases (qwen2).
     pub always_qkv_bias: bool,
+    /// Whether the family normalises each query and key head before RoPE (qwen3's `q_norm`,
+    /// `k_norm`).
+    pub qk_norm: bool,
 }
 
 /// Every supported family.
@@ -40,6 +43,7 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: Some("attention_bias"),
         always_qkv_bias: false,
+        qk_norm: false,
     },
     Family {
         name: "mistral",
@@ -49,6 +53,7 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         always_qkv_bias: false,
+        qk_norm: false,
     },
     Family {
         name: "qwen2",
@@ -58,6 +63,7 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         always_qkv_bias: true,
+        qk_norm: false,
     },
     Family {
         name: "internlm",
@@ -67,6 +73,7 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: Some("bias"),
         always_qkv_bias: false,
+        qk_norm: false,
     },
     Family {
         name: "baichuan",
@@ -76,6 +83,7 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Packed,
         bias_key: None,
         always_qkv_bias: false,
+        qk_norm: false,
     },
     Family {
         name: "aquila",
@@ -85,6 +93,17 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         always_qkv_bias: false,
+        qk_norm: false,
+    },
+    Family {
+        name: "qwen3",
+        aliases: &[],
+        model_types: &["qwen3"],
+        architecture: "Qwen3ForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        always_qkv_bias: false,
+        qk_norm: true,
     },
 ];
 
@@ -156,6 +175,8 @@ pub mod hf_names {
     pub const GATE_UP: [&str; 2] = ["mlp.gate_proj.weight", "mlp.up_proj.weight"];
     /// MLP output.
     pub const DOWN: &str = "mlp.down_proj.weight";
+    /// Per-head query and key norms (qwen3).
+    pub const QK_NORM: [&str; 2] = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"];
 }
 
 #[cfg(test)]

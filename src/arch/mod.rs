@@ -41,6 +41,9 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Attention output bias.
     pub proj_bias: bool,
+    /// Per-head RMSNorms of the queries and keys before RoPE (Qwen3; Megatron's
+    /// `--qk-layernorm`).
+    pub qk_norm: bool,
     /// Element type of the weights.
     pub dtype: DType,
     /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from

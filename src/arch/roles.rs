@@ -19,6 +19,11 @@ pub enum Role {
     Proj,
     /// Its bias `[h]`.
     ProjBias,
+    /// Per-head RMSNorm of the queries `[d]`, shared by every head (Qwen3's `q_norm`,
+    /// Megatron's `q_layernorm`).
+    QNorm,
+    /// Per-head RMSNorm of the keys `[d]`.
+    KNorm,
     /// Norm before the MLP `[h]`.
     PostNorm,
     /// SwiGLU input `[2F, h]` = `[gate; up]`.
@@ -51,6 +56,9 @@ impl Role {
         if cfg.proj_bias {
             roles.push(Role::ProjBias);
         }
+        if cfg.qk_norm {
+            roles.extend([Role::QNorm, Role::KNorm]);
+        }
         roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
         roles
     }
@@ -80,6 +88,7 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
     match role {
         Role::Embedding | Role::Output => vec![cfg.vocab, cfg.hidden],
         Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::ProjBias => vec![cfg.hidden],
+        Role::QNorm | Role::KNorm => vec![cfg.head_dim],
         Role::Qkv => vec![qkv_rows, cfg.hidden],
         Role::QkvBias => vec![qkv_rows],
         Role::Proj => vec![cfg.hidden, cfg.heads * cfg.head_dim],

@@ -164,6 +164,10 @@ struct GenerateArgs {
     /// System message for --chat.
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// For --chat: `enable_thinking` passed to the chat template (Qwen3: false starts the reply
+    /// with an empty <think></think> block); left to the template's default when omitted.
+    #[arg(long, requires = "chat", value_name = "true|false")]
+    enable_thinking: Option<bool>,
     /// New tokens at most.
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
@@ -707,6 +711,7 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
         prompt: a.prompt,
         chat: a.chat,
         system: a.system,
+        enable_thinking: a.enable_thinking,
         options: generate::GenerateOptions {
             max_new_tokens: a.max_new_tokens,
             sampling: generate::Sampling {

@@ -326,6 +326,7 @@ impl ModelConfig {
             tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: bias,
+            qk_norm: family.qk_norm,
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
             hf_config: Some(cfg.clone()),
@@ -529,11 +530,13 @@ impl ModelConfig {
             Value::Str(s) => Some(s),
             _ => None,
         })?;
+        let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
         if let Some(text) = carried {
             let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
             let hf: Json =
                 serde_json::from_str(text).with_context(|| format!("{what}: not valid JSON"))?;
             let mut cfg = ModelConfig::from_hf(&hf, family).with_context(|| what)?;
+            check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
             return Ok(cfg);
         }
@@ -558,9 +561,11 @@ impl ModelConfig {
         let qkv_bias = flag("add_qkv_bias")? || add_bias;
         let family = match family {
             Some(f) => f,
+            None if qk_norm => family::by_name("qwen3")?,
             None if qkv_bias && !add_bias => family::by_name("qwen2")?,
             None => family::by_name("llama")?,
         };
+        check_qk_norm(family, qk_norm)?;
         Ok(ModelConfig {
             family,
             layers: need("num_layers")?,
@@ -576,11 +581,25 @@ impl ModelConfig {
             tied: !flag("untie_embeddings_and_output_weights")?,
             qkv_bias,
             proj_bias: add_bias,
+            qk_norm,
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
         })
     }
+}
+
+/// `args.qk_layernorm` against the family the checkpoint is read as.
+fn check_qk_norm(family: &Family, qk_norm: bool) -> Result<()> {
+    if family.qk_norm != qk_norm {
+        bail!(
+            "args.qk_layernorm is {} but the {} family {} q/k layernorms",
+            if qk_norm { "True" } else { "False" },
+            family.name,
+            if family.qk_norm { "has" } else { "has no" }
+        );
+    }
+    Ok(())
 }
 
 /// What the parallel layout contributes to `args`.
@@ -646,6 +665,7 @@ pub fn megatron_args(
         ("add_bias_linear", Value::Bool(false)),
         ("add_dense_bias", Value::Bool(cfg.proj_bias)),
         ("add_qkv_bias", Value::Bool(cfg.qkv_bias)),
+        ("qk_layernorm", Value::Bool(cfg.qk_norm)),
         (
             "untie_embeddings_and_output_weights",
             Value::Bool(!cfg.tied),

@@ -22,10 +22,11 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "embeddings:  {}; qkv bias {}; output bias {}",
+        "embeddings:  {}; qkv bias {}; output bias {}; q/k layernorm {}",
         if cfg.tied { "tied" } else { "untied" },
         cfg.qkv_bias,
-        cfg.proj_bias
+        cfg.proj_bias,
+        cfg.qk_norm
     );
     let _ = writeln!(out, "dtype:       {}", cfg.dtype.torch_name());
     let _ = writeln!(out, "parameters:  {params} ({:.3} B)", params as f64 / 1e9);

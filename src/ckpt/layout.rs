@@ -212,6 +212,8 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             Role::Proj => "self_attention.linear_proj.weight",
             Role::ProjBias => "self_attention.linear_proj.bias",
             Role::PostNorm => "pre_mlp_layernorm.weight",
+            Role::QNorm => "self_attention.q_layernorm.weight",
+            Role::KNorm => "self_attention.k_layernorm.weight",
             Role::Fc1 => "mlp.linear_fc1.weight",
             _ => "mlp.linear_fc2.weight",
         }),
@@ -254,6 +256,10 @@ fn te_extra_states(role: Role, cfg: &ModelConfig) -> &'static [&'static str] {
             "self_attention.core_attention._extra_state",
             "self_attention.linear_proj._extra_state",
         ],
+        // TENorm is Transformer Engine's RMSNorm, a fusible operation with extra state
+        // (transformer_engine/pytorch/ops/op.py `get_extra_state`).
+        Role::QNorm => &["self_attention.q_layernorm._extra_state"],
+        Role::KNorm => &["self_attention.k_layernorm._extra_state"],
         Role::Fc1 => &["mlp.linear_fc1._extra_state"],
         Role::Fc2 => &["mlp.linear_fc2._extra_state"],
         _ => &[],

@@ -694,6 +694,12 @@ impl MegatronTarget<'_> {
         read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<()> {
+        if self.layout == KeyLayout::Legacy && self.cfg.qk_norm {
+            bail!(
+                "the legacy layout has no q/k layernorms (megatron/legacy/model builds none); \
+                 write this model with --layout mcore or mcore-te"
+            );
+        }
         let par = self.par;
         let padded = self.padded_vocab();
         let args = Value::Namespace(megatron_args(

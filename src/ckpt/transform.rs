@@ -44,6 +44,8 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
             .map(|p| (hf::layer(l, p), vec![cfg.ffn, h]))
             .collect(),
         Role::Fc2 => one(hf::layer(l, hf::DOWN)),
+        Role::QNorm => one(hf::layer(l, hf::QK_NORM[0])),
+        Role::KNorm => one(hf::layer(l, hf::QK_NORM[1])),
     }
 }
 
@@ -139,7 +141,14 @@ enum Split {
 
 fn split_of(role: Role) -> Split {
     match role {
-        Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::ProjBias => Split::Replicated,
+        // The q/k norms act on one head's dimension: every rank holds them whole for its heads
+        // (MindSpeed-LLM's convert_hf2mg.py copies them to every rank).
+        Role::InputNorm
+        | Role::PostNorm
+        | Role::FinalNorm
+        | Role::ProjBias
+        | Role::QNorm
+        | Role::KNorm => Split::Replicated,
         Role::Qkv | Role::QkvBias => Split::Rows,
         Role::Proj | Role::Fc2 => Split::Cols,
         Role::Embedding | Role::Output => Split::Vocab,

@@ -323,11 +323,14 @@ impl HfTokenizer {
 
     /// Render the chat template (transformers' `apply_chat_template(..., tokenize=False)`):
     /// `messages` as (role, content) pairs, with `bos_token` / `eos_token` defined and Python
-    /// string methods available, as templates expect.
+    /// string methods available, as templates expect; `enable_thinking`, when given, is passed
+    /// to the template as transformers passes extra keyword arguments (Qwen3's template reads
+    /// it; left undefined otherwise, as there).
     pub fn apply_chat_template(
         &self,
         messages: &[(&str, &str)],
         add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
     ) -> Result<String> {
         let fail = |msg: String| TokenizerError::Template {
             path: self.path.clone(),
@@ -359,12 +362,16 @@ impl HfTokenizer {
             .collect();
         env.get_template("chat")
             .and_then(|t| {
-                t.render(minijinja::context! {
+                let base = minijinja::context! {
                     messages => messages,
                     add_generation_prompt => add_generation_prompt,
                     bos_token => token(self.bos),
                     eos_token => token(self.eos),
-                })
+                };
+                match enable_thinking {
+                    Some(on) => t.render(minijinja::context! { enable_thinking => on, ..base }),
+                    None => t.render(base),
+                }
             })
             .map_err(|e| fail(e.to_string()))
     }

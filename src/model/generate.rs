@@ -338,6 +338,9 @@ pub struct GenerateRequest {
     pub chat: bool,
     /// A system message for `chat`.
     pub system: Option<String>,
+    /// `enable_thinking` for the chat template (Qwen3's reasoning switch); `None` leaves it
+    /// undefined, the template's default.
+    pub enable_thinking: Option<bool>,
     /// What to generate.
     pub options: GenerateOptions,
     /// The compute device.
@@ -390,7 +393,7 @@ fn generate_on<B: Backend>(
             messages.push(("system", s.as_str()));
         }
         messages.push(("user", r.prompt.as_str()));
-        let text = tokenizer.apply_chat_template(&messages, true)?;
+        let text = tokenizer.apply_chat_template(&messages, true, r.enable_thinking)?;
         tokenizer.encode(&text, false)?
     } else {
         tokenizer.encode(&r.prompt, true)?

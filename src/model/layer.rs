@@ -104,7 +104,7 @@ impl Layer {
 
 /// `dx` of `y = rms_norm(x)·γ` given `dy`, accumulating γ's gradient (parameter `gamma`) when
 /// it is trained.
-pub(super) fn rms_grad<B: Backend>(
+pub(in crate::model) fn rms_grad<B: Backend>(
     p: &Pass<B>,
     grads: &mut [B::Tensor],
     (dy, x): (&B::Tensor, &B::Tensor),

@@ -165,8 +165,9 @@ impl ParamTable {
             global(Role::Embedding),
             mcore_name(global(Role::Embedding), cfg.tied),
         );
-        // megatron-core builds an attention block's linear_proj before its linear_qkv
-        // (megatron/core/transformer/attention.py: Attention.__init__, then SelfAttention).
+        // megatron-core builds an attention block's linear_proj before its linear_qkv, and its
+        // q_layernorm and k_layernorm after them (megatron/core/transformer/attention.py:
+        // Attention.__init__, then SelfAttention.__init__).
         let mut roles = vec![Role::InputNorm, Role::Proj];
         if cfg.proj_bias {
             roles.push(Role::ProjBias);
@@ -174,6 +175,9 @@ impl ParamTable {
         roles.push(Role::Qkv);
         if cfg.qkv_bias {
             roles.push(Role::QkvBias);
+        }
+        if cfg.qk_norm {
+            roles.extend([Role::QNorm, Role::KNorm]);
         }
         roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
         for l in 0..cfg.layers {

@@ -13,26 +13,37 @@ use crate::tensor::DType;
 use anyhow::{anyhow, Result};
 
 impl<B: Backend> Trainer<B> {
-    /// The trained norm weights: under sequence parallelism, the parameters whose gradients
-    /// each rank takes over its rows only (Megatron's `sequence_parallel` attribute).
+    /// The trained norm weights each tensor-parallel rank holds whole but takes the gradient
+    /// of over its part only: under sequence parallelism the norms of the residual stream,
+    /// over its rows (Megatron's `sequence_parallel` attribute); the q/k layernorms, over its
+    /// heads.
     pub(super) fn trained_norms(&self) -> Vec<usize> {
-        let norm = |r| matches!(r, Role::InputNorm | Role::PostNorm | Role::FinalNorm);
+        let sp = self.cfg.sequence_parallel;
+        let partial = |r| match r {
+            Role::InputNorm | Role::PostNorm | Role::FinalNorm => sp,
+            Role::QNorm | Role::KNorm => true,
+            _ => false,
+        };
         (self.table.params.iter().enumerate())
-            .filter(|(_, p)| p.trainable && norm(p.canon.role))
+            .filter(|(_, p)| p.trainable && partial(p.canon.role))
             .map(|(i, _)| i)
             .collect()
     }
 
-    /// Under sequence parallelism a norm weight's gradient covers this rank's rows only:
-    /// summed over the tensor-parallel ranks in one all-reduce of them all
-    /// (megatron/core/distributed/finalize_model_grads.py
+    /// A norm weight's gradient that covers this rank's rows or heads only (see
+    /// [`Trainer::trained_norms`]) is summed over the tensor-parallel ranks in one all-reduce
+    /// of them all, as megatron-core sums the `sequence_parallel` parameters and, with
+    /// `qk_layernorm`, the q/k layernorms (megatron/core/distributed/finalize_model_grads.py
     /// `_allreduce_non_tensor_model_parallel_grads`). A row-parallel bias needs none here:
     /// its gradient is taken over every row.
     pub(super) fn sum_norm_grads(&mut self) -> Result<()> {
-        let Some(tp) = self.tp.as_ref().filter(|_| self.cfg.sequence_parallel) else {
+        let Some(tp) = self.tp.as_ref() else {
             return Ok(());
         };
         let norms = self.trained_norms();
+        if norms.is_empty() {
+            return Ok(());
+        }
         let mut flat = Vec::new();
         for &i in &norms {
             flat.extend(self.b.download_f32(&self.grads[i])?);

@@ -37,7 +37,12 @@ pub(super) fn initial_params(
                 (0..n).map(|_| uniform.sample(&mut rng)).collect()
             }
             (Some(LoraPart::B), _) | (None, Role::QkvBias | Role::ProjBias) => vec![0.0; n],
-            (None, Role::InputNorm | Role::PostNorm | Role::FinalNorm) => vec![1.0; n],
+            (
+                None,
+                Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::QNorm | Role::KNorm,
+            ) => {
+                vec![1.0; n]
+            }
             (None, role) => {
                 let sigma = match role {
                     Role::Embedding => embedding_std.unwrap_or(std),

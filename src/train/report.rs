@@ -124,9 +124,13 @@ impl<B: Backend> Trainer<B> {
     /// inputs' gradients backward) or, under sequence parallelism, 4L + 2 reduce-scatters in
     /// their place and 6L + 3 all-gathers (the column-parallel inputs forward and again
     /// backward, the row-parallel output gradients and the embedding's); then per iteration
-    /// the norm weights' gradient all-reduce under sequence parallelism.
+    /// the norm weights' gradient all-reduce under sequence parallelism, and the q/k
+    /// layernorms' with them.
     fn tp_formula(&self, tp: usize) -> String {
         let c = &self.cfg;
+        let norms: usize = (self.trained_norms().into_iter())
+            .map(|i| self.table.params[i].numel())
+            .sum();
         let (rows, layers, hidden) = (c.micro_batch * c.seq_length, c.model.layers, c.model.hidden);
         let k = c.global_batch / (c.micro_batch * c.data_parallel);
         let a = self.activations();
@@ -139,15 +143,17 @@ impl<B: Backend> Trainer<B> {
                 .lora
                 .as_ref()
                 .map_or((0, 0), |l| (l.spec.targets.len() * layers, l.spec.r));
-            let bytes = k * ((4 * layers + 2) * block + adapters * rows * r * a.size() + entropy);
+            let bytes = k * ((4 * layers + 2) * block + adapters * rows * r * a.size() + entropy)
+                + 4 * norms;
+            let norms = match norms {
+                0 => String::new(),
+                n => format!(" + {n} q/k layernorm gradients × 4"),
+            };
             return format!(
-                "all-reduces: ({} × [{rows}, {hidden}] {a:?} + {adapters} × [{rows}, {r}] {a:?} + 3 × [{rows}] f32) × {k} micro-batches = {bytes} bytes",
+                "all-reduces: ({} × [{rows}, {hidden}] {a:?} + {adapters} × [{rows}, {r}] {a:?} + 3 × [{rows}] f32) × {k} micro-batches{norms} = {bytes} bytes",
                 4 * layers + 2
             );
         }
-        let norms: usize = (self.trained_norms().into_iter())
-            .map(|i| self.table.params[i].numel())
-            .sum();
         format!(
             "all-gathers: {} × [{}, {hidden}] {a:?} × {k} micro-batches = {} bytes; reduce-scatters: {} × [{rows}, {hidden}] {a:?} × {k} = {} bytes; all-reduces: 3 × [{rows}] f32 × {k} + {norms} norm gradients × 4 = {} bytes",
             6 * layers + 3,

@@ -1,13 +1,16 @@
 //! Grouped-query (and multi-head) self-attention, Megatron's `SelfAttention` with the local
-//! spec: the fused QKV projection in GQA-group order, rotary embedding of q and k, causal
-//! attention, the output projection (megatron-core megatron/core/transformer/attention.py).
+//! spec: the fused QKV projection in GQA-group order, optionally an RMSNorm of each query and
+//! key head (`--qk-layernorm`, Qwen3), rotary embedding of q and k, causal attention, the
+//! output projection (megatron-core megatron/core/transformer/attention.py
+//! `get_query_key_value_tensors`: the norms act on `[sq, b, heads, d]` before RoPE).
 //!
 //! Legend: T = rows, h = hidden, qw = heads·d, kw = groups·d (this rank's heads and groups
 //! under tensor parallelism).
 
 use super::Attend;
-use crate::arch::roles::Role;
+use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
+use crate::model::layer::rms_grad;
 use crate::model::linear::Linear;
 use crate::model::parallel::{gathered, reduced};
 use crate::model::params::ParamTable;
@@ -21,7 +24,12 @@ pub(in crate::model) struct Gqa {
     qkv: Linear,
     /// linear_proj `[h, qw]` (row-parallel).
     proj: Linear,
+    /// q_layernorm and k_layernorm γ `[d]` (whole on every tensor-parallel rank).
+    qk_norm: Option<(usize, usize)>,
 }
+
+/// A head norm's input `[T, w]` and its `rstd [T·heads]`, kept for its backward pass.
+type NormSaved<T> = Option<(T, T)>;
 
 /// What the backward pass needs of the forward pass.
 pub(in crate::model) struct Saved<T> {
@@ -37,15 +45,19 @@ pub(in crate::model) struct Saved<T> {
     lse: Option<T>,
     /// `x·Aᵀ` of the adapters of linear_qkv and linear_proj.
     lora: [Option<T>; 2],
+    /// The q and k head norms' inputs and statistics.
+    qk_norm: [NormSaved<T>; 2],
 }
 
 impl Gqa {
     /// Layer `layer`'s attention in `table`, `None` if the table lacks it.
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Gqa> {
         let at = Some(layer);
+        let norm = |role| table.index(Canon { role, layer: at });
         Some(Gqa {
             qkv: Linear::of(table, (Role::Qkv, Some(Role::QkvBias)), at)?,
             proj: Linear::of(table, (Role::Proj, Some(Role::ProjBias)), at)?,
+            qk_norm: norm(Role::QNorm).zip(norm(Role::KNorm)),
         })
     }
 
@@ -61,7 +73,9 @@ impl Gqa {
         let shape = p.spec.attention;
         let all = gathered(b, p.tp, &h)?;
         let (qkv, u_qkv) = self.qkv.forward(p, all.as_ref().unwrap_or(&h))?;
-        let (mut q, mut k, v) = b.split_qkv(&qkv, shape)?;
+        let (q, k, v) = b.split_qkv(&qkv, shape)?;
+        let (mut q, q_norm) = head_norm(p, q, self.qk_norm.map(|(g, _)| g))?;
+        let (mut k, k_norm) = head_norm(p, k, self.qk_norm.map(|(_, g)| g))?;
         let (cos, sin) = p.rope;
         b.rope(&mut q, cos, sin, false)?;
         b.rope(&mut k, cos, sin, false)?;
@@ -89,6 +103,7 @@ impl Gqa {
             o,
             lse,
             lora: [u_qkv, u_proj],
+            qk_norm: [q_norm, k_norm],
         };
         Ok((reduced(b, p.tp, out)?, saved))
     }
@@ -119,10 +134,40 @@ impl Gqa {
         let (cos, sin) = p.rope;
         b.rope(&mut dq, cos, sin, true)?;
         b.rope(&mut dk, cos, sin, true)?;
+        let [q_norm, k_norm] = s.qk_norm;
+        let dq = head_norm_bwd(p, grads, dq, (self.qk_norm.map(|(g, _)| g), q_norm))?;
+        let dk = head_norm_bwd(p, grads, dk, (self.qk_norm.map(|(_, g)| g), k_norm))?;
         let dqkv = b.merge_qkv(&dq, &dk, &dv, shape)?;
         let all = gathered(b, p.tp, &s.h)?;
         let h = all.as_ref().unwrap_or(&s.h);
         let dh = self.qkv.backward(p, grads, &dqkv, (h, u_qkv.as_ref()))?;
         reduced(b, p.tp, dh)
+    }
+}
+
+/// Each head of `x [T, w]` normed by γ (parameter `gamma`), if the attention has head norms:
+/// the normed heads, and what the backward pass needs.
+fn head_norm<B: Backend>(
+    p: &Pass<B>,
+    x: B::Tensor,
+    gamma: Option<usize>,
+) -> Result<(B::Tensor, NormSaved<B::Tensor>)> {
+    let Some(g) = gamma else {
+        return Ok((x, None));
+    };
+    let (y, rstd) = p.b.rms_norm(&x, &p.params[g], p.spec.norm_eps)?;
+    Ok((y, Some((x, rstd))))
+}
+
+/// The gradient of [`head_norm`]'s input given `dy`, accumulating γ's.
+fn head_norm_bwd<B: Backend>(
+    p: &Pass<B>,
+    grads: &mut [B::Tensor],
+    dy: B::Tensor,
+    (gamma, saved): (Option<usize>, NormSaved<B::Tensor>),
+) -> Result<B::Tensor> {
+    match (gamma, saved) {
+        (Some(g), Some((x, rstd))) => rms_grad(p, grads, (&dy, &x), g, &rstd),
+        _ => Ok(dy),
     }
 }

@@ -96,6 +96,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
             "untie_embeddings_and_output_weights",
         ),
         ("use-rope-scaling", "use_rope_scaling"),
+        ("qk-layernorm", "qk_layernorm"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
     }
@@ -107,6 +108,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
 
 /// Refuse architecture flags outside the LLaMA family.
 fn check_family_flags(a: &Args) -> Result<()> {
+    check_spec(a)?;
     if let Some(n) = a.get("normalization").filter(|n| *n != "RMSNorm") {
         bail!("--normalization {n}: only RMSNorm (the LLaMA family) is implemented");
     }
@@ -128,6 +130,28 @@ fn check_family_flags(a: &Args) -> Result<()> {
                  here, so pass --{flag} 0.0 (as LLaMA recipes do)"
             ),
         }
+    }
+    Ok(())
+}
+
+/// The layer specs whose architecture mindkit builds: `(module, function)`.
+const SPECS: &[(&str, &str)] = &[("mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec")];
+
+/// `--spec MODULE FUNCTION` (Megatron's custom layer spec): accepted where it builds what
+/// mindkit builds (MindSpeed-LLM's qwen3 spec: the local spec, with q/k norms as
+/// `--qk-layernorm` says, mindspeed_llm/tasks/models/spec/qwen3_spec.py), refused otherwise.
+fn check_spec(a: &Args) -> Result<()> {
+    let Some(spec) = a.list("spec") else {
+        return Ok(());
+    };
+    let known = |(m, f): &(&str, &str)| spec == [m.to_string(), f.to_string()];
+    if !SPECS.iter().any(known) {
+        let names: Vec<String> = SPECS.iter().map(|(m, f)| format!("{m} {f}")).collect();
+        bail!(
+            "--spec {}: a layer spec mindkit does not build (known: {})",
+            spec.join(" "),
+            names.join("; ")
+        );
     }
     Ok(())
 }
@@ -195,6 +219,13 @@ pub(super) fn model_config(
     }
     if a.has("add-qkv-bias") && !cfg.qkv_bias {
         bail!("--add-qkv-bias is given, but the --load checkpoint has no q/k/v biases");
+    }
+    if a.has("qk-layernorm") != cfg.qk_norm && (a.has("qk-layernorm") || has_any_architecture(a)) {
+        bail!(
+            "--qk-layernorm is {}given, but the --load checkpoint {} q/k layernorms",
+            if cfg.qk_norm { "not " } else { "" },
+            if cfg.qk_norm { "has" } else { "has no" }
+        );
     }
     Ok(cfg)
 }
