@@ -10,7 +10,7 @@ use mindkit::tensor::DType;
 use std::path::{Path, PathBuf};
 
 const FAMILIES: &[&str] = &[
-    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila",
+    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3",
 ];
 
 fn model(name: &str) -> PathBuf {
@@ -220,6 +220,45 @@ fn ckpt_info_describes_both_formats() {
     let out = mindkit(&[&"ckpt", &"info", &model("baichuan")]).success();
     let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
     assert!(text.contains("family:      baichuan"), "{text}");
+}
+
+#[test]
+fn qwen3_head_norms_travel_replicated_and_are_described() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    convert("megatron", &model("qwen3"), &m, &["--tp", "2", "--pp", "2"]);
+    let out = mindkit(&[&"ckpt", &"info", &m, &"--keys"]).success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    for want in [
+        "family:      qwen3",
+        "heads 8 (kv 4), head_dim 16",
+        "q/k layernorm true",
+        "decoder.layers.1.self_attention.q_layernorm.weight",
+        "decoder.layers.1.self_attention.k_layernorm.weight",
+    ] {
+        assert!(text.contains(want), "{want} not in\n{text}");
+    }
+    // The legacy layout builds no q/k layernorms: refused before anything is written.
+    let legacy = tmp.path().join("legacy");
+    let err = convert_err(
+        "megatron",
+        &model("qwen3"),
+        &legacy,
+        &["--layout", "legacy"],
+    );
+    assert!(
+        err.contains("the legacy layout has no q/k layernorms"),
+        "{err}"
+    );
+    assert!(!legacy.exists());
+    // A checkpoint with q/k layernorms read as a family without them is an error.
+    let h = tmp.path().join("h");
+    let err = convert_err("hf", &m, &h, &["--family", "llama"]);
+    assert!(
+        err.contains("args.qk_layernorm is True but the llama family has no q/k layernorms"),
+        "{err}"
+    );
+    assert!(leftovers(tmp.path()).is_empty());
 }
 
 #[test]

@@ -1117,6 +1117,17 @@ fn data_parallel_sizes_that_do_not_fit_are_refused() {
 /// The flags of a model initialised at random (no `--load`): tied embeddings, GQA and a QKV
 /// bias (Qwen2's shape).
 fn tied_with_qkv_bias(data: &Path, extra: &[&str]) -> Vec<String> {
+    from_scratch(data, &["--add-qkv-bias"], extra)
+}
+
+/// Qwen3's attention from scratch: q/k layernorms (whole on every tensor-parallel rank, their
+/// gradients summed over the ranks' heads), heads of 32 (not hidden / heads = 16), tied.
+fn qwen3_head_norms(data: &Path, extra: &[&str]) -> Vec<String> {
+    from_scratch(data, &["--qk-layernorm", "--kv-channels", "32"], extra)
+}
+
+/// A tied 2-layer GQA model from scratch with the demo tokenizer, `family` its own flags.
+fn from_scratch(data: &Path, family: &[&str], extra: &[&str]) -> Vec<String> {
     let demo = fixture("models/demo");
     let model = [
         "--num-layers",
@@ -1132,7 +1143,6 @@ fn tied_with_qkv_bias(data: &Path, extra: &[&str]) -> Vec<String> {
         "96",
         "--swiglu",
         "--disable-bias-linear",
-        "--add-qkv-bias",
         "--normalization",
         "RMSNorm",
         "--position-embedding-type",
@@ -1142,7 +1152,7 @@ fn tied_with_qkv_bias(data: &Path, extra: &[&str]) -> Vec<String> {
         "--tokenizer-name-or-path",
         demo.to_str().unwrap(),
     ];
-    let mut a = args(data, &[&model[..], extra].concat());
+    let mut a = args(data, &[&model[..], family, extra].concat());
     let at = a.iter().position(|x| x == "--load").unwrap();
     a.drain(at..at + 2);
     a
@@ -1201,7 +1211,11 @@ fn tensor_parallel_ranks_train_as_one_rank_does() {
     let data = corpus(dir.path());
     let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
     let (batch, iters) = (EIGHT_MICRO_BATCHES, TWENTY_SAVED);
-    let models: [(&str, Model); 2] = [("untied", args), ("tied", tied_with_qkv_bias)];
+    let models: [(&str, Model); 3] = [
+        ("untied", args),
+        ("tied", tied_with_qkv_bias),
+        ("qwen3", qwen3_head_norms),
+    ];
     for (name, model) in models {
         let one_dir = path(&format!("{name}_one"));
         let one: Vec<&str> = [&batch[..], &iters, &["--save", &one_dir]].concat();

@@ -43,7 +43,8 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
         num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
         ffn_hidden_size=a.ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=a.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=a.add_bias_linear,
-        add_qkv_bias=a.add_qkv_bias, bias_activation_fusion=False, persist_layer_norm=False,
+        add_qkv_bias=a.add_qkv_bias, qk_layernorm=getattr(a, "qk_layernorm", False),
+        bias_activation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32,
@@ -54,7 +55,8 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
         num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
         virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None))
     return GPTModel(
-        config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=getattr(a, "qk_layernorm", False)),
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,

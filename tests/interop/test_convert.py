@@ -16,7 +16,7 @@ from megatron_cpu import gpt_model, load_pt, logits
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "fixtures/models"
-FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila"]
+FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3"]
 
 
 def rank_files(ck):
@@ -75,7 +75,7 @@ def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
         assert torch.equal(ma[k], mc[k]), k
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")
@@ -90,6 +90,38 @@ def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
         want = ref(ids).logits
     got = logits(model, ids, a.vocab_size)
     assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_qwen3_tp2_pp2_checkpoint_gives_transformers_logits(mindkit, tmp_path):
+    """Qwen3 (q/k layernorms, head_dim 16 ≠ hidden / heads) written at TP 2 × PP 2: every rank
+    file holds each layer's q_layernorm / k_layernorm whole ([head_dim], as MindSpeed-LLM's
+    converter replicates them), args.qk_layernorm and kv_channels are set, and the checkpoint
+    resharded to one rank loads strictly into megatron-core's GPTModel (local spec,
+    qk_layernorm=True) with logits equal to transformers' Qwen3ForCausalLM."""
+    from transformers import AutoModelForCausalLM
+    hf = load_file(str(MODELS / "qwen3/model.safetensors"))
+    mindkit("convert", "--to", "megatron", "--input", MODELS / "qwen3", "--output", tmp_path / "m",
+            "--tp", 2, "--pp", 2)
+    for f in rank_files(tmp_path / "m"):
+        obj = load_pt(f)
+        assert obj["args"].qk_layernorm is True and obj["args"].kv_channels == 16
+        pp = int(f.parent.name.split("_")[-1])
+        for j in range(2):
+            for mine, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                got = obj["model"][f"decoder.layers.{j}.self_attention.{mine}.weight"]
+                assert torch.equal(got, hf[f"model.layers.{2 * pp + j}.self_attn.{theirs}.weight"])
+    mindkit("convert", "--to", "megatron", "--input", tmp_path / "m", "--output", tmp_path / "one",
+            "--tp", 1, "--pp", 1)
+    obj = load_pt(rank_files(tmp_path / "one")[0])
+    a = obj["args"]
+    model = gpt_model(a).eval()
+    result = model.load_state_dict(obj["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(0, a.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = AutoModelForCausalLM.from_pretrained(MODELS / "qwen3", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert (logits(model, ids, a.vocab_size) - want).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("layout", ["mcore-te", "legacy"])

@@ -89,3 +89,29 @@ def test_generate_text_equals_transformers(smollm2, hf_model, tokenizer, chat):
             str(STEPS), "--quiet"] + (["--chat"] if chat else [])
     r = subprocess.run(args, capture_output=True, text=True, check=True)
     assert r.stdout == want + "\n"
+
+
+@pytest.mark.parametrize("thinking", [None, "false", "true"])
+def test_qwen3_chat_generation_equals_transformers(assets, tmp_path, thinking):
+    """A tiny random Qwen3 (q/k norms, head_dim ≠ hidden / heads) with the real Qwen3 tokenizer:
+    `mindkit generate --chat [--enable-thinking …]` renders the tokenizer's own chat template as
+    transformers does (enable_thinking passed through, or left undefined) and generates the same
+    greedy text as transformers' generate."""
+    import tiny_qwen3
+    model, tokenizer = tiny_qwen3.build(tmp_path, assets / "qwen3")
+    prompt = "Name three prime numbers."
+    extra = {} if thinking is None else {"enable_thinking": thinking == "true"}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True, **extra)
+    if thinking == "false":
+        assert text.endswith("<think>\n\n</think>\n\n")
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, temperature=None, top_p=None,
+                             top_k=None, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id)
+    want = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    args = [BIN, "generate", "--model", tmp_path, "--prompt", prompt, "--max-new-tokens", "12",
+            "--chat", "--quiet"] + ([] if thinking is None else ["--enable-thinking", thinking])
+    r = subprocess.run([str(a) for a in args], capture_output=True, text=True, check=True)
+    assert r.stdout == want + "\n"

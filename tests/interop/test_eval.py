@@ -30,9 +30,9 @@ def harness_samples(tmp_path, model_dir, task, yaml_text):
     return sorted(out["samples"][task], key=lambda s: s["doc_id"]), out["results"][task]
 
 
-def test_boolq_matches_the_harness(smollm2, testdata, tmp_path):
-    data = testdata / "boolq/dev_200.jsonl"
-    yaml_text = f"""include: {HARNESS_TASKS / "super_glue/boolq/default.yaml"}
+def boolq_yaml(data):
+    """The harness's BoolQ task reading the local file `data`."""
+    return f"""include: {HARNESS_TASKS / "super_glue/boolq/default.yaml"}
 task: boolq_local
 dataset_path: json
 dataset_name: null
@@ -42,6 +42,11 @@ dataset_kwargs:
 training_split: null
 doc_to_target: "{{{{ 1 if label in ['true', True, 1] else 0 }}}}"
 """
+
+
+def test_boolq_matches_the_harness(smollm2, testdata, tmp_path):
+    data = testdata / "boolq/dev_200.jsonl"
+    yaml_text = boolq_yaml(data)
     samples, results = harness_samples(tmp_path, smollm2, "boolq_local", yaml_text)
     log = tmp_path / "mindkit.jsonl"
     out = tmp_path / "results.json"
@@ -64,6 +69,30 @@ doc_to_target: "{{{{ 1 if label in ['true', True, 1] else 0 }}}}"
         harness_lls = [r[0][0] for r in theirs["resps"]]
         assert len(mine["logprobs"]) == len(harness_lls) == 2
         assert mine["prompt"] + mine["choices"][0] == theirs["arguments"][0][0] + theirs["arguments"][0][1]
+        for a, b in zip(mine["logprobs"], harness_lls):
+            assert abs(a - b) <= 1e-3, (mine["doc_id"], mine["logprobs"], harness_lls)
+        assert mine["acc"] == bool(theirs["acc"])
+    acc = json.loads(out.read_text())["results"]["boolq"]["acc,none"]
+    assert acc == pytest.approx(results["acc,none"], abs=1e-12)
+
+
+def test_boolq_on_a_tiny_qwen3_matches_the_harness(assets, testdata, tmp_path):
+    """The Qwen3 family (q/k norms, head_dim ≠ hidden / heads) under `mindkit eval`: BoolQ
+    loglikelihoods within 1e-3 of the harness's and the same accuracy."""
+    import tiny_qwen3
+    model_dir = tmp_path / "qwen3"
+    tiny_qwen3.build(model_dir, assets / "qwen3")
+    data = testdata / "boolq/dev_200.jsonl"
+    yaml_text = boolq_yaml(data)
+    samples, results = harness_samples(tmp_path, model_dir, "boolq_local", yaml_text)
+    log, out = tmp_path / "mindkit.jsonl", tmp_path / "results.json"
+    subprocess.run([BIN, "eval", "--model", model_dir, "--task", "boolq", "--data", data,
+                    "--limit", str(LIMIT), "--batch-size", "4", "--log-samples", log,
+                    "--output", out, "--quiet"], check=True, capture_output=True)
+    ours = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(ours) == len(samples) == LIMIT
+    for mine, theirs in zip(ours, samples):
+        harness_lls = [r[0][0] for r in theirs["resps"]]
         for a, b in zip(mine["logprobs"], harness_lls):
             assert abs(a - b) <= 1e-3, (mine["doc_id"], mine["logprobs"], harness_lls)
         assert mine["acc"] == bool(theirs["acc"])

@@ -35,6 +35,7 @@ def max_diff(a, b):
     ("llama", dict(r=6, lora_alpha=3, use_rslora=True, target_modules=LINEAR,
                    rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 7}), False),
     ("mistral", dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|down_proj)"), True),
+    ("qwen3", dict(r=4, lora_alpha=8, target_modules=LINEAR), True),
 ])
 def test_merge_equals_peft(mindkit, tmp_path, family, kw, safe):
     torch.manual_seed(7)
@@ -50,10 +51,10 @@ def test_merge_equals_peft(mindkit, tmp_path, family, kw, safe):
     assert max_diff(hf_state(tmp_path / "out"), want) <= 1e-6
 
 
-def peft_megatron(tmp_path, mindkit):
-    """GPTModel (tp1) from mindkit's conversion of the llama fixture, wrapped by peft's Megatron
-    LoRA with random factors."""
-    mindkit("convert", "--to", "megatron", "--input", MODELS / "llama", "--output", tmp_path / "base")
+def peft_megatron(tmp_path, mindkit, family):
+    """GPTModel (tp1) from mindkit's conversion of a fixture, wrapped by peft's Megatron LoRA
+    with random factors."""
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "base")
     obj = load_pt(tmp_path / "base/iter_0000001/mp_rank_00/model_optim_rng.pt")
     a = obj["args"]
     model = gpt_model(a).eval()
@@ -85,9 +86,9 @@ def save_megatron(path, args, model):
     (path / "latest_checkpointed_iteration.txt").write_text("1")
 
 
-@pytest.mark.parametrize("unified", [False, True])
-def test_megatron_lora_equals_peft_megatron_merge(mindkit, tmp_path, unified):
-    a, model = peft_megatron(tmp_path, mindkit)
+@pytest.mark.parametrize("family,unified", [("llama", False), ("llama", True), ("qwen3", False)])
+def test_megatron_lora_equals_peft_megatron_merge(mindkit, tmp_path, family, unified):
+    a, model = peft_megatron(tmp_path, mindkit, family)
     sd = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if unified:  # MindSpeed without --lora-ckpt-filter: base_layer weights next to the LoRA
         save_megatron(tmp_path / "lora", a, sd)

@@ -30,11 +30,11 @@ ITERS = 20
 def make_model(out, family, layers=2):
     """A seeded tiny HF model of `family` whose vocabulary is the shipped tokenizer's."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3}[family])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3, "qwen3": 4}[family])
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     elif family == "qwen2":
@@ -44,6 +44,14 @@ def make_model(out, family, layers=2):
             for layer in model.model.layers:
                 for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     p.bias.normal_(std=0.02)
+    elif family == "qwen3":
+        # q/k layernorms, head_dim 32 ≠ hidden / heads = 16 (as Qwen3-0.6B/4B/32B), tied
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                                             use_sliding_window=False))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     else:
         model = MistralForCausalLM(MistralConfig(**common, tie_word_embeddings=True,
                                                  sliding_window=None))
@@ -91,6 +99,8 @@ CASES = {
     "qwen2-bias-tied": ("qwen2", [], {}),
     "mistral-tied-per-token": ("mistral", ["--calculate-per-token-loss", "--eod-mask-loss"],
                                {"per_token": True, "eod_mask_loss": True}),
+    "qwen3-qk-norm-head-dim-tied": ("qwen3", ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec",
+                                              "layer_spec", "--qk-layernorm"], {}),
 }
 
 
@@ -321,8 +331,10 @@ def test_lora_matches_peft(tmp_path, mindkit):
 
 
 @pytest.mark.parametrize("family,chunks,distributed", [("llama", 1, False), ("qwen2", 1, False),
-                                                      ("qwen2", 2, False), ("llama", 2, True)],
-                         ids=["llama", "qwen2", "qwen2-vpp2", "llama-vpp2-distributed-optimizer"])
+                                                      ("qwen2", 2, False), ("llama", 2, True),
+                                                      ("qwen3", 1, False)],
+                         ids=["llama", "qwen2", "qwen2-vpp2", "llama-vpp2-distributed-optimizer",
+                              "qwen3"])
 def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, chunks, distributed):
     """A TP 2 × PP 2 checkpoint (untied GQA; tied with q/k/v biases: the last stage's copy of
     the embedding as its output layer; and tied over four layers in two model chunks per stage)
