@@ -242,11 +242,34 @@ fn has_any_architecture(a: &Args) -> bool {
 pub(super) fn family_name(model_type: &str) -> &str {
     match model_type {
         t if t.starts_with("llama") => "llama",
+        "qwen3" => "qwen3",
+        // qwen3-moe, qwen3-next: families of their own.
+        t if t.starts_with("qwen3") => t,
         t if t.starts_with("qwen") => "qwen2",
-        t if t.starts_with("mistral") => "mistral",
+        // Magistral is a Mistral model (HF model_type "mistral").
+        t if t.starts_with("mistral") || t == "magistral" => "mistral",
         t if t.starts_with("internlm") => "internlm",
         t if t.starts_with("baichuan") => "baichuan",
         t if t.starts_with("aquila") => "aquila",
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::family_name;
+
+    #[test]
+    fn mindspeed_model_types_name_mindkit_families() {
+        for (model_type, family) in [
+            ("llama2", "llama"),
+            ("qwen25", "qwen2"),
+            ("qwen3", "qwen3"),
+            ("qwen3-moe", "qwen3-moe"),
+            ("magistral", "mistral"),
+            ("seed-oss", "seed-oss"),
+        ] {
+            assert_eq!(family_name(model_type), family, "{model_type}");
+        }
     }
 }
