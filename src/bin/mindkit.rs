@@ -16,6 +16,8 @@ use mindkit::ckpt::info;
 use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::data::{gpt_dataset, indexed, inspect, preprocess};
+use mindkit::device;
+use mindkit::engine::Backend;
 use mindkit::eval;
 use mindkit::model::generate;
 
@@ -58,7 +60,7 @@ enum Command {
         /// The device to check: npu (against the CPU backend), or cpu (its backward
         /// operators against finite differences of its forward ones).
         #[arg(long, default_value = "npu")]
-        device: mindkit::engine::DeviceKind,
+        device: mindkit::device::DeviceKind,
         /// Which NPU (as `npu info` numbers them; default 0).
         #[arg(long)]
         npu_id: Option<i32>,
@@ -138,7 +140,7 @@ struct EvalArgs {
     cache: Option<PathBuf>,
     /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
     #[arg(long, default_value = "cpu")]
-    device: mindkit::engine::DeviceKind,
+    device: mindkit::device::DeviceKind,
     /// Which NPU with --device npu (as `npu info` numbers them; default 0).
     #[arg(long)]
     npu_id: Option<i32>,
@@ -184,7 +186,7 @@ struct GenerateArgs {
     stop: Vec<String>,
     /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
     #[arg(long, default_value = "cpu")]
-    device: mindkit::engine::DeviceKind,
+    device: mindkit::device::DeviceKind,
     /// Which NPU with --device npu (as `npu info` numbers them; default 0).
     #[arg(long)]
     npu_id: Option<i32>,
@@ -607,7 +609,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
         Command::Selftest { device, npu_id } => {
-            let (text, passed) = mindkit::npu::selftest(device_kind(device, npu_id)?)?;
+            let (text, passed) = mindkit::device::selftest(device_kind(device, npu_id)?)?;
             print!("{text}");
             if !passed {
                 std::process::exit(1);
@@ -638,9 +640,8 @@ fn run(cli: Cli) -> Result<()> {
                 output: a.output,
                 cache: a.cache,
                 progress: !a.quiet,
-                device: device_kind(a.device, a.npu_id)?,
             };
-            let report = eval::run(&opts)?;
+            let report = device::run(device_kind(a.device, a.npu_id)?, opts.prepare()?)?;
             // The table first: a results file that cannot be written loses nothing shown.
             print!("{}", report.table);
             if let Some(path) = &opts.output {
@@ -699,6 +700,21 @@ fn samples_command(a: SamplesArgs) -> Result<()> {
     Ok(())
 }
 
+/// `generate` on the backend `--device` names: the request prepared, and where the text goes.
+/// (A job of the binary's: the model, where generation lives, sits below the device choice.)
+struct Generate<'a, F> {
+    prepared: generate::Prepared<'a>,
+    on_text: F,
+}
+
+impl<F: FnMut(&str)> device::Job for Generate<'_, F> {
+    type Output = (generate::Generation, generate::GenerateStats);
+
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Output> {
+        self.prepared.run(&backend, self.on_text)
+    }
+}
+
 fn generate_command(a: GenerateArgs) -> Result<()> {
     use std::io::Write;
     let request = generate::GenerateRequest {
@@ -718,13 +734,17 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
             stop: a.stop,
             eos: Vec::new(),
         },
-        device: device_kind(a.device, a.npu_id)?,
     };
+    let device = device_kind(a.device, a.npu_id)?;
     let mut out = std::io::stdout().lock();
-    let (g, stats) = generate::run(&request, |piece| {
-        // A closed stdout (a pipe to `head`) ends the output, not the run.
-        let _ = out.write_all(piece.as_bytes()).and_then(|()| out.flush());
-    })?;
+    let job = Generate {
+        prepared: request.prepare()?,
+        on_text: |piece: &str| {
+            // A closed stdout (a pipe to `head`) ends the output, not the run.
+            let _ = out.write_all(piece.as_bytes()).and_then(|()| out.flush());
+        },
+    };
+    let (g, stats) = device::run(device, job)?;
     let _ = writeln!(out);
     if !a.quiet {
         eprintln!(
@@ -760,8 +780,8 @@ fn main() -> ExitCode {
 
 /// `--device` with `--npu-id` applied.
 fn device_kind(
-    device: mindkit::engine::DeviceKind,
+    device: mindkit::device::DeviceKind,
     npu_id: Option<i32>,
-) -> anyhow::Result<mindkit::engine::DeviceKind> {
+) -> anyhow::Result<mindkit::device::DeviceKind> {
     device.with_npu_id(npu_id).map_err(anyhow::Error::msg)
 }
