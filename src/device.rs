@@ -42,6 +42,28 @@ impl DeviceKind {
     }
 }
 
+/// `--device` and `--npu-id`, as every subcommand that computes takes them (`train` reads the
+/// same two flags among Megatron's and applies [`DeviceKind::with_npu_id`] alike). A
+/// subcommand with another default or help text changes them with clap's `mut_arg`.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct DeviceArgs {
+    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
+    #[arg(long)]
+    pub npu_id: Option<i32>,
+}
+
+impl DeviceArgs {
+    /// The device named, `--npu-id` applied ([`DeviceKind::with_npu_id`]).
+    pub fn kind(&self) -> anyhow::Result<DeviceKind> {
+        self.device
+            .with_npu_id(self.npu_id)
+            .map_err(anyhow::Error::msg)
+    }
+}
+
 /// Work written once for every backend.
 pub trait Job {
     /// What the work gives.
@@ -83,6 +105,42 @@ pub fn selftest(device: DeviceKind) -> anyhow::Result<(String, bool)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        device: DeviceArgs,
+    }
+
+    fn kind(args: &[&str]) -> Result<DeviceKind, String> {
+        let cli = Cli::try_parse_from([&["mindkit"], args].concat()).map_err(|e| e.to_string())?;
+        cli.device.kind().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn device_args_name_the_cpu_by_default_and_an_npu_by_number() {
+        assert_eq!(kind(&[]), Ok(DeviceKind::Cpu));
+        assert_eq!(kind(&["--device", "npu"]), Ok(DeviceKind::Npu(0)));
+        assert_eq!(
+            kind(&["--device", "npu", "--npu-id", "3"]),
+            Ok(DeviceKind::Npu(3))
+        );
+    }
+
+    #[test]
+    fn device_args_refuse_an_npu_id_that_means_nothing() {
+        assert_eq!(
+            kind(&["--npu-id", "1"]),
+            Err("--npu-id needs --device npu".into())
+        );
+        assert_eq!(
+            kind(&["--device", "npu", "--npu-id=-1"]),
+            Err("--npu-id -1: not a device number".into())
+        );
+        let err = kind(&["--device", "gpu"]).unwrap_err();
+        assert!(err.contains("unknown device \"gpu\" (cpu or npu)"), "{err}");
+    }
 
     #[test]
     fn a_job_runs_on_the_cpu_backend() {

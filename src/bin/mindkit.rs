@@ -16,7 +16,7 @@ use mindkit::ckpt::info;
 use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::data::{gpt_dataset, indexed, inspect, preprocess};
-use mindkit::device;
+use mindkit::device::{self, DeviceArgs};
 use mindkit::engine::Backend;
 use mindkit::eval;
 use mindkit::model::generate;
@@ -56,14 +56,16 @@ enum Command {
     Npu(NpuCommand),
     /// Check every operator of a device's backend against the CPU backend (random inputs,
     /// each dtype, forward and backward): the first command to run on a new machine.
+    #[command(
+        mut_arg("device", |a| a.default_value("npu").help(
+            "The device to check: npu (against the CPU backend), or cpu (its backward \
+             operators against finite differences of its forward ones)"
+        )),
+        mut_arg("npu_id", |a| a.help("Which NPU (as `npu info` numbers them; default 0)"))
+    )]
     Selftest {
-        /// The device to check: npu (against the CPU backend), or cpu (its backward
-        /// operators against finite differences of its forward ones).
-        #[arg(long, default_value = "npu")]
-        device: mindkit::device::DeviceKind,
-        /// Which NPU (as `npu info` numbers them; default 0).
-        #[arg(long)]
-        npu_id: Option<i32>,
+        #[command(flatten)]
+        device: DeviceArgs,
     },
     /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
     /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
@@ -138,12 +140,8 @@ struct EvalArgs {
     /// interruption, or with other reporting options) computes only what is missing.
     #[arg(long)]
     cache: Option<PathBuf>,
-    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
-    #[arg(long, default_value = "cpu")]
-    device: mindkit::device::DeviceKind,
-    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
-    #[arg(long)]
-    npu_id: Option<i32>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -184,12 +182,8 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
-    #[arg(long, default_value = "cpu")]
-    device: mindkit::device::DeviceKind,
-    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
-    #[arg(long)]
-    npu_id: Option<i32>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// No summary line on stderr.
     #[arg(long)]
     quiet: bool,
@@ -608,8 +602,8 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
         Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
-        Command::Selftest { device, npu_id } => {
-            let (text, passed) = mindkit::device::selftest(device_kind(device, npu_id)?)?;
+        Command::Selftest { device } => {
+            let (text, passed) = mindkit::device::selftest(device.kind()?)?;
             print!("{text}");
             if !passed {
                 std::process::exit(1);
@@ -641,7 +635,7 @@ fn run(cli: Cli) -> Result<()> {
                 cache: a.cache,
                 progress: !a.quiet,
             };
-            let report = device::run(device_kind(a.device, a.npu_id)?, opts.prepare()?)?;
+            let report = device::run(a.device.kind()?, opts.prepare()?)?;
             // The table first: a results file that cannot be written loses nothing shown.
             print!("{}", report.table);
             if let Some(path) = &opts.output {
@@ -735,7 +729,7 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
             eos: Vec::new(),
         },
     };
-    let device = device_kind(a.device, a.npu_id)?;
+    let device = a.device.kind()?;
     let mut out = std::io::stdout().lock();
     let job = Generate {
         prepared: request.prepare()?,
@@ -776,12 +770,4 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// `--device` with `--npu-id` applied.
-fn device_kind(
-    device: mindkit::device::DeviceKind,
-    npu_id: Option<i32>,
-) -> anyhow::Result<mindkit::device::DeviceKind> {
-    device.with_npu_id(npu_id).map_err(anyhow::Error::msg)
 }
