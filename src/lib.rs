@@ -15,10 +15,11 @@
 //! | 1 | [`data`] | records → Megatron `.bin/.idx` (`preprocess`, handlers, tokenizer), `IndexedDataset`, `GPTDataset` / `BlendedDataset` samples, the fine-tuning dataset, `data info/show` |
 //! | 1 | [`engine`] | the compute contract: `Device` (memory, transfers, capabilities) and `Backend` ops as forward/backward pairs with their shape contract (`check`), the collectives' contract (`comm::Communicator`; on the CPU, ranks as threads or as processes joined by sockets: `cpu::comm`), the CPU backend every other backend is checked against, and `selftest` (a backend against the CPU; the CPU's gradients against finite differences) |
 //! | 2 | [`ckpt`] | checkpoint formats (`torch` pickle reader/writer, `hf` safetensors, `megatron` directories; `config` reads and writes `ModelConfig`), what a tensor becomes across TP/PP (`transform`, `layout`), `convert`, `ckpt info`, `lora` |
+//! | 2 | [`npu`] | Ascend NPUs through CANN, loaded at run time (`crates/ascendcl-sys`): `npu info`, the engine's backend on aclnn operators (one stream, caching pool), HCCL's collectives (`comm`) |
 //! | 3 | [`model`] | the decoder of every family on any `Backend`, written once: one layer (`layer`) composed of an attention kind (`attention`: GQA, with optional q/k head norms) and an MLP kind (`mlp`: dense SwiGLU), stacked for training (`decoder`: forward returns what backward consumes) and inference (`Model`, with a KV cache); the parameter table, tensor parallelism's collectives (`parallel`), KV-cached generation |
-//! | 2 | [`npu`] | Ascend NPUs through CANN, loaded at run time (`crates/ascendcl-sys`): `npu info`, the engine's backend on aclnn operators (one stream, caching pool), HCCL's collectives (`comm`), `selftest`, and `with_backend!`, which runs a command on the device `--device` names |
-//! | 4 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
-//! | 4 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints; tensor-, pipeline- (1F1B, or interleaved over model chunks) and data-parallel ranks as threads or as a launcher's processes (`store`: torch's TCPStore, torchrun / Slurm environments; `parallel`: megatron-core's rank layout, groups and pipeline stages; `pipeline`: the schedules); by job: `launch` (ranks as threads, processes or HCCL groups; the only file of `train` that imports `npu`), `trainer` (the state and the loop), `step` (one step through the pipeline schedule), `finalize` (gradient and loss sums, norms: `finalize_model_grads`), `resume` (checkpoints restored and saved; formats in `checkpoint`), `init`, `datasets`, `report` |
+//! | 4 | [`device`] | the one place `--device` / `--npu-id` become a backend (`DeviceKind`, clap's `DeviceArgs`): `run` runs a `Job` (work written once over any `Backend`) on the CPU or the NPU named; `selftest`'s dispatch |
+//! | 5 | [`eval`] | `mindkit eval`: BoolQ / MMLU / GSM8K as lm-evaluation-harness scores them |
+//! | 5 | [`train`] | `mindkit train`: Megatron-LM flags, samples, loss, AdamW, schedule, logging, checkpoints; tensor-, pipeline- (1F1B, or interleaved over model chunks) and data-parallel ranks as threads or as a launcher's processes (`store`: torch's TCPStore, torchrun / Slurm environments; `parallel`: megatron-core's rank layout, groups and pipeline stages; `pipeline`: the schedules); by job: `launch` (ranks as threads, processes or HCCL groups; the only file of `train` that imports `npu`), `trainer` (the state and the loop), `step` (one step through the pipeline schedule), `finalize` (gradient and loss sums, norms: `finalize_model_grads`), `resume` (checkpoints restored and saved; formats in `checkpoint`), `init`, `datasets`, `report` |
 //! | – | [`fuzzing`] | entry points for the cargo-fuzz targets in `fuzz/` and their seed inputs |
 //!
 //! # Errors
@@ -40,6 +41,7 @@
 pub mod arch;
 pub mod ckpt;
 pub mod data;
+pub mod device;
 pub mod engine;
 pub mod eval;
 pub mod fuzzing;

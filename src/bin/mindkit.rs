@@ -16,6 +16,8 @@ use mindkit::ckpt::info;
 use mindkit::ckpt::layout::KeyLayout;
 use mindkit::ckpt::lora;
 use mindkit::data::{gpt_dataset, indexed, inspect, preprocess};
+use mindkit::device::{self, DeviceArgs};
+use mindkit::engine::Backend;
 use mindkit::eval;
 use mindkit::model::generate;
 
@@ -54,14 +56,16 @@ enum Command {
     Npu(NpuCommand),
     /// Check every operator of a device's backend against the CPU backend (random inputs,
     /// each dtype, forward and backward): the first command to run on a new machine.
+    #[command(
+        mut_arg("device", |a| a.default_value("npu").help(
+            "The device to check: npu (against the CPU backend), or cpu (its backward \
+             operators against finite differences of its forward ones)"
+        )),
+        mut_arg("npu_id", |a| a.help("Which NPU (as `npu info` numbers them; default 0)"))
+    )]
     Selftest {
-        /// The device to check: npu (against the CPU backend), or cpu (its backward
-        /// operators against finite differences of its forward ones).
-        #[arg(long, default_value = "npu")]
-        device: mindkit::engine::DeviceKind,
-        /// Which NPU (as `npu info` numbers them; default 0).
-        #[arg(long)]
-        npu_id: Option<i32>,
+        #[command(flatten)]
+        device: DeviceArgs,
     },
     /// Train (pretraining) as Megatron-LM / MindSpeed-LLM would, with their flags: replace
     /// `torchrun … pretrain_gpt.py` by `mindkit train` (`mindkit train --help` lists every flag).
@@ -136,12 +140,8 @@ struct EvalArgs {
     /// interruption, or with other reporting options) computes only what is missing.
     #[arg(long)]
     cache: Option<PathBuf>,
-    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
-    #[arg(long, default_value = "cpu")]
-    device: mindkit::engine::DeviceKind,
-    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
-    #[arg(long)]
-    npu_id: Option<i32>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -186,12 +186,8 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Compute device: cpu, or npu (Ascend, through CANN's libraries found at run time).
-    #[arg(long, default_value = "cpu")]
-    device: mindkit::engine::DeviceKind,
-    /// Which NPU with --device npu (as `npu info` numbers them; default 0).
-    #[arg(long)]
-    npu_id: Option<i32>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// No summary line on stderr.
     #[arg(long)]
     quiet: bool,
@@ -610,8 +606,8 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
         Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
-        Command::Selftest { device, npu_id } => {
-            let (text, passed) = mindkit::npu::selftest(device_kind(device, npu_id)?)?;
+        Command::Selftest { device } => {
+            let (text, passed) = mindkit::device::selftest(device.kind()?)?;
             print!("{text}");
             if !passed {
                 std::process::exit(1);
@@ -642,9 +638,8 @@ fn run(cli: Cli) -> Result<()> {
                 output: a.output,
                 cache: a.cache,
                 progress: !a.quiet,
-                device: device_kind(a.device, a.npu_id)?,
             };
-            let report = eval::run(&opts)?;
+            let report = device::run(a.device.kind()?, opts.prepare()?)?;
             // The table first: a results file that cannot be written loses nothing shown.
             print!("{}", report.table);
             if let Some(path) = &opts.output {
@@ -703,6 +698,21 @@ fn samples_command(a: SamplesArgs) -> Result<()> {
     Ok(())
 }
 
+/// `generate` on the backend `--device` names: the request prepared, and where the text goes.
+/// (A job of the binary's: the model, where generation lives, sits below the device choice.)
+struct Generate<'a, F> {
+    prepared: generate::Prepared<'a>,
+    on_text: F,
+}
+
+impl<F: FnMut(&str)> device::Job for Generate<'_, F> {
+    type Output = (generate::Generation, generate::GenerateStats);
+
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Output> {
+        self.prepared.run(&backend, self.on_text)
+    }
+}
+
 fn generate_command(a: GenerateArgs) -> Result<()> {
     use std::io::Write;
     let request = generate::GenerateRequest {
@@ -723,13 +733,17 @@ fn generate_command(a: GenerateArgs) -> Result<()> {
             stop: a.stop,
             eos: Vec::new(),
         },
-        device: device_kind(a.device, a.npu_id)?,
     };
+    let device = a.device.kind()?;
     let mut out = std::io::stdout().lock();
-    let (g, stats) = generate::run(&request, |piece| {
-        // A closed stdout (a pipe to `head`) ends the output, not the run.
-        let _ = out.write_all(piece.as_bytes()).and_then(|()| out.flush());
-    })?;
+    let job = Generate {
+        prepared: request.prepare()?,
+        on_text: |piece: &str| {
+            // A closed stdout (a pipe to `head`) ends the output, not the run.
+            let _ = out.write_all(piece.as_bytes()).and_then(|()| out.flush());
+        },
+    };
+    let (g, stats) = device::run(device, job)?;
     let _ = writeln!(out);
     if !a.quiet {
         eprintln!(
@@ -761,12 +775,4 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// `--device` with `--npu-id` applied.
-fn device_kind(
-    device: mindkit::engine::DeviceKind,
-    npu_id: Option<i32>,
-) -> anyhow::Result<mindkit::engine::DeviceKind> {
-    device.with_npu_id(npu_id).map_err(anyhow::Error::msg)
 }

@@ -60,40 +60,6 @@ pub enum EngineError {
     Unavailable(&'static str, String),
 }
 
-/// The devices `--device` names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DeviceKind {
-    /// The host CPU ([`cpu::Cpu`]).
-    #[default]
-    Cpu,
-    /// Ascend NPU number `.0` through CANN (`crate::npu::Npu`).
-    Npu(i32),
-}
-
-impl std::str::FromStr for DeviceKind {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "npu" => Ok(DeviceKind::Npu(0)),
-            other => Err(format!("unknown device {other:?} (cpu or npu)")),
-        }
-    }
-}
-
-impl DeviceKind {
-    /// The device with `--npu-id` applied: an NPU's number; an error with another device,
-    /// where it would mean nothing.
-    pub fn with_npu_id(self, id: Option<i32>) -> std::result::Result<Self, String> {
-        match (self, id) {
-            (_, None) => Ok(self),
-            (DeviceKind::Npu(_), Some(id)) if id >= 0 => Ok(DeviceKind::Npu(id)),
-            (DeviceKind::Npu(_), Some(id)) => Err(format!("--npu-id {id}: not a device number")),
-            (DeviceKind::Cpu, Some(_)) => Err("--npu-id needs --device npu".into()),
-        }
-    }
-}
-
 /// A result of the engine.
 pub type Result<T> = std::result::Result<T, EngineError>;
 

@@ -11,6 +11,7 @@ mod pyrandom;
 
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
 use crate::data::tokenizer::HfTokenizer;
+use crate::device::Job;
 use crate::engine::Backend;
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
 use crate::model::Model;
@@ -86,8 +87,6 @@ pub struct EvalOptions {
     pub cache: Option<PathBuf>,
     /// Show a progress bar.
     pub progress: bool,
-    /// The compute device.
-    pub device: crate::engine::DeviceKind,
 }
 
 impl EvalOptions {
@@ -222,18 +221,42 @@ fn mean_stderr(hits: &[bool]) -> f64 {
     (var / n).sqrt()
 }
 
-/// Run a task.
-pub fn run(o: &EvalOptions) -> Result<EvalReport> {
-    let start = Instant::now();
-    o.check()?;
-    let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
-    let tokenizer = HfTokenizer::load(tok_path)?;
-    crate::npu::with_backend!(o.device, |backend| evaluate_on(
-        &backend, o, &tokenizer, start
-    ))
+/// Options checked and the tokenizer loaded ([`EvalOptions::prepare`]): what can fail before a
+/// device is opened has been tried. As a [`Job`], it runs the task on a backend
+/// ([`crate::device::run`]).
+pub struct Prepared<'a> {
+    options: &'a EvalOptions,
+    tokenizer: HfTokenizer,
+    /// When preparing began (the report's time counts from it).
+    start: Instant,
 }
 
-/// [`run`] on `backend`.
+impl EvalOptions {
+    /// Check the options ([`EvalOptions::check`]) and load the tokenizer, before any device is
+    /// opened.
+    pub fn prepare(&self) -> Result<Prepared<'_>> {
+        let start = Instant::now();
+        self.check()?;
+        let tok_path = self.tokenizer.as_deref().unwrap_or(&self.model);
+        let tokenizer = HfTokenizer::load(tok_path)?;
+        Ok(Prepared {
+            options: self,
+            tokenizer,
+            start,
+        })
+    }
+}
+
+impl Job for Prepared<'_> {
+    type Output = EvalReport;
+
+    /// Run the task on `backend`.
+    fn run<B: Backend>(self, backend: B) -> Result<EvalReport> {
+        evaluate_on(&backend, self.options, &self.tokenizer, self.start)
+    }
+}
+
+/// [`Prepared`]'s run on `backend`.
 fn evaluate_on<B: Backend>(
     backend: &B,
     o: &EvalOptions,

@@ -343,8 +343,6 @@ pub struct GenerateRequest {
     pub enable_thinking: Option<bool>,
     /// What to generate.
     pub options: GenerateOptions,
-    /// The compute device.
-    pub device: crate::engine::DeviceKind,
 }
 
 /// What a generation took.
@@ -358,18 +356,42 @@ pub struct GenerateStats {
     pub seconds: f64,
 }
 
-/// Load the model and tokenizer of `r`, build the prompt and generate, streaming text.
-pub fn run(r: &GenerateRequest, on_text: impl FnMut(&str)) -> Result<(Generation, GenerateStats)> {
-    let start = Instant::now();
-    r.options.sampling.check()?;
-    let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
-    let tokenizer = HfTokenizer::load(tok_path)?;
-    crate::npu::with_backend!(r.device, |backend| {
-        generate_on(&backend, r, &tokenizer, on_text, start)
-    })
+/// A request checked and its tokenizer loaded ([`GenerateRequest::prepare`]): what can fail
+/// before a device is opened has been tried. [`Prepared::run`] generates on a backend.
+pub struct Prepared<'a> {
+    request: &'a GenerateRequest,
+    tokenizer: HfTokenizer,
+    /// When preparing began (the load time counts from it).
+    start: Instant,
 }
 
-/// [`run`] on `backend`.
+impl GenerateRequest {
+    /// Check the sampling options and load the tokenizer, before any device is opened.
+    pub fn prepare(&self) -> Result<Prepared<'_>> {
+        let start = Instant::now();
+        self.options.sampling.check()?;
+        let tok_path = self.tokenizer.as_deref().unwrap_or(&self.model);
+        let tokenizer = HfTokenizer::load(tok_path)?;
+        Ok(Prepared {
+            request: self,
+            tokenizer,
+            start,
+        })
+    }
+}
+
+impl Prepared<'_> {
+    /// Load the model on `backend`, build the prompt and generate, streaming text.
+    pub fn run<B: Backend>(
+        self,
+        backend: &B,
+        on_text: impl FnMut(&str),
+    ) -> Result<(Generation, GenerateStats)> {
+        generate_on(backend, self.request, &self.tokenizer, on_text, self.start)
+    }
+}
+
+/// [`Prepared::run`].
 fn generate_on<B: Backend>(
     backend: &B,
     r: &GenerateRequest,

@@ -3,25 +3,6 @@
 //! caching memory pool (`context.rs`, `memory.rs`), aclnn descriptors (`descriptor.rs`), the
 //! operators (`backend.rs`), and HCCL's collectives between NPUs (`comm.rs`).
 
-/// Evaluate `$body` with `$b` bound to the backend `$kind` names: the CPU backend, or the
-/// NPU it numbers, opened (its error, e.g. no CANN, returned with `?`). The body is compiled
-/// for each backend.
-macro_rules! with_backend {
-    ($kind:expr, |$b:ident| $body:expr) => {
-        match $kind {
-            $crate::engine::DeviceKind::Cpu => {
-                let $b = $crate::engine::cpu::Cpu;
-                $body
-            }
-            $crate::engine::DeviceKind::Npu(id) => {
-                let $b = $crate::npu::Npu::open(id)?;
-                $body
-            }
-        }
-    };
-}
-pub(crate) use with_backend;
-
 mod backend;
 pub mod comm;
 mod context;
@@ -29,8 +10,6 @@ mod descriptor;
 mod memory;
 
 pub use backend::{Npu, NpuTensor};
-
-use crate::engine::{selftest, Device, DeviceKind};
 
 use ascendcl_sys::{
     aclError, Acl, ACL_ERROR_REPEAT_INITIALIZE, ACL_HBM_MEM, ACL_PKG_NAME_CANN, ACL_SUCCESS,
@@ -153,25 +132,4 @@ pub fn info() -> Result<String, NpuError> {
         );
     }
     Ok(out)
-}
-
-/// `mindkit selftest`: the report and whether every check passed. On `npu`, every operator of
-/// the NPU backend against the CPU backend; on `cpu`, the CPU backend's backward operators
-/// against finite differences ([`crate::engine::selftest`]).
-pub fn selftest(device: DeviceKind) -> anyhow::Result<(String, bool)> {
-    let (title, name, checks) = match device {
-        DeviceKind::Npu(id) => {
-            let npu = Npu::open(id)?;
-            let checks = selftest::run(&npu)?;
-            let name = npu.describe();
-            (format!("{name} against the cpu backend"), name, checks)
-        }
-        DeviceKind::Cpu => (
-            "cpu: backward operators against finite differences of the forward ones".into(),
-            "cpu".into(),
-            selftest::gradients()?,
-        ),
-    };
-    let passed = checks.iter().all(selftest::Check::passed);
-    Ok((selftest::report(&title, &name, &checks), passed))
 }

@@ -7,9 +7,10 @@ use super::config::{self, TrainConfig};
 use super::parallel::{Axis, Layout};
 use super::trainer::Trainer;
 use super::{args, store, TrainSummary};
+use crate::device::{self, DeviceKind, Job};
 use crate::engine::comm::Communicator;
 use crate::engine::cpu::Cpu;
-use crate::engine::{Backend, DeviceKind, EngineError};
+use crate::engine::{Backend, EngineError};
 use crate::npu::comm::Hccl;
 use crate::npu::Npu;
 use anyhow::{anyhow, bail, Context, Result};
@@ -23,7 +24,7 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
     let device = parsed
         .get("device")
         .unwrap_or("cpu")
-        .parse::<crate::engine::DeviceKind>()
+        .parse::<DeviceKind>()
         .map_err(|e| anyhow!("--device: {e}"))?;
     let npu_id = parsed
         .get("npu-id")
@@ -51,10 +52,28 @@ pub fn run(argv: &[String]) -> Result<TrainSummary> {
         return on_threads(config::resolve(&parsed)?, quiet, device);
     }
     // The device first: without CANN, `--device npu` says so before the flags are read.
-    crate::npu::with_backend!(device, |backend| {
-        let cfg = config::resolve(&parsed)?;
-        Trainer::new(backend, cfg, quiet, Groups::alone())?.train()
-    })
+    device::run(
+        device,
+        Alone {
+            parsed: &parsed,
+            quiet,
+        },
+    )
+}
+
+/// A single rank on the backend `--device` names: the flags resolved once it is open.
+struct Alone<'a> {
+    parsed: &'a args::Args,
+    quiet: bool,
+}
+
+impl Job for Alone<'_> {
+    type Output = TrainSummary;
+
+    fn run<B: Backend>(self, backend: B) -> Result<TrainSummary> {
+        let cfg = config::resolve(self.parsed)?;
+        Trainer::new(backend, cfg, self.quiet, Groups::alone())?.train()
+    }
 }
 
 /// A group's collectives on a backend's tensors.
