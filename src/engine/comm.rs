@@ -8,6 +8,12 @@
 //! a call whose ranks disagree fails on all of them, naming the ranks and the values, and a
 //! rank that left the group, or does not arrive within the group's timeout, fails the call on
 //! the others — a job never hangs on a dead rank.
+//!
+//! Host values — a scalar sum, a flag, the loss sums of a batch, a directory's name — have
+//! collectives of their own ([`Communicator::all_reduce_f32`], [`Communicator::all_gather_bytes`],
+//! [`Communicator::broadcast_bytes`] and those built on them), so that callers never stage them
+//! in tensors; where a communicator moves device memory only (HCCL), its implementation stages
+//! them in one small device buffer.
 
 use super::{EngineError, Result};
 use crate::tensor::DType;
@@ -22,6 +28,10 @@ pub enum ReduceOp {
     /// The largest (found-inf flags, the max norm).
     Max,
 }
+
+/// The most bytes a host-value collective carries from one rank: host values are scalars,
+/// flags, names and a batch's loss sums, never tensors. A call over it fails on every rank.
+pub const MAX_HOST_BYTES: usize = 1 << 20;
 
 /// Collectives among the ranks of one group.
 pub trait Communicator {
@@ -53,6 +63,82 @@ pub trait Communicator {
 
     /// `x` = what rank `from` sends next (the same number of elements and dtype).
     fn recv(&self, x: &mut Self::Tensor, from: usize) -> Result<()>;
+
+    /// `values = op` over every rank's host `values` (as many on each), in f32 with the bits
+    /// an all-reduce of an f32 tensor of them gives on this communicator: summed in rank
+    /// order on the CPU, in HCCL's order on NPUs (where Megatron's f32 all-reduces of its
+    /// norms, counts and flags run too).
+    fn all_reduce_f32(&self, values: &mut [f32], op: ReduceOp) -> Result<()>;
+
+    /// Every rank's host `bytes` in rank order, concatenated. Every rank hands in as many, at
+    /// most [`MAX_HOST_BYTES`]; ranks whose lengths disagree fail together, naming them.
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>>;
+
+    /// `bytes` = rank `root`'s host bytes, at most [`MAX_HOST_BYTES`] (more fails on every
+    /// rank). The root's length travels first: the other ranks' `bytes`, of any length, are
+    /// replaced.
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>, root: usize) -> Result<()>;
+
+    /// `values = op` over every rank's host `values` (as many on each), in f64, in rank
+    /// order: the same bits on every communicator (gathered with
+    /// [`Communicator::all_gather_bytes`], then reduced here — HCCL reduces no f64).
+    fn all_reduce_f64(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
+        let mine: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let all: Vec<f64> = (self.all_gather_bytes(&mine)?.chunks_exact(8))
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        let n = values.len().max(1);
+        for (i, v) in values.iter_mut().enumerate() {
+            // rank r's i-th value is at r·n + i
+            let mut by_rank = all.iter().skip(i).step_by(n).copied();
+            *v = by_rank.next().unwrap_or(*v);
+            for x in by_rank {
+                *v = match op {
+                    ReduceOp::Sum => *v + x,
+                    ReduceOp::Max => v.max(x),
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's host `values` in rank order, concatenated (as many on each: an
+    /// [`Communicator::all_gather_bytes`] of them).
+    fn all_gather_f32(&self, values: &[f32]) -> Result<Vec<f32>> {
+        Ok(floats(&self.all_gather_bytes(&float_bytes(values))?))
+    }
+
+    /// `values` = rank `root`'s host `values` (a [`Communicator::broadcast_bytes`] of them); a
+    /// rank expecting another number of them than the root sends fails, naming both.
+    fn broadcast_f32(&self, values: &mut [f32], root: usize) -> Result<()> {
+        let mut bytes = float_bytes(values);
+        self.broadcast_bytes(&mut bytes, root)?;
+        if bytes.len() != 4 * values.len() {
+            return Err(EngineError::Collective {
+                rank: self.rank(),
+                msg: format!(
+                    "broadcast_f32: rank {root} sends {} bytes, rank {} expects {} values",
+                    bytes.len(),
+                    self.rank(),
+                    values.len()
+                ),
+            });
+        }
+        values.copy_from_slice(&floats(&bytes));
+        Ok(())
+    }
+}
+
+/// f32 values as little-endian bytes.
+fn float_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Little-endian bytes as f32 values (a trailing partial value is dropped).
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    (bytes.chunks_exact(4))
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect()
 }
 
 /// What a tensor weighs when handed to a collective: its elements × its dtype's bytes.
@@ -99,10 +185,14 @@ impl<T: Payload> Counted<T> {
     }
 
     fn count(&self, name: &'static str, x: &T) {
+        self.tally(name, x.payload_bytes());
+    }
+
+    fn tally(&self, name: &'static str, bytes: u64) {
         let mut counts = self.counts.borrow_mut();
         let c = counts.entry(name).or_default();
         c.calls += 1;
-        c.bytes += x.payload_bytes();
+        c.bytes += bytes;
     }
 }
 
@@ -145,6 +235,31 @@ impl<T: Payload> Communicator for Counted<T> {
     fn recv(&self, x: &mut T, from: usize) -> Result<()> {
         self.count("recv", x);
         self.inner.recv(x, from)
+    }
+
+    // Host values count as the collective they are, by the bytes they weigh (an f32 as 4, as
+    // the tensor that carried it before counted it).
+
+    fn all_reduce_f32(&self, values: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.tally("all_reduce", 4 * values.len() as u64);
+        self.inner.all_reduce_f32(values, op)
+    }
+
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        self.tally("all_gather", bytes.len() as u64);
+        self.inner.all_gather_bytes(bytes)
+    }
+
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+        // only the root knows the length before the call
+        let done = self.inner.broadcast_bytes(bytes, root);
+        self.tally("broadcast", bytes.len() as u64);
+        done
+    }
+
+    fn all_reduce_f64(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
+        self.tally("all_reduce", 8 * values.len() as u64);
+        self.inner.all_reduce_f64(values, op)
     }
 }
 

@@ -4,18 +4,22 @@
 //! through torchrun's store: [`HcclRootInfo::to_bytes`] / [`HcclRootInfo::from_bytes`]); ranks
 //! may also join by a rank table file ([`Hccl::join_table`]). Collectives are queued on the
 //! device's one stream, like its operators, in place where HCCL allows it (all-reduce,
-//! broadcast).
+//! broadcast). HCCL moves device memory only: host values ride one small device block per
+//! call ([`Hccl::through_device`]), their lengths sent ahead of them.
 
 use super::backend::{Npu, NpuTensor};
 use super::context::Context;
 use super::NpuError;
-use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, Payload, ReduceOp};
+use crate::engine::comm::{
+    expect_multiple, expect_rank, Communicator, Layout, Payload, ReduceOp, MAX_HOST_BYTES,
+};
 use crate::engine::{EngineError, Result};
 use crate::tensor::DType;
 pub use hccl_sys::HcclRootInfo;
 use hccl_sys::{
     HcclDataType, HcclResult, HCCL_DATA_TYPE_BFP16, HCCL_DATA_TYPE_FP16, HCCL_DATA_TYPE_FP32,
-    HCCL_DATA_TYPE_INT32, HCCL_DATA_TYPE_INT64, HCCL_REDUCE_MAX, HCCL_REDUCE_SUM, HCCL_SUCCESS,
+    HCCL_DATA_TYPE_INT32, HCCL_DATA_TYPE_INT64, HCCL_DATA_TYPE_UINT8, HCCL_REDUCE_MAX,
+    HCCL_REDUCE_SUM, HCCL_SUCCESS,
 };
 use std::ffi::{c_void, CString};
 use std::os::unix::ffi::OsStrExt;
@@ -197,6 +201,74 @@ impl Hccl {
         let code = self.ctx.on_stream(call)?;
         self.done(name, code)
     }
+
+    /// Host `bytes` through the device, the one place host values ride it: copied into a
+    /// block with `room` bytes after them, HCCL's `call` (`name`) queued over it (given the
+    /// bytes' address, the room's and the stream), then the `room` bytes read back — or, with
+    /// no room, the bytes' own (in place).
+    fn through_device(
+        &self,
+        name: &str,
+        bytes: Vec<u8>,
+        room: usize,
+        call: impl FnOnce(*mut c_void, *mut c_void, *mut c_void) -> HcclResult,
+    ) -> Result<Vec<u8>> {
+        let len = bytes.len();
+        let block = self.ctx.alloc(len + room)?;
+        let (at, after) = (block.ptr, block.ptr + len);
+        self.ctx.upload(at, bytes)?;
+        self.queue(name, |s| call(at as *mut c_void, after as *mut c_void, s))?;
+        let out = match room {
+            0 => self.ctx.download(at, len)?,
+            _ => self.ctx.download(after, room)?,
+        };
+        Ok(out)
+    }
+
+    /// `bytes` (`count` of them on every rank) from rank `root` to the others, in place.
+    fn broadcast_host(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        let f = self.lib.api.HcclBroadcast;
+        let count = bytes.len() as u64;
+        // SAFETY: the block holds `count` bytes.
+        self.through_device("HcclBroadcast", bytes, 0, |at, _, s| unsafe {
+            f(at, count, HCCL_DATA_TYPE_UINT8, root as u32, self.comm, s)
+        })
+    }
+
+    /// Every rank's `bytes` (as many on every rank), in rank order.
+    fn all_gather_host(&self, bytes: Vec<u8>) -> Result<Vec<u8>> {
+        let f = self.lib.api.HcclAllGather;
+        let count = bytes.len() as u64;
+        // SAFETY: the block holds `count` bytes, then room for `size` × `count`.
+        self.through_device(
+            "HcclAllGather",
+            bytes,
+            self.size * count as usize,
+            |at, room, s| unsafe { f(at, room, count, HCCL_DATA_TYPE_UINT8, self.comm, s) },
+        )
+    }
+
+    /// A host collective's failure, alike on every rank.
+    fn host_error(&self, msg: String) -> EngineError {
+        EngineError::Collective {
+            rank: self.rank,
+            msg,
+        }
+    }
+}
+
+/// A length sent ahead of host bytes, as HCCL moves it.
+fn length_bytes(n: usize) -> Vec<u8> {
+    (n as u64).to_le_bytes().to_vec()
+}
+
+/// The lengths in `bytes` (a [`length_bytes`] per rank), beyond [`MAX_HOST_BYTES`] as
+/// `usize::MAX`.
+fn lengths(bytes: &[u8]) -> Vec<usize> {
+    (bytes.chunks_exact(8))
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+        .collect()
 }
 
 fn reduce_op(op: ReduceOp) -> hccl_sys::HcclReduceOp {
@@ -286,6 +358,69 @@ impl Communicator for Hccl {
         self.queue("HcclRecv", |s| unsafe {
             f(ptr, count, dtype, from as u32, self.comm, s)
         })
+    }
+
+    fn all_reduce_f32(&self, values: &mut [f32], op: ReduceOp) -> Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let count = values.len() as u64;
+        let f = self.lib.api.HcclAllReduce;
+        // SAFETY: the block holds `count` f32 values (in place, as a tensor's all-reduce).
+        let reduced = self.through_device("HcclAllReduce", bytes, 0, |at, _, s| unsafe {
+            f(
+                at,
+                at,
+                count,
+                HCCL_DATA_TYPE_FP32,
+                reduce_op(op),
+                self.comm,
+                s,
+            )
+        })?;
+        for (v, b) in values.iter_mut().zip(reduced.chunks_exact(4)) {
+            *v = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+        }
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        let all = lengths(&self.all_gather_host(length_bytes(bytes.len()))?);
+        if all.iter().any(|&n| n != bytes.len()) {
+            return Err(self.host_error(format!(
+                "all_gather_bytes: ranks disagree on the length: {all:?} bytes by rank"
+            )));
+        }
+        if bytes.len() > MAX_HOST_BYTES {
+            return Err(self.host_error(format!(
+                "all_gather_bytes: {} bytes from each rank, more than the {MAX_HOST_BYTES} a host-value collective carries",
+                bytes.len()
+            )));
+        }
+        match bytes.is_empty() {
+            true => Ok(Vec::new()),
+            false => self.all_gather_host(bytes.to_vec()),
+        }
+    }
+
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+        expect_rank("broadcast_bytes", root, self.me(), true)?;
+        let len = lengths(&self.broadcast_host(length_bytes(bytes.len()), root)?)[0];
+        if len > MAX_HOST_BYTES {
+            return Err(self.host_error(format!(
+                "broadcast_bytes: {len} bytes from rank {root}, more than the {MAX_HOST_BYTES} a host-value collective carries"
+            )));
+        }
+        let out = match self.rank == root {
+            true => bytes.clone(),
+            false => vec![0; len],
+        };
+        *bytes = match len {
+            0 => out,
+            _ => self.broadcast_host(out, root)?,
+        };
+        Ok(())
     }
 }
 

@@ -295,11 +295,15 @@ impl<T> Sharded<T> {
         let pieces = layout.pieces(rank);
         let mut main = Vec::with_capacity(pieces.len());
         for piece in &pieces {
-            let whole = b.download_f32(&params[piece.param])?;
-            main.push(b.upload_f32(
-                &[piece.param_range.len()],
-                &whole[piece.param_range.clone()],
-            )?);
+            // its range of the parameter, widened to f32 on the device
+            let n = piece.param_range.len();
+            let mut m = b.zeros(&[n], DType::F32)?;
+            b.copy_range(
+                (&params[piece.param], piece.param_range.start),
+                (&mut m, 0),
+                n,
+            )?;
+            main.push(m);
         }
         let grads = (main.iter())
             .map(|m| b.zeros(b.shape(m), DType::F32))
@@ -436,23 +440,24 @@ impl<T> Sharded<T> {
             let shard = self.shard_of(b, pieces)?;
             let all = match dp {
                 Some(dp) => {
-                    let mine = b.upload_f32(&[shard.len()], &shard)?;
-                    let mut all = b.zeros(&[shard.len() * dp.size()], DType::F32)?;
-                    dp.all_gather(&mine, &mut all)?;
-                    b.download_f32(&all)?
+                    let mut all = b.zeros(&[b.shape(&shard)[0] * dp.size()], DType::F32)?;
+                    dp.all_gather(&shard, &mut all)?;
+                    all
                 }
                 None => shard,
             };
-            out[k] = self.world(&all);
+            out[k] = self.world(&b.download_f32(&all)?);
         }
         Ok((self.rank == 0).then_some(out))
     }
 
-    /// This rank's shard holding `tensors`, one per piece, each at its place.
-    fn shard_of<B: Backend<Tensor = T>>(&self, b: &B, tensors: &[T]) -> Result<Vec<f32>> {
-        let mut shard = vec![0f32; self.layout.shard_numel()];
+    /// This rank's shard holding `tensors`, one per piece, each at its place (assembled on
+    /// the device, the gaps zero).
+    fn shard_of<B: Backend<Tensor = T>>(&self, b: &B, tensors: &[T]) -> Result<T> {
+        let mut shard = b.zeros(&[self.layout.shard_numel()], DType::F32)?;
         for (piece, t) in self.pieces.iter().zip(tensors) {
-            shard[piece.local.clone()].copy_from_slice(&b.download_f32(t)?);
+            let n = piece.local.len();
+            b.copy_range((t, 0), (&mut shard, piece.local.start), n)?;
         }
         Ok(shard)
     }

@@ -40,22 +40,23 @@ impl<B: Backend> Trainer<B> {
         let Some(tp) = self.tp.as_ref() else {
             return Ok(());
         };
-        let norms = self.trained_norms();
+        let norms: Vec<(usize, usize)> = (self.trained_norms().into_iter())
+            .map(|i| (i, self.table.params[i].numel()))
+            .collect();
         if norms.is_empty() {
             return Ok(());
         }
-        let mut flat = Vec::new();
-        for &i in &norms {
-            flat.extend(self.b.download_f32(&self.grads[i])?);
-        }
-        let mut t = self.b.upload_f32(&[flat.len()], &flat)?;
-        tp.all_reduce(&mut t, ReduceOp::Sum)?;
-        let summed = self.b.download_f32(&t)?;
+        let total = norms.iter().map(|&(_, n)| n).sum();
+        let mut flat = self.b.zeros(&[total], DType::F32)?;
         let mut at = 0;
-        for i in norms {
-            let n = self.table.params[i].numel();
-            let shape = self.table.params[i].shape.clone();
-            self.grads[i] = self.b.upload_f32(&shape, &summed[at..at + n])?;
+        for &(i, n) in &norms {
+            self.b.copy_range((&self.grads[i], 0), (&mut flat, at), n)?;
+            at += n;
+        }
+        tp.all_reduce(&mut flat, ReduceOp::Sum)?;
+        let mut at = 0;
+        for (i, n) in norms {
+            self.b.copy_range((&flat, at), (&mut self.grads[i], 0), n)?;
             at += n;
         }
         Ok(())
@@ -89,11 +90,10 @@ impl<B: Backend> Trainer<B> {
         if self.stage.last() {
             flat = self.gathered(self.loss_sums(losses)?)?.flat();
         }
-        let mut t = self.b.upload_f32(&[flat.len()], &flat)?;
         if let Some(pp) = &self.pp {
-            pp.broadcast(&mut t, self.stage.count - 1)?;
+            pp.broadcast_f32(&mut flat, self.stage.count - 1)?;
         }
-        Ok(data::LossSums::interleaved(&self.b.download_f32(&t)?, 1))
+        Ok(data::LossSums::interleaved(&flat, 1))
     }
 
     /// The tied embedding's gradient summed over the first pipeline stage (its lookup's) and
@@ -134,14 +134,8 @@ impl<B: Backend> Trainer<B> {
         let Some(dp) = &self.dp else {
             return Ok(local);
         };
-        let flat = local.flat();
-        let mine = self.b.upload_f32(&[flat.len()], &flat)?;
-        let mut all = self.b.zeros(&[flat.len() * dp.size()], DType::F32)?;
-        dp.all_gather(&mine, &mut all)?;
-        Ok(data::LossSums::interleaved(
-            &self.b.download_f32(&all)?,
-            dp.size(),
-        ))
+        let all = dp.all_gather_f32(&local.flat())?;
+        Ok(data::LossSums::interleaved(&all, dp.size()))
     }
 
     /// `x` summed over the data-parallel ranks.
@@ -149,9 +143,9 @@ impl<B: Backend> Trainer<B> {
         let Some(dp) = &self.dp else {
             return Ok(x);
         };
-        let mut t = self.b.upload_f32(&[1], &[x])?;
-        dp.all_reduce(&mut t, ReduceOp::Sum)?;
-        Ok(self.b.download_f32(&t)?[0])
+        let mut sum = [x];
+        dp.all_reduce_f32(&mut sum, ReduceOp::Sum)?;
+        Ok(sum[0])
     }
 
     /// Megatron's `count_zeros_fp32` over the trained gradients multiplied by `scale` (the clip
@@ -203,11 +197,11 @@ impl<B: Backend> Trainer<B> {
         if self.tp.is_none() && self.pp.is_none() {
             return Ok(x);
         }
-        let mut t = self.b.upload_f32(&[1], &[x as f32])?;
+        let mut sum = [x as f32];
         for group in [&self.tp, &self.pp].into_iter().flatten() {
-            group.all_reduce(&mut t, ReduceOp::Sum)?;
+            group.all_reduce_f32(&mut sum, ReduceOp::Sum)?;
         }
-        Ok(f64::from(self.b.download_f32(&t)?[0]))
+        Ok(f64::from(sum[0]))
     }
 
     /// Of `tensors` (one per entry of the table, or with the distributed optimizer one per

@@ -10,6 +10,7 @@ use crate::engine::Backend;
 use crate::model::params::LoraSpec;
 use crate::tensor::host::Tensor as HostTensor;
 use anyhow::{bail, Result};
+use std::os::unix::ffi::OsStrExt;
 use std::time::Instant;
 
 impl<B: Backend> Trainer<B> {
@@ -288,50 +289,35 @@ impl<B: Backend> Trainer<B> {
         dir: &std::path::Path,
         snap: &checkpoint::Snapshot,
     ) -> Result<std::path::PathBuf> {
-        const NAME: usize = 256;
-        let b = &self.b;
         let temp = match groups.iter().all(|g| g.rank() == 0) {
             true => Some(checkpoint::begin(dir, snap.iteration)),
             false => None,
         };
-        // [length or −1 on failure, the name's bytes…]
-        let mut message = vec![0f32; NAME + 1];
-        let name = temp.as_ref().map(|t| match t {
-            Ok(t) => t.path().file_name().map(|n| n.as_encoded_bytes().to_vec()),
-            Err(_) => None,
-        });
-        match name.flatten().filter(|n| n.len() <= NAME) {
-            Some(n) => {
-                message[0] = n.len() as f32;
-                for (slot, &byte) in message[1..].iter_mut().zip(&n) {
-                    *slot = f32::from(byte);
-                }
-            }
-            None => message[0] = -1.0,
+        // The directory's name, or none when rank 0 could not start it (a name is never
+        // empty).
+        let mut name = match &temp {
+            Some(Ok(t)) => t.path().file_name().map(|n| n.as_bytes().to_vec()),
+            _ => None,
         }
-        let mut t = b.upload_f32(&[NAME + 1], &message)?;
+        .unwrap_or_default();
         for g in groups {
-            g.broadcast(&mut t, 0)?;
+            g.broadcast_bytes(&mut name, 0)?;
         }
-        let message = b.download_f32(&t)?;
         let temp = temp.transpose()?;
-        if message[0] < 0.0 {
+        if name.is_empty() {
             bail!(
                 "model-parallel rank 0 could not start the checkpoint in {}",
                 dir.display()
             );
         }
-        let name: Vec<u8> = (message[1..=message[0] as usize].iter())
-            .map(|&x| x as u8)
-            .collect();
-        let into = dir.join(String::from_utf8_lossy(&name).as_ref());
+        let into = dir.join(std::ffi::OsStr::from_bytes(&name));
         let written = checkpoint::write_rank(&into, snap);
-        let mut failed = b.upload_f32(&[1], &[f32::from(u8::from(written.is_err()))])?;
+        let mut failed = [f32::from(u8::from(written.is_err()))];
         for g in groups.iter().rev() {
-            g.all_reduce(&mut failed, ReduceOp::Max)?;
+            g.all_reduce_f32(&mut failed, ReduceOp::Max)?;
         }
         written?;
-        if b.download_f32(&failed)?[0] > 0.0 {
+        if failed[0] > 0.0 {
             bail!("another model-parallel rank failed to write its part of the checkpoint");
         }
         match temp {

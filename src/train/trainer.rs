@@ -589,15 +589,13 @@ impl<B: Backend> Trainer<B> {
         if self.tp.is_none() && self.dp.is_none() && self.pp.is_none() {
             return Ok(mine);
         }
-        let mut flag = self
-            .b
-            .upload_f32(&[1], &[f32::from(u8::from(mine.is_some()))])?;
+        let mut flag = [f32::from(u8::from(mine.is_some()))];
         // Over the data-parallel group, the tensor-parallel one, then the pipeline: every rank
         // of the world.
         for group in [&self.dp, &self.tp, &self.pp].into_iter().flatten() {
-            group.all_reduce(&mut flag, ReduceOp::Max)?;
+            group.all_reduce_f32(&mut flag, ReduceOp::Max)?;
         }
-        let anyone = self.b.download_f32(&flag)?[0] > 0.0;
+        let anyone = flag[0] > 0.0;
         Ok(mine.or_else(|| anyone.then(|| "as another rank stops.".into())))
     }
 

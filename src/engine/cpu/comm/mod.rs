@@ -5,7 +5,8 @@
 //! A collective brings each rank's values, under the call's sequence number, to every rank;
 //! each rank computes its result from all of them in rank order, so every rank gets the same
 //! bits whatever the link (sums accumulate in f32 in rank order, halves rounded once, as the
-//! HCCL stand-in does). Ranks whose calls differ fail together, naming both calls.
+//! HCCL stand-in does). Ranks whose calls differ fail together, naming both calls. Host
+//! values travel as they are: f32 values as a tensor's do, bytes as bytes.
 
 pub mod sockets;
 pub mod threads;
@@ -14,7 +15,9 @@ pub use sockets::{socket_group, SocketComm};
 pub use threads::{thread_group, ThreadComm};
 
 use super::CpuTensor;
-use crate::engine::comm::{expect_multiple, expect_rank, Communicator, Layout, Payload, ReduceOp};
+use crate::engine::comm::{
+    expect_multiple, expect_rank, Communicator, Layout, Payload, ReduceOp, MAX_HOST_BYTES,
+};
 use crate::engine::{EngineError, Result};
 use crate::tensor::DType;
 use std::cell::Cell;
@@ -40,7 +43,38 @@ pub trait Link {
 #[derive(Clone)]
 pub struct Part {
     call: Signature,
-    values: Arc<Vec<f32>>,
+    values: Values,
+}
+
+/// A part's values: f32 for a tensor's (the CPU backend holds every dtype's values so) and an
+/// f32 host all-reduce's, bytes for the host byte collectives ([`Kind::carries_bytes`]). The
+/// call's kind says which, and every rank's part agrees on the call before any is read.
+#[derive(Clone)]
+enum Values {
+    Floats(Arc<Vec<f32>>),
+    Bytes(Arc<Vec<u8>>),
+}
+
+impl Part {
+    fn new(call: Signature, values: Values) -> Self {
+        Part { call, values }
+    }
+
+    /// Its f32 values (none when it carries bytes).
+    fn floats(&self) -> &[f32] {
+        match &self.values {
+            Values::Floats(v) => v,
+            Values::Bytes(_) => &[],
+        }
+    }
+
+    /// Its bytes (none when it carries f32 values).
+    fn bytes(&self) -> &[u8] {
+        match &self.values {
+            Values::Bytes(b) => b,
+            Values::Floats(_) => &[],
+        }
+    }
 }
 
 /// A call as one rank makes it: every rank's must be equal.
@@ -53,7 +87,7 @@ struct Signature {
     root: Option<usize>,
 }
 
-/// The collectives, and point-to-point messages.
+/// The collectives, and point-to-point messages (the order is their code on the wire).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
     AllReduce,
@@ -61,15 +95,19 @@ enum Kind {
     ReduceScatter,
     Broadcast,
     Send,
+    GatherBytes,
+    BroadcastBytes,
 }
 
 impl Kind {
-    const ALL: [Kind; 5] = [
+    const ALL: [Kind; 7] = [
         Kind::AllReduce,
         Kind::AllGather,
         Kind::ReduceScatter,
         Kind::Broadcast,
         Kind::Send,
+        Kind::GatherBytes,
+        Kind::BroadcastBytes,
     ];
 
     fn name(self) -> &'static str {
@@ -79,13 +117,24 @@ impl Kind {
             Kind::ReduceScatter => "reduce_scatter",
             Kind::Broadcast => "broadcast",
             Kind::Send => "send",
+            Kind::GatherBytes => "all_gather_bytes",
+            Kind::BroadcastBytes => "broadcast_bytes",
         }
+    }
+
+    /// Whether its parts carry bytes (else f32 values).
+    fn carries_bytes(self) -> bool {
+        matches!(self, Kind::GatherBytes | Kind::BroadcastBytes)
     }
 }
 
 impl fmt::Display for Signature {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} of {} {:?}", self.kind.name(), self.count, self.dtype)?;
+        write!(f, "{}", self.kind.name())?;
+        // a byte broadcast's length is the root's alone to know
+        if self.kind != Kind::BroadcastBytes {
+            write!(f, " of {} {:?}", self.count, self.dtype)?;
+        }
         if let Some(op) = self.op {
             write!(f, " ({op:?})")?;
         }
@@ -125,14 +174,10 @@ impl<L: Link> Group<L> {
 
     /// Bring `values` to the next collective, described by `call`; every rank's part, in rank
     /// order, once all are there and agree.
-    fn exchange(&self, call: Signature, values: Vec<f32>) -> Result<Vec<Part>> {
+    fn exchange(&self, call: Signature, values: Values) -> Result<Vec<Part>> {
         let seq = self.next.replace(self.next.get() + 1);
         let what = format!("{} #{seq}", call.kind.name());
-        let part = Part {
-            call,
-            values: Arc::new(values),
-        };
-        let parts = self.link.exchange(seq, &what, part)?;
+        let parts = self.link.exchange(seq, &what, Part::new(call, values))?;
         match parts.iter().position(|p| p.call != call) {
             Some(r) => Err(collective_error(
                 self.link.rank(),
@@ -148,9 +193,9 @@ impl<L: Link> Group<L> {
 
     /// `op` over every part's values, in rank order.
     fn reduce(parts: &[Part], op: ReduceOp) -> Vec<f32> {
-        let mut acc = parts[0].values.to_vec();
+        let mut acc = parts[0].floats().to_vec();
         for p in &parts[1..] {
-            for (a, &v) in acc.iter_mut().zip(p.values.iter()) {
+            for (a, &v) in acc.iter_mut().zip(p.floats()) {
                 *a = match op {
                     ReduceOp::Sum => *a + v,
                     ReduceOp::Max => a.max(v),
@@ -161,14 +206,52 @@ impl<L: Link> Group<L> {
     }
 
     fn call(&self, kind: Kind, x: &CpuTensor) -> Signature {
+        Self::call_of(kind, x.numel(), x.dtype())
+    }
+
+    fn call_of(kind: Kind, count: usize, dtype: DType) -> Signature {
         Signature {
             kind,
-            count: x.numel(),
-            dtype: x.dtype(),
+            count,
+            dtype,
             op: None,
             root: None,
         }
     }
+
+    /// `op` over every rank's f32 `values` (an all-reduce of `count` elements of `dtype`).
+    fn all_reduce_values(
+        &self,
+        (count, dtype): (usize, DType),
+        values: Vec<f32>,
+        op: ReduceOp,
+    ) -> Result<Vec<f32>> {
+        let call = Signature {
+            op: Some(op),
+            ..Self::call_of(Kind::AllReduce, count, dtype)
+        };
+        let parts = self.exchange(call, floats(values))?;
+        Ok(Self::reduce(&parts, op))
+    }
+
+    /// A host collective's `bytes` from `whom` within [`MAX_HOST_BYTES`], or the error every
+    /// rank of the call gives alike (checked once the call's parts are in: no rank fails alone).
+    fn within_bound(&self, kind: Kind, bytes: usize, whom: &str) -> Result<()> {
+        if bytes <= MAX_HOST_BYTES {
+            return Ok(());
+        }
+        Err(collective_error(
+            self.rank(),
+            format!(
+                "{}: {bytes} bytes from {whom}, more than the {MAX_HOST_BYTES} a host-value collective carries",
+                kind.name()
+            ),
+        ))
+    }
+}
+
+fn floats(values: Vec<f32>) -> Values {
+    Values::Floats(Arc::new(values))
 }
 
 fn layout(x: &CpuTensor) -> Layout<'_> {
@@ -187,21 +270,21 @@ impl<L: Link> Communicator for Group<L> {
     }
 
     fn all_reduce(&self, x: &mut CpuTensor, op: ReduceOp) -> Result<()> {
-        let call = Signature {
-            op: Some(op),
-            ..self.call(Kind::AllReduce, x)
-        };
-        let parts = self.exchange(call, x.values().into_owned())?;
-        *x = CpuTensor::stored(x.shape.clone(), Self::reduce(&parts, op), x.dtype());
+        let reduced =
+            self.all_reduce_values((x.numel(), x.dtype()), x.values().into_owned(), op)?;
+        *x = CpuTensor::stored(x.shape.clone(), reduced, x.dtype());
         Ok(())
     }
 
     fn all_gather(&self, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
         expect_multiple("all_gather", (layout(out), layout(x)), self.size())?;
-        let parts = self.exchange(self.call(Kind::AllGather, x), x.values().into_owned())?;
+        let parts = self.exchange(
+            self.call(Kind::AllGather, x),
+            floats(x.values().into_owned()),
+        )?;
         let values = parts
             .iter()
-            .flat_map(|p| p.values.iter().copied())
+            .flat_map(|p| p.floats().iter().copied())
             .collect();
         *out = CpuTensor::stored(out.shape.clone(), values, out.dtype());
         Ok(())
@@ -213,7 +296,7 @@ impl<L: Link> Communicator for Group<L> {
             op: Some(op),
             ..self.call(Kind::ReduceScatter, x)
         };
-        let parts = self.exchange(call, x.values().into_owned())?;
+        let parts = self.exchange(call, floats(x.values().into_owned()))?;
         let n = out.numel();
         let block = Self::reduce(&parts, op)[self.rank() * n..][..n].to_vec();
         *out = CpuTensor::stored(out.shape.clone(), block, out.dtype());
@@ -232,17 +315,14 @@ impl<L: Link> Communicator for Group<L> {
         } else {
             Vec::new()
         };
-        let parts = self.exchange(call, mine)?;
-        *x = CpuTensor::stored(x.shape.clone(), parts[root].values.to_vec(), x.dtype());
+        let parts = self.exchange(call, floats(mine))?;
+        *x = CpuTensor::stored(x.shape.clone(), parts[root].floats().to_vec(), x.dtype());
         Ok(())
     }
 
     fn send(&self, x: &CpuTensor, to: usize) -> Result<()> {
         expect_rank("send", to, (self.rank(), self.size()), false)?;
-        let part = Part {
-            call: self.call(Kind::Send, x),
-            values: Arc::new(x.values().into_owned()),
-        };
+        let part = Part::new(self.call(Kind::Send, x), floats(x.values().into_owned()));
         self.link.post(to, part)
     }
 
@@ -260,7 +340,43 @@ impl<L: Link> Communicator for Group<L> {
                 ),
             ));
         }
-        *x = CpuTensor::stored(x.shape.clone(), got.values.to_vec(), x.dtype());
+        *x = CpuTensor::stored(x.shape.clone(), got.floats().to_vec(), x.dtype());
+        Ok(())
+    }
+
+    fn all_reduce_f32(&self, values: &mut [f32], op: ReduceOp) -> Result<()> {
+        // an all-reduce of an f32 tensor of them, on the wire and in its sums
+        let reduced = self.all_reduce_values((values.len(), DType::F32), values.to_vec(), op)?;
+        values.copy_from_slice(&reduced);
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        let call = Self::call_of(Kind::GatherBytes, bytes.len(), DType::U8);
+        let parts = self.exchange(call, Values::Bytes(Arc::new(bytes.to_vec())))?;
+        // the ranks agree on the length: one rank's bound is every rank's
+        self.within_bound(Kind::GatherBytes, bytes.len(), "each rank")?;
+        Ok(parts
+            .iter()
+            .flat_map(|p| p.bytes().iter().copied())
+            .collect())
+    }
+
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+        expect_rank("broadcast_bytes", root, (self.rank(), self.size()), true)?;
+        let call = Signature {
+            root: Some(root),
+            ..Self::call_of(Kind::BroadcastBytes, 0, DType::U8)
+        };
+        // Only the root's bytes are read.
+        let mine = match self.rank() == root {
+            true => bytes.clone(),
+            false => Vec::new(),
+        };
+        let parts = self.exchange(call, Values::Bytes(Arc::new(mine)))?;
+        let theirs = parts[root].bytes();
+        self.within_bound(Kind::BroadcastBytes, theirs.len(), &format!("rank {root}"))?;
+        *bytes = theirs.to_vec();
         Ok(())
     }
 }
@@ -359,6 +475,142 @@ mod tests {
                 assert_eq!(root, [2.0, 2.0]);
                 assert_eq!(got, [((rank + 2) % 3) as f32 * 7.0]);
             }
+        }
+    }
+
+    /// Non-ASCII, not UTF-8: a directory name as the file system holds it.
+    const PATH: &[u8] = b"/save/iter_0000010.tmp-\xc3\xa9t\xc3\xa9-\xff\xfe";
+
+    #[test]
+    fn host_values_reach_every_rank_with_a_tensors_bits() {
+        for sockets in [false, true] {
+            let results = on_ranks(sockets, 3, SECOND * 10, |c| {
+                let (rank, r) = (c.rank(), c.rank() as f32);
+                // f32 sums that depend on their order (rank order: (1e8 + 1) − 1e8 = 0), the
+                // same as a tensor's
+                let mine = [[1e8, 1.0, -1e8][rank], 0.1 * (r + 1.0), r / 3.0];
+                let mut host = mine;
+                c.all_reduce_f32(&mut host, ReduceOp::Sum).unwrap();
+                let mut tensor = t(&mine, DType::F32);
+                c.all_reduce(&mut tensor, ReduceOp::Sum).unwrap();
+                let mut max = [r, -r];
+                c.all_reduce_f32(&mut max, ReduceOp::Max).unwrap();
+                // f64 sums in rank order ((2⁵³ + 1) − 2⁵³ = 0), and beyond f32's precision
+                let two53 = 2f64.powi(53);
+                let tiny = 2f64.powi(-30);
+                let mut wide = [[two53, 1.0, -two53][rank], [1.0, tiny, tiny][rank]];
+                c.all_reduce_f64(&mut wide, ReduceOp::Sum).unwrap();
+                let mut wide_max = [-f64::from(r)];
+                c.all_reduce_f64(&mut wide_max, ReduceOp::Max).unwrap();
+                let gathered = c.all_gather_f32(&[r, r + 0.5]).unwrap();
+                let bytes = c.all_gather_bytes(&[c.rank() as u8; 2]).unwrap();
+                // the others' bytes, of another length, are replaced by the root's
+                let mut path = match rank {
+                    1 => PATH.to_vec(),
+                    _ => vec![7; 40],
+                };
+                c.broadcast_bytes(&mut path, 1).unwrap();
+                let mut nothing = match rank {
+                    0 => Vec::new(),
+                    _ => vec![1, 2],
+                };
+                c.broadcast_bytes(&mut nothing, 0).unwrap();
+                let mut losses = [r; 4];
+                c.broadcast_f32(&mut losses, 2).unwrap();
+                let tensor = tensor.values().into_owned();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let same = bits(&host) == bits(&tensor);
+                (
+                    host, same, max, wide, wide_max, gathered, bytes, path, nothing, losses,
+                )
+            });
+            for (host, same, max, wide, wide_max, gathered, bytes, path, nothing, losses) in results
+            {
+                assert!(same, "{host:?}");
+                assert_eq!(host[0], 0.0);
+                assert_eq!(max, [2.0, 0.0]);
+                assert_eq!(wide, [0.0, 1.0 + 2f64.powi(-29)]);
+                assert_eq!(wide_max, [0.0]);
+                assert_eq!(gathered, [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+                assert_eq!(bytes, [0, 0, 1, 1, 2, 2]);
+                assert_eq!(path, PATH);
+                assert!(nothing.is_empty(), "{nothing:?}");
+                assert_eq!(losses, [2.0; 4]);
+            }
+        }
+    }
+
+    #[test]
+    fn host_values_whose_lengths_disagree_fail_naming_them() {
+        for sockets in [false, true] {
+            let errors = on_ranks(sockets, 2, SECOND * 10, |c| {
+                let gathered = c.all_gather_bytes(&vec![0; 3 + c.rank()]);
+                let mut values = vec![1.0; 1 + c.rank()];
+                let reduced = c.all_reduce_f32(&mut values, ReduceOp::Sum);
+                // the root sends 2 values, rank 1 expects 3
+                let mut losses = vec![0.5; 2 + c.rank()];
+                let broadcast = c.broadcast_f32(&mut losses, 0);
+                let mut huge = vec![0; MAX_HOST_BYTES + 1 - c.rank()];
+                let over = c.broadcast_bytes(&mut huge, 0);
+                [gathered.map(drop), reduced, broadcast, over].map(|r| match r {
+                    Ok(()) => String::new(),
+                    Err(e) => e.to_string(),
+                })
+            });
+            for [gathered, reduced, _, over] in &errors {
+                assert!(
+                    gathered.contains("all_gather_bytes #0: ranks disagree")
+                        && gathered.contains("calls all_gather_bytes of 3 U8")
+                        && gathered.contains("calls all_gather_bytes of 4 U8"),
+                    "{gathered}"
+                );
+                assert!(
+                    reduced.contains("all_reduce of 1 F32 (Sum)")
+                        && reduced.contains("all_reduce of 2 F32 (Sum)"),
+                    "{reduced}"
+                );
+                assert!(
+                    over.contains(
+                        "broadcast_bytes: 1048577 bytes from rank 0, more than the 1048576"
+                    ),
+                    "{over}"
+                );
+            }
+            let [_, _, root, _] = &errors[0];
+            let [_, _, other, _] = &errors[1];
+            assert_eq!(root, "", "the root cannot know");
+            assert!(
+                other.contains("broadcast_f32: rank 0 sends 8 bytes, rank 1 expects 3 values"),
+                "{other}"
+            );
+        }
+    }
+
+    #[test]
+    fn counted_host_values_weigh_what_their_tensors_did() {
+        let results = on_ranks(false, 2, SECOND * 10, |c| {
+            let counted = crate::engine::comm::Counted::new(c);
+            counted
+                .all_reduce_f32(&mut [1.0, 2.0], ReduceOp::Sum)
+                .unwrap();
+            counted
+                .all_reduce(&mut t(&[1.0], DType::F32), ReduceOp::Max)
+                .unwrap();
+            counted.all_reduce_f64(&mut [1.0], ReduceOp::Sum).unwrap();
+            counted.all_gather_f32(&[1.0, 2.0, 3.0]).unwrap();
+            let mut name = match counted.rank() {
+                0 => PATH.to_vec(),
+                _ => Vec::new(),
+            };
+            counted.broadcast_bytes(&mut name, 0).unwrap();
+            counted.broadcast_f32(&mut [0.0; 2], 1).unwrap();
+            counted.take()
+        });
+        for counts in results {
+            let c = |name: &str| counts.get(name).map(|c| (c.calls, c.bytes));
+            assert_eq!(c("all_reduce"), Some((3, 8 + 4 + 8)));
+            assert_eq!(c("all_gather"), Some((1, 12)));
+            assert_eq!(c("broadcast"), Some((2, PATH.len() as u64 + 8)));
         }
     }
 

@@ -13,7 +13,7 @@
 //! communicator dropped) fails whatever waits on it; one that sends nothing fails it after
 //! the group's timeout.
 
-use super::{collective_error, Group, Kind, Link, Part, Signature};
+use super::{collective_error, Group, Kind, Link, Part, Signature, Values};
 use crate::engine::comm::ReduceOp;
 use crate::engine::Result;
 use crate::tensor::DType;
@@ -356,10 +356,11 @@ const TIMED_OUT: &str = "timed out";
 const HEAD: usize = 40;
 
 /// The frame of `part`: its group and kind, sequence number, the call, then the values as
-/// f32 LE.
+/// f32 LE, or the bytes of a host byte collective.
 fn encode((group, tag): FrameKey, seq: u64, part: &Part) -> Vec<u8> {
     let c = &part.call;
-    let mut f = Vec::with_capacity(HEAD + 4 * part.values.len());
+    let (floats, bytes) = (part.floats(), part.bytes());
+    let mut f = Vec::with_capacity(HEAD + 4 * floats.len() + bytes.len());
     f.extend_from_slice(&group.to_le_bytes());
     f.push(tag);
     f.extend_from_slice(&seq.to_le_bytes());
@@ -372,10 +373,11 @@ fn encode((group, tag): FrameKey, seq: u64, part: &Part) -> Vec<u8> {
         Some(ReduceOp::Max) => 2,
     });
     f.extend_from_slice(&c.root.map_or(u64::MAX, |r| r as u64).to_le_bytes());
-    f.extend_from_slice(&(part.values.len() as u64).to_le_bytes());
-    for v in part.values.iter() {
+    f.extend_from_slice(&((floats.len() + bytes.len()) as u64).to_le_bytes());
+    for v in floats {
         f.extend_from_slice(&v.to_le_bytes());
     }
+    f.extend_from_slice(bytes);
     f
 }
 
@@ -412,26 +414,24 @@ fn read_frame(
             .filter(|&r| r != u64::MAX)
             .map(|r| usize::try_from(r).unwrap_or(usize::MAX)),
     };
-    let n = word(28);
+    let width = if kind.carries_bytes() { 1 } else { 4 };
+    let n = word(28).saturating_mul(width);
     let mut bytes = Vec::new();
-    r.take(n.saturating_mul(4))
+    r.take(n)
         .read_to_end(&mut bytes)
         .map_err(|e| read_error(&e, from))?;
-    if bytes.len() as u64 != n.saturating_mul(4) {
+    if bytes.len() as u64 != n {
         return Err(format!("rank {from} left the group"));
     }
-    let values = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    Ok((
-        (group, tag),
-        word(1),
-        Part {
-            call,
-            values: Arc::new(values),
-        },
-    ))
+    let values = match kind.carries_bytes() {
+        true => Values::Bytes(Arc::new(bytes)),
+        false => Values::Floats(Arc::new(
+            (bytes.chunks_exact(4))
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+        )),
+    };
+    Ok(((group, tag), word(1), Part::new(call, values)))
 }
 
 fn read_error(e: &std::io::Error, from: usize) -> String {
