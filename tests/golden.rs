@@ -48,6 +48,7 @@ fn options(input: PathBuf, out: PathBuf, tok: PathBuf) -> PreprocessOptions {
         handler: None,
         prompt_type: None,
         prompt_type_path: None,
+        enable_thinking: None,
         map_keys: None,
         seq_length: None,
         pack: false,
