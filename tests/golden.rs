@@ -48,6 +48,7 @@ fn options(input: PathBuf, out: PathBuf, tok: PathBuf) -> PreprocessOptions {
         handler: None,
         prompt_type: None,
         prompt_type_path: None,
+        enable_thinking: None,
         map_keys: None,
         seq_length: None,
         pack: false,
@@ -106,65 +107,128 @@ fn pretrain_is_byte_identical_to_megatron() {
     );
 }
 
+/// `--enable-thinking` of a golden case: absent (the earlier goldens, made with MindSpeed's
+/// `fix_model_tokenizer` default False) or true / false / null.
+fn enable_thinking(g: &Value) -> Option<bool> {
+    g.get("enable_thinking").and_then(Value::as_bool)
+}
+
+/// Runs mindkit on one golden case of MindSpeed-LLM's arrays (`{"dropped": true}`: a record its
+/// alignment drops; `{"refused": "..."}`: one its handler raises on, which mindkit refuses, and
+/// skips with --skip-bad-records) and compares every document. False when its tokenizer is absent.
+fn matches_json_golden(path: &Path) -> bool {
+    let g: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let case = path.file_stem().unwrap().to_string_lossy().to_string();
+    let Some(tok) = tokenizer(g["tokenizer"].as_str().unwrap()) else {
+        return false;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("out");
+    let mut o = options(
+        fixtures()
+            .join("corpus")
+            .join(g["corpus"].as_str().unwrap()),
+        prefix.clone(),
+        tok,
+    );
+    o.handler = HandlerKind::parse(g["handler"].as_str().unwrap());
+    o.prompt_type = g["prompt_type"].as_str().map(String::from);
+    o.append_eod = g["append_eod"].as_bool().unwrap();
+    o.enable_thinking = enable_thinking(&g);
+    let documents = g["documents"].as_array().unwrap();
+    let refused = documents
+        .iter()
+        .filter(|d| d.get("refused").is_some())
+        .count();
+    if refused > 0 {
+        let e = preprocess(&o).expect_err(&format!("{case}: MindSpeed refuses a record"));
+        assert!(e.to_string().contains("--skip-bad-records"), "{case}: {e}");
+        o.skip_bad_records = true;
+    }
+    let summary = preprocess(&o).unwrap_or_else(|e| panic!("{case}: {e}"));
+    assert_eq!(
+        summary.skipped.values().sum::<u64>() as usize,
+        refused
+            + documents
+                .iter()
+                .filter(|d| d.get("dropped").is_some())
+                .count(),
+        "{case}: records skipped"
+    );
+    let expected: Vec<&Value> = documents
+        .iter()
+        .filter(|d| d.get("dropped").is_none() && d.get("refused").is_none())
+        .collect();
+    for key in ["input_ids", "attention_mask", "labels"] {
+        let ds = IndexedDataset::open(&key_prefix(&prefix, key, true)).unwrap();
+        assert_eq!(
+            ds.doc_count(),
+            expected.len(),
+            "{case}: document count of {key}"
+        );
+        for (k, doc) in expected.iter().enumerate() {
+            let want: Vec<Vec<i64>> = serde_json::from_value(doc[key].clone()).unwrap();
+            let got: Vec<Vec<i64>> = ds.document_sequences(k).map(|s| ds.sequence(s)).collect();
+            assert_eq!(got, want, "{case}: document {k}, {key}");
+        }
+    }
+    true
+}
+
+/// The JSON goldens of `dir` whose name holds `infix`, compared; returns (compared, total).
+fn compare_json_goldens(dir: &str, infix: &str) -> (usize, usize) {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(fixtures().join(dir))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter(|p| p.file_name().unwrap().to_string_lossy().contains(infix))
+        .collect();
+    paths.sort();
+    let compared = paths.iter().filter(|p| matches_json_golden(p)).count();
+    (compared, paths.len())
+}
+
 #[test]
 fn instruction_handlers_match_mindspeed() {
-    let golden = fixtures().join("golden/mindspeed");
-    let mut compared = 0;
-    for entry in std::fs::read_dir(&golden).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "json") {
-            continue;
-        }
-        let g: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        let case = path.file_stem().unwrap().to_string_lossy().to_string();
-        let Some(tok) = tokenizer(g["tokenizer"].as_str().unwrap()) else {
-            continue;
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let prefix = dir.path().join("out");
-        let mut o = options(
-            fixtures()
-                .join("corpus")
-                .join(g["corpus"].as_str().unwrap()),
-            prefix.clone(),
-            tok,
-        );
-        o.handler = HandlerKind::parse(g["handler"].as_str().unwrap());
-        o.prompt_type = g["prompt_type"].as_str().map(String::from);
-        o.append_eod = g["append_eod"].as_bool().unwrap();
-        preprocess(&o).unwrap_or_else(|e| panic!("{case}: {e}"));
-        let expected: Vec<&Value> = g["documents"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|d| d.get("dropped").is_none())
-            .collect();
-        for key in ["input_ids", "attention_mask", "labels"] {
-            let ds = IndexedDataset::open(&key_prefix(&prefix, key, true)).unwrap();
-            assert_eq!(
-                ds.doc_count(),
-                expected.len(),
-                "{case}: document count of {key}"
-            );
-            for (k, doc) in expected.iter().enumerate() {
-                let want: Vec<Vec<i64>> = serde_json::from_value(doc[key].clone()).unwrap();
-                let got: Vec<Vec<i64>> = ds.document_sequences(k).map(|s| ds.sequence(s)).collect();
-                assert_eq!(got, want, "{case}: document {k}, {key}");
-            }
-        }
-        compared += 1;
-    }
+    let (compared, _) = compare_json_goldens("golden/mindspeed", "");
     assert!(
         compared >= 10,
         "the tiny-bpe goldens must always be compared"
     );
 }
 
-/// MindSpeed-LLM's own `serialize_to_disk` wrote these .bin/.idx (seq-length drop rule, template
-/// cutoff, greedy packing with padding): mindkit must write the same bytes.
+/// Every template of MindSpeed-LLM's templates.json but deepseek4, on the alpaca fixtures.
 #[test]
-fn seq_length_and_packing_are_byte_identical_to_mindspeed() {
-    let golden = fixtures().join("golden/mindspeed/disk");
+fn every_builtin_template_matches_mindspeed() {
+    let (compared, total) = compare_json_goldens("golden/mindspeed/templates", "_alpaca_");
+    assert_eq!(total, 33, "one golden per encodable template");
+    assert!(compared == total || compared == 0, "{compared} of {total}");
+}
+
+/// Reasoning templates (qwen3, glm4_moe, magistral, gpt_oss) in each --enable-thinking mode:
+/// thoughts kept, removed, the empty thought in the prompt or in the answer; LFDefault and plain
+/// templates on the same records, where the flag changes nothing.
+#[test]
+fn reasoning_templates_place_thoughts_as_mindspeed_in_each_thinking_mode() {
+    let (compared, total) = compare_json_goldens("golden/mindspeed/templates", "_thinking_");
+    assert_eq!(total, 15);
+    assert!(compared == total || compared == 0, "{compared} of {total}");
+}
+
+/// Function-call messages: FunctionFormatter, FunctionFormatterForThink (bailing_mini), and the
+/// records MindSpeed-LLM raises on (qwen3's tool format has no tool utils; invalid JSON), which
+/// mindkit refuses.
+#[test]
+fn function_calls_are_formatted_or_refused_as_mindspeed() {
+    let (compared, total) = compare_json_goldens("golden/mindspeed/templates", "_functions_");
+    assert_eq!(total, 5);
+    assert!(compared == total || compared == 0, "{compared} of {total}");
+}
+
+/// Runs mindkit on every case of `dir/cases.json` (written by MindSpeed-LLM's own
+/// `serialize_to_disk`) and compares the .bin/.idx bytes; returns (compared, total).
+fn compare_disk_cases(dir: &str) -> (usize, usize) {
+    let golden = fixtures().join(dir);
     let cases: Value =
         serde_json::from_slice(&std::fs::read(golden.join("cases.json")).unwrap()).unwrap();
     let mut compared = 0;
@@ -182,6 +246,7 @@ fn seq_length_and_packing_are_byte_identical_to_mindspeed() {
         o.prompt_type = c["prompt_type"].as_str().map(String::from);
         o.seq_length = c["seq_length"].as_u64().map(|n| n as usize);
         o.pack = c["pack"].as_bool().unwrap();
+        o.enable_thinking = enable_thinking(c);
         preprocess(&o).unwrap_or_else(|e| panic!("{case}: {e}"));
         for key in ["input_ids", "attention_mask", "labels"] {
             for ext in ["bin", "idx"] {
@@ -193,5 +258,23 @@ fn seq_length_and_packing_are_byte_identical_to_mindspeed() {
         }
         compared += 1;
     }
+    (compared, cases.as_object().unwrap().len())
+}
+
+/// MindSpeed-LLM's own `serialize_to_disk` wrote these .bin/.idx (seq-length drop rule, template
+/// cutoff, greedy packing with padding): mindkit must write the same bytes.
+#[test]
+fn seq_length_and_packing_are_byte_identical_to_mindspeed() {
+    let (compared, _) = compare_disk_cases("golden/mindspeed/disk");
     assert!(compared >= 5, "the tiny-bpe cases must always be compared");
+}
+
+/// Truncation to --seq-length by the template classes (`_infer_seqlen` to cutoff − 1 for
+/// ReasoningTemplate and LFDefaultTemplate, `infer_max_len` for Template, efficient_eos), then
+/// the drop rule: the same bytes as MindSpeed-LLM's.
+#[test]
+fn template_truncation_is_byte_identical_to_mindspeed() {
+    let (compared, total) = compare_disk_cases("golden/mindspeed/templates/disk");
+    assert_eq!(total, 6);
+    assert!(compared == total || compared == 0, "{compared} of {total}");
 }

@@ -348,12 +348,15 @@ struct PreprocessArgs {
     /// Instruction handler: alpaca, belle, moss, sharegpt (MindSpeed-LLM class names accepted).
     #[arg(long, visible_alias = "handler-name")]
     handler: Option<String>,
-    /// Chat template for alpaca/sharegpt: empty, default, alpaca, llama2, chatml, qwen, llama3, mistral.
+    /// Chat template for alpaca/sharegpt: any of MindSpeed-LLM's templates.json (qwen, qwen3, llama2, chatml, glm4_moe, ...).
     #[arg(long)]
     prompt_type: Option<String>,
     /// A MindSpeed-LLM templates.json holding the --prompt-type template.
     #[arg(long)]
     prompt_type_path: Option<PathBuf>,
+    /// Reasoning templates (qwen3, glm4_moe, magistral, gpt_oss): true trains on an empty thought added to answers without one; false removes all thoughts; none (default) keeps them.
+    #[arg(long, value_name = "true|false|none", default_value = "none")]
+    enable_thinking: String,
     /// JSON object renaming columns/tags, as MindSpeed-LLM's --map-keys.
     #[arg(long)]
     map_keys: Option<String>,
@@ -499,6 +502,7 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
         handler,
         prompt_type: a.prompt_type,
         prompt_type_path: a.prompt_type_path,
+        enable_thinking: preprocess::parse_enable_thinking(&a.enable_thinking)?,
         map_keys,
         seq_length: a.seq_length,
         pack: a.pack,

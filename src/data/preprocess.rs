@@ -147,6 +147,9 @@ pub struct PreprocessOptions {
     pub prompt_type: Option<String>,
     /// Custom template file.
     pub prompt_type_path: Option<PathBuf>,
+    /// MindSpeed-LLM's `--enable-thinking` (true, false, none): how a reasoning template treats
+    /// thoughts; no effect with other templates.
+    pub enable_thinking: Option<bool>,
     /// `--map-keys` JSON.
     pub map_keys: Option<serde_json::Map<String, serde_json::Value>>,
     /// Drop sequences with this many tokens or more (MindSpeed); also the template cutoff.
@@ -555,13 +558,27 @@ fn record_failure(
     }
 }
 
+/// MindSpeed-LLM's `--enable-thinking` value: `true`, `false` or `none`, in any case.
+pub fn parse_enable_thinking(value: &str) -> Result<Option<bool>, PreprocessError> {
+    match value.to_lowercase().as_str() {
+        "true" => Ok(Some(true)),
+        "false" => Ok(Some(false)),
+        "none" => Ok(None),
+        _ => Err(PreprocessError::Options(format!(
+            "--enable-thinking {value}: choose true, false or none"
+        ))),
+    }
+}
+
 /// Run preprocessing. Outputs appear only if the whole run succeeds.
 pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> {
     let start = Instant::now();
     let mut tok = HfTokenizer::load(&opts.tokenizer)?;
     let template = match &opts.prompt_type {
         Some(name) => {
-            let t = Template::load(name, opts.prompt_type_path.as_deref())?;
+            let t = Template::load(name, opts.prompt_type_path.as_deref())?
+                .with_enable_thinking(opts.enable_thinking);
+            t.check_encodable()?;
             t.fix_tokenizer(&mut tok)?;
             Some(t)
         }

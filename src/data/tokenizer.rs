@@ -70,6 +70,9 @@ pub struct HfTokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     pad: Option<u32>,
+    /// tokenizer_config.json's `unk_token`: what transformers' `convert_tokens_to_ids` gives
+    /// for a token outside the vocabulary.
+    unk: Option<u32>,
     chat_template: Option<String>,
     /// tokenizer_config.json's `clean_up_tokenization_spaces`.
     clean_up_spaces: bool,
@@ -147,6 +150,7 @@ impl HfTokenizer {
             bos: None,
             eos: None,
             pad: None,
+            unk: None,
             chat_template: None,
             clean_up_spaces: false,
         };
@@ -177,6 +181,8 @@ impl HfTokenizer {
         self.bos = bos;
         self.eos = eos;
         self.pad = pad;
+        // An unk token missing from the vocabulary reads as none, as transformers' unk_token_id.
+        self.unk = lookup("unk_token").and_then(|t| self.inner.token_to_id(&t));
         self.clean_up_spaces = config
             .as_ref()
             .and_then(|c| c.get("clean_up_tokenization_spaces"))
@@ -254,10 +260,30 @@ impl HfTokenizer {
         self.pad
     }
 
-    /// Replace the eos token (MindSpeed's `replace_eos` for chat templates).
+    /// transformers' `convert_tokens_to_ids(token)`: the token's id, else the unk id, else none.
+    pub fn token_id_or_unk(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token).or(self.unk)
+    }
+
+    /// transformers' `add_special_tokens` for one token: it becomes a special added token (kept
+    /// whole in text, never normalized), with a new id after the vocabulary when it has none.
+    /// Returns its id (an empty token, which the library does not add, is an error).
+    pub fn add_special_token(&mut self, token: &str) -> Result<u32> {
+        self.inner
+            .add_special_tokens(&[tokenizers::AddedToken::from(token, true)]);
+        self.token_id(token)
+    }
+
+    /// `add_special_tokens({"eos_token": token})`: the token (added as a special token, see
+    /// [`Self::add_special_token`]) becomes eos; MindSpeed's `replace_eos` for chat templates.
     pub fn set_eos(&mut self, token: &str) -> Result<()> {
-        self.eos = Some(self.token_id(token)?);
+        self.eos = Some(self.add_special_token(token)?);
         Ok(())
+    }
+
+    /// Make `id` the pad token.
+    pub fn set_pad(&mut self, id: u32) {
+        self.pad = Some(id);
     }
 
     /// The eos id, or an error explaining how to provide one.

@@ -1,13 +1,28 @@
 //! `--prompt-type` chat templates, as MindSpeed-LLM defines them (`configs/finetune/
 //! templates.json`, read by `mindspeed_llm/tasks/preprocess/templates.py`, which follows
-//! LLaMA-Factory 0.8.2). A template is data: formatters made of slots. The built-in ones
-//! below use the same JSON schema as MindSpeed's file, and `--prompt-type-path` loads a
+//! LLaMA-Factory 0.8.2 for `Template` and 0.9.4 for `LFDefaultTemplate` and
+//! `ReasoningTemplate`). A template is data: formatters made of slots. Every template of
+//! MindSpeed's file is built in ([`builtin`], same JSON schema), and `--prompt-type-path` loads a
 //! user's file in that schema.
+//!
+//! Template classes: `Template`, `LFDefaultTemplate` (no separator, `_infer_seqlen` truncation to
+//! cutoff − 1), `Llama2Template` (system text inside the first user message) and
+//! `ReasoningTemplate` (thought words and `enable_thinking`). `DeepSeek4Template` renders with an
+//! encoder of its own (DSML tool calls, `reasoning_effort`, `drop_thinking`): it loads, for the
+//! tokenizer fix that training needs, but is refused for encoding.
+
+mod builtin;
+mod formatter;
+mod truncation;
 
 use serde_json::Value;
 
 use super::RecordError;
 use crate::data::tokenizer::{HfTokenizer, TokenizerError};
+use builtin::BUILTIN;
+use formatter::{apply, slots_problem, FormatterKind, FunctionFormat};
+pub use formatter::{py_json, Slot};
+use truncation::{make_pairs, Truncation};
 
 /// A `--prompt-type` that cannot be used: unknown, or its template file is malformed.
 #[derive(Debug, thiserror::Error)]
@@ -44,7 +59,7 @@ pub enum TemplateError {
         /// What is wrong.
         problem: String,
     },
-    /// The template's stop word is not a token of the tokenizer.
+    /// A stop word the tokenizer cannot take as a special token.
     #[error("template {name}: {source}")]
     StopWord {
         /// The template.
@@ -52,31 +67,63 @@ pub enum TemplateError {
         /// The tokenizer's refusal.
         source: TokenizerError,
     },
+    /// A template class mindkit does not implement (it refuses rather than approximates).
+    #[error("--prompt-type {name}: {problem}")]
+    Unsupported {
+        /// The template.
+        name: String,
+        /// Why.
+        problem: String,
+    },
 }
 
 /// One turn's (prompt ids, answer ids), as MindSpeed-LLM's `_make_pairs` yields them.
 pub type TurnIds = (Vec<i64>, Vec<i64>);
 
-/// One formatter slot.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Slot {
-    /// Text with `{{content}}` / `{{idx}}` placeholders, encoded without special tokens.
-    Text(String),
-    /// `{"token": "<x>"}`: a vocabulary token by name.
-    Token(String),
-    /// `["bos_token"]`: the tokenizer's bos id, if any.
-    Bos,
-    /// `["eos_token"]`: the tokenizer's eos id, if any.
-    Eos,
-}
-
-/// Template variants that change how the system prompt is placed.
+/// The template classes of MindSpeed-LLM's `templates.py`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TemplateClass {
-    /// `Template`: system formatted before the first user message.
+    /// `Template`: system formatted before the first user message; `infer_max_len` truncation.
     Plain,
+    /// `LFDefaultTemplate`: as `Template` without the separator, `_infer_seqlen` truncation.
+    LfDefault,
     /// `Llama2Template`: system text placed inside the first user message.
     Llama2,
+    /// `ReasoningTemplate`: `Template`'s layout, `_infer_seqlen` truncation, thought words.
+    Reasoning,
+    /// `DeepSeek4Template`: not implemented (its own encoder); refused for encoding.
+    DeepSeek4,
+}
+
+impl TemplateClass {
+    fn parse(name: &str, class: Option<&Value>) -> Result<TemplateClass, TemplateError> {
+        Ok(match class {
+            None | Some(Value::Null) => TemplateClass::Plain,
+            Some(Value::String(s)) => match s.as_str() {
+                "" | "Template" => TemplateClass::Plain,
+                "LFDefaultTemplate" => TemplateClass::LfDefault,
+                "Llama2Template" => TemplateClass::Llama2,
+                "ReasoningTemplate" => TemplateClass::Reasoning,
+                "DeepSeek4Template" => TemplateClass::DeepSeek4,
+                other => {
+                    return Err(TemplateError::Entry {
+                        at: format!("{name}.template_class"),
+                        problem: format!(
+                            "{other:?} is not a template class of MindSpeed-LLM's templates.py \
+                             (Template, LFDefaultTemplate, Llama2Template, ReasoningTemplate, \
+                             DeepSeek4Template)"
+                        ),
+                    })
+                }
+            },
+            Some(other) => {
+                return Err(TemplateError::Entry {
+                    at: format!("{name}.template_class"),
+                    problem: format!("expected a class name, found {other}"),
+                })
+            }
+        })
+    }
 }
 
 /// A chat template.
@@ -87,7 +134,7 @@ pub struct Template {
     user: Vec<Slot>,
     assistant: Vec<Slot>,
     system: Vec<Slot>,
-    function: Vec<Slot>,
+    function: FunctionFormat,
     observation: Vec<Slot>,
     separator: Vec<Slot>,
     prefix: Vec<Slot>,
@@ -99,20 +146,11 @@ pub struct Template {
     pub efficient_eos: bool,
     /// Whether eos is replaced by the first stop word.
     pub replace_eos: bool,
+    /// The reasoning markers (default `"<think>\n"`, `"\n</think>\n\n"`).
+    pub thought_words: (String, String),
+    enable_thinking: Option<bool>,
     class: TemplateClass,
 }
-
-/// The built-in templates (a subset of MindSpeed's templates.json, same schema).
-const BUILTIN: &str = r####"[
- {"name": "empty", "format_user": {"slots": ["{{content}}"]}, "format_assistant": {"slots": ["{{content}}"]}},
- {"name": "default", "format_user": {"slots": ["Human: {{content}}\nAssistant:"]}, "format_system": {"slots": ["{{content}}\n"]}, "format_separator": {"slots": ["\n"]}},
- {"name": "alpaca", "format_user": {"slots": ["### Instruction:\n{{content}}\n\n### Response:\n"]}, "format_separator": {"slots": ["\n\n"]}, "default_system": "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"},
- {"name": "llama2", "format_user": {"slots": [["bos_token"], "[INST] {{content}} [/INST]"]}, "format_system": {"slots": ["<<SYS>>\n{{content}}\n<</SYS>>\n\n"]}, "template_class": "Llama2Template"},
- {"name": "chatml", "format_user": {"slots": ["<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"]}, "format_system": {"slots": ["<|im_start|>system\n{{content}}<|im_end|>\n"]}, "format_observation": {"slots": ["<|im_start|>tool\n{{content}}<|im_end|>\n<|im_start|>assistant\n"]}, "format_separator": {"slots": ["\n"]}, "stop_words": ["<|im_end|>", "<|im_start|>"], "replace_eos": true},
- {"name": "qwen", "format_user": {"slots": ["<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"]}, "format_system": {"slots": ["<|im_start|>system\n{{content}}<|im_end|>\n"]}, "format_observation": {"slots": ["<|im_start|>tool\n{{content}}<|im_end|>\n<|im_start|>assistant\n"]}, "format_separator": {"slots": ["\n"]}, "default_system": "You are a helpful assistant.", "stop_words": ["<|im_end|>"], "replace_eos": true},
- {"name": "llama3", "format_user": {"slots": ["<|start_header_id|>user<|end_header_id|>\n\n{{content}}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"]}, "format_system": {"slots": ["<|start_header_id|>system<|end_header_id|>\n\n{{content}}<|eot_id|>"]}, "format_observation": {"slots": ["<|start_header_id|>tool<|end_header_id|>\n\n{{content}}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"]}, "format_prefix": {"slots": [["bos_token"]]}, "stop_words": ["<|eot_id|>"], "replace_eos": true},
- {"name": "mistral", "format_user": {"slots": ["[INST] {{content}} [/INST]"]}, "format_prefix": {"slots": [["bos_token"]]}}
-]"####;
 
 /// Where the built-in templates come from, in errors.
 const BUILTIN_ORIGIN: &str = "built-in templates";
@@ -137,16 +175,36 @@ fn parse_list(text: &str, origin: String) -> Result<Vec<Value>, TemplateError> {
     Err(TemplateError::List { origin, problem })
 }
 
+/// Python truthiness of an optional JSON value.
+fn truthy(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+    }
+}
+
+/// A formatter's slots: `None` when the entry leaves it to the default (absent, null or `{}`).
 fn parse_slots(v: Option<&Value>, at: &str) -> Result<Option<Vec<Slot>>, TemplateError> {
-    let Some(v) = v else { return Ok(None) };
+    if !truthy(v) {
+        return Ok(None);
+    }
     let invalid = |problem: String| TemplateError::Entry {
         at: at.to_string(),
         problem,
     };
-    let slots = v
-        .get("slots")
-        .and_then(Value::as_array)
-        .ok_or_else(|| invalid("expected {\"slots\": [...]}".into()))?;
+    let Some(Value::Object(formatter)) = v else {
+        return Err(invalid("expected {\"slots\": [...]}".into()));
+    };
+    let slots = match formatter.get("slots") {
+        // The formatter's default: no slots.
+        None => return Ok(Some(Vec::new())),
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        Some(_) => return Err(invalid("\"slots\" must be a non-empty list".into())),
+    };
     slots
         .iter()
         .map(|s| match s {
@@ -156,15 +214,36 @@ fn parse_slots(v: Option<&Value>, at: &str) -> Result<Option<Vec<Slot>>, Templat
                 .and_then(Value::as_str)
                 .map(|t| Slot::Token(t.to_string()))
                 .ok_or_else(|| invalid("object slot needs \"token\"".into())),
-            Value::Array(a) => match a.first().and_then(Value::as_str) {
-                Some("bos_token") => Ok(Slot::Bos),
-                Some("eos_token") => Ok(Slot::Eos),
-                _ => Err(invalid(format!("unknown set slot {s}"))),
-            },
+            Value::Array(a) => {
+                let names = |n: &str| a.iter().any(|x| x.as_str() == Some(n));
+                Ok(Slot::Special {
+                    bos: names("bos_token"),
+                    eos: names("eos_token"),
+                })
+            }
             _ => Err(invalid(format!("unsupported slot {s}"))),
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)
+}
+
+fn strings(e: &Value, key: &str, name: &str) -> Result<Option<Vec<String>>, TemplateError> {
+    match e.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(String::from))
+            .collect::<Option<Vec<_>>>()
+            .map(Some)
+            .ok_or_else(|| TemplateError::Entry {
+                at: format!("{name}.{key}"),
+                problem: "expected a list of strings".into(),
+            }),
+        Some(_) => Err(TemplateError::Entry {
+            at: format!("{name}.{key}"),
+            problem: "expected a list of strings".into(),
+        }),
+    }
 }
 
 impl Template {
@@ -196,86 +275,177 @@ impl Template {
         Template::from_json(name, entry)
     }
 
+    /// `register_custom_template` + `_register_template`: the entry's formatters, or the defaults.
     fn from_json(name: &str, e: &Value) -> Result<Template, TemplateError> {
-        let flag = |k: &str| e.get(k).and_then(Value::as_bool).unwrap_or(false);
-        let efficient_eos = flag("efficient_eos");
+        let entry_error = |key: &str, problem: &str| TemplateError::Entry {
+            at: format!("{name}.{key}"),
+            problem: problem.to_string(),
+        };
+        let formatter =
+            |key: &str, kind: FormatterKind| -> Result<Option<Vec<Slot>>, TemplateError> {
+                let slots = parse_slots(e.get(key), &format!("{name}.{key}"))?;
+                match slots.as_deref().and_then(|s| slots_problem(s, kind)) {
+                    Some(problem) => Err(entry_error(key, problem)),
+                    None => Ok(slots),
+                }
+            };
+        let efficient_eos = truthy(e.get("efficient_eos"));
         let eos_slots = if efficient_eos {
             vec![]
         } else {
-            vec![Slot::Eos]
+            vec![Slot::EOS]
         };
-        let slots = |k: &str| parse_slots(e.get(k), &format!("{name}.{k}"));
-        let user = slots("format_user")?.unwrap_or_else(|| vec![Slot::Text("{{content}}".into())]);
-        let assistant = slots("format_assistant")?.unwrap_or_else(|| {
-            let mut s = vec![Slot::Text("{{content}}".into())];
-            s.extend(eos_slots.clone());
-            s
-        });
-        let function = slots("format_function")?.unwrap_or_else(|| {
+        let content = || Slot::Text("{{content}}".into());
+        let user = formatter("format_user", FormatterKind::String)?;
+        let class = TemplateClass::parse(name, e.get("template_class"))?;
+        let system =
+            formatter("format_system", FormatterKind::String)?.unwrap_or_else(|| vec![content()]);
+        if class == TemplateClass::Llama2 && !matches!(system.first(), Some(Slot::Text(_))) {
+            return Err(entry_error(
+                "format_system",
+                "Llama2Template puts the system formatter's first slot, a string, in the first user message",
+            ));
+        }
+        // format_tools is never applied (mindkit reads no tools column), but upstream refuses
+        // one without a tool_format when it builds the template.
+        if truthy(e.get("format_tools"))
+            && !truthy(e.get("format_tools").and_then(|t| t.get("tool_format")))
+        {
+            return Err(entry_error("format_tools", "tool format was not found"));
+        }
+        let function = match (name, e.get("format_function")) {
+            ("deepseek4", _) | (_, None) => None,
+            ("qwen3" | "bailing_mini", Some(f)) if truthy(Some(f)) => {
+                let Some(Value::String(tool_format)) = f.get("tool_format") else {
+                    return Err(entry_error(
+                        "format_function",
+                        "needs a \"tool_format\" string",
+                    ));
+                };
+                formatter("format_function", FormatterKind::String)?.map(|slots| {
+                    FunctionFormat::Think {
+                        slots,
+                        tool_format: tool_format.clone(),
+                    }
+                })
+            }
+            _ => formatter("format_function", FormatterKind::Function)?.map(FunctionFormat::Plain),
+        };
+        let function = function.unwrap_or_else(|| {
             let mut s = vec![Slot::Text(
                 "Action: {{name}}\nAction Input: {{arguments}}".into(),
             )];
             s.extend(eos_slots.clone());
-            s
+            FunctionFormat::Plain(s)
         });
         let default_system = match e.get("default_system") {
+            None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
-            _ => String::new(),
-        };
-        let class = match e.get("template_class").and_then(Value::as_str) {
-            Some("Llama2Template") => TemplateClass::Llama2,
-            None | Some("Template") => TemplateClass::Plain,
-            Some(other) => {
-                return Err(TemplateError::Entry {
-                    at: name.to_string(),
-                    problem: format!("template class {other} is not supported by mindkit"),
-                })
+            Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+                a.iter().filter_map(Value::as_str).collect()
+            }
+            Some(_) => {
+                return Err(entry_error(
+                    "default_system",
+                    "expected a string or a list of strings",
+                ))
             }
         };
+        let thought_words = match strings(e, "thought_words", name)?.as_deref() {
+            None | Some([]) => ("<think>\n".to_string(), "\n</think>\n\n".to_string()),
+            Some([open, close]) if !open.is_empty() && !close.is_empty() => {
+                (open.clone(), close.clone())
+            }
+            Some(_) => {
+                return Err(entry_error(
+                    "thought_words",
+                    "expected two non-empty strings",
+                ))
+            }
+        };
+        let stop_words = strings(e, "stop_words", name)?.unwrap_or_default();
+        if stop_words.iter().any(String::is_empty) {
+            return Err(entry_error("stop_words", "a stop word is empty"));
+        }
         Ok(Template {
             name: name.to_string(),
-            // Upstream defaults the system formatter to a bare "{{content}}", not to format_user.
-            system: slots("format_system")?
-                .unwrap_or_else(|| vec![Slot::Text("{{content}}".into())]),
-            observation: slots("format_observation")?.unwrap_or_else(|| user.clone()),
-            separator: slots("format_separator")?.unwrap_or_default(),
-            prefix: slots("format_prefix")?.unwrap_or_default(),
-            user,
-            assistant,
+            system,
+            observation: formatter("format_observation", FormatterKind::String)?
+                .or_else(|| user.clone())
+                .unwrap_or_else(|| vec![content()]),
+            separator: formatter("format_separator", FormatterKind::Empty)?.unwrap_or_default(),
+            prefix: formatter("format_prefix", FormatterKind::Empty)?.unwrap_or_default(),
+            user: user.unwrap_or_else(|| vec![content()]),
+            assistant: formatter("format_assistant", FormatterKind::String)?.unwrap_or_else(|| {
+                let mut s = vec![content()];
+                s.extend(eos_slots.clone());
+                s
+            }),
             function,
             default_system,
-            stop_words: e
-                .get("stop_words")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_str)
-                        .map(String::from)
-                        .collect()
-                })
-                .unwrap_or_default(),
+            stop_words,
             efficient_eos,
-            replace_eos: flag("replace_eos"),
+            replace_eos: truthy(e.get("replace_eos")),
+            thought_words,
+            enable_thinking: None,
             class,
         })
     }
 
-    /// MindSpeed's `fix_model_tokenizer`: with `replace_eos`, eos becomes the first stop word.
+    /// MindSpeed-LLM's `--enable-thinking` (true, false, or none: the default); it changes only
+    /// how a `ReasoningTemplate` treats thoughts.
+    pub fn with_enable_thinking(mut self, enable_thinking: Option<bool>) -> Template {
+        self.enable_thinking = enable_thinking;
+        self
+    }
+
+    /// The template class.
+    pub fn class(&self) -> TemplateClass {
+        self.class
+    }
+
+    /// Whether mindkit can encode conversations with this template (it refuses the classes it
+    /// does not implement, by name, before any record is read).
+    pub fn check_encodable(&self) -> Result<(), TemplateError> {
+        match self.class {
+            TemplateClass::DeepSeek4 => Err(TemplateError::Unsupported {
+                name: self.name.clone(),
+                problem: "its class DeepSeek4Template renders conversations with an encoder of its own \
+                          (V4 message schema, DSML tool calls, reasoning_effort, drop_thinking), which \
+                          mindkit does not implement"
+                    .into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// MindSpeed's `fix_model_tokenizer`: with `replace_eos` the first stop word becomes eos (added
+    /// as a special token when the vocabulary lacks it); a tokenizer without eos gets
+    /// `<|endoftext|>`; pad defaults to eos; the other stop words become special tokens.
     pub fn fix_tokenizer(&self, tok: &mut HfTokenizer) -> Result<(), TemplateError> {
+        let stop_word_error = |source| TemplateError::StopWord {
+            name: self.name.clone(),
+            source,
+        };
+        let mut stop_words = self.stop_words.as_slice();
         if self.replace_eos {
-            let stop = self
-                .stop_words
-                .first()
+            let (first, rest) = stop_words
+                .split_first()
                 .ok_or_else(|| TemplateError::Entry {
                     at: self.name.clone(),
-                    problem: "replace_eos needs stop words".into(),
+                    problem: "stop words are required to replace the EOS token".into(),
                 })?;
-            tok.set_eos(stop)
-                .map_err(|source| TemplateError::StopWord {
-                    name: self.name.clone(),
-                    source,
-                })?;
+            tok.set_eos(first).map_err(stop_word_error)?;
+            stop_words = rest;
+        }
+        if tok.eos().is_none() {
+            tok.set_eos("<|endoftext|>").map_err(stop_word_error)?;
+        }
+        if let (None, Some(eos)) = (tok.pad(), tok.eos()) {
+            tok.set_pad(eos);
+        }
+        for word in stop_words {
+            tok.add_special_token(word).map_err(stop_word_error)?;
         }
         Ok(())
     }
@@ -303,63 +473,8 @@ pub struct Message {
     pub content: String,
 }
 
-fn apply(slots: &[Slot], content: &str, idx: Option<&str>) -> Vec<Slot> {
-    slots
-        .iter()
-        .map(|s| match s {
-            // Python's str.replace(old, new, 1): content first, then idx.
-            Slot::Text(t) => {
-                let mut t = t.replacen("{{content}}", content, 1);
-                if let Some(i) = idx {
-                    t = t.replacen("{{idx}}", i, 1);
-                }
-                Slot::Text(t)
-            }
-            other => other.clone(),
-        })
-        .collect()
-}
-
-/// `json.dumps(value, ensure_ascii=False)` with Python's default separators.
-pub fn py_json(v: &Value) -> String {
-    match v {
-        Value::Array(a) => format!("[{}]", a.iter().map(py_json).collect::<Vec<_>>().join(", ")),
-        Value::Object(o) => format!(
-            "{{{}}}",
-            o.iter()
-                .map(|(k, v)| format!("{}: {}", py_json(&Value::String(k.clone())), py_json(v)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        other => other.to_string(),
-    }
-}
-
-/// `FunctionFormatter.apply`: content is `{"name", "arguments"}` JSON, else both empty.
-fn apply_function(slots: &[Slot], content: &str) -> Vec<Slot> {
-    let parsed: Option<(String, String)> =
-        serde_json::from_str::<Value>(content).ok().and_then(|f| {
-            let name = f.get("name")?;
-            let name = name
-                .as_str()
-                .map(String::from)
-                .unwrap_or_else(|| py_json(name));
-            Some((name, py_json(f.get("arguments")?)))
-        });
-    let (name, arguments) = parsed.unwrap_or_default();
-    slots
-        .iter()
-        .map(|s| match s {
-            Slot::Text(t) => Slot::Text(
-                t.replace("{{name}}", &name)
-                    .replace("{{arguments}}", &arguments),
-            ),
-            other => other.clone(),
-        })
-        .collect()
-}
-
 impl Template {
+    /// `_convert_elements_to_ids`: each element encoded on its own, then concatenated.
     fn to_ids(&self, tok: &HfTokenizer, elements: &[Slot]) -> Result<Vec<i64>, RecordError> {
         let mut ids = Vec::new();
         for e in elements {
@@ -368,27 +483,43 @@ impl Template {
                     ids.extend(tok.encode(t, false)?.into_iter().map(i64::from))
                 }
                 Slot::Text(_) => {}
-                Slot::Token(t) => ids.push(tok.token_id(t)? as i64),
-                Slot::Bos => ids.extend(tok.bos().map(i64::from)),
-                Slot::Eos => ids.extend(tok.eos().map(i64::from)),
+                Slot::Token(t) => ids.push(i64::from(tok.token_id_or_unk(t).ok_or_else(|| {
+                    RecordError::invalid(
+                        "tokenizer error",
+                        format!(
+                            "template {}: token {t:?} is not in the vocabulary and the tokenizer \
+                             has no unk token",
+                            self.name
+                        ),
+                    )
+                })?)),
+                Slot::Special { bos, eos } => {
+                    let id = match (tok.bos(), tok.eos()) {
+                        (Some(b), _) if *bos => Some(b),
+                        (_, Some(e)) if *eos => Some(e),
+                        _ => None,
+                    };
+                    ids.extend(id.map(i64::from));
+                }
             }
         }
         Ok(ids)
     }
 
-    /// `Template._encode` + `_make_pairs`: (source, target) id pairs, truncated to `cutoff_len`.
-    pub fn encode_multiturn(
+    /// `_encode`: each message's ids; the first message gets the prefix and the system block
+    /// (inside the user text for llama2), later user turns the separator (not for LFDefault).
+    fn encode_messages(
         &self,
         tok: &HfTokenizer,
         messages: &[Message],
         system: &str,
-        cutoff_len: usize,
-    ) -> Result<Vec<TurnIds>, RecordError> {
+    ) -> Result<Vec<Vec<i64>>, RecordError> {
         let system = if system.is_empty() {
             self.default_system.as_str()
         } else {
             system
         };
+        let llama2 = self.class == TemplateClass::Llama2;
         let mut encoded = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
             let mut elements = Vec::new();
@@ -397,71 +528,121 @@ impl Template {
                 elements.extend(self.prefix.iter().cloned());
                 if !system.is_empty() {
                     let formatted = apply(&self.system, system, None);
-                    match self.class {
-                        TemplateClass::Plain => elements.extend(formatted),
-                        TemplateClass::Llama2 => {
-                            if let Some(Slot::Text(t)) = formatted.first() {
-                                system_text = t.clone();
-                            }
-                        }
+                    match formatted.first() {
+                        Some(Slot::Text(t)) if llama2 => system_text = t.clone(),
+                        _ => elements.extend(formatted),
                     }
                 }
-            } else if i % 2 == 0 {
+            } else if i % 2 == 0 && self.class != TemplateClass::LfDefault {
                 elements.extend(self.separator.iter().cloned());
             }
             let idx = (i / 2).to_string();
             elements.extend(match m.role {
-                Role::User if self.class == TemplateClass::Llama2 => {
+                Role::User if llama2 => {
                     apply(&self.user, &format!("{system_text}{}", m.content), None)
                 }
                 Role::User => apply(&self.user, &m.content, Some(&idx)),
                 Role::Assistant => apply(&self.assistant, &m.content, None),
                 Role::Observation => apply(&self.observation, &m.content, None),
-                Role::Function => apply_function(&self.function, &m.content),
+                Role::Function => self.function.apply(&self.name, &m.content)?,
             });
             encoded.push(self.to_ids(tok, &elements)?);
         }
-        Ok(make_pairs(encoded, cutoff_len, 1))
+        Ok(encoded)
     }
-}
 
-/// `infer_max_len` of LLaMA-Factory 0.8.2.
-fn infer_max_len(
-    source_len: usize,
-    target_len: usize,
-    max_len: usize,
-    reserved: usize,
-) -> (usize, usize) {
-    let max_target = if source_len + target_len == 0 {
-        0
-    } else {
-        (max_len as f64 * (target_len as f64 / (source_len + target_len) as f64)) as usize
-    };
-    let max_target = max_target.max(reserved);
-    let max_source = max_len.saturating_sub(max_target.min(target_len));
-    (max_source, max_target)
-}
-
-fn make_pairs(
-    encoded: Vec<Vec<i64>>,
-    cutoff_len: usize,
-    reserved: usize,
-) -> Vec<(Vec<i64>, Vec<i64>)> {
-    let mut pairs = Vec::new();
-    let mut total = 0usize;
-    let mut it = encoded.into_iter();
-    while let (Some(mut source), Some(mut target)) = (it.next(), it.next()) {
-        if total >= cutoff_len {
-            break;
+    /// `remove_thought`: every `thought_words[0] … thought_words[1]` block (shortest match)
+    /// removed, then leading newlines.
+    fn remove_thought(&self, content: &str) -> String {
+        let (open, close) = (&self.thought_words.0, &self.thought_words.1);
+        let mut out = String::with_capacity(content.len());
+        let mut rest = content;
+        while let Some(start) = rest.find(open.as_str()) {
+            let after = start + open.len();
+            let Some(end) = rest[after..].find(close.as_str()) else {
+                break;
+            };
+            out.push_str(&rest[..start]);
+            rest = &rest[after + end + close.len()..];
         }
-        let (max_source, max_target) =
-            infer_max_len(source.len(), target.len(), cutoff_len - total, reserved);
-        source.truncate(max_source);
-        target.truncate(max_target);
-        total += source.len() + target.len();
-        pairs.push((source, target));
+        out.push_str(rest);
+        out.trim_start_matches('\n').to_string()
     }
-    pairs
+
+    /// `encode_multiturn`: (source, target) id pairs, truncated to `cutoff_len` by the class's
+    /// `_make_pairs`.
+    pub fn encode_multiturn(
+        &self,
+        tok: &HfTokenizer,
+        messages: &[Message],
+        system: &str,
+        cutoff_len: usize,
+    ) -> Result<Vec<TurnIds>, RecordError> {
+        match self.class {
+            TemplateClass::Plain | TemplateClass::Llama2 => Ok(make_pairs(
+                self.encode_messages(tok, messages, system)?,
+                cutoff_len,
+                1,
+                Truncation::InferMaxLen,
+            )),
+            TemplateClass::LfDefault => Ok(make_pairs(
+                self.encode_messages(tok, messages, system)?,
+                cutoff_len,
+                1,
+                Truncation::InferSeqlen,
+            )),
+            TemplateClass::Reasoning => Ok(make_pairs(
+                self.encode_reasoning(tok, messages, system)?,
+                cutoff_len,
+                1,
+                Truncation::InferSeqlen,
+            )),
+            TemplateClass::DeepSeek4 => Err(RecordError::invalid(
+                "unsupported template",
+                self.check_encodable()
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default(),
+            )),
+        }
+    }
+
+    /// `ReasoningTemplate.encode_multiturn` before `_make_pairs`. With `enable_thinking` false
+    /// every answer loses its thoughts; then an answer holding neither thought word gets the
+    /// empty thought (`thought_words[0] + thought_words[1]`, encoded on its own): at the end of
+    /// its prompt, untrained, unless `enable_thinking` is true, which puts it at the start of
+    /// the answer, trained. Thoughts of earlier turns are kept unless it is false.
+    fn encode_reasoning(
+        &self,
+        tok: &HfTokenizer,
+        messages: &[Message],
+        system: &str,
+    ) -> Result<Vec<Vec<i64>>, RecordError> {
+        let mut messages = messages.to_vec();
+        if self.enable_thinking == Some(false) {
+            for m in messages.iter_mut().skip(1).step_by(2) {
+                m.content = self.remove_thought(&m.content);
+            }
+        }
+        let mut encoded = self.encode_messages(tok, &messages, system)?;
+        let (open, close) = &self.thought_words;
+        let empty_thought: Vec<i64> = tok
+            .encode(&format!("{open}{close}"), false)?
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        for (i, answer) in messages.iter().enumerate().skip(1).step_by(2) {
+            if answer.content.contains(open.as_str()) || answer.content.contains(close.as_str()) {
+                continue;
+            }
+            if self.enable_thinking == Some(true) {
+                encoded[i].splice(0..0, empty_thought.iter().copied());
+            } else {
+                encoded[i - 1].extend(&empty_thought);
+            }
+        }
+        Ok(encoded)
+    }
 }
 
 #[cfg(test)]
@@ -469,13 +650,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn builtins_parse() {
-        for name in builtin_names() {
-            Template::load(&name, None).unwrap();
+    fn every_upstream_template_is_built_in() {
+        let names = builtin_names();
+        assert_eq!(names.len(), 34);
+        for name in &names {
+            Template::load(name, None).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
-        assert!(builtin_names().contains(&"qwen".to_string()));
+        for name in [
+            "qwen3",
+            "glm4_moe",
+            "magistral",
+            "deepseek3",
+            "cpm",
+            "gpt_oss",
+            "qwen_lf",
+        ] {
+            assert!(names.iter().any(|n| n == name), "{name}");
+        }
         let e = Template::load("nope", None).unwrap_err().to_string();
-        assert!(e.contains("available: empty, default"), "{e}");
+        assert!(e.contains("available: chatglm2, chatglm3"), "{e}");
+    }
+
+    #[test]
+    fn template_classes_are_read_from_the_entries() {
+        let class = |n: &str| Template::load(n, None).unwrap().class();
+        assert_eq!(class("qwen3"), TemplateClass::Reasoning);
+        assert_eq!(class("gpt_oss"), TemplateClass::Reasoning);
+        assert_eq!(class("qwen_lf"), TemplateClass::LfDefault);
+        assert_eq!(class("llama2"), TemplateClass::Llama2);
+        assert_eq!(class("deepseek3"), TemplateClass::Plain);
+        let gpt_oss = Template::load("gpt_oss", None).unwrap();
+        assert_eq!(gpt_oss.thought_words.0, "<|channel|>analysis<|message|>");
+        let qwen3 = Template::load("qwen3", None).unwrap();
+        assert_eq!(
+            qwen3.thought_words,
+            ("<think>\n".into(), "\n</think>\n\n".into())
+        );
+    }
+
+    #[test]
+    fn deepseek4_loads_but_is_refused_for_encoding() {
+        let t = Template::load("deepseek4", None).unwrap();
+        let e = t.check_encodable().unwrap_err().to_string();
+        assert!(
+            e.contains("deepseek4") && e.contains("DeepSeek4Template"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -483,21 +703,50 @@ mod tests {
         let empty = Template::load("empty", None).unwrap();
         assert_eq!(empty.assistant, vec![Slot::Text("{{content}}".into())]);
         let alpaca = Template::load("alpaca", None).unwrap();
-        assert_eq!(alpaca.assistant.last(), Some(&Slot::Eos));
+        assert_eq!(alpaca.assistant.last(), Some(&Slot::EOS));
+        // An explicit assistant formatter gets no eos: qwen3 ends its answers with <|im_end|>\n.
+        let qwen3 = Template::load("qwen3", None).unwrap();
+        assert_eq!(
+            qwen3.assistant,
+            vec![Slot::Text("{{content}}<|im_end|>\n".into())]
+        );
     }
 
     #[test]
-    fn python_json_dumps() {
-        let v: Value = serde_json::from_str(r#"{"a": [1, "é"], "b": {"c": null}}"#).unwrap();
-        assert_eq!(py_json(&v), r#"{"a": [1, "é"], "b": {"c": null}}"#);
+    fn malformed_formatters_are_refused_as_upstream_does() {
+        let load = |entry: &str| {
+            let v: Value = serde_json::from_str(entry).unwrap();
+            Template::from_json("t", &v)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        assert!(load(r#"{"format_user": {"slots": ["no placeholder"]}}"#)
+            .unwrap_err()
+            .contains("placeholder is required"));
+        assert!(load(r#"{"format_prefix": {"slots": ["{{content}}"]}}"#)
+            .unwrap_err()
+            .contains("should not contain"));
+        assert!(load(r#"{"format_function": {"slots": ["{{name}}"]}}"#)
+            .unwrap_err()
+            .contains("name and arguments"));
+        assert!(load(r#"{"template_class": "Foo"}"#)
+            .unwrap_err()
+            .contains("not a template class"));
+        load(r#"{"format_user": {}, "template_class": "LFDefaultTemplate"}"#).unwrap();
     }
 
     #[test]
-    fn truncation_like_llamafactory() {
-        assert_eq!(infer_max_len(10, 10, 10, 1), (5, 5));
-        assert_eq!(infer_max_len(0, 0, 10, 1), (10, 1));
-        let pairs = make_pairs(vec![vec![1; 6], vec![2; 6], vec![3; 4], vec![4; 4]], 10, 1);
-        assert_eq!(pairs.len(), 1);
-        assert_eq!((pairs[0].0.len(), pairs[0].1.len()), (5, 5));
+    fn remove_thought_takes_shortest_blocks_and_leading_newlines() {
+        let t = Template::load("qwen3", None).unwrap();
+        assert_eq!(
+            t.remove_thought("<think>\na\n</think>\n\n\nX<think>\nb\n</think>\n\nY"),
+            "XY"
+        );
+        // Markers without their newlines are not thoughts.
+        assert_eq!(t.remove_thought("<think>a</think>X"), "<think>a</think>X");
+        assert_eq!(
+            t.remove_thought("\n<think>\nopen only"),
+            "<think>\nopen only"
+        );
     }
 }
