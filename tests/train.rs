@@ -1892,3 +1892,93 @@ fn lora_on_tensor_parallel_ranks_trains_as_one_rank_does() {
         "{line}"
     );
 }
+
+/// The dtypes of every `exp_avg` / `exp_avg_sq` under `v`.
+fn moment_dtypes(v: &mindkit::ckpt::torch::pickle::Value, out: &mut Vec<mindkit::tensor::DType>) {
+    use mindkit::ckpt::torch::pickle::Value;
+    match v {
+        Value::Dict(items) => {
+            for (k, v) in items {
+                match (k, v) {
+                    (Value::Str(k), Value::Tensor(t)) if k == "exp_avg" || k == "exp_avg_sq" => {
+                        out.push(t.storage.dtype)
+                    }
+                    _ => moment_dtypes(v, out),
+                }
+            }
+        }
+        Value::List(items) | Value::Tuple(items) => {
+            items.iter().for_each(|v| moment_dtypes(v, out))
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn o2_optimizer_keeps_bf16_moments_and_loaded_moments_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let (plain, o2) = (dir.path().join("plain"), dir.path().join("o2"));
+    let three = ["--train-iters", "3", "--save"];
+    let with = |save: &Path, extra: &[&str]| {
+        let mut a = args(
+            &data,
+            &[&three[..], &[save.to_str().unwrap()], extra].concat(),
+        );
+        let at = a.iter().position(|a| a == "--train-iters").unwrap();
+        a.drain(at..at + 2); // args() gives 10 iterations
+        a
+    };
+    let plain_log = iterations(&stdout(&run(&with(&plain, &[])).success()));
+    let o2_log = iterations(&stdout(&run(&with(&o2, &["--o2-optimizer"])).success()));
+    // The first step reads zero moments and updates with the unrounded f32 ones: the loss of
+    // iterations 1 and 2 is the same; from the second step on the moments read were rounded.
+    assert_eq!(plain_log[..2], o2_log[..2]);
+    assert_ne!(plain_log[2], o2_log[2], "--o2-optimizer changed nothing");
+    let pt = |d: &Path| {
+        mindkit::ckpt::torch::TorchFile::open(&d.join("iter_0000003/mp_rank_00/model_optim_rng.pt"))
+            .unwrap()
+    };
+    let dtypes = |d: &Path| {
+        let mut out = Vec::new();
+        moment_dtypes(pt(d).root(), &mut out);
+        out
+    };
+    let (f32s, bf16s) = (dtypes(&plain), dtypes(&o2));
+    assert!(!bf16s.is_empty() && bf16s.len() == f32s.len());
+    assert!(
+        f32s.iter().all(|&d| d == mindkit::tensor::DType::F32),
+        "{f32s:?}"
+    );
+    assert!(
+        bf16s.iter().all(|&d| d == mindkit::tensor::DType::BF16),
+        "{bf16s:?}"
+    );
+    let args_of = |d: &Path| format!("{:?}", pt(d).root().get("args").unwrap());
+    assert!(
+        args_of(&o2).contains("\"o2_optimizer\", Bool(true)"),
+        "{}",
+        args_of(&o2)
+    );
+    // Resumed, the moments are f32 (torch's load_state_dict casts them to the f32 main
+    // parameters' dtype), as in MindSpeed-LLM: iteration 4 onwards runs and saves f32 moments.
+    let mut resume = with(
+        &o2,
+        &["--o2-optimizer", "--use-checkpoint-opt-param-scheduler"],
+    );
+    let at = resume.iter().position(|a| a == "--load").unwrap();
+    resume[at + 1] = o2.to_str().unwrap().into();
+    let at = resume.iter().position(|a| a == "3").unwrap();
+    resume[at] = "4".into();
+    run(&resume).success();
+    let mut out = Vec::new();
+    let file = mindkit::ckpt::torch::TorchFile::open(
+        &o2.join("iter_0000004/mp_rank_00/model_optim_rng.pt"),
+    )
+    .unwrap();
+    moment_dtypes(file.root(), &mut out);
+    assert!(
+        out.iter().all(|&d| d == mindkit::tensor::DType::F32),
+        "{out:?}"
+    );
+}

@@ -197,6 +197,8 @@ pub const FLAGS: &[Flag] = &[
     used("override-opt-param-scheduler", Nothing, "resume with the schedule of the command line"),
     refused("decoupled-lr", One, "a separate embedding/output learning rate is not implemented"),
     used("bf16", Nothing, "bf16 weights and activations, f32 main parameters and gradients"),
+    used("o2-optimizer", Nothing, "AdamW's moments stored in bf16, stepped in f32 and rounded back after every step (MindSpeed-LLM's O2AdamW); moments loaded from a checkpoint stay f32, as there"),
+    inert("o2-gradient", Nothing, "MindSpeed-LLM registers it but nothing reads it any more (its consumer was removed); gradients are accumulated in f32"),
     inert("initial-loss-scale", One, "only read by fp16 training"),
     inert("loss-scale-window", One, "only read by fp16 training"),
     inert("min-loss-scale", One, "only read by fp16 training"),

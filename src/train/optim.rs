@@ -2,7 +2,9 @@
 //! (weight decay, and none for biases and 1-D parameters), the global gradient norm and
 //! Megatron's clip coefficient (megatron/core/optimizer/clip_grads.py), and with `--bf16` f32
 //! main parameters that the bf16 model parameters are copied from after every step
-//! (`Float16OptimizerWithFloat16Params`).
+//! (`Float16OptimizerWithFloat16Params`). With `--o2-optimizer` the moments are stored in bf16,
+//! as MindSpeed-LLM's `O2AdamW` keeps them (MindSpeed-LLM
+//! `mindspeed_llm/tasks/models/common/adamw.py`).
 
 use crate::engine::{AdamWStep, Backend, Result};
 use crate::model::params::ParamTable;
@@ -17,6 +19,8 @@ pub struct AdamConfig {
     pub eps: f64,
     /// Global gradient-norm clip (0: none).
     pub clip_grad: f64,
+    /// The dtype the moments are stored in: f32, or bf16 (`--o2-optimizer`).
+    pub moments: DType,
 }
 
 impl AdamConfig {
@@ -69,7 +73,8 @@ impl<T> Optimizer<T> {
         config: AdamConfig,
     ) -> Result<Self> {
         // Frozen parameters (LoRA's base) keep no state: empty placeholders.
-        let zeros = |(p, &t): (&T, &bool)| b.zeros(if t { b.shape(p) } else { &[0] }, DType::F32);
+        let zeros =
+            |(p, &t): (&T, &bool)| b.zeros(if t { b.shape(p) } else { &[0] }, config.moments);
         let main = match params.first().map(|p| b.dtype(p)) {
             Some(DType::F32) | None => None,
             Some(_) => Some(
@@ -153,7 +158,17 @@ impl<T> Optimizer<T> {
                 step: self.steps,
                 grad_scale,
             };
-            let moments = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
+            let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
+            // Moments stored in bf16 (O2AdamW's) step in f32 and are stored back rounded to
+            // nearest even: `exp_avg.float()`, the f32 step, `exp_avgs[i].copy_(exp_avg)`.
+            let mut wide = match b.dtype(m) {
+                DType::F32 => None,
+                _ => Some((b.cast(m, DType::F32)?, b.cast(v, DType::F32)?)),
+            };
+            let moments = match wide.as_mut() {
+                Some((m, v)) => (m, v),
+                None => (&mut *m, &mut *v),
+            };
             match &mut self.main {
                 None => b.adamw(&mut params[i], &mut grads[i], moments, step, None)?,
                 Some(main) => b.adamw(
@@ -163,6 +178,10 @@ impl<T> Optimizer<T> {
                     step,
                     Some(&mut params[i]),
                 )?,
+            }
+            if let Some((wide_m, wide_v)) = wide {
+                b.copy_into(&wide_m, m)?;
+                b.copy_into(&wide_v, v)?;
             }
         }
         Ok(StepReport {

@@ -9,6 +9,7 @@ use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::Backend;
 use crate::model::params::LoraSpec;
 use crate::tensor::host::Tensor as HostTensor;
+use crate::tensor::DType;
 use anyhow::{bail, Result};
 use std::os::unix::ffi::OsStrExt;
 use std::time::Instant;
@@ -72,10 +73,15 @@ impl<B: Backend> Trainer<B> {
             return Ok(());
         };
         let b = &self.b;
+        // Loaded moments become f32 whatever they were saved in, as torch's
+        // `Optimizer.load_state_dict` casts a state to its f32 main parameter's dtype: under
+        // --o2-optimizer, as in MindSpeed-LLM, they are bf16 only in a run that starts without
+        // optimizer state.
+        let wide = |t: &HostTensor| -> Result<B::Tensor> { Ok(b.cast(&b.upload(t)?, DType::F32)?) };
         for (i, (m, v)) in opt.exp_avg.into_iter().zip(opt.exp_avg_sq).enumerate() {
             if let (Some(m), Some(v)) = (m, v) {
-                self.opt.exp_avg[i] = b.upload(&m)?;
-                self.opt.exp_avg_sq[i] = b.upload(&v)?;
+                self.opt.exp_avg[i] = wide(&m)?;
+                self.opt.exp_avg_sq[i] = wide(&v)?;
             }
         }
         if let (Some(main), Some(saved)) = (self.opt.main.as_mut(), opt.main) {

@@ -431,6 +431,10 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         betas,
         eps,
         clip_grad,
+        moments: match a.has("o2-optimizer") {
+            true => DType::BF16,
+            false => DType::F32,
+        },
     };
     let recorded = recorded_args(a, &schedule, &adam, bf16)?;
     Ok(TrainConfig {

@@ -2,6 +2,7 @@
 //! `get_optimizer_param_scheduler`), and the training flags a checkpoint's `args` records.
 
 use super::{flag_error, non_negative};
+use crate::tensor::DType;
 use crate::train::args::Args;
 use crate::train::optim::AdamConfig;
 use crate::train::schedule::{DecayStyle, Schedule, WdStyle};
@@ -129,6 +130,9 @@ pub(super) fn recorded_args(
         ("clip_grad", json!(adam.clip_grad)),
         ("optimizer", json!("adam")),
         ("bf16", json!(bf16)),
+        // MindSpeed-LLM's (mindspeed_llm/features_manager/megatron_basic/requirements_basic.py)
+        ("o2_optimizer", json!(adam.moments == DType::BF16)),
+        ("o2_gradient", json!(a.has("o2-gradient"))),
         ("fp16", json!(false)),
         // what shaped distrib_optim.pt's buffers, and the interleaved schedule's groups
         (
