@@ -101,6 +101,7 @@ CASES = {
                                {"per_token": True, "eod_mask_loss": True}),
     "qwen3-qk-norm-head-dim-tied": ("qwen3", ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec",
                                               "layer_spec", "--qk-layernorm"], {}),
+    "llama-o2-optimizer-bf16-moments": ("llama", ["--o2-optimizer"], {"o2_optimizer": True}),
 }
 
 

@@ -45,13 +45,16 @@ def padded_model(model_dir, vocab_padded):
 
 def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min_lr, warmup_iters,
           decay_style, weight_decay, clip_grad, betas=(0.9, 0.999), eps=1e-8, seed=1234,
-          split="1", per_token=False, eod_mask_loss=False, model=None, evaluation=None):
+          split="1", per_token=False, eod_mask_loss=False, o2_optimizer=False, model=None,
+          evaluation=None):
     """Train (`model`, or the padded model of `model_dir`; only parameters that require
     gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
     and the optimizer (each iteration also gives the parameters' L2 norm after the update and
     the number of zero gradient elements). With `evaluation` = (interval, eval_iters), also the validation losses
     Megatron's evaluate() reports every interval and after the last iteration, as
-    `model.validation`."""
+    `model.validation`. With `o2_optimizer`, the moments are stored rounded to bf16 after
+    every step, as MindSpeed-LLM's O2AdamW (mindspeed_llm/tasks/models/common/adamw.py) keeps
+    them: the step itself reads them widened to f32 and updates with the unrounded ones."""
     megatron_cpu.init()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -121,6 +124,10 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
             for p in params:
                 p.grad.mul_(coeff)
         opt.step()
+        if o2_optimizer:
+            for state in opt.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(state[key].bfloat16().float())
         sched.step(increment=gbs)
         lr_printed = float(torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float32))
         zeros = sum(int((p.grad == 0).sum()) for p in params)
