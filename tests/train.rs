@@ -1892,3 +1892,16 @@ fn lora_on_tensor_parallel_ranks_trains_as_one_rank_does() {
         "{line}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hardening: what Megatron does, or a clear error before any work, for inputs that used to be
+// taken silently or found only after training.
+
+#[test]
+fn a_bad_command_line_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    for extra in ["--no-such-flag", "--seq-length abc", "--lr", "stray"] {
+        run(&args(&data, &split(extra))).code(2);
+    }
+}
