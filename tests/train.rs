@@ -1897,6 +1897,243 @@ fn lora_on_tensor_parallel_ranks_trains_as_one_rank_does() {
 // Hardening: what Megatron does, or a clear error before any work, for inputs that used to be
 // taken silently or found only after training.
 
+/// `args` with `flag` and its value removed.
+fn without(mut a: Vec<String>, flag: &str) -> Vec<String> {
+    let at = a.iter().position(|x| x == flag).unwrap();
+    a.drain(at..at + 2);
+    a
+}
+
+/// `args` with `flag`'s value replaced.
+fn with_value(mut a: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    let at = a.iter().position(|x| x == flag).unwrap();
+    a[at + 1] = value.to_string();
+    a
+}
+
+#[test]
+fn a_tokenizer_larger_than_the_loaded_vocabulary_is_refused() {
+    // The llama fixture's embedding has 200 rows; the demo tokenizer 400 tokens.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    let demo = fixture("models/demo");
+    let a = with_value(
+        args(&data, &["--tokenizer-name-or-path", demo.to_str().unwrap()]),
+        "--load",
+        fixture("models/llama").to_str().unwrap(),
+    );
+    let mut a = a;
+    a.extend(["--save".into(), save.to_str().unwrap().into()]);
+    let out = run(&a).failure();
+    let err = stderr(&out);
+    for part in ["400", "200", "--tokenizer-name-or-path"] {
+        assert!(err.contains(part), "{part} missing: {err}");
+    }
+    assert!(!save.exists(), "it created --save");
+}
+
+#[test]
+fn split_characters_megatron_skips_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    for (split, read, dropped) in [
+        ("80,x,20", "80, 20, 0", "\"x\""),
+        ("-1,1,1", "1, 1, 1", "\"-\""),
+    ] {
+        let a = with_value(
+            args(&data, &["--train-iters", "2", "--lr-warmup-iters", "1"]),
+            "--split",
+            split,
+        );
+        let out = run(&a).success();
+        let err = stderr(&out);
+        assert!(
+            err.contains(read) && err.contains(dropped),
+            "{split}: {err}"
+        );
+    }
+    let a = with_value(
+        args(&data, &["--train-iters", "2", "--lr-warmup-iters", "1"]),
+        "--split",
+        "a,b,c",
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(err.contains("no number") && err.contains("\"a\""), "{err}");
+}
+
+#[test]
+fn model_flags_that_disagree_with_the_load_checkpoint_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // (flags, what the refusal names)
+    for (extra, says) in [
+        ("--norm-epsilon 1e-3", "--norm-epsilon 0.001"),
+        ("--rotary-base 500000", "--rotary-base 500000"),
+        ("--use-rope-scaling", "RoPE scaling"),
+        (
+            "--rope-scaling-type llama3 --rope-scaling-factor 8",
+            "RoPE scaling",
+        ),
+    ] {
+        let out = run(&args(&data, &split(extra))).failure();
+        let err = stderr(&out);
+        assert!(
+            err.contains(says) && err.contains("--load checkpoint"),
+            "{extra}: {err}"
+        );
+    }
+    // The checkpoint's own values are accepted.
+    run(&args(
+        &data,
+        &split("--norm-epsilon 1e-5 --rotary-base 10000 --train-iters 2 --lr-warmup-iters 1"),
+    ))
+    .success();
+}
+
+#[test]
+fn schedule_lengths_of_the_other_mode_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let by_iters = without(args(&data, &[]), "--lr-warmup-iters");
+    let by_samples = with_value(args(&data, &[]), "--train-iters", "40");
+    let by_samples: Vec<String> = by_samples
+        .into_iter()
+        .map(|x| match x.as_str() {
+            "--train-iters" => "--train-samples".into(),
+            _ => x,
+        })
+        .collect();
+    let cases: [(&Vec<String>, &str, &str); 5] = [
+        (
+            &by_iters,
+            "--lr-decay-samples 40",
+            "expected iteration-based learning rate decay",
+        ),
+        (
+            &by_iters,
+            "--lr-warmup-samples 8",
+            "expected iteration-based learning rate warmup",
+        ),
+        (
+            &by_samples,
+            "--lr-decay-iters 10",
+            "expected sample-based learning rate decay",
+        ),
+        // --lr-warmup-iters 2 is in the flags already
+        (
+            &by_samples,
+            "",
+            "expected sample-based learning rate warmup",
+        ),
+        (
+            &by_iters,
+            "--lr-wsd-decay-samples 8",
+            "--lr-wsd-decay-samples",
+        ),
+    ];
+    for (base, extra, says) in cases {
+        let mut a = base.clone();
+        a.extend(extra.split_whitespace().map(str::to_string));
+        let err = stderr(&run(&a).failure());
+        assert!(err.contains(says), "{extra}: {err}");
+    }
+}
+
+#[test]
+fn non_finite_and_out_of_range_float_flags_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let base = without(args(&data, &[]), "--lr-warmup-iters");
+    for (extra, says) in [
+        ("--lr-warmup-fraction nan", "--lr-warmup-fraction"),
+        ("--lr-warmup-fraction 1.5", "--lr-warmup-fraction"),
+        ("--norm-epsilon inf", "--norm-epsilon"),
+        ("--rotary-base -1", "--rotary-base"),
+        ("--adam-beta1 nan", "--adam-beta1"),
+        ("--init-method-std inf", "--init-method-std"),
+        ("--weight-decay -0.1", "--weight-decay"),
+    ] {
+        let mut a = base.clone();
+        a.extend(extra.split(' ').map(str::to_string));
+        let err = stderr(&run(&a).failure());
+        assert!(
+            err.contains(says) && (err.contains("finite") || err.contains("range")),
+            "{extra}: {err}"
+        );
+    }
+}
+
+#[test]
+fn products_of_flags_that_overflow_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let huge = "4611686018427387904"; // 2^62: × a global batch of 4 overflows u64
+    for (extra, says) in [
+        (vec!["--train-iters", huge], "--train-iters"),
+        (vec!["--lr-decay-iters", huge], "--lr-decay-iters"),
+        (vec!["--lr-warmup-iters", huge], "--lr-warmup-iters"),
+        (
+            vec!["--eval-iters", huge, "--eval-interval", "5"],
+            "--eval-iters",
+        ),
+    ] {
+        let err = stderr(&run(&args(&data, &extra)).failure());
+        assert!(
+            err.contains(says) && err.contains("--global-batch-size") && err.contains("overflow"),
+            "{extra:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn sizes_beyond_the_hosts_memory_are_refused_before_allocating() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let a = args(
+        &data,
+        &split("--train-iters 18446744073709551615 --micro-batch-size 1 --global-batch-size 1"),
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(
+        err.contains("--train-iters") && err.contains("memory"),
+        "{err}"
+    );
+    // 1024 ranks as threads, each building the indices of 64 Mi samples.
+    let a = args(
+        &data,
+        &split(
+            "--world-size 1024 --micro-batch-size 1 --global-batch-size 65536 --train-iters 1000",
+        ),
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(
+        err.contains("--world-size 1024") && err.contains("memory"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_empty_load_directory_starts_from_random_weights() {
+    // Megatron (load_checkpoint): no tracker, so "will start from random"; only
+    // --exit-on-missing-checkpoint stops there.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut a = from_scratch(
+        &data,
+        &[],
+        &["--train-iters", "2", "--lr-warmup-iters", "1"],
+    );
+    a.extend(["--load".into(), empty.to_str().unwrap().into()]);
+    let out = run(&a).success();
+    assert!(stderr(&out).contains("random weights"), "{}", stderr(&out));
+    a.push("--exit-on-missing-checkpoint".into());
+    let err = stderr(&run(&a).failure());
+    assert!(err.contains("no checkpoint"), "{err}");
+}
+
 #[test]
 fn a_bad_command_line_exits_2() {
     let dir = tempfile::tempdir().unwrap();
@@ -1904,4 +2141,18 @@ fn a_bad_command_line_exits_2() {
     for extra in ["--no-such-flag", "--seq-length abc", "--lr", "stray"] {
         run(&args(&data, &split(extra))).code(2);
     }
+}
+
+#[test]
+fn a_missing_tokenizer_names_the_flag_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let missing = dir.path().join("no-such-tokenizer");
+    let a = from_scratch(&data, &[], &[]);
+    let a = without(a, "--tokenizer-name-or-path");
+    let mut a = a;
+    a.extend(["--tokenizer-model".into(), missing.to_str().unwrap().into()]);
+    let err = stderr(&run(&a).failure());
+    assert!(err.contains("--tokenizer-model"), "{err}");
+    assert!(!err.contains("--tokenizer-name-or-path"), "{err}");
 }
