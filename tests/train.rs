@@ -1911,6 +1911,12 @@ fn with_value(mut a: Vec<String>, flag: &str, value: &str) -> Vec<String> {
     a
 }
 
+/// [`args`] for runs shorter than their warmup: the decay length fixed at 10 iterations
+/// (Megatron asserts warmup < decay), the same in every run so that a resume agrees with it.
+fn short_args(data: &Path, extra: &[&str]) -> Vec<String> {
+    args(data, &[&["--lr-decay-iters", "10"], extra].concat())
+}
+
 #[test]
 fn a_tokenizer_larger_than_the_loaded_vocabulary_is_refused() {
     // The llama fixture's embedding has 200 rows; the demo tokenizer 400 tokens.
@@ -2155,4 +2161,35 @@ fn a_missing_tokenizer_names_the_flag_given() {
     let err = stderr(&run(&a).failure());
     assert!(err.contains("--tokenizer-model"), "{err}");
     assert!(!err.contains("--tokenizer-name-or-path"), "{err}");
+}
+
+#[test]
+fn a_checkpoint_with_a_flipped_byte_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    run(&short_args(
+        &data,
+        &["--train-iters", "2", "--save", save.to_str().unwrap()],
+    ))
+    .success();
+    let file = save.join("iter_0000002/mp_rank_00/model_optim_rng.pt");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = {
+        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(&bytes[..])).unwrap();
+        let entry = zip.by_name("model_optim_rng/data/0").unwrap();
+        (entry.data_start() + entry.size() / 2) as usize
+    };
+    bytes[at] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let a = with_value(
+        short_args(&data, &["--train-iters", "4"]),
+        "--load",
+        save.to_str().unwrap(),
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(
+        err.contains("CRC") && err.contains("model_optim_rng.pt"),
+        "{err}"
+    );
 }
