@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{fixture, mindkit};
+use common::{copy_dir, fixture, mindkit};
 use std::path::{Path, PathBuf};
 
 /// The shipped corpus preprocessed with the demo model's tokenizer into `dir`.
@@ -2068,6 +2068,51 @@ fn non_finite_and_out_of_range_float_flags_are_refused() {
             "{extra}: {err}"
         );
     }
+}
+
+#[test]
+fn a_release_checkpoint_starts_at_iteration_zero_without_optimizer_state() {
+    // Megatron's load_checkpoint: a `release` tracker means iteration 0 and no optimizer,
+    // scheduler or RNG state; the consumed samples still come from the checkpoint's args.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let trained = dir.path().join("trained");
+    run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", trained.to_str().unwrap()],
+    ))
+    .success();
+    let release = dir.path().join("release");
+    copy_dir(&trained, &release);
+    std::fs::rename(release.join("iter_0000001"), release.join("release")).unwrap();
+    std::fs::write(release.join("latest_checkpointed_iteration.txt"), "release").unwrap();
+    let from = |load: &Path, iters: &str| {
+        let a = with_value(
+            short_args(&data, &["--train-iters", iters]),
+            "--load",
+            load.to_str().unwrap(),
+        );
+        iterations(&stdout(&run(&a).success()))
+    };
+    let released = from(&release, "2");
+    let resumed = from(&trained, "3");
+    assert_eq!(released.len(), 2, "{released:?}");
+    let field = |line: &str, name: &str| {
+        let f = line.split(" | ").find(|f| f.trim_start().starts_with(name));
+        f.unwrap().split_whitespace().collect::<String>()
+    };
+    assert_eq!(field(&released[0], "iteration"), "iteration1/2");
+    assert_eq!(field(&released[0], "consumed samples"), "consumedsamples:8");
+    // The same weights on the same samples (4 on): the resumed run's loss at iteration 2.
+    assert_eq!(
+        field(&released[0], "lm loss"),
+        field(&resumed[0], "lm loss")
+    );
+    // Without the optimizer's moments the update differs.
+    assert_ne!(
+        field(&released[1], "lm loss"),
+        field(&resumed[1], "lm loss")
+    );
 }
 
 #[test]

@@ -40,6 +40,11 @@ impl<B: Backend> Trainer<B> {
             ) => (dir.clone(), *no_optim),
             _ => return Ok(()),
         };
+        // Megatron's load_checkpoint (Megatron-LM megatron/training/checkpointing.py): a
+        // `release` checkpoint starts at iteration 0 and loads no optimizer, scheduler or RNG
+        // state; the consumed samples still come from its args.
+        let release = checkpoint::is_release(&dir)?;
+        let no_optim = no_optim || release;
         let at = (self.tp(), self.stage.rank());
         // the distributed optimizer's state is in its own file
         let state = match no_optim {
@@ -49,7 +54,7 @@ impl<B: Backend> Trainer<B> {
                 checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?
             }
         };
-        self.iteration = state.iteration;
+        self.iteration = if release { 0 } else { state.iteration };
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
         self.flops = state.flops;

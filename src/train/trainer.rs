@@ -381,11 +381,19 @@ impl<B: Backend> Trainer<B> {
             bail!("--split {:?} gives the train split no data", self.cfg.split);
         };
         let c_iters = self.cfg.train_iters;
-        if self.consumed_train
-            + (c_iters - self.iteration.min(c_iters)) * self.cfg.global_batch as u64
-            > train.len() as u64
-        {
-            bail!("internal: the train split holds fewer samples than the run consumes");
+        let remaining = c_iters - self.iteration.min(c_iters);
+        let needed = self.consumed_train + remaining * self.cfg.global_batch as u64;
+        if needed > train.len() as u64 {
+            // Megatron's sampler would run out of samples part-way (a `release` checkpoint
+            // starts at iteration 0 but keeps its consumed samples).
+            bail!(
+                "the train split holds {} samples; starting at sample {} (the --load \
+                 checkpoint's consumed samples), {remaining} iterations × --global-batch-size {} \
+                 need {needed}",
+                train.len(),
+                self.consumed_train,
+                self.cfg.global_batch
+            );
         }
         let params = self.model_numel;
         if !self.quiet {
