@@ -2115,6 +2115,45 @@ fn a_release_checkpoint_starts_at_iteration_zero_without_optimizer_state() {
     );
 }
 
+/// The demo model as an HF directory under `dir` whose final norm weights are NaN: every loss
+/// is NaN.
+fn demo_with_nan_norm(dir: &Path) -> PathBuf {
+    let out = dir.join("nan-demo");
+    copy_dir(&fixture("models/demo"), &out);
+    let path = out.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let range = &header["model.norm.weight"]["data_offsets"];
+    let (start, end) = (
+        range[0].as_u64().unwrap() as usize,
+        range[1].as_u64().unwrap() as usize,
+    );
+    for at in (8 + n + start..8 + n + end).step_by(4) {
+        bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    out
+}
+
+#[test]
+fn a_run_whose_every_iteration_is_skipped_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let nan = demo_with_nan_norm(dir.path());
+    let a = with_value(
+        args(&data, &["--train-iters", "3"]),
+        "--load",
+        nan.to_str().unwrap(),
+    );
+    let out = run(&a).failure();
+    let err = stderr(&out);
+    assert!(
+        err.contains("3 of 3 iterations") && err.contains("skipped") && err.contains("not finite"),
+        "{err}"
+    );
+}
+
 #[test]
 fn products_of_flags_that_overflow_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();

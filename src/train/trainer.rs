@@ -8,7 +8,7 @@ use super::launch::Groups;
 use super::optim::{self, Optimizer};
 use super::parallel::{Axis, Stage};
 use super::report::{chrono_now, flops_model};
-use super::{checkpoint, data, distrib, log, tensorboard, TrainSummary};
+use super::{checkpoint, data, distrib, log, tensorboard, SkippedIterations, TrainSummary};
 use crate::arch::roles::Role;
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::Backend;
@@ -439,6 +439,7 @@ impl<B: Backend> Trainer<B> {
         let (mut last_loss, mut saved, mut stopped) = (None, None, None);
         let mut saved_at = None;
         let mut total_tokens = 0u64;
+        let mut skipped = SkippedIterations::default();
         while self.iteration < c_iters {
             interval.start.get_or_insert_with(Instant::now);
             let (loss, grad_norm, applied, tokens) = self.train_step(&train)?;
@@ -450,9 +451,13 @@ impl<B: Backend> Trainer<B> {
                 interval.advanced += 1;
                 interval.loss_sum += loss;
             } else {
+                let nan = u64::from(!loss.is_finite() || !grad_norm.is_finite());
                 interval.skipped += 1;
-                interval.nan += u64::from(!loss.is_finite() || !grad_norm.is_finite());
+                interval.nan += nan;
+                skipped.skipped += 1;
+                skipped.not_finite += nan;
             }
+            skipped.run += 1;
             bar.set_position(self.iteration);
             bar.set_message(format!("lm loss {loss:.4}"));
             // Megatron prints the schedule one step ahead (what the next update will use).
@@ -587,6 +592,7 @@ impl<B: Backend> Trainer<B> {
             tokens_per_second: total_tokens as f64 / seconds.max(1e-9),
             stopped,
             saved,
+            skipped,
         })
     }
 
