@@ -2204,6 +2204,61 @@ fn sizes_beyond_the_hosts_memory_are_refused_before_allocating() {
 }
 
 #[test]
+fn save_paths_that_collide_are_refused_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = |name: &str| dir.path().join(name);
+    let saving = |to: &Path, extra: &[&str]| {
+        short_args(&data, &[&["--save", to.to_str().unwrap()], extra].concat())
+    };
+    let refused = |a: &[String], says: &str| {
+        let out = run(a).failure();
+        let err = stderr(&out);
+        assert!(err.contains(says), "{says} missing: {err}");
+        assert!(
+            !stdout(&out).contains(" iteration "),
+            "it trained first: {err}"
+        );
+    };
+    // Fine-tuning twice into one --save.
+    let twice = save("twice");
+    run(&saving(&twice, &["--train-iters", "2", "--finetune"])).success();
+    refused(
+        &saving(&twice, &["--train-iters", "2", "--finetune"]),
+        "iter_0000002",
+    );
+    // A user's iteration directory, or a file of that name.
+    let user = save("user");
+    std::fs::create_dir_all(user.join("iter_0000001")).unwrap();
+    refused(&saving(&user, &["--save-interval", "1"]), "iter_0000001");
+    let file = save("file");
+    std::fs::create_dir_all(&file).unwrap();
+    std::fs::write(file.join("iter_0000002"), "mine").unwrap();
+    refused(&saving(&file, &["--save-interval", "2"]), "iter_0000002");
+    // A tracker that is a directory.
+    let tracker = save("tracker");
+    std::fs::create_dir_all(tracker.join("latest_checkpointed_iteration.txt")).unwrap();
+    refused(&saving(&tracker, &[]), "latest_checkpointed_iteration.txt");
+    // --train-iters below the loaded iteration.
+    let resumed = save("resumed");
+    run(&saving(&resumed, &["--train-iters", "4"])).success();
+    let a = with_value(
+        saving(&resumed, &["--train-iters", "2"]),
+        "--load",
+        resumed.to_str().unwrap(),
+    );
+    refused(&a, "iteration 4");
+    // --save inside the checkpoint loaded.
+    let inside = resumed.join("more");
+    let a = with_value(
+        saving(&inside, &["--finetune"]),
+        "--load",
+        resumed.to_str().unwrap(),
+    );
+    refused(&a, "inside");
+}
+
+#[test]
 fn an_empty_load_directory_starts_from_random_weights() {
     // Megatron (load_checkpoint): no tracker, so "will start from random"; only
     // --exit-on-missing-checkpoint stops there.
@@ -2231,6 +2286,90 @@ fn a_bad_command_line_exits_2() {
     for extra in ["--no-such-flag", "--seq-length abc", "--lr", "stray"] {
         run(&args(&data, &split(extra))).code(2);
     }
+}
+
+#[test]
+fn temporaries_of_a_killed_run_are_removed_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    let stale = save.join(".mindkit-ckpt-iter_0000002-abc123");
+    std::fs::create_dir_all(stale.join("mp_rank_00")).unwrap();
+    let out = run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", save.to_str().unwrap()],
+    ))
+    .success();
+    assert!(!stale.exists(), "the temporary is still there");
+    assert!(
+        stderr(&out).contains(".mindkit-ckpt-iter_0000002-abc123"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_missing_file_is_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("save");
+    let missing = dir.path().join("no-such-prefix");
+    let out = run(&args(&missing, &["--save", save.to_str().unwrap()])).failure();
+    let err = stderr(&out);
+    assert!(err.contains("no-such-prefix"), "{err}");
+    assert_eq!(err.matches("(os error 2)").count(), 1, "{err}");
+}
+
+#[test]
+fn a_run_that_fails_validation_leaves_no_save_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    for bad in [
+        args(
+            &dir.path().join("no-such-prefix"),
+            &["--save", save.to_str().unwrap()],
+        ),
+        with_value(
+            args(&data, &["--save", save.to_str().unwrap()]),
+            "--split",
+            "0,1,0",
+        ),
+    ] {
+        run(&bad).failure();
+        assert!(!save.exists(), "--save was created");
+    }
+}
+
+#[test]
+fn another_tokenizer_in_save_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    std::fs::create_dir_all(&save).unwrap();
+    // The demo tokenizer with one more token: another vocabulary.
+    let demo = std::fs::read(fixture("models/demo/tokenizer.json")).unwrap();
+    let mut other: serde_json::Value = serde_json::from_slice(&demo).unwrap();
+    other["model"]["vocab"]["another-token"] = 400.into();
+    std::fs::write(save.join("tokenizer.json"), other.to_string()).unwrap();
+    let out = run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", save.to_str().unwrap()],
+    ))
+    .failure();
+    let err = stderr(&out);
+    assert!(err.contains("tokenizer.json"), "{err}");
+    assert!(!stdout(&out).contains(" iteration "), "it trained first");
+    // The same tokenizer is fine.
+    std::fs::copy(
+        fixture("models/demo/tokenizer.json"),
+        save.join("tokenizer.json"),
+    )
+    .unwrap();
+    run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", save.to_str().unwrap()],
+    ))
+    .success();
 }
 
 #[test]

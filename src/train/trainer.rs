@@ -96,9 +96,6 @@ impl<B: Backend> Trainer<B> {
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
         let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
         let rank = groups.rank;
-        if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
-            checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
-        }
         let lora = cfg.lora.as_ref().map(|l| &l.spec);
         let mut table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
         if cfg.init_std.1.is_some() {
@@ -394,6 +391,11 @@ impl<B: Backend> Trainer<B> {
                 self.consumed_train,
                 self.cfg.global_batch
             );
+        }
+        // --save is made ready only once everything else is checked: a run refused leaves none.
+        if let Some(save) = self.cfg.save.as_ref().filter(|_| self.rank == 0) {
+            self.check_planned_saves(save)?;
+            checkpoint::prepare(&save.dir, self.cfg.tokenizer.path())?;
         }
         let params = self.model_numel;
         if !self.quiet {
