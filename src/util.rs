@@ -28,12 +28,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 #[derive(Debug, thiserror::Error)]
 pub enum OutputError {
     /// An I/O failure on the named path.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file or directory.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The output exists and `--force` was not given.
     #[error("{path} already exists (pass --force to replace it)")]
@@ -116,9 +116,9 @@ pub enum OutputError {
 type Result<T> = std::result::Result<T, OutputError>;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> OutputError + '_ {
-    move |source| OutputError::Io {
+    move |cause| OutputError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 
@@ -178,6 +178,51 @@ fn is_temp_for(entry: &OsStr, name: &OsStr) -> bool {
         && tag.iter().all(u8::is_ascii_lowercase)
         && random
             .is_some_and(|r| r.len() == RANDOM_CHARS && r.iter().all(u8::is_ascii_alphanumeric))
+}
+
+/// The name of the output a temporary (of any tag) named `entry` was for.
+fn temp_target(entry: &OsStr) -> Option<&[u8]> {
+    let rest = entry.as_bytes().strip_prefix(TEMP_MARK.as_bytes())?;
+    let dash = rest.iter().position(|&b| b == b'-')?;
+    let (tag, rest) = (&rest[..dash], &rest[dash + 1..]);
+    let name = rest.get(..rest.len().checked_sub(RANDOM_CHARS + 1)?)?;
+    let random = &rest[name.len()..];
+    let fits = !tag.is_empty()
+        && tag.iter().all(u8::is_ascii_lowercase)
+        && !name.is_empty()
+        && random[0] == b'-'
+        && random[1..].iter().all(u8::is_ascii_alphanumeric);
+    fits.then_some(name)
+}
+
+/// Remove the temporaries in `dir` of the outputs `is_output` names that this process is not
+/// writing: those of a run killed before it could remove them (SIGKILL, a crash). Their names
+/// carry no process id, so this is for a directory only one run writes at a time (a
+/// checkpoint directory at a run's start). Returns what was removed.
+pub fn remove_stale_temporaries(
+    dir: &Path,
+    is_output: impl Fn(&str) -> bool,
+) -> Result<Vec<PathBuf>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(dir)(e)),
+    };
+    let ours = live().clone();
+    let mut stale: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name();
+            temp_target(&name).is_some_and(|t| is_output(&String::from_utf8_lossy(t)))
+        })
+        .map(|e| e.path())
+        .filter(|p| !ours.contains(p))
+        .collect();
+    stale.sort();
+    for p in &stale {
+        remove_entry(p).map_err(io_err(p))?;
+    }
+    Ok(stale)
 }
 
 /// The directory `target` is written in and its name there.
@@ -766,6 +811,15 @@ mod tests {
         assert!(!is_temp_for(OsStr::new("mindkit-hf-out-a1B2c3"), name));
         let prefix = temp_prefix("hf", name);
         assert_eq!(prefix, OsStr::new(".mindkit-hf-out-"));
+        let target = |e: &str| temp_target(OsStr::new(e)).map(|t| t.to_vec());
+        assert_eq!(
+            target(".mindkit-ckpt-iter_0000002-abc123"),
+            Some(b"iter_0000002".to_vec())
+        );
+        assert_eq!(target(".mindkit-ckpt-a-b-Zz9Zz9"), Some(b"a-b".to_vec()));
+        assert_eq!(target(".mindkit-ckpt--abc123"), None);
+        assert_eq!(target(".mindkit-ckpt-iter_0000002-abc12"), None);
+        assert_eq!(target(".mindkit-CKPT-x-abc123"), None);
     }
 
     #[test]

@@ -162,3 +162,54 @@ fn truncated_and_corrupt_files_are_errors_not_panics() {
     let err = TorchFile::open(&path).err().unwrap().to_string();
     assert!(err.contains("legacy"), "{err}");
 }
+
+/// `bytes` with one byte flipped in the middle of the stored record whose name ends in `suffix`.
+fn flip_in_record(bytes: &[u8], suffix: &str) -> Vec<u8> {
+    let mut zip = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+    let names: Vec<String> = zip.file_names().map(str::to_string).collect();
+    let name = names.iter().find(|n| n.ends_with(suffix)).unwrap();
+    let entry = zip.by_name(name).unwrap();
+    let at = (entry.data_start() + entry.size() / 2) as usize;
+    let mut damaged = bytes.to_vec();
+    damaged[at] ^= 0x40;
+    damaged
+}
+
+#[test]
+fn a_flipped_byte_in_a_tensor_fails_its_records_crc() {
+    let bytes = std::fs::read(fixture("state_dict_p2.pt")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flipped.pt");
+    std::fs::write(&path, flip_in_record(&bytes, "/data/0")).unwrap();
+    // The pickle is intact: the file opens; the damaged storage's tensors do not read.
+    let pt = TorchFile::open(&path).unwrap();
+    let Value::Dict(items) = pt.root() else {
+        panic!("not a dict")
+    };
+    let mut refused = 0;
+    for (k, v) in items {
+        let (Value::Str(name), Value::Tensor(t)) = (k, v) else {
+            continue;
+        };
+        if t.storage.key != "0" {
+            pt.read_tensor(name, t).unwrap();
+            continue;
+        }
+        for err in [
+            pt.read_tensor(name, t).err().map(|e| e.to_string()),
+            pt.tensor_bytes(name, t).err().map(|e| e.to_string()),
+        ] {
+            let err = err.expect("a damaged tensor was served");
+            assert!(err.contains("CRC") && err.contains("data/0"), "{err}");
+        }
+        refused += 1;
+    }
+    assert!(refused > 0);
+    // A damaged data.pkl is refused when the file is opened.
+    std::fs::write(&path, flip_in_record(&bytes, "/data.pkl")).unwrap();
+    if let Err(e) = TorchFile::open(&path) {
+        assert!(e.to_string().contains("data.pkl"), "{e}");
+    } else {
+        panic!("a damaged data.pkl opened");
+    }
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{fixture, mindkit};
+use common::{copy_dir, fixture, mindkit};
 use std::path::{Path, PathBuf};
 
 /// The shipped corpus preprocessed with the demo model's tokenizer into `dir`.
@@ -1890,6 +1890,530 @@ fn lora_on_tensor_parallel_ranks_trains_as_one_rank_does() {
         megatron,
         4 * (10 * block + 8 * rows * 4 * 4 + 3 * rows * 4),
         "{line}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hardening: what Megatron does, or a clear error before any work, for inputs that used to be
+// taken silently or found only after training.
+
+/// `args` with `flag` and its value removed.
+fn without(mut a: Vec<String>, flag: &str) -> Vec<String> {
+    let at = a.iter().position(|x| x == flag).unwrap();
+    a.drain(at..at + 2);
+    a
+}
+
+/// `args` with `flag`'s value replaced.
+fn with_value(mut a: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    let at = a.iter().position(|x| x == flag).unwrap();
+    a[at + 1] = value.to_string();
+    a
+}
+
+/// [`args`] for runs shorter than their warmup: the decay length fixed at 10 iterations
+/// (Megatron asserts warmup < decay), the same in every run so that a resume agrees with it.
+fn short_args(data: &Path, extra: &[&str]) -> Vec<String> {
+    args(data, &[&["--lr-decay-iters", "10"], extra].concat())
+}
+
+#[test]
+fn a_tokenizer_larger_than_the_loaded_vocabulary_is_refused() {
+    // The llama fixture's embedding has 200 rows; the demo tokenizer 400 tokens.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    let demo = fixture("models/demo");
+    let a = with_value(
+        args(&data, &["--tokenizer-name-or-path", demo.to_str().unwrap()]),
+        "--load",
+        fixture("models/llama").to_str().unwrap(),
+    );
+    let mut a = a;
+    a.extend(["--save".into(), save.to_str().unwrap().into()]);
+    let out = run(&a).failure();
+    let err = stderr(&out);
+    for part in ["400", "200", "--tokenizer-name-or-path"] {
+        assert!(err.contains(part), "{part} missing: {err}");
+    }
+    assert!(!save.exists(), "it created --save");
+}
+
+#[test]
+fn split_characters_megatron_skips_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    for (split, read, dropped) in [
+        ("80,x,20", "80, 20, 0", "\"x\""),
+        ("-1,1,1", "1, 1, 1", "\"-\""),
+    ] {
+        let a = with_value(
+            args(&data, &["--train-iters", "2", "--lr-warmup-iters", "1"]),
+            "--split",
+            split,
+        );
+        let out = run(&a).success();
+        let err = stderr(&out);
+        assert!(
+            err.contains(read) && err.contains(dropped),
+            "{split}: {err}"
+        );
+    }
+    let a = with_value(
+        args(&data, &["--train-iters", "2", "--lr-warmup-iters", "1"]),
+        "--split",
+        "a,b,c",
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(err.contains("no number") && err.contains("\"a\""), "{err}");
+}
+
+#[test]
+fn model_flags_that_disagree_with_the_load_checkpoint_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // (flags, what the refusal names)
+    for (extra, says) in [
+        ("--norm-epsilon 1e-3", "--norm-epsilon 0.001"),
+        ("--rotary-base 500000", "--rotary-base 500000"),
+        ("--use-rope-scaling", "RoPE scaling"),
+        (
+            "--rope-scaling-type llama3 --rope-scaling-factor 8",
+            "RoPE scaling",
+        ),
+    ] {
+        let out = run(&args(&data, &split(extra))).failure();
+        let err = stderr(&out);
+        assert!(
+            err.contains(says) && err.contains("--load checkpoint"),
+            "{extra}: {err}"
+        );
+    }
+    // The checkpoint's own values are accepted.
+    run(&args(
+        &data,
+        &split("--norm-epsilon 1e-5 --rotary-base 10000 --train-iters 2 --lr-warmup-iters 1"),
+    ))
+    .success();
+}
+
+#[test]
+fn schedule_lengths_of_the_other_mode_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let by_iters = without(args(&data, &[]), "--lr-warmup-iters");
+    let by_samples = with_value(args(&data, &[]), "--train-iters", "40");
+    let by_samples: Vec<String> = by_samples
+        .into_iter()
+        .map(|x| match x.as_str() {
+            "--train-iters" => "--train-samples".into(),
+            _ => x,
+        })
+        .collect();
+    let cases: [(&Vec<String>, &str, &str); 5] = [
+        (
+            &by_iters,
+            "--lr-decay-samples 40",
+            "expected iteration-based learning rate decay",
+        ),
+        (
+            &by_iters,
+            "--lr-warmup-samples 8",
+            "expected iteration-based learning rate warmup",
+        ),
+        (
+            &by_samples,
+            "--lr-decay-iters 10",
+            "expected sample-based learning rate decay",
+        ),
+        // --lr-warmup-iters 2 is in the flags already
+        (
+            &by_samples,
+            "",
+            "expected sample-based learning rate warmup",
+        ),
+        (
+            &by_iters,
+            "--lr-wsd-decay-samples 8",
+            "--lr-wsd-decay-samples",
+        ),
+    ];
+    for (base, extra, says) in cases {
+        let mut a = base.clone();
+        a.extend(extra.split_whitespace().map(str::to_string));
+        let err = stderr(&run(&a).failure());
+        assert!(err.contains(says), "{extra}: {err}");
+    }
+}
+
+#[test]
+fn non_finite_and_out_of_range_float_flags_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let base = without(args(&data, &[]), "--lr-warmup-iters");
+    for (extra, says) in [
+        ("--lr-warmup-fraction nan", "--lr-warmup-fraction"),
+        ("--lr-warmup-fraction 1.5", "--lr-warmup-fraction"),
+        ("--norm-epsilon inf", "--norm-epsilon"),
+        ("--rotary-base -1", "--rotary-base"),
+        ("--adam-beta1 nan", "--adam-beta1"),
+        ("--init-method-std inf", "--init-method-std"),
+        ("--weight-decay -0.1", "--weight-decay"),
+    ] {
+        let mut a = base.clone();
+        a.extend(extra.split(' ').map(str::to_string));
+        let err = stderr(&run(&a).failure());
+        assert!(
+            err.contains(says) && (err.contains("finite") || err.contains("range")),
+            "{extra}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_release_checkpoint_starts_at_iteration_zero_without_optimizer_state() {
+    // Megatron's load_checkpoint: a `release` tracker means iteration 0 and no optimizer,
+    // scheduler or RNG state; the consumed samples still come from the checkpoint's args.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let trained = dir.path().join("trained");
+    run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", trained.to_str().unwrap()],
+    ))
+    .success();
+    let release = dir.path().join("release");
+    copy_dir(&trained, &release);
+    std::fs::rename(release.join("iter_0000001"), release.join("release")).unwrap();
+    std::fs::write(release.join("latest_checkpointed_iteration.txt"), "release").unwrap();
+    let from = |load: &Path, iters: &str| {
+        let a = with_value(
+            short_args(&data, &["--train-iters", iters]),
+            "--load",
+            load.to_str().unwrap(),
+        );
+        iterations(&stdout(&run(&a).success()))
+    };
+    let released = from(&release, "2");
+    let resumed = from(&trained, "3");
+    assert_eq!(released.len(), 2, "{released:?}");
+    let field = |line: &str, name: &str| {
+        let f = line.split(" | ").find(|f| f.trim_start().starts_with(name));
+        f.unwrap().split_whitespace().collect::<String>()
+    };
+    assert_eq!(field(&released[0], "iteration"), "iteration1/2");
+    assert_eq!(field(&released[0], "consumed samples"), "consumedsamples:8");
+    // The same weights on the same samples (4 on): the resumed run's loss at iteration 2.
+    assert_eq!(
+        field(&released[0], "lm loss"),
+        field(&resumed[0], "lm loss")
+    );
+    // Without the optimizer's moments the update differs.
+    assert_ne!(
+        field(&released[1], "lm loss"),
+        field(&resumed[1], "lm loss")
+    );
+}
+
+/// The demo model as an HF directory under `dir` whose final norm weights are NaN: every loss
+/// is NaN.
+fn demo_with_nan_norm(dir: &Path) -> PathBuf {
+    let out = dir.join("nan-demo");
+    copy_dir(&fixture("models/demo"), &out);
+    let path = out.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let range = &header["model.norm.weight"]["data_offsets"];
+    let (start, end) = (
+        range[0].as_u64().unwrap() as usize,
+        range[1].as_u64().unwrap() as usize,
+    );
+    for at in (8 + n + start..8 + n + end).step_by(4) {
+        bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    out
+}
+
+#[test]
+fn a_run_whose_every_iteration_is_skipped_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let nan = demo_with_nan_norm(dir.path());
+    let a = with_value(
+        args(&data, &["--train-iters", "3"]),
+        "--load",
+        nan.to_str().unwrap(),
+    );
+    let out = run(&a).failure();
+    let err = stderr(&out);
+    assert!(
+        err.contains("3 of 3 iterations") && err.contains("skipped") && err.contains("not finite"),
+        "{err}"
+    );
+}
+
+#[test]
+fn products_of_flags_that_overflow_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let huge = "4611686018427387904"; // 2^62: × a global batch of 4 overflows u64
+    for (extra, says) in [
+        (vec!["--train-iters", huge], "--train-iters"),
+        (vec!["--lr-decay-iters", huge], "--lr-decay-iters"),
+        (vec!["--lr-warmup-iters", huge], "--lr-warmup-iters"),
+        (
+            vec!["--eval-iters", huge, "--eval-interval", "5"],
+            "--eval-iters",
+        ),
+    ] {
+        let err = stderr(&run(&args(&data, &extra)).failure());
+        assert!(
+            err.contains(says) && err.contains("--global-batch-size") && err.contains("overflow"),
+            "{extra:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn sizes_beyond_the_hosts_memory_are_refused_before_allocating() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let a = args(
+        &data,
+        &split("--train-iters 18446744073709551615 --micro-batch-size 1 --global-batch-size 1"),
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(
+        err.contains("--train-iters") && err.contains("memory"),
+        "{err}"
+    );
+    // 1024 ranks as threads, each building the indices of 64 Mi samples.
+    let a = args(
+        &data,
+        &split(
+            "--world-size 1024 --micro-batch-size 1 --global-batch-size 65536 --train-iters 1000",
+        ),
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(
+        err.contains("--world-size 1024") && err.contains("memory"),
+        "{err}"
+    );
+}
+
+#[test]
+fn save_paths_that_collide_are_refused_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = |name: &str| dir.path().join(name);
+    let saving = |to: &Path, extra: &[&str]| {
+        short_args(&data, &[&["--save", to.to_str().unwrap()], extra].concat())
+    };
+    let refused = |a: &[String], says: &str| {
+        let out = run(a).failure();
+        let err = stderr(&out);
+        assert!(err.contains(says), "{says} missing: {err}");
+        assert!(
+            !stdout(&out).contains(" iteration "),
+            "it trained first: {err}"
+        );
+    };
+    // Fine-tuning twice into one --save.
+    let twice = save("twice");
+    run(&saving(&twice, &["--train-iters", "2", "--finetune"])).success();
+    refused(
+        &saving(&twice, &["--train-iters", "2", "--finetune"]),
+        "iter_0000002",
+    );
+    // A user's iteration directory, or a file of that name.
+    let user = save("user");
+    std::fs::create_dir_all(user.join("iter_0000001")).unwrap();
+    refused(&saving(&user, &["--save-interval", "1"]), "iter_0000001");
+    let file = save("file");
+    std::fs::create_dir_all(&file).unwrap();
+    std::fs::write(file.join("iter_0000002"), "mine").unwrap();
+    refused(&saving(&file, &["--save-interval", "2"]), "iter_0000002");
+    // A tracker that is a directory.
+    let tracker = save("tracker");
+    std::fs::create_dir_all(tracker.join("latest_checkpointed_iteration.txt")).unwrap();
+    refused(&saving(&tracker, &[]), "latest_checkpointed_iteration.txt");
+    // --train-iters below the loaded iteration.
+    let resumed = save("resumed");
+    run(&saving(&resumed, &["--train-iters", "4"])).success();
+    let a = with_value(
+        saving(&resumed, &["--train-iters", "2"]),
+        "--load",
+        resumed.to_str().unwrap(),
+    );
+    refused(&a, "iteration 4");
+    // --save inside the checkpoint loaded.
+    let inside = resumed.join("more");
+    let a = with_value(
+        saving(&inside, &["--finetune"]),
+        "--load",
+        resumed.to_str().unwrap(),
+    );
+    refused(&a, "inside");
+}
+
+#[test]
+fn an_empty_load_directory_starts_from_random_weights() {
+    // Megatron (load_checkpoint): no tracker, so "will start from random"; only
+    // --exit-on-missing-checkpoint stops there.
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut a = from_scratch(
+        &data,
+        &[],
+        &["--train-iters", "2", "--lr-warmup-iters", "1"],
+    );
+    a.extend(["--load".into(), empty.to_str().unwrap().into()]);
+    let out = run(&a).success();
+    assert!(stderr(&out).contains("random weights"), "{}", stderr(&out));
+    a.push("--exit-on-missing-checkpoint".into());
+    let err = stderr(&run(&a).failure());
+    assert!(err.contains("no checkpoint"), "{err}");
+}
+
+#[test]
+fn a_bad_command_line_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    for extra in ["--no-such-flag", "--seq-length abc", "--lr", "stray"] {
+        run(&args(&data, &split(extra))).code(2);
+    }
+}
+
+#[test]
+fn temporaries_of_a_killed_run_are_removed_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    let stale = save.join(".mindkit-ckpt-iter_0000002-abc123");
+    std::fs::create_dir_all(stale.join("mp_rank_00")).unwrap();
+    let out = run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", save.to_str().unwrap()],
+    ))
+    .success();
+    assert!(!stale.exists(), "the temporary is still there");
+    assert!(
+        stderr(&out).contains(".mindkit-ckpt-iter_0000002-abc123"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_missing_file_is_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("save");
+    let missing = dir.path().join("no-such-prefix");
+    let out = run(&args(&missing, &["--save", save.to_str().unwrap()])).failure();
+    let err = stderr(&out);
+    assert!(err.contains("no-such-prefix"), "{err}");
+    assert_eq!(err.matches("(os error 2)").count(), 1, "{err}");
+}
+
+#[test]
+fn a_run_that_fails_validation_leaves_no_save_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    for bad in [
+        args(
+            &dir.path().join("no-such-prefix"),
+            &["--save", save.to_str().unwrap()],
+        ),
+        with_value(
+            args(&data, &["--save", save.to_str().unwrap()]),
+            "--split",
+            "0,1,0",
+        ),
+    ] {
+        run(&bad).failure();
+        assert!(!save.exists(), "--save was created");
+    }
+}
+
+#[test]
+fn another_tokenizer_in_save_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    std::fs::create_dir_all(&save).unwrap();
+    // The demo tokenizer with one more token: another vocabulary.
+    let demo = std::fs::read(fixture("models/demo/tokenizer.json")).unwrap();
+    let mut other: serde_json::Value = serde_json::from_slice(&demo).unwrap();
+    other["model"]["vocab"]["another-token"] = 400.into();
+    std::fs::write(save.join("tokenizer.json"), other.to_string()).unwrap();
+    let out = run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", save.to_str().unwrap()],
+    ))
+    .failure();
+    let err = stderr(&out);
+    assert!(err.contains("tokenizer.json"), "{err}");
+    assert!(!stdout(&out).contains(" iteration "), "it trained first");
+    // The same tokenizer is fine.
+    std::fs::copy(
+        fixture("models/demo/tokenizer.json"),
+        save.join("tokenizer.json"),
+    )
+    .unwrap();
+    run(&short_args(
+        &data,
+        &["--train-iters", "1", "--save", save.to_str().unwrap()],
+    ))
+    .success();
+}
+
+#[test]
+fn a_missing_tokenizer_names_the_flag_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let missing = dir.path().join("no-such-tokenizer");
+    let a = from_scratch(&data, &[], &[]);
+    let a = without(a, "--tokenizer-name-or-path");
+    let mut a = a;
+    a.extend(["--tokenizer-model".into(), missing.to_str().unwrap().into()]);
+    let err = stderr(&run(&a).failure());
+    assert!(err.contains("--tokenizer-model"), "{err}");
+    assert!(!err.contains("--tokenizer-name-or-path"), "{err}");
+}
+
+#[test]
+fn a_checkpoint_with_a_flipped_byte_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    run(&short_args(
+        &data,
+        &["--train-iters", "2", "--save", save.to_str().unwrap()],
+    ))
+    .success();
+    let file = save.join("iter_0000002/mp_rank_00/model_optim_rng.pt");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = {
+        let mut zip = zip::ZipArchive::new(std::io::Cursor::new(&bytes[..])).unwrap();
+        let entry = zip.by_name("model_optim_rng/data/0").unwrap();
+        (entry.data_start() + entry.size() / 2) as usize
+    };
+    bytes[at] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let a = with_value(
+        short_args(&data, &["--train-iters", "4"]),
+        "--load",
+        save.to_str().unwrap(),
+    );
+    let err = stderr(&run(&a).failure());
+    assert!(
+        err.contains("CRC") && err.contains("model_optim_rng.pt"),
+        "{err}"
     );
 }
 

@@ -776,7 +776,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("mindkit: {e:#}");
-            ExitCode::from(1)
+            // `mindkit train` parses its own (Megatron's) flags: a bad one is a bad command
+            // line too, as clap's own errors are (exit 2).
+            let bad_command_line = e.chain().any(|c| c.is::<mindkit::train::args::ArgsError>());
+            ExitCode::from(if bad_command_line { 2 } else { 1 })
         }
     }
 }

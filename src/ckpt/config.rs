@@ -471,7 +471,7 @@ pub(crate) fn arg_positive(args: &[(String, Value)], name: &str) -> FieldResult<
 /// `--high-freq-factor`, `--original-max-position-embeddings`; Megatron-LM's
 /// `--use-rope-scaling` (Llama 3.1's scaling, only the factor configurable: default 8, low 1,
 /// high 4, original 8192, as megatron-core's `RotaryEmbedding._apply_scaling`).
-fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> {
+pub fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> {
     let kind = arg_field(args, "rope_scaling_type", "a string", |v| match v {
         Value::Str(s) => Some(s.as_str()),
         _ => None,

@@ -189,26 +189,43 @@ pub fn normalize(w: &[f64]) -> Vec<f64> {
     w.iter().map(|x| x / total).collect()
 }
 
-/// `--split` as Megatron reads it: the numbers in the string (`re.findall("[.0-9]+")`),
-/// padded with zeros to three, normalized, then cumulated into `[lo, hi)` book-ends; a split
-/// of zero weight is `None` (not built).
-pub fn split_matrix(split: &str) -> Result<[Option<(f64, f64)>; 3]> {
+/// The weights of `--split` as Megatron reads them (megatron-core
+/// `parse_and_normalize_split`): the numbers in the string (`re.findall("[.0-9]+")`) padded
+/// with zeros to three; and the runs of characters it skips other than the separators (commas,
+/// spaces): `"x"` in `80,x,20` (read as 80, 20, 0), `"-"` in `-1,1,1`.
+pub fn split_weights(split: &str) -> Result<([f64; 3], Vec<String>)> {
     let bad = |why: String| GptDatasetError::Split {
         split: split.to_string(),
         why,
     };
     let mut numbers = Vec::new();
-    let mut current = String::new();
-    for c in split.chars().chain(std::iter::once(' ')) {
-        if c.is_ascii_digit() || c == '.' {
-            current.push(c);
-        } else if !current.is_empty() {
-            let v = current
+    let mut skipped = Vec::new();
+    let (mut number, mut other) = (String::new(), String::new());
+    for c in split.chars().chain(std::iter::once(',')) {
+        let part_of_number = c.is_ascii_digit() || c == '.';
+        if !part_of_number && !number.is_empty() {
+            let v = number
                 .parse::<f64>()
-                .map_err(|_| bad(format!("{current:?} is not a number")))?;
+                .map_err(|_| bad(format!("{number:?} is not a number")))?;
             numbers.push(v);
-            current.clear();
+            number.clear();
         }
+        let separator = c == ',' || c.is_whitespace();
+        if (part_of_number || separator) && !other.is_empty() {
+            skipped.push(std::mem::take(&mut other));
+        }
+        match (part_of_number, separator) {
+            (true, _) => number.push(c),
+            (false, false) => other.push(c),
+            (false, true) => {}
+        }
+    }
+    if numbers.is_empty() {
+        let quoted: Vec<String> = skipped.iter().map(|s| format!("{s:?}")).collect();
+        return Err(bad(format!(
+            "no number in it (Megatron reads only the runs of digits and dots; skipped {})",
+            quoted.join(", ")
+        )));
     }
     if numbers.len() > 3 {
         return Err(bad(format!(
@@ -217,8 +234,18 @@ pub fn split_matrix(split: &str) -> Result<[Option<(f64, f64)>; 3]> {
         )));
     }
     numbers.resize(3, 0.0);
+    Ok(([numbers[0], numbers[1], numbers[2]], skipped))
+}
+
+/// `--split` as Megatron reads it ([`split_weights`]), normalized, then cumulated into
+/// `[lo, hi)` book-ends; a split of zero weight is `None` (not built).
+pub fn split_matrix(split: &str) -> Result<[Option<(f64, f64)>; 3]> {
+    let (numbers, _) = split_weights(split)?;
     if numbers.iter().sum::<f64>() <= 0.0 {
-        return Err(bad("every weight is zero".into()));
+        return Err(GptDatasetError::Split {
+            split: split.to_string(),
+            why: "every weight is zero".into(),
+        });
     }
     let v = normalize(&numbers);
     // Python: functools.reduce from [0] (an int, so the first book-end is exactly 0).
@@ -743,6 +770,17 @@ mod tests {
         assert_eq!(split_matrix("1").unwrap()[0], Some((0.0, 1.0)));
         assert!(split_matrix("0,0,0").is_err());
         assert!(split_matrix("1,2,3,4").is_err());
+        assert_eq!(
+            split_weights("80,x,20").unwrap(),
+            ([80.0, 20.0, 0.0], vec!["x".into()])
+        );
+        assert_eq!(split_weights("-1, 1,1").unwrap().1, vec!["-".to_string()]);
+        assert_eq!(split_weights("98, 2, 0").unwrap().1, Vec::<String>::new());
+        let err = split_weights("a,b,c").unwrap_err().to_string();
+        assert!(
+            err.contains(r#"no number in it"#) && err.contains(r#""a", "b", "c""#),
+            "{err}"
+        );
     }
 
     #[test]

@@ -34,12 +34,12 @@ pub const HEADER_LEN: usize = 34;
 #[derive(Debug, thiserror::Error)]
 pub enum IndexedError {
     /// An I/O error on the named file.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file being read or written.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The `.idx` does not start with `MMIDIDX`.
     #[error("{path}: not a Megatron mmap index (bad magic; legacy `TNTIDX` lazy/cached indexes are not supported)")]
@@ -112,9 +112,9 @@ pub enum IndexedError {
 type Result<T> = std::result::Result<T, IndexedError>;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> IndexedError + '_ {
-    move |source| IndexedError::Io {
+    move |cause| IndexedError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 

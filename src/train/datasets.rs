@@ -13,12 +13,8 @@ impl<B: Backend> Trainer<B> {
     /// The data of every split the run reads.
     pub(super) fn datasets(&self) -> Result<[Option<data::Source>; 3]> {
         let c = &self.cfg;
-        let g = c.global_batch as u64;
-        let (valid, test) = match c.eval {
-            Some((interval, iters)) => (
-                Some((c.train_iters / interval + 1) * iters * g),
-                Some(iters * g),
-            ),
+        let (valid, test) = match c.eval_samples {
+            Some((valid, test)) => (Some(valid), Some(test)),
             None => (None, None),
         };
         if let Some(sft) = &c.sft {

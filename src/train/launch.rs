@@ -18,7 +18,17 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 /// Run `mindkit train` with Megatron / MindSpeed-LLM flags (program and subcommand removed).
+/// A run that skipped every iteration's update trained nothing: an error with its summary.
 pub fn run(argv: &[String]) -> Result<TrainSummary> {
+    let summary = launch_ranks(argv)?;
+    if summary.nothing_trained() {
+        bail!("nothing was trained: {summary}");
+    }
+    Ok(summary)
+}
+
+/// [`run`]'s ranks, wired as the command line and the launcher say.
+fn launch_ranks(argv: &[String]) -> Result<TrainSummary> {
     let parsed = args::Args::parse(argv)?;
     let quiet = parsed.has("quiet");
     let device = parsed

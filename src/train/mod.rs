@@ -60,6 +60,26 @@ pub struct TrainSummary {
     pub stopped: Option<String>,
     /// The last checkpoint written.
     pub saved: Option<std::path::PathBuf>,
+    /// The iterations this run made and how many of them skipped their update.
+    pub skipped: SkippedIterations,
+}
+
+/// The iterations of a run whose update was skipped.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SkippedIterations {
+    /// Iterations this run made.
+    pub run: u64,
+    /// Of them, those whose update was skipped.
+    pub skipped: u64,
+    /// Of those, the ones whose loss or gradient norm was not finite.
+    pub not_finite: u64,
+}
+
+impl TrainSummary {
+    /// Whether the run made iterations and skipped every one's update: nothing was trained.
+    pub fn nothing_trained(&self) -> bool {
+        self.skipped.run > 0 && self.skipped.skipped == self.skipped.run
+    }
 }
 
 impl std::fmt::Display for TrainSummary {
@@ -71,6 +91,15 @@ impl std::fmt::Display for TrainSummary {
         )?;
         if let Some(l) = self.last_loss {
             write!(f, ", lm loss {l:.4}")?;
+        }
+        let s = self.skipped;
+        if s.skipped > 0 {
+            write!(
+                f,
+                ", {} of {} iterations skipped their update ({} with a loss or gradient norm that \
+                 is not finite)",
+                s.skipped, s.run, s.not_finite
+            )?;
         }
         if let Some(p) = &self.saved {
             write!(f, "; checkpoint {}", p.display())?;

@@ -2,8 +2,9 @@
 //! saved to `--save`, one file per model-parallel rank.
 
 use super::checkpoint;
-use super::config::{ScheduleSource, Start};
+use super::config::{SaveConfig, ScheduleSource, Start};
 use super::trainer::Trainer;
+use crate::ckpt::megatron::TRACKER;
 use crate::ckpt::torch::pickle::Value;
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::Backend;
@@ -42,6 +43,11 @@ impl<B: Backend> Trainer<B> {
             ) => (dir.clone(), *no_optim),
             _ => return Ok(()),
         };
+        // Megatron's load_checkpoint (Megatron-LM megatron/training/checkpointing.py): a
+        // `release` checkpoint starts at iteration 0 and loads no optimizer, scheduler or RNG
+        // state; the consumed samples still come from its args.
+        let release = checkpoint::is_release(&dir)?;
+        let no_optim = no_optim || release;
         let at = (self.tp(), self.stage.rank());
         // the distributed optimizer's state is in its own file
         let state = match no_optim {
@@ -51,7 +57,7 @@ impl<B: Backend> Trainer<B> {
                 checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?
             }
         };
-        self.iteration = state.iteration;
+        self.iteration = if release { 0 } else { state.iteration };
         self.consumed_train = state.consumed_train;
         self.consumed_valid = state.consumed_valid;
         self.flops = state.flops;
@@ -92,6 +98,77 @@ impl<B: Backend> Trainer<B> {
             }
         }
         self.opt.steps = opt.steps;
+        Ok(())
+    }
+
+    /// The checkpoints this run will write, checked before its first iteration (Megatron
+    /// finds a clash only when it saves): `--save` inside the checkpoint it loads, a tracker
+    /// that is not a file, an iteration directory (or file) already where a save of this run
+    /// goes — every `--save-interval` and at the end, which `--exit-interval` may bring
+    /// forward — and a `--train-iters` below the loaded iteration, whose final save would
+    /// rewrite that iteration.
+    pub(super) fn check_planned_saves(&self, save: &SaveConfig) -> Result<()> {
+        let c = &self.cfg;
+        let dir = &save.dir;
+        let loaded = match &c.start {
+            Start::Load { dir, .. } => Some(dir),
+            Start::Scratch => None,
+        };
+        let lora = c.lora.as_ref().and_then(|l| l.load.as_ref());
+        for input in loaded.into_iter().chain(lora) {
+            if let Err(e @ crate::util::OutputError::InsideInput { .. }) =
+                crate::util::check_not_input(dir, &[input.as_path()])
+            {
+                bail!("--save: {e}");
+            }
+        }
+        let tracker = dir.join(TRACKER);
+        if std::fs::symlink_metadata(&tracker).is_ok_and(|m| !m.is_file()) {
+            bail!(
+                "--save {}: {} is not a file (Megatron's tracker of the last checkpoint)",
+                dir.display(),
+                tracker.display()
+            );
+        }
+        if self.iteration > c.train_iters {
+            bail!(
+                "--train-iters {} is below iteration {} of the --load checkpoint: nothing to \
+                 train, and the final save would rewrite iteration {}",
+                c.train_iters,
+                self.iteration,
+                self.iteration
+            );
+        }
+        let from = self.iteration;
+        let first_after = |every: u64| (from / every + 1).saturating_mul(every);
+        let last = c
+            .exit
+            .interval
+            .map_or(c.train_iters, |n| first_after(n).min(c.train_iters));
+        let planned = |i: u64| {
+            i > from
+                && i <= last
+                && (i == last || save.interval.is_some_and(|n| i.is_multiple_of(n)))
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(());
+        };
+        let mut clashes: Vec<(u64, String)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let i = name.strip_prefix("iter_")?.parse::<u64>().ok()?;
+                (name == checkpoint::iteration_dir(i) && planned(i)).then_some((i, name))
+            })
+            .collect();
+        clashes.sort();
+        if let Some((i, name)) = clashes.first() {
+            bail!(
+                "--save {}: {name} is there already, and this run saves iteration {i} there; \
+                 move it away or --save elsewhere",
+                dir.display()
+            );
+        }
         Ok(())
     }
 

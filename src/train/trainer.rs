@@ -8,7 +8,7 @@ use super::launch::Groups;
 use super::optim::{self, Optimizer};
 use super::parallel::{Axis, Stage};
 use super::report::{chrono_now, flops_model};
-use super::{checkpoint, data, distrib, log, tensorboard, TrainSummary};
+use super::{checkpoint, data, distrib, log, tensorboard, SkippedIterations, TrainSummary};
 use crate::arch::roles::Role;
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::Backend;
@@ -96,9 +96,6 @@ impl<B: Backend> Trainer<B> {
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
         let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
         let rank = groups.rank;
-        if let Some(save) = cfg.save.as_ref().filter(|_| rank == 0) {
-            checkpoint::prepare(&save.dir, cfg.tokenizer.path())?;
-        }
         let lora = cfg.lora.as_ref().map(|l| &l.spec);
         let mut table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);
         if cfg.init_std.1.is_some() {
@@ -381,11 +378,24 @@ impl<B: Backend> Trainer<B> {
             bail!("--split {:?} gives the train split no data", self.cfg.split);
         };
         let c_iters = self.cfg.train_iters;
-        if self.consumed_train
-            + (c_iters - self.iteration.min(c_iters)) * self.cfg.global_batch as u64
-            > train.len() as u64
-        {
-            bail!("internal: the train split holds fewer samples than the run consumes");
+        let remaining = c_iters - self.iteration.min(c_iters);
+        let needed = self.consumed_train + remaining * self.cfg.global_batch as u64;
+        if needed > train.len() as u64 {
+            // Megatron's sampler would run out of samples part-way (a `release` checkpoint
+            // starts at iteration 0 but keeps its consumed samples).
+            bail!(
+                "the train split holds {} samples; starting at sample {} (the --load \
+                 checkpoint's consumed samples), {remaining} iterations × --global-batch-size {} \
+                 need {needed}",
+                train.len(),
+                self.consumed_train,
+                self.cfg.global_batch
+            );
+        }
+        // --save is made ready only once everything else is checked: a run refused leaves none.
+        if let Some(save) = self.cfg.save.as_ref().filter(|_| self.rank == 0) {
+            self.check_planned_saves(save)?;
+            checkpoint::prepare(&save.dir, self.cfg.tokenizer.path())?;
         }
         let params = self.model_numel;
         if !self.quiet {
@@ -431,6 +441,7 @@ impl<B: Backend> Trainer<B> {
         let (mut last_loss, mut saved, mut stopped) = (None, None, None);
         let mut saved_at = None;
         let mut total_tokens = 0u64;
+        let mut skipped = SkippedIterations::default();
         while self.iteration < c_iters {
             interval.start.get_or_insert_with(Instant::now);
             let (loss, grad_norm, applied, tokens) = self.train_step(&train)?;
@@ -442,9 +453,13 @@ impl<B: Backend> Trainer<B> {
                 interval.advanced += 1;
                 interval.loss_sum += loss;
             } else {
+                let nan = u64::from(!loss.is_finite() || !grad_norm.is_finite());
                 interval.skipped += 1;
-                interval.nan += u64::from(!loss.is_finite() || !grad_norm.is_finite());
+                interval.nan += nan;
+                skipped.skipped += 1;
+                skipped.not_finite += nan;
             }
+            skipped.run += 1;
             bar.set_position(self.iteration);
             bar.set_message(format!("lm loss {loss:.4}"));
             // Megatron prints the schedule one step ahead (what the next update will use).
@@ -579,6 +594,7 @@ impl<B: Backend> Trainer<B> {
             tokens_per_second: total_tokens as f64 / seconds.max(1e-9),
             stopped,
             saved,
+            skipped,
         })
     }
 

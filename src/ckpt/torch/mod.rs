@@ -63,9 +63,44 @@ pub struct TorchFile {
     path: PathBuf,
     file: File,
     map: Mmap,
-    /// Record name (without the archive prefix) → byte range in the file.
-    records: HashMap<String, (usize, usize)>,
+    /// Record name (without the archive prefix) → byte range in the file and stored CRC-32.
+    records: HashMap<String, Record>,
+    /// The records whose CRC-32 has been checked (each once, when first read).
+    checked: std::sync::Mutex<std::collections::HashSet<String>>,
     root: Value,
+}
+
+/// A stored record: its bytes' range in the file and the CRC-32 the archive gives them.
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    start: usize,
+    len: usize,
+    crc: u32,
+}
+
+/// Whether `file`'s bytes `start..start + len` have CRC-32 `crc`: read in chunks with `pread`,
+/// so a record of gigabytes costs one pass and a few megabytes of memory.
+fn crc_matches(file: &File, r: Record) -> std::io::Result<Option<u32>> {
+    use std::os::unix::fs::FileExt;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; r.len.min(4 << 20)];
+    let mut at = 0;
+    while at < r.len {
+        let n = buf.len().min(r.len - at);
+        file.read_exact_at(&mut buf[..n], (r.start + at) as u64)?;
+        hasher.update(&buf[..n]);
+        at += n;
+    }
+    let computed = hasher.finalize();
+    Ok((computed != r.crc).then_some(computed))
+}
+
+/// Why a record is refused when its CRC-32 is not the stored one.
+fn crc_mismatch(name: &str, stored: u32, computed: u32) -> String {
+    format!(
+        "record {name} fails its CRC-32 check (stored {stored:08x}, computed {computed:08x}): \
+         the file is damaged"
+    )
 }
 
 impl TorchFile {
@@ -91,23 +126,33 @@ impl TorchFile {
             ));
         }
         let records = index_records(&map).map_err(archive_err)?;
-        if let Some(&(start, len)) = records.get("byteorder") {
-            if &map[start..start + len] != b"little" {
+        for name in ["byteorder", "data.pkl"] {
+            if let Some(&r) = records.get(name) {
+                if let Some(computed) = crc_matches(&file, r).map_err(io)? {
+                    return Err(archive_err(crc_mismatch(name, r.crc, computed)));
+                }
+            }
+        }
+        if let Some(r) = records.get("byteorder") {
+            if &map[r.start..r.start + r.len] != b"little" {
                 return Err(archive_err("big-endian tensor data is unsupported".into()));
             }
         }
-        let &(start, len) = records
+        let pkl = records
             .get("data.pkl")
             .ok_or_else(|| archive_err("no data.pkl record".into()))?;
-        let root = pickle::parse(&map[start..start + len]).map_err(|cause| TorchError::Pickle {
-            path: path.to_path_buf(),
-            cause,
+        let root = pickle::parse(&map[pkl.start..pkl.start + pkl.len]).map_err(|cause| {
+            TorchError::Pickle {
+                path: path.to_path_buf(),
+                cause,
+            }
         })?;
         Ok(TorchFile {
             path: path.to_path_buf(),
             file,
             map,
             records,
+            checked: Default::default(),
             root,
         })
     }
@@ -122,14 +167,17 @@ impl TorchFile {
         &self.root
     }
 
-    /// All bytes of a storage (its `numel` elements), straight from the map.
-    /// `name` (the tensor using it) is only used in errors.
+    /// All bytes of a storage (its `numel` elements), straight from the map, once its record
+    /// has passed its CRC-32 check. `name` (the tensor using it) is only used in errors.
     pub fn storage_bytes(&self, name: &str, s: &StorageRef) -> Result<&[u8]> {
         let err = |what: String| self.tensor_error(name, what);
-        let &(start, len) = self
+        let record = format!("data/{}", s.key);
+        let &r = self
             .records
-            .get(&format!("data/{}", s.key))
-            .ok_or_else(|| err(format!("storage record data/{} is missing", s.key)))?;
+            .get(&record)
+            .ok_or_else(|| err(format!("storage record {record} is missing")))?;
+        self.check_crc(name, &record, r)?;
+        let (start, len) = (r.start, r.len);
         match s.numel.checked_mul(s.dtype.size() as u64) {
             Some(n) if n <= len as u64 => Ok(&self.map[start..start + n as usize]),
             _ => Err(err(format!(
@@ -137,6 +185,25 @@ impl TorchFile {
                 s.key, s.numel
             ))),
         }
+    }
+
+    /// Check record `record`'s CRC-32 the first time one of its tensors (`name`) is read.
+    fn check_crc(&self, name: &str, record: &str, r: Record) -> Result<()> {
+        let done = |set: &std::collections::HashSet<String>| set.contains(record);
+        if self.checked.lock().map(|s| done(&s)).unwrap_or(false) {
+            return Ok(());
+        }
+        let mismatch = crc_matches(&self.file, r).map_err(|cause| TorchError::Io {
+            path: self.path.clone(),
+            cause,
+        })?;
+        if let Some(computed) = mismatch {
+            return Err(self.tensor_error(name, crc_mismatch(record, r.crc, computed)));
+        }
+        if let Ok(mut set) = self.checked.lock() {
+            set.insert(record.to_string());
+        }
+        Ok(())
     }
 
     fn tensor_error(&self, name: &str, what: String) -> TorchError {
@@ -200,7 +267,7 @@ impl TorchFile {
 
 /// Map every stored record to its byte range; the archive prefix (first entry's directory) is
 /// stripped. Compressed records, records outside the file, or an archive without a prefix are errors.
-fn index_records(map: &[u8]) -> std::result::Result<HashMap<String, (usize, usize)>, String> {
+fn index_records(map: &[u8]) -> std::result::Result<HashMap<String, Record>, String> {
     let mut zip = zip::ZipArchive::new(std::io::Cursor::new(map))
         .map_err(|e| format!("damaged zip archive: {e}"))?;
     let mut records = HashMap::new();
@@ -231,7 +298,12 @@ fn index_records(map: &[u8]) -> std::result::Result<HashMap<String, (usize, usiz
         {
             return Err(format!("record {name} runs past the end of the file"));
         }
-        records.insert(rest.to_string(), (start as usize, len as usize));
+        let record = Record {
+            start: start as usize,
+            len: len as usize,
+            crc: entry.crc32(),
+        };
+        records.insert(rest.to_string(), record);
     }
     Ok(records)
 }

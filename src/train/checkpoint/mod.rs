@@ -16,7 +16,9 @@
 mod read;
 mod write;
 
-pub use read::{load_distributed, load_named, load_progress, load_state, rank_file, Resumed};
+pub use read::{
+    is_release, load_distributed, load_named, load_progress, load_state, rank_file, Resumed,
+};
 pub use write::{begin, finish, json_value, prepare, save, set_arg, write_rank};
 
 use super::parallel::Stage;

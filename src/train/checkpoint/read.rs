@@ -108,6 +108,13 @@ fn value_json(v: &Value) -> Json {
     }
 }
 
+/// Whether the tracker of checkpoint directory `dir` says `release` (a converted model, not a
+/// point of a run).
+pub fn is_release(dir: &Path) -> Result<bool> {
+    let tracker = dir.join(TRACKER);
+    Ok(tracker.is_file() && std::fs::read_to_string(&tracker)?.trim() == "release")
+}
+
 /// The iteration directory of a checkpoint directory: the tracker's, or `dir` itself.
 fn checkpoint_iteration_dir(dir: &Path) -> Result<PathBuf> {
     Ok(if dir.join(TRACKER).is_file() {

@@ -230,22 +230,66 @@ pub fn set_arg(args: &mut Vec<(String, Value)>, key: &str, v: Value) {
 /// convert` does, so that the checkpoint converts back to a complete HF directory and
 /// resumes without naming the tokenizer again).
 pub fn prepare(save: &Path, tokenizer: &Path) -> Result<()> {
+    check_tokenizer_files(save, tokenizer)?;
     std::fs::create_dir_all(save)
         .with_context(|| format!("--save {}: cannot create it", save.display()))?;
     drop(
         AtomicFile::create(&save.join(TRACKER), &SAVE_DIR, true)
             .with_context(|| format!("--save {}: cannot write there", save.display()))?,
     );
-    let dir = if tokenizer.is_dir() {
+    let is_checkpoint = |name: &str| name.starts_with("iter_") || name == TRACKER;
+    let stale = crate::util::remove_stale_temporaries(save, is_checkpoint)
+        .with_context(|| format!("--save {}", save.display()))?;
+    if !stale.is_empty() {
+        let names: Vec<String> = stale.iter().map(|p| p.display().to_string()).collect();
+        eprintln!(
+            "mindkit: warning: --save {}: removed what an interrupted run left: {}",
+            save.display(),
+            names.join(", ")
+        );
+    }
+    if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
+        crate::ckpt::hf::copy_side_files(&tokenizer_dir(tokenizer), save)?;
+    }
+    Ok(())
+}
+
+/// The directory a tokenizer's files are in (`tokenizer` names it, or one of its files).
+fn tokenizer_dir(tokenizer: &Path) -> PathBuf {
+    if tokenizer.is_dir() {
         tokenizer.to_path_buf()
     } else {
         tokenizer
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_default()
-    };
-    if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
-        crate::ckpt::hf::copy_side_files(&dir, save)?;
+    }
+}
+
+/// The files that define a tokenizer's vocabulary: one of them in `--save` that the run's
+/// tokenizer lacks or holds otherwise would be kept beside checkpoints it does not fit.
+const TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Refuse a `--save` that already holds another tokenizer than the run's (`tokenizer`).
+pub fn check_tokenizer_files(save: &Path, tokenizer: &Path) -> Result<()> {
+    let from = tokenizer_dir(tokenizer);
+    for name in TOKENIZER_FILES {
+        let Ok(there) = std::fs::read(save.join(name)) else {
+            continue;
+        };
+        if std::fs::read(from.join(name)).ok().as_ref() != Some(&there) {
+            anyhow::bail!(
+                "--save {}: its {name} is not the tokenizer this run trains with ({}); move it \
+                 away or --save elsewhere",
+                save.display(),
+                tokenizer.display()
+            );
+        }
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The model a run trains: the tokenizer and its ids, and the architecture from the flags or
 //! from `--load` (every flag given checked against it).
 
-use super::positive;
+use super::{fraction, positive, positive_float};
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::Input;
 use crate::ckpt::torch::pickle::Value;
@@ -13,16 +13,24 @@ use crate::train::args::Args;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 
+/// Where the tokenizer comes from: the flag that names it (or `--load`, which carries one)
+/// and its path.
+pub(super) fn tokenizer_source(
+    a: &Args,
+    load: Option<&PathBuf>,
+) -> Result<(&'static str, PathBuf)> {
+    ["tokenizer-name-or-path", "tokenizer-model"]
+        .into_iter()
+        .find_map(|flag| a.get(flag).map(|p| (flag, PathBuf::from(p))))
+        .or_else(|| load.map(|dir| ("load", dir.clone())))
+        .ok_or_else(|| anyhow!("--tokenizer-name-or-path (or --tokenizer-model) is required"))
+}
+
 /// The tokenizer and its ids, as the named `--tokenizer-type` derives them.
 pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer, MaskConfig)> {
-    let path = a
-        .get("tokenizer-name-or-path")
-        .or_else(|| a.get("tokenizer-model"))
-        .map(PathBuf::from)
-        .or_else(|| load.cloned())
-        .ok_or_else(|| anyhow!("--tokenizer-name-or-path (or --tokenizer-model) is required"))?;
-    let mut tok = HfTokenizer::load(&path)
-        .with_context(|| format!("--tokenizer-name-or-path {}", path.display()))?;
+    let (flag, path) = tokenizer_source(a, load)?;
+    let mut tok =
+        HfTokenizer::load(&path).with_context(|| format!("--{flag} {}", path.display()))?;
     if let Some(name) = a.get("prompt-type") {
         // MindSpeed-LLM's fix_model_tokenizer: the template's stop word becomes eos (the EOD).
         let template = Template::load(name, a.get("prompt-type-path").map(Path::new))
@@ -84,7 +92,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
             "original_max_position_embeddings",
         ),
     ] {
-        if let Some(v) = a.parse_value::<f64>(flag)? {
+        if let Some(v) = positive_float(a, flag)? {
             out.push((key.to_string(), Value::Float(v)));
         }
     }
@@ -115,14 +123,11 @@ fn check_family_flags(a: &Args) -> Result<()> {
     if let Some(p) = a.get("position-embedding-type").filter(|p| *p != "rope") {
         bail!("--position-embedding-type {p}: only rope is implemented");
     }
-    if let Some(p) = a
-        .parse_value::<f64>("rotary-percent")?
-        .filter(|p| *p != 1.0)
-    {
+    if let Some(p) = fraction(a, "rotary-percent")?.filter(|p| *p != 1.0) {
         bail!("--rotary-percent {p}: only 1.0 (the whole head rotated) is implemented");
     }
     for flag in ["attention-dropout", "hidden-dropout"] {
-        match a.parse_value::<f64>(flag)? {
+        match fraction(a, flag)? {
             Some(0.0) => {}
             Some(p) => bail!("--{flag} {p}: dropout is not implemented; pass --{flag} 0.0"),
             None => bail!(
@@ -217,6 +222,7 @@ pub(super) fn model_config(
             if cfg.tied { "tied to the embedding" } else { "separate" }
         );
     }
+    check_rope_and_norm(a, &flags, &cfg)?;
     if a.has("add-qkv-bias") && !cfg.qkv_bias {
         bail!("--add-qkv-bias is given, but the --load checkpoint has no q/k/v biases");
     }
@@ -228,6 +234,79 @@ pub(super) fn model_config(
         );
     }
     Ok(cfg)
+}
+
+/// The flags that shape RoPE and the norms, checked against the `--load` checkpoint's values:
+/// Megatron builds its model from the command line and would train with them, where mindkit
+/// takes the checkpoint's, so a disagreement is refused rather than ignored.
+fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -> Result<()> {
+    // Equal up to the rounding of a value stored as f32 or printed in decimal.
+    let same = |x: f64, y: f64| (x - y).abs() <= 1e-6 * x.abs().max(y.abs());
+    for (flag, have) in [
+        ("norm-epsilon", cfg.norm_eps),
+        ("rotary-base", cfg.rope_theta),
+    ] {
+        if let Some(v) = a.parse_value::<f64>(flag)?.filter(|&v| !same(v, have)) {
+            bail!("--{flag} {v} does not match the --load checkpoint's {have}");
+        }
+    }
+    let scaling_flags = [
+        "use-rope-scaling",
+        "rope-scaling-type",
+        "rope-scaling-factor",
+        "low-freq-factor",
+        "high-freq-factor",
+        "original-max-position-embeddings",
+    ];
+    if !scaling_flags.iter().any(|f| a.has(f)) {
+        return Ok(());
+    }
+    let wanted = crate::ckpt::config::rope_scaling_from_args(flags)?;
+    let numbers = |r: &Option<serde_json::Value>| -> Option<(String, Vec<f64>)> {
+        let r = r.as_ref()?;
+        let kind = r.get("rope_type").or_else(|| r.get("type"))?.as_str()?;
+        let keys = [
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ];
+        let values = keys.iter().map(|k| r.get(k).and_then(|v| v.as_f64()));
+        Some((
+            kind.to_string(),
+            values.map(|v| v.unwrap_or(f64::NAN)).collect(),
+        ))
+    };
+    let (w, h) = (numbers(&wanted), numbers(&cfg.rope_scaling));
+    let agree = match (&w, &h) {
+        (None, None) => true,
+        (Some((wk, wv)), Some((hk, hv))) => {
+            wk == hk
+                && wv
+                    .iter()
+                    .zip(hv)
+                    .all(|(&x, &y)| same(x, y) || (x.is_nan() && y.is_nan()))
+        }
+        _ => false,
+    };
+    if !agree {
+        let describe = |r: &Option<serde_json::Value>| match r {
+            Some(r) => r.to_string(),
+            None => "none".into(),
+        };
+        bail!(
+            "RoPE scaling: the flags ({}) give {}, the --load checkpoint has {}",
+            scaling_flags
+                .iter()
+                .filter(|f| a.has(f))
+                .map(|f| format!("--{f}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            describe(&wanted),
+            describe(&cfg.rope_scaling)
+        );
+    }
+    Ok(())
 }
 
 /// Whether the command line describes the architecture at all (then it must agree with

@@ -23,13 +23,13 @@ use super::schedule::Schedule;
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
-use crate::data::gpt_dataset::{Blend, MaskConfig};
+use crate::data::gpt_dataset::{split_matrix, split_weights, Blend, MaskConfig};
 use crate::data::sft_dataset::Order;
 use crate::data::tokenizer::HfTokenizer;
 use crate::model::params::LoraSpec;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Result};
-use architecture::{family_name, model_config, tokenizer};
+use architecture::{family_name, model_config, tokenizer, tokenizer_source};
 use finetune::{lora_config, sft_config};
 use optimizer::{recorded_args, schedule};
 use parallelism::{
@@ -131,6 +131,8 @@ pub struct TrainConfig {
     pub save: Option<SaveConfig>,
     /// `--eval-interval`, `--eval-iters`.
     pub eval: Option<(u64, u64)>,
+    /// The samples the validation and test splits are built for, with `eval`.
+    pub eval_samples: Option<(u64, u64)>,
     /// `--log-interval`.
     pub log_interval: u64,
     /// `--log-throughput`.
@@ -219,14 +221,144 @@ fn positive(a: &Args, flag: &str) -> Result<Option<usize>> {
     }
 }
 
-/// A non-negative finite float flag.
-fn non_negative(a: &Args, flag: &str) -> Result<Option<f64>> {
+/// A float flag that must be finite and pass `ok` (described by `range`): argparse's
+/// `type=float` takes "nan" and "inf", which would poison every step without a word.
+fn float_in(a: &Args, flag: &str, ok: fn(f64) -> bool, range: &str) -> Result<Option<f64>> {
     match a.parse_value::<f64>(flag)? {
-        Some(v) if !(v.is_finite() && v >= 0.0) => {
-            Err(flag_error(flag, format!("{v} is not a finite number ≥ 0")))
-        }
+        Some(v) if !(v.is_finite() && ok(v)) => Err(flag_error(
+            flag,
+            format!("{v} is out of range: expected a finite number {range}"),
+        )),
         v => Ok(v),
     }
+}
+
+/// A non-negative finite float flag.
+fn non_negative(a: &Args, flag: &str) -> Result<Option<f64>> {
+    float_in(a, flag, |v| v >= 0.0, "≥ 0")
+}
+
+/// A positive finite float flag.
+fn positive_float(a: &Args, flag: &str) -> Result<Option<f64>> {
+    float_in(a, flag, |v| v > 0.0, "> 0")
+}
+
+/// A finite float flag in [0, 1].
+fn fraction(a: &Args, flag: &str) -> Result<Option<f64>> {
+    float_in(a, flag, |v| (0.0..=1.0).contains(&v), "in [0, 1]")
+}
+
+/// `n` (the value of `--flag`) global batches in samples, or an error naming both flags.
+fn times_batch(n: u64, flag: &str, g: u64) -> Result<u64> {
+    n.checked_mul(g).ok_or_else(|| {
+        anyhow!("--{flag} {n} × --global-batch-size {g} samples overflows a 64-bit count")
+    })
+}
+
+/// The samples of the validation split (Megatron's `build_train_valid_test_datasets`: an
+/// evaluation every `interval` iterations and one at the end) and of the test split (one
+/// evaluation) for `--eval-interval`, `--eval-iters`.
+fn eval_samples((interval, iters): (u64, u64), train_iters: u64, g: u64) -> Result<(u64, u64)> {
+    let test = times_batch(iters, "eval-iters", g)?;
+    let evaluations = train_iters / interval + 1;
+    let valid = evaluations.checked_mul(test).ok_or_else(|| {
+        anyhow!(
+            "--eval-iters {iters} × --global-batch-size {g} × {evaluations} evaluations \
+             (--train-iters / --eval-interval + 1) samples overflows a 64-bit count"
+        )
+    })?;
+    Ok((valid, test))
+}
+
+/// `--split` read as megatron-core reads it (numbers only), before any work: a warning names
+/// the characters it skips, and a split that gives training no data is refused.
+fn check_split(split: &str) -> Result<()> {
+    let (w, skipped) = split_weights(split)?;
+    if !skipped.is_empty() {
+        let quoted: Vec<String> = skipped.iter().map(|s| format!("{s:?}")).collect();
+        eprintln!(
+            "mindkit: warning: --split {split:?} is read as {}, {}, {}: megatron-core keeps only \
+             the numbers (runs of digits and dots), skipping {}",
+            w[0],
+            w[1],
+            w[2],
+            quoted.join(", ")
+        );
+    }
+    if split_matrix(split)?[0].is_none() {
+        bail!("--split {split:?} gives the train split no data");
+    }
+    Ok(())
+}
+
+/// Whether `--load` names something to load: a checkpoint or HF directory, or anything that
+/// looks like weights (opened, so a damaged one is an error rather than a fresh start). A
+/// missing directory, or one holding only a tokenizer or nothing, holds no checkpoint.
+fn holds_a_checkpoint(dir: &std::path::Path) -> bool {
+    if detect(dir).is_ok() || dir.is_file() {
+        return true;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let weights = [".safetensors", ".bin", ".pt", ".pth", ".index.json"];
+        let megatron = ["iter_", "mp_rank_", "release"];
+        weights.iter().any(|w| name.ends_with(w)) || megatron.iter().any(|m| name.starts_with(m))
+    })
+}
+
+/// Bytes Megatron's GPTDataset indices take per sample here: a (document, offset) pair of the
+/// sample index and a shuffle-index entry, 8 bytes each (the document index adds its own).
+const INDEX_BYTES_PER_SAMPLE: u64 = 24;
+
+/// This host's memory in bytes (`MemTotal` of /proc/meminfo), if known.
+fn host_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuse a run whose sample indices alone (every split, on each rank this process runs as a
+/// thread) outgrow the host's memory: the allocation would abort the process instead.
+fn check_index_memory(
+    a: &Args,
+    samples: u64,
+    ranks_here: usize,
+    memory: Option<u64>,
+) -> Result<()> {
+    let Some(memory) = memory else {
+        return Ok(());
+    };
+    let per_rank = samples.saturating_mul(INDEX_BYTES_PER_SAMPLE);
+    let needed = per_rank.saturating_mul(ranks_here as u64);
+    if needed <= memory {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let length = match a.get("train-samples") {
+        Some(n) => format!("--train-samples {n}"),
+        None => format!(
+            "--train-iters {} × --global-batch-size {}",
+            a.get("train-iters").unwrap_or("?"),
+            a.get("global-batch-size")
+                .or(a.get("micro-batch-size"))
+                .unwrap_or("?")
+        ),
+    };
+    let ranks = match ranks_here {
+        1 => String::new(),
+        n => format!(" on each of --world-size {n} ranks (threads of this process)"),
+    };
+    bail!(
+        "{length} (with validation and test, {samples} samples): their indices need {:.1} GiB{ranks}, \
+         {:.1} GiB in all, more than this host's {:.1} GiB of memory",
+        gib(per_rank),
+        gib(needed),
+        gib(memory)
+    )
 }
 
 /// Refuse what is not built yet (context and expert parallelism, other data loaders, optimizers and checkpoint formats).
@@ -284,8 +416,10 @@ pub fn world_size(a: &Args) -> Result<usize> {
 pub fn resolve(a: &Args) -> Result<TrainConfig> {
     check_single_rank(a)?;
     let load = a.get("load").map(PathBuf::from);
+    // Megatron's load_checkpoint: no checkpoint under --load (no tracker file) means "will
+    // start from random"; only --exit-on-missing-checkpoint makes it an error.
     let input = match &load {
-        Some(dir) if dir.exists() => Some(open_checkpoint(
+        Some(dir) if holds_a_checkpoint(dir) => Some(open_checkpoint(
             dir,
             None,
             a.get("model-type-hf").map(family_name),
@@ -295,8 +429,12 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         }
         Some(dir) => {
             eprintln!(
-                "mindkit: warning: --load {} does not exist; starting from random weights",
-                dir.display()
+                "mindkit: warning: --load {} {}; starting from random weights",
+                dir.display(),
+                match dir.exists() {
+                    true => "holds no checkpoint",
+                    false => "does not exist",
+                }
             );
             None
         }
@@ -313,6 +451,18 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         .filter(|d| d.join("tokenizer.json").is_file() || d.join("vocab.json").is_file());
     let (tokenizer, masks) = tokenizer(a, carried)?;
     let mut model = model_config(a, input.as_ref(), tokenizer.vocab_size())?;
+    if input.is_some() && tokenizer.vocab_size() > model.vocab {
+        // Megatron sizes the embedding from the tokenizer and fails to load a checkpoint of
+        // another size (load_state_dict's size mismatch); growing it would train untrained rows.
+        let (flag, path) = tokenizer_source(a, carried)?;
+        bail!(
+            "--{flag} {}: the tokenizer has {} tokens, more than the {} of the --load \
+             checkpoint's vocabulary; it was trained with another tokenizer",
+            path.display(),
+            tokenizer.vocab_size(),
+            model.vocab
+        );
+    }
     let divisible_by = positive(a, "make-vocab-size-divisible-by")?.unwrap_or(128);
     let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
     // Megatron pads to a multiple of the divisor × TP (training.py `_vocab_size_with_padding`).
@@ -383,11 +533,31 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         (false, true) => ScheduleSource::CommandLine,
         (false, false) => ScheduleSource::Check,
     };
+    let eval_iters = a.parse_value::<u64>("eval-iters")?.unwrap_or(100);
+    let eval_interval = positive(a, "eval-interval")?.unwrap_or(1000) as u64;
+    let eval = (eval_iters > 0).then_some((eval_interval, eval_iters));
+    let eval_samples = eval.map(|e| eval_samples(e, train_iters, g)).transpose()?;
+    // Threads of this process unless a launcher started it as one rank.
+    let ranks_here = match super::store::from_launcher()? {
+        Some(_) => 1,
+        None => layout.world(),
+    };
+    let all_samples = match (train_samples, eval_samples) {
+        (Some(s), e) => s.saturating_add(e.map_or(0, |(v, t)| v.saturating_add(t))),
+        (None, e) => train_iters
+            .saturating_mul(g)
+            .saturating_add(e.map_or(0, |(v, t)| v.saturating_add(t))),
+    };
+    check_index_memory(a, all_samples, ranks_here, host_memory())?;
     let blend = Blend::parse(
         a.list("data-path")
             .ok_or_else(|| anyhow!("--data-path is required"))?,
     )?;
     let sft = sft_config(a, &blend, &tokenizer, &masks, seq_length, global_batch)?;
+    let split = a.get("split").unwrap_or("969, 30, 1").to_string();
+    if sft.is_none() {
+        check_split(&split)?;
+    }
     let start = match (load, input) {
         (Some(dir), Some(input)) => {
             let resume = hf_load.is_none() && !a.has("finetune");
@@ -413,8 +583,6 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             },
         }),
     };
-    let eval_iters = a.parse_value::<u64>("eval-iters")?.unwrap_or(100);
-    let eval_interval = positive(a, "eval-interval")?.unwrap_or(1000) as u64;
     let clip_grad = non_negative(a, "clip-grad")?.unwrap_or(1.0);
     let betas = (
         non_negative(a, "adam-beta1")?.unwrap_or(0.9),
@@ -423,10 +591,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     if betas.0 >= 1.0 || betas.1 >= 1.0 {
         bail!("--adam-beta1/--adam-beta2 must be below 1, got {betas:?}");
     }
-    let eps = a.parse_value::<f64>("adam-eps")?.unwrap_or(1e-8);
-    if !(eps > 0.0 && eps.is_finite()) {
-        bail!("--adam-eps must be a positive number, got {eps}");
-    }
+    let eps = positive_float(a, "adam-eps")?.unwrap_or(1e-8);
     let adam = AdamConfig {
         betas,
         eps,
@@ -444,7 +609,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         start,
         tokenizer,
         blend,
-        split: a.get("split").unwrap_or("969, 30, 1").to_string(),
+        split,
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
         surplus: non_negative(a, "mid-level-dataset-surplus")?
             .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
@@ -462,7 +627,10 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             true => Some(buckets(a, data_parallel)?),
         },
         train_iters,
-        train_samples: train_samples.unwrap_or(train_iters * g),
+        train_samples: match train_samples {
+            Some(s) => s,
+            None => times_batch(train_iters, "train-iters", g)?,
+        },
         schedule,
         schedule_source,
         adam,
@@ -477,7 +645,8 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             non_negative(a, "embedding-init-method-std")?,
         ),
         save,
-        eval: (eval_iters > 0).then_some((eval_interval, eval_iters)),
+        eval,
+        eval_samples,
         log_interval: positive(a, "log-interval")?.unwrap_or(100) as u64,
         log_throughput: a.has("log-throughput"),
         log_comm_stats: a.has("log-comm-stats"),

@@ -1,7 +1,7 @@
 //! The optimizer's flags: the learning-rate and weight-decay schedule (Megatron's
 //! `get_optimizer_param_scheduler`), and the training flags a checkpoint's `args` records.
 
-use super::{flag_error, non_negative};
+use super::{flag_error, fraction, non_negative, times_batch};
 use crate::tensor::DType;
 use crate::train::args::Args;
 use crate::train::optim::AdamConfig;
@@ -19,27 +19,65 @@ fn decay_style(a: &Args) -> Result<DecayStyle> {
     })
 }
 
+/// Megatron's validate_args (Megatron-LM megatron/training/arguments.py): a run counted in
+/// iterations (`--train-iters`) takes no schedule length in samples, and one counted in samples
+/// no length in iterations; a nonzero warmup of the other kind is refused too. (Megatron
+/// ignores the other kind's WSD length; it is refused here rather than dropped.)
+fn check_schedule_units(a: &Args, by_samples: bool) -> Result<()> {
+    let (given, mode, other, own) = match by_samples {
+        false => ("--train-iters", "iteration", "samples", "iters"),
+        true => ("--train-samples", "sample", "iters", "samples"),
+    };
+    for (what, stem, zero_ok) in [
+        ("learning rate decay", "lr-decay", false),
+        ("learning rate warmup", "lr-warmup", true),
+        ("WSD decay", "lr-wsd-decay", false),
+    ] {
+        let flag = format!("{stem}-{other}");
+        match a.parse_value::<u64>(&flag)? {
+            Some(0) if zero_ok => {}
+            Some(n) => {
+                bail!("--{flag} {n} with {given}: expected {mode}-based {what} (--{stem}-{own})")
+            }
+            None => {}
+        }
+    }
+    Ok(())
+}
+
 /// Megatron's `get_optimizer_param_scheduler`: lengths in samples.
 pub(super) fn schedule(a: &Args, iters: u64, samples: Option<u64>, g: u64) -> Result<Schedule> {
+    check_schedule_units(a, samples.is_some())?;
     let lr = non_negative(a, "lr")?.ok_or_else(|| anyhow!("--lr is required"))?;
     let min_lr = non_negative(a, "min-lr")?.unwrap_or(0.0);
-    let (decay_steps, wd_steps, wsd, warmup_fixed) = match samples {
+    let in_samples = |flag: &str| -> Result<Option<u64>> {
+        a.parse_value::<u64>(flag)?
+            .map(|n| times_batch(n, flag, g))
+            .transpose()
+    };
+    let (decay_steps, wd_steps, wsd, warmup_fixed, warmup_flag) = match samples {
         None => {
-            let decay_iters = a.parse_value::<u64>("lr-decay-iters")?.unwrap_or(iters);
-            let wsd = a.parse_value::<u64>("lr-wsd-decay-iters")?.map(|n| n * g);
-            let warmup = a.parse_value::<u64>("lr-warmup-iters")?.unwrap_or(0) * g;
-            (decay_iters * g, iters * g, wsd, warmup)
+            let train = times_batch(iters, "train-iters", g)?;
+            (
+                in_samples("lr-decay-iters")?.unwrap_or(train),
+                train,
+                in_samples("lr-wsd-decay-iters")?,
+                in_samples("lr-warmup-iters")?.unwrap_or(0),
+                "lr-warmup-iters",
+            )
         }
         Some(s) => (
             a.parse_value::<u64>("lr-decay-samples")?.unwrap_or(s),
             s,
             a.parse_value::<u64>("lr-wsd-decay-samples")?,
             a.parse_value::<u64>("lr-warmup-samples")?.unwrap_or(0),
+            "lr-warmup-samples",
         ),
     };
-    let warmup = match a.parse_value::<f64>("lr-warmup-fraction")? {
-        Some(f) if a.has("lr-warmup-iters") || a.has("lr-warmup-samples") => {
-            bail!("--lr-warmup-fraction {f} and --lr-warmup-iters/--lr-warmup-samples exclude each other")
+    // Megatron asserts only a nonzero warmup length given with the fraction.
+    let warmup = match fraction(a, "lr-warmup-fraction")? {
+        Some(f) if warmup_fixed > 0 => {
+            bail!("--lr-warmup-fraction {f} and --{warmup_flag}: only one of them can be given")
         }
         Some(f) => f * decay_steps as f64,
         None => warmup_fixed as f64,
