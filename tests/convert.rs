@@ -10,7 +10,7 @@ use mindkit::tensor::DType;
 use std::path::{Path, PathBuf};
 
 const FAMILIES: &[&str] = &[
-    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3",
+    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss",
 ];
 
 fn model(name: &str) -> PathBuf {

@@ -12,8 +12,8 @@ use mindkit::model::generate::{argmax, generate, generate_batch, GenerateOptions
 use mindkit::model::{Model, Step};
 use safetensors::SafeTensors;
 
-const FAMILIES: [&str; 7] = [
-    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3",
+const FAMILIES: [&str; 8] = [
+    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss",
 ];
 
 struct Golden {
@@ -124,6 +124,7 @@ fn megatron_conversions_give_identical_logits() {
         ("llama", &layouts[..]),
         ("qwen2", &layouts[..]),
         ("qwen3", &[layouts[0], layouts[2]][..]),
+        ("seed_oss", &layouts[..]),
     ] {
         let hf = fixture(&format!("models/{family}"));
         let g = golden(family);

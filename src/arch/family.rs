@@ -5,7 +5,7 @@
 /// How a family stores the attention input projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkvStyle {
-    /// `q_proj`, `k_proj`, `v_proj` (llama, mistral, qwen2, internlm, aquila).
+    /// `q_proj`, `k_proj`, `v_proj` (llama, mistral, qwen2, internlm, aquila, qwen3, seed_oss).
     Separate,
     /// One `W_pack` tensor with rows `[q; k; v]` (baichuan).
     Packed,
@@ -24,8 +24,14 @@ pub struct Family {
     pub architecture: &'static str,
     /// Attention projection storage.
     pub qkv: QkvStyle,
-    /// The `config.json` key that switches attention biases on, when the family has one.
+    /// The `config.json` key that switches attention biases on, when the family has one: the
+    /// q/k/v biases, and the output projection's too unless `out_bias_key` is given.
     pub bias_key: Option<&'static str>,
+    /// What `bias_key` means when `config.json` leaves it out (transformers' default).
+    pub bias_default: bool,
+    /// The `config.json` key of the output projection's bias, when it is switched apart from
+    /// the q/k/v biases (seed_oss's `attention_out_bias`).
+    pub out_bias_key: Option<&'static str>,
     /// Whether the family always has q/k/v biases (qwen2).
     pub always_qkv_bias: bool,
     /// Whether the family normalises each query and key head before RoPE (qwen3's `q_norm`,
@@ -42,6 +48,8 @@ pub const FAMILIES: &[Family] = &[
         architecture: "LlamaForCausalLM",
         qkv: QkvStyle::Separate,
         bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
     },
@@ -52,6 +60,8 @@ pub const FAMILIES: &[Family] = &[
         architecture: "MistralForCausalLM",
         qkv: QkvStyle::Separate,
         bias_key: None,
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
     },
@@ -62,6 +72,8 @@ pub const FAMILIES: &[Family] = &[
         architecture: "Qwen2ForCausalLM",
         qkv: QkvStyle::Separate,
         bias_key: None,
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: true,
         qk_norm: false,
     },
@@ -72,6 +84,8 @@ pub const FAMILIES: &[Family] = &[
         architecture: "InternLMForCausalLM",
         qkv: QkvStyle::Separate,
         bias_key: Some("bias"),
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
     },
@@ -82,6 +96,8 @@ pub const FAMILIES: &[Family] = &[
         architecture: "BaichuanForCausalLM",
         qkv: QkvStyle::Packed,
         bias_key: None,
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
     },
@@ -92,6 +108,8 @@ pub const FAMILIES: &[Family] = &[
         architecture: "AquilaForCausalLM",
         qkv: QkvStyle::Separate,
         bias_key: None,
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
     },
@@ -102,8 +120,23 @@ pub const FAMILIES: &[Family] = &[
         architecture: "Qwen3ForCausalLM",
         qkv: QkvStyle::Separate,
         bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: true,
+    },
+    Family {
+        name: "seed_oss",
+        aliases: &["seed-oss"],
+        model_types: &["seed_oss"],
+        architecture: "SeedOssForCausalLM",
+        qkv: QkvStyle::Separate,
+        // transformers' SeedOssConfig: attention_bias (q/k/v) on by default, attention_out_bias off
+        bias_key: Some("attention_bias"),
+        bias_default: true,
+        out_bias_key: Some("attention_out_bias"),
+        always_qkv_bias: false,
+        qk_norm: false,
     },
 ];
 

@@ -271,7 +271,7 @@ struct OutputArgs {
     /// Output dtype: bf16, fp16, fp32 (default: the input's).
     #[arg(long)]
     dtype: Option<String>,
-    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, internlm, baichuan, aquila.
+    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, qwen3, seed_oss (seed-oss), internlm, baichuan, aquila.
     #[arg(long)]
     family: Option<String>,
     /// Pad the vocabulary to a multiple of this × TP (Megatron's default 128).

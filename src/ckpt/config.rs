@@ -303,8 +303,12 @@ impl ModelConfig {
             check_rope_scaling(r, field)?;
         }
         let bias = match family.bias_key {
-            Some(k) => json_bool(cfg, k)?.unwrap_or(false),
+            Some(k) => json_bool(cfg, k)?.unwrap_or(family.bias_default),
             None => false,
+        };
+        let out_bias = match family.out_bias_key {
+            Some(k) => json_bool(cfg, k)?.unwrap_or(false),
+            None => bias,
         };
         let dtype = match json_str(cfg, "torch_dtype")? {
             Some(d) => Some(d),
@@ -325,7 +329,7 @@ impl ModelConfig {
             norm_eps: json_positive(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
             tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
-            proj_bias: bias,
+            proj_bias: out_bias,
             qk_norm: family.qk_norm,
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
@@ -366,8 +370,13 @@ impl ModelConfig {
             "vocab_size": self.vocab,
             "torch_dtype": dtype,
         });
-        if let Some(key) = self.family.bias_key {
-            cfg[key] = self.proj_bias.into();
+        match (self.family.bias_key, self.family.out_bias_key) {
+            (Some(key), Some(out)) => {
+                cfg[key] = self.qkv_bias.into();
+                cfg[out] = self.proj_bias.into();
+            }
+            (Some(key), None) => cfg[key] = self.proj_bias.into(),
+            _ => {}
         }
         if let Some(r) = &self.rope_scaling {
             cfg["rope_scaling"] = r.clone();

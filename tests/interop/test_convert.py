@@ -16,7 +16,7 @@ from megatron_cpu import gpt_model, load_pt, logits
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "fixtures/models"
-FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss"]
 
 
 def rank_files(ck):
@@ -75,7 +75,7 @@ def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
         assert torch.equal(ma[k], mc[k]), k
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "seed_oss"])
 def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")

@@ -30,11 +30,12 @@ ITERS = 20
 def make_model(out, family, layers=2):
     """A seeded tiny HF model of `family` whose vocabulary is the shipped tokenizer's."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              SeedOssConfig, SeedOssForCausalLM)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3, "qwen3": 4}[family])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3, "qwen3": 4, "seed_oss": 5}[family])
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     elif family == "qwen2":
@@ -52,6 +53,14 @@ def make_model(out, family, layers=2):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif family == "seed_oss":
+        # q/k/v biases without an output bias, head_dim 32 ≠ hidden / heads, untied; no dropout
+        model = SeedOssForCausalLM(SeedOssConfig(**common, head_dim=32, tie_word_embeddings=False,
+                                                 attention_dropout=0.0, residual_dropout=0.0))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    p.bias.normal_(std=0.02)
     else:
         model = MistralForCausalLM(MistralConfig(**common, tie_word_embeddings=True,
                                                  sliding_window=None))
@@ -102,6 +111,7 @@ CASES = {
     "qwen3-qk-norm-head-dim-tied": ("qwen3", ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec",
                                               "layer_spec", "--qk-layernorm"], {}),
     "llama-o2-optimizer-bf16-moments": ("llama", ["--o2-optimizer"], {"o2_optimizer": True}),
+    "seed_oss-qkv-bias-head-dim-untied": ("seed_oss", ["--add-qkv-bias", "--kv-channels", "32"], {}),
 }
 
 
