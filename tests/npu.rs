@@ -451,3 +451,31 @@ fn without_flash_attention_kernels_attention_runs_as_batch_matmul_and_softmax() 
     // A CANN with the forward kernel but not the backward's: the backward falls back.
     falls_back(&both[1..], instead, &attention, &used);
 }
+
+#[test]
+fn npu_info_reads_every_other_device_when_one_cannot_be_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = toolkit(&dir.path().join("toolkit"), stand_in());
+    let mut cmd = npu_info(&home);
+    cmd.env("MINDKIT_STAND_IN_DEVICES", "3")
+        .env("MINDKIT_STAND_IN_BUSY", "1");
+    let out = cmd.assert().failure();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    assert!(text.contains("CANN     8.1.RC1"), "{text}");
+    assert!(text.contains("devices  3"), "{text}");
+    for id in [0, 2] {
+        let line = format!("npu {id}    Ascend910B4, HBM 64.0 GiB free of 64.0 GiB");
+        assert!(text.contains(&line), "{text}");
+    }
+    let busy = text
+        .lines()
+        .find(|l| l.starts_with("npu 1 "))
+        .unwrap_or_default();
+    assert!(
+        busy.starts_with("npu 1    unavailable: aclrtSetDevice failed with ACL error 507033: ")
+            && busy.contains("device 1 could not be set up"),
+        "{text}"
+    );
+    assert!(err.contains("device(s) [1] could not be opened"), "{err}");
+}

@@ -609,7 +609,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Lora(LoraCommand::Info { path }) => {
             print!("{}", lora::Adapter::open(&path, None)?.describe())
         }
-        Command::Npu(NpuCommand::Info) => print!("{}", mindkit::npu::info()?),
+        Command::Npu(NpuCommand::Info) => {
+            let info = mindkit::npu::info()?;
+            print!("{}", info.report);
+            if !info.unavailable.is_empty() {
+                bail!(
+                    "npu info: device(s) {:?} could not be opened (their lines above say why)",
+                    info.unavailable
+                );
+            }
+        }
         Command::Selftest { device } => {
             let (text, passed) = mindkit::device::selftest(device.kind()?)?;
             print!("{text}");

@@ -85,8 +85,18 @@ pub(crate) unsafe fn c_string(s: *const c_char) -> String {
     CStr::from_ptr(s).to_string_lossy().into_owned()
 }
 
-/// `mindkit npu info`: the library loaded, CANN's version, and per device its SoC and HBM.
-pub fn info() -> Result<String, NpuError> {
+/// What `mindkit npu info` read: its report, and the devices that could not be opened.
+pub struct Info {
+    /// The library loaded, CANN's version, HCCL, and a line per device.
+    pub report: String,
+    /// The devices whose line says why they could not be read.
+    pub unavailable: Vec<i32>,
+}
+
+/// `mindkit npu info`: the library loaded, CANN's version, and per device its SoC and HBM. A
+/// device that cannot be opened (busy, broken) gets a line naming the call, its code and CANN's
+/// message, and the others are read all the same.
+pub fn info() -> Result<Info, NpuError> {
     let rt = Runtime::start()?;
     let api = rt.acl.api;
     let mut out = format!("runtime  {}\n", rt.acl.path.display());
@@ -110,26 +120,41 @@ pub fn info() -> Result<String, NpuError> {
     };
     let _ = writeln!(out, "HCCL     {hccl}");
     let _ = writeln!(out, "devices  {count}");
+    let mut unavailable = Vec::new();
     for id in 0..count as i32 {
-        // SAFETY: `id` is below the device count; the binding is released below.
-        rt.check("aclrtSetDevice", unsafe { (api.aclrtSetDevice)(id) })?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: valid out-pointers; the thread has a current device.
-        let mem = rt.check("aclrtGetMemInfo", unsafe {
-            (api.aclrtGetMemInfo)(ACL_HBM_MEM, &mut free, &mut total)
-        });
-        // SAFETY: the runtime's own string.
-        let soc = unsafe { c_string((api.aclrtGetSocName)()) };
-        // SAFETY: paired with the aclrtSetDevice above.
-        rt.check("aclrtResetDevice", unsafe { (api.aclrtResetDevice)(id) })?;
-        mem?;
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        let _ = writeln!(
-            out,
-            "npu {id}    {soc}, HBM {:.1} GiB free of {:.1} GiB",
-            gib(free),
-            gib(total)
-        );
+        match device_line(&rt, id) {
+            Ok(line) => out.push_str(&line),
+            Err(e) => {
+                let _ = writeln!(out, "npu {id}    unavailable: {e}");
+                unavailable.push(id);
+            }
+        }
     }
-    Ok(out)
+    Ok(Info {
+        report: out,
+        unavailable,
+    })
+}
+
+/// Device `id`'s line of `npu info`: its SoC and HBM, read with the device bound.
+fn device_line(rt: &Runtime, id: i32) -> Result<String, NpuError> {
+    let api = rt.acl.api;
+    // SAFETY: `id` is below the device count; the binding is released below.
+    rt.check("aclrtSetDevice", unsafe { (api.aclrtSetDevice)(id) })?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers; the thread has a current device.
+    let mem = rt.check("aclrtGetMemInfo", unsafe {
+        (api.aclrtGetMemInfo)(ACL_HBM_MEM, &mut free, &mut total)
+    });
+    // SAFETY: the runtime's own string.
+    let soc = unsafe { c_string((api.aclrtGetSocName)()) };
+    // SAFETY: paired with the aclrtSetDevice above.
+    rt.check("aclrtResetDevice", unsafe { (api.aclrtResetDevice)(id) })?;
+    mem?;
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    Ok(format!(
+        "npu {id}    {soc}, HBM {:.1} GiB free of {:.1} GiB\n",
+        gib(free),
+        gib(total)
+    ))
 }

@@ -46,6 +46,7 @@ const ACL_ERROR_REPEAT_FINALIZE: aclError = 100037;
 const ACL_ERROR_RT_INVALID_DEVICEID: aclError = 107001;
 const ACL_ERROR_RT_CONTEXT_NULL: aclError = 107002;
 const ACL_ERROR_RT_MEMORY_FREE: aclError = 207002;
+const ACL_ERROR_RT_DEV_SETUP_ERROR: aclError = 507033;
 
 /// What a stand-in device reports as its HBM.
 const HBM_BYTES: usize = 64 << 30;
@@ -327,8 +328,24 @@ pub extern "C" fn aclrtSetDevice(device_id: i32) -> aclError {
             ),
         );
     }
+    if busy_devices().contains(&device_id) {
+        return fail(
+            ACL_ERROR_RT_DEV_SETUP_ERROR,
+            format!("device {device_id} could not be set up: it is in use by another process (MINDKIT_STAND_IN_BUSY)"),
+        );
+    }
     CURRENT_DEVICE.with(|d| d.set(Some(device_id)));
     ACL_SUCCESS
+}
+
+/// Devices `aclrtSetDevice` refuses as a busy device does (`MINDKIT_STAND_IN_BUSY`, ids
+/// comma-separated).
+fn busy_devices() -> Vec<i32> {
+    std::env::var("MINDKIT_STAND_IN_BUSY")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|id| id.trim().parse().ok())
+        .collect()
 }
 
 #[no_mangle]
