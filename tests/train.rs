@@ -2506,3 +2506,108 @@ fn o2_optimizer_keeps_bf16_moments_and_loaded_moments_f32() {
         "{out:?}"
     );
 }
+
+/// Every `exp_avg` of the optimizer state in `dir`'s iteration-`it` checkpoint, with its
+/// shape, in the state dict's order.
+fn first_moments(dir: &Path, it: u32) -> Vec<(Vec<u64>, Vec<f32>)> {
+    use mindkit::ckpt::torch::pickle::Value;
+    fn walk(v: &Value, out: &mut Vec<mindkit::ckpt::torch::pickle::TensorRef>) {
+        match v {
+            Value::Dict(items) => items.iter().for_each(|(k, v)| match (k, v) {
+                (Value::Str(k), Value::Tensor(t)) if k == "exp_avg" => out.push(*t.clone()),
+                _ => walk(v, out),
+            }),
+            Value::List(items) | Value::Tuple(items) => items.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let path = dir.join(format!("iter_{it:07}/mp_rank_00/model_optim_rng.pt"));
+    let file = mindkit::ckpt::torch::TorchFile::open(&path).unwrap();
+    let mut refs = Vec::new();
+    walk(file.root(), &mut refs);
+    refs.iter()
+        .map(|t| {
+            let values = file.read_tensor("exp_avg", t).unwrap();
+            (
+                t.shape.clone(),
+                mindkit::tensor::host::to_f32(&values).unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn bf16_exact(v: f32) -> bool {
+    v.to_bits() & 0xffff == 0
+}
+
+#[test]
+fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // lr 0 keeps the weights, so both iterations of a one-micro-batch run see the weights a
+    // two-micro-batch run sees; beta1 0 makes exp_avg the step's gradient; no clipping.
+    let exact = [
+        "--bf16",
+        "--adam-beta1",
+        "0",
+        "--clip-grad",
+        "0",
+        "--save-interval",
+        "1",
+    ];
+    let gradients = |name: &str, global: &str, iters: &str, extra: &[&str]| {
+        let save = dir.path().join(name);
+        let a = args(
+            &data,
+            &[&exact[..], extra, &["--save", save.to_str().unwrap()]].concat(),
+        );
+        let a = [
+            ("--global-batch-size", global),
+            ("--train-iters", iters),
+            ("--lr", "0"),
+            ("--min-lr", "0"),
+            ("--lr-warmup-iters", "0"),
+        ]
+        .into_iter()
+        .fold(a, |a, (flag, value)| with_value(a, flag, value));
+        run(&a).success();
+        save
+    };
+    for (fusion, extra) in [
+        (false, &["--no-gradient-accumulation-fusion"][..]),
+        (true, &[][..]),
+    ] {
+        let tag = if fusion { "fused" } else { "unfused" };
+        let single = gradients(&format!("{tag}-single"), "2", "2", extra);
+        let double = gradients(&format!("{tag}-double"), "4", "1", extra);
+        let (g0, g1) = (first_moments(&single, 1), first_moments(&single, 2));
+        let g = first_moments(&double, 1);
+        assert!(!g.is_empty() && g.len() == g0.len() && g.len() == g1.len());
+        // megatron-core registers the embedding first, and its group (with decay) comes first
+        assert_eq!(
+            g[0].0,
+            [512, 64],
+            "the first parameter is not the embedding"
+        );
+        for (i, (((shape, g), (_, g0)), (_, g1))) in g.iter().zip(&g0).zip(&g1).enumerate() {
+            // norms (1-D) and the embedding are bf16 tensors upstream
+            let linear = shape.len() == 2 && i > 0;
+            let rounded = !(fusion && linear);
+            let all_exact = |v: &[f32]| v.iter().all(|&x| bf16_exact(x));
+            assert_eq!(all_exact(g0), rounded, "{tag} {shape:?}: one micro-batch");
+            assert_eq!(all_exact(g1), rounded, "{tag} {shape:?}: one micro-batch");
+            if rounded {
+                // two micro-batches (each weighing 1/2): the sum of their rounded halves
+                let sum: Vec<f32> = g0.iter().zip(g1).map(|(a, b)| a / 2.0 + b / 2.0).collect();
+                assert!(
+                    g.iter().zip(&sum).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{tag} {shape:?}"
+                );
+                assert!(
+                    !all_exact(g),
+                    "{tag} {shape:?}: the sum itself is not rounded"
+                );
+            }
+        }
+    }
+}

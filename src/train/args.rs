@@ -284,7 +284,7 @@ pub const FLAGS: &[Flag] = &[
     inert("no-masked-softmax-fusion", Nothing, KERNEL),
     inert("masked-softmax-fusion", Nothing, KERNEL),
     inert("attention-softmax-in-fp32", Nothing, "softmax is computed in f32 already"),
-    inert("no-gradient-accumulation-fusion", Nothing, "upstream, without the fused kernel, rounds each micro-batch's weight gradient to bf16 before adding it to the f32 main gradient (under --bf16); mindkit always accumulates in f32, as the fused kernel does, so --bf16 runs differ from upstream by those roundings (not modelled yet); with f32 weights nothing changes"),
+    used("no-gradient-accumulation-fusion", Nothing, "under --bf16, each micro-batch's linear-layer weight gradients are rounded to bf16 before they add into the f32 main gradients, as upstream without its fused kernel (the default adds them unrounded, as the fused kernel does); with f32 weights nothing changes"),
     inert("no-bias-dropout-fusion", Nothing, KERNEL),
     inert("no-bias-swiglu-fusion", Nothing, KERNEL),
     inert("no-bias-gelu-fusion", Nothing, KERNEL),

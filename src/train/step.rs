@@ -6,10 +6,13 @@ use super::config::TrainConfig;
 use super::data;
 use super::pipeline;
 use super::trainer::{Chunk, Trainer};
+use crate::arch::roles::Role;
 use crate::engine::comm::{Communicator, Counted};
 use crate::engine::Backend;
 use crate::model::decoder::{backward, forward, MicroBatch, Saved};
 use crate::model::parallel::TensorParallel;
+use crate::model::params::ParamInfo;
+use crate::tensor::DType;
 use anyhow::{anyhow, Result};
 
 /// What came from the previous and from the next pipeline stage.
@@ -77,7 +80,7 @@ impl<B: Backend> Trainer<B> {
                         .ok_or_else(|| missing("forward pass", slot))?;
                     let batch = &batches[slot.1].batch;
                     let grad = out_grads.remove(&slot);
-                    if let Some(d) = self.backward_pass(slot.0, batch, fwd, grad)? {
+                    if let Some(d) = self.backward_pass(slot, batch, fwd, grad)? {
                         in_grads.insert(slot, d);
                     }
                 }
@@ -147,18 +150,34 @@ impl<B: Backend> Trainer<B> {
         )?)
     }
 
-    /// One micro-batch backward through model chunk `chunk`: the gradient of its input on
-    /// all but the model's first chunk.
+    /// One micro-batch backward through model chunk `slot.0`: the gradient of its input on
+    /// all but the model's first chunk. The gradients that a bf16 model holds as bf16 tensors
+    /// upstream ([`rounds_per_pass`]) are this pass's contribution rounded to bf16, added to
+    /// what earlier micro-batches left (megatron-core
+    /// `distributed/distributed_data_parallel.py` `_make_backward_post_hook`:
+    /// `param.main_grad.add_(param.grad.data)`): the chunk's first micro-batch finds its
+    /// gradients zero and rounds them in place, a later one computes into zeroed stand-ins.
     fn backward_pass(
         &mut self,
-        chunk: usize,
+        (chunk, micro): pipeline::Slot,
         batch: &MicroBatch,
         saved: Saved<B::Tensor>,
         grad: Option<B::Tensor>,
     ) -> Result<Option<B::Tensor>> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
         let Chunk { ids, params } = &self.chunks[chunk];
-        Ok(backward(
+        let rounded: Vec<usize> = params
+            .clone()
+            .filter(|&i| rounds_per_pass(&self.table.params[i], &self.cfg))
+            .collect();
+        let mut earlier = Vec::new();
+        if micro > 0 {
+            for &i in &rounded {
+                let zero = self.b.zeros(self.b.shape(&self.grads[i]), DType::F32)?;
+                earlier.push(std::mem::replace(&mut self.grads[i], zero));
+            }
+        }
+        let d = backward(
             &self.b,
             &self.spec,
             (
@@ -169,7 +188,19 @@ impl<B: Backend> Trainer<B> {
             (batch, grad),
             saved,
             tp.as_ref(),
-        )?)
+        )?;
+        let b = &self.b;
+        for (n, &i) in rounded.iter().enumerate() {
+            let pass = b.cast(&b.cast(&self.grads[i], DType::BF16)?, DType::F32)?;
+            match earlier.get_mut(n) {
+                Some(sum) => b.add_assign(sum, &pass)?,
+                None => self.grads[i] = pass,
+            }
+        }
+        for (&i, sum) in rounded.iter().zip(earlier) {
+            self.grads[i] = sum;
+        }
+        Ok(d)
     }
 
     /// Megatron's point-to-point step between pipeline stages
@@ -217,6 +248,26 @@ impl<B: Backend> Trainer<B> {
         }
         Ok((from_prev, from_next))
     }
+}
+
+/// Whether a parameter's gradient is rounded to bf16 after each backward pass before it adds
+/// into its f32 main gradient: upstream's autograd gives a bf16 parameter a bf16 `.grad`,
+/// except for the linear layers' weights under gradient-accumulation fusion, whose products
+/// add straight into the f32 main gradient (megatron-core `tensor_parallel/layers.py`
+/// `LinearWithGradAccumulationAndAsyncCommunication.backward`, `wgrad_gemm_accum_fp32`;
+/// MindSpeed's NPU kernel alike). Linear weights: the projections, the output layer (also a
+/// later pipeline stage's copy of a tied embedding) and LoRA's factors (peft's megatron
+/// layers are Megatron linear layers). Biases, norms and the embedding are always rounded; so
+/// is a tied embedding on one stage, whose output-layer product upstream's fusion mixes with
+/// the lookup's bf16 gradient in a way mindkit does not follow (docs/training.md §3.4).
+fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
+    let linear_weight = p.lora.is_some()
+        || p.shared
+        || matches!(
+            p.canon.role,
+            Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2 | Role::Output
+        );
+    cfg.bf16 && p.trainable && !(cfg.gradient_accumulation_fusion && linear_weight)
 }
 
 /// A rank's place in tensor parallelism over `group`.

@@ -125,6 +125,11 @@ pub struct TrainConfig {
     pub averaging: LossAveraging,
     /// `--bf16`.
     pub bf16: bool,
+    /// Megatron's `gradient_accumulation_fusion` (off with `--no-gradient-accumulation-fusion`):
+    /// the linear layers' weight gradients add into the f32 main gradients unrounded. Every
+    /// other gradient of a bf16 model is a bf16 tensor per backward pass, rounded before it is
+    /// added (`step.rs`, `rounds_per_pass`).
+    pub gradient_accumulation_fusion: bool,
     /// `--init-method-std` and `--embedding-init-method-std`.
     pub init_std: (f64, Option<f64>),
     /// Checkpoints.
@@ -640,6 +645,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             LossAveraging::PerMicroBatch
         },
         bf16,
+        gradient_accumulation_fusion: !a.has("no-gradient-accumulation-fusion"),
         init_std: (
             non_negative(a, "init-method-std")?.unwrap_or(0.02),
             non_negative(a, "embedding-init-method-std")?,

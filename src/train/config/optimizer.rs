@@ -168,6 +168,10 @@ pub(super) fn recorded_args(
         ("clip_grad", json!(adam.clip_grad)),
         ("optimizer", json!("adam")),
         ("bf16", json!(bf16)),
+        (
+            "gradient_accumulation_fusion",
+            json!(!a.has("no-gradient-accumulation-fusion")),
+        ),
         // MindSpeed-LLM's (mindspeed_llm/features_manager/megatron_basic/requirements_basic.py)
         ("o2_optimizer", json!(adam.moments == DType::BF16)),
         ("o2_gradient", json!(a.has("o2-gradient"))),
