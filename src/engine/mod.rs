@@ -364,6 +364,12 @@ pub trait Backend: Device {
     /// `dst = src` converted to `dst`'s dtype (the main f32 parameter copied into a bf16 model
     /// parameter) (aclnnInplaceCopy). Overwrites `dst`.
     fn copy_into(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
+    /// The f32 values of `x` rounded to `dtype`'s precision (to nearest even), in place: a
+    /// gradient upstream holds as a bf16 tensor (aclnnCast, then aclnnInplaceCopy back).
+    fn round_to(&self, x: &mut Self::Tensor, dtype: DType) -> Result<()> {
+        let rounded = self.cast(x, dtype)?;
+        self.copy_into(&rounded, x)
+    }
     /// `dst[to..to + n] = src[at..at + n]` over the two tensors' elements in row-major order,
     /// converted to `dst`'s dtype (aclnnInplaceCopy over views of the two storages): a
     /// parameter into its place in a flat buffer and back. Overwrites that range of `dst` only.

@@ -269,6 +269,7 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
         ),
         case!("cast", Cast, "[7,11] → f32, bf16, f16", 1.0, cast),
         case!("copy_into", Cast, "[4,9] → f32", 1.0, copy_into),
+        case!("round_to", Cast, "[7,11] f32 to bf16", 1.0, round_to),
         case!(
             "copy_range",
             Cast,
@@ -623,6 +624,15 @@ fn copy_into<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> 
         let mut dst = b.zeros(&[4, 9], DType::F32)?;
         b.copy_into(&b.upload(&src)?, &mut dst)?;
         vec![b.download_f32(&dst)?]
+    }))
+}
+
+fn round_to<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let x = i.tensor_in(&[7, 11], DType::F32);
+    Ok(on_both!(dut, cpu, |b| {
+        let mut x = b.upload(&x)?;
+        b.round_to(&mut x, DType::BF16)?;
+        vec![b.download_f32(&x)?]
     }))
 }
 

@@ -189,15 +189,11 @@ impl<B: Backend> Trainer<B> {
             saved,
             tp.as_ref(),
         )?;
-        let b = &self.b;
-        for (n, &i) in rounded.iter().enumerate() {
-            let pass = b.cast(&b.cast(&self.grads[i], DType::BF16)?, DType::F32)?;
-            match earlier.get_mut(n) {
-                Some(sum) => b.add_assign(sum, &pass)?,
-                None => self.grads[i] = pass,
-            }
+        for &i in &rounded {
+            self.b.round_to(&mut self.grads[i], DType::BF16)?;
         }
-        for (&i, sum) in rounded.iter().zip(earlier) {
+        for (&i, mut sum) in rounded.iter().zip(earlier) {
+            self.b.add_assign(&mut sum, &self.grads[i])?;
             self.grads[i] = sum;
         }
         Ok(d)

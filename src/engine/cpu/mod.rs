@@ -28,7 +28,7 @@ use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
     Segment, NO_ROW,
 };
-use crate::tensor::dtype::bf16_to_f32;
+use crate::tensor::dtype::{bf16_bits, bf16_to_f32};
 use crate::tensor::host::{decode_f32, encode_f32};
 use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::panel::{PanelType, Panels};
@@ -905,6 +905,17 @@ impl Backend for Cpu {
                 *dst = CpuTensor::stored(dst.shape.clone(), src.values().into_owned(), dst.dtype())
             }
         }
+        Ok(())
+    }
+
+    fn round_to(&self, x: &mut CpuTensor, dtype: DType) -> Result<()> {
+        ensure(dtype == DType::BF16, "round_to", || format!("to {dtype:?}"))?;
+        let values = x.f32_mut("round_to")?;
+        values.par_chunks_mut(1 << 14).for_each(|chunk| {
+            for v in chunk {
+                *v = bf16_to_f32(bf16_bits(*v));
+            }
+        });
         Ok(())
     }
 
