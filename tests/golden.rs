@@ -43,6 +43,7 @@ fn options(input: PathBuf, out: PathBuf, tok: PathBuf) -> PreprocessOptions {
         inputs: vec![input],
         output_prefix: out,
         tokenizer: tok,
+        tokenizer_type: None,
         json_keys: vec!["text".into()],
         append_eod: false,
         handler: None,
