@@ -450,11 +450,11 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         .as_ref()
         .filter(|d| d.join("tokenizer.json").is_file() || d.join("vocab.json").is_file());
     let (tokenizer, masks) = tokenizer(a, carried)?;
-    let mut model = model_config(a, input.as_ref(), tokenizer.vocab_size())?;
-    // The checks count the ids the tokenizer can give (id_limit); the padding counts its
-    // vocab_size, as MindSpeed-LLM does (they differ for tekken: MagistralTokenizer's
-    // vocab_size counts entries encoding never gives, and its scripts pass
-    // --padded-vocab-size 131072, below that count).
+    // The model's vocabulary and the checks count the ids the tokenizer can give (id_limit);
+    // the padding counts its vocab_size, as MindSpeed-LLM does (they differ for tekken:
+    // MagistralTokenizer's vocab_size counts entries encoding never gives, 132072 for
+    // Magistral's 131072 ids, whose scripts pass --padded-vocab-size 131072).
+    let mut model = model_config(a, input.as_ref(), tokenizer.id_limit())?;
     if input.is_some() && tokenizer.id_limit() > model.vocab {
         // Megatron sizes the embedding from the tokenizer and fails to load a checkpoint of
         // another size (load_state_dict's size mismatch); growing it would train untrained rows.
