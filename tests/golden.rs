@@ -202,7 +202,10 @@ fn instruction_handlers_match_mindspeed() {
 #[test]
 fn every_builtin_template_matches_mindspeed() {
     let (compared, total) = compare_json_goldens("golden/mindspeed/templates", "_alpaca_");
-    assert_eq!(total, 34, "one golden per encodable template (magistral also with tekken)");
+    assert_eq!(
+        total, 34,
+        "one golden per encodable template (magistral also with tekken)"
+    );
     assert!(compared == total || compared == 0, "{compared} of {total}");
 }
 

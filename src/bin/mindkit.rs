@@ -470,7 +470,11 @@ struct SamplesArgs {
 fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions> {
     let output_prefix = a.output_prefix.context("--output-prefix is required")?;
     let tokenizer = a.tokenizer.context("--tokenizer is required")?;
-    if let Some(t) = a.tokenizer_type.as_ref().filter(|t| *t != "MagistralTokenizer") {
+    if let Some(t) = a
+        .tokenizer_type
+        .as_ref()
+        .filter(|t| *t != "MagistralTokenizer")
+    {
         eprintln!(
             "mindkit: note: --tokenizer-type {t} ignored; the tokenizer is read from {}",
             tokenizer.display()

@@ -185,11 +185,11 @@ impl Tekken {
         }
         // Every part is a single byte (all 256 are tokens, checked at load) or a merge found
         // in the ranks.
-        ids.extend(bounds.windows(2).filter_map(|w| {
-            self.ranks
-                .get(&piece[w[0]..w[1]])
-                .map(|r| r + offset)
-        }));
+        ids.extend(
+            bounds
+                .windows(2)
+                .filter_map(|w| self.ranks.get(&piece[w[0]..w[1]]).map(|r| r + offset)),
+        );
     }
 
     /// `Tekkenizer.decode`: ordinary tokens' bytes as UTF-8 (invalid sequences replaced, as
@@ -311,7 +311,10 @@ mod tests {
         );
         assert_eq!(tok.decode(&ids, false).unwrap(), bad.repeat(3));
         let err = tok.decode(&[4 + 256], false).unwrap_err().to_string();
-        assert!(err.contains("id 260 is outside the vocabulary (260 ids)"), "{err}");
+        assert!(
+            err.contains("id 260 is outside the vocabulary (260 ids)"),
+            "{err}"
+        );
     }
 
     #[test]

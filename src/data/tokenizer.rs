@@ -92,7 +92,7 @@ type Result<T> = std::result::Result<T, TokenizerError>;
 /// The model that turns text into ids.
 #[derive(Clone)]
 enum Model {
-    Hf(Tokenizer),
+    Hf(Box<Tokenizer>),
     /// Shared: the rank tables are large and never change.
     Tekken(Arc<Tekken>),
 }
@@ -190,7 +190,7 @@ impl HfTokenizer {
             return Err(TokenizerError::NotFound(path.to_path_buf()));
         };
         let mut tok = HfTokenizer {
-            inner: Model::Hf(inner),
+            inner: Model::Hf(Box::new(inner)),
             path: path.to_path_buf(),
             bos: None,
             eos: None,

@@ -120,10 +120,11 @@ impl TekkenFile {
             path: path.to_path_buf(),
             source,
         })?;
-        let root: Value = serde_json::from_slice(&bytes).map_err(|source| TekkenFileError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let root: Value =
+            serde_json::from_slice(&bytes).map_err(|source| TekkenFileError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Self::parse(path, &root)
     }
 
@@ -215,7 +216,9 @@ impl TekkenFile {
             if i < 256 && bytes != [i as u8] {
                 return Err(fail(
                     &key(".token_bytes"),
-                    format!("the first 256 tokens are the single bytes: expected [{i}], got {bytes:?}"),
+                    format!(
+                        "the first 256 tokens are the single bytes: expected [{i}], got {bytes:?}"
+                    ),
                 ));
             }
             if i < inner {
@@ -228,16 +231,17 @@ impl TekkenFile {
                 ranks.push(bytes);
             }
         }
-        let listed = match root.get("special_tokens") {
-            None | Some(Value::Null) if version_index > 3 => {
-                return Err(fail(
+        let listed =
+            match root.get("special_tokens") {
+                None | Some(Value::Null) if version_index > 3 => return Err(fail(
                     "special_tokens",
-                    format!("missing: a {version} file (newer than v7) must list its special tokens"),
-                ))
-            }
-            None | Some(Value::Null) => None,
-            Some(v) => Some(special_tokens(v).map_err(|(k, m)| fail(&k, m))?),
-        };
+                    format!(
+                        "missing: a {version} file (newer than v7) must list its special tokens"
+                    ),
+                )),
+                None | Some(Value::Null) => None,
+                Some(v) => Some(special_tokens(v).map_err(|(k, m)| fail(&k, m))?),
+            };
         let listed_count = listed.as_ref().map(Vec::len);
         let mut specials = listed.unwrap_or_else(|| {
             DEPRECATED_SPECIAL_TOKENS
@@ -281,7 +285,10 @@ impl TekkenFile {
     }
 }
 
-fn object<'v>(parent: &'v Map<String, Value>, key: &str) -> std::result::Result<&'v Map<String, Value>, String> {
+fn object<'v>(
+    parent: &'v Map<String, Value>,
+    key: &str,
+) -> std::result::Result<&'v Map<String, Value>, String> {
     parent
         .get(key)
         .and_then(Value::as_object)
@@ -289,7 +296,10 @@ fn object<'v>(parent: &'v Map<String, Value>, key: &str) -> std::result::Result<
 }
 
 /// An entry whose keys are exactly `keys` (as MindSpeed-LLM's `reload_tekken` requires).
-fn exact_keys<'v>(entry: &'v Value, keys: &[&str]) -> std::result::Result<&'v Map<String, Value>, String> {
+fn exact_keys<'v>(
+    entry: &'v Value,
+    keys: &[&str],
+) -> std::result::Result<&'v Map<String, Value>, String> {
     let map = entry
         .as_object()
         .ok_or_else(|| "expected an object".to_string())?;
@@ -313,9 +323,12 @@ fn check_rank(entry: &Map<String, Value>, index: usize) -> std::result::Result<(
 
 /// The `special_tokens` list: each `{rank, token_str, is_control}`, rank = position.
 fn special_tokens(list: &Value) -> std::result::Result<Vec<String>, (String, String)> {
-    let list = list
-        .as_array()
-        .ok_or_else(|| ("special_tokens".to_string(), "expected an array".to_string()))?;
+    let list = list.as_array().ok_or_else(|| {
+        (
+            "special_tokens".to_string(),
+            "expected an array".to_string(),
+        )
+    })?;
     list.iter()
         .enumerate()
         .map(|(i, entry)| {
@@ -515,8 +528,11 @@ mod tests {
         std::fs::write(&path, b"{not json").unwrap();
         let err = TekkenFile::read(&path).unwrap_err().to_string();
         assert!(err.contains("tekken.json: invalid JSON"), "{err}");
-        std::fs::write(&path, file(byte_entries(), Some(four_specials()), 260).to_string())
-            .unwrap();
+        std::fs::write(
+            &path,
+            file(byte_entries(), Some(four_specials()), 260).to_string(),
+        )
+        .unwrap();
         assert_eq!(TekkenFile::read(&path).unwrap().ranks.len(), 256);
     }
 }
