@@ -548,3 +548,77 @@ impl HfTokenizer {
             .map_err(|e| fail(e.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+
+    /// A tekken file of the 256 bytes and 4 special tokens, named `name` in `dir`.
+    fn write_tekken(dir: &Path, name: &str) -> PathBuf {
+        let vocab: Vec<_> = (0..256u32)
+            .map(|i| {
+                let bytes = base64::engine::general_purpose::STANDARD.encode([i as u8]);
+                serde_json::json!({"rank": i, "token_bytes": bytes, "token_str": null})
+            })
+            .collect();
+        let specials: Vec<_> = ["<unk>", "<s>", "</s>", "<pad>"]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| serde_json::json!({"rank": i, "token_str": s, "is_control": true}))
+            .collect();
+        let root = serde_json::json!({
+            "config": {"pattern": r"\S+|\s+", "default_vocab_size": 260,
+                       "default_num_special_tokens": 4, "version": "v7"},
+            "vocab": vocab, "special_tokens": specials,
+        });
+        let path = dir.join(name);
+        std::fs::write(&path, root.to_string()).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_tekken_file_loads_with_mindspeeds_special_ids_and_adds_no_bos() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = HfTokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
+        assert!(tok.is_tekken());
+        assert_eq!(
+            (tok.bos(), tok.eos(), tok.pad()),
+            (Some(1), Some(2), Some(3))
+        );
+        assert_eq!(tok.encode("ab", true).unwrap(), [4 + 97, 4 + 98]);
+        assert_eq!((tok.vocab_size(), tok.id_limit()), (260, 260));
+        // A directory holding only a tekken.json loads it.
+        assert!(HfTokenizer::load(dir.path()).unwrap().is_tekken());
+    }
+
+    #[test]
+    fn magistral_type_needs_a_tekken_file_and_other_types_refuse_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let tekken = write_tekken(dir.path(), "tekken.json");
+        let misnamed = write_tekken(dir.path(), "vocab.json");
+        assert!(HfTokenizer::load_as(&tekken, true).is_ok());
+        for path in [misnamed.as_path(), dir.path()] {
+            let err = HfTokenizer::load_as(path, true).err().unwrap().to_string();
+            assert!(err.contains("needs a tekken file"), "{err}");
+        }
+        let err = HfTokenizer::load_as(&tekken, false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("give --tokenizer-type MagistralTokenizer"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_tekken_tokenizer_cannot_add_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tok = HfTokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
+        assert!(matches!(
+            tok.set_eos("<|im_end|>"),
+            Err(TokenizerError::Fixed { .. })
+        ));
+    }
+}

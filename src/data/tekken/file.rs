@@ -231,17 +231,18 @@ impl TekkenFile {
                 ranks.push(bytes);
             }
         }
-        let listed =
-            match root.get("special_tokens") {
-                None | Some(Value::Null) if version_index > 3 => return Err(fail(
+        let listed = match root.get("special_tokens") {
+            None | Some(Value::Null) if version_index > 3 => {
+                return Err(fail(
                     "special_tokens",
                     format!(
                         "missing: a {version} file (newer than v7) must list its special tokens"
                     ),
-                )),
-                None | Some(Value::Null) => None,
-                Some(v) => Some(special_tokens(v).map_err(|(k, m)| fail(&k, m))?),
-            };
+                ))
+            }
+            None | Some(Value::Null) => None,
+            Some(v) => Some(special_tokens(v).map_err(|(k, m)| fail(&k, m))?),
+        };
         let listed_count = listed.as_ref().map(Vec::len);
         let mut specials = listed.unwrap_or_else(|| {
             DEPRECATED_SPECIAL_TOKENS
