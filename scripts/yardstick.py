@@ -341,7 +341,11 @@ def write_corpora(root):
 
 
 def padded_vocab_size(tokenizer_dir):
-    """The tokenizer's vocabulary (highest id + 1) rounded up to a multiple of 128."""
+    """The tokenizer's vocabulary (highest id + 1) rounded up to a multiple of 128; for a tekken
+    file mistral-common's `n_words`, its config's default_vocab_size."""
+    if is_tekken(tokenizer_dir):
+        config = json.loads(tokenizer_dir.read_text(encoding="utf-8"))["config"]
+        return -(-config["default_vocab_size"] // 128) * 128
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
     ids = list(spec["model"]["vocab"].values()) + [t["id"] for t in spec.get("added_tokens", [])]
     return -(-(max(ids) + 1) // 128) * 128
@@ -449,8 +453,10 @@ class Data:
         raise RuntimeError(refusal)
 
     def _preprocess(self, prefix, args):
+        tokenizer = Path(args[args.index("--tokenizer") + 1])
+        kind = ["--tokenizer-type", "MagistralTokenizer"] if is_tekken(tokenizer) else []
         step = Step("preprocess", [str(self.mindkit), "preprocess", "--output-prefix", str(prefix),
-                                   "--quiet", *args])
+                                   "--quiet", *args, *kind])
         return run_step(step, self.root, Path(f"{prefix}.log"))
 
 
@@ -482,8 +488,17 @@ class Result:
 
 
 def family_tokenizer(script, assets):
-    """The Qwen3 tokenizer for the Qwen family's scripts (a `qwen*` directory), else LLaMA-2."""
-    return assets / ("qwen3" if script.parent.name.lower().startswith("qwen") else "llama2")
+    """The Qwen3 tokenizer for the Qwen family's scripts (a `qwen*` directory), Mistral's tekken.json
+    for the Magistral ones (they pass --tokenizer-type MagistralTokenizer), else LLaMA-2."""
+    family = script.parent.name.lower()
+    if family.startswith("magistral"):
+        return assets / "tekken" / "tekken.json"
+    return assets / ("qwen3" if family.startswith("qwen") else "llama2")
+
+
+def is_tekken(tokenizer):
+    """A tekken file (mistral-common's rule: a .json whose name contains "tekken")."""
+    return tokenizer.suffix == ".json" and "tekken" in tokenizer.name
 
 
 def resolve_paths(flags, rundir, tokenizer, notes):

@@ -384,8 +384,10 @@ struct PreprocessArgs {
     /// No progress bar and no summary on success (errors and warnings are still printed).
     #[arg(long)]
     quiet: bool,
-    /// Accepted for Megatron/MindSpeed scripts and ignored: the tokenizer type is read from the files.
-    #[arg(long, hide = true)]
+    /// MagistralTokenizer: the tokenizer is a tekken.json, encoded as MindSpeed-LLM's
+    /// MagistralTokenizer does (no bos/eos added). Other Megatron/MindSpeed types are accepted
+    /// and read from the files.
+    #[arg(long)]
     tokenizer_type: Option<String>,
     /// Accepted for Megatron scripts and ignored.
     #[arg(long, hide = true)]
@@ -468,7 +470,11 @@ struct SamplesArgs {
 fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions> {
     let output_prefix = a.output_prefix.context("--output-prefix is required")?;
     let tokenizer = a.tokenizer.context("--tokenizer is required")?;
-    if let Some(t) = &a.tokenizer_type {
+    if let Some(t) = a
+        .tokenizer_type
+        .as_ref()
+        .filter(|t| *t != "MagistralTokenizer")
+    {
         eprintln!(
             "mindkit: note: --tokenizer-type {t} ignored; the tokenizer is read from {}",
             tokenizer.display()
@@ -497,6 +503,7 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
         inputs: a.input,
         output_prefix,
         tokenizer,
+        tokenizer_type: a.tokenizer_type,
         json_keys: a.json_keys,
         append_eod: a.append_eod,
         handler,

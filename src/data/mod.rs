@@ -10,5 +10,6 @@ mod parquet_footer;
 pub mod preprocess;
 pub mod sft_dataset;
 pub mod source;
+pub mod tekken;
 pub mod tokenizer;
 mod untrusted;

@@ -137,6 +137,9 @@ pub struct PreprocessOptions {
     pub output_prefix: PathBuf,
     /// Tokenizer path.
     pub tokenizer: PathBuf,
+    /// Megatron's `--tokenizer-type`: MagistralTokenizer needs a tekken file, another type
+    /// anything but one; none takes what the path holds.
+    pub tokenizer_type: Option<String>,
     /// Pretrain fields.
     pub json_keys: Vec<String>,
     /// Append eos.
@@ -573,7 +576,10 @@ pub fn parse_enable_thinking(value: &str) -> Result<Option<bool>, PreprocessErro
 /// Run preprocessing. Outputs appear only if the whole run succeeds.
 pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> {
     let start = Instant::now();
-    let mut tok = HfTokenizer::load(&opts.tokenizer)?;
+    let mut tok = match opts.tokenizer_type.as_deref() {
+        None => HfTokenizer::load(&opts.tokenizer)?,
+        Some(kind) => HfTokenizer::load_as(&opts.tokenizer, kind == "MagistralTokenizer")?,
+    };
     let template = match &opts.prompt_type {
         Some(name) => {
             let t = Template::load(name, opts.prompt_type_path.as_deref())?

@@ -1,11 +1,15 @@
 //! Hugging Face tokenizers: a `tokenizer.json`, or a model directory holding one (or a
 //! GPT-2 style `vocab.json` + `merges.txt`) plus `tokenizer_config.json` /
-//! `special_tokens_map.json` for the bos / eos / pad tokens and the chat template.
+//! `special_tokens_map.json` for the bos / eos / pad tokens and the chat template; and
+//! Mistral's tekken files (`tekken.json`, [`super::tekken`]) behind the same interface.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 use tokenizers::Tokenizer;
+
+use super::tekken::{is_tekken_path, Tekken, TekkenError};
 
 /// Errors loading or using a tokenizer.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +54,29 @@ pub enum TokenizerError {
     /// Encoding failed.
     #[error("tokenization failed: {0}")]
     Encode(String),
+    /// A tekken file is malformed, or an id is outside it.
+    #[error(transparent)]
+    Tekken(#[from] TekkenError),
+    /// `--tokenizer-type MagistralTokenizer` names something else than a tekken file, or
+    /// another type names one.
+    #[error("{path}: {msg}")]
+    Kind {
+        /// The tokenizer path.
+        path: PathBuf,
+        /// What was expected.
+        msg: &'static str,
+    },
+    /// A tekken tokenizer's vocabulary is fixed.
+    #[error(
+        "tokenizer {path}: cannot add the token {token:?}: a tekken tokenizer has no \
+         add_special_tokens (nor has MindSpeed-LLM's MagistralTokenizer)"
+    )]
+    Fixed {
+        /// The tokenizer path.
+        path: PathBuf,
+        /// The token.
+        token: String,
+    },
     /// The chat template is missing or failed to render.
     #[error("tokenizer {path}: chat template: {msg}")]
     Template {
@@ -62,10 +89,20 @@ pub enum TokenizerError {
 
 type Result<T> = std::result::Result<T, TokenizerError>;
 
-/// A loaded tokenizer with its special tokens resolved to ids.
+/// The model that turns text into ids.
+#[derive(Clone)]
+enum Model {
+    Hf(Box<Tokenizer>),
+    /// Shared: the rank tables are large and never change.
+    Tekken(Arc<Tekken>),
+}
+
+/// A loaded tokenizer with its special tokens resolved to ids: a Hugging Face one, or a
+/// tekken file as MindSpeed-LLM's `MagistralTokenizer` uses it (encode never adds bos/eos,
+/// bos `<s>`, eos = eod `</s>`, pad `<pad>`, unk `<unk>`, no chat template).
 #[derive(Clone)]
 pub struct HfTokenizer {
-    inner: Tokenizer,
+    inner: Model,
     path: PathBuf,
     bos: Option<u32>,
     eos: Option<u32>,
@@ -119,11 +156,17 @@ fn byte_level_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
 }
 
 impl HfTokenizer {
-    /// Load from a `tokenizer.json` file or a model directory.
+    /// Load from a `tokenizer.json` file or a model directory; a tekken file (a `.json`
+    /// whose name contains "tekken", mistral-common's rule), or a directory holding only a
+    /// `tekken.json`, loads as tekken.
     pub fn load(path: &Path) -> Result<Self> {
+        if path.is_file() && is_tekken_path(path) {
+            return Self::load_tekken(path);
+        }
         let (dir, inner) = if path.is_dir() {
             let json = path.join("tokenizer.json");
             let (vocab, merges) = (path.join("vocab.json"), path.join("merges.txt"));
+            let tekken = path.join("tekken.json");
             let inner = if json.is_file() {
                 Tokenizer::from_file(&json).map_err(|e| TokenizerError::Load {
                     path: json.clone(),
@@ -131,6 +174,8 @@ impl HfTokenizer {
                 })?
             } else if vocab.is_file() && merges.is_file() {
                 byte_level_bpe(&vocab, &merges)?
+            } else if tekken.is_file() {
+                return Self::load_tekken(&tekken);
             } else {
                 return Err(TokenizerError::NotFound(path.to_path_buf()));
             };
@@ -145,7 +190,7 @@ impl HfTokenizer {
             return Err(TokenizerError::NotFound(path.to_path_buf()));
         };
         let mut tok = HfTokenizer {
-            inner,
+            inner: Model::Hf(Box::new(inner)),
             path: path.to_path_buf(),
             bos: None,
             eos: None,
@@ -158,6 +203,65 @@ impl HfTokenizer {
             tok.read_special_tokens(&dir)?;
         }
         Ok(tok)
+    }
+
+    /// Load a tekken file, as `--tokenizer-type MagistralTokenizer` does.
+    pub fn load_tekken(path: &Path) -> Result<Self> {
+        let tekken = Tekken::load(path)?;
+        let special = |s: &str| tekken.token_id(s);
+        let (bos, eos, pad, unk) = (
+            special("<s>"),
+            special("</s>"),
+            special("<pad>"),
+            special("<unk>"),
+        );
+        Ok(HfTokenizer {
+            inner: Model::Tekken(Arc::new(tekken)),
+            path: path.to_path_buf(),
+            bos,
+            eos,
+            pad,
+            unk,
+            chat_template: None,
+            clean_up_spaces: false,
+        })
+    }
+
+    /// Load as `--tokenizer-type` says: MagistralTokenizer takes a tekken file (as
+    /// MindSpeed-LLM, which hands the path to mistral-common), other types anything but one.
+    pub fn load_as(path: &Path, magistral: bool) -> Result<Self> {
+        let kind = |msg| TokenizerError::Kind {
+            path: path.to_path_buf(),
+            msg,
+        };
+        if magistral {
+            if !(path.is_file() && is_tekken_path(path)) {
+                return Err(kind(
+                    "--tokenizer-type MagistralTokenizer needs a tekken file: a .json whose name \
+                     contains \"tekken\" (mistral-common's MistralTokenizer.from_file)",
+                ));
+            }
+            return Self::load_tekken(path);
+        }
+        let tok = Self::load(path)?;
+        if tok.is_tekken() {
+            return Err(kind(
+                "a tekken file: give --tokenizer-type MagistralTokenizer",
+            ));
+        }
+        Ok(tok)
+    }
+
+    /// Whether this is a tekken tokenizer.
+    pub fn is_tekken(&self) -> bool {
+        matches!(self.inner, Model::Tekken(_))
+    }
+
+    fn hf(&self) -> Option<&Tokenizer> {
+        match &self.inner {
+            Model::Hf(t) => Some(t),
+            Model::Tekken(_) => None,
+        }
     }
 
     fn read_special_tokens(&mut self, dir: &Path) -> Result<()> {
@@ -182,7 +286,7 @@ impl HfTokenizer {
         self.eos = eos;
         self.pad = pad;
         // An unk token missing from the vocabulary reads as none, as transformers' unk_token_id.
-        self.unk = lookup("unk_token").and_then(|t| self.inner.token_to_id(&t));
+        self.unk = lookup("unk_token").and_then(|t| self.lookup_id(&t));
         self.clean_up_spaces = config
             .as_ref()
             .and_then(|c| c.get("clean_up_tokenization_spaces"))
@@ -207,13 +311,13 @@ impl HfTokenizer {
     /// serialization (vocabulary, merges, normalizer, added tokens), the special tokens and the
     /// chat template; two tokenizers with equal fingerprints tokenize alike.
     pub fn fingerprint(&self) -> Result<u128> {
-        let serialized = self
-            .inner
-            .to_string(false)
-            .map_err(|e| TokenizerError::Load {
+        let serialized = match &self.inner {
+            Model::Hf(t) => t.to_string(false).map_err(|e| TokenizerError::Load {
                 path: self.path.clone(),
                 msg: e.to_string(),
-            })?;
+            })?,
+            Model::Tekken(t) => format!("tekken {:032x}", t.fingerprint()),
+        };
         let specials = format!(
             "{:?} {:?} {:?} {}",
             self.bos, self.eos, self.pad, self.clean_up_spaces
@@ -230,15 +334,36 @@ impl HfTokenizer {
         Ok(twox_hash::XxHash3_128::oneshot(&bytes))
     }
 
-    /// `len(tokenizer)` in transformers: the vocabulary including added tokens.
+    /// The vocabulary size MindSpeed-LLM pads and records: `len(tokenizer)` in transformers
+    /// (the vocabulary including added tokens); for tekken `MagistralTokenizer.vocab_size`
+    /// (see [`super::tekken::TekkenFile::msl_vocab_size`]), which can exceed [`Self::id_limit`].
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Model::Hf(t) => t.get_vocab_size(true),
+            Model::Tekken(t) => t.msl_vocab_size(),
+        }
     }
 
-    /// Id of a token string, or an error naming it.
+    /// One past the highest id the tokenizer can give: what an embedding needs rows for.
+    /// [`Self::vocab_size`] for Hugging Face tokenizers; mistral-common's `n_words` for tekken.
+    pub fn id_limit(&self) -> usize {
+        match &self.inner {
+            Model::Hf(t) => t.get_vocab_size(true),
+            Model::Tekken(t) => t.num_ids(),
+        }
+    }
+
+    fn lookup_id(&self, token: &str) -> Option<u32> {
+        match &self.inner {
+            Model::Hf(t) => t.token_to_id(token),
+            Model::Tekken(t) => t.token_id(token),
+        }
+    }
+
+    /// Id of a token string (for tekken a special token's text, else an ordinary token's
+    /// bytes), or an error naming it.
     pub fn token_id(&self, token: &str) -> Result<u32> {
-        self.inner
-            .token_to_id(token)
+        self.lookup_id(token)
             .ok_or_else(|| TokenizerError::UnknownToken {
                 path: self.path.clone(),
                 token: token.to_string(),
@@ -262,15 +387,25 @@ impl HfTokenizer {
 
     /// transformers' `convert_tokens_to_ids(token)`: the token's id, else the unk id, else none.
     pub fn token_id_or_unk(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token).or(self.unk)
+        self.lookup_id(token).or(self.unk)
     }
 
     /// transformers' `add_special_tokens` for one token: it becomes a special added token (kept
     /// whole in text, never normalized), with a new id after the vocabulary when it has none.
-    /// Returns its id (an empty token, which the library does not add, is an error).
+    /// Returns its id (an empty token, which the library does not add, is an error). A tekken
+    /// tokenizer refuses: MindSpeed-LLM's MagistralTokenizer has no such method.
     pub fn add_special_token(&mut self, token: &str) -> Result<u32> {
-        self.inner
-            .add_special_tokens(&[tokenizers::AddedToken::from(token, true)]);
+        match &mut self.inner {
+            Model::Hf(t) => {
+                t.add_special_tokens(&[tokenizers::AddedToken::from(token, true)]);
+            }
+            Model::Tekken(_) => {
+                return Err(TokenizerError::Fixed {
+                    path: self.path.clone(),
+                    token: token.to_string(),
+                })
+            }
+        }
         self.token_id(token)
     }
 
@@ -306,29 +441,40 @@ impl HfTokenizer {
     }
 
     /// Token ids of `text`; with `add_special` the post-processor adds BOS etc., like
-    /// transformers' `tokenizer(text).input_ids`.
+    /// transformers' `tokenizer(text).input_ids`. A tekken tokenizer adds nothing either way:
+    /// MindSpeed-LLM's MagistralTokenizer encodes with `bos=False, eos=False`, also when
+    /// called as `tokenizer(text)` (TokenizerAdaptor's `do_adapt`).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        self.inner
-            .encode_fast(text, add_special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+        match &self.inner {
+            Model::Hf(t) => t
+                .encode_fast(text, add_special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TokenizerError::Encode(e.to_string())),
+            Model::Tekken(t) => Ok(t.encode(text)),
+        }
     }
 
     /// Decode ids to text (special tokens kept, so prompts read as the model sees them).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+        match &self.inner {
+            Model::Hf(t) => t
+                .decode(ids, false)
+                .map_err(|e| TokenizerError::Encode(e.to_string())),
+            Model::Tekken(t) => Ok(t.decode(ids, true)?),
+        }
     }
 
     /// Decode ids to text without special tokens (generated text as a user reads it), as
     /// transformers' `decode(ids, skip_special_tokens=True)` does: with its
     /// `clean_up_tokenization` when tokenizer_config.json asks for it.
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
-        let text = self
-            .inner
-            .decode(ids, true)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let text = match &self.inner {
+            Model::Hf(t) => t
+                .decode(ids, true)
+                .map_err(|e| TokenizerError::Encode(e.to_string()))?,
+            // mistral-common's default policy, IGNORE.
+            Model::Tekken(t) => t.decode(ids, false)?,
+        };
         if !self.clean_up_spaces {
             return Ok(text);
         }
@@ -379,7 +525,7 @@ impl HfTokenizer {
         env.add_template("chat", source)
             .map_err(|e| fail(e.to_string()))?;
         let token = |id: Option<u32>| {
-            id.and_then(|i| self.inner.id_to_token(i))
+            id.and_then(|i| self.hf()?.id_to_token(i))
                 .unwrap_or_default()
         };
         let messages: Vec<_> = messages
@@ -400,5 +546,79 @@ impl HfTokenizer {
                 }
             })
             .map_err(|e| fail(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+
+    /// A tekken file of the 256 bytes and 4 special tokens, named `name` in `dir`.
+    fn write_tekken(dir: &Path, name: &str) -> PathBuf {
+        let vocab: Vec<_> = (0..256u32)
+            .map(|i| {
+                let bytes = base64::engine::general_purpose::STANDARD.encode([i as u8]);
+                serde_json::json!({"rank": i, "token_bytes": bytes, "token_str": null})
+            })
+            .collect();
+        let specials: Vec<_> = ["<unk>", "<s>", "</s>", "<pad>"]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| serde_json::json!({"rank": i, "token_str": s, "is_control": true}))
+            .collect();
+        let root = serde_json::json!({
+            "config": {"pattern": r"\S+|\s+", "default_vocab_size": 260,
+                       "default_num_special_tokens": 4, "version": "v7"},
+            "vocab": vocab, "special_tokens": specials,
+        });
+        let path = dir.join(name);
+        std::fs::write(&path, root.to_string()).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_tekken_file_loads_with_mindspeeds_special_ids_and_adds_no_bos() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = HfTokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
+        assert!(tok.is_tekken());
+        assert_eq!(
+            (tok.bos(), tok.eos(), tok.pad()),
+            (Some(1), Some(2), Some(3))
+        );
+        assert_eq!(tok.encode("ab", true).unwrap(), [4 + 97, 4 + 98]);
+        assert_eq!((tok.vocab_size(), tok.id_limit()), (260, 260));
+        // A directory holding only a tekken.json loads it.
+        assert!(HfTokenizer::load(dir.path()).unwrap().is_tekken());
+    }
+
+    #[test]
+    fn magistral_type_needs_a_tekken_file_and_other_types_refuse_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let tekken = write_tekken(dir.path(), "tekken.json");
+        let misnamed = write_tekken(dir.path(), "vocab.json");
+        assert!(HfTokenizer::load_as(&tekken, true).is_ok());
+        for path in [misnamed.as_path(), dir.path()] {
+            let err = HfTokenizer::load_as(path, true).err().unwrap().to_string();
+            assert!(err.contains("needs a tekken file"), "{err}");
+        }
+        let err = HfTokenizer::load_as(&tekken, false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("give --tokenizer-type MagistralTokenizer"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_tekken_tokenizer_cannot_add_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tok = HfTokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
+        assert!(matches!(
+            tok.set_eos("<|im_end|>"),
+            Err(TokenizerError::Fixed { .. })
+        ));
     }
 }

@@ -265,11 +265,11 @@ fn evaluate_on<B: Backend>(
 ) -> Result<EvalReport> {
     let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
     let model = Model::load(backend, &o.model)?;
-    if tokenizer.vocab_size() > model.spec.vocab {
+    if tokenizer.id_limit() > model.spec.vocab {
         bail!(
             "tokenizer {} has {} tokens but the model's vocabulary has {} rows",
             tok_path.display(),
-            tokenizer.vocab_size(),
+            tokenizer.id_limit(),
             model.spec.vocab
         );
     }

@@ -401,11 +401,11 @@ fn generate_on<B: Backend>(
 ) -> Result<(Generation, GenerateStats)> {
     let tok_path = r.tokenizer.as_deref().unwrap_or(&r.model);
     let model = Model::load(backend, &r.model)?;
-    if tokenizer.vocab_size() > model.spec.vocab {
+    if tokenizer.id_limit() > model.spec.vocab {
         bail!(
             "tokenizer {} has {} tokens but the model's vocabulary has {} rows: they do not belong together",
             tok_path.display(),
-            tokenizer.vocab_size(),
+            tokenizer.id_limit(),
             model.spec.vocab
         );
     }

@@ -127,7 +127,7 @@ pub const FLAGS: &[Flag] = &[
     refused("fp32-residual-connection", Nothing, "an f32 residual stream under --bf16 is not implemented"),
     refused("apply-query-key-layer-scaling", Nothing, "query-key layer scaling is not implemented"),
     // Tokenizer.
-    used("tokenizer-type", One, "HuggingFaceTokenizer, PretrainedFromHF or Llama2Tokenizer"),
+    used("tokenizer-type", One, "HuggingFaceTokenizer, PretrainedFromHF, Llama2Tokenizer or MagistralTokenizer (a tekken.json)"),
     used("tokenizer-model", One, "tokenizer file or directory"),
     used("tokenizer-name-or-path", One, "tokenizer directory (MindSpeed-LLM)"),
     inert("tokenizer-not-use-fast", Nothing, "the tokenizer is Hugging Face tokenizers' own"),

@@ -26,11 +26,26 @@ pub(super) fn tokenizer_source(
         .ok_or_else(|| anyhow!("--tokenizer-name-or-path (or --tokenizer-model) is required"))
 }
 
+/// The `--tokenizer-type`s train takes.
+const SUPPORTED_TYPES: [&str; 4] = [
+    "HuggingFaceTokenizer",
+    "PretrainedFromHF",
+    "Llama2Tokenizer",
+    "MagistralTokenizer",
+];
+
 /// The tokenizer and its ids, as the named `--tokenizer-type` derives them.
 pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer, MaskConfig)> {
     let (flag, path) = tokenizer_source(a, load)?;
-    let mut tok =
-        HfTokenizer::load(&path).with_context(|| format!("--{flag} {}", path.display()))?;
+    let kind = a.get("tokenizer-type").unwrap_or("HuggingFaceTokenizer");
+    if !SUPPORTED_TYPES.contains(&kind) {
+        bail!(
+            "--tokenizer-type {kind} is not supported ({})",
+            SUPPORTED_TYPES.join(", ")
+        );
+    }
+    let mut tok = HfTokenizer::load_as(&path, kind == "MagistralTokenizer")
+        .with_context(|| format!("--{flag} {}", path.display()))?;
     if let Some(name) = a.get("prompt-type") {
         // MindSpeed-LLM's fix_model_tokenizer: the template's stop word becomes eos (the EOD).
         let template = Template::load(name, a.get("prompt-type-path").map(Path::new))
@@ -45,16 +60,12 @@ pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer
             path.display()
         )
     })?;
-    let kind = a.get("tokenizer-type").unwrap_or("HuggingFaceTokenizer");
     // MindSpeed-LLM's PretrainedFromHF falls back to eos for a missing pad (its training
     // tokenizer.py); Megatron's HuggingFaceTokenizer reports none, which GPTDataset treats as -1.
+    // MagistralTokenizer's pad is tekken's `<pad>` (TokenizerAdaptor.pad: pad_token_id).
     let pad = match kind {
-        "PretrainedFromHF" => Some(tok.pad().unwrap_or(eod)),
-        "HuggingFaceTokenizer" | "Llama2Tokenizer" => tok.pad(),
-        other => bail!(
-            "--tokenizer-type {other} is not supported (HuggingFaceTokenizer, PretrainedFromHF, \
-             Llama2Tokenizer)"
-        ),
+        "PretrainedFromHF" | "MagistralTokenizer" => Some(tok.pad().unwrap_or(eod)),
+        _ => tok.pad(),
     };
     let masks = MaskConfig {
         eod,

@@ -455,8 +455,12 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         .as_ref()
         .filter(|d| d.join("tokenizer.json").is_file() || d.join("vocab.json").is_file());
     let (tokenizer, masks) = tokenizer(a, carried)?;
-    let mut model = model_config(a, input.as_ref(), tokenizer.vocab_size())?;
-    if input.is_some() && tokenizer.vocab_size() > model.vocab {
+    // The model's vocabulary and the checks count the ids the tokenizer can give (id_limit);
+    // the padding counts its vocab_size, as MindSpeed-LLM does (they differ for tekken:
+    // MagistralTokenizer's vocab_size counts entries encoding never gives, 132072 for
+    // Magistral's 131072 ids, whose scripts pass --padded-vocab-size 131072).
+    let mut model = model_config(a, input.as_ref(), tokenizer.id_limit())?;
+    if input.is_some() && tokenizer.id_limit() > model.vocab {
         // Megatron sizes the embedding from the tokenizer and fails to load a checkpoint of
         // another size (load_state_dict's size mismatch); growing it would train untrained rows.
         let (flag, path) = tokenizer_source(a, carried)?;
@@ -464,7 +468,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             "--{flag} {}: the tokenizer has {} tokens, more than the {} of the --load \
              checkpoint's vocabulary; it was trained with another tokenizer",
             path.display(),
-            tokenizer.vocab_size(),
+            tokenizer.id_limit(),
             model.vocab
         );
     }
@@ -475,11 +479,11 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         Some(v) => v,
         None => tokenizer.vocab_size().div_ceil(divisible_by * tp) * divisible_by * tp,
     };
-    if tokenizer.vocab_size() > vocab_padded || model.vocab > vocab_padded {
+    if tokenizer.id_limit() > vocab_padded || model.vocab > vocab_padded {
         bail!(
             "the padded vocabulary ({vocab_padded}) is smaller than the tokenizer's {} / the \
              model's {} tokens: raise --padded-vocab-size",
-            tokenizer.vocab_size(),
+            tokenizer.id_limit(),
             model.vocab
         );
     }
