@@ -2549,22 +2549,10 @@ fn evaluation_drops_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     // The weights never move (lr 0): training's losses show the masks, validation's none.
-    let fixed = [
-        "--lr",
-        "0",
-        "--min-lr",
-        "0",
-        "--lr-warmup-iters",
-        "0",
-        "--train-iters",
-        "4",
-        "--eval-interval",
-        "2",
-        "--eval-iters",
-        "2",
-        "--split",
-        "90,10,0",
-    ];
+    let fixed = split(
+        "--lr 0 --min-lr 0 --lr-warmup-iters 0 --train-iters 4 --eval-interval 2 \
+         --eval-iters 2 --split 90,10,0",
+    );
     let validation = |log: &str| -> Vec<String> {
         (log.lines())
             .filter(|l| l.contains("validation loss"))

@@ -646,13 +646,9 @@ mod tests {
         }
     }
 
-    /// The definition: every row against the visible rows of its segment, in f64.
-    fn naive(q: &[f32], k: &[f32], v: &[f32], segments: &[Range<usize>]) -> Vec<f64> {
-        naive_dropped(q, k, v, segments, None)
-    }
-
-    /// [`naive`] with each probability times its dropout factor.
-    fn naive_dropped(
+    /// The definition: every row against the visible rows of its segment, in f64, each
+    /// probability times its dropout factor.
+    fn naive(
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -694,6 +690,7 @@ mod tests {
 
     #[test]
     fn forward_matches_the_definition_and_backward_finite_differences() {
+        use crate::engine::dropout::{Rate, RowAt, Site};
         let s = shape();
         // Two sequences; the second split in two documents; one longer than a block.
         let segments = [0..70, 70..75, 75..80];
@@ -702,32 +699,50 @@ mod tests {
         let q = seeded(rows * qw, 1);
         let k = seeded(rows * kw, 2);
         let v = seeded(rows * kw, 3);
-        let at = Layout {
-            shape: s,
-            segments: &segments,
-            dropout: None,
+        // Without dropout, and through a fixed attention-dropout mask (the backward pass draws
+        // it again): rows 0..70 one sample, 70..80 another.
+        let places: Vec<RowAt> = (0..rows)
+            .map(|r| RowAt {
+                sample: u64::from(r >= 70),
+                position: (r % 70) as u32,
+            })
+            .collect();
+        let mask = Mask {
+            seed: 3,
+            rate: Rate::new(0.25).unwrap(),
+            layer: 1,
+            site: Site::AttentionProbs,
+            rows: &places,
+            first_head: 0,
         };
-        let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
-        attention_fwd(&q, &k, &v, at, &mut o, &mut lse);
-        let want = naive(&q, &k, &v, &segments);
-        for (i, (a, b)) in o.iter().zip(&want).enumerate() {
-            assert!((*a as f64 - b).abs() < 1e-5, "o[{i}] {a} vs {b}");
-        }
-        let d_o = seeded(rows * qw, 4);
-        let loss = |q: &[f32], k: &[f32], v: &[f32]| {
+        for dropout in [None, Some(&mask)] {
+            let at = Layout {
+                shape: s,
+                segments: &segments,
+                dropout,
+            };
             let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
-            attention_fwd(q, k, v, at, &mut o, &mut lse);
-            o.iter().zip(&d_o).map(|(a, b)| (a * b) as f64).sum::<f64>()
-        };
-        let (mut dq, mut dk, mut dv) = (
-            vec![0.0; rows * qw],
-            vec![0.0; rows * kw],
-            vec![0.0; rows * kw],
-        );
-        attention_bwd(&d_o, &q, &k, &v, &o, &lse, at, (&mut dq, &mut dk, &mut dv));
-        check_grad("dq", &q, &dq, |x| loss(x, &k, &v));
-        check_grad("dk", &k, &dk, |x| loss(&q, x, &v));
-        check_grad("dv", &v, &dv, |x| loss(&q, &k, x));
+            attention_fwd(&q, &k, &v, at, &mut o, &mut lse);
+            let want = naive(&q, &k, &v, &segments, dropout);
+            for (i, (a, b)) in o.iter().zip(&want).enumerate() {
+                assert!((*a as f64 - b).abs() < 1e-5, "o[{i}] {a} vs {b}");
+            }
+            let d_o = seeded(rows * qw, 4);
+            let loss = |q: &[f32], k: &[f32], v: &[f32]| {
+                let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
+                attention_fwd(q, k, v, at, &mut o, &mut lse);
+                o.iter().zip(&d_o).map(|(a, b)| (a * b) as f64).sum::<f64>()
+            };
+            let (mut dq, mut dk, mut dv) = (
+                vec![0.0; rows * qw],
+                vec![0.0; rows * kw],
+                vec![0.0; rows * kw],
+            );
+            attention_bwd(&d_o, &q, &k, &v, &o, &lse, at, (&mut dq, &mut dk, &mut dv));
+            check_grad("dq", &q, &dq, |x| loss(x, &k, &v));
+            check_grad("dk", &k, &dk, |x| loss(&q, x, &v));
+            check_grad("dv", &v, &dv, |x| loss(&q, &k, x));
+        }
     }
 
     /// bf16 bits of `v` and the f32 values they hold.
@@ -803,69 +818,5 @@ mod tests {
         close("dq", &got.0, &want.0, 2e-2);
         close("dk", &got.1, &want.1, 2e-2);
         close("dv", &got.2, &want.2, 2e-2);
-    }
-
-    #[test]
-    fn dropout_multiplies_the_probabilities_and_the_backward_draws_the_same_mask() {
-        use crate::engine::dropout::{Rate, RowAt, Site};
-        let s = shape();
-        let segments = [0..70, 70..75, 75..80];
-        let rows = 80;
-        let (qw, kw) = (s.heads * s.head_dim, s.groups * s.head_dim);
-        let (q, k, v) = (
-            seeded(rows * qw, 1),
-            seeded(rows * kw, 2),
-            seeded(rows * kw, 3),
-        );
-        // Two samples: 0..70 and 70..80 (two documents of one sample).
-        let places: Vec<RowAt> = (0..rows)
-            .map(|r| RowAt {
-                sample: u64::from(r >= 70),
-                position: (if r >= 70 { r - 70 } else { r }) as u32,
-            })
-            .collect();
-        let mask = Mask {
-            seed: 3,
-            rate: Rate::new(0.25).unwrap(),
-            layer: 1,
-            site: Site::AttentionProbs,
-            rows: &places,
-            first_head: 0,
-        };
-        let at = Layout {
-            shape: s,
-            segments: &segments,
-            dropout: Some(&mask),
-        };
-        let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
-        attention_fwd(&q, &k, &v, at, &mut o, &mut lse);
-        let want = naive_dropped(&q, &k, &v, &segments, Some(&mask));
-        for (i, (a, b)) in o.iter().zip(&want).enumerate() {
-            assert!((*a as f64 - b).abs() < 1e-5, "o[{i}] {a} vs {b}");
-        }
-        assert_ne!(o, {
-            let mut plain = vec![0.0; rows * qw];
-            let undropped = Layout {
-                dropout: None,
-                ..at
-            };
-            attention_fwd(&q, &k, &v, undropped, &mut plain, &mut lse.clone());
-            plain
-        });
-        let d_o = seeded(rows * qw, 4);
-        let loss = |q: &[f32], k: &[f32], v: &[f32]| {
-            let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
-            attention_fwd(q, k, v, at, &mut o, &mut lse);
-            o.iter().zip(&d_o).map(|(a, b)| (a * b) as f64).sum::<f64>()
-        };
-        let (mut dq, mut dk, mut dv) = (
-            vec![0.0; rows * qw],
-            vec![0.0; rows * kw],
-            vec![0.0; rows * kw],
-        );
-        attention_bwd(&d_o, &q, &k, &v, &o, &lse, at, (&mut dq, &mut dk, &mut dv));
-        check_grad("dq", &q, &dq, |x| loss(x, &k, &v));
-        check_grad("dk", &k, &dk, |x| loss(&q, x, &v));
-        check_grad("dv", &v, &dv, |x| loss(&q, &k, x));
     }
 }
