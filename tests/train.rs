@@ -200,7 +200,7 @@ fn bad_input_is_refused_before_any_work() {
             "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2",
             "stage 0 would hold no layers",
         ),
-        ("--attention-dropout 0.1", "dropout is not implemented"),
+        ("--hidden-dropout 1", "would drop every element"),
         ("--lr-warmup-iters 20", "must be shorter than decay"),
         ("--lora-r 4", "needs --lora-target-modules"),
         ("--ckpt-format torch_dist", "only torch"),
@@ -213,16 +213,6 @@ fn bad_input_is_refused_before_any_work() {
         assert!(stderr(&out).contains(says), "{extra:?}: {}", stderr(&out));
         assert!(!save.exists(), "{extra:?} wrote a checkpoint");
     }
-    // Dropout left at Megatron's default (0.1) is refused too.
-    let mut a = args(&data, &[]);
-    let at = a.iter().position(|x| x == "--attention-dropout").unwrap();
-    a.drain(at..at + 2);
-    let out = run(&a).failure();
-    assert!(
-        stderr(&out).contains("Megatron's default is 0.1"),
-        "{}",
-        stderr(&out)
-    );
 }
 
 #[test]
@@ -2610,4 +2600,128 @@ fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradient
             }
         }
     }
+}
+
+/// [`args`] with Megatron's default dropout: neither `--attention-dropout` nor
+/// `--hidden-dropout` given, 0.1 each.
+fn default_dropout(data: &Path, extra: &[&str]) -> Vec<String> {
+    without(
+        without(args(data, extra), "--attention-dropout"),
+        "--hidden-dropout",
+    )
+}
+
+#[test]
+fn dropout_is_seeded_resumable_and_plausible() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let plain = field(&stdout(&run(&args(&data, &[])).success()), "lm loss");
+    let dropped = stdout(&run(&default_dropout(&data, &[])).success());
+    let losses = field(&dropped, "lm loss");
+    // The same seed draws the same masks; another seed others.
+    let again = stdout(&run(&default_dropout(&data, &[])).success());
+    assert_eq!(iterations(&dropped), iterations(&again));
+    let reseeded = field(
+        &stdout(&run(&default_dropout(&data, &["--seed", "5"])).success()),
+        "lm loss",
+    );
+    assert_ne!(losses, reseeded);
+    // Close to the run without dropout, but not equal to it: the first iteration's weights
+    // are the same, so only the masks part them.
+    assert_eq!(losses.len(), plain.len());
+    for (i, (p, q)) in losses.iter().zip(&plain).enumerate() {
+        assert!(
+            p != q && (p - q).abs() < 0.1 * q,
+            "iteration {}: {p} vs {q}",
+            i + 1
+        );
+    }
+    // Saved at iteration 4 and resumed, the run draws the masks the whole run drew.
+    let part = dir.path().join("part");
+    let part = part.to_str().unwrap();
+    run(&default_dropout(
+        &data,
+        &["--save", part, "--exit-interval", "4"],
+    ))
+    .success();
+    let resume = with_value(default_dropout(&data, &["--save", part]), "--load", part);
+    let rest = iterations(&stdout(&run(&resume).success()));
+    assert_eq!(&iterations(&dropped)[4..], &rest[..]);
+}
+
+#[test]
+fn evaluation_drops_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // The weights never move (lr 0): training's losses show the masks, validation's none.
+    let fixed = split(
+        "--lr 0 --min-lr 0 --lr-warmup-iters 0 --train-iters 4 --eval-interval 2 \
+         --eval-iters 2 --split 90,10,0",
+    );
+    let validation = |log: &str| -> Vec<String> {
+        (log.lines())
+            .filter(|l| l.contains("validation loss"))
+            .map(String::from)
+            .collect()
+    };
+    let plain = stdout(&run(&args(&data, &fixed)).success());
+    let dropped = stdout(&run(&default_dropout(&data, &fixed)).success());
+    assert_ne!(field(&plain, "lm loss"), field(&dropped, "lm loss"));
+    assert!(validation(&plain).len() >= 2, "{plain}");
+    assert_eq!(validation(&plain), validation(&dropped));
+}
+
+#[test]
+fn dropout_draws_the_same_masks_on_every_parallel_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let batch = EIGHT_MICRO_BATCHES;
+    let one = stdout(&run(&default_dropout(&data, &batch)).success());
+    let layouts: [&[&str]; 4] = [
+        &["--tensor-model-parallel-size", "2", "--world-size", "2"],
+        &[
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--world-size",
+            "2",
+        ],
+        &["--pipeline-model-parallel-size", "2", "--world-size", "2"],
+        &["--world-size", "2"],
+    ];
+    for layout in layouts {
+        let extra = [&batch[..], layout].concat();
+        let log = stdout(&run(&default_dropout(&data, &extra)).success());
+        same_training(&one, &log, 1e-5, &format!("{layout:?}"));
+    }
+}
+
+#[test]
+fn hidden_dropout_on_the_npu_stand_in_matches_the_cpu_and_attention_dropout_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let hidden = with_value(
+        args(&data, &["--train-iters", "4"]),
+        "--hidden-dropout",
+        "0.1",
+    );
+    let cpu = stdout(&run(&hidden).success());
+    let (npu, _) = train_on_stand_in(dir.path(), &hidden, "");
+    same_training(&cpu, &npu, 1e-4, "hidden dropout on the NPU stand-in");
+    // Megatron's default attention dropout is refused on the NPU, naming the way out.
+    let home = common::toolkit(&dir.path().join("toolkit"), common::stand_in());
+    let out = assert_cmd::Command::cargo_bin("mindkit")
+        .unwrap()
+        .args(default_dropout(&data, &["--train-iters", "4"]))
+        .args(["--device", "npu"])
+        .env("ASCEND_TOOLKIT_HOME", &home)
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("LD_LIBRARY_PATH")
+        .assert()
+        .failure();
+    assert!(
+        stderr(&out).contains("pass --attention-dropout 0"),
+        "{}",
+        stderr(&out)
+    );
 }

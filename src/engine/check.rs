@@ -2,6 +2,7 @@
 //! the operator's inputs on any [`Device`] and fails with [`EngineError::Invalid`] naming the
 //! operator and what does not fit.
 
+use super::dropout::Mask;
 use super::{ensure, AttentionShape, Device, EngineError, Result, Segment};
 use std::ops::Range;
 
@@ -224,6 +225,23 @@ pub fn attention_bwd<D: Device>(
     }
     super::check_segments("attention_bwd", segments, n)?;
     Ok(n)
+}
+
+/// A dropout mask (if any) with one row per row of the tensor it masks, `n`.
+pub fn mask(op: &'static str, mask: Option<&Mask>, n: usize) -> Result<()> {
+    let Some(m) = mask else { return Ok(()) };
+    ensure(m.rows.len() == n, op, || {
+        format!("a dropout mask of {} rows for {n} rows", m.rows.len())
+    })
+}
+
+/// [`super::Backend::dropout`]: a matrix, one mask row per row.
+pub fn dropout<D: Device>(d: &D, x: &D::Tensor, m: &Mask) -> Result<()> {
+    let shape = d.shape(x);
+    ensure(shape.len() == 2, "dropout", || {
+        format!("x is {shape:?}, not a matrix")
+    })?;
+    mask("dropout", Some(m), rows(shape))
 }
 
 /// [`super::Backend::kv_store`]: each segment inside a `[slots, capacity, width]` cache.

@@ -16,10 +16,12 @@
 pub(crate) mod check;
 pub mod comm;
 pub mod cpu;
+pub mod dropout;
 pub mod selftest;
 
 use crate::tensor::host::Tensor as HostTensor;
 use crate::tensor::DType;
+use dropout::Mask;
 use std::ops::Range;
 
 /// What an engine operation can fail with.
@@ -156,6 +158,9 @@ pub enum Op {
     Rope,
     Attention,
     AttentionBwd,
+    /// Attention (and its backward) with a dropout mask.
+    AttentionDropout,
+    Dropout,
     CachedAttention,
     SwiGlu,
     SwiGluBwd,
@@ -286,7 +291,10 @@ pub trait Backend: Device {
     /// Causal grouped-query attention of `q [n, heads·d]` over `k`, `v [n, groups·d]` within
     /// each of `segments` (row ranges covering `0..n`; no row sees another segment). Returns
     /// `o [n, heads·d]` and the log-sum-exp of every query row's scores `[n, heads]` f32, saved
-    /// for the backward (aclnnFlashAttentionScore, causal, with actual sequence lengths).
+    /// for the backward (aclnnFlashAttentionScore, causal, with actual sequence lengths). With
+    /// `dropout`, the probabilities are multiplied by its mask (keys of `rows`, this call's
+    /// heads from `first_head`) after the softmax and before the product with `v`; the
+    /// log-sum-exp is the softmax's (aclnnFlashAttentionScore's keepProb and dropMask).
     /// Overwrites.
     fn attention(
         &self,
@@ -295,8 +303,10 @@ pub trait Backend: Device {
         v: &Self::Tensor,
         segments: &[Range<usize>],
         shape: AttentionShape,
+        dropout: Option<&Mask>,
     ) -> Result<(Self::Tensor, Self::Tensor)>;
-    /// `(dq, dk, dv)` of [`Backend::attention`] (aclnnFlashAttentionScoreGrad). Overwrites.
+    /// `(dq, dk, dv)` of [`Backend::attention`] with the same `dropout`, whose mask it draws
+    /// again (aclnnFlashAttentionScoreGrad). Overwrites.
     #[allow(clippy::too_many_arguments)]
     fn attention_bwd(
         &self,
@@ -308,7 +318,12 @@ pub trait Backend: Device {
         lse: &Self::Tensor,
         segments: &[Range<usize>],
         shape: AttentionShape,
+        dropout: Option<&Mask>,
     ) -> Result<(Self::Tensor, Self::Tensor, Self::Tensor)>;
+    /// `x [n, w]` times the factors of dropout `mask` (0 or `1/(1 − p)` in f32, one row of the
+    /// mask per row of `x`), rounded to `x`'s dtype: hidden dropout's forward pass and, on the
+    /// gradient of its output, its backward pass (aclnnMul by the mask's factors). Overwrites.
+    fn dropout(&self, x: &Self::Tensor, mask: &Mask) -> Result<Self::Tensor>;
     /// An empty KV cache of `slots × capacity` rows of `width` (f32).
     fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> Result<Self::Tensor>;
     /// Store the rows of `x` (segment after segment) at each segment's slot and positions

@@ -12,6 +12,7 @@
 //! a vocabulary shard's, some of them [`NO_ROW`] (tensor parallelism).
 
 use super::cpu::Cpu;
+use super::dropout::{Mask, Rate, RowAt, Site};
 use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment, NO_ROW};
 use crate::tensor::host::{encode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
@@ -133,6 +134,30 @@ const ATTENTION: AttentionShape = AttentionShape {
     scale: 0.353_553_4,
 };
 
+/// Rows of `segments`, each a sample of its own, for a dropout mask.
+fn mask_rows(segments: &[Range<usize>]) -> Vec<RowAt> {
+    (segments.iter().enumerate())
+        .flat_map(|(s, seg)| {
+            (0..seg.len() as u32).map(move |position| RowAt {
+                sample: s as u64,
+                position,
+            })
+        })
+        .collect()
+}
+
+/// A dropout mask of probability 0.3 over `rows` at `site`.
+fn mask_of(rows: &[RowAt], site: Site) -> Mask<'_> {
+    Mask {
+        seed: 7,
+        rate: Rate::new(0.3).expect("0 < p < 1"),
+        layer: 1,
+        site,
+        rows,
+        first_head: 2,
+    }
+}
+
 /// What a check returns: each backend's outputs, widened to f32.
 type Outputs = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
@@ -236,6 +261,14 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             4.0,
             attention_bwd
         ),
+        case!(
+            "attention dropout",
+            AttentionDropout,
+            "[10,32] 2 segments, p 0.3",
+            4.0,
+            attention_dropout
+        ),
+        case!("dropout", Dropout, "[10,13] p 0.3", 1.0, dropout),
         case!(
             "cached_attention",
             CachedAttention,
@@ -472,12 +505,29 @@ fn attention<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> 
             &b.upload(&v)?,
             &SEGMENTS,
             ATTENTION,
+            None,
         )?;
         vec![b.download_f32(&o)?]
     }))
 }
 
 fn attention_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    attention_pass(i, (dut, cpu), None)
+}
+
+/// Attention with a dropout mask, forward and backward.
+fn attention_dropout<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let rows = mask_rows(&SEGMENTS);
+    let mask = mask_of(&rows, Site::AttentionProbs);
+    attention_pass(i, (dut, cpu), Some(&mask))
+}
+
+/// `o` of attention and its backward's `dq`, `dk`, `dv` through `dropout`'s mask.
+fn attention_pass<B: Backend>(
+    i: &mut Inputs,
+    (dut, cpu): (&B, &Cpu),
+    dropout: Option<&Mask>,
+) -> Result<Outputs> {
     let (q, k, v) = (
         i.tensor(&[10, 32]),
         i.tensor(&[10, 16]),
@@ -486,7 +536,7 @@ fn attention_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outpu
     let d_o = i.tensor(&[10, 32]);
     Ok(on_both!(dut, cpu, |b| {
         let (q, k, v) = (b.upload(&q)?, b.upload(&k)?, b.upload(&v)?);
-        let (o, saved) = b.attention(&q, &k, &v, &SEGMENTS, ATTENTION)?;
+        let (o, saved) = b.attention(&q, &k, &v, &SEGMENTS, ATTENTION, dropout)?;
         let (dq, dk, dv) = b.attention_bwd(
             &b.upload(&d_o)?,
             &q,
@@ -496,12 +546,24 @@ fn attention_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outpu
             &saved,
             &SEGMENTS,
             ATTENTION,
+            dropout,
         )?;
         vec![
+            b.download_f32(&o)?,
             b.download_f32(&dq)?,
             b.download_f32(&dk)?,
             b.download_f32(&dv)?,
         ]
+    }))
+}
+
+/// Hidden dropout of a `[10, 13]` tensor.
+fn dropout<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let x = i.tensor(&[10, 13]);
+    let rows = mask_rows(&SEGMENTS);
+    let mask = mask_of(&rows, Site::MlpOutput);
+    Ok(on_both!(dut, cpu, |b| {
+        vec![b.download_f32(&b.dropout(&b.upload(&x)?, &mask)?)?]
     }))
 }
 
@@ -836,39 +898,67 @@ pub fn gradients() -> Result<Vec<Check>> {
         values(5 * 16),
         values(5 * 32),
     );
-    let fwd = |t: &[Vec<f32>]| -> Result<f64> {
-        let (o, _) = b.attention(
-            &up(&[5, 32], &t[0])?,
-            &up(&[5, 16], &t[1])?,
-            &up(&[5, 16], &t[2])?,
+    // and again through a fixed dropout mask (p 0.3).
+    let rows = mask_rows(&segments);
+    let mask = mask_of(&rows, Site::AttentionProbs);
+    for (dropout, shape) in [
+        (None, "[5,32] 2 segments"),
+        (Some(&mask), "[5,32] 2 segments, dropout 0.3"),
+    ] {
+        let fwd = |t: &[Vec<f32>]| -> Result<f64> {
+            let (o, _) = b.attention(
+                &up(&[5, 32], &t[0])?,
+                &up(&[5, 16], &t[1])?,
+                &up(&[5, 16], &t[2])?,
+                &segments,
+                ATTENTION,
+                dropout,
+            )?;
+            Ok(dot(&b.download_f32(&o)?, &dy))
+        };
+        let (qt, kt, vt) = (up(&[5, 32], &q)?, up(&[5, 16], &k)?, up(&[5, 16], &v)?);
+        let (o, lse) = b.attention(&qt, &kt, &vt, &segments, ATTENTION, dropout)?;
+        let (dq, dk, dv) = b.attention_bwd(
+            &up(&[5, 32], &dy)?,
+            &qt,
+            &kt,
+            &vt,
+            &o,
+            &lse,
             &segments,
             ATTENTION,
+            dropout,
         )?;
-        Ok(dot(&b.download_f32(&o)?, &dy))
+        let analytic = vec![
+            b.download_f32(&dq)?,
+            b.download_f32(&dk)?,
+            b.download_f32(&dv)?,
+        ];
+        checks.push(gradient_check(
+            "attention_bwd",
+            shape,
+            &[q.clone(), k.clone(), v.clone()],
+            fwd,
+            &analytic,
+        )?);
+    }
+
+    // hidden dropout: its own backward, the same product, through a fixed mask
+    let (x, dy) = (values(5 * 6), values(5 * 6));
+    let mask = mask_of(&rows, Site::AttentionOutput);
+    let fwd = |v: &[Vec<f32>]| -> Result<f64> {
+        Ok(dot(
+            &b.download_f32(&b.dropout(&up(&[5, 6], &v[0])?, &mask)?)?,
+            &dy,
+        ))
     };
-    let (qt, kt, vt) = (up(&[5, 32], &q)?, up(&[5, 16], &k)?, up(&[5, 16], &v)?);
-    let (o, lse) = b.attention(&qt, &kt, &vt, &segments, ATTENTION)?;
-    let (dq, dk, dv) = b.attention_bwd(
-        &up(&[5, 32], &dy)?,
-        &qt,
-        &kt,
-        &vt,
-        &o,
-        &lse,
-        &segments,
-        ATTENTION,
-    )?;
-    let analytic = vec![
-        b.download_f32(&dq)?,
-        b.download_f32(&dk)?,
-        b.download_f32(&dv)?,
-    ];
+    let dx = b.dropout(&up(&[5, 6], &dy)?, &mask)?;
     checks.push(gradient_check(
-        "attention_bwd",
-        "[5,32] 2 segments",
-        &[q, k, v],
+        "dropout",
+        "[5,6] p 0.3",
+        &[x],
         fwd,
-        &analytic,
+        &[b.download_f32(&dx)?],
     )?);
 
     // swiglu: x [3, 8]

@@ -25,6 +25,7 @@
 //! gradient the backward pass then takes from the next stage.
 
 use super::attention::Attend;
+use super::dropout::{dropped, Dropout};
 use super::layer::{rms_grad, Layer, LayerSaved};
 use super::linear::Linear;
 use super::parallel::{gathered, local_ids, reduced, TensorParallel};
@@ -32,6 +33,7 @@ use super::params::ParamTable;
 use super::{ModelSpec, Pass};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::comm::ReduceOp;
+use crate::engine::dropout::Site;
 use crate::engine::{Backend, EngineError, Result};
 use crate::tensor::DType;
 use std::ops::Range;
@@ -77,13 +79,14 @@ impl Ids {
         self.embedding.zip(self.head)
     }
 
-    /// A pass over `params` (indexed as this table) with these rotary tables.
+    /// A pass over `params` (indexed as this table) with these rotary tables and dropout.
     pub(super) fn pass<'a, B: Backend>(
         &'a self,
         (b, spec): (&'a B, &'a ModelSpec),
         params: &'a [B::Tensor],
         tp: Option<&'a TensorParallel<'a, B::Tensor>>,
         rope: (&'a B::Tensor, &'a B::Tensor),
+        dropout: Option<&'a Dropout>,
     ) -> Pass<'a, B> {
         Pass {
             b,
@@ -93,6 +96,7 @@ impl Ids {
             lora_scale: self.lora_scale,
             tp,
             rope,
+            dropout,
         }
     }
 }
@@ -113,6 +117,8 @@ pub struct MicroBatch {
     /// `[T]` RoPE position of each row (0..S per sequence: Megatron's RoPE does not read
     /// `position_ids`).
     pub positions: Vec<usize>,
+    /// Training's dropout (`None`: none, as in evaluation).
+    pub dropout: Option<Dropout>,
 }
 
 /// What the final norm and output layer's backward pass needs.
@@ -151,7 +157,7 @@ pub fn forward<B: Backend>(
     let (cos, sin) = spec.rope_tables(&batch.positions);
     let half = [batch.tokens.len(), spec.attention.head_dim / 2];
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-    let p = ids.pass((b, spec), params, tp, (&cos, &sin));
+    let p = ids.pass((b, spec), params, tp, (&cos, &sin), batch.dropout.as_ref());
     let mut x = match (input, ids.embedding) {
         (Some(x), _) => x,
         (None, Some(e)) => {
@@ -159,7 +165,8 @@ pub fn forward<B: Backend>(
             if activations != DType::F32 {
                 x = b.cast(&x, activations)?;
             }
-            reduced(b, tp, x)?
+            let x = reduced(b, tp, x)?;
+            dropped(&p, &x, (0, Site::Embedding))?.unwrap_or(x)
         }
         (None, None) => {
             return Err(EngineError::Invalid {
@@ -263,7 +270,7 @@ pub fn backward<B: Backend>(
         cos,
         sin,
     } = saved;
-    let p = ids.pass((b, spec), params, tp, (&cos, &sin));
+    let p = ids.pass((b, spec), params, tp, (&cos, &sin), batch.dropout.as_ref());
     let mut dx = match (head, ids.head, dout) {
         (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,
         (_, _, Some(dout)) => dout,
@@ -283,6 +290,7 @@ pub fn backward<B: Backend>(
     };
     if ids.trainable[e] {
         let tokens = local_ids(tp, &batch.tokens);
+        let dx = dropped(&p, &dx, (0, Site::Embedding))?.unwrap_or(dx);
         let all = gathered(b, tp, &dx)?;
         b.embedding_bwd(all.as_ref().unwrap_or(&dx), &tokens, &mut grads[e])?;
     }

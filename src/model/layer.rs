@@ -6,16 +6,20 @@
 //! Legend: T = rows (this rank's block of them under sequence parallelism), h = hidden.
 
 use super::attention::{Attend, Attention, AttentionSaved};
+use super::dropout::dropped;
 use super::mlp::{Mlp, MlpSaved};
 use super::params::ParamTable;
 use super::Pass;
 use crate::arch::roles::{Canon, Role};
+use crate::engine::dropout::Site;
 use crate::engine::{Backend, Result};
 use std::ops::Range;
 
 /// Where one layer's parameters sit in the table, by kind.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Layer {
+    /// Its index in the whole model.
+    index: usize,
     /// RMSNorm γ `[h]` before the attention.
     input_norm: usize,
     attention: Attention,
@@ -46,6 +50,7 @@ impl Layer {
             })
         };
         Some(Layer {
+            index: layer,
             input_norm: at(Role::InputNorm)?,
             attention: Attention::of(table, layer)?,
             post_norm: at(Role::PostNorm)?,
@@ -62,10 +67,14 @@ impl Layer {
     ) -> Result<(B::Tensor, LayerSaved<B::Tensor>)> {
         let (b, eps) = (p.b, p.spec.norm_eps);
         let (h1, rstd1) = b.rms_norm(&x, &p.params[self.input_norm], eps)?;
-        let (mut x_mid, attention) = self.attention.forward(p, h1, attend)?;
+        // Each sum is `residual + dropout(output)` (hidden dropout in training).
+        let (attended, attention) = self.attention.forward(p, h1, attend)?;
+        let at = (self.index, Site::AttentionOutput);
+        let mut x_mid = dropped(p, &attended, at)?.unwrap_or(attended);
         b.add_assign(&mut x_mid, &x)?;
         let (h2, rstd2) = b.rms_norm(&x_mid, &p.params[self.post_norm], eps)?;
-        let (mut out, mlp) = self.mlp.forward(p, h2)?;
+        let (mlp_out, mlp) = self.mlp.forward(p, h2)?;
+        let mut out = dropped(p, &mlp_out, (self.index, Site::MlpOutput))?.unwrap_or(mlp_out);
         b.add_assign(&mut out, &x_mid)?;
         let saved = LayerSaved {
             x,
@@ -88,14 +97,21 @@ impl Layer {
         (dout, segments): (B::Tensor, &[Range<usize>]),
     ) -> Result<B::Tensor> {
         let b = p.b;
-        // out = x_mid + mlp(norm(x_mid)): dout flows to both.
-        let dh2 = self.mlp.backward(p, grads, s.mlp, &dout)?;
+        // out = x_mid + dropout(mlp(norm(x_mid))): dout flows to both.
+        let dmlp = dropped(p, &dout, (self.index, Site::MlpOutput))?;
+        let dh2 = self
+            .mlp
+            .backward(p, grads, s.mlp, dmlp.as_ref().unwrap_or(&dout))?;
         let mut dx_mid = rms_grad(p, grads, (&dh2, &s.x_mid), self.post_norm, &s.rstd2)?;
         b.add_assign(&mut dx_mid, &dout)?;
-        // x_mid = x + attention(norm(x)).
-        let dh1 = self
-            .attention
-            .backward(p, grads, s.attention, (&dx_mid, segments))?;
+        // x_mid = x + dropout(attention(norm(x))).
+        let dattn = dropped(p, &dx_mid, (self.index, Site::AttentionOutput))?;
+        let dh1 = self.attention.backward(
+            p,
+            grads,
+            s.attention,
+            (dattn.as_ref().unwrap_or(&dx_mid), segments),
+        )?;
         let mut dx = rms_grad(p, grads, (&dh1, &s.x), self.input_norm, &s.rstd1)?;
         b.add_assign(&mut dx, &dx_mid)?;
         Ok(dx)

@@ -10,6 +10,7 @@
 
 mod attention;
 pub mod decoder;
+pub mod dropout;
 pub mod generate;
 mod layer;
 mod linear;
@@ -85,7 +86,8 @@ impl ModelSpec {
 
 /// What every layer of one pass reads: the backend, the model's shape, the parameters (as
 /// the [`ParamTable`] indexes them) and which are trained, LoRA's scale, the tensor-parallel
-/// group, and the rotary tables `cos`, `sin` `[T, d/2]` of the pass's rows.
+/// group, the rotary tables `cos`, `sin` `[T, d/2]` of the pass's rows, and training's
+/// dropout.
 struct Pass<'a, B: Backend> {
     b: &'a B,
     spec: &'a ModelSpec,
@@ -94,6 +96,7 @@ struct Pass<'a, B: Backend> {
     lora_scale: f32,
     tp: Option<&'a TensorParallel<'a, B::Tensor>>,
     rope: (&'a B::Tensor, &'a B::Tensor),
+    dropout: Option<&'a dropout::Dropout>,
 }
 
 /// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
@@ -240,7 +243,9 @@ impl<'b, B: Backend> Model<'b, B> {
         let (cos, sin) = spec.rope.tables(&positions);
         let half = [positions.len(), spec.attention.head_dim / 2];
         let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-        let p = self.ids.pass((b, spec), &self.params, None, (&cos, &sin));
+        let p = self
+            .ids
+            .pass((b, spec), &self.params, None, (&cos, &sin), None);
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
         let mut x = b.embedding(&self.params[embedding], &ids)?;

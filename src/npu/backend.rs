@@ -14,6 +14,7 @@
 use super::context::{Block, Context, Launch};
 use super::descriptor::{acl_dtype, View};
 use super::NpuError;
+use crate::engine::dropout::Mask;
 use crate::engine::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result, Segment,
     NO_ROW,
@@ -337,6 +338,21 @@ impl Npu {
         self.add_view(&out.view(), &sin_term.view())
     }
 
+    /// Attention dropout is not built on the NPU: flash attention's dropMask would have to
+    /// hold mindkit's mask bits ([`crate::engine::dropout`]) in the packed layout
+    /// aclnnFlashAttentionVarLenScore reads, which CANN's headers do not document for the TND
+    /// layout, and the unfused path would need the mask materialised per sequence and head.
+    fn refuse_attention_dropout(&self, dropout: Option<&Mask>, dtype: DType) -> Result<()> {
+        match dropout {
+            None => Ok(()),
+            Some(_) => Err(EngineError::Unsupported {
+                op: "attention dropout",
+                dtype,
+                device: self.describe(),
+            }),
+        }
+    }
+
     /// `out = a · b` through views, `b` broadcast to `a` (aclnnMul).
     fn mul_view(&self, a: &View, b: &View, out: &View) -> Result<()> {
         let (x, y, o) = (
@@ -549,6 +565,8 @@ impl Device for Npu {
         match op {
             // Updated in place as f32, as on the CPU: gradients, main parameters, moments.
             Op::AdamW | Op::EmbeddingBwd => dtype == DType::F32,
+            // See `refuse_attention_dropout`.
+            Op::AttentionDropout => false,
             _ => float,
         }
     }
@@ -936,7 +954,9 @@ impl Backend for Npu {
         v: &NpuTensor,
         segments: &[Range<usize>],
         s: AttentionShape,
+        dropout: Option<&Mask>,
     ) -> Result<(NpuTensor, NpuTensor)> {
+        self.refuse_attention_dropout(dropout, q.dtype)?;
         let n = check::attention(self, (q, k, v), segments, s)?;
         let cum = Self::cumulative(segments);
         let o = self.empty(&q.shape, q.dtype)?;
@@ -964,7 +984,9 @@ impl Backend for Npu {
         stats: &NpuTensor,
         segments: &[Range<usize>],
         s: AttentionShape,
+        dropout: Option<&Mask>,
     ) -> Result<(NpuTensor, NpuTensor, NpuTensor)> {
+        self.refuse_attention_dropout(dropout, q.dtype)?;
         let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
         let statistics = [2, n, s.heads, STAT_LANES];
         check::expect_shape(
@@ -1283,6 +1305,16 @@ impl Backend for Npu {
             &dst.view().reshaped(&[n], to),
             &src.view().reshaped(&[n], at),
         )
+    }
+
+    fn dropout(&self, x: &NpuTensor, mask: &Mask) -> Result<NpuTensor> {
+        check::dropout(self, x, mask)?;
+        // The factors are drawn on the host from the same generator as the CPU's and
+        // uploaded as f32, so that a bf16 element is rounded once, after its f32 product.
+        let factors = self.upload_f32(&x.shape, &mask.factors(x.cols()))?;
+        let out = self.empty(&x.shape, x.dtype)?;
+        self.mul_view(&x.view(), &factors.view(), &out.view())?;
+        Ok(out)
     }
 
     fn scaled(&self, x: &NpuTensor, s: f32) -> Result<NpuTensor> {

@@ -40,6 +40,7 @@ pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Pr
         dloss: Vec::new(),
         segments: Vec::new(),
         positions: Vec::new(),
+        dropout: None,
     };
     let mut mask = Vec::new();
     for s in samples {

@@ -10,6 +10,7 @@ use crate::arch::roles::Role;
 use crate::engine::comm::{Communicator, Counted};
 use crate::engine::Backend;
 use crate::model::decoder::{backward, forward, MicroBatch, Saved};
+use crate::model::dropout::Dropout;
 use crate::model::parallel::TensorParallel;
 use crate::model::params::ParamInfo;
 use crate::tensor::DType;
@@ -43,7 +44,14 @@ impl<B: Backend> Trainer<B> {
         let mut batches = Vec::with_capacity(k / dp);
         for j in 0..k / dp {
             let at = from + ((j * dp + dp_rank) * m) as u64;
-            batches.push(split.micro_batch(at, m, k, c.averaging)?);
+            let mut prepared = split.micro_batch(at, m, k, c.averaging)?;
+            // Dropout in training only, keyed by the consumed-sample index `at` of the first
+            // sample: no evaluation drops anything.
+            if train {
+                let b = &mut prepared.batch;
+                b.dropout = Dropout::new(c.seed, c.dropout, at, &b.positions);
+            }
+            batches.push(prepared);
         }
         let tokens = batches.iter().map(|p| p.batch.tokens.len() as u64).sum();
         let pipe = self.pipeline(batches.len());

@@ -11,7 +11,7 @@ use super::report::{chrono_now, flops_model};
 use super::{checkpoint, data, distrib, log, tensorboard, SkippedIterations, TrainSummary};
 use crate::arch::roles::Role;
 use crate::engine::comm::{Communicator, Counted, ReduceOp};
-use crate::engine::Backend;
+use crate::engine::{Backend, Op};
 use crate::model::decoder::Ids;
 use crate::model::params::{LoraSpec, ParamTable};
 use crate::model::ModelSpec;
@@ -88,6 +88,14 @@ impl<B: Backend> Trainer<B> {
         quiet: bool,
         groups: Groups<B::Tensor>,
     ) -> Result<Self> {
+        if cfg.dropout.1.is_some() && !b.supports(Op::AttentionDropout, cfg.model.dtype) {
+            bail!(
+                "--attention-dropout (Megatron's default 0.1 when not given) is not built on {}: \
+                 its flash attention would need mindkit's mask bits in a dropMask layout CANN \
+                 does not document; pass --attention-dropout 0 (--hidden-dropout works)",
+                b.describe()
+            );
+        }
         let tp = (
             groups.tp.as_ref().map_or(0, |g| g.rank()),
             cfg.layout.size(Axis::Tp),

@@ -8,9 +8,15 @@
 //! run of rows that attend to each other causally (a sequence, or a document inside one with
 //! `--reset-attention-mask`); no row sees another segment. Head h reads key/value group
 //! `h / (nh/ng)`.
+//!
+//! With attention dropout the probabilities are multiplied by the mask's factors after the
+//! softmax (the log-sum-exp is the softmax's), and the backward pass draws the same factors
+//! again: `dV = (P∘M)ᵀ·dO`, `dS = P∘(dP∘M − D)` with `D = Σ dO∘O` as without dropout (`O`
+//! already holds the mask: `Σ_j P·M·dP = dO·O`).
 
 use super::bf16_gemm::{self, Operand};
 use super::gemm;
+use crate::engine::dropout::Mask;
 use crate::engine::{AttentionShape, Segment};
 use crate::tensor::dtype::bf16_to_f32;
 use crate::tensor::matmul::{gemm_into, Store, Strided};
@@ -29,6 +35,8 @@ pub struct Layout<'a> {
     pub shape: AttentionShape,
     /// The segments, covering rows `0..T` in order.
     pub segments: &'a [Range<usize>],
+    /// Attention dropout's mask (of every row), if any.
+    pub dropout: Option<&'a Mask<'a>>,
 }
 
 impl Layout<'_> {
@@ -40,6 +48,52 @@ impl Layout<'_> {
     }
     fn rows(&self) -> usize {
         self.segments.last().map_or(0, |s| s.end)
+    }
+
+    /// Query row `row`'s probabilities for head `h` over its segment's keys from `keys`, times
+    /// the dropout mask's factors (nothing without dropout).
+    fn drop_probs(&self, h: usize, (row, keys): (usize, usize), probs: &mut [f32]) {
+        if let Some(mask) = self.dropout {
+            mask.scale_probs(h, row, keys, probs);
+        }
+    }
+
+    /// The dropout mask's factors of query row `row`, head `h`, over `visible` keys from
+    /// `keys`, in `buf` (`None` without dropout).
+    fn factors<'b>(
+        &self,
+        h: usize,
+        (row, keys, visible): (usize, usize, usize),
+        buf: &'b mut Vec<f32>,
+    ) -> Option<&'b [f32]> {
+        let mask = self.dropout?;
+        buf.clear();
+        buf.resize(visible, 1.0);
+        mask.scale_probs(h, row, keys, buf);
+        Some(buf)
+    }
+}
+
+/// `x ·= factors` element for element (over the factors' length).
+fn times(x: &mut [f32], factors: &[f32]) {
+    x.iter_mut().zip(factors).for_each(|(x, f)| *x *= f);
+}
+
+/// A row's `P` and `dS` ([`softmax_grad_row`]) under dropout `factors`: `dP ∘ M` before,
+/// `P ∘ M` (for `dV`) after.
+fn dropout_grad_row(
+    p: &mut [f32],
+    dp: &mut [f32],
+    visible: usize,
+    stats: (f32, f32),
+    factors: Option<&[f32]>,
+) {
+    if let Some(f) = factors {
+        times(dp, f);
+    }
+    softmax_grad_row(p, dp, visible, stats);
+    if let Some(f) = factors {
+        times(p, f);
     }
 }
 
@@ -80,6 +134,7 @@ pub fn attention_fwd(q: &[f32], k: &[f32], v: &[f32], at: Layout, o: &mut [f32],
                 for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
                     let log_sum = softmax_lse(row, t0 + r + 1);
                     *lse_out.at((seg.start + t0 + r) * nh + h) = log_sum;
+                    at.drop_probs(h, (seg.start + t0 + r, seg.start), &mut row[..t0 + r + 1]);
                 }
                 gemm_into(
                     out.at(q_at),
@@ -198,8 +253,8 @@ pub fn attention_bwd(
         SharedOut(dv.as_mut_ptr()),
     );
     group_tasks(at).into_par_iter().for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(p, dp), (seg, g)| {
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(p, dp, factors), (seg, g)| {
             let kv_at = seg.start * kw + g * d;
             for h in g * per_group..(g + 1) * per_group {
                 for t0 in (0..seg.len()).step_by(BLOCK) {
@@ -239,7 +294,9 @@ pub fn attention_bwd(
                                 &mut p[r * seen..(r + 1) * seen],
                                 &mut dp[r * seen..(r + 1) * seen],
                             );
-                            softmax_grad_row(pr, dpr, t0 + r + 1, stats);
+                            let visible = t0 + r + 1;
+                            let f = at.factors(h, (row, seg.start, visible), factors);
+                            dropout_grad_row(pr, dpr, visible, stats, f);
                         }
                         // dq = scale · dS · K; dk += scale · dSᵀ · Q; dv += Pᵀ · dO.
                         gemm_into(
@@ -356,6 +413,7 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
                 let log_sum = softmax_lse(sc, visible);
                 // SAFETY: row + r < T; this task alone writes lse's (rows of the block, h).
                 unsafe { *lse_out.at((row + r) * nh + h) = log_sum };
+                at.drop_probs(h, (row + r, seg.start), &mut sc[..visible]);
             }
             narrowed(scores, probs);
             block_o.resize(rows * d, 0.0);
@@ -412,7 +470,7 @@ pub fn attention_bwd_bf16(
     );
     group_tasks(at).into_par_iter().for_each(|(seg, g)| {
         let (mut p, mut dp, mut block_dq) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut p_bits, mut ds_bits) = (Vec::new(), Vec::new());
+        let (mut p_bits, mut ds_bits, mut factors) = (Vec::new(), Vec::new(), Vec::new());
         let (mut dk_g, mut dv_g) = (vec![0f32; seg.len() * d], vec![0f32; seg.len() * d]);
         let group = |x, layout| head_operand(x, (seg.start, kw), g, d, layout);
         for h in g * per_group..(g + 1) * per_group {
@@ -446,7 +504,8 @@ pub fn attention_bwd_bf16(
                     let stats = (lse[(row + r) * nh + h], delta[(row + r) * nh + h]);
                     let visible = t0 + r + 1;
                     pr[..visible].iter_mut().for_each(|v| *v *= s.scale);
-                    softmax_grad_row(pr, dpr, visible, stats);
+                    let f = at.factors(h, (row + r, seg.start, visible), &mut factors);
+                    dropout_grad_row(pr, dpr, visible, stats, f);
                 }
                 narrowed(&p, &mut p_bits);
                 narrowed(&dp, &mut ds_bits);
@@ -587,8 +646,15 @@ mod tests {
         }
     }
 
-    /// The definition: every row against the visible rows of its segment, in f64.
-    fn naive(q: &[f32], k: &[f32], v: &[f32], segments: &[Range<usize>]) -> Vec<f64> {
+    /// The definition: every row against the visible rows of its segment, in f64, each
+    /// probability times its dropout factor.
+    fn naive(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        segments: &[Range<usize>],
+        dropout: Option<&Mask>,
+    ) -> Vec<f64> {
         let s = shape();
         let (d, qw, kw) = (s.head_dim, s.heads * s.head_dim, s.groups * s.head_dim);
         let rows = segments.last().unwrap().end;
@@ -604,10 +670,14 @@ mod tests {
                             * s.scale as f64
                     };
                     let keys: Vec<usize> = (seg.start..=i).collect();
+                    let mut factors = vec![1f32; keys.len()];
+                    if let Some(m) = dropout {
+                        m.scale_probs(h, i, seg.start, &mut factors);
+                    }
                     let max = keys.iter().map(|&j| score(j)).fold(f64::MIN, f64::max);
                     let z: f64 = keys.iter().map(|&j| (score(j) - max).exp()).sum();
                     for &j in &keys {
-                        let p = (score(j) - max).exp() / z;
+                        let p = (score(j) - max).exp() / z * f64::from(factors[j - seg.start]);
                         for c in 0..d {
                             o[i * qw + h * d + c] += p * v[j * kw + g * d + c] as f64;
                         }
@@ -620,6 +690,7 @@ mod tests {
 
     #[test]
     fn forward_matches_the_definition_and_backward_finite_differences() {
+        use crate::engine::dropout::{Rate, RowAt, Site};
         let s = shape();
         // Two sequences; the second split in two documents; one longer than a block.
         let segments = [0..70, 70..75, 75..80];
@@ -628,31 +699,50 @@ mod tests {
         let q = seeded(rows * qw, 1);
         let k = seeded(rows * kw, 2);
         let v = seeded(rows * kw, 3);
-        let at = Layout {
-            shape: s,
-            segments: &segments,
+        // Without dropout, and through a fixed attention-dropout mask (the backward pass draws
+        // it again): rows 0..70 one sample, 70..80 another.
+        let places: Vec<RowAt> = (0..rows)
+            .map(|r| RowAt {
+                sample: u64::from(r >= 70),
+                position: (r % 70) as u32,
+            })
+            .collect();
+        let mask = Mask {
+            seed: 3,
+            rate: Rate::new(0.25).unwrap(),
+            layer: 1,
+            site: Site::AttentionProbs,
+            rows: &places,
+            first_head: 0,
         };
-        let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
-        attention_fwd(&q, &k, &v, at, &mut o, &mut lse);
-        let want = naive(&q, &k, &v, &segments);
-        for (i, (a, b)) in o.iter().zip(&want).enumerate() {
-            assert!((*a as f64 - b).abs() < 1e-5, "o[{i}] {a} vs {b}");
-        }
-        let d_o = seeded(rows * qw, 4);
-        let loss = |q: &[f32], k: &[f32], v: &[f32]| {
+        for dropout in [None, Some(&mask)] {
+            let at = Layout {
+                shape: s,
+                segments: &segments,
+                dropout,
+            };
             let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
-            attention_fwd(q, k, v, at, &mut o, &mut lse);
-            o.iter().zip(&d_o).map(|(a, b)| (a * b) as f64).sum::<f64>()
-        };
-        let (mut dq, mut dk, mut dv) = (
-            vec![0.0; rows * qw],
-            vec![0.0; rows * kw],
-            vec![0.0; rows * kw],
-        );
-        attention_bwd(&d_o, &q, &k, &v, &o, &lse, at, (&mut dq, &mut dk, &mut dv));
-        check_grad("dq", &q, &dq, |x| loss(x, &k, &v));
-        check_grad("dk", &k, &dk, |x| loss(&q, x, &v));
-        check_grad("dv", &v, &dv, |x| loss(&q, &k, x));
+            attention_fwd(&q, &k, &v, at, &mut o, &mut lse);
+            let want = naive(&q, &k, &v, &segments, dropout);
+            for (i, (a, b)) in o.iter().zip(&want).enumerate() {
+                assert!((*a as f64 - b).abs() < 1e-5, "o[{i}] {a} vs {b}");
+            }
+            let d_o = seeded(rows * qw, 4);
+            let loss = |q: &[f32], k: &[f32], v: &[f32]| {
+                let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
+                attention_fwd(q, k, v, at, &mut o, &mut lse);
+                o.iter().zip(&d_o).map(|(a, b)| (a * b) as f64).sum::<f64>()
+            };
+            let (mut dq, mut dk, mut dv) = (
+                vec![0.0; rows * qw],
+                vec![0.0; rows * kw],
+                vec![0.0; rows * kw],
+            );
+            attention_bwd(&d_o, &q, &k, &v, &o, &lse, at, (&mut dq, &mut dk, &mut dv));
+            check_grad("dq", &q, &dq, |x| loss(x, &k, &v));
+            check_grad("dk", &k, &dk, |x| loss(&q, x, &v));
+            check_grad("dv", &v, &dv, |x| loss(&q, &k, x));
+        }
     }
 
     /// bf16 bits of `v` and the f32 values they hold.
@@ -697,6 +787,7 @@ mod tests {
         let at = Layout {
             shape: s,
             segments: &segments,
+            dropout: None,
         };
         let x = Bf16Qkv {
             q: &qb,

@@ -24,6 +24,7 @@ mod swiglu;
 mod testing;
 mod transpose;
 
+use super::dropout::Mask;
 use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
     Segment, NO_ROW,
@@ -706,13 +707,19 @@ impl Backend for Cpu {
         v: &CpuTensor,
         segments: &[Range<usize>],
         s: AttentionShape,
+        dropout: Option<&Mask>,
     ) -> Result<(CpuTensor, CpuTensor)> {
         let n = check::attention(self, (q, k, v), segments, s)?;
+        check::mask("attention", dropout, n)?;
         let (mut o, mut lse) = (
             vec![0f32; n * s.heads * s.head_dim],
             vec![0f32; n * s.heads],
         );
-        let at = attention::Layout { shape: s, segments };
+        let at = attention::Layout {
+            shape: s,
+            segments,
+            dropout,
+        };
         match bf16_qkv(q, k, v) {
             Some(x) => attention::attention_fwd_bf16(x, at, &mut o, &mut lse),
             None => attention::attention_fwd(
@@ -740,15 +747,21 @@ impl Backend for Cpu {
         lse: &CpuTensor,
         segments: &[Range<usize>],
         s: AttentionShape,
+        dropout: Option<&Mask>,
     ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
         let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
+        check::mask("attention_bwd", dropout, n)?;
         check::expect_shape(self, "attention_bwd", "lse", lse, &[n, s.heads])?;
         let (mut dq, mut dk, mut dv) = (
             vec![0f32; q.numel()],
             vec![0f32; k.numel()],
             vec![0f32; v.numel()],
         );
-        let at = attention::Layout { shape: s, segments };
+        let at = attention::Layout {
+            shape: s,
+            segments,
+            dropout,
+        };
         let grads = (&mut dq[..], &mut dk[..], &mut dv[..]);
         match (bf16_qkv(q, k, v), d_o.bf16_bits(), o.bf16_bits()) {
             (Some(x), Some(d_o), Some(o)) => {
@@ -943,6 +956,20 @@ impl Backend for Cpu {
             Data::Panels(_) => return Err(packed("copy_range")),
         }
         Ok(())
+    }
+
+    fn dropout(&self, x: &CpuTensor, mask: &Mask) -> Result<CpuTensor> {
+        check::dropout(self, x, mask)?;
+        let w = x.cols();
+        let shape = (x.shape.clone(), x.dtype());
+        let block = rows::block_rows(w);
+        let (y, _) = rows::map_rows([x], shape, block, |rows, [x], y| {
+            y.copy_from_slice(x);
+            for (r, values) in rows.zip(y.chunks_exact_mut(w)) {
+                mask.scale_row(r, values);
+            }
+        });
+        Ok(y)
     }
 
     fn scaled(&self, x: &CpuTensor, s: f32) -> Result<CpuTensor> {

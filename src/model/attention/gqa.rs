@@ -10,6 +10,7 @@
 use super::Attend;
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
+use crate::model::dropout::attention_mask;
 use crate::model::layer::rms_grad;
 use crate::model::linear::Linear;
 use crate::model::parallel::{gathered, reduced};
@@ -20,6 +21,8 @@ use std::ops::Range;
 /// The parameters of one layer's attention.
 #[derive(Debug, Clone, Copy)]
 pub(in crate::model) struct Gqa {
+    /// The layer's index in the whole model (attention dropout's masks are keyed by it).
+    layer: usize,
     /// linear_qkv `[ng(nh/ng+2)d, h]` (column-parallel).
     qkv: Linear,
     /// linear_proj `[h, qw]` (row-parallel).
@@ -55,6 +58,7 @@ impl Gqa {
         let at = Some(layer);
         let norm = |role| table.index(Canon { role, layer: at });
         Some(Gqa {
+            layer,
             qkv: Linear::of(table, (Role::Qkv, Some(Role::QkvBias)), at)?,
             proj: Linear::of(table, (Role::Proj, Some(Role::ProjBias)), at)?,
             qk_norm: norm(Role::QNorm).zip(norm(Role::KNorm)),
@@ -81,7 +85,8 @@ impl Gqa {
         b.rope(&mut k, cos, sin, false)?;
         let (o, lse) = match attend {
             Attend::Segments(segments) => {
-                let (o, lse) = b.attention(&q, &k, &v, segments, shape)?;
+                let mask = attention_mask(p, self.layer);
+                let (o, lse) = b.attention(&q, &k, &v, segments, shape, mask.as_ref())?;
                 (o, Some(lse))
             }
             Attend::Cached {
@@ -129,8 +134,18 @@ impl Gqa {
         let all = gathered(b, p.tp, dy)?;
         let dy = all.as_ref().unwrap_or(dy);
         let d_o = self.proj.backward(p, grads, dy, (&s.o, u_proj.as_ref()))?;
-        let (mut dq, mut dk, dv) =
-            b.attention_bwd(&d_o, &s.q, &s.k, &s.v, &s.o, lse, segments, shape)?;
+        let mask = attention_mask(p, self.layer);
+        let (mut dq, mut dk, dv) = b.attention_bwd(
+            &d_o,
+            &s.q,
+            &s.k,
+            &s.v,
+            &s.o,
+            lse,
+            segments,
+            shape,
+            mask.as_ref(),
+        )?;
         let (cos, sin) = p.rope;
         b.rope(&mut dq, cos, sin, true)?;
         b.rope(&mut dk, cos, sin, true)?;

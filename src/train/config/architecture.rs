@@ -8,6 +8,7 @@ use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
 use crate::data::handlers::template::Template;
 use crate::data::tokenizer::HfTokenizer;
+use crate::engine::dropout::{Rate, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS};
 use crate::tensor::DType;
 use crate::train::args::Args;
 use anyhow::{anyhow, bail, Context, Result};
@@ -137,17 +138,40 @@ fn check_family_flags(a: &Args) -> Result<()> {
     if let Some(p) = fraction(a, "rotary-percent")?.filter(|p| *p != 1.0) {
         bail!("--rotary-percent {p}: only 1.0 (the whole head rotated) is implemented");
     }
-    for flag in ["attention-dropout", "hidden-dropout"] {
-        match fraction(a, flag)? {
-            Some(0.0) => {}
-            Some(p) => bail!("--{flag} {p}: dropout is not implemented; pass --{flag} 0.0"),
-            None => bail!(
-                "--{flag} is not given, and Megatron's default is 0.1: dropout is not implemented \
-                 here, so pass --{flag} 0.0 (as LLaMA recipes do)"
-            ),
-        }
-    }
     Ok(())
+}
+
+/// `--hidden-dropout` and `--attention-dropout` (Megatron's defaults: 0.1 each), `None` for
+/// 0, for a model of `model`'s layers and heads trained on `seq_length` positions (the
+/// bounds of the masks' keys, [`crate::engine::dropout`]).
+pub(super) fn dropout_rates(
+    a: &Args,
+    model: &ModelConfig,
+    seq_length: usize,
+) -> Result<(Option<Rate>, Option<Rate>)> {
+    let mut rates = [None; 2];
+    for (rate, flag) in rates
+        .iter_mut()
+        .zip(["hidden-dropout", "attention-dropout"])
+    {
+        let p = fraction(a, flag)?.unwrap_or(0.1);
+        if p == 1.0 {
+            bail!("--{flag} 1: dropout would drop every element (1/(1 − p) is infinite)");
+        }
+        *rate = Rate::new(p);
+    }
+    let [hidden, attention] = rates;
+    let over = [
+        (seq_length, MAX_POSITIONS, "--seq-length"),
+        (model.heads, MAX_HEADS, "attention heads"),
+        (model.layers, MAX_LAYERS, "layers"),
+    ]
+    .into_iter()
+    .find(|(n, max, _)| n > max);
+    if let (Some((n, max, what)), true) = (over, hidden.or(attention).is_some()) {
+        bail!("dropout's masks key at most {max} {what}, not {n}: pass --hidden-dropout 0 --attention-dropout 0");
+    }
+    Ok((hidden, attention))
 }
 
 /// The layer specs whose architecture mindkit builds: `(module, function)`.

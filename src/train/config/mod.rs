@@ -26,10 +26,11 @@ use crate::ckpt::layout::KeyLayout;
 use crate::data::gpt_dataset::{split_matrix, split_weights, Blend, MaskConfig};
 use crate::data::sft_dataset::Order;
 use crate::data::tokenizer::HfTokenizer;
+use crate::engine::dropout::Rate;
 use crate::model::params::LoraSpec;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Result};
-use architecture::{family_name, model_config, tokenizer, tokenizer_source};
+use architecture::{dropout_rates, family_name, model_config, tokenizer, tokenizer_source};
 use finetune::{lora_config, sft_config};
 use optimizer::{recorded_args, schedule};
 use parallelism::{
@@ -88,6 +89,8 @@ pub struct TrainConfig {
     pub split: String,
     /// `--seed`.
     pub seed: u32,
+    /// `--hidden-dropout`, `--attention-dropout` (`None`: 0).
+    pub dropout: (Option<Rate>, Option<Rate>),
     /// EOD, pad and masking.
     pub masks: MaskConfig,
     /// S.
@@ -497,6 +500,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             model.max_positions
         );
     }
+    let dropout = dropout_rates(a, &model, seq_length)?;
     let micro_batch = positive(a, "micro-batch-size")?
         .ok_or_else(|| anyhow!("--micro-batch-size is required"))?;
     let global_batch = positive(a, "global-batch-size")?.unwrap_or(micro_batch);
@@ -620,6 +624,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         blend,
         split,
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
+        dropout,
         surplus: non_negative(a, "mid-level-dataset-surplus")?
             .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
         masks,
