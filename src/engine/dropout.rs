@@ -180,6 +180,22 @@ impl Mask<'_> {
         }
     }
 
+    /// The factors of one sequence's attention probabilities `[heads, len, kv_len]`, row-major:
+    /// its queries are rows `first..first + len` of the call, its keys `first..first + kv_len`
+    /// (for a device that multiplies by an uploaded mask).
+    pub fn attention_factors(
+        &self,
+        heads: usize,
+        first: usize,
+        (len, kv_len): (usize, usize),
+    ) -> Vec<f32> {
+        let mut out = vec![1f32; heads * len * kv_len];
+        for (at, row) in out.chunks_mut(kv_len.max(1)).enumerate() {
+            self.scale_probs(at / len, first + at % len, first, row);
+        }
+        out
+    }
+
     /// The factors of every element of a hidden-state tensor `[rows, w]`, row-major (for a
     /// device that multiplies by an uploaded mask).
     pub fn factors(&self, w: usize) -> Vec<f32> {

@@ -338,21 +338,6 @@ impl Npu {
         self.add_view(&out.view(), &sin_term.view())
     }
 
-    /// Attention dropout is not built on the NPU: flash attention's dropMask would have to
-    /// hold mindkit's mask bits ([`crate::engine::dropout`]) in the packed layout
-    /// aclnnFlashAttentionVarLenScore reads, which CANN's headers do not document for the TND
-    /// layout, and the unfused path would need the mask materialised per sequence and head.
-    fn refuse_attention_dropout(&self, dropout: Option<&Mask>, dtype: DType) -> Result<()> {
-        match dropout {
-            None => Ok(()),
-            Some(_) => Err(EngineError::Unsupported {
-                op: "attention dropout",
-                dtype,
-                device: self.describe(),
-            }),
-        }
-    }
-
     /// `out = a · b` through views, `b` broadcast to `a` (aclnnMul).
     fn mul_view(&self, a: &View, b: &View, out: &View) -> Result<()> {
         let (x, y, o) = (
@@ -565,8 +550,6 @@ impl Device for Npu {
         match op {
             // Updated in place as f32, as on the CPU: gradients, main parameters, moments.
             Op::AdamW | Op::EmbeddingBwd => dtype == DType::F32,
-            // See `refuse_attention_dropout`.
-            Op::AttentionDropout => false,
             _ => float,
         }
     }
@@ -956,19 +939,21 @@ impl Backend for Npu {
         s: AttentionShape,
         dropout: Option<&Mask>,
     ) -> Result<(NpuTensor, NpuTensor)> {
-        self.refuse_attention_dropout(dropout, q.dtype)?;
         let n = check::attention(self, (q, k, v), segments, s)?;
         let cum = Self::cumulative(segments);
         let o = self.empty(&q.shape, q.dtype)?;
         let stats = self.empty(&[2, n, s.heads, STAT_LANES], DType::F32)?;
         let (qv, kv, vv) = heads_views(q, k, v, s);
         let out = o.view().reshaped(&[n, s.heads, s.head_dim], 0);
-        let fused = !self.flash.absent()
+        // Attention dropout runs unfused (`Npu::attention_by_matmul`), so that its mask is
+        // mindkit's: flash attention's dropMask layout for TND is not documented by CANN.
+        let fused = dropout.is_none()
+            && !self.flash.absent()
             && self.flash_attention(((&qv, &kv, &vv), (&cum, &cum)), s, &stats, &out)?;
         if !fused {
             for seq in sequences(segments, s) {
                 let qkv = (&q.view(), &k.view(), &v.view());
-                self.attention_by_matmul(qkv, seq, (s, q.dtype), &o.view())?;
+                self.attention_by_matmul(qkv, seq, (s, q.dtype, dropout), &o.view())?;
             }
         }
         Ok((o, stats))
@@ -986,7 +971,6 @@ impl Backend for Npu {
         s: AttentionShape,
         dropout: Option<&Mask>,
     ) -> Result<(NpuTensor, NpuTensor, NpuTensor)> {
-        self.refuse_attention_dropout(dropout, q.dtype)?;
         let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
         let statistics = [2, n, s.heads, STAT_LANES];
         check::expect_shape(
@@ -1002,7 +986,7 @@ impl Backend for Npu {
             self.empty(&k.shape, d_o.dtype)?,
             self.empty(&v.shape, d_o.dtype)?,
         );
-        let fused = !self.flash.absent() && {
+        let fused = dropout.is_none() && !self.flash.absent() && {
             let rows = [n, s.heads, s.head_dim];
             let (dy, ov) = (d_o.view().reshaped(&rows, 0), o.view().reshaped(&rows, 0));
             let (qv, kv, vv) = heads_views(q, k, v, s);
@@ -1019,7 +1003,7 @@ impl Backend for Npu {
                 self.attention_bwd_by_matmul(
                     (&d_o.view(), &q.view(), &k.view(), &v.view()),
                     seq,
-                    (s, d_o.dtype),
+                    (s, d_o.dtype, dropout),
                     (&dq.view(), &dk.view(), &dv.view()),
                 )?;
             }
@@ -1088,7 +1072,7 @@ impl Backend for Npu {
                 )?;
             if !fused {
                 let qkv = (&qf.view(), &k_cache.view(), &v_cache.view());
-                self.attention_by_matmul(qkv, seq, (s, DType::F32), &out.view())?;
+                self.attention_by_matmul(qkv, seq, (s, DType::F32, None), &out.view())?;
             }
             r += seg.len;
         }

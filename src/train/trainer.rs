@@ -90,9 +90,8 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<Self> {
         if cfg.dropout.1.is_some() && !b.supports(Op::AttentionDropout, cfg.model.dtype) {
             bail!(
-                "--attention-dropout (Megatron's default 0.1 when not given) is not built on {}: \
-                 its flash attention would need mindkit's mask bits in a dropMask layout CANN \
-                 does not document; pass --attention-dropout 0 (--hidden-dropout works)",
+                "--attention-dropout (Megatron's default 0.1 when not given) is not built on {}; \
+                 pass --attention-dropout 0",
                 b.describe()
             );
         }

@@ -9,7 +9,8 @@
 //! recomputed by the backward, so flash attention's saved statistics are then left unwritten.
 
 use super::{empty_view, softmax_stats, Npu, NpuTensor, CAUSAL_MASK};
-use crate::engine::{AttentionShape, Backend, Result};
+use crate::engine::dropout::Mask;
+use crate::engine::{AttentionShape, Backend, Device, Result};
 use crate::npu::descriptor::View;
 use crate::tensor::DType;
 
@@ -244,7 +245,7 @@ impl Npu {
         &self,
         (q, k, v): (&View, &View, &View),
         seq: Sequence,
-        (s, dtype): (AttentionShape, DType),
+        (s, dtype, dropout): (AttentionShape, DType, Option<&Mask>),
         out: &View,
     ) -> Result<()> {
         let h = Heads {
@@ -252,7 +253,10 @@ impl Npu {
             len: seq.len,
             kv_len: seq.kv_len,
         };
-        let p = self.probabilities(&h, (q, k), seq, dtype)?;
+        let mut p = self.probabilities(&h, (q, k), seq, dtype)?;
+        if let Some(factors) = self.dropout_factors(&h, seq, dropout)? {
+            p = self.times(&p, &factors)?;
+        }
         let p = self.converted(p, dtype)?;
         for j in 0..h.per_group() {
             let o = h.query(out, seq.q_at, j);
@@ -267,7 +271,7 @@ impl Npu {
         &self,
         (d_o, q, k, v): (&View, &View, &View, &View),
         seq: Sequence,
-        (s, dtype): (AttentionShape, DType),
+        (s, dtype, dropout): (AttentionShape, DType, Option<&Mask>),
         (dq, dk, dv): (&View, &View, &View),
     ) -> Result<()> {
         let h = Heads {
@@ -282,10 +286,20 @@ impl Npu {
             self.bmm(&dy, &h.keys(v, seq.kv_at, true), &h.scores(&dp, j, false))?;
         }
         let mut ds = self.empty(&h.score_shape(), DType::F32)?;
-        let dp = self.as_dtype(&dp, DType::F32)?;
+        let mut dp = self.converted(dp, DType::F32)?;
+        // Under dropout `O = (P ∘ M)·V`: `dP = (dO·Vᵀ) ∘ M`, the softmax's backward from the
+        // undropped `P`, and `dV = (P ∘ M)ᵀ·dO`.
+        let factors = self.dropout_factors(&h, seq, dropout)?;
+        if let Some(f) = &factors {
+            dp = self.times(&dp, f)?;
+        }
         self.softmax_bwd(&dp.view(), &p32.view(), &ds.view())?;
         self.scale(&mut ds, s.scale)?;
-        let (ds, p) = (self.converted(ds, dtype)?, self.as_dtype(&p32, dtype)?);
+        let p = match &factors {
+            Some(f) => self.times(&p32, f)?,
+            None => p32,
+        };
+        let (ds, p) = (self.converted(ds, dtype)?, self.converted(p, dtype)?);
         // dk and dv sum over the heads of a group: the first head writes, the others add.
         let part = self.empty(&[s.groups, seq.kv_len, s.head_dim], dtype)?;
         for j in 0..h.per_group() {
@@ -329,6 +343,29 @@ impl Npu {
         let p = self.empty(&h.score_shape(), DType::F32)?;
         self.softmax(&scores.view(), &p.view())?;
         Ok(p)
+    }
+
+    /// One sequence's attention-dropout factors `[heads, len, kv_len]` (f32), drawn on the host
+    /// from mindkit's generator as the CPU draws them (`None` without dropout).
+    fn dropout_factors(
+        &self,
+        h: &Heads,
+        seq: Sequence,
+        dropout: Option<&Mask>,
+    ) -> Result<Option<NpuTensor>> {
+        let Some(mask) = dropout else {
+            return Ok(None);
+        };
+        let first = seq.q_at / (h.s.heads * h.s.head_dim);
+        let factors = mask.attention_factors(h.s.heads, first, (h.len, h.kv_len));
+        Ok(Some(self.upload_f32(&h.score_shape(), &factors)?))
+    }
+
+    /// `x ∘ factors` (f32, aclnnMul) as a new tensor.
+    fn times(&self, x: &NpuTensor, factors: &NpuTensor) -> Result<NpuTensor> {
+        let out = self.empty(&x.shape, DType::F32)?;
+        self.mul_view(&x.view(), &factors.view(), &out.view())?;
+        Ok(out)
     }
 
     /// Scores of keys after each query's position set to −∞ (right-down causal: query `i`
