@@ -8,6 +8,7 @@ use crate::ckpt::layout::{chunk_entries, Parallel};
 use crate::ckpt::megatron::{RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
 use crate::ckpt::torch::save::PtWriter;
+use crate::data::tekken::is_tekken_path;
 use crate::model::params::ParamTable;
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
@@ -248,10 +249,23 @@ pub fn prepare(save: &Path, tokenizer: &Path) -> Result<()> {
             names.join(", ")
         );
     }
-    if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
+    if is_tekken_file(tokenizer) {
+        // named as a Magistral checkpoint names it, and as `HfTokenizer::load` finds it in a
+        // directory
+        std::fs::copy(tokenizer, save.join(TEKKEN))
+            .with_context(|| format!("copying {} into --save", tokenizer.display()))?;
+    } else if !save.join("tokenizer.json").is_file() && !save.join("vocab.json").is_file() {
         crate::ckpt::hf::copy_side_files(&tokenizer_dir(tokenizer), save)?;
     }
     Ok(())
+}
+
+/// The name of a tekken tokenizer's file beside the checkpoints.
+const TEKKEN: &str = "tekken.json";
+
+/// Whether the run's tokenizer is a tekken file (`--tokenizer-type MagistralTokenizer`).
+fn is_tekken_file(tokenizer: &Path) -> bool {
+    tokenizer.is_file() && is_tekken_path(tokenizer)
 }
 
 /// The directory a tokenizer's files are in (`tokenizer` names it, or one of its files).
@@ -268,11 +282,12 @@ fn tokenizer_dir(tokenizer: &Path) -> PathBuf {
 
 /// The files that define a tokenizer's vocabulary: one of them in `--save` that the run's
 /// tokenizer lacks or holds otherwise would be kept beside checkpoints it does not fit.
-const TOKENIZER_FILES: [&str; 4] = [
+const TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    TEKKEN,
 ];
 
 /// Refuse a `--save` that already holds another tokenizer than the run's (`tokenizer`).
@@ -282,7 +297,11 @@ pub fn check_tokenizer_files(save: &Path, tokenizer: &Path) -> Result<()> {
         let Ok(there) = std::fs::read(save.join(name)) else {
             continue;
         };
-        if std::fs::read(from.join(name)).ok().as_ref() != Some(&there) {
+        let ours = match name == TEKKEN && is_tekken_file(tokenizer) {
+            true => tokenizer.to_path_buf(),
+            false => from.join(name),
+        };
+        if std::fs::read(ours).ok().as_ref() != Some(&there) {
             anyhow::bail!(
                 "--save {}: its {name} is not the tokenizer this run trains with ({}); move it \
                  away or --save elsewhere",
@@ -419,4 +438,32 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         write_distributed(&rank.join(DISTRIBUTED_FILE), d)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tekken_tokenizer_is_kept_beside_the_checkpoints_and_another_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (save, other) = (dir.path().join("save"), dir.path().join("other"));
+        std::fs::create_dir_all(&other).unwrap();
+        let tekken = dir.path().join("tekken_240911.json");
+        std::fs::write(&tekken, b"{\"vocab\": []}").unwrap();
+        prepare(&save, &tekken).unwrap();
+        assert_eq!(
+            std::fs::read(save.join(TEKKEN)).unwrap(),
+            b"{\"vocab\": []}"
+        );
+        prepare(&save, &tekken).unwrap();
+        let another = other.join("tekken.json");
+        std::fs::write(&another, b"{\"vocab\": [1]}").unwrap();
+        let err = prepare(&save, &another).unwrap_err().to_string();
+        assert!(err.contains("tekken.json is not the tokenizer"), "{err}");
+        assert_eq!(
+            std::fs::read(save.join(TEKKEN)).unwrap(),
+            b"{\"vocab\": []}"
+        );
+    }
 }
