@@ -169,6 +169,14 @@ pub(super) fn recorded_args(
         ("optimizer", json!("adam")),
         ("bf16", json!(bf16)),
         (
+            "hidden_dropout",
+            json!(a.parse_value::<f64>("hidden-dropout")?.unwrap_or(0.1)),
+        ),
+        (
+            "attention_dropout",
+            json!(a.parse_value::<f64>("attention-dropout")?.unwrap_or(0.1)),
+        ),
+        (
             "gradient_accumulation_fusion",
             json!(!a.has("no-gradient-accumulation-fusion")),
         ),
