@@ -385,6 +385,12 @@ pub trait Backend: Device {
         let rounded = self.cast(x, dtype)?;
         self.copy_into(&rounded, x)
     }
+    /// `sum += x` with `x`'s f32 values rounded to `dtype`'s precision first (to nearest even):
+    /// a backward pass's bf16 gradient added into its f32 main gradient (aclnnCast,
+    /// aclnnInplaceAdd).
+    fn add_rounded(&self, sum: &mut Self::Tensor, x: &Self::Tensor, dtype: DType) -> Result<()> {
+        self.add_assign(sum, &self.cast(x, dtype)?)
+    }
     /// `dst[to..to + n] = src[at..at + n]` over the two tensors' elements in row-major order,
     /// converted to `dst`'s dtype (aclnnInplaceCopy over views of the two storages): a
     /// parameter into its place in a flat buffer and back. Overwrites that range of `dst` only.

@@ -304,6 +304,13 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
         case!("copy_into", Cast, "[4,9] → f32", 1.0, copy_into),
         case!("round_to", Cast, "[7,11] f32 to bf16", 1.0, round_to),
         case!(
+            "add_rounded",
+            Add,
+            "[7,11] += bf16 of [7,11]",
+            1.0,
+            add_rounded
+        ),
+        case!(
             "copy_range",
             Cast,
             "[4,9][7..30] → [40][3..26] f32, bf16",
@@ -695,6 +702,18 @@ fn round_to<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
         let mut x = b.upload(&x)?;
         b.round_to(&mut x, DType::BF16)?;
         vec![b.download_f32(&x)?]
+    }))
+}
+
+fn add_rounded<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (sum, x) = (
+        i.tensor_in(&[7, 11], DType::F32),
+        i.tensor_in(&[7, 11], DType::F32),
+    );
+    Ok(on_both!(dut, cpu, |b| {
+        let mut sum = b.upload(&sum)?;
+        b.add_rounded(&mut sum, &b.upload(&x)?, DType::BF16)?;
+        vec![b.download_f32(&sum)?]
     }))
 }
 

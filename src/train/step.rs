@@ -197,11 +197,13 @@ impl<B: Backend> Trainer<B> {
             saved,
             tp.as_ref(),
         )?;
-        for &i in &rounded {
-            self.b.round_to(&mut self.grads[i], DType::BF16)?;
+        if earlier.is_empty() {
+            for &i in &rounded {
+                self.b.round_to(&mut self.grads[i], DType::BF16)?;
+            }
         }
         for (&i, mut sum) in rounded.iter().zip(earlier) {
-            self.b.add_assign(&mut sum, &self.grads[i])?;
+            self.b.add_rounded(&mut sum, &self.grads[i], DType::BF16)?;
             self.grads[i] = sum;
         }
         Ok(d)

@@ -932,6 +932,19 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn add_rounded(&self, sum: &mut CpuTensor, x: &CpuTensor, dtype: DType) -> Result<()> {
+        ensure(dtype == DType::BF16, "add_rounded", || {
+            format!("to {dtype:?}")
+        })?;
+        check::expect_shape(self, "add_rounded", "x", x, &sum.shape)?;
+        let block = rows::block_rows(sum.cols());
+        rows::update_rows("add_rounded", sum, [x], block, |_, sum, [x]| {
+            for (s, v) in sum.iter_mut().zip(x) {
+                *s += bf16_to_f32(bf16_bits(*v));
+            }
+        })
+    }
+
     fn copy_range(
         &self,
         (src, at): (&CpuTensor, usize),
