@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use mindkit::data::handlers::template::ReasoningEffort;
 use mindkit::data::indexed::IndexedDataset;
 use mindkit::data::preprocess::{
     key_prefix, preprocess, DTypeChoice, HandlerKind, PreprocessOptions,
@@ -50,6 +51,8 @@ fn options(input: PathBuf, out: PathBuf, tok: PathBuf) -> PreprocessOptions {
         prompt_type: None,
         prompt_type_path: None,
         enable_thinking: None,
+        reasoning_effort: None,
+        drop_thinking: true,
         map_keys: None,
         seq_length: None,
         pack: false,
@@ -114,6 +117,20 @@ fn enable_thinking(g: &Value) -> Option<bool> {
     g.get("enable_thinking").and_then(Value::as_bool)
 }
 
+/// A golden case's thinking switches into the options: `--enable-thinking`, and the deepseek4
+/// cases' `--reasoning-effort` (absent or null: none) and `--drop-thinking` (absent: true).
+fn set_thinking(o: &mut PreprocessOptions, g: &Value) {
+    o.enable_thinking = enable_thinking(g);
+    o.reasoning_effort = g
+        .get("reasoning_effort")
+        .and_then(Value::as_str)
+        .map(|e| ReasoningEffort::parse(e).unwrap());
+    o.drop_thinking = g
+        .get("drop_thinking")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+}
+
 /// Runs mindkit on one golden case of MindSpeed-LLM's arrays (`{"dropped": true}`: a record its
 /// alignment drops; `{"refused": "..."}`: one its handler raises on, which mindkit refuses, and
 /// skips with --skip-bad-records) and compares every document. False when its tokenizer is absent.
@@ -135,7 +152,7 @@ fn matches_json_golden(path: &Path) -> bool {
     o.handler = HandlerKind::parse(g["handler"].as_str().unwrap());
     o.prompt_type = g["prompt_type"].as_str().map(String::from);
     o.append_eod = g["append_eod"].as_bool().unwrap();
-    o.enable_thinking = enable_thinking(&g);
+    set_thinking(&mut o, &g);
     let documents = g["documents"].as_array().unwrap();
     let refused = documents
         .iter()
@@ -250,7 +267,7 @@ fn compare_disk_cases(dir: &str) -> (usize, usize) {
         o.prompt_type = c["prompt_type"].as_str().map(String::from);
         o.seq_length = c["seq_length"].as_u64().map(|n| n as usize);
         o.pack = c["pack"].as_bool().unwrap();
-        o.enable_thinking = enable_thinking(c);
+        set_thinking(&mut o, c);
         preprocess(&o).unwrap_or_else(|e| panic!("{case}: {e}"));
         for key in ["input_ids", "attention_mask", "labels"] {
             for ext in ["bin", "idx"] {
@@ -281,4 +298,47 @@ fn template_truncation_is_byte_identical_to_mindspeed() {
     let (compared, total) = compare_disk_cases("golden/mindspeed/templates/disk");
     assert_eq!(total, 6);
     assert!(compared == total || compared == 0, "{compared} of {total}");
+}
+
+/// deepseek4 (DeepSeek4Template's own V4 encoder): every --enable-thinking mode with
+/// --drop-thinking true and false, --reasoning-effort max and high, system prompts, multi-turn
+/// thoughts, function and observation messages as tool results, OpenAI records, a conversation
+/// it raises on; the same ids and labels as MindSpeed-LLM's handler.
+#[test]
+fn deepseek4_matches_mindspeed_in_each_thinking_mode() {
+    let (compared, total) = compare_json_goldens("golden/mindspeed/templates/deepseek4", "");
+    assert_eq!(total, 15);
+    assert!(compared == total || compared == 0, "{compared} of {total}");
+}
+
+/// deepseek4 cut to --seq-length (LFDefaultTemplate's `_infer_seqlen`) and the drop rule: the
+/// same .bin/.idx bytes as MindSpeed-LLM's `serialize_to_disk`.
+#[test]
+fn deepseek4_truncation_is_byte_identical_to_mindspeed() {
+    let (compared, total) = compare_disk_cases("golden/mindspeed/templates/deepseek4/disk");
+    assert_eq!(total, 2);
+    assert!(compared == total || compared == 0, "{compared} of {total}");
+}
+
+/// preprocess_data.py refuses `--reasoning-effort` without `--enable-thinking true` before it
+/// reads anything; so does mindkit.
+#[test]
+fn reasoning_effort_without_thinking_is_refused_as_mindspeed_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(
+        fixtures().join("corpus/thinking.jsonl"),
+        dir.path().join("out"),
+        fixtures().join("tokenizers/tiny-bpe"),
+    );
+    o.handler = HandlerKind::parse("sharegpt");
+    o.prompt_type = Some("deepseek4".into());
+    o.reasoning_effort = Some(ReasoningEffort::Max);
+    for thinking in [None, Some(false)] {
+        o.enable_thinking = thinking;
+        let e = preprocess(&o).unwrap_err().to_string();
+        assert!(
+            e.contains("--reasoning-effort requires --enable-thinking true"),
+            "{e}"
+        );
+    }
 }

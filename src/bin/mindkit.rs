@@ -357,6 +357,12 @@ struct PreprocessArgs {
     /// Reasoning templates (qwen3, glm4_moe, magistral, gpt_oss): true trains on an empty thought added to answers without one; false removes all thoughts; none (default) keeps them.
     #[arg(long, value_name = "true|false|none", default_value = "none")]
     enable_thinking: String,
+    /// deepseek4 template, with --enable-thinking true: max puts the maximum-effort instruction before the first message; high changes nothing (MindSpeed-LLM's "reserved").
+    #[arg(long, value_name = "max|high")]
+    reasoning_effort: Option<String>,
+    /// deepseek4 template, with --enable-thinking true: true (default) strips the thoughts of answers before the last user message; false keeps and trains them all.
+    #[arg(long, value_name = "true|false", default_value = "true")]
+    drop_thinking: String,
     /// JSON object renaming columns/tags, as MindSpeed-LLM's --map-keys.
     #[arg(long)]
     map_keys: Option<String>,
@@ -510,6 +516,12 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
         prompt_type: a.prompt_type,
         prompt_type_path: a.prompt_type_path,
         enable_thinking: preprocess::parse_enable_thinking(&a.enable_thinking)?,
+        reasoning_effort: a
+            .reasoning_effort
+            .as_deref()
+            .map(preprocess::parse_reasoning_effort)
+            .transpose()?,
+        drop_thinking: preprocess::parse_drop_thinking(&a.drop_thinking)?,
         map_keys,
         seq_length: a.seq_length,
         pack: a.pack,

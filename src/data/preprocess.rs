@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::handlers::chat::{ChatFormat, ChatHandler, Columns};
 use super::handlers::pretrain::Pretrain;
 use super::handlers::prompter::{PrompterHandler, PrompterKind};
-use super::handlers::template::Template;
+use super::handlers::template::{ReasoningEffort, Template};
 use super::handlers::{Document, Handler, RecordError, IGNORE};
 use super::indexed::{self, DType, IndexedWriter};
 use super::source::{expand_inputs_as, Format, Item, RecordReader, Sink, SkippedFile};
@@ -153,6 +153,12 @@ pub struct PreprocessOptions {
     /// MindSpeed-LLM's `--enable-thinking` (true, false, none): how a reasoning template treats
     /// thoughts; no effect with other templates.
     pub enable_thinking: Option<bool>,
+    /// MindSpeed-LLM's `--reasoning-effort` (max, high, or none: the default); read by the
+    /// deepseek4 template only, and only with `enable_thinking` true.
+    pub reasoning_effort: Option<ReasoningEffort>,
+    /// MindSpeed-LLM's `--drop-thinking` (default true): the deepseek4 template strips the
+    /// reasoning of answers before the last user message.
+    pub drop_thinking: bool,
     /// `--map-keys` JSON.
     pub map_keys: Option<serde_json::Map<String, serde_json::Value>>,
     /// Drop sequences with this many tokens or more (MindSpeed); also the template cutoff.
@@ -573,9 +579,35 @@ pub fn parse_enable_thinking(value: &str) -> Result<Option<bool>, PreprocessErro
     }
 }
 
+/// MindSpeed-LLM's `--reasoning-effort`: `max` or `high` (argparse choices, case-sensitive).
+pub fn parse_reasoning_effort(value: &str) -> Result<ReasoningEffort, PreprocessError> {
+    ReasoningEffort::parse(value).ok_or_else(|| {
+        PreprocessError::Options(format!("--reasoning-effort {value}: choose max or high"))
+    })
+}
+
+/// MindSpeed-LLM's `--drop-thinking` value: `true` or `false`, in any case.
+pub fn parse_drop_thinking(value: &str) -> Result<bool, PreprocessError> {
+    match value.to_lowercase().as_str() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(PreprocessError::Options(format!(
+            "--drop-thinking {value}: choose true or false"
+        ))),
+    }
+}
+
 /// Run preprocessing. Outputs appear only if the whole run succeeds.
 pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> {
     let start = Instant::now();
+    // preprocess_data.py's own check, made before anything is read.
+    if opts.reasoning_effort.is_some() && opts.enable_thinking != Some(true) {
+        return Err(PreprocessError::Options(
+            "--reasoning-effort requires --enable-thinking true: remove --reasoning-effort or \
+             enable thinking"
+                .into(),
+        ));
+    }
     let mut tok = match opts.tokenizer_type.as_deref() {
         None => HfTokenizer::load(&opts.tokenizer)?,
         Some(kind) => HfTokenizer::load_as(&opts.tokenizer, kind == "MagistralTokenizer")?,
@@ -583,8 +615,8 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     let template = match &opts.prompt_type {
         Some(name) => {
             let t = Template::load(name, opts.prompt_type_path.as_deref())?
-                .with_enable_thinking(opts.enable_thinking);
-            t.check_encodable()?;
+                .with_enable_thinking(opts.enable_thinking)
+                .with_reasoning(opts.reasoning_effort, opts.drop_thinking);
             t.fix_tokenizer(&mut tok)?;
             Some(t)
         }

@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use super::template::{Message, Role, Template};
+use super::template::{Message, Role, Template, TemplateClass};
 use super::{opt_str_field, Document, Handler, RecordError, IGNORE, INSTRUCTION_KEYS};
 use crate::data::tokenizer::HfTokenizer;
 
@@ -334,6 +334,9 @@ impl ChatHandler<'_> {
                 ))
             }
         };
+        if openai && self.template.class() == TemplateClass::DeepSeek4 {
+            refuse_v4_fields(r, messages)?;
+        }
         let mut system = match &c.system {
             Some(s) => opt_str_field(r, s)?.to_string(),
             None => String::new(),
@@ -403,6 +406,40 @@ impl ChatHandler<'_> {
     }
 }
 
+/// MindSpeed-LLM's OpenAI converter hands `DeepSeek4Template` a record's `tools` column and its
+/// messages' `tool_calls` and `reasoning_content` (`convert_openai_to_intermediate`), which it
+/// renders as DSML tool schemas and invocations and as reasoning: mindkit does not carry them, so
+/// it refuses such records rather than encode them differently. (`tool_call_id` only orders the
+/// results of `tool_calls`.)
+fn refuse_v4_fields(r: &Map<String, Value>, messages: &[Value]) -> Result<(), RecordError> {
+    let refuse = |what: String| {
+        Err(RecordError::invalid(
+            "unsupported field",
+            format!(
+                "{what}: the deepseek4 template renders it (DSML tools, reasoning), which mindkit \
+                 does not implement; remove it or use --skip-bad-records"
+            ),
+        ))
+    };
+    let empty = |v: &Value| match v {
+        Value::Null => true,
+        Value::String(s) => super::py_strip(s).is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    };
+    if r.get("tools").is_some_and(|t| !empty(t)) {
+        return refuse("column \"tools\"".into());
+    }
+    for (i, m) in messages.iter().enumerate() {
+        for field in ["tool_calls", "reasoning_content"] {
+            if m.get(field).is_some_and(|v| !v.is_null()) {
+                return refuse(format!("messages[{i}].{field}"));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Handler for ChatHandler<'_> {
     fn keys(&self) -> Vec<String> {
         INSTRUCTION_KEYS.iter().map(|s| s.to_string()).collect()
@@ -421,6 +458,10 @@ impl Handler for ChatHandler<'_> {
             // `messages` too: OpenAI records are recognised by that column.
             ChatFormat::Sharegpt => vec![c.messages.clone(), Columns::openai().messages],
         };
+        if self.template.class() == TemplateClass::DeepSeek4 {
+            // Read so that OpenAI records with tools are refused (see `refuse_v4_fields`).
+            names.push("tools".into());
+        }
         names.extend(c.system.iter().cloned());
         names
     }
@@ -473,5 +514,33 @@ impl Handler for ChatHandler<'_> {
             labels.push(e as i64);
         }
         Ok(super::instruction_document(input_ids, labels))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(json: &str) -> Map<String, Value> {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn deepseek4_refuses_openai_fields_it_would_render_as_dsml_or_reasoning() {
+        let check = |json: &str| {
+            let r = record(json);
+            let messages = r["messages"].as_array().unwrap().clone();
+            refuse_v4_fields(&r, &messages).map_err(|e| e.detail)
+        };
+        check(r#"{"messages": [{"role": "user", "content": "q", "tool_call_id": "1"}], "tools": " "}"#)
+            .unwrap();
+        check(r#"{"messages": [], "tools": [], "reasoning_content": "x"}"#).unwrap();
+        let e = check(r#"{"messages": [], "tools": "[{\"type\": \"function\"}]"}"#).unwrap_err();
+        assert!(e.starts_with("column \"tools\""), "{e}");
+        let e = check(r#"{"messages": [{"role": "assistant", "tool_calls": []}]}"#).unwrap_err();
+        assert!(e.starts_with("messages[0].tool_calls"), "{e}");
+        let e =
+            check(r#"{"messages": [{"role": "user"}, {"reasoning_content": ""}]}"#).unwrap_err();
+        assert!(e.starts_with("messages[1].reasoning_content"), "{e}");
     }
 }

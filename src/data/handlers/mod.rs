@@ -120,9 +120,15 @@ pub fn opt_str_field<'a>(
     }
 }
 
+/// Python's `str.isspace()` for one character (also what `\s` matches in a `str` regex):
+/// Unicode White_Space plus the separators U+001C..U+001F.
+pub fn py_isspace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
 /// Python's `str.strip()` with no arguments.
 pub fn py_strip(s: &str) -> &str {
-    s.trim_matches(|c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+    s.trim_matches(py_isspace)
 }
 
 /// Token ids as i64.

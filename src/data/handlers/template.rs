@@ -8,10 +8,10 @@
 //! Template classes: `Template`, `LFDefaultTemplate` (no separator, `_infer_seqlen` truncation to
 //! cutoff − 1), `Llama2Template` (system text inside the first user message) and
 //! `ReasoningTemplate` (thought words and `enable_thinking`). `DeepSeek4Template` renders with an
-//! encoder of its own (DSML tool calls, `reasoning_effort`, `drop_thinking`): it loads, for the
-//! tokenizer fix that training needs, but is refused for encoding.
+//! encoder of its own ([`deepseek4`]: V4 messages, `reasoning_effort`, `drop_thinking`).
 
 mod builtin;
+pub mod deepseek4;
 mod formatter;
 mod truncation;
 
@@ -20,6 +20,7 @@ use serde_json::Value;
 use super::RecordError;
 use crate::data::tokenizer::{HfTokenizer, TokenizerError};
 use builtin::BUILTIN;
+pub use deepseek4::{Deepseek4Thinking, ReasoningEffort};
 use formatter::{apply, slots_problem, FormatterKind, FunctionFormat};
 pub use formatter::{py_json, Slot};
 use truncation::{make_pairs, Truncation};
@@ -67,14 +68,6 @@ pub enum TemplateError {
         /// The tokenizer's refusal.
         source: TokenizerError,
     },
-    /// A template class mindkit does not implement (it refuses rather than approximates).
-    #[error("--prompt-type {name}: {problem}")]
-    Unsupported {
-        /// The template.
-        name: String,
-        /// Why.
-        problem: String,
-    },
 }
 
 /// One turn's (prompt ids, answer ids), as MindSpeed-LLM's `_make_pairs` yields them.
@@ -91,7 +84,7 @@ pub enum TemplateClass {
     Llama2,
     /// `ReasoningTemplate`: `Template`'s layout, `_infer_seqlen` truncation, thought words.
     Reasoning,
-    /// `DeepSeek4Template`: not implemented (its own encoder); refused for encoding.
+    /// `DeepSeek4Template`: V4 messages rendered by an encoder of its own ([`deepseek4`]).
     DeepSeek4,
 }
 
@@ -149,6 +142,10 @@ pub struct Template {
     /// The reasoning markers (default `"<think>\n"`, `"\n</think>\n\n"`).
     pub thought_words: (String, String),
     enable_thinking: Option<bool>,
+    /// `--reasoning-effort` (DeepSeek4Template only).
+    reasoning_effort: Option<ReasoningEffort>,
+    /// `--drop-thinking` (DeepSeek4Template only; default true).
+    drop_thinking: bool,
     class: TemplateClass,
 }
 
@@ -388,35 +385,34 @@ impl Template {
             replace_eos: truthy(e.get("replace_eos")),
             thought_words,
             enable_thinking: None,
+            reasoning_effort: None,
+            drop_thinking: true,
             class,
         })
     }
 
     /// MindSpeed-LLM's `--enable-thinking` (true, false, or none: the default); it changes only
-    /// how a `ReasoningTemplate` treats thoughts.
+    /// how a `ReasoningTemplate` or `DeepSeek4Template` treats thoughts.
     pub fn with_enable_thinking(mut self, enable_thinking: Option<bool>) -> Template {
         self.enable_thinking = enable_thinking;
+        self
+    }
+
+    /// MindSpeed-LLM's `--reasoning-effort` (default none) and `--drop-thinking` (default true);
+    /// only a `DeepSeek4Template` reads them.
+    pub fn with_reasoning(
+        mut self,
+        reasoning_effort: Option<ReasoningEffort>,
+        drop_thinking: bool,
+    ) -> Template {
+        self.reasoning_effort = reasoning_effort;
+        self.drop_thinking = drop_thinking;
         self
     }
 
     /// The template class.
     pub fn class(&self) -> TemplateClass {
         self.class
-    }
-
-    /// Whether mindkit can encode conversations with this template (it refuses the classes it
-    /// does not implement, by name, before any record is read).
-    pub fn check_encodable(&self) -> Result<(), TemplateError> {
-        match self.class {
-            TemplateClass::DeepSeek4 => Err(TemplateError::Unsupported {
-                name: self.name.clone(),
-                problem: "its class DeepSeek4Template renders conversations with an encoder of its own \
-                          (V4 message schema, DSML tool calls, reasoning_effort, drop_thinking), which \
-                          mindkit does not implement"
-                    .into(),
-            }),
-            _ => Ok(()),
-        }
     }
 
     /// MindSpeed's `fix_model_tokenizer`: with `replace_eos` the first stop word becomes eos (added
@@ -597,13 +593,17 @@ impl Template {
                 1,
                 Truncation::InferSeqlen,
             )),
-            TemplateClass::DeepSeek4 => Err(RecordError::invalid(
-                "unsupported template",
-                self.check_encodable()
-                    .err()
-                    .map(|e| e.to_string())
-                    .unwrap_or_default(),
-            )),
+            TemplateClass::DeepSeek4 => deepseek4::encode_multiturn(
+                tok,
+                messages,
+                system,
+                cutoff_len,
+                Deepseek4Thinking {
+                    enable_thinking: self.enable_thinking,
+                    reasoning_effort: self.reasoning_effort,
+                    drop_thinking: self.drop_thinking,
+                },
+            ),
         }
     }
 
@@ -689,13 +689,11 @@ mod tests {
     }
 
     #[test]
-    fn deepseek4_loads_but_is_refused_for_encoding() {
+    fn deepseek4_is_its_own_class_with_the_end_of_sentence_stop_word() {
         let t = Template::load("deepseek4", None).unwrap();
-        let e = t.check_encodable().unwrap_err().to_string();
-        assert!(
-            e.contains("deepseek4") && e.contains("DeepSeek4Template"),
-            "{e}"
-        );
+        assert_eq!(t.class(), TemplateClass::DeepSeek4);
+        assert_eq!(t.stop_words, ["<｜end▁of▁sentence｜>"]);
+        assert!(!t.efficient_eos && !t.replace_eos);
     }
 
     #[test]
