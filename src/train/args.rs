@@ -278,6 +278,7 @@ pub const FLAGS: &[Flag] = &[
     inert("master_port", One, LAUNCH),
     // Kernel, overlap and memory switches.
     inert("use-flash-attn", Nothing, KERNEL),
+    inert("shape-order", One, "the layout (SBH, BSH, BSND, BNSD) MindSpeed feeds its flash attention kernel; the math is the same"),
     inert("use-fused-rmsnorm", Nothing, KERNEL),
     inert("use-fused-swiglu", Nothing, KERNEL),
     inert("use-fused-rotary-pos-emb", Nothing, KERNEL),
@@ -298,6 +299,7 @@ pub const FLAGS: &[Flag] = &[
     inert("overlap-param-gather", Nothing, OVERLAP),
     inert("no-async-tensor-model-parallel-allreduce", Nothing, OVERLAP),
     inert("reuse-fp32-param", Nothing, MEMORY),
+    inert("swap-optimizer", Nothing, "MindSpeed's swap of the optimizer state to host memory between steps; saves device memory, the result is the same"),
     inert("recompute-granularity", One, MEMORY),
     inert("recompute-method", One, MEMORY),
     inert("recompute-num-layers", One, MEMORY),
