@@ -2545,12 +2545,13 @@ fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradient
         "--save-interval",
         "1",
     ];
-    let gradients = |name: &str, global: &str, iters: &str, extra: &[&str]| {
+    let gradients = |name: &str, tied: bool, (global, iters): (&str, &str), extra: &[&str]| {
         let save = dir.path().join(name);
-        let a = args(
-            &data,
-            &[&exact[..], extra, &["--save", save.to_str().unwrap()]].concat(),
-        );
+        let flags = [&exact[..], extra, &["--save", save.to_str().unwrap()]].concat();
+        let a = match tied {
+            true => from_scratch(&data, &[], &flags),
+            false => args(&data, &flags),
+        };
         let a = [
             ("--global-batch-size", global),
             ("--train-iters", iters),
@@ -2563,13 +2564,12 @@ fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradient
         run(&a).success();
         save
     };
-    for (fusion, extra) in [
-        (false, &["--no-gradient-accumulation-fusion"][..]),
-        (true, &[][..]),
-    ] {
-        let tag = if fusion { "fused" } else { "unfused" };
-        let single = gradients(&format!("{tag}-single"), "2", "2", extra);
-        let double = gradients(&format!("{tag}-double"), "4", "1", extra);
+    let unfused = ["--no-gradient-accumulation-fusion"];
+    for (fusion, tied) in [(false, false), (true, false), (false, true), (true, true)] {
+        let tag = format!("fused {fusion} tied {tied}");
+        let extra = if fusion { &[][..] } else { &unfused[..] };
+        let single = gradients(&format!("{tag}-single"), tied, ("2", "2"), extra);
+        let double = gradients(&format!("{tag}-double"), tied, ("4", "1"), extra);
         let (g0, g1) = (first_moments(&single, 1), first_moments(&single, 2));
         let g = first_moments(&double, 1);
         assert!(!g.is_empty() && g.len() == g0.len() && g.len() == g1.len());
@@ -2580,8 +2580,9 @@ fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradient
             "the first parameter is not the embedding"
         );
         for (i, (((shape, g), (_, g0)), (_, g1))) in g.iter().zip(&g0).zip(&g1).enumerate() {
-            // norms (1-D) and the embedding are bf16 tensors upstream
-            let linear = shape.len() == 2 && i > 0;
+            // norms (1-D) and an untied embedding are bf16 tensors upstream; a tied one's
+            // output-layer product is fused
+            let linear = shape.len() == 2 && (i > 0 || tied);
             let rounded = !(fusion && linear);
             let all_exact = |v: &[f32]| v.iter().all(|&x| bf16_exact(x));
             assert_eq!(all_exact(g0), rounded, "{tag} {shape:?}: one micro-batch");

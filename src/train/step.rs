@@ -262,13 +262,16 @@ impl<B: Backend> Trainer<B> {
 /// add straight into the f32 main gradient (megatron-core `tensor_parallel/layers.py`
 /// `LinearWithGradAccumulationAndAsyncCommunication.backward`, `wgrad_gemm_accum_fp32`;
 /// MindSpeed's NPU kernel alike). Linear weights: the projections, the output layer (also a
-/// later pipeline stage's copy of a tied embedding) and LoRA's factors (peft's megatron
-/// layers are Megatron linear layers). Biases, norms and the embedding are always rounded; so
-/// is a tied embedding on one stage, whose output-layer product upstream's fusion mixes with
-/// the lookup's bf16 gradient in a way mindkit does not follow (docs/training.md §3.4).
+/// later pipeline stage's copy of a tied embedding, and a tied embedding on one stage, whose
+/// output-layer product upstream fuses) and LoRA's factors (peft's megatron layers are
+/// Megatron linear layers). Biases, norms and an embedding that is only looked up are always
+/// rounded (docs/training.md §3.4).
 fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
+    let tied_on_one_stage =
+        p.canon.role == Role::Embedding && cfg.model.tied && cfg.stages.len() == 1;
     let linear_weight = p.lora.is_some()
         || p.shared
+        || tied_on_one_stage
         || matches!(
             p.canon.role,
             Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2 | Role::Output
