@@ -5,7 +5,7 @@
 mod common;
 
 use common::{convert, fixture};
-use mindkit::data::tokenizer::HfTokenizer;
+use mindkit::data::tokenizer::Tokenizer;
 use mindkit::engine::cpu::Cpu;
 use mindkit::engine::Device;
 use mindkit::model::generate::{argmax, generate, generate_batch, GenerateOptions, Sampling};
@@ -183,7 +183,7 @@ fn a_ragged_batch_equals_its_sequences_run_alone() {
 fn batched_generation_equals_generating_each_prompt_alone() {
     let dir = fixture("models/llama");
     let model = Model::load(&Cpu, &dir).unwrap();
-    let tokenizer = HfTokenizer::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
     let prompts: [&[u32]; 3] = [&[1, 5, 9, 13, 2, 8], &[3, 4, 150], &[7; 11]];
     for sampling in [
         Sampling::GREEDY,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::handlers::IGNORE;
 use super::indexed::{IndexedDataset, IndexedError};
-use super::tokenizer::{HfTokenizer, TokenizerError};
+use super::tokenizer::{Tokenizer, TokenizerError};
 
 /// Errors of the inspection commands.
 #[derive(Debug, thiserror::Error)]
@@ -112,7 +112,7 @@ fn histogram(lengths: &[usize]) -> String {
 /// Decoded text of document `index`; for instruction data the prompt (label -100) and
 /// the trained answer are shown apart.
 pub fn show(prefix: &Path, index: usize, tokenizer: &Path) -> Result<String, InspectError> {
-    let tok = HfTokenizer::load(tokenizer)?;
+    let tok = Tokenizer::load(tokenizer)?;
     let prefixes = resolve_prefixes(prefix)?;
     let find = |key: &str| {
         prefixes

@@ -21,7 +21,7 @@ use super::handlers::template::{ReasoningEffort, Template};
 use super::handlers::{Document, Handler, RecordError, IGNORE};
 use super::indexed::{self, DType, IndexedWriter};
 use super::source::{expand_inputs_as, Format, Item, RecordReader, Sink, SkippedFile};
-use super::tokenizer::HfTokenizer;
+use super::tokenizer::Tokenizer;
 
 /// Records per batch handed to the worker pool.
 pub const BATCH: usize = 512;
@@ -306,7 +306,7 @@ pub fn key_prefix(prefix: &Path, key: &str, instruction: bool) -> PathBuf {
 
 fn build_handler<'t>(
     opts: &PreprocessOptions,
-    tok: &'t HfTokenizer,
+    tok: &'t Tokenizer,
     template: Option<Template>,
 ) -> Result<Box<dyn Handler + 't>, PreprocessError> {
     let eod = if opts.append_eod {
@@ -609,8 +609,8 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
         ));
     }
     let mut tok = match opts.tokenizer_type.as_deref() {
-        None => HfTokenizer::load(&opts.tokenizer)?,
-        Some(kind) => HfTokenizer::load_as(&opts.tokenizer, kind == "MagistralTokenizer")?,
+        None => Tokenizer::load(&opts.tokenizer)?,
+        Some(kind) => Tokenizer::load_as(&opts.tokenizer, kind == "MagistralTokenizer")?,
     };
     let template = match &opts.prompt_type {
         Some(name) => {

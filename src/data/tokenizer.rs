@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value;
-use tokenizers::Tokenizer;
+use tokenizers::Tokenizer as HfModel;
 
 use super::tekken::{is_tekken_path, Tekken, TekkenError};
 
@@ -92,7 +92,7 @@ type Result<T> = std::result::Result<T, TokenizerError>;
 /// The model that turns text into ids.
 #[derive(Clone)]
 enum Model {
-    Hf(Box<Tokenizer>),
+    Hf(Box<HfModel>),
     /// Shared: the rank tables are large and never change.
     Tekken(Arc<Tekken>),
 }
@@ -101,7 +101,7 @@ enum Model {
 /// tekken file as MindSpeed-LLM's `MagistralTokenizer` uses it (encode never adds bos/eos,
 /// bos `<s>`, eos = eod `</s>`, pad `<pad>`, unk `<unk>`, no chat template).
 #[derive(Clone)]
-pub struct HfTokenizer {
+pub struct Tokenizer {
     inner: Model,
     path: PathBuf,
     bos: Option<u32>,
@@ -137,7 +137,7 @@ fn token_text(v: Option<&Value>) -> Option<String> {
 }
 
 /// GPT-2 byte-level BPE from `vocab.json` + `merges.txt`, as transformers' GPT2 converter builds it.
-fn byte_level_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
+fn byte_level_bpe(vocab: &Path, merges: &Path) -> Result<HfModel> {
     use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
     use tokenizers::models::bpe::BPE;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -148,14 +148,14 @@ fn byte_level_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
     let bpe = BPE::from_file(&vocab.to_string_lossy(), &merges.to_string_lossy())
         .build()
         .map_err(|e| load_err(e.to_string()))?;
-    let mut tok = Tokenizer::new(bpe);
+    let mut tok = HfModel::new(bpe);
     tok.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
     tok.with_decoder(Some(ByteLevelDecoder::default()));
     tok.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
     Ok(tok)
 }
 
-impl HfTokenizer {
+impl Tokenizer {
     /// Load from a `tokenizer.json` file or a model directory; a tekken file (a `.json`
     /// whose name contains "tekken", mistral-common's rule), or a directory holding only a
     /// `tekken.json`, loads as tekken.
@@ -168,7 +168,7 @@ impl HfTokenizer {
             let (vocab, merges) = (path.join("vocab.json"), path.join("merges.txt"));
             let tekken = path.join("tekken.json");
             let inner = if json.is_file() {
-                Tokenizer::from_file(&json).map_err(|e| TokenizerError::Load {
+                HfModel::from_file(&json).map_err(|e| TokenizerError::Load {
                     path: json.clone(),
                     msg: e.to_string(),
                 })?
@@ -181,7 +181,7 @@ impl HfTokenizer {
             };
             (Some(path.to_path_buf()), inner)
         } else if path.is_file() {
-            let inner = Tokenizer::from_file(path).map_err(|e| TokenizerError::Load {
+            let inner = HfModel::from_file(path).map_err(|e| TokenizerError::Load {
                 path: path.to_path_buf(),
                 msg: e.to_string(),
             })?;
@@ -189,7 +189,7 @@ impl HfTokenizer {
         } else {
             return Err(TokenizerError::NotFound(path.to_path_buf()));
         };
-        let mut tok = HfTokenizer {
+        let mut tok = Tokenizer {
             inner: Model::Hf(Box::new(inner)),
             path: path.to_path_buf(),
             bos: None,
@@ -215,7 +215,7 @@ impl HfTokenizer {
             special("<pad>"),
             special("<unk>"),
         );
-        Ok(HfTokenizer {
+        Ok(Tokenizer {
             inner: Model::Tekken(Arc::new(tekken)),
             path: path.to_path_buf(),
             bos,
@@ -257,7 +257,7 @@ impl HfTokenizer {
         matches!(self.inner, Model::Tekken(_))
     }
 
-    fn hf(&self) -> Option<&Tokenizer> {
+    fn hf(&self) -> Option<&HfModel> {
         match &self.inner {
             Model::Hf(t) => Some(t),
             Model::Tekken(_) => None,
@@ -580,7 +580,7 @@ mod tests {
     #[test]
     fn a_tekken_file_loads_with_mindspeeds_special_ids_and_adds_no_bos() {
         let dir = tempfile::tempdir().unwrap();
-        let tok = HfTokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
+        let tok = Tokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
         assert!(tok.is_tekken());
         assert_eq!(
             (tok.bos(), tok.eos(), tok.pad()),
@@ -589,7 +589,7 @@ mod tests {
         assert_eq!(tok.encode("ab", true).unwrap(), [4 + 97, 4 + 98]);
         assert_eq!((tok.vocab_size(), tok.id_limit()), (260, 260));
         // A directory holding only a tekken.json loads it.
-        assert!(HfTokenizer::load(dir.path()).unwrap().is_tekken());
+        assert!(Tokenizer::load(dir.path()).unwrap().is_tekken());
     }
 
     #[test]
@@ -597,12 +597,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let tekken = write_tekken(dir.path(), "tekken.json");
         let misnamed = write_tekken(dir.path(), "vocab.json");
-        assert!(HfTokenizer::load_as(&tekken, true).is_ok());
+        assert!(Tokenizer::load_as(&tekken, true).is_ok());
         for path in [misnamed.as_path(), dir.path()] {
-            let err = HfTokenizer::load_as(path, true).err().unwrap().to_string();
+            let err = Tokenizer::load_as(path, true).err().unwrap().to_string();
             assert!(err.contains("needs a tekken file"), "{err}");
         }
-        let err = HfTokenizer::load_as(&tekken, false)
+        let err = Tokenizer::load_as(&tekken, false)
             .err()
             .unwrap()
             .to_string();
@@ -615,7 +615,7 @@ mod tests {
     #[test]
     fn a_tekken_tokenizer_cannot_add_tokens() {
         let dir = tempfile::tempdir().unwrap();
-        let mut tok = HfTokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
+        let mut tok = Tokenizer::load(&write_tekken(dir.path(), "tekken.json")).unwrap();
         assert!(matches!(
             tok.set_eos("<|im_end|>"),
             Err(TokenizerError::Fixed { .. })

@@ -5,7 +5,7 @@
 //! FILE is JSON lines: a header naming the model and tokenizer the results belong to, then
 //! `{"key": "<xxh3-128 hex>", "value": ...}` per document, the key hashing the request (kind,
 //! prompt, continuations or generation settings). The header binds the results to the
-//! *contents* of the weights and of the tokenizer ([`files_hash`], `HfTokenizer::fingerprint`),
+//! *contents* of the weights and of the tokenizer ([`files_hash`], `Tokenizer::fingerprint`),
 //! not to their paths: weights replaced in the same directory make the cache refuse, and a
 //! model copied elsewhere keeps it. A last line cut short by the interruption is ignored.
 

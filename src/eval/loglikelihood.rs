@@ -5,14 +5,14 @@
 //! Requests of a document that share their input run as one sequence (one forward pass scores
 //! every single-token choice), and documents run together as a ragged batch.
 
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 use crate::engine::Backend;
 use crate::model::{Model, Step};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 
 /// BOS, else EOS (the harness's `prefix_token_id`).
-pub fn prefix_token(tokenizer: &HfTokenizer) -> Result<u32> {
+pub fn prefix_token(tokenizer: &Tokenizer) -> Result<u32> {
     match tokenizer.bos().or(tokenizer.eos()) {
         Some(t) => Ok(t),
         None => bail!("the tokenizer defines neither a BOS nor an EOS token"),
@@ -21,7 +21,7 @@ pub fn prefix_token(tokenizer: &HfTokenizer) -> Result<u32> {
 
 /// The harness's `tok_encode`: tokenizer defaults (BOS where the tokenizer adds one), except
 /// that a string already starting with the BOS text gets no second one.
-pub fn harness_encode(tokenizer: &HfTokenizer, text: &str) -> Result<Vec<u32>> {
+pub fn harness_encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     let prefix = prefix_token(tokenizer)?;
     let starts_with_prefix = tokenizer
         .decode(&[prefix])
@@ -50,7 +50,7 @@ pub struct Score {
 /// Scores requests with a model and its tokenizer.
 pub struct Scorer<'m, 'b, B: Backend> {
     model: &'m Model<'b, B>,
-    tokenizer: &'m HfTokenizer,
+    tokenizer: &'m Tokenizer,
     /// Longest input (the model's positions, as the harness's `max_length`).
     pub max_length: usize,
     /// Requests whose input was left-truncated so far.
@@ -65,7 +65,7 @@ struct Tokenized {
 
 impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
     /// A scorer over `model` with inputs of at most `max_length` tokens.
-    pub fn new(model: &'m Model<'b, B>, tokenizer: &'m HfTokenizer, max_length: usize) -> Self {
+    pub fn new(model: &'m Model<'b, B>, tokenizer: &'m Tokenizer, max_length: usize) -> Self {
         Scorer {
             model,
             tokenizer,

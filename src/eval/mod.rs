@@ -10,7 +10,7 @@ pub mod mmlu;
 mod pyrandom;
 
 use crate::data::source::{expand_inputs, Item, Record, RecordReader, Sink};
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 use crate::device::Job;
 use crate::engine::Backend;
 use crate::model::generate::{generate_batch, GenerateOptions, Sampling};
@@ -226,7 +226,7 @@ fn mean_stderr(hits: &[bool]) -> f64 {
 /// ([`crate::device::run`]).
 pub struct Prepared<'a> {
     options: &'a EvalOptions,
-    tokenizer: HfTokenizer,
+    tokenizer: Tokenizer,
     /// When preparing began (the report's time counts from it).
     start: Instant,
 }
@@ -238,7 +238,7 @@ impl EvalOptions {
         let start = Instant::now();
         self.check()?;
         let tok_path = self.tokenizer.as_deref().unwrap_or(&self.model);
-        let tokenizer = HfTokenizer::load(tok_path)?;
+        let tokenizer = Tokenizer::load(tok_path)?;
         Ok(Prepared {
             options: self,
             tokenizer,
@@ -260,7 +260,7 @@ impl Job for Prepared<'_> {
 fn evaluate_on<B: Backend>(
     backend: &B,
     o: &EvalOptions,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     start: Instant,
 ) -> Result<EvalReport> {
     let tok_path = o.tokenizer.as_deref().unwrap_or(&o.model);
@@ -367,7 +367,7 @@ fn evaluate_on<B: Backend>(
 fn open_cache<B: Backend>(
     o: &EvalOptions,
     model: &Model<'_, B>,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
 ) -> Result<Option<Cache>> {
     let Some(path) = &o.cache else {
         return Ok(None);
@@ -460,7 +460,7 @@ pub fn write_results(path: &Path, report: &EvalReport) -> Result<()> {
 /// it, the rest generated together and added to the cache.
 fn generate_or_reuse<B: Backend>(
     model: &Model<B>,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     cache: &mut Option<Cache>,
     docs: &[gsm8k::GenDoc],
     prompts: &[Vec<u32>],
@@ -500,7 +500,7 @@ fn run_generation<B: Backend>(
     o: &EvalOptions,
     variant: gsm8k::Variant,
     model: &Model<B>,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     cache: &mut Option<Cache>,
     start: Instant,
 ) -> Result<EvalReport> {

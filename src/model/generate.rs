@@ -2,7 +2,7 @@
 //! ending at EOS, at a stop sequence or after a number of tokens, streaming text as it comes.
 
 use super::{Model, Step};
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 use crate::engine::Backend;
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;
@@ -137,7 +137,7 @@ fn pick(logits: &[f32], s: &Sampling, rng: &mut StdRng) -> usize {
 /// The text of generated tokens: decoded whole each time (so multi-byte characters split over
 /// tokens come out right) and released in pieces that cannot be the start of a stop sequence.
 struct TextStream<'a> {
-    tokenizer: &'a HfTokenizer,
+    tokenizer: &'a Tokenizer,
     stop: &'a [String],
     text: String,
     released: usize,
@@ -185,7 +185,7 @@ struct Sequence<'a> {
 }
 
 impl<'a> Sequence<'a> {
-    fn new(tokenizer: &'a HfTokenizer, o: &'a GenerateOptions) -> Self {
+    fn new(tokenizer: &'a Tokenizer, o: &'a GenerateOptions) -> Self {
         Sequence {
             stream: TextStream {
                 tokenizer,
@@ -240,7 +240,7 @@ impl<'a> Sequence<'a> {
 /// Generate after `prompt`, calling `on_text` with each new piece of text.
 pub fn generate<B: Backend>(
     model: &Model<B>,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     prompt: &[u32],
     o: &GenerateOptions,
     mut on_text: impl FnMut(&str),
@@ -254,7 +254,7 @@ pub fn generate<B: Backend>(
 /// gets what [`generate`] gives it alone (up to rounding where a kernel blocks rows otherwise).
 pub fn generate_batch<B: Backend>(
     model: &Model<B>,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     prompts: &[&[u32]],
     o: &GenerateOptions,
 ) -> Result<Vec<Generation>> {
@@ -264,7 +264,7 @@ pub fn generate_batch<B: Backend>(
 /// [`generate_batch`], calling `on_text(sequence, text)` with each new piece of text.
 fn generate_each<B: Backend>(
     model: &Model<B>,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     prompts: &[&[u32]],
     o: &GenerateOptions,
     mut on_text: impl FnMut(usize, &str),
@@ -360,7 +360,7 @@ pub struct GenerateStats {
 /// before a device is opened has been tried. [`Prepared::run`] generates on a backend.
 pub struct Prepared<'a> {
     request: &'a GenerateRequest,
-    tokenizer: HfTokenizer,
+    tokenizer: Tokenizer,
     /// When preparing began (the load time counts from it).
     start: Instant,
 }
@@ -371,7 +371,7 @@ impl GenerateRequest {
         let start = Instant::now();
         self.options.sampling.check()?;
         let tok_path = self.tokenizer.as_deref().unwrap_or(&self.model);
-        let tokenizer = HfTokenizer::load(tok_path)?;
+        let tokenizer = Tokenizer::load(tok_path)?;
         Ok(Prepared {
             request: self,
             tokenizer,
@@ -395,7 +395,7 @@ impl Prepared<'_> {
 fn generate_on<B: Backend>(
     backend: &B,
     r: &GenerateRequest,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     on_text: impl FnMut(&str),
     start: Instant,
 ) -> Result<(Generation, GenerateStats)> {

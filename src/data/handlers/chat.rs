@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::template::{Message, Role, Template, TemplateClass};
 use super::{opt_str_field, Document, Handler, RecordError, IGNORE, INSTRUCTION_KEYS};
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 
 /// Column and tag names (MindSpeed's `InstructionDatasetAttr`; override with `--map-keys`).
 #[derive(Debug, Clone)]
@@ -133,7 +133,7 @@ struct Aligned {
 /// Template-driven instruction handler.
 pub struct ChatHandler<'t> {
     /// Tokenizer (its eos already fixed by the template).
-    pub tokenizer: &'t HfTokenizer,
+    pub tokenizer: &'t Tokenizer,
     /// The `--prompt-type` template.
     pub template: Template,
     /// Record layout.

@@ -6,12 +6,12 @@
 use serde_json::{Map, Value};
 
 use super::{str_field, widen, Document, Handler, RecordError};
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 
 /// Megatron pretraining handler.
 pub struct Pretrain<'t> {
     /// The tokenizer.
-    pub tokenizer: &'t HfTokenizer,
+    pub tokenizer: &'t Tokenizer,
     /// Fields to tokenize, one output each.
     pub json_keys: Vec<String>,
     /// Append eos to each non-empty document.

@@ -13,7 +13,7 @@ use super::{
     instruction_document, opt_str_field, py_strip, str_field, widen, Document, Handler,
     RecordError, IGNORE, INSTRUCTION_KEYS,
 };
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 
 const USER_TOKEN: &str = "### Instruction:";
 const ASSISTANT_TOKEN: &str = "### Response:";
@@ -52,7 +52,7 @@ fn mask_prefix(labels: &mut Vec<i64>, n: usize) {
 
 /// Tokenize a full prompt and mask everything up to the last response header.
 fn tokenize_masked(
-    tok: &HfTokenizer,
+    tok: &Tokenizer,
     prompt: &str,
     eod: Option<u32>,
 ) -> Result<(Vec<i64>, Vec<i64>), RecordError> {
@@ -84,7 +84,7 @@ pub enum PrompterKind {
 /// Prompter-based instruction handler.
 pub struct PrompterHandler<'t> {
     /// The tokenizer.
-    pub tokenizer: &'t HfTokenizer,
+    pub tokenizer: &'t Tokenizer,
     /// Record layout.
     pub kind: PrompterKind,
     /// `--append-eod`: eos appended to ids, mask and labels (not for MOSS, as upstream).

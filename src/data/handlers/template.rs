@@ -18,7 +18,7 @@ mod truncation;
 use serde_json::Value;
 
 use super::RecordError;
-use crate::data::tokenizer::{HfTokenizer, TokenizerError};
+use crate::data::tokenizer::{Tokenizer, TokenizerError};
 use builtin::BUILTIN;
 pub use deepseek4::{Deepseek4Thinking, ReasoningEffort};
 use formatter::{apply, slots_problem, FormatterKind, FunctionFormat};
@@ -418,7 +418,7 @@ impl Template {
     /// MindSpeed's `fix_model_tokenizer`: with `replace_eos` the first stop word becomes eos (added
     /// as a special token when the vocabulary lacks it); a tokenizer without eos gets
     /// `<|endoftext|>`; pad defaults to eos; the other stop words become special tokens.
-    pub fn fix_tokenizer(&self, tok: &mut HfTokenizer) -> Result<(), TemplateError> {
+    pub fn fix_tokenizer(&self, tok: &mut Tokenizer) -> Result<(), TemplateError> {
         let stop_word_error = |source| TemplateError::StopWord {
             name: self.name.clone(),
             source,
@@ -471,7 +471,7 @@ pub struct Message {
 
 impl Template {
     /// `_convert_elements_to_ids`: each element encoded on its own, then concatenated.
-    fn to_ids(&self, tok: &HfTokenizer, elements: &[Slot]) -> Result<Vec<i64>, RecordError> {
+    fn to_ids(&self, tok: &Tokenizer, elements: &[Slot]) -> Result<Vec<i64>, RecordError> {
         let mut ids = Vec::new();
         for e in elements {
             match e {
@@ -506,7 +506,7 @@ impl Template {
     /// (inside the user text for llama2), later user turns the separator (not for LFDefault).
     fn encode_messages(
         &self,
-        tok: &HfTokenizer,
+        tok: &Tokenizer,
         messages: &[Message],
         system: &str,
     ) -> Result<Vec<Vec<i64>>, RecordError> {
@@ -569,7 +569,7 @@ impl Template {
     /// `_make_pairs`.
     pub fn encode_multiturn(
         &self,
-        tok: &HfTokenizer,
+        tok: &Tokenizer,
         messages: &[Message],
         system: &str,
         cutoff_len: usize,
@@ -614,7 +614,7 @@ impl Template {
     /// the answer, trained. Thoughts of earlier turns are kept unless it is false.
     fn encode_reasoning(
         &self,
-        tok: &HfTokenizer,
+        tok: &Tokenizer,
         messages: &[Message],
         system: &str,
     ) -> Result<Vec<Vec<i64>>, RecordError> {

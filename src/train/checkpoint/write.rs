@@ -250,7 +250,7 @@ pub fn prepare(save: &Path, tokenizer: &Path) -> Result<()> {
         );
     }
     if is_tekken_file(tokenizer) {
-        // named as a Magistral checkpoint names it, and as `HfTokenizer::load` finds it in a
+        // named as a Magistral checkpoint names it, and as `Tokenizer::load` finds it in a
         // directory
         std::fs::copy(tokenizer, save.join(TEKKEN))
             .with_context(|| format!("copying {} into --save", tokenizer.display()))?;

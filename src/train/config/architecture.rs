@@ -7,7 +7,7 @@ use crate::ckpt::convert::Input;
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
 use crate::data::handlers::template::Template;
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 use crate::engine::dropout::{Rate, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS};
 use crate::tensor::DType;
 use crate::train::args::Args;
@@ -36,7 +36,7 @@ const SUPPORTED_TYPES: [&str; 4] = [
 ];
 
 /// The tokenizer and its ids, as the named `--tokenizer-type` derives them.
-pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer, MaskConfig)> {
+pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(Tokenizer, MaskConfig)> {
     let (flag, path) = tokenizer_source(a, load)?;
     let kind = a.get("tokenizer-type").unwrap_or("HuggingFaceTokenizer");
     if !SUPPORTED_TYPES.contains(&kind) {
@@ -45,7 +45,7 @@ pub(super) fn tokenizer(a: &Args, load: Option<&PathBuf>) -> Result<(HfTokenizer
             SUPPORTED_TYPES.join(", ")
         );
     }
-    let mut tok = HfTokenizer::load_as(&path, kind == "MagistralTokenizer")
+    let mut tok = Tokenizer::load_as(&path, kind == "MagistralTokenizer")
         .with_context(|| format!("--{flag} {}", path.display()))?;
     if let Some(name) = a.get("prompt-type") {
         // MindSpeed-LLM's fix_model_tokenizer: the template's stop word becomes eos (the EOD).

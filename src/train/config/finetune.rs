@@ -4,7 +4,7 @@
 use super::{positive, LoraConfig, SftConfig};
 use crate::data::gpt_dataset::{Blend, MaskConfig};
 use crate::data::sft_dataset::Order;
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 use crate::model::params::LoraSpec;
 use crate::train::args::Args;
 use crate::train::data::SftRows;
@@ -48,7 +48,7 @@ pub(super) fn lora_config(a: &Args) -> Result<Option<LoraConfig>> {
 pub(super) fn sft_config(
     a: &Args,
     blend: &Blend,
-    tokenizer: &HfTokenizer,
+    tokenizer: &Tokenizer,
     masks: &MaskConfig,
     seq_length: usize,
     global_batch: usize,

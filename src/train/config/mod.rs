@@ -25,7 +25,7 @@ use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
 use crate::data::gpt_dataset::{split_matrix, split_weights, Blend, MaskConfig};
 use crate::data::sft_dataset::Order;
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 use crate::engine::dropout::Rate;
 use crate::model::params::LoraSpec;
 use crate::tensor::DType;
@@ -82,7 +82,7 @@ pub struct TrainConfig {
     /// Where the weights come from.
     pub start: Start,
     /// The tokenizer (its vocabulary size and special tokens matter).
-    pub tokenizer: HfTokenizer,
+    pub tokenizer: Tokenizer,
     /// `--data-path`.
     pub blend: Blend,
     /// `--split`.

@@ -29,7 +29,7 @@
 use super::truncation::{make_pairs, Truncation};
 use super::{Message, Role, TurnIds};
 use crate::data::handlers::{py_isspace, RecordError};
-use crate::data::tokenizer::HfTokenizer;
+use crate::data::tokenizer::Tokenizer;
 
 const BOS_TOKEN: &str = "<｜begin▁of▁sentence｜>";
 const EOS_TOKEN: &str = "<｜end▁of▁sentence｜>";
@@ -204,7 +204,7 @@ fn render(
 /// `DeepSeek4Template.encode_multiturn`: (source, target) pairs, one per answer, cut to
 /// `cutoff_len` as `LFDefaultTemplate._make_pairs` cuts them.
 pub(super) fn encode_multiturn(
-    tok: &HfTokenizer,
+    tok: &Tokenizer,
     messages: &[Message],
     system: &str,
     cutoff_len: usize,
