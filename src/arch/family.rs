@@ -37,7 +37,44 @@ pub struct Family {
     /// Whether the family normalises each query and key head before RoPE (qwen3's `q_norm`,
     /// `k_norm`).
     pub qk_norm: bool,
+    /// How a mixture-of-experts family names its experts; `None` for dense families.
+    pub moe: Option<MoeNames>,
 }
+
+/// How a mixture-of-experts family names its MoE block in `config.json` and its tensors
+/// (transformers 4.57's modeling files).
+#[derive(Debug)]
+pub struct MoeNames {
+    /// The block's module in a layer (`mlp`; Mixtral's `block_sparse_moe`); its router is
+    /// `{block}.gate`, expert `e` is `{block}.experts.{e}`.
+    pub block: &'static str,
+    /// An expert's gate, up and down projections (Mixtral's `w1`, `w3`, `w2`).
+    pub expert: [&'static str; 3],
+    /// The `config.json` key of the routed expert count.
+    pub experts_key: &'static str,
+    /// The `config.json` key of one routed expert's intermediate size.
+    pub ffn_key: &'static str,
+    /// The `config.json` key saying whether the chosen experts' probabilities are renormalised
+    /// (`norm_topk_prob`, transformers' default false); `None` when they always are.
+    pub norm_topk_key: Option<&'static str>,
+    /// Whether the layer `decoder_sparse_step` and `mlp_only_layers` place the MoE layers
+    /// (the Qwen MoE families); else every layer is one.
+    pub sparse_step: bool,
+    /// The shared expert's module in the block (`shared_expert`, gated by
+    /// `shared_expert_gate`; Qwen2-MoE), when the family has one.
+    pub shared: Option<&'static str>,
+}
+
+/// Qwen2-MoE and Qwen3-MoE name their experts alike.
+const QWEN_MOE: MoeNames = MoeNames {
+    block: "mlp",
+    expert: ["gate_proj", "up_proj", "down_proj"],
+    experts_key: "num_experts",
+    ffn_key: "moe_intermediate_size",
+    norm_topk_key: Some("norm_topk_prob"),
+    sparse_step: true,
+    shared: None,
+};
 
 /// Every supported family.
 pub const FAMILIES: &[Family] = &[
@@ -52,6 +89,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
+        moe: None,
     },
     Family {
         name: "mistral",
@@ -64,6 +102,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
+        moe: None,
     },
     Family {
         name: "qwen2",
@@ -76,6 +115,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: true,
         qk_norm: false,
+        moe: None,
     },
     Family {
         name: "internlm",
@@ -88,6 +128,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
+        moe: None,
     },
     Family {
         name: "baichuan",
@@ -100,6 +141,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
+        moe: None,
     },
     Family {
         name: "aquila",
@@ -112,6 +154,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: false,
+        moe: None,
     },
     Family {
         name: "qwen3",
@@ -124,6 +167,7 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: None,
         always_qkv_bias: false,
         qk_norm: true,
+        moe: None,
     },
     Family {
         name: "seed_oss",
@@ -137,6 +181,57 @@ pub const FAMILIES: &[Family] = &[
         out_bias_key: Some("attention_out_bias"),
         always_qkv_bias: false,
         qk_norm: false,
+        moe: None,
+    },
+    Family {
+        name: "qwen3_moe",
+        aliases: &["qwen3-moe"],
+        model_types: &["qwen3_moe"],
+        architecture: "Qwen3MoeForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias_key: None,
+        always_qkv_bias: false,
+        qk_norm: true,
+        moe: Some(QWEN_MOE),
+    },
+    Family {
+        name: "qwen2_moe",
+        aliases: &["qwen2-moe", "qwen1.5-moe"],
+        model_types: &["qwen2_moe"],
+        architecture: "Qwen2MoeForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: None,
+        bias_default: false,
+        out_bias_key: None,
+        always_qkv_bias: true,
+        qk_norm: false,
+        moe: Some(MoeNames {
+            shared: Some("shared_expert"),
+            ..QWEN_MOE
+        }),
+    },
+    Family {
+        name: "mixtral",
+        aliases: &[],
+        model_types: &["mixtral"],
+        architecture: "MixtralForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: None,
+        bias_default: false,
+        out_bias_key: None,
+        always_qkv_bias: false,
+        qk_norm: false,
+        moe: Some(MoeNames {
+            block: "block_sparse_moe",
+            expert: ["w1", "w3", "w2"],
+            experts_key: "num_local_experts",
+            ffn_key: "intermediate_size",
+            norm_topk_key: None,
+            sparse_step: false,
+            shared: None,
+        }),
     },
 ];
 

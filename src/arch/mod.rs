@@ -4,6 +4,7 @@
 //! and write these; the model (`crate::model`) and the trainer (`crate::train`) compute on them.
 
 pub mod family;
+pub mod moe;
 pub mod roles;
 
 use crate::tensor::DType;
@@ -44,6 +45,8 @@ pub struct ModelConfig {
     /// Per-head RMSNorms of the queries and keys before RoPE (Qwen3; Megatron's
     /// `--qk-layernorm`).
     pub qk_norm: bool,
+    /// The experts of a mixture-of-experts model; `None` for a dense one.
+    pub moe: Option<moe::Moe>,
     /// Element type of the weights.
     pub dtype: DType,
     /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from

@@ -30,6 +30,18 @@ pub enum Role {
     Fc1,
     /// MLP output `[h, F]`.
     Fc2,
+    /// An MoE layer's router `[E, h]`.
+    Router,
+    /// Routed expert `e`'s SwiGLU input `[2F_e, h]` = `[gate; up]`.
+    ExpertFc1(usize),
+    /// Routed expert `e`'s output `[h, F_e]`.
+    ExpertFc2(usize),
+    /// The shared experts' SwiGLU input `[2F_s, h]`.
+    SharedFc1,
+    /// The shared experts' output `[h, F_s]`.
+    SharedFc2,
+    /// The sigmoid gate of the shared experts' output `[1, h]`.
+    SharedGate,
     /// Final norm `[h]`.
     FinalNorm,
     /// Output layer `[V, h]` (untied models).
@@ -46,8 +58,8 @@ pub struct Canon {
 }
 
 impl Role {
-    /// Roles that repeat per layer, in the order they are written.
-    pub fn layer_roles(cfg: &ModelConfig) -> Vec<Role> {
+    /// Roles of layer `l`, in the order they are written.
+    pub fn layer_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
         let mut roles = vec![Role::InputNorm, Role::Qkv];
         if cfg.qkv_bias {
             roles.push(Role::QkvBias);
@@ -59,8 +71,38 @@ impl Role {
         if cfg.qk_norm {
             roles.extend([Role::QNorm, Role::KNorm]);
         }
-        roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
+        roles.push(Role::PostNorm);
+        roles.extend(Role::mlp_roles(cfg, l));
         roles
+    }
+
+    /// The MLP roles of layer `l`: fc1 and fc2 of a dense layer; an MoE layer's router, each
+    /// routed expert's fc1 and fc2, then the shared experts' gate, fc1 and fc2 (the order
+    /// megatron-core's `MoELayer` registers them: a module's own parameters before its
+    /// children's).
+    pub fn mlp_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
+        let Some(moe) = cfg.moe.as_ref().filter(|m| m.is_moe_layer(l)) else {
+            return vec![Role::Fc1, Role::Fc2];
+        };
+        let mut roles = vec![Role::Router];
+        for e in 0..moe.experts {
+            roles.extend([Role::ExpertFc1(e), Role::ExpertFc2(e)]);
+        }
+        if moe.shared_ffn.is_some() {
+            if moe.shared_gate {
+                roles.push(Role::SharedGate);
+            }
+            roles.extend([Role::SharedFc1, Role::SharedFc2]);
+        }
+        roles
+    }
+
+    /// The routed expert a role belongs to.
+    pub fn expert(self) -> Option<usize> {
+        match self {
+            Role::ExpertFc1(e) | Role::ExpertFc2(e) => Some(e),
+            _ => None,
+        }
     }
 }
 
@@ -68,9 +110,8 @@ impl Role {
 pub fn canonical(cfg: &ModelConfig) -> Vec<Canon> {
     let global = |role| Canon { role, layer: None };
     let mut out = vec![global(Role::Embedding)];
-    let roles = Role::layer_roles(cfg);
     for l in 0..cfg.layers {
-        out.extend(roles.iter().map(|&role| Canon {
+        out.extend(Role::layer_roles(cfg, l).into_iter().map(|role| Canon {
             role,
             layer: Some(l),
         }));
@@ -94,5 +135,21 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::Proj => vec![cfg.hidden, cfg.heads * cfg.head_dim],
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
+        Role::Router => vec![cfg.moe.as_ref().map_or(0, |m| m.experts), cfg.hidden],
+        Role::ExpertFc1(_) => vec![2 * moe_ffn(cfg), cfg.hidden],
+        Role::ExpertFc2(_) => vec![cfg.hidden, moe_ffn(cfg)],
+        Role::SharedFc1 => vec![2 * shared_ffn(cfg), cfg.hidden],
+        Role::SharedFc2 => vec![cfg.hidden, shared_ffn(cfg)],
+        Role::SharedGate => vec![1, cfg.hidden],
     }
+}
+
+/// One routed expert's intermediate size (0 for a dense model).
+pub fn moe_ffn(cfg: &ModelConfig) -> usize {
+    cfg.moe.as_ref().map_or(0, |m| m.ffn)
+}
+
+/// The shared experts' intermediate size (0 without them).
+pub fn shared_ffn(cfg: &ModelConfig) -> usize {
+    cfg.moe.as_ref().and_then(|m| m.shared_ffn).unwrap_or(0)
 }

@@ -482,6 +482,7 @@ fn write_hf(
     read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
     dir: &Path,
 ) -> Result<(usize, u64)> {
+    cfg.check_hf()?;
     let canon = canonical(cfg);
     let groups: Vec<Vec<Planned>> = canon
         .iter()

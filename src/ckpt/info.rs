@@ -3,6 +3,7 @@
 use super::convert::{detect, open_hf, Format};
 use super::megatron::MegatronCkpt;
 use crate::arch::family::Family;
+use crate::arch::moe::Moe;
 use crate::arch::roles::{canonical, canonical_shape};
 use crate::arch::ModelConfig;
 use anyhow::Result;
@@ -28,8 +29,36 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
         cfg.proj_bias,
         cfg.qk_norm
     );
+    if let Some(m) = &cfg.moe {
+        experts(cfg, m, out);
+    }
     let _ = writeln!(out, "dtype:       {}", cfg.dtype.torch_name());
     let _ = writeln!(out, "parameters:  {params} ({:.3} B)", params as f64 / 1e9);
+}
+
+/// The experts line: routed experts and their routing, shared experts, which layers.
+fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
+    let moe_layers: Vec<usize> = (0..cfg.layers).filter(|&l| m.is_moe_layer(l)).collect();
+    let routing = if m.pre_softmax {
+        format!("{} over all, top-{}", m.score.name(), m.topk)
+    } else {
+        format!("top-{} renormalised ({})", m.topk, m.score.name())
+    };
+    let shared = match (m.shared_ffn, m.shared_gate) {
+        (None, _) => "none".to_string(),
+        (Some(f), gated) => format!("ffn {f}{}", if gated { ", gated" } else { "" }),
+    };
+    let _ = writeln!(
+        out,
+        "experts:     {} routed (ffn {}), {routing}; shared {shared}; MoE layers {}",
+        m.experts,
+        m.ffn,
+        if moe_layers.len() == cfg.layers {
+            "all".to_string()
+        } else {
+            format!("{moe_layers:?}")
+        }
+    );
 }
 
 /// A human-readable description of the checkpoint at `path`; with `keys`, every tensor.

@@ -56,18 +56,22 @@ impl Parallel {
         if tp == 0 || pp == 0 || vpp == 0 {
             bail!("--tp, --pp and --vpp must be at least 1");
         }
-        for (what, n) in [
+        let mut split = vec![
             ("num_attention_heads", cfg.heads),
             ("num_key_value_heads (query groups)", cfg.groups),
             ("intermediate_size", cfg.ffn),
-        ] {
+        ];
+        if let Some(m) = &cfg.moe {
+            split.push(("the experts' intermediate size", m.ffn));
+            split.extend(
+                m.shared_ffn
+                    .map(|f| ("the shared experts' intermediate size", f)),
+            );
+        }
+        for &(what, n) in &split {
             if n % tp != 0 {
                 let ok: Vec<String> = (1..=cfg.groups)
-                    .filter(|d| {
-                        cfg.heads.is_multiple_of(*d)
-                            && cfg.groups.is_multiple_of(*d)
-                            && cfg.ffn.is_multiple_of(*d)
-                    })
+                    .filter(|&d| split.iter().all(|(_, n)| n.is_multiple_of(d)))
                     .map(|d| d.to_string())
                     .collect();
                 bail!(
@@ -205,6 +209,12 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             mcore("self_attention.linear_qkv.layer_norm_weight")
         }
         (KeyLayout::McoreTe, Role::PostNorm) => mcore("mlp.linear_fc1.layer_norm_weight"),
+        (_, Role::ExpertFc1(e)) => {
+            mcore(&format!("mlp.experts.local_experts.{e}.linear_fc1.weight"))
+        }
+        (_, Role::ExpertFc2(e)) => {
+            mcore(&format!("mlp.experts.local_experts.{e}.linear_fc2.weight"))
+        }
         (_, r) => mcore(match r {
             Role::InputNorm => "input_layernorm.weight",
             Role::Qkv => "self_attention.linear_qkv.weight",
@@ -215,6 +225,10 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             Role::QNorm => "self_attention.q_layernorm.weight",
             Role::KNorm => "self_attention.k_layernorm.weight",
             Role::Fc1 => "mlp.linear_fc1.weight",
+            Role::Router => "mlp.router.weight",
+            Role::SharedFc1 => "mlp.shared_experts.linear_fc1.weight",
+            Role::SharedFc2 => "mlp.shared_experts.linear_fc2.weight",
+            Role::SharedGate => "mlp.shared_experts.gate_weight",
             _ => "mlp.linear_fc2.weight",
         }),
     }
@@ -239,7 +253,7 @@ pub fn global_key(layout: KeyLayout, role: Role, tied: bool) -> Vec<String> {
 }
 
 /// TE modules whose `_extra_state` follows a layer role's tensors.
-fn te_extra_states(role: Role, cfg: &ModelConfig) -> &'static [&'static str] {
+fn te_extra_states(role: Role, cfg: &ModelConfig) -> Vec<String> {
     let last_qkv = if cfg.qkv_bias {
         Role::QkvBias
     } else {
@@ -250,7 +264,7 @@ fn te_extra_states(role: Role, cfg: &ModelConfig) -> &'static [&'static str] {
     } else {
         Role::Proj
     };
-    match role {
+    let names: &[&str] = match role {
         r if r == last_qkv => &["self_attention.linear_qkv._extra_state"],
         r if r == last_proj => &[
             "self_attention.core_attention._extra_state",
@@ -262,8 +276,21 @@ fn te_extra_states(role: Role, cfg: &ModelConfig) -> &'static [&'static str] {
         Role::KNorm => &["self_attention.k_layernorm._extra_state"],
         Role::Fc1 => &["mlp.linear_fc1._extra_state"],
         Role::Fc2 => &["mlp.linear_fc2._extra_state"],
+        Role::SharedFc1 => &["mlp.shared_experts.linear_fc1._extra_state"],
+        Role::SharedFc2 => &["mlp.shared_experts.linear_fc2._extra_state"],
+        Role::ExpertFc1(e) | Role::ExpertFc2(e) => {
+            let fc = if matches!(role, Role::ExpertFc1(_)) {
+                1
+            } else {
+                2
+            };
+            return vec![format!(
+                "mlp.experts.local_experts.{e}.linear_fc{fc}._extra_state"
+            )];
+        }
         _ => &[],
-    }
+    };
+    names.iter().map(|s| s.to_string()).collect()
 }
 
 /// The state dict of one model chunk, in the order Megatron's modules emit it. `layers` are the
@@ -286,14 +313,25 @@ pub fn chunk_entries(
         ));
     }
     for (j, &l) in layers.iter().enumerate() {
-        for role in Role::layer_roles(cfg) {
+        // An MoE layer's norm is a module of its own even in the TE spec (megatron-core
+        // gpt_layer_specs.py: `pre_mlp_layernorm=TENorm` when the MLP is an MoELayer).
+        let moe_layer = cfg.moe.as_ref().is_some_and(|m| m.is_moe_layer(l));
+        for role in Role::layer_roles(cfg, l) {
             let canon = Canon {
                 role,
                 layer: Some(l),
             };
-            out.push((layer_key(layout, role, j), Some(canon)));
+            let key_layout = match (layout, role) {
+                (KeyLayout::McoreTe, Role::PostNorm) if moe_layer => KeyLayout::Mcore,
+                _ => layout,
+            };
+            out.push((layer_key(key_layout, role, j), Some(canon)));
             if layout == KeyLayout::McoreTe {
-                for s in te_extra_states(role, cfg) {
+                let mut extra = te_extra_states(role, cfg);
+                if role == Role::PostNorm && moe_layer {
+                    extra.push("pre_mlp_layernorm._extra_state".into());
+                }
+                for s in extra {
                     out.push((vec![format!("decoder.layers.{j}.{s}")], None));
                 }
             }

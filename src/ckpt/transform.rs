@@ -4,7 +4,7 @@
 //! round trip is bit-exact.
 
 use crate::arch::family::{hf_names as hf, QkvStyle};
-use crate::arch::roles::{canonical_shape, Canon, Role};
+use crate::arch::roles::{canonical_shape, moe_ffn, shared_ffn, Canon, Role};
 use crate::arch::ModelConfig;
 use crate::tensor::host::Tensor;
 use anyhow::{bail, Result};
@@ -46,6 +46,37 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         Role::Fc2 => one(hf::layer(l, hf::DOWN)),
         Role::QNorm => one(hf::layer(l, hf::QK_NORM[0])),
         Role::KNorm => one(hf::layer(l, hf::QK_NORM[1])),
+        role => moe_parts(cfg, l, role),
+    }
+}
+
+/// The HF tensors of an MoE block's role in layer `l` (`{block}.gate`, `{block}.experts.{e}.*`,
+/// the shared expert and its gate), with their shapes.
+fn moe_parts(cfg: &ModelConfig, l: usize, role: Role) -> Vec<(String, Vec<usize>)> {
+    let names = cfg.family.moe.as_ref();
+    let block = names.map_or("mlp", |n| n.block);
+    let expert = names.map_or(["gate_proj", "up_proj", "down_proj"], |n| n.expert);
+    let shared = names.and_then(|n| n.shared).unwrap_or("shared_expert");
+    let name = |suffix: String| hf::layer(l, &format!("{block}.{suffix}.weight"));
+    let h = cfg.hidden;
+    let swiglu = |stem: String, ffn: usize, names: [&str; 3], fc1: bool| {
+        if fc1 {
+            (names[..2].iter())
+                .map(|p| (name(format!("{stem}.{p}")), vec![ffn, h]))
+                .collect()
+        } else {
+            vec![(name(format!("{stem}.{}", names[2])), vec![h, ffn])]
+        }
+    };
+    let plain = ["gate_proj", "up_proj", "down_proj"];
+    match role {
+        Role::Router => vec![(name("gate".into()), canonical_shape(cfg, role))],
+        Role::SharedGate => vec![(name(format!("{shared}_gate")), vec![1, h])],
+        Role::ExpertFc1(e) => swiglu(format!("experts.{e}"), moe_ffn(cfg), expert, true),
+        Role::ExpertFc2(e) => swiglu(format!("experts.{e}"), moe_ffn(cfg), expert, false),
+        Role::SharedFc1 => swiglu(shared.into(), shared_ffn(cfg), plain, true),
+        Role::SharedFc2 => swiglu(shared.into(), shared_ffn(cfg), plain, false),
+        other => unreachable!("{other:?} is not an MoE role"),
     }
 }
 
@@ -79,7 +110,10 @@ pub fn hf_row_blocks(cfg: &ModelConfig, c: Canon) -> Vec<Vec<RowBlock>> {
                 .flat_map(|(&q, b)| grouped(q, b))
                 .collect()]
         }
-        (Role::Fc1, _) => vec![vec![(0, 0, cfg.ffn)], vec![(0, cfg.ffn, cfg.ffn)]],
+        (Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1, _) => {
+            let f = canonical_shape(cfg, c.role)[0] / 2;
+            vec![vec![(0, 0, f)], vec![(0, f, f)]]
+        }
         (role, _) => vec![vec![(0, 0, canonical_shape(cfg, role)[0])]],
     }
 }
@@ -148,11 +182,13 @@ fn split_of(role: Role) -> Split {
         | Role::FinalNorm
         | Role::ProjBias
         | Role::QNorm
-        | Role::KNorm => Split::Replicated,
+        | Role::KNorm
+        | Role::Router
+        | Role::SharedGate => Split::Replicated,
         Role::Qkv | Role::QkvBias => Split::Rows,
-        Role::Proj | Role::Fc2 => Split::Cols,
+        Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => Split::Cols,
         Role::Embedding | Role::Output => Split::Vocab,
-        Role::Fc1 => Split::GateUp,
+        Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => Split::GateUp,
     }
 }
 

@@ -88,6 +88,39 @@ pub fn select_rows<D: Device>(d: &D, x: &D::Tensor, selected: &[usize]) -> Resul
     })
 }
 
+/// [`super::Backend::index_add_rows`].
+pub fn index_add_rows<D: Device>(
+    d: &D,
+    dst: &D::Tensor,
+    src: &D::Tensor,
+    selected: &[usize],
+) -> Result<()> {
+    let (n, c) = (rows(d.shape(dst)), cols(d.shape(dst)));
+    expect_shape(d, "index_add_rows", "src", src, &[selected.len(), c])?;
+    let mut seen = vec![false; n];
+    let distinct = selected
+        .iter()
+        .all(|&r| r < n && !std::mem::replace(&mut seen[r], true));
+    ensure(distinct, "index_add_rows", || {
+        format!("rows {selected:?} of {n} (each at most once)")
+    })
+}
+
+/// [`super::Backend::scale_rows`].
+pub fn scale_rows<D: Device>(d: &D, x: &D::Tensor, w: &D::Tensor) -> Result<()> {
+    expect_shape(d, "scale_rows", "w", w, &[rows(d.shape(x))])?;
+    ensure(
+        d.dtype(w) == crate::tensor::DType::F32,
+        "scale_rows",
+        || format!("weights of {:?}, expected F32", d.dtype(w)),
+    )
+}
+
+/// [`super::Backend::row_dots`].
+pub fn row_dots<D: Device>(d: &D, x: &D::Tensor, y: &D::Tensor) -> Result<()> {
+    expect_shape(d, "row_dots", "y", y, d.shape(x))
+}
+
 /// [`super::Backend::rms_norm`].
 /// Returns the groups per row: the row's width over γ's.
 pub fn rms_norm<D: Device>(d: &D, x: &D::Tensor, gamma: &D::Tensor) -> Result<usize> {

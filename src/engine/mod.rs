@@ -222,6 +222,22 @@ pub trait Backend: Device {
     ) -> Result<()>;
     /// Rows `rows` of `x` (aclnnIndexSelect). Overwrites.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+    /// `dst[rows[i]] += src[i]` for each row `i` of `src`, `rows` distinct, each sum rounded to
+    /// `dst`'s dtype (aclnnInplaceIndexAdd; the backward pass of [`Backend::select_rows`], an
+    /// MoE layer's combination of its experts' outputs). Accumulates.
+    fn index_add_rows(
+        &self,
+        dst: &mut Self::Tensor,
+        src: &Self::Tensor,
+        rows: &[usize],
+    ) -> Result<()>;
+    /// `y[i] = x[i] · w[i]` for rows `x [n, c]` and f32 weights `w [n]`, the product in f32
+    /// and stored in `x`'s dtype (aclnnMul, `w` broadcast as `[n, 1]`; an MoE expert's routing
+    /// weights). Overwrites.
+    fn scale_rows(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `Σ_c x[i, c] · y[i, c]` of each row, as f32 on the host (aclnnMul + aclnnReduceSum, read
+    /// back; the gradient of [`Backend::scale_rows`]'s weights).
+    fn row_dots(&self, x: &Self::Tensor, y: &Self::Tensor) -> Result<Vec<f32>>;
     /// `y = x · rstd · γ` over each γ-wide group of a row (the whole last dimension, or each
     /// head of `[n, heads·d]` for a `[d]` γ: Qwen3's q/k norms), `rstd = 1/√(mean(x²) + eps)`
     /// `[n·groups]` f32 (aclnnRmsNorm on `x` seen as `[n·groups, |γ|]`). Overwrites.

@@ -219,6 +219,15 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             embedding_bwd
         ),
         case!("select_rows", Embedding, "[11,6] rows 3", 1.0, select_rows),
+        case!(
+            "index_add_rows",
+            EmbeddingBwd,
+            "[3,6] → [11,6] rows 3",
+            1.0,
+            index_add_rows
+        ),
+        case!("scale_rows", Add, "[7,24] · [7]", 1.0, scale_rows),
+        case!("row_dots", Norm, "[7,24] · [7,24]", 1.0, row_dots),
         case!("rms_norm", RmsNorm, "[7,48]", 1.0, rms_norm),
         case!("rms_norm_bwd", RmsNormBwd, "[7,48]", 2.0, rms_norm_bwd),
         case!("rms_norm", RmsNorm, "[7,48] per head of 16", 1.0, head_norm),
@@ -374,6 +383,31 @@ fn select_rows<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs
     let x = i.tensor(&[11, 6]);
     Ok(on_both!(dut, cpu, |b| {
         vec![b.download_f32(&b.select_rows(&b.upload(&x)?, &[10, 0, 4])?)?]
+    }))
+}
+
+fn index_add_rows<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (dst, src) = (i.tensor(&[11, 6]), i.tensor(&[3, 6]));
+    Ok(on_both!(dut, cpu, |b| {
+        let mut out = b.upload(&dst)?;
+        b.index_add_rows(&mut out, &b.upload(&src)?, &[10, 0, 4])?;
+        vec![b.download_f32(&out)?]
+    }))
+}
+
+fn scale_rows<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let x = i.tensor(&[7, 24]);
+    let w = crate::tensor::host::to_f32(&i.tensor_in(&[7], DType::F32)).expect("f32");
+    Ok(on_both!(dut, cpu, |b| {
+        let w = b.upload_f32(&[7], &w)?;
+        vec![b.download_f32(&b.scale_rows(&b.upload(&x)?, &w)?)?]
+    }))
+}
+
+fn row_dots<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (x, y) = (i.tensor(&[7, 24]), i.tensor(&[7, 24]));
+    Ok(on_both!(dut, cpu, |b| {
+        vec![b.row_dots(&b.upload(&x)?, &b.upload(&y)?)?]
     }))
 }
 

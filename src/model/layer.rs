@@ -16,7 +16,7 @@ use crate::engine::{Backend, Result};
 use std::ops::Range;
 
 /// Where one layer's parameters sit in the table, by kind.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Layer {
     /// Its index in the whole model.
     index: usize,

@@ -47,6 +47,8 @@ pub struct ModelSpec {
     pub max_positions: usize,
     /// RMSNorm epsilon.
     pub norm_eps: f64,
+    /// The experts of a mixture-of-experts model (how its tokens are routed).
+    pub moe: Option<crate::arch::moe::Moe>,
     /// Rotary embedding.
     rope: Rope,
 }
@@ -71,6 +73,7 @@ impl ModelSpec {
             vocab: cfg.vocab,
             max_positions: cfg.max_positions,
             norm_eps: cfg.norm_eps,
+            moe: cfg.moe.clone(),
             rope: Rope::new(cfg)?,
         })
     }
@@ -156,7 +159,17 @@ impl<'b, B: Backend> Model<'b, B> {
                 let t = input.read(p.canon)?;
                 let matrix = matches!(
                     p.canon.role,
-                    Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2 | Role::Output
+                    Role::Qkv
+                        | Role::Proj
+                        | Role::Fc1
+                        | Role::Fc2
+                        | Role::Output
+                        | Role::Router
+                        | Role::ExpertFc1(_)
+                        | Role::ExpertFc2(_)
+                        | Role::SharedFc1
+                        | Role::SharedFc2
+                        | Role::SharedGate
                 );
                 if matrix {
                     backend.upload_matrix(&t)

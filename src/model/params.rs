@@ -128,7 +128,10 @@ impl ParamTable {
                 canon,
                 lora: None,
                 decay: !(name.ends_with(".bias") || shape.len() == 1),
-                scaled_init: matches!(canon.role, Role::Proj | Role::Fc2),
+                scaled_init: matches!(
+                    canon.role,
+                    Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2
+                ),
                 trainable: base_trained,
                 tp_split: is_tp_split(canon.role),
                 shared: false,
@@ -179,9 +182,9 @@ impl ParamTable {
         if cfg.qk_norm {
             roles.extend([Role::QNorm, Role::KNorm]);
         }
-        roles.extend([Role::PostNorm, Role::Fc1, Role::Fc2]);
+        roles.push(Role::PostNorm);
         for l in 0..cfg.layers {
-            for &role in &roles {
+            for role in roles.iter().copied().chain(Role::mlp_roles(cfg, l)) {
                 let canon = Canon {
                     role,
                     layer: Some(l),

@@ -690,6 +690,54 @@ impl Backend for Npu {
         Ok(out)
     }
 
+    fn index_add_rows(&self, dst: &mut NpuTensor, src: &NpuTensor, rows: &[usize]) -> Result<()> {
+        check::index_add_rows(self, dst, src, rows)?;
+        // The rows are distinct: a one-hot product of them is the indexed sum
+        // (aclnnEmbeddingDenseBackward, then one rounding add into `dst`).
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        self.embedding_bwd(src, &ids, dst)
+    }
+
+    fn scale_rows(&self, x: &NpuTensor, w: &NpuTensor) -> Result<NpuTensor> {
+        check::scale_rows(self, x, w)?;
+        let n = x.rows();
+        let wide = self.as_dtype(x, DType::F32)?;
+        let out = self.empty(&x.shape, DType::F32)?;
+        self.mul_view(
+            &wide.matrix(),
+            &w.view().reshaped(&[n, 1], 0),
+            &out.matrix(),
+        )?;
+        self.converted(out, x.dtype)
+    }
+
+    fn row_dots(&self, x: &NpuTensor, y: &NpuTensor) -> Result<Vec<f32>> {
+        check::row_dots(self, x, y)?;
+        let (xf, yf) = (self.as_dtype(x, DType::F32)?, self.as_dtype(y, DType::F32)?);
+        let product = self.empty(&x.shape, DType::F32)?;
+        self.mul_view(&xf.matrix(), &yf.matrix(), &product.matrix())?;
+        let sums = self.empty(&[x.rows()], DType::F32)?;
+        {
+            let c = &self.ctx;
+            let (s, dims, o) = (
+                c.tensor(&product.matrix())?,
+                c.int_array(&[1])?,
+                c.tensor(&sums.view())?,
+            );
+            aclnn!(
+                self,
+                aclnnReduceSumGetWorkspaceSize,
+                aclnnReduceSum,
+                s.raw,
+                dims.raw,
+                false,
+                acl_dtype(DType::F32),
+                o.raw,
+            )?;
+        }
+        self.download_f32(&sums)
+    }
+
     fn rms_norm(
         &self,
         x: &NpuTensor,

@@ -38,6 +38,15 @@ impl DType {
             DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
+
+    /// `x` rounded to this floating dtype (itself for f32 and the others).
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            DType::BF16 => bf16_to_f32(bf16_bits(x)),
+            DType::F16 => half::f16::from_f32(x).to_f32(),
+            _ => x,
+        }
+    }
 }
 
 /// `x` rounded to the nearest bfloat16, ties to even (NaN stays a quiet NaN): what

@@ -20,6 +20,11 @@ def init():
     os.environ.setdefault("MASTER_PORT", "29531")
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
+    # Without Transformer Engine megatron-core 0.15 leaves the router's GEMM name undefined
+    # (moe_utils.py imports it only when TE is present) and then tests it.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
@@ -30,12 +35,28 @@ def load_pt(path):
         return torch.load(path, weights_only=True)
 
 
+def moe_config(a):
+    """TransformerConfig's mixture-of-experts fields from checkpoint args (none without
+    experts): megatron-core's MoELayer with SequentialMLP experts and the all-gather dispatcher."""
+    if getattr(a, "num_experts", None) is None:
+        return {}
+    return dict(
+        num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+        moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_router_pre_softmax=a.moe_router_pre_softmax,
+        moe_router_score_function=a.moe_router_score_function, moe_layer_freq=a.moe_layer_freq,
+        moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+        moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False)
+
+
 def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
     """GPTModel (or, with `pre_process` / `post_process` as Megatron sets them per stage, one
     pipeline stage of it, or model chunk `vp_stage` of one) of the checkpoint args `a`, in the
     current parallel state."""
     init()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
     cfg = TransformerConfig(
@@ -53,10 +74,16 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
         sequence_parallel=getattr(a, "sequence_parallel", False),
         num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
-        virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None))
+        virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None),
+        **moe_config(a))
+    if cfg.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                        qk_layernorm=getattr(a, "qk_layernorm", False))
     return GPTModel(
-        config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=getattr(a, "qk_layernorm", False)),
+        config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=spec,
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,

@@ -16,7 +16,8 @@ from megatron_cpu import gpt_model, load_pt, logits
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "fixtures/models"
-FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss"]
+FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss",
+            "qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 def rank_files(ck):
@@ -75,7 +76,9 @@ def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
         assert torch.equal(ma[k], mc[k]), k
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "seed_oss"])
+# qwen2_moe's shared-expert gate is not in megatron-core's spec (MindSpeed-LLM adds it).
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "seed_oss", "qwen3_moe",
+                                    "mixtral"])
 def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")
@@ -122,6 +125,42 @@ def test_qwen3_tp2_pp2_checkpoint_gives_transformers_logits(mindkit, tmp_path):
     with torch.no_grad():
         want = ref(ids).logits
     assert (logits(model, ids, a.vocab_size) - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_checkpoint_holds_megatron_expert_keys_split_over_tp(mindkit, tmp_path, family):
+    """An MoE checkpoint at TP 2 holds megatron-core's SequentialMLP keys: the router whole on
+    every rank, each expert's linear_fc1 as [gate_r; up_r] and linear_fc2 by columns (the
+    expert-tensor-parallel size is the TP size), the shared experts alike and their gate whole;
+    a dense layer (qwen3_moe's layer 0) keeps linear_fc1/linear_fc2."""
+    hf = load_file(str(MODELS / family / "model.safetensors"))
+    cfg = json.loads((MODELS / family / "config.json").read_text())
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m",
+            "--tp", 2)
+    for f in rank_files(tmp_path / "m"):
+        obj = load_pt(f)
+        a, sd, r = obj["args"], obj["model"], int(f.parent.name.split("_")[2])
+        assert a.num_experts == 4 and a.moe_router_topk == 2
+        for layer in range(cfg["num_hidden_layers"]):
+            p, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.{block}."
+            if layer in cfg.get("mlp_only_layers", []):
+                assert p + "linear_fc1.weight" in sd and p + "router.weight" not in sd
+                continue
+            assert torch.equal(sd[p + "router.weight"], hf[h + "gate.weight"])
+            for e in range(4):
+                fc1 = sd[p + f"experts.local_experts.{e}.linear_fc1.weight"]
+                g, u = hf[h + f"experts.{e}.{gate}.weight"], hf[h + f"experts.{e}.{up}.weight"]
+                n = g.shape[0] // 2
+                assert torch.equal(fc1, torch.cat([g[r * n:(r + 1) * n], u[r * n:(r + 1) * n]]))
+                d = hf[h + f"experts.{e}.{down}.weight"]
+                fc2 = sd[p + f"experts.local_experts.{e}.linear_fc2.weight"]
+                assert torch.equal(fc2, d[:, r * n:(r + 1) * n])
+            if family == "qwen2_moe":
+                assert a.moe_shared_expert_intermediate_size == 24 and a.shared_expert_gate
+                assert torch.equal(sd[p + "shared_experts.gate_weight"], hf[h + "shared_expert_gate.weight"])
+                assert sd[p + "shared_experts.linear_fc1.weight"].shape == (24, 32)
 
 
 @pytest.mark.parametrize("layout", ["mcore-te", "legacy"])

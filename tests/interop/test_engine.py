@@ -71,6 +71,20 @@ def test_smollm2_from_megatron_gives_the_same_logits(mindkit, smollm2, tmp_path)
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_logits_and_greedy_decoding_match_transformers(family, tmp_path):
+    """Tiny mixtures of experts (a dense first layer, a gated shared expert, top-k renormalised
+    or not): prefill logits and KV-cached decoding steps equal transformers' (fp32)."""
+    model_dir = ROOT / "fixtures/models" / family
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    prefill, steps, tokens = hf_greedy(model, ids, 8)
+    got = mindkit_logits(model_dir, ids, 8, tmp_path / "logits.safetensors")
+    assert (got["prefill"] - prefill).abs().max().item() <= 1e-5
+    assert got["generated"].tolist() == tokens
+    assert (got["steps"] - steps).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_generate_text_equals_transformers(smollm2, hf_model, tokenizer, chat):
     prompt = "What is the capital of France? Answer in one sentence." if chat else "Once upon a time"

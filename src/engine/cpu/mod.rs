@@ -496,6 +496,53 @@ impl Backend for Cpu {
         Ok(CpuTensor::stored(vec![rows.len(), c], out, x.dtype()))
     }
 
+    fn index_add_rows(&self, dst: &mut CpuTensor, src: &CpuTensor, rows: &[usize]) -> Result<()> {
+        check::index_add_rows(self, dst, src, rows)?;
+        let c = dst.cols();
+        let src = src.values();
+        let add = |row: &mut [f32], i: usize| {
+            (row.iter_mut().zip(&src[i * c..(i + 1) * c])).for_each(|(a, b)| *a += b)
+        };
+        match dst.data_mut() {
+            Data::F32(values) => {
+                for (i, &r) in rows.iter().enumerate() {
+                    add(&mut values[r * c..(r + 1) * c], i);
+                }
+            }
+            Data::Half(dtype, bits) => {
+                let mut row = vec![0f32; c];
+                for (i, &r) in rows.iter().enumerate() {
+                    let stored = &mut bits[r * c..(r + 1) * c];
+                    crate::tensor::simd::widen(stored, *dtype, &mut row);
+                    add(&mut row, i);
+                    narrow_half(&row, *dtype, stored);
+                }
+            }
+            Data::Panels(_) => return Err(packed("index_add_rows")),
+        }
+        Ok(())
+    }
+
+    fn scale_rows(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
+        check::scale_rows(self, x, w)?;
+        let (c, w) = (x.cols(), w.values());
+        let mut v = x.values().into_owned();
+        v.par_chunks_mut(c.max(1))
+            .zip(w.par_iter())
+            .for_each(|(row, &s)| row.iter_mut().for_each(|a| *a *= s));
+        Ok(CpuTensor::stored(x.shape.clone(), v, x.dtype()))
+    }
+
+    fn row_dots(&self, x: &CpuTensor, y: &CpuTensor) -> Result<Vec<f32>> {
+        check::row_dots(self, x, y)?;
+        let c = x.cols().max(1);
+        let (x, y) = (x.values(), y.values());
+        Ok(x.par_chunks(c)
+            .zip(y.par_chunks(c))
+            .map(|(a, b)| a.iter().zip(b).map(|(p, q)| p * q).sum())
+            .collect())
+    }
+
     fn rms_norm(
         &self,
         x: &CpuTensor,

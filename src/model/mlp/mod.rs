@@ -3,29 +3,38 @@
 //! pass needs, and that backward pass.
 
 mod dense;
+mod moe;
 
 use crate::engine::{Backend, Result};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
 use dense::Dense;
+use moe::Moe;
 
 /// A layer's MLP.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(in crate::model) enum Mlp {
     /// The dense SwiGLU MLP.
     Dense(Dense),
+    /// Routed experts (and shared ones).
+    Moe(Moe),
 }
 
 /// What an MLP's backward pass needs of its forward pass.
 pub(in crate::model) enum MlpSaved<T> {
     /// Of [`Mlp::Dense`].
     Dense(dense::Saved<T>),
+    /// Of [`Mlp::Moe`].
+    Moe(moe::Saved<T>),
 }
 
 impl Mlp {
     /// Layer `layer`'s MLP in `table`, `None` if the table lacks it.
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Mlp> {
-        Dense::of(table, layer).map(Mlp::Dense)
+        match Dense::of(table, layer) {
+            Some(d) => Some(Mlp::Dense(d)),
+            None => Moe::of(table, layer).map(Mlp::Moe),
+        }
     }
 
     /// The MLP of the normed input `h [T, h]`: its output `[T, h]` (summed over the
@@ -39,6 +48,10 @@ impl Mlp {
             Mlp::Dense(m) => {
                 let (out, saved) = m.forward(p, h)?;
                 Ok((out, MlpSaved::Dense(saved)))
+            }
+            Mlp::Moe(m) => {
+                let (out, saved) = m.forward(p, h)?;
+                Ok((out, MlpSaved::Moe(saved)))
             }
         }
     }
@@ -54,6 +67,8 @@ impl Mlp {
     ) -> Result<B::Tensor> {
         match (self, saved) {
             (Mlp::Dense(m), MlpSaved::Dense(s)) => m.backward(p, grads, s, dy),
+            (Mlp::Moe(m), MlpSaved::Moe(s)) => m.backward(p, grads, s, dy),
+            _ => unreachable!("an MLP's saved values are its own kind's"),
         }
     }
 }

@@ -2,6 +2,8 @@
 //! `rope_theta`/`rope_scaling` and 5.x `rope_parameters` conventions) or from Megatron `args`,
 //! and written back to either.
 
+mod moe;
+
 use super::torch::pickle::Value;
 use crate::arch::family::{self, Family};
 use crate::arch::ModelConfig;
@@ -315,9 +317,10 @@ impl ModelConfig {
             None => json_str(cfg, "dtype")?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F32);
+        let layers = json_required_count(cfg, "num_hidden_layers")?;
         Ok(ModelConfig {
             family,
-            layers: json_required_count(cfg, "num_hidden_layers")?,
+            layers,
             hidden,
             heads,
             groups,
@@ -331,6 +334,7 @@ impl ModelConfig {
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: out_bias,
             qk_norm: family.qk_norm,
+            moe: moe::moe_from_hf(cfg, family, layers)?,
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
             hf_config: Some(cfg.clone()),
@@ -381,7 +385,27 @@ impl ModelConfig {
         if let Some(r) = &self.rope_scaling {
             cfg["rope_scaling"] = r.clone();
         }
+        if let Some(m) = &self.moe {
+            moe::moe_to_hf(m, self.family, &mut cfg);
+        }
         cfg
+    }
+
+    /// Whether the family's `config.json` and tensor names can hold this model (a mixture of
+    /// experts read from Megatron args may route or share experts in a way the family cannot
+    /// say).
+    pub fn check_hf(&self) -> Result<()> {
+        if let Some(why) = self
+            .moe
+            .as_ref()
+            .and_then(|m| moe::hf_limits(m, self.family))
+        {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: {why}",
+                self.family.name
+            );
+        }
+        Ok(())
     }
 
     /// Layout checks that do not depend on the parallel layout (the numbers were checked
@@ -390,7 +414,7 @@ impl ModelConfig {
         if self.proj_bias && !self.qkv_bias {
             bail!("an attention output bias without q/k/v biases is not a supported layout");
         }
-        Ok(())
+        self.check_hf()
     }
 }
 
@@ -568,21 +592,27 @@ impl ModelConfig {
         // are then reported as tensors no supported family has.
         let add_bias = flag("add_dense_bias")? || flag("add_bias_linear")?;
         let qkv_bias = flag("add_qkv_bias")? || add_bias;
-        let family = match family {
-            Some(f) => f,
-            None if qk_norm => family::by_name("qwen3")?,
-            None if qkv_bias && !add_bias => family::by_name("qwen2")?,
-            None => family::by_name("llama")?,
+        let layers = need("num_layers")?;
+        let ffn = need("ffn_hidden_size")?;
+        let moe = moe::moe_from_args(args, layers, ffn)?;
+        let family = match (family, &moe) {
+            (Some(f), _) => f,
+            (None, None) if qk_norm => family::by_name("qwen3")?,
+            (None, None) if qkv_bias && !add_bias => family::by_name("qwen2")?,
+            (None, None) => family::by_name("llama")?,
+            (None, Some(_)) if qk_norm => family::by_name("qwen3_moe")?,
+            (None, Some(_)) if qkv_bias && !add_bias => family::by_name("qwen2_moe")?,
+            (None, Some(_)) => family::by_name("mixtral")?,
         };
         check_qk_norm(family, qk_norm)?;
         Ok(ModelConfig {
             family,
-            layers: need("num_layers")?,
+            layers,
             hidden,
             heads,
             groups,
             head_dim: arg_count(args, "kv_channels")?.unwrap_or(hidden / heads),
-            ffn: need("ffn_hidden_size")?,
+            ffn,
             vocab: arg_count(args, "vocab_size")?.unwrap_or(padded_rows),
             max_positions: arg_count(args, "max_position_embeddings")?.unwrap_or(4096),
             rope_theta: arg_positive(args, "rotary_base")?.unwrap_or(10000.0),
@@ -591,6 +621,7 @@ impl ModelConfig {
             qkv_bias,
             proj_bias: add_bias,
             qk_norm,
+            moe,
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
@@ -716,6 +747,7 @@ pub fn megatron_args(
             par.first_last.map_or(Value::None, |(_, l)| int(l)),
         ),
         ("expert_model_parallel_size", int(1)),
+        ("moe_grouped_gemm", Value::Bool(false)),
         ("make_vocab_size_divisible_by", int(par.divisible_by)),
         ("padded_vocab_size", int(par.padded_vocab)),
         ("vocab_size", int(cfg.vocab)),
@@ -731,6 +763,7 @@ pub fn megatron_args(
         ("ckpt_format", Value::Str("torch".into())),
         ("model_type", Value::Str("GPT".into())),
     ];
+    set.extend(moe::moe_args(cfg.moe.as_ref()));
     if base.is_empty() {
         set.push(("tokenizer_type", Value::Str("HuggingFaceTokenizer".into())));
         set.push(("tokenizer_model", Value::None));

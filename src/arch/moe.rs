@@ -1,0 +1,334 @@
+//! Mixture of experts as data: how many experts, how a token picks them (the router's score
+//! function and top-k rule, megatron-core megatron/core/transformer/moe/moe_utils.py
+//! `topk_routing_with_score_function`), which layers hold them, shared experts. The routing
+//! itself, on the host, is [`route`].
+
+/// How the router turns logits into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreFunction {
+    /// Softmax over the experts (Qwen-MoE, Mixtral).
+    Softmax,
+    /// A sigmoid per expert, the chosen ones normalised (DeepSeek-V3).
+    Sigmoid,
+}
+
+impl ScoreFunction {
+    /// Megatron's `--moe-router-score-function` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScoreFunction::Softmax => "softmax",
+            ScoreFunction::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+/// The experts of a model's MoE layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    /// Routed experts per MoE layer (`--num-experts`).
+    pub experts: usize,
+    /// Experts each token goes to (`--moe-router-topk`).
+    pub topk: usize,
+    /// One routed expert's intermediate size (`--moe-ffn-hidden-size`).
+    pub ffn: usize,
+    /// The shared experts' intermediate size, all of them together
+    /// (`--moe-shared-expert-intermediate-size`); `None` without shared experts.
+    pub shared_ffn: Option<usize>,
+    /// A sigmoid gate `[1, h]` scales the shared experts' output (Qwen2-MoE's
+    /// `shared_expert_gate`, MindSpeed-LLM's `--shared-expert-gate`).
+    pub shared_gate: bool,
+    /// The score function.
+    pub score: ScoreFunction,
+    /// Softmax over all experts before the top-k, the chosen scores used as they are
+    /// (`--moe-router-pre-softmax`; Qwen-MoE's `norm_topk_prob: false`); else a softmax over the
+    /// chosen logits, i.e. the chosen probabilities renormalised.
+    pub pre_softmax: bool,
+    /// Scale of the routing weights (`--moe-router-topk-scaling-factor`).
+    pub topk_scale: Option<f64>,
+    /// Group-limited routing: `(groups, groups kept)` (`--moe-router-num-groups`,
+    /// `--moe-router-group-topk`).
+    pub group_limit: Option<(usize, usize)>,
+    /// Which layers are MoE layers (the others dense), one entry per layer.
+    pub layers: Vec<bool>,
+}
+
+impl Moe {
+    /// Whether layer `l` is an MoE layer.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        self.layers.get(l).copied().unwrap_or(false)
+    }
+
+    /// The layer pattern of Megatron's `--moe-layer-freq` (an int `k`: every `k`-th layer from
+    /// the first; or the list itself) after `first_dense` dense layers (MindSpeed-LLM's
+    /// `--first-k-dense-replace`).
+    pub fn pattern(layers: usize, freq: &LayerFreq, first_dense: usize) -> Vec<bool> {
+        (0..layers)
+            .map(|l| {
+                l >= first_dense
+                    && match freq {
+                        LayerFreq::Every(k) => l % k.max(&1) == 0,
+                        LayerFreq::List(list) => list.get(l).is_some_and(|&x| x != 0),
+                    }
+            })
+            .collect()
+    }
+}
+
+/// Megatron's `--moe-layer-freq`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LayerFreq {
+    /// Every `k`-th layer, from layer 0.
+    Every(usize),
+    /// One entry per layer (1 = MoE).
+    List(Vec<i64>),
+}
+
+/// The experts one token goes to and their weights, from its router logits (megatron-core
+/// `topk_routing_with_score_function`, unfused, in f32; ties go to the lower expert index as
+/// `torch.topk` returns them on the CPU).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// Expert indices, best first.
+    pub experts: Vec<usize>,
+    /// Their weights (probabilities after normalisation and scaling).
+    pub weights: Vec<f32>,
+}
+
+/// Indices of the `k` largest values, largest first, the lower index first among equals.
+fn topk(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// `torch.softmax` of a row in f32.
+pub fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = x.iter().map(|&v| (v - max).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    e.iter().map(|&v| v / sum).collect()
+}
+
+/// The top-k of `scores` within the best groups (megatron-core `group_limited_topk`: a
+/// group's score is the sum of its best `k / groups kept` experts' scores; experts outside the
+/// chosen groups are out of the running).
+fn group_limited_topk(scores: &[f32], k: usize, (groups, keep): (usize, usize)) -> Vec<usize> {
+    let per = scores.len() / groups;
+    let group_scores: Vec<f32> = scores
+        .chunks(per)
+        .map(|g| topk(g, k / keep).iter().map(|&i| g[i]).sum())
+        .collect();
+    let chosen = topk(&group_scores, keep);
+    let masked: Vec<f32> = (scores.iter().enumerate())
+        .map(|(e, &s)| {
+            if chosen.contains(&(e / per)) {
+                s
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    topk(&masked, k)
+}
+
+/// Route one token given its router `logits [experts]` and, with an expert bias (aux-loss-free
+/// balancing), the bias added to the scores for the choice only.
+pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
+    let choose = |scores: &[f32]| match moe.group_limit {
+        Some(g) => group_limited_topk(scores, moe.topk, g),
+        None => topk(scores, moe.topk),
+    };
+    let (experts, mut weights) = match moe.score {
+        ScoreFunction::Softmax if moe.pre_softmax => {
+            let scores = softmax(logits);
+            let experts = choose(&scores);
+            let w = experts.iter().map(|&e| scores[e]).collect();
+            (experts, w)
+        }
+        ScoreFunction::Softmax => {
+            let experts = choose(logits);
+            let chosen: Vec<f32> = experts.iter().map(|&e| logits[e]).collect();
+            (experts, softmax(&chosen))
+        }
+        ScoreFunction::Sigmoid => {
+            let scores: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+            let experts = match expert_bias {
+                Some(bias) => {
+                    let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+                    choose(&biased)
+                }
+                None => choose(&scores),
+            };
+            let chosen: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
+            let w = if moe.topk > 1 {
+                let sum: f32 = chosen.iter().sum::<f32>() + 1e-20;
+                chosen.iter().map(|&s| s / sum).collect()
+            } else {
+                chosen
+            };
+            (experts, w)
+        }
+    };
+    if let Some(s) = moe.topk_scale {
+        weights.iter_mut().for_each(|w| *w *= s as f32);
+    }
+    Routed { experts, weights }
+}
+
+/// The gradient of one token's router logits given the gradient `dweights` of its routing
+/// weights ([`route`]'s, same order): the derivative of the score function through the chosen
+/// experts (the choice itself is constant), as autograd takes it in megatron-core.
+pub fn route_grad(moe: &Moe, logits: &[f32], routed: &Routed, dweights: &[f32]) -> Vec<f32> {
+    let scale = moe.topk_scale.unwrap_or(1.0) as f32;
+    let dw: Vec<f32> = dweights.iter().map(|&d| d * scale).collect();
+    let mut dlogits = vec![0f32; logits.len()];
+    match moe.score {
+        ScoreFunction::Softmax if moe.pre_softmax => {
+            // w_j = p[e_j] with p = softmax(logits): dl = p ⊙ (dp − Σ p·dp).
+            let p = softmax(logits);
+            let mut dp = vec![0f32; logits.len()];
+            routed
+                .experts
+                .iter()
+                .zip(&dw)
+                .for_each(|(&e, &d)| dp[e] = d);
+            let dot: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            dlogits
+                .iter_mut()
+                .enumerate()
+                .for_each(|(e, g)| *g = p[e] * (dp[e] - dot));
+        }
+        ScoreFunction::Softmax => {
+            // w = softmax(chosen logits).
+            let w = &routed.weights;
+            let unscaled: Vec<f32> = w.iter().map(|&x| x / scale).collect();
+            let dot: f32 = unscaled.iter().zip(&dw).map(|(a, b)| a * b).sum();
+            for (j, &e) in routed.experts.iter().enumerate() {
+                dlogits[e] = unscaled[j] * (dw[j] - dot);
+            }
+        }
+        ScoreFunction::Sigmoid => {
+            // w_j = s_j / (Σ s + ε) for top-k > 1, s = σ(logit).
+            let s: Vec<f32> = (routed.experts.iter())
+                .map(|&e| 1.0 / (1.0 + (-logits[e]).exp()))
+                .collect();
+            let ds: Vec<f32> = if moe.topk > 1 {
+                let sum: f32 = s.iter().sum::<f32>() + 1e-20;
+                let dot: f32 = s.iter().zip(&dw).map(|(a, b)| a * b).sum();
+                dw.iter().map(|&d| (d - dot / sum) / sum).collect()
+            } else {
+                dw
+            };
+            for (j, &e) in routed.experts.iter().enumerate() {
+                dlogits[e] = ds[j] * s[j] * (1.0 - s[j]);
+            }
+        }
+    }
+    dlogits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe(score: ScoreFunction, pre_softmax: bool) -> Moe {
+        Moe {
+            experts: 4,
+            topk: 2,
+            ffn: 8,
+            shared_ffn: None,
+            shared_gate: false,
+            score,
+            pre_softmax,
+            topk_scale: None,
+            group_limit: None,
+            layers: vec![true],
+        }
+    }
+
+    #[test]
+    fn softmax_routing_renormalises_the_chosen_experts_unless_pre_softmax() {
+        let logits = [1.0, 3.0, 2.0, 3.0];
+        let r = route(&moe(ScoreFunction::Softmax, false), &logits, None);
+        // Equal logits: the lower index first, as torch.topk on the CPU.
+        assert_eq!(r.experts, [1, 3]);
+        assert!((r.weights[0] - 0.5).abs() < 1e-7 && (r.weights[1] - 0.5).abs() < 1e-7);
+        let r = route(&moe(ScoreFunction::Softmax, true), &logits, None);
+        let all = softmax(&logits);
+        assert_eq!(r.weights, [all[1], all[3]]);
+    }
+
+    #[test]
+    fn sigmoid_routing_chooses_with_the_bias_and_weighs_without_it() {
+        let logits = [0.0, 1.0, 2.0, -1.0];
+        let bias = [10.0, 0.0, 0.0, 10.0];
+        let r = route(&moe(ScoreFunction::Sigmoid, false), &logits, Some(&bias));
+        assert_eq!(r.experts, [0, 3]);
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let sum = s(0.0) + s(-1.0);
+        assert!((r.weights[0] - s(0.0) / sum).abs() < 1e-7);
+    }
+
+    #[test]
+    fn group_limited_routing_keeps_to_the_best_groups() {
+        let mut m = moe(ScoreFunction::Softmax, true);
+        m.group_limit = Some((2, 1));
+        // k / kept = 2: group 0 = experts 0, 1 scores 0.1 + 0.2, group 1 = experts 2, 3 0.5 + 0.0.
+        let logits = [0.1f32, 0.2, 0.5, 0.0].map(|p| p.ln());
+        let r = route(&m, &logits, None);
+        assert_eq!(r.experts, [2, 3]);
+    }
+
+    /// The analytic gradient of `Σ c_j·w_j` against central differences of the logits.
+    #[test]
+    fn routing_gradients_match_finite_differences() {
+        let logits = [0.3f32, -0.2, 0.9, 0.1];
+        let c = [0.7f32, -1.3];
+        for (score, pre) in [
+            (ScoreFunction::Softmax, false),
+            (ScoreFunction::Softmax, true),
+            (ScoreFunction::Sigmoid, false),
+        ] {
+            let mut m = moe(score, pre);
+            m.topk_scale = Some(2.5);
+            let objective = |l: &[f32]| -> f64 {
+                let r = route(&m, l, None);
+                r.weights
+                    .iter()
+                    .zip(&c)
+                    .map(|(w, c)| f64::from(w * c))
+                    .sum()
+            };
+            let routed = route(&m, &logits, None);
+            let g = route_grad(&m, &logits, &routed, &c);
+            for e in 0..4 {
+                let (mut up, mut down) = (logits, logits);
+                up[e] += 1e-3;
+                down[e] -= 1e-3;
+                let numeric = (objective(&up) - objective(&down)) / 2e-3;
+                assert!(
+                    (numeric - f64::from(g[e])).abs() < 2e-3,
+                    "{score:?} pre {pre} expert {e}: {numeric} vs {}",
+                    g[e]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn layer_patterns_follow_moe_layer_freq_and_first_dense_layers() {
+        assert_eq!(
+            Moe::pattern(4, &LayerFreq::Every(1), 1),
+            [false, true, true, true]
+        );
+        assert_eq!(
+            Moe::pattern(4, &LayerFreq::Every(2), 0),
+            [true, false, true, false]
+        );
+        assert_eq!(
+            Moe::pattern(3, &LayerFreq::List(vec![0, 1, 1]), 0),
+            [false, true, true]
+        );
+    }
+}

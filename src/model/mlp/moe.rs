@@ -1,0 +1,291 @@
+//! The mixture-of-experts MLP, megatron-core's `MoELayer` with the all-gather token
+//! dispatcher (megatron/core/transformer/moe/moe_layer.py, router.py, experts.py
+//! `SequentialMLP`, shared_experts.py): the router's logits on this rank's rows, every token
+//! routed on the host ([`route`]), each expert a [`SwiGlu`] over its tokens with its
+//! activation scaled by their routing weights, the outputs added back into their rows in
+//! expert order; the shared experts (with their optional sigmoid gate) added after.
+//!
+//! Under tensor parallelism every rank runs its columns of every expert on all tokens (the
+//! expert-tensor-parallel size is the tensor-parallel size): the rows are gathered under
+//! sequence parallelism, the logits gathered with them, and the outputs reduced as the dense
+//! MLP's are.
+//!
+//! Legend: T = this rank's rows, N = all ranks' rows (T without sequence parallelism),
+//! h = hidden, E = routed experts.
+
+use super::dense::{SwiGlu, SwiGluSaved};
+use crate::arch::moe::{route, route_grad, Moe as Experts, Routed};
+use crate::arch::roles::{Canon, Role};
+use crate::engine::{Backend, EngineError, Result};
+use crate::model::parallel::{gathered, reduced};
+use crate::model::params::ParamTable;
+use crate::model::Pass;
+
+/// The parameters of one MoE layer.
+#[derive(Debug, Clone)]
+pub(in crate::model) struct Moe {
+    /// The router `[E, h]`.
+    router: usize,
+    experts: Vec<SwiGlu>,
+    /// The shared experts and their gate `[1, h]`.
+    shared: Option<(SwiGlu, Option<usize>)>,
+}
+
+/// One expert's share of a forward pass.
+struct ExpertSaved<T> {
+    expert: usize,
+    /// Its tokens (rows of the N), ascending, and their routing weights `[n]` (f32).
+    rows: Vec<usize>,
+    weights: T,
+    swiglu: SwiGluSaved<T>,
+}
+
+/// What the backward pass needs of the forward pass.
+pub(in crate::model) struct Saved<T> {
+    /// The normed input `[T, h]`.
+    h: T,
+    /// The router's logits of all N rows (f32, row-major `[N, E]`) and every row's route.
+    logits: Vec<f32>,
+    routes: Vec<Routed>,
+    experts: Vec<ExpertSaved<T>>,
+    shared: Option<SharedSaved<T>>,
+}
+
+/// The shared experts' state, with their gate's: their summed output `[T, h]` and `σ [T]`
+/// (f32).
+type SharedSaved<T> = (SwiGluSaved<T>, Option<(T, T)>);
+
+/// The routing configuration of the pass's model.
+fn experts_of<'a, B: Backend>(p: &Pass<'a, B>) -> Result<&'a Experts> {
+    p.spec.moe.as_ref().ok_or_else(|| EngineError::Invalid {
+        op: "moe",
+        msg: "an MoE layer in a model without experts".into(),
+    })
+}
+
+impl Moe {
+    /// Layer `layer`'s MoE block in `table`, `None` if the table lacks its router or an
+    /// expert.
+    pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Moe> {
+        let at = |role| {
+            table.index(Canon {
+                role,
+                layer: Some(layer),
+            })
+        };
+        let router = at(Role::Router)?;
+        let experts = (0..table.params[router].shape[0])
+            .map(|e| SwiGlu::of(table, (Role::ExpertFc1(e), Role::ExpertFc2(e)), layer))
+            .collect::<Option<_>>()?;
+        let shared = SwiGlu::of(table, (Role::SharedFc1, Role::SharedFc2), layer)
+            .map(|s| (s, at(Role::SharedGate)));
+        Some(Moe {
+            router,
+            experts,
+            shared,
+        })
+    }
+
+    /// The router's logits of all N rows as f32 on the host, from this rank's rows `h`.
+    fn logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor) -> Result<Vec<f32>> {
+        let b = p.b;
+        let local = b.download_f32(&b.matmul(h, &p.params[self.router], None)?)?;
+        match p.tp.filter(|tp| tp.sequence_parallel) {
+            Some(tp) => tp.group.all_gather_f32(&local),
+            None => Ok(local),
+        }
+    }
+
+    /// The MoE block's output `[T, h]` for the normed input `h`, and what the backward pass
+    /// needs.
+    pub(in crate::model) fn forward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        h: B::Tensor,
+    ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
+        let (b, cfg) = (p.b, experts_of(p)?);
+        let all = gathered(b, p.tp, &h)?;
+        let x = all.as_ref().unwrap_or(&h);
+        let logits = self.logits(p, &h)?;
+        let e_count = cfg.experts;
+        // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
+        let dtype = b.dtype(&p.params[self.router]);
+        let routes: Vec<Routed> = (logits.chunks(e_count))
+            .map(|l| {
+                let mut r = route(cfg, l, None);
+                r.weights.iter_mut().for_each(|w| *w = dtype.round(*w));
+                r
+            })
+            .collect();
+        let mut out = b.zeros(b.shape(x), b.dtype(x))?;
+        let mut experts = Vec::new();
+        for (expert, (rows, w)) in tokens_per_expert(&routes, e_count).into_iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let weights = b.upload_f32(&[rows.len()], &w)?;
+            let xe = b.select_rows(x, &rows)?;
+            let (y, swiglu) = self.experts[expert].forward(p, &xe, Some(&weights))?;
+            b.index_add_rows(&mut out, &y, &rows)?;
+            experts.push(ExpertSaved {
+                expert,
+                rows,
+                weights,
+                swiglu,
+            });
+        }
+        let mut out = reduced(b, p.tp, out)?;
+        let shared = match &self.shared {
+            None => None,
+            Some((swiglu, gate)) => {
+                let (y, saved) = swiglu.forward(p, x, None)?;
+                let y = reduced(b, p.tp, y)?;
+                let gated = gate.map(|g| self.gate(p, &h, g)).transpose()?;
+                match &gated {
+                    Some(sigma) => b.add_assign(&mut out, &b.scale_rows(&y, sigma)?)?,
+                    None => b.add_assign(&mut out, &y)?,
+                }
+                Some((saved, gated.map(|sigma| (y, sigma))))
+            }
+        };
+        let saved = Saved {
+            h,
+            logits,
+            routes,
+            experts,
+            shared,
+        };
+        Ok((out, saved))
+    }
+
+    /// `σ(h·gᵀ) [T]` (f32) of the shared experts' gate `g [1, h]`.
+    fn gate<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor, g: usize) -> Result<B::Tensor> {
+        let b = p.b;
+        let logits = b.download_f32(&b.matmul(h, &p.params[g], None)?)?;
+        let sigma: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+        b.upload_f32(&[sigma.len()], &sigma)
+    }
+
+    /// The gradient of the normed input given `dy [T, h]`, the gradient of the output;
+    /// accumulates the parameters' gradients (the router's through the routing weights).
+    pub(in crate::model) fn backward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        s: Saved<B::Tensor>,
+        dy: &B::Tensor,
+    ) -> Result<B::Tensor> {
+        let (b, cfg) = (p.b, experts_of(p)?);
+        let dy_all = gathered(b, p.tp, dy)?;
+        let dy_all = dy_all.as_ref().unwrap_or(dy);
+        let h_all = gathered(b, p.tp, &s.h)?;
+        let x = h_all.as_ref().unwrap_or(&s.h);
+        let mut dx = b.zeros(b.shape(x), b.dtype(x))?;
+        let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
+        for e in s.experts {
+            let dy_e = b.select_rows(dy_all, &e.rows)?;
+            let xe = b.select_rows(x, &e.rows)?;
+            let (dx_e, dw) = self.experts[e.expert].backward(
+                p,
+                grads,
+                e.swiglu,
+                (&xe, &dy_e, Some(&e.weights)),
+            )?;
+            b.index_add_rows(&mut dx, &dx_e, &e.rows)?;
+            let dw = dw.expect("a scaled expert's weight gradient");
+            for (&row, d) in e.rows.iter().zip(dw) {
+                let slot = (s.routes[row].experts.iter())
+                    .position(|&x| x == e.expert)
+                    .expect("the expert is among the row's");
+                dweights[row][slot] = d;
+            }
+        }
+        // The shared experts' output y gated by σ = σ(h·gᵀ): dy flows to y as σ·dy and to
+        // the gate's logits as (dy·y)·σ(1−σ).
+        let mut dgate = None;
+        if let (Some((swiglu, gate)), Some((saved, gated))) = (&self.shared, s.shared) {
+            let dys = match (gate, &gated) {
+                (Some(g), Some((y, sigma))) => {
+                    let mut dlogit = b.row_dots(dy, y)?;
+                    let sigma_host = b.download_f32(sigma)?;
+                    (dlogit.iter_mut().zip(sigma_host)).for_each(|(d, s)| *d *= s * (1.0 - s));
+                    dgate = Some((*g, dlogit));
+                    Some(b.scale_rows(dy, sigma)?)
+                }
+                _ => None,
+            };
+            let dys = dys.as_ref().unwrap_or(dy);
+            let dys_all = gathered(b, p.tp, dys)?;
+            let dys_all = dys_all.as_ref().unwrap_or(dys);
+            let (dxs, _) = swiglu.backward(p, grads, saved, (x, dys_all, None))?;
+            b.add_assign(&mut dx, &dxs)?;
+        }
+        // Summed over the ranks (this rank's rows under sequence parallelism); the router's
+        // and the gate's terms come from this rank's rows of `h` and are added after.
+        let mut dx = reduced(b, p.tp, dx)?;
+        if let Some(tp) = p.tp {
+            let mut flat: Vec<f32> = dweights.concat();
+            tp.group
+                .all_reduce_f32(&mut flat, crate::engine::comm::ReduceOp::Sum)?;
+            dweights = flat.chunks(cfg.topk.max(1)).map(<[f32]>::to_vec).collect();
+        }
+        let dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes), &dweights);
+        b.add_assign(
+            &mut dx,
+            &self.linear_grad(p, grads, (&dlogits, &s.h), self.router)?,
+        )?;
+        if let Some((g, dsig)) = dgate {
+            b.add_assign(&mut dx, &self.linear_grad(p, grads, (&dsig, &s.h), g)?)?;
+        }
+        Ok(dx)
+    }
+
+    /// `dh [T, h]` of `y = h·Wᵀ` given `dy` (f32 values on the host, `[T, rows of W]`),
+    /// accumulating W's gradient when trained.
+    fn linear_grad<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        (dy, h): (&[f32], &B::Tensor),
+        w: usize,
+    ) -> Result<B::Tensor> {
+        let b = p.b;
+        let rows = b.shape(h)[0];
+        let dy = b.upload_f32(&[rows, dy.len() / rows.max(1)], dy)?;
+        let dy = b.cast(&dy, b.dtype(h))?;
+        let dw = p.trainable[w].then(|| &mut grads[w]);
+        b.matmul_bwd(&dy, h, &p.params[w], dw, None)
+    }
+}
+
+/// This rank's rows of the router logits' gradient `[T·E]` from every row's routing weights'
+/// (`h`: this rank's rows; `logits`, `routes`: all N rows').
+fn logits_grad<B: Backend>(
+    p: &Pass<B>,
+    cfg: &Experts,
+    (h, logits, routes): (&B::Tensor, &[f32], &[Routed]),
+    dweights: &[Vec<f32>],
+) -> Vec<f32> {
+    let e = cfg.experts;
+    let local = p.b.shape(h)[0];
+    let first = match p.tp.filter(|tp| tp.sequence_parallel) {
+        Some(tp) => tp.group.rank() * local,
+        None => 0,
+    };
+    (first..first + local)
+        .flat_map(|t| route_grad(cfg, &logits[t * e..(t + 1) * e], &routes[t], &dweights[t]))
+        .collect()
+}
+
+/// Each expert's tokens in ascending order and their routing weights (megatron-core
+/// `permute`: `routing_map.T` masked, tokens of expert 0 first).
+fn tokens_per_expert(routes: &[Routed], experts: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+    let mut out = vec![(Vec::new(), Vec::new()); experts];
+    for (t, r) in routes.iter().enumerate() {
+        for (&e, &w) in r.experts.iter().zip(&r.weights) {
+            out[e].0.push(t);
+            out[e].1.push(w);
+        }
+    }
+    out
+}
