@@ -58,15 +58,16 @@ impl Moe {
         self.layers.get(l).copied().unwrap_or(false)
     }
 
-    /// The layer pattern of Megatron's `--moe-layer-freq` (an int `k`: every `k`-th layer from
-    /// the first; or the list itself) after `first_dense` dense layers (MindSpeed-LLM's
-    /// `--first-k-dense-replace`).
-    pub fn pattern(layers: usize, freq: &LayerFreq, first_dense: usize) -> Vec<bool> {
+    /// The layer pattern of Megatron's `--moe-layer-freq` (an int `k`: layers `l` with
+    /// `l % k == 0`, as Python computes it, so `-1` is every layer; or the list itself) after
+    /// MindSpeed-LLM's `--first-k-dense-replace` (layers below it dense; `-1` or less: none,
+    /// mindspeed_llm/core/transformer/transformer_block.py `build_layer`).
+    pub fn pattern(layers: usize, freq: &LayerFreq, first_dense: i64) -> Vec<bool> {
         (0..layers)
             .map(|l| {
-                l >= first_dense
+                l as i64 >= first_dense
                     && match freq {
-                        LayerFreq::Every(k) => l % k.max(&1) == 0,
+                        LayerFreq::Every(k) => *k != 0 && (l as i64) % k == 0,
                         LayerFreq::List(list) => list.get(l).is_some_and(|&x| x != 0),
                     }
             })
@@ -77,8 +78,8 @@ impl Moe {
 /// Megatron's `--moe-layer-freq`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LayerFreq {
-    /// Every `k`-th layer, from layer 0.
-    Every(usize),
+    /// Every `k`-th layer, from layer 0 (`k` negative as Python's modulo reads it).
+    Every(i64),
     /// One entry per layer (1 = MoE).
     List(Vec<i64>),
 }
@@ -330,5 +331,7 @@ mod tests {
             Moe::pattern(3, &LayerFreq::List(vec![0, 1, 1]), 0),
             [false, true, true]
         );
+        // MindSpeed-LLM's scripts: --moe-layer-freq -1 --first-k-dense-replace -1, every layer.
+        assert_eq!(Moe::pattern(3, &LayerFreq::Every(-1), -1), [true; 3]);
     }
 }

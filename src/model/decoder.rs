@@ -30,7 +30,7 @@ use super::layer::{rms_grad, Layer, LayerSaved};
 use super::linear::Linear;
 use super::parallel::{gathered, local_ids, reduced, TensorParallel};
 use super::params::ParamTable;
-use super::{ModelSpec, Pass};
+use super::{AuxLosses, LossValues, ModelSpec, Pass};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::comm::ReduceOp;
 use crate::engine::dropout::Site;
@@ -86,7 +86,7 @@ impl Ids {
         params: &'a [B::Tensor],
         tp: Option<&'a TensorParallel<'a, B::Tensor>>,
         rope: (&'a B::Tensor, &'a B::Tensor),
-        dropout: Option<&'a Dropout>,
+        (dropout, aux): (Option<&'a Dropout>, Option<&'a AuxLosses>),
     ) -> Pass<'a, B> {
         Pass {
             b,
@@ -97,6 +97,7 @@ impl Ids {
             tp,
             rope,
             dropout,
+            aux,
         }
     }
 }
@@ -119,6 +120,8 @@ pub struct MicroBatch {
     pub positions: Vec<usize>,
     /// Training's dropout (`None`: none, as in evaluation).
     pub dropout: Option<Dropout>,
+    /// Training's MoE auxiliary losses (`None`: none, as in evaluation).
+    pub aux: Option<AuxLosses>,
 }
 
 /// What the final norm and output layer's backward pass needs.
@@ -136,6 +139,8 @@ struct HeadSaved<T> {
 /// pass.
 pub struct Saved<T> {
     layers: Vec<LayerSaved<T>>,
+    /// The global index of each of `layers`.
+    layer_index: Vec<usize>,
     head: Option<HeadSaved<T>>,
     /// RoPE tables `[T, d/2]` of the micro-batch.
     cos: T,
@@ -157,7 +162,8 @@ pub fn forward<B: Backend>(
     let (cos, sin) = spec.rope_tables(&batch.positions);
     let half = [batch.tokens.len(), spec.attention.head_dim / 2];
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-    let p = ids.pass((b, spec), params, tp, (&cos, &sin), batch.dropout.as_ref());
+    let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
+    let p = ids.pass((b, spec), params, tp, (&cos, &sin), regularisers);
     let mut x = match (input, ids.embedding) {
         (Some(x), _) => x,
         (None, Some(e)) => {
@@ -191,11 +197,22 @@ pub fn forward<B: Backend>(
     };
     let saved = Saved {
         layers,
+        layer_index: ids.layers.iter().map(Layer::index).collect(),
         head,
         cos,
         sin,
     };
     Ok((out, saved))
+}
+
+impl<T> Saved<T> {
+    /// The auxiliary losses' values of the MoE layers of the forward pass (in training), by
+    /// global layer index.
+    pub fn moe_losses(&self) -> Vec<(usize, LossValues)> {
+        (self.layer_index.iter().zip(&self.layers))
+            .filter_map(|(&l, s)| Some((l, s.moe_losses()?)))
+            .collect()
+    }
 }
 
 /// The per-row losses `[T]` of the last layer's output `x`: final norm, output layer, cross
@@ -269,8 +286,10 @@ pub fn backward<B: Backend>(
         head,
         cos,
         sin,
+        ..
     } = saved;
-    let p = ids.pass((b, spec), params, tp, (&cos, &sin), batch.dropout.as_ref());
+    let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
+    let p = ids.pass((b, spec), params, tp, (&cos, &sin), regularisers);
     let mut dx = match (head, ids.head, dout) {
         (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,
         (_, _, Some(dout)) => dout,

@@ -40,7 +40,19 @@ pub(super) struct LayerSaved<T> {
     mlp: MlpSaved<T>,
 }
 
+impl<T> LayerSaved<T> {
+    /// Its MoE block's auxiliary losses' values (training only).
+    pub(super) fn moe_losses(&self) -> Option<super::mlp::moe::losses::LossValues> {
+        self.mlp.moe_losses()
+    }
+}
+
 impl Layer {
+    /// Its index in the whole model.
+    pub(super) fn index(&self) -> usize {
+        self.index
+    }
+
     /// Layer `layer` of `table`, `None` if the table lacks any of its parameters.
     pub(super) fn of(table: &ParamTable, layer: usize) -> Option<Layer> {
         let at = |role| {

@@ -87,10 +87,12 @@ impl ModelSpec {
     }
 }
 
+pub use mlp::moe::losses::{AuxLosses, Balancing, LossValues};
+
 /// What every layer of one pass reads: the backend, the model's shape, the parameters (as
 /// the [`ParamTable`] indexes them) and which are trained, LoRA's scale, the tensor-parallel
 /// group, the rotary tables `cos`, `sin` `[T, d/2]` of the pass's rows, and training's
-/// dropout.
+/// dropout and MoE auxiliary losses.
 struct Pass<'a, B: Backend> {
     b: &'a B,
     spec: &'a ModelSpec,
@@ -100,6 +102,7 @@ struct Pass<'a, B: Backend> {
     tp: Option<&'a TensorParallel<'a, B::Tensor>>,
     rope: (&'a B::Tensor, &'a B::Tensor),
     dropout: Option<&'a dropout::Dropout>,
+    aux: Option<&'a AuxLosses>,
 }
 
 /// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
@@ -258,7 +261,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
         let p = self
             .ids
-            .pass((b, spec), &self.params, None, (&cos, &sin), None);
+            .pass((b, spec), &self.params, None, (&cos, &sin), (None, None));
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
         let mut x = b.embedding(&self.params[embedding], &ids)?;

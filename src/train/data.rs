@@ -41,6 +41,7 @@ pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Pr
         segments: Vec::new(),
         positions: Vec::new(),
         dropout: None,
+        aux: None,
     };
     let mut mask = Vec::new();
     for s in samples {

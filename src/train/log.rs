@@ -50,6 +50,8 @@ pub struct IterationLine {
     pub global_batch: u64,
     /// Mean lm loss over the interval's advanced iterations.
     pub loss: f64,
+    /// The MoE auxiliary losses' means over the interval (`track_moe_metrics`' names).
+    pub moe_losses: Vec<(&'static str, f64)>,
     /// The grad norm before clipping (rounded to f32).
     pub grad_norm: Option<f32>,
     /// Zeros in the gradient (`--log-num-zeros-in-grad`).
@@ -87,6 +89,9 @@ impl std::fmt::Display for IterationLine {
         // Megatron leaves the loss out when its average is not positive (NaN included).
         if self.loss > 0.0 {
             write!(f, " lm loss: {} |", py_e(self.loss, 6))?;
+        }
+        for &(name, v) in self.moe_losses.iter().filter(|(_, v)| *v > 0.0) {
+            write!(f, " {name}: {} |", py_e(v, 6))?;
         }
         write!(f, " loss scale: 1.0 |")?;
         if let Some(g) = self.grad_norm {

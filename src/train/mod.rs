@@ -30,6 +30,7 @@ mod finalize;
 mod init;
 mod launch;
 pub mod log;
+mod moe;
 pub mod optim;
 pub mod parallel;
 pub mod pipeline;

@@ -45,11 +45,12 @@ impl<B: Backend> Trainer<B> {
         for j in 0..k / dp {
             let at = from + ((j * dp + dp_rank) * m) as u64;
             let mut prepared = split.micro_batch(at, m, k, c.averaging)?;
-            // Dropout in training only, keyed by the consumed-sample index `at` of the first
-            // sample: no evaluation drops anything.
+            // Dropout and the MoE auxiliary losses in training only; dropout keyed by the
+            // consumed-sample index `at` of the first sample: no evaluation drops anything.
             if train {
                 let b = &mut prepared.batch;
                 b.dropout = Dropout::new(c.seed, c.dropout, at, &b.positions);
+                b.aux = c.aux_losses.clone();
             }
             batches.push(prepared);
         }
@@ -79,6 +80,9 @@ impl<B: Backend> Trainer<B> {
                         false => _ = outputs.insert(slot, out),
                     }
                     if train {
+                        if let (Some(m), Some(aux)) = (&mut self.moe, &self.cfg.aux_losses) {
+                            m.add(&fwd.moe_losses(), aux.balancing);
+                        }
                         saved.insert(slot, fwd);
                     }
                 }

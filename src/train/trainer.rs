@@ -38,6 +38,8 @@ struct Interval {
     nan: u64,
     tokens: u64,
     start: Option<Instant>,
+    /// The MoE auxiliary losses' per-iteration values, summed (tracker order).
+    moe: Vec<(&'static str, f64)>,
 }
 
 /// The training state.
@@ -79,6 +81,8 @@ pub(super) struct Trainer<B: Backend> {
     pub(super) stage: Stage,
     /// The global rank (0 alone): rank 0 logs; the ranks of data-parallel rank 0 save.
     pub(super) rank: usize,
+    /// The MoE layers' auxiliary losses of the step (None for a dense model).
+    pub(super) moe: Option<super::moe::MoeTracker>,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -179,7 +183,9 @@ impl<B: Backend> Trainer<B> {
             .filter(|_| rank == 0)
             .map(|(dir, _)| tensorboard::TensorBoard::create(dir))
             .transpose()?;
+        let moe = super::moe::MoeTracker::new(&cfg.model, cfg.aux_losses.as_ref());
         let mut t = Trainer {
+            moe,
             b,
             spec,
             table,
@@ -208,6 +214,25 @@ impl<B: Backend> Trainer<B> {
         };
         t.resume(&trained)?;
         Ok(t)
+    }
+
+    /// The step's MoE auxiliary losses as Megatron logs them (every rank takes part in
+    /// their reduction), the tracker reset; none for a dense model.
+    fn moe_losses(&mut self) -> Result<Vec<(&'static str, f64)>> {
+        let Some(tracker) = &mut self.moe else {
+            return Ok(Vec::new());
+        };
+        fn group<T: crate::engine::comm::Payload>(
+            g: &Option<Counted<T>>,
+        ) -> Option<&dyn Communicator<Tensor = T>> {
+            g.as_ref().map(|g| g.uncounted())
+        }
+        let c = &self.cfg;
+        let micro_batches = c.global_batch / c.micro_batch / c.data_parallel;
+        Ok(tracker.take(
+            (group(&self.pp), group(&self.tp), group(&self.dp)),
+            micro_batches,
+        )?)
     }
 
     /// One training iteration: returns (loss, grad norm, applied, tokens).
@@ -453,6 +478,17 @@ impl<B: Backend> Trainer<B> {
             interval.start.get_or_insert_with(Instant::now);
             let (loss, grad_norm, applied, tokens) = self.train_step(&train)?;
             self.iteration += 1;
+            let moe = self.moe_losses()?;
+            for (i, &(name, v)) in moe.iter().enumerate() {
+                match interval.moe.get_mut(i) {
+                    Some(slot) => slot.1 += v,
+                    None => interval.moe.push((name, v)),
+                }
+            }
+            if let (Some(tb), false) = (&mut self.tensorboard, moe.is_empty()) {
+                // track_moe_metrics writes them every iteration.
+                tb.scalars(self.iteration, self.consumed_train, &moe)?;
+            }
             self.flops += log::flops_per_step(&flops_model, g);
             total_tokens += tokens;
             interval.tokens += tokens;
@@ -509,6 +545,9 @@ impl<B: Backend> Trainer<B> {
                     lr: lr_printed,
                     global_batch: g,
                     loss: mean,
+                    moe_losses: (interval.moe.iter())
+                        .map(|&(name, v)| (name, v / interval.advanced.max(1) as f64))
+                        .collect(),
                     grad_norm: Some(grad_norm as f32),
                     num_zeros: norms.0,
                     params_norm: norms.1,

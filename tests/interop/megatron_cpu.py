@@ -35,12 +35,13 @@ def load_pt(path):
         return torch.load(path, weights_only=True)
 
 
-def moe_config(a):
+def moe_config(a, losses=None):
     """TransformerConfig's mixture-of-experts fields from checkpoint args (none without
-    experts): megatron-core's MoELayer with SequentialMLP experts and the all-gather dispatcher."""
+    experts): megatron-core's MoELayer with SequentialMLP experts and the all-gather dispatcher;
+    `losses` sets the auxiliary losses (none by default)."""
     if getattr(a, "num_experts", None) is None:
         return {}
-    return dict(
+    fields = dict(
         num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
         moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_router_pre_softmax=a.moe_router_pre_softmax,
         moe_router_score_function=a.moe_router_score_function, moe_layer_freq=a.moe_layer_freq,
@@ -48,9 +49,10 @@ def moe_config(a):
         moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor,
         moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False)
+    return {**fields, **(losses or {})}
 
 
-def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
+def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=None):
     """GPTModel (or, with `pre_process` / `post_process` as Megatron sets them per stage, one
     pipeline stage of it, or model chunk `vp_stage` of one) of the checkpoint args `a`, in the
     current parallel state."""
@@ -75,7 +77,7 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None):
         num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
         virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None),
-        **moe_config(a))
+        **moe_config(a, moe_losses))
     if cfg.num_moe_experts:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
                                           vp_stage=vp_stage)

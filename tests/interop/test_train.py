@@ -185,6 +185,74 @@ def assert_megatron_core_resumes(ckpt, reference, iterations, gbs):
     assert sched.num_steps == iterations * gbs
 
 
+MOE_FLAGS = ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
+             "--moe-ffn-hidden-size", "32", "--norm-topk-prob", "--moe-layer-freq", "[0]*1+[1]*2",
+             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
+             "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
+             "--moe-permutation-async-comm"]
+
+
+def make_qwen3_moe(out):
+    """A seeded tiny Qwen3-MoE (layer 0 dense, 4 experts of ffn 32, top-2 renormalised, q/k
+    norms, head_dim 32, untied) with the shipped tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(6)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
+        tie_word_embeddings=False, use_sliding_window=False))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, out / f)
+    return out
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
+    """A tiny Qwen3-MoE trained by `mindkit train` and by megatron-core's own GPTModel (MoELayer:
+    TopKRouter with the aux loss and the z-loss, SequentialMLP experts) from the same weights:
+    lm loss, grad norm, learning rate, load_balancing_loss and z_loss per iteration to 1e-5
+    relative over 20 iterations (gradient accumulation, warmup + cosine), final weights to 1e-4."""
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_qwen3_moe(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    extra = ["--calculate-per-token-loss"] if per_token else []
+    log = mindkit_train(model_dir, data, tmp_path, MOE_FLAGS + extra)
+    assert "load_balancing_loss:" in log and "z_loss:" in log, log
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss"))
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
+    start = load_pt(next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt")))
+    gpt = gpt_model(start["args"], moe_losses=dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+        calculate_per_token_loss=per_token))
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, per_token=per_token, model=train_reference.Mcore(gpt), moe_layers=2)
+    want = {"lm loss": [h[0] for h in history], "grad-norm": [h[1] for h in history],
+            "learning-rate": [h[2] for h in history],
+            "load_balancing_loss": [m["load_balancing_loss"] for m in reference.moe_losses],
+            "z_loss": [m["z_loss"] for m in reference.moe_losses]}
+    for key, values in want.items():
+        assert len(got[key]) == ITERS, key
+        for i, (g, w) in enumerate(zip(got[key], values)):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+    trained = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")["model"]
+    for name, ref in reference.module.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        diff = ((trained[name].float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        assert diff <= 1e-4, f"{name}: relative difference {diff}"
+
+
 def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
     """--eval-interval / --eval-iters on the validation split of --split 9,1,0: the lm loss
     evaluate() reports every 5 iterations and after the last one, as the reference computes it

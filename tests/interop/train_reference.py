@@ -43,16 +43,45 @@ def padded_model(model_dir, vocab_padded):
     return model
 
 
+class Mcore(torch.nn.Module):
+    """megatron-core's GPTModel called as a transformers model is (`model(input_ids=…).logits`),
+    causal mask and positions made as megatron_cpu.logits makes them."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.module = gpt
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+        b, s = input_ids.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
+        return SimpleNamespace(logits=self.module(input_ids, pos, mask))
+
+
+def moe_step_losses(micro_batches, moe_layers):
+    """The step's MoE auxiliary losses as training_log logs them (track_moe_metrics on one
+    rank: each layer's tracked sum over the micro-batches, / micro-batches, summed over the
+    layers / MoE layers), the tracker cleared."""
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+    out = {name: (v["values"].float() / micro_batches).sum().item() / moe_layers
+           for name, v in get_moe_layer_wise_logging_tracker().items()}
+    clear_aux_losses_tracker()
+    return out
+
+
 def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min_lr, warmup_iters,
           decay_style, weight_decay, clip_grad, betas=(0.9, 0.999), eps=1e-8, seed=1234,
           split="1", per_token=False, eod_mask_loss=False, o2_optimizer=False, model=None,
-          evaluation=None):
+          evaluation=None, moe_layers=None):
     """Train (`model`, or the padded model of `model_dir`; only parameters that require
     gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
     and the optimizer (each iteration also gives the parameters' L2 norm after the update and
     the number of zero gradient elements). With `evaluation` = (interval, eval_iters), also the validation losses
     Megatron's evaluate() reports every interval and after the last iteration, as
-    `model.validation`. With `o2_optimizer`, the moments are stored rounded to bf16 after
+    `model.validation`. With `moe_layers` (a megatron-core MoE model), each iteration's
+    auxiliary losses as Megatron logs them, as `model.moe_losses`. With `o2_optimizer`, the moments are stored rounded to bf16 after
     every step, as MindSpeed-LLM's O2AdamW (mindspeed_llm/tasks/models/common/adamw.py) keeps
     them: the step itself reads them widened to f32 and updates with the unrounded ones."""
     megatron_cpu.init()
@@ -81,6 +110,11 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
     k_micro = gbs // mbs
     history = []
     model.validation = []
+    model.moe_losses = []
+    if moe_layers:
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+        # schedules.forward_step_calc_loss: the auxiliary losses' backward scale.
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 if per_token else 1.0 / (gbs // mbs)))
 
     def micro_batch(ds, start):
         batch = [ds[i] for i in range(start, start + mbs)]
@@ -129,6 +163,8 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key].copy_(state[key].bfloat16().float())
         sched.step(increment=gbs)
+        if moe_layers:
+            model.moe_losses.append(moe_step_losses(k_micro, moe_layers))
         lr_printed = float(torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float32))
         zeros = sum(int((p.grad == 0).sum()) for p in params)
         params_norm = torch.norm(torch.stack([p.detach().norm() for p in params])).item()

@@ -150,7 +150,7 @@ fn layer_freq(args: &[(String, Value)]) -> FieldResult<LayerFreq> {
         "moe_layer_freq",
         "an integer or a list of 0/1",
         |v| match v {
-            Value::Int(k) if *k >= 1 => Some(LayerFreq::Every(*k as usize)),
+            Value::Int(k) if *k != 0 => Some(LayerFreq::Every(*k)),
             Value::List(items) => items
                 .iter()
                 .map(|x| match x {
@@ -207,7 +207,7 @@ pub(super) fn moe_from_args(
         _ => None,
     };
     let first_dense = match arg(args, "first_k_dense_replace") {
-        Some(Value::Int(k)) if *k > 0 => *k as usize,
+        Some(Value::Int(k)) => *k,
         _ => 0,
     };
     Ok(Some(Moe {
@@ -217,7 +217,10 @@ pub(super) fn moe_from_args(
         shared_ffn,
         shared_gate: shared_ffn.is_some() && arg_bool(args, "shared_expert_gate")?.unwrap_or(false),
         score,
-        pre_softmax: arg_bool(args, "moe_router_pre_softmax")?.unwrap_or(false),
+        // MindSpeed-LLM's norm_topk_prob renormalises the chosen probabilities, after a softmax
+        // over all experts too: the softmax of the chosen logits.
+        pre_softmax: arg_bool(args, "moe_router_pre_softmax")?.unwrap_or(false)
+            && !arg_bool(args, "norm_topk_prob")?.unwrap_or(false),
         topk_scale: arg_float(args, "moe_router_topk_scaling_factor")?,
         group_limit,
         layers: Moe::pattern(layers, &layer_freq(args)?, first_dense),

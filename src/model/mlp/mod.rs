@@ -3,7 +3,7 @@
 //! pass needs, and that backward pass.
 
 mod dense;
-mod moe;
+pub(in crate::model) mod moe;
 
 use crate::engine::{Backend, Result};
 use crate::model::params::ParamTable;
@@ -26,6 +26,16 @@ pub(in crate::model) enum MlpSaved<T> {
     Dense(dense::Saved<T>),
     /// Of [`Mlp::Moe`].
     Moe(moe::Saved<T>),
+}
+
+impl<T> MlpSaved<T> {
+    /// An MoE layer's auxiliary losses' values of the forward pass (training only).
+    pub(in crate::model) fn moe_losses(&self) -> Option<moe::losses::LossValues> {
+        match self {
+            MlpSaved::Moe(s) => s.losses(),
+            MlpSaved::Dense(_) => None,
+        }
+    }
 }
 
 impl Mlp {

@@ -123,6 +123,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
     if let Some(t) = a.get("rope-scaling-type") {
         out.push(("rope_scaling_type".into(), Value::Str(t.to_string())));
     }
+    out.extend(super::moe::moe_args(a)?);
     Ok(out)
 }
 
@@ -261,6 +262,15 @@ pub(super) fn model_config(
     if a.has("add-qkv-bias") && !cfg.qkv_bias {
         bail!("--add-qkv-bias is given, but the --load checkpoint has no q/k/v biases");
     }
+    let flagged = ModelConfig::from_megatron_args(
+        &flags_with_defaults(&flags, &cfg),
+        None,
+        cfg.dtype,
+        cfg.vocab,
+    )
+    .map(|c| c.moe)
+    .unwrap_or(None);
+    super::moe::check_load(flagged.as_ref(), cfg.moe.as_ref(), has_any_architecture(a))?;
     if a.has("qk-layernorm") != cfg.qk_norm && (a.has("qk-layernorm") || has_any_architecture(a)) {
         bail!(
             "--qk-layernorm is {}given, but the --load checkpoint {} q/k layernorms",
@@ -342,6 +352,23 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
         );
     }
     Ok(())
+}
+
+/// The flags' args completed with the `--load` checkpoint's numbers the MoE reader needs
+/// (layers, the dense FFN), so that the flags' experts can be built and compared.
+fn flags_with_defaults(flags: &[(String, Value)], cfg: &ModelConfig) -> Vec<(String, Value)> {
+    let mut args = flags.to_vec();
+    for (key, v) in [
+        ("num_layers", cfg.layers),
+        ("hidden_size", cfg.hidden),
+        ("num_attention_heads", cfg.heads),
+        ("ffn_hidden_size", cfg.ffn),
+    ] {
+        if !args.iter().any(|(k, _)| k == key) {
+            args.push((key.into(), Value::Int(v as i64)));
+        }
+    }
+    args
 }
 
 /// Whether the command line describes the architecture at all (then it must agree with

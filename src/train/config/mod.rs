@@ -9,6 +9,7 @@
 
 mod architecture;
 mod finetune;
+mod moe;
 mod optimizer;
 mod parallelism;
 
@@ -91,6 +92,8 @@ pub struct TrainConfig {
     pub seed: u32,
     /// `--hidden-dropout`, `--attention-dropout` (`None`: 0).
     pub dropout: (Option<Rate>, Option<Rate>),
+    /// A mixture of experts' auxiliary losses (`None` for a dense model).
+    pub aux_losses: Option<crate::model::AuxLosses>,
     /// EOD, pad and masking.
     pub masks: MaskConfig,
     /// S.
@@ -501,6 +504,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         );
     }
     let dropout = dropout_rates(a, &model, seq_length)?;
+    moe::check_supported(a, &model, bf16)?;
     let micro_batch = positive(a, "micro-batch-size")?
         .ok_or_else(|| anyhow!("--micro-batch-size is required"))?;
     let global_batch = positive(a, "global-batch-size")?.unwrap_or(micro_batch);
@@ -615,6 +619,17 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         },
     };
     let recorded = recorded_args(a, &schedule, &adam, bf16)?;
+    let averaging = if a.has("calculate-per-token-loss") {
+        LossAveraging::PerToken
+    } else {
+        LossAveraging::PerMicroBatch
+    };
+    let aux_losses = moe::aux_losses(
+        a,
+        &model,
+        (global_batch / micro_batch, micro_batch),
+        averaging == LossAveraging::PerToken,
+    )?;
     Ok(TrainConfig {
         model,
         vocab_padded,
@@ -625,6 +640,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         split,
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
         dropout,
+        aux_losses,
         surplus: non_negative(a, "mid-level-dataset-surplus")?
             .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
         masks,
@@ -648,11 +664,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         schedule,
         schedule_source,
         adam,
-        averaging: if a.has("calculate-per-token-loss") {
-            LossAveraging::PerToken
-        } else {
-            LossAveraging::PerMicroBatch
-        },
+        averaging,
         bf16,
         gradient_accumulation_fusion: !a.has("no-gradient-accumulation-fusion"),
         init_std: (

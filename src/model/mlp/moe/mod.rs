@@ -13,6 +13,8 @@
 //! Legend: T = this rank's rows, N = all ranks' rows (T without sequence parallelism),
 //! h = hidden, E = routed experts.
 
+pub(in crate::model) mod losses;
+
 use super::dense::{SwiGlu, SwiGluSaved};
 use crate::arch::moe::{route, route_grad, Moe as Experts, Routed};
 use crate::arch::roles::{Canon, Role};
@@ -20,6 +22,7 @@ use crate::engine::{Backend, EngineError, Result};
 use crate::model::parallel::{gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
+use losses::{aux_losses, LossValues};
 
 /// The parameters of one MoE layer.
 #[derive(Debug, Clone)]
@@ -49,6 +52,16 @@ pub(in crate::model) struct Saved<T> {
     routes: Vec<Routed>,
     experts: Vec<ExpertSaved<T>>,
     shared: Option<SharedSaved<T>>,
+    /// In training, the auxiliary losses' values and their gradient of this rank's logits
+    /// `[T·E]`.
+    aux: Option<(LossValues, Vec<f32>)>,
+}
+
+impl<T> Saved<T> {
+    /// The auxiliary losses' values of the forward pass (training only).
+    pub(in crate::model) fn losses(&self) -> Option<LossValues> {
+        self.aux.as_ref().map(|(v, _)| *v)
+    }
 }
 
 /// The shared experts' state, with their gate's: their summed output `[T, h]` and `σ [T]`
@@ -108,6 +121,10 @@ impl Moe {
         let x = all.as_ref().unwrap_or(&h);
         let logits = self.logits(p, &h)?;
         let e_count = cfg.experts;
+        let aux = p.aux.map(|aux| {
+            let (rows, range) = local_rows(p, b.shape(&h)[0]);
+            aux_losses(cfg, aux, &logits, range, rows)
+        });
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
         let dtype = b.dtype(&p.params[self.router]);
         let routes: Vec<Routed> = (logits.chunks(e_count))
@@ -154,6 +171,7 @@ impl Moe {
             routes,
             experts,
             shared,
+            aux,
         };
         Ok((out, saved))
     }
@@ -229,7 +247,10 @@ impl Moe {
                 .all_reduce_f32(&mut flat, crate::engine::comm::ReduceOp::Sum)?;
             dweights = flat.chunks(cfg.topk.max(1)).map(<[f32]>::to_vec).collect();
         }
-        let dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes), &dweights);
+        let mut dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes), &dweights);
+        if let Some((_, grad)) = &s.aux {
+            dlogits.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
+        }
         b.add_assign(
             &mut dx,
             &self.linear_grad(p, grads, (&dlogits, &s.h), self.router)?,
@@ -267,14 +288,22 @@ fn logits_grad<B: Backend>(
     dweights: &[Vec<f32>],
 ) -> Vec<f32> {
     let e = cfg.experts;
-    let local = p.b.shape(h)[0];
-    let first = match p.tp.filter(|tp| tp.sequence_parallel) {
-        Some(tp) => tp.group.rank() * local,
-        None => 0,
-    };
-    (first..first + local)
+    let (_, local) = local_rows(p, p.b.shape(h)[0]);
+    local
         .flat_map(|t| route_grad(cfg, &logits[t * e..(t + 1) * e], &routes[t], &dweights[t]))
         .collect()
+}
+
+/// The number of ranks the rows are spread over and this rank's rows among all N (its block
+/// under sequence parallelism, all of them otherwise), given its row count.
+fn local_rows<B: Backend>(p: &Pass<B>, rows: usize) -> (usize, std::ops::Range<usize>) {
+    match p.tp.filter(|tp| tp.sequence_parallel) {
+        Some(tp) => {
+            let first = tp.group.rank() * rows;
+            (tp.group.size(), first..first + rows)
+        }
+        None => (1, 0..rows),
+    }
 }
 
 /// Each expert's tokens in ascending order and their routing weights (megatron-core

@@ -1,0 +1,216 @@
+//! Mixture of experts in training: the architecture flags (megatron-core 0.15's
+//! `--num-experts`, `--moe-*`; MindSpeed-LLM's `--moe-intermediate-size`,
+//! `--first-k-dense-replace`, `--n-shared-experts`, `--shared-expert-gate`, `--norm-topk-prob`)
+//! as Megatron args for the one args reader, the auxiliary losses, and what of MoE training
+//! mindkit does not build yet, refused by name.
+
+use super::{positive, positive_float};
+use crate::arch::moe::Moe;
+use crate::arch::ModelConfig;
+use crate::ckpt::torch::pickle::Value;
+use crate::model::{AuxLosses, Balancing};
+use crate::train::args::Args;
+use anyhow::{anyhow, bail, Result};
+
+/// Megatron `args` of the MoE flags (none without `--num-experts`).
+pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
+    if !a.has("num-experts") {
+        return Ok(Vec::new());
+    }
+    let mut out: Vec<(String, Value)> = Vec::new();
+    let mut int = |key: &str, v: Option<usize>| {
+        if let Some(v) = v {
+            out.push((key.into(), Value::Int(v as i64)));
+        }
+    };
+    int("num_experts", positive(a, "num-experts")?);
+    int("moe_router_topk", positive(a, "moe-router-topk")?);
+    int("moe_ffn_hidden_size", positive(a, "moe-ffn-hidden-size")?);
+    int(
+        "moe_intermediate_size",
+        positive(a, "moe-intermediate-size")?,
+    );
+    int(
+        "moe_shared_expert_intermediate_size",
+        positive(a, "moe-shared-expert-intermediate-size")?,
+    );
+    int("n_shared_experts", positive(a, "n-shared-experts")?);
+    int(
+        "moe_router_num_groups",
+        positive(a, "moe-router-num-groups")?,
+    );
+    int(
+        "moe_router_group_topk",
+        positive(a, "moe-router-group-topk")?,
+    );
+    for (flag, key) in [
+        ("shared-expert-gate", "shared_expert_gate"),
+        ("moe-router-pre-softmax", "moe_router_pre_softmax"),
+        ("norm-topk-prob", "norm_topk_prob"),
+    ] {
+        out.push((key.into(), Value::Bool(a.has(flag))));
+    }
+    if let Some(s) = positive_float(a, "moe-router-topk-scaling-factor")? {
+        out.push(("moe_router_topk_scaling_factor".into(), Value::Float(s)));
+    }
+    if let Some(f) = a.get("moe-router-score-function") {
+        out.push(("moe_router_score_function".into(), Value::Str(f.into())));
+    }
+    if let Some(k) = a.parse_value::<i64>("first-k-dense-replace")? {
+        out.push(("first_k_dense_replace".into(), Value::Int(k)));
+    }
+    if let Some(f) = a.get("moe-layer-freq") {
+        out.push(("moe_layer_freq".into(), layer_freq(f)?));
+    }
+    Ok(out)
+}
+
+/// `--moe-layer-freq`: an int, or a pattern Megatron evaluates (`[0]*3+[1]*29`, `[1,0,1]`).
+fn layer_freq(text: &str) -> Result<Value> {
+    if let Ok(k) = text.trim().parse::<i64>() {
+        return Ok(Value::Int(k));
+    }
+    let bad =
+        || anyhow!("--moe-layer-freq {text}: not an integer or a list pattern like [0]*3+[1]*29");
+    let mut pattern = Vec::new();
+    for term in text
+        .trim()
+        .trim_matches(|c| c == '(' || c == ')')
+        .split('+')
+    {
+        let (list, times) = match term.split_once('*') {
+            Some((l, n)) => (l.trim(), n.trim().parse::<usize>().map_err(|_| bad())?),
+            None => (term.trim(), 1),
+        };
+        let inner = list
+            .strip_prefix('[')
+            .and_then(|l| l.strip_suffix(']'))
+            .ok_or_else(bad)?;
+        let items = (inner.split(',').filter(|s| !s.trim().is_empty()))
+            .map(|x| x.trim().parse::<i64>().map_err(|_| bad()))
+            .collect::<Result<Vec<i64>>>()?;
+        for _ in 0..times.min(1 << 16) {
+            pattern.extend(items.iter().map(|&x| Value::Int(x)));
+        }
+    }
+    Ok(Value::List(pattern))
+}
+
+/// The MoE flags against the `--load` checkpoint's experts: Megatron builds the model from the
+/// flags, so a disagreement is refused rather than trained as the checkpoint says.
+pub(super) fn check_load(flags: Option<&Moe>, loaded: Option<&Moe>, described: bool) -> Result<()> {
+    match (flags, loaded) {
+        (None, None) => Ok(()),
+        (None, Some(_)) if !described => Ok(()),
+        (None, Some(m)) => bail!(
+            "the --load checkpoint is a mixture of experts ({} experts); pass its --num-experts and --moe-* flags",
+            m.experts
+        ),
+        (Some(_), None) => bail!("--num-experts is given, but the --load checkpoint is dense"),
+        (Some(f), Some(m)) if f != m => bail!(
+            "the MoE flags describe {f:?}, but the --load checkpoint's experts are {m:?}"
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// What of MoE training mindkit does not build yet: refused, naming the flag.
+pub(super) fn check_supported(a: &Args, model: &ModelConfig, bf16: bool) -> Result<()> {
+    if model.moe.is_none() {
+        return Ok(());
+    }
+    let value = |flag: &str| a.get(flag).unwrap_or("");
+    let refusals: [(bool, &str); 2] = [
+        (
+            positive(a, "expert-model-parallel-size")?.unwrap_or(1) > 1,
+            "--expert-model-parallel-size above 1 is not built yet",
+        ),
+        (
+            bf16 && value("moe-router-dtype") == "fp32",
+            "--moe-router-dtype fp32 with --bf16 (the router's product in f32) is not built yet",
+        ),
+    ];
+    if let Some((_, why)) = refusals.iter().find(|(refused, _)| *refused) {
+        bail!("{why}");
+    }
+    let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
+    let etp = positive(a, "expert-tensor-parallel-size")?.unwrap_or(tp);
+    if etp != tp {
+        bail!("--expert-tensor-parallel-size {etp} differs from the tensor-parallel size {tp}: experts split otherwise than the dense layers are not built yet");
+    }
+    if tp > 1 && !a.has("sequence-parallel") {
+        // megatron-core moe_layer.py `MoELayer.forward` raises the same in training.
+        bail!("a mixture of experts with tensor parallelism trains with --sequence-parallel (megatron-core refuses it without)");
+    }
+    if let Some(d) = a.get("moe-router-dtype").filter(|d| *d != "fp32") {
+        bail!("--moe-router-dtype {d}: fp32 is built");
+    }
+    if let Some(d) = a.get("moe-token-dispatcher-type") {
+        if !["allgather", "alltoall", "alltoall_seq"].contains(&d) {
+            bail!("--moe-token-dispatcher-type {d}: allgather, alltoall or alltoall_seq");
+        }
+    }
+    Ok(())
+}
+
+/// The auxiliary losses of `--moe-router-load-balancing-type` (Megatron's default `aux_loss`),
+/// `--moe-aux-loss-coeff` and `--moe-z-loss-coeff`, for steps of `micro_batches` micro-batches
+/// of `sequences` sequences.
+pub(super) fn aux_losses(
+    a: &Args,
+    model: &ModelConfig,
+    (micro_batches, sequences): (usize, usize),
+    per_token: bool,
+) -> Result<Option<AuxLosses>> {
+    if model.moe.is_none() {
+        return Ok(None);
+    }
+    let balancing = match a
+        .get("moe-router-load-balancing-type")
+        .unwrap_or("aux_loss")
+    {
+        "aux_loss" => Balancing::Aux,
+        "seq_aux_loss" => Balancing::SeqAux,
+        "none" => Balancing::None,
+        other => bail!(
+            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss or none are built"
+        ),
+    };
+    let coeff = |flag| -> Result<Option<f32>> {
+        match a.parse_value::<f64>(flag)? {
+            Some(c) if !(c.is_finite() && c >= 0.0) => bail!("--{flag} {c}: must be ≥ 0"),
+            c => Ok(c.map(|c| c as f32)),
+        }
+    };
+    Ok(Some(AuxLosses {
+        balancing,
+        aux_coeff: coeff("moe-aux-loss-coeff")?.unwrap_or(0.0),
+        z_coeff: coeff("moe-z-loss-coeff")?,
+        per_token,
+        micro_batches,
+        sequences,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_freq_patterns_read_as_megatron_evaluates_them() {
+        let ints = |v: Value| match v {
+            Value::List(items) => items
+                .into_iter()
+                .map(|x| match x {
+                    Value::Int(i) => i,
+                    _ => panic!(),
+                })
+                .collect::<Vec<_>>(),
+            _ => panic!("not a list"),
+        };
+        assert_eq!(ints(layer_freq("[0]*2+[1]*3").unwrap()), [0, 0, 1, 1, 1]);
+        assert_eq!(ints(layer_freq("([1,0]*2)").unwrap()), [1, 0, 1, 0]);
+        assert!(matches!(layer_freq("-1").unwrap(), Value::Int(-1)));
+        assert!(layer_freq("every other").is_err());
+    }
+}

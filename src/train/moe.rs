@@ -1,0 +1,90 @@
+//! Megatron's tracker of the MoE layers' auxiliary losses (megatron-core moe_utils.py
+//! `save_to_aux_losses_tracker`, `reduce_aux_losses_tracker_across_ranks`,
+//! `track_moe_metrics`; megatron/training/training.py `training_log`): each layer's values
+//! summed over a step's micro-batches, summed over the pipeline stages (each holds its layers)
+//! and over the tensor-parallel ranks for the load-balancing losses (each holds its rows' part),
+//! averaged over the data-parallel ranks, then scaled by 1 / the rank's micro-batches and
+//! averaged over the MoE layers.
+
+use crate::arch::ModelConfig;
+use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::Result;
+use crate::model::{AuxLosses, Balancing, LossValues};
+
+/// The step's sums per tracked loss and layer.
+pub(super) struct MoeTracker {
+    /// Megatron's track names in its order (`"aux_loss" in` the type names
+    /// load_balancing_loss for seq_aux_loss too, left at zero).
+    names: Vec<&'static str>,
+    sums: Vec<Vec<f64>>,
+    /// MoE layers of the whole model.
+    moe_layers: usize,
+}
+
+impl MoeTracker {
+    /// The tracker of a run with `aux` losses on `model`, `None` for a dense model.
+    pub(super) fn new(model: &ModelConfig, aux: Option<&AuxLosses>) -> Option<MoeTracker> {
+        let (moe, aux) = (model.moe.as_ref()?, aux?);
+        let mut names = Vec::new();
+        if aux.balancing != Balancing::None {
+            names.push("load_balancing_loss");
+        }
+        if aux.balancing == Balancing::SeqAux {
+            names.push("seq_load_balancing_loss");
+        }
+        if aux.z_coeff.is_some() {
+            names.push("z_loss");
+        }
+        Some(MoeTracker {
+            sums: vec![vec![0.0; model.layers]; names.len()],
+            names,
+            moe_layers: (0..model.layers).filter(|&l| moe.is_moe_layer(l)).count(),
+        })
+    }
+
+    /// Add one micro-batch's values, by global layer.
+    pub(super) fn add(&mut self, losses: &[(usize, LossValues)], balancing: Balancing) {
+        let balancing = balancing.name();
+        for &(layer, v) in losses {
+            for (name, value) in [(balancing, v.balancing), (Some("z_loss"), v.z)] {
+                let slot = self.names.iter().position(|&n| Some(n) == name);
+                if let (Some(i), Some(x)) = (slot, value) {
+                    self.sums[i][layer] += f64::from(x);
+                }
+            }
+        }
+    }
+
+    /// The step's logged values, reduced over the groups given, and the sums reset.
+    pub(super) fn take<T>(
+        &mut self,
+        (pp, tp, dp): Groups<'_, T>,
+        micro_batches: usize,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        let mut out = Vec::with_capacity(self.names.len());
+        for (name, sums) in self.names.iter().zip(&mut self.sums) {
+            let mut values = std::mem::replace(sums, vec![0.0; sums.len()]);
+            if let Some(g) = pp {
+                g.all_reduce_f64(&mut values, ReduceOp::Sum)?;
+            }
+            // The z-loss is tracked without a reduce group: each rank keeps its rows' mean.
+            if let (Some(g), false) = (tp, *name == "z_loss") {
+                g.all_reduce_f64(&mut values, ReduceOp::Sum)?;
+            }
+            if let Some(g) = dp {
+                g.all_reduce_f64(&mut values, ReduceOp::Sum)?;
+                values.iter_mut().for_each(|v| *v /= g.size() as f64);
+            }
+            let total: f64 = values.iter().sum::<f64>() / micro_batches as f64;
+            out.push((*name, total / self.moe_layers.max(1) as f64));
+        }
+        Ok(out)
+    }
+}
+
+/// The pipeline, tensor- and data-parallel groups (`None`: one rank).
+pub(super) type Groups<'a, T> = (
+    Option<&'a dyn Communicator<Tensor = T>>,
+    Option<&'a dyn Communicator<Tensor = T>>,
+    Option<&'a dyn Communicator<Tensor = T>>,
+);
