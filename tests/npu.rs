@@ -299,6 +299,9 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "sum_squares",
         "dropout",
         "attention dropout",
+        "index_add_rows",
+        "scale_rows",
+        "row_dots",
     ] {
         assert!(
             table

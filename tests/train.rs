@@ -2731,3 +2731,109 @@ fn dropout_on_the_npu_stand_in_matches_the_cpu() {
         );
     }
 }
+
+/// A small mixture of experts from scratch on the demo tokenizer: 4 layers (the first dense),
+/// 4 experts of ffn 32, top-2 renormalised, a gated shared expert, the aux loss and the
+/// z-loss; 6 iterations.
+fn moe_args(data: &Path, extra: &[&str]) -> Vec<String> {
+    let tokenizer = fixture("models/demo");
+    let scratch = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--max-position-embeddings",
+        "64",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--tokenizer-name-or-path",
+        tokenizer.to_str().unwrap(),
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        "32",
+        "--norm-topk-prob",
+        "--first-k-dense-replace",
+        "1",
+        "--moe-layer-freq",
+        "1",
+        "--n-shared-experts",
+        "1",
+        "--shared-expert-gate",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--moe-z-loss-coeff",
+        "0.001",
+        "--train-iters",
+        "6",
+    ];
+    let mut a = args(data, &[&scratch[..], extra].concat());
+    let at = a.iter().position(|x| x == "--load").unwrap();
+    a.drain(at..at + 2);
+    a
+}
+
+#[test]
+fn moe_training_over_tensor_pipeline_and_data_parallel_ranks_equals_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let batch = ["--micro-batch-size", "1", "--global-batch-size", "4"];
+    let one = stdout(&run(&moe_args(&data, &batch)).success());
+    assert_eq!(iterations(&one).len(), 6, "{one}");
+    assert!(
+        field(&one, "load_balancing_loss").iter().all(|&x| x > 0.5),
+        "{one}"
+    );
+    assert!(field(&one, "z_loss").iter().all(|&x| x > 0.0), "{one}");
+    for layout in [
+        &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
+        &["--pipeline-model-parallel-size", "2"],
+        &["--world-size", "2"],
+    ] {
+        let extra: Vec<&str> = batch.iter().chain(layout).copied().collect();
+        let parallel = stdout(&run(&moe_args(&data, &extra)).success());
+        // Under sequence parallelism Megatron logs one rank's z-loss (over its rows).
+        let names = match layout[0] {
+            "--tensor-model-parallel-size" => &["lm loss", "grad norm", "load_balancing_loss"][..],
+            _ => &["lm loss", "grad norm", "load_balancing_loss", "z_loss"],
+        };
+        for &name in names {
+            let (x, y) = (field(&one, name), field(&parallel, name));
+            assert_eq!(x.len(), y.len(), "{layout:?}: {parallel}");
+            for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+                assert!(
+                    (p - q).abs() <= 1e-5 * p.abs(),
+                    "{layout:?} iteration {}: {name} {p} vs {q}",
+                    i + 1
+                );
+            }
+        }
+    }
+    // Megatron refuses MoE with tensor parallelism but no sequence parallelism in training.
+    let err = stderr(&run(&moe_args(&data, &["--tensor-model-parallel-size", "2"])).failure());
+    assert!(err.contains("--sequence-parallel"), "{err}");
+}
+
+#[test]
+fn moe_on_the_npu_stand_in_matches_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let a = moe_args(&data, &["--train-iters", "4"]);
+    let cpu = stdout(&run(&a).success());
+    let (npu, counted) = train_on_stand_in(dir.path(), &a, "");
+    same_training(&cpu, &npu, 1e-4, "a mixture of experts on the NPU stand-in");
+    // The experts' rows are combined by one-hot products (index_add_rows' fallback).
+    assert!(
+        counted["ops"].get("aclnnEmbeddingDenseBackward").is_some(),
+        "{counted}"
+    );
+}

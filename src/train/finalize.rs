@@ -14,13 +14,17 @@ use anyhow::{anyhow, Result};
 
 impl<B: Backend> Trainer<B> {
     /// The trained norm weights each tensor-parallel rank holds whole but takes the gradient
-    /// of over its part only: under sequence parallelism the norms of the residual stream,
-    /// over its rows (Megatron's `sequence_parallel` attribute); the q/k layernorms, over its
-    /// heads.
+    /// of over its part only: under sequence parallelism the norms of the residual stream and
+    /// an MoE layer's router and shared-expert gate, over its rows (Megatron's
+    /// `sequence_parallel` attribute); the q/k layernorms, over its heads.
     pub(super) fn trained_norms(&self) -> Vec<usize> {
         let sp = self.cfg.sequence_parallel;
         let partial = |r| match r {
-            Role::InputNorm | Role::PostNorm | Role::FinalNorm => sp,
+            Role::InputNorm
+            | Role::PostNorm
+            | Role::FinalNorm
+            | Role::Router
+            | Role::SharedGate => sp,
             Role::QNorm | Role::KNorm => true,
             _ => false,
         };

@@ -135,7 +135,7 @@ pub fn flops_per_step(m: &FlopsModel, batch: u64) -> f64 {
         * h
         * h
         * ((1.0 + m.groups as f64 / m.heads as f64 + s / h / 2.0) * query_ratio);
-    let mlp = expansion * l * h * (m.ffn as f64 * 1.5);
+    let mlp = expansion * l * h * (m.ffn * 1.5);
     let logits = 6.0 * h * m.vocab_padded as f64;
     batch as f64 * s * (mlp + attention + logits)
 }
@@ -153,8 +153,9 @@ pub struct FlopsModel {
     pub groups: usize,
     /// Per-head dimension.
     pub head_dim: usize,
-    /// MLP width.
-    pub ffn: usize,
+    /// MLP width, the mean over the layers: an MoE layer's is its routed experts' width × the
+    /// experts a token goes to plus the shared experts' (Megatron's `transformer_flops`).
+    pub ffn: f64,
     /// Padded vocabulary.
     pub vocab_padded: usize,
     /// Sequence length.

@@ -2,9 +2,10 @@
 //! `save_to_aux_losses_tracker`, `reduce_aux_losses_tracker_across_ranks`,
 //! `track_moe_metrics`; megatron/training/training.py `training_log`): each layer's values
 //! summed over a step's micro-batches, summed over the pipeline stages (each holds its layers)
-//! and over the tensor-parallel ranks for the load-balancing losses (each holds its rows' part),
-//! averaged over the data-parallel ranks, then scaled by 1 / the rank's micro-batches and
-//! averaged over the MoE layers.
+//! and over the tensor-parallel ranks for the load-balancing losses (each holds its rows' part;
+//! the z-loss is the last tensor-parallel rank's, which Megatron's last rank prints), averaged
+//! over the data-parallel ranks, then scaled by 1 / the rank's micro-batches and averaged over
+//! the MoE layers.
 
 use crate::arch::ModelConfig;
 use crate::engine::comm::{Communicator, ReduceOp};
@@ -67,9 +68,12 @@ impl MoeTracker {
             if let Some(g) = pp {
                 g.all_reduce_f64(&mut values, ReduceOp::Sum)?;
             }
-            // The z-loss is tracked without a reduce group: each rank keeps its rows' mean.
-            if let (Some(g), false) = (tp, *name == "z_loss") {
-                g.all_reduce_f64(&mut values, ReduceOp::Sum)?;
+            match (tp, *name == "z_loss") {
+                (Some(g), false) => g.all_reduce_f64(&mut values, ReduceOp::Sum)?,
+                // The z-loss is tracked without a reduce group: each rank keeps its rows' mean,
+                // and Megatron prints the last rank's.
+                (Some(g), true) => values = last_rank(g, &values)?,
+                (None, _) => {}
             }
             if let Some(g) = dp {
                 g.all_reduce_f64(&mut values, ReduceOp::Sum)?;
@@ -80,6 +84,15 @@ impl MoeTracker {
         }
         Ok(out)
     }
+}
+
+/// The last rank of `group`'s `values` (as many on every rank).
+fn last_rank<T>(group: &dyn Communicator<Tensor = T>, values: &[f64]) -> Result<Vec<f64>> {
+    let mine: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = group.all_gather_bytes(&mine)?;
+    Ok((all[all.len() - mine.len()..].chunks_exact(8))
+        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect())
 }
 
 /// The pipeline, tensor- and data-parallel groups (`None`: one rank).

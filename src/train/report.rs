@@ -20,10 +20,25 @@ pub(super) fn flops_model(cfg: &TrainConfig) -> log::FlopsModel {
         heads: m.heads,
         groups: m.groups,
         head_dim: m.head_dim,
-        ffn: m.ffn,
+        ffn: mlp_width(m),
         vocab_padded: cfg.vocab_padded,
         seq_length: cfg.seq_length,
     }
+}
+
+/// The mean MLP width over the layers, as Megatron's FLOPs count weighs dense and MoE layers.
+fn mlp_width(m: &crate::arch::ModelConfig) -> f64 {
+    let Some(moe) = &m.moe else {
+        return m.ffn as f64;
+    };
+    let moe_width = (moe.ffn * moe.topk + moe.shared_ffn.unwrap_or(0)) as f64;
+    let total: f64 = (0..m.layers)
+        .map(|l| match moe.is_moe_layer(l) {
+            true => moe_width,
+            false => m.ffn as f64,
+        })
+        .sum();
+    total / m.layers.max(1) as f64
 }
 
 impl<B: Backend> Trainer<B> {

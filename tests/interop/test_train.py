@@ -165,6 +165,7 @@ def assert_megatron_core_resumes(ckpt, reference, iterations, gbs):
     result = model.load_state_dict(obj["model"], strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference.eval()
     with torch.no_grad():
         want = reference(input_ids=ids).logits[..., :VOCAB]
     assert (logits(model, ids, VOCAB) - want).abs().max().item() <= 1e-4
@@ -251,6 +252,7 @@ def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
             continue
         diff = ((trained[name].float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
         assert diff <= 1e-4, f"{name}: relative difference {diff}"
+    assert_megatron_core_resumes(tmp_path / "ckpt", reference, iterations=ITERS, gbs=8)
 
 
 def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
