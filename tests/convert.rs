@@ -10,7 +10,17 @@ use mindkit::tensor::DType;
 use std::path::{Path, PathBuf};
 
 const FAMILIES: &[&str] = &[
-    "llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss",
+    "llama",
+    "mistral",
+    "qwen2",
+    "internlm",
+    "baichuan",
+    "aquila",
+    "qwen3",
+    "seed_oss",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
 ];
 
 fn model(name: &str) -> PathBuf {
@@ -68,6 +78,72 @@ fn every_family_round_trips_through_tp2_pp2() {
     }
     // Tokenizer files travel with the weights both ways.
     assert!(tmp.path().join("llama/tokenizer.json").is_file());
+}
+
+#[test]
+fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["qwen3_moe", "qwen2_moe", "mixtral"] {
+        let (a, b, h) = (
+            tmp.path().join(format!("{f}-a")),
+            tmp.path().join(format!("{f}-b")),
+            tmp.path().join(f),
+        );
+        // TP 2 × PP 2 × EP 2: mp_rank_TT_PPP_EEE; then PP 1 × EP 4: mp_rank_TT_EEE.
+        convert(
+            "megatron",
+            &model(f),
+            &a,
+            &["--tp", "2", "--pp", "2", "--ep", "2"],
+        );
+        for r in ["mp_rank_00_000_000", "mp_rank_01_001_001"] {
+            assert!(rank_file(&a, r).is_file(), "{f}: {r}");
+        }
+        let info = String::from_utf8(
+            mindkit(&[&"ckpt", &"info", &a])
+                .success()
+                .get_output()
+                .stdout
+                .clone(),
+        )
+        .unwrap();
+        assert!(info.contains("TP 2 × PP 2 × EP 2"), "{info}");
+        assert!(info.contains("experts:     4 routed"), "{info}");
+        run_convert(
+            "megatron",
+            &a,
+            &b,
+            &[
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--target-expert-parallel-size",
+                "4",
+            ],
+        )
+        .success();
+        assert!(rank_file(&b, "mp_rank_00_003").is_file(), "{f}");
+        convert("hf", &b, &h, &[]);
+        assert_same_hf(&model(f), &h);
+    }
+    let err = convert_err(
+        "megatron",
+        &model("qwen3_moe"),
+        &tmp.path().join("x"),
+        &["--ep", "3"],
+    );
+    assert!(
+        err.contains("--ep 3 does not divide the 4 routed experts"),
+        "{err}"
+    );
+    let err = convert_err(
+        "megatron",
+        &model("llama"),
+        &tmp.path().join("y"),
+        &["--ep", "2"],
+    );
+    assert!(err.contains("a dense model has no experts"), "{err}");
 }
 
 #[test]

@@ -249,6 +249,10 @@ struct OutputArgs {
     /// Pipeline-parallel size of a Megatron output (default: the input's, or 1).
     #[arg(long)]
     pp: Option<usize>,
+    /// Expert-parallel size of a Megatron output: each MoE layer's routed experts split over
+    /// this many mp_rank_TT[_PPP]_EEE directories (default: the input's, or 1).
+    #[arg(long, alias = "target-expert-parallel-size")]
+    ep: Option<usize>,
     /// Virtual pipeline chunks per stage (Megatron's --num-virtual-stages-per-pipeline-rank).
     #[arg(
         long,
@@ -271,7 +275,7 @@ struct OutputArgs {
     /// Output dtype: bf16, fp16, fp32 (default: the input's).
     #[arg(long)]
     dtype: Option<String>,
-    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, qwen3, seed_oss (seed-oss), internlm, baichuan, aquila.
+    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, qwen3, seed_oss (seed-oss), internlm, baichuan, aquila, qwen3_moe, qwen2_moe, mixtral.
     #[arg(long)]
     family: Option<String>,
     /// Pad the vocabulary to a multiple of this × TP (Megatron's default 128).
@@ -552,6 +556,7 @@ fn convert_options(
         to,
         tp: a.tp,
         pp: a.pp,
+        ep: a.ep,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
         first_last: (a.first_stage_layers, a.last_stage_layers),

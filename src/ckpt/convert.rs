@@ -42,6 +42,8 @@ pub struct ConvertOptions {
     pub tp: Option<usize>,
     /// PP size (default: the source's, or 1).
     pub pp: Option<usize>,
+    /// EP size (default: the source's, or 1).
+    pub ep: Option<usize>,
     /// Virtual chunks per stage.
     pub vpp: Option<usize>,
     /// Layers per virtual chunk (alternative to `vpp`).
@@ -461,7 +463,8 @@ fn write_megatron(
             .map_or((None, None), |(f, l)| (Some(f), Some(l))),
         _ => o.first_last,
     };
-    let par = Parallel::new(cfg, tp, pp, vpp, first_last)?;
+    let ep = o.ep.or(src_par.map(|p| p.ep)).unwrap_or(1);
+    let par = Parallel::new(cfg, tp, pp, vpp, first_last)?.with_experts(cfg, ep)?;
     let target = MegatronTarget {
         cfg,
         par: &par,

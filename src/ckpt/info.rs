@@ -91,11 +91,16 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
             let p = &ck.par;
             let _ = writeln!(
                 out,
-                "parallel:    TP {} × PP {}{}, layers per stage {:?}, padded vocab {}",
+                "parallel:    TP {} × PP {}{}{}, layers per stage {:?}, padded vocab {}",
                 p.tp,
                 p.pp,
                 if p.vpp > 1 {
                     format!(" × VPP {}", p.vpp)
+                } else {
+                    String::new()
+                },
+                if p.ep > 1 {
+                    format!(" × EP {}", p.ep)
                 } else {
                     String::new()
                 },

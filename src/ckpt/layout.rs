@@ -40,6 +40,9 @@ pub struct Parallel {
     pub vpp: usize,
     /// Layers per stage.
     pub stage_layers: Vec<usize>,
+    /// Expert-parallel size: the routed experts of each MoE layer split into this many
+    /// consecutive blocks (`mp_rank_TT[_PPP]_EEE` directories), the rest replicated.
+    pub ep: usize,
 }
 
 impl Parallel {
@@ -102,7 +105,26 @@ impl Parallel {
             pp,
             vpp,
             stage_layers,
+            ep: 1,
         })
+    }
+
+    /// The layout with the routed experts split over `ep` expert-parallel ranks (checked: the
+    /// experts divide evenly; a dense model takes only 1).
+    pub fn with_experts(mut self, cfg: &ModelConfig, ep: usize) -> Result<Self> {
+        let experts = cfg.moe.as_ref().map_or(1, |m| m.experts);
+        if ep == 0 || !experts.is_multiple_of(ep) {
+            bail!(
+                "--ep {ep} does not divide the {experts} routed experts{}",
+                if cfg.moe.is_none() {
+                    " (a dense model has no experts to split)"
+                } else {
+                    ""
+                }
+            );
+        }
+        self.ep = ep;
+        Ok(self)
     }
 
     /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th
@@ -295,15 +317,19 @@ fn te_extra_states(role: Role, cfg: &ModelConfig) -> Vec<String> {
 
 /// The state dict of one model chunk, in the order Megatron's modules emit it. `layers` are the
 /// chunk's global layers; `first`/`last` say whether it holds the embedding / final norm and
-/// output; `pp` decides whether a tied output layer is stored (only when PP > 1).
+/// output; `pp` decides whether a tied output layer is stored (only when PP > 1); `ep` is the
+/// expert-parallel rank and size: the rank holds its block of each MoE layer's routed
+/// experts, keyed by their index in the block (`local_experts.N`).
 pub fn chunk_entries(
     layout: KeyLayout,
     cfg: &ModelConfig,
     layers: &[usize],
-    first: bool,
-    last: bool,
+    (first, last): (bool, bool),
     pp: usize,
+    (ep_rank, ep): (usize, usize),
 ) -> Vec<ChunkEntry> {
+    let local_experts = cfg.moe.as_ref().map_or(0, |m| m.experts / ep.max(1));
+    let experts = ep_rank * local_experts..(ep_rank + 1) * local_experts;
     let mut out: Vec<ChunkEntry> = Vec::new();
     let global = |role| Canon { role, layer: None };
     if first {
@@ -317,6 +343,9 @@ pub fn chunk_entries(
         // gpt_layer_specs.py: `pre_mlp_layernorm=TENorm` when the MLP is an MoELayer).
         let moe_layer = cfg.moe.as_ref().is_some_and(|m| m.is_moe_layer(l));
         for role in Role::layer_roles(cfg, l) {
+            if role.expert().is_some_and(|e| !experts.contains(&e)) {
+                continue;
+            }
             let canon = Canon {
                 role,
                 layer: Some(l),
@@ -325,9 +354,14 @@ pub fn chunk_entries(
                 (KeyLayout::McoreTe, Role::PostNorm) if moe_layer => KeyLayout::Mcore,
                 _ => layout,
             };
-            out.push((layer_key(key_layout, role, j), Some(canon)));
+            let key_role = match role {
+                Role::ExpertFc1(e) => Role::ExpertFc1(e - experts.start),
+                Role::ExpertFc2(e) => Role::ExpertFc2(e - experts.start),
+                r => r,
+            };
+            out.push((layer_key(key_layout, key_role, j), Some(canon)));
             if layout == KeyLayout::McoreTe {
-                let mut extra = te_extra_states(role, cfg);
+                let mut extra = te_extra_states(key_role, cfg);
                 if role == Role::PostNorm && moe_layer {
                     extra.push("pre_mlp_layernorm._extra_state".into());
                 }
@@ -392,6 +426,7 @@ mod tests {
             pp,
             vpp,
             stage_layers,
+            ep: 1,
         };
         (0..pp)
             .map(|p| (0..vpp).map(|v| par.chunk_layers(p, v)).collect())

@@ -36,6 +36,16 @@ pub fn rank_dir(tp: usize, pp: usize, pp_size: usize) -> String {
     }
 }
 
+/// A rank's directory with its expert-parallel rank appended when there are several
+/// (`mp_rank_TT[_PPP]_EEE`, Megatron's `get_checkpoint_name`).
+pub fn expert_rank_dir(tp: usize, pp: (usize, usize), ep: (usize, usize)) -> String {
+    let dir = rank_dir(tp, pp.0, pp.1);
+    match ep.1 > 1 {
+        true => format!("{dir}_{:03}", ep.0),
+        false => dir,
+    }
+}
+
 /// Whether `dir` looks like a Megatron torch-format checkpoint (root or iteration directory).
 pub fn is_megatron_dir(dir: &Path) -> bool {
     dir.join(TRACKER).is_file() || has_rank_dirs(dir)
@@ -74,65 +84,91 @@ fn iteration_dir(dir: &Path) -> Result<PathBuf> {
     Ok(it)
 }
 
-/// Parse `mp_rank_TT[_PPP]` → (tp, pp).
-fn parse_rank_dir(name: &str) -> Result<(usize, Option<usize>)> {
-    let parts: Vec<&str> = name["mp_rank_".len()..].split('_').collect();
-    let num = |s: &str| {
-        s.parse::<usize>()
-            .map_err(|_| anyhow!("unexpected rank directory {name}"))
-    };
-    match parts.as_slice() {
-        [t] => Ok((num(t)?, None)),
-        [t, p] => Ok((num(t)?, Some(num(p)?))),
-        _ => bail!("rank directory {name}: expert-parallel checkpoints are not supported"),
+/// The numbers of a rank directory `mp_rank_TT[_PPP][_EEE]` (one to three).
+fn parse_rank_dir(name: &str) -> Result<Vec<usize>> {
+    let parts = (name["mp_rank_".len()..].split('_'))
+        .map(|s| {
+            s.parse::<usize>()
+                .map_err(|_| anyhow!("unexpected rank directory {name}"))
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    if parts.len() > 3 {
+        bail!("unexpected rank directory {name}");
+    }
+    Ok(parts)
+}
+
+/// A rank directory's `(tp, pp, ep)` ranks and whether it names its stage, given whether the
+/// checkpoint is pipeline- and expert-parallel (`mp_rank_TT_NNN` is a stage unless only the
+/// experts are split).
+fn rank_of(parts: &[usize], (pipelined, expert): (bool, bool)) -> (usize, usize, usize, bool) {
+    match *parts {
+        [t] => (t, 0, 0, false),
+        [t, e] if expert && !pipelined => (t, 0, e, false),
+        [t, p] => (t, p, 0, true),
+        [t, p, e, ..] => (t, p, e, true),
+        [] => (0, 0, 0, false),
     }
 }
 
-/// The iteration directory of `dir` and its rank files, `[pp][tp]`, all opened (in parallel).
-/// The layout is the larger of the rank directories present and what rank 0's args say the
+/// The iteration directory of `dir`, its rank files `[pp][ep·tp]` (expert-parallel rank
+/// `e`, tensor-parallel rank `t` at `e·tp + t`), all opened in parallel, and the EP size. The
+/// layout is the larger of the rank directories present and what rank 0's args say the
 /// checkpoint was saved with, so that a missing rank directory is reported by its path, not
 /// mistaken for a smaller layout; every expected file is checked before the others are read.
-pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
+pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usize)> {
     let iter_dir = iteration_dir(dir)?;
-    let mut ranks: Vec<(usize, Option<usize>)> = Vec::new();
+    let mut names: Vec<Vec<usize>> = Vec::new();
     for e in std::fs::read_dir(&iter_dir)? {
         let name = e?.file_name().to_string_lossy().into_owned();
         if name.starts_with("mp_rank_") {
-            ranks.push(parse_rank_dir(&name)?);
+            names.push(parse_rank_dir(&name)?);
         }
     }
-    if ranks.is_empty() {
+    let Some(shortest) = names.iter().min_by_key(|n| n.len()) else {
         bail!("{}: no mp_rank_* directories", iter_dir.display());
-    }
-    let found_tp = ranks.iter().map(|r| r.0).max().unwrap_or(0) + 1;
-    let found_pp = ranks.iter().map(|r| r.1.unwrap_or(0)).max().unwrap_or(0) + 1;
-    // `mp_rank_00_000` names a pipeline-parallel checkpoint even when its other stages are gone.
-    let suffixed = ranks.iter().any(|r| r.1.is_some());
-    let rank_path = |t, p, pp: usize| {
-        let named_pp = if suffixed { pp.max(2) } else { pp };
-        iter_dir.join(rank_dir(t, p, named_pp)).join(RANK_FILE)
     };
-    let first_path = rank_path(0, 0, found_pp);
+    // Rank 0's directory, whatever the layout: mp_rank_00, mp_rank_00_000 or mp_rank_00_000_000.
+    let first_path = iter_dir
+        .join(format!("mp_rank_00{}", "_000".repeat(shortest.len() - 1)))
+        .join(RANK_FILE);
     if !first_path.is_file() {
         bail!("missing rank file {}", first_path.display());
     }
     let first = TorchFile::open(&first_path)?;
-    let (saved_tp, saved_pp) = saved_layout(&first)?;
-    let (tp, pp) = (found_tp.max(saved_tp), found_pp.max(saved_pp));
-    let layout = format!(
-        "rank directories present {found_tp} × {found_pp}, rank 0's args say {saved_tp} × \
-         {saved_pp}"
+    let (saved_tp, saved_pp, saved_ep) = saved_layout(&first)?;
+    let kinds = (saved_pp > 1 || shortest.len() == 3, saved_ep > 1);
+    let ranks: Vec<_> = names.iter().map(|n| rank_of(n, kinds)).collect();
+    let found =
+        |f: fn(&(usize, usize, usize, bool)) -> usize| ranks.iter().map(f).max().unwrap_or(0) + 1;
+    let (tp, pp, ep) = (
+        found(|r| r.0).max(saved_tp),
+        found(|r| r.1).max(saved_pp),
+        found(|r| r.2).max(saved_ep),
     );
-    if tp.checked_mul(pp).is_none_or(|n| n > MAX_RANK_FILES) {
+    // `mp_rank_00_000` names a pipeline-parallel checkpoint even when its other stages are gone.
+    let named_stage = ranks.iter().any(|r| r.3);
+    let rank_path = |t, p, e| {
+        let named_pp = if named_stage { pp.max(2) } else { pp };
+        (iter_dir.join(expert_rank_dir(t, (p, named_pp), (e, ep)))).join(RANK_FILE)
+    };
+    let layout = format!(
+        "rank directories present {} × {} × {}, rank 0's args say TP {saved_tp} × PP \
+         {saved_pp} × EP {saved_ep}",
+        found(|r| r.0),
+        found(|r| r.1),
+        found(|r| r.2)
+    );
+    if (tp.checked_mul(pp).and_then(|n| n.checked_mul(ep))).is_none_or(|n| n > MAX_RANK_FILES) {
         bail!(
-            "{}: TP {tp} × PP {pp} ({layout}) is more than the {MAX_RANK_FILES} rank files \
-             mindkit reads",
+            "{}: TP {tp} × PP {pp} × EP {ep} ({layout}) is more than the {MAX_RANK_FILES} rank \
+             files mindkit reads",
             iter_dir.display()
         );
     }
     let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
-        .flat_map(|p| (0..tp).map(move |t| (p, t)))
-        .map(|(p, t)| (p, t, rank_path(t, p, pp)))
+        .flat_map(|p| (0..ep * tp).map(move |m| (p, m)))
+        .map(|(p, m)| (p, m, rank_path(m % tp, p, m / tp)))
         .collect();
     let missing: Vec<String> = (paths.iter())
         .filter(|(.., path)| !path.is_file())
@@ -145,7 +181,7 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
             n => format!(" and {n} more"),
         };
         bail!(
-            "missing rank file{} {}{more} (the checkpoint is TP {tp} × PP {pp}: {layout})",
+            "missing rank file{} {}{more} (the checkpoint is TP {tp} × PP {pp} × EP {ep}: {layout})",
             if missing.len() > 1 { "s" } else { "" },
             missing[..shown].join(", ")
         );
@@ -153,7 +189,7 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
     let mut first = Some(first);
     let opened: Vec<TorchFile> = paths
         .par_iter()
-        .map(|(p, t, path)| match (p, t) {
+        .map(|(p, m, path)| match (p, m) {
             (0, 0) => Ok(None),
             _ => TorchFile::open(path).map(Some),
         })
@@ -165,11 +201,11 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>)> {
     for ((p, ..), f) in paths.iter().zip(opened) {
         files[*p].push(f);
     }
-    Ok((iter_dir, files))
+    Ok((iter_dir, files, ep))
 }
 
-/// TP × PP as rank 0's args record them (1 × 1 when they do not).
-fn saved_layout(first: &TorchFile) -> Result<(usize, usize)> {
+/// TP × PP × EP as rank 0's args record them (1 × 1 × 1 when they do not).
+fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize)> {
     let args = match first.root().get("args") {
         Some(Value::Namespace(a)) => a.as_slice(),
         _ => &[],
@@ -182,6 +218,7 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize)> {
     Ok((
         size("tensor_model_parallel_size")?,
         size("pipeline_model_parallel_size")?,
+        size("expert_model_parallel_size")?,
     ))
 }
 
@@ -190,8 +227,9 @@ pub fn is_lora_key(key: &str) -> bool {
     key.contains(".lora_")
 }
 
-/// A tensor found in a rank file: which file and its reference.
+/// A tensor found in a rank file: which file of its stage (`e·tp + t`) and its reference.
 struct Shard {
+    file: usize,
     key: String,
     tensor: TensorRef,
 }
@@ -212,7 +250,7 @@ pub struct MegatronCkpt {
     pub padded_vocab: usize,
     /// LoRA tensors found next to the weights (set aside, not converted).
     pub lora_tensors: usize,
-    /// Rank files, `[pp][tp]`.
+    /// Rank files, `[pp][ep·tp]`.
     files: Vec<Vec<TorchFile>>,
     /// Canonical tensor → (stage, shard per TP rank).
     index: HashMap<Canon, (usize, Vec<Shard>)>,
@@ -333,16 +371,16 @@ impl MegatronCkpt {
     /// LoRA tensors are set aside (counted in `lora_tensors`); wrapped base weights
     /// (`….base_layer.weight`) are read under their plain names.
     pub fn open(dir: &Path, family: Option<&'static Family>) -> Result<Self> {
-        let (iter_dir, files) = open_rank_files(dir)?;
-        Self::index(iter_dir, files, family)
+        let (iter_dir, files, ep) = open_rank_files(dir)?;
+        Self::index(iter_dir, (files, ep), family)
     }
 
     fn index(
         iter_dir: PathBuf,
-        files: Vec<Vec<TorchFile>>,
+        (files, ep): (Vec<Vec<TorchFile>>, usize),
         family: Option<&'static Family>,
     ) -> Result<Self> {
-        let (pp, tp) = (files.len(), files[0].len());
+        let (pp, tp) = (files.len(), files[0].len() / ep);
         let first = &files[0][0];
         let args = match first.root().get("args") {
             Some(Value::Namespace(a)) => a.clone(),
@@ -410,7 +448,15 @@ impl MegatronCkpt {
             pp,
             vpp,
             stage_layers,
-        };
+            ep: 1,
+        }
+        .with_experts(&cfg, ep)
+        .with_context(|| {
+            format!(
+                "{}: the expert-parallel rank directories",
+                iter_dir.display()
+            )
+        })?;
         let mut ck = MegatronCkpt {
             iter_dir,
             par,
@@ -428,19 +474,20 @@ impl MegatronCkpt {
 
     /// Match every expected key of every chunk to its tensors; check shapes against the config.
     fn build_index(&mut self, flat: Vec<Vec<Vec<BTreeMap<String, Value>>>>) -> Result<()> {
-        let (pp, vpp, tp) = (self.par.pp, self.par.vpp, self.par.tp);
+        let (pp, vpp, tp, ep) = (self.par.pp, self.par.vpp, self.par.tp, self.par.ep);
         for (p, stage) in flat.into_iter().enumerate() {
-            for (t, mut per_chunk) in stage.into_iter().enumerate() {
-                let path = self.files[p][t].path().to_path_buf();
+            for (m, mut per_chunk) in stage.into_iter().enumerate() {
+                let (e, t) = (m / tp, m % tp);
+                let path = self.files[p][m].path().to_path_buf();
                 for (v, chunk) in per_chunk.iter_mut().enumerate() {
                     let layers = self.par.chunk_layers(p, v);
                     let entries = chunk_entries(
                         self.layout,
                         &self.cfg,
                         &layers,
-                        p == 0 && v == 0,
-                        p == pp - 1 && v == vpp - 1,
+                        (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
                         pp,
+                        (e, ep),
                     );
                     for (key, canon) in entries {
                         let key = layout::flat_key(&key);
@@ -468,9 +515,17 @@ impl MegatronCkpt {
                                 self.cfg.ffn
                             );
                         }
+                        // Every expert-parallel rank holds the dense tensors: the first's are read.
+                        if e > 0 && canon.role.expert().is_none() {
+                            continue;
+                        }
                         let slot = self.index.entry(canon).or_insert_with(|| (p, Vec::new()));
                         if slot.0 == p && slot.1.len() == t {
-                            slot.1.push(Shard { key, tensor });
+                            slot.1.push(Shard {
+                                file: m,
+                                key,
+                                tensor,
+                            });
                         }
                     }
                     let tensors = chunk.iter().filter(|(k, v)| {
@@ -514,12 +569,11 @@ impl MegatronCkpt {
             .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
         shards
             .iter()
-            .enumerate()
-            .map(|(t, s)| Ok(self.files[*p][t].read_tensor(&s.key, &s.tensor)?))
+            .map(|s| Ok(self.files[*p][s.file].read_tensor(&s.key, &s.tensor)?))
             .collect()
     }
 
-    /// The rank files, `[pp][tp]` flattened.
+    /// The rank files, `[pp][ep·tp]` flattened.
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().flatten().map(TorchFile::path)
     }
@@ -607,8 +661,8 @@ impl MegatronTarget<'_> {
     pub fn total_bytes(&self) -> u64 {
         let padded = self.padded_vocab();
         let mut n = 0u64;
-        for p in 0..self.par.pp {
-            for (_, canon) in self.stage_entries(p).into_iter().flatten() {
+        for (p, e) in self.rank_groups() {
+            for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
                 if let Some(c) = canon {
                     let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
                     n += (shape.iter().product::<usize>() * self.cfg.dtype.size()) as u64;
@@ -618,7 +672,13 @@ impl MegatronTarget<'_> {
         n * self.par.tp as u64
     }
 
-    fn stage_entries(&self, p: usize) -> Vec<Vec<layout::ChunkEntry>> {
+    /// Every (stage, expert-parallel rank) pair: the rank files of each are its TP ranks'.
+    fn rank_groups(&self) -> Vec<(usize, usize)> {
+        let ep = self.par.ep;
+        (0..self.par.pp * ep).map(|i| (i / ep, i % ep)).collect()
+    }
+
+    fn stage_entries(&self, p: usize, e: usize) -> Vec<Vec<layout::ChunkEntry>> {
         let (pp, vpp) = (self.par.pp, self.par.vpp);
         (0..vpp)
             .map(|v| {
@@ -626,9 +686,9 @@ impl MegatronTarget<'_> {
                     self.layout,
                     self.cfg,
                     &self.par.chunk_layers(p, v),
-                    p == 0 && v == 0,
-                    p == pp - 1 && v == vpp - 1,
+                    (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
                     pp,
+                    (e, self.par.ep),
                 )
             })
             .collect()
@@ -694,10 +754,10 @@ impl MegatronTarget<'_> {
         read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<()> {
-        if self.layout == KeyLayout::Legacy && self.cfg.qk_norm {
+        if self.layout == KeyLayout::Legacy && (self.cfg.qk_norm || self.cfg.moe.is_some()) {
             bail!(
-                "the legacy layout has no q/k layernorms (megatron/legacy/model builds none); \
-                 write this model with --layout mcore or mcore-te"
+                "the legacy layout has no q/k layernorms or experts (megatron/legacy/model \
+                 builds neither); write this model with --layout mcore or mcore-te"
             );
         }
         let par = self.par;
@@ -711,16 +771,17 @@ impl MegatronTarget<'_> {
                 first_last: par.first_last(),
                 padded_vocab: padded,
                 divisible_by: self.divisible_by,
+                ep: par.ep,
             },
             self.base_args,
         ));
         let iter_dir = dir.join("iter_0000001");
-        (0..par.pp).into_par_iter().try_for_each(|p| {
-            let entries = self.stage_entries(p);
+        self.rank_groups().into_par_iter().try_for_each(|(p, e)| {
+            let entries = self.stage_entries(p, e);
             let object = self.rank_object(&entries, &args);
             let mut writers = (0..par.tp)
                 .map(|t| {
-                    let rank = iter_dir.join(rank_dir(t, p, par.pp));
+                    let rank = iter_dir.join(expert_rank_dir(t, (p, par.pp), (e, par.ep)));
                     std::fs::create_dir_all(&rank)
                         .with_context(|| format!("creating {}", rank.display()))?;
                     Ok(PtWriter::create(&rank.join(RANK_FILE), &object, false)?)

@@ -136,6 +136,7 @@ impl Stage {
             pp: stages.len(),
             vpp,
             stage_layers: stages.to_vec(),
+            ep: 1,
         };
         let chunks = (0..vpp)
             .map(|v| {

@@ -656,6 +656,8 @@ pub struct ParallelArgs {
     pub padded_vocab: usize,
     /// `--make-vocab-size-divisible-by`.
     pub divisible_by: usize,
+    /// Expert-parallel size.
+    pub ep: usize,
 }
 
 /// The `args` Namespace Megatron's loaders and `check_checkpoint_args` read
@@ -746,7 +748,7 @@ pub fn megatron_args(
             "decoder_last_pipeline_num_layers",
             par.first_last.map_or(Value::None, |(_, l)| int(l)),
         ),
-        ("expert_model_parallel_size", int(1)),
+        ("expert_model_parallel_size", int(par.ep)),
         ("moe_grouped_gemm", Value::Bool(false)),
         ("make_vocab_size_divisible_by", int(par.divisible_by)),
         ("padded_vocab_size", int(par.padded_vocab)),

@@ -53,7 +53,13 @@ fn row_parallel_module(module: &str) -> bool {
 impl MegatronLora {
     /// Index the LoRA tensors of every rank file. `alpha` overrides `args.lora_alpha`.
     pub fn open(dir: &std::path::Path, alpha: Option<f64>) -> Result<Self> {
-        let (iter_dir, files) = open_rank_files(dir)?;
+        let (iter_dir, files, ep) = open_rank_files(dir)?;
+        if ep > 1 {
+            bail!(
+                "{}: LoRA adapters of an expert-parallel checkpoint (EP {ep}) are not read yet",
+                iter_dir.display()
+            );
+        }
         let args = match files[0][0].root().get("args") {
             Some(Value::Namespace(a)) => a.clone(),
             _ => Vec::new(),
@@ -175,9 +181,9 @@ impl MegatronLora {
                     layout,
                     cfg,
                     &par.chunk_layers(p, v),
-                    p == 0 && v == 0,
-                    p == pp - 1 && v == vpp - 1,
+                    (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
                     pp,
+                    (0, 1),
                 );
                 for (path, canon) in entries {
                     if let Some(c) = canon {

@@ -355,6 +355,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         pp: stage.count,
         vpp,
         stage_layers: snap.stages.to_vec(),
+        ep: 1,
     };
     let mut args = megatron_args(
         snap.cfg,
@@ -365,6 +366,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             first_last: parallel.first_last(),
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
+            ep: 1,
         },
         &snap.args,
     );
@@ -381,9 +383,9 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             snap.layout,
             snap.cfg,
             &layers.clone().collect::<Vec<_>>(),
-            stage.first() && v == 0,
-            stage.last() && v + 1 == vpp,
+            (stage.first() && v == 0, stage.last() && v + 1 == vpp),
             stage.count,
+            (0, 1),
         );
         let mut model = Vec::new();
         for (path, canon) in &entries {
