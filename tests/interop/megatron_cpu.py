@@ -48,7 +48,7 @@ def moe_config(a, losses=None):
         moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
         moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor,
         moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False)
+        moe_grouped_gemm=False, expert_model_parallel_size=getattr(a, "expert_model_parallel_size", 1))
     return {**fields, **(losses or {})}
 
 

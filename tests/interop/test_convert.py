@@ -163,6 +163,30 @@ def test_moe_checkpoint_holds_megatron_expert_keys_split_over_tp(mindkit, tmp_pa
                 assert sd[p + "shared_experts.linear_fc1.weight"].shape == (24, 32)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_tp2_ep2_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path, family):
+    """HF → Megatron at TP 2 × EP 2 (mp_rank_TT_EEE): under torchrun, four megatron-core ranks
+    (gloo; expert_model_parallel_size 2) each load their rank file strictly into GPTModel with
+    its MoE layer, run one forward pass together, and the logits equal transformers'."""
+    import re
+    import socket
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m",
+            "--tp", 2, "--ep", 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = pathlib.Path(__file__).parent / "megatron_experts.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        "--master-port", str(port), str(script), str(tmp_path / "m/iter_0000001"),
+                        str(MODELS / family)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("tensors loaded") == 4, r.stdout + r.stderr
+    diff = float(re.search(r"logits differ by (\S+)", r.stdout).group(1))
+    assert diff <= 1e-4, r.stdout
+
+
 @pytest.mark.parametrize("layout", ["mcore-te", "legacy"])
 def test_other_layouts_load_and_round_trip(mindkit, tmp_path, layout):
     mindkit("convert", "--to", "megatron", "--input", MODELS / "llama", "--output", tmp_path / "m",
