@@ -147,6 +147,42 @@ fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
 }
 
 #[test]
+fn grouped_experts_round_trip_and_are_refused_where_they_cannot_be() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["qwen3_moe", "qwen2_moe", "mixtral"] {
+        let (g, m, h) = (
+            tmp.path().join(format!("{f}-g")),
+            tmp.path().join(format!("{f}-m")),
+            tmp.path().join(f),
+        );
+        convert(
+            "megatron",
+            &model(f),
+            &g,
+            &["--tp", "2", "--ep", "2", "--moe-grouped-gemm"],
+        );
+        // Grouped → per-expert (local_experts.N) at another layout → HF.
+        convert("megatron", &g, &m, &["--tp", "1", "--ep", "4", "--pp", "2"]);
+        convert("hf", &m, &h, &[]);
+        assert_same_hf(&model(f), &h);
+    }
+    let err = convert_err(
+        "megatron",
+        &model("llama"),
+        &tmp.path().join("x"),
+        &["--moe-grouped-gemm"],
+    );
+    assert!(err.contains("this model has no experts"), "{err}");
+    let err = convert_err(
+        "megatron",
+        &model("mixtral"),
+        &tmp.path().join("y"),
+        &["--moe-grouped-gemm", "--layout", "mcore-te"],
+    );
+    assert!(err.contains("pass --layout mcore"), "{err}");
+}
+
+#[test]
 fn reshard_to_tp4_pp2_vpp2_and_back_is_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();
     for f in FAMILIES {

@@ -253,6 +253,10 @@ struct OutputArgs {
     /// this many mp_rank_TT[_PPP]_EEE directories (default: the input's, or 1).
     #[arg(long, alias = "target-expert-parallel-size")]
     ep: Option<usize>,
+    /// Write the routed experts as MindSpeed-LLM's grouped GEMM tensors (mlp.experts.weight1 /
+    /// weight2, as its --moe-grouped-gemm trains them) instead of megatron-core's local_experts.N.
+    #[arg(long)]
+    moe_grouped_gemm: bool,
     /// Virtual pipeline chunks per stage (Megatron's --num-virtual-stages-per-pipeline-rank).
     #[arg(
         long,
@@ -557,6 +561,7 @@ fn convert_options(
         tp: a.tp,
         pp: a.pp,
         ep: a.ep,
+        grouped_experts: a.moe_grouped_gemm,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
         first_last: (a.first_stage_layers, a.last_stage_layers),

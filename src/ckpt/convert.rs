@@ -44,6 +44,8 @@ pub struct ConvertOptions {
     pub pp: Option<usize>,
     /// EP size (default: the source's, or 1).
     pub ep: Option<usize>,
+    /// Write the routed experts as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
+    pub grouped_experts: bool,
     /// Virtual chunks per stage.
     pub vpp: Option<usize>,
     /// Layers per virtual chunk (alternative to `vpp`).
@@ -471,6 +473,7 @@ fn write_megatron(
         layout: o.layout,
         divisible_by: o.divisible_by,
         base_args,
+        grouped: o.grouped_experts,
     };
     let total = target.total_bytes();
     let pb = util::progress_bar(total, ProgressUnit::Bytes, o.progress);

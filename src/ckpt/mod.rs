@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod convert;
+pub mod grouped;
 pub mod hf;
 pub mod info;
 pub mod layout;

@@ -73,6 +73,25 @@ impl Tensor {
         Tensor::new(self.dtype, vec![rows, to - from], data)
     }
 
+    /// The transpose of a 2-D tensor (bytes moved, element by element, in blocks that stay in
+    /// cache).
+    pub fn transposed(&self) -> Tensor {
+        const BLOCK: usize = 64;
+        let (rows, cols, es) = (self.shape[0], self.shape[1], self.dtype.size());
+        let mut data = vec![0u8; self.data.len()];
+        for r0 in (0..rows).step_by(BLOCK) {
+            for c0 in (0..cols).step_by(BLOCK) {
+                for r in r0..(r0 + BLOCK).min(rows) {
+                    for c in c0..(c0 + BLOCK).min(cols) {
+                        let (from, to) = ((r * cols + c) * es, (c * rows + r) * es);
+                        data[to..to + es].copy_from_slice(&self.data[from..from + es]);
+                    }
+                }
+            }
+        }
+        Tensor::new(self.dtype, vec![cols, rows], data)
+    }
+
     /// Concatenate 2-D tensors along dim 1.
     pub fn cat_cols(parts: &[Tensor]) -> Tensor {
         let rows = parts[0].shape[0];

@@ -658,6 +658,8 @@ pub struct ParallelArgs {
     pub divisible_by: usize,
     /// Expert-parallel size.
     pub ep: usize,
+    /// The routed experts stored as MindSpeed-LLM's grouped tensors.
+    pub grouped: bool,
 }
 
 /// The `args` Namespace Megatron's loaders and `check_checkpoint_args` read
@@ -749,7 +751,7 @@ pub fn megatron_args(
             par.first_last.map_or(Value::None, |(_, l)| int(l)),
         ),
         ("expert_model_parallel_size", int(par.ep)),
-        ("moe_grouped_gemm", Value::Bool(false)),
+        ("moe_grouped_gemm", Value::Bool(par.grouped)),
         ("make_vocab_size_divisible_by", int(par.divisible_by)),
         ("padded_vocab_size", int(par.padded_vocab)),
         ("vocab_size", int(cfg.vocab)),

@@ -367,6 +367,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
             ep: 1,
+            grouped: false,
         },
         &snap.args,
     );

@@ -2,12 +2,16 @@
 //! `iter_0000001/` (or `release/`), `mp_rank_TT[_PPP]/model_optim_rng.pt` holding
 //! `{args, checkpoint_version: 3.0, iteration, model | model0..}` (`docs/checkpoints.md` §1, §8).
 
-use super::config::{arg_uint, megatron_args, ParallelArgs};
+mod write;
+
+pub use write::MegatronTarget;
+
+use super::config::arg_uint;
+use super::grouped::{expert_view, grouped_key};
 use super::layout::{self, chunk_entries, KeyLayout, Parallel};
-use super::torch::pickle::{StorageRef, TensorRef, Value};
-use super::torch::save::PtWriter;
+use super::torch::pickle::{TensorRef, Value};
 use super::torch::TorchFile;
-use super::transform::{gather_tp, shard_shape, tp_shard};
+use super::transform::{gather_tp, shard_shape};
 use crate::arch::family::Family;
 use crate::arch::roles::{Canon, Role};
 use crate::arch::ModelConfig;
@@ -227,11 +231,13 @@ pub fn is_lora_key(key: &str) -> bool {
     key.contains(".lora_")
 }
 
-/// A tensor found in a rank file: which file of its stage (`e·tp + t`) and its reference.
+/// A tensor found in a rank file: which file of its stage (`e·tp + t`), its reference, and
+/// whether it is stored transposed (a routed expert inside grouped tensors).
 struct Shard {
     file: usize,
     key: String,
     tensor: TensorRef,
+    transposed: bool,
 }
 
 /// An opened Megatron checkpoint, tensors indexed by canonical name.
@@ -250,6 +256,8 @@ pub struct MegatronCkpt {
     pub padded_vocab: usize,
     /// LoRA tensors found next to the weights (set aside, not converted).
     pub lora_tensors: usize,
+    /// Whether the routed experts are stored as grouped tensors ([`super::grouped`]).
+    pub grouped: bool,
     /// Rank files, `[pp][ep·tp]`.
     files: Vec<Vec<TorchFile>>,
     /// Canonical tensor → (stage, shard per TP rank).
@@ -465,6 +473,7 @@ impl MegatronCkpt {
             args,
             padded_vocab,
             lora_tensors: 0,
+            grouped: false,
             files,
             index: HashMap::new(),
         };
@@ -489,21 +498,31 @@ impl MegatronCkpt {
                         pp,
                         (e, ep),
                     );
+                    let mut grouped_keys = Vec::new();
                     for (key, canon) in entries {
                         let key = layout::flat_key(&key);
                         let found = chunk.remove(&key);
                         let Some(canon) = canon else { continue };
-                        let tensor = match found {
-                            Some(Value::Tensor(tensor)) => *tensor,
-                            _ => bail!(
-                                "{}: missing tensor {key} (layout {}, {} layers)",
-                                path.display(),
-                                self.layout.name(),
-                                self.cfg.layers
-                            ),
-                        };
                         let want = shard_shape(&self.cfg, canon.role, tp, self.padded_vocab);
-                        let got: Vec<usize> = tensor.shape.iter().map(|&n| n as usize).collect();
+                        let (tensor, transposed) = match found {
+                            Some(Value::Tensor(tensor)) => (*tensor, false),
+                            _ => match self.grouped_view(chunk, &key, &want)? {
+                                Some((g, view)) => {
+                                    grouped_keys.push(g);
+                                    (view, true)
+                                }
+                                None => bail!(
+                                    "{}: missing tensor {key} (layout {}, {} layers)",
+                                    path.display(),
+                                    self.layout.name(),
+                                    self.cfg.layers
+                                ),
+                            },
+                        };
+                        let got: Vec<usize> = match transposed {
+                            true => tensor.shape.iter().rev().map(|&n| n as usize).collect(),
+                            false => tensor.shape.iter().map(|&n| n as usize).collect(),
+                        };
                         if got != want {
                             bail!(
                                 "{}: tensor {key} has shape {got:?}, but the checkpoint args \
@@ -525,9 +544,12 @@ impl MegatronCkpt {
                                 file: m,
                                 key,
                                 tensor,
+                                transposed,
                             });
                         }
                     }
+                    self.grouped |= !grouped_keys.is_empty();
+                    grouped_keys.iter().for_each(|g| _ = chunk.remove(g));
                     let tensors = chunk.iter().filter(|(k, v)| {
                         matches!(v, Value::Tensor(_)) && !k.ends_with("_extra_state")
                     });
@@ -561,6 +583,24 @@ impl MegatronCkpt {
         gather_tp(c.role, &self.read_shards(c)?, self.cfg.vocab)
     }
 
+    /// A routed expert's shard (`want`, of per-expert key `key`) as a view of the chunk's
+    /// grouped tensor holding it, with that tensor's key; `None` when the chunk has none.
+    fn grouped_view(
+        &self,
+        chunk: &BTreeMap<String, Value>,
+        key: &str,
+        want: &[usize],
+    ) -> Result<Option<(String, TensorRef)>> {
+        let Some((g, le)) = grouped_key(key) else {
+            return Ok(None);
+        };
+        let Some(Value::Tensor(t)) = chunk.get(&g) else {
+            return Ok(None);
+        };
+        let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / self.par.ep);
+        Ok(Some((g.clone(), expert_view((&g, t), le, (want, local))?)))
+    }
+
     /// The TP shards of one canonical tensor, in rank order.
     fn read_shards(&self, c: Canon) -> Result<Vec<Tensor>> {
         let (p, shards) = self
@@ -569,7 +609,10 @@ impl MegatronCkpt {
             .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
         shards
             .iter()
-            .map(|s| Ok(self.files[*p][s.file].read_tensor(&s.key, &s.tensor)?))
+            .map(|s| {
+                let t = self.files[*p][s.file].read_tensor(&s.key, &s.tensor)?;
+                Ok(if s.transposed { t.transposed() } else { t })
+            })
             .collect()
     }
 
@@ -616,198 +659,4 @@ pub struct RankFileInfo {
     pub bytes: u64,
     /// Tensors: key, dtype, shape.
     pub tensors: Vec<(String, DType, Vec<u64>)>,
-}
-
-/// What to write.
-pub struct MegatronTarget<'a> {
-    /// Architecture (dtype = target dtype).
-    pub cfg: &'a ModelConfig,
-    /// Parallel layout.
-    pub par: &'a Parallel,
-    /// Key layout.
-    pub layout: KeyLayout,
-    /// `--make-vocab-size-divisible-by`.
-    pub divisible_by: usize,
-    /// Source args to keep (Megatron → Megatron), else empty.
-    pub base_args: &'a [(String, Value)],
-}
-
-/// Insert `v` at a nested key path of a dict.
-fn insert_path(dict: &mut Vec<(Value, Value)>, path: &[String], v: Value) {
-    let key = Value::Str(path[0].clone());
-    if path.len() == 1 {
-        dict.push((key, v));
-        return;
-    }
-    let pos = match dict.iter().position(|(k, _)| *k == key) {
-        Some(i) => i,
-        None => {
-            dict.push((key, Value::Dict(Vec::new())));
-            dict.len() - 1
-        }
-    };
-    if let Value::Dict(inner) = &mut dict[pos].1 {
-        insert_path(inner, &path[1..], v);
-    }
-}
-
-impl MegatronTarget<'_> {
-    /// Padded vocabulary rows.
-    pub fn padded_vocab(&self) -> usize {
-        self.par.padded_vocab(self.cfg.vocab, self.divisible_by)
-    }
-
-    /// Bytes of tensor data the checkpoint will hold.
-    pub fn total_bytes(&self) -> u64 {
-        let padded = self.padded_vocab();
-        let mut n = 0u64;
-        for (p, e) in self.rank_groups() {
-            for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
-                if let Some(c) = canon {
-                    let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
-                    n += (shape.iter().product::<usize>() * self.cfg.dtype.size()) as u64;
-                }
-            }
-        }
-        n * self.par.tp as u64
-    }
-
-    /// Every (stage, expert-parallel rank) pair: the rank files of each are its TP ranks'.
-    fn rank_groups(&self) -> Vec<(usize, usize)> {
-        let ep = self.par.ep;
-        (0..self.par.pp * ep).map(|i| (i / ep, i % ep)).collect()
-    }
-
-    fn stage_entries(&self, p: usize, e: usize) -> Vec<Vec<layout::ChunkEntry>> {
-        let (pp, vpp) = (self.par.pp, self.par.vpp);
-        (0..vpp)
-            .map(|v| {
-                chunk_entries(
-                    self.layout,
-                    self.cfg,
-                    &self.par.chunk_layers(p, v),
-                    (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
-                    pp,
-                    (e, self.par.ep),
-                )
-            })
-            .collect()
-    }
-
-    /// The pickled object of one rank file: args, version, iteration and the model chunks,
-    /// tensors pointing at storages "0", "1", … in entry order.
-    fn rank_object(&self, entries: &[Vec<layout::ChunkEntry>], args: &Value) -> Value {
-        let padded = self.padded_vocab();
-        let mut key = 0usize;
-        let mut root = vec![
-            (Value::Str("args".into()), args.clone()),
-            (Value::Str("checkpoint_version".into()), Value::Float(3.0)),
-            (Value::Str("iteration".into()), Value::Int(1)),
-        ];
-        for (v, chunk) in entries.iter().enumerate() {
-            let mut model = Vec::new();
-            for (path, canon) in chunk {
-                let value = match canon {
-                    None => Value::None,
-                    Some(c) => {
-                        let shape: Vec<u64> = shard_shape(self.cfg, c.role, self.par.tp, padded)
-                            .iter()
-                            .map(|&n| n as u64)
-                            .collect();
-                        let numel: u64 = shape.iter().product();
-                        let mut stride = vec![1u64; shape.len()];
-                        for i in (0..shape.len().saturating_sub(1)).rev() {
-                            stride[i] = stride[i + 1] * shape[i + 1];
-                        }
-                        key += 1;
-                        Value::Tensor(Box::new(TensorRef {
-                            storage: StorageRef {
-                                key: (key - 1).to_string(),
-                                dtype: self.cfg.dtype,
-                                location: "cpu".into(),
-                                numel,
-                            },
-                            offset: 0,
-                            shape,
-                            stride,
-                        }))
-                    }
-                };
-                insert_path(&mut model, path, value);
-            }
-            let name = if entries.len() > 1 {
-                format!("model{v}")
-            } else {
-                "model".into()
-            };
-            root.push((Value::Str(name), Value::Dict(model)));
-        }
-        Value::Dict(root)
-    }
-
-    /// Write the checkpoint into `dir` (normally a temporary directory): tracker, iteration
-    /// directory and every rank file, stages in parallel, TP ranks of a tensor in parallel.
-    /// `read` yields canonical tensors in the target dtype; `progress` gets bytes written.
-    pub fn write(
-        &self,
-        dir: &Path,
-        read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
-        progress: &(dyn Fn(u64) + Sync),
-    ) -> Result<()> {
-        if self.layout == KeyLayout::Legacy && (self.cfg.qk_norm || self.cfg.moe.is_some()) {
-            bail!(
-                "the legacy layout has no q/k layernorms or experts (megatron/legacy/model \
-                 builds neither); write this model with --layout mcore or mcore-te"
-            );
-        }
-        let par = self.par;
-        let padded = self.padded_vocab();
-        let args = Value::Namespace(megatron_args(
-            self.cfg,
-            &ParallelArgs {
-                tp: par.tp,
-                pp: par.pp,
-                vpp: par.vpp,
-                first_last: par.first_last(),
-                padded_vocab: padded,
-                divisible_by: self.divisible_by,
-                ep: par.ep,
-            },
-            self.base_args,
-        ));
-        let iter_dir = dir.join("iter_0000001");
-        self.rank_groups().into_par_iter().try_for_each(|(p, e)| {
-            let entries = self.stage_entries(p, e);
-            let object = self.rank_object(&entries, &args);
-            let mut writers = (0..par.tp)
-                .map(|t| {
-                    let rank = iter_dir.join(expert_rank_dir(t, (p, par.pp), (e, par.ep)));
-                    std::fs::create_dir_all(&rank)
-                        .with_context(|| format!("creating {}", rank.display()))?;
-                    Ok(PtWriter::create(&rank.join(RANK_FILE), &object, false)?)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let tensors = entries.iter().flatten().filter_map(|(_, c)| *c);
-            for (key, c) in tensors.enumerate() {
-                let canonical = read(c)?;
-                let storage = key.to_string();
-                // Each rank's shard is cut when its writer is ready: at most one shard per
-                // thread is in memory next to the canonical tensor.
-                writers
-                    .par_iter_mut()
-                    .enumerate()
-                    .try_for_each(|(r, w)| -> Result<()> {
-                        let s = tp_shard(c.role, &canonical, r, par.tp, padded);
-                        w.write_storage(&storage, &s.data)?;
-                        progress(s.data.len() as u64);
-                        Ok(())
-                    })?;
-            }
-            writers
-                .into_iter()
-                .try_for_each(|w| -> Result<()> { Ok(w.finish()?) })
-        })?;
-        std::fs::write(dir.join(super::megatron::TRACKER), "1")?;
-        Ok(())
-    }
 }

@@ -1,0 +1,266 @@
+//! Writing a Megatron torch-format checkpoint: every rank file of a TP × PP (× VPP) × EP
+//! layout, streamed tensor by tensor from the canonical tensors.
+
+use super::{expert_rank_dir, RANK_FILE, TRACKER};
+use crate::arch::roles::Canon;
+use crate::arch::ModelConfig;
+use crate::ckpt::config::{megatron_args, ParallelArgs};
+use crate::ckpt::grouped::{grouped_key, grouped_shape, pack};
+use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
+use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
+use crate::ckpt::torch::save::PtWriter;
+use crate::ckpt::transform::{shard_shape, tp_shard};
+use crate::tensor::host::Tensor;
+use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// What to write.
+pub struct MegatronTarget<'a> {
+    /// Architecture (dtype = target dtype).
+    pub cfg: &'a ModelConfig,
+    /// Parallel layout.
+    pub par: &'a Parallel,
+    /// Key layout.
+    pub layout: KeyLayout,
+    /// `--make-vocab-size-divisible-by`.
+    pub divisible_by: usize,
+    /// Source args to keep (Megatron → Megatron), else empty.
+    pub base_args: &'a [(String, Value)],
+    /// Routed experts as MindSpeed-LLM's grouped tensors (`mlp.experts.weight1`/`weight2`,
+    /// [`crate::ckpt::grouped`]) instead of megatron-core's `local_experts.N`.
+    pub grouped: bool,
+}
+
+/// One storage of a rank file: a canonical tensor's shard, or a grouped tensor packing the
+/// shards of a layer's local experts.
+struct Stored {
+    canons: Vec<Canon>,
+    grouped: bool,
+}
+
+/// Insert `v` at a nested key path of a dict.
+fn insert_path(dict: &mut Vec<(Value, Value)>, path: &[String], v: Value) {
+    let key = Value::Str(path[0].clone());
+    if path.len() == 1 {
+        dict.push((key, v));
+        return;
+    }
+    let pos = match dict.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            dict.push((key, Value::Dict(Vec::new())));
+            dict.len() - 1
+        }
+    };
+    if let Value::Dict(inner) = &mut dict[pos].1 {
+        insert_path(inner, &path[1..], v);
+    }
+}
+
+/// A contiguous tensor of `shape` over the whole of storage `key`.
+fn contiguous(key: usize, dtype: crate::tensor::DType, shape: Vec<u64>) -> Value {
+    let numel: u64 = shape.iter().product();
+    let mut stride = vec![1u64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        stride[i] = stride[i + 1] * shape[i + 1];
+    }
+    Value::Tensor(Box::new(TensorRef {
+        storage: StorageRef {
+            key: key.to_string(),
+            dtype,
+            location: "cpu".into(),
+            numel,
+        },
+        offset: 0,
+        shape,
+        stride,
+    }))
+}
+
+impl MegatronTarget<'_> {
+    /// Padded vocabulary rows.
+    pub fn padded_vocab(&self) -> usize {
+        self.par.padded_vocab(self.cfg.vocab, self.divisible_by)
+    }
+
+    /// Bytes of tensor data the checkpoint will hold.
+    pub fn total_bytes(&self) -> u64 {
+        let padded = self.padded_vocab();
+        let mut n = 0u64;
+        for (p, e) in self.rank_groups() {
+            for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
+                if let Some(c) = canon {
+                    let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
+                    n += (shape.iter().product::<usize>() * self.cfg.dtype.size()) as u64;
+                }
+            }
+        }
+        n * self.par.tp as u64
+    }
+
+    /// Every (stage, expert-parallel rank) pair: the rank files of each are its TP ranks'.
+    fn rank_groups(&self) -> Vec<(usize, usize)> {
+        let ep = self.par.ep;
+        (0..self.par.pp * ep).map(|i| (i / ep, i % ep)).collect()
+    }
+
+    fn stage_entries(&self, p: usize, e: usize) -> Vec<Vec<layout::ChunkEntry>> {
+        let (pp, vpp) = (self.par.pp, self.par.vpp);
+        (0..vpp)
+            .map(|v| {
+                chunk_entries(
+                    self.layout,
+                    self.cfg,
+                    &self.par.chunk_layers(p, v),
+                    (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
+                    pp,
+                    (e, self.par.ep),
+                )
+            })
+            .collect()
+    }
+
+    /// The pickled object of one rank file (args, version, iteration and the model chunks,
+    /// tensors pointing at storages "0", "1", … in entry order) and what each storage holds.
+    fn rank_object(
+        &self,
+        entries: &[Vec<layout::ChunkEntry>],
+        args: &Value,
+    ) -> (Value, Vec<Stored>) {
+        let padded = self.padded_vocab();
+        let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / self.par.ep);
+        let mut stored: Vec<Stored> = Vec::new();
+        let mut root = vec![
+            (Value::Str("args".into()), args.clone()),
+            (Value::Str("checkpoint_version".into()), Value::Float(3.0)),
+            (Value::Str("iteration".into()), Value::Int(1)),
+        ];
+        for (v, chunk) in entries.iter().enumerate() {
+            let mut model = Vec::new();
+            let mut grouped_at: HashMap<String, usize> = HashMap::new();
+            for (path, canon) in chunk {
+                let Some(c) = canon else {
+                    insert_path(&mut model, path, Value::None);
+                    continue;
+                };
+                let shard = shard_shape(self.cfg, c.role, self.par.tp, padded);
+                let group = (self.grouped)
+                    .then(|| grouped_key(&layout::flat_key(path)))
+                    .flatten();
+                let is_grouped = group.is_some();
+                let (path, shape) = match group {
+                    Some((g, _)) => {
+                        if let Some(&at) = grouped_at.get(&g) {
+                            stored[at].canons.push(*c);
+                            continue;
+                        }
+                        grouped_at.insert(g.clone(), stored.len());
+                        let shape = grouped_shape(&g, &shard, local);
+                        (vec![g], shape)
+                    }
+                    None => (path.clone(), shard.iter().map(|&n| n as u64).collect()),
+                };
+                let tensor = contiguous(stored.len(), self.cfg.dtype, shape);
+                stored.push(Stored {
+                    canons: vec![*c],
+                    grouped: is_grouped,
+                });
+                insert_path(&mut model, &path, tensor);
+            }
+            let name = if entries.len() > 1 {
+                format!("model{v}")
+            } else {
+                "model".into()
+            };
+            root.push((Value::Str(name), Value::Dict(model)));
+        }
+        (Value::Dict(root), stored)
+    }
+
+    /// Write the checkpoint into `dir` (normally a temporary directory): tracker, iteration
+    /// directory and every rank file, stages in parallel, TP ranks of a tensor in parallel.
+    /// `read` yields canonical tensors in the target dtype; `progress` gets bytes written.
+    pub fn write(
+        &self,
+        dir: &Path,
+        read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<()> {
+        if self.grouped && (self.cfg.moe.is_none() || self.layout != KeyLayout::Mcore) {
+            bail!(
+                "--moe-grouped-gemm writes MindSpeed-LLM's grouped experts (mlp.experts.weight1 \
+                 and weight2) of a mixture of experts in the mcore layout{}",
+                if self.cfg.moe.is_none() {
+                    "; this model has no experts"
+                } else {
+                    "; pass --layout mcore"
+                }
+            );
+        }
+        if self.layout == KeyLayout::Legacy && (self.cfg.qk_norm || self.cfg.moe.is_some()) {
+            bail!(
+                "the legacy layout has no q/k layernorms or experts (megatron/legacy/model \
+                 builds neither); write this model with --layout mcore or mcore-te"
+            );
+        }
+        let par = self.par;
+        let padded = self.padded_vocab();
+        let args = Value::Namespace(megatron_args(
+            self.cfg,
+            &ParallelArgs {
+                tp: par.tp,
+                pp: par.pp,
+                vpp: par.vpp,
+                first_last: par.first_last(),
+                padded_vocab: padded,
+                divisible_by: self.divisible_by,
+                ep: par.ep,
+                grouped: self.grouped,
+            },
+            self.base_args,
+        ));
+        let iter_dir = dir.join("iter_0000001");
+        self.rank_groups().into_par_iter().try_for_each(|(p, e)| {
+            let entries = self.stage_entries(p, e);
+            let (object, stored) = self.rank_object(&entries, &args);
+            let mut writers = (0..par.tp)
+                .map(|t| {
+                    let rank = iter_dir.join(expert_rank_dir(t, (p, par.pp), (e, par.ep)));
+                    std::fs::create_dir_all(&rank)
+                        .with_context(|| format!("creating {}", rank.display()))?;
+                    Ok(PtWriter::create(&rank.join(RANK_FILE), &object, false)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for (key, s) in stored.iter().enumerate() {
+                let canonical: Vec<Tensor> =
+                    s.canons.iter().map(|&c| read(c)).collect::<Result<_>>()?;
+                let storage = key.to_string();
+                // Each rank's shard is cut when its writer is ready: at most one shard per
+                // thread (a grouped tensor's per expert) is in memory next to the canonical
+                // tensors.
+                writers
+                    .par_iter_mut()
+                    .enumerate()
+                    .try_for_each(|(r, w)| -> Result<()> {
+                        let shards: Vec<Tensor> = (s.canons.iter().zip(&canonical))
+                            .map(|(c, t)| tp_shard(c.role, t, r, par.tp, padded))
+                            .collect();
+                        let data = match s.grouped {
+                            true => pack(&shards),
+                            false => shards.into_iter().next().expect("one tensor").data,
+                        };
+                        w.write_storage(&storage, &data)?;
+                        progress(data.len() as u64);
+                        Ok(())
+                    })?;
+            }
+            writers
+                .into_iter()
+                .try_for_each(|w| -> Result<()> { Ok(w.finish()?) })
+        })?;
+        std::fs::write(dir.join(TRACKER), "1")?;
+        Ok(())
+    }
+}
