@@ -541,6 +541,54 @@ fn instruction_records_missing_fields_are_errors() {
     );
 }
 
+/// Tool data MindSpeed-LLM's DeepSeek4Template raises on is refused naming the field; a system
+/// message after the first, which only deepseek4 renders, is refused by the slot templates
+/// (their `_encode` raises on it); `--map-keys` may not name a tools column for alpaca records.
+#[test]
+fn deepseek4_tool_data_mindspeed_raises_on_is_refused_by_field() {
+    let ds4 = ["--handler", "sharegpt", "--prompt-type", "deepseek4"];
+    let user = r#"{"role": "user", "content": "q"}"#;
+    let answer = r#"{"role": "assistant", "content": "a"}"#;
+    let list_arguments = format!(
+        r#"{{"messages": [{user}, {{"role": "assistant", "content": "", "tool_calls": [{{"id": "1",
+        "function": {{"name": "f", "arguments": "[1]"}}}}]}}, {{"role": "tool", "content": "r"}},
+        {answer}]}}"#
+    )
+    .replace('\n', " ");
+    let fragment = "messages[1].tool_calls[0].function.arguments parse to a list";
+    refuses_instruction_record(&ds4, &list_arguments, fragment, "invalid tool data");
+    let bad_tools = format!(r#"{{"messages": [{user}, {answer}], "tools": "[{{"}}"#);
+    refuses_instruction_record(
+        &ds4,
+        &bad_tools,
+        "tools column is not JSON",
+        "invalid tool data",
+    );
+    let later_system = format!(
+        r#"{{"messages": [{user}, {{"role": "system", "content": "s"}}, {user}, {answer}]}}"#
+    );
+    let chatml = ["--handler", "sharegpt", "--prompt-type", "chatml"];
+    let fragment = "message 1 is a system message after the first";
+    refuses_instruction_record(&chatml, &later_system, fragment, "unsupported role");
+
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(dir.path(), "in.jsonl", b"{}\n");
+    let alpaca_tools = [
+        "--handler",
+        "alpaca",
+        "--prompt-type",
+        "deepseek4",
+        "--map-keys",
+        r#"{"tools": "t"}"#,
+    ];
+    let a = preprocess(dir.path(), &input, &alpaca_tools);
+    assert_fails_cleanly(
+        dir.path(),
+        a,
+        &["\"tools\" is not a column of the alpaca format"],
+    );
+}
+
 #[test]
 fn conversations_mindspeed_drops_are_dropped_and_counted() {
     // MindSpeed-LLM skips these itself (the goldens hold them as dropped): mindkit does too,

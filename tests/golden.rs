@@ -118,7 +118,8 @@ fn enable_thinking(g: &Value) -> Option<bool> {
 }
 
 /// A golden case's thinking switches into the options: `--enable-thinking`, and the deepseek4
-/// cases' `--reasoning-effort` (absent or null: none) and `--drop-thinking` (absent: true).
+/// cases' `--reasoning-effort` (absent or null: none), `--drop-thinking` (absent: true) and
+/// `--map-keys` (absent: none).
 fn set_thinking(o: &mut PreprocessOptions, g: &Value) {
     o.enable_thinking = enable_thinking(g);
     o.reasoning_effort = g
@@ -129,6 +130,7 @@ fn set_thinking(o: &mut PreprocessOptions, g: &Value) {
         .get("drop_thinking")
         .and_then(Value::as_bool)
         .unwrap_or(true);
+    o.map_keys = g.get("map_keys").and_then(Value::as_object).cloned();
 }
 
 /// Runs mindkit on one golden case of MindSpeed-LLM's arrays (`{"dropped": true}`: a record its
@@ -303,11 +305,13 @@ fn template_truncation_is_byte_identical_to_mindspeed() {
 /// deepseek4 (DeepSeek4Template's own V4 encoder): every --enable-thinking mode with
 /// --drop-thinking true and false, --reasoning-effort max and high, system prompts, multi-turn
 /// thoughts, function and observation messages as tool results, OpenAI records, a conversation
-/// it raises on; the same ids and labels as MindSpeed-LLM's handler.
+/// it raises on; its tool machinery (`*_tools_*`: OpenAI tools columns, tool calls and results,
+/// reasoning content, later system messages, records it raises on, a ShareGPT tools column
+/// named by --map-keys); the same ids and labels as MindSpeed-LLM's handler.
 #[test]
 fn deepseek4_matches_mindspeed_in_each_thinking_mode() {
     let (compared, total) = compare_json_goldens("golden/mindspeed/templates/deepseek4", "");
-    assert_eq!(total, 15);
+    assert_eq!(total, 24);
     assert!(compared == total || compared == 0, "{compared} of {total}");
 }
 
@@ -316,7 +320,7 @@ fn deepseek4_matches_mindspeed_in_each_thinking_mode() {
 #[test]
 fn deepseek4_truncation_is_byte_identical_to_mindspeed() {
     let (compared, total) = compare_disk_cases("golden/mindspeed/templates/deepseek4/disk");
-    assert_eq!(total, 2);
+    assert_eq!(total, 3);
     assert!(compared == total || compared == 0, "{compared} of {total}");
 }
 

@@ -332,6 +332,14 @@ fn build_handler<'t>(
         if let Some(m) = &opts.map_keys {
             columns = columns.with_map_keys(m)?;
         }
+        if format == ChatFormat::Alpaca && columns.tools.is_some() {
+            // check_dataset_info_map: not a column of AlpacaStyleInstructionHandler.
+            return Err(PreprocessError::Options(
+                "--map-keys: \"tools\" is not a column of the alpaca format (MindSpeed-LLM \
+                 refuses it too); use --handler sharegpt"
+                    .into(),
+            ));
+        }
         return Ok(Box::new(ChatHandler {
             tokenizer: tok,
             template,

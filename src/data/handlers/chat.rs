@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use super::template::{Message, Role, Template, TemplateClass};
+use super::template::{py_json, Message, MessageExtra, Role, Template, TemplateClass};
 use super::{opt_str_field, Document, Handler, RecordError, IGNORE, INSTRUCTION_KEYS};
 use crate::data::tokenizer::Tokenizer;
 
@@ -39,6 +39,9 @@ pub struct Columns {
     pub function_tag: String,
     /// role value of the system prompt.
     pub system_tag: String,
+    /// sharegpt/OpenAI: the tools column (OpenAI records: `tools` when unset), which only the
+    /// deepseek4 template reads.
+    pub tools: Option<String>,
 }
 
 impl Default for Columns {
@@ -57,6 +60,7 @@ impl Default for Columns {
             observation_tag: "observation".into(),
             function_tag: "function_call".into(),
             system_tag: "system".into(),
+            tools: None,
         }
     }
 }
@@ -96,6 +100,7 @@ impl Columns {
                 "observation_tag" => self.observation_tag = v,
                 "function_tag" => self.function_tag = v,
                 "system_tag" => self.system_tag = v,
+                "tools" => self.tools = Some(v),
                 other => return Err(MapKeysError::UnknownKey(other.to_string())),
             }
         }
@@ -128,6 +133,8 @@ struct Aligned {
     prompt: Vec<Message>,
     response: Vec<Message>,
     system: String,
+    /// The tools text (deepseek4 only; else "").
+    tools: String,
 }
 
 /// Template-driven instruction handler.
@@ -147,10 +154,7 @@ pub struct ChatHandler<'t> {
 }
 
 fn msg(role: Role, content: &str) -> Message {
-    Message {
-        role,
-        content: content.to_string(),
-    }
+    Message::new(role, content)
 }
 
 /// How a conversation's role tag reads.
@@ -276,6 +280,7 @@ impl ChatHandler<'_> {
             prompt,
             response,
             system,
+            tools: String::new(),
         })
     }
 
@@ -317,7 +322,12 @@ impl ChatHandler<'_> {
     fn align_sharegpt(&self, r: &Map<String, Value>) -> Result<Aligned, RecordError> {
         let openai_cols;
         let c = if !r.contains_key(&self.columns.messages) && r.contains_key("messages") {
-            openai_cols = Columns::openai();
+            // OpenAIInstructionHandler's columns; --map-keys still names system and tools.
+            openai_cols = Columns {
+                system: self.columns.system.clone(),
+                tools: self.columns.tools.clone(),
+                ..Columns::openai()
+            };
             &openai_cols
         } else {
             &self.columns
@@ -334,9 +344,6 @@ impl ChatHandler<'_> {
                 ))
             }
         };
-        if openai && self.template.class() == TemplateClass::DeepSeek4 {
-            refuse_v4_fields(r, messages)?;
-        }
         let mut system = match &c.system {
             Some(s) => opt_str_field(r, s)?.to_string(),
             None => String::new(),
@@ -355,39 +362,16 @@ impl ChatHandler<'_> {
         }
         let mut aligned = Vec::new();
         for (turn, (i, m)) in messages.iter().enumerate().skip(first).enumerate() {
-            let tag = role_tag(c, i, m)?;
-            let role = match c.tag(tag) {
-                Tag::Role(role) => role,
-                Tag::System => {
-                    return Err(RecordError::dropped(format!(
-                        "message {i}: role {tag:?} after the first message"
-                    )))
-                }
-                Tag::Unknown => return Err(c.unknown_role(i, tag)),
-            };
-            let in_place = matches!(
-                (role, turn % 2 == 0),
-                (Role::User | Role::Observation, true) | (Role::Assistant | Role::Function, false)
-            );
-            if !openai && !in_place {
-                return Err(RecordError::dropped(format!(
-                    "message {i}: role {tag:?} out of turn order"
-                )));
-            }
-            match content(c, i, m)? {
-                Some(s) => aligned.push(msg(role, s)),
-                None if openai => aligned.push(msg(role, "")),
-                None => {
-                    return Err(RecordError::missing(&format!(
-                        "{}[{i}].{}",
-                        c.messages, c.content_tag
-                    )))
-                }
-            }
+            aligned.push(self.align_message(c, openai, turn, i, m)?);
         }
         if openai {
-            if aligned.first().map(|m| m.role) != Some(Role::User) {
-                return Err(RecordError::dropped("first message must be from the user"));
+            if !matches!(
+                aligned.first().map(|m| m.role),
+                Some(Role::User | Role::System)
+            ) {
+                return Err(RecordError::dropped(
+                    "first message must be from the user or the system",
+                ));
             }
             if aligned.last().map(|m| m.role) != Some(Role::Assistant) {
                 return Err(RecordError::dropped(
@@ -402,42 +386,109 @@ impl ChatHandler<'_> {
             prompt: aligned,
             response,
             system,
+            tools: if self.template.class() == TemplateClass::DeepSeek4 {
+                tools_text(r, c, openai)
+            } else {
+                String::new()
+            },
         })
+    }
+
+    /// Message `i` of a conversation (`turn` after the system prompt). ShareGPT records must
+    /// alternate user/observation and assistant/function turns, and a system message after the
+    /// first is skipped; OpenAI records keep a later system message and, for deepseek4, carry
+    /// their structured fields (`convert_openai_to_intermediate`). An unknown role is an error.
+    fn align_message(
+        &self,
+        c: &Columns,
+        openai: bool,
+        turn: usize,
+        i: usize,
+        m: &Value,
+    ) -> Result<Message, RecordError> {
+        let tag = role_tag(c, i, m)?;
+        let role = match c.tag(tag) {
+            Tag::Role(role) => role,
+            Tag::System if openai => Role::System,
+            Tag::System => {
+                return Err(RecordError::dropped(format!(
+                    "message {i}: role {tag:?} after the first message"
+                )))
+            }
+            Tag::Unknown => return Err(c.unknown_role(i, tag)),
+        };
+        let in_place = matches!(
+            (role, turn.is_multiple_of(2)),
+            (Role::User | Role::Observation, true) | (Role::Assistant | Role::Function, false)
+        );
+        if !openai && !in_place {
+            return Err(RecordError::dropped(format!(
+                "message {i}: role {tag:?} out of turn order"
+            )));
+        }
+        if !openai {
+            return match content(c, i, m)? {
+                Some(s) => Ok(msg(role, s)),
+                None => Err(RecordError::missing(&format!(
+                    "{}[{i}].{}",
+                    c.messages, c.content_tag
+                ))),
+            };
+        }
+        if self.template.class() != TemplateClass::DeepSeek4 {
+            return Ok(msg(role, content(c, i, m)?.unwrap_or("")));
+        }
+        openai_message(c, role, i, m)
     }
 }
 
-/// MindSpeed-LLM's OpenAI converter hands `DeepSeek4Template` a record's `tools` column and its
-/// messages' `tool_calls` and `reasoning_content` (`convert_openai_to_intermediate`), which it
-/// renders as DSML tool schemas and invocations and as reasoning: mindkit does not carry them, so
-/// it refuses such records rather than encode them differently. (`tool_call_id` only orders the
-/// results of `tool_calls`.)
-fn refuse_v4_fields(r: &Map<String, Value>, messages: &[Value]) -> Result<(), RecordError> {
-    let refuse = |what: String| {
-        Err(RecordError::invalid(
-            "unsupported field",
-            format!(
-                "{what}: the deepseek4 template renders it (DSML tools, reasoning), which mindkit \
-                 does not implement; remove it or use --skip-bad-records"
-            ),
-        ))
+/// The tools text the converters hand the template (read for deepseek4 only): the OpenAI
+/// converter's `tools` column (a list or object `json.dumps`ed), the ShareGPT converter's when
+/// `--map-keys` names one. A value that is not a string after that, absent or null, is "" (the
+/// template reads strings only).
+fn tools_text(r: &Map<String, Value>, c: &Columns, openai: bool) -> String {
+    let column = match (&c.tools, openai) {
+        (Some(column), _) => column.as_str(),
+        (None, true) => "tools",
+        (None, false) => return String::new(),
     };
-    let empty = |v: &Value| match v {
-        Value::Null => true,
-        Value::String(s) => super::py_strip(s).is_empty(),
-        Value::Array(a) => a.is_empty(),
-        _ => false,
-    };
-    if r.get("tools").is_some_and(|t| !empty(t)) {
-        return refuse("column \"tools\"".into());
+    match r.get(column) {
+        Some(Value::String(s)) => s.clone(),
+        Some(v @ (Value::Array(_) | Value::Object(_))) if openai => py_json(v),
+        _ => String::new(),
     }
-    for (i, m) in messages.iter().enumerate() {
-        for field in ["tool_calls", "reasoning_content"] {
-            if m.get(field).is_some_and(|v| !v.is_null()) {
-                return refuse(format!("messages[{i}].{field}"));
-            }
+}
+
+/// An OpenAI message for deepseek4: `tool_calls`, `tool_call_id` and `reasoning_content` when not
+/// null, and a tool message's content given as a list of parts, as `convert_openai_to_intermediate`
+/// passes them on (the template checks them).
+fn openai_message(c: &Columns, role: Role, i: usize, m: &Value) -> Result<Message, RecordError> {
+    let parts = match m.get(&c.content_tag) {
+        Some(Value::Array(parts)) if matches!(role, Role::Observation | Role::Function) => {
+            Some(parts.clone())
         }
-    }
-    Ok(())
+        _ => None,
+    };
+    let text = match parts {
+        Some(_) => "",
+        None => content(c, i, m)?.unwrap_or(""),
+    };
+    let field = |f: &str| m.get(f).filter(|v| !v.is_null()).cloned();
+    let extra = MessageExtra {
+        path: format!("{}[{i}]", c.messages),
+        tool_calls: field("tool_calls"),
+        tool_call_id: field("tool_call_id"),
+        reasoning_content: field("reasoning_content"),
+        content_parts: parts,
+    };
+    let any = extra.tool_calls.is_some()
+        || extra.tool_call_id.is_some()
+        || extra.reasoning_content.is_some()
+        || extra.content_parts.is_some();
+    Ok(Message {
+        extra: any.then(|| Box::new(extra)),
+        ..msg(role, text)
+    })
 }
 
 impl Handler for ChatHandler<'_> {
@@ -459,8 +510,8 @@ impl Handler for ChatHandler<'_> {
             ChatFormat::Sharegpt => vec![c.messages.clone(), Columns::openai().messages],
         };
         if self.template.class() == TemplateClass::DeepSeek4 {
-            // Read so that OpenAI records with tools are refused (see `refuse_v4_fields`).
-            names.push("tools".into());
+            // The tools column, which only deepseek4 reads (`tools` in OpenAI records).
+            names.push(c.tools.clone().unwrap_or_else(|| "tools".into()));
         }
         names.extend(c.system.iter().cloned());
         names
@@ -480,10 +531,13 @@ impl Handler for ChatHandler<'_> {
         let eos = self.tokenizer.eos().map(i64::from);
         let mut input_ids = Vec::new();
         let mut labels = Vec::new();
-        for (source, target) in
-            self.template
-                .encode_multiturn(self.tokenizer, &messages, &a.system, self.cutoff_len)?
-        {
+        for (source, target) in self.template.encode_multiturn(
+            self.tokenizer,
+            &messages,
+            &a.system,
+            &a.tools,
+            self.cutoff_len,
+        )? {
             let source_mask: Vec<i64> = match eos {
                 Some(e) if !input_ids.is_empty() && self.template.efficient_eos => {
                     std::iter::once(e)
@@ -526,21 +580,54 @@ mod tests {
     }
 
     #[test]
-    fn deepseek4_refuses_openai_fields_it_would_render_as_dsml_or_reasoning() {
-        let check = |json: &str| {
-            let r = record(json);
-            let messages = r["messages"].as_array().unwrap().clone();
-            refuse_v4_fields(&r, &messages).map_err(|e| e.detail)
+    fn the_tools_column_as_each_converter_hands_it_on() {
+        let openai = Columns::openai();
+        let r = record(r#"{"tools": [{"function": {"name": "é", "x": 1.0}}], "t": "[]"}"#);
+        assert_eq!(
+            tools_text(&r, &openai, true),
+            r#"[{"function": {"name": "é", "x": 1.0}}]"#
+        );
+        // The ShareGPT converter reads a tools column only when --map-keys names one, and the
+        // template only a string.
+        assert_eq!(tools_text(&r, &Columns::default(), false), "");
+        let mapped = |column: &str| Columns {
+            tools: Some(column.into()),
+            ..Columns::default()
         };
-        check(r#"{"messages": [{"role": "user", "content": "q", "tool_call_id": "1"}], "tools": " "}"#)
-            .unwrap();
-        check(r#"{"messages": [], "tools": [], "reasoning_content": "x"}"#).unwrap();
-        let e = check(r#"{"messages": [], "tools": "[{\"type\": \"function\"}]"}"#).unwrap_err();
-        assert!(e.starts_with("column \"tools\""), "{e}");
-        let e = check(r#"{"messages": [{"role": "assistant", "tool_calls": []}]}"#).unwrap_err();
-        assert!(e.starts_with("messages[0].tool_calls"), "{e}");
-        let e =
-            check(r#"{"messages": [{"role": "user"}, {"reasoning_content": ""}]}"#).unwrap_err();
-        assert!(e.starts_with("messages[1].reasoning_content"), "{e}");
+        assert_eq!(tools_text(&r, &mapped("t"), false), "[]");
+        assert_eq!(tools_text(&r, &mapped("tools"), false), "");
+        assert_eq!(tools_text(&record(r#"{"tools": 3}"#), &openai, true), "");
+    }
+
+    #[test]
+    fn openai_messages_carry_their_structured_fields_for_deepseek4() {
+        let c = Columns::openai();
+        let m: Value = serde_json::from_str(
+            r#"{"role": "tool", "content": [{"type": "text", "text": "x"}], "tool_call_id": "1",
+                "reasoning_content": null}"#,
+        )
+        .unwrap();
+        let m = openai_message(&c, Role::Observation, 2, &m).unwrap();
+        let extra = m.extra.unwrap();
+        assert_eq!(extra.path, "messages[2]");
+        assert_eq!(extra.tool_call_id, Some(Value::from("1")));
+        assert_eq!(extra.reasoning_content, None);
+        assert_eq!(extra.content_parts.unwrap().len(), 1);
+        // Only tool messages may give their content as parts.
+        let m: Value = serde_json::from_str(r#"{"role": "user", "content": []}"#).unwrap();
+        let e = openai_message(&c, Role::User, 0, &m).unwrap_err();
+        assert!(e.detail.contains("messages[0].content"), "{}", e.detail);
+        let m: Value = serde_json::from_str(r#"{"role": "user", "content": null}"#).unwrap();
+        assert_eq!(
+            openai_message(&c, Role::User, 0, &m).unwrap(),
+            msg(Role::User, "")
+        );
+    }
+
+    #[test]
+    fn map_keys_name_the_tools_column() {
+        let map = record(r#"{"tools": "fns"}"#);
+        let c = Columns::default().with_map_keys(&map).unwrap();
+        assert_eq!(c.tools.as_deref(), Some("fns"));
     }
 }

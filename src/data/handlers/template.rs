@@ -458,6 +458,9 @@ pub enum Role {
     Observation,
     /// function (tool call)
     Function,
+    /// system, after the first message: only OpenAI records keep one (`convert_openai_to_intermediate`
+    /// maps the role; the ShareGPT converter skips such records). Only `DeepSeek4Template` renders it.
+    System,
 }
 
 /// A chat message.
@@ -467,6 +470,37 @@ pub struct Message {
     pub role: Role,
     /// What is said.
     pub content: String,
+    /// The structured fields of an OpenAI record's message, when it has any (deepseek4 only).
+    pub extra: Option<Box<MessageExtra>>,
+}
+
+impl Message {
+    /// A message of role and text alone.
+    pub fn new(role: Role, content: &str) -> Message {
+        Message {
+            role,
+            content: content.to_string(),
+            extra: None,
+        }
+    }
+}
+
+/// What `convert_openai_to_intermediate` passes on beyond role and content (`tool_calls`,
+/// `tool_call_id`, `reasoning_content`, each unless null), and a tool message's content given as
+/// a list of parts. As read from the record: only `DeepSeek4Template` renders them (and checks
+/// them); the slot templates ignore them, as upstream's do.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MessageExtra {
+    /// Where the message is in the record (`messages[3]`), for errors.
+    pub path: String,
+    /// `tool_calls`.
+    pub tool_calls: Option<Value>,
+    /// `tool_call_id`.
+    pub tool_call_id: Option<Value>,
+    /// `reasoning_content`.
+    pub reasoning_content: Option<Value>,
+    /// The content when it is a list of parts (`content` is then empty).
+    pub content_parts: Option<Vec<Value>>,
 }
 
 impl Template {
@@ -541,10 +575,23 @@ impl Template {
                 Role::Assistant => apply(&self.assistant, &m.content, None),
                 Role::Observation => apply(&self.observation, &m.content, None),
                 Role::Function => self.function.apply(&self.name, &m.content)?,
+                Role::System => return Err(self.system_after_first(i)),
             });
             encoded.push(self.to_ids(tok, &elements)?);
         }
         Ok(encoded)
+    }
+
+    /// `_encode` raises on a system message after the first (only OpenAI records keep one).
+    fn system_after_first(&self, i: usize) -> RecordError {
+        RecordError::invalid(
+            "unsupported role",
+            format!(
+                "message {i} is a system message after the first, which MindSpeed-LLM's template \
+                 {} raises on (only deepseek4 renders one)",
+                self.name
+            ),
+        )
     }
 
     /// `remove_thought`: every `thought_words[0] … thought_words[1]` block (shortest match)
@@ -566,12 +613,14 @@ impl Template {
     }
 
     /// `encode_multiturn`: (source, target) id pairs, truncated to `cutoff_len` by the class's
-    /// `_make_pairs`.
+    /// `_make_pairs`. `tools`: the handler's tools text, which only deepseek4 reads (mindkit has no
+    /// `format_tools` for the slot templates, whose handlers read no tools column).
     pub fn encode_multiturn(
         &self,
         tok: &Tokenizer,
         messages: &[Message],
         system: &str,
+        tools: &str,
         cutoff_len: usize,
     ) -> Result<Vec<TurnIds>, RecordError> {
         match self.class {
@@ -597,6 +646,7 @@ impl Template {
                 tok,
                 messages,
                 system,
+                tools,
                 cutoff_len,
                 Deepseek4Thinking {
                     enable_thinking: self.enable_thinking,

@@ -1,18 +1,27 @@
 //! `DeepSeek4Template` (`--prompt-type deepseek4`): MindSpeed-LLM renders its conversations
 //! with an encoder of its own instead of formatter slots
 //! (`mindspeed_llm/tasks/preprocess/templates.py`, class `DeepSeek4Template`, read at commit
-//! c77308a14b). Its `encode_multiturn`, for the messages the instruction handlers give it:
+//! c77308a14b). Its `encode_multiturn`, for the messages and tools text the instruction handlers
+//! give it:
 //!
-//! 1. `_normalize_to_v4_schema`: the record's system prompt becomes a leading system message;
-//!    an answer opening with `<think>…</think>` (whitespace around allowed) has that thought
-//!    moved to its reasoning; function and observation messages become tool results.
+//! 1. `_normalize_to_v4_schema` (module `schema`): the record's system prompt and its tools (a
+//!    JSON list of OpenAI-format tools) become a leading system message, or merge into a first
+//!    system message; an answer's `reasoning_content`, else a leading `<think>…</think>`
+//!    (whitespace around allowed), is its reasoning; its `tool_calls` are kept; function and
+//!    observation messages become tool results with their `tool_call_id`.
 //! 2. `_merge_tool_messages`: tool results and user messages fold into one user message of
 //!    blocks (joined by `"\n\n"`, a tool result as `<tool_result>…</tool_result>`).
-//! 3. `_drop_thinking_messages` (`--drop-thinking true`, the default, with
-//!    `--enable-thinking true`): answers before the last user message lose their reasoning.
-//! 4. `_render_message`: the text of each message; `<｜begin▁of▁sentence｜>` plus everything up
-//!    to an answer is a source, the answer (ending in `<｜end▁of▁sentence｜>`) its target; each
-//!    is encoded whole and the pairs are cut by `LFDefaultTemplate._make_pairs`.
+//! 3. `_sort_tool_results_by_call_order`: the tool results of a user message follow the order of
+//!    the calls of the latest answer that made any.
+//! 4. `_drop_thinking_messages` (`--drop-thinking true`, the default, with
+//!    `--enable-thinking true`, and only when there are no tools): answers before the last user
+//!    message lose their reasoning.
+//! 5. `_render_message`: the text of each message; a system message is its content, then
+//!    `"\n\n"` and the DSML tools prompt with one schema a line (module `dsml`) when it has
+//!    tools; an answer's tool calls follow its content as a DSML `tool_calls` block of `invoke`s.
+//!    `<｜begin▁of▁sentence｜>` plus everything up to an answer is a source, the answer (ending in
+//!    `<｜end▁of▁sentence｜>`) its target; each is encoded whole and the pairs are cut by
+//!    `LFDefaultTemplate._make_pairs`.
 //!
 //! Thinking mode is `--enable-thinking true` (false and none are chat mode): a user message
 //! before an answer ends `<｜Assistant｜><think>` (chat mode: `<｜Assistant｜></think>`) and an
@@ -21,15 +30,21 @@
 //! messages end `</think>`. `--reasoning-effort max` puts an instruction before the first
 //! message, in thinking mode only; `high` changes nothing.
 //!
-//! The template's tool machinery (a tools column rendered as DSML tool schemas, OpenAI
-//! `tool_calls` rendered as DSML invocations, tasks, developer messages) needs fields the
-//! handlers mindkit implements do not carry (records with them are refused, not approximated):
-//! function messages reach it as plain tool results, as in MindSpeed-LLM's sharegpt handler.
+//! What reaches it: role and content from every handler; a system message after the first,
+//! `tool_calls`, `tool_call_id`, `reasoning_content` and tool content given as parts from the
+//! OpenAI converter, with its `tools` column (a list or object is `json.dumps`ed first); the
+//! ShareGPT converter's tools column when `--map-keys` names one (a string; any other value the
+//! template ignores). The template's task tokens, developer and latest-reminder messages,
+//! `response_format`, `wo_eos` and `mask` need fields no handler delivers.
+
+mod dsml;
+mod schema;
 
 use super::truncation::{make_pairs, Truncation};
-use super::{Message, Role, TurnIds};
-use crate::data::handlers::{py_isspace, RecordError};
+use super::{Message, TurnIds};
+use crate::data::handlers::RecordError;
 use crate::data::tokenizer::Tokenizer;
+use schema::{Block, V4Message};
 
 const BOS_TOKEN: &str = "<｜begin▁of▁sentence｜>";
 const EOS_TOKEN: &str = "<｜end▁of▁sentence｜>";
@@ -76,69 +91,6 @@ pub struct Deepseek4Thinking {
     pub drop_thinking: bool,
 }
 
-/// One part of a V4 user message.
-#[derive(Debug, Clone, PartialEq)]
-enum Block {
-    /// A user message's text.
-    Text(String),
-    /// A function or observation message's text.
-    ToolResult(String),
-}
-
-/// A message of the V4 schema, after `_merge_tool_messages`.
-#[derive(Debug, Clone, PartialEq)]
-enum V4Message {
-    System(String),
-    User(Vec<Block>),
-    Assistant {
-        reasoning: Option<String>,
-        content: String,
-    },
-}
-
-/// The normalizer's `^\s*<think>\s*(.*?)\s*</think>\s*` on an answer: (reasoning, the rest), or
-/// `None` when the answer does not open with a thought.
-fn split_thought(content: &str) -> Option<(&str, &str)> {
-    let opened = content
-        .trim_start_matches(py_isspace)
-        .strip_prefix(THINKING_START)?
-        .trim_start_matches(py_isspace);
-    // The lazy group ends before the whitespace that precedes the first `</think>`.
-    let end = opened.find(THINKING_END)?;
-    let reasoning = opened[..end].trim_end_matches(py_isspace);
-    let rest = opened[end + THINKING_END.len()..].trim_start_matches(py_isspace);
-    Some((reasoning, rest))
-}
-
-/// `_normalize_to_v4_schema` then `_merge_tool_messages`: the system prompt as a leading
-/// message, thoughts split from answers, user and tool messages folded into block lists.
-fn to_v4(messages: &[Message], system: &str) -> Vec<V4Message> {
-    let mut v4 = Vec::with_capacity(messages.len() + 1);
-    if !system.is_empty() {
-        v4.push(V4Message::System(system.to_string()));
-    }
-    for m in messages {
-        let block = match m.role {
-            Role::Assistant => {
-                let (reasoning, content) = match split_thought(&m.content) {
-                    Some((r, c)) => (Some(r.to_string()), c.to_string()),
-                    None => (None, m.content.clone()),
-                };
-                v4.push(V4Message::Assistant { reasoning, content });
-                continue;
-            }
-            Role::User => Block::Text(m.content.clone()),
-            // LLaMA-Factory's function and observation roles are V4 tool messages.
-            Role::Function | Role::Observation => Block::ToolResult(m.content.clone()),
-        };
-        match v4.last_mut() {
-            Some(V4Message::User(blocks)) => blocks.push(block),
-            _ => v4.push(V4Message::User(vec![block])),
-        }
-    }
-    v4
-}
-
 /// Index of the last user message, -1 when none (upstream's `last_user_idx`).
 fn last_user_index(v4: &[V4Message]) -> i64 {
     v4.iter()
@@ -146,7 +98,8 @@ fn last_user_index(v4: &[V4Message]) -> i64 {
         .map_or(-1, |i| i as i64)
 }
 
-/// `_render_message`: message `index` as text.
+/// `_render_message`: message `index` as text. `drop_thinking`: the effective drop (thinking
+/// mode, the flag, no tools).
 fn render(
     index: usize,
     v4: &[V4Message],
@@ -164,24 +117,40 @@ fn render(
         return text;
     };
     match message {
-        V4Message::System(content) => text.push_str(content),
+        V4Message::System { content, tools } => {
+            text.push_str(content);
+            if !tools.is_empty() {
+                text.push_str("\n\n");
+                text.push_str(&dsml::tools_prompt(tools));
+            }
+        }
         V4Message::User(blocks) => {
             text.push_str(USER_SP_TOKEN);
             let parts: Vec<String> = blocks
                 .iter()
                 .map(|b| match b {
                     Block::Text(t) => t.clone(),
-                    Block::ToolResult(t) => format!("<tool_result>{t}</tool_result>"),
+                    Block::ToolResult { content, .. } => {
+                        format!("<tool_result>{content}</tool_result>")
+                    }
                 })
                 .collect();
             text.push_str(&parts.join("\n\n"));
         }
-        V4Message::Assistant { reasoning, content } => {
+        V4Message::Assistant {
+            reasoning,
+            content,
+            calls,
+        } => {
             if thinking && (!drop_thinking || at > last_user) {
                 text.push_str(reasoning.as_deref().unwrap_or(""));
                 text.push_str(THINKING_END);
             }
             text.push_str(content);
+            if !calls.is_empty() {
+                let invokes: Vec<String> = calls.iter().map(|c| c.invoke.clone()).collect();
+                text.push_str(&dsml::tool_calls_block(&invokes));
+            }
             text.push_str(EOS_TOKEN);
         }
     }
@@ -201,29 +170,37 @@ fn render(
     text
 }
 
+/// The V4 messages of a conversation: normalized, merged, tool results sorted.
+fn v4_messages(
+    messages: &[Message],
+    system: &str,
+    tools: &str,
+) -> Result<Vec<V4Message>, RecordError> {
+    let tools = schema::parse_tools(tools)?;
+    let mut v4 = schema::to_v4(messages, system, tools)?;
+    schema::sort_tool_results(&mut v4);
+    Ok(v4)
+}
+
 /// `DeepSeek4Template.encode_multiturn`: (source, target) pairs, one per answer, cut to
 /// `cutoff_len` as `LFDefaultTemplate._make_pairs` cuts them.
 pub(super) fn encode_multiturn(
     tok: &Tokenizer,
     messages: &[Message],
     system: &str,
+    tools: &str,
     cutoff_len: usize,
     switches: Deepseek4Thinking,
 ) -> Result<Vec<TurnIds>, RecordError> {
-    let mut v4 = to_v4(messages, system);
+    let v4 = v4_messages(messages, system, tools)?;
     let thinking = switches.enable_thinking == Some(true);
-    // No tools column reaches the template, so the drop is never held back for tools.
-    let drop_thinking = switches.drop_thinking && thinking;
-    if drop_thinking {
-        let last_user = last_user_index(&v4);
-        for (i, m) in v4.iter_mut().enumerate() {
-            if let V4Message::Assistant { reasoning, .. } = m {
-                if (i as i64) < last_user {
-                    *reasoning = None;
-                }
-            }
-        }
-    }
+    let has_tools = v4
+        .iter()
+        .any(|m| matches!(m, V4Message::System { tools, .. } if !tools.is_empty()));
+    // Tool-calling conversations keep their history reasoning. `_drop_thinking_messages` itself
+    // changes nothing the rendering shows: an answer before the last user message renders
+    // without reasoning under the drop anyway.
+    let drop_thinking = switches.drop_thinking && thinking && !has_tools;
     let encode = |text: &str| -> Result<Vec<i64>, RecordError> {
         if text.is_empty() {
             return Ok(Vec::new());
@@ -266,13 +243,12 @@ pub(super) fn encode_multiturn(
 
 #[cfg(test)]
 mod tests {
+    use super::super::{MessageExtra, Role};
     use super::*;
+    use serde_json::json;
 
     fn msg(role: Role, content: &str) -> Message {
-        Message {
-            role,
-            content: content.to_string(),
-        }
+        Message::new(role, content)
     }
 
     fn rendered(v4: &[V4Message], thinking: bool, drop: bool) -> Vec<String> {
@@ -282,24 +258,8 @@ mod tests {
     }
 
     #[test]
-    fn a_leading_thought_is_split_from_the_answer_with_its_whitespace() {
-        assert_eq!(
-            split_thought(" \n<think>\n  why \n</think>\n\nanswer"),
-            Some(("why", "answer"))
-        );
-        assert_eq!(split_thought("<think></think>x"), Some(("", "x")));
-        // The first end marker closes the thought.
-        assert_eq!(
-            split_thought("<think>a</think>b</think>c"),
-            Some(("a", "b</think>c"))
-        );
-        assert_eq!(split_thought("x<think>a</think>"), None);
-        assert_eq!(split_thought("<think>never closed"), None);
-    }
-
-    #[test]
     fn tool_messages_fold_into_the_user_message_before_the_answer() {
-        let v4 = to_v4(
+        let v4 = v4_messages(
             &[
                 msg(Role::User, "Q"),
                 msg(Role::Function, "call"),
@@ -307,7 +267,9 @@ mod tests {
                 msg(Role::Assistant, "A"),
             ],
             "S",
-        );
+            "",
+        )
+        .unwrap();
         assert_eq!(v4.len(), 3);
         assert_eq!(
             rendered(&v4, false, false),
@@ -328,7 +290,7 @@ mod tests {
             msg(Role::User, "Q2"),
             msg(Role::Assistant, "<think>r2</think>A2"),
         ];
-        let v4 = to_v4(&messages, "");
+        let v4 = v4_messages(&messages, "", "").unwrap();
         assert_eq!(
             rendered(&v4, true, false),
             [
@@ -352,8 +314,54 @@ mod tests {
     }
 
     #[test]
+    fn tools_and_tool_calls_render_as_dsml() {
+        let tools = r#"[{"type": "function", "function": {"name": "f"}}]"#;
+        let answer = Message {
+            extra: Some(Box::new(MessageExtra {
+                tool_calls: Some(
+                    json!([{"id": "1", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
+                ),
+                reasoning_content: Some(json!("plan")),
+                ..Default::default()
+            })),
+            ..msg(Role::Assistant, "")
+        };
+        let messages = [msg(Role::User, "Q"), answer];
+        let v4 = v4_messages(&messages, "", tools).unwrap();
+        let text = rendered(&v4, true, false);
+        assert!(text[0].starts_with("\n\n## Tools\n\n"), "{}", text[0]);
+        assert!(text[0].contains("### Available Tool Schemas\n\n{\"name\": \"f\"}\n\n"));
+        assert_eq!(
+            text[2],
+            "plan</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n\
+             <｜DSML｜parameter name=\"x\" string=\"false\">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n\
+             </｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+        );
+    }
+
+    #[test]
+    fn a_system_message_between_user_messages_holds_back_the_transition() {
+        let messages = [
+            msg(Role::User, "Q"),
+            msg(Role::System, "Mid"),
+            msg(Role::User, "Q2"),
+            msg(Role::Assistant, "A"),
+        ];
+        let v4 = v4_messages(&messages, "", "").unwrap();
+        assert_eq!(
+            rendered(&v4, true, true),
+            [
+                "<｜User｜>Q",
+                "Mid",
+                "<｜User｜>Q2<｜Assistant｜><think>",
+                "</think>A<｜end▁of▁sentence｜>"
+            ]
+        );
+    }
+
+    #[test]
     fn maximum_effort_opens_the_first_message_in_thinking_mode_only() {
-        let v4 = to_v4(&[msg(Role::User, "Q"), msg(Role::Assistant, "A")], "S");
+        let v4 = v4_messages(&[msg(Role::User, "Q"), msg(Role::Assistant, "A")], "S", "").unwrap();
         let max = Some(ReasoningEffort::Max);
         assert!(render(0, &v4, true, true, max).starts_with("Reasoning Effort: Absolute"));
         assert!(render(0, &v4, true, true, max).ends_with("checked.\n\nS"));
