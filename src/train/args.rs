@@ -144,7 +144,7 @@ pub const FLAGS: &[Flag] = &[
     used("moe-token-dispatcher-type", One, "allgather, alltoall or alltoall_seq: how tokens reach their experts' ranks; with one expert-parallel rank the same math"),
     used("expert-tensor-parallel-size", One, "the experts' tensor-parallel size: the tensor-parallel size"),
     used("moe-router-dtype", One, "the router's product dtype: fp32 is the f32 model's own"),
-    refused("moe-grouped-gemm", Nothing, "the grouped experts' checkpoint layout (weight1/weight2) is not built yet"),
+    used("moe-grouped-gemm", Nothing, "MindSpeed-LLM's GroupedMLP: the same experts' math, saved as mlp.experts.weight1 / weight2 (one optimizer parameter each)"),
     refused("moe-router-enable-expert-bias", Nothing, "aux-loss-free balancing is not built yet"),
     refused("moe-expert-capacity-factor", One, "token dropping is not built yet"),
     refused("seq-aux", Nothing, "MindSpeed-LLM's sequence-wise auxiliary loss is not built yet"),

@@ -54,7 +54,12 @@ impl<B: Backend> Trainer<B> {
             true => checkpoint::load_progress(&dir)?,
             false => {
                 let weights_only = self.sharded.is_some();
-                checkpoint::load_state(&dir, (&self.table, at), trained, weights_only)?
+                checkpoint::load_state(
+                    &dir,
+                    (&self.table, at),
+                    trained,
+                    (weights_only, self.cfg.grouped_experts),
+                )?
             }
         };
         self.iteration = if release { 0 } else { state.iteration };
@@ -316,6 +321,7 @@ impl<B: Backend> Trainer<B> {
             tp: self.tp(),
             stage: &self.stage,
             stages: &c.stages,
+            grouped: c.grouped_experts,
         })
     }
 

@@ -22,6 +22,7 @@ pub use read::{
 pub use write::{begin, finish, json_value, prepare, save, set_arg, write_rank};
 
 use super::parallel::Stage;
+use crate::arch::roles::Role;
 use crate::arch::ModelConfig;
 use crate::ckpt::layout::KeyLayout;
 use crate::ckpt::megatron::rank_dir;
@@ -127,6 +128,81 @@ pub struct Snapshot<'a> {
     pub stage: &'a Stage,
     /// Layers of every stage (recorded in `args` when uneven).
     pub stages: &'a [usize],
+    /// Routed experts saved as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
+    pub grouped: bool,
+}
+
+/// How the checkpoint stores a parameter group's members: one unit per parameter, except that
+/// with grouped experts a layer's routed experts' linear_fc1 weights are one unit (`weight1`)
+/// and their linear_fc2 weights another (`weight2`), each at its first member's place (the
+/// order megatron-core's `GroupedMLP` registers them).
+pub fn stored_units(table: &ParamTable, members: &[usize], grouped: bool) -> Vec<Vec<usize>> {
+    let mut units: Vec<Vec<usize>> = Vec::new();
+    let mut at: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
+    for &p in members {
+        let info = &table.params[p];
+        let key = match (grouped, info.lora, info.canon.role) {
+            (true, None, Role::ExpertFc1(_)) => Some((info.chunk, info.canon.layer, 1)),
+            (true, None, Role::ExpertFc2(_)) => Some((info.chunk, info.canon.layer, 2)),
+            _ => None,
+        };
+        match key.and_then(|k| at.get(&k).copied()) {
+            Some(i) => units[i].push(p),
+            None => {
+                if let Some(k) = key {
+                    at.insert(k, units.len());
+                }
+                units.push(vec![p]);
+            }
+        }
+    }
+    units
+}
+
+/// Whether a unit of [`stored_units`] is a grouped tensor.
+fn is_grouped_unit(table: &ParamTable, unit: &[usize], grouped: bool) -> bool {
+    let role = table.params[unit[0]].canon.role;
+    grouped && table.params[unit[0]].lora.is_none() && role.expert().is_some()
+}
+
+/// The tensor stored for a unit, from its members' tensors (a grouped tensor packs them).
+pub fn pack_unit(table: &ParamTable, unit: &[usize], tensors: &[&Tensor], grouped: bool) -> Tensor {
+    if !is_grouped_unit(table, unit, grouped) {
+        return tensors[0].clone();
+    }
+    let info = &table.params[unit[0]];
+    let name = match info.canon.role {
+        Role::ExpertFc1(_) => "weight1",
+        _ => "weight2",
+    };
+    let shape = crate::ckpt::grouped::grouped_shape(name, &info.shape, unit.len());
+    let shards: Vec<Tensor> = tensors.iter().map(|&t| t.clone()).collect();
+    Tensor::new(
+        tensors[0].dtype,
+        shape.iter().map(|&n| n as usize).collect(),
+        crate::ckpt::grouped::pack(&shards),
+    )
+}
+
+/// A unit's members' tensors from the tensor stored for it.
+pub fn unpack_unit(
+    table: &ParamTable,
+    unit: &[usize],
+    stored: Tensor,
+    grouped: bool,
+) -> Vec<Tensor> {
+    if !is_grouped_unit(table, unit, grouped) {
+        return vec![stored];
+    }
+    let shape = &table.params[unit[0]].shape;
+    let (m, k) = (shape[0], shape[1]);
+    let bytes = m * k * stored.dtype.size();
+    (0..unit.len())
+        .map(|i| {
+            let block = stored.data[i * bytes..(i + 1) * bytes].to_vec();
+            Tensor::new(stored.dtype, vec![k, m], block).transposed()
+        })
+        .collect()
 }
 
 /// The `mp_rank_TT[_PPP]` directory of tensor-parallel rank `tp` on `stage`.

@@ -1,7 +1,8 @@
 //! Reading a checkpoint back: the LoRA adapters of `--lora-load`, and the training state a
 //! resumed run restores (progress, scheduler, optimizer, the distributed optimizer's buffers).
 
-use super::{iteration_dir, param_groups, GroupHyper, OptimizerState, RankAt, DISTRIBUTED_FILE};
+use super::{iteration_dir, param_groups, stored_units, unpack_unit};
+use super::{GroupHyper, OptimizerState, RankAt, DISTRIBUTED_FILE};
 use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::torch::TorchFile;
@@ -282,7 +283,7 @@ pub fn load_state(
     dir: &Path,
     (table, at): (&ParamTable, RankAt),
     trained: &[bool],
-    weights_only: bool,
+    (weights_only, grouped): (bool, bool),
 ) -> Result<Resumed> {
     let path = rank_file(dir, at)?;
     let (tp, pp) = at;
@@ -382,21 +383,23 @@ pub fn load_state(
         let Some(Value::List(ids)) = saved.get("params") else {
             return Err(distributed());
         };
-        if ids.len() != members.len() {
+        let units = stored_units(table, members, grouped);
+        if ids.len() != units.len() {
             bail!(
                 "{}: optimizer group {saved_index} holds {} parameters, this model's has {}: the \
-                 checkpoint is of another model or LoRA setting (use --no-load-optim)",
+                 checkpoint is of another model, LoRA setting or --moe-grouped-gemm (use \
+                 --no-load-optim)",
                 path.display(),
                 ids.len(),
-                members.len()
+                units.len()
             );
         }
         if *decay {
             state.hyper.lr = float_of(saved.get("lr")).unwrap_or(0.0);
             state.hyper.weight_decay = float_of(saved.get("weight_decay")).unwrap_or(0.0);
         }
-        for (j, (id, &p)) in ids.iter().zip(members).enumerate() {
-            let name = &table.params[p].name;
+        for (j, (id, unit)) in ids.iter().zip(&units).enumerate() {
+            let name = &table.params[unit[0]].name;
             let entry = match (states, id) {
                 (Some(Value::Dict(items)), Value::Int(i)) => items
                     .iter()
@@ -404,24 +407,35 @@ pub fn load_state(
                     .map(|(_, v)| v),
                 _ => None,
             };
+            // A stored tensor checked against its unit's parameters and split among them.
+            let split = |t: Tensor, what: &str| -> Result<Vec<Tensor>> {
+                let parts = unpack_unit(table, unit, t, grouped);
+                for (part, &p) in parts.iter().zip(unit) {
+                    if part.shape != table.params[p].shape {
+                        bail!(
+                            "{}: {what} of {name} is {:?}, the parameter {:?}",
+                            path.display(),
+                            part.shape,
+                            table.params[p].shape
+                        );
+                    }
+                }
+                Ok(parts)
+            };
             if let Some(entry) = entry {
-                let read = |k: &str| -> Result<Tensor> {
+                let read = |k: &str| -> Result<Vec<Tensor>> {
                     match entry.get(k) {
-                        Some(Value::Tensor(t)) => Ok(f.read_tensor(name, t)?),
+                        Some(Value::Tensor(t)) => split(f.read_tensor(name, t)?, "optimizer state"),
                         _ => bail!("{}: optimizer state of {name} lacks {k}", path.display()),
                     }
                 };
-                let m = read("exp_avg")?;
-                if m.shape != table.params[p].shape {
-                    bail!(
-                        "{}: optimizer state of {name} is {:?}, the parameter {:?}",
-                        path.display(),
-                        m.shape,
-                        table.params[p].shape
-                    );
+                for (&p, (m, v)) in unit
+                    .iter()
+                    .zip(read("exp_avg")?.into_iter().zip(read("exp_avg_sq")?))
+                {
+                    state.exp_avg[p] = Some(m);
+                    state.exp_avg_sq[p] = Some(v);
                 }
-                state.exp_avg[p] = Some(m);
-                state.exp_avg_sq[p] = Some(read("exp_avg_sq")?);
                 state.steps = match entry.get("step") {
                     Some(Value::Tensor(t)) => {
                         let t = f.read_tensor(name, t)?;
@@ -439,7 +453,12 @@ pub fn load_state(
                     Value::List(v) => v.get(j),
                     _ => None,
                 }) {
-                    Some(Value::Tensor(t)) => main[p] = Some(f.read_tensor(name, t)?),
+                    Some(Value::Tensor(t)) => {
+                        let parts = split(f.read_tensor(name, t)?, "the f32 main parameter")?;
+                        for (&p, t) in unit.iter().zip(parts) {
+                            main[p] = Some(t);
+                        }
+                    }
                     _ => bail!("{}: no f32 main parameter for {name}", path.display()),
                 }
             }

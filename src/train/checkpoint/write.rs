@@ -1,9 +1,10 @@
 //! Writing a checkpoint: each rank's `model_optim_rng.pt` (and `distrib_optim.pt`) into a
 //! temporary iteration directory, renamed into place before the tracker names it.
 
-use super::{iteration_dir, param_groups, rank_dir_of};
+use super::{iteration_dir, pack_unit, param_groups, rank_dir_of, stored_units};
 use super::{DistributedState, GroupHyper, OptimizerState, Snapshot, DISTRIBUTED_FILE, SAVE_DIR};
 use crate::ckpt::config::{megatron_args, ParallelArgs};
+use crate::ckpt::grouped::grouped_key;
 use crate::ckpt::layout::{chunk_entries, Parallel};
 use crate::ckpt::megatron::{RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
@@ -160,16 +161,30 @@ fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
     Ok(())
 }
 
-/// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`.
-fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) -> Value {
+/// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`, a parameter id per
+/// stored unit ([`stored_units`]: grouped experts are one parameter each).
+fn optimizer_value(
+    table: &ParamTable,
+    opt: &OptimizerState,
+    st: &mut Storages,
+    grouped: bool,
+) -> Value {
     let trained: Vec<bool> = opt.exp_avg.iter().map(Option::is_some).collect();
     let groups = param_groups(table, &trained);
+    let units: Vec<Vec<Vec<usize>>> = (groups.iter())
+        .map(|(_, members)| stored_units(table, members, grouped))
+        .collect();
+    let packed = |unit: &[usize], of: &[Option<Tensor>]| -> Option<Tensor> {
+        let tensors: Option<Vec<&Tensor>> = unit.iter().map(|&p| of[p].as_ref()).collect();
+        Some(pack_unit(table, unit, &tensors?, grouped))
+    };
     let mut state = Vec::new();
     let mut id = 0i64;
     let mut ids = vec![Vec::new(); groups.len()];
-    for (g, (_, members)) in groups.iter().enumerate() {
-        for &p in members {
-            if let (Some(m), Some(v)) = (&opt.exp_avg[p], &opt.exp_avg_sq[p]) {
+    for (g, units) in units.iter().enumerate() {
+        for unit in units {
+            if let (Some(m), Some(v)) = (packed(unit, &opt.exp_avg), packed(unit, &opt.exp_avg_sq))
+            {
                 let step = Tensor::new(
                     DType::F32,
                     vec![],
@@ -179,8 +194,8 @@ fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) 
                     Value::Int(id),
                     Value::Dict(vec![
                         (s("step"), st.tensor(&step)),
-                        (s("exp_avg"), st.tensor(m)),
-                        (s("exp_avg_sq"), st.tensor(v)),
+                        (s("exp_avg"), st.tensor(&m)),
+                        (s("exp_avg_sq"), st.tensor(&v)),
                     ]),
                 ));
             }
@@ -199,13 +214,12 @@ fn optimizer_value(table: &ParamTable, opt: &OptimizerState, st: &mut Storages) 
     match &opt.main {
         None => torch,
         Some(main) => {
-            let lists = groups
+            let lists = units
                 .iter()
-                .map(|(_, members)| {
+                .map(|units| {
                     Value::List(
-                        members
-                            .iter()
-                            .filter_map(|&p| main[p].as_ref().map(|t| st.tensor(t)))
+                        (units.iter())
+                            .filter_map(|unit| packed(unit, main).map(|t| st.tensor(&t)))
                             .collect(),
                     )
                 })
@@ -367,7 +381,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
             ep: 1,
-            grouped: false,
+            grouped: snap.grouped,
         },
         &snap.args,
     );
@@ -389,16 +403,38 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             (0, 1),
         );
         let mut model = Vec::new();
+        // With grouped experts, each layer's local experts' fc1 (fc2) weights go into one
+        // tensor under the grouped key, in expert order.
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
         for (path, canon) in &entries {
+            let key = path.join(".");
+            let group = (snap.grouped).then(|| grouped_key(&key)).flatten();
             let value = match canon {
                 None if !base_saved => continue,
                 None => Value::None,
-                Some(c) => match snap.table.index(*c).filter(|&i| snap.saved[i]) {
-                    Some(i) => st.tensor(&snap.params[i]),
-                    None => continue,
+                Some(c) => match (snap.table.index(*c).filter(|&i| snap.saved[i]), group) {
+                    (Some(i), Some((g, _))) => {
+                        match groups.iter_mut().find(|(k, _)| *k == g) {
+                            Some((_, members)) => members.push(i),
+                            None => {
+                                model.push((s(&g), Value::None));
+                                groups.push((g, vec![i]));
+                            }
+                        }
+                        continue;
+                    }
+                    (Some(i), None) => st.tensor(&snap.params[i]),
+                    (None, _) => continue,
                 },
             };
-            model.push((s(&path.join(".")), value));
+            model.push((s(&key), value));
+        }
+        for (g, members) in groups {
+            let tensors: Vec<&Tensor> = members.iter().map(|&i| &snap.params[i]).collect();
+            let packed = pack_unit(snap.table, &members, &tensors, true);
+            if let Some(slot) = model.iter_mut().find(|(k, _)| *k == s(&g)) {
+                slot.1 = st.tensor(&packed);
+            }
         }
         for (_, key, t) in snap.extra.iter().filter(|(chunk, ..)| *chunk == v) {
             model.push((s(key), st.tensor(t)));
@@ -418,7 +454,10 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     ];
     root.extend(models);
     if let Some(opt) = &snap.optimizer {
-        root.push((s("optimizer"), optimizer_value(snap.table, opt, &mut st)));
+        root.push((
+            s("optimizer"),
+            optimizer_value(snap.table, opt, &mut st, snap.grouped),
+        ));
     }
     if let Some(d) = &snap.distributed {
         root.push((s("optimizer"), distributed_groups(snap.table, d)));

@@ -94,6 +94,10 @@ pub struct TrainConfig {
     pub dropout: (Option<Rate>, Option<Rate>),
     /// A mixture of experts' auxiliary losses (`None` for a dense model).
     pub aux_losses: Option<crate::model::AuxLosses>,
+    /// `--moe-grouped-gemm`: the routed experts saved as MindSpeed-LLM's grouped tensors
+    /// (`mlp.experts.weight1`/`weight2`, one optimizer parameter each), as its GroupedMLP
+    /// holds them; the math is the experts' own either way.
+    pub grouped_experts: bool,
     /// EOD, pad and masking.
     pub masks: MaskConfig,
     /// S.
@@ -624,6 +628,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     } else {
         LossAveraging::PerMicroBatch
     };
+    let grouped_experts = model.moe.is_some() && a.has("moe-grouped-gemm");
     let aux_losses = moe::aux_losses(
         a,
         &model,
@@ -641,6 +646,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
         dropout,
         aux_losses,
+        grouped_experts,
         surplus: non_negative(a, "mid-level-dataset-surplus")?
             .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
         masks,
