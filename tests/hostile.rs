@@ -334,7 +334,7 @@ fn a_missing_rank_file_is_named() {
     let err = stderr_of_failure(&[&"ckpt", &"info", &ckpt]);
     assert!(
         err.contains(&format!("missing rank file {}", missing.display()))
-            && err.contains("rank 0's args say 2 × 1"),
+            && err.contains("rank 0's args say TP 2 × PP 1 × EP 1"),
         "{err}"
     );
 }

@@ -103,6 +103,28 @@ fn topk(values: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// The logistic function.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// A 4-expert top-2 configuration for tests.
+#[cfg(test)]
+pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
+    Moe {
+        experts: 4,
+        topk: 2,
+        ffn: 8,
+        shared_ffn: None,
+        shared_gate: false,
+        score,
+        pre_softmax,
+        topk_scale: None,
+        group_limit: None,
+        layers: vec![true],
+    }
+}
+
 /// `torch.softmax` of a row in f32.
 pub fn softmax(x: &[f32]) -> Vec<f32> {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -153,7 +175,7 @@ pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
             (experts, softmax(&chosen))
         }
         ScoreFunction::Sigmoid => {
-            let scores: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+            let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
             let experts = match expert_bias {
                 Some(bias) => {
                     let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
@@ -212,7 +234,7 @@ pub fn route_grad(moe: &Moe, logits: &[f32], routed: &Routed, dweights: &[f32]) 
         ScoreFunction::Sigmoid => {
             // w_j = s_j / (Σ s + ε) for top-k > 1, s = σ(logit).
             let s: Vec<f32> = (routed.experts.iter())
-                .map(|&e| 1.0 / (1.0 + (-logits[e]).exp()))
+                .map(|&e| sigmoid(logits[e]))
                 .collect();
             let ds: Vec<f32> = if moe.topk > 1 {
                 let sum: f32 = s.iter().sum::<f32>() + 1e-20;
@@ -233,20 +255,7 @@ pub fn route_grad(moe: &Moe, logits: &[f32], routed: &Routed, dweights: &[f32]) 
 mod tests {
     use super::*;
 
-    fn moe(score: ScoreFunction, pre_softmax: bool) -> Moe {
-        Moe {
-            experts: 4,
-            topk: 2,
-            ffn: 8,
-            shared_ffn: None,
-            shared_gate: false,
-            score,
-            pre_softmax,
-            topk_scale: None,
-            group_limit: None,
-            layers: vec![true],
-        }
-    }
+    use super::example as moe;
 
     #[test]
     fn softmax_routing_renormalises_the_chosen_experts_unless_pre_softmax() {
@@ -266,7 +275,7 @@ mod tests {
         let bias = [10.0, 0.0, 0.0, 10.0];
         let r = route(&moe(ScoreFunction::Sigmoid, false), &logits, Some(&bias));
         assert_eq!(r.experts, [0, 3]);
-        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let s = sigmoid;
         let sum = s(0.0) + s(-1.0);
         assert!((r.weights[0] - s(0.0) / sum).abs() < 1e-7);
     }

@@ -270,17 +270,34 @@ impl<B: Backend> Trainer<B> {
 /// output-layer product upstream fuses) and LoRA's factors (peft's megatron layers are
 /// Megatron linear layers). Biases, norms and an embedding that is only looked up are always
 /// rounded (docs/training.md §3.4).
+///
+/// An MoE layer's experts and shared experts are linear layers too (SequentialMLP, SharedExpertMLP);
+/// grouped experts (`--moe-grouped-gemm`, GroupedMLP's grouped matmul) fuse their accumulation only
+/// with MindSpeed's `--gemm-gradient-accumulation-fusion`. The router's product and the shared
+/// experts' gate are plain bf16 products, rounded.
 fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
     let tied_on_one_stage =
         p.canon.role == Role::Embedding && cfg.model.tied && cfg.stages.len() == 1;
+    let expert = matches!(p.canon.role, Role::ExpertFc1(_) | Role::ExpertFc2(_));
     let linear_weight = p.lora.is_some()
         || p.shared
         || tied_on_one_stage
+        || expert
         || matches!(
             p.canon.role,
-            Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2 | Role::Output
+            Role::Qkv
+                | Role::Proj
+                | Role::Fc1
+                | Role::Fc2
+                | Role::Output
+                | Role::SharedFc1
+                | Role::SharedFc2
         );
-    cfg.bf16 && p.trainable && !(cfg.gradient_accumulation_fusion && linear_weight)
+    let fused = match expert && cfg.grouped_experts && p.lora.is_none() {
+        true => cfg.gemm_gradient_accumulation_fusion,
+        false => cfg.gradient_accumulation_fusion,
+    };
+    cfg.bf16 && p.trainable && !(fused && linear_weight)
 }
 
 /// A rank's place in tensor parallelism over `group`.

@@ -98,6 +98,10 @@ pub struct TrainConfig {
     /// (`mlp.experts.weight1`/`weight2`, one optimizer parameter each), as its GroupedMLP
     /// holds them; the math is the experts' own either way.
     pub grouped_experts: bool,
+    /// MindSpeed's `--gemm-gradient-accumulation-fusion`: grouped experts' weight gradients add
+    /// into the f32 main gradients unrounded (as `gradient_accumulation_fusion` does for the
+    /// linear layers).
+    pub gemm_gradient_accumulation_fusion: bool,
     /// EOD, pad and masking.
     pub masks: MaskConfig,
     /// S.
@@ -647,6 +651,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         dropout,
         aux_losses,
         grouped_experts,
+        gemm_gradient_accumulation_fusion: a.has("gemm-gradient-accumulation-fusion"),
         surplus: non_negative(a, "mid-level-dataset-surplus")?
             .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),
         masks,

@@ -8,7 +8,7 @@
 //! Legend: N = all ranks' rows of the micro-batch, T = this rank's (N / TP under sequence
 //! parallelism), E = experts, k = top-k.
 
-use crate::arch::moe::{softmax, Moe, ScoreFunction};
+use crate::arch::moe::{sigmoid, softmax, Moe, ScoreFunction};
 
 /// Megatron's `--moe-router-load-balancing-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +68,7 @@ fn aux_scores(score: ScoreFunction, logits: &[f32], topk: usize) -> (Vec<f32>, V
     let scores = match score {
         ScoreFunction::Softmax => softmax(logits),
         ScoreFunction::Sigmoid => {
-            let s: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+            let s: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
             let sum = s.iter().sum::<f32>() + 1e-20;
             s.iter().map(|&x| x / sum).collect()
         }
@@ -88,7 +88,7 @@ fn scores_grad(score: ScoreFunction, logits: &[f32], scores: &[f32], ds: &[f32])
         }
         ScoreFunction::Sigmoid => {
             // scores = σ / (Σσ + ε): dσ_e = (ds_e − Σ_j ds_j·scores_j) / (Σσ + ε).
-            let sig: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+            let sig: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
             let sum = sig.iter().sum::<f32>() + 1e-20;
             let dot: f32 = scores.iter().zip(ds).map(|(s, d)| s * d).sum();
             (sig.iter().zip(ds))
@@ -178,18 +178,7 @@ mod tests {
     use super::*;
 
     fn moe(score: ScoreFunction) -> Moe {
-        Moe {
-            experts: 4,
-            topk: 2,
-            ffn: 8,
-            shared_ffn: None,
-            shared_gate: false,
-            score,
-            pre_softmax: false,
-            topk_scale: None,
-            group_limit: None,
-            layers: vec![true],
-        }
+        crate::arch::moe::example(score, false)
     }
 
     /// Each loss's logit gradient against central differences of its value.

@@ -16,7 +16,7 @@
 pub(in crate::model) mod losses;
 
 use super::dense::{SwiGlu, SwiGluSaved};
-use crate::arch::moe::{route, route_grad, Moe as Experts, Routed};
+use crate::arch::moe::{route, route_grad, sigmoid, Moe as Experts, Routed};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
 use crate::model::parallel::{gathered, reduced};
@@ -180,7 +180,7 @@ impl Moe {
     fn gate<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor, g: usize) -> Result<B::Tensor> {
         let b = p.b;
         let logits = b.download_f32(&b.matmul(h, &p.params[g], None)?)?;
-        let sigma: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+        let sigma: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
         b.upload_f32(&[sigma.len()], &sigma)
     }
 
