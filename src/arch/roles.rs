@@ -97,6 +97,19 @@ impl Role {
         roles
     }
 
+    /// Megatron's module name of a linear layer's weight (`linear_qkv`, `linear_proj`,
+    /// `linear_fc1`, `linear_fc2`; an MoE layer's routed and shared experts are `linear_fc1` /
+    /// `linear_fc2` modules too), which LoRA's target modules name.
+    pub fn linear_module(self) -> Option<&'static str> {
+        Some(match self {
+            Role::Qkv => "linear_qkv",
+            Role::Proj => "linear_proj",
+            Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => "linear_fc1",
+            Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => "linear_fc2",
+            _ => return None,
+        })
+    }
+
     /// The routed expert a role belongs to.
     pub fn expert(self) -> Option<usize> {
         match self {

@@ -74,15 +74,15 @@ impl LoraSpec {
         (self.alpha / self.r as f64) as f32
     }
 
-    /// MindSpeed-LLM's module name of a target (`linear_qkv`, …).
+    /// MindSpeed-LLM's module name of a target (`linear_qkv`, …; [`Role::linear_module`]).
     pub fn module(role: Role) -> Option<&'static str> {
-        Some(match role {
-            Role::Qkv => "linear_qkv",
-            Role::Proj => "linear_proj",
-            Role::Fc1 => "linear_fc1",
-            Role::Fc2 => "linear_fc2",
-            _ => return None,
-        })
+        role.linear_module()
+    }
+
+    /// Whether a layer of `role` gets an adapter: peft wraps every module whose name is a
+    /// target's, an MoE layer's experts' included.
+    pub fn adapts(&self, role: Role) -> bool {
+        Self::module(role).is_some_and(|m| self.targets.iter().any(|&t| Self::module(t) == Some(m)))
     }
 
     /// The target of a module name.
@@ -122,7 +122,7 @@ impl ParamTable {
             if matches!(canon.role, Role::Embedding | Role::Output) {
                 shape[0] = vocab_padded;
             }
-            let lora_of = lora.filter(|l| l.targets.contains(&canon.role));
+            let lora_of = lora.filter(|l| l.adapts(canon.role));
             let (out, inp) = (shape[0], shape.get(1).copied().unwrap_or(1));
             params.push(ParamInfo {
                 canon,

@@ -6,7 +6,7 @@
 //! adapter of any TP/PP merges into a base of any layout.
 
 use super::{lora_scale, parse_lora_key, Edit, Factor, FactorKind, MergePlan, Store, Term};
-use crate::arch::roles::{canonical_shape, Canon, Role};
+use crate::arch::roles::{canonical_shape, Canon};
 use crate::arch::ModelConfig;
 use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
@@ -200,7 +200,7 @@ impl MegatronLora {
             let canon = weights
                 .get(&(f.stage, f.chunk, weight.clone()))
                 .copied()
-                .filter(|c| matches!(c.role, Role::Qkv | Role::Proj | Role::Fc1 | Role::Fc2))
+                .filter(|c| c.role.linear_module().is_some())
                 .ok_or_else(|| {
                     anyhow!(
                         "{}: {} adapts {weight}, which is not a linear layer weight of this {} \
