@@ -338,6 +338,22 @@ impl Npu {
         self.add_view(&out.view(), &sin_term.view())
     }
 
+    /// `out` (f32) = the sum of `x` over dimension `dim` (aclnnReduceSum).
+    fn sum_f32(&self, x: &View, dim: i64, out: &View) -> Result<()> {
+        let c = &self.ctx;
+        let (s, dims, o) = (c.tensor(x)?, c.int_array(&[dim])?, c.tensor(out)?);
+        aclnn!(
+            self,
+            aclnnReduceSumGetWorkspaceSize,
+            aclnnReduceSum,
+            s.raw,
+            dims.raw,
+            false,
+            acl_dtype(DType::F32),
+            o.raw,
+        )
+    }
+
     /// `out = a · b` through views, `b` broadcast to `a` (aclnnMul).
     fn mul_view(&self, a: &View, b: &View, out: &View) -> Result<()> {
         let (x, y, o) = (
@@ -717,24 +733,7 @@ impl Backend for Npu {
         let product = self.empty(&x.shape, DType::F32)?;
         self.mul_view(&xf.matrix(), &yf.matrix(), &product.matrix())?;
         let sums = self.empty(&[x.rows()], DType::F32)?;
-        {
-            let c = &self.ctx;
-            let (s, dims, o) = (
-                c.tensor(&product.matrix())?,
-                c.int_array(&[1])?,
-                c.tensor(&sums.view())?,
-            );
-            aclnn!(
-                self,
-                aclnnReduceSumGetWorkspaceSize,
-                aclnnReduceSum,
-                s.raw,
-                dims.raw,
-                false,
-                acl_dtype(DType::F32),
-                o.raw,
-            )?;
-        }
+        self.sum_f32(&product.matrix(), 1, &sums.view())?;
         self.download_f32(&sums)
     }
 
@@ -850,25 +849,7 @@ impl Backend for Npu {
         }
         if let Some(db) = dbias {
             let sum = self.empty(&[m], DType::F32)?;
-            {
-                let c = &self.ctx;
-                let (s, dims, o) = (
-                    c.tensor(&dy.view())?,
-                    c.int_array(&[0])?,
-                    c.tensor(&sum.view())?,
-                );
-                let f32_code = acl_dtype(DType::F32);
-                aclnn!(
-                    self,
-                    aclnnReduceSumGetWorkspaceSize,
-                    aclnnReduceSum,
-                    s.raw,
-                    dims.raw,
-                    false,
-                    f32_code,
-                    o.raw,
-                )?;
-            }
+            self.sum_f32(&dy.view(), 0, &sum.view())?;
             self.add_view(&db.view().reshaped(&[m], 0), &sum.view())?;
         }
         Ok(dx)
