@@ -1151,20 +1151,21 @@ fn from_scratch(data: &Path, family: &[&str], extra: &[&str]) -> Vec<String> {
 /// Every weight of two checkpoints (any layout), converted to HF: equal within `tolerance`
 /// of the larger of 1 and the tensor's largest value.
 fn same_hf_weights(dir: &Path, a: &Path, b: &Path, tolerance: f32) {
+    same_hf_weights_as(dir, (a, b), tolerance, None)
+}
+
+/// [`same_hf_weights`], converted as `family` where given.
+fn same_hf_weights_as(dir: &Path, (a, b): (&Path, &Path), tolerance: f32, family: Option<&str>) {
     let hf = |from: &Path, name: &str| {
         let to = dir.join(name);
         let _ = std::fs::remove_dir_all(&to);
-        mindkit(&[
-            &"convert",
-            &"--to",
-            &"hf",
-            &"--input",
-            &from,
-            &"--output",
-            &to,
-            &"--quiet",
-        ])
-        .success();
+        let mut flags: Vec<&dyn AsRef<std::ffi::OsStr>> =
+            vec![&"convert", &"--to", &"hf", &"--input", &from];
+        flags.extend([&"--output" as &dyn AsRef<std::ffi::OsStr>, &to, &"--quiet"]);
+        if let Some(f) = &family {
+            flags.extend([&"--family" as &dyn AsRef<std::ffi::OsStr>, f]);
+        }
+        mindkit(&flags).success();
         mindkit::ckpt::convert::open_checkpoint(&to, None, None).unwrap()
     };
     let (x, y) = (hf(a, "hf_a"), hf(b, "hf_b"));
@@ -2871,6 +2872,49 @@ fn grouped_experts_are_saved_as_weight1_weight2_and_resume_bit_exactly() {
     assert!(g && !p);
     // 3 MoE layers of 4 experts: 2 tensors each instead of 8.
     assert_eq!(n_plain - n_grouped, 3 * (8 - 2));
+}
+
+#[test]
+fn grouped_experts_train_with_the_distributed_optimizer_as_without_and_resume_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (plain, whole, part) = (path("plain"), path("whole"), path("part"));
+    let flags = |extra: &[&str]| {
+        let layout = ["--micro-batch-size", "1", "--global-batch-size", "4"];
+        let common = ["--moe-grouped-gemm", "--world-size", "2"];
+        moe_args(&data, &[&layout[..], &common, extra].concat())
+    };
+    let without = stdout(&run(&flags(&["--save", &plain])).success());
+    // Buckets of 5,000 elements: each rank's half of a bucket cuts through grouped tensors
+    // (weight1 is 4 experts × [64, 64]), whose elements are the experts' weights transposed.
+    let sharded = |extra: &[&str]| {
+        let mut a = flags(&split(
+            "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 5000",
+        ));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let full = stdout(&run(&sharded(&["--save", &whole])).success());
+    same_training(
+        &without,
+        &full,
+        1e-5,
+        "grouped experts, distributed optimizer",
+    );
+    let (plain, whole) = (Path::new(&plain), Path::new(&whole));
+    same_hf_weights_as(dir.path(), (plain, whole), 1e-5, Some("qwen2_moe"));
+    run(&sharded(&["--save", &part, "--exit-interval", "3"])).success();
+    let rest = stdout(&run(&sharded(&["--save", &part, "--load", &part])).success());
+    assert_eq!(&iterations(&full)[3..], &iterations(&rest)[..]);
+    for file in ["model_optim_rng.pt", "distrib_optim.pt"] {
+        let read = |d: &Path| std::fs::read(d.join("iter_0000006/mp_rank_00").join(file));
+        assert_eq!(
+            read(whole).unwrap(),
+            read(Path::new(&part)).unwrap(),
+            "{file} differs"
+        );
+    }
 }
 
 #[test]

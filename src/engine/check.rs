@@ -48,6 +48,14 @@ pub fn expect_range<D: Device>(
     )
 }
 
+/// The elements of a `[rows, cols]` block, which must not overflow.
+pub fn block(op: &'static str, (rows, cols): (usize, usize)) -> Result<usize> {
+    rows.checked_mul(cols).ok_or_else(|| EngineError::Invalid {
+        op,
+        msg: format!("a block of {rows} × {cols} elements"),
+    })
+}
+
 /// Token ids below the `[v, h]` table's rows.
 pub fn ids<D: Device>(d: &D, op: &'static str, table: &D::Tensor, ids: &[u32]) -> Result<()> {
     let v = rows(d.shape(table));

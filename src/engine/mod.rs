@@ -416,6 +416,17 @@ pub trait Backend: Device {
         dst: (&mut Self::Tensor, usize),
         n: usize,
     ) -> Result<()>;
+    /// `dst[to..to + rows·cols]` = the transpose `[cols, rows]` of the matrix of `shape`
+    /// `(rows, cols)` whose row-major elements are `src[at..at + rows·cols]`, converted to `dst`'s dtype
+    /// (aclnnInplaceCopy from a strided view of `src`): an expert's weight into its place in
+    /// MindSpeed-LLM's grouped (transposed) layout of a flat buffer, and back. Overwrites that
+    /// range of `dst` only.
+    fn copy_transposed(
+        &self,
+        src: (&Self::Tensor, usize),
+        shape: (usize, usize),
+        dst: (&mut Self::Tensor, usize),
+    ) -> Result<()>;
     /// `s · x` as a new tensor of `x`'s dtype (aclnnMuls). Overwrites.
     fn scaled(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor>;
     /// `x ·= s` (aclnnInplaceMuls).

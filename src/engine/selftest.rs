@@ -326,6 +326,13 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             1.0,
             copy_range
         ),
+        case!(
+            "copy_transposed",
+            Cast,
+            "[4,9][2..26] as [4,6]ᵀ → [40][5..29] f32, bf16",
+            1.0,
+            copy_transposed
+        ),
         case!("scaled", Add, "[5,7] · 0.37", 1.0, scaled),
         case!("scale", AdamW, "[5,7] ·= 0.37", 1.0, scale),
         case!("adamw", AdamW, "[33,7] step 3", 1.0, adamw),
@@ -752,6 +759,16 @@ fn add_rounded<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs
 }
 
 fn copy_range<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    copies(i, dut, cpu, false)
+}
+
+fn copy_transposed<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    copies(i, dut, cpu, true)
+}
+
+/// Elements of a `[4, 9]` tensor copied into an f32 and a bf16 one: `[7..30]` to `[3..26]`, or
+/// `[2..26]` read as `[4, 6]` and transposed to `[5..29]`.
+fn copies<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu, transposed: bool) -> Result<Outputs> {
     let src = i.tensor(&[4, 9]);
     Ok(on_both!(dut, cpu, |b| {
         let src = b.upload(&src)?;
@@ -759,7 +776,10 @@ fn copy_range<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs>
         for dtype in [DType::F32, DType::BF16] {
             let mut dst = b.upload_f32(&[40], &[0.5; 40])?;
             dst = b.cast(&dst, dtype)?;
-            b.copy_range((&src, 7), (&mut dst, 3), 23)?;
+            match transposed {
+                false => b.copy_range((&src, 7), (&mut dst, 3), 23)?,
+                true => b.copy_transposed((&src, 2), (4, 6), (&mut dst, 5))?,
+            }
             outs.push(b.download_f32(&dst)?);
         }
         outs

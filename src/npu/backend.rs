@@ -1320,6 +1320,22 @@ impl Backend for Npu {
         )
     }
 
+    fn copy_transposed(
+        &self,
+        (src, at): (&NpuTensor, usize),
+        (rows, cols): (usize, usize),
+        (dst, to): (&mut NpuTensor, usize),
+    ) -> Result<()> {
+        let n = check::block("copy_transposed", (rows, cols))?;
+        check::expect_range(self, "copy_transposed", "src", (src, at), n)?;
+        check::expect_range(self, "copy_transposed", "dst", (dst, to), n)?;
+        // the source read column by column: a [cols, rows] view with strides [1, cols]
+        self.copy_view(
+            &dst.view().reshaped(&[cols, rows], to),
+            &src.view().strided(&[cols, rows], &[1, cols as i64], at),
+        )
+    }
+
     fn dropout(&self, x: &NpuTensor, mask: &Mask) -> Result<NpuTensor> {
         check::dropout(self, x, mask)?;
         // The factors are drawn on the host from the same generator as the CPU's and

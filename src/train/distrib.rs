@@ -10,7 +10,14 @@
 //! DistributedDataParallel in megatron-core), laid end to end here. The gradients are
 //! reduce-scattered into those slices, Adam updates them, and the parameters are all-gathered
 //! back.
+//!
+//! With `--moe-grouped-gemm` a layer's routed experts are two parameters upstream
+//! (`GroupedMLP`'s `weight1`, `weight2`), whose flat elements are each expert's weight
+//! transposed, one after the other (`crate::ckpt::grouped`); mindkit keeps one tensor per
+//! expert, so the buffer holds [`Unit`]s: a parameter, or a grouped tensor's experts, copied
+//! in and out transposed.
 
+use super::checkpoint::{is_grouped_unit, stored_units};
 use super::optim::{AdamConfig, Optimizer};
 use crate::engine::comm::{Communicator, ReduceOp};
 use crate::engine::{Backend, EngineError, Result};
@@ -21,7 +28,8 @@ use std::ops::Range;
 /// One parameter's place in the buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placed {
-    /// Its index in the parameter table.
+    /// Its index among the buffer's units ([`Sharded::units`]; in a bare layout, whatever
+    /// index its caller gave).
     pub param: usize,
     /// Its elements `[start, start + numel)` in the buffer.
     pub range: Range<usize>,
@@ -55,7 +63,7 @@ pub struct BufferLayout {
 /// parameter, at `local` in the rank's shard (its slices of every bucket, concatenated).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Piece {
-    /// The parameter's index in the table.
+    /// The parameter's index among the units.
     pub param: usize,
     /// Elements of the flattened parameter.
     pub param_range: Range<usize>,
@@ -225,11 +233,86 @@ impl BufferLayout {
     }
 }
 
+/// What the buffer holds as one upstream parameter: a parameter of the table, or the grouped
+/// tensor of a layer's routed experts (`weight1` or `weight2`: its members in expert order,
+/// each stored transposed after the one before).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    /// Its parameters' indices in the table.
+    pub members: Vec<usize>,
+    /// For a grouped tensor, each member's shape `(rows, cols)`, stored as `[cols, rows]`.
+    pub transposed: Option<(usize, usize)>,
+}
+
+impl Unit {
+    /// The unit's flat elements, its members' in order (transposed where grouped), from
+    /// `tensors` (the table's) into `dst` from `to` on.
+    fn pack<B: Backend>(
+        &self,
+        b: &B,
+        tensors: &[B::Tensor],
+        (dst, to): (&mut B::Tensor, usize),
+    ) -> Result<()> {
+        let mut at = to;
+        for &m in &self.members {
+            let n = b.shape(&tensors[m]).iter().product::<usize>();
+            match self.transposed {
+                Some(shape) => b.copy_transposed((&tensors[m], 0), shape, (dst, at))?,
+                None => b.copy_range((&tensors[m], 0), (dst, at), n)?,
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// The reverse of [`Unit::pack`]: the unit's flat elements from `src` at `at` into its
+    /// members' `tensors`.
+    fn unpack<B: Backend>(
+        &self,
+        b: &B,
+        (src, at): (&B::Tensor, usize),
+        tensors: &mut [B::Tensor],
+    ) -> Result<()> {
+        let mut from = at;
+        for &m in &self.members {
+            let n = b.shape(&tensors[m]).iter().product::<usize>();
+            match self.transposed {
+                Some((rows, cols)) => {
+                    b.copy_transposed((src, from), (cols, rows), (&mut tensors[m], 0))?
+                }
+                None => b.copy_range((src, from), (&mut tensors[m], 0), n)?,
+            }
+            from += n;
+        }
+        Ok(())
+    }
+}
+
+/// The units of the trained parameters `members` (table order) of `table`: each parameter, or
+/// with `grouped` experts each MoE layer's routed experts' linear_fc1 weights as one unit and
+/// their linear_fc2 weights as another, at their first member's place (the order
+/// `GroupedMLP` registers `weight1`, `weight2`).
+fn units_of(table: &ParamTable, members: &[usize], grouped: bool) -> Vec<Unit> {
+    (stored_units(table, members, grouped).into_iter())
+        .map(|members| {
+            let shape = &table.params[members[0]].shape;
+            let transposed =
+                is_grouped_unit(table, &members, grouped).then(|| (shape[0], shape[1]));
+            Unit {
+                members,
+                transposed,
+            }
+        })
+        .collect()
+}
+
 /// A data-parallel rank's part of the distributed optimizer: its pieces of the trained
 /// parameters with their f32 main copies, gradients and Adam state.
 pub struct Sharded<T> {
-    /// The buffer layout (the same on every data-parallel rank).
+    /// The buffer layout (the same on every data-parallel rank), over [`Sharded::units`].
     pub layout: BufferLayout,
+    /// What the buffer holds, each an upstream parameter.
+    pub units: Vec<Unit>,
     /// This rank's data-parallel rank.
     pub rank: usize,
     /// The pieces it owns.
@@ -269,40 +352,59 @@ type Group<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
 
 impl<T> Sharded<T> {
     /// Rank `rank` of `dp`'s part of the trained parameters of `table` (`params`, their
-    /// values): a buffer per model chunk, the first one's in buckets of `bucket_size` elements
-    /// (megatron-core's DDP disables bucketing after the first chunk), `own_bucket` marking a
-    /// pipeline's shared embedding; a chunk with nothing to train has no buffer.
+    /// values; with `grouped` experts, in [`Unit`]s): a buffer per model chunk, the first one's
+    /// in buckets of `bucket_size` elements (megatron-core's DDP disables bucketing after the
+    /// first chunk), `own_bucket` marking a pipeline's shared embedding; a chunk with nothing to
+    /// train has no buffer.
     pub fn new<B: Backend<Tensor = T>>(
         b: &B,
-        (table, params): (&ParamTable, &[T]),
+        (table, params, grouped): (&ParamTable, &[T], bool),
         (rank, dp): (usize, usize),
         (bucket_size, pad_high, own_bucket): (Option<usize>, bool, impl Fn(usize) -> bool),
         config: AdamConfig,
     ) -> Result<Self> {
         let chunks = table.params.last().map_or(0, |p| p.chunk + 1);
-        let layouts = (0..chunks)
-            .map(|v| {
-                let trained: Vec<(usize, usize)> = (table.params.iter().enumerate())
-                    .filter(|(_, p)| p.trainable && p.chunk == v)
-                    .map(|(i, p)| (i, p.numel()))
-                    .collect();
-                let size = bucket_size.filter(|_| v == 0);
-                BufferLayout::new(&trained, dp, (size, pad_high), &own_bucket)
-            })
-            .filter(|l| !l.placed.is_empty())
-            .collect();
+        let mut units: Vec<Unit> = Vec::new();
+        let mut layouts = Vec::with_capacity(chunks);
+        for v in 0..chunks {
+            let members: Vec<usize> = (table.params.iter().enumerate())
+                .filter(|(_, p)| p.trainable && p.chunk == v)
+                .map(|(i, _)| i)
+                .collect();
+            let first = units.len();
+            units.extend(units_of(table, &members, grouped));
+            let trained: Vec<(usize, usize)> = (first..units.len())
+                .map(|u| {
+                    let numel = units[u].members.iter().map(|&m| table.params[m].numel());
+                    (u, numel.sum())
+                })
+                .collect();
+            let size = bucket_size.filter(|_| v == 0);
+            let own = |u: usize| own_bucket(units[u].members[0]);
+            let layout = BufferLayout::new(&trained, dp, (size, pad_high), own);
+            if !layout.placed.is_empty() {
+                layouts.push(layout);
+            }
+        }
         let layout = BufferLayout::chain(layouts);
         let pieces = layout.pieces(rank);
         let mut main = Vec::with_capacity(pieces.len());
         for piece in &pieces {
-            // its range of the parameter, widened to f32 on the device
+            // its range of the unit's elements, widened to f32 on the device
+            let unit = &units[piece.param];
             let n = piece.param_range.len();
             let mut m = b.zeros(&[n], DType::F32)?;
-            b.copy_range(
-                (&params[piece.param], piece.param_range.start),
-                (&mut m, 0),
-                n,
-            )?;
+            match (unit.members.as_slice(), unit.transposed) {
+                (&[one], None) => {
+                    b.copy_range((&params[one], piece.param_range.start), (&mut m, 0), n)?
+                }
+                (members, _) => {
+                    let numel = members.iter().map(|&p| table.params[p].numel()).sum();
+                    let mut flat = b.zeros(&[numel], DType::F32)?;
+                    unit.pack(b, params, (&mut flat, 0))?;
+                    b.copy_range((&flat, piece.param_range.start), (&mut m, 0), n)?;
+                }
+            }
             main.push(m);
         }
         let grads = (main.iter())
@@ -312,7 +414,7 @@ impl<T> Sharded<T> {
             params: (pieces.iter())
                 .map(|piece| ParamInfo {
                     shape: vec![piece.param_range.len()],
-                    ..table.params[piece.param].clone()
+                    ..table.params[units[piece.param].members[0]].clone()
                 })
                 .collect(),
             vocab_padded: table.vocab_padded,
@@ -320,12 +422,19 @@ impl<T> Sharded<T> {
         let opt = Optimizer::new(b, &piece_table, &main, vec![true; pieces.len()], config)?;
         Ok(Sharded {
             layout,
+            units,
             rank,
             pieces,
             main,
             grads,
             opt,
         })
+    }
+
+    /// The table index of a piece's parameter (a grouped unit's first expert: its members
+    /// share every setting).
+    pub fn table_param(&self, piece: &Piece) -> usize {
+        self.units[piece.param].members[0]
     }
 
     /// Sum the trained parameters' gradients `grads` over the data-parallel group `dp` into
@@ -341,12 +450,8 @@ impl<T> Sharded<T> {
             let bucket = parts.bucket;
             let mut whole = b.zeros(&[bucket.end - bucket.start], DType::F32)?;
             for p in &self.layout.placed[parts.placed.clone()] {
-                let n = p.range.len();
-                b.copy_range(
-                    (&grads[p.param], 0),
-                    (&mut whole, p.range.start - bucket.start),
-                    n,
-                )?;
+                let at = p.range.start - bucket.start;
+                self.units[p.param].pack(b, grads, (&mut whole, at))?;
             }
             let part = match dp {
                 Some(dp) => {
@@ -390,12 +495,8 @@ impl<T> Sharded<T> {
                 None => mine,
             };
             for p in &self.layout.placed[parts.placed.clone()] {
-                let n = p.range.len();
-                b.copy_range(
-                    (&whole, p.range.start - bucket.start),
-                    (&mut params[p.param], 0),
-                    n,
-                )?;
+                let at = p.range.start - bucket.start;
+                self.units[p.param].unpack(b, (&whole, at), params)?;
             }
         }
         Ok(())

@@ -215,7 +215,7 @@ impl<B: Backend> Trainer<B> {
         let counted = self.counted();
         match &self.sharded {
             Some(sharded) => (sharded.pieces.iter().zip(tensors))
-                .filter(|(p, _)| counted.contains(&p.param))
+                .filter(|(p, _)| counted.contains(&sharded.table_param(p)))
                 .map(|(_, t)| t)
                 .collect(),
             None => counted.iter().map(|&i| &tensors[i]).collect(),

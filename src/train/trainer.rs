@@ -158,7 +158,7 @@ impl<B: Backend> Trainer<B> {
                 // a pipeline's tied embedding (and its copy) has a bucket of its own
                 let shared = cfg.model.tied && stage.count > 1;
                 let own_bucket = |i: usize| shared && table.params[i].canon.role == Role::Embedding;
-                let table_params = (&table, &params[..]);
+                let table_params = (&table, &params[..], cfg.grouped_experts);
                 // distributed_data_parallel.py: no buckets after the first pipeline stage
                 let size = buckets.size.filter(|_| stage.first());
                 let size = size.map(|s| s.elements(table.numel()));

@@ -255,6 +255,30 @@ def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
     assert_megatron_core_resumes(tmp_path / "ckpt", reference, iterations=ITERS, gbs=8)
 
 
+def test_grouped_experts_in_the_distributed_optimizer_are_laid_out_as_grouped_mlps_buffer(tmp_path):
+    """--moe-grouped-gemm with --use-distributed-optimizer on two data-parallel ranks: the model
+    loads strictly into megatron-core's GPTModel with GroupedMLP experts (weight1, weight2), and
+    distrib_optim.pt's buffer is the one megatron-core's DistributedDataParallel gives that
+    model — each grouped tensor's main copy, its experts' weights transposed one after the
+    other, at the offsets of the parameter megatron-core registers, and every moment there."""
+    from megatron_cpu import gpt_model, load_pt, same_buffer
+    model_dir = make_qwen3_moe(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    mindkit_train(model_dir, data, tmp_path, MOE_FLAGS + [
+        "--moe-grouped-gemm", "--use-distributed-optimizer", "--world-size", "2"])
+    rank_dir = tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00"
+    obj = load_pt(rank_dir / "model_optim_rng.pt")
+    assert obj["args"].moe_grouped_gemm
+    model = gpt_model(obj["args"])
+    result = model.load_state_dict(obj["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    grouped = [n for n, _ in model.named_parameters() if n.endswith(("experts.weight1", "experts.weight2"))]
+    assert len(grouped) == 4, grouped
+    state = torch.load(rank_dir / "distrib_optim.pt", weights_only=True)
+    (saved,) = state[0].values()
+    same_buffer(model, obj["model"], saved)
+
+
 def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
     """--eval-interval / --eval-iters on the validation split of --split 9,1,0: the lm loss
     evaluate() reports every 5 iterations and after the last one, as the reference computes it

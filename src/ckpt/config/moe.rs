@@ -101,10 +101,10 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
         || moe.shared_gate != moe.shared_ffn.is_some()
     {
         return Some(format!(
-            "the {} family {} a gated shared expert; this model {}",
+            "the {} family {} gated shared expert; this model {}",
             family.name,
             if names.shared.is_some() {
-                "has"
+                "has a"
             } else {
                 "has no"
             },

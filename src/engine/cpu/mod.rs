@@ -229,6 +229,34 @@ fn packed(op: &'static str) -> EngineError {
     }
 }
 
+/// Elements `range` of `src` (row-major) as f32.
+fn range_f32<'a>(
+    op: &'static str,
+    src: &'a CpuTensor,
+    range: Range<usize>,
+) -> Result<Cow<'a, [f32]>> {
+    match &src.data {
+        Data::F32(v) => Ok(Cow::Borrowed(&v[range])),
+        Data::Half(dtype, bits) => {
+            let mut buf = vec![0.0; range.len()];
+            widen(&bits[range], *dtype, &mut buf);
+            Ok(Cow::Owned(buf))
+        }
+        Data::Panels(_) => Err(packed(op)),
+    }
+}
+
+/// `values` into `dst`'s elements from `to` on, converted to its dtype.
+fn write_range(op: &'static str, dst: &mut CpuTensor, to: usize, values: &[f32]) -> Result<()> {
+    let n = values.len();
+    match dst.data_mut() {
+        Data::F32(v) => v[to..to + n].copy_from_slice(values),
+        Data::Half(dtype, bits) => narrow_half(values, *dtype, &mut bits[to..to + n]),
+        Data::Panels(_) => return Err(packed(op)),
+    }
+    Ok(())
+}
+
 /// Both operands' bf16 bits, where bf16 products run (`bf16_gemm`).
 fn bf16_pair<'a>(a: &'a CpuTensor, b: &'a CpuTensor) -> Option<(&'a [u16], &'a [u16])> {
     Some((a.bf16_bits()?, b.bf16_bits()?)).filter(|_| bf16_gemm::available())
@@ -1000,22 +1028,28 @@ impl Backend for Cpu {
     ) -> Result<()> {
         check::expect_range(self, "copy_range", "src", (src, at), n)?;
         check::expect_range(self, "copy_range", "dst", (dst, to), n)?;
-        let mut buf = Vec::new();
-        let values: &[f32] = match &src.data {
-            Data::F32(v) => &v[at..at + n],
-            Data::Half(dtype, bits) => {
-                buf.resize(n, 0.0);
-                widen(&bits[at..at + n], *dtype, &mut buf);
-                &buf
+        let values = range_f32("copy_range", src, at..at + n)?;
+        write_range("copy_range", dst, to, &values)
+    }
+
+    fn copy_transposed(
+        &self,
+        (src, at): (&CpuTensor, usize),
+        (rows, cols): (usize, usize),
+        (dst, to): (&mut CpuTensor, usize),
+    ) -> Result<()> {
+        let op = "copy_transposed";
+        let n = check::block(op, (rows, cols))?;
+        check::expect_range(self, op, "src", (src, at), n)?;
+        check::expect_range(self, op, "dst", (dst, to), n)?;
+        let values = range_f32(op, src, at..at + n)?;
+        let mut transposed = vec![0.0; n];
+        for (r, row) in values.chunks_exact(cols.max(1)).enumerate() {
+            for (c, &v) in row.iter().enumerate() {
+                transposed[c * rows + r] = v;
             }
-            Data::Panels(_) => return Err(packed("copy_range")),
-        };
-        match dst.data_mut() {
-            Data::F32(v) => v[to..to + n].copy_from_slice(values),
-            Data::Half(dtype, bits) => narrow_half(values, *dtype, &mut bits[to..to + n]),
-            Data::Panels(_) => return Err(packed("copy_range")),
         }
-        Ok(())
+        write_range(op, dst, to, &transposed)
     }
 
     fn dropout(&self, x: &CpuTensor, mask: &Mask) -> Result<CpuTensor> {

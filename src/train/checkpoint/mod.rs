@@ -160,7 +160,7 @@ pub fn stored_units(table: &ParamTable, members: &[usize], grouped: bool) -> Vec
 }
 
 /// Whether a unit of [`stored_units`] is a grouped tensor.
-fn is_grouped_unit(table: &ParamTable, unit: &[usize], grouped: bool) -> bool {
+pub fn is_grouped_unit(table: &ParamTable, unit: &[usize], grouped: bool) -> bool {
     let role = table.params[unit[0]].canon.role;
     grouped && table.params[unit[0]].lora.is_none() && role.expert().is_some()
 }

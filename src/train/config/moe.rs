@@ -120,11 +120,7 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig, bf16: bool) -> Resu
         return Ok(());
     }
     let value = |flag: &str| a.get(flag).unwrap_or("");
-    let refusals: [(bool, &str); 4] = [
-        (
-            a.has("moe-grouped-gemm") && a.has("use-distributed-optimizer"),
-            "--moe-grouped-gemm with --use-distributed-optimizer: the grouped experts' place in distrib_optim.pt's buffer is not built yet",
-        ),
+    let refusals: [(bool, &str); 3] = [
         (
             a.has("moe-grouped-gemm") && a.has("lora-r"),
             "--moe-grouped-gemm with LoRA (MindSpeed-LLM's LoraParallelGroupedMLP) is not built yet",
