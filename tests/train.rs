@@ -2824,19 +2824,153 @@ fn moe_training_over_tensor_pipeline_and_data_parallel_ranks_equals_one_rank() {
     assert!(err.contains("--sequence-parallel"), "{err}");
 }
 
+/// DeepSeek-style routing: sigmoid scores, group-limited, scaled, with an expert bias moved
+/// after each step (aux-loss-free balancing, here beside the aux and z losses).
+const SIGMOID_BIASED: &str = "--moe-router-score-function sigmoid --moe-router-num-groups 2 \
+    --moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 \
+    --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002";
+
+/// The expert biases of a checkpoint's rank file, by key.
+fn expert_biases(file: &Path) -> Vec<(String, Vec<f32>)> {
+    use mindkit::ckpt::torch::pickle::Value;
+    let ck = mindkit::ckpt::torch::TorchFile::open(file).unwrap();
+    let Some(Value::Dict(model)) = ck.root().get("model") else {
+        panic!("{}: no model", file.display());
+    };
+    (model.iter())
+        .filter_map(|(k, v)| match (k, v) {
+            (Value::Str(k), Value::Tensor(t)) if k.ends_with("expert_bias") => {
+                let t = ck.read_tensor(k, t).unwrap();
+                assert_eq!(t.dtype, mindkit::tensor::DType::F32, "{k}");
+                Some((k.clone(), mindkit::tensor::host::to_f32(&t).unwrap()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn aux_loss_free_balancing_trains_on_every_parallel_layout_as_one_rank_and_resumes_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let flags = |extra: &[&str]| {
+        let batch = ["--micro-batch-size", "1", "--global-batch-size", "4"];
+        let biased: Vec<&str> = SIGMOID_BIASED.split_whitespace().collect();
+        moe_args(&data, &[&batch[..], &biased, extra].concat())
+    };
+    let one_dir = path("one");
+    let one = stdout(&run(&flags(&["--save", &one_dir])).success());
+    let file = |d: &str| Path::new(d).join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+    let biases = expert_biases(&file(&one_dir));
+    // 3 MoE layers; each bias a sum of ±0.002 steps (which may cancel), and some moved.
+    assert_eq!(biases.len(), 3, "{biases:?}");
+    assert!(
+        biases.iter().any(|(_, b)| b.iter().any(|&x| x != 0.0)),
+        "{biases:?}"
+    );
+    for (key, b) in &biases {
+        for &x in b {
+            let steps = x / 0.002;
+            assert!(
+                (steps - steps.round()).abs() < 1e-3 && steps.abs() <= 6.0,
+                "{key}: {b:?}"
+            );
+        }
+    }
+    for layout in [
+        "--tensor-model-parallel-size 2 --sequence-parallel",
+        "--pipeline-model-parallel-size 2",
+        "--world-size 2",
+    ] {
+        let save = path(&layout.replace(' ', "_"));
+        let extra: Vec<&str> = layout.split(' ').chain(["--save", &save]).collect();
+        let parallel = stdout(&run(&flags(&extra)).success());
+        same_training(&one, &parallel, 1e-5, layout);
+        // the biases moved as on one rank: the same tokens counted over the ranks
+        let whole = path(&format!("{}_whole", layout.replace(' ', "_")));
+        mindkit(&[
+            &"convert",
+            &"--to",
+            &"megatron",
+            &"--input",
+            &save,
+            &"--output",
+            &whole,
+            &"--tp",
+            &"1",
+            &"--pp",
+            &"1",
+            &"--quiet",
+        ])
+        .success();
+        let converted = std::fs::read_dir(&whole)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("iter_")
+            })
+            .unwrap();
+        assert_eq!(
+            expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt")),
+            biases,
+            "{layout}"
+        );
+    }
+    let part = path("part");
+    run(&flags(&["--save", &part, "--exit-interval", "3"])).success();
+    let rest = stdout(&run(&flags(&["--save", &part, "--load", &part])).success());
+    assert_eq!(&iterations(&one)[3..], &iterations(&rest)[..]);
+    let read = |d: &str| std::fs::read(file(d)).unwrap();
+    assert!(
+        read(&one_dir) == read(&part),
+        "the resumed checkpoint differs"
+    );
+}
+
+#[test]
+fn the_router_in_f32_under_bf16_changes_the_routing_precision_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let train = |extra: &[&str]| stdout(&run(&moe_args(&data, extra)).success());
+    let bf16 = train(&["--bf16"]);
+    let router_f32 = train(&["--bf16", "--moe-router-dtype", "fp32"]);
+    // MindSpeed-LLM's spelling is the same product.
+    assert_eq!(
+        field(&router_f32, "lm loss"),
+        field(&train(&["--bf16", "--router-gating-in-fp32"]), "lm loss")
+    );
+    assert_ne!(field(&bf16, "lm loss"), field(&router_f32, "lm loss"));
+    same_training(&bf16, &router_f32, 1e-3, "the router in f32");
+    // Without bf16 the router is f32 anyway.
+    assert_eq!(
+        field(&train(&[]), "lm loss"),
+        field(&train(&["--moe-router-dtype", "fp32"]), "lm loss")
+    );
+}
+
 #[test]
 fn moe_on_the_npu_stand_in_matches_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let a = moe_args(&data, &["--train-iters", "4"]);
-    let cpu = stdout(&run(&a).success());
-    let (npu, counted) = train_on_stand_in(dir.path(), &a, "");
-    same_training(&cpu, &npu, 1e-4, "a mixture of experts on the NPU stand-in");
-    // The experts' rows are combined by one-hot products (index_add_rows' fallback).
-    assert!(
-        counted["ops"].get("aclnnEmbeddingDenseBackward").is_some(),
-        "{counted}"
-    );
+    for routing in ["", SIGMOID_BIASED] {
+        let flags: Vec<&str> = ["--train-iters", "4"]
+            .into_iter()
+            .chain(routing.split_whitespace())
+            .collect();
+        let a = moe_args(&data, &flags);
+        let cpu = stdout(&run(&a).success());
+        let (npu, counted) = train_on_stand_in(dir.path(), &a, "");
+        same_training(&cpu, &npu, 1e-4, "a mixture of experts on the NPU stand-in");
+        // The experts' rows are combined by one-hot products (index_add_rows' fallback).
+        assert!(
+            counted["ops"].get("aclnnEmbeddingDenseBackward").is_some(),
+            "{counted}"
+        );
+    }
 }
 
 #[test]

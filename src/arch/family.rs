@@ -63,6 +63,9 @@ pub struct MoeNames {
     /// The shared expert's module in the block (`shared_expert`, gated by
     /// `shared_expert_gate`; Qwen2-MoE), when the family has one.
     pub shared: Option<&'static str>,
+    /// The router's expert bias in the block (DeepSeek-V3's `gate.e_score_correction_bias`),
+    /// when the family's routing has one.
+    pub expert_bias: Option<&'static str>,
 }
 
 /// Qwen2-MoE and Qwen3-MoE name their experts alike.
@@ -74,6 +77,7 @@ const QWEN_MOE: MoeNames = MoeNames {
     norm_topk_key: Some("norm_topk_prob"),
     sparse_step: true,
     shared: None,
+    expert_bias: None,
 };
 
 /// Every supported family.
@@ -231,6 +235,7 @@ pub const FAMILIES: &[Family] = &[
             norm_topk_key: None,
             sparse_step: false,
             shared: None,
+            expert_bias: None,
         }),
     },
 ];

@@ -50,6 +50,10 @@ pub struct Moe {
     pub group_limit: Option<(usize, usize)>,
     /// Which layers are MoE layers (the others dense), one entry per layer.
     pub layers: Vec<bool>,
+    /// The router holds an expert bias `[E]` (f32), added to sigmoid scores for the choice of
+    /// experts only and moved after each step towards balance (aux-loss-free balancing,
+    /// `--moe-router-enable-expert-bias`).
+    pub expert_bias: bool,
 }
 
 impl Moe {
@@ -122,6 +126,7 @@ pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
         topk_scale: None,
         group_limit: None,
         layers: vec![true],
+        expert_bias: false,
     }
 }
 

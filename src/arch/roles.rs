@@ -3,6 +3,7 @@
 //! (`crate::ckpt::transform`); the model and the optimizer iterate them as parameters.
 
 use super::ModelConfig;
+use crate::tensor::DType;
 
 /// What a canonical tensor is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,6 +33,8 @@ pub enum Role {
     Fc2,
     /// An MoE layer's router `[E, h]`.
     Router,
+    /// Its expert bias `[E]` (aux-loss-free balancing): a buffer, f32, not trained.
+    ExpertBias,
     /// Routed expert `e`'s SwiGLU input `[2F_e, h]` = `[gate; up]`.
     ExpertFc1(usize),
     /// Routed expert `e`'s output `[h, F_e]`.
@@ -85,6 +88,9 @@ impl Role {
             return vec![Role::Fc1, Role::Fc2];
         };
         let mut roles = vec![Role::Router];
+        if moe.expert_bias {
+            roles.push(Role::ExpertBias);
+        }
         for e in 0..moe.experts {
             roles.extend([Role::ExpertFc1(e), Role::ExpertFc2(e)]);
         }
@@ -108,6 +114,21 @@ impl Role {
             Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => "linear_fc2",
             _ => return None,
         })
+    }
+
+    /// The dtype a tensor of this role has in a model of `model` dtype: the expert bias stays
+    /// f32 (megatron-core router.py `_maintain_float32_expert_bias`), the rest is the model's.
+    pub fn dtype(self, model: DType) -> DType {
+        match self {
+            Role::ExpertBias => DType::F32,
+            _ => model,
+        }
+    }
+
+    /// Whether the optimizer updates it: everything but a buffer (the expert bias, which
+    /// the trainer moves itself).
+    pub fn trained(self) -> bool {
+        self != Role::ExpertBias
     }
 
     /// The routed expert a role belongs to.
@@ -149,6 +170,7 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
         Role::Router => vec![cfg.moe.as_ref().map_or(0, |m| m.experts), cfg.hidden],
+        Role::ExpertBias => vec![cfg.moe.as_ref().map_or(0, |m| m.experts)],
         Role::ExpertFc1(_) => vec![2 * moe_ffn(cfg), cfg.hidden],
         Role::ExpertFc2(_) => vec![cfg.hidden, moe_ffn(cfg)],
         Role::SharedFc1 => vec![2 * shared_ffn(cfg), cfg.hidden],

@@ -411,7 +411,8 @@ pub fn write_output(
         if let Some(e) = edit {
             t = e.apply(c, t, cfg.dtype)?;
         }
-        t.cast(cfg.dtype).map_err(|e| anyhow!("{c:?}: {e}"))
+        t.cast(c.role.dtype(cfg.dtype))
+            .map_err(|e| anyhow!("{c:?}: {e}"))
     };
     let tmp = TempOutput::dir(&o.output, output_kind(o.to), o.force)?;
     let (tensors, bytes) = match o.to {
@@ -497,7 +498,7 @@ fn write_hf(
                 .into_iter()
                 .map(|(name, shape)| Planned {
                     name,
-                    dtype: cfg.dtype,
+                    dtype: c.role.dtype(cfg.dtype),
                     shape,
                 })
                 .collect()

@@ -39,11 +39,20 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
 /// The experts line: routed experts and their routing, shared experts, which layers.
 fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
     let moe_layers: Vec<usize> = (0..cfg.layers).filter(|&l| m.is_moe_layer(l)).collect();
-    let routing = if m.pre_softmax {
+    let mut routing = if m.pre_softmax {
         format!("{} over all, top-{}", m.score.name(), m.topk)
     } else {
         format!("top-{} renormalised ({})", m.topk, m.score.name())
     };
+    if let Some((groups, kept)) = m.group_limit {
+        routing += &format!(" in {kept} of {groups} groups");
+    }
+    if let Some(s) = m.topk_scale {
+        routing += &format!(", scaled by {s}");
+    }
+    if m.expert_bias {
+        routing += ", expert bias";
+    }
     let shared = match (m.shared_ffn, m.shared_gate) {
         (None, _) => "none".to_string(),
         (Some(f), gated) => format!("ffn {f}{}", if gated { ", gated" } else { "" }),

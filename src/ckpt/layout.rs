@@ -248,6 +248,7 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             Role::KNorm => "self_attention.k_layernorm.weight",
             Role::Fc1 => "mlp.linear_fc1.weight",
             Role::Router => "mlp.router.weight",
+            Role::ExpertBias => "mlp.router.expert_bias",
             Role::SharedFc1 => "mlp.shared_experts.linear_fc1.weight",
             Role::SharedFc2 => "mlp.shared_experts.linear_fc2.weight",
             Role::SharedGate => "mlp.shared_experts.gate_weight",

@@ -71,6 +71,15 @@ fn moe_parts(cfg: &ModelConfig, l: usize, role: Role) -> Vec<(String, Vec<usize>
     let plain = ["gate_proj", "up_proj", "down_proj"];
     match role {
         Role::Router => vec![(name("gate".into()), canonical_shape(cfg, role))],
+        Role::ExpertBias => (names.and_then(|n| n.expert_bias))
+            .map(|key| {
+                (
+                    hf::layer(l, &format!("{block}.{key}")),
+                    canonical_shape(cfg, role),
+                )
+            })
+            .into_iter()
+            .collect(),
         Role::SharedGate => vec![(name(format!("{shared}_gate")), vec![1, h])],
         Role::ExpertFc1(e) => swiglu(format!("experts.{e}"), moe_ffn(cfg), expert, true),
         Role::ExpertFc2(e) => swiglu(format!("experts.{e}"), moe_ffn(cfg), expert, false),
@@ -184,6 +193,7 @@ fn split_of(role: Role) -> Split {
         | Role::QNorm
         | Role::KNorm
         | Role::Router
+        | Role::ExpertBias
         | Role::SharedGate => Split::Replicated,
         Role::Qkv | Role::QkvBias => Split::Rows,
         Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => Split::Cols,

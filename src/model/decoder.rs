@@ -30,7 +30,7 @@ use super::layer::{rms_grad, Layer, LayerSaved};
 use super::linear::Linear;
 use super::parallel::{gathered, local_ids, reduced, TensorParallel};
 use super::params::ParamTable;
-use super::{AuxLosses, LossValues, ModelSpec, Pass};
+use super::{AuxLosses, ModelSpec, Pass, RouterStats};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::comm::ReduceOp;
 use crate::engine::dropout::Site;
@@ -206,11 +206,11 @@ pub fn forward<B: Backend>(
 }
 
 impl<T> Saved<T> {
-    /// The auxiliary losses' values of the MoE layers of the forward pass (in training), by
-    /// global layer index.
-    pub fn moe_losses(&self) -> Vec<(usize, LossValues)> {
+    /// The auxiliary losses' values and token counts of the MoE layers of the forward pass
+    /// (in training), by global layer index.
+    pub fn moe_stats(&self) -> Vec<(usize, &RouterStats)> {
         (self.layer_index.iter().zip(&self.layers))
-            .filter_map(|(&l, s)| Some((l, s.moe_losses()?)))
+            .filter_map(|(&l, s)| Some((l, s.moe_stats()?)))
             .collect()
     }
 }

@@ -41,9 +41,9 @@ pub(super) struct LayerSaved<T> {
 }
 
 impl<T> LayerSaved<T> {
-    /// Its MoE block's auxiliary losses' values (training only).
-    pub(super) fn moe_losses(&self) -> Option<super::mlp::moe::losses::LossValues> {
-        self.mlp.moe_losses()
+    /// Its MoE block's losses and token counts (training only).
+    pub(super) fn moe_stats(&self) -> Option<&super::mlp::moe::losses::RouterStats> {
+        self.mlp.moe_stats()
     }
 }
 

@@ -49,6 +49,9 @@ pub struct ModelSpec {
     pub norm_eps: f64,
     /// The experts of a mixture-of-experts model (how its tokens are routed).
     pub moe: Option<crate::arch::moe::Moe>,
+    /// The router's product in f32 under bf16 weights (`--moe-router-dtype fp32`,
+    /// MindSpeed-LLM's `--router-gating-in-fp32`), its logits and routing weights f32.
+    pub router_f32: bool,
     /// Rotary embedding.
     rope: Rope,
 }
@@ -74,6 +77,7 @@ impl ModelSpec {
             max_positions: cfg.max_positions,
             norm_eps: cfg.norm_eps,
             moe: cfg.moe.clone(),
+            router_f32: false,
             rope: Rope::new(cfg)?,
         })
     }
@@ -87,7 +91,7 @@ impl ModelSpec {
     }
 }
 
-pub use mlp::moe::losses::{AuxLosses, Balancing, LossValues};
+pub use mlp::moe::losses::{AuxLosses, Balancing, LossValues, RouterStats};
 
 /// What every layer of one pass reads: the backend, the model's shape, the parameters (as
 /// the [`ParamTable`] indexes them) and which are trained, LoRA's scale, the tensor-parallel

@@ -132,7 +132,7 @@ impl ParamTable {
                     canon.role,
                     Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2
                 ),
-                trainable: base_trained,
+                trainable: base_trained && canon.role.trained(),
                 tp_split: is_tp_split(canon.role),
                 shared: false,
                 chunk: 0,

@@ -66,6 +66,45 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
+    /// Aux-loss-free balancing after the step's micro-batches (megatron-core
+    /// finalize_model_grads.py `_update_router_expert_bias`, moe_utils.py
+    /// `get_updated_expert_bias`): each of this stage's expert biases moves by
+    /// `--moe-router-bias-update-rate` up for the experts that got fewer tokens than the mean
+    /// over the experts and down for those that got more (f32, `torch.sign`: not at all for
+    /// the mean), the tokens summed over the tensor- and data-parallel ranks.
+    pub(super) fn update_expert_biases(&mut self) -> Result<()> {
+        let Some(tracker) = self.moe.as_mut() else {
+            return Ok(());
+        };
+        let counts = tracker.take_tokens();
+        let Some(experts) = counts.first().map(|(_, c)| c.len()) else {
+            return Ok(());
+        };
+        let mut tokens: Vec<f32> = counts.iter().flat_map(|(_, c)| c.iter().copied()).collect();
+        for group in [&self.tp, &self.dp].into_iter().flatten() {
+            group.all_reduce_f32(&mut tokens, ReduceOp::Sum)?;
+        }
+        let rate = self.cfg.expert_bias_rate as f32;
+        for ((layer, _), tokens) in counts.iter().zip(tokens.chunks(experts)) {
+            let canon = Canon {
+                role: Role::ExpertBias,
+                layer: Some(*layer),
+            };
+            let i = (self.table.index(canon))
+                .ok_or_else(|| anyhow!("internal: no expert bias of layer {layer} on this rank"))?;
+            let mut bias = self.b.download_f32(&self.params[i])?;
+            let mean = tokens.iter().sum::<f32>() / experts as f32;
+            for (b, &t) in bias.iter_mut().zip(tokens) {
+                let offset = mean - t;
+                if offset != 0.0 {
+                    *b += offset.signum() * rate;
+                }
+            }
+            self.params[i] = self.b.upload_f32(&[experts], &bias)?;
+        }
+        Ok(())
+    }
+
     /// The loss sums of micro-batches' losses (read from the device; the last pipeline
     /// stage's).
     pub(super) fn loss_sums(&self, losses: &[PendingLoss<B::Tensor>]) -> Result<data::LossSums> {

@@ -36,7 +36,9 @@ pub(super) fn initial_params(
                     .map_err(|e| anyhow!("LoRA init: {e}"))?;
                 (0..n).map(|_| uniform.sample(&mut rng)).collect()
             }
-            (Some(LoraPart::B), _) | (None, Role::QkvBias | Role::ProjBias) => vec![0.0; n],
+            (Some(LoraPart::B), _) | (None, Role::QkvBias | Role::ProjBias | Role::ExpertBias) => {
+                vec![0.0; n]
+            }
             (
                 None,
                 Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::QNorm | Role::KNorm,
@@ -75,10 +77,11 @@ pub(super) fn initial_params(
                         p.shape
                     );
                 }
-                t.cast(dtype).map_err(|e| anyhow!(e))?
+                t.cast(p.canon.role.dtype(dtype)).map_err(|e| anyhow!(e))?
             }
             // drawn whether kept or not: every stage's generator goes through the whole model
-            _ => HostTensor::from_f32(dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e))?,
+            _ => HostTensor::from_f32(p.canon.role.dtype(dtype), p.shape.clone(), &draw(p)?)
+                .map_err(|e| anyhow!(e))?,
         };
         let t = match tp.1 > 1 && p.tp_split {
             true => tp_shard(p.canon.role, &t, tp.0, tp.1, whole.vocab_padded),

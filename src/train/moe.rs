@@ -5,12 +5,13 @@
 //! and over the tensor-parallel ranks for the load-balancing losses (each holds its rows' part;
 //! the z-loss is the last tensor-parallel rank's, which Megatron's last rank prints), averaged
 //! over the data-parallel ranks, then scaled by 1 / the rank's micro-batches and averaged over
-//! the MoE layers.
+//! the MoE layers. With an expert bias it also counts the tokens each expert got over the step
+//! (megatron-core router.py `local_tokens_per_expert`).
 
 use crate::arch::ModelConfig;
 use crate::engine::comm::{Communicator, ReduceOp};
 use crate::engine::Result;
-use crate::model::{AuxLosses, Balancing, LossValues};
+use crate::model::{AuxLosses, Balancing, RouterStats};
 
 /// The step's sums per tracked loss and layer.
 pub(super) struct MoeTracker {
@@ -20,6 +21,9 @@ pub(super) struct MoeTracker {
     sums: Vec<Vec<f64>>,
     /// MoE layers of the whole model.
     moe_layers: usize,
+    /// The step's tokens per expert of each MoE layer with an expert bias that this rank's
+    /// forward passes went through, by global layer.
+    tokens: std::collections::BTreeMap<usize, Vec<f32>>,
 }
 
 impl MoeTracker {
@@ -40,20 +44,31 @@ impl MoeTracker {
             sums: vec![vec![0.0; model.layers]; names.len()],
             names,
             moe_layers: (0..model.layers).filter(|&l| moe.is_moe_layer(l)).count(),
+            tokens: Default::default(),
         })
     }
 
     /// Add one micro-batch's values, by global layer.
-    pub(super) fn add(&mut self, losses: &[(usize, LossValues)], balancing: Balancing) {
+    pub(super) fn add(&mut self, stats: &[(usize, &RouterStats)], balancing: Balancing) {
         let balancing = balancing.name();
-        for &(layer, v) in losses {
+        for &(layer, s) in stats {
+            let v = s.losses;
             for (name, value) in [(balancing, v.balancing), (Some("z_loss"), v.z)] {
                 let slot = self.names.iter().position(|&n| Some(n) == name);
                 if let (Some(i), Some(x)) = (slot, value) {
                     self.sums[i][layer] += f64::from(x);
                 }
             }
+            if let Some(tokens) = &s.tokens {
+                let sum = (self.tokens.entry(layer)).or_insert_with(|| vec![0.0; tokens.len()]);
+                sum.iter_mut().zip(tokens).for_each(|(a, t)| *a += t);
+            }
         }
+    }
+
+    /// The step's tokens per expert, by global layer in order, and the counts reset.
+    pub(super) fn take_tokens(&mut self) -> Vec<(usize, Vec<f32>)> {
+        std::mem::take(&mut self.tokens).into_iter().collect()
     }
 
     /// The step's logged values, reduced over the groups given, and the sums reset.

@@ -81,7 +81,7 @@ impl<B: Backend> Trainer<B> {
                     }
                     if train {
                         if let (Some(m), Some(aux)) = (&mut self.moe, &self.cfg.aux_losses) {
-                            m.add(&fwd.moe_losses(), aux.balancing);
+                            m.add(&fwd.moe_stats(), aux.balancing);
                         }
                         saved.insert(slot, fwd);
                     }

@@ -103,7 +103,8 @@ impl<B: Backend> Trainer<B> {
             groups.tp.as_ref().map_or(0, |g| g.rank()),
             cfg.layout.size(Axis::Tp),
         );
-        let spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        let mut spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        spec.router_f32 = cfg.router_f32;
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
         let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
         let rank = groups.rank;
@@ -254,6 +255,7 @@ impl<B: Backend> Trainer<B> {
         let mut everyone = None;
         self.sum_norm_grads()?;
         self.sum_shared_embedding()?;
+        self.update_expert_biases()?;
         let dp = self
             .dp
             .as_ref()

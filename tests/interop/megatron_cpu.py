@@ -48,6 +48,10 @@ def moe_config(a, losses=None):
         moe_router_score_function=a.moe_router_score_function, moe_layer_freq=a.moe_layer_freq,
         moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
         moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor,
+        moe_router_num_groups=getattr(a, "moe_router_num_groups", None),
+        moe_router_group_topk=getattr(a, "moe_router_group_topk", None),
+        moe_router_enable_expert_bias=getattr(a, "moe_router_enable_expert_bias", False),
+        moe_router_bias_update_rate=getattr(a, "moe_router_bias_update_rate", None) or 1e-3,
         moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=getattr(a, "moe_grouped_gemm", False),
         expert_model_parallel_size=getattr(a, "expert_model_parallel_size", 1))

@@ -279,6 +279,71 @@ def test_grouped_experts_in_the_distributed_optimizer_are_laid_out_as_grouped_ml
     same_buffer(model, obj["model"], saved)
 
 
+def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
+    """DeepSeek-style routing — sigmoid scores, group-limited top-k, scaled weights and an expert
+    bias moved after every step (aux-loss-free balancing), beside the aux and z losses — trained
+    by `mindkit train` and by megatron-core's own GPTModel (TopKRouter with the expert bias,
+    finalize_model_grads' _update_router_expert_bias) from the same Megatron checkpoint: lm loss,
+    grad norm, learning rate, load_balancing_loss and z_loss per iteration to 1e-5 relative
+    over 20 iterations, the final weights to 1e-4, and the final expert biases bit for bit."""
+    import collections
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_qwen3_moe(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    # The converted Qwen3-MoE made a DeepSeek-routed one, as Megatron would have saved it.
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
+    path = next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt"))
+    start = load_pt(path)
+    routing = dict(moe_router_score_function="sigmoid", moe_router_num_groups=2,
+                   moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
+                   moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.002)
+    for k, v in routing.items():
+        setattr(start["args"], k, v)
+    # (without the config.json mindkit's conversion carries in its args)
+    delattr(start["args"], "mindkit_hf_config")
+    model = collections.OrderedDict()
+    for k, v in start["model"].items():
+        model[k] = v
+        if k.endswith("router.weight"):
+            model[k.replace("weight", "expert_bias")] = torch.zeros(v.shape[0])
+    start["model"] = model
+    torch.save(start, path)
+    flags = ["--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+             "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.002",
+             "--finetune", "--tokenizer-name-or-path", model_dir]
+    mindkit_train(tmp_path / "start", data, tmp_path, MOE_FLAGS + flags)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss"))
+    gpt = gpt_model(start["args"], moe_losses=dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001))
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
+    want = {"lm loss": [h[0] for h in history], "grad-norm": [h[1] for h in history],
+            "learning-rate": [h[2] for h in history],
+            "load_balancing_loss": [m["load_balancing_loss"] for m in reference.moe_losses],
+            "z_loss": [m["z_loss"] for m in reference.moe_losses]}
+    for key, values in want.items():
+        assert len(got[key]) == ITERS, key
+        for i, (g, w) in enumerate(zip(got[key], values)):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+    trained = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")["model"]
+    moved = 0
+    for name, ref in reference.module.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        if name.endswith("expert_bias"):
+            assert trained[name].dtype == torch.float32 and torch.equal(trained[name], ref), name
+            moved += int(ref.abs().sum() > 0)
+            continue
+        diff = ((trained[name].float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        assert diff <= 1e-4, f"{name}: relative difference {diff}"
+    assert moved == 2
+
+
 def test_validation_matches_the_megatron_reference(tmp_path, mindkit):
     """--eval-interval / --eval-iters on the validation split of --split 9,1,0: the lm loss
     evaluate() reports every 5 iterations and after the last one, as the reference computes it

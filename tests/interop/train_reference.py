@@ -74,14 +74,16 @@ def moe_step_losses(micro_batches, moe_layers):
 def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min_lr, warmup_iters,
           decay_style, weight_decay, clip_grad, betas=(0.9, 0.999), eps=1e-8, seed=1234,
           split="1", per_token=False, eod_mask_loss=False, o2_optimizer=False, model=None,
-          evaluation=None, moe_layers=None):
+          evaluation=None, moe_layers=None, expert_bias=False):
     """Train (`model`, or the padded model of `model_dir`; only parameters that require
     gradients are trained) and return per-iteration (loss, grad norm, printed lr), the model
     and the optimizer (each iteration also gives the parameters' L2 norm after the update and
     the number of zero gradient elements). With `evaluation` = (interval, eval_iters), also the validation losses
     Megatron's evaluate() reports every interval and after the last iteration, as
     `model.validation`. With `moe_layers` (a megatron-core MoE model), each iteration's
-    auxiliary losses as Megatron logs them, as `model.moe_losses`. With `o2_optimizer`, the moments are stored rounded to bf16 after
+    auxiliary losses as Megatron logs them, as `model.moe_losses`; with `expert_bias` too, its
+    routers' expert biases move after each step's micro-batches as megatron-core's
+    finalize_model_grads moves them. With `o2_optimizer`, the moments are stored rounded to bf16 after
     every step, as MindSpeed-LLM's O2AdamW (mindspeed_llm/tasks/models/common/adamw.py) keeps
     them: the step itself reads them widened to f32 and updates with the unrounded ones."""
     megatron_cpu.init()
@@ -149,6 +151,11 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
                 s.backward()
             else:
                 (s / torch.clamp(n, min=1) / k_micro).backward()
+        if expert_bias:
+            from megatron.core.distributed.finalize_model_grads import (
+                _update_router_expert_bias, reset_model_temporary_tensors)
+            _update_router_expert_bias([model.module], model.module.config)
+            reset_model_temporary_tensors(model.module.config, [model.module])
         if per_token:
             for p in params:
                 p.grad *= 1.0 / n_total

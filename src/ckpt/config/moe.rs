@@ -58,6 +58,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         topk_scale: None,
         group_limit: None,
         layers,
+        expert_bias: names.expert_bias.is_some(),
     }))
 }
 
@@ -112,6 +113,22 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
                 (None, _) => "has none",
                 (Some(_), true) => "has a gated one",
                 (Some(_), false) => "has one without a gate",
+            }
+        ));
+    }
+    if moe.expert_bias != names.expert_bias.is_some() {
+        return Some(format!(
+            "the {} family's router {} an expert bias; this model's {}",
+            family.name,
+            if names.expert_bias.is_some() {
+                "has"
+            } else {
+                "has no"
+            },
+            if moe.expert_bias {
+                "has one (--moe-router-enable-expert-bias)"
+            } else {
+                "has none"
             }
         ));
     }
@@ -224,6 +241,7 @@ pub(super) fn moe_from_args(
         topk_scale: arg_float(args, "moe_router_topk_scaling_factor")?,
         group_limit,
         layers: Moe::pattern(layers, &layer_freq(args)?, first_dense),
+        expert_bias: arg_bool(args, "moe_router_enable_expert_bias")?.unwrap_or(false),
     }))
 }
 
@@ -247,6 +265,7 @@ pub(super) fn moe_args(moe: Option<&Moe>) -> Vec<(&'static str, Value)> {
             Value::Str(m.score.name().into()),
         ),
         ("moe_router_pre_softmax", Value::Bool(m.pre_softmax)),
+        ("moe_router_enable_expert_bias", Value::Bool(m.expert_bias)),
         (
             "moe_router_topk_scaling_factor",
             m.topk_scale.map_or(Value::None, Value::Float),

@@ -93,7 +93,8 @@ impl MegatronTarget<'_> {
             for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
                 if let Some(c) = canon {
                     let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
-                    n += (shape.iter().product::<usize>() * self.cfg.dtype.size()) as u64;
+                    let dtype = c.role.dtype(self.cfg.dtype);
+                    n += (shape.iter().product::<usize>() * dtype.size()) as u64;
                 }
             }
         }
@@ -162,7 +163,7 @@ impl MegatronTarget<'_> {
                     }
                     None => (path.clone(), shard.iter().map(|&n| n as u64).collect()),
                 };
-                let tensor = contiguous(stored.len(), self.cfg.dtype, shape);
+                let tensor = contiguous(stored.len(), c.role.dtype(self.cfg.dtype), shape);
                 stored.push(Stored {
                     canons: vec![*c],
                     grouped: is_grouped,

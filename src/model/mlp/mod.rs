@@ -29,10 +29,10 @@ pub(in crate::model) enum MlpSaved<T> {
 }
 
 impl<T> MlpSaved<T> {
-    /// An MoE layer's auxiliary losses' values of the forward pass (training only).
-    pub(in crate::model) fn moe_losses(&self) -> Option<moe::losses::LossValues> {
+    /// An MoE layer's losses and token counts of the forward pass (training only).
+    pub(in crate::model) fn moe_stats(&self) -> Option<&moe::losses::RouterStats> {
         match self {
-            MlpSaved::Moe(s) => s.losses(),
+            MlpSaved::Moe(s) => s.stats(),
             MlpSaved::Dense(_) => None,
         }
     }

@@ -99,7 +99,7 @@ pub struct Snapshot<'a> {
     pub cfg: &'a ModelConfig,
     /// Parameters, in table order.
     pub table: &'a ParamTable,
-    /// Model parameters on the host, in table order (dtype = `cfg.dtype`).
+    /// Model parameters on the host, in table order (dtype: `cfg.dtype`, the expert bias f32).
     pub params: Vec<Tensor>,
     /// Which parameters go into the file (all, or the LoRA ones with `--lora-ckpt-filter`).
     pub saved: Vec<bool>,

@@ -94,6 +94,12 @@ pub struct TrainConfig {
     pub dropout: (Option<Rate>, Option<Rate>),
     /// A mixture of experts' auxiliary losses (`None` for a dense model).
     pub aux_losses: Option<crate::model::AuxLosses>,
+    /// The router's product in f32 under `--bf16` (`--moe-router-dtype fp32`,
+    /// MindSpeed-LLM's `--router-gating-in-fp32`).
+    pub router_f32: bool,
+    /// `--moe-router-bias-update-rate` (megatron-core's default 1e-3): how far an expert bias
+    /// moves after each step.
+    pub expert_bias_rate: f64,
     /// `--moe-grouped-gemm`: the routed experts saved as MindSpeed-LLM's grouped tensors
     /// (`mlp.experts.weight1`/`weight2`, one optimizer parameter each), as its GroupedMLP
     /// holds them; the math is the experts' own either way.
@@ -512,7 +518,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         );
     }
     let dropout = dropout_rates(a, &model, seq_length)?;
-    moe::check_supported(a, &model, bf16)?;
+    moe::check_supported(a, &model)?;
     let micro_batch = positive(a, "micro-batch-size")?
         .ok_or_else(|| anyhow!("--micro-batch-size is required"))?;
     let global_batch = positive(a, "global-batch-size")?.unwrap_or(micro_batch);
@@ -633,6 +639,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         LossAveraging::PerMicroBatch
     };
     let grouped_experts = model.moe.is_some() && a.has("moe-grouped-gemm");
+    let router_f32 = moe::router_f32(a, &model, bf16)?;
     let aux_losses = moe::aux_losses(
         a,
         &model,
@@ -651,6 +658,8 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         dropout,
         aux_losses,
         grouped_experts,
+        router_f32,
+        expert_bias_rate: moe::bias_update_rate(a)?,
         gemm_gradient_accumulation_fusion: a.has("gemm-gradient-accumulation-fusion"),
         surplus: non_negative(a, "mid-level-dataset-surplus")?
             .unwrap_or(crate::data::gpt_dataset::MID_LEVEL_SURPLUS),

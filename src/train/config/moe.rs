@@ -47,14 +47,27 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("shared-expert-gate", "shared_expert_gate"),
         ("moe-router-pre-softmax", "moe_router_pre_softmax"),
         ("norm-topk-prob", "norm_topk_prob"),
+        (
+            "moe-router-enable-expert-bias",
+            "moe_router_enable_expert_bias",
+        ),
+        ("router-gating-in-fp32", "router_gating_in_fp32"),
     ] {
         out.push((key.into(), Value::Bool(a.has(flag))));
     }
     if let Some(s) = positive_float(a, "moe-router-topk-scaling-factor")? {
         out.push(("moe_router_topk_scaling_factor".into(), Value::Float(s)));
     }
-    if let Some(f) = a.get("moe-router-score-function") {
-        out.push(("moe_router_score_function".into(), Value::Str(f.into())));
+    for (flag, key) in [
+        ("moe-router-score-function", "moe_router_score_function"),
+        ("moe-router-dtype", "moe_router_dtype"),
+    ] {
+        if let Some(f) = a.get(flag) {
+            out.push((key.into(), Value::Str(f.into())));
+        }
+    }
+    if let Some(r) = a.parse_value::<f64>("moe-router-bias-update-rate")? {
+        out.push(("moe_router_bias_update_rate".into(), Value::Float(r)));
     }
     if let Some(k) = a.parse_value::<i64>("first-k-dense-replace")? {
         out.push(("first_k_dense_replace".into(), Value::Int(k)));
@@ -115,12 +128,11 @@ pub(super) fn check_load(flags: Option<&Moe>, loaded: Option<&Moe>, described: b
 }
 
 /// What of MoE training mindkit does not build yet: refused, naming the flag.
-pub(super) fn check_supported(a: &Args, model: &ModelConfig, bf16: bool) -> Result<()> {
+pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
     if model.moe.is_none() {
         return Ok(());
     }
-    let value = |flag: &str| a.get(flag).unwrap_or("");
-    let refusals: [(bool, &str); 3] = [
+    let refusals: [(bool, &str); 2] = [
         (
             a.has("moe-grouped-gemm") && a.has("lora-r"),
             "--moe-grouped-gemm with LoRA (MindSpeed-LLM's LoraParallelGroupedMLP) is not built yet",
@@ -128,10 +140,6 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig, bf16: bool) -> Resu
         (
             positive(a, "expert-model-parallel-size")?.unwrap_or(1) > 1,
             "--expert-model-parallel-size above 1 is not built yet",
-        ),
-        (
-            bf16 && value("moe-router-dtype") == "fp32",
-            "--moe-router-dtype fp32 with --bf16 (the router's product in f32) is not built yet",
         ),
     ];
     if let Some((_, why)) = refusals.iter().find(|(refused, _)| *refused) {
@@ -149,12 +157,32 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig, bf16: bool) -> Resu
     if let Some(d) = a.get("moe-router-dtype").filter(|d| *d != "fp32") {
         bail!("--moe-router-dtype {d}: fp32 is built");
     }
+
     if let Some(d) = a.get("moe-token-dispatcher-type") {
         if !["allgather", "alltoall", "alltoall_seq"].contains(&d) {
             bail!("--moe-token-dispatcher-type {d}: allgather, alltoall or alltoall_seq");
         }
     }
     Ok(())
+}
+
+/// Whether the router's product is taken in f32 under bf16 weights: megatron-core's
+/// `--moe-router-dtype fp32` (router.py `gating`) or MindSpeed-LLM's `--router-gating-in-fp32`
+/// (its `topk_router_gating_func`: input and weight cast to f32, the same product).
+pub(super) fn router_f32(a: &Args, model: &ModelConfig, bf16: bool) -> Result<bool> {
+    Ok(model.moe.is_some()
+        && bf16
+        && (a.get("moe-router-dtype") == Some("fp32") || a.has("router-gating-in-fp32")))
+}
+
+/// `--moe-router-bias-update-rate` (default 1e-3, megatron/training/arguments.py).
+pub(super) fn bias_update_rate(a: &Args) -> Result<f64> {
+    match a.parse_value::<f64>("moe-router-bias-update-rate")? {
+        Some(r) if !(r.is_finite() && r >= 0.0) => {
+            bail!("--moe-router-bias-update-rate {r}: must be ≥ 0")
+        }
+        r => Ok(r.unwrap_or(1e-3)),
+    }
 }
 
 /// The auxiliary losses of `--moe-router-load-balancing-type` (Megatron's default `aux_loss`),

@@ -62,6 +62,16 @@ pub struct LossValues {
     pub z: Option<f32>,
 }
 
+/// What a training forward pass of one MoE layer tells the trainer.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RouterStats {
+    /// The auxiliary losses' values.
+    pub losses: LossValues,
+    /// With an expert bias, the tokens this rank's rows sent to each expert `[E]` (megatron-core
+    /// router.py `local_tokens_per_expert`), from which the bias moves after the step.
+    pub tokens: Option<Vec<f32>>,
+}
+
 /// The scores the load-balancing loss reads (softmax, or sigmoids normalised to sum 1) and
 /// the experts an unbiased top-k picks from them (`compute_routing_scores_for_aux_loss`).
 fn aux_scores(score: ScoreFunction, logits: &[f32], topk: usize) -> (Vec<f32>, Vec<usize>) {

@@ -22,13 +22,15 @@ use crate::engine::{Backend, EngineError, Result};
 use crate::model::parallel::{gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
-use losses::{aux_losses, LossValues};
+use crate::tensor::DType;
+use losses::{aux_losses, RouterStats};
 
 /// The parameters of one MoE layer.
 #[derive(Debug, Clone)]
 pub(in crate::model) struct Moe {
-    /// The router `[E, h]`.
+    /// The router `[E, h]` and its expert bias `[E]` (f32).
     router: usize,
+    bias: Option<usize>,
     experts: Vec<SwiGlu>,
     /// The shared experts and their gate `[1, h]`.
     shared: Option<(SwiGlu, Option<usize>)>,
@@ -52,15 +54,15 @@ pub(in crate::model) struct Saved<T> {
     routes: Vec<Routed>,
     experts: Vec<ExpertSaved<T>>,
     shared: Option<SharedSaved<T>>,
-    /// In training, the auxiliary losses' values and their gradient of this rank's logits
-    /// `[T·E]`.
-    aux: Option<(LossValues, Vec<f32>)>,
+    /// In training, what the trainer is told and the auxiliary losses' gradient of this
+    /// rank's logits `[T·E]`.
+    aux: Option<(RouterStats, Vec<f32>)>,
 }
 
 impl<T> Saved<T> {
-    /// The auxiliary losses' values of the forward pass (training only).
-    pub(in crate::model) fn losses(&self) -> Option<LossValues> {
-        self.aux.as_ref().map(|(v, _)| *v)
+    /// The forward pass's losses and token counts (training only).
+    pub(in crate::model) fn stats(&self) -> Option<&RouterStats> {
+        self.aux.as_ref().map(|(s, _)| s)
     }
 }
 
@@ -87,6 +89,7 @@ impl Moe {
             })
         };
         let router = at(Role::Router)?;
+        let bias = at(Role::ExpertBias);
         let experts = (0..table.params[router].shape[0])
             .map(|e| SwiGlu::of(table, (Role::ExpertFc1(e), Role::ExpertFc2(e)), layer))
             .collect::<Option<_>>()?;
@@ -94,15 +97,42 @@ impl Moe {
             .map(|s| (s, at(Role::SharedGate)));
         Some(Moe {
             router,
+            bias,
             experts,
             shared,
         })
     }
 
+    /// The dtype of the router's product for input `h`: f32 with `router_f32`
+    /// (`--moe-router-dtype fp32`: megatron-core router.py `gating` casts input and weight),
+    /// else the input's.
+    fn router_dtype<B: Backend>(p: &Pass<B>, h: &B::Tensor) -> DType {
+        match p.spec.router_f32 {
+            true => DType::F32,
+            false => p.b.dtype(h),
+        }
+    }
+
+    /// `h` and the router's weight in the router's dtype.
+    fn router_operands<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        h: &B::Tensor,
+    ) -> Result<(B::Tensor, B::Tensor)> {
+        let (b, dtype) = (p.b, Self::router_dtype(p, h));
+        Ok((b.cast(h, dtype)?, b.cast(&p.params[self.router], dtype)?))
+    }
+
     /// The router's logits of all N rows as f32 on the host, from this rank's rows `h`.
     fn logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor) -> Result<Vec<f32>> {
         let b = p.b;
-        let local = b.download_f32(&b.matmul(h, &p.params[self.router], None)?)?;
+        let local = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
+            true => {
+                let (h32, w32) = self.router_operands(p, h)?;
+                b.download_f32(&b.matmul(&h32, &w32, None)?)?
+            }
+            false => b.download_f32(&b.matmul(h, &p.params[self.router], None)?)?,
+        };
         match p.tp.filter(|tp| tp.sequence_parallel) {
             Some(tp) => tp.group.all_gather_f32(&local),
             None => Ok(local),
@@ -121,19 +151,28 @@ impl Moe {
         let x = all.as_ref().unwrap_or(&h);
         let logits = self.logits(p, &h)?;
         let e_count = cfg.experts;
-        let aux = p.aux.map(|aux| {
-            let (rows, range) = local_rows(p, b.shape(&h)[0]);
-            aux_losses(cfg, aux, &logits, range, rows)
-        });
+        let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
-        let dtype = b.dtype(&p.params[self.router]);
+        let dtype = Self::router_dtype(p, &h);
         let routes: Vec<Routed> = (logits.chunks(e_count))
             .map(|l| {
-                let mut r = route(cfg, l, None);
+                let mut r = route(cfg, l, bias.as_deref());
                 r.weights.iter_mut().for_each(|w| *w = dtype.round(*w));
                 r
             })
             .collect();
+        let (rows, local) = local_rows(p, b.shape(&h)[0]);
+        let aux = p.aux.map(|aux| {
+            let (losses, grad) = aux_losses(cfg, aux, &logits, local.clone(), rows);
+            let tokens = bias.as_ref().map(|_| {
+                let mut counts = vec![0f32; e_count];
+                for r in &routes[local.clone()] {
+                    r.experts.iter().for_each(|&e| counts[e] += 1.0);
+                }
+                counts
+            });
+            (RouterStats { losses, tokens }, grad)
+        });
         let mut out = b.zeros(b.shape(x), b.dtype(x))?;
         let mut experts = Vec::new();
         for (expert, (rows, w)) in tokens_per_expert(&routes, e_count).into_iter().enumerate() {
@@ -251,32 +290,42 @@ impl Moe {
         if let Some((_, grad)) = &s.aux {
             dlogits.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
         }
-        b.add_assign(
-            &mut dx,
-            &self.linear_grad(p, grads, (&dlogits, &s.h), self.router)?,
-        )?;
+        let router = self.router;
+        let (h, w) = match p.spec.router_f32 && b.dtype(&s.h) != DType::F32 {
+            true => self
+                .router_operands(p, &s.h)
+                .map(|(h, w)| (Some(h), Some(w)))?,
+            false => (None, None),
+        };
+        let (h32, w32) = (
+            h.as_ref().unwrap_or(&s.h),
+            w.as_ref().unwrap_or(&p.params[router]),
+        );
+        let dh = linear_grad(p, grads, (&dlogits, h32), (router, w32))?;
+        b.add_assign(&mut dx, &b.cast(&dh, b.dtype(&s.h))?)?;
         if let Some((g, dsig)) = dgate {
-            b.add_assign(&mut dx, &self.linear_grad(p, grads, (&dsig, &s.h), g)?)?;
+            let dh = linear_grad(p, grads, (&dsig, &s.h), (g, &p.params[g]))?;
+            b.add_assign(&mut dx, &dh)?;
         }
         Ok(dx)
     }
+}
 
-    /// `dh [T, h]` of `y = h·Wᵀ` given `dy` (f32 values on the host, `[T, rows of W]`),
-    /// accumulating W's gradient when trained.
-    fn linear_grad<B: Backend>(
-        &self,
-        p: &Pass<B>,
-        grads: &mut [B::Tensor],
-        (dy, h): (&[f32], &B::Tensor),
-        w: usize,
-    ) -> Result<B::Tensor> {
-        let b = p.b;
-        let rows = b.shape(h)[0];
-        let dy = b.upload_f32(&[rows, dy.len() / rows.max(1)], dy)?;
-        let dy = b.cast(&dy, b.dtype(h))?;
-        let dw = p.trainable[w].then(|| &mut grads[w]);
-        b.matmul_bwd(&dy, h, &p.params[w], dw, None)
-    }
+/// `dh [T, h]` of `y = h·Wᵀ` given `dy` (f32 values on the host, `[T, rows of W]`, taken in
+/// `h`'s dtype), accumulating the gradient of parameter `w` (whose value, perhaps cast, is
+/// `weight`) when trained.
+fn linear_grad<B: Backend>(
+    p: &Pass<B>,
+    grads: &mut [B::Tensor],
+    (dy, h): (&[f32], &B::Tensor),
+    (w, weight): (usize, &B::Tensor),
+) -> Result<B::Tensor> {
+    let b = p.b;
+    let rows = b.shape(h)[0];
+    let dy = b.upload_f32(&[rows, dy.len() / rows.max(1)], dy)?;
+    let dy = b.cast(&dy, b.dtype(h))?;
+    let dw = p.trainable[w].then(|| &mut grads[w]);
+    b.matmul_bwd(&dy, h, weight, dw, None)
 }
 
 /// This rank's rows of the router logits' gradient `[T·E]` from every row's routing weights'
