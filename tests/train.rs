@@ -1148,6 +1148,56 @@ fn from_scratch(data: &Path, family: &[&str], extra: &[&str]) -> Vec<String> {
     a
 }
 
+#[test]
+fn partial_rotary_embedding_trains_on_tensor_parallel_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("partial");
+    let path = save.to_str().unwrap();
+    let flags = [
+        "--rotary-percent",
+        "0.5",
+        "--save",
+        path,
+        "--save-interval",
+        "10",
+    ];
+    let whole = stdout(&run(&from_scratch(&data, &[], &[])).success());
+    let one = stdout(&run(&from_scratch(&data, &[], &flags)).success());
+    assert_ne!(field(&whole, "lm loss"), field(&one, "lm loss"));
+    let tp: Vec<&str> = flags[..2]
+        .iter()
+        .copied()
+        .chain(["--tensor-model-parallel-size", "2"])
+        .collect();
+    let two = stdout(&run(&from_scratch(&data, &[], &tp)).success());
+    same_training(&one, &two, 1e-5, "RoPE on half of each head over TP 2");
+    let info = mindkit(&[&"ckpt", &"info", &path]).success();
+    assert!(
+        stdout(&info).contains("head_dim 16 (RoPE on 8)"),
+        "{}",
+        stdout(&info)
+    );
+    // No supported Hugging Face family rotates part of a head: refused by name.
+    let hf = dir.path().join("hf");
+    let out = mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &path,
+        &"--output",
+        &hf,
+    ])
+    .failure();
+    assert!(
+        stderr(&out).contains("rotates 8 of 16 dimensions"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!hf.exists());
+}
+
 /// Every weight of two checkpoints (any layout), converted to HF: equal within `tolerance`
 /// of the larger of 1 and the tensor's largest value.
 fn same_hf_weights(dir: &Path, a: &Path, b: &Path, tolerance: f32) {

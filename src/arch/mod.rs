@@ -26,6 +26,10 @@ pub struct ModelConfig {
     pub groups: usize,
     /// Per-head dimension.
     pub head_dim: usize,
+    /// The leading dimensions of each query and key head that RoPE rotates: `head_dim`, or
+    /// fewer (Megatron's `--rotary-percent`, transformers' `partial_rotary_factor`), the rest
+    /// passed through.
+    pub rotary_dim: usize,
     /// MLP intermediate size.
     pub ffn: usize,
     /// True vocabulary rows (without Megatron padding).

@@ -18,8 +18,18 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     let _ = writeln!(out, "family:      {}", cfg.family.name);
     let _ = writeln!(
         out,
-        "architecture: {} layers, hidden {}, heads {} (kv {}), head_dim {}, ffn {}, vocab {}",
-        cfg.layers, cfg.hidden, cfg.heads, cfg.groups, cfg.head_dim, cfg.ffn, cfg.vocab
+        "architecture: {} layers, hidden {}, heads {} (kv {}), head_dim {}{}, ffn {}, vocab {}",
+        cfg.layers,
+        cfg.hidden,
+        cfg.heads,
+        cfg.groups,
+        cfg.head_dim,
+        match cfg.rotary_dim == cfg.head_dim {
+            true => String::new(),
+            false => format!(" (RoPE on {})", cfg.rotary_dim),
+        },
+        cfg.ffn,
+        cfg.vocab
     );
     let _ = writeln!(
         out,

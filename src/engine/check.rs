@@ -227,15 +227,21 @@ pub fn heads<D: Device>(
 }
 
 /// [`super::Backend::rope`].
-pub fn rope<D: Device>(d: &D, x: &D::Tensor, cos: &D::Tensor, sin: &D::Tensor) -> Result<()> {
+pub fn rope<D: Device>(
+    d: &D,
+    x: &D::Tensor,
+    (cos, sin): (&D::Tensor, &D::Tensor),
+    head_dim: usize,
+) -> Result<()> {
     let (xs, cs) = (d.shape(x), d.shape(cos));
     ensure(
         cs == d.shape(sin)
             && rows(cs) == rows(xs)
             && cols(cs) > 0
-            && cols(xs).is_multiple_of(2 * cols(cs)),
+            && head_dim >= 2 * cols(cs)
+            && cols(xs).is_multiple_of(head_dim),
         "rope",
-        || format!("x {xs:?} with cos/sin {cs:?}"),
+        || format!("x {xs:?} of heads {head_dim} with cos/sin {cs:?}"),
     )
 }
 

@@ -294,14 +294,18 @@ pub trait Backend: Device {
         dv: &Self::Tensor,
         shape: AttentionShape,
     ) -> Result<Self::Tensor>;
-    /// Rotary embedding in place, half-rotation (`rotate_half`) mode, on every head of
-    /// `x [n, heads·d]`; `cos`, `sin` are `[n, d/2]`; `inverse` rotates by −θ, which is the
-    /// operator's backward (aclnnRotaryPositionEmbedding mode 0 / its grad). Overwrites `x`.
+    /// Rotary embedding in place, half-rotation (`rotate_half`) mode, on the first `r` of the
+    /// `head_dim` dimensions of every head of `x [n, heads·head_dim]` (all of them, or fewer:
+    /// Megatron's `--rotary-percent`, the rest passed through); `cos`, `sin` are `[n, r/2]`;
+    /// `inverse` rotates by −θ, which is the operator's backward (aclnnRotaryPositionEmbedding
+    /// mode 0 / its grad; a partial rotation on a gathered copy of the rotated dimensions).
+    /// Overwrites `x`.
     fn rope(
         &self,
         x: &mut Self::Tensor,
         cos: &Self::Tensor,
         sin: &Self::Tensor,
+        head_dim: usize,
         inverse: bool,
     ) -> Result<()>;
     /// Causal grouped-query attention of `q [n, heads·d]` over `k`, `v [n, groups·d]` within

@@ -261,7 +261,7 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             1.0,
             merge_qkv
         ),
-        case!("rope", Rope, "[6,32] d 8", 2.0, rope),
+        case!("rope", Rope, "[6,32] d 8; d 16 rotating 8", 2.0, rope),
         case!("attention", Attention, "[10,32] 2 segments", 2.0, attention),
         case!(
             "attention_bwd",
@@ -530,10 +530,15 @@ fn rope<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
     );
     Ok(on_both!(dut, cpu, |b| {
         let (cos, sin) = (b.upload(&cos)?, b.upload(&sin)?);
-        let (mut fwd, mut inv) = (b.upload(&x)?, b.upload(&x)?);
-        b.rope(&mut fwd, &cos, &sin, false)?;
-        b.rope(&mut inv, &cos, &sin, true)?;
-        vec![b.download_f32(&fwd)?, b.download_f32(&inv)?]
+        let mut outs = Vec::new();
+        // heads of 8 rotated whole, heads of 16 in their first 8 dimensions
+        for head_dim in [8, 16] {
+            let (mut fwd, mut inv) = (b.upload(&x)?, b.upload(&x)?);
+            b.rope(&mut fwd, &cos, &sin, head_dim, false)?;
+            b.rope(&mut inv, &cos, &sin, head_dim, true)?;
+            outs.extend([b.download_f32(&fwd)?, b.download_f32(&inv)?]);
+        }
+        outs
     }))
 }
 
@@ -950,11 +955,11 @@ pub fn gradients() -> Result<Vec<Check>> {
     let (ct, st) = (up(&[2, 2], &cos)?, up(&[2, 2], &sin)?);
     let fwd = |v: &[Vec<f32>]| -> Result<f64> {
         let mut y = up(&[2, 8], &v[0])?;
-        b.rope(&mut y, &ct, &st, false)?;
+        b.rope(&mut y, &ct, &st, 4, false)?;
         Ok(dot(&b.download_f32(&y)?, &dy))
     };
     let mut dx = up(&[2, 8], &dy)?;
-    b.rope(&mut dx, &ct, &st, true)?;
+    b.rope(&mut dx, &ct, &st, 4, true)?;
     checks.push(gradient_check(
         "rope (inverse)",
         "[2,8] d 4",

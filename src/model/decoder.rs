@@ -160,7 +160,7 @@ pub fn forward<B: Backend>(
     tp: Option<&TensorParallel<B::Tensor>>,
 ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
     let (cos, sin) = spec.rope_tables(&batch.positions);
-    let half = [batch.tokens.len(), spec.attention.head_dim / 2];
+    let half = spec.rope_table_shape(batch.tokens.len());
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
     let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
     let p = ids.pass((b, spec), params, tp, (&cos, &sin), regularisers);

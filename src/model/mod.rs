@@ -57,9 +57,14 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
-    /// `cos` and `sin` `[positions, head_dim / 2]` of the rotary embedding at `positions`.
+    /// `cos` and `sin` `[positions, rotary_dim / 2]` of the rotary embedding at `positions`.
     pub fn rope_tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
         self.rope.tables(positions)
+    }
+
+    /// The shape `[positions, rotary_dim / 2]` of the tables of `positions` positions.
+    pub fn rope_table_shape(&self, positions: usize) -> [usize; 2] {
+        [positions, self.rope.frequencies()]
     }
 
     /// From a checkpoint's configuration (HF `config.json` or Megatron args).
@@ -261,7 +266,7 @@ impl<'b, B: Backend> Model<'b, B> {
             );
         }
         let (cos, sin) = spec.rope.tables(&positions);
-        let half = [positions.len(), spec.attention.head_dim / 2];
+        let half = spec.rope_table_shape(positions.len());
         let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
         let p = self
             .ids

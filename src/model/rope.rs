@@ -21,7 +21,7 @@ fn number(r: &Json, key: &str, default: Option<f64>) -> Result<f64> {
 
 impl Rope {
     pub(super) fn new(cfg: &ModelConfig) -> Result<Self> {
-        let d = cfg.head_dim;
+        let d = cfg.rotary_dim;
         let base = cfg.rope_theta as f32;
         let mut inv_freq: Vec<f32> = (0..d)
             .step_by(2)
@@ -47,7 +47,12 @@ impl Rope {
         Ok(Rope { inv_freq })
     }
 
-    /// `cos` and `sin` of `position · inv_freq`, `[positions, head_dim / 2]` each.
+    /// The frequencies: half the rotated dimensions of a head.
+    pub(super) fn frequencies(&self) -> usize {
+        self.inv_freq.len()
+    }
+
+    /// `cos` and `sin` of `position · inv_freq`, `[positions, rotary_dim / 2]` each.
     pub(super) fn tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
         let n = positions.len() * self.inv_freq.len();
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));

@@ -290,6 +290,63 @@ impl Npu {
             .outcome("aclnnRotaryPositionEmbeddingGrad", done)
     }
 
+    /// Rotary embedding of every head of `x [n, heads·r]`, whole, by the tables `[n, r/2]`
+    /// (aclnnRotaryPositionEmbedding or its grad; products where CANN has neither).
+    fn rope_heads(
+        &self,
+        x: &mut NpuTensor,
+        (cos, sin): (&NpuTensor, &NpuTensor),
+        inverse: bool,
+    ) -> Result<()> {
+        let (n, width, half) = (x.rows(), x.cols(), cos.cols());
+        let d = 2 * half;
+        // The operator takes the full-width table of rotate_half: [cos | cos], [sin | sin].
+        let full = |t: &NpuTensor| -> Result<NpuTensor> {
+            let f = self.empty(&[n, d], x.dtype)?;
+            for at in [0, half] {
+                let dst = f.view().strided(&[n, half], &[d as i64, 1], at);
+                self.copy_view(&dst, &t.view())?;
+            }
+            Ok(f)
+        };
+        let (c, mut s) = (full(cos)?, full(sin)?);
+        let out = self.empty(&x.shape, x.dtype)?;
+        let (table, rows) = ([1, n, 1, d], [1, n, width / d, d]);
+        let four = |t: &NpuTensor, dims: &[usize]| t.view().reshaped(dims, 0);
+        if inverse
+            && !self.rope_grad.absent()
+            && self.rope_grad_fused(
+                &four(x, &rows),
+                (four(&c, &table), four(&s, &table)),
+                &four(&out, &rows),
+                (&table, x.dtype),
+            )?
+        {
+            *x = out;
+            return Ok(());
+        }
+        // The inverse rotation is the rotation by −sin.
+        if inverse {
+            self.scale(&mut s, -1.0)?;
+        }
+        let fused = !self.rope.absent()
+            && self.rope_fused(
+                &four(x, &rows),
+                &four(&c, &table),
+                &four(&s, &table),
+                &four(&out, &rows),
+            )?;
+        if !fused {
+            let (ct, st) = (
+                c.view().reshaped(&[n, 1, d], 0),
+                s.view().reshaped(&[n, 1, d], 0),
+            );
+            self.rope_by_mul(x, (&ct, &st), &out, d)?;
+        }
+        *x = out;
+        Ok(())
+    }
+
     /// `out = x·cos + rotate_half(x)·sin` by aclnnMul and aclnnInplaceAdd, for `x`, `out`
     /// `[n, heads, d]` and the tables `[n, 1, d]`.
     fn rope_by_mul(
@@ -907,56 +964,25 @@ impl Backend for Npu {
         x: &mut NpuTensor,
         cos: &NpuTensor,
         sin: &NpuTensor,
+        head_dim: usize,
         inverse: bool,
     ) -> Result<()> {
-        check::rope(self, x, cos, sin)?;
-        let (n, width, half) = (x.rows(), x.cols(), cos.cols());
-        let d = 2 * half;
-        // The operator takes the full-width table of rotate_half: [cos | cos], [sin | sin].
-        let full = |t: &NpuTensor| -> Result<NpuTensor> {
-            let f = self.empty(&[n, d], x.dtype)?;
-            for at in [0, half] {
-                let dst = f.view().strided(&[n, half], &[d as i64, 1], at);
-                self.copy_view(&dst, &t.view())?;
-            }
-            Ok(f)
+        check::rope(self, x, (cos, sin), head_dim)?;
+        let (n, width, r) = (x.rows(), x.cols(), 2 * cos.cols());
+        if r == head_dim {
+            return self.rope_heads(x, (cos, sin), inverse);
+        }
+        // A partial rotation: the rotated dimensions of every head gathered into a tensor of
+        // heads of r, rotated whole, and put back.
+        let heads = width / head_dim;
+        let rotated = |t: &NpuTensor| {
+            t.view()
+                .strided(&[n, heads, r], &[width as i64, head_dim as i64, 1], 0)
         };
-        let (c, mut s) = (full(cos)?, full(sin)?);
-        let out = self.empty(&x.shape, x.dtype)?;
-        let (table, rows) = ([1, n, 1, d], [1, n, width / d, d]);
-        let four = |t: &NpuTensor, dims: &[usize]| t.view().reshaped(dims, 0);
-        if inverse
-            && !self.rope_grad.absent()
-            && self.rope_grad_fused(
-                &four(x, &rows),
-                (four(&c, &table), four(&s, &table)),
-                &four(&out, &rows),
-                (&table, x.dtype),
-            )?
-        {
-            *x = out;
-            return Ok(());
-        }
-        // The inverse rotation is the rotation by −sin.
-        if inverse {
-            self.scale(&mut s, -1.0)?;
-        }
-        let fused = !self.rope.absent()
-            && self.rope_fused(
-                &four(x, &rows),
-                &four(&c, &table),
-                &four(&s, &table),
-                &four(&out, &rows),
-            )?;
-        if !fused {
-            let (ct, st) = (
-                c.view().reshaped(&[n, 1, d], 0),
-                s.view().reshaped(&[n, 1, d], 0),
-            );
-            self.rope_by_mul(x, (&ct, &st), &out, d)?;
-        }
-        *x = out;
-        Ok(())
+        let mut part = self.empty(&[n, heads * r], x.dtype)?;
+        self.copy_view(&part.view().reshaped(&[n, heads, r], 0), &rotated(x))?;
+        self.rope_heads(&mut part, (cos, sin), inverse)?;
+        self.copy_view(&rotated(x), &part.view().reshaped(&[n, heads, r], 0))
     }
 
     fn attention(

@@ -99,6 +99,7 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
         config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=spec,
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
+        rotary_percent=getattr(a, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
         rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0, vp_stage=vp_stage)
 

@@ -214,6 +214,30 @@ def make_qwen3_moe(out):
     return out
 
 
+def same_as_megatron_core(got, history, reference, tmp_path):
+    """The TensorBoard scalars `got` of mindkit's run equal the reference's per iteration to
+    1e-5 relative (lm loss, grad norm, learning rate, and with MoE layers the auxiliary
+    losses), and its saved weights the reference model's to 1e-4 (the expert biases exactly).
+    Returns the saved weights."""
+    from megatron_cpu import load_pt
+    want = {"lm loss": [h[0] for h in history], "grad-norm": [h[1] for h in history],
+            "learning-rate": [h[2] for h in history]}
+    for name in ("load_balancing_loss", "z_loss"):
+        if reference.moe_losses:
+            want[name] = [m[name] for m in reference.moe_losses]
+    for key, values in want.items():
+        assert len(got[key]) == ITERS, key
+        for i, (g, w) in enumerate(zip(got[key], values)):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+    trained = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")["model"]
+    for name, ref in reference.module.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        diff = ((trained[name].float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        assert diff <= 1e-4, f"{name}: relative difference {diff}"
+    return trained
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
     """A tiny Qwen3-MoE trained by `mindkit train` and by megatron-core's own GPTModel (MoELayer:
@@ -238,21 +262,29 @@ def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
         str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
         lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
         clip_grad=1.0, per_token=per_token, model=train_reference.Mcore(gpt), moe_layers=2)
-    want = {"lm loss": [h[0] for h in history], "grad-norm": [h[1] for h in history],
-            "learning-rate": [h[2] for h in history],
-            "load_balancing_loss": [m["load_balancing_loss"] for m in reference.moe_losses],
-            "z_loss": [m["z_loss"] for m in reference.moe_losses]}
-    for key, values in want.items():
-        assert len(got[key]) == ITERS, key
-        for i, (g, w) in enumerate(zip(got[key], values)):
-            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
-    trained = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")["model"]
-    for name, ref in reference.module.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
-        diff = ((trained[name].float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-        assert diff <= 1e-4, f"{name}: relative difference {diff}"
+    same_as_megatron_core(got, history, reference, tmp_path)
     assert_megatron_core_resumes(tmp_path / "ckpt", reference, iterations=ITERS, gbs=8)
+
+
+def test_partial_rotary_embedding_trains_as_megatron_core(tmp_path, mindkit):
+    """--rotary-percent 0.5 (Ling-V2's and GLM-4.5's RoPE on half of each head's dimensions,
+    the rest passed through): `mindkit train` and megatron-core's own GPTModel with
+    rotary_percent 0.5 from the same Megatron checkpoint, lm loss, grad norm and learning rate
+    per iteration to 1e-5 relative over 20 iterations, the final weights to 1e-4."""
+    from megatron_cpu import gpt_model
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", {"rotary_percent": 0.5})
+    mindkit_train(tmp_path / "start", data, tmp_path, [
+        "--rotary-percent", "0.5", "--finetune", "--tokenizer-name-or-path", model_dir])
+    got = scalars(tmp_path / "tb")
+    gpt = gpt_model(start["args"])
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
+        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        model=train_reference.Mcore(gpt))
+    same_as_megatron_core(got, history, reference, tmp_path)
 
 
 def test_grouped_experts_in_the_distributed_optimizer_are_laid_out_as_grouped_mlps_buffer(tmp_path):
@@ -279,6 +311,27 @@ def test_grouped_experts_in_the_distributed_optimizer_are_laid_out_as_grouped_ml
     same_buffer(model, obj["model"], saved)
 
 
+def megatron_start(mindkit, model_dir, out, args, added=lambda key, tensor: {}):
+    """The HF model converted to a Megatron checkpoint in `out` and then made another one, as
+    Megatron would have saved it: `args` set (without the config.json the conversion carries),
+    the tensors `added(key, tensor)` gives inserted after each key. Returns its contents."""
+    import collections
+    from megatron_cpu import load_pt
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", out)
+    path = next(out.glob("iter_*/mp_rank_00/model_optim_rng.pt"))
+    start = load_pt(path)
+    for k, v in args.items():
+        setattr(start["args"], k, v)
+    delattr(start["args"], "mindkit_hf_config")
+    model = collections.OrderedDict()
+    for k, v in start["model"].items():
+        model[k] = v
+        model.update(added(k, v))
+    start["model"] = model
+    torch.save(start, path)
+    return start
+
+
 def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
     """DeepSeek-style routing — sigmoid scores, group-limited top-k, scaled weights and an expert
     bias moved after every step (aux-loss-free balancing), beside the aux and z losses — trained
@@ -286,28 +339,17 @@ def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
     finalize_model_grads' _update_router_expert_bias) from the same Megatron checkpoint: lm loss,
     grad norm, learning rate, load_balancing_loss and z_loss per iteration to 1e-5 relative
     over 20 iterations, the final weights to 1e-4, and the final expert biases bit for bit."""
-    import collections
     from megatron_cpu import gpt_model, load_pt
     model_dir = make_qwen3_moe(tmp_path / "model")
     data = write_data(tmp_path / "data")
     # The converted Qwen3-MoE made a DeepSeek-routed one, as Megatron would have saved it.
-    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
-    path = next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt"))
-    start = load_pt(path)
     routing = dict(moe_router_score_function="sigmoid", moe_router_num_groups=2,
                    moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
                    moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.002)
-    for k, v in routing.items():
-        setattr(start["args"], k, v)
-    # (without the config.json mindkit's conversion carries in its args)
-    delattr(start["args"], "mindkit_hf_config")
-    model = collections.OrderedDict()
-    for k, v in start["model"].items():
-        model[k] = v
-        if k.endswith("router.weight"):
-            model[k.replace("weight", "expert_bias")] = torch.zeros(v.shape[0])
-    start["model"] = model
-    torch.save(start, path)
+    def bias(key, weight):
+        return ({key.replace("weight", "expert_bias"): torch.zeros(weight.shape[0])}
+                if key.endswith("router.weight") else {})
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", routing, bias)
     flags = ["--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
              "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
              "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.002",
@@ -322,26 +364,12 @@ def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
         None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
         lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
         clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
-    want = {"lm loss": [h[0] for h in history], "grad-norm": [h[1] for h in history],
-            "learning-rate": [h[2] for h in history],
-            "load_balancing_loss": [m["load_balancing_loss"] for m in reference.moe_losses],
-            "z_loss": [m["z_loss"] for m in reference.moe_losses]}
-    for key, values in want.items():
-        assert len(got[key]) == ITERS, key
-        for i, (g, w) in enumerate(zip(got[key], values)):
-            assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
-    trained = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")["model"]
-    moved = 0
-    for name, ref in reference.module.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
-        if name.endswith("expert_bias"):
-            assert trained[name].dtype == torch.float32 and torch.equal(trained[name], ref), name
-            moved += int(ref.abs().sum() > 0)
-            continue
-        diff = ((trained[name].float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-        assert diff <= 1e-4, f"{name}: relative difference {diff}"
-    assert moved == 2
+    trained = same_as_megatron_core(got, history, reference, tmp_path)
+    biases = [k for k in trained if k.endswith("expert_bias")]
+    for name in biases:
+        ref = reference.module.state_dict()[name]
+        assert trained[name].dtype == torch.float32 and torch.equal(trained[name], ref), name
+    assert len(biases) == 2 and all(trained[k].abs().sum() > 0 for k in biases)
 
 
 def test_validation_matches_the_megatron_reference(tmp_path, mindkit):

@@ -318,13 +318,23 @@ impl ModelConfig {
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F32);
         let layers = json_required_count(cfg, "num_hidden_layers")?;
+        let head_dim = json_count(cfg, "head_dim")?.unwrap_or(hidden / heads);
+        if let Some(f) = json_positive(cfg, "partial_rotary_factor")?.filter(|&f| f != 1.0) {
+            return Err(ConfigError::OutOfRange {
+                field: "partial_rotary_factor".into(),
+                got: f.to_string(),
+                expected: "1: the family's attention rotates whole heads",
+            }
+            .into());
+        }
         Ok(ModelConfig {
             family,
             layers,
             hidden,
             heads,
             groups,
-            head_dim: json_count(cfg, "head_dim")?.unwrap_or(hidden / heads),
+            head_dim,
+            rotary_dim: head_dim,
             ffn: json_required_count(cfg, "intermediate_size")?,
             vocab: json_required_count(cfg, "vocab_size")?,
             max_positions: json_count(cfg, "max_position_embeddings")?.unwrap_or(4096),
@@ -395,6 +405,15 @@ impl ModelConfig {
     /// experts read from Megatron args may route or share experts in a way the family cannot
     /// say).
     pub fn check_hf(&self) -> Result<()> {
+        if self.rotary_dim != self.head_dim {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its attention rotates \
+                 whole heads; this model rotates {} of {} dimensions (rotary_percent)",
+                self.family.name,
+                self.rotary_dim,
+                self.head_dim
+            );
+        }
         if let Some(why) = self
             .moe
             .as_ref()
@@ -605,13 +624,15 @@ impl ModelConfig {
             (None, Some(_)) => family::by_name("mixtral")?,
         };
         check_qk_norm(family, qk_norm)?;
+        let head_dim = arg_count(args, "kv_channels")?.unwrap_or(hidden / heads);
         Ok(ModelConfig {
             family,
             layers,
             hidden,
             heads,
             groups,
-            head_dim: arg_count(args, "kv_channels")?.unwrap_or(hidden / heads),
+            head_dim,
+            rotary_dim: rotary_dim(args, head_dim)?,
             ffn,
             vocab: arg_count(args, "vocab_size")?.unwrap_or(padded_rows),
             max_positions: arg_count(args, "max_position_embeddings")?.unwrap_or(4096),
@@ -627,6 +648,21 @@ impl ModelConfig {
             hf_config: None,
         })
     }
+}
+
+/// The dimensions of a head RoPE rotates: megatron-core rotary_pos_embedding.py
+/// `RotaryEmbedding` takes `int(kv_channels · rotary_percent)`, an even number of at least 2.
+fn rotary_dim(args: &[(String, Value)], head_dim: usize) -> FieldResult<usize> {
+    let percent = arg_positive(args, "rotary_percent")?.unwrap_or(1.0);
+    let dim = (head_dim as f64 * percent) as usize;
+    if percent > 1.0 || dim < 2 || dim % 2 == 1 {
+        return Err(ConfigError::OutOfRange {
+            field: "args.rotary_percent".into(),
+            got: percent.to_string(),
+            expected: "at most 1, rotating an even number of at least 2 of a head's dimensions",
+        });
+    }
+    Ok(dim)
 }
 
 /// `args.qk_layernorm` against the family the checkpoint is read as.
@@ -693,7 +729,10 @@ pub fn megatron_args(
         ("add_position_embedding", Value::Bool(false)),
         ("use_rotary_position_embeddings", Value::Bool(true)),
         ("rotary_base", Value::Float(cfg.rope_theta)),
-        ("rotary_percent", Value::Float(1.0)),
+        (
+            "rotary_percent",
+            Value::Float(cfg.rotary_dim as f64 / cfg.head_dim as f64),
+        ),
         ("rotary_interleaved", Value::Bool(false)),
         (
             "use_rope_scaling",

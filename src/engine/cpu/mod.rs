@@ -763,15 +763,17 @@ impl Backend for Cpu {
         x: &mut CpuTensor,
         cos: &CpuTensor,
         sin: &CpuTensor,
+        head_dim: usize,
         inverse: bool,
     ) -> Result<()> {
-        check::rope(self, x, cos, sin)?;
+        check::rope(self, x, (cos, sin), head_dim)?;
         let width = x.cols();
         let half = cos.cols();
         let (cos, sin) = (cos.values(), sin.values());
         rows::update_rows("rope", x, [], rows::block_rows(width), |rows, x, []| {
             let at = rows.start * half..rows.end * half;
-            rope::rope(x, width, &cos[at.clone()], &sin[at], inverse);
+            let tables = (&cos[at.clone()], &sin[at]);
+            rope::rope(x, (width, head_dim), tables, inverse);
         })
     }
 

@@ -81,8 +81,8 @@ impl Gqa {
         let (mut q, q_norm) = head_norm(p, q, self.qk_norm.map(|(g, _)| g))?;
         let (mut k, k_norm) = head_norm(p, k, self.qk_norm.map(|(_, g)| g))?;
         let (cos, sin) = p.rope;
-        b.rope(&mut q, cos, sin, false)?;
-        b.rope(&mut k, cos, sin, false)?;
+        b.rope(&mut q, cos, sin, shape.head_dim, false)?;
+        b.rope(&mut k, cos, sin, shape.head_dim, false)?;
         let (o, lse) = match attend {
             Attend::Segments(segments) => {
                 let mask = attention_mask(p, self.layer);
@@ -147,8 +147,8 @@ impl Gqa {
             mask.as_ref(),
         )?;
         let (cos, sin) = p.rope;
-        b.rope(&mut dq, cos, sin, true)?;
-        b.rope(&mut dk, cos, sin, true)?;
+        b.rope(&mut dq, cos, sin, shape.head_dim, true)?;
+        b.rope(&mut dk, cos, sin, shape.head_dim, true)?;
         let [q_norm, k_norm] = s.qk_norm;
         let dq = head_norm_bwd(p, grads, dq, (self.qk_norm.map(|(g, _)| g), q_norm))?;
         let dk = head_norm_bwd(p, grads, dk, (self.qk_norm.map(|(_, g)| g), k_norm))?;

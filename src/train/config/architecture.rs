@@ -95,6 +95,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
     }
     for (flag, key) in [
         ("rotary-base", "rotary_base"),
+        ("rotary-percent", "rotary_percent"),
         ("norm-epsilon", "norm_epsilon"),
         ("rope-scaling-factor", "rope_scaling_factor"),
         ("low-freq-factor", "low_freq_factor"),
@@ -136,8 +137,8 @@ fn check_family_flags(a: &Args) -> Result<()> {
     if let Some(p) = a.get("position-embedding-type").filter(|p| *p != "rope") {
         bail!("--position-embedding-type {p}: only rope is implemented");
     }
-    if let Some(p) = fraction(a, "rotary-percent")?.filter(|p| *p != 1.0) {
-        bail!("--rotary-percent {p}: only 1.0 (the whole head rotated) is implemented");
+    if let Some(p) = fraction(a, "rotary-percent")?.filter(|p| *p <= 0.0) {
+        bail!("--rotary-percent {p}: must be above 0");
     }
     Ok(())
 }
@@ -176,11 +177,26 @@ pub(super) fn dropout_rates(
 }
 
 /// The layer specs whose architecture mindkit builds: `(module, function)`.
-const SPECS: &[(&str, &str)] = &[("mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec")];
+const SPECS: &[(&str, &str)] = &[
+    ("mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"),
+    BAILING_SPEC,
+];
+
+/// MindSpeed-LLM's Ling (Bailing) spec: the local spec whatever `--transformer-impl` says.
+const BAILING_SPEC: (&str, &str) = ("mindspeed_llm.tasks.models.spec.bailing_spec", "layer_spec");
+
+/// Whether `--spec` names a spec that builds megatron-core's local modules (and so local
+/// checkpoint names) even with `--transformer-impl transformer_engine`.
+pub(super) fn spec_is_local_only(a: &Args) -> bool {
+    a.list("spec")
+        .is_some_and(|s| s == [BAILING_SPEC.0.to_string(), BAILING_SPEC.1.to_string()])
+}
 
 /// `--spec MODULE FUNCTION` (Megatron's custom layer spec): accepted where it builds what
-/// mindkit builds (MindSpeed-LLM's qwen3 spec: the local spec, with q/k norms as
-/// `--qk-layernorm` says, mindspeed_llm/tasks/models/spec/qwen3_spec.py), refused otherwise.
+/// mindkit builds — MindSpeed-LLM's qwen3 and bailing specs: the local spec (TE's with qwen3's
+/// under `--transformer-impl transformer_engine`), with q/k norms as `--qk-layernorm` says and
+/// the MoE layer of `--num-experts` (mindspeed_llm/tasks/models/spec/qwen3_spec.py,
+/// bailing_spec.py) —, refused otherwise.
 fn check_spec(a: &Args) -> Result<()> {
     let Some(spec) = a.list("spec") else {
         return Ok(());
@@ -290,6 +306,10 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
     for (flag, have) in [
         ("norm-epsilon", cfg.norm_eps),
         ("rotary-base", cfg.rope_theta),
+        (
+            "rotary-percent",
+            cfg.rotary_dim as f64 / cfg.head_dim as f64,
+        ),
     ] {
         if let Some(v) = a.parse_value::<f64>(flag)?.filter(|&v| !same(v, have)) {
             bail!("--{flag} {v} does not match the --load checkpoint's {have}");

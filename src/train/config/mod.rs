@@ -609,6 +609,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             no_optim: a.has("no-save-optim"),
             layout: match a.get("transformer-impl").unwrap_or("local") {
                 "local" => KeyLayout::Mcore,
+                "transformer_engine" if architecture::spec_is_local_only(a) => KeyLayout::Mcore,
                 "transformer_engine" => KeyLayout::McoreTe,
                 other => bail!("--transformer-impl {other}: expected local or transformer_engine"),
             },

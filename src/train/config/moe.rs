@@ -150,6 +150,11 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
     if etp != tp {
         bail!("--expert-tensor-parallel-size {etp} differs from the tensor-parallel size {tp}: experts split otherwise than the dense layers are not built yet");
     }
+    if tp > 1 && a.has("moe-tp-extend-ep") {
+        // MindSpeed-LLM's MoE layer then keeps experts whole, E / (EP·TP) on each rank
+        // (mindspeed_llm/core/transformer/moe/moe_layer.py); at TP 1 that is the usual layer.
+        bail!("--moe-tp-extend-ep with tensor parallelism (experts whole on each of TP × EP ranks) is not built yet");
+    }
     if tp > 1 && !a.has("sequence-parallel") {
         // megatron-core moe_layer.py `MoELayer.forward` raises the same in training.
         bail!("a mixture of experts with tensor parallelism trains with --sequence-parallel (megatron-core refuses it without)");
