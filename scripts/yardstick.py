@@ -340,15 +340,28 @@ def write_corpora(root):
     return text, alpaca
 
 
-def padded_vocab_size(tokenizer_dir):
-    """The tokenizer's vocabulary (highest id + 1) rounded up to a multiple of 128; for a tekken
-    file mistral-common's `n_words`, its config's default_vocab_size."""
+def padded_vocab_size(tokenizer_dir, stop_words=()):
+    """The tokenizer's vocabulary (highest id + 1), with the prompt type's `stop_words` it lacks
+    (MindSpeed-LLM's tokenizer, as mindkit's, adds them as special tokens), rounded up to a
+    multiple of 128; for a tekken file mistral-common's `n_words`, its config's
+    default_vocab_size."""
     if is_tekken(tokenizer_dir):
         config = json.loads(tokenizer_dir.read_text(encoding="utf-8"))["config"]
         return -(-config["default_vocab_size"] // 128) * 128
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    ids = list(spec["model"]["vocab"].values()) + [t["id"] for t in spec.get("added_tokens", [])]
-    return -(-(max(ids) + 1) // 128) * 128
+    added = spec.get("added_tokens", [])
+    ids = list(spec["model"]["vocab"].values()) + [t["id"] for t in added]
+    known = set(spec["model"]["vocab"]) | {t["content"] for t in added}
+    missing = {w for w in stop_words if w not in known}
+    return -(-(max(ids) + 1 + len(missing)) // 128) * 128
+
+
+def stop_words(templates, prompt_type):
+    """The stop words MindSpeed-LLM's templates.json gives `prompt_type` (none when unknown)."""
+    if prompt_type is None or not templates.is_file():
+        return []
+    entries = json.loads(templates.read_text(encoding="utf-8"))
+    return next((t.get("stop_words", []) for t in entries if t.get("name") == prompt_type), [])
 
 
 @dataclasses.dataclass
@@ -549,7 +562,8 @@ def measure(script, rel, args, data, workdir):
         return res
     tokenizer = family_tokenizer(script, args.assets)
     res.tokenizer = tokenizer.name
-    flags, res.changes = shrink(flags, padded_vocab_size(tokenizer))
+    words = stop_words(data.templates, value(flags, "--prompt-type"))
+    flags, res.changes = shrink(flags, padded_vocab_size(tokenizer, words))
     flags = resolve_paths(flags, rundir, tokenizer, res.notes)
     try:
         flags = attach_data(flags, data, tokenizer, res)

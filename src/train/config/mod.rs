@@ -21,6 +21,7 @@ use super::data::SftRows;
 use super::optim::AdamConfig;
 use super::parallel::{Axis, Layout};
 use super::schedule::Schedule;
+use crate::arch::family::by_name;
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
@@ -444,11 +445,13 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     // Megatron's load_checkpoint: no checkpoint under --load (no tracker file) means "will
     // start from random"; only --exit-on-missing-checkpoint makes it an error.
     let input = match &load {
-        Some(dir) if holds_a_checkpoint(dir) => Some(open_checkpoint(
-            dir,
-            None,
-            a.get("model-type-hf").map(family_name),
-        )?),
+        Some(dir) if holds_a_checkpoint(dir) => {
+            // MindSpeed-LLM reads --model-type-hf only to convert an HF --load; a Megatron
+            // checkpoint is read as its args say, whatever family name the script gives.
+            let family = (a.get("model-type-hf").map(family_name))
+                .filter(|f| detect(dir).is_ok_and(|d| d == Format::Hf) || by_name(f).is_ok());
+            Some(open_checkpoint(dir, None, family)?)
+        }
         Some(dir) if a.has("exit-on-missing-checkpoint") => {
             bail!("--load {}: no checkpoint there", dir.display())
         }
