@@ -3101,6 +3101,123 @@ fn grouped_experts_train_with_the_distributed_optimizer_as_without_and_resume_bi
     }
 }
 
+/// The tensors of a checkpoint's rank file, by flattened key, with their shapes.
+fn rank_file_shapes(file: &Path) -> std::collections::BTreeMap<String, Vec<u64>> {
+    use mindkit::ckpt::torch::pickle::Value;
+    let pt = mindkit::ckpt::torch::TorchFile::open(file).unwrap();
+    let mut flat = std::collections::BTreeMap::new();
+    for c in mindkit::ckpt::megatron::chunks(&pt).unwrap() {
+        mindkit::ckpt::megatron::flatten(c, false, file, &mut flat).unwrap();
+    }
+    (flat.into_iter())
+        .filter_map(|(k, v)| match v {
+            Value::Tensor(t) => Some((k, t.shape.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn lora_on_grouped_experts_trains_saves_resumes_and_merges_as_on_experts_one_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let layout = |grouped: bool| -> Vec<&'static str> {
+        let mut a = vec!["--micro-batch-size", "1", "--global-batch-size", "4"];
+        if grouped {
+            a.push("--moe-grouped-gemm");
+        }
+        a
+    };
+    let lora = |grouped: bool, extra: &[&str]| {
+        let base = path(if grouped { "base_grouped" } else { "base" });
+        let flags = split(
+            "--finetune --lora-r 4 --lora-alpha 8 --lora-target-modules linear_fc1 linear_fc2",
+        );
+        let mut a = moe_args(
+            &data,
+            &[&layout(grouped)[..], &flags, &["--load", &base]].concat(),
+        );
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    for grouped in [false, true] {
+        let base = path(if grouped { "base_grouped" } else { "base" });
+        let once = [
+            "--train-iters",
+            "1",
+            "--lr-decay-iters",
+            "10",
+            "--save",
+            &base,
+        ];
+        run(&moe_args(&data, &[&layout(grouped)[..], &once].concat())).success();
+    }
+    let filter = "--lora-ckpt-filter";
+    let one = stdout(&run(&lora(false, &["--save", &path("one"), filter])).success());
+    let grouped = stdout(&run(&lora(true, &["--save", &path("grouped"), filter])).success());
+    // The same adapters, drawn alike and trained by the same math.
+    assert_eq!(iterations(&one), iterations(&grouped));
+    // Saved as MindSpeed-LLM's LoraParallelGroupedMLP holds them: 4 experts of rank 4.
+    let file = |d: &str| Path::new(d).join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+    let shapes = rank_file_shapes(&file(&path("grouped")));
+    for (key, want) in [
+        ("weight1_lora_a", [64, 16]),
+        ("weight1_lora_b", [4, 256]),
+        ("weight2_lora_a", [128, 4]),
+        ("weight2_lora_b", [16, 64]),
+    ] {
+        let key = format!("decoder.layers.2.mlp.experts.{key}");
+        assert_eq!(
+            shapes.get(&key).map(Vec::as_slice),
+            Some(&want[..]),
+            "{key}: {shapes:?}"
+        );
+    }
+    assert!(
+        !shapes.keys().any(|k| k.contains("local_experts")),
+        "{shapes:?}"
+    );
+    // Resumed from the grouped adapters (--lora-load), bit for bit.
+    // (Without --finetune, which restarts at iteration 0 as Megatron's load_checkpoint does.)
+    let part = path("part");
+    run(&lora(
+        true,
+        &["--save", &part, filter, "--exit-interval", "3"],
+    ))
+    .success();
+    let mut resumed = lora(true, &["--save", &part, filter, "--lora-load", &part]);
+    resumed.retain(|a| a != "--finetune");
+    let rest = stdout(&run(&resumed).success());
+    assert_eq!(&iterations(&grouped)[3..], &iterations(&rest)[..]);
+    assert!(std::fs::read(file(&part)).unwrap() == std::fs::read(file(&path("grouped"))).unwrap());
+    // Merged: the grouped adapters into the grouped base give the weights the per-expert
+    // adapters give their base.
+    let merged = |base: &str, adapter: &str, out: &str| {
+        common::lora_merge(
+            Path::new(&path(base)),
+            Path::new(&path(adapter)),
+            Path::new(&path(out)),
+            &[],
+        )
+        .success();
+        mindkit::ckpt::megatron::MegatronCkpt::open(Path::new(&path(out)), None).unwrap()
+    };
+    let (a, b) = (
+        merged("base", "one", "m1"),
+        merged("base_grouped", "grouped", "m2"),
+    );
+    let base = mindkit::ckpt::megatron::MegatronCkpt::open(Path::new(&path("base")), None).unwrap();
+    for c in mindkit::arch::roles::canonical(&a.cfg) {
+        assert_eq!(a.read(c).unwrap(), b.read(c).unwrap(), "{c:?}");
+    }
+    let expert = mindkit::arch::roles::Canon {
+        role: mindkit::arch::roles::Role::ExpertFc2(3),
+        layer: Some(2),
+    };
+    assert_ne!(a.read(expert).unwrap(), base.read(expert).unwrap());
+}
+
 #[test]
 fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@ use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
 use std::ops::Range;
 
 /// Which factor of a LoRA adapter a parameter is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LoraPart {
     /// `A [r, in]`: the input projection.
     A,

@@ -291,10 +291,15 @@ impl<B: Backend> Trainer<B> {
         let mut extra = Vec::new();
         if let Some(l) = &c.lora {
             args.extend(lora_args(&l.spec));
-            for (p, t) in self.table.params.iter().zip(&params) {
-                if p.lora.is_some() {
-                    extra.push((p.chunk, p.name.clone(), t.clone()));
-                }
+            let (table, grouped) = (&self.table, c.grouped_experts);
+            let adapters: Vec<usize> = (0..table.params.len())
+                .filter(|&i| table.params[i].lora.is_some())
+                .collect();
+            for unit in checkpoint::stored_units(table, &adapters, grouped) {
+                let tensors: Vec<&HostTensor> = unit.iter().map(|&i| &params[i]).collect();
+                let key = checkpoint::unit_key(table, &unit, grouped);
+                let packed = checkpoint::pack_unit(table, &unit, &tensors, grouped);
+                extra.push((table.params[unit[0]].chunk, key, packed));
             }
         }
         Ok(checkpoint::Snapshot {

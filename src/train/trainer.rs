@@ -139,7 +139,8 @@ impl<B: Backend> Trainer<B> {
         }
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
             let at = (tp, stage.rank());
-            checkpoint::load_named(dir, (&table, at), |p| p.lora.is_some(), &mut host)?;
+            let at = (&table, at, cfg.grouped_experts);
+            checkpoint::load_named(dir, at, |p| p.lora.is_some(), &mut host)?;
         }
         let params: Vec<B::Tensor> = host
             .iter()

@@ -9,6 +9,7 @@ use super::{lora_scale, parse_lora_key, Edit, Factor, FactorKind, MergePlan, Sto
 use crate::arch::roles::{canonical_shape, Canon};
 use crate::arch::ModelConfig;
 use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
+use crate::ckpt::grouped::{expert_view, GroupedLora};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
 use crate::ckpt::megatron::{chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files};
 use crate::ckpt::torch::pickle::{TensorRef, Value};
@@ -18,7 +19,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 
-/// A LoRA factor found in a rank file.
+/// A LoRA factor found in a rank file: an adapted module's, or one expert's block of a grouped
+/// factor (`transposed`: the block is the factor's transpose).
 struct Found {
     stage: usize,
     rank: usize,
@@ -27,6 +29,7 @@ struct Found {
     module: String,
     kind: FactorKind,
     tensor: TensorRef,
+    transposed: bool,
 }
 
 /// A Megatron LoRA checkpoint.
@@ -108,6 +111,10 @@ impl MegatronLora {
                     self.base_tensors += !key.ends_with("_extra_state") as usize;
                     continue;
                 }
+                if let Some(g) = GroupedLora::of(&key) {
+                    self.index_grouped(stage, rank, chunk, (&key, &g, &tensor), f)?;
+                    continue;
+                }
                 let (module, kind, _) = parse_lora_key(&key).ok_or_else(|| {
                     anyhow!("{}: unrecognised LoRA tensor {key}", f.path().display())
                 })?;
@@ -127,8 +134,47 @@ impl MegatronLora {
                     module,
                     kind,
                     tensor: *tensor,
+                    transposed: false,
                 });
             }
+        }
+        Ok(())
+    }
+
+    /// Each local expert's block of a grouped LoRA factor (MindSpeed-LLM's
+    /// LoraParallelGroupedMLP) as that expert's factor, stored transposed.
+    fn index_grouped(
+        &mut self,
+        stage: usize,
+        rank: usize,
+        chunk: usize,
+        (key, g, tensor): (&str, &GroupedLora, &TensorRef),
+        f: &TorchFile,
+    ) -> Result<()> {
+        let local = arg_uint(&self.args, "num_experts")
+            .with_context(|| f.path().display().to_string())?
+            .ok_or_else(|| anyhow!("{}: {key} without args.num_experts", f.path().display()))?;
+        let shard = (local > 0).then(|| g.shard(&tensor.shape, local)).flatten();
+        let shard = shard.ok_or_else(|| {
+            anyhow!(
+                "{}: {key} of shape {:?} does not hold {local} experts' factors",
+                f.path().display(),
+                tensor.shape
+            )
+        })?;
+        for le in 0..local {
+            let block = expert_view((key, tensor), le, (&shard, local))
+                .with_context(|| f.path().display().to_string())?;
+            self.factors.push(Found {
+                stage,
+                rank,
+                chunk,
+                key: key.to_string(),
+                module: g.module(le),
+                kind: if g.a { FactorKind::A } else { FactorKind::B },
+                tensor: block,
+                transposed: true,
+            });
         }
         Ok(())
     }
@@ -194,7 +240,8 @@ impl MegatronLora {
         }
         // canonical tensor → [A shards, B shards] by TP rank.
         type Shards = Vec<Option<(usize, usize, String, TensorRef)>>;
-        let mut found: BTreeMap<(Option<usize>, String), (Canon, [Shards; 2])> = BTreeMap::new();
+        type Slot = (Canon, [Shards; 2], [bool; 2]);
+        let mut found: BTreeMap<(Option<usize>, String), Slot> = BTreeMap::new();
         for f in &self.factors {
             let weight = format!("{}.weight", f.module);
             let canon = weights
@@ -212,17 +259,23 @@ impl MegatronLora {
                 })?;
             let slot = found
                 .entry((canon.layer, format!("{:?}", canon.role)))
-                .or_insert_with(|| (canon, [vec![None; tp], vec![None; tp]]));
+                .or_insert_with(|| (canon, [vec![None; tp], vec![None; tp]], [false; 2]));
             let which = (f.kind == FactorKind::B) as usize;
             slot.1[which][f.rank] = Some((f.stage, f.rank, f.key.clone(), f.tensor.clone()));
+            slot.2[which] = f.transposed;
         }
         let rank_arg = arg_uint(&self.args, "lora_r")
             .with_context(|| self.files[0][0].path().display().to_string())?;
         let mut edits = HashMap::new();
-        for (canon, [a, b]) in found.into_values() {
+        for (canon, [a, b], [a_t, b_t]) in found.into_values() {
             let a = self.complete(a, canon, "lora_A")?;
             let b = self.complete(b, canon, "lora_B")?;
-            let r = a[0].3.shape[0] as usize;
+            // a factor stored transposed (a grouped expert's) has its shape reversed
+            let logical = |t: &TensorRef, transposed: bool| match transposed {
+                true => t.shape.iter().rev().copied().collect::<Vec<u64>>(),
+                false => t.shape.clone(),
+            };
+            let r = logical(&a[0].3, a_t)[0] as usize;
             if r == 0 {
                 bail!("{}: {} has rank 0", self.iter_dir.display(), a[0].2);
             }
@@ -234,14 +287,15 @@ impl MegatronLora {
                 );
             }
             let shard = shard_shape(cfg, canon.role, tp, 0);
-            for (shards, want) in [(&a, [r, shard[1]]), (&b, [shard[0], r])] {
+            for (shards, want, t_) in [(&a, [r, shard[1]], a_t), (&b, [shard[0], r], b_t)] {
                 for (p, t, key, tensor) in shards {
-                    if tensor.shape != [want[0] as u64, want[1] as u64] {
+                    let shape = logical(tensor, t_);
+                    if shape != [want[0] as u64, want[1] as u64] {
                         bail!(
-                            "{}: {key} has shape {:?}; the base layer's TP-{tp} shard {shard:?} \
-                             with rank {r} implies {want:?}",
+                            "{}: {key} has {}shape {shape:?}; the base layer's TP-{tp} shard \
+                             {shard:?} with rank {r} implies {want:?}",
                             self.files[*p][*t].path().display(),
-                            tensor.shape
+                            if t_ { "an expert's factor of " } else { "" }
                         );
                     }
                 }
@@ -254,11 +308,13 @@ impl MegatronLora {
                     role: canon.role,
                     gather: !row,
                     shards: b,
+                    transposed: b_t,
                 },
                 a: Factor::Shards {
                     role: canon.role,
                     gather: row,
                     shards: a,
+                    transposed: a_t,
                 },
                 scale,
                 transposed: false,

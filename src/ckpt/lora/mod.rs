@@ -82,11 +82,13 @@ enum Factor {
     /// A tensor of a PEFT adapter file.
     Peft(String),
     /// Per-TP-rank shards of a Megatron LoRA checkpoint: `(stage, rank, key, tensor)`, gathered
-    /// like `role`'s weight when `gather`, else the replicated rank-0 copy.
+    /// like `role`'s weight when `gather`, else the replicated rank-0 copy; each the
+    /// transpose of the factor's shard when `transposed` (a grouped expert's block).
     Shards {
         role: Role,
         gather: bool,
         shards: Vec<(usize, usize, String, TensorRef)>,
+        transposed: bool,
     },
     /// The 1×1 matrix `[1]` (turns a bias vector into a rank-1 product).
     One,
@@ -144,11 +146,17 @@ impl MergePlan {
                     role,
                     gather,
                     shards,
+                    transposed,
                 },
                 Store::Megatron(files),
             ) => {
                 let read = |(p, t, key, r): &(usize, usize, String, TensorRef)| {
-                    Ok(files[*p][*t].read_tensor(key, r)?)
+                    let shard = files[*p][*t].read_tensor(key, r)?;
+                    Ok(if *transposed {
+                        shard.transposed()
+                    } else {
+                        shard
+                    })
                 };
                 if *gather {
                     let parts = shards.iter().map(read).collect::<Result<Vec<_>>>()?;

@@ -226,9 +226,10 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize)> {
     ))
 }
 
-/// Whether a state-dict key is a LoRA factor (`….lora_A.default.weight`, `lora_b`, …).
+/// Whether a state-dict key is a LoRA factor (`….lora_A.default.weight`, `lora_b`, …, or
+/// MindSpeed-LLM's grouped experts' `weight1_lora_a`, …).
 pub fn is_lora_key(key: &str) -> bool {
-    key.contains(".lora_")
+    key.contains(".lora_") || super::grouped::GroupedLora::of(key).is_some()
 }
 
 /// A tensor found in a rank file: which file of its stage (`e·tp + t`), its reference, and

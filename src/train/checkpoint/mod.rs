@@ -134,16 +134,18 @@ pub struct Snapshot<'a> {
 
 /// How the checkpoint stores a parameter group's members: one unit per parameter, except that
 /// with grouped experts a layer's routed experts' linear_fc1 weights are one unit (`weight1`)
-/// and their linear_fc2 weights another (`weight2`), each at its first member's place (the
-/// order megatron-core's `GroupedMLP` registers them).
+/// and their linear_fc2 weights another (`weight2`), and so are each of their LoRA factors
+/// (`weight1_lora_a`, …), each at its first member's place (the order megatron-core's
+/// `GroupedMLP` and MindSpeed-LLM's `LoraParallelGroupedMLP` register them).
 pub fn stored_units(table: &ParamTable, members: &[usize], grouped: bool) -> Vec<Vec<usize>> {
     let mut units: Vec<Vec<usize>> = Vec::new();
     let mut at: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
     for &p in members {
         let info = &table.params[p];
-        let key = match (grouped, info.lora, info.canon.role) {
-            (true, None, Role::ExpertFc1(_)) => Some((info.chunk, info.canon.layer, 1)),
-            (true, None, Role::ExpertFc2(_)) => Some((info.chunk, info.canon.layer, 2)),
+        let (chunk, layer, lora) = (info.chunk, info.canon.layer, info.lora);
+        let key = match (grouped, info.canon.role) {
+            (true, Role::ExpertFc1(_)) => Some((chunk, layer, 1, lora)),
+            (true, Role::ExpertFc2(_)) => Some((chunk, layer, 2, lora)),
             _ => None,
         };
         match key.and_then(|k| at.get(&k).copied()) {
@@ -161,8 +163,17 @@ pub fn stored_units(table: &ParamTable, members: &[usize], grouped: bool) -> Vec
 
 /// Whether a unit of [`stored_units`] is a grouped tensor.
 pub fn is_grouped_unit(table: &ParamTable, unit: &[usize], grouped: bool) -> bool {
-    let role = table.params[unit[0]].canon.role;
-    grouped && table.params[unit[0]].lora.is_none() && role.expert().is_some()
+    grouped && table.params[unit[0]].canon.role.expert().is_some()
+}
+
+/// The key a unit is stored under: its parameter's, or a grouped tensor's
+/// ([`crate::ckpt::grouped::grouped_key`]).
+pub fn unit_key(table: &ParamTable, unit: &[usize], grouped: bool) -> String {
+    let name = &table.params[unit[0]].name;
+    match is_grouped_unit(table, unit, grouped) {
+        true => crate::ckpt::grouped::grouped_key(name).map_or_else(|| name.clone(), |(g, _)| g),
+        false => name.clone(),
+    }
 }
 
 /// The tensor stored for a unit, from its members' tensors (a grouped tensor packs them).
@@ -172,8 +183,8 @@ pub fn pack_unit(table: &ParamTable, unit: &[usize], tensors: &[&Tensor], groupe
     }
     let info = &table.params[unit[0]];
     let name = match info.canon.role {
-        Role::ExpertFc1(_) => "weight1",
-        _ => "weight2",
+        Role::ExpertFc1(_) => "experts.weight1",
+        _ => "experts.weight2",
     };
     let shape = crate::ckpt::grouped::grouped_shape(name, &info.shape, unit.len());
     let shards: Vec<Tensor> = tensors.iter().map(|&t| t.clone()).collect();

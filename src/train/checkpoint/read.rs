@@ -1,7 +1,7 @@
 //! Reading a checkpoint back: the LoRA adapters of `--lora-load`, and the training state a
 //! resumed run restores (progress, scheduler, optimizer, the distributed optimizer's buffers).
 
-use super::{iteration_dir, param_groups, stored_units, unpack_unit};
+use super::{is_grouped_unit, iteration_dir, param_groups, stored_units, unit_key, unpack_unit};
 use super::{GroupHyper, OptimizerState, RankAt, DISTRIBUTED_FILE};
 use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::Value;
@@ -14,11 +14,12 @@ use std::path::{Path, PathBuf};
 
 /// Replace `host[i]` by the tensor named `table.params[i].name` in this rank's file of the
 /// checkpoint `dir` (`at`: its tensor-parallel and pipeline rank and their sizes), for every
-/// parameter `pick` selects (the LoRA adapters of `--lora-load`): shapes checked, cast to the
+/// parameter `pick` selects (the LoRA adapters of `--lora-load`; with `grouped` experts their
+/// factors unpacked from MindSpeed-LLM's grouped tensors): shapes checked, cast to the
 /// parameter's dtype.
 pub fn load_named(
     dir: &Path,
-    (table, at): (&ParamTable, RankAt),
+    (table, at, grouped): (&ParamTable, RankAt, bool),
     pick: impl Fn(&crate::model::params::ParamInfo) -> bool,
     host: &mut [Tensor],
 ) -> Result<()> {
@@ -31,28 +32,35 @@ pub fn load_named(
         crate::ckpt::megatron::flatten(chunk, false, &path, &mut keys)?;
         chunks.push(keys);
     }
-    for (p, slot) in table.params.iter().zip(host.iter_mut()) {
-        if !pick(p) {
-            continue;
-        }
-        let Some(Value::Tensor(t)) = chunks.get(p.chunk).and_then(|k| k.get(&p.name)) else {
+    let picked: Vec<usize> = (0..table.params.len())
+        .filter(|&i| pick(&table.params[i]))
+        .collect();
+    for unit in stored_units(table, &picked, grouped) {
+        let (p, key) = (&table.params[unit[0]], unit_key(table, &unit, grouped));
+        let Some(Value::Tensor(t)) = chunks.get(p.chunk).and_then(|k| k.get(&key)) else {
             bail!(
-                "{}: no {} (the adapter does not match --lora-r / --lora-target-modules)",
-                path.display(),
-                p.name
+                "{}: no {key} (the adapter does not match --lora-r / --lora-target-modules / \
+                 --moe-grouped-gemm)",
+                path.display()
             );
         };
-        let t = f.read_tensor(&p.name, t)?;
-        if t.shape != p.shape {
+        let t = f.read_tensor(&key, t)?;
+        let want = match is_grouped_unit(table, &unit, grouped) {
+            true => (crate::ckpt::grouped::grouped_shape(&key, &p.shape, unit.len()).iter())
+                .map(|&n| n as usize)
+                .collect(),
+            false => p.shape.clone(),
+        };
+        if t.shape != want {
             bail!(
-                "{}: {} has shape {:?}, this run's adapter {:?}",
+                "{}: {key} has shape {:?}, this run's adapter {want:?}",
                 path.display(),
-                p.name,
-                t.shape,
-                p.shape
+                t.shape
             );
         }
-        *slot = t.cast(slot.dtype).map_err(|e| anyhow!(e))?;
+        for (&i, part) in unit.iter().zip(unpack_unit(table, &unit, t, grouped)) {
+            host[i] = part.cast(host[i].dtype).map_err(|e| anyhow!(e))?;
+        }
     }
     Ok(())
 }

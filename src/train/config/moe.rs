@@ -132,18 +132,8 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
     if model.moe.is_none() {
         return Ok(());
     }
-    let refusals: [(bool, &str); 2] = [
-        (
-            a.has("moe-grouped-gemm") && a.has("lora-r"),
-            "--moe-grouped-gemm with LoRA (MindSpeed-LLM's LoraParallelGroupedMLP) is not built yet",
-        ),
-        (
-            positive(a, "expert-model-parallel-size")?.unwrap_or(1) > 1,
-            "--expert-model-parallel-size above 1 is not built yet",
-        ),
-    ];
-    if let Some((_, why)) = refusals.iter().find(|(refused, _)| *refused) {
-        bail!("{why}");
+    if positive(a, "expert-model-parallel-size")?.unwrap_or(1) > 1 {
+        bail!("--expert-model-parallel-size above 1 is not built yet");
     }
     let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
     let etp = positive(a, "expert-tensor-parallel-size")?.unwrap_or(tp);
