@@ -14,8 +14,11 @@ ROWS = [("torch-hf2mg", "torch script HF → Megatron TP2 PP2"),
         ("merge-hf", "mindkit lora merge → HF"),
         ("convert-hf2mg", "mindkit convert HF → Megatron TP2 PP2"),
         ("merge-mg", "mindkit lora merge → Megatron TP2 PP2"),
-        ("peft-merge", "peft merge_and_unload + save_pretrained")]
-RATIOS = [("merge-hf", "convert-hf2hf", "lora merge → HF / plain convert → HF"),
+        ("peft-merge", "peft merge_and_unload + save_pretrained"),
+        ("msl-moe", "MindSpeed-LLM convert_ckpt_v2 → TP2 EP4 grouped"),
+        ("mindkit-moe", "mindkit HF → Megatron TP2 EP4 grouped")]
+RATIOS = [("msl-moe", "mindkit-moe", "MindSpeed-LLM's converter / mindkit (MoE → TP2 EP4): mindkit is this many times faster"),
+          ("merge-hf", "convert-hf2hf", "lora merge → HF / plain convert → HF"),
           ("merge-mg", "convert-hf2mg", "lora merge → Megatron / plain convert → Megatron"),
           ("peft-merge", "merge-hf", "peft / mindkit lora merge (→ HF): mindkit is this many times faster")]
 

@@ -255,6 +255,45 @@ pub fn tp_shard(role: Role, t: &Tensor, r: usize, tp: usize, padded_vocab: usize
     }
 }
 
+/// Rank `r`'s shard of the canonical tensor `t` ([`tp_shard`]'s bytes) as parts to write one
+/// after the other, borrowed from `t` where the shard is made of its rows (every split but the
+/// column split, for which `None`): the writer then holds no copy of a large tensor's shard.
+pub fn shard_row_parts<'a>(
+    role: Role,
+    t: &'a Tensor,
+    r: usize,
+    tp: usize,
+    padded_vocab: usize,
+) -> Option<Vec<std::borrow::Cow<'a, [u8]>>> {
+    use std::borrow::Cow;
+    let rb = t.data.len() / t.shape.first().copied().unwrap_or(1).max(1);
+    let rows = |from: usize, to: usize| Cow::Borrowed(&t.data[from * rb..to * rb]);
+    Some(match split_of(role) {
+        Split::Replicated => vec![Cow::Borrowed(&t.data[..])],
+        Split::Rows => {
+            let n = t.shape[0] / tp;
+            vec![rows(r * n, (r + 1) * n)]
+        }
+        Split::Cols => return None,
+        Split::Vocab => {
+            // rows past the real ones are copies of the last (Tensor::rows_padded)
+            let (n, have) = (padded_vocab / tp, t.shape[0]);
+            let (from, to) = (r * n, (r + 1) * n);
+            let mut parts = vec![rows(from.min(have), to.min(have))];
+            let pad = to.saturating_sub(from.max(have));
+            if pad > 0 && have > 0 {
+                parts.push(Cow::Owned(rows(have - 1, have).repeat(pad)));
+            }
+            parts
+        }
+        Split::GateUp => {
+            let f = t.shape[0] / 2;
+            let n = f / tp;
+            vec![rows(r * n, (r + 1) * n), rows(f + r * n, f + (r + 1) * n)]
+        }
+    })
+}
+
 /// Rank shards → the canonical tensor (vocab padding removed: `vocab` rows kept).
 pub fn gather_tp(role: Role, shards: &[Tensor], vocab: usize) -> Result<Tensor> {
     Ok(match split_of(role) {
@@ -293,4 +332,33 @@ pub fn gather_tp(role: Role, shards: &[Tensor], vocab: usize) -> Result<Tensor> 
             Tensor::new(shards[0].dtype, shape, data)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    #[test]
+    fn row_parts_are_the_shards_bytes() {
+        // a 10-row canonical tensor of 3 columns, 16 padded vocabulary rows over TP 4
+        let t = Tensor::new(DType::F32, vec![10, 3], (0..120).map(|b| b as u8).collect());
+        for role in [
+            Role::InputNorm,
+            Role::Qkv,
+            Role::Proj,
+            Role::Embedding,
+            Role::Fc1,
+        ] {
+            for r in 0..2 {
+                let tp = if role == Role::Embedding { 4 } else { 2 };
+                let shard = tp_shard(role, &t, r + 2 * (tp == 4) as usize, tp, 16);
+                let parts = shard_row_parts(role, &t, r + 2 * (tp == 4) as usize, tp, 16);
+                match parts {
+                    Some(p) => assert_eq!(p.concat(), shard.data, "{role:?} rank {r}"),
+                    None => assert_eq!(role, Role::Proj),
+                }
+            }
+        }
+    }
 }

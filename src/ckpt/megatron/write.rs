@@ -9,7 +9,7 @@ use crate::ckpt::grouped::{grouped_key, grouped_shape, pack};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
 use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
 use crate::ckpt::torch::save::PtWriter;
-use crate::ckpt::transform::{shard_shape, tp_shard};
+use crate::ckpt::transform::{shard_row_parts, shard_shape, tp_shard};
 use crate::tensor::host::Tensor;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
@@ -92,13 +92,17 @@ impl MegatronTarget<'_> {
         for (p, e) in self.rank_groups() {
             for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
                 if let Some(c) = canon {
-                    let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
-                    let dtype = c.role.dtype(self.cfg.dtype);
-                    n += (shape.iter().product::<usize>() * dtype.size()) as u64;
+                    n += self.shard_bytes(c, padded);
                 }
             }
         }
         n * self.par.tp as u64
+    }
+
+    /// Bytes of one TP rank's shard of `c`.
+    fn shard_bytes(&self, c: Canon, padded: usize) -> u64 {
+        let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
+        (shape.iter().product::<usize>() * c.role.dtype(self.cfg.dtype).size()) as u64
     }
 
     /// Every (stage, expert-parallel rank) pair: the rank files of each are its TP ranks'.
@@ -235,27 +239,42 @@ impl MegatronTarget<'_> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             for (key, s) in stored.iter().enumerate() {
-                let canonical: Vec<Tensor> =
-                    s.canons.iter().map(|&c| read(c)).collect::<Result<_>>()?;
                 let storage = key.to_string();
-                // Each rank's shard is cut when its writer is ready: at most one shard per
-                // thread (a grouped tensor's per expert) is in memory next to the canonical
-                // tensors.
-                writers
-                    .par_iter_mut()
-                    .enumerate()
-                    .try_for_each(|(r, w)| -> Result<()> {
-                        let shards: Vec<Tensor> = (s.canons.iter().zip(&canonical))
-                            .map(|(c, t)| tp_shard(c.role, t, r, par.tp, padded))
-                            .collect();
-                        let data = match s.grouped {
-                            true => pack(&shards),
-                            false => shards.into_iter().next().expect("one tensor").data,
-                        };
-                        w.write_storage(&storage, &data)?;
-                        progress(data.len() as u64);
-                        Ok(())
-                    })?;
+                if s.grouped {
+                    let bytes = s.canons.len() as u64 * self.shard_bytes(s.canons[0], padded);
+                    for w in &mut writers {
+                        w.begin_storage(&storage, bytes)?;
+                    }
+                }
+                // A grouped tensor's experts go one after the other (one canonical expert in
+                // memory, and a shard of it per thread); another tensor whole, each rank's
+                // shard cut when its writer is ready.
+                for &c in &s.canons {
+                    let canonical = read(c)?;
+                    writers
+                        .par_iter_mut()
+                        .enumerate()
+                        .try_for_each(|(r, w)| -> Result<()> {
+                            if !s.grouped {
+                                if let Some(parts) =
+                                    shard_row_parts(c.role, &canonical, r, par.tp, padded)
+                                {
+                                    let bytes = parts.iter().map(|p| p.len()).sum::<usize>();
+                                    w.begin_storage(&storage, bytes as u64)?;
+                                    parts.iter().try_for_each(|p| w.write_part(p))?;
+                                    progress(bytes as u64);
+                                    return Ok(());
+                                }
+                            }
+                            let shard = tp_shard(c.role, &canonical, r, par.tp, padded);
+                            match s.grouped {
+                                true => w.write_part(&pack(std::slice::from_ref(&shard)))?,
+                                false => w.write_storage(&storage, &shard.data)?,
+                            }
+                            progress(shard.data.len() as u64);
+                            Ok(())
+                        })?;
+                }
             }
             writers
                 .into_iter()

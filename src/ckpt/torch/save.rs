@@ -71,30 +71,54 @@ impl PtWriter {
     }
 
     fn record(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        self.begin_record(name, bytes.len() as u64)?;
+        self.append(bytes)
+    }
+
+    /// Open record `name` of `len` bytes, which [`PtWriter::append`] then writes.
+    fn begin_record(&mut self, name: &str, len: u64) -> Result<()> {
         let options = SimpleFileOptions::default()
             .compression_method(zip::CompressionMethod::Stored)
             .with_alignment(64)
-            .large_file(bytes.len() as u64 >= u32::MAX as u64);
+            .large_file(len >= u32::MAX as u64);
         let full = format!("{}/{name}", self.archive);
         let path = self.path.clone();
-        let zip = match self.zip.as_mut() {
-            Some(zip) if !self.discarding.load(Ordering::Relaxed) => zip,
-            _ => {
-                return Err(TorchError::Archive {
-                    path,
-                    what: format!("writing record {name} after a failed write"),
-                })
-            }
-        };
-        zip.start_file(full, options)
-            .map_err(|e| archive_error(&path, &format!("writing record {name}"), e))?;
-        zip.write_all(bytes)
-            .map_err(|cause| TorchError::Io { path, cause })
+        self.open_zip(name)?
+            .start_file(full, options)
+            .map_err(|e| archive_error(&path, &format!("writing record {name}"), e))
+    }
+
+    /// The archive, unless a write failed.
+    fn open_zip(&mut self, name: &str) -> Result<&mut zip::ZipWriter<Sink>> {
+        match self.zip.as_mut() {
+            Some(zip) if !self.discarding.load(Ordering::Relaxed) => Ok(zip),
+            _ => Err(TorchError::Archive {
+                path: self.path.clone(),
+                what: format!("writing record {name} after a failed write"),
+            }),
+        }
+    }
+
+    /// Bytes of the open record.
+    fn append(&mut self, bytes: &[u8]) -> Result<()> {
+        let path = self.path.clone();
+        (self.open_zip("data")?.write_all(bytes)).map_err(|cause| TorchError::Io { path, cause })
     }
 
     /// Write storage `key`'s little-endian bytes.
     pub fn write_storage(&mut self, key: &str, bytes: &[u8]) -> Result<()> {
         self.record(&format!("data/{key}"), bytes)
+    }
+
+    /// Start storage `key` of `len` bytes, written in parts by [`PtWriter::write_part`] (a
+    /// grouped tensor, expert after expert, so that one expert is in memory at a time).
+    pub fn begin_storage(&mut self, key: &str, len: u64) -> Result<()> {
+        self.begin_record(&format!("data/{key}"), len)
+    }
+
+    /// The next bytes of the storage [`PtWriter::begin_storage`] started.
+    pub fn write_part(&mut self, bytes: &[u8]) -> Result<()> {
+        self.append(bytes)
     }
 
     /// Close the archive and move it into place.
