@@ -2982,6 +2982,38 @@ fn aux_loss_free_balancing_trains_on_every_parallel_layout_as_one_rank_and_resum
 }
 
 #[test]
+fn token_dropping_trains_on_pipeline_and_data_parallel_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let train = |extra: &str| {
+        let flags = format!("--micro-batch-size 1 --global-batch-size 4 {extra}");
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        run(&moe_args(&data, &flags))
+    };
+    let dropless = stdout(&train("").success());
+    let dropping = stdout(&train("--moe-expert-capacity-factor 0.5").success());
+    assert_ne!(field(&dropless, "lm loss"), field(&dropping, "lm loss"));
+    // Each router call's tokens (a micro-batch's) drop alike wherever the call runs.
+    for layout in ["--world-size 2", "--pipeline-model-parallel-size 2"] {
+        let log = stdout(&train(&format!("--moe-expert-capacity-factor 0.5 {layout}")).success());
+        same_training(&dropping, &log, 1e-5, layout);
+    }
+    // Padding to capacity computes zeros more and changes nothing.
+    let padded = train("--moe-expert-capacity-factor 0.5 --moe-pad-expert-input-to-capacity");
+    assert_eq!(
+        field(&stdout(&padded.success()), "lm loss"),
+        field(&dropping, "lm loss")
+    );
+    let position = train("--moe-expert-capacity-factor 0.5 --moe-token-drop-policy position");
+    assert_ne!(
+        field(&stdout(&position.success()), "lm loss"),
+        field(&dropping, "lm loss")
+    );
+    let err = stderr(&train("--moe-pad-expert-input-to-capacity").failure());
+    assert!(err.contains("needs --moe-expert-capacity-factor"), "{err}");
+}
+
+#[test]
 fn the_router_in_f32_under_bf16_changes_the_routing_precision_only() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

@@ -204,6 +204,61 @@ pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
     Routed { experts, weights }
 }
 
+/// Which tokens an expert takes when it has more than its capacity (`--moe-token-drop-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropPolicy {
+    /// Those of the highest routing weights (Megatron's default `probs`).
+    Probs,
+    /// The first ones (`position`: "tokens at the end of each batch will be dropped").
+    Position,
+}
+
+/// Megatron's token dropping (`--moe-expert-capacity-factor`, megatron-core moe_utils.py
+/// `apply_router_token_dropping`, `get_capacity`): each expert takes at most
+/// `ceil(T·k / E · factor)` of the T tokens a router call routes, the rest of its tokens are
+/// dropped (their weight for it becomes 0, its output not added to them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Capacity {
+    /// `--moe-expert-capacity-factor`.
+    pub factor: f64,
+    /// `--moe-token-drop-policy`.
+    pub policy: DropPolicy,
+    /// `--moe-pad-expert-input-to-capacity`: every expert computes `capacity` tokens, the
+    /// missing ones with weight 0 (the same output; the router counts `capacity` for each).
+    pub pad: bool,
+}
+
+impl Capacity {
+    /// Tokens an expert takes of a router call's `tokens`, each going to `topk` of `experts`.
+    pub fn of(&self, tokens: usize, topk: usize, experts: usize) -> usize {
+        ((tokens * topk) as f64 / experts as f64 * self.factor).ceil() as usize
+    }
+
+    /// Which of each route's experts keep the token, for the routes of one router call: an
+    /// expert over its capacity keeps its tokens of the highest weight (ties to the earlier
+    /// token; torch.topk leaves them open) or its first tokens.
+    pub fn kept(&self, routes: &[Routed], topk: usize, experts: usize) -> Vec<Vec<bool>> {
+        let capacity = self.of(routes.len(), topk, experts);
+        let mut kept: Vec<Vec<bool>> = routes.iter().map(|r| vec![true; r.experts.len()]).collect();
+        let mut takers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); experts];
+        for (t, r) in routes.iter().enumerate() {
+            for (slot, &e) in r.experts.iter().enumerate() {
+                takers[e].push((t, slot));
+            }
+        }
+        for mut tokens in takers.into_iter().filter(|t| t.len() > capacity) {
+            if self.policy == DropPolicy::Probs {
+                let weight = |&(t, slot): &(usize, usize)| routes[t].weights[slot];
+                tokens.sort_by(|a, b| weight(b).total_cmp(&weight(a)).then(a.0.cmp(&b.0)));
+            }
+            for &(t, slot) in &tokens[capacity..] {
+                kept[t][slot] = false;
+            }
+        }
+        kept
+    }
+}
+
 /// The gradient of one token's router logits given the gradient `dweights` of its routing
 /// weights ([`route`]'s, same order): the derivative of the score function through the chosen
 /// experts (the choice itself is constant), as autograd takes it in megatron-core.
@@ -329,6 +384,34 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn experts_over_capacity_drop_their_lowest_weights_or_last_tokens() {
+        // 4 tokens to top-1 of 2 experts, factor 1: capacity ceil(4·1/2) = 2; expert 0 gets
+        // three tokens
+        let route = |e: usize, w: f32| Routed {
+            experts: vec![e],
+            weights: vec![w],
+        };
+        let routes = [route(0, 0.6), route(0, 0.9), route(1, 0.7), route(0, 0.8)];
+        let mut cap = Capacity {
+            factor: 1.0,
+            policy: DropPolicy::Probs,
+            pad: false,
+        };
+        assert_eq!(cap.of(4, 1, 2), 2);
+        let kept = |c: &Capacity| {
+            c.kept(&routes, 1, 2)
+                .into_iter()
+                .map(|k| k[0])
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(kept(&cap), [false, true, true, true]);
+        cap.policy = DropPolicy::Position;
+        assert_eq!(kept(&cap), [true, true, true, false]);
+        cap.factor = 2.0;
+        assert_eq!(kept(&cap), [true; 4]);
     }
 
     #[test]

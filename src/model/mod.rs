@@ -52,6 +52,8 @@ pub struct ModelSpec {
     /// The router's product in f32 under bf16 weights (`--moe-router-dtype fp32`,
     /// MindSpeed-LLM's `--router-gating-in-fp32`), its logits and routing weights f32.
     pub router_f32: bool,
+    /// Token dropping (`--moe-expert-capacity-factor`; none: dropless).
+    pub capacity: Option<crate::arch::moe::Capacity>,
     /// Rotary embedding.
     rope: Rope,
 }
@@ -83,6 +85,7 @@ impl ModelSpec {
             norm_eps: cfg.norm_eps,
             moe: cfg.moe.clone(),
             router_f32: false,
+            capacity: None,
             rope: Rope::new(cfg)?,
         })
     }

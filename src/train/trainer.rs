@@ -105,6 +105,7 @@ impl<B: Backend> Trainer<B> {
         );
         let mut spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
         spec.router_f32 = cfg.router_f32;
+        spec.capacity = cfg.capacity;
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
         let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
         let rank = groups.rank;

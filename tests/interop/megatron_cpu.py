@@ -52,6 +52,9 @@ def moe_config(a, losses=None):
         moe_router_group_topk=getattr(a, "moe_router_group_topk", None),
         moe_router_enable_expert_bias=getattr(a, "moe_router_enable_expert_bias", False),
         moe_router_bias_update_rate=getattr(a, "moe_router_bias_update_rate", None) or 1e-3,
+        moe_expert_capacity_factor=getattr(a, "moe_expert_capacity_factor", None),
+        moe_token_drop_policy=getattr(a, "moe_token_drop_policy", None) or "probs",
+        moe_pad_expert_input_to_capacity=getattr(a, "moe_pad_expert_input_to_capacity", False),
         moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=getattr(a, "moe_grouped_gemm", False),
         expert_model_parallel_size=getattr(a, "expert_model_parallel_size", 1))

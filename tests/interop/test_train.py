@@ -238,16 +238,21 @@ def same_as_megatron_core(got, history, reference, tmp_path):
     return trained
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
+@pytest.mark.parametrize("per_token,capacity", [(False, None), (True, None), (False, 0.75)],
+                         ids=["per-micro-batch", "per-token", "token-dropping"])
+def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token, capacity):
     """A tiny Qwen3-MoE trained by `mindkit train` and by megatron-core's own GPTModel (MoELayer:
     TopKRouter with the aux loss and the z-loss, SequentialMLP experts) from the same weights:
     lm loss, grad norm, learning rate, load_balancing_loss and z_loss per iteration to 1e-5
-    relative over 20 iterations (gradient accumulation, warmup + cosine), final weights to 1e-4."""
+    relative over 20 iterations (gradient accumulation, warmup + cosine), final weights to 1e-4;
+    and with token dropping (capacity factor 0.75: each expert takes at most 36 of a
+    micro-batch's 96 tokens, apply_router_token_dropping's `probs` policy)."""
     from megatron_cpu import gpt_model, load_pt
     model_dir = make_qwen3_moe(tmp_path / "model")
     data = write_data(tmp_path / "data")
     extra = ["--calculate-per-token-loss"] if per_token else []
+    if capacity:
+        extra += ["--moe-expert-capacity-factor", str(capacity)]
     log = mindkit_train(model_dir, data, tmp_path, MOE_FLAGS + extra)
     assert "load_balancing_loss:" in log and "z_loss:" in log, log
     got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
@@ -256,7 +261,7 @@ def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token):
     start = load_pt(next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt")))
     gpt = gpt_model(start["args"], moe_losses=dict(
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-        calculate_per_token_loss=per_token))
+        calculate_per_token_loss=per_token, moe_expert_capacity_factor=capacity))
     gpt.load_state_dict(start["model"], strict=True)
     history, reference, _ = train_reference.train(
         str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,

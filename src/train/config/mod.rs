@@ -98,6 +98,8 @@ pub struct TrainConfig {
     /// The router's product in f32 under `--bf16` (`--moe-router-dtype fp32`,
     /// MindSpeed-LLM's `--router-gating-in-fp32`).
     pub router_f32: bool,
+    /// Token dropping (`--moe-expert-capacity-factor`); `None`: dropless.
+    pub capacity: Option<crate::arch::moe::Capacity>,
     /// `--moe-router-bias-update-rate` (megatron-core's default 1e-3): how far an expert bias
     /// moves after each step.
     pub expert_bias_rate: f64,
@@ -636,7 +638,8 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             false => DType::F32,
         },
     };
-    let recorded = recorded_args(a, &schedule, &adam, bf16)?;
+    let mut recorded = recorded_args(a, &schedule, &adam, bf16)?;
+    recorded.extend(moe::recorded_moe_args(a)?);
     let averaging = if a.has("calculate-per-token-loss") {
         LossAveraging::PerToken
     } else {
@@ -644,6 +647,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     };
     let grouped_experts = model.moe.is_some() && a.has("moe-grouped-gemm");
     let router_f32 = moe::router_f32(a, &model, bf16)?;
+    let capacity = moe::capacity(a)?.filter(|_| model.moe.is_some());
     let aux_losses = moe::aux_losses(
         a,
         &model,
@@ -663,6 +667,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         aux_losses,
         grouped_experts,
         router_f32,
+        capacity,
         expert_bias_rate: moe::bias_update_rate(a)?,
         gemm_gradient_accumulation_fusion: a.has("gemm-gradient-accumulation-fusion"),
         surplus: non_negative(a, "mid-level-dataset-surplus")?

@@ -5,7 +5,7 @@
 //! mindkit does not build yet, refused by name.
 
 use super::{positive, positive_float};
-use crate::arch::moe::Moe;
+use crate::arch::moe::{Capacity, DropPolicy, Moe};
 use crate::arch::ModelConfig;
 use crate::ckpt::torch::pickle::Value;
 use crate::model::{AuxLosses, Balancing};
@@ -51,23 +51,14 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
             "moe-router-enable-expert-bias",
             "moe_router_enable_expert_bias",
         ),
-        ("router-gating-in-fp32", "router_gating_in_fp32"),
     ] {
         out.push((key.into(), Value::Bool(a.has(flag))));
     }
     if let Some(s) = positive_float(a, "moe-router-topk-scaling-factor")? {
         out.push(("moe_router_topk_scaling_factor".into(), Value::Float(s)));
     }
-    for (flag, key) in [
-        ("moe-router-score-function", "moe_router_score_function"),
-        ("moe-router-dtype", "moe_router_dtype"),
-    ] {
-        if let Some(f) = a.get(flag) {
-            out.push((key.into(), Value::Str(f.into())));
-        }
-    }
-    if let Some(r) = a.parse_value::<f64>("moe-router-bias-update-rate")? {
-        out.push(("moe_router_bias_update_rate".into(), Value::Float(r)));
+    if let Some(f) = a.get("moe-router-score-function") {
+        out.push(("moe_router_score_function".into(), Value::Str(f.into())));
     }
     if let Some(k) = a.parse_value::<i64>("first-k-dense-replace")? {
         out.push(("first_k_dense_replace".into(), Value::Int(k)));
@@ -76,6 +67,39 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
         out.push(("moe_layer_freq".into(), layer_freq(f)?));
     }
     Ok(out)
+}
+
+/// The MoE training flags Megatron's `args` carries into a checkpoint besides the
+/// architecture (how the router computes and drops, how the expert bias moves).
+pub(super) fn recorded_moe_args(a: &Args) -> Result<Vec<(&'static str, serde_json::Value)>> {
+    use serde_json::json;
+    if !a.has("num-experts") {
+        return Ok(Vec::new());
+    }
+    let float = |f| -> Result<Option<f64>> { Ok(a.parse_value::<f64>(f)?) };
+    Ok(vec![
+        ("moe_router_dtype", json!(a.get("moe-router-dtype"))),
+        (
+            "router_gating_in_fp32",
+            json!(a.has("router-gating-in-fp32")),
+        ),
+        (
+            "moe_router_bias_update_rate",
+            json!(float("moe-router-bias-update-rate")?.unwrap_or(1e-3)),
+        ),
+        (
+            "moe_expert_capacity_factor",
+            json!(float("moe-expert-capacity-factor")?),
+        ),
+        (
+            "moe_token_drop_policy",
+            json!(a.get("moe-token-drop-policy").unwrap_or("probs")),
+        ),
+        (
+            "moe_pad_expert_input_to_capacity",
+            json!(a.has("moe-pad-expert-input-to-capacity")),
+        ),
+    ])
 }
 
 /// `--moe-layer-freq`: an int, or a pattern Megatron evaluates (`[0]*3+[1]*29`, `[1,0,1]`).
@@ -168,6 +192,37 @@ pub(super) fn router_f32(a: &Args, model: &ModelConfig, bf16: bool) -> Result<bo
     Ok(model.moe.is_some()
         && bf16
         && (a.get("moe-router-dtype") == Some("fp32") || a.has("router-gating-in-fp32")))
+}
+
+/// Token dropping (`--moe-expert-capacity-factor`, `--moe-token-drop-policy`,
+/// `--moe-pad-expert-input-to-capacity`), checked as megatron-core's `TransformerConfig`
+/// checks them (a negative factor is dropless; padding needs a factor).
+pub(super) fn capacity(a: &Args) -> Result<Option<Capacity>> {
+    let factor = a.parse_value::<f64>("moe-expert-capacity-factor")?;
+    if factor.is_some_and(|f| !f.is_finite()) {
+        bail!(
+            "--moe-expert-capacity-factor {}: not a number",
+            factor.unwrap_or(0.0)
+        );
+    }
+    let factor = factor.filter(|&f| f >= 0.0);
+    let pad = a.has("moe-pad-expert-input-to-capacity");
+    let policy = match a.get("moe-token-drop-policy").unwrap_or("probs") {
+        "probs" => DropPolicy::Probs,
+        "position" => DropPolicy::Position,
+        other => bail!("--moe-token-drop-policy {other}: probs or position"),
+    };
+    match factor {
+        None if pad => bail!(
+            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (megatron-core refuses it without)"
+        ),
+        None => Ok(None),
+        Some(factor) => Ok(Some(Capacity {
+            factor,
+            policy,
+            pad,
+        })),
+    }
 }
 
 /// `--moe-router-bias-update-rate` (default 1e-3, megatron/training/arguments.py).

@@ -162,12 +162,18 @@ impl Moe {
             })
             .collect();
         let (rows, local) = local_rows(p, b.shape(&h)[0]);
+        let kept = kept(p, cfg, &routes, local.len());
         let aux = p.aux.map(|aux| {
             let (losses, grad) = aux_losses(cfg, aux, &logits, local.clone(), rows);
             let tokens = bias.as_ref().map(|_| {
                 let mut counts = vec![0f32; e_count];
-                for r in &routes[local.clone()] {
-                    r.experts.iter().for_each(|&e| counts[e] += 1.0);
+                for (r, k) in routes[local.clone()].iter().zip(&kept[local.clone()]) {
+                    (r.experts.iter().zip(k).filter(|(_, &k)| k))
+                        .for_each(|(&e, _)| counts[e] += 1.0);
+                }
+                // padded to capacity, the router counts the padding too
+                if let Some(c) = p.spec.capacity.filter(|c| c.pad) {
+                    counts.fill(c.of(local.len(), cfg.topk, e_count) as f32);
                 }
                 counts
             });
@@ -175,7 +181,8 @@ impl Moe {
         });
         let mut out = b.zeros(b.shape(x), b.dtype(x))?;
         let mut experts = Vec::new();
-        for (expert, (rows, w)) in tokens_per_expert(&routes, e_count).into_iter().enumerate() {
+        let per_expert = tokens_per_expert(&routes, &kept, e_count);
+        for (expert, (rows, w)) in per_expert.into_iter().enumerate() {
             if rows.is_empty() {
                 continue;
             }
@@ -355,12 +362,28 @@ fn local_rows<B: Backend>(p: &Pass<B>, rows: usize) -> (usize, std::ops::Range<u
     }
 }
 
-/// Each expert's tokens in ascending order and their routing weights (megatron-core
-/// `permute`: `routing_map.T` masked, tokens of expert 0 first).
-fn tokens_per_expert(routes: &[Routed], experts: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+/// Which of each route's experts take the token: all of them, or with token dropping those
+/// within their capacity, each router call's rows (this rank's `t` under sequence
+/// parallelism, every rank routing its own) apart.
+fn kept<B: Backend>(p: &Pass<B>, cfg: &Experts, routes: &[Routed], t: usize) -> Vec<Vec<bool>> {
+    match p.spec.capacity {
+        None => routes.iter().map(|r| vec![true; r.experts.len()]).collect(),
+        Some(c) => (routes.chunks(t.max(1)))
+            .flat_map(|call| c.kept(call, cfg.topk, cfg.experts))
+            .collect(),
+    }
+}
+
+/// Each expert's tokens in ascending order and their routing weights, the dropped ones left
+/// out (megatron-core `permute`: `routing_map.T` masked, tokens of expert 0 first).
+fn tokens_per_expert(
+    routes: &[Routed],
+    kept: &[Vec<bool>],
+    experts: usize,
+) -> Vec<(Vec<usize>, Vec<f32>)> {
     let mut out = vec![(Vec::new(), Vec::new()); experts];
-    for (t, r) in routes.iter().enumerate() {
-        for (&e, &w) in r.experts.iter().zip(&r.weights) {
+    for (t, (r, k)) in routes.iter().zip(kept).enumerate() {
+        for ((&e, &w), _) in (r.experts.iter().zip(&r.weights).zip(k)).filter(|(_, &k)| k) {
             out[e].0.push(t);
             out[e].1.push(w);
         }
