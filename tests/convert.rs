@@ -21,6 +21,7 @@ const FAMILIES: &[&str] = &[
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
+    "glm4_moe",
 ];
 
 fn model(name: &str) -> PathBuf {
@@ -83,7 +84,7 @@ fn every_family_round_trips_through_tp2_pp2() {
 #[test]
 fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["qwen3_moe", "qwen2_moe", "mixtral"] {
+    for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"] {
         let (a, b, h) = (
             tmp.path().join(format!("{f}-a")),
             tmp.path().join(format!("{f}-b")),
@@ -149,7 +150,7 @@ fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
 #[test]
 fn grouped_experts_round_trip_and_are_refused_where_they_cannot_be() {
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["qwen3_moe", "qwen2_moe", "mixtral"] {
+    for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"] {
         let (g, m, h) = (
             tmp.path().join(format!("{f}-g")),
             tmp.path().join(format!("{f}-m")),

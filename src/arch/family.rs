@@ -2,6 +2,8 @@
 //! `config.json` conventions it uses. The converter has one code path; a family only
 //! changes names (`docs/checkpoints.md` §2.1, §3.7).
 
+use super::moe::ScoreFunction;
+
 /// How a family stores the attention input projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QkvStyle {
@@ -9,6 +11,39 @@ pub enum QkvStyle {
     Separate,
     /// One `W_pack` tensor with rows `[q; k; v]` (baichuan).
     Packed,
+}
+
+/// Whether a family's attention output projection has a bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutBias {
+    /// When the q/k/v biases are there (`bias_key` switches both).
+    WithQkv,
+    /// As its own `config.json` key says (seed_oss's `attention_out_bias`).
+    Key(&'static str),
+    /// Never (glm4_moe: `o_proj` has none whatever `attention_bias` says).
+    Never,
+}
+
+/// Whether a family normalises each query and key head before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    /// Never.
+    No,
+    /// Always (qwen3's `q_norm`, `k_norm`).
+    Yes,
+    /// As its `config.json` key says (glm4_moe's `use_qk_norm`, default false).
+    Key(&'static str),
+}
+
+impl QkNorm {
+    /// Whether the family can hold a model with (`true`) or without q/k norms.
+    pub fn allows(self, qk_norm: bool) -> bool {
+        match self {
+            QkNorm::No => !qk_norm,
+            QkNorm::Yes => qk_norm,
+            QkNorm::Key(_) => true,
+        }
+    }
 }
 
 /// A LLaMA-architecture family.
@@ -25,24 +60,57 @@ pub struct Family {
     /// Attention projection storage.
     pub qkv: QkvStyle,
     /// The `config.json` key that switches attention biases on, when the family has one: the
-    /// q/k/v biases, and the output projection's too unless `out_bias_key` is given.
+    /// q/k/v biases, and the output projection's too where [`OutBias::WithQkv`].
     pub bias_key: Option<&'static str>,
     /// What `bias_key` means when `config.json` leaves it out (transformers' default).
     pub bias_default: bool,
-    /// The `config.json` key of the output projection's bias, when it is switched apart from
-    /// the q/k/v biases (seed_oss's `attention_out_bias`).
-    pub out_bias_key: Option<&'static str>,
+    /// The output projection's bias.
+    pub out_bias: OutBias,
     /// Whether the family always has q/k/v biases (qwen2).
     pub always_qkv_bias: bool,
-    /// Whether the family normalises each query and key head before RoPE (qwen3's `q_norm`,
-    /// `k_norm`).
-    pub qk_norm: bool,
+    /// Whether the family normalises each query and key head before RoPE.
+    pub qk_norm: QkNorm,
+    /// Whether `config.json`'s `partial_rotary_factor` may rotate part of each head
+    /// (glm4_moe); elsewhere it must be 1.
+    pub partial_rotary: bool,
     /// How a mixture-of-experts family names its experts; `None` for dense families.
     pub moe: Option<MoeNames>,
 }
 
+/// Which layers of a mixture-of-experts family are MoE layers, as its `config.json` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeLayers {
+    /// Every layer (Mixtral).
+    All,
+    /// Those `decoder_sparse_step` places and `mlp_only_layers` does not list (the Qwen MoE
+    /// families, transformers' `Qwen3MoeDecoderLayer`).
+    SparseStep,
+    /// All but the first `first_k_dense_replace` (glm4_moe, DeepSeek).
+    FirstDense,
+}
+
+/// How a family sizes its shared experts in `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedSize {
+    /// Their intermediate size under this key (Qwen2-MoE's `shared_expert_intermediate_size`).
+    Key(&'static str),
+    /// This key's count of routed experts' sizes (glm4_moe's `n_shared_experts`).
+    Experts(&'static str),
+}
+
+/// A family's shared experts.
+#[derive(Debug)]
+pub struct SharedNames {
+    /// Their module in the block (`shared_expert`, `shared_experts`).
+    pub module: &'static str,
+    /// Whether a sigmoid gate `{module}_gate` scales their output (Qwen2-MoE).
+    pub gated: bool,
+    /// How `config.json` sizes them.
+    pub size: SharedSize,
+}
+
 /// How a mixture-of-experts family names its MoE block in `config.json` and its tensors
-/// (transformers 4.57's modeling files).
+/// (transformers 4.57's modeling files), and how its router routes.
 #[derive(Debug)]
 pub struct MoeNames {
     /// The block's module in a layer (`mlp`; Mixtral's `block_sparse_moe`); its router is
@@ -57,15 +125,23 @@ pub struct MoeNames {
     /// The `config.json` key saying whether the chosen experts' probabilities are renormalised
     /// (`norm_topk_prob`, transformers' default false); `None` when they always are.
     pub norm_topk_key: Option<&'static str>,
-    /// Whether the layer `decoder_sparse_step` and `mlp_only_layers` place the MoE layers
-    /// (the Qwen MoE families); else every layer is one.
-    pub sparse_step: bool,
-    /// The shared expert's module in the block (`shared_expert`, gated by
-    /// `shared_expert_gate`; Qwen2-MoE), when the family has one.
-    pub shared: Option<&'static str>,
-    /// The router's expert bias in the block (DeepSeek-V3's `gate.e_score_correction_bias`),
-    /// when the family's routing has one.
+    /// Which layers are MoE layers.
+    pub layers: MoeLayers,
+    /// The shared experts, when the family has them.
+    pub shared: Option<SharedNames>,
+    /// The router's expert bias in the block (`gate.e_score_correction_bias`), when the
+    /// family's routing has one.
     pub expert_bias: Option<&'static str>,
+    /// The router's score function.
+    pub score: ScoreFunction,
+    /// The `config.json` key scaling the routing weights (`routed_scaling_factor`).
+    pub scaling_key: Option<&'static str>,
+    /// The `config.json` keys of group-limited routing: groups, groups kept (`n_group`,
+    /// `topk_group`; transformers scores a group by its best two experts).
+    pub group_keys: Option<(&'static str, &'static str)>,
+    /// Whether transformers takes the router's product in f32 whatever the weights' dtype
+    /// (glm4_moe's `Glm4MoeTopkRouter`).
+    pub router_f32: bool,
 }
 
 /// Qwen2-MoE and Qwen3-MoE name their experts alike.
@@ -75,9 +151,13 @@ const QWEN_MOE: MoeNames = MoeNames {
     experts_key: "num_experts",
     ffn_key: "moe_intermediate_size",
     norm_topk_key: Some("norm_topk_prob"),
-    sparse_step: true,
+    layers: MoeLayers::SparseStep,
     shared: None,
     expert_bias: None,
+    score: ScoreFunction::Softmax,
+    scaling_key: None,
+    group_keys: None,
+    router_f32: false,
 };
 
 /// Every supported family.
@@ -90,9 +170,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: Some("attention_bias"),
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -103,9 +184,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -116,9 +198,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: true,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -129,9 +212,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: Some("bias"),
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -142,9 +226,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Packed,
         bias_key: None,
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -155,9 +240,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -168,9 +254,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: Some("attention_bias"),
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: true,
+        qk_norm: QkNorm::Yes,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -182,9 +269,10 @@ pub const FAMILIES: &[Family] = &[
         // transformers' SeedOssConfig: attention_bias (q/k/v) on by default, attention_out_bias off
         bias_key: Some("attention_bias"),
         bias_default: true,
-        out_bias_key: Some("attention_out_bias"),
+        out_bias: OutBias::Key("attention_out_bias"),
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: None,
     },
     Family {
@@ -195,9 +283,10 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: Some("attention_bias"),
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: true,
+        qk_norm: QkNorm::Yes,
+        partial_rotary: false,
         moe: Some(QWEN_MOE),
     },
     Family {
@@ -208,11 +297,16 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: true,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: Some(MoeNames {
-            shared: Some("shared_expert"),
+            shared: Some(SharedNames {
+                module: "shared_expert",
+                gated: true,
+                size: SharedSize::Key("shared_expert_intermediate_size"),
+            }),
             ..QWEN_MOE
         }),
     },
@@ -224,18 +318,47 @@ pub const FAMILIES: &[Family] = &[
         qkv: QkvStyle::Separate,
         bias_key: None,
         bias_default: false,
-        out_bias_key: None,
+        out_bias: OutBias::WithQkv,
         always_qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
         moe: Some(MoeNames {
             block: "block_sparse_moe",
             expert: ["w1", "w3", "w2"],
             experts_key: "num_local_experts",
             ffn_key: "intermediate_size",
             norm_topk_key: None,
-            sparse_step: false,
+            layers: MoeLayers::All,
             shared: None,
-            expert_bias: None,
+            ..QWEN_MOE
+        }),
+    },
+    Family {
+        name: "glm4_moe",
+        aliases: &["glm45", "glm4.5", "glm45-air"],
+        model_types: &["glm4_moe"],
+        architecture: "Glm4MoeForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias: OutBias::Never,
+        always_qkv_bias: false,
+        qk_norm: QkNorm::Key("use_qk_norm"),
+        partial_rotary: true,
+        moe: Some(MoeNames {
+            experts_key: "n_routed_experts",
+            layers: MoeLayers::FirstDense,
+            shared: Some(SharedNames {
+                module: "shared_experts",
+                gated: false,
+                size: SharedSize::Experts("n_shared_experts"),
+            }),
+            expert_bias: Some("gate.e_score_correction_bias"),
+            score: ScoreFunction::Sigmoid,
+            scaling_key: Some("routed_scaling_factor"),
+            group_keys: Some(("n_group", "topk_group")),
+            router_f32: true,
+            ..QWEN_MOE
         }),
     },
 ];

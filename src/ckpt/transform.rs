@@ -56,7 +56,9 @@ fn moe_parts(cfg: &ModelConfig, l: usize, role: Role) -> Vec<(String, Vec<usize>
     let names = cfg.family.moe.as_ref();
     let block = names.map_or("mlp", |n| n.block);
     let expert = names.map_or(["gate_proj", "up_proj", "down_proj"], |n| n.expert);
-    let shared = names.and_then(|n| n.shared).unwrap_or("shared_expert");
+    let shared = names
+        .and_then(|n| n.shared.as_ref())
+        .map_or("shared_expert", |s| s.module);
     let name = |suffix: String| hf::layer(l, &format!("{block}.{suffix}.weight"));
     let h = cfg.hidden;
     let swiglu = |stem: String, ffn: usize, names: [&str; 3], fc1: bool| {

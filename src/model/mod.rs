@@ -84,7 +84,8 @@ impl ModelSpec {
             max_positions: cfg.max_positions,
             norm_eps: cfg.norm_eps,
             moe: cfg.moe.clone(),
-            router_f32: false,
+            // transformers' router of the family (Glm4MoeTopkRouter) is f32 whatever the weights
+            router_f32: cfg.family.moe.as_ref().is_some_and(|m| m.router_f32),
             capacity: None,
             rope: Rope::new(cfg)?,
         })

@@ -17,7 +17,7 @@ from megatron_cpu import gpt_model, load_pt, logits
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "fixtures/models"
 FAMILIES = ["llama", "mistral", "qwen2", "internlm", "baichuan", "aquila", "qwen3", "seed_oss",
-            "qwen3_moe", "qwen2_moe", "mixtral"]
+            "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
 
 
 def rank_files(ck):
@@ -78,7 +78,7 @@ def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
 
 # qwen2_moe's shared-expert gate is not in megatron-core's spec (MindSpeed-LLM adds it).
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "seed_oss", "qwen3_moe",
-                                    "mixtral"])
+                                    "mixtral", "glm4_moe"])
 def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")

@@ -71,10 +71,12 @@ def test_smollm2_from_megatron_gives_the_same_logits(mindkit, smollm2, tmp_path)
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_moe_logits_and_greedy_decoding_match_transformers(family, tmp_path):
     """Tiny mixtures of experts (a dense first layer, a gated shared expert, top-k renormalised
-    or not): prefill logits and KV-cached decoding steps equal transformers' (fp32)."""
+    or not; GLM-4.5's sigmoid routing with an expert bias, groups and scaling, a shared expert
+    and RoPE on half of each head): prefill logits and KV-cached decoding steps equal
+    transformers' (fp32)."""
     model_dir = ROOT / "fixtures/models" / family
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()

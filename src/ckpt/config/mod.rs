@@ -5,7 +5,7 @@
 mod moe;
 
 use super::torch::pickle::Value;
-use crate::arch::family::{self, Family};
+use crate::arch::family::{self, Family, OutBias, QkNorm};
 use crate::arch::ModelConfig;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
@@ -308,9 +308,10 @@ impl ModelConfig {
             Some(k) => json_bool(cfg, k)?.unwrap_or(family.bias_default),
             None => false,
         };
-        let out_bias = match family.out_bias_key {
-            Some(k) => json_bool(cfg, k)?.unwrap_or(false),
-            None => bias,
+        let out_bias = match family.out_bias {
+            OutBias::Key(k) => json_bool(cfg, k)?.unwrap_or(false),
+            OutBias::WithQkv => bias,
+            OutBias::Never => false,
         };
         let dtype = match json_str(cfg, "torch_dtype")? {
             Some(d) => Some(d),
@@ -319,14 +320,24 @@ impl ModelConfig {
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F32);
         let layers = json_required_count(cfg, "num_hidden_layers")?;
         let head_dim = json_count(cfg, "head_dim")?.unwrap_or(hidden / heads);
-        if let Some(f) = json_positive(cfg, "partial_rotary_factor")?.filter(|&f| f != 1.0) {
-            return Err(ConfigError::OutOfRange {
-                field: "partial_rotary_factor".into(),
-                got: f.to_string(),
-                expected: "1: the family's attention rotates whole heads",
+        let rotary_dim = match json_positive(cfg, "partial_rotary_factor")? {
+            Some(f) if f != 1.0 && !family.partial_rotary => {
+                return Err(ConfigError::OutOfRange {
+                    field: "partial_rotary_factor".into(),
+                    got: f.to_string(),
+                    expected: "1: the family's attention rotates whole heads",
+                }
+                .into());
             }
-            .into());
-        }
+            // transformers' rope init: dim = int(head_dim · partial_rotary_factor)
+            Some(f) => (head_dim as f64 * f) as usize,
+            None => head_dim,
+        };
+        let qk_norm = match family.qk_norm {
+            QkNorm::No => false,
+            QkNorm::Yes => true,
+            QkNorm::Key(k) => json_bool(cfg, k)?.unwrap_or(false),
+        };
         Ok(ModelConfig {
             family,
             layers,
@@ -334,7 +345,7 @@ impl ModelConfig {
             heads,
             groups,
             head_dim,
-            rotary_dim: head_dim,
+            rotary_dim,
             ffn: json_required_count(cfg, "intermediate_size")?,
             vocab: json_required_count(cfg, "vocab_size")?,
             max_positions: json_count(cfg, "max_position_embeddings")?.unwrap_or(4096),
@@ -343,7 +354,7 @@ impl ModelConfig {
             tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: out_bias,
-            qk_norm: family.qk_norm,
+            qk_norm,
             moe: moe::moe_from_hf(cfg, family, layers)?,
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
@@ -384,13 +395,20 @@ impl ModelConfig {
             "vocab_size": self.vocab,
             "torch_dtype": dtype,
         });
-        match (self.family.bias_key, self.family.out_bias_key) {
-            (Some(key), Some(out)) => {
+        match (self.family.bias_key, self.family.out_bias) {
+            (Some(key), OutBias::Key(out)) => {
                 cfg[key] = self.qkv_bias.into();
                 cfg[out] = self.proj_bias.into();
             }
-            (Some(key), None) => cfg[key] = self.proj_bias.into(),
+            (Some(key), OutBias::WithQkv) => cfg[key] = self.proj_bias.into(),
+            (Some(key), OutBias::Never) => cfg[key] = self.qkv_bias.into(),
             _ => {}
+        }
+        if let QkNorm::Key(key) = self.family.qk_norm {
+            cfg[key] = self.qk_norm.into();
+        }
+        if self.family.partial_rotary {
+            cfg["partial_rotary_factor"] = (self.rotary_dim as f64 / self.head_dim as f64).into();
         }
         if let Some(r) = &self.rope_scaling {
             cfg["rope_scaling"] = r.clone();
@@ -405,7 +423,7 @@ impl ModelConfig {
     /// experts read from Megatron args may route or share experts in a way the family cannot
     /// say).
     pub fn check_hf(&self) -> Result<()> {
-        if self.rotary_dim != self.head_dim {
+        if self.rotary_dim != self.head_dim && !self.family.partial_rotary {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its attention rotates \
                  whole heads; this model rotates {} of {} dimensions (rotary_percent)",
@@ -667,12 +685,12 @@ fn rotary_dim(args: &[(String, Value)], head_dim: usize) -> FieldResult<usize> {
 
 /// `args.qk_layernorm` against the family the checkpoint is read as.
 fn check_qk_norm(family: &Family, qk_norm: bool) -> Result<()> {
-    if family.qk_norm != qk_norm {
+    if !family.qk_norm.allows(qk_norm) {
         bail!(
             "args.qk_layernorm is {} but the {} family {} q/k layernorms",
             if qk_norm { "True" } else { "False" },
             family.name,
-            if family.qk_norm { "has" } else { "has no" }
+            if qk_norm { "has no" } else { "has" }
         );
     }
     Ok(())

@@ -1,20 +1,20 @@
 //! The experts of a mixture-of-experts configuration, as `config.json` (transformers 4.57's
-//! `Qwen3MoeConfig`, `Qwen2MoeConfig`, `MixtralConfig`) and Megatron args (megatron-core
+//! `Qwen3MoeConfig`, `Qwen2MoeConfig`, `MixtralConfig`, `Glm4MoeConfig`) and Megatron args (megatron-core
 //! 0.15's `--num-experts`, `--moe-*`; MindSpeed-LLM's `--first-k-dense-replace`,
 //! `--n-shared-experts`, `--shared-expert-gate`) spell them.
 
 use super::{
     arg, arg_bool, arg_count, arg_field, arg_float, check_count, json_bool, json_count, json_field,
-    json_required_count, ConfigError, FieldResult,
+    json_positive, json_required_count, ConfigError, FieldResult,
 };
-use crate::arch::family::Family;
+use crate::arch::family::{Family, MoeLayers, MoeNames, SharedSize};
 use crate::arch::moe::{LayerFreq, Moe, ScoreFunction};
 use crate::ckpt::torch::pickle::Value;
 use serde_json::{json, Value as Json};
 
 /// The experts `config.json` gives a family that has them (`None` for a dense family, or zero
-/// experts). A Qwen MoE layer `l` is sparse unless listed in `mlp_only_layers` or skipped by
-/// `decoder_sparse_step` (transformers' `Qwen3MoeDecoderLayer`); Mixtral's every layer is.
+/// experts), as its [`MoeNames`] say where they are: which layers are MoE layers
+/// ([`MoeLayers`]), the shared experts' size, the router's scaling and groups.
 pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldResult<Option<Moe>> {
     let Some(names) = &family.moe else {
         return Ok(None);
@@ -29,37 +29,83 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         Some(key) => json_bool(cfg, key)?.unwrap_or(false),
         None => true,
     };
-    let shared_ffn = (names.shared)
-        .map(|_| json_required_count(cfg, "shared_expert_intermediate_size"))
-        .transpose()?;
-    let layers = if names.sparse_step {
-        let step = json_count(cfg, "decoder_sparse_step")?.unwrap_or(1);
-        let dense = json_field(cfg, "mlp_only_layers", "a list of layer indices", |v| {
-            v.as_array()?
-                .iter()
-                .map(Json::as_u64)
-                .collect::<Option<Vec<u64>>>()
-        })?
-        .unwrap_or_default();
-        (0..layers)
-            .map(|l| !dense.contains(&(l as u64)) && (l + 1) % step == 0)
-            .collect()
-    } else {
-        vec![true; layers]
-    };
+    if names.score == ScoreFunction::Sigmoid && !normalised && topk > 1 {
+        // megatron-core normalises the chosen sigmoid scores (topk_routing_with_score_function)
+        return Err(ConfigError::OutOfRange {
+            field: names.norm_topk_key.unwrap_or("norm_topk_prob").into(),
+            got: "false".into(),
+            expected: "true: Megatron's sigmoid routing normalises the chosen scores",
+        });
+    }
+    let ffn = json_required_count(cfg, names.ffn_key)?;
+    let shared_ffn = match names.shared.as_ref().map(|s| s.size) {
+        None => None,
+        Some(SharedSize::Key(key)) => Some(json_required_count(cfg, key)?),
+        Some(SharedSize::Experts(key)) => json_count(cfg, key)?.map(|n| n * ffn),
+    }
+    .filter(|&f| f > 0);
     Ok(Some(Moe {
         experts,
         topk,
-        ffn: json_required_count(cfg, names.ffn_key)?,
+        ffn,
         shared_ffn,
-        shared_gate: shared_ffn.is_some(),
-        score: ScoreFunction::Softmax,
-        pre_softmax: !normalised,
-        topk_scale: None,
-        group_limit: None,
-        layers,
+        shared_gate: shared_ffn.is_some() && names.shared.as_ref().is_some_and(|s| s.gated),
+        score: names.score,
+        pre_softmax: names.score == ScoreFunction::Softmax && !normalised,
+        topk_scale: match names.scaling_key {
+            Some(key) => json_positive(cfg, key)?.filter(|&s| s != 1.0),
+            None => None,
+        },
+        group_limit: hf_groups(cfg, names, topk)?,
+        layers: hf_layers(cfg, names.layers, layers)?,
         expert_bias: names.expert_bias.is_some(),
     }))
+}
+
+/// Group-limited routing from `config.json` (`None` for one group). transformers scores a group
+/// by its best two experts (`Glm4MoeTopkRouter.get_topk_indices`), megatron-core by its best
+/// `topk / groups kept`: a configuration where they differ is refused.
+fn hf_groups(cfg: &Json, names: &MoeNames, topk: usize) -> FieldResult<Option<(usize, usize)>> {
+    let Some((groups_key, kept_key)) = names.group_keys else {
+        return Ok(None);
+    };
+    let groups = json_count(cfg, groups_key)?.unwrap_or(1);
+    let kept = json_count(cfg, kept_key)?.unwrap_or(1);
+    if groups <= 1 {
+        return Ok(None);
+    }
+    if kept == 0 || topk / kept != 2 {
+        return Err(ConfigError::OutOfRange {
+            field: kept_key.into(),
+            got: kept.to_string(),
+            expected: "num_experts_per_tok / 2: transformers scores a group by two experts",
+        });
+    }
+    Ok(Some((groups, kept)))
+}
+
+/// Which of the `layers` are MoE layers, as `config.json` places them.
+fn hf_layers(cfg: &Json, rule: MoeLayers, layers: usize) -> FieldResult<Vec<bool>> {
+    Ok(match rule {
+        MoeLayers::All => vec![true; layers],
+        MoeLayers::SparseStep => {
+            let step = json_count(cfg, "decoder_sparse_step")?.unwrap_or(1);
+            let dense = json_field(cfg, "mlp_only_layers", "a list of layer indices", |v| {
+                v.as_array()?
+                    .iter()
+                    .map(Json::as_u64)
+                    .collect::<Option<Vec<u64>>>()
+            })?
+            .unwrap_or_default();
+            (0..layers)
+                .map(|l| !dense.contains(&(l as u64)) && (l + 1) % step == 0)
+                .collect()
+        }
+        MoeLayers::FirstDense => {
+            let first = json_count(cfg, "first_k_dense_replace")?.unwrap_or(0);
+            (0..layers).map(|l| l >= first).collect()
+        }
+    })
 }
 
 fn check_topk(topk: usize, experts: usize, field: &str) -> FieldResult<()> {
@@ -78,19 +124,34 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
     let Some(names) = &family.moe else {
         return Some(format!("the {} family has no experts", family.name));
     };
-    let routing = moe.score != ScoreFunction::Softmax
-        || moe.topk_scale.is_some()
-        || moe.group_limit.is_some()
+    let groups_fit = match (moe.group_limit, names.group_keys) {
+        (None, _) => true,
+        (Some((_, kept)), Some(_)) => kept > 0 && moe.topk / kept == 2,
+        (Some(_), None) => false,
+    };
+    let routing = moe.score != names.score
+        || (moe.topk_scale.is_some() && names.scaling_key.is_none())
+        || !groups_fit
         || (names.norm_topk_key.is_none() && moe.pre_softmax);
     if routing {
         return Some(format!(
-            "{}'s router is a softmax over all experts then the top-k{}; this model routes \
-             otherwise (score function {}, pre-softmax {}, scaling {:?}, groups {:?})",
+            "{}'s router takes {} scores{}{}{}; this model routes otherwise (score function {}, \
+             pre-softmax {}, scaling {:?}, groups {:?})",
             family.name,
-            if names.norm_topk_key.is_some() {
-                " (optionally renormalised)"
+            names.score.name(),
+            match names.norm_topk_key {
+                Some(_) => ", the chosen optionally renormalised",
+                None => ", the chosen renormalised",
+            },
+            if names.scaling_key.is_some() {
+                ", scaled"
             } else {
-                ", renormalised"
+                ""
+            },
+            if names.group_keys.is_some() {
+                " in groups scored by two experts"
+            } else {
+                ""
             },
             moe.score.name(),
             moe.pre_softmax,
@@ -98,21 +159,37 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
             moe.group_limit
         ));
     }
-    if names.shared.is_some() != moe.shared_ffn.is_some()
-        || moe.shared_gate != moe.shared_ffn.is_some()
-    {
+    let shared = names.shared.as_ref();
+    let shared_fits = match (shared, moe.shared_ffn) {
+        (None, None) => true,
+        (Some(s), Some(f)) => {
+            s.gated == moe.shared_gate
+                && match s.size {
+                    SharedSize::Key(_) => true,
+                    SharedSize::Experts(_) => f.is_multiple_of(moe.ffn.max(1)),
+                }
+        }
+        (Some(s), None) => !s.gated && matches!(s.size, SharedSize::Experts(_)),
+        (None, Some(_)) => false,
+    };
+    if !shared_fits {
         return Some(format!(
-            "the {} family {} gated shared expert; this model {}",
+            "the {} family's shared experts are {}; this model's are {}",
             family.name,
-            if names.shared.is_some() {
-                "has a"
-            } else {
-                "has no"
+            match shared {
+                None => "none".to_string(),
+                Some(s) => format!(
+                    "{}{}",
+                    if s.gated { "gated" } else { "ungated" },
+                    match s.size {
+                        SharedSize::Key(_) => "",
+                        SharedSize::Experts(_) => ", a multiple of a routed expert's size",
+                    }
+                ),
             },
             match (moe.shared_ffn, moe.shared_gate) {
-                (None, _) => "has none",
-                (Some(_), true) => "has a gated one",
-                (Some(_), false) => "has one without a gate",
+                (None, _) => "none".to_string(),
+                (Some(f), gated) => format!("of {f}{}", if gated { ", gated" } else { "" }),
             }
         ));
     }
@@ -132,10 +209,21 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
             }
         ));
     }
-    if !names.sparse_step && moe.layers.iter().any(|&m| !m) {
+    let first_dense = moe.layers.iter().take_while(|&&m| !m).count();
+    let layers_fit = match names.layers {
+        MoeLayers::All => moe.layers.iter().all(|&m| m),
+        MoeLayers::SparseStep => true,
+        MoeLayers::FirstDense => moe.layers[first_dense..].iter().all(|&m| m),
+    };
+    if !layers_fit {
         return Some(format!(
-            "every {} layer is an MoE layer; this model has dense layers",
-            family.name
+            "the {} family's MoE layers are {}; this model's are {:?}",
+            family.name,
+            match names.layers {
+                MoeLayers::All => "every layer",
+                _ => "every layer after the first dense ones",
+            },
+            moe.layers
         ));
     }
     None
@@ -150,13 +238,35 @@ pub(super) fn moe_to_hf(moe: &Moe, family: &Family, cfg: &mut Json) {
     if let Some(key) = names.norm_topk_key {
         cfg[key] = (!moe.pre_softmax).into();
     }
-    if names.sparse_step {
-        let dense: Vec<usize> = (0..moe.layers.len()).filter(|&l| !moe.layers[l]).collect();
-        cfg["decoder_sparse_step"] = 1.into();
-        cfg["mlp_only_layers"] = json!(dense);
+    match names.layers {
+        MoeLayers::All => {}
+        MoeLayers::SparseStep => {
+            let dense: Vec<usize> = (0..moe.layers.len()).filter(|&l| !moe.layers[l]).collect();
+            cfg["decoder_sparse_step"] = 1.into();
+            cfg["mlp_only_layers"] = json!(dense);
+        }
+        MoeLayers::FirstDense => {
+            cfg["first_k_dense_replace"] = moe.layers.iter().take_while(|&&m| !m).count().into();
+        }
     }
-    if let Some(f) = moe.shared_ffn {
-        cfg["shared_expert_intermediate_size"] = f.into();
+    match names.shared.as_ref().map(|s| s.size) {
+        Some(SharedSize::Key(key)) => {
+            if let Some(f) = moe.shared_ffn {
+                cfg[key] = f.into();
+            }
+        }
+        Some(SharedSize::Experts(key)) => {
+            cfg[key] = (moe.shared_ffn.unwrap_or(0) / moe.ffn.max(1)).into();
+        }
+        None => {}
+    }
+    if let Some(key) = names.scaling_key {
+        cfg[key] = moe.topk_scale.unwrap_or(1.0).into();
+    }
+    if let Some((groups, kept)) = names.group_keys {
+        let (g, k) = moe.group_limit.unwrap_or((1, 1));
+        cfg[groups] = g.into();
+        cfg[kept] = k.into();
     }
 }
 
