@@ -3341,3 +3341,131 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
     };
     assert_eq!(b.read(router).unwrap(), m.read(router).unwrap());
 }
+
+#[test]
+fn expert_parallel_ranks_train_as_one_rank_and_resume_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let batch = "--micro-batch-size 1 --global-batch-size 4";
+    let train = |extra: &str| {
+        let flags = format!("{batch} {extra}");
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        run(&moe_args(&data, &flags))
+    };
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    for routing in ["", SIGMOID_BIASED, "--moe-expert-capacity-factor 0.5"] {
+        let one = stdout(&train(routing).success());
+        // Under sequence parallelism each tensor-parallel rank routes (and drops) its own
+        // rows: that layout is compared with its tensor parallelism alone.
+        let tp_alone = stdout(&train(&format!("{routing} {tp}")).success());
+        for (layout, base) in [
+            // EP 2 (the default world: DP 2, one expert-data-parallel rank)
+            ("--expert-model-parallel-size 2", &one),
+            // EP 2 × EDP 2
+            ("--expert-model-parallel-size 2 --world-size 4", &one),
+            // one expert each
+            ("--expert-model-parallel-size 4", &one),
+            (&format!("{tp} --expert-model-parallel-size 2"), &tp_alone),
+            (
+                "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+                &one,
+            ),
+        ] {
+            let log = stdout(&train(&format!("{routing} {layout}")).success());
+            let what = format!("{routing} {layout}");
+            same_training(base, &log, 1e-5, &what);
+            let (x, y) = (
+                field(base, "load_balancing_loss"),
+                field(&log, "load_balancing_loss"),
+            );
+            for (p, q) in x.iter().zip(&y) {
+                assert!((p - q).abs() <= 1e-5 * p.abs(), "{what}: {p} vs {q}");
+            }
+        }
+    }
+    // Saved as Megatron names expert-parallel ranks, its experts the one rank's, resumed
+    // bit-exactly.
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let layout = "--expert-model-parallel-size 2 --world-size 4 --bf16";
+    let (whole, part) = (path("whole"), path("part"));
+    let full = stdout(&train(&format!("{layout} {SIGMOID_BIASED} --save {whole}")).success());
+    let iter6 = Path::new(&whole).join("iter_0000006");
+    let ranks: Vec<String> = std::fs::read_dir(&iter6)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut ranks = ranks;
+    ranks.sort();
+    assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_00_001"]);
+    let one_dir = path("one");
+    run(&moe_args(
+        &data,
+        &format!("{batch} --bf16 {SIGMOID_BIASED} --save {one_dir}")
+            .split_whitespace()
+            .collect::<Vec<_>>(),
+    ))
+    .success();
+    let merged = path("merged");
+    mindkit(&[
+        &"convert",
+        &"--to",
+        &"megatron",
+        &"--input",
+        &whole,
+        &"--output",
+        &merged,
+        &"--tp",
+        &"1",
+        &"--ep",
+        &"1",
+        &"--quiet",
+    ])
+    .success();
+    let one_file = Path::new(&one_dir).join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+    let converted = std::fs::read_dir(&merged)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("iter_")
+        })
+        .unwrap();
+    assert_eq!(
+        expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt")),
+        expert_biases(&one_file)
+    );
+    train(&format!(
+        "{layout} {SIGMOID_BIASED} --save {part} --exit-interval 3"
+    ))
+    .success();
+    let rest = stdout(
+        &train(&format!(
+            "{layout} {SIGMOID_BIASED} --save {part} --load {part}"
+        ))
+        .success(),
+    );
+    assert_eq!(&iterations(&full)[3..], &iterations(&rest)[..]);
+    for rank in &ranks {
+        let read = |d: &str| {
+            std::fs::read(
+                Path::new(d)
+                    .join("iter_0000006")
+                    .join(rank)
+                    .join("model_optim_rng.pt"),
+            )
+            .unwrap()
+        };
+        assert!(
+            read(&whole) == read(&part),
+            "{rank}: the resumed checkpoint differs"
+        );
+    }
+    // Another expert-parallel layout cannot resume it.
+    let other = format!(
+        "{SIGMOID_BIASED} --bf16 --load {part} --world-size 4 --expert-model-parallel-size 4"
+    );
+    let err = stderr(&train(&other).failure());
+    assert!(err.contains("expert-parallel"), "{err}");
+}

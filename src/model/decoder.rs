@@ -28,7 +28,7 @@ use super::attention::Attend;
 use super::dropout::{dropped, Dropout};
 use super::layer::{rms_grad, Layer, LayerSaved};
 use super::linear::Linear;
-use super::parallel::{gathered, local_ids, reduced, TensorParallel};
+use super::parallel::{gathered, local_ids, reduced, ExpertGroup, TensorParallel};
 use super::params::ParamTable;
 use super::{AuxLosses, ModelSpec, Pass, RouterStats};
 use crate::arch::roles::{Canon, Role};
@@ -84,7 +84,10 @@ impl Ids {
         &'a self,
         (b, spec): (&'a B, &'a ModelSpec),
         params: &'a [B::Tensor],
-        tp: Option<&'a TensorParallel<'a, B::Tensor>>,
+        (tp, ep): (
+            Option<&'a TensorParallel<'a, B::Tensor>>,
+            ExpertGroup<'a, B::Tensor>,
+        ),
         rope: (&'a B::Tensor, &'a B::Tensor),
         (dropout, aux): (Option<&'a Dropout>, Option<&'a AuxLosses>),
     ) -> Pass<'a, B> {
@@ -95,6 +98,7 @@ impl Ids {
             trainable: &self.trainable,
             lora_scale: self.lora_scale,
             tp,
+            ep,
             rope,
             dropout,
             aux,
@@ -157,13 +161,13 @@ pub fn forward<B: Backend>(
     (ids, params): (&Ids, &[B::Tensor]),
     (batch, input): (&MicroBatch, Option<B::Tensor>),
     activations: DType,
-    tp: Option<&TensorParallel<B::Tensor>>,
+    (tp, ep): (Option<&TensorParallel<B::Tensor>>, ExpertGroup<B::Tensor>),
 ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
     let (cos, sin) = spec.rope_tables(&batch.positions);
     let half = spec.rope_table_shape(batch.tokens.len());
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
     let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
-    let p = ids.pass((b, spec), params, tp, (&cos, &sin), regularisers);
+    let p = ids.pass((b, spec), params, (tp, ep), (&cos, &sin), regularisers);
     let mut x = match (input, ids.embedding) {
         (Some(x), _) => x,
         (None, Some(e)) => {
@@ -279,7 +283,7 @@ pub fn backward<B: Backend>(
     (ids, params, grads): (&Ids, &[B::Tensor], &mut [B::Tensor]),
     (batch, dout): (&MicroBatch, Option<B::Tensor>),
     saved: Saved<B::Tensor>,
-    tp: Option<&TensorParallel<B::Tensor>>,
+    (tp, ep): (Option<&TensorParallel<B::Tensor>>, ExpertGroup<B::Tensor>),
 ) -> Result<Option<B::Tensor>> {
     let Saved {
         layers,
@@ -289,7 +293,7 @@ pub fn backward<B: Backend>(
         ..
     } = saved;
     let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
-    let p = ids.pass((b, spec), params, tp, (&cos, &sin), regularisers);
+    let p = ids.pass((b, spec), params, (tp, ep), (&cos, &sin), regularisers);
     let mut dx = match (head, ids.head, dout) {
         (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,
         (_, _, Some(dout)) => dout,

@@ -113,6 +113,7 @@ struct Pass<'a, B: Backend> {
     trainable: &'a [bool],
     lora_scale: f32,
     tp: Option<&'a TensorParallel<'a, B::Tensor>>,
+    ep: parallel::ExpertGroup<'a, B::Tensor>,
     rope: (&'a B::Tensor, &'a B::Tensor),
     dropout: Option<&'a dropout::Dropout>,
     aux: Option<&'a AuxLosses>,
@@ -272,9 +273,13 @@ impl<'b, B: Backend> Model<'b, B> {
         let (cos, sin) = spec.rope.tables(&positions);
         let half = spec.rope_table_shape(positions.len());
         let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-        let p = self
-            .ids
-            .pass((b, spec), &self.params, None, (&cos, &sin), (None, None));
+        let p = self.ids.pass(
+            (b, spec),
+            &self.params,
+            (None, None),
+            (&cos, &sin),
+            (None, None),
+        );
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
         let mut x = b.embedding(&self.params[embedding], &ids)?;

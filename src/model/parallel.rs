@@ -20,6 +20,10 @@ pub struct TensorParallel<'a, T> {
     pub sequence_parallel: bool,
 }
 
+/// The expert-parallel group of a pass (`None`: every expert on this rank): the ranks that hold
+/// each MoE layer's routed experts between them, each with its own rows (data-parallel ranks).
+pub type ExpertGroup<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
+
 impl<T> TensorParallel<'_, T> {
     /// Ids (tokens or labels) as rows of this rank's vocabulary shard, [`NO_ROW`] for the
     /// others'.
@@ -82,6 +86,37 @@ pub(super) fn gathered<B: Backend>(
     let mut out = zeros_of_rows(b, x, b.shape(x)[0] * tp.group.size())?;
     tp.group.all_gather(x, &mut out)?;
     Ok(Some(out))
+}
+
+/// Under expert parallelism, every expert-parallel rank's rows of `x` in rank order
+/// (all-gather): the rows every rank's experts see; `None` alone.
+pub(super) fn expert_gathered<B: Backend>(
+    b: &B,
+    ep: ExpertGroup<B::Tensor>,
+    x: &B::Tensor,
+) -> Result<Option<B::Tensor>> {
+    let Some(ep) = ep else {
+        return Ok(None);
+    };
+    let mut out = zeros_of_rows(b, x, b.shape(x)[0] * ep.size())?;
+    ep.all_gather(x, &mut out)?;
+    Ok(Some(out))
+}
+
+/// Under expert parallelism, this rank's block of the rows of `x` (every expert-parallel
+/// rank's rows, as [`expert_gathered`] gave them) summed over the ranks (reduce-scatter): each
+/// row's experts' outputs, or their input gradients, back on its own rank.
+pub(super) fn expert_reduced<B: Backend>(
+    b: &B,
+    ep: ExpertGroup<B::Tensor>,
+    x: B::Tensor,
+) -> Result<B::Tensor> {
+    let Some(ep) = ep else {
+        return Ok(x);
+    };
+    let mut out = zeros_of_rows(b, &x, b.shape(&x)[0] / ep.size())?;
+    ep.reduce_scatter(&x, &mut out, ReduceOp::Sum)?;
+    Ok(out)
 }
 
 /// Zeros of `x`'s dtype and row width, `rows` rows.

@@ -225,6 +225,29 @@ impl ParamTable {
         t
     }
 
+    /// One expert-parallel rank's table, `(rank, ranks)`: of each MoE layer's routed experts
+    /// only its block of `E / ranks` (and their LoRA factors), keeping their global roles and
+    /// named by their index in the block (`local_experts.{e − first}`, as megatron-core's
+    /// `SequentialMLP` on that rank names them).
+    pub fn expert_parallel(&self, cfg: &ModelConfig, (rank, ranks): (usize, usize)) -> ParamTable {
+        let local = cfg.moe.as_ref().map_or(0, |m| m.experts / ranks.max(1));
+        let first = rank * local;
+        let mut t = self.clone();
+        t.params.retain(|p| {
+            (p.canon.role.expert()).is_none_or(|e| (first..first + local).contains(&e))
+        });
+        for p in t.params.iter_mut() {
+            if let Some(e) = p.canon.role.expert() {
+                let (global, local) = (
+                    format!(".local_experts.{e}."),
+                    format!(".local_experts.{}.", e - first),
+                );
+                p.name = p.name.replacen(&global, &local, 1);
+            }
+        }
+        t
+    }
+
     /// One pipeline stage's table: the embedding on the first stage, the stage's `layers`
     /// (named by their index in the stage, as its checkpoint file names them), the final norm
     /// and output layer on the last stage. A tied embedding is also the last stage's output

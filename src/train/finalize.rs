@@ -198,13 +198,16 @@ impl<B: Backend> Trainer<B> {
             Some(sharded) => &sharded.grads,
             None => &self.grads,
         };
-        let mut n = 0;
-        for g in self.counted_of(grads) {
-            n += (self.b.download_f32(g)?.iter())
-                .filter(|&&x| x * scale == 0.0)
-                .count();
-        }
-        self.model_summed(n as f64)
+        let zeros = |tensors: &[&B::Tensor]| -> Result<f64> {
+            let mut n = 0;
+            for g in tensors {
+                n += (self.b.download_f32(g)?.iter())
+                    .filter(|&&x| x * scale == 0.0)
+                    .count();
+            }
+            Ok(n as f64)
+        };
+        self.model_summed(grads, zeros)
     }
 
     /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked
@@ -248,24 +251,41 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Of `tensors` (one per entry of the table, or with the distributed optimizer one per
-    /// piece), those this rank counts in a model-wide sum: of its [`Trainer::counted`]
-    /// parameters.
-    fn counted_of<'a>(&self, tensors: &'a [B::Tensor]) -> Vec<&'a B::Tensor> {
+    /// piece), those this rank counts in a model-wide sum ([`Trainer::counted`]): the dense
+    /// parameters' and, apart, the routed experts' under expert parallelism.
+    fn counted_of<'a>(&self, tensors: &'a [B::Tensor]) -> [Vec<&'a B::Tensor>; 2] {
         let counted = self.counted();
-        match &self.sharded {
+        let indexed: Vec<(usize, &B::Tensor)> = match &self.sharded {
             Some(sharded) => (sharded.pieces.iter().zip(tensors))
-                .filter(|(p, _)| counted.contains(&sharded.table_param(p)))
-                .map(|(_, t)| t)
+                .map(|(p, t)| (sharded.table_param(p), t))
+                .filter(|(i, _)| counted.contains(i))
                 .collect(),
-            None => counted.iter().map(|&i| &tensors[i]).collect(),
-        }
+            None => counted.iter().map(|&i| (i, &tensors[i])).collect(),
+        };
+        let (experts, dense): (Vec<_>, Vec<_>) =
+            (indexed.into_iter()).partition(|&(i, _)| self.expert_parallel(i));
+        [dense, experts].map(|part| part.into_iter().map(|(_, t)| t).collect())
     }
 
-    /// `x`, this rank's part of a model-wide sum, summed over the ranks holding the other
-    /// parts: the model-parallel ranks, and with the distributed optimizer (each data-parallel
-    /// rank holding its pieces) the data-parallel ones first (Megatron all-reduces the
-    /// distributed optimizer's norms over every rank).
-    fn model_summed(&self, x: f64) -> Result<f64> {
+    /// A model-wide sum of `part` (squares, zeros) over `tensors` (as
+    /// [`Trainer::counted_of`] takes them): this rank's, the routed experts' summed over the
+    /// expert-parallel ranks holding the others (megatron-core's expert optimizer reduces over
+    /// its expert model-parallel group), then over the ranks holding the other parts: the
+    /// model-parallel ones, and with the distributed optimizer (each data-parallel rank holding
+    /// its pieces) the data-parallel ones first (Megatron all-reduces the distributed
+    /// optimizer's norms over every rank).
+    fn model_summed(
+        &self,
+        tensors: &[B::Tensor],
+        part: impl Fn(&[&B::Tensor]) -> Result<f64>,
+    ) -> Result<f64> {
+        let [dense, experts] = self.counted_of(tensors);
+        let mut x = part(&dense)?;
+        if let Some(ep) = &self.ep {
+            let mut sum = [part(&experts)? as f32];
+            ep.all_reduce_f32(&mut sum, ReduceOp::Sum)?;
+            x += f64::from(sum[0]);
+        }
         let x = match (&self.sharded, &self.dp) {
             (Some(_), Some(_)) => f64::from(self.summed(x as f32)?),
             _ => x,
@@ -276,11 +296,12 @@ impl<B: Backend> Trainer<B> {
     /// The L2 norm of the whole model's `tensors` (gradients or parameters, as
     /// [`Trainer::counted_of`] takes them), over the ranks holding its parts.
     pub(super) fn model_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
-        let counted = self.counted_of(tensors);
-        let local = match counted.is_empty() {
-            true => 0.0,
-            false => self.b.sum_squares(&counted)?,
+        let squares = |counted: &[&B::Tensor]| -> Result<f64> {
+            match counted.is_empty() {
+                true => Ok(0.0),
+                false => Ok(self.b.sum_squares(counted)?),
+            }
         };
-        Ok(self.model_summed(local)?.sqrt())
+        Ok(self.model_summed(tensors, squares)?.sqrt())
     }
 }

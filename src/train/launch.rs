@@ -89,17 +89,20 @@ impl Job for Alone<'_> {
 /// A group's collectives on a backend's tensors.
 type Comm<T> = Box<dyn Communicator<Tensor = T>>;
 
-/// One rank's place among the ranks: its global rank and the tensor-, data- and
-/// pipeline-parallel groups it belongs to (`None` where it is alone along that axis).
+/// One rank's place among the ranks: its global rank and the tensor-, data-, pipeline-,
+/// expert- and expert-data-parallel groups it belongs to (`None` where it is alone along that
+/// axis).
 pub struct Groups<T> {
     pub(super) rank: usize,
     pub(super) tp: Option<Comm<T>>,
     pub(super) dp: Option<Comm<T>>,
     pub(super) pp: Option<Comm<T>>,
+    pub(super) ep: Option<Comm<T>>,
+    pub(super) edp: Option<Comm<T>>,
 }
 
 /// The axes a rank has a group along, in the order every rank joins them.
-const GROUP_AXES: [Axis; 3] = [Axis::Tp, Axis::Dp, Axis::Pp];
+const GROUP_AXES: [Axis; 5] = [Axis::Tp, Axis::Dp, Axis::Pp, Axis::Ep, Axis::Edp];
 
 impl<T> Groups<T> {
     /// A single rank.
@@ -109,6 +112,8 @@ impl<T> Groups<T> {
             tp: None,
             dp: None,
             pp: None,
+            ep: None,
+            edp: None,
         }
     }
 
@@ -125,7 +130,7 @@ impl<T> Groups<T> {
             ..Groups::alone()
         };
         for axis in GROUP_AXES {
-            if layout.size(axis) > 1 {
+            if joins(layout, axis) {
                 *groups.slot(axis) = Some(join(axis)?);
             }
         }
@@ -137,6 +142,8 @@ impl<T> Groups<T> {
         match axis {
             Axis::Tp => &mut self.tp,
             Axis::Pp => &mut self.pp,
+            Axis::Ep => &mut self.ep,
+            Axis::Edp => &mut self.edp,
             _ => &mut self.dp,
         }
     }
@@ -151,6 +158,13 @@ impl<T> Groups<T> {
     }
 }
 
+/// Whether a rank of `layout` has a group along `axis`: where the axis has several ranks, and
+/// along the expert-data-parallel one only with expert parallelism (else it is the
+/// data-parallel group).
+fn joins(layout: &Layout, axis: Axis) -> bool {
+    layout.size(axis) > 1 && (axis != Axis::Edp || layout.size(Axis::Ep) > 1)
+}
+
 /// A rank's backend and its groups.
 type RankSetup<B> = (B, Groups<<B as crate::engine::Device>::Tensor>);
 
@@ -163,7 +177,7 @@ fn thread_groups(layout: &Layout, timeout: std::time::Duration) -> Vec<ThreadCom
         .map(|_| GROUP_AXES.iter().map(|_| None).collect())
         .collect();
     for (a, &axis) in GROUP_AXES.iter().enumerate() {
-        if layout.size(axis) == 1 {
+        if !joins(layout, axis) {
             continue;
         }
         for members in layout.groups(&[axis]) {
@@ -177,7 +191,7 @@ fn thread_groups(layout: &Layout, timeout: std::time::Duration) -> Vec<ThreadCom
 }
 
 /// This process's groups of `layout` over its socket connections to every rank: its
-/// tensor-, data- and pipeline-parallel groups as subgroups 1, 2 and 3.
+/// tensor-, data-, pipeline-, expert- and expert-data-parallel groups as subgroups 1 to 5.
 fn socket_groups(
     world: crate::engine::cpu::comm::SocketComm,
     layout: &Layout,
@@ -217,7 +231,7 @@ fn on_threads(cfg: TrainConfig, quiet: bool, device: DeviceKind) -> Result<Train
             // One HCCL root info per group, made before the ranks start.
             let roots = |axis| -> Result<Vec<crate::npu::comm::HcclRootInfo>> {
                 let n = cfg.layout.world() / cfg.layout.size(axis);
-                let many = cfg.layout.size(axis) > 1;
+                let many = joins(&cfg.layout, axis);
                 (0..if many { n } else { 0 })
                     .map(|_| Ok(crate::npu::comm::root_info()?))
                     .collect()
@@ -316,7 +330,7 @@ fn table_groups(
     layout: &Layout,
     rank: usize,
 ) -> Result<Groups<crate::npu::NpuTensor>> {
-    if layout.world() == layout.size(Axis::Dp) {
+    if layout.world() == layout.size(Axis::Dp) && layout.size(Axis::Ep) == 1 {
         return Ok(Groups::data_parallel(rank, Box::new(world)));
     }
     let world = std::rc::Rc::new(world);

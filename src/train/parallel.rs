@@ -3,7 +3,9 @@
 //! (`initialize_model_parallel`'s default `order`), tensor-parallel fastest; a group of some
 //! dimensions holds the ranks that differ only in those (megatron-core
 //! megatron/core/parallel_state.py `RankGenerator`, `generate_masked_orthogonal_rank_groups`).
-//! Expert parallelism has its own generator there and is always 1 for the LLaMA family here.
+//! Expert parallelism has its own generator there, over `tp-ep-dp-pp` with the expert
+//! tensor-parallel size the tensor-parallel one: its expert-parallel and expert-data-parallel
+//! ranks are the data-parallel rank's two digits, expert-parallel fastest (`dp = ep + EP·edp`).
 
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -15,15 +17,32 @@ pub enum Axis {
     Tp,
     /// Context parallelism.
     Cp,
-    /// Data parallelism.
+    /// Data parallelism (of the dense parameters): expert parallelism × expert data
+    /// parallelism.
     Dp,
     /// Pipeline parallelism.
     Pp,
+    /// Expert parallelism: the ranks holding one MoE layer's experts between them.
+    Ep,
+    /// Expert data parallelism: the ranks holding the same experts.
+    Edp,
 }
 
 impl Axis {
-    /// Megatron's order of the dimensions, fastest first (expert parallelism, 1, left out).
-    pub const ORDER: [Axis; 4] = [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp];
+    /// The dimensions of [`Layout`], fastest first (the data-parallel one split in two).
+    const DIMS: [Axis; 5] = [Axis::Tp, Axis::Cp, Axis::Ep, Axis::Edp, Axis::Pp];
+
+    /// The dimensions of [`Axis::DIMS`] this axis spans.
+    fn dims(self) -> &'static [usize] {
+        match self {
+            Axis::Tp => &[0],
+            Axis::Cp => &[1],
+            Axis::Ep => &[2],
+            Axis::Edp => &[3],
+            Axis::Dp => &[2, 3],
+            Axis::Pp => &[4],
+        }
+    }
 
     /// Megatron's token for it (`"tp"`, …).
     pub fn token(self) -> &'static str {
@@ -32,6 +51,8 @@ impl Axis {
             Axis::Cp => "cp",
             Axis::Dp => "dp",
             Axis::Pp => "pp",
+            Axis::Ep => "ep",
+            Axis::Edp => "edp",
         }
     }
 }
@@ -39,8 +60,8 @@ impl Axis {
 /// The sizes of the parallel dimensions; their product is the world size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
-    /// Sizes in [`Axis::ORDER`].
-    sizes: [usize; 4],
+    /// Sizes in [`Axis::DIMS`] order.
+    sizes: [usize; 5],
 }
 
 impl Layout {
@@ -55,13 +76,26 @@ impl Layout {
             bail!("world size {world} is not a multiple of TP {tp} × PP {pp} × CP {cp} = {model}");
         }
         Ok(Layout {
-            sizes: [tp, cp, world / model, pp],
+            sizes: [tp, cp, 1, world / model, pp],
+        })
+    }
+
+    /// This layout with its data-parallel ranks split into `ep` expert-parallel ranks × the
+    /// rest expert-data-parallel (megatron-core's `expert_data_parallel_size`).
+    pub fn with_expert_parallel(self, ep: usize) -> Result<Layout> {
+        let dp = self.size(Axis::Dp);
+        if ep == 0 || !dp.is_multiple_of(ep) {
+            bail!("--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}");
+        }
+        let [tp, cp, _, _, pp] = self.sizes;
+        Ok(Layout {
+            sizes: [tp, cp, ep, dp / ep, pp],
         })
     }
 
     /// The size of `axis`.
     pub fn size(&self, axis: Axis) -> usize {
-        self.sizes[Self::at(axis)]
+        axis.dims().iter().map(|&i| self.sizes[i]).product()
     }
 
     /// The number of ranks.
@@ -71,18 +105,22 @@ impl Layout {
 
     /// `rank`'s index along `axis`.
     pub fn coordinate(&self, rank: usize, axis: Axis) -> usize {
-        let i = Self::at(axis);
-        rank / self.sizes[..i].iter().product::<usize>() % self.sizes[i]
+        let dims = axis.dims();
+        let first = dims[0];
+        rank / self.sizes[..first].iter().product::<usize>() % self.size(axis)
     }
 
     /// Every group over `axes` (megatron-core's `RankGenerator.get_ranks("tp-dp")` for
     /// `[Tp, Dp]`): the ranks that differ only along `axes`, each group in increasing order of
     /// the masked mixed-radix index, the groups in increasing order of the others'.
     pub fn groups(&self, axes: &[Axis]) -> Vec<Vec<usize>> {
-        let mask: Vec<bool> = Axis::ORDER.iter().map(|a| axes.contains(a)).collect();
-        let strides: Vec<usize> = (0..4).map(|i| self.sizes[..i].iter().product()).collect();
+        let mask: Vec<bool> = (0..Axis::DIMS.len())
+            .map(|i| axes.iter().any(|a| a.dims().contains(&i)))
+            .collect();
+        let n = Axis::DIMS.len();
+        let strides: Vec<usize> = (0..n).map(|i| self.sizes[..i].iter().product()).collect();
         let pick = |want: bool| -> (Vec<usize>, Vec<usize>) {
-            (0..4)
+            (0..n)
                 .filter(|&i| mask[i] == want)
                 .map(|i| (self.sizes[i], strides[i]))
                 .unzip()
@@ -106,10 +144,6 @@ impl Layout {
             .into_iter()
             .find(|g| g.contains(&rank))
             .expect("every rank is in one group of each kind")
-    }
-
-    fn at(axis: Axis) -> usize {
-        Axis::ORDER.iter().position(|&a| a == axis).unwrap()
     }
 }
 
@@ -231,5 +265,26 @@ mod tests {
             [0, 1, 4, 5, 8, 9, 12, 13]
         );
         assert!(Layout::new(6, 4, 1, 1).is_err());
+    }
+
+    #[test]
+    fn expert_groups_split_the_data_parallel_rank_as_megatrons_expert_generator() {
+        // 16 ranks, TP 2, PP 2 → DP 4 = EP 2 × EDP 2; megatron-core's expert RankGenerator
+        // (tp-ep-dp-pp) gives EP groups [0, 2], [1, 3], … and EDP groups [0, 4], [1, 5], ….
+        let l = Layout::new(16, 2, 2, 1)
+            .unwrap()
+            .with_expert_parallel(2)
+            .unwrap();
+        assert_eq!(l.groups(&[Axis::Ep])[..3], [[0, 2], [1, 3], [4, 6]]);
+        assert_eq!(l.groups(&[Axis::Edp])[..3], [[0, 4], [1, 5], [2, 6]]);
+        assert_eq!(l.groups(&[Axis::Dp])[0], [0, 2, 4, 6]);
+        assert_eq!(
+            [Axis::Dp, Axis::Ep, Axis::Edp, Axis::Pp].map(|a| l.coordinate(14, a)),
+            [3, 1, 1, 1]
+        );
+        assert!(Layout::new(6, 1, 1, 1)
+            .unwrap()
+            .with_expert_parallel(4)
+            .is_err());
     }
 }

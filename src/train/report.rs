@@ -8,7 +8,6 @@ use super::trainer::Trainer;
 use crate::arch::roles::Role;
 use crate::engine::comm::{Communicator, Counted};
 use crate::engine::Backend;
-use crate::model::params::ParamInfo;
 use anyhow::Result;
 
 /// Megatron's `num_floating_point_operations` inputs of this model.
@@ -81,9 +80,10 @@ impl<B: Backend> Trainer<B> {
         };
         let mut parts = Vec::new();
         if let Some(dp) = &self.dp {
-            let trained: usize = (self.table.params.iter())
-                .filter(|p| p.trainable)
-                .map(ParamInfo::numel)
+            // the routed experts' under expert parallelism are reduced over their own group
+            let trained: usize = (self.table.params.iter().enumerate())
+                .filter(|&(i, p)| p.trainable && !self.expert_parallel(i))
+                .map(|(_, p)| p.numel())
                 .sum();
             let megatron = match &self.sharded {
                 // the padded buffer's gradients reduce-scattered in f32, this rank's part of its
@@ -127,6 +127,19 @@ impl<B: Backend> Trainer<B> {
                 counted(pp),
                 self.pp_formula()
             ));
+        }
+        for (name, group) in [
+            ("expert-parallel", &self.ep),
+            ("expert-data-parallel", &self.edp),
+        ] {
+            if let Some(g) = group {
+                parts.push(format!(
+                    "{name} rank {} of {}: {}",
+                    g.rank(),
+                    g.size(),
+                    counted(g)
+                ));
+            }
         }
         (!parts.is_empty()).then(|| format!(" [comm] per iteration, {}", parts.join("; ")))
     }

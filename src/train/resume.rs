@@ -48,7 +48,7 @@ impl<B: Backend> Trainer<B> {
         // state; the consumed samples still come from its args.
         let release = checkpoint::is_release(&dir)?;
         let no_optim = no_optim || release;
-        let at = (self.tp(), self.stage.rank());
+        let at = (self.tp(), self.stage.rank(), self.ep());
         // the distributed optimizer's state is in its own file
         let state = match no_optim {
             true => checkpoint::load_progress(&dir)?,
@@ -324,6 +324,7 @@ impl<B: Backend> Trainer<B> {
             flops: self.flops,
             extra,
             tp: self.tp(),
+            ep: self.ep(),
             stage: &self.stage,
             stages: &c.stages,
             grouped: c.grouped_experts,
@@ -343,13 +344,21 @@ impl<B: Backend> Trainer<B> {
             }
             _ => None,
         };
-        let writes = self.dp.as_ref().is_none_or(|g| g.rank() == 0);
+        // Megatron's torch format: expert-data-parallel rank 0 of each expert-parallel rank
+        // (data-parallel rank 0 without expert parallelism) writes.
+        let writers = if self.ep.is_some() {
+            &self.edp
+        } else {
+            &self.dp
+        };
+        let writes = writers.as_ref().is_none_or(|g| g.rank() == 0);
         let Some(save) = self.cfg.save.as_ref().filter(|_| writes) else {
             return Ok(None);
         };
         let snap = self.snapshot(gathered)?;
-        // Over the model-parallel ranks: the pipeline stages, then each stage's TP group.
-        let groups: Vec<_> = [&self.pp, &self.tp]
+        // Over the model-parallel ranks: the pipeline stages, then each stage's TP group, then
+        // the expert-parallel ranks.
+        let groups: Vec<_> = [&self.pp, &self.tp, &self.ep]
             .into_iter()
             .flatten()
             .map(Counted::uncounted)
@@ -418,7 +427,7 @@ impl<B: Backend> Trainer<B> {
             Some(temp) => checkpoint::finish(dir, temp, snap),
             None => Ok(dir
                 .join(checkpoint::iteration_dir(snap.iteration))
-                .join(checkpoint::rank_dir_of(snap.tp.0, snap.stage))
+                .join(checkpoint::rank_dir_of(snap.tp.0, snap.stage, snap.ep))
                 .join(crate::ckpt::megatron::RANK_FILE)),
         }
     }

@@ -158,7 +158,10 @@ impl<B: Backend> Trainer<B> {
             (ids, &self.params[params.clone()]),
             (batch, input),
             self.activations(),
-            tp.as_ref(),
+            (
+                tp.as_ref(),
+                self.ep.as_ref().map(|g| g as &dyn Communicator<Tensor = _>),
+            ),
         )?)
     }
 
@@ -199,7 +202,10 @@ impl<B: Backend> Trainer<B> {
             ),
             (batch, grad),
             saved,
-            tp.as_ref(),
+            (
+                tp.as_ref(),
+                self.ep.as_ref().map(|g| g as &dyn Communicator<Tensor = _>),
+            ),
         )?;
         if earlier.is_empty() {
             for &i in &rounded {

@@ -74,6 +74,11 @@ pub(super) struct Trainer<B: Backend> {
     pub(super) dp: Option<Counted<B::Tensor>>,
     /// The pipeline-parallel group (None: one stage), its collectives counted.
     pub(super) pp: Option<Counted<B::Tensor>>,
+    /// The expert-parallel group (None: every expert here), its collectives counted.
+    pub(super) ep: Option<Counted<B::Tensor>>,
+    /// The expert-data-parallel group under expert parallelism (None: one rank, or no expert
+    /// parallelism, where the data-parallel group reduces the experts' gradients too).
+    pub(super) edp: Option<Counted<B::Tensor>>,
     /// The distributed optimizer's state (`--use-distributed-optimizer`; `opt` then holds
     /// none).
     pub(super) sharded: Option<distrib::Sharded<B::Tensor>>,
@@ -123,7 +128,12 @@ impl<B: Backend> Trainer<B> {
             }
         }
         let model_numel = table.numel();
+        let ep = (
+            groups.ep.as_ref().map_or(0, |g| g.rank()),
+            cfg.layout.size(Axis::Ep),
+        );
         let tables = (table.tensor_parallel(&cfg.model, tp.1))
+            .expert_parallel(&cfg.model, ep)
             .pipeline_chunks(&stage.chunks, (stage.first(), stage.last()));
         let mine = ParamTable::concat(&tables);
         let mut host = initial_params(&cfg, (&table, &mine), tp)?;
@@ -139,7 +149,7 @@ impl<B: Backend> Trainer<B> {
             chunks.push(Chunk { ids, params });
         }
         if let Some(dir) = cfg.lora.as_ref().and_then(|l| l.load.as_ref()) {
-            let at = (tp, stage.rank());
+            let at = (tp, stage.rank(), ep);
             let at = (&table, at, cfg.grouped_experts);
             checkpoint::load_named(dir, at, |p| p.lora.is_some(), &mut host)?;
         }
@@ -211,6 +221,8 @@ impl<B: Backend> Trainer<B> {
             tp: groups.tp.map(Counted::new),
             dp: groups.dp.map(Counted::new),
             pp: groups.pp.map(Counted::new),
+            ep: groups.ep.map(Counted::new),
+            edp: groups.edp.map(Counted::new),
             stage,
             rank,
             cfg,
@@ -264,10 +276,14 @@ impl<B: Backend> Trainer<B> {
             .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
         match (self.sharded.as_mut(), dp) {
             (Some(sharded), dp) => sharded.reduce_scatter(&self.b, &self.grads, dp)?,
-            (None, Some(dp)) => {
-                for g in &mut self.grads {
-                    dp.all_reduce(g, ReduceOp::Sum)?;
-                }
+            (None, Some(_)) => {
+                let mut grads = std::mem::take(&mut self.grads);
+                let summed = (grads.iter_mut().enumerate()).try_for_each(|(i, g)| {
+                    (self.gradient_group(i))
+                        .map_or(Ok(()), |group| group.all_reduce(g, ReduceOp::Sum))
+                });
+                self.grads = grads;
+                summed?;
             }
             (None, None) => {}
         }
@@ -399,6 +415,34 @@ impl<B: Backend> Trainer<B> {
         self.tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
     }
 
+    /// This rank's expert-parallel rank and the group's size.
+    pub(super) fn ep(&self) -> (usize, usize) {
+        self.ep.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
+    }
+
+    /// Whether a parameter is a routed expert's under expert parallelism: one that the other
+    /// expert-parallel ranks do not hold.
+    pub(super) fn expert_parallel(&self, param: usize) -> bool {
+        self.ep.is_some() && self.table.params[param].canon.role.expert().is_some()
+    }
+
+    /// The group a parameter's gradient is summed over after the micro-batches: the
+    /// data-parallel one, or for a routed expert under expert parallelism the expert-data-
+    /// parallel one (megatron-core's `expert_parallel_buffers`; the expert saw every
+    /// expert-parallel rank's tokens already).
+    pub(super) fn gradient_group(
+        &self,
+        param: usize,
+    ) -> Option<&dyn Communicator<Tensor = B::Tensor>> {
+        let group = match self.expert_parallel(param) {
+            true => &self.edp,
+            false => &self.dp,
+        };
+        group
+            .as_ref()
+            .map(|g| g as &dyn Communicator<Tensor = B::Tensor>)
+    }
+
     pub(super) fn activations(&self) -> DType {
         if self.cfg.bf16 {
             DType::BF16
@@ -454,8 +498,15 @@ impl<B: Backend> Trainer<B> {
                     ),
                     None => String::new(),
                 };
+                let experts = match c.layout.size(Axis::Ep) {
+                    1 => String::new(),
+                    ep => format!(
+                        " ({ep} expert-parallel × {} expert-data-parallel)",
+                        c.layout.size(Axis::Edp)
+                    ),
+                };
                 eprintln!(
-                    "mindkit train: {} ranks: {} tensor-parallel × {} pipeline stages {:?}{chunks} × {} data-parallel, {} micro-batches per data-parallel rank per iteration",
+                    "mindkit train: {} ranks: {} tensor-parallel × {} pipeline stages {:?}{chunks} × {} data-parallel{experts}, {} micro-batches per data-parallel rank per iteration",
                     c.layout.world(),
                     c.layout.size(Axis::Tp),
                     c.layout.size(Axis::Pp),

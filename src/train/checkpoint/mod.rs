@@ -25,7 +25,7 @@ use super::parallel::Stage;
 use crate::arch::roles::Role;
 use crate::arch::ModelConfig;
 use crate::ckpt::layout::KeyLayout;
-use crate::ckpt::megatron::rank_dir;
+use crate::ckpt::megatron::expert_rank_dir;
 use crate::ckpt::torch::pickle::Value;
 use crate::model::params::ParamTable;
 use crate::tensor::host::Tensor;
@@ -124,6 +124,9 @@ pub struct Snapshot<'a> {
     pub extra: Vec<(usize, String, Tensor)>,
     /// This rank's tensor-parallel rank and the group's size (its `mp_rank_TT`, and `args`).
     pub tp: (usize, usize),
+    /// This rank's expert-parallel rank and the group's size (its `_EEE`, which experts its
+    /// file holds, and `args`).
+    pub ep: (usize, usize),
     /// This rank's pipeline stage (its `_PPP`, and which layers its file holds).
     pub stage: &'a Stage,
     /// Layers of every stage (recorded in `args` when uneven).
@@ -217,8 +220,8 @@ pub fn unpack_unit(
 }
 
 /// The `mp_rank_TT[_PPP]` directory of tensor-parallel rank `tp` on `stage`.
-pub fn rank_dir_of(tp: usize, stage: &Stage) -> String {
-    rank_dir(tp, stage.index, stage.count)
+pub fn rank_dir_of(tp: usize, stage: &Stage, ep: (usize, usize)) -> String {
+    expert_rank_dir(tp, stage.rank(), ep)
 }
 
 /// Megatron's parameter groups over the trained parameters, as `(weight decay, members)`:
@@ -237,10 +240,17 @@ pub fn param_groups(table: &ParamTable, trained: &[bool]) -> Vec<(bool, Vec<usiz
     groups
 }
 
+/// Of the `trained` parameters, the routed experts' (`experts`) or the others.
+pub fn expert_mask(table: &ParamTable, trained: &[bool], experts: bool) -> Vec<bool> {
+    (table.params.iter().zip(trained))
+        .map(|(p, &t)| t && p.canon.role.expert().is_some() == experts)
+        .collect()
+}
+
 /// The `iter_XXXXXXX` name of an iteration.
 pub fn iteration_dir(iteration: u64) -> String {
     format!("iter_{iteration:07}")
 }
 
-/// A rank's place in a checkpoint's layout: `((tp rank, TP), (pp rank, PP))`.
-pub type RankAt = ((usize, usize), (usize, usize));
+/// A rank's place in a checkpoint's layout: `((tp rank, TP), (pp rank, PP), (ep rank, EP))`.
+pub type RankAt = ((usize, usize), (usize, usize), (usize, usize));

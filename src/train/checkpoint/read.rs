@@ -1,9 +1,10 @@
 //! Reading a checkpoint back: the LoRA adapters of `--lora-load`, and the training state a
 //! resumed run restores (progress, scheduler, optimizer, the distributed optimizer's buffers).
 
-use super::{is_grouped_unit, iteration_dir, param_groups, stored_units, unit_key, unpack_unit};
+use super::{expert_mask, is_grouped_unit, iteration_dir, param_groups, stored_units};
+use super::{unit_key, unpack_unit};
 use super::{GroupHyper, OptimizerState, RankAt, DISTRIBUTED_FILE};
-use crate::ckpt::megatron::{rank_dir, RANK_FILE, TRACKER};
+use crate::ckpt::megatron::{expert_rank_dir, RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::torch::TorchFile;
 use crate::model::params::ParamTable;
@@ -156,24 +157,29 @@ fn first_rank_file(dir: &Path) -> Result<PathBuf> {
 
 /// The file of tensor-parallel rank `tp.0` of `tp.1` on pipeline stage `pp.0` of `pp.1` in a
 /// checkpoint directory (root or iteration directory), which must be of that layout.
-pub fn rank_file(dir: &Path, (tp, pp): RankAt) -> Result<PathBuf> {
+pub fn rank_file(dir: &Path, (tp, pp, ep): RankAt) -> Result<PathBuf> {
     let iter_dir = checkpoint_iteration_dir(dir)?;
-    let name = rank_dir(tp.0, pp.0, pp.1);
+    let name = expert_rank_dir(tp.0, pp, ep);
     let file = iter_dir.join(&name).join(RANK_FILE);
     // a rank beyond this layout's, or a stage of another pipeline, is another layout's
-    let other_layout = iter_dir.join(rank_dir(tp.1, pp.0, pp.1)).exists()
-        || iter_dir.join(rank_dir(tp.0, pp.1, pp.1 + 1)).exists()
-        || (pp.1 == 1 && iter_dir.join(rank_dir(0, 0, 2)).exists());
+    let exists = |tp, pp, ep| iter_dir.join(expert_rank_dir(tp, pp, ep)).exists();
+    let other_layout = exists(tp.1, pp, ep)
+        || exists(tp.0, (pp.1, pp.1 + 1), ep)
+        || (pp.1 == 1 && exists(0, (0, 2), ep))
+        || (ep.1 > 1 && exists(tp.0, pp, (ep.1, ep.1)));
     if !file.is_file() || other_layout {
         bail!(
             "{}: resuming training state on tensor-parallel rank {} of {}, pipeline stage {} of \
-             {} needs a checkpoint of the same layout ({name}/{RANK_FILE}); load the weights of \
-             other layouts with --finetune or --no-load-optim",
+             {}, expert-parallel rank {} of {} needs a checkpoint of the same layout \
+             ({name}/{RANK_FILE}); load the weights of other layouts with --finetune or \
+             --no-load-optim",
             iter_dir.display(),
             tp.0,
             tp.1,
             pp.0,
             pp.1,
+            ep.0,
+            ep.1,
         );
     }
     Ok(file)
@@ -294,7 +300,7 @@ pub fn load_state(
     (weights_only, grouped): (bool, bool),
 ) -> Result<Resumed> {
     let path = rank_file(dir, at)?;
-    let (tp, pp) = at;
+    let (tp, pp, ep) = at;
     let f = TorchFile::open(&path)?;
     let root = f.root();
     let args = root.get("args");
@@ -305,6 +311,16 @@ pub fn load_state(
              state needs the same layout; load its weights with --finetune or --no-load-optim",
             path.display(),
             tp.1
+        );
+    }
+    let saved_ep = int_of(arg("expert_model_parallel_size")).unwrap_or(1);
+    if saved_ep != ep.1 as u64 {
+        bail!(
+            "{}: saved by {saved_ep} expert-parallel ranks, this run has {}: resuming its \
+             training state needs the same layout; load its weights with --finetune or \
+             --no-load-optim",
+            path.display(),
+            ep.1
         );
     }
     if let Some(saved) = int_of(arg("pipeline_model_parallel_size")).filter(|&n| n != pp.1 as u64) {
@@ -335,6 +351,52 @@ pub fn load_state(
             path.display()
         );
     };
+    let n = table.params.len();
+    let mut state = OptimizerState {
+        steps: 0,
+        exp_avg: vec![None; n],
+        exp_avg_sq: vec![None; n],
+        main: None,
+        hyper: GroupHyper {
+            lr: 0.0,
+            max_lr: 0.0,
+            min_lr: 0.0,
+            weight_decay: 0.0,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+        },
+    };
+    let parts: Vec<(&Value, Vec<bool>)> = match (ep.1 > 1, opt) {
+        (false, _) => vec![(opt, trained.to_vec())],
+        // megatron-core's ChainedOptimizer of the dense and the expert-parallel parameters'
+        // optimizers saves a list of their state dicts.
+        (true, Value::List(optimizers)) if optimizers.len() == 2 => (optimizers.iter())
+            .zip([false, true])
+            .map(|(o, experts)| (o, expert_mask(table, trained, experts)))
+            .collect(),
+        (true, _) => bail!(
+            "{}: saved with expert parallelism, but its optimizer is not megatron-core's list of \
+             two state dicts (dense and expert parameters)",
+            path.display()
+        ),
+    };
+    for (opt, trained) in parts {
+        read_optimizer(&f, &path, opt, (table, &trained, grouped), &mut state)?;
+    }
+    resumed.optimizer = Some(state);
+    Ok(resumed)
+}
+
+/// The moments, steps and f32 main parameters of the `trained` parameters from one optimizer's
+/// state dict `opt` (torch's, or wrapped with `fp32_from_fp16_params`) of the file `f` at
+/// `path`, into `state`.
+fn read_optimizer(
+    f: &TorchFile,
+    path: &Path,
+    opt: &Value,
+    (table, trained, grouped): (&ParamTable, &[bool], bool),
+    state: &mut OptimizerState,
+) -> Result<()> {
     let (torch, main_lists) = match opt.get("fp32_from_fp16_params") {
         Some(Value::List(lists)) => (opt.get("optimizer").unwrap_or(opt), Some(lists)),
         _ => (opt, None),
@@ -357,21 +419,9 @@ pub fn load_state(
         }
         bail!("{}: optimizer without param_groups", path.display());
     };
-    let n = table.params.len();
-    let mut state = OptimizerState {
-        steps: 0,
-        exp_avg: vec![None; n],
-        exp_avg_sq: vec![None; n],
-        main: main_lists.map(|_| vec![None; n]),
-        hyper: GroupHyper {
-            lr: 0.0,
-            max_lr: 0.0,
-            min_lr: 0.0,
-            weight_decay: 0.0,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-        },
-    };
+    if let (Some(_), None) = (main_lists, &state.main) {
+        state.main = Some(vec![None; table.params.len()]);
+    }
     let states = torch.get("state");
     for (g, (decay, members)) in groups.iter().enumerate() {
         let want_mult = if *decay { 1.0 } else { 0.0 };
@@ -472,6 +522,5 @@ pub fn load_state(
             }
         }
     }
-    resumed.optimizer = Some(state);
-    Ok(resumed)
+    Ok(())
 }

@@ -77,7 +77,7 @@ impl Storages {
 /// One torch parameter group as Megatron saves it: its group keys, torch AdamW's settings, and
 /// its `params` ids — or, for the distributed optimizer, no ids and the step count.
 fn group_value(
-    decay: bool,
+    (decay, experts): (bool, bool),
     h: &GroupHyper,
     params: Option<Vec<Value>>,
     step: Option<u64>,
@@ -86,7 +86,7 @@ fn group_value(
     let mut items = vec![
         (s("wd_mult"), Value::Float(mult)),
         (s("lr_mult"), Value::Float(1.0)),
-        (s("is_expert_parallel"), Value::Bool(false)),
+        (s("is_expert_parallel"), Value::Bool(experts)),
         (s("is_decoupled_lr"), Value::Bool(false)),
         (s("max_lr"), Value::Float(h.max_lr)),
         (s("min_lr"), Value::Float(h.min_lr)),
@@ -117,7 +117,7 @@ fn distributed_groups(table: &ParamTable, d: &DistributedState) -> Value {
     let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
     let groups = param_groups(table, &trained)
         .iter()
-        .map(|(decay, _)| group_value(*decay, &d.hyper, None, Some(d.steps)))
+        .map(|(decay, _)| group_value((*decay, false), &d.hyper, None, Some(d.steps)))
         .collect();
     Value::Dict(vec![(
         s("optimizer"),
@@ -161,16 +161,40 @@ fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
     Ok(())
 }
 
-/// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`, a parameter id per
-/// stored unit ([`stored_units`]: grouped experts are one parameter each).
+/// The `optimizer` entry of `opt` for `ep` expert-parallel ranks: one optimizer's state dict,
+/// or under expert parallelism megatron-core's `ChainedOptimizer.state_dict`, the list of the
+/// dense parameters' optimizer's and the routed experts' (megatron/core/optimizer/__init__.py
+/// `get_megatron_optimizer`: expert-parallel parameters have an optimizer of their own).
+fn optimizers_value(
+    table: &ParamTable,
+    opt: &OptimizerState,
+    st: &mut Storages,
+    (grouped, ep): (bool, usize),
+) -> Value {
+    let trained: Vec<bool> = opt.exp_avg.iter().map(Option::is_some).collect();
+    match ep > 1 {
+        false => optimizer_value(table, opt, st, (&trained, false, grouped)),
+        true => Value::List(
+            [false, true]
+                .map(|experts| {
+                    let mask = super::expert_mask(table, &trained, experts);
+                    optimizer_value(table, opt, st, (&mask, experts, grouped))
+                })
+                .into(),
+        ),
+    }
+}
+
+/// The torch optimizer `state_dict` (and the bf16 wrapper) of `opt`'s `trained` parameters
+/// (the routed experts' with `experts`), a parameter id per stored unit ([`stored_units`]:
+/// grouped experts are one parameter each).
 fn optimizer_value(
     table: &ParamTable,
     opt: &OptimizerState,
     st: &mut Storages,
-    grouped: bool,
+    (trained, experts, grouped): (&[bool], bool, bool),
 ) -> Value {
-    let trained: Vec<bool> = opt.exp_avg.iter().map(Option::is_some).collect();
-    let groups = param_groups(table, &trained);
+    let groups = param_groups(table, trained);
     let units: Vec<Vec<Vec<usize>>> = (groups.iter())
         .map(|(_, members)| stored_units(table, members, grouped))
         .collect();
@@ -206,7 +230,7 @@ fn optimizer_value(
     let saved_groups = groups
         .iter()
         .zip(ids)
-        .map(|((decay, _), ids)| group_value(*decay, &opt.hyper, Some(ids), None));
+        .map(|((decay, _), ids)| group_value((*decay, experts), &opt.hyper, Some(ids), None));
     let torch = Value::Dict(vec![
         (s("state"), Value::Dict(state)),
         (s("param_groups"), Value::List(saved_groups.collect())),
@@ -355,7 +379,7 @@ pub fn finish(save: &Path, temp: TempOutput, snap: &Snapshot) -> Result<PathBuf>
     tracker.finish()?;
     Ok(save
         .join(iteration_dir(snap.iteration))
-        .join(rank_dir_of(0, snap.stage))
+        .join(rank_dir_of(0, snap.stage, (0, snap.ep.1)))
         .join(RANK_FILE))
 }
 
@@ -369,7 +393,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         pp: stage.count,
         vpp,
         stage_layers: snap.stages.to_vec(),
-        ep: 1,
+        ep: snap.ep.1,
     };
     let mut args = megatron_args(
         snap.cfg,
@@ -380,7 +404,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             first_last: parallel.first_last(),
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
-            ep: 1,
+            ep: snap.ep.1,
             grouped: snap.grouped,
         },
         &snap.args,
@@ -400,7 +424,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             &layers.clone().collect::<Vec<_>>(),
             (stage.first() && v == 0, stage.last() && v + 1 == vpp),
             stage.count,
-            (0, 1),
+            snap.ep,
         );
         let mut model = Vec::new();
         // With grouped experts, each layer's local experts' fc1 (fc2) weights go into one
@@ -456,7 +480,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     if let Some(opt) = &snap.optimizer {
         root.push((
             s("optimizer"),
-            optimizer_value(snap.table, opt, &mut st, snap.grouped),
+            optimizers_value(snap.table, opt, &mut st, (snap.grouped, snap.ep.1)),
         ));
     }
     if let Some(d) = &snap.distributed {
@@ -469,7 +493,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         s("num_floating_point_operations_so_far"),
         Value::Float(snap.flops),
     ));
-    let rank = dir.join(rank_dir_of(snap.tp.0, stage));
+    let rank = dir.join(rank_dir_of(snap.tp.0, stage, snap.ep));
     std::fs::create_dir_all(&rank).with_context(|| format!("creating {}", rank.display()))?;
     let mut w = PtWriter::create(&rank.join(RANK_FILE), &Value::Dict(root), false)?;
     for (key, bytes) in st.data.iter().enumerate() {

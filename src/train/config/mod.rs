@@ -391,10 +391,8 @@ fn check_index_memory(
 
 /// Refuse what is not built yet (context and expert parallelism, other data loaders, optimizers and checkpoint formats).
 fn check_single_rank(a: &Args) -> Result<()> {
-    for flag in ["context-parallel-size", "expert-model-parallel-size"] {
-        if let Some(n) = positive(a, flag)?.filter(|&n| n > 1) {
-            bail!("--{flag} {n}: this build trains with tensor, pipeline and data parallelism only (use 1)");
-        }
+    if let Some(n) = positive(a, "context-parallel-size")?.filter(|&n| n > 1) {
+        bail!("--context-parallel-size {n}: this build trains with tensor, pipeline, data and expert parallelism only (use 1)");
     }
     if let Some(t) = a.get("dataloader-type").filter(|t| *t != "single") {
         bail!("--dataloader-type {t}: only single (Megatron's default sequential sampler) is implemented");
@@ -419,12 +417,13 @@ fn check_single_rank(a: &Args) -> Result<()> {
 pub fn world_size(a: &Args) -> Result<usize> {
     let flag = positive(a, "world-size")?;
     let Some(launch) = super::store::from_launcher()? else {
-        // One data-parallel rank by default: TP × PP × CP ranks.
+        // One data-parallel rank per expert-parallel rank by default: TP × PP × CP × EP ranks.
         let mut model = 1;
         for size in [
             "tensor-model-parallel-size",
             "pipeline-model-parallel-size",
             "context-parallel-size",
+            "expert-model-parallel-size",
         ] {
             model *= positive(a, size)?.unwrap_or(1);
         }
@@ -536,7 +535,8 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         size("pipeline-model-parallel-size")?,
         size("context-parallel-size")?,
     );
-    let layout = Layout::new(world_size(a)?, tp, pp, cp)?;
+    let layout = Layout::new(world_size(a)?, tp, pp, cp)?
+        .with_expert_parallel(moe::expert_parallel(a, &model)?)?;
     let data_parallel = layout.size(Axis::Dp);
     check_tensor_parallel(a, &model, vocab_padded, tp)?;
     let chunks = virtual_stages(a, &model, pp)?;

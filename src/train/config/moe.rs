@@ -156,8 +156,9 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
     if model.moe.is_none() {
         return Ok(());
     }
-    if positive(a, "expert-model-parallel-size")?.unwrap_or(1) > 1 {
-        bail!("--expert-model-parallel-size above 1 is not built yet");
+    let ep = expert_parallel(a, model)?;
+    if ep > 1 && a.has("use-distributed-optimizer") {
+        bail!("--use-distributed-optimizer with --expert-model-parallel-size {ep} (the experts' optimizer state sharded over the expert-data-parallel ranks) is not built yet");
     }
     let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
     let etp = positive(a, "expert-tensor-parallel-size")?.unwrap_or(tp);
@@ -183,6 +184,21 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--expert-model-parallel-size`: 1 for a dense model (Megatron ignores it there), else a
+/// divisor of the routed experts (megatron-core `TransformerConfig` checks
+/// `num_moe_experts % expert_model_parallel_size`).
+pub(super) fn expert_parallel(a: &Args, model: &ModelConfig) -> Result<usize> {
+    let ep = positive(a, "expert-model-parallel-size")?.unwrap_or(1);
+    match &model.moe {
+        Some(m) if !m.experts.is_multiple_of(ep) => bail!(
+            "--expert-model-parallel-size {ep} does not divide the {} routed experts",
+            m.experts
+        ),
+        Some(_) => Ok(ep),
+        None => Ok(1),
+    }
 }
 
 /// Whether the router's product is taken in f32 under bf16 weights: megatron-core's

@@ -8,10 +8,14 @@
 //! Under tensor parallelism every rank runs its columns of every expert on all tokens (the
 //! expert-tensor-parallel size is the tensor-parallel size): the rows are gathered under
 //! sequence parallelism, the logits gathered with them, and the outputs reduced as the dense
-//! MLP's are.
+//! MLP's are. Under expert parallelism each rank holds a block of the experts and the
+//! expert-parallel ranks' rows are gathered after the tensor-parallel ones (megatron-core's
+//! `MoEAllGatherTokenDispatcher` over its `tp_ep_group`, TP fastest): each rank runs its
+//! experts on every rank's tokens routed to them, and the outputs are summed back to the rows'
+//! own ranks; the shared experts, the router and its losses stay on the rank's own rows.
 //!
-//! Legend: T = this rank's rows, N = all ranks' rows (T without sequence parallelism),
-//! h = hidden, E = routed experts.
+//! Legend: T = this rank's rows, N = its tensor-parallel group's rows (T without sequence
+//! parallelism), M = its expert-parallel group's (EP·N), h = hidden, E = routed experts.
 
 pub(in crate::model) mod losses;
 
@@ -19,11 +23,12 @@ use super::dense::{SwiGlu, SwiGluSaved};
 use crate::arch::moe::{route, route_grad, sigmoid, Moe as Experts, Routed};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
-use crate::model::parallel::{gathered, reduced};
+use crate::model::parallel::{expert_gathered, expert_reduced, gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
 use crate::tensor::DType;
 use losses::{aux_losses, RouterStats};
+use std::ops::Range;
 
 /// The parameters of one MoE layer.
 #[derive(Debug, Clone)]
@@ -31,7 +36,9 @@ pub(in crate::model) struct Moe {
     /// The router `[E, h]` and its expert bias `[E]` (f32).
     router: usize,
     bias: Option<usize>,
+    /// This rank's routed experts, global experts `first..first + experts.len()`.
     experts: Vec<SwiGlu>,
+    first: usize,
     /// The shared experts and their gate `[1, h]`.
     shared: Option<(SwiGlu, Option<usize>)>,
 }
@@ -39,7 +46,7 @@ pub(in crate::model) struct Moe {
 /// One expert's share of a forward pass.
 struct ExpertSaved<T> {
     expert: usize,
-    /// Its tokens (rows of the N), ascending, and their routing weights `[n]` (f32).
+    /// Its tokens (rows of the M), ascending, and their routing weights `[n]` (f32).
     rows: Vec<usize>,
     weights: T,
     swiglu: SwiGluSaved<T>,
@@ -49,7 +56,7 @@ struct ExpertSaved<T> {
 pub(in crate::model) struct Saved<T> {
     /// The normed input `[T, h]`.
     h: T,
-    /// The router's logits of all N rows (f32, row-major `[N, E]`) and every row's route.
+    /// The router's logits of all M rows (f32, row-major `[M, E]`) and every row's route.
     logits: Vec<f32>,
     routes: Vec<Routed>,
     experts: Vec<ExpertSaved<T>>,
@@ -79,8 +86,8 @@ fn experts_of<'a, B: Backend>(p: &Pass<'a, B>) -> Result<&'a Experts> {
 }
 
 impl Moe {
-    /// Layer `layer`'s MoE block in `table`, `None` if the table lacks its router or an
-    /// expert.
+    /// Layer `layer`'s MoE block in `table` (whose routed experts may be an expert-parallel
+    /// rank's block of them), `None` if the table lacks its router or experts.
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Moe> {
         let at = |role| {
             table.index(Canon {
@@ -90,15 +97,20 @@ impl Moe {
         };
         let router = at(Role::Router)?;
         let bias = at(Role::ExpertBias);
-        let experts = (0..table.params[router].shape[0])
-            .map(|e| SwiGlu::of(table, (Role::ExpertFc1(e), Role::ExpertFc2(e)), layer))
-            .collect::<Option<_>>()?;
+        let expert = |e| SwiGlu::of(table, (Role::ExpertFc1(e), Role::ExpertFc2(e)), layer);
+        let all = table.params[router].shape[0];
+        let first = (0..all).find(|&e| expert(e).is_some())?;
+        let experts: Vec<SwiGlu> = (first..all).map_while(expert).collect();
+        if !all.is_multiple_of(experts.len()) {
+            return None;
+        }
         let shared = SwiGlu::of(table, (Role::SharedFc1, Role::SharedFc2), layer)
             .map(|s| (s, at(Role::SharedGate)));
         Some(Moe {
             router,
             bias,
             experts,
+            first,
             shared,
         })
     }
@@ -123,7 +135,7 @@ impl Moe {
         Ok((b.cast(h, dtype)?, b.cast(&p.params[self.router], dtype)?))
     }
 
-    /// The router's logits of all N rows as f32 on the host, from this rank's rows `h`.
+    /// The router's logits of all M rows as f32 on the host, from this rank's rows `h`.
     fn logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor) -> Result<Vec<f32>> {
         let b = p.b;
         let local = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
@@ -133,9 +145,13 @@ impl Moe {
             }
             false => b.download_f32(&b.matmul(h, &p.params[self.router], None)?)?,
         };
-        match p.tp.filter(|tp| tp.sequence_parallel) {
-            Some(tp) => tp.group.all_gather_f32(&local),
-            None => Ok(local),
+        let group = match p.tp.filter(|tp| tp.sequence_parallel) {
+            Some(tp) => tp.group.all_gather_f32(&local)?,
+            None => local,
+        };
+        match p.ep {
+            Some(ep) => ep.all_gather_f32(&group),
+            None => Ok(group),
         }
     }
 
@@ -147,8 +163,10 @@ impl Moe {
         h: B::Tensor,
     ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
         let (b, cfg) = (p.b, experts_of(p)?);
-        let all = gathered(b, p.tp, &h)?;
-        let x = all.as_ref().unwrap_or(&h);
+        let group = gathered(b, p.tp, &h)?;
+        let x_tp = group.as_ref().unwrap_or(&h);
+        let everyone = expert_gathered(b, p.ep, x_tp)?;
+        let x = everyone.as_ref().unwrap_or(x_tp);
         let logits = self.logits(p, &h)?;
         let e_count = cfg.experts;
         let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
@@ -161,13 +179,15 @@ impl Moe {
                 r
             })
             .collect();
-        let (rows, local) = local_rows(p, b.shape(&h)[0]);
+        let at = rows_of(p, b.shape(&h)[0]);
+        let (local, mine) = (at.local.clone(), at.mine());
         let kept = kept(p, cfg, &routes, local.len());
         let aux = p.aux.map(|aux| {
-            let (losses, grad) = aux_losses(cfg, aux, &logits, local.clone(), rows);
+            let group_logits = &logits[at.group.start * e_count..at.group.end * e_count];
+            let (losses, grad) = aux_losses(cfg, aux, group_logits, local.clone(), at.tp);
             let tokens = bias.as_ref().map(|_| {
                 let mut counts = vec![0f32; e_count];
-                for (r, k) in routes[local.clone()].iter().zip(&kept[local.clone()]) {
+                for (r, k) in routes[mine.clone()].iter().zip(&kept[mine.clone()]) {
                     (r.experts.iter().zip(k).filter(|(_, &k)| k))
                         .for_each(|(&e, _)| counts[e] += 1.0);
                 }
@@ -182,13 +202,16 @@ impl Moe {
         let mut out = b.zeros(b.shape(x), b.dtype(x))?;
         let mut experts = Vec::new();
         let per_expert = tokens_per_expert(&routes, &kept, e_count);
-        for (expert, (rows, w)) in per_expert.into_iter().enumerate() {
+        let mine_only = (per_expert.into_iter().enumerate())
+            .skip(self.first)
+            .take(self.experts.len());
+        for (expert, (rows, w)) in mine_only {
             if rows.is_empty() {
                 continue;
             }
             let weights = b.upload_f32(&[rows.len()], &w)?;
             let xe = b.select_rows(x, &rows)?;
-            let (y, swiglu) = self.experts[expert].forward(p, &xe, Some(&weights))?;
+            let (y, swiglu) = self.experts[expert - self.first].forward(p, &xe, Some(&weights))?;
             b.index_add_rows(&mut out, &y, &rows)?;
             experts.push(ExpertSaved {
                 expert,
@@ -197,11 +220,12 @@ impl Moe {
                 swiglu,
             });
         }
+        let out = expert_reduced(b, p.ep, out)?;
         let mut out = reduced(b, p.tp, out)?;
         let shared = match &self.shared {
             None => None,
             Some((swiglu, gate)) => {
-                let (y, saved) = swiglu.forward(p, x, None)?;
+                let (y, saved) = swiglu.forward(p, x_tp, None)?;
                 let y = reduced(b, p.tp, y)?;
                 let gated = gate.map(|g| self.gate(p, &h, g)).transpose()?;
                 match &gated {
@@ -240,16 +264,19 @@ impl Moe {
         dy: &B::Tensor,
     ) -> Result<B::Tensor> {
         let (b, cfg) = (p.b, experts_of(p)?);
-        let dy_all = gathered(b, p.tp, dy)?;
-        let dy_all = dy_all.as_ref().unwrap_or(dy);
-        let h_all = gathered(b, p.tp, &s.h)?;
-        let x = h_all.as_ref().unwrap_or(&s.h);
+        let dy_group = gathered(b, p.tp, dy)?;
+        let dy_everyone = expert_gathered(b, p.ep, dy_group.as_ref().unwrap_or(dy))?;
+        let dy_all = (dy_everyone.as_ref().or(dy_group.as_ref())).unwrap_or(dy);
+        let h_group = gathered(b, p.tp, &s.h)?;
+        let x_tp = h_group.as_ref().unwrap_or(&s.h);
+        let h_everyone = expert_gathered(b, p.ep, x_tp)?;
+        let x = h_everyone.as_ref().unwrap_or(x_tp);
         let mut dx = b.zeros(b.shape(x), b.dtype(x))?;
         let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
         for e in s.experts {
             let dy_e = b.select_rows(dy_all, &e.rows)?;
             let xe = b.select_rows(x, &e.rows)?;
-            let (dx_e, dw) = self.experts[e.expert].backward(
+            let (dx_e, dw) = self.experts[e.expert - self.first].backward(
                 p,
                 grads,
                 e.swiglu,
@@ -264,6 +291,8 @@ impl Moe {
                 dweights[row][slot] = d;
             }
         }
+        // Every expert-parallel rank's experts' part of this rank's rows' gradient.
+        let mut dx = expert_reduced(b, p.ep, dx)?;
         // The shared experts' output y gated by σ = σ(h·gᵀ): dy flows to y as σ·dy and to
         // the gate's logits as (dy·y)·σ(1−σ).
         let mut dgate = None;
@@ -281,16 +310,20 @@ impl Moe {
             let dys = dys.as_ref().unwrap_or(dy);
             let dys_all = gathered(b, p.tp, dys)?;
             let dys_all = dys_all.as_ref().unwrap_or(dys);
-            let (dxs, _) = swiglu.backward(p, grads, saved, (x, dys_all, None))?;
+            let (dxs, _) = swiglu.backward(p, grads, saved, (x_tp, dys_all, None))?;
             b.add_assign(&mut dx, &dxs)?;
         }
         // Summed over the ranks (this rank's rows under sequence parallelism); the router's
         // and the gate's terms come from this rank's rows of `h` and are added after.
         let mut dx = reduced(b, p.tp, dx)?;
-        if let Some(tp) = p.tp {
+        // Each rank's experts' (and expert columns') share of every row's routing-weight
+        // gradients, summed.
+        let groups = [p.tp.map(|tp| tp.group), p.ep];
+        if groups.iter().any(Option::is_some) {
             let mut flat: Vec<f32> = dweights.concat();
-            tp.group
-                .all_reduce_f32(&mut flat, crate::engine::comm::ReduceOp::Sum)?;
+            for g in groups.into_iter().flatten() {
+                g.all_reduce_f32(&mut flat, crate::engine::comm::ReduceOp::Sum)?;
+            }
             dweights = flat.chunks(cfg.topk.max(1)).map(<[f32]>::to_vec).collect();
         }
         let mut dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes), &dweights);
@@ -336,7 +369,7 @@ fn linear_grad<B: Backend>(
 }
 
 /// This rank's rows of the router logits' gradient `[T·E]` from every row's routing weights'
-/// (`h`: this rank's rows; `logits`, `routes`: all N rows').
+/// (`h`: this rank's rows; `logits`, `routes`: all M rows').
 fn logits_grad<B: Backend>(
     p: &Pass<B>,
     cfg: &Experts,
@@ -344,21 +377,44 @@ fn logits_grad<B: Backend>(
     dweights: &[Vec<f32>],
 ) -> Vec<f32> {
     let e = cfg.experts;
-    let (_, local) = local_rows(p, p.b.shape(h)[0]);
-    local
+    (rows_of(p, p.b.shape(h)[0]).mine())
         .flat_map(|t| route_grad(cfg, &logits[t * e..(t + 1) * e], &routes[t], &dweights[t]))
         .collect()
 }
 
-/// The number of ranks the rows are spread over and this rank's rows among all N (its block
-/// under sequence parallelism, all of them otherwise), given its row count.
-fn local_rows<B: Backend>(p: &Pass<B>, rows: usize) -> (usize, std::ops::Range<usize>) {
-    match p.tp.filter(|tp| tp.sequence_parallel) {
+/// Where this rank's rows sit among the M.
+struct RowsAt {
+    /// The tensor-parallel ranks its group's N rows are spread over (1 without sequence
+    /// parallelism).
+    tp: usize,
+    /// Its rows among its group's N (its block under sequence parallelism, all otherwise).
+    local: Range<usize>,
+    /// Its group's N rows among the M (its expert-parallel rank's block).
+    group: Range<usize>,
+}
+
+impl RowsAt {
+    /// Its rows among the M.
+    fn mine(&self) -> Range<usize> {
+        self.group.start + self.local.start..self.group.start + self.local.end
+    }
+}
+
+/// Where this rank's `rows` rows sit among the M.
+fn rows_of<B: Backend>(p: &Pass<B>, rows: usize) -> RowsAt {
+    let (tp, local) = match p.tp.filter(|tp| tp.sequence_parallel) {
         Some(tp) => {
             let first = tp.group.rank() * rows;
             (tp.group.size(), first..first + rows)
         }
         None => (1, 0..rows),
+    };
+    let n = rows * tp;
+    let ep = p.ep.map_or(0, |g| g.rank());
+    RowsAt {
+        tp,
+        local,
+        group: ep * n..(ep + 1) * n,
     }
 }
 
