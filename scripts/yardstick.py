@@ -3,7 +3,7 @@
 model on one rank.
 
     python3 scripts/yardstick.py --mindspeed-llm DIR --mindkit BIN --assets DIR \
-        [--filter qwen3] [--keep WORKDIR] [--jobs 1] [--json OUT] [--peel]
+        [--filter qwen3] [--keep WORKDIR] [--jobs 1] [--json OUT] [--peel] [--ranks N]
 
 For each script it
 1. captures the flags the script passes to its training program: the script runs in bash with
@@ -24,7 +24,10 @@ For each script it
 5. prints a table (script, status, first error), the count of scripts run and a histogram of
    the blockers (each error normalised to the flag or feature it names); --json writes every
    result, --peel also reruns each refused script without the refused flag, again and again,
-   to list the blockers behind the first.
+   to list the blockers behind the first; --ranks N also trains each script that ran with its
+   own parallel layout scaled to N ranks as threads (`scaled_layout`: the script's TP, PP, EP
+   and expert TP kept where they fit the tiny model, the rest data parallelism) and compares it
+   with one rank on the same global batch, iteration by iteration (lm loss, grad norm).
 
 Statuses: ok (training exited 0), refused (mindkit stopped with its own `mindkit: ...` error,
 or preprocessing refused the script's prompt type), crashed (a panic, a signal, or an exit
@@ -498,6 +501,7 @@ class Result:
     steps: list = dataclasses.field(default_factory=list)
     behind: list = dataclasses.field(default_factory=list)
     peeled: str = ""
+    scaled: dict = dataclasses.field(default_factory=dict)
 
 
 def family_tokenizer(script, assets):
@@ -560,6 +564,7 @@ def measure(script, rel, args, data, workdir):
     except Unparsed as e:
         res.status, res.error, res.reasons = "unparsed", str(e), ["unparsed script"]
         return res
+    original = flags
     tokenizer = family_tokenizer(script, args.assets)
     res.tokenizer = tokenizer.name
     words = stop_words(data.templates, value(flags, "--prompt-type"))
@@ -598,7 +603,73 @@ def measure(script, rel, args, data, workdir):
             if last.status != "ok":
                 res.behind.append(reason(last))
         res.peeled = "runs" if last.status == "ok" else last.status
+    if args.ranks and res.status == "ok":
+        res.scaled = compare_scaled(args, original, flags, base, rundir)
     return res
+
+
+# Iteration lines' values compared between one rank and the scaled layout.
+LOGGED = {"lm loss": re.compile(r"lm loss: ([-+\d.eE]+)"),
+          "grad norm": re.compile(r"grad norm: ([-+\d.eE]+)")}
+# The global batch of both runs: a multiple of every data-parallel size up to 8 ranks.
+SCALED_BATCH = "8"
+
+
+def scaled_layout(original, ranks):
+    """The script's parallel flags (`original`: as it passes them) scaled to `ranks` ranks of
+    the tiny model: TP and PP up to 2 (4 heads in 2 query groups, 2 layers), EP up to the
+    experts kept and the data-parallel ranks left, the expert TP as given (at most TP), the rest
+    data parallelism. Returns (flags to set, a description)."""
+    size = lambda name: as_int(value(original, name)) or 1
+    tp = min(size("--tensor-model-parallel-size"), 2)
+    pp = min(size("--pipeline-model-parallel-size"), 2)
+    while ranks % (tp * pp):
+        tp, pp = (tp, pp // 2) if pp > 1 else (tp // 2, pp)
+    dp = ranks // (tp * pp)
+    experts = min(as_int(value(original, "--num-experts")) or 1, CAP["--num-experts"])
+    ep = min(size("--expert-model-parallel-size"), experts, dp)
+    while dp % ep or experts % ep:
+        ep -= 1
+    layout = {"--tensor-model-parallel-size": str(tp), "--pipeline-model-parallel-size": str(pp),
+              "--expert-model-parallel-size": str(ep), "--world-size": str(ranks)}
+    etp = as_int(value(original, "--expert-tensor-parallel-size"))
+    if etp is not None:
+        layout["--expert-tensor-parallel-size"] = str(min(etp, tp))
+    words = [f"TP {tp}", f"PP {pp}", f"DP {dp}"] + ([f"EP {ep}"] if ep > 1 else [])
+    if etp is not None:
+        words.append(f"ETP {min(etp, tp)}")
+    return layout, " × ".join(words[:3]) + "".join(f", {w}" for w in words[3:])
+
+
+def logged(log):
+    """Each iteration line's LOGGED values, by name."""
+    text = log.read_text(encoding="utf-8", errors="replace")
+    return {name: [float(x) for x in pattern.findall(text)] for name, pattern in LOGGED.items()}
+
+
+def compare_scaled(args, original, flags, base, rundir):
+    """One rank and the script's layout scaled to `args.ranks` ranks, both on SCALED_BATCH
+    samples per iteration: the layout, each run's status, and the largest relative differences
+    of the logged values."""
+    layout, described = scaled_layout(original, args.ranks)
+    batch = with_flag(flags, "--global-batch-size", [SCALED_BATCH])
+    out = {"layout": described}
+    runs = {}
+    for name, extra in (("one rank", {}), ("scaled", layout)):
+        run_flags = batch
+        for flag, v in extra.items():
+            run_flags = with_flag(run_flags, flag, [v])
+        last = run_pipeline(args.mindkit, run_flags, base, rundir / name.replace(" ", "_"))[-1]
+        out[name] = last.status if last.status == "ok" else f"{last.status}: {last.error}"
+        runs[name] = logged(rundir / name.replace(" ", "_") / "train.log")
+    if out["one rank"] == out["scaled"] == "ok":
+        for key in LOGGED:
+            one, scaled = runs["one rank"][key], runs["scaled"][key]
+            if len(one) != len(scaled) or not one:
+                out[key] = f"{len(one)} vs {len(scaled)} iterations logged"
+                continue
+            out[key] = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(one, scaled))
+    return out
 
 
 def reason(step):
@@ -717,6 +788,16 @@ def report(results, out=sys.stdout):
         for r in peeled:
             print(f"{r.script}: {' → '.join(r.reasons[-1:] + r.behind)} ⇒ {r.peeled}", file=out)
         histogram("every blocker found (scripts)", [r.reasons + r.behind for r in results], out)
+    scaled = [r for r in results if r.scaled]
+    if scaled:
+        print("\nscaled to several ranks (--ranks), against one rank on the same batches "
+              "(largest relative difference per iteration):", file=out)
+        for r in scaled:
+            s = r.scaled
+            diffs = ", ".join(f"{k} {s[k]:.1e}" if isinstance(s.get(k), float) else f"{k} {s.get(k)}"
+                              for k in LOGGED if k in s)
+            status = diffs or f"one rank: {s['one rank']}; scaled: {s['scaled']}"
+            print(f"{r.script}: {s['layout']}: {status}", file=out)
 
 
 def histogram(title, reasons, out):
@@ -756,6 +837,9 @@ def main():
     p.add_argument("--peel", action="store_true",
                    help="after a refusal naming a flag, rerun without it, until the run ends "
                         "otherwise: lists the blockers behind the first")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="also train each script that runs with its parallel layout scaled to N "
+                        "ranks (threads) and compare it with one rank")
     args = p.parse_args()
     args.mindspeed_llm, args.mindkit, args.assets = (
         x.resolve() for x in (args.mindspeed_llm, args.mindkit, args.assets))

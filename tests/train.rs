@@ -174,7 +174,7 @@ fn bad_input_is_refused_before_any_work() {
         ("--no-such-flag", "unknown flag --no-such-flag"),
         (
             "--context-parallel-size 2",
-            "trains with tensor, pipeline and data parallelism only",
+            "trains with tensor, pipeline, data and expert parallelism only",
         ),
         (
             "--num-virtual-stages-per-pipeline-rank 2",
@@ -3342,130 +3342,145 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
     assert_eq!(b.read(router).unwrap(), m.read(router).unwrap());
 }
 
+/// `mindkit train` on the tiny MoE of [`moe_args`] with four micro-batches of one sample.
+fn moe_train(data: &Path, extra: &str) -> assert_cmd::assert::Assert {
+    let flags = format!("--micro-batch-size 1 --global-batch-size 4 {extra}");
+    run(&moe_args(
+        data,
+        &flags.split_whitespace().collect::<Vec<_>>(),
+    ))
+}
+
 #[test]
-fn expert_parallel_ranks_train_as_one_rank_and_resume_bit_exactly() {
+fn expert_parallel_ranks_train_as_one_rank_does() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let batch = "--micro-batch-size 1 --global-batch-size 4";
-    let train = |extra: &str| {
-        let flags = format!("{batch} {extra}");
-        let flags: Vec<&str> = flags.split_whitespace().collect();
-        run(&moe_args(&data, &flags))
-    };
     let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
     for routing in ["", SIGMOID_BIASED, "--moe-expert-capacity-factor 0.5"] {
-        let one = stdout(&train(routing).success());
+        let one = stdout(&moe_train(&data, routing).success());
         // Under sequence parallelism each tensor-parallel rank routes (and drops) its own
         // rows: that layout is compared with its tensor parallelism alone.
-        let tp_alone = stdout(&train(&format!("{routing} {tp}")).success());
+        let tp_alone = stdout(&moe_train(&data, &format!("{routing} {tp}")).success());
         for (layout, base) in [
             // EP 2 (the default world: DP 2, one expert-data-parallel rank)
-            ("--expert-model-parallel-size 2", &one),
+            ("--expert-model-parallel-size 2".to_string(), &one),
             // EP 2 × EDP 2
-            ("--expert-model-parallel-size 2 --world-size 4", &one),
+            ("--expert-model-parallel-size 2 --world-size 4".into(), &one),
             // one expert each
-            ("--expert-model-parallel-size 4", &one),
-            (&format!("{tp} --expert-model-parallel-size 2"), &tp_alone),
+            ("--expert-model-parallel-size 4".into(), &one),
+            (format!("{tp} --expert-model-parallel-size 2"), &tp_alone),
             (
-                "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+                "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2".into(),
+                &one,
+            ),
+            // the distributed optimizer: the experts' buffer over EDP, the others' over DP
+            (
+                "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer".into(),
                 &one,
             ),
         ] {
-            let log = stdout(&train(&format!("{routing} {layout}")).success());
+            let log = stdout(&moe_train(&data, &format!("{routing} {layout}")).success());
             let what = format!("{routing} {layout}");
             same_training(base, &log, 1e-5, &what);
             let (x, y) = (
                 field(base, "load_balancing_loss"),
                 field(&log, "load_balancing_loss"),
             );
+            assert_eq!(x.len(), y.len(), "{what}");
             for (p, q) in x.iter().zip(&y) {
                 assert!((p - q).abs() <= 1e-5 * p.abs(), "{what}: {p} vs {q}");
             }
         }
     }
-    // Saved as Megatron names expert-parallel ranks, its experts the one rank's, resumed
-    // bit-exactly.
+}
+
+#[test]
+fn expert_parallel_checkpoints_hold_their_ranks_experts_and_resume_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
     let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
-    let layout = "--expert-model-parallel-size 2 --world-size 4 --bf16";
-    let (whole, part) = (path("whole"), path("part"));
-    let full = stdout(&train(&format!("{layout} {SIGMOID_BIASED} --save {whole}")).success());
-    let iter6 = Path::new(&whole).join("iter_0000006");
-    let ranks: Vec<String> = std::fs::read_dir(&iter6)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    let mut ranks = ranks;
-    ranks.sort();
-    assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_00_001"]);
     let one_dir = path("one");
-    run(&moe_args(
-        &data,
-        &format!("{batch} --bf16 {SIGMOID_BIASED} --save {one_dir}")
-            .split_whitespace()
-            .collect::<Vec<_>>(),
-    ))
-    .success();
-    let merged = path("merged");
-    mindkit(&[
-        &"convert",
-        &"--to",
-        &"megatron",
-        &"--input",
-        &whole,
-        &"--output",
-        &merged,
-        &"--tp",
-        &"1",
-        &"--ep",
-        &"1",
-        &"--quiet",
-    ])
-    .success();
+    moe_train(&data, &format!("--bf16 {SIGMOID_BIASED} --save {one_dir}")).success();
     let one_file = Path::new(&one_dir).join("iter_0000006/mp_rank_00/model_optim_rng.pt");
-    let converted = std::fs::read_dir(&merged)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("iter_")
-        })
-        .unwrap();
-    assert_eq!(
-        expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt")),
-        expert_biases(&one_file)
-    );
-    train(&format!(
-        "{layout} {SIGMOID_BIASED} --save {part} --exit-interval 3"
-    ))
-    .success();
-    let rest = stdout(
-        &train(&format!(
-            "{layout} {SIGMOID_BIASED} --save {part} --load {part}"
-        ))
-        .success(),
-    );
-    assert_eq!(&iterations(&full)[3..], &iterations(&rest)[..]);
-    for rank in &ranks {
-        let read = |d: &str| {
-            std::fs::read(
-                Path::new(d)
-                    .join("iter_0000006")
-                    .join(rank)
-                    .join("model_optim_rng.pt"),
-            )
-            .unwrap()
-        };
-        assert!(
-            read(&whole) == read(&part),
-            "{rank}: the resumed checkpoint differs"
+    for (n, optimizer) in ["", "--use-distributed-optimizer"].into_iter().enumerate() {
+        let layout = format!("--expert-model-parallel-size 2 --world-size 4 --bf16 {optimizer}");
+        let (whole, part) = (path(&format!("whole{n}")), path(&format!("part{n}")));
+        let full = stdout(
+            &moe_train(&data, &format!("{layout} {SIGMOID_BIASED} --save {whole}")).success(),
         );
+        // Megatron's names of the expert-parallel ranks' files
+        let iter6 = Path::new(&whole).join("iter_0000006");
+        let mut ranks: Vec<String> = std::fs::read_dir(&iter6)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        ranks.sort();
+        assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_00_001"], "{layout}");
+        // converted to one rank, the experts' biases are the one rank's training's
+        let merged = path(&format!("merged{n}"));
+        mindkit(&[
+            &"convert",
+            &"--to",
+            &"megatron",
+            &"--input",
+            &whole,
+            &"--output",
+            &merged,
+            &"--tp",
+            &"1",
+            &"--ep",
+            &"1",
+            &"--quiet",
+        ])
+        .success();
+        let converted = std::fs::read_dir(&merged)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("iter_")
+            })
+            .unwrap();
+        assert_eq!(
+            expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt")),
+            expert_biases(&one_file),
+            "{layout}"
+        );
+        // resumed from iteration 3, the same iterations and the same files
+        moe_train(
+            &data,
+            &format!("{layout} {SIGMOID_BIASED} --save {part} --exit-interval 3"),
+        )
+        .success();
+        let rest = moe_train(
+            &data,
+            &format!("{layout} {SIGMOID_BIASED} --save {part} --load {part}"),
+        );
+        assert_eq!(
+            &iterations(&full)[3..],
+            &iterations(&stdout(&rest.success()))[..],
+            "{layout}"
+        );
+        let files = ["model_optim_rng.pt", "distrib_optim.pt"];
+        for (rank, file) in ranks.iter().flat_map(|r| files.map(|f| (r, f))) {
+            let read = |d: &str| {
+                std::fs::read(Path::new(d).join("iter_0000006").join(rank).join(file)).ok()
+            };
+            assert!(
+                read(&whole) == read(&part),
+                "{layout}: {rank}/{file} differs after resuming"
+            );
+        }
+        if !optimizer.is_empty() {
+            // the experts' optimizer state on each expert-parallel rank, the others' on rank 0
+            let distributed = |r: &str| iter6.join(r).join("distrib_optim.pt").is_file();
+            assert!(distributed("mp_rank_00_000") && distributed("mp_rank_00_001"));
+        }
+        // Another expert-parallel layout cannot resume it.
+        let other = format!("{SIGMOID_BIASED} {optimizer} --bf16 --load {part} --world-size 4 --expert-model-parallel-size 4");
+        let err = stderr(&moe_train(&data, &other).failure());
+        assert!(err.contains("expert-parallel"), "{err}");
     }
-    // Another expert-parallel layout cannot resume it.
-    let other = format!(
-        "{SIGMOID_BIASED} --bf16 --load {part} --world-size 4 --expert-model-parallel-size 4"
-    );
-    let err = stderr(&train(&other).failure());
-    assert!(err.contains("expert-parallel"), "{err}");
 }

@@ -351,14 +351,14 @@ impl BucketParts {
 type Group<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
 
 impl<T> Sharded<T> {
-    /// Rank `rank` of `dp`'s part of the trained parameters of `table` (`params`, their
-    /// values; with `grouped` experts, in [`Unit`]s): a buffer per model chunk, the first one's
+    /// Rank `rank` of `dp`'s part of the trained parameters of `table` that are in `part`
+    /// (`params`, their values; with `grouped` experts, in [`Unit`]s): a buffer per model chunk, the first one's
     /// in buckets of `bucket_size` elements (megatron-core's DDP disables bucketing after the
     /// first chunk), `own_bucket` marking a pipeline's shared embedding; a chunk with nothing to
     /// train has no buffer.
     pub fn new<B: Backend<Tensor = T>>(
         b: &B,
-        (table, params, grouped): (&ParamTable, &[T], bool),
+        (table, params, grouped, part): (&ParamTable, &[T], bool, impl Fn(usize) -> bool),
         (rank, dp): (usize, usize),
         (bucket_size, pad_high, own_bucket): (Option<usize>, bool, impl Fn(usize) -> bool),
         config: AdamConfig,
@@ -368,7 +368,7 @@ impl<T> Sharded<T> {
         let mut layouts = Vec::with_capacity(chunks);
         for v in 0..chunks {
             let members: Vec<usize> = (table.params.iter().enumerate())
-                .filter(|(_, p)| p.trainable && p.chunk == v)
+                .filter(|&(i, p)| p.trainable && p.chunk == v && part(i))
                 .map(|(i, _)| i)
                 .collect();
             let first = units.len();

@@ -7,7 +7,7 @@ use super::data;
 use super::step::PendingLoss;
 use super::trainer::Trainer;
 use crate::arch::roles::{Canon, Role};
-use crate::engine::comm::{Communicator, ReduceOp};
+use crate::engine::comm::{Communicator, Counted, ReduceOp};
 use crate::engine::Backend;
 use crate::tensor::DType;
 use anyhow::{anyhow, Result};
@@ -194,10 +194,7 @@ impl<B: Backend> Trainer<B> {
     /// Megatron's `count_zeros_fp32` over the trained gradients multiplied by `scale` (the clip
     /// coefficient the step is about to apply).
     pub(super) fn count_zeros(&self, scale: f32) -> Result<f64> {
-        let grads = match &self.sharded {
-            Some(sharded) => &sharded.grads,
-            None => &self.grads,
-        };
+        let grads = self.of_params(|s| &s.grads, &self.grads);
         let zeros = |tensors: &[&B::Tensor]| -> Result<f64> {
             let mut n = 0;
             for g in tensors {
@@ -207,7 +204,7 @@ impl<B: Backend> Trainer<B> {
             }
             Ok(n as f64)
         };
-        self.model_summed(grads, zeros)
+        self.model_summed(&grads, zeros)
     }
 
     /// `--log-num-zeros-in-grad` and `--log-params-norm` of the step just taken, when asked
@@ -215,11 +212,10 @@ impl<B: Backend> Trainer<B> {
     /// `count_zeros_fp32` (counted before the step) and `calc_params_l2_norm`.
     pub(super) fn norms(&self) -> Result<(Option<f64>, Option<f64>)> {
         let zeros = self.zeros_in_grad;
-        let params = match (self.cfg.log_norms.0, &self.sharded, self.opt.main.as_ref()) {
-            (false, _, _) => None,
-            (true, Some(sharded), _) => Some(self.model_norm(&sharded.main)?),
-            (true, None, Some(main)) => Some(self.model_norm(main)?),
-            (true, None, None) => Some(self.model_norm(&self.params)?),
+        let whole = self.opt.main.as_deref().unwrap_or(&self.params);
+        let params = match self.cfg.log_norms.0 {
+            false => None,
+            true => Some(self.model_norm(&self.of_params(|s| &s.main, whole))?),
         };
         Ok((zeros, params))
     }
@@ -250,21 +246,15 @@ impl<B: Backend> Trainer<B> {
         Ok(f64::from(sum[0]))
     }
 
-    /// Of `tensors` (one per entry of the table, or with the distributed optimizer one per
-    /// piece), those this rank counts in a model-wide sum ([`Trainer::counted`]): the dense
-    /// parameters' and, apart, the routed experts' under expert parallelism.
-    fn counted_of<'a>(&self, tensors: &'a [B::Tensor]) -> [Vec<&'a B::Tensor>; 2] {
+    /// Of `tensors` (each with its table parameter: [`Trainer::of_params`]), those this rank
+    /// counts in a model-wide sum ([`Trainer::counted`]): the dense parameters' and, apart, the
+    /// routed experts' under expert parallelism.
+    fn counted_of<'a>(&self, tensors: &[(usize, &'a B::Tensor)]) -> [Vec<&'a B::Tensor>; 2] {
         let counted = self.counted();
-        let indexed: Vec<(usize, &B::Tensor)> = match &self.sharded {
-            Some(sharded) => (sharded.pieces.iter().zip(tensors))
-                .map(|(p, t)| (sharded.table_param(p), t))
-                .filter(|(i, _)| counted.contains(i))
-                .collect(),
-            None => counted.iter().map(|&i| (i, &tensors[i])).collect(),
-        };
-        let (experts, dense): (Vec<_>, Vec<_>) =
-            (indexed.into_iter()).partition(|&(i, _)| self.expert_parallel(i));
-        [dense, experts].map(|part| part.into_iter().map(|(_, t)| t).collect())
+        let (experts, dense): (Vec<_>, Vec<_>) = (tensors.iter())
+            .filter(|(i, _)| counted.contains(i))
+            .partition(|&&(i, _)| self.expert_parallel(i));
+        [dense, experts].map(|part| part.into_iter().map(|&(_, t)| t).collect())
     }
 
     /// A model-wide sum of `part` (squares, zeros) over `tensors` (as
@@ -276,26 +266,32 @@ impl<B: Backend> Trainer<B> {
     /// optimizer's norms over every rank).
     fn model_summed(
         &self,
-        tensors: &[B::Tensor],
+        tensors: &[(usize, &B::Tensor)],
         part: impl Fn(&[&B::Tensor]) -> Result<f64>,
     ) -> Result<f64> {
         let [dense, experts] = self.counted_of(tensors);
-        let mut x = part(&dense)?;
-        if let Some(ep) = &self.ep {
-            let mut sum = [part(&experts)? as f32];
-            ep.all_reduce_f32(&mut sum, ReduceOp::Sum)?;
-            x += f64::from(sum[0]);
-        }
-        let x = match (&self.sharded, &self.dp) {
-            (Some(_), Some(_)) => f64::from(self.summed(x as f32)?),
-            _ => x,
+        let sharded = !self.sharded.is_empty();
+        let over = |x: f64, groups: &[&Option<Counted<B::Tensor>>]| -> Result<f64> {
+            let mut sum = [x as f32];
+            for g in groups.iter().copied().flatten() {
+                g.all_reduce_f32(&mut sum, ReduceOp::Sum)?;
+            }
+            Ok(f64::from(sum[0]))
         };
+        let mut x = part(&dense)?;
+        if sharded && self.dp.is_some() {
+            x = over(x, &[&self.dp])?;
+        }
+        if self.ep.is_some() {
+            let edp = if sharded { &self.edp } else { &None };
+            x += over(part(&experts)?, &[edp, &self.ep])?;
+        }
         self.mp_summed(x)
     }
 
     /// The L2 norm of the whole model's `tensors` (gradients or parameters, as
     /// [`Trainer::counted_of`] takes them), over the ranks holding its parts.
-    pub(super) fn model_norm(&self, tensors: &[B::Tensor]) -> Result<f64> {
+    pub(super) fn model_norm(&self, tensors: &[(usize, &B::Tensor)]) -> Result<f64> {
         let squares = |counted: &[&B::Tensor]| -> Result<f64> {
             match counted.is_empty() {
                 true => Ok(0.0),

@@ -85,7 +85,7 @@ impl<B: Backend> Trainer<B> {
                 .filter(|&(i, p)| p.trainable && !self.expert_parallel(i))
                 .map(|(_, p)| p.numel())
                 .sum();
-            let megatron = match &self.sharded {
+            let megatron = match self.sharded.first() {
                 // the padded buffer's gradients reduce-scattered in f32, this rank's part of its
                 // parameters all-gathered in their dtype
                 Some(sharded) => {

@@ -53,7 +53,7 @@ impl<B: Backend> Trainer<B> {
         let state = match no_optim {
             true => checkpoint::load_progress(&dir)?,
             false => {
-                let weights_only = self.sharded.is_some();
+                let weights_only = !self.sharded.is_empty();
                 checkpoint::load_state(
                     &dir,
                     (&self.table, at),
@@ -73,11 +73,20 @@ impl<B: Backend> Trainer<B> {
             self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
             self.apply_checkpoint_schedule(sched)?;
         }
-        if let Some(sharded) = self.sharded.as_mut() {
-            let buffers = sharded.layout.buffer_numel_unpadded();
-            let (world, steps) = checkpoint::load_distributed(&dir, at, &buffers)?;
-            let [main, m, v] = &world;
-            sharded.load(&self.b, [main, m, v], steps)?;
+        if !self.sharded.is_empty() {
+            // Under expert parallelism the dense parameters' state is in the files of
+            // expert-parallel rank 0 (its data-parallel rank 0 saved it), the experts' in each
+            // rank's own.
+            let chained = self.sharded.len() > 1;
+            for (k, sharded) in self.sharded.iter_mut().enumerate() {
+                let (tp, pp, (ep, eps)) = at;
+                let at = (tp, pp, (if k == 0 { 0 } else { ep }, eps));
+                let buffers = sharded.layout.buffer_numel_unpadded();
+                let part = chained.then_some(k);
+                let (world, steps) = checkpoint::load_distributed(&dir, at, &buffers, part)?;
+                let [main, m, v] = &world;
+                sharded.load(&self.b, [main, m, v], steps)?;
+            }
             return Ok(());
         }
         let Some(opt) = state.optimizer else {
@@ -220,7 +229,10 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The host copy of everything a checkpoint holds.
-    fn snapshot(&self, gathered: Option<[Vec<f32>; 3]>) -> Result<checkpoint::Snapshot<'_>> {
+    fn snapshot(
+        &self,
+        gathered: Option<Vec<Option<[Vec<f32>; 3]>>>,
+    ) -> Result<checkpoint::Snapshot<'_>> {
         let b = &self.b;
         let params = self
             .params
@@ -236,18 +248,23 @@ impl<B: Backend> Trainer<B> {
             betas: self.cfg.adam.betas,
             eps: self.cfg.adam.eps,
         };
-        let distributed = match (gathered, &self.sharded) {
-            (Some(world), Some(sharded)) => Some(checkpoint::DistributedState {
-                world,
-                buffers: sharded.layout.buffer_numel_unpadded(),
-                param_dtype: self.cfg.model.dtype,
-                steps: sharded.opt.steps,
-                hyper,
-            }),
-            _ => None,
-        };
+        let chained = self.sharded.len() > 1;
+        let distributed = (gathered
+            .into_iter()
+            .flatten()
+            .zip(&self.sharded)
+            .enumerate())
+        .map(|(k, (world, sharded))| checkpoint::DistributedState {
+            world,
+            experts: chained && k == 1,
+            buffers: sharded.layout.buffer_numel_unpadded(),
+            param_dtype: self.cfg.model.dtype,
+            steps: sharded.opt.steps,
+            hyper,
+        })
+        .collect();
         let optimizer = match save {
-            Some(s) if !s.no_optim && self.sharded.is_none() => {
+            Some(s) if !s.no_optim && self.sharded.is_empty() => {
                 let trained = |i: usize| self.table.params[i].trainable;
                 let host = |ts: &[B::Tensor]| -> Result<Vec<Option<HostTensor>>> {
                     (ts.iter().enumerate())
@@ -336,11 +353,15 @@ impl<B: Backend> Trainer<B> {
     pub(super) fn save(&self, bar: &indicatif::ProgressBar) -> Result<Option<std::path::PathBuf>> {
         let start = Instant::now();
         // The distributed optimizer's state goes to data-parallel rank 0 first: every
-        // data-parallel rank sends its pieces.
-        let gathered = match (&self.sharded, &self.cfg.save) {
-            (Some(sharded), Some(save)) if !save.no_optim => {
-                let dp = self.dp.as_ref().map(Counted::uncounted);
-                sharded.gathered_state(&self.b, dp)?
+        // data-parallel rank sends its pieces (the routed experts' under expert parallelism to
+        // expert-data-parallel rank 0).
+        let gathered = match &self.cfg.save {
+            Some(save) if !save.no_optim && !self.sharded.is_empty() => {
+                let groups = [&self.dp, &self.edp].map(|g| g.as_ref().map(Counted::uncounted));
+                let parts = (self.sharded.iter().zip(groups))
+                    .map(|(sharded, group)| sharded.gathered_state(&self.b, group))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Some(parts)
             }
             _ => None,
         };

@@ -80,8 +80,10 @@ pub(super) struct Trainer<B: Backend> {
     /// parallelism, where the data-parallel group reduces the experts' gradients too).
     pub(super) edp: Option<Counted<B::Tensor>>,
     /// The distributed optimizer's state (`--use-distributed-optimizer`; `opt` then holds
-    /// none).
-    pub(super) sharded: Option<distrib::Sharded<B::Tensor>>,
+    /// none): the parameters' over the data-parallel group, and under expert parallelism the
+    /// routed experts' apart over the expert-data-parallel group (megatron-core's
+    /// `ChainedOptimizer` of two); empty without it.
+    pub(super) sharded: Vec<distrib::Sharded<B::Tensor>>,
     /// This rank's pipeline stage.
     pub(super) stage: Stage,
     /// The global rank (0 alone): rank 0 logs; the ranks of data-parallel rank 0 save.
@@ -165,24 +167,37 @@ impl<B: Backend> Trainer<B> {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
         // With the distributed optimizer the Adam state is the rank's pieces' only.
-        let sharded = match cfg.distributed_optimizer {
-            Some(buckets) => {
-                let dp = groups.dp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
-                // a pipeline's tied embedding (and its copy) has a bucket of its own
-                let shared = cfg.model.tied && stage.count > 1;
-                let own_bucket = |i: usize| shared && table.params[i].canon.role == Role::Embedding;
-                let table_params = (&table, &params[..], cfg.grouped_experts);
-                // distributed_data_parallel.py: no buckets after the first pipeline stage
-                let size = buckets.size.filter(|_| stage.first());
-                let size = size.map(|s| s.elements(table.numel()));
-                let at = (size, buckets.pad_high, own_bucket);
-                Some(distrib::Sharded::new(&b, table_params, dp, at, cfg.adam)?)
+        let mut sharded = Vec::new();
+        if let Some(buckets) = cfg.distributed_optimizer {
+            // a pipeline's tied embedding (and its copy) has a bucket of its own
+            let shared = cfg.model.tied && stage.count > 1;
+            let own_bucket = |i: usize| shared && table.params[i].canon.role == Role::Embedding;
+            // distributed_data_parallel.py: no buckets after the first pipeline stage
+            let size = buckets.size.filter(|_| stage.first());
+            let size = size.map(|s| s.elements(table.numel()));
+            let at = (size, buckets.pad_high, own_bucket);
+            let [dp, edp] = [&groups.dp, &groups.edp]
+                .map(|g| g.as_ref().map_or((0, 1), |g| (g.rank(), g.size())));
+            // the routed experts under expert parallelism: their own buffers, over EDP
+            let expert = |i: usize| ep.1 > 1 && table.params[i].canon.role.expert().is_some();
+            for (experts, group) in [(false, dp), (true, edp)] {
+                if experts && ep.1 == 1 {
+                    continue;
+                }
+                let part = |i: usize| expert(i) == experts;
+                let table_params = (&table, &params[..], cfg.grouped_experts, part);
+                sharded.push(distrib::Sharded::new(
+                    &b,
+                    table_params,
+                    group,
+                    at,
+                    cfg.adam,
+                )?);
             }
-            None => None,
-        };
-        let whole_state = match sharded {
-            Some(_) => vec![false; trained.len()],
-            None => trained.clone(),
+        }
+        let whole_state = match sharded.is_empty() {
+            false => vec![false; trained.len()],
+            true => trained.clone(),
         };
         let opt = Optimizer::new(&b, &table, &params, whole_state, cfg.adam)?;
         let stop = if cfg.exit.on_signal {
@@ -274,9 +289,14 @@ impl<B: Backend> Trainer<B> {
             .dp
             .as_ref()
             .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
-        match (self.sharded.as_mut(), dp) {
-            (Some(sharded), dp) => sharded.reduce_scatter(&self.b, &self.grads, dp)?,
-            (None, Some(_)) => {
+        let groups = shard_groups(&self.dp, &self.edp);
+        match (self.sharded.is_empty(), dp) {
+            (false, _) => {
+                for (part, group) in self.sharded.iter_mut().zip(groups) {
+                    part.reduce_scatter(&self.b, &self.grads, group)?;
+                }
+            }
+            (true, Some(_)) => {
                 let mut grads = std::mem::take(&mut self.grads);
                 let summed = (grads.iter_mut().enumerate()).try_for_each(|(i, g)| {
                     (self.gradient_group(i))
@@ -285,7 +305,7 @@ impl<B: Backend> Trainer<B> {
                 self.grads = grads;
                 summed?;
             }
-            (None, None) => {}
+            (true, None) => {}
         }
         if self.dp.is_some() {
             tokens = self.summed(tokens as f32)? as u64;
@@ -297,9 +317,11 @@ impl<B: Backend> Trainer<B> {
         }
         if self.cfg.averaging == data::LossAveraging::PerToken && n > 0.0 {
             let scale = 1.0 / n;
-            let grads = match self.sharded.as_mut() {
-                Some(sharded) => &mut sharded.grads,
-                None => &mut self.grads,
+            let grads: Vec<&mut B::Tensor> = match self.sharded.is_empty() {
+                false => (self.sharded.iter_mut())
+                    .flat_map(|s| &mut s.grads)
+                    .collect(),
+                true => self.grads.iter_mut().collect(),
             };
             for g in grads {
                 self.b.scale(g, scale)?;
@@ -307,10 +329,7 @@ impl<B: Backend> Trainer<B> {
         }
         // The gradient norm waits for the device; the losses are read after it without
         // another wait, and the update is queued after both are known.
-        let grad_norm = match &self.sharded {
-            Some(sharded) => self.model_norm(&sharded.grads)?,
-            None => self.model_norm(&self.grads)?,
-        };
+        let grad_norm = self.model_norm(&self.of_params(|s| &s.grads, &self.grads))?;
         let sums = match everyone {
             Some(sums) => sums,
             None => self.loss_sums(&losses)?,
@@ -338,7 +357,7 @@ impl<B: Backend> Trainer<B> {
             self.schedule_steps += self.cfg.global_batch as u64;
         }
         // The distributed optimizer's step zeroes its own pieces, not these.
-        self.grads_zeroed = report.applied && self.sharded.is_none();
+        self.grads_zeroed = report.applied && self.sharded.is_empty();
         self.consumed_train += self.cfg.global_batch as u64;
         Ok((loss, report.grad_norm, report.applied, tokens))
     }
@@ -347,24 +366,25 @@ impl<B: Backend> Trainer<B> {
     /// model, or over this rank's pieces, whose parameters every rank then gathers.
     fn apply(&mut self, grad_norm: f64, (lr, wd): (f64, f64)) -> Result<optim::StepReport> {
         let skip = self.cfg.skip_non_finite;
-        let Some(sharded) = self.sharded.as_mut() else {
+        if self.sharded.is_empty() {
             let (params, grads) = (&mut self.params, &mut self.grads);
             return Ok(self
                 .opt
                 .apply(&self.b, params, grads, grad_norm, (lr, wd), skip)?);
-        };
-        let (main, grads) = (&mut sharded.main, &mut sharded.grads);
-        let report = sharded
-            .opt
-            .apply(&self.b, main, grads, grad_norm, (lr, wd), skip)?;
-        if report.applied {
-            let dp = self
-                .dp
-                .as_ref()
-                .map(|g| g as &dyn Communicator<Tensor = B::Tensor>);
-            sharded.gather_params(&self.b, &mut self.params, self.cfg.model.dtype, dp)?;
         }
-        Ok(report)
+        let groups = shard_groups(&self.dp, &self.edp);
+        let mut report = None;
+        for (sharded, group) in self.sharded.iter_mut().zip(groups) {
+            let (main, grads) = (&mut sharded.main, &mut sharded.grads);
+            let step = sharded
+                .opt
+                .apply(&self.b, main, grads, grad_norm, (lr, wd), skip)?;
+            if step.applied {
+                sharded.gather_params(&self.b, &mut self.params, self.cfg.model.dtype, group)?;
+            }
+            report.get_or_insert(step);
+        }
+        report.ok_or_else(|| anyhow!("internal: a distributed optimizer of no parts"))
     }
 
     /// The lm loss over `iters` global batches of `split` from sample `start`, reduced over all
@@ -407,6 +427,21 @@ impl<B: Backend> Trainer<B> {
             println!("{line}");
         } else {
             bar.println(line);
+        }
+    }
+
+    /// One tensor per piece of the distributed optimizer's parts (`of` a part), or without it
+    /// `whole`'s, one per parameter, each with its table parameter.
+    pub(super) fn of_params<'a>(
+        &'a self,
+        of: impl Fn(&'a distrib::Sharded<B::Tensor>) -> &'a [B::Tensor],
+        whole: &'a [B::Tensor],
+    ) -> Vec<(usize, &'a B::Tensor)> {
+        match self.sharded.is_empty() {
+            true => whole.iter().enumerate().collect(),
+            false => (self.sharded.iter())
+                .flat_map(|s| (s.pieces.iter().zip(of(s))).map(move |(p, t)| (s.table_param(p), t)))
+                .collect(),
         }
     }
 
@@ -735,4 +770,13 @@ impl<B: Backend> Trainer<B> {
             _ => None,
         }
     }
+}
+
+/// The groups the distributed optimizer's parts are sharded over: the data-parallel group, and
+/// the routed experts' expert-data-parallel one.
+fn shard_groups<'a, T: crate::engine::comm::Payload>(
+    dp: &'a Option<Counted<T>>,
+    edp: &'a Option<Counted<T>>,
+) -> [Option<&'a dyn Communicator<Tensor = T>>; 2] {
+    [dp, edp].map(|g| g.as_ref().map(|g| g as &dyn Communicator<Tensor = T>))
 }

@@ -57,12 +57,16 @@ pub struct OptimizerState {
 
 /// The distributed optimizer's state of one tensor-parallel rank of one stage, gathered to its
 /// data-parallel rank 0 (megatron/core/optimizer/distrib_optimizer.py
-/// `get_parameter_state_dp_zero`), written as `distrib_optim.pt`.
+/// `get_parameter_state_dp_zero`), written as `distrib_optim.pt`; under expert parallelism
+/// one of the dense parameters' (over the data-parallel ranks) and one of the routed
+/// experts' (over the expert-data-parallel ranks).
 pub struct DistributedState {
     /// Main parameters, first and second moments: the flat buffer's buckets, each up to its
     /// last parameter (alignment gaps zero); with several buffers (one per model chunk), one
-    /// after the other.
-    pub world: [Vec<f32>; 3],
+    /// after the other. `None` on a rank that is not the group's rank 0 (it saved none).
+    pub world: Option<[Vec<f32>; 3]>,
+    /// Whether it is the routed experts' (under expert parallelism).
+    pub experts: bool,
     /// The elements of each buffer in `world` (its `numel_unpadded`).
     pub buffers: Vec<usize>,
     /// The model parameters' dtype (the buffer's key pairs it with the f32 gradients').
@@ -113,8 +117,9 @@ pub struct Snapshot<'a> {
     pub args: Vec<(String, Value)>,
     /// Optimizer state (`None` with `--no-save-optim` or the distributed optimizer).
     pub optimizer: Option<OptimizerState>,
-    /// The distributed optimizer's state (its data-parallel rank 0's, gathered).
-    pub distributed: Option<DistributedState>,
+    /// The distributed optimizer's state (its data-parallel rank 0's, gathered): none, one,
+    /// or under expert parallelism the dense parameters' and the routed experts'.
+    pub distributed: Vec<DistributedState>,
     /// The scheduler's state dict.
     pub scheduler: Option<Json>,
     /// FLOPs so far.

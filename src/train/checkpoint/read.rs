@@ -168,18 +168,19 @@ pub fn rank_file(dir: &Path, (tp, pp, ep): RankAt) -> Result<PathBuf> {
         || (pp.1 == 1 && exists(0, (0, 2), ep))
         || (ep.1 > 1 && exists(tp.0, pp, (ep.1, ep.1)));
     if !file.is_file() || other_layout {
+        let experts = match ep.1 {
+            1 => String::new(),
+            n => format!(", expert-parallel rank {} of {n}", ep.0),
+        };
         bail!(
             "{}: resuming training state on tensor-parallel rank {} of {}, pipeline stage {} of \
-             {}, expert-parallel rank {} of {} needs a checkpoint of the same layout \
-             ({name}/{RANK_FILE}); load the weights of other layouts with --finetune or \
-             --no-load-optim",
+             {}{experts} needs a checkpoint of the same layout ({name}/{RANK_FILE}); load the \
+             weights of other layouts with --finetune or --no-load-optim",
             iter_dir.display(),
             tp.0,
             tp.1,
             pp.0,
             pp.1,
-            ep.0,
-            ep.1,
         );
     }
     Ok(file)
@@ -188,11 +189,25 @@ pub fn rank_file(dir: &Path, (tp, pp, ep): RankAt) -> Result<PathBuf> {
 /// The distributed optimizer's state in this rank's `distrib_optim.pt` of the checkpoint `dir`
 /// (`at`: its place in the layout), whose buffer must hold `numel_unpadded` elements: the
 /// world tensors of main parameters and moments ([`DistributedState::world`]) and the steps
-/// taken (the parameter groups' `step` in `model_optim_rng.pt`).
+/// taken (the parameter groups' `step` in `model_optim_rng.pt`). `part`: under expert
+/// parallelism, which of the `ChainedOptimizer`'s two lists' entries (0 the dense
+/// parameters', 1 the routed experts').
 ///
 /// [`DistributedState::world`]: super::DistributedState::world
-pub fn load_distributed(dir: &Path, at: RankAt, buffers: &[usize]) -> Result<([Vec<f32>; 3], u64)> {
+pub fn load_distributed(
+    dir: &Path,
+    at: RankAt,
+    buffers: &[usize],
+    part: Option<usize>,
+) -> Result<([Vec<f32>; 3], u64)> {
     let model = rank_file(dir, at)?;
+    let pick = |v: Option<&Value>| -> Option<Value> {
+        match (part, v?) {
+            (None, v) => Some(v.clone()),
+            (Some(k), Value::List(parts)) => parts.get(k).cloned(),
+            (Some(_), _) => None,
+        }
+    };
     let path = model.with_file_name(DISTRIBUTED_FILE);
     if !path.is_file() {
         bail!(
@@ -202,7 +217,8 @@ pub fn load_distributed(dir: &Path, at: RankAt, buffers: &[usize]) -> Result<([V
         );
     }
     let groups = TorchFile::open(&model)?;
-    let step = (groups.root().get("optimizer"))
+    let step = pick(groups.root().get("optimizer"))
+        .as_ref()
         .and_then(|o| o.get("optimizer"))
         .and_then(|o| o.get("param_groups"))
         .and_then(|g| match g {
@@ -216,8 +232,15 @@ pub fn load_distributed(dir: &Path, at: RankAt, buffers: &[usize]) -> Result<([V
         )
     })?;
     let f = TorchFile::open(&path)?;
-    let Value::Dict(items) = f.root() else {
-        bail!("{}: not a dict", path.display());
+    let Some(Value::Dict(items)) = pick(Some(f.root())) else {
+        bail!(
+            "{}: not the state of {}",
+            path.display(),
+            match part {
+                None => "one distributed optimizer (a dict)".into(),
+                Some(k) => format!("expert-parallel training (a list whose entry {k} is a dict)"),
+            }
+        );
     };
     let saved = items
         .iter()

@@ -112,30 +112,68 @@ fn group_value(
 
 /// The distributed optimizer's `optimizer` entry of `model_optim_rng.pt`: the parameter groups
 /// without ids or state, each with the step count (`DistributedOptimizer.state_dict`); the
-/// state is in `distrib_optim.pt`.
-fn distributed_groups(table: &ParamTable, d: &DistributedState) -> Value {
+/// state is in `distrib_optim.pt`. Under expert parallelism the `ChainedOptimizer`'s list of
+/// the dense parameters' optimizer's and the routed experts'.
+fn distributed_groups(table: &ParamTable, parts: &[DistributedState]) -> Value {
     let trained: Vec<bool> = table.params.iter().map(|p| p.trainable).collect();
-    let groups = param_groups(table, &trained)
-        .iter()
-        .map(|(decay, _)| group_value((*decay, false), &d.hyper, None, Some(d.steps)))
-        .collect();
-    Value::Dict(vec![(
-        s("optimizer"),
-        Value::Dict(vec![(s("param_groups"), Value::List(groups))]),
-    )])
+    let one = |d: &DistributedState| {
+        let members = match parts.len() {
+            1 => trained.clone(),
+            _ => super::expert_mask(table, &trained, d.experts),
+        };
+        let groups = param_groups(table, &members)
+            .iter()
+            .map(|(decay, _)| group_value((*decay, d.experts), &d.hyper, None, Some(d.steps)))
+            .collect();
+        Value::Dict(vec![(
+            s("optimizer"),
+            Value::Dict(vec![(s("param_groups"), Value::List(groups))]),
+        )])
+    };
+    match parts {
+        [d] => one(d),
+        _ => Value::List(parts.iter().map(one).collect()),
+    }
 }
 
-/// `distrib_optim.pt`: `{"buckets_coalesced": True, 0: {(param dtype, float32): {"param",
-/// "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}, 1: …}`, a key per buffer
-/// (megatron-core's `gbuf_idx`: one buffer per model chunk, mindkit's parameters sharing one
-/// dtype).
-fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
+/// `distrib_optim.pt` of the parts this rank gathered (megatron-core's
+/// `ChainedOptimizer.save_parameter_state`: a list, `None` for a part another rank saves,
+/// under expert parallelism), if any.
+fn write_distributed_parts(path: &Path, parts: &[DistributedState]) -> Result<()> {
+    if parts.iter().all(|d| d.world.is_none()) {
+        return Ok(());
+    }
     let mut st = Storages::default();
+    let root = match parts {
+        [d] => distributed_value(d, &mut st),
+        _ => Value::List(
+            parts
+                .iter()
+                .map(|d| distributed_value(d, &mut st))
+                .collect(),
+        ),
+    };
+    let mut w = PtWriter::create(path, &root, false)?;
+    for (key, bytes) in st.data.iter().enumerate() {
+        w.write_storage(&key.to_string(), bytes)?;
+    }
+    w.finish()?;
+    Ok(())
+}
+
+/// One optimizer's state in `distrib_optim.pt`: `{"buckets_coalesced": True, 0: {(param dtype,
+/// float32): {"param", "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}, 1:
+/// …}`, a key per buffer (megatron-core's `gbuf_idx`: one buffer per model chunk, mindkit's
+/// parameters sharing one dtype); `None` where this rank gathered none.
+fn distributed_value(d: &DistributedState, st: &mut Storages) -> Value {
+    let Some(world) = &d.world else {
+        return Value::None;
+    };
     let mut root = vec![(s("buckets_coalesced"), Value::Bool(true))];
     let mut at = 0;
     for (i, &n) in d.buffers.iter().enumerate() {
         let mut state = Vec::new();
-        for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(&d.world) {
+        for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(world) {
             let bytes = values[at..at + n]
                 .iter()
                 .flat_map(|x| x.to_le_bytes())
@@ -153,12 +191,7 @@ fn write_distributed(path: &Path, d: &DistributedState) -> Result<()> {
         ));
         at += n;
     }
-    let mut w = PtWriter::create(path, &Value::Dict(root), false)?;
-    for (key, bytes) in st.data.iter().enumerate() {
-        w.write_storage(&key.to_string(), bytes)?;
-    }
-    w.finish()?;
-    Ok(())
+    Value::Dict(root)
 }
 
 /// The `optimizer` entry of `opt` for `ep` expert-parallel ranks: one optimizer's state dict,
@@ -483,8 +516,11 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             optimizers_value(snap.table, opt, &mut st, (snap.grouped, snap.ep.1)),
         ));
     }
-    if let Some(d) = &snap.distributed {
-        root.push((s("optimizer"), distributed_groups(snap.table, d)));
+    if !snap.distributed.is_empty() {
+        root.push((
+            s("optimizer"),
+            distributed_groups(snap.table, &snap.distributed),
+        ));
     }
     if let Some(sched) = &snap.scheduler {
         root.push((s("opt_param_scheduler"), json_value(sched)));
@@ -500,8 +536,8 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         w.write_storage(&key.to_string(), bytes)?;
     }
     w.finish()?;
-    if let Some(d) = &snap.distributed {
-        write_distributed(&rank.join(DISTRIBUTED_FILE), d)?;
+    if !snap.distributed.is_empty() {
+        write_distributed_parts(&rank.join(DISTRIBUTED_FILE), &snap.distributed)?;
     }
     Ok(())
 }

@@ -156,10 +156,7 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
     if model.moe.is_none() {
         return Ok(());
     }
-    let ep = expert_parallel(a, model)?;
-    if ep > 1 && a.has("use-distributed-optimizer") {
-        bail!("--use-distributed-optimizer with --expert-model-parallel-size {ep} (the experts' optimizer state sharded over the expert-data-parallel ranks) is not built yet");
-    }
+    expert_parallel(a, model)?;
     let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
     let etp = positive(a, "expert-tensor-parallel-size")?.unwrap_or(tp);
     if etp != tp {
