@@ -660,7 +660,10 @@ def compare_scaled(args, original, flags, base, rundir):
         for flag, v in extra.items():
             run_flags = with_flag(run_flags, flag, [v])
         last = run_pipeline(args.mindkit, run_flags, base, rundir / name.replace(" ", "_"))[-1]
-        out[name] = last.status if last.status == "ok" else f"{last.status}: {last.error}"
+        if last.status != "ok":
+            out[name] = f"{last.status}: " + ("" if last.name == "train" else f"{last.name}: ") + last.error
+            continue
+        out[name] = "ok"
         runs[name] = logged(rundir / name.replace(" ", "_") / "train.log")
     if out["one rank"] == out["scaled"] == "ok":
         for key in LOGGED:

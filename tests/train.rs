@@ -3484,3 +3484,65 @@ fn expert_parallel_checkpoints_hold_their_ranks_experts_and_resume_bit_exactly()
         assert!(err.contains("expert-parallel"), "{err}");
     }
 }
+
+#[test]
+fn expert_parallel_ranks_with_micro_batches_of_their_own_lengths_train_as_one_rank_does() {
+    // Fine-tuning pads each micro-batch to its own longest sample: the data-parallel ranks
+    // that are expert-parallel ranks hold different row counts.
+    let dir = tempfile::tempdir().unwrap();
+    let words = [
+        "the", "of", "and", "a", "to", "in", "is", "was", "he", "for", "it", "with",
+    ];
+    let text = |seed: usize, n: usize| -> String {
+        let picked: Vec<&str> = (0..n)
+            .map(|i| words[(seed * 7 + i * 5) % words.len()])
+            .collect();
+        picked.join(" ")
+    };
+    let records: String = (0..40)
+        .map(|i| {
+            let record = serde_json::json!({
+                "instruction": text(i, 2 + i % 5),
+                "input": text(i + 1, i % 3),
+                "output": text(i + 2, 2 + (i * 3) % 9),
+            });
+            format!("{record}\n")
+        })
+        .collect();
+    let input = dir.path().join("alpaca.jsonl");
+    std::fs::write(&input, records).unwrap();
+    let prefix = dir.path().join("sft");
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &input,
+        &"--output-prefix",
+        &prefix,
+        &"--tokenizer",
+        &fixture("models/demo"),
+        &"--handler",
+        &"alpaca",
+        &"--prompt-type",
+        &"alpaca",
+        &"--seq-length",
+        &"256",
+        &"--quiet",
+    ])
+    .success();
+    let sft = "--is-instruction-dataset --prompt-type alpaca --no-pad-to-seq-lengths \
+               --seq-length 256 --max-position-embeddings 256";
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    for routing in ["", "--moe-expert-capacity-factor 0.5"] {
+        let train = |layout: &str| {
+            stdout(&moe_train(&prefix, &format!("{sft} {routing} {layout}")).success())
+        };
+        let (one, tp_alone) = (train(""), train(tp));
+        for (layout, base) in [
+            ("--expert-model-parallel-size 2".to_string(), &one),
+            ("--expert-model-parallel-size 2 --world-size 4".into(), &one),
+            (format!("{tp} --expert-model-parallel-size 2"), &tp_alone),
+        ] {
+            same_training(base, &train(&layout), 1e-5, &format!("{routing} {layout}"));
+        }
+    }
+}

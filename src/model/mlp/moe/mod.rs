@@ -18,16 +18,18 @@
 //! parallelism), M = its expert-parallel group's (EP·N), h = hidden, E = routed experts.
 
 pub(in crate::model) mod losses;
+mod spread;
 
 use super::dense::{SwiGlu, SwiGluSaved};
 use crate::arch::moe::{route, route_grad, sigmoid, Moe as Experts, Routed};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
-use crate::model::parallel::{expert_gathered, expert_reduced, gathered, reduced};
+use crate::model::parallel::{gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
 use crate::tensor::DType;
 use losses::{aux_losses, RouterStats};
+use spread::Spread;
 use std::ops::Range;
 
 /// The parameters of one MoE layer.
@@ -59,6 +61,8 @@ pub(in crate::model) struct Saved<T> {
     /// The router's logits of all M rows (f32, row-major `[M, E]`) and every row's route.
     logits: Vec<f32>,
     routes: Vec<Routed>,
+    /// How the M rows lie over the expert-parallel ranks.
+    spread: Spread,
     experts: Vec<ExpertSaved<T>>,
     shared: Option<SharedSaved<T>>,
     /// In training, what the trainer is told and the auxiliary losses' gradient of this
@@ -135,8 +139,9 @@ impl Moe {
         Ok((b.cast(h, dtype)?, b.cast(&p.params[self.router], dtype)?))
     }
 
-    /// The router's logits of all M rows as f32 on the host, from this rank's rows `h`.
-    fn logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor) -> Result<Vec<f32>> {
+    /// The router's logits of all M rows (spread as `spread` says) as f32 on the host, from
+    /// this rank's rows `h`.
+    fn logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor, spread: &Spread) -> Result<Vec<f32>> {
         let b = p.b;
         let local = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
             true => {
@@ -149,10 +154,7 @@ impl Moe {
             Some(tp) => tp.group.all_gather_f32(&local)?,
             None => local,
         };
-        match p.ep {
-            Some(ep) => ep.all_gather_f32(&group),
-            None => Ok(group),
-        }
+        spread.gather_f32(p.ep, group, b.shape(&p.params[self.router])[0])
     }
 
     /// The MoE block's output `[T, h]` for the normed input `h`, and what the backward pass
@@ -165,9 +167,10 @@ impl Moe {
         let (b, cfg) = (p.b, experts_of(p)?);
         let group = gathered(b, p.tp, &h)?;
         let x_tp = group.as_ref().unwrap_or(&h);
-        let everyone = expert_gathered(b, p.ep, x_tp)?;
+        let spread = Spread::of(p.ep, b.shape(x_tp)[0])?;
+        let everyone = spread.gather(b, p.ep, x_tp)?;
         let x = everyone.as_ref().unwrap_or(x_tp);
-        let logits = self.logits(p, &h)?;
+        let logits = self.logits(p, &h, &spread)?;
         let e_count = cfg.experts;
         let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
@@ -179,9 +182,9 @@ impl Moe {
                 r
             })
             .collect();
-        let at = rows_of(p, b.shape(&h)[0]);
+        let at = rows_of(p, b.shape(&h)[0], &spread);
         let (local, mine) = (at.local.clone(), at.mine());
-        let kept = kept(p, cfg, &routes, local.len());
+        let kept = kept(p, cfg, &routes, (&spread, at.tp));
         let aux = p.aux.map(|aux| {
             let group_logits = &logits[at.group.start * e_count..at.group.end * e_count];
             let (losses, grad) = aux_losses(cfg, aux, group_logits, local.clone(), at.tp);
@@ -220,7 +223,7 @@ impl Moe {
                 swiglu,
             });
         }
-        let out = expert_reduced(b, p.ep, out)?;
+        let out = spread.reduce(b, p.ep, out)?;
         let mut out = reduced(b, p.tp, out)?;
         let shared = match &self.shared {
             None => None,
@@ -239,6 +242,7 @@ impl Moe {
             h,
             logits,
             routes,
+            spread,
             experts,
             shared,
             aux,
@@ -265,11 +269,11 @@ impl Moe {
     ) -> Result<B::Tensor> {
         let (b, cfg) = (p.b, experts_of(p)?);
         let dy_group = gathered(b, p.tp, dy)?;
-        let dy_everyone = expert_gathered(b, p.ep, dy_group.as_ref().unwrap_or(dy))?;
+        let dy_everyone = s.spread.gather(b, p.ep, dy_group.as_ref().unwrap_or(dy))?;
         let dy_all = (dy_everyone.as_ref().or(dy_group.as_ref())).unwrap_or(dy);
         let h_group = gathered(b, p.tp, &s.h)?;
         let x_tp = h_group.as_ref().unwrap_or(&s.h);
-        let h_everyone = expert_gathered(b, p.ep, x_tp)?;
+        let h_everyone = s.spread.gather(b, p.ep, x_tp)?;
         let x = h_everyone.as_ref().unwrap_or(x_tp);
         let mut dx = b.zeros(b.shape(x), b.dtype(x))?;
         let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
@@ -292,7 +296,7 @@ impl Moe {
             }
         }
         // Every expert-parallel rank's experts' part of this rank's rows' gradient.
-        let mut dx = expert_reduced(b, p.ep, dx)?;
+        let mut dx = s.spread.reduce(b, p.ep, dx)?;
         // The shared experts' output y gated by σ = σ(h·gᵀ): dy flows to y as σ·dy and to
         // the gate's logits as (dy·y)·σ(1−σ).
         let mut dgate = None;
@@ -326,7 +330,7 @@ impl Moe {
             }
             dweights = flat.chunks(cfg.topk.max(1)).map(<[f32]>::to_vec).collect();
         }
-        let mut dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes), &dweights);
+        let mut dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes, &s.spread), &dweights);
         if let Some((_, grad)) = &s.aux {
             dlogits.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
         }
@@ -373,11 +377,11 @@ fn linear_grad<B: Backend>(
 fn logits_grad<B: Backend>(
     p: &Pass<B>,
     cfg: &Experts,
-    (h, logits, routes): (&B::Tensor, &[f32], &[Routed]),
+    (h, logits, routes, spread): (&B::Tensor, &[f32], &[Routed], &Spread),
     dweights: &[Vec<f32>],
 ) -> Vec<f32> {
     let e = cfg.experts;
-    (rows_of(p, p.b.shape(h)[0]).mine())
+    (rows_of(p, p.b.shape(h)[0], spread).mine())
         .flat_map(|t| route_grad(cfg, &logits[t * e..(t + 1) * e], &routes[t], &dweights[t]))
         .collect()
 }
@@ -400,8 +404,8 @@ impl RowsAt {
     }
 }
 
-/// Where this rank's `rows` rows sit among the M.
-fn rows_of<B: Backend>(p: &Pass<B>, rows: usize) -> RowsAt {
+/// Where this rank's `rows` rows sit among the M, spread as `spread` says.
+fn rows_of<B: Backend>(p: &Pass<B>, rows: usize, spread: &Spread) -> RowsAt {
     let (tp, local) = match p.tp.filter(|tp| tp.sequence_parallel) {
         Some(tp) => {
             let first = tp.group.rank() * rows;
@@ -409,25 +413,33 @@ fn rows_of<B: Backend>(p: &Pass<B>, rows: usize) -> RowsAt {
         }
         None => (1, 0..rows),
     };
-    let n = rows * tp;
-    let ep = p.ep.map_or(0, |g| g.rank());
     RowsAt {
         tp,
         local,
-        group: ep * n..(ep + 1) * n,
+        group: spread.mine(),
     }
 }
 
 /// Which of each route's experts take the token: all of them, or with token dropping those
-/// within their capacity, each router call's rows (this rank's `t` under sequence
-/// parallelism, every rank routing its own) apart.
-fn kept<B: Backend>(p: &Pass<B>, cfg: &Experts, routes: &[Routed], t: usize) -> Vec<Vec<bool>> {
-    match p.spec.capacity {
-        None => routes.iter().map(|r| vec![true; r.experts.len()]).collect(),
-        Some(c) => (routes.chunks(t.max(1)))
-            .flat_map(|call| c.kept(call, cfg.topk, cfg.experts))
-            .collect(),
-    }
+/// within their capacity, each router call's rows apart: each expert-parallel rank's group's
+/// rows (`spread`), split among its `tp` ranks under sequence parallelism (every rank routes
+/// its own).
+fn kept<B: Backend>(
+    p: &Pass<B>,
+    cfg: &Experts,
+    routes: &[Routed],
+    (spread, tp): (&Spread, usize),
+) -> Vec<Vec<bool>> {
+    let Some(c) = p.spec.capacity else {
+        return routes.iter().map(|r| vec![true; r.experts.len()]).collect();
+    };
+    (spread.groups())
+        .flat_map(|group| {
+            let t = (group.len() / tp).max(1);
+            routes[group].chunks(t).collect::<Vec<_>>()
+        })
+        .flat_map(|call| c.kept(call, cfg.topk, cfg.experts))
+        .collect()
 }
 
 /// Each expert's tokens in ascending order and their routing weights, the dropped ones left
