@@ -3378,6 +3378,13 @@ fn expert_parallel_ranks_train_as_one_rank_does() {
                 "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer".into(),
                 &one,
             ),
+            // experts whole (expert tensor parallelism 1): the expert-parallel group spans the
+            // tensor-parallel ranks
+            (format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"), &tp_alone),
+            (
+                format!("{tp} --expert-model-parallel-size 4 --expert-tensor-parallel-size 1 --world-size 8 --use-distributed-optimizer"),
+                &tp_alone,
+            ),
         ] {
             let log = stdout(&moe_train(&data, &format!("{routing} {layout}")).success());
             let what = format!("{routing} {layout}");
@@ -3545,4 +3552,36 @@ fn expert_parallel_ranks_with_micro_batches_of_their_own_lengths_train_as_one_ra
             same_training(base, &train(&layout), 1e-5, &format!("{routing} {layout}"));
         }
     }
+}
+
+#[test]
+fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("ckpt");
+    let layout = "--tensor-model-parallel-size 2 --sequence-parallel \
+                  --expert-model-parallel-size 2 --expert-tensor-parallel-size 1";
+    let flags = format!("{layout} --save {}", save.display());
+    moe_train(&data, &flags).success();
+    // expert-data-parallel rank 0 of each rank writes: (TP 0, EP 0) and (TP 1, EP 1) only
+    let mut ranks: Vec<String> = std::fs::read_dir(save.join("iter_0000006"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    ranks.sort();
+    assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_01_001"]);
+    // reading it is refused by name, not misread
+    let err = stderr(&moe_train(&data, &format!("{flags} --load {}", save.display())).failure());
+    assert!(
+        err.contains("expert tensor parallelism 1 under tensor parallelism 2"),
+        "{err}"
+    );
+    // with fewer expert-parallel ranks than tensor-parallel ones some TP shards would be
+    // saved by none
+    let fewer = format!("{layout} --expert-model-parallel-size 1");
+    let err = stderr(&moe_train(&data, &fewer).failure());
+    assert!(
+        err.contains("needs an --expert-model-parallel-size that is a multiple of 2"),
+        "{err}"
+    );
 }

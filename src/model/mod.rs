@@ -54,6 +54,10 @@ pub struct ModelSpec {
     pub router_f32: bool,
     /// Token dropping (`--moe-expert-capacity-factor`; none: dropless).
     pub capacity: Option<crate::arch::moe::Capacity>,
+    /// Routed experts whole on each rank under tensor parallelism (expert tensor parallelism
+    /// 1): their rows gathered over the expert-parallel group alone, which spans the
+    /// tensor-parallel ranks.
+    pub experts_whole: bool,
     /// Rotary embedding.
     rope: Rope,
 }
@@ -87,6 +91,7 @@ impl ModelSpec {
             // transformers' router of the family (Glm4MoeTopkRouter) is f32 whatever the weights
             router_f32: cfg.family.moe.as_ref().is_some_and(|m| m.router_f32),
             capacity: None,
+            experts_whole: false,
             rope: Rope::new(cfg)?,
         })
     }

@@ -208,13 +208,21 @@ impl ParamTable {
         }
     }
 
-    /// One tensor-parallel rank's table of `cfg`'s model over `tp` ranks: the split
+    /// One tensor-parallel rank's table of `cfg`'s model over `tp` ranks, its routed experts
+    /// over `etp` (megatron-core's expert tensor parallelism; whole at 1): the split
     /// parameters' shards' shapes (the padded vocabulary split by rows; a split LoRA factor
     /// as its layer's input or output).
-    pub fn tensor_parallel(&self, cfg: &ModelConfig, tp: usize) -> ParamTable {
+    pub fn tensor_parallel(&self, cfg: &ModelConfig, (tp, etp): (usize, usize)) -> ParamTable {
         let mut t = self.clone();
         for p in t.params.iter_mut() {
-            let shard = shard_shape(cfg, p.canon.role, tp, self.vocab_padded);
+            let ranks = match p.canon.role.expert() {
+                Some(_) => {
+                    p.tp_split &= etp > 1;
+                    etp
+                }
+                None => tp,
+            };
+            let shard = shard_shape(cfg, p.canon.role, ranks, self.vocab_padded);
             match p.lora {
                 None => p.shape = shard,
                 Some(LoraPart::A) if p.tp_split => p.shape[1] = shard[1],

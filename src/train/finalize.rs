@@ -227,7 +227,10 @@ impl<B: Backend> Trainer<B> {
     fn counted(&self) -> Vec<usize> {
         let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
         (self.table.params.iter().enumerate())
-            .filter(|(_, p)| p.trainable && !p.shared && (first || p.tp_split))
+            .filter(|&(i, p)| {
+                let own = first || p.tp_split || self.expert_parallel(i);
+                p.trainable && !p.shared && own
+            })
             .map(|(i, _)| i)
             .collect()
     }
@@ -282,11 +285,16 @@ impl<B: Backend> Trainer<B> {
         if sharded && self.dp.is_some() {
             x = over(x, &[&self.dp])?;
         }
-        if self.ep.is_some() {
-            let edp = if sharded { &self.edp } else { &None };
-            x += over(part(&experts)?, &[edp, &self.ep])?;
+        if self.ep.is_none() {
+            return self.mp_summed(x);
         }
-        self.mp_summed(x)
+        let edp = if sharded { &self.edp } else { &None };
+        let experts = over(part(&experts)?, &[edp, &self.ep])?;
+        match self.spec.experts_whole {
+            // the expert-parallel group spans the tensor-parallel ranks
+            true => over(over(x, &[&self.tp])? + experts, &[&self.pp]),
+            false => self.mp_summed(x + experts),
+        }
     }
 
     /// The L2 norm of the whole model's `tensors` (gradients or parameters, as

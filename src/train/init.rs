@@ -83,7 +83,9 @@ pub(super) fn initial_params(
             _ => HostTensor::from_f32(p.canon.role.dtype(dtype), p.shape.clone(), &draw(p)?)
                 .map_err(|e| anyhow!(e))?,
         };
-        let t = match tp.1 > 1 && p.tp_split {
+        // this rank's table says whether it is split (routed experts may be whole)
+        let split = slots.first().is_some_and(|&i| mine.params[i].tp_split);
+        let t = match tp.1 > 1 && split {
             true => tp_shard(p.canon.role, &t, tp.0, tp.1, whole.vocab_padded),
             false => t,
         };

@@ -4,8 +4,9 @@
 //! dimensions holds the ranks that differ only in those (megatron-core
 //! megatron/core/parallel_state.py `RankGenerator`, `generate_masked_orthogonal_rank_groups`).
 //! Expert parallelism has its own generator there, over `tp-ep-dp-pp` with the expert
-//! tensor-parallel size the tensor-parallel one: its expert-parallel and expert-data-parallel
-//! ranks are the data-parallel rank's two digits, expert-parallel fastest (`dp = ep + EP·edp`).
+//! tensor-parallel size as its `tp`: with ETP = TP its expert-parallel and expert-data-parallel
+//! ranks are the data-parallel rank's two digits, expert-parallel fastest (`dp = ep + EP·edp`);
+//! with ETP = 1 the expert-parallel ranks take the tensor-parallel ranks first.
 
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -17,8 +18,7 @@ pub enum Axis {
     Tp,
     /// Context parallelism.
     Cp,
-    /// Data parallelism (of the dense parameters): expert parallelism × expert data
-    /// parallelism.
+    /// Data parallelism (of the dense parameters).
     Dp,
     /// Pipeline parallelism.
     Pp,
@@ -29,18 +29,15 @@ pub enum Axis {
 }
 
 impl Axis {
-    /// The dimensions of [`Layout`], fastest first (the data-parallel one split in two).
-    const DIMS: [Axis; 5] = [Axis::Tp, Axis::Cp, Axis::Ep, Axis::Edp, Axis::Pp];
-
-    /// The dimensions of [`Axis::DIMS`] this axis spans.
-    fn dims(self) -> &'static [usize] {
+    /// The view its dimension belongs to ([`Layout`]: expert or not) and its place there.
+    fn place(self) -> (bool, usize) {
         match self {
-            Axis::Tp => &[0],
-            Axis::Cp => &[1],
-            Axis::Ep => &[2],
-            Axis::Edp => &[3],
-            Axis::Dp => &[2, 3],
-            Axis::Pp => &[4],
+            Axis::Tp => (false, 0),
+            Axis::Cp => (false, 1),
+            Axis::Dp => (false, 2),
+            Axis::Pp => (false, 3),
+            Axis::Ep => (true, 1),
+            Axis::Edp => (true, 2),
         }
     }
 
@@ -57,11 +54,16 @@ impl Axis {
     }
 }
 
-/// The sizes of the parallel dimensions; their product is the world size.
+/// The sizes of the parallel dimensions; their product is the world size. The same ranks seen
+/// twice, as megatron-core's two rank generators see them: the dense layers' `tp-cp-dp-pp`,
+/// and the experts' `etp-ep-edp-pp` (expert tensor parallelism fastest, no context
+/// parallelism).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
-    /// Sizes in [`Axis::DIMS`] order.
-    sizes: [usize; 5],
+    /// Tensor-, context-, data-parallel and pipeline sizes.
+    dense: [usize; 4],
+    /// Expert tensor-, expert-, expert-data-parallel and pipeline sizes.
+    experts: [usize; 4],
 }
 
 impl Layout {
@@ -75,54 +77,78 @@ impl Layout {
         if world == 0 || !world.is_multiple_of(model) {
             bail!("world size {world} is not a multiple of TP {tp} × PP {pp} × CP {cp} = {model}");
         }
+        let dp = world / model;
         Ok(Layout {
-            sizes: [tp, cp, 1, world / model, pp],
+            dense: [tp, cp, dp, pp],
+            experts: [tp, 1, cp * dp, pp],
         })
     }
 
-    /// This layout with its data-parallel ranks split into `ep` expert-parallel ranks × the
-    /// rest expert-data-parallel (megatron-core's `expert_data_parallel_size`).
-    pub fn with_expert_parallel(self, ep: usize) -> Result<Layout> {
-        let dp = self.size(Axis::Dp);
-        if ep == 0 || !dp.is_multiple_of(ep) {
-            bail!("--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}");
+    /// This layout with each pipeline stage's ranks also split into `etp` expert
+    /// tensor-parallel × `ep` expert-parallel × the rest expert-data-parallel ranks
+    /// (megatron-core's `expert_data_parallel_size`).
+    pub fn with_expert_parallel(self, ep: usize, etp: usize) -> Result<Layout> {
+        let [tp, cp, dp, pp] = self.dense;
+        let stage = tp * cp * dp;
+        if ep == 0 || etp == 0 || !stage.is_multiple_of(ep * etp) {
+            bail!(
+                "--expert-model-parallel-size {ep} × --expert-tensor-parallel-size {etp} does not divide the {stage} ranks of a pipeline stage"
+            );
         }
-        let [tp, cp, _, _, pp] = self.sizes;
         Ok(Layout {
-            sizes: [tp, cp, ep, dp / ep, pp],
+            dense: self.dense,
+            experts: [etp, ep, stage / (ep * etp), pp],
         })
+    }
+
+    /// The experts' tensor-parallel size.
+    pub fn expert_tensor_parallel(&self) -> usize {
+        self.experts[0]
+    }
+
+    fn view(&self, experts: bool) -> &[usize; 4] {
+        match experts {
+            true => &self.experts,
+            false => &self.dense,
+        }
     }
 
     /// The size of `axis`.
     pub fn size(&self, axis: Axis) -> usize {
-        axis.dims().iter().map(|&i| self.sizes[i]).product()
+        let (experts, i) = axis.place();
+        self.view(experts)[i]
     }
 
     /// The number of ranks.
     pub fn world(&self) -> usize {
-        self.sizes.iter().product()
+        self.dense.iter().product()
     }
 
     /// `rank`'s index along `axis`.
     pub fn coordinate(&self, rank: usize, axis: Axis) -> usize {
-        let dims = axis.dims();
-        let first = dims[0];
-        rank / self.sizes[..first].iter().product::<usize>() % self.size(axis)
+        let (experts, i) = axis.place();
+        let sizes = self.view(experts);
+        rank / sizes[..i].iter().product::<usize>() % sizes[i]
     }
 
     /// Every group over `axes` (megatron-core's `RankGenerator.get_ranks("tp-dp")` for
     /// `[Tp, Dp]`): the ranks that differ only along `axes`, each group in increasing order of
     /// the masked mixed-radix index, the groups in increasing order of the others'.
     pub fn groups(&self, axes: &[Axis]) -> Vec<Vec<usize>> {
-        let mask: Vec<bool> = (0..Axis::DIMS.len())
-            .map(|i| axes.iter().any(|a| a.dims().contains(&i)))
+        let experts = axes.first().is_some_and(|a| a.place().0);
+        assert!(
+            axes.iter().all(|a| a.place().0 == experts),
+            "a group's axes are of one view"
+        );
+        let sizes = self.view(experts);
+        let mask: Vec<bool> = (0..4)
+            .map(|i| axes.iter().any(|a| a.place().1 == i))
             .collect();
-        let n = Axis::DIMS.len();
-        let strides: Vec<usize> = (0..n).map(|i| self.sizes[..i].iter().product()).collect();
+        let strides: Vec<usize> = (0..4).map(|i| sizes[..i].iter().product()).collect();
         let pick = |want: bool| -> (Vec<usize>, Vec<usize>) {
-            (0..n)
+            (0..4)
                 .filter(|&i| mask[i] == want)
-                .map(|i| (self.sizes[i], strides[i]))
+                .map(|i| (sizes[i], strides[i]))
                 .unzip()
         };
         let (in_shape, in_stride) = pick(true);
@@ -273,7 +299,7 @@ mod tests {
         // (tp-ep-dp-pp) gives EP groups [0, 2], [1, 3], … and EDP groups [0, 4], [1, 5], ….
         let l = Layout::new(16, 2, 2, 1)
             .unwrap()
-            .with_expert_parallel(2)
+            .with_expert_parallel(2, 2)
             .unwrap();
         assert_eq!(l.groups(&[Axis::Ep])[..3], [[0, 2], [1, 3], [4, 6]]);
         assert_eq!(l.groups(&[Axis::Edp])[..3], [[0, 4], [1, 5], [2, 6]]);
@@ -284,7 +310,16 @@ mod tests {
         );
         assert!(Layout::new(6, 1, 1, 1)
             .unwrap()
-            .with_expert_parallel(4)
+            .with_expert_parallel(4, 1)
             .is_err());
+        // ETP 1 under TP 2 (8 ranks, DP 4, EP 4): the expert-parallel ranks are the TP ranks
+        // of two data-parallel ranks, EDP the remaining digit.
+        let l = Layout::new(8, 2, 1, 1)
+            .unwrap()
+            .with_expert_parallel(4, 1)
+            .unwrap();
+        assert_eq!(l.groups(&[Axis::Ep]), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+        assert_eq!(l.groups(&[Axis::Edp]), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(l.groups(&[Axis::Tp])[1], [2, 3]);
     }
 }

@@ -304,6 +304,10 @@ impl<B: Backend> Trainer<B> {
                 Value::Str(c.schedule.decay_style.name().into()),
             ),
         ]);
+        if c.model.moe.is_some() {
+            let etp = c.layout.expert_tensor_parallel() as u64;
+            args.push(("expert_tensor_parallel_size".into(), int(etp)));
+        }
         let filter = c.lora.as_ref().is_some_and(|l| l.ckpt_filter);
         let mut extra = Vec::new();
         if let Some(l) = &c.lora {

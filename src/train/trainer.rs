@@ -111,6 +111,7 @@ impl<B: Backend> Trainer<B> {
             cfg.layout.size(Axis::Tp),
         );
         let mut spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        spec.experts_whole = tp.1 > 1 && cfg.layout.expert_tensor_parallel() == 1;
         spec.router_f32 = cfg.router_f32;
         spec.capacity = cfg.capacity;
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
@@ -134,7 +135,8 @@ impl<B: Backend> Trainer<B> {
             groups.ep.as_ref().map_or(0, |g| g.rank()),
             cfg.layout.size(Axis::Ep),
         );
-        let tables = (table.tensor_parallel(&cfg.model, tp.1))
+        let etp = cfg.layout.expert_tensor_parallel();
+        let tables = (table.tensor_parallel(&cfg.model, (tp.1, etp)))
             .expert_parallel(&cfg.model, ep)
             .pipeline_chunks(&stage.chunks, (stage.first(), stage.last()));
         let mine = ParamTable::concat(&tables);

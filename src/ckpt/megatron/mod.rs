@@ -219,8 +219,19 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize)> {
             .map(|n| n.unwrap_or(1).max(1))
             .with_context(|| first.path().display().to_string())
     };
+    let tp = size("tensor_model_parallel_size")?;
+    let etp = arg_uint(args, "expert_tensor_parallel_size")
+        .with_context(|| first.path().display().to_string())?;
+    if let Some(etp) = etp.filter(|&e| e != tp && tp > 1) {
+        // Megatron's torch format then has a file for some (TP, EP) pairs only, the experts
+        // whole in each.
+        bail!(
+            "{}: saved with expert tensor parallelism {etp} under tensor parallelism {tp} (Megatron's files of some TP × EP pairs only, the experts whole): reading such a checkpoint (convert, resume, generate) is not built yet",
+            first.path().display()
+        );
+    }
     Ok((
-        size("tensor_model_parallel_size")?,
+        tp,
         size("pipeline_model_parallel_size")?,
         size("expert_model_parallel_size")?,
     ))

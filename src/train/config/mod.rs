@@ -535,8 +535,10 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         size("pipeline-model-parallel-size")?,
         size("context-parallel-size")?,
     );
-    let layout = Layout::new(world_size(a)?, tp, pp, cp)?
-        .with_expert_parallel(moe::expert_parallel(a, &model)?)?;
+    let layout = Layout::new(world_size(a)?, tp, pp, cp)?.with_expert_parallel(
+        moe::expert_parallel(a, &model)?,
+        moe::expert_tensor_parallel(a, &model)?,
+    )?;
     let data_parallel = layout.size(Axis::Dp);
     check_tensor_parallel(a, &model, vocab_padded, tp)?;
     let chunks = virtual_stages(a, &model, pp)?;

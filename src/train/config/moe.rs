@@ -156,11 +156,18 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
     if model.moe.is_none() {
         return Ok(());
     }
-    expert_parallel(a, model)?;
     let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
-    let etp = positive(a, "expert-tensor-parallel-size")?.unwrap_or(tp);
-    if etp != tp {
-        bail!("--expert-tensor-parallel-size {etp} differs from the tensor-parallel size {tp}: experts split otherwise than the dense layers are not built yet");
+    let (ep, etp) = (
+        expert_parallel(a, model)?,
+        expert_tensor_parallel(a, model)?,
+    );
+    if etp != tp && etp != 1 {
+        bail!("--expert-tensor-parallel-size {etp}: the tensor-parallel size {tp} or 1 (experts whole) are built");
+    }
+    if etp != tp && !ep.is_multiple_of(tp) {
+        // Megatron's torch format saves from expert-data-parallel rank 0 only: with fewer
+        // expert-parallel ranks than tensor-parallel ones, some TP shards would be saved by none.
+        bail!("--expert-tensor-parallel-size 1 under --tensor-model-parallel-size {tp} needs an --expert-model-parallel-size that is a multiple of {tp} (is {ep})");
     }
     if tp > 1 && a.has("moe-tp-extend-ep") {
         // MindSpeed-LLM's MoE layer then keeps experts whole, E / (EP·TP) on each rank
@@ -195,6 +202,16 @@ pub(super) fn expert_parallel(a: &Args, model: &ModelConfig) -> Result<usize> {
         ),
         Some(_) => Ok(ep),
         None => Ok(1),
+    }
+}
+
+/// `--expert-tensor-parallel-size` (default: the tensor-parallel size, as Megatron's); the
+/// tensor-parallel size for a dense model.
+pub(super) fn expert_tensor_parallel(a: &Args, model: &ModelConfig) -> Result<usize> {
+    let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
+    match model.moe {
+        Some(_) => Ok(positive(a, "expert-tensor-parallel-size")?.unwrap_or(tp)),
+        None => Ok(tp),
     }
 }
 

@@ -139,9 +139,14 @@ impl Moe {
         Ok((b.cast(h, dtype)?, b.cast(&p.params[self.router], dtype)?))
     }
 
-    /// The router's logits of all M rows (spread as `spread` says) as f32 on the host, from
-    /// this rank's rows `h`.
-    fn logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor, spread: &Spread) -> Result<Vec<f32>> {
+    /// The router's logits (f32, on the host) of all M rows (spread as `spread` says) and of
+    /// its tensor-parallel group's N rows, from this rank's rows `h`.
+    fn logits<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        h: &B::Tensor,
+        spread: &Spread,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let b = p.b;
         let local = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
             true => {
@@ -152,9 +157,14 @@ impl Moe {
         };
         let group = match p.tp.filter(|tp| tp.sequence_parallel) {
             Some(tp) => tp.group.all_gather_f32(&local)?,
-            None => local,
+            None => local.clone(),
         };
-        spread.gather_f32(p.ep, group, b.shape(&p.params[self.router])[0])
+        let width = b.shape(&p.params[self.router])[0];
+        let routed = match p.spec.experts_whole {
+            true => local,
+            false => group.clone(),
+        };
+        Ok((spread.gather_f32(p.ep, routed, width)?, group))
     }
 
     /// The MoE block's output `[T, h]` for the normed input `h`, and what the backward pass
@@ -167,10 +177,12 @@ impl Moe {
         let (b, cfg) = (p.b, experts_of(p)?);
         let group = gathered(b, p.tp, &h)?;
         let x_tp = group.as_ref().unwrap_or(&h);
-        let spread = Spread::of(p.ep, b.shape(x_tp)[0])?;
-        let everyone = spread.gather(b, p.ep, x_tp)?;
-        let x = everyone.as_ref().unwrap_or(x_tp);
-        let logits = self.logits(p, &h, &spread)?;
+        // the rows this rank sends to the experts: its group's, or with whole experts its own
+        let sent = if p.spec.experts_whole { &h } else { x_tp };
+        let spread = Spread::of(p.ep, b.shape(sent)[0])?;
+        let everyone = spread.gather(b, p.ep, sent)?;
+        let x = everyone.as_ref().unwrap_or(sent);
+        let (logits, group_logits) = self.logits(p, &h, &spread)?;
         let e_count = cfg.experts;
         let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
@@ -184,10 +196,9 @@ impl Moe {
             .collect();
         let at = rows_of(p, b.shape(&h)[0], &spread);
         let (local, mine) = (at.local.clone(), at.mine());
-        let kept = kept(p, cfg, &routes, (&spread, at.tp));
+        let kept = kept(p, cfg, &routes, (&spread, at.calls));
         let aux = p.aux.map(|aux| {
-            let group_logits = &logits[at.group.start * e_count..at.group.end * e_count];
-            let (losses, grad) = aux_losses(cfg, aux, group_logits, local.clone(), at.tp);
+            let (losses, grad) = aux_losses(cfg, aux, &group_logits, local.clone(), at.tp);
             let tokens = bias.as_ref().map(|_| {
                 let mut counts = vec![0f32; e_count];
                 for (r, k) in routes[mine.clone()].iter().zip(&kept[mine.clone()]) {
@@ -224,7 +235,10 @@ impl Moe {
             });
         }
         let out = spread.reduce(b, p.ep, out)?;
-        let mut out = reduced(b, p.tp, out)?;
+        let mut out = match p.spec.experts_whole {
+            true => out,
+            false => reduced(b, p.tp, out)?,
+        };
         let shared = match &self.shared {
             None => None,
             Some((swiglu, gate)) => {
@@ -268,13 +282,19 @@ impl Moe {
         dy: &B::Tensor,
     ) -> Result<B::Tensor> {
         let (b, cfg) = (p.b, experts_of(p)?);
-        let dy_group = gathered(b, p.tp, dy)?;
-        let dy_everyone = s.spread.gather(b, p.ep, dy_group.as_ref().unwrap_or(dy))?;
-        let dy_all = (dy_everyone.as_ref().or(dy_group.as_ref())).unwrap_or(dy);
+        let whole = p.spec.experts_whole;
+        let dy_group = match whole {
+            true => None,
+            false => gathered(b, p.tp, dy)?,
+        };
+        let dy_sent = dy_group.as_ref().unwrap_or(dy);
+        let dy_everyone = s.spread.gather(b, p.ep, dy_sent)?;
+        let dy_all = dy_everyone.as_ref().unwrap_or(dy_sent);
         let h_group = gathered(b, p.tp, &s.h)?;
         let x_tp = h_group.as_ref().unwrap_or(&s.h);
-        let h_everyone = s.spread.gather(b, p.ep, x_tp)?;
-        let x = h_everyone.as_ref().unwrap_or(x_tp);
+        let sent = if whole { &s.h } else { x_tp };
+        let h_everyone = s.spread.gather(b, p.ep, sent)?;
+        let x = h_everyone.as_ref().unwrap_or(sent);
         let mut dx = b.zeros(b.shape(x), b.dtype(x))?;
         let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
         for e in s.experts {
@@ -295,8 +315,9 @@ impl Moe {
                 dweights[row][slot] = d;
             }
         }
-        // Every expert-parallel rank's experts' part of this rank's rows' gradient.
+        // Every expert-parallel rank's experts' part of the rows this rank sent.
         let mut dx = s.spread.reduce(b, p.ep, dx)?;
+        let mut shared_dx = None;
         // The shared experts' output y gated by σ = σ(h·gᵀ): dy flows to y as σ·dy and to
         // the gate's logits as (dy·y)·σ(1−σ).
         let mut dgate = None;
@@ -315,14 +336,24 @@ impl Moe {
             let dys_all = gathered(b, p.tp, dys)?;
             let dys_all = dys_all.as_ref().unwrap_or(dys);
             let (dxs, _) = swiglu.backward(p, grads, saved, (x_tp, dys_all, None))?;
-            b.add_assign(&mut dx, &dxs)?;
+            match whole {
+                false => b.add_assign(&mut dx, &dxs)?,
+                true => shared_dx = Some(dxs),
+            }
         }
         // Summed over the ranks (this rank's rows under sequence parallelism); the router's
         // and the gate's terms come from this rank's rows of `h` and are added after.
-        let mut dx = reduced(b, p.tp, dx)?;
+        let mut dx = match shared_dx {
+            None if whole => dx,
+            None => reduced(b, p.tp, dx)?,
+            Some(dxs) => {
+                b.add_assign(&mut dx, &reduced(b, p.tp, dxs)?)?;
+                dx
+            }
+        };
         // Each rank's experts' (and expert columns') share of every row's routing-weight
         // gradients, summed.
-        let groups = [p.tp.map(|tp| tp.group), p.ep];
+        let groups = [p.tp.map(|tp| tp.group).filter(|_| !whole), p.ep];
         if groups.iter().any(Option::is_some) {
             let mut flat: Vec<f32> = dweights.concat();
             for g in groups.into_iter().flatten() {
@@ -393,14 +424,17 @@ struct RowsAt {
     tp: usize,
     /// Its rows among its group's N (its block under sequence parallelism, all otherwise).
     local: Range<usize>,
-    /// Its group's N rows among the M (its expert-parallel rank's block).
-    group: Range<usize>,
+    /// Its rows among the M.
+    mine: Range<usize>,
+    /// The router calls among each expert-parallel rank's rows ([`Spread`]): its
+    /// tensor-parallel ranks' (its own alone with whole experts).
+    calls: usize,
 }
 
 impl RowsAt {
     /// Its rows among the M.
     fn mine(&self) -> Range<usize> {
-        self.group.start + self.local.start..self.group.start + self.local.end
+        self.mine.clone()
     }
 }
 
@@ -413,10 +447,16 @@ fn rows_of<B: Backend>(p: &Pass<B>, rows: usize, spread: &Spread) -> RowsAt {
         }
         None => (1, 0..rows),
     };
+    let group = spread.mine();
+    let (mine, calls) = match p.spec.experts_whole {
+        true => (group, 1),
+        false => (group.start + local.start..group.start + local.end, tp),
+    };
     RowsAt {
         tp,
         local,
-        group: spread.mine(),
+        mine,
+        calls,
     }
 }
 
