@@ -2880,6 +2880,38 @@ const SIGMOID_BIASED: &str = "--moe-router-score-function sigmoid --moe-router-n
     --moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 \
     --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002";
 
+/// The expert biases of the training checkpoint `save` converted to one rank in `to`.
+fn one_rank_expert_biases(save: &str, to: &str) -> Vec<(String, Vec<f32>)> {
+    mindkit(&[
+        &"convert",
+        &"--to",
+        &"megatron",
+        &"--input",
+        &save,
+        &"--output",
+        &to,
+        &"--tp",
+        &"1",
+        &"--pp",
+        &"1",
+        &"--ep",
+        &"1",
+        &"--quiet",
+    ])
+    .success();
+    let converted = std::fs::read_dir(to)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("iter_")
+        })
+        .unwrap();
+    expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt"))
+}
+
 /// The expert biases of a checkpoint's rank file, by key.
 fn expert_biases(file: &Path) -> Vec<(String, Vec<f32>)> {
     use mindkit::ckpt::torch::pickle::Value;
@@ -2939,36 +2971,7 @@ fn aux_loss_free_balancing_trains_on_every_parallel_layout_as_one_rank_and_resum
         same_training(&one, &parallel, 1e-5, layout);
         // the biases moved as on one rank: the same tokens counted over the ranks
         let whole = path(&format!("{}_whole", layout.replace(' ', "_")));
-        mindkit(&[
-            &"convert",
-            &"--to",
-            &"megatron",
-            &"--input",
-            &save,
-            &"--output",
-            &whole,
-            &"--tp",
-            &"1",
-            &"--pp",
-            &"1",
-            &"--quiet",
-        ])
-        .success();
-        let converted = std::fs::read_dir(&whole)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| {
-                p.file_name()
-                    .unwrap()
-                    .to_string_lossy()
-                    .starts_with("iter_")
-            })
-            .unwrap();
-        assert_eq!(
-            expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt")),
-            biases,
-            "{layout}"
-        );
+        assert_eq!(one_rank_expert_biases(&save, &whole), biases, "{layout}");
     }
     let part = path("part");
     run(&flags(&["--save", &part, "--exit-interval", "3"])).success();
@@ -3425,33 +3428,8 @@ fn expert_parallel_checkpoints_hold_their_ranks_experts_and_resume_bit_exactly()
         assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_00_001"], "{layout}");
         // converted to one rank, the experts' biases are the one rank's training's
         let merged = path(&format!("merged{n}"));
-        mindkit(&[
-            &"convert",
-            &"--to",
-            &"megatron",
-            &"--input",
-            &whole,
-            &"--output",
-            &merged,
-            &"--tp",
-            &"1",
-            &"--ep",
-            &"1",
-            &"--quiet",
-        ])
-        .success();
-        let converted = std::fs::read_dir(&merged)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| {
-                p.file_name()
-                    .unwrap()
-                    .to_string_lossy()
-                    .starts_with("iter_")
-            })
-            .unwrap();
         assert_eq!(
-            expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt")),
+            one_rank_expert_biases(&whole, &merged),
             expert_biases(&one_file),
             "{layout}"
         );
