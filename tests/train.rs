@@ -3056,6 +3056,19 @@ fn moe_on_the_npu_stand_in_matches_the_cpu() {
             "{counted}"
         );
     }
+    // Two expert-parallel ranks, one stand-in NPU each: their rows gathered and scattered back
+    // over the stand-in's HCCL.
+    let flags = ["--train-iters", "4"];
+    let cpu = stdout(&run(&moe_args(&data, &flags)).success());
+    let ep = [
+        &flags[..],
+        &["--world-size", "2", "--expert-model-parallel-size", "2"],
+    ]
+    .concat();
+    let (npu, counted) = train_on_stand_in(dir.path(), &moe_args(&data, &ep), "");
+    same_training(&cpu, &npu, 1e-4, "EP 2 on the NPU stand-in");
+    let calls = |f: &str| counted["hccl"][f]["calls"].as_u64().unwrap_or(0);
+    assert!(calls("HcclReduceScatter") > 0, "{counted}");
 }
 
 #[test]
