@@ -195,7 +195,7 @@ impl Moe {
             })
             .collect();
         let at = rows_of(p, b.shape(&h)[0], &spread);
-        let (local, mine) = (at.local.clone(), at.mine());
+        let (local, mine) = (at.local.clone(), at.mine.clone());
         let kept = kept(p, cfg, &routes, (&spread, at.calls));
         let aux = p.aux.map(|aux| {
             let (losses, grad) = aux_losses(cfg, aux, &group_logits, local.clone(), at.tp);
@@ -412,7 +412,7 @@ fn logits_grad<B: Backend>(
     dweights: &[Vec<f32>],
 ) -> Vec<f32> {
     let e = cfg.experts;
-    (rows_of(p, p.b.shape(h)[0], spread).mine())
+    (rows_of(p, p.b.shape(h)[0], spread).mine)
         .flat_map(|t| route_grad(cfg, &logits[t * e..(t + 1) * e], &routes[t], &dweights[t]))
         .collect()
 }
@@ -429,13 +429,6 @@ struct RowsAt {
     /// The router calls among each expert-parallel rank's rows ([`Spread`]): its
     /// tensor-parallel ranks' (its own alone with whole experts).
     calls: usize,
-}
-
-impl RowsAt {
-    /// Its rows among the M.
-    fn mine(&self) -> Range<usize> {
-        self.mine.clone()
-    }
 }
 
 /// Where this rank's `rows` rows sit among the M, spread as `spread` says.

@@ -73,7 +73,8 @@ impl Spread {
         if ep.is_none() || !self.uneven() {
             return expert_gathered(b, ep, x);
         }
-        let padded = self.padded(b, x, self.max())?;
+        let own: Vec<usize> = (0..b.shape(x)[0]).collect();
+        let padded = placed(b, x, self.max(), &own)?;
         let all = expert_gathered(b, ep, &padded)?.expect("an expert-parallel group");
         Ok(Some(b.select_rows(&all, &self.padded_rows())?))
     }
@@ -110,23 +111,18 @@ impl Spread {
         if ep.is_none() || !self.uneven() {
             return expert_reduced(b, ep, x);
         }
-        let (max, ranks) = (self.max(), self.counts.len());
-        let mut shape = b.shape(&x).to_vec();
-        shape[0] = max * ranks;
-        let mut padded = b.zeros(&shape, b.dtype(&x))?;
-        b.index_add_rows(&mut padded, &x, &self.padded_rows())?;
+        let padded = placed(b, &x, self.max() * self.counts.len(), &self.padded_rows())?;
         let mine = expert_reduced(b, ep, padded)?;
         let rows: Vec<usize> = (0..self.counts[self.rank]).collect();
         b.select_rows(&mine, &rows)
     }
+}
 
-    /// `x` with zero rows after its own up to `rows`.
-    fn padded<B: Backend>(&self, b: &B, x: &B::Tensor, rows: usize) -> Result<B::Tensor> {
-        let mut shape = b.shape(x).to_vec();
-        let own: Vec<usize> = (0..shape[0]).collect();
-        shape[0] = rows;
-        let mut out = b.zeros(&shape, b.dtype(x))?;
-        b.index_add_rows(&mut out, x, &own)?;
-        Ok(out)
-    }
+/// `rows` rows of zeros with `x`'s rows added at rows `at` (`x`'s dtype and width).
+fn placed<B: Backend>(b: &B, x: &B::Tensor, rows: usize, at: &[usize]) -> Result<B::Tensor> {
+    let mut shape = b.shape(x).to_vec();
+    shape[0] = rows;
+    let mut out = b.zeros(&shape, b.dtype(x))?;
+    b.index_add_rows(&mut out, x, at)?;
+    Ok(out)
 }
