@@ -148,6 +148,104 @@ fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
 }
 
 #[test]
+fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_saves_and_read_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ranks = |d: &Path| -> Vec<String> {
+        let mut r: Vec<String> = std::fs::read_dir(d.join("iter_0000001"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        r.sort();
+        r
+    };
+    let info = |d: &Path, keys: bool| -> String {
+        let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"ckpt", &"info"];
+        if keys {
+            args.push(&"--keys");
+        }
+        args.push(&d);
+        String::from_utf8(mindkit(&args).success().get_output().stdout.clone()).unwrap()
+    };
+    for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"] {
+        let [a, b, c, h] = ["a", "b", "c", "h"].map(|s| tmp.path().join(format!("{f}-{s}")));
+        // TP 2 × EP 2 (EP a multiple of TP): the pairs (r mod TP, r), experts whole
+        convert(
+            "megatron",
+            &model(f),
+            &a,
+            &[
+                "--tp",
+                "2",
+                "--ep",
+                "2",
+                "--expert-tensor-parallel-size",
+                "1",
+            ],
+        );
+        assert_eq!(ranks(&a), ["mp_rank_00_000", "mp_rank_01_001"], "{f}");
+        let shown = info(&a, true);
+        assert!(
+            shown.contains("TP 2 × PP 1 × EP 2 (ETP 1: whole experts)"),
+            "{shown}"
+        );
+        let fc2 = |shown: &str| -> Vec<String> {
+            (shown.lines())
+                .filter(|l| l.contains("local_experts.0.linear_fc2.weight"))
+                .map(|l| l.split("  ").last().unwrap().to_string())
+                .collect()
+        };
+        let one = tmp.path().join(format!("{f}-one"));
+        convert("megatron", &model(f), &one, &[]);
+        let whole = fc2(&info(&one, true))[0].clone();
+        assert_eq!(fc2(&shown), vec![whole; fc2(&shown).len()], "{f}: {shown}");
+        assert!(fc2(&shown).len() >= 2, "{f}: {shown}");
+        // TP 4 × PP 2 × EP 2 (TP a multiple of EP), kept whole by default: (t, t mod EP)
+        convert(
+            "megatron",
+            &a,
+            &b,
+            &["--tp", "4", "--pp", "2", "--moe-grouped-gemm"],
+        );
+        let files = ["00_000_000", "00_001_000", "01_000_001", "01_001_001"];
+        let mut want: Vec<String> = (files.iter().chain(&["02_000_000", "02_001_000"]))
+            .chain(&["03_000_001", "03_001_001"])
+            .map(|r| format!("mp_rank_{r}"))
+            .collect();
+        want.sort();
+        assert_eq!(ranks(&b), want, "{f}");
+        // back to experts split as the dense layers are, then to HF: the same weights
+        convert(
+            "megatron",
+            &b,
+            &c,
+            &["--tp", "2", "--pp", "1", "--etp", "2"],
+        );
+        assert_eq!(ranks(&c).len(), 4, "{f}");
+        assert!(info(&c, false).contains("TP 2 × PP 1 × EP 2,"), "{f}");
+        convert("hf", &b, &h, &[]);
+        assert_same_hf(&model(f), &h);
+        std::fs::remove_dir_all(&h).unwrap();
+        convert("hf", &c, &h, &[]);
+        assert_same_hf(&model(f), &h);
+    }
+    for (input, extra, message) in [
+        (
+            "llama",
+            &["--tp", "2", "--etp", "1"][..],
+            "a dense model has no experts",
+        ),
+        (
+            "qwen3_moe",
+            &["--tp", "4", "--etp", "2"],
+            "only 1 (whole experts) or the TP size",
+        ),
+    ] {
+        let err = convert_err("megatron", &model(input), &tmp.path().join("x"), extra);
+        assert!(err.contains(message), "{err}");
+    }
+}
+
+#[test]
 fn grouped_experts_round_trip_and_are_refused_where_they_cannot_be() {
     let tmp = tempfile::tempdir().unwrap();
     for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"] {

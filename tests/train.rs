@@ -3546,27 +3546,50 @@ fn expert_parallel_ranks_with_micro_batches_of_their_own_lengths_train_as_one_ra
 }
 
 #[test]
-fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks() {
+fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and_resume() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let save = dir.path().join("ckpt");
-    let layout = "--tensor-model-parallel-size 2 --sequence-parallel \
-                  --expert-model-parallel-size 2 --expert-tensor-parallel-size 1";
-    let flags = format!("{layout} --save {}", save.display());
-    moe_train(&data, &flags).success();
-    // expert-data-parallel rank 0 of each rank writes: (TP 0, EP 0) and (TP 1, EP 1) only
-    let mut ranks: Vec<String> = std::fs::read_dir(save.join("iter_0000006"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    ranks.sort();
-    assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_01_001"]);
-    // reading it is refused by name, not misread
-    let err = stderr(&moe_train(&data, &format!("{flags} --load {}", save.display())).failure());
-    assert!(
-        err.contains("expert tensor parallelism 1 under tensor parallelism 2"),
-        "{err}"
-    );
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let tp_alone = path("tp");
+    moe_train(&data, &format!("{tp} {SIGMOID_BIASED} --save {tp_alone}")).success();
+    let want = one_rank_expert_biases(&tp_alone, &path("tp-merged"));
+    let layout = format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1");
+    for (n, optimizer) in ["", "--use-distributed-optimizer"].into_iter().enumerate() {
+        let layout = format!("{layout} {SIGMOID_BIASED} {optimizer}");
+        let (whole, part) = (path(&format!("whole{n}")), path(&format!("part{n}")));
+        let full = stdout(&moe_train(&data, &format!("{layout} --save {whole}")).success());
+        // expert-data-parallel rank 0 of each rank writes: (TP 0, EP 0) and (TP 1, EP 1) only
+        let iter6 = Path::new(&whole).join("iter_0000006");
+        let mut ranks: Vec<String> = std::fs::read_dir(&iter6)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        ranks.sort();
+        assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_01_001"], "{optimizer}");
+        // read back whole: the experts as tensor parallelism alone trained them
+        let merged = path(&format!("merged{n}"));
+        assert_eq!(one_rank_expert_biases(&whole, &merged), want, "{optimizer}");
+        // resumed from iteration 3 (the dense optimizer state of TP rank 1 is in
+        // mp_rank_01_001, its data-parallel rank 0's), the same iterations and files
+        moe_train(&data, &format!("{layout} --save {part} --exit-interval 3")).success();
+        let rest = moe_train(&data, &format!("{layout} --save {part} --load {part}"));
+        assert_eq!(
+            &iterations(&full)[3..],
+            &iterations(&stdout(&rest.success()))[..],
+            "{optimizer}"
+        );
+        let files = ["model_optim_rng.pt", "distrib_optim.pt"];
+        for (rank, file) in ranks.iter().flat_map(|r| files.map(|f| (r, f))) {
+            let read = |d: &str| {
+                std::fs::read(Path::new(d).join("iter_0000006").join(rank).join(file)).ok()
+            };
+            assert!(
+                read(&whole) == read(&part),
+                "{optimizer}: {rank}/{file} differs after resuming"
+            );
+        }
+    }
     // with fewer expert-parallel ranks than tensor-parallel ones some TP shards would be
     // saved by none
     let fewer = format!("{layout} --expert-model-parallel-size 1");

@@ -253,6 +253,11 @@ struct OutputArgs {
     /// this many mp_rank_TT[_PPP]_EEE directories (default: the input's, or 1).
     #[arg(long, alias = "target-expert-parallel-size")]
     ep: Option<usize>,
+    /// Expert tensor-parallel size of a Megatron output: TP (each routed expert split as the
+    /// dense layers are) or 1 (whole experts; files only for the TP × EP pairs Megatron saves,
+    /// e.g. mp_rank_00_000 and mp_rank_01_001 at TP 2 × EP 2). Default: the input's, else TP.
+    #[arg(long, alias = "expert-tensor-parallel-size")]
+    etp: Option<usize>,
     /// Write the routed experts as MindSpeed-LLM's grouped GEMM tensors (mlp.experts.weight1 /
     /// weight2, as its --moe-grouped-gemm trains them) instead of megatron-core's local_experts.N.
     #[arg(long)]
@@ -561,6 +566,7 @@ fn convert_options(
         tp: a.tp,
         pp: a.pp,
         ep: a.ep,
+        etp: a.etp,
         grouped_experts: a.moe_grouped_gemm,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,

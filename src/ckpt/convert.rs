@@ -44,6 +44,9 @@ pub struct ConvertOptions {
     pub pp: Option<usize>,
     /// EP size (default: the source's, or 1).
     pub ep: Option<usize>,
+    /// Expert tensor-parallel size, TP or 1 (default: 1 for a source with whole experts under
+    /// TP > 1, else TP).
+    pub etp: Option<usize>,
     /// Write the routed experts as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
     pub grouped_experts: bool,
     /// Virtual chunks per stage.
@@ -467,7 +470,9 @@ fn write_megatron(
         _ => o.first_last,
     };
     let ep = o.ep.or(src_par.map(|p| p.ep)).unwrap_or(1);
-    let par = Parallel::new(cfg, tp, pp, vpp, first_last)?.with_experts(cfg, ep)?;
+    let whole = src_par.is_some_and(|p| p.etp == 1 && p.tp > 1);
+    let etp = o.etp.unwrap_or(if whole { 1 } else { tp });
+    let par = Parallel::new(cfg, tp, pp, vpp, first_last)?.with_experts(cfg, (ep, etp))?;
     let target = MegatronTarget {
         cfg,
         par: &par,

@@ -110,7 +110,7 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
             let p = &ck.par;
             let _ = writeln!(
                 out,
-                "parallel:    TP {} × PP {}{}{}, layers per stage {:?}, padded vocab {}",
+                "parallel:    TP {} × PP {}{}{}{}, layers per stage {:?}, padded vocab {}",
                 p.tp,
                 p.pp,
                 if p.vpp > 1 {
@@ -120,6 +120,11 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                 },
                 if p.ep > 1 {
                     format!(" × EP {}", p.ep)
+                } else {
+                    String::new()
+                },
+                if p.etp != p.tp {
+                    format!(" (ETP {}: whole experts)", p.etp)
                 } else {
                     String::new()
                 },

@@ -43,6 +43,23 @@ pub struct Parallel {
     /// Expert-parallel size: the routed experts of each MoE layer split into this many
     /// consecutive blocks (`mp_rank_TT[_PPP]_EEE` directories), the rest replicated.
     pub ep: usize,
+    /// Expert tensor-parallel size: the ranks each routed expert is split over, TP or 1
+    /// (whole experts, `--expert-tensor-parallel-size 1`; shared experts follow TP).
+    pub etp: usize,
+}
+
+/// The `(tensor-parallel, expert-parallel)` rank of each file of a pipeline stage, in file
+/// order, for TP × EP with expert tensor parallelism `etp` (TP or 1). Megatron's torch format
+/// saves from expert-data-parallel rank 0 only (megatron/training/checkpointing.py), the
+/// ranks `r < ETP × EP` of the expert view `etp-ep-edp` (megatron/core/parallel_state.py):
+/// with ETP = TP every pair, `(r mod TP, r / TP)`; with whole experts `(r mod TP, r mod EP)`
+/// for `r < max(TP, EP)`, as MindSpeed-LLM's converters list them
+/// (mindspeed_llm/tasks/checkpoint/convert_mg2hf.py `get_etp_valid_ckpts_list`).
+pub fn rank_grid(tp: usize, ep: usize, etp: usize) -> Vec<(usize, usize)> {
+    match etp == tp {
+        true => (0..tp * ep).map(|r| (r % tp, r / tp)).collect(),
+        false => (0..tp.max(ep)).map(|r| (r % tp, r % ep)).collect(),
+    }
 }
 
 impl Parallel {
@@ -65,7 +82,6 @@ impl Parallel {
             ("intermediate_size", cfg.ffn),
         ];
         if let Some(m) = &cfg.moe {
-            split.push(("the experts' intermediate size", m.ffn));
             split.extend(
                 m.shared_ffn
                     .map(|f| ("the shared experts' intermediate size", f)),
@@ -106,12 +122,15 @@ impl Parallel {
             vpp,
             stage_layers,
             ep: 1,
+            etp: tp,
         })
     }
 
-    /// The layout with the routed experts split over `ep` expert-parallel ranks (checked: the
-    /// experts divide evenly; a dense model takes only 1).
-    pub fn with_experts(mut self, cfg: &ModelConfig, ep: usize) -> Result<Self> {
+    /// The layout with the routed experts split over `ep` expert-parallel ranks and each over
+    /// `etp` tensor-parallel ranks (checked: the experts divide evenly, their intermediate
+    /// size by ETP; ETP is TP or 1, and then TP and EP divide one another, the only layouts
+    /// whose files Megatron and MindSpeed-LLM write; a dense model takes only 1).
+    pub fn with_experts(mut self, cfg: &ModelConfig, (ep, etp): (usize, usize)) -> Result<Self> {
         let experts = cfg.moe.as_ref().map_or(1, |m| m.experts);
         if ep == 0 || !experts.is_multiple_of(ep) {
             bail!(
@@ -123,8 +142,47 @@ impl Parallel {
                 }
             );
         }
+        let tp = self.tp;
+        if etp != tp && (etp != 1 || cfg.moe.is_none()) {
+            bail!(
+                "expert tensor parallelism {etp} under TP {tp}: {}",
+                match cfg.moe {
+                    None => "a dense model has no experts",
+                    Some(_) => "only 1 (whole experts) or the TP size is built",
+                }
+            );
+        }
+        if etp == 1 && !ep.is_multiple_of(tp) && !tp.is_multiple_of(ep) {
+            bail!(
+                "whole experts (expert tensor parallelism 1) need TP {tp} and EP {ep} to divide \
+                 one another: Megatron's files of other layouts leave shards unsaved"
+            );
+        }
+        if let Some(m) = &cfg.moe {
+            if !m.ffn.is_multiple_of(etp) {
+                bail!(
+                    "expert tensor parallelism {etp} does not divide the experts' intermediate \
+                     size {}",
+                    m.ffn
+                );
+            }
+        }
         self.ep = ep;
+        self.etp = etp;
         Ok(self)
+    }
+
+    /// The ranks a tensor of `role` is split over: ETP for the routed experts, TP otherwise.
+    pub fn split_of(&self, role: Role) -> usize {
+        match role.expert() {
+            Some(_) => self.etp,
+            None => self.tp,
+        }
+    }
+
+    /// The `(tp, ep)` ranks of a stage's files ([`rank_grid`]).
+    pub fn rank_files(&self) -> Vec<(usize, usize)> {
+        rank_grid(self.tp, self.ep, self.etp)
     }
 
     /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th
@@ -428,6 +486,7 @@ mod tests {
             vpp,
             stage_layers,
             ep: 1,
+            etp: 1,
         };
         (0..pp)
             .map(|p| (0..vpp).map(|v| par.chunk_layers(p, v)).collect())

@@ -197,6 +197,7 @@ impl Stage {
             vpp,
             stage_layers: stages.to_vec(),
             ep: 1,
+            etp: 1,
         };
         let chunks = (0..vpp)
             .map(|v| {

@@ -74,13 +74,16 @@ impl<B: Backend> Trainer<B> {
             self.apply_checkpoint_schedule(sched)?;
         }
         if !self.sharded.is_empty() {
-            // Under expert parallelism the dense parameters' state is in the files of
-            // expert-parallel rank 0 (its data-parallel rank 0 saved it), the experts' in each
+            // Under expert parallelism the dense parameters' state is in the file its
+            // data-parallel rank 0 saved — rank `t` of the stage, whose expert-parallel rank
+            // is `t / ETP mod EP` in the expert view (0 when ETP = TP) —, the experts' in each
             // rank's own.
             let chained = self.sharded.len() > 1;
+            let etp = self.cfg.layout.expert_tensor_parallel();
             for (k, sharded) in self.sharded.iter_mut().enumerate() {
                 let (tp, pp, (ep, eps)) = at;
-                let at = (tp, pp, (if k == 0 { 0 } else { ep }, eps));
+                let dense_ep = tp.0 / etp % eps;
+                let at = (tp, pp, (if k == 0 { dense_ep } else { ep }, eps));
                 let buffers = sharded.layout.buffer_numel_unpadded();
                 let part = chained.then_some(k);
                 let (world, steps) = checkpoint::load_distributed(&dir, at, &buffers, part)?;
@@ -304,10 +307,6 @@ impl<B: Backend> Trainer<B> {
                 Value::Str(c.schedule.decay_style.name().into()),
             ),
         ]);
-        if c.model.moe.is_some() {
-            let etp = c.layout.expert_tensor_parallel() as u64;
-            args.push(("expert_tensor_parallel_size".into(), int(etp)));
-        }
         let filter = c.lora.as_ref().is_some_and(|l| l.ckpt_filter);
         let mut extra = Vec::new();
         if let Some(l) = &c.lora {
@@ -346,6 +345,7 @@ impl<B: Backend> Trainer<B> {
             extra,
             tp: self.tp(),
             ep: self.ep(),
+            etp: c.layout.expert_tensor_parallel(),
             stage: &self.stage,
             stages: &c.stages,
             grouped: c.grouped_experts,

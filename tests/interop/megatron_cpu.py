@@ -57,7 +57,8 @@ def moe_config(a, losses=None):
         moe_pad_expert_input_to_capacity=getattr(a, "moe_pad_expert_input_to_capacity", False),
         moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=getattr(a, "moe_grouped_gemm", False),
-        expert_model_parallel_size=getattr(a, "expert_model_parallel_size", 1))
+        expert_model_parallel_size=getattr(a, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(a, "expert_tensor_parallel_size", None))
     if fields["moe_grouped_gemm"]:
         # GroupedMLP (the local spec's grouped experts) insists on the CUDA grouped_gemm package
         # for its GEMMs, which a layout check never runs: its parameters are built without it.

@@ -1,6 +1,6 @@
 """Run under torchrun, one process per rank of a TP × EP checkpoint iteration directory (the
 first argument; one pipeline stage): megatron-core's parallel state over gloo with
-expert_model_parallel_size, then that rank's GPTModel (MoELayer, SequentialMLP with its
+expert_model_parallel_size and expert_tensor_parallel_size (whole experts at 1), then that rank's GPTModel (MoELayer, SequentialMLP with its
 num_experts / EP local experts, all-gather dispatcher over the TP × EP group) loads its
 mp_rank_TT_EEE file strictly, and the ranks run one forward pass together. Rank 0 compares the
 gathered logits with transformers' model of the HF directory (second argument) and prints the
@@ -22,7 +22,9 @@ def main(iteration_dir, hf_dir):
     rank0 = sorted(iteration_dir.glob("mp_rank_*"))[0]
     a = megatron_cpu.load_pt(rank0 / "model_optim_rng.pt")["args"]
     tp_size, ep_size = a.tensor_model_parallel_size, a.expert_model_parallel_size
-    parallel_state.initialize_model_parallel(tp_size, 1, expert_model_parallel_size=ep_size)
+    etp_size = getattr(a, "expert_tensor_parallel_size", None)
+    parallel_state.initialize_model_parallel(tp_size, 1, expert_model_parallel_size=ep_size,
+                                             expert_tensor_parallel_size=etp_size)
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *x, **k: contextlib.nullcontext()
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -212,15 +212,21 @@ def test_grouped_experts_are_mindspeeds_weight1_and_weight2(mindkit, tmp_path, f
     assert_hf_equal(MODELS / family, tmp_path / "h")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_tp2_ep2_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path, family):
-    """HF → Megatron at TP 2 × EP 2 (mp_rank_TT_EEE): under torchrun, four megatron-core ranks
-    (gloo; expert_model_parallel_size 2) each load their rank file strictly into GPTModel with
-    its MoE layer, run one forward pass together, and the logits equal transformers'."""
+@pytest.mark.parametrize("family,layout", [
+    ("qwen3_moe", ("--ep", 2)), ("mixtral", ("--ep", 2)),
+    # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)
+    ("qwen3_moe", ("--ep", 4, "--expert-tensor-parallel-size", 1))])
+def test_expert_parallel_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path,
+                                                                          family, layout):
+    """HF → Megatron at TP 2 × EP 2 (mp_rank_TT_EEE), or TP 2 × EP 4 with whole experts
+    (expert tensor parallelism 1: files of four TP × EP pairs): under torchrun, four
+    megatron-core ranks (gloo; its expert_model_parallel_size and expert_tensor_parallel_size)
+    each load their rank file strictly into GPTModel with its MoE layer, run one forward pass
+    together, and the logits equal transformers'."""
     import re
     import socket
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m",
-            "--tp", 2, "--ep", 2)
+            "--tp", 2, *layout)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

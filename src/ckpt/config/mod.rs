@@ -712,6 +712,8 @@ pub struct ParallelArgs {
     pub divisible_by: usize,
     /// Expert-parallel size.
     pub ep: usize,
+    /// Expert tensor-parallel size (TP, or 1 for whole experts).
+    pub etp: usize,
     /// The routed experts stored as MindSpeed-LLM's grouped tensors.
     pub grouped: bool,
 }
@@ -825,6 +827,9 @@ pub fn megatron_args(
         ("model_type", Value::Str("GPT".into())),
     ];
     set.extend(moe::moe_args(cfg.moe.as_ref()));
+    if cfg.moe.is_some() {
+        set.push(("expert_tensor_parallel_size", int(par.etp)));
+    }
     if base.is_empty() {
         set.push(("tokenizer_type", Value::Str("HuggingFaceTokenizer".into())));
         set.push(("tokenizer_model", Value::None));

@@ -11,7 +11,9 @@ use crate::arch::ModelConfig;
 use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
 use crate::ckpt::grouped::{expert_view, GroupedLora};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
-use crate::ckpt::megatron::{chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files};
+use crate::ckpt::megatron::{
+    chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files, RankFiles,
+};
 use crate::ckpt::torch::pickle::{TensorRef, Value};
 use crate::ckpt::torch::TorchFile;
 use crate::ckpt::transform::{is_row_parallel, shard_shape};
@@ -56,11 +58,18 @@ fn row_parallel_module(module: &str) -> bool {
 impl MegatronLora {
     /// Index the LoRA tensors of every rank file. `alpha` overrides `args.lora_alpha`.
     pub fn open(dir: &std::path::Path, alpha: Option<f64>) -> Result<Self> {
-        let (iter_dir, files, ep) = open_rank_files(dir)?;
-        if ep > 1 {
+        let RankFiles {
+            iter_dir,
+            files,
+            tp,
+            ep,
+            etp,
+        } = open_rank_files(dir)?;
+        if ep > 1 || etp != tp {
             bail!(
-                "{}: LoRA adapters of an expert-parallel checkpoint (EP {ep}) are not read yet",
-                iter_dir.display()
+                "{}: LoRA adapters of an expert-parallel checkpoint (EP {ep}{}) are not read yet",
+                iter_dir.display(),
+                if etp != tp { ", whole experts" } else { "" }
             );
         }
         let args = match files[0][0].root().get("args") {

@@ -8,7 +8,7 @@ pub use write::MegatronTarget;
 
 use super::config::arg_uint;
 use super::grouped::{expert_view, grouped_key};
-use super::layout::{self, chunk_entries, KeyLayout, Parallel};
+use super::layout::{self, chunk_entries, rank_grid, KeyLayout, Parallel};
 use super::torch::pickle::{TensorRef, Value};
 use super::torch::TorchFile;
 use super::transform::{gather_tp, shard_shape};
@@ -115,12 +115,26 @@ fn rank_of(parts: &[usize], (pipelined, expert): (bool, bool)) -> (usize, usize,
     }
 }
 
-/// The iteration directory of `dir`, its rank files `[pp][ep·tp]` (expert-parallel rank
-/// `e`, tensor-parallel rank `t` at `e·tp + t`), all opened in parallel, and the EP size. The
-/// layout is the larger of the rank directories present and what rank 0's args say the
-/// checkpoint was saved with, so that a missing rank directory is reported by its path, not
-/// mistaken for a smaller layout; every expected file is checked before the others are read.
-pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usize)> {
+/// The rank files of a checkpoint ([`open_rank_files`]).
+pub struct RankFiles {
+    /// The iteration directory.
+    pub iter_dir: PathBuf,
+    /// Each stage's files, in [`rank_grid`] order.
+    pub files: Vec<Vec<TorchFile>>,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Expert-parallel size.
+    pub ep: usize,
+    /// Expert tensor-parallel size (TP, or 1: whole experts in files of some TP × EP pairs).
+    pub etp: usize,
+}
+
+/// The iteration directory of `dir` and its rank files, all opened in parallel: per stage,
+/// one for each `(tp, ep)` pair of [`rank_grid`]. The layout is the larger of the rank
+/// directories present and what rank 0's args say the checkpoint was saved with, so that a
+/// missing rank directory is reported by its path, not mistaken for a smaller layout; every
+/// expected file is checked before the others are read.
+pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
     let iter_dir = iteration_dir(dir)?;
     let mut names: Vec<Vec<usize>> = Vec::new();
     for e in std::fs::read_dir(&iter_dir)? {
@@ -140,7 +154,7 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usiz
         bail!("missing rank file {}", first_path.display());
     }
     let first = TorchFile::open(&first_path)?;
-    let (saved_tp, saved_pp, saved_ep) = saved_layout(&first)?;
+    let (saved_tp, saved_pp, saved_ep, whole) = saved_layout(&first)?;
     let kinds = (saved_pp > 1 || shortest.len() == 3, saved_ep > 1);
     let ranks: Vec<_> = names.iter().map(|n| rank_of(n, kinds)).collect();
     let found =
@@ -150,6 +164,14 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usiz
         found(|r| r.1).max(saved_pp),
         found(|r| r.2).max(saved_ep),
     );
+    let etp = if whole { 1 } else { tp };
+    if etp == 1 && !ep.is_multiple_of(tp) && !tp.is_multiple_of(ep) {
+        bail!(
+            "{}: whole experts (expert_tensor_parallel_size 1) under TP {tp} × EP {ep}, which \
+             do not divide one another: not a layout Megatron or MindSpeed-LLM writes",
+            first.path().display()
+        );
+    }
     // `mp_rank_00_000` names a pipeline-parallel checkpoint even when its other stages are gone.
     let named_stage = ranks.iter().any(|r| r.3);
     let rank_path = |t, p, e| {
@@ -158,10 +180,11 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usiz
     };
     let layout = format!(
         "rank directories present {} × {} × {}, rank 0's args say TP {saved_tp} × PP \
-         {saved_pp} × EP {saved_ep}",
+         {saved_pp} × EP {saved_ep}{}",
         found(|r| r.0),
         found(|r| r.1),
-        found(|r| r.2)
+        found(|r| r.2),
+        if whole { ", whole experts" } else { "" }
     );
     if (tp.checked_mul(pp).and_then(|n| n.checked_mul(ep))).is_none_or(|n| n > MAX_RANK_FILES) {
         bail!(
@@ -170,9 +193,10 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usiz
             iter_dir.display()
         );
     }
+    let grid = rank_grid(tp, ep, etp);
     let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
-        .flat_map(|p| (0..ep * tp).map(move |m| (p, m)))
-        .map(|(p, m)| (p, m, rank_path(m % tp, p, m / tp)))
+        .flat_map(|p| grid.iter().enumerate().map(move |(m, &te)| (p, m, te)))
+        .map(|(p, m, (t, e))| (p, m, rank_path(t, p, e)))
         .collect();
     let missing: Vec<String> = (paths.iter())
         .filter(|(.., path)| !path.is_file())
@@ -205,11 +229,18 @@ pub fn open_rank_files(dir: &Path) -> Result<(PathBuf, Vec<Vec<TorchFile>>, usiz
     for ((p, ..), f) in paths.iter().zip(opened) {
         files[*p].push(f);
     }
-    Ok((iter_dir, files, ep))
+    Ok(RankFiles {
+        iter_dir,
+        files,
+        tp,
+        ep,
+        etp,
+    })
 }
 
-/// TP × PP × EP as rank 0's args record them (1 × 1 × 1 when they do not).
-fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize)> {
+/// TP × PP × EP as rank 0's args record them (1 × 1 × 1 when they do not), and whether the
+/// routed experts are whole under TP > 1 (`expert_tensor_parallel_size` 1).
+fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, bool)> {
     let args = match first.root().get("args") {
         Some(Value::Namespace(a)) => a.as_slice(),
         _ => &[],
@@ -222,11 +253,10 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize)> {
     let tp = size("tensor_model_parallel_size")?;
     let etp = arg_uint(args, "expert_tensor_parallel_size")
         .with_context(|| first.path().display().to_string())?;
-    if let Some(etp) = etp.filter(|&e| e != tp && tp > 1) {
-        // Megatron's torch format then has a file for some (TP, EP) pairs only, the experts
-        // whole in each.
+    if let Some(etp) = etp.filter(|&e| e != tp && e != 1) {
         bail!(
-            "{}: saved with expert tensor parallelism {etp} under tensor parallelism {tp} (Megatron's files of some TP × EP pairs only, the experts whole): reading such a checkpoint (convert, resume, generate) is not built yet",
+            "{}: saved with expert tensor parallelism {etp} under tensor parallelism {tp}: \
+             reading experts split over other than 1 or TP ranks is not built",
             first.path().display()
         );
     }
@@ -234,6 +264,7 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize)> {
         tp,
         size("pipeline_model_parallel_size")?,
         size("expert_model_parallel_size")?,
+        tp > 1 && etp == Some(1),
     ))
 }
 
@@ -243,7 +274,7 @@ pub fn is_lora_key(key: &str) -> bool {
     key.contains(".lora_") || super::grouped::GroupedLora::of(key).is_some()
 }
 
-/// A tensor found in a rank file: which file of its stage (`e·tp + t`), its reference, and
+/// A tensor found in a rank file: which file of its stage ([`rank_grid`] order), its reference, and
 /// whether it is stored transposed (a routed expert inside grouped tensors).
 struct Shard {
     file: usize,
@@ -270,7 +301,7 @@ pub struct MegatronCkpt {
     pub lora_tensors: usize,
     /// Whether the routed experts are stored as grouped tensors ([`super::grouped`]).
     pub grouped: bool,
-    /// Rank files, `[pp][ep·tp]`.
+    /// Rank files, `[pp][m]` for the `(tp, ep)` pair `m` of [`Parallel::rank_files`].
     files: Vec<Vec<TorchFile>>,
     /// Canonical tensor → (stage, shard per TP rank).
     index: HashMap<Canon, (usize, Vec<Shard>)>,
@@ -391,16 +422,18 @@ impl MegatronCkpt {
     /// LoRA tensors are set aside (counted in `lora_tensors`); wrapped base weights
     /// (`….base_layer.weight`) are read under their plain names.
     pub fn open(dir: &Path, family: Option<&'static Family>) -> Result<Self> {
-        let (iter_dir, files, ep) = open_rank_files(dir)?;
-        Self::index(iter_dir, (files, ep), family)
+        Self::index(open_rank_files(dir)?, family)
     }
 
-    fn index(
-        iter_dir: PathBuf,
-        (files, ep): (Vec<Vec<TorchFile>>, usize),
-        family: Option<&'static Family>,
-    ) -> Result<Self> {
-        let (pp, tp) = (files.len(), files[0].len() / ep);
+    fn index(ranks: RankFiles, family: Option<&'static Family>) -> Result<Self> {
+        let RankFiles {
+            iter_dir,
+            files,
+            tp,
+            ep,
+            etp,
+        } = ranks;
+        let pp = files.len();
         let first = &files[0][0];
         let args = match first.root().get("args") {
             Some(Value::Namespace(a)) => a.clone(),
@@ -469,8 +502,9 @@ impl MegatronCkpt {
             vpp,
             stage_layers,
             ep: 1,
+            etp: tp,
         }
-        .with_experts(&cfg, ep)
+        .with_experts(&cfg, (ep, etp))
         .with_context(|| {
             format!(
                 "{}: the expert-parallel rank directories",
@@ -495,10 +529,11 @@ impl MegatronCkpt {
 
     /// Match every expected key of every chunk to its tensors; check shapes against the config.
     fn build_index(&mut self, flat: Vec<Vec<Vec<BTreeMap<String, Value>>>>) -> Result<()> {
-        let (pp, vpp, tp, ep) = (self.par.pp, self.par.vpp, self.par.tp, self.par.ep);
+        let (pp, vpp, ep) = (self.par.pp, self.par.vpp, self.par.ep);
+        let grid = self.par.rank_files();
         for (p, stage) in flat.into_iter().enumerate() {
             for (m, mut per_chunk) in stage.into_iter().enumerate() {
-                let (e, t) = (m / tp, m % tp);
+                let (t, e) = grid[m];
                 let path = self.files[p][m].path().to_path_buf();
                 for (v, chunk) in per_chunk.iter_mut().enumerate() {
                     let layers = self.par.chunk_layers(p, v);
@@ -515,7 +550,8 @@ impl MegatronCkpt {
                         let key = layout::flat_key(&key);
                         let found = chunk.remove(&key);
                         let Some(canon) = canon else { continue };
-                        let want = shard_shape(&self.cfg, canon.role, tp, self.padded_vocab);
+                        let ranks = self.par.split_of(canon.role);
+                        let want = shard_shape(&self.cfg, canon.role, ranks, self.padded_vocab);
                         let (tensor, transposed) = match found {
                             Some(Value::Tensor(tensor)) => (*tensor, false),
                             _ => match self.grouped_view(chunk, &key, &want)? {
@@ -538,7 +574,7 @@ impl MegatronCkpt {
                         if got != want {
                             bail!(
                                 "{}: tensor {key} has shape {got:?}, but the checkpoint args \
-                                 (hidden {}, heads {}, groups {}, ffn {}, TP {tp}) imply {want:?}",
+                                 (hidden {}, heads {}, groups {}, ffn {}, split {ranks} ways) imply {want:?}",
                                 path.display(),
                                 self.cfg.hidden,
                                 self.cfg.heads,
@@ -546,12 +582,11 @@ impl MegatronCkpt {
                                 self.cfg.ffn
                             );
                         }
-                        // Every expert-parallel rank holds the dense tensors: the first's are read.
-                        if e > 0 && canon.role.expert().is_none() {
-                            continue;
-                        }
+                        // Several files hold each shard (the dense tensors on every
+                        // expert-parallel rank, whole experts on several TP ranks): the
+                        // first's is read.
                         let slot = self.index.entry(canon).or_insert_with(|| (p, Vec::new()));
-                        if slot.0 == p && slot.1.len() == t {
+                        if slot.0 == p && slot.1.len() == t % ranks {
                             slot.1.push(Shard {
                                 file: m,
                                 key,
@@ -628,7 +663,7 @@ impl MegatronCkpt {
             .collect()
     }
 
-    /// The rank files, `[pp][ep·tp]` flattened.
+    /// The rank files, stage by stage.
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().flatten().map(TorchFile::path)
     }

@@ -90,18 +90,19 @@ impl MegatronTarget<'_> {
         let padded = self.padded_vocab();
         let mut n = 0u64;
         for (p, e) in self.rank_groups() {
+            let files = self.group_files(e).len() as u64;
             for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
                 if let Some(c) = canon {
-                    n += self.shard_bytes(c, padded);
+                    n += files * self.shard_bytes(c, padded);
                 }
             }
         }
-        n * self.par.tp as u64
+        n
     }
 
-    /// Bytes of one TP rank's shard of `c`.
+    /// Bytes of one rank's shard of `c`.
     fn shard_bytes(&self, c: Canon, padded: usize) -> u64 {
-        let shape = shard_shape(self.cfg, c.role, self.par.tp, padded);
+        let shape = shard_shape(self.cfg, c.role, self.par.split_of(c.role), padded);
         (shape.iter().product::<usize>() * c.role.dtype(self.cfg.dtype).size()) as u64
     }
 
@@ -109,6 +110,15 @@ impl MegatronTarget<'_> {
     fn rank_groups(&self) -> Vec<(usize, usize)> {
         let ep = self.par.ep;
         (0..self.par.pp * ep).map(|i| (i / ep, i % ep)).collect()
+    }
+
+    /// The tensor-parallel ranks with a file of expert-parallel rank `e` (all of them unless
+    /// the experts are whole, [`Parallel::rank_files`]).
+    fn group_files(&self, e: usize) -> Vec<usize> {
+        (self.par.rank_files().into_iter())
+            .filter(|&(_, fe)| fe == e)
+            .map(|(t, _)| t)
+            .collect()
     }
 
     fn stage_entries(&self, p: usize, e: usize) -> Vec<Vec<layout::ChunkEntry>> {
@@ -150,7 +160,7 @@ impl MegatronTarget<'_> {
                     insert_path(&mut model, path, Value::None);
                     continue;
                 };
-                let shard = shard_shape(self.cfg, c.role, self.par.tp, padded);
+                let shard = shard_shape(self.cfg, c.role, self.par.split_of(c.role), padded);
                 let group = (self.grouped)
                     .then(|| grouped_key(&layout::flat_key(path)))
                     .flatten();
@@ -222,6 +232,7 @@ impl MegatronTarget<'_> {
                 padded_vocab: padded,
                 divisible_by: self.divisible_by,
                 ep: par.ep,
+                etp: par.etp,
                 grouped: self.grouped,
             },
             self.base_args,
@@ -230,19 +241,19 @@ impl MegatronTarget<'_> {
         self.rank_groups().into_par_iter().try_for_each(|(p, e)| {
             let entries = self.stage_entries(p, e);
             let (object, stored) = self.rank_object(&entries, &args);
-            let mut writers = (0..par.tp)
+            let mut writers = (self.group_files(e).into_iter())
                 .map(|t| {
                     let rank = iter_dir.join(expert_rank_dir(t, (p, par.pp), (e, par.ep)));
                     std::fs::create_dir_all(&rank)
                         .with_context(|| format!("creating {}", rank.display()))?;
-                    Ok(PtWriter::create(&rank.join(RANK_FILE), &object, false)?)
+                    Ok((t, PtWriter::create(&rank.join(RANK_FILE), &object, false)?))
                 })
                 .collect::<Result<Vec<_>>>()?;
             for (key, s) in stored.iter().enumerate() {
                 let storage = key.to_string();
                 if s.grouped {
                     let bytes = s.canons.len() as u64 * self.shard_bytes(s.canons[0], padded);
-                    for w in &mut writers {
+                    for (_, w) in &mut writers {
                         w.begin_storage(&storage, bytes)?;
                     }
                 }
@@ -251,13 +262,14 @@ impl MegatronTarget<'_> {
                 // shard cut when its writer is ready.
                 for &c in &s.canons {
                     let canonical = read(c)?;
+                    let ranks = par.split_of(c.role);
                     writers
                         .par_iter_mut()
-                        .enumerate()
-                        .try_for_each(|(r, w)| -> Result<()> {
+                        .try_for_each(|(t, w)| -> Result<()> {
+                            let r = *t % ranks;
                             if !s.grouped {
                                 if let Some(parts) =
-                                    shard_row_parts(c.role, &canonical, r, par.tp, padded)
+                                    shard_row_parts(c.role, &canonical, r, ranks, padded)
                                 {
                                     let bytes = parts.iter().map(|p| p.len()).sum::<usize>();
                                     w.begin_storage(&storage, bytes as u64)?;
@@ -266,7 +278,7 @@ impl MegatronTarget<'_> {
                                     return Ok(());
                                 }
                             }
-                            let shard = tp_shard(c.role, &canonical, r, par.tp, padded);
+                            let shard = tp_shard(c.role, &canonical, r, ranks, padded);
                             match s.grouped {
                                 true => w.write_part(&pack(std::slice::from_ref(&shard)))?,
                                 false => w.write_storage(&storage, &shard.data)?,
@@ -278,7 +290,7 @@ impl MegatronTarget<'_> {
             }
             writers
                 .into_iter()
-                .try_for_each(|w| -> Result<()> { Ok(w.finish()?) })
+                .try_for_each(|(_, w)| -> Result<()> { Ok(w.finish()?) })
         })?;
         std::fs::write(dir.join(TRACKER), "1")?;
         Ok(())

@@ -132,6 +132,8 @@ pub struct Snapshot<'a> {
     /// This rank's expert-parallel rank and the group's size (its `_EEE`, which experts its
     /// file holds, and `args`).
     pub ep: (usize, usize),
+    /// Expert tensor-parallel size (TP, or 1: whole experts).
+    pub etp: usize,
     /// This rank's pipeline stage (its `_PPP`, and which layers its file holds).
     pub stage: &'a Stage,
     /// Layers of every stage (recorded in `args` when uneven).

@@ -427,6 +427,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         vpp,
         stage_layers: snap.stages.to_vec(),
         ep: snap.ep.1,
+        etp: snap.etp,
     };
     let mut args = megatron_args(
         snap.cfg,
@@ -438,6 +439,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
             ep: snap.ep.1,
+            etp: snap.etp,
             grouped: snap.grouped,
         },
         &snap.args,
