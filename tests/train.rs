@@ -1038,7 +1038,7 @@ fn data_parallel_ranks_as_processes_train_as_ranks_as_threads_do() {
 fn data_parallel_sizes_that_do_not_fit_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--world-size", "2", "--distributed-timeout-minutes", "0"],
             "--distributed-timeout-minutes",
@@ -1060,16 +1060,6 @@ fn data_parallel_sizes_that_do_not_fit_are_refused() {
                 "33",
             ],
             "--sequence-parallel: --seq-length 33 is not a multiple of --tensor-model-parallel-size 2",
-        ),
-        (
-            &[
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--lora-target-modules",
-                "linear_qkv",
-            ],
-            "LoRA with sequence parallelism is not built yet",
         ),
         (
             &["--world-size", "3"],
@@ -1895,6 +1885,10 @@ fn lora_on_tensor_parallel_ranks_trains_as_one_rank_does() {
     let pp2 = ["--pipeline-model-parallel-size", "2"];
     for (name, layout) in [
         ("tp2", vec!["--tensor-model-parallel-size", "2"]),
+        (
+            "tp2sp",
+            vec!["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ),
         (
             "tp2dp2",
             vec!["--tensor-model-parallel-size", "2", "--world-size", "4"],
@@ -3314,11 +3308,22 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
         a
     };
     let one = stdout(&run(&lora(&["--save", &path(&adapter), "--lora-ckpt-filter"])).success());
-    // (MoE with TP needs sequence parallelism, which LoRA does not have yet: stages instead.)
-    let pp = stdout(&run(&lora(&["--pipeline-model-parallel-size", "2"])).success());
-    for name in ["lm loss", "grad norm"] {
-        for (p, q) in field(&one, name).iter().zip(field(&pp, name)) {
-            assert!((p - q).abs() <= 1e-5 * p.abs(), "{name}: {p} vs {q}");
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    for layout in [
+        "--pipeline-model-parallel-size 2".to_string(),
+        tp.into(),
+        format!("{tp} --expert-model-parallel-size 2"),
+        // whole experts: their adapters whole too, no sum over TP
+        format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"),
+    ] {
+        let log = stdout(&run(&lora(&layout.split(' ').collect::<Vec<_>>())).success());
+        for name in ["lm loss", "grad norm"] {
+            for (p, q) in field(&one, name).iter().zip(field(&log, name)) {
+                assert!(
+                    (p - q).abs() <= 1e-5 * p.abs(),
+                    "{layout}: {name}: {p} vs {q}"
+                );
+            }
         }
     }
     // peft wraps every linear_fc1 / linear_fc2 module: the routed and shared experts' too.

@@ -4,7 +4,7 @@
 //!
 //! Legend: T = rows, k = input width, m = output width, r = adapter rank.
 
-use super::parallel::{counts_once, reduced};
+use super::parallel::{all_reduced, counts_once};
 use super::Pass;
 use crate::arch::roles::{Canon, Role};
 use crate::ckpt::transform::is_row_parallel;
@@ -21,6 +21,8 @@ pub(super) struct Linear {
     lora: Option<(usize, usize)>,
     /// Row-parallel (split on its input: linear_proj, linear_fc2), else column-parallel.
     row: bool,
+    /// Whether its weight is split over the tensor-parallel ranks (not a whole expert's).
+    split: bool,
 }
 
 impl Linear {
@@ -32,13 +34,15 @@ impl Linear {
         layer: Option<usize>,
     ) -> Option<Linear> {
         let canon = Canon { role, layer };
+        let w = table.index(canon)?;
         Some(Linear {
-            w: table.index(canon)?,
+            w,
             bias: bias.and_then(|role| table.index(Canon { role, layer })),
             lora: table
                 .lora_index(canon, LoraPart::A)
                 .zip(table.lora_index(canon, LoraPart::B)),
             row: is_row_parallel(role),
+            split: table.params[w].tp_split,
         })
     }
 
@@ -49,6 +53,7 @@ impl Linear {
             bias: None,
             lora: None,
             row: false,
+            split: true,
         }
     }
 
@@ -56,14 +61,20 @@ impl Linear {
     /// `[T, r]` for the backward pass. Under tensor parallelism a row-parallel layer's `y` is
     /// a partial sum the caller reduces: its bias and adapter term are added by one rank, and
     /// its adapter's `A` being row-parallel too (peft's megatron LoRA layer,
-    /// peft/tuners/lora/tp_layer.py), `x·Aᵀ` is summed over the ranks here.
+    /// peft/tuners/lora/tp_layer.py), `x·Aᵀ` is summed over the ranks here — all-reduced
+    /// under sequence parallelism too, `x` holding every row. peft computes the whole
+    /// adapters' (column-parallel `A`, row-parallel `B`) gradients there over each rank's rows
+    /// and MindSpeed-LLM sums them over TP as `sequence_parallel` parameters
+    /// (mindspeed_llm/training/training.py `model_provider_func_wrapper`): the same sums,
+    /// taken here over every row at once.
     pub(super) fn forward<B: Backend>(
         self,
         p: &Pass<B>,
         x: &B::Tensor,
     ) -> Result<(B::Tensor, Option<B::Tensor>)> {
         let b = p.b;
-        let once = !self.row || counts_once(p.tp);
+        let tp = p.tp.filter(|_| self.split);
+        let once = !self.row || counts_once(tp);
         let bias = self.bias.filter(|_| once).map(|i| &p.params[i]);
         let mut y = b.matmul(x, &p.params[self.w], bias)?;
         let Some((a, bb)) = self.lora else {
@@ -71,7 +82,7 @@ impl Linear {
         };
         let mut u = b.matmul(x, &p.params[a], None)?;
         if self.row {
-            u = reduced(b, p.tp, u)?;
+            u = all_reduced(tp, u)?;
         }
         if once {
             let update = b.matmul(&u, &p.params[bb], None)?;
@@ -93,6 +104,7 @@ impl Linear {
         (x, u): (&B::Tensor, Option<&B::Tensor>),
     ) -> Result<B::Tensor> {
         let b = p.b;
+        let tp = p.tp.filter(|_| self.split);
         let trained = |i: usize| p.trainable[i];
         let w = &p.params[self.w];
         let mut dx = match self.bias.filter(|&bi| trained(self.w) && trained(bi)) {
@@ -110,10 +122,10 @@ impl Linear {
             let dys = b.scaled(dy, p.lora_scale)?;
             let mut du = b.matmul_bwd(&dys, u, &p.params[bb], Some(&mut grads[bb]), None)?;
             if !self.row {
-                du = reduced(b, p.tp, du)?;
+                du = all_reduced(tp, du)?;
             }
             let dx_a = b.matmul_bwd(&du, x, &p.params[a], Some(&mut grads[a]), None)?;
-            if self.row || counts_once(p.tp) {
+            if self.row || counts_once(tp) {
                 b.add_assign(&mut dx, &dx_a)?;
             }
         }

@@ -73,6 +73,15 @@ pub(super) fn reduced<B: Backend>(
     }
 }
 
+/// Partial sums over the tensor-parallel ranks of rows every rank holds (a LoRA adapter's
+/// `x·Aᵀ` and its gradient), all-reduced whether or not the sequence is split.
+pub(super) fn all_reduced<T>(tp: Option<&TensorParallel<T>>, mut x: T) -> Result<T> {
+    if let Some(tp) = tp {
+        tp.group.all_reduce(&mut x, ReduceOp::Sum)?;
+    }
+    Ok(x)
+}
+
 /// Under sequence parallelism, every rank's rows of `x` (all-gather): a column-parallel
 /// layer's input, a row-parallel layer's output gradient; `None` where `x` holds every row.
 pub(super) fn gathered<B: Backend>(

@@ -223,12 +223,15 @@ impl<B: Backend> Trainer<B> {
     /// The trained parameters this rank counts in a model-wide sum: its shards, and the
     /// parameters every tensor-parallel rank holds a copy of on its rank 0 only (Megatron's
     /// `param_is_not_tensor_parallel_duplicate`), and not a pipeline's embedding copy
-    /// (`param_is_not_shared`).
+    /// (`param_is_not_shared`). Whole experts are each rank's own (the expert-parallel group
+    /// spans the tensor-parallel ranks), their LoRA factors too; split experts' whole LoRA
+    /// factors are copies, as the dense layers'.
     fn counted(&self) -> Vec<usize> {
         let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
+        let whole = self.spec.experts_whole;
         (self.table.params.iter().enumerate())
             .filter(|&(i, p)| {
-                let own = first || p.tp_split || self.expert_parallel(i);
+                let own = first || p.tp_split || (whole && self.expert_parallel(i));
                 p.trainable && !p.shared && own
             })
             .map(|(i, _)| i)
