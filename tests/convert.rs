@@ -148,7 +148,8 @@ fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
 }
 
 #[test]
-fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_saves_and_read_back() {
+fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_and_mindspeed_save_and_read_back(
+) {
     let tmp = tempfile::tempdir().unwrap();
     let ranks = |d: &Path| -> Vec<String> {
         let mut r: Vec<String> = std::fs::read_dir(d.join("iter_0000001"))
@@ -228,6 +229,26 @@ fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_save
         convert("hf", &c, &h, &[]);
         assert_same_hf(&model(f), &h);
     }
+    // MindSpeed-LLM's --moe-tp-extend-ep: every TP × EP file, one whole expert each (block
+    // e·TP + t), kept when resharding the pipeline
+    let [x, y, h] = ["ext", "ext-pp", "ext-hf"].map(|s| tmp.path().join(s));
+    convert(
+        "megatron",
+        &model("qwen3_moe"),
+        &x,
+        &["--tp", "2", "--ep", "2", "--moe-tp-extend-ep"],
+    );
+    assert_eq!(ranks(&x).len(), 4);
+    let shown = info(&x, true);
+    assert!(
+        shown.contains("(moe_tp_extend_ep: whole experts over TP × EP)"),
+        "{shown}"
+    );
+    assert!(!shown.contains("local_experts.1."), "{shown}");
+    convert("megatron", &x, &y, &["--pp", "2"]);
+    assert!(info(&y, false).contains("moe_tp_extend_ep"));
+    convert("hf", &y, &h, &[]);
+    assert_same_hf(&model("qwen3_moe"), &h);
     for (input, extra, message) in [
         (
             "llama",
@@ -238,6 +259,16 @@ fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_save
             "qwen3_moe",
             &["--tp", "4", "--etp", "2"],
             "only 1 (whole experts) or the TP size",
+        ),
+        (
+            "qwen3_moe",
+            &["--tp", "2", "--ep", "4", "--moe-tp-extend-ep"],
+            "which do not divide them",
+        ),
+        (
+            "qwen3_moe",
+            &["--tp", "2", "--etp", "1", "--moe-tp-extend-ep"],
+            "MindSpeed-LLM refuses both",
         ),
     ] {
         let err = convert_err("megatron", &model(input), &tmp.path().join("x"), extra);

@@ -2906,6 +2906,26 @@ fn one_rank_expert_biases(save: &str, to: &str) -> Vec<(String, Vec<f32>)> {
     expert_biases(&converted.join("mp_rank_00/model_optim_rng.pt"))
 }
 
+/// Every tensor of two training checkpoints of any layouts (read through `ckpt`'s reader)
+/// within `tolerance` of the larger of 1 and the tensor's largest value.
+fn same_weights(a: &str, b: &str, tolerance: f32) {
+    use mindkit::ckpt::megatron::MegatronCkpt;
+    let (a, b) = (
+        MegatronCkpt::open(Path::new(a), None).unwrap(),
+        MegatronCkpt::open(Path::new(b), None).unwrap(),
+    );
+    for c in mindkit::arch::roles::canonical(&a.cfg) {
+        let [x, y] =
+            [&a, &b].map(|ck| mindkit::tensor::host::to_f32(&ck.read(c).unwrap()).unwrap());
+        let scale = x.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let worst = x
+            .iter()
+            .zip(&y)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(worst <= tolerance * scale, "{c:?}: {worst} (of {scale})");
+    }
+}
+
 /// The expert biases of a checkpoint's rank file, by key.
 fn expert_biases(file: &Path) -> Vec<(String, Vec<f32>)> {
     use mindkit::ckpt::torch::pickle::Value;
@@ -3559,48 +3579,80 @@ fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and
     let tp_alone = path("tp");
     moe_train(&data, &format!("{tp} {SIGMOID_BIASED} --save {tp_alone}")).success();
     let want = one_rank_expert_biases(&tp_alone, &path("tp-merged"));
-    let layout = format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1");
-    for (n, optimizer) in ["", "--use-distributed-optimizer"].into_iter().enumerate() {
-        let layout = format!("{layout} {SIGMOID_BIASED} {optimizer}");
-        let (whole, part) = (path(&format!("whole{n}")), path(&format!("part{n}")));
-        let full = stdout(&moe_train(&data, &format!("{layout} --save {whole}")).success());
+    let whole = format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1");
+    let cases = [
         // expert-data-parallel rank 0 of each rank writes: (TP 0, EP 0) and (TP 1, EP 1) only
-        let iter6 = Path::new(&whole).join("iter_0000006");
-        let mut ranks: Vec<String> = std::fs::read_dir(&iter6)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        ranks.sort();
-        assert_eq!(ranks, ["mp_rank_00_000", "mp_rank_01_001"], "{optimizer}");
-        // read back whole: the experts as tensor parallelism alone trained them
-        let merged = path(&format!("merged{n}"));
-        assert_eq!(one_rank_expert_biases(&whole, &merged), want, "{optimizer}");
-        // resumed from iteration 3 (the dense optimizer state of TP rank 1 is in
-        // mp_rank_01_001, its data-parallel rank 0's), the same iterations and files
-        moe_train(&data, &format!("{layout} --save {part} --exit-interval 3")).success();
-        let rest = moe_train(&data, &format!("{layout} --save {part} --load {part}"));
-        assert_eq!(
-            &iterations(&full)[3..],
-            &iterations(&stdout(&rest.success()))[..],
-            "{optimizer}"
-        );
-        let files = ["model_optim_rng.pt", "distrib_optim.pt"];
-        for (rank, file) in ranks.iter().flat_map(|r| files.map(|f| (r, f))) {
-            let read = |d: &str| {
-                std::fs::read(Path::new(d).join("iter_0000006").join(rank).join(file)).ok()
-            };
-            assert!(
-                read(&whole) == read(&part),
-                "{optimizer}: {rank}/{file} differs after resuming"
+        (whole.clone(), &["mp_rank_00_000", "mp_rank_01_001"][..]),
+        // MindSpeed-LLM's experts over TP × EP: every pair, rank (t, e) with block 2e + t
+        (
+            format!("{tp} --expert-model-parallel-size 2 --moe-tp-extend-ep"),
+            &[
+                "mp_rank_00_000",
+                "mp_rank_00_001",
+                "mp_rank_01_000",
+                "mp_rank_01_001",
+            ],
+        ),
+    ];
+    for (n, (layout, files)) in cases.iter().enumerate() {
+        for (m, optimizer) in ["", "--use-distributed-optimizer"].into_iter().enumerate() {
+            let what = format!("{layout} {optimizer}");
+            let layout = format!("{layout} {SIGMOID_BIASED} {optimizer}");
+            let (full_dir, part) = (path(&format!("full{n}{m}")), path(&format!("part{n}{m}")));
+            let full = stdout(&moe_train(&data, &format!("{layout} --save {full_dir}")).success());
+            let iter6 = Path::new(&full_dir).join("iter_0000006");
+            let mut ranks: Vec<String> = std::fs::read_dir(&iter6)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            ranks.sort();
+            assert_eq!(ranks, *files, "{what}");
+            // read back whole: the experts as tensor parallelism alone trained them
+            let merged = path(&format!("merged{n}{m}"));
+            assert_eq!(one_rank_expert_biases(&full_dir, &merged), want, "{what}");
+            same_weights(&tp_alone, &full_dir, 1e-5);
+            // resumed from iteration 3 (the dense optimizer state of a TP rank is in its
+            // data-parallel rank 0's file), the same iterations and files
+            moe_train(&data, &format!("{layout} --save {part} --exit-interval 3")).success();
+            let rest = moe_train(&data, &format!("{layout} --save {part} --load {part}"));
+            assert_eq!(
+                &iterations(&full)[3..],
+                &iterations(&stdout(&rest.success()))[..],
+                "{what}"
             );
+            let saved = ["model_optim_rng.pt", "distrib_optim.pt"];
+            for (rank, file) in ranks.iter().flat_map(|r| saved.map(|f| (r, f))) {
+                let read = |d: &str| {
+                    std::fs::read(Path::new(d).join("iter_0000006").join(rank).join(file)).ok()
+                };
+                assert!(
+                    read(&full_dir) == read(&part),
+                    "{what}: {rank}/{file} differs after resuming"
+                );
+            }
         }
     }
     // with fewer expert-parallel ranks than tensor-parallel ones some TP shards would be
     // saved by none
-    let fewer = format!("{layout} --expert-model-parallel-size 1");
+    let fewer = format!("{whole} --expert-model-parallel-size 1");
     let err = stderr(&moe_train(&data, &fewer).failure());
     assert!(
         err.contains("needs an --expert-model-parallel-size that is a multiple of 2"),
         "{err}"
     );
+    let extend = format!("{tp} --moe-tp-extend-ep");
+    for (extra, says) in [
+        (
+            "--expert-model-parallel-size 4",
+            "do not divide over TP 2 × EP 4",
+        ),
+        ("--expert-model-parallel-size 1", "above 1"),
+        (
+            "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1",
+            "MindSpeed-LLM refuses both",
+        ),
+    ] {
+        let err = stderr(&moe_train(&data, &format!("{extend} {extra}")).failure());
+        assert!(err.contains(says), "{extra}: {err}");
+    }
 }

@@ -258,6 +258,10 @@ struct OutputArgs {
     /// e.g. mp_rank_00_000 and mp_rank_01_001 at TP 2 × EP 2). Default: the input's, else TP.
     #[arg(long, alias = "expert-tensor-parallel-size")]
     etp: Option<usize>,
+    /// MindSpeed-LLM's --moe-tp-extend-ep: the routed experts whole, spread over the TP × EP
+    /// rank files (file mp_rank_tt_eee holding block e·TP + t). Default: the input's.
+    #[arg(long)]
+    moe_tp_extend_ep: bool,
     /// Write the routed experts as MindSpeed-LLM's grouped GEMM tensors (mlp.experts.weight1 /
     /// weight2, as its --moe-grouped-gemm trains them) instead of megatron-core's local_experts.N.
     #[arg(long)]
@@ -567,6 +571,7 @@ fn convert_options(
         pp: a.pp,
         ep: a.ep,
         etp: a.etp,
+        tp_extend_ep: a.moe_tp_extend_ep,
         grouped_experts: a.moe_grouped_gemm,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,

@@ -47,6 +47,9 @@ pub struct ConvertOptions {
     /// Expert tensor-parallel size, TP or 1 (default: 1 for a source with whole experts under
     /// TP > 1, else TP).
     pub etp: Option<usize>,
+    /// MindSpeed-LLM's `--moe-tp-extend-ep`: whole experts over the TP × EP files (default: a
+    /// source's, unless `etp` is given).
+    pub tp_extend_ep: bool,
     /// Write the routed experts as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
     pub grouped_experts: bool,
     /// Virtual chunks per stage.
@@ -470,9 +473,14 @@ fn write_megatron(
         _ => o.first_last,
     };
     let ep = o.ep.or(src_par.map(|p| p.ep)).unwrap_or(1);
-    let whole = src_par.is_some_and(|p| p.etp == 1 && p.tp > 1);
+    let whole = src_par.is_some_and(|p| p.etp == 1 && p.tp > 1 && !p.tp_extend);
     let etp = o.etp.unwrap_or(if whole { 1 } else { tp });
+    let extend = o.tp_extend_ep || (src_par.is_some_and(|p| p.tp_extend) && o.etp.is_none());
     let par = Parallel::new(cfg, tp, pp, vpp, first_last)?.with_experts(cfg, (ep, etp))?;
+    let par = match extend {
+        true => par.with_tp_extend(cfg)?,
+        false => par,
+    };
     let target = MegatronTarget {
         cfg,
         par: &par,

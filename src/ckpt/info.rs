@@ -123,10 +123,10 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                 } else {
                     String::new()
                 },
-                if p.etp != p.tp {
-                    format!(" (ETP {}: whole experts)", p.etp)
-                } else {
-                    String::new()
+                match (p.tp_extend, p.etp != p.tp) {
+                    (true, _) => " (moe_tp_extend_ep: whole experts over TP × EP)".to_string(),
+                    (false, true) => format!(" (ETP {}: whole experts)", p.etp),
+                    _ => String::new(),
                 },
                 p.stage_layers,
                 ck.padded_vocab

@@ -46,6 +46,10 @@ pub struct Parallel {
     /// Expert tensor-parallel size: the ranks each routed expert is split over, TP or 1
     /// (whole experts, `--expert-tensor-parallel-size 1`; shared experts follow TP).
     pub etp: usize,
+    /// MindSpeed-LLM's `--moe-tp-extend-ep`: whole experts, `E / (EP·TP)` in every file of
+    /// the TP × EP grid, block `e·TP + t` in `mp_rank_tt_eee` (mindspeed_llm/core/transformer/
+    /// moe/moe_layer.py `local_expert_indices_offset`).
+    pub tp_extend: bool,
 }
 
 /// The `(tensor-parallel, expert-parallel)` rank of each file of a pipeline stage, in file
@@ -123,6 +127,7 @@ impl Parallel {
             stage_layers,
             ep: 1,
             etp: tp,
+            tp_extend: false,
         })
     }
 
@@ -172,6 +177,39 @@ impl Parallel {
         Ok(self)
     }
 
+    /// The layout with MindSpeed-LLM's `--moe-tp-extend-ep` (no change at TP 1): the experts
+    /// whole and spread over the TP × EP ranks (checked: they divide evenly).
+    pub fn with_tp_extend(mut self, cfg: &ModelConfig) -> Result<Self> {
+        let Some(m) = cfg.moe.as_ref().filter(|_| self.tp > 1) else {
+            return Ok(self);
+        };
+        let ranks = self.ep * self.tp;
+        if self.etp != self.tp || !m.experts.is_multiple_of(ranks) {
+            bail!(
+                "--moe-tp-extend-ep spreads the {} routed experts whole over TP {} × EP {} ranks{}",
+                m.experts,
+                self.tp,
+                self.ep,
+                match self.etp != self.tp {
+                    true => ": not with expert tensor parallelism 1 (MindSpeed-LLM refuses both)",
+                    false => ", which do not divide them",
+                }
+            );
+        }
+        self.etp = 1;
+        self.tp_extend = true;
+        Ok(self)
+    }
+
+    /// The expert block a file of TP rank `t` and expert-parallel rank `e` holds, and how many
+    /// blocks the experts make.
+    pub fn expert_block(&self, (t, e): (usize, usize)) -> (usize, usize) {
+        match self.tp_extend {
+            true => (e * self.tp + t, self.ep * self.tp),
+            false => (e, self.ep),
+        }
+    }
+
     /// The ranks a tensor of `role` is split over: ETP for the routed experts, TP otherwise.
     pub fn split_of(&self, role: Role) -> usize {
         match role.expert() {
@@ -180,9 +218,13 @@ impl Parallel {
         }
     }
 
-    /// The `(tp, ep)` ranks of a stage's files ([`rank_grid`]).
+    /// The `(tp, ep)` ranks of a stage's files ([`rank_grid`]; every pair with
+    /// `--moe-tp-extend-ep`).
     pub fn rank_files(&self) -> Vec<(usize, usize)> {
-        rank_grid(self.tp, self.ep, self.etp)
+        match self.tp_extend {
+            true => rank_grid(self.tp, self.ep, self.tp),
+            false => rank_grid(self.tp, self.ep, self.etp),
+        }
     }
 
     /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th
@@ -377,8 +419,8 @@ fn te_extra_states(role: Role, cfg: &ModelConfig) -> Vec<String> {
 /// The state dict of one model chunk, in the order Megatron's modules emit it. `layers` are the
 /// chunk's global layers; `first`/`last` say whether it holds the embedding / final norm and
 /// output; `pp` decides whether a tied output layer is stored (only when PP > 1); `ep` is the
-/// expert-parallel rank and size: the rank holds its block of each MoE layer's routed
-/// experts, keyed by their index in the block (`local_experts.N`).
+/// expert block and how many there are ([`Parallel::expert_block`]): the rank holds its block
+/// of each MoE layer's routed experts, keyed by their index in the block (`local_experts.N`).
 pub fn chunk_entries(
     layout: KeyLayout,
     cfg: &ModelConfig,
@@ -487,6 +529,7 @@ mod tests {
             stage_layers,
             ep: 1,
             etp: 1,
+            tp_extend: false,
         };
         (0..pp)
             .map(|p| (0..vpp).map(|v| par.chunk_layers(p, v)).collect())

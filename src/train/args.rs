@@ -145,7 +145,7 @@ pub const FLAGS: &[Flag] = &[
     used("expert-tensor-parallel-size", One, "the experts' tensor-parallel size: the tensor-parallel size"),
     used("moe-router-dtype", One, "fp32: the router's product, logits and routing weights in f32 under --bf16"),
     used("router-gating-in-fp32", Nothing, "MindSpeed-LLM: --moe-router-dtype fp32"),
-    used("moe-tp-extend-ep", Nothing, "MindSpeed-LLM: experts spread over the TP × EP ranks instead of split over TP (the same layer at TP 1; refused above it for now)"),
+    used("moe-tp-extend-ep", Nothing, "MindSpeed-LLM: experts whole, spread over the TP × EP ranks instead of split over TP (the same layer at TP 1)"),
     used("gemm-gradient-accumulation-fusion", Nothing, "MindSpeed: grouped experts' weight gradients add into the f32 main gradients unrounded under --bf16 (otherwise each micro-batch's are rounded to bf16, as the grouped matmul's bf16 gradients are)"),
     used("moe-grouped-gemm", Nothing, "MindSpeed-LLM's GroupedMLP: the same experts' math, saved as mlp.experts.weight1 / weight2 (one optimizer parameter each)"),
     used("moe-router-enable-expert-bias", Nothing, "aux-loss-free balancing: an expert bias [E] (f32, saved as mlp.router.expert_bias) added to the sigmoid scores for the choice of experts, moved after each step towards the experts that got fewer tokens"),

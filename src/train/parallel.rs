@@ -198,6 +198,7 @@ impl Stage {
             stage_layers: stages.to_vec(),
             ep: 1,
             etp: 1,
+            tp_extend: false,
         };
         let chunks = (0..vpp)
             .map(|v| {

@@ -48,7 +48,8 @@ impl<B: Backend> Trainer<B> {
         // state; the consumed samples still come from its args.
         let release = checkpoint::is_release(&dir)?;
         let no_optim = no_optim || release;
-        let at = (self.tp(), self.stage.rank(), self.ep());
+        let extend = self.cfg.tp_extend_ep;
+        let at = (self.tp(), self.stage.rank(), self.file_ep(self.ep()));
         // the distributed optimizer's state is in its own file
         let state = match no_optim {
             true => checkpoint::load_progress(&dir)?,
@@ -80,10 +81,11 @@ impl<B: Backend> Trainer<B> {
             // rank's own.
             let chained = self.sharded.len() > 1;
             let etp = self.cfg.layout.expert_tensor_parallel();
+            let (tp, pp, mine) = at;
+            let eps = self.ep().1;
+            let dense = checkpoint::file_ep((tp.0 / etp % eps, eps), tp.1, extend);
             for (k, sharded) in self.sharded.iter_mut().enumerate() {
-                let (tp, pp, (ep, eps)) = at;
-                let dense_ep = tp.0 / etp % eps;
-                let at = (tp, pp, (if k == 0 { dense_ep } else { ep }, eps));
+                let at = (tp, pp, if k == 0 { dense } else { mine });
                 let buffers = sharded.layout.buffer_numel_unpadded();
                 let part = chained.then_some(k);
                 let (world, steps) = checkpoint::load_distributed(&dir, at, &buffers, part)?;
@@ -346,6 +348,7 @@ impl<B: Backend> Trainer<B> {
             tp: self.tp(),
             ep: self.ep(),
             etp: c.layout.expert_tensor_parallel(),
+            tp_extend: c.tp_extend_ep,
             stage: &self.stage,
             stages: &c.stages,
             grouped: c.grouped_experts,
@@ -452,7 +455,11 @@ impl<B: Backend> Trainer<B> {
             Some(temp) => checkpoint::finish(dir, temp, snap),
             None => Ok(dir
                 .join(checkpoint::iteration_dir(snap.iteration))
-                .join(checkpoint::rank_dir_of(snap.tp.0, snap.stage, snap.ep))
+                .join(checkpoint::rank_dir_of(
+                    snap.tp.0,
+                    snap.stage,
+                    snap.file_ep(),
+                ))
                 .join(crate::ckpt::megatron::RANK_FILE)),
         }
     }

@@ -457,6 +457,12 @@ impl<B: Backend> Trainer<B> {
         self.ep.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
     }
 
+    /// An expert-parallel rank and size as checkpoint files name them
+    /// ([`super::checkpoint::file_ep`]).
+    pub(super) fn file_ep(&self, ep: (usize, usize)) -> (usize, usize) {
+        super::checkpoint::file_ep(ep, self.tp().1, self.cfg.tp_extend_ep)
+    }
+
     /// Whether a parameter is a routed expert's under expert parallelism: one that the other
     /// expert-parallel ranks do not hold.
     pub(super) fn expert_parallel(&self, param: usize) -> bool {

@@ -163,47 +163,58 @@ def test_moe_checkpoint_holds_megatron_expert_keys_split_over_tp(mindkit, tmp_pa
                 assert sd[p + "shared_experts.linear_fc1.weight"].shape == (24, 32)
 
 
-def msl_grouped(hf, prefix, names, experts, tp, ep, hidden):
+def msl_grouped(hf, prefix, names, experts, tp, ep, hidden, extend=False):
     """MindSpeed-LLM's grouped weight1/weight2 of one layer for each (ep, tp) rank, computed as
-    mindspeed_llm/tasks/checkpoint/convert_hf2mg.py does (expert_tensor_parallel_size = TP, no
-    moe_tp_extend_ep)."""
+    mindspeed_llm/tasks/checkpoint/convert_hf2mg.py does (expert_tensor_parallel_size = TP;
+    with `extend`, its moe_tp_extend_ep: experts whole, block ep·TP + tp of EP·TP)."""
     gate, up, down = names
+    split = 1 if extend else tp
     fc1s, fc2s = [], []
     for e in range(experts):
         g, u = hf[f"{prefix}.experts.{e}.{gate}.weight"], hf[f"{prefix}.experts.{e}.{up}.weight"]
-        fc1 = torch.cat([torch.cat(w, dim=0) for w in zip(torch.chunk(g, tp, dim=0), torch.chunk(u, tp, dim=0))], dim=0)
+        fc1 = torch.cat([torch.cat(w, dim=0) for w in zip(torch.chunk(g, split, dim=0), torch.chunk(u, split, dim=0))], dim=0)
         fc1s.append(fc1.t())
         fc2s.append(hf[f"{prefix}.experts.{e}.{down}.weight"].t())
     gemm_fc1 = torch.cat(fc1s).view(hidden, -1)
     gemm_fc2 = torch.cat(fc2s).view(-1, hidden)
-    fc1_ep = torch.chunk(gemm_fc1.view(experts, hidden, -1), ep, dim=0)
-    fc2_ep = torch.chunk(gemm_fc2.view(experts, -1, hidden), ep, dim=0)
+    blocks = ep * tp if extend else ep
+    fc1_ep = torch.chunk(gemm_fc1.view(experts, hidden, -1), blocks, dim=0)
+    fc2_ep = torch.chunk(gemm_fc2.view(experts, -1, hidden), blocks, dim=0)
     out = {}
     for e in range(ep):
-        fc1_tp, fc2_tp = torch.chunk(fc1_ep[e], tp, dim=2), torch.chunk(fc2_ep[e], tp, dim=1)
+        if not extend:
+            fc1_tp, fc2_tp = torch.chunk(fc1_ep[e], tp, dim=2), torch.chunk(fc2_ep[e], tp, dim=1)
         for t in range(tp):
-            out[e, t] = (fc1_tp[t].reshape(hidden, -1), fc2_tp[t].reshape(-1, hidden))
+            if extend:
+                w1, w2 = fc1_ep[e * tp + t], fc2_ep[e * tp + t]
+            else:
+                w1, w2 = fc1_tp[t], fc2_tp[t]
+            out[e, t] = (w1.reshape(hidden, -1), w2.reshape(-1, hidden))
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_grouped_experts_are_mindspeeds_weight1_and_weight2(mindkit, tmp_path, family):
-    """`convert --moe-grouped-gemm` at TP 2 × EP 2 writes each rank's mlp.experts.weight1 /
-    weight2 byte for byte as MindSpeed-LLM's converter builds them from the HF experts, with
-    args.moe_grouped_gemm set; reading them back gives the HF model again."""
+@pytest.mark.parametrize("family,extend", [("qwen3_moe", False), ("mixtral", False),
+                                           ("qwen3_moe", True)])
+def test_grouped_experts_are_mindspeeds_weight1_and_weight2(mindkit, tmp_path, family, extend):
+    """`convert --moe-grouped-gemm` at TP 2 × EP 2 (and with `--moe-tp-extend-ep`) writes each
+    rank's mlp.experts.weight1 / weight2 byte for byte as MindSpeed-LLM's converter builds them
+    from the HF experts, with args.moe_grouped_gemm set; reading them back gives the HF model
+    again."""
     hf = load_file(str(MODELS / family / "model.safetensors"))
     cfg = json.loads((MODELS / family / "config.json").read_text())
     mixtral = family == "mixtral"
     block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m",
-            "--tp", 2, "--ep", 2, "--moe-grouped-gemm")
+            "--tp", 2, "--ep", 2, "--moe-grouped-gemm", *(["--moe-tp-extend-ep"] if extend else []))
     for layer in range(cfg["num_hidden_layers"]):
         if layer in cfg.get("mlp_only_layers", []):
             continue
-        want = msl_grouped(hf, f"model.layers.{layer}.{block}", names, 4, 2, 2, cfg["hidden_size"])
+        want = msl_grouped(hf, f"model.layers.{layer}.{block}", names, 4, 2, 2, cfg["hidden_size"],
+                           extend)
         for (e, t), (w1, w2) in want.items():
             obj = load_pt(tmp_path / f"m/iter_0000001/mp_rank_{t:02d}_{e:03d}/model_optim_rng.pt")
             assert obj["args"].moe_grouped_gemm is True
+            assert obj["args"].moe_tp_extend_ep is extend
             sd = obj["model"]
             assert torch.equal(sd[f"decoder.layers.{layer}.mlp.experts.weight1"], w1), (layer, e, t)
             assert torch.equal(sd[f"decoder.layers.{layer}.mlp.experts.weight2"], w2), (layer, e, t)

@@ -714,6 +714,8 @@ pub struct ParallelArgs {
     pub ep: usize,
     /// Expert tensor-parallel size (TP, or 1 for whole experts).
     pub etp: usize,
+    /// MindSpeed-LLM's `--moe-tp-extend-ep` (whole experts over TP × EP).
+    pub tp_extend: bool,
     /// The routed experts stored as MindSpeed-LLM's grouped tensors.
     pub grouped: bool,
 }
@@ -829,6 +831,7 @@ pub fn megatron_args(
     set.extend(moe::moe_args(cfg.moe.as_ref()));
     if cfg.moe.is_some() {
         set.push(("expert_tensor_parallel_size", int(par.etp)));
+        set.push(("moe_tp_extend_ep", Value::Bool(par.tp_extend)));
     }
     if base.is_empty() {
         set.push(("tokenizer_type", Value::Str("HuggingFaceTokenizer".into())));

@@ -64,6 +64,7 @@ impl MegatronLora {
             tp,
             ep,
             etp,
+            ..
         } = open_rank_files(dir)?;
         if ep > 1 || etp != tp {
             bail!(

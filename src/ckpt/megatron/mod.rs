@@ -127,6 +127,9 @@ pub struct RankFiles {
     pub ep: usize,
     /// Expert tensor-parallel size (TP, or 1: whole experts in files of some TP × EP pairs).
     pub etp: usize,
+    /// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1: whole experts in every file of the
+    /// grid ([`Parallel::tp_extend`]).
+    pub tp_extend: bool,
 }
 
 /// The iteration directory of `dir` and its rank files, all opened in parallel: per stage,
@@ -154,7 +157,7 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         bail!("missing rank file {}", first_path.display());
     }
     let first = TorchFile::open(&first_path)?;
-    let (saved_tp, saved_pp, saved_ep, whole) = saved_layout(&first)?;
+    let (saved_tp, saved_pp, saved_ep, (whole, tp_extend)) = saved_layout(&first)?;
     let kinds = (saved_pp > 1 || shortest.len() == 3, saved_ep > 1);
     let ranks: Vec<_> = names.iter().map(|n| rank_of(n, kinds)).collect();
     let found =
@@ -164,8 +167,8 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         found(|r| r.1).max(saved_pp),
         found(|r| r.2).max(saved_ep),
     );
-    let etp = if whole { 1 } else { tp };
-    if etp == 1 && !ep.is_multiple_of(tp) && !tp.is_multiple_of(ep) {
+    let etp = if whole || tp_extend { 1 } else { tp };
+    if whole && !ep.is_multiple_of(tp) && !tp.is_multiple_of(ep) {
         bail!(
             "{}: whole experts (expert_tensor_parallel_size 1) under TP {tp} × EP {ep}, which \
              do not divide one another: not a layout Megatron or MindSpeed-LLM writes",
@@ -184,7 +187,11 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         found(|r| r.0),
         found(|r| r.1),
         found(|r| r.2),
-        if whole { ", whole experts" } else { "" }
+        match (whole, tp_extend) {
+            (true, _) => ", whole experts",
+            (_, true) => ", experts spread over TP × EP (moe_tp_extend_ep)",
+            _ => "",
+        }
     );
     if (tp.checked_mul(pp).and_then(|n| n.checked_mul(ep))).is_none_or(|n| n > MAX_RANK_FILES) {
         bail!(
@@ -193,7 +200,7 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
             iter_dir.display()
         );
     }
-    let grid = rank_grid(tp, ep, etp);
+    let grid = rank_grid(tp, ep, if tp_extend { tp } else { etp });
     let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
         .flat_map(|p| grid.iter().enumerate().map(move |(m, &te)| (p, m, te)))
         .map(|(p, m, (t, e))| (p, m, rank_path(t, p, e)))
@@ -235,12 +242,14 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         tp,
         ep,
         etp,
+        tp_extend,
     })
 }
 
 /// TP × PP × EP as rank 0's args record them (1 × 1 × 1 when they do not), and whether the
-/// routed experts are whole under TP > 1 (`expert_tensor_parallel_size` 1).
-fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, bool)> {
+/// routed experts are whole under TP > 1: with `expert_tensor_parallel_size` 1, or spread over
+/// TP × EP with MindSpeed-LLM's `moe_tp_extend_ep`.
+fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, (bool, bool))> {
     let args = match first.root().get("args") {
         Some(Value::Namespace(a)) => a.as_slice(),
         _ => &[],
@@ -260,11 +269,22 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, bool)> {
             first.path().display()
         );
     }
+    let extend = matches!(
+        args.iter().find(|(k, _)| k == "moe_tp_extend_ep"),
+        Some((_, Value::Bool(true)))
+    );
+    if extend && etp == Some(1) && tp > 1 {
+        bail!(
+            "{}: args say both moe_tp_extend_ep and expert_tensor_parallel_size 1, which \
+             MindSpeed-LLM refuses together",
+            first.path().display()
+        );
+    }
     Ok((
         tp,
         size("pipeline_model_parallel_size")?,
         size("expert_model_parallel_size")?,
-        tp > 1 && etp == Some(1),
+        (tp > 1 && etp == Some(1), tp > 1 && extend),
     ))
 }
 
@@ -432,6 +452,7 @@ impl MegatronCkpt {
             tp,
             ep,
             etp,
+            tp_extend,
         } = ranks;
         let pp = files.len();
         let first = &files[0][0];
@@ -503,8 +524,13 @@ impl MegatronCkpt {
             stage_layers,
             ep: 1,
             etp: tp,
+            tp_extend: false,
         }
-        .with_experts(&cfg, (ep, etp))
+        .with_experts(&cfg, (ep, if tp_extend { tp } else { etp }))
+        .and_then(|p| match tp_extend {
+            true => p.with_tp_extend(&cfg),
+            false => Ok(p),
+        })
         .with_context(|| {
             format!(
                 "{}: the expert-parallel rank directories",
@@ -529,7 +555,7 @@ impl MegatronCkpt {
 
     /// Match every expected key of every chunk to its tensors; check shapes against the config.
     fn build_index(&mut self, flat: Vec<Vec<Vec<BTreeMap<String, Value>>>>) -> Result<()> {
-        let (pp, vpp, ep) = (self.par.pp, self.par.vpp, self.par.ep);
+        let (pp, vpp) = (self.par.pp, self.par.vpp);
         let grid = self.par.rank_files();
         for (p, stage) in flat.into_iter().enumerate() {
             for (m, mut per_chunk) in stage.into_iter().enumerate() {
@@ -543,7 +569,7 @@ impl MegatronCkpt {
                         &layers,
                         (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
                         pp,
-                        (e, ep),
+                        self.par.expert_block((t, e)),
                     );
                     let mut grouped_keys = Vec::new();
                     for (key, canon) in entries {
@@ -644,7 +670,8 @@ impl MegatronCkpt {
         let Some(Value::Tensor(t)) = chunk.get(&g) else {
             return Ok(None);
         };
-        let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / self.par.ep);
+        let blocks = self.par.expert_block((0, 0)).1;
+        let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / blocks);
         Ok(Some((g.clone(), expert_view((&g, t), le, (want, local))?)))
     }
 

@@ -33,6 +33,15 @@ pub struct MegatronTarget<'a> {
     pub grouped: bool,
 }
 
+/// The rank files of a stage holding one expert block: the same tensors, each its TP rank's
+/// shards.
+struct FileGroup {
+    stage: usize,
+    block: usize,
+    /// `(tp, ep)` of each file.
+    files: Vec<(usize, usize)>,
+}
+
 /// One storage of a rank file: a canonical tensor's shard, or a grouped tensor packing the
 /// shards of a layer's local experts.
 struct Stored {
@@ -89,11 +98,10 @@ impl MegatronTarget<'_> {
     pub fn total_bytes(&self) -> u64 {
         let padded = self.padded_vocab();
         let mut n = 0u64;
-        for (p, e) in self.rank_groups() {
-            let files = self.group_files(e).len() as u64;
-            for (_, canon) in self.stage_entries(p, e).into_iter().flatten() {
+        for g in self.rank_groups() {
+            for (_, canon) in self.stage_entries(g.stage, g.block).into_iter().flatten() {
                 if let Some(c) = canon {
-                    n += files * self.shard_bytes(c, padded);
+                    n += g.files.len() as u64 * self.shard_bytes(c, padded);
                 }
             }
         }
@@ -106,23 +114,30 @@ impl MegatronTarget<'_> {
         (shape.iter().product::<usize>() * c.role.dtype(self.cfg.dtype).size()) as u64
     }
 
-    /// Every (stage, expert-parallel rank) pair: the rank files of each are its TP ranks'.
-    fn rank_groups(&self) -> Vec<(usize, usize)> {
-        let ep = self.par.ep;
-        (0..self.par.pp * ep).map(|i| (i / ep, i % ep)).collect()
-    }
-
-    /// The tensor-parallel ranks with a file of expert-parallel rank `e` (all of them unless
-    /// the experts are whole, [`Parallel::rank_files`]).
-    fn group_files(&self, e: usize) -> Vec<usize> {
-        (self.par.rank_files().into_iter())
-            .filter(|&(_, fe)| fe == e)
-            .map(|(t, _)| t)
+    /// Every (stage, expert block) pair with the `(tp, ep)` ranks of its files
+    /// ([`Parallel::rank_files`], [`Parallel::expert_block`]): each holds the same tensors,
+    /// its TP rank's shards.
+    fn rank_groups(&self) -> Vec<FileGroup> {
+        let blocks = self.par.expert_block((0, 0)).1;
+        let files = self.par.rank_files();
+        (0..self.par.pp * blocks)
+            .map(|i| {
+                let (p, block) = (i / blocks, i % blocks);
+                let of_block = (files.iter().copied())
+                    .filter(|&f| self.par.expert_block(f).0 == block)
+                    .collect();
+                FileGroup {
+                    stage: p,
+                    block,
+                    files: of_block,
+                }
+            })
             .collect()
     }
 
-    fn stage_entries(&self, p: usize, e: usize) -> Vec<Vec<layout::ChunkEntry>> {
+    fn stage_entries(&self, p: usize, block: usize) -> Vec<Vec<layout::ChunkEntry>> {
         let (pp, vpp) = (self.par.pp, self.par.vpp);
+        let blocks = self.par.expert_block((0, 0)).1;
         (0..vpp)
             .map(|v| {
                 chunk_entries(
@@ -131,7 +146,7 @@ impl MegatronTarget<'_> {
                     &self.par.chunk_layers(p, v),
                     (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
                     pp,
-                    (e, self.par.ep),
+                    (block, blocks),
                 )
             })
             .collect()
@@ -145,7 +160,8 @@ impl MegatronTarget<'_> {
         args: &Value,
     ) -> (Value, Vec<Stored>) {
         let padded = self.padded_vocab();
-        let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / self.par.ep);
+        let blocks = self.par.expert_block((0, 0)).1;
+        let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / blocks);
         let mut stored: Vec<Stored> = Vec::new();
         let mut root = vec![
             (Value::Str("args".into()), args.clone()),
@@ -232,17 +248,19 @@ impl MegatronTarget<'_> {
                 padded_vocab: padded,
                 divisible_by: self.divisible_by,
                 ep: par.ep,
-                etp: par.etp,
+                etp: if par.tp_extend { par.tp } else { par.etp },
+                tp_extend: par.tp_extend,
                 grouped: self.grouped,
             },
             self.base_args,
         ));
         let iter_dir = dir.join("iter_0000001");
-        self.rank_groups().into_par_iter().try_for_each(|(p, e)| {
-            let entries = self.stage_entries(p, e);
+        self.rank_groups().into_par_iter().try_for_each(|g| {
+            let (p, files) = (g.stage, g.files);
+            let entries = self.stage_entries(p, g.block);
             let (object, stored) = self.rank_object(&entries, &args);
-            let mut writers = (self.group_files(e).into_iter())
-                .map(|t| {
+            let mut writers = (files.into_iter())
+                .map(|(t, e)| {
                     let rank = iter_dir.join(expert_rank_dir(t, (p, par.pp), (e, par.ep)));
                     std::fs::create_dir_all(&rank)
                         .with_context(|| format!("creating {}", rank.display()))?;

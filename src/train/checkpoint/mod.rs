@@ -129,11 +129,14 @@ pub struct Snapshot<'a> {
     pub extra: Vec<(usize, String, Tensor)>,
     /// This rank's tensor-parallel rank and the group's size (its `mp_rank_TT`, and `args`).
     pub tp: (usize, usize),
-    /// This rank's expert-parallel rank and the group's size (its `_EEE`, which experts its
-    /// file holds, and `args`).
+    /// This rank's expert-parallel rank and the group's size: which experts its file holds,
+    /// and its `_EEE` and `args` ([`Snapshot::file_ep`]).
     pub ep: (usize, usize),
     /// Expert tensor-parallel size (TP, or 1: whole experts).
     pub etp: usize,
+    /// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1: the expert-parallel group spans the
+    /// TP ranks, files are named by the rank in its EP groups of TP-sized blocks.
+    pub tp_extend: bool,
     /// This rank's pipeline stage (its `_PPP`, and which layers its file holds).
     pub stage: &'a Stage,
     /// Layers of every stage (recorded in `args` when uneven).
@@ -224,6 +227,23 @@ pub fn unpack_unit(
             Tensor::new(stored.dtype, vec![k, m], block).transposed()
         })
         .collect()
+}
+
+impl Snapshot<'_> {
+    /// The expert-parallel rank and size in the file's name and `args`: the group's, or with
+    /// `--moe-tp-extend-ep` its block of TP ranks (rank `e·TP + t` holds file `_EEE` = e).
+    pub fn file_ep(&self) -> (usize, usize) {
+        file_ep(self.ep, self.tp.1, self.tp_extend)
+    }
+}
+
+/// An expert-parallel rank and size `ep` as checkpoint files name them: under
+/// `--moe-tp-extend-ep` (the group spanning `tp` ranks) in blocks of `tp`.
+pub fn file_ep(ep: (usize, usize), tp: usize, tp_extend: bool) -> (usize, usize) {
+    match tp_extend {
+        true => (ep.0 / tp, ep.1 / tp),
+        false => ep,
+    }
 }
 
 /// The `mp_rank_TT[_PPP]` directory of tensor-parallel rank `tp` on `stage`.

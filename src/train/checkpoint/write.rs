@@ -412,7 +412,7 @@ pub fn finish(save: &Path, temp: TempOutput, snap: &Snapshot) -> Result<PathBuf>
     tracker.finish()?;
     Ok(save
         .join(iteration_dir(snap.iteration))
-        .join(rank_dir_of(0, snap.stage, (0, snap.ep.1)))
+        .join(rank_dir_of(0, snap.stage, (0, snap.file_ep().1)))
         .join(RANK_FILE))
 }
 
@@ -426,8 +426,9 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         pp: stage.count,
         vpp,
         stage_layers: snap.stages.to_vec(),
-        ep: snap.ep.1,
+        ep: snap.file_ep().1,
         etp: snap.etp,
+        tp_extend: snap.tp_extend,
     };
     let mut args = megatron_args(
         snap.cfg,
@@ -438,8 +439,10 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             first_last: parallel.first_last(),
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
-            ep: snap.ep.1,
-            etp: snap.etp,
+            ep: snap.file_ep().1,
+            // MindSpeed-LLM's --moe-tp-extend-ep leaves Megatron's groups (and args) at TP
+            etp: if snap.tp_extend { snap.tp.1 } else { snap.etp },
+            tp_extend: snap.tp_extend,
             grouped: snap.grouped,
         },
         &snap.args,
@@ -531,7 +534,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         s("num_floating_point_operations_so_far"),
         Value::Float(snap.flops),
     ));
-    let rank = dir.join(rank_dir_of(snap.tp.0, stage, snap.ep));
+    let rank = dir.join(rank_dir_of(snap.tp.0, stage, snap.file_ep()));
     std::fs::create_dir_all(&rank).with_context(|| format!("creating {}", rank.display()))?;
     let mut w = PtWriter::create(&rank.join(RANK_FILE), &Value::Dict(root), false)?;
     for (key, bytes) in st.data.iter().enumerate() {

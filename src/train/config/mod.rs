@@ -124,6 +124,9 @@ pub struct TrainConfig {
     pub data_parallel: usize,
     /// Where the ranks sit (TP, DP, PP).
     pub layout: Layout,
+    /// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1: the layout's expert-parallel group
+    /// is TP × the flag's EP ranks with whole experts; checkpoint files keep the flag's EP.
+    pub tp_extend_ep: bool,
     /// Layers of each pipeline stage (one entry without pipeline parallelism).
     pub stages: Vec<usize>,
     /// The virtual pipeline: model chunks per stage and the micro-batches each chunk runs in
@@ -535,10 +538,15 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         size("pipeline-model-parallel-size")?,
         size("context-parallel-size")?,
     );
-    let layout = Layout::new(world_size(a)?, tp, pp, cp)?.with_expert_parallel(
-        moe::expert_parallel(a, &model)?,
-        moe::expert_tensor_parallel(a, &model)?,
-    )?;
+    let tp_extend_ep = moe::tp_extend_ep(a, &model)?;
+    let (ep, etp) = match tp_extend_ep {
+        true => (moe::expert_parallel(a, &model)? * tp, 1),
+        false => (
+            moe::expert_parallel(a, &model)?,
+            moe::expert_tensor_parallel(a, &model)?,
+        ),
+    };
+    let layout = Layout::new(world_size(a)?, tp, pp, cp)?.with_expert_parallel(ep, etp)?;
     let data_parallel = layout.size(Axis::Dp);
     check_tensor_parallel(a, &model, vocab_padded, tp)?;
     let chunks = virtual_stages(a, &model, pp)?;
@@ -680,6 +688,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         global_batch,
         data_parallel,
         layout,
+        tp_extend_ep,
         stages,
         virtual_pipeline,
         sequence_parallel: tp > 1 && a.has("sequence-parallel"),

@@ -169,11 +169,6 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         // expert-parallel ranks than tensor-parallel ones, some TP shards would be saved by none.
         bail!("--expert-tensor-parallel-size 1 under --tensor-model-parallel-size {tp} needs an --expert-model-parallel-size that is a multiple of {tp} (is {ep})");
     }
-    if tp > 1 && a.has("moe-tp-extend-ep") {
-        // MindSpeed-LLM's MoE layer then keeps experts whole, E / (EP·TP) on each rank
-        // (mindspeed_llm/core/transformer/moe/moe_layer.py); at TP 1 that is the usual layer.
-        bail!("--moe-tp-extend-ep with tensor parallelism (experts whole on each of TP × EP ranks) is not built yet");
-    }
     if tp > 1 && !a.has("sequence-parallel") {
         // megatron-core moe_layer.py `MoELayer.forward` raises the same in training.
         bail!("a mixture of experts with tensor parallelism trains with --sequence-parallel (megatron-core refuses it without)");
@@ -188,6 +183,53 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1 (at TP 1 it is the usual layer): its MoE
+/// layer keeps the experts whole, `E / (EP·TP)` on each rank, rank (t, e) holding block
+/// `e·TP + t` (mindspeed_llm/core/transformer/moe/moe_layer.py `lora_moe_layer_init`), and
+/// dispatches over the TP × EP group — megatron-core's whole experts over TP × EP
+/// expert-parallel ranks, which is how it trains here. Checked as MindSpeed(-LLM) checks it:
+/// the experts divide over TP × EP, not with `--expert-tensor-parallel-size 1` or LoRA, no
+/// token dropping (MindSpeed's docs/features/megatron_moe/megatron-moe-tp-extend-ep.md); EP
+/// above 1, as every shipped script runs it (at EP 1 Megatron's optimizer would hold the
+/// experts with the dense parameters).
+pub(super) fn tp_extend_ep(a: &Args, model: &ModelConfig) -> Result<bool> {
+    let tp = positive(a, "tensor-model-parallel-size")?.unwrap_or(1);
+    let Some(m) = model
+        .moe
+        .as_ref()
+        .filter(|_| tp > 1 && a.has("moe-tp-extend-ep"))
+    else {
+        return Ok(false);
+    };
+    let ep = expert_parallel(a, model)?;
+    let refused = if !m.experts.is_multiple_of(ep * tp) {
+        Some(format!(
+            "the {} routed experts do not divide over TP {tp} × EP {ep} ranks",
+            m.experts
+        ))
+    } else if a.get("expert-tensor-parallel-size").is_some() {
+        Some("not with --expert-tensor-parallel-size (MindSpeed-LLM refuses both)".into())
+    } else if a.has("lora-target-modules") {
+        Some("not with LoRA (MindSpeed-LLM refuses both)".into())
+    } else if capacity(a)?.is_some() {
+        Some(
+            "not with token dropping (--moe-expert-capacity-factor: MindSpeed has none with it)"
+                .into(),
+        )
+    } else if ep == 1 {
+        Some(
+            "needs an --expert-model-parallel-size above 1 (as every shipped script runs it)"
+                .into(),
+        )
+    } else {
+        None
+    };
+    match refused {
+        Some(what) => bail!("--moe-tp-extend-ep under --tensor-model-parallel-size {tp}: {what}"),
+        None => Ok(true),
+    }
 }
 
 /// `--expert-model-parallel-size`: 1 for a dense model (Megatron ignores it there), else a
