@@ -90,6 +90,7 @@ impl Ids {
         ),
         rope: (&'a B::Tensor, &'a B::Tensor),
         (dropout, aux): (Option<&'a Dropout>, Option<&'a AuxLosses>),
+        sequences: usize,
     ) -> Pass<'a, B> {
         Pass {
             b,
@@ -102,6 +103,7 @@ impl Ids {
             rope,
             dropout,
             aux,
+            sequences,
         }
     }
 }
@@ -126,6 +128,13 @@ pub struct MicroBatch {
     pub dropout: Option<Dropout>,
     /// Training's MoE auxiliary losses (`None`: none, as in evaluation).
     pub aux: Option<AuxLosses>,
+}
+
+impl MicroBatch {
+    /// Its sequences (the rows at position 0).
+    pub fn sequences(&self) -> usize {
+        self.positions.iter().filter(|&&p| p == 0).count()
+    }
 }
 
 /// What the final norm and output layer's backward pass needs.
@@ -167,7 +176,14 @@ pub fn forward<B: Backend>(
     let half = spec.rope_table_shape(batch.tokens.len());
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
     let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
-    let p = ids.pass((b, spec), params, (tp, ep), (&cos, &sin), regularisers);
+    let p = ids.pass(
+        (b, spec),
+        params,
+        (tp, ep),
+        (&cos, &sin),
+        regularisers,
+        batch.sequences(),
+    );
     let mut x = match (input, ids.embedding) {
         (Some(x), _) => x,
         (None, Some(e)) => {
@@ -293,7 +309,14 @@ pub fn backward<B: Backend>(
         ..
     } = saved;
     let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
-    let p = ids.pass((b, spec), params, (tp, ep), (&cos, &sin), regularisers);
+    let p = ids.pass(
+        (b, spec),
+        params,
+        (tp, ep),
+        (&cos, &sin),
+        regularisers,
+        batch.sequences(),
+    );
     let mut dx = match (head, ids.head, dout) {
         (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,
         (_, _, Some(dout)) => dout,

@@ -122,6 +122,9 @@ struct Pass<'a, B: Backend> {
     rope: (&'a B::Tensor, &'a B::Tensor),
     dropout: Option<&'a dropout::Dropout>,
     aux: Option<&'a AuxLosses>,
+    /// The sequences of the pass's rows, whole ones one after the other (the router calls of
+    /// Megatron's sequence-parallel ranks take blocks of their positions).
+    sequences: usize,
 }
 
 /// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
@@ -284,6 +287,7 @@ impl<'b, B: Backend> Model<'b, B> {
             (None, None),
             (&cos, &sin),
             (None, None),
+            1,
         );
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;

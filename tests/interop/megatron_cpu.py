@@ -67,6 +67,29 @@ def moe_config(a, losses=None):
     return {**fields, **(losses or {})}
 
 
+def sequence_parallel_norms():
+    """megatron-core's torch-norm fallback (transformer/torch_norm.py WrappedTorchNorm) refuses
+    sequence parallelism, which only its Apex / TE norms take: build it without, then mark its
+    parameters `sequence_parallel` as Apex's FusedLayerNorm does (fusions/fused_layer_norm.py),
+    so that finalize_model_grads sums their gradients over TP — the same norm."""
+    from megatron.core.transformer import torch_norm
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        sp, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = build(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                         normalization)
+        finally:
+            config.sequence_parallel = sp
+        for p in norm.parameters():
+            p.sequence_parallel = sp
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
 def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=None):
     """GPTModel (or, with `pre_process` / `post_process` as Megatron sets them per stage, one
     pipeline stage of it, or model chunk `vp_stage` of one) of the checkpoint args `a`, in the

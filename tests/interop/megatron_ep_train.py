@@ -15,15 +15,20 @@ samples as MegatronPretrainingSampler deals them (rank r takes the r-th mbs-slic
 mbs·dp chunk); the loss is averaged as Megatron does (schedules.forward_step_calc_loss per
 micro-batch, the logged lm loss the global batch's token-weighted mean over both ranks) and the
 MoE auxiliary losses are logged by megatron-core's track_moe_metrics (averaged over the
-data-parallel group).
+data-parallel group). With --layout whole the two processes are instead tensor-parallel ranks
+(TP 2 with sequence parallelism, one data-parallel rank) and expert-parallel ranks of whole
+experts (expert_tensor_parallel_size 1), files mp_rank_00_000 and mp_rank_01_001; with --layout
+tp-ep four processes, TP 2 with sequence parallelism × DP 2 = EP 2 (the experts split over TP),
+every mp_rank_TT_EEE; the logits are gathered over TP for the loss. --capacity F sets
+moe_expert_capacity_factor (token dropping, each sequence-parallel rank's router call apart).
 
 Arguments: the EP 2 start checkpoint's iteration directory, the data prefix, the number of
 iterations, an output directory; optionally, an iteration directory of mindkit's EP 2 checkpoint,
 which each rank then resumes as Megatron's load_checkpoint would: the model strictly, and the
 `optimizer` list into a fresh ChainedOptimizer (load_state_dict), every moment shaped as its
-parameter, and the scheduler state. Rank 0 writes history.json to the output directory; every
-rank writes its final weights (model_{ep}.pt) and its ChainedOptimizer.state_dict()
-(optimizer_{ep}.pt) there.
+parameter, and the scheduler state. The last rank writes history.json to the output directory; every
+rank writes its final weights (model_{rank file}.pt) and its ChainedOptimizer.state_dict()
+(optimizer_{rank file}.pt) there.
 
 What a CPU run needs changed (beside megatron_cpu's patches): megatron-core's FP32Optimizer keeps
 a loss-scale tensor on 'cuda', and its clip_grads helpers use 'cuda' buffers and assert CUDA
@@ -105,7 +110,11 @@ def build(start_args):
     return gpt, model, opt, sched
 
 
-def main(start_dir, prefix, out, mindkit_dir=None):
+# --layout: tensor-parallel size, expert tensor-parallel size, processes
+LAYOUTS = {"ep2": (1, None, 2), "whole": (2, 1, 2), "tp-ep": (2, None, 4)}
+
+
+def main(start_dir, prefix, out, mindkit_dir=None, layout="ep2", capacity=None):
     import megatron_cpu
     import train_reference
     from megatron.core import parallel_state, tensor_parallel
@@ -115,20 +124,32 @@ def main(start_dir, prefix, out, mindkit_dir=None):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
     torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    # whole experts: TP 2 with sequence parallelism and expert tensor parallelism 1, the
+    # expert-parallel group spanning the two tensor-parallel ranks
+    tp_size, etp_size, world = LAYOUTS[layout]
+    whole = etp_size == 1
+    assert torch.distributed.get_world_size() == world
+    parallel_state.initialize_model_parallel(tp_size, 1, expert_model_parallel_size=2,
+                                             expert_tensor_parallel_size=etp_size)
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     cpu_patches()
+    megatron_cpu.sequence_parallel_norms()
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     ep = parallel_state.get_expert_model_parallel_rank()
-    assert dp == 2 and parallel_state.get_expert_model_parallel_world_size() == 2 and ep == rank
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    assert dp == world // tp_size and parallel_state.get_expert_model_parallel_world_size() == 2
+    assert ep == (tp if whole else rank)
     assert parallel_state.get_expert_data_parallel_world_size() == 1
-    name = f"mp_rank_00_{ep:03d}"
+    name = f"mp_rank_{tp:02d}_{ep:03d}"
     start = megatron_cpu.load_pt(start_dir / name / "model_optim_rng.pt")
     a = start["args"]
+    a.sequence_parallel = tp_size > 1
+    a.moe_expert_capacity_factor = capacity
     gpt, model, opt, sched = build(a)
     result = gpt.load_state_dict(start["model"], strict=True)
     assert not result.missing_keys and not result.unexpected_keys, result
@@ -139,7 +160,8 @@ def main(start_dir, prefix, out, mindkit_dir=None):
     # and two optimizers whose grad-stats groups differ (so the norm is √(dense² + experts²)).
     dispatchers = [m.token_dispatcher for m in gpt.modules() if hasattr(m, "token_dispatcher")]
     assert len(dispatchers) == moe_layers and all(
-        type(d).__name__ == "MoEAllGatherTokenDispatcher" and d.ep_size == 2 and d.tp_ep_group.size() == 2
+        type(d).__name__ == "MoEAllGatherTokenDispatcher" and d.ep_size == 2
+        and d.tp_ep_group.size() == (etp_size or tp_size) * 2
         for d in dispatchers)
     assert len(model.buffers) == 1 and len(model.expert_parallel_buffers) == 1
     assert len(opt.chained_optimizers) == 2 and not opt.grads_states_parallel_group_is_shared()
@@ -171,6 +193,8 @@ def main(start_dir, prefix, out, mindkit_dir=None):
             pos = torch.arange(s).unsqueeze(0).expand(b, -1)
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
             logits = model(tokens, pos, causal).float()
+            if tp_size > 1:
+                logits = gather_from_tensor_model_parallel_region(logits)
             losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
                                      reduction="none")
             loss, n = torch.sum(losses * mask), mask.sum()
@@ -191,9 +215,11 @@ def main(start_dir, prefix, out, mindkit_dir=None):
         history.append({"lm loss": (sums[0] / sums[1]).item(), "grad-norm": grad_norm,
                         "learning-rate": lr, **{k: float(v) for k, v in moe.items()}})
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(gpt.state_dict(), out / f"model_{ep}.pt")
-    torch.save(opt.state_dict(), out / f"optimizer_{ep}.pt")
-    if torch.distributed.get_rank() == 0:
+    torch.save(gpt.state_dict(), out / f"model_{name}.pt")
+    torch.save(opt.state_dict(), out / f"optimizer_{name}.pt")
+    # Megatron-LM's training_log prints on the last rank (print_rank_last): under sequence
+    # parallelism its z_loss is that rank's rows' (tracked with no reduce group).
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         (out / "history.json").write_text(json.dumps({"moe_layers": moe_layers, "history": history}))
     line = f"rank {torch.distributed.get_rank()}: ep {ep}: trained {ITERS} iterations"
     if mindkit_dir is not None:
@@ -239,6 +265,8 @@ if __name__ == "__main__":
     parser.add_argument("iters", type=int)
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("mindkit", type=pathlib.Path, nargs="?")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ep2")
+    parser.add_argument("--capacity", type=float)
     cli = parser.parse_args()
     ITERS = cli.iters
-    main(cli.start, cli.data, cli.out, cli.mindkit)
+    main(cli.start, cli.data, cli.out, cli.mindkit, cli.layout, cli.capacity)

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from test_train import ITERS, MOE_FLAGS, make_qwen3_moe, mindkit_train, scalars, write_data
@@ -27,7 +28,22 @@ def relative(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit):
+TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LAYOUTS = {
+    # EP 2 over two data-parallel ranks
+    "ep2": (["--world-size", "2"], [], ["00_000", "00_001"]),
+    # TP 2 + SP with whole experts: the two tensor-parallel ranks are the expert-parallel ones
+    "whole": (TP + ["--expert-tensor-parallel-size", "1", "--world-size", "2"],
+              ["--tp", 2, "--etp", 1], ["00_000", "01_001"]),
+    # TP 2 + SP × DP 2 = EP 2, token dropping: each sequence-parallel rank's rows (a block of
+    # positions of every sequence) a router call of their own
+    "tp-ep": (TP + ["--world-size", "4", "--moe-expert-capacity-factor", "0.5"], ["--tp", 2],
+              ["00_000", "00_001", "01_000", "01_001"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit, layout):
     from megatron_cpu import load_pt
     model_dir = make_qwen3_moe(tmp_path / "model")
     data = write_data(tmp_path / "data")
@@ -35,15 +51,17 @@ def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit):
     # type as the all-gather one, which megatron-core runs on the CPU.
     flags = list(MOE_FLAGS)
     flags[flags.index("--moe-token-dispatcher-type") + 1] = "allgather"
+    train_flags, convert_flags, ranks = LAYOUTS[layout]
     log = mindkit_train(model_dir, data, tmp_path,
-                        flags + ["--expert-model-parallel-size", "2", "--world-size", "2"])
+                        flags + ["--expert-model-parallel-size", "2"] + train_flags)
     assert "load_balancing_loss:" in log and "z_loss:" in log, log
     got = scalars(tmp_path / "tb", TAGS)
     mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start",
-            "--ep", 2)
+            "--ep", 2, *convert_flags)
     (start,) = (tmp_path / "start").glob("iter_*")
     trained = tmp_path / f"ckpt/iter_{ITERS:07d}"
-    assert sorted(p.name for p in trained.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    files = [f"mp_rank_{r}" for r in ranks]
+    assert sorted(p.name for p in trained.iterdir()) == files
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,13 +70,16 @@ def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit):
     env["OMP_NUM_THREADS"] = "1"
     script = pathlib.Path(__file__).parent / "megatron_ep_train.py"
     reference = tmp_path / "reference"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(port), str(script), str(start), data, str(ITERS),
-                        str(reference), str(trained)],
+    flag = "--moe-expert-capacity-factor"
+    capacity = [train_flags[train_flags.index(flag) + 1]] if flag in train_flags else []
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                        str(len(files)), "--master-port", str(port), str(script), str(start), data,
+                        str(ITERS), str(reference), str(trained), "--layout", layout,
+                        *(["--capacity", *capacity] if capacity else [])],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     # (gloo's own lines may interleave with the ranks')
-    assert r.stdout.count("resumed mindkit's checkpoint") == 2, r.stdout + r.stderr
+    assert r.stdout.count("resumed mindkit's checkpoint") == len(files), r.stdout + r.stderr
     result = json.loads((reference / "history.json").read_text())
     assert result["moe_layers"] == 2
 
@@ -71,20 +92,20 @@ def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit):
         worst[key] = max(abs(g - w) / abs(w) for g, w in zip(got[key], want))
 
     worst["weights"] = worst["moments"] = 0.0
-    for ep in range(2):
-        obj = load_pt(trained / f"mp_rank_00_{ep:03d}/model_optim_rng.pt")
+    for file in files:
+        obj = load_pt(trained / file / "model_optim_rng.pt")
         assert obj["args"].expert_model_parallel_size == 2
-        ref = {k: v for k, v in torch.load(reference / f"model_{ep}.pt", weights_only=True).items()
+        ref = {k: v for k, v in torch.load(reference / f"model_{file}.pt", weights_only=True).items()
                if not k.endswith("_extra_state")}
         weights = obj["model"]
         assert sorted(weights) == sorted(ref), (ep, sorted(set(weights) ^ set(ref)))
         assert sum(".local_experts." in k for k in ref) == 8  # 2 MoE layers × 2 experts × fc1/fc2
         for name, want in ref.items():
             diff = relative(weights[name], want)
-            assert diff <= 1e-4, f"rank {ep}: {name}: relative difference {diff}"
+            assert diff <= 1e-4, f"{file}: {name}: relative difference {diff}"
             worst["weights"] = max(worst["weights"], diff)
         # ChainedOptimizer.state_dict(): [dense optimizer's state dict, expert optimizer's]
-        chained = torch.load(reference / f"optimizer_{ep}.pt", weights_only=True)
+        chained = torch.load(reference / f"optimizer_{file}.pt", weights_only=True)
         saved = obj["optimizer"]
         assert isinstance(saved, list) and len(saved) == len(chained) == 2
         for index, (mine, theirs) in enumerate(zip(saved, chained)):
@@ -106,7 +127,7 @@ def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit):
                 for k in ("exp_avg", "exp_avg_sq"):
                     assert have[k].shape == want[k].shape and have[k].dtype == want[k].dtype
                     diff = relative(have[k], want[k])
-                    assert diff <= 1e-4, f"rank {ep}: optimizer {index} param {pid} {k}: {diff}"
+                    assert diff <= 1e-4, f"{file}: optimizer {index} param {pid} {k}: {diff}"
                     worst["moments"] = max(worst["moments"], diff)
     print("expert parallel: worst relative differences " +
           ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))

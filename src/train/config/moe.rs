@@ -169,6 +169,11 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         // expert-parallel ranks than tensor-parallel ones, some TP shards would be saved by none.
         bail!("--expert-tensor-parallel-size 1 under --tensor-model-parallel-size {tp} needs an --expert-model-parallel-size that is a multiple of {tp} (is {ep})");
     }
+    if etp == 1 && tp > 1 && capacity(a)?.is_some() {
+        // Megatron routes (and drops) each sequence-parallel rank's block of positions of
+        // every sequence; whole experts here take each rank's own rows, not that block.
+        bail!("--moe-expert-capacity-factor: token dropping with whole experts under tensor parallelism (--expert-tensor-parallel-size 1) is not built (no shipped script drops tokens)");
+    }
     if tp > 1 && !a.has("sequence-parallel") {
         // megatron-core moe_layer.py `MoELayer.forward` raises the same in training.
         bail!("a mixture of experts with tensor parallelism trains with --sequence-parallel (megatron-core refuses it without)");

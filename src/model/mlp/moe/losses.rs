@@ -52,6 +52,12 @@ pub struct AuxLosses {
     pub sequences: usize,
 }
 
+/// `log Σ exp(l)`, from the largest term.
+fn logsumexp(l: &[f32]) -> f32 {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    max + l.iter().map(|&x| (x - max).exp()).sum::<f32>().ln()
+}
+
 /// One MoE layer's auxiliary loss values of a forward pass, as the tracker records them (the
 /// loss over its coefficient; this rank's part under sequence parallelism).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -128,21 +134,26 @@ pub(super) fn aux_losses(
     let mut grad = vec![0f32; t * e];
     let mut values = LossValues::default();
     if let Some(coeff) = aux.z_coeff {
-        // z = coeff / TP · mean over this rank's rows of logsumexp²; the tracker holds z over
-        // that coefficient.
+        // z = coeff / TP · mean over this rank's rows of logsumexp²: summed over the ranks,
+        // the mean over all rows, whichever rows each holds.
         let c = coeff / tp as f32;
-        let mut sum = 0f32;
         for (i, row) in local.clone().enumerate() {
             let l = &logits[row * e..(row + 1) * e];
-            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let lse = max + l.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
-            sum += lse * lse;
+            let lse = logsumexp(l);
             let p = softmax(l);
             for (g, p) in grad[i * e..(i + 1) * e].iter_mut().zip(p) {
                 *g += scale * c * 2.0 * lse * p / t as f32;
             }
         }
-        values.z = Some(sum / t as f32);
+        // The tracker holds z over that coefficient, and megatron-core tracks it with no
+        // reduce group: each rank's value is over its own sequence-parallel rows, which are
+        // a block of positions of every sequence (Megatron's [S, B] activations split along
+        // S), not this rank's rows here (whole sequences one after the other).
+        let rows = super::megatron_block(n, aux.sequences, (local.start / t.max(1), tp));
+        let sum: f32 = (rows.iter())
+            .map(|&r| logsumexp(&logits[r * e..(r + 1) * e]).powi(2))
+            .sum();
+        values.z = Some(sum / rows.len().max(1) as f32);
     }
     if aux.balancing == Balancing::None || aux.aux_coeff == 0.0 {
         return (values, grad);

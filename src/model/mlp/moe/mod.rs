@@ -466,12 +466,37 @@ fn kept<B: Backend>(
     let Some(c) = p.spec.capacity else {
         return routes.iter().map(|r| vec![true; r.experts.len()]).collect();
     };
-    (spread.groups())
-        .flat_map(|group| {
-            let t = (group.len() / tp).max(1);
-            routes[group].chunks(t).collect::<Vec<_>>()
-        })
-        .flat_map(|call| c.kept(call, cfg.topk, cfg.experts))
+    let mut out = vec![Vec::new(); routes.len()];
+    for group in spread.groups() {
+        for r in 0..tp {
+            // a router call's tokens in Megatron's order (its sequence-parallel block)
+            let rows = megatron_block(group.len(), p.sequences, (r, tp));
+            let call: Vec<Routed> = rows
+                .iter()
+                .map(|&i| routes[group.start + i].clone())
+                .collect();
+            for (i, k) in rows.into_iter().zip(c.kept(&call, cfg.topk, cfg.experts)) {
+                out[group.start + i] = k;
+            }
+        }
+    }
+    out
+}
+
+/// The rows, among `n` rows of `sequences` whole sequences one after the other, that
+/// tensor-parallel rank `r` of `tp` holds in Megatron under sequence parallelism, in its
+/// order: Megatron's activations are `[S, B]`, split along S, so the r-th block of positions
+/// of every sequence, position by position (without TP, all rows so; this rank's own block of
+/// rows when the sequences do not split evenly).
+pub(super) fn megatron_block(n: usize, sequences: usize, (r, tp): (usize, usize)) -> Vec<usize> {
+    let s = n / sequences.max(1);
+    if sequences == 0 || !n.is_multiple_of(sequences) || !s.is_multiple_of(tp) {
+        let t = n / tp;
+        return (r * t..(r + 1) * t).collect();
+    }
+    let block = s / tp;
+    (r * block..(r + 1) * block)
+        .flat_map(|position| (0..sequences).map(move |b| b * s + position))
         .collect()
 }
 
@@ -490,4 +515,20 @@ fn tokens_per_expert(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequence_parallel_rows_are_megatrons_blocks_of_positions() {
+        // two sequences of four positions over two ranks: the first half of each, position
+        // by position
+        assert_eq!(megatron_block(8, 2, (0, 2)), [0, 4, 1, 5]);
+        assert_eq!(megatron_block(8, 2, (1, 2)), [2, 6, 3, 7]);
+        assert_eq!(megatron_block(8, 2, (0, 1)), [0, 4, 1, 5, 2, 6, 3, 7]);
+        // positions that do not split evenly: the rank's own rows
+        assert_eq!(megatron_block(6, 2, (1, 2)), [3, 4, 5]);
+    }
 }
