@@ -89,8 +89,7 @@ impl Ids {
             ExpertGroup<'a, B::Tensor>,
         ),
         rope: (&'a B::Tensor, &'a B::Tensor),
-        (dropout, aux): (Option<&'a Dropout>, Option<&'a AuxLosses>),
-        sequences: usize,
+        ((dropout, aux), sequences): Regularisers<'a>,
     ) -> Pass<'a, B> {
         Pass {
             b,
@@ -130,10 +129,15 @@ pub struct MicroBatch {
     pub aux: Option<AuxLosses>,
 }
 
+/// What a pass of training adds: its dropout and MoE auxiliary losses, and the sequences of its
+/// rows.
+pub(super) type Regularisers<'a> = ((Option<&'a Dropout>, Option<&'a AuxLosses>), usize);
+
 impl MicroBatch {
-    /// Its sequences (the rows at position 0).
-    pub fn sequences(&self) -> usize {
-        self.positions.iter().filter(|&&p| p == 0).count()
+    /// Its dropout and auxiliary losses, and its sequences (the rows at position 0).
+    fn regularisers(&self) -> Regularisers<'_> {
+        let sequences = self.positions.iter().filter(|&&p| p == 0).count();
+        ((self.dropout.as_ref(), self.aux.as_ref()), sequences)
     }
 }
 
@@ -175,14 +179,12 @@ pub fn forward<B: Backend>(
     let (cos, sin) = spec.rope_tables(&batch.positions);
     let half = spec.rope_table_shape(batch.tokens.len());
     let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-    let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
     let p = ids.pass(
         (b, spec),
         params,
         (tp, ep),
         (&cos, &sin),
-        regularisers,
-        batch.sequences(),
+        batch.regularisers(),
     );
     let mut x = match (input, ids.embedding) {
         (Some(x), _) => x,
@@ -308,14 +310,12 @@ pub fn backward<B: Backend>(
         sin,
         ..
     } = saved;
-    let regularisers = (batch.dropout.as_ref(), batch.aux.as_ref());
     let p = ids.pass(
         (b, spec),
         params,
         (tp, ep),
         (&cos, &sin),
-        regularisers,
-        batch.sequences(),
+        batch.regularisers(),
     );
     let mut dx = match (head, ids.head, dout) {
         (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,

@@ -286,8 +286,7 @@ impl<'b, B: Backend> Model<'b, B> {
             &self.params,
             (None, None),
             (&cos, &sin),
-            (None, None),
-            1,
+            ((None, None), 1),
         );
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;

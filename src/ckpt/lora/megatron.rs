@@ -58,21 +58,22 @@ fn row_parallel_module(module: &str) -> bool {
 impl MegatronLora {
     /// Index the LoRA tensors of every rank file. `alpha` overrides `args.lora_alpha`.
     pub fn open(dir: &std::path::Path, alpha: Option<f64>) -> Result<Self> {
-        let RankFiles {
-            iter_dir,
-            files,
-            tp,
-            ep,
-            etp,
-            ..
-        } = open_rank_files(dir)?;
-        if ep > 1 || etp != tp {
+        let ranks = open_rank_files(dir)?;
+        if ranks.ep > 1 || ranks.etp != ranks.tp {
             bail!(
-                "{}: LoRA adapters of an expert-parallel checkpoint (EP {ep}{}) are not read yet",
-                iter_dir.display(),
-                if etp != tp { ", whole experts" } else { "" }
+                "{}: LoRA adapters of an expert-parallel checkpoint (EP {}{}) are not read yet",
+                ranks.iter_dir.display(),
+                ranks.ep,
+                if ranks.etp != ranks.tp {
+                    ", whole experts"
+                } else {
+                    ""
+                }
             );
         }
+        let RankFiles {
+            iter_dir, files, ..
+        } = ranks;
         let args = match files[0][0].root().get("args") {
             Some(Value::Namespace(a)) => a.clone(),
             _ => Vec::new(),
