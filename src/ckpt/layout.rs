@@ -53,16 +53,17 @@ pub struct Parallel {
 }
 
 /// The `(tensor-parallel, expert-parallel)` rank of each file of a pipeline stage, in file
-/// order, for TP × EP with expert tensor parallelism `etp` (TP or 1). Megatron's torch format
+/// order, for TP × EP, the experts split as the dense layers are or `whole` (expert tensor
+/// parallelism 1; `--moe-tp-extend-ep` fills every pair as a split layout does). Megatron's torch format
 /// saves from expert-data-parallel rank 0 only (megatron/training/checkpointing.py), the
 /// ranks `r < ETP × EP` of the expert view `etp-ep-edp` (megatron/core/parallel_state.py):
 /// with ETP = TP every pair, `(r mod TP, r / TP)`; with whole experts `(r mod TP, r mod EP)`
 /// for `r < max(TP, EP)`, as MindSpeed-LLM's converters list them
 /// (mindspeed_llm/tasks/checkpoint/convert_mg2hf.py `get_etp_valid_ckpts_list`).
-pub fn rank_grid(tp: usize, ep: usize, etp: usize) -> Vec<(usize, usize)> {
-    match etp == tp {
-        true => (0..tp * ep).map(|r| (r % tp, r / tp)).collect(),
-        false => (0..tp.max(ep)).map(|r| (r % tp, r % ep)).collect(),
+pub fn rank_grid(tp: usize, ep: usize, whole: bool) -> Vec<(usize, usize)> {
+    match whole {
+        false => (0..tp * ep).map(|r| (r % tp, r / tp)).collect(),
+        true => (0..tp.max(ep)).map(|r| (r % tp, r % ep)).collect(),
     }
 }
 
@@ -210,6 +211,11 @@ impl Parallel {
         }
     }
 
+    /// How many expert blocks the files hold ([`Parallel::expert_block`]).
+    pub fn expert_blocks(&self) -> usize {
+        self.expert_block((0, 0)).1
+    }
+
     /// The ranks a tensor of `role` is split over: ETP for the routed experts, TP otherwise.
     pub fn split_of(&self, role: Role) -> usize {
         match role.expert() {
@@ -221,10 +227,7 @@ impl Parallel {
     /// The `(tp, ep)` ranks of a stage's files ([`rank_grid`]; every pair with
     /// `--moe-tp-extend-ep`).
     pub fn rank_files(&self) -> Vec<(usize, usize)> {
-        match self.tp_extend {
-            true => rank_grid(self.tp, self.ep, self.tp),
-            false => rank_grid(self.tp, self.ep, self.etp),
-        }
+        rank_grid(self.tp, self.ep, self.etp != self.tp && !self.tp_extend)
     }
 
     /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th

@@ -830,7 +830,9 @@ pub fn megatron_args(
     ];
     set.extend(moe::moe_args(cfg.moe.as_ref()));
     if cfg.moe.is_some() {
-        set.push(("expert_tensor_parallel_size", int(par.etp)));
+        // MindSpeed-LLM's --moe-tp-extend-ep leaves Megatron's groups (and args) at TP
+        let etp = if par.tp_extend { par.tp } else { par.etp };
+        set.push(("expert_tensor_parallel_size", int(etp)));
         set.push(("moe_tp_extend_ep", Value::Bool(par.tp_extend)));
     }
     if base.is_empty() {

@@ -200,7 +200,7 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
             iter_dir.display()
         );
     }
-    let grid = rank_grid(tp, ep, if tp_extend { tp } else { etp });
+    let grid = rank_grid(tp, ep, whole);
     let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
         .flat_map(|p| grid.iter().enumerate().map(move |(m, &te)| (p, m, te)))
         .map(|(p, m, (t, e))| (p, m, rank_path(t, p, e)))
@@ -670,7 +670,7 @@ impl MegatronCkpt {
         let Some(Value::Tensor(t)) = chunk.get(&g) else {
             return Ok(None);
         };
-        let blocks = self.par.expert_block((0, 0)).1;
+        let blocks = self.par.expert_blocks();
         let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / blocks);
         Ok(Some((g.clone(), expert_view((&g, t), le, (want, local))?)))
     }

@@ -118,7 +118,7 @@ impl MegatronTarget<'_> {
     /// ([`Parallel::rank_files`], [`Parallel::expert_block`]): each holds the same tensors,
     /// its TP rank's shards.
     fn rank_groups(&self) -> Vec<FileGroup> {
-        let blocks = self.par.expert_block((0, 0)).1;
+        let blocks = self.par.expert_blocks();
         let files = self.par.rank_files();
         (0..self.par.pp * blocks)
             .map(|i| {
@@ -137,7 +137,7 @@ impl MegatronTarget<'_> {
 
     fn stage_entries(&self, p: usize, block: usize) -> Vec<Vec<layout::ChunkEntry>> {
         let (pp, vpp) = (self.par.pp, self.par.vpp);
-        let blocks = self.par.expert_block((0, 0)).1;
+        let blocks = self.par.expert_blocks();
         (0..vpp)
             .map(|v| {
                 chunk_entries(
@@ -160,7 +160,7 @@ impl MegatronTarget<'_> {
         args: &Value,
     ) -> (Value, Vec<Stored>) {
         let padded = self.padded_vocab();
-        let blocks = self.par.expert_block((0, 0)).1;
+        let blocks = self.par.expert_blocks();
         let local = self.cfg.moe.as_ref().map_or(0, |m| m.experts / blocks);
         let mut stored: Vec<Stored> = Vec::new();
         let mut root = vec![
@@ -248,7 +248,7 @@ impl MegatronTarget<'_> {
                 padded_vocab: padded,
                 divisible_by: self.divisible_by,
                 ep: par.ep,
-                etp: if par.tp_extend { par.tp } else { par.etp },
+                etp: par.etp,
                 tp_extend: par.tp_extend,
                 grouped: self.grouped,
             },

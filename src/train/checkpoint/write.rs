@@ -440,8 +440,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             padded_vocab: snap.table.vocab_padded,
             divisible_by: snap.divisible_by,
             ep: snap.file_ep().1,
-            // MindSpeed-LLM's --moe-tp-extend-ep leaves Megatron's groups (and args) at TP
-            etp: if snap.tp_extend { snap.tp.1 } else { snap.etp },
+            etp: snap.etp,
             tp_extend: snap.tp_extend,
             grouped: snap.grouped,
         },
