@@ -3451,6 +3451,60 @@ fn expert_parallel_ranks_train_as_one_rank_does() {
 }
 
 #[test]
+fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let sinkhorn = "--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0";
+    let one = stdout(&moe_train(&data, sinkhorn).success());
+    // no load-balancing loss is tracked, the z-loss is
+    let lines = iterations(&one);
+    assert!(
+        lines.iter().all(|l| !l.contains("load_balancing_loss")),
+        "{one}"
+    );
+    assert!(field(&one, "z_loss").iter().all(|&z| z > 0.0), "{one}");
+    // the same routing as top-k it is not
+    let plain = stdout(&moe_train(&data, "--moe-router-load-balancing-type none").success());
+    assert_ne!(field(&one, "lm loss"), field(&plain, "lm loss"));
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let tp_alone = stdout(&moe_train(&data, &format!("{sinkhorn} {tp}")).success());
+    for (layout, base) in [
+        (
+            "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer",
+            &one,
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+            &one,
+        ),
+        // each tensor-parallel rank balances its own block of positions
+        (
+            &format!("{tp} --expert-model-parallel-size 2")[..],
+            &tp_alone,
+        ),
+    ] {
+        let what = format!("{sinkhorn} {layout}");
+        same_training(
+            base,
+            &stdout(&moe_train(&data, &what).success()),
+            1e-5,
+            &what,
+        );
+    }
+    for (extra, refusal) in [
+        ("--moe-aux-loss-coeff 0.01", "--moe-aux-loss-coeff above 0"),
+        ("--moe-expert-capacity-factor 1", "token dropping"),
+        (
+            &format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1")[..],
+            "whole experts",
+        ),
+    ] {
+        let err = stderr(&moe_train(&data, &format!("{sinkhorn} {extra}")).failure());
+        assert!(err.contains(refusal), "{extra}: {err}");
+    }
+}
+
+#[test]
 fn expert_parallel_checkpoints_hold_their_ranks_experts_and_resume_bit_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

@@ -54,6 +54,12 @@ pub struct Moe {
     /// experts only and moved after each step towards balance (aux-loss-free balancing,
     /// `--moe-router-enable-expert-bias`).
     pub expert_bias: bool,
+    /// Sinkhorn balancing (`--moe-router-load-balancing-type sinkhorn`): in training each
+    /// router call chooses its tokens' experts by the top-k of its Sinkhorn-normalised
+    /// logits ([`sinkhorn_choice`]); the weights, and the choice outside training, are those
+    /// of the score function above, which is then its activation (a softmax over all experts,
+    /// a sigmoid at top-1).
+    pub sinkhorn: bool,
 }
 
 impl Moe {
@@ -127,6 +133,7 @@ pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
         group_limit: None,
         layers: vec![true],
         expert_bias: false,
+        sinkhorn: false,
     }
 }
 
@@ -167,41 +174,86 @@ pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
         Some(g) => group_limited_topk(scores, moe.topk, g),
         None => topk(scores, moe.topk),
     };
-    let (experts, mut weights) = match moe.score {
+    let experts = match moe.score {
+        ScoreFunction::Softmax if moe.pre_softmax => choose(&softmax(logits)),
+        ScoreFunction::Softmax => choose(logits),
+        ScoreFunction::Sigmoid => {
+            let scores = logits.iter().map(|&x| sigmoid(x));
+            match expert_bias {
+                Some(bias) => choose(&scores.zip(bias).map(|(s, b)| s + b).collect::<Vec<_>>()),
+                None => choose(&scores.collect::<Vec<_>>()),
+            }
+        }
+    };
+    weigh(moe, logits, experts)
+}
+
+/// The route of a token with router `logits` to the chosen `experts` (best first): their
+/// weights as the score function gives them.
+pub fn weigh(moe: &Moe, logits: &[f32], experts: Vec<usize>) -> Routed {
+    let mut weights = match moe.score {
         ScoreFunction::Softmax if moe.pre_softmax => {
             let scores = softmax(logits);
-            let experts = choose(&scores);
-            let w = experts.iter().map(|&e| scores[e]).collect();
-            (experts, w)
+            experts.iter().map(|&e| scores[e]).collect()
         }
         ScoreFunction::Softmax => {
-            let experts = choose(logits);
             let chosen: Vec<f32> = experts.iter().map(|&e| logits[e]).collect();
-            (experts, softmax(&chosen))
+            softmax(&chosen)
         }
         ScoreFunction::Sigmoid => {
-            let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
-            let experts = match expert_bias {
-                Some(bias) => {
-                    let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-                    choose(&biased)
-                }
-                None => choose(&scores),
-            };
-            let chosen: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
-            let w = if moe.topk > 1 {
+            let chosen: Vec<f32> = experts.iter().map(|&e| sigmoid(logits[e])).collect();
+            if moe.topk > 1 {
                 let sum: f32 = chosen.iter().sum::<f32>() + 1e-20;
                 chosen.iter().map(|&s| s / sum).collect()
             } else {
                 chosen
-            };
-            (experts, w)
+            }
         }
     };
     if let Some(s) = moe.topk_scale {
         weights.iter_mut().for_each(|w| *w *= s as f32);
     }
     Routed { experts, weights }
+}
+
+/// Each token's `topk` experts by Sinkhorn balancing of one router call's `logits`
+/// (`[tokens, experts]` row-major): megatron-core moe_utils.py `sinkhorn` in f32 (exp of the
+/// logits scaled by row and column factors until the column factors move by less than 1e-4
+/// on average), then the top-k of each row (router.py `sinkhorn_load_balancing`).
+pub fn sinkhorn_choice(logits: &[f32], experts: usize, k: usize) -> Vec<Vec<usize>> {
+    let cost: Vec<f32> = logits.iter().map(|&x| x.exp()).collect();
+    let tokens = cost.len() / experts.max(1);
+    let (eps, tol) = (1e-8f32, 1e-4f32);
+    let (mut d0, mut d1) = (vec![1f32; tokens], vec![1f32; experts]);
+    let (row_scale, column_scale) = (1.0 / tokens as f32, 1.0 / experts as f32);
+    // bounded: a matrix of positive costs converges long before
+    for _ in 0..100_000 {
+        for (t, d) in d0.iter_mut().enumerate() {
+            let row = &cost[t * experts..(t + 1) * experts];
+            let sum: f32 = row.iter().zip(&d1).map(|(c, d)| d * c).sum();
+            *d = row_scale / (sum + eps);
+        }
+        let mut error = 0f32;
+        for (e, d) in d1.iter_mut().enumerate() {
+            let sum: f32 = (0..tokens).map(|t| d0[t] * cost[t * experts + e]).sum();
+            let new = column_scale / (sum + eps);
+            error += (*d - new).abs();
+            *d = new;
+        }
+        // torch loops `while error > tol`: a NaN error ends it too
+        let mean = error / experts as f32;
+        if mean.is_nan() || mean <= tol {
+            break;
+        }
+    }
+    (0..tokens)
+        .map(|t| {
+            let row: Vec<f32> = (0..experts)
+                .map(|e| d1[e] * cost[t * experts + e] * d0[t])
+                .collect();
+            topk(&row, k)
+        })
+        .collect()
 }
 
 /// Which tokens an expert takes when it has more than its capacity (`--moe-token-drop-policy`).
@@ -384,6 +436,28 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn sinkhorn_balancing_spreads_the_tokens_that_all_prefer_one_expert() {
+        // every token's logits prefer expert 0; balanced, the two keenest keep it
+        let logits = [3.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.5, 0.0];
+        assert_eq!(
+            sinkhorn_choice(&logits, 2, 1),
+            [vec![0], vec![0], vec![1], vec![1]]
+        );
+        // top-2 of three experts (the normalised costs of megatron-core's `sinkhorn`)
+        let logits = [
+            3.0, 1.0, 0.0, 2.0, 1.0, 0.0, 1.0, 2.0, 0.0, 0.0, 1.0, 2.0, 0.5, 0.2, 0.1, 3.0, 0.0,
+            0.0,
+        ];
+        let want = [[0, 1], [1, 0], [1, 2], [2, 1], [2, 1], [0, 2]];
+        assert_eq!(sinkhorn_choice(&logits, 3, 2), want.map(Vec::from));
+        // the weights of a chosen route are the score function's
+        let m = moe(ScoreFunction::Softmax, true);
+        let r = weigh(&m, &[1.0, 2.0, 3.0, 4.0], vec![0, 2]);
+        let p = softmax(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(r.weights, [p[0], p[2]]);
     }
 
     #[test]

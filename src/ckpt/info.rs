@@ -63,6 +63,9 @@ fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
     if m.expert_bias {
         routing += ", expert bias";
     }
+    if m.sinkhorn {
+        routing += ", Sinkhorn-balanced in training";
+    }
     let shared = match (m.shared_ffn, m.shared_gate) {
         (None, _) => "none".to_string(),
         (Some(f), gated) => format!("ffn {f}{}", if gated { ", gated" } else { "" }),

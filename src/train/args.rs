@@ -138,7 +138,7 @@ pub const FLAGS: &[Flag] = &[
     used("moe-shared-expert-intermediate-size", One, "the shared experts' intermediate size"),
     used("n-shared-experts", One, "MindSpeed-LLM: shared experts of the routed experts' size"),
     used("shared-expert-gate", Nothing, "MindSpeed-LLM: a sigmoid gate on the shared experts' output (Qwen2-MoE)"),
-    used("moe-router-load-balancing-type", One, "aux_loss (default), seq_aux_loss or none"),
+    used("moe-router-load-balancing-type", One, "aux_loss (default), seq_aux_loss, sinkhorn (training routes each router call by its Sinkhorn-balanced logits), none; MindSpeed-LLM's softmax_topk and pai_megatron_aux_loss"),
     used("moe-aux-loss-coeff", One, "the load-balancing loss's coefficient (default 0)"),
     used("moe-z-loss-coeff", One, "the router z-loss's coefficient (default none)"),
     used("moe-token-dispatcher-type", One, "allgather, alltoall or alltoall_seq: how tokens reach their experts' ranks; the same math (each expert's tokens and outputs the same), carried out here as the all-gather dispatcher does it"),

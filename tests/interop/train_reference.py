@@ -114,7 +114,10 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
     model.validation = []
     model.moe_losses = []
     if moe_layers:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
         from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+        # the tracker keeps the names an earlier model in this process tracked
+        get_moe_layer_wise_logging_tracker().clear()
         # schedules.forward_step_calc_loss: the auxiliary losses' backward scale.
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 if per_token else 1.0 / (gbs // mbs)))
 

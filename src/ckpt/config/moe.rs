@@ -59,6 +59,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         group_limit: hf_groups(cfg, names, topk)?,
         layers: hf_layers(cfg, names.layers, layers)?,
         expert_bias: names.expert_bias.is_some(),
+        sinkhorn: false,
     }))
 }
 
@@ -337,7 +338,7 @@ pub(super) fn moe_from_args(
         Some(Value::Int(k)) => *k,
         _ => 0,
     };
-    Ok(Some(Moe {
+    let moe = Moe {
         experts,
         topk,
         ffn: expert_ffn,
@@ -352,7 +353,71 @@ pub(super) fn moe_from_args(
         group_limit,
         layers: Moe::pattern(layers, &layer_freq(args)?, first_dense),
         expert_bias: arg_bool(args, "moe_router_enable_expert_bias")?.unwrap_or(false),
-    }))
+        sinkhorn: false,
+    };
+    let normalised = arg_bool(args, "norm_topk_prob")?.unwrap_or(false);
+    routed_as_balanced(moe, balancing_types(args)?, normalised).map(Some)
+}
+
+/// `args.moe_router_load_balancing_type`: a name, or megatron-core's list of them.
+fn balancing_types(args: &[(String, Value)]) -> FieldResult<Vec<String>> {
+    let bad = |got: String| ConfigError::OutOfRange {
+        field: "args.moe_router_load_balancing_type".into(),
+        got,
+        expected: "a name or a list of names",
+    };
+    match arg(args, "moe_router_load_balancing_type") {
+        None | Some(Value::None) => Ok(Vec::new()),
+        Some(Value::Str(s)) => Ok(vec![s.clone()]),
+        Some(Value::List(items) | Value::Tuple(items)) => (items.iter())
+            .map(|v| match v {
+                Value::Str(s) => Ok(s.clone()),
+                other => Err(bad(format!("{other:?}"))),
+            })
+            .collect(),
+        Some(other) => Err(bad(format!("{other:?}"))),
+    }
+}
+
+/// The routing of experts trained with load-balancing `types` (`normalised`: MindSpeed-LLM's
+/// `norm_topk_prob`): megatron-core's own types route by the score function; its `sinkhorn`
+/// (router.py `sinkhorn_load_balancing`) weighs by its activation — a softmax over all experts,
+/// a sigmoid at top-1 — unscaled and ungrouped; MindSpeed-LLM's `softmax_topk` takes the top-k
+/// of a softmax over all experts, renormalised with `norm_topk_prob`, scaled, ungrouped, and
+/// its `pai_megatron_aux_loss` the same never renormalised or scaled
+/// (mindspeed_llm/core/transformer/moe/router.py `topk_router_routing`,
+/// mindspeed_llm/tasks/models/common/pai_megatron.py).
+fn routed_as_balanced(mut moe: Moe, types: Vec<String>, normalised: bool) -> FieldResult<Moe> {
+    let mut types = types.iter().map(String::as_str);
+    let ungrouped = |m: &mut Moe, pre_softmax: bool| {
+        m.score = ScoreFunction::Softmax;
+        m.pre_softmax = pre_softmax;
+        m.group_limit = None;
+    };
+    match types.next() {
+        Some("sinkhorn") => {
+            moe.sinkhorn = true;
+            ungrouped(&mut moe, true);
+            moe.topk_scale = None;
+            if moe.topk == 1 {
+                moe.score = ScoreFunction::Sigmoid;
+            }
+        }
+        Some("softmax_topk") => ungrouped(&mut moe, !normalised),
+        Some("pai_megatron_aux_loss") => {
+            ungrouped(&mut moe, true);
+            moe.topk_scale = None;
+        }
+        Some(t) if !["aux_loss", "seq_aux_loss", "global_aux_loss", "none"].contains(&t) => {
+            return Err(ConfigError::OutOfRange {
+                field: "args.moe_router_load_balancing_type".into(),
+                got: format!("{t:?}"),
+                expected: "aux_loss, seq_aux_loss, global_aux_loss, none, sinkhorn, softmax_topk or pai_megatron_aux_loss (the routings built)",
+            })
+        }
+        _ => {}
+    }
+    Ok(moe)
 }
 
 /// What `moe` contributes to `args` (the keys megatron-core's `TransformerConfig` and
@@ -393,4 +458,84 @@ pub(super) fn moe_args(moe: Option<&Moe>) -> Vec<(&'static str, Value)> {
         ("first_k_dense_replace", Value::None),
         ("n_shared_experts", Value::None),
     ]
+    .into_iter()
+    .chain(m.sinkhorn.then(|| {
+        (
+            "moe_router_load_balancing_type",
+            Value::Str("sinkhorn".into()),
+        )
+    }))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The experts of args with top-`k` of 4 scaled, grouped, renormalised routing and the
+    /// load-balancing type `balancing`.
+    fn routed(k: i64, balancing: &str) -> FieldResult<Option<Moe>> {
+        let args: Vec<(String, Value)> = [
+            ("num_experts", Value::Int(4)),
+            ("moe_router_topk", Value::Int(k)),
+            ("moe_router_topk_scaling_factor", Value::Float(2.5)),
+            ("moe_router_num_groups", Value::Int(2)),
+            ("moe_router_group_topk", Value::Int(1)),
+            ("norm_topk_prob", Value::Bool(true)),
+            (
+                "moe_router_load_balancing_type",
+                Value::Str(balancing.into()),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        moe_from_args(&args, 2, 64)
+    }
+
+    #[test]
+    fn load_balancing_types_that_route_otherwise_are_read_as_they_route() {
+        let rule = |m: Moe| {
+            (
+                m.score,
+                m.pre_softmax,
+                m.topk_scale,
+                m.group_limit,
+                m.sinkhorn,
+            )
+        };
+        let aux = routed(2, "aux_loss").unwrap().unwrap();
+        let grouped = (
+            ScoreFunction::Softmax,
+            false,
+            Some(2.5),
+            Some((2, 1)),
+            false,
+        );
+        assert_eq!(rule(aux), grouped);
+        // Sinkhorn's activation: a softmax over all experts, at top-1 a sigmoid
+        let sinkhorn = (ScoreFunction::Softmax, true, None, None, true);
+        assert_eq!(rule(routed(2, "sinkhorn").unwrap().unwrap()), sinkhorn);
+        let top1 = rule(routed(1, "sinkhorn").unwrap().unwrap());
+        assert_eq!(top1, (ScoreFunction::Sigmoid, true, None, None, true));
+        // MindSpeed-LLM's: renormalised with norm_topk_prob and scaled, or neither
+        let softmax_topk = (ScoreFunction::Softmax, false, Some(2.5), None, false);
+        assert_eq!(
+            rule(routed(2, "softmax_topk").unwrap().unwrap()),
+            softmax_topk
+        );
+        let pai = (ScoreFunction::Softmax, true, None, None, false);
+        assert_eq!(
+            rule(routed(2, "pai_megatron_aux_loss").unwrap().unwrap()),
+            pai
+        );
+        let err = routed(2, "sparsemixer_topk").unwrap_err().to_string();
+        assert!(err.contains("args.moe_router_load_balancing_type"), "{err}");
+        // written back, a Sinkhorn-balanced model stays one
+        let args: Vec<(String, Value)> = (moe_args(routed(2, "sinkhorn").unwrap().as_ref()))
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        assert!(moe_from_args(&args, 2, 64).unwrap().unwrap().sinkhorn);
+    }
 }

@@ -57,8 +57,16 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
     if let Some(s) = positive_float(a, "moe-router-topk-scaling-factor")? {
         out.push(("moe_router_topk_scaling_factor".into(), Value::Float(s)));
     }
-    if let Some(f) = a.get("moe-router-score-function") {
-        out.push(("moe_router_score_function".into(), Value::Str(f.into())));
+    for (flag, key) in [
+        ("moe-router-score-function", "moe_router_score_function"),
+        (
+            "moe-router-load-balancing-type",
+            "moe_router_load_balancing_type",
+        ),
+    ] {
+        if let Some(v) = a.get(flag) {
+            out.push((key.into(), Value::Str(v.into())));
+        }
     }
     if let Some(k) = a.parse_value::<i64>("first-k-dense-replace")? {
         out.push(("first_k_dense_replace".into(), Value::Int(k)));
@@ -178,6 +186,7 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         // megatron-core moe_layer.py `MoELayer.forward` raises the same in training.
         bail!("a mixture of experts with tensor parallelism trains with --sequence-parallel (megatron-core refuses it without)");
     }
+    check_balancing(a, model, (tp, etp))?;
     if let Some(d) = a.get("moe-router-dtype").filter(|d| *d != "fp32") {
         bail!("--moe-router-dtype {d}: fp32 is built");
     }
@@ -188,6 +197,41 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The load-balancing types against what else the flags ask: Sinkhorn balancing without token
+/// dropping or an auxiliary loss (megatron-core's `TransformerConfig` and
+/// `sinkhorn_load_balancing` refuse both), and, as not built, with an expert bias (which it
+/// would count but not route by) or whole experts under TP (a router call balances Megatron's
+/// sequence-parallel block); MindSpeed-LLM's `softmax_topk` without an expert bias (added to
+/// softmax scores there, not built).
+fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> Result<()> {
+    let Some(m) = &model.moe else { return Ok(()) };
+    let balancing = a
+        .get("moe-router-load-balancing-type")
+        .unwrap_or("aux_loss");
+    let refused = match balancing {
+        "sinkhorn" if capacity(a)?.is_some() => {
+            Some("token dropping (--moe-expert-capacity-factor): megatron-core refuses it")
+        }
+        "sinkhorn"
+            if a.parse_value::<f64>("moe-aux-loss-coeff")?
+                .is_some_and(|c| c != 0.0) =>
+        {
+            Some("--moe-aux-loss-coeff above 0: megatron-core refuses it")
+        }
+        "sinkhorn" if etp == 1 && tp > 1 => Some(
+            "whole experts under tensor parallelism (--expert-tensor-parallel-size 1): not built",
+        ),
+        "sinkhorn" | "softmax_topk" if m.expert_bias => {
+            Some("--moe-router-enable-expert-bias: not built")
+        }
+        _ => None,
+    };
+    match refused {
+        Some(what) => bail!("--moe-router-load-balancing-type {balancing} with {what}"),
+        None => Ok(()),
+    }
 }
 
 /// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1 (at TP 1 it is the usual layer): its MoE
@@ -328,11 +372,13 @@ pub(super) fn aux_losses(
         .get("moe-router-load-balancing-type")
         .unwrap_or("aux_loss")
     {
-        "aux_loss" => Balancing::Aux,
+        // MindSpeed-LLM's pai_megatron_aux_loss: the Switch loss of a softmax over all experts
+        "aux_loss" | "pai_megatron_aux_loss" => Balancing::Aux,
         "seq_aux_loss" => Balancing::SeqAux,
-        "none" => Balancing::None,
+        // Sinkhorn balances in the routing itself; MindSpeed-LLM's softmax_topk has no loss
+        "none" | "sinkhorn" | "softmax_topk" => Balancing::None,
         other => bail!(
-            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss or none are built"
+            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk and pai_megatron_aux_loss are built"
         ),
     };
     let coeff = |flag| -> Result<Option<f32>> {

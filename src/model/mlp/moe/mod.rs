@@ -21,7 +21,9 @@ pub(in crate::model) mod losses;
 mod spread;
 
 use super::dense::{SwiGlu, SwiGluSaved};
-use crate::arch::moe::{route, route_grad, sigmoid, Moe as Experts, Routed};
+use crate::arch::moe::{
+    route, route_grad, sigmoid, sinkhorn_choice, weigh, Moe as Experts, Routed,
+};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
 use crate::model::parallel::{gathered, reduced};
@@ -187,16 +189,30 @@ impl Moe {
         let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
         let dtype = Self::router_dtype(p, &h);
-        let routes: Vec<Routed> = (logits.chunks(e_count))
-            .map(|l| {
-                let mut r = route(cfg, l, bias.as_deref());
-                r.weights.iter_mut().for_each(|w| *w = dtype.round(*w));
-                r
-            })
+        let rounded = |mut r: Routed| {
+            r.weights.iter_mut().for_each(|w| *w = dtype.round(*w));
+            r
+        };
+        let mut routes: Vec<Routed> = (logits.chunks(e_count))
+            .map(|l| rounded(route(cfg, l, bias.as_deref())))
             .collect();
         let at = rows_of(p, b.shape(&h)[0], &spread);
         let (local, mine) = (at.local.clone(), at.mine.clone());
-        let kept = kept(p, cfg, &routes, (&spread, at.calls));
+        let calls = router_calls(&spread, p.sequences, at.calls);
+        if cfg.sinkhorn && p.aux.is_some() {
+            // training's choice: each router call's tokens balanced together
+            for call in &calls {
+                let row = |r: usize| &logits[r * e_count..(r + 1) * e_count];
+                let of_call: Vec<f32> = call.iter().flat_map(|&r| row(r).iter().copied()).collect();
+                for (&r, experts) in call
+                    .iter()
+                    .zip(sinkhorn_choice(&of_call, e_count, cfg.topk))
+                {
+                    routes[r] = rounded(weigh(cfg, row(r), experts));
+                }
+            }
+        }
+        let kept = kept(p, cfg, &routes, &calls);
         let aux = p.aux.map(|aux| {
             let (losses, grad) = aux_losses(cfg, aux, &group_logits, local.clone(), at.tp);
             let tokens = bias.as_ref().map(|_| {
@@ -453,31 +469,36 @@ fn rows_of<B: Backend>(p: &Pass<B>, rows: usize, spread: &Spread) -> RowsAt {
     }
 }
 
+/// Each router call's rows among the M, in Megatron's token order: each expert-parallel
+/// rank's group's rows (`spread`), split among its `tp` ranks under sequence parallelism
+/// (every rank routes its own block, [`megatron_block`]).
+fn router_calls(spread: &Spread, sequences: usize, tp: usize) -> Vec<Vec<usize>> {
+    let mut calls = Vec::new();
+    for group in spread.groups() {
+        for r in 0..tp {
+            let rows = megatron_block(group.len(), sequences, (r, tp));
+            calls.push(rows.into_iter().map(|i| group.start + i).collect());
+        }
+    }
+    calls
+}
+
 /// Which of each route's experts take the token: all of them, or with token dropping those
-/// within their capacity, each router call's rows apart: each expert-parallel rank's group's
-/// rows (`spread`), split among its `tp` ranks under sequence parallelism (every rank routes
-/// its own).
+/// within their capacity, each router call's rows (`calls`) apart.
 fn kept<B: Backend>(
     p: &Pass<B>,
     cfg: &Experts,
     routes: &[Routed],
-    (spread, tp): (&Spread, usize),
+    calls: &[Vec<usize>],
 ) -> Vec<Vec<bool>> {
     let Some(c) = p.spec.capacity else {
         return routes.iter().map(|r| vec![true; r.experts.len()]).collect();
     };
     let mut out = vec![Vec::new(); routes.len()];
-    for group in spread.groups() {
-        for r in 0..tp {
-            // a router call's tokens in Megatron's order (its sequence-parallel block)
-            let rows = megatron_block(group.len(), p.sequences, (r, tp));
-            let call: Vec<Routed> = rows
-                .iter()
-                .map(|&i| routes[group.start + i].clone())
-                .collect();
-            for (i, k) in rows.into_iter().zip(c.kept(&call, cfg.topk, cfg.experts)) {
-                out[group.start + i] = k;
-            }
+    for rows in calls {
+        let call: Vec<Routed> = rows.iter().map(|&i| routes[i].clone()).collect();
+        for (&i, k) in rows.iter().zip(c.kept(&call, cfg.topk, cfg.experts)) {
+            out[i] = k;
         }
     }
     out
