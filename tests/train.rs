@@ -3329,6 +3329,7 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
     };
     let one = stdout(&run(&lora(&["--save", &path(&adapter), "--lora-ckpt-filter"])).success());
     let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let mut ep_adapters = Vec::new();
     for layout in [
         "--pipeline-model-parallel-size 2".to_string(),
         tp.into(),
@@ -3336,7 +3337,14 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
         // whole experts: their adapters whole too, no sum over TP
         format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"),
     ] {
-        let log = stdout(&run(&lora(&layout.split(' ').collect::<Vec<_>>())).success());
+        let mut extra: Vec<&str> = layout.split(' ').collect();
+        let saved = dir.path().join(format!("adapter_{}", ep_adapters.len()));
+        let saved_str = path(&saved);
+        if layout.contains("expert-model-parallel-size") {
+            extra.extend(["--save", &saved_str, "--lora-ckpt-filter"]);
+            ep_adapters.push((layout.clone(), saved.clone()));
+        }
+        let log = stdout(&run(&lora(&extra)).success());
         for name in ["lm loss", "grad norm"] {
             for (p, q) in field(&one, name).iter().zip(field(&log, name)) {
                 assert!(
@@ -3381,6 +3389,24 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
         layer: Some(3),
     };
     assert_eq!(b.read(router).unwrap(), m.read(router).unwrap());
+    // The expert-parallel adapters (each rank file its expert block's, whole experts' whole)
+    // merge into the base as the one-rank adapter does.
+    for (layout, saved) in ep_adapters {
+        let out = dir.path().join(format!("{}_merged", saved.display()));
+        common::lora_merge(&base, &saved, &out, &[]).success();
+        let e = mindkit::ckpt::megatron::MegatronCkpt::open(&out, None).unwrap();
+        for c in mindkit::arch::roles::canonical(&m.cfg) {
+            let f32s = |t| mindkit::tensor::host::to_f32(&t).unwrap();
+            let (x, y) = (f32s(m.read(c).unwrap()), f32s(e.read(c).unwrap()));
+            let diff = x
+                .iter()
+                .zip(&y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max);
+            let scale = x.iter().map(|p| p.abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-5 * scale, "{layout}: {c:?} differs by {diff}");
+        }
+    }
 }
 
 /// `mindkit train` on the tiny MoE of [`moe_args`] with four micro-batches of one sample.

@@ -10,7 +10,7 @@ use crate::arch::roles::{canonical_shape, Canon};
 use crate::arch::ModelConfig;
 use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
 use crate::ckpt::grouped::{expert_view, GroupedLora};
-use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
+use crate::ckpt::layout::{self, chunk_entries, rank_grid, KeyLayout, Parallel};
 use crate::ckpt::megatron::{
     chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files, RankFiles,
 };
@@ -25,6 +25,7 @@ use std::path::PathBuf;
 /// factor (`transposed`: the block is the factor's transpose).
 struct Found {
     stage: usize,
+    /// The rank file: its index in the stage's [`RankFiles`] grid.
     rank: usize,
     chunk: usize,
     key: String,
@@ -44,6 +45,9 @@ pub struct MegatronLora {
     legacy: bool,
     factors: Vec<Found>,
     base_tensors: usize,
+    /// The files' tensor-parallel, expert-parallel and expert tensor-parallel sizes, and
+    /// `--moe-tp-extend-ep` ([`RankFiles`]).
+    ranks: (usize, usize, usize, bool),
 }
 
 /// Module kinds Megatron splits on their input dimension (row-parallel).
@@ -58,22 +62,14 @@ fn row_parallel_module(module: &str) -> bool {
 impl MegatronLora {
     /// Index the LoRA tensors of every rank file. `alpha` overrides `args.lora_alpha`.
     pub fn open(dir: &std::path::Path, alpha: Option<f64>) -> Result<Self> {
-        let ranks = open_rank_files(dir)?;
-        if ranks.ep > 1 || ranks.etp != ranks.tp {
-            bail!(
-                "{}: LoRA adapters of an expert-parallel checkpoint (EP {}{}) are not read yet",
-                ranks.iter_dir.display(),
-                ranks.ep,
-                if ranks.etp != ranks.tp {
-                    ", whole experts"
-                } else {
-                    ""
-                }
-            );
-        }
         let RankFiles {
-            iter_dir, files, ..
-        } = ranks;
+            iter_dir,
+            files,
+            tp,
+            ep,
+            etp,
+            tp_extend,
+        } = open_rank_files(dir)?;
         let args = match files[0][0].root().get("args") {
             Some(Value::Namespace(a)) => a.clone(),
             _ => Vec::new(),
@@ -92,9 +88,10 @@ impl MegatronLora {
             factors: Vec::new(),
             base_tensors: 0,
             files: Vec::new(),
+            ranks: (tp, ep, etp, tp_extend),
         };
-        for (stage, per_tp) in files.iter().enumerate() {
-            for (rank, f) in per_tp.iter().enumerate() {
+        for (stage, per_rank) in files.iter().enumerate() {
+            for (rank, f) in per_rank.iter().enumerate() {
                 lora.index_file(stage, rank, f)?;
             }
         }
@@ -162,9 +159,11 @@ impl MegatronLora {
         (key, g, tensor): (&str, &GroupedLora, &TensorRef),
         f: &TorchFile,
     ) -> Result<()> {
-        let local = arg_uint(&self.args, "num_experts")
+        let experts = arg_uint(&self.args, "num_experts")
             .with_context(|| f.path().display().to_string())?
             .ok_or_else(|| anyhow!("{}: {key} without args.num_experts", f.path().display()))?;
+        let (tp, ep, _, tp_extend) = self.ranks;
+        let local = experts / if tp_extend { ep * tp } else { ep };
         let shard = (local > 0).then(|| g.shard(&tensor.shape, local)).flatten();
         let shard = shard.ok_or_else(|| {
             anyhow!(
@@ -204,20 +203,55 @@ impl MegatronLora {
             arg("decoder_first_pipeline_num_layers")?,
             arg("decoder_last_pipeline_num_layers")?,
         );
-        let (pp, tp) = (self.files.len(), self.files[0].len());
-        Parallel::new(cfg, tp, pp, self.chunks, first_last).with_context(|| {
+        let (pp, (tp, ep, etp, tp_extend)) = (self.files.len(), self.ranks);
+        let par = Parallel::new(cfg, tp, pp, self.chunks, first_last)
+            .and_then(|p| p.with_experts(cfg, (ep, etp)))
+            .and_then(|p| match tp_extend {
+                true => p.with_tp_extend(cfg),
+                false => Ok(p),
+            });
+        par.with_context(|| {
             format!(
-                "{}: the adapter's layout (TP {tp}, PP {pp}, VPP {}) does not fit the base model",
+                "{}: the adapter's layout (TP {tp}, PP {pp}, VPP {}, EP {ep}) does not fit the base model",
                 self.iter_dir.display(),
                 self.chunks
             )
         })
     }
 
+    /// The file's `(tp, ep)` ranks, and its expert block and how many there are
+    /// ([`Parallel::expert_block`]).
+    fn file_ranks(&self, rank: usize) -> ((usize, usize), (usize, usize)) {
+        let (tp, ep, etp, tp_extend) = self.ranks;
+        let (t, e) = rank_grid(tp, ep, etp != tp && !tp_extend)[rank];
+        let block = match tp_extend {
+            true => (e * tp + t, ep * tp),
+            false => (e, ep),
+        };
+        ((t, e), block)
+    }
+
+    /// The module a factor adapts, named as in one whole model: a routed expert's by its
+    /// global index of `experts` (a rank file holds its expert block, `local_experts.N` in it).
+    fn global_module(&self, f: &Found, experts: usize) -> String {
+        let marker = ".mlp.experts.local_experts.";
+        let Some((stem, rest)) = f.module.split_once(marker) else {
+            return f.module.clone();
+        };
+        let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
+        let Ok(local) = local.parse::<usize>() else {
+            return f.module.clone();
+        };
+        let (_, (block, blocks)) = self.file_ranks(f.rank);
+        let global = block * (experts / blocks.max(1)) + local;
+        format!("{stem}{marker}{global}.{tail}")
+    }
+
     /// Map every factor onto the base's canonical tensors; check completeness and shapes.
     pub(super) fn plan(self, cfg: &ModelConfig) -> Result<MergePlan> {
         let par = self.parallel(cfg)?;
-        let (pp, tp, vpp) = (par.pp, par.tp, par.vpp);
+        let (pp, vpp) = (par.pp, par.vpp);
+        let experts = cfg.moe.as_ref().map_or(0, |m| m.experts);
         let alpha = self.alpha.ok_or_else(|| {
             anyhow!(
                 "{}: the checkpoint args record no lora_alpha; pass --lora-alpha (the value \
@@ -254,7 +288,7 @@ impl MegatronLora {
         type Slot = (Canon, [Shards; 2], [bool; 2]);
         let mut found: BTreeMap<(Option<usize>, String), Slot> = BTreeMap::new();
         for f in &self.factors {
-            let weight = format!("{}.weight", f.module);
+            let weight = format!("{}.weight", self.global_module(f, experts));
             let canon = weights
                 .get(&(f.stage, f.chunk, weight.clone()))
                 .copied()
@@ -268,11 +302,17 @@ impl MegatronLora {
                         cfg.family.name
                     )
                 })?;
+            // each shard from the first file holding it (dense shards are on every
+            // expert-parallel rank, whole experts on several tensor-parallel ones)
+            let split = par.split_of(canon.role);
             let slot = found
                 .entry((canon.layer, format!("{:?}", canon.role)))
-                .or_insert_with(|| (canon, [vec![None; tp], vec![None; tp]], [false; 2]));
+                .or_insert_with(|| (canon, [vec![None; split], vec![None; split]], [false; 2]));
             let which = (f.kind == FactorKind::B) as usize;
-            slot.1[which][f.rank] = Some((f.stage, f.rank, f.key.clone(), f.tensor.clone()));
+            let shard = &mut slot.1[which][self.file_ranks(f.rank).0 .0 % split];
+            if shard.is_none() {
+                *shard = Some((f.stage, f.rank, f.key.clone(), f.tensor.clone()));
+            }
             slot.2[which] = f.transposed;
         }
         let rank_arg = arg_uint(&self.args, "lora_r")
@@ -297,6 +337,7 @@ impl MegatronLora {
                     a[0].2
                 );
             }
+            let tp = par.split_of(canon.role);
             let shard = shard_shape(cfg, canon.role, tp, 0);
             for (shards, want, t_) in [(&a, [r, shard[1]], a_t), (&b, [shard[0], r], b_t)] {
                 for (p, t, key, tensor) in shards {
@@ -365,16 +406,26 @@ impl MegatronLora {
 
     /// `mindkit lora info` text.
     pub(super) fn describe(&self) -> String {
-        let (pp, tp) = (self.files.len(), self.files[0].len());
+        let (pp, (tp, ep, etp, _)) = (self.files.len(), self.ranks);
         let mut out = format!(
-            "format: Megatron LoRA checkpoint ({})\nparallel: TP {tp}, PP {pp}{}\n",
+            "format: Megatron LoRA checkpoint ({})\nparallel: TP {tp}, PP {pp}{}{}\n",
             self.iter_dir.display(),
             if self.chunks > 1 {
                 format!(", VPP {}", self.chunks)
             } else {
                 String::new()
+            },
+            match (ep, etp != tp) {
+                (1, _) => String::new(),
+                (_, false) => format!(", EP {ep}"),
+                (_, true) => format!(", EP {ep} (whole experts)"),
             }
         );
+        let experts = arg_uint(&self.args, "num_experts")
+            .ok()
+            .flatten()
+            .unwrap_or(0);
+        let mut counted = BTreeSet::new();
         let ranks: BTreeSet<u64> = self
             .factors
             .iter()
@@ -398,19 +449,28 @@ impl MegatronLora {
                 .collect();
             out += &format!("lora_target_modules (args): {}\n", names.join(", "));
         }
-        let mut kinds: BTreeMap<&str, BTreeSet<(usize, usize, &str)>> = BTreeMap::new();
+        let mut kinds: BTreeMap<&str, BTreeSet<(usize, usize, String)>> = BTreeMap::new();
         let mut layers = BTreeSet::new();
         let mut params = 0u64;
         for f in &self.factors {
             let kind = f.module.rsplit('.').next().unwrap_or(&f.module);
+            let module = self.global_module(f, experts);
             kinds
                 .entry(kind)
                 .or_default()
-                .insert((f.stage, f.chunk, &f.module));
+                .insert((f.stage, f.chunk, module.clone()));
             layers.extend(layout::layer_index(&f.module).map(|l| (f.stage, f.chunk, l)));
-            // A replicated factor is counted once (on TP rank 0).
-            let split = (f.kind == FactorKind::A) == row_parallel_module(&f.module);
-            if split || f.rank == 0 {
+            // Each factor's shard is counted once: a replicated factor's once, a whole
+            // expert's once, a dense factor once over the expert-parallel files.
+            let whole = f.module.contains(".local_experts.") && etp != tp;
+            let split = (f.kind == FactorKind::A) == row_parallel_module(&f.module) && !whole;
+            let t = if split {
+                self.file_ranks(f.rank).0 .0
+            } else {
+                0
+            };
+            let key = (f.stage, f.chunk, module, f.kind == FactorKind::A);
+            if counted.insert((key, t)) {
                 params += f.tensor.shape.iter().product::<u64>();
             }
         }
