@@ -67,6 +67,19 @@ pub fn rank_grid(tp: usize, ep: usize, whole: bool) -> Vec<(usize, usize)> {
     }
 }
 
+/// The expert block file `(t, e)` holds of TP × EP files, and how many there are: block `e` of
+/// EP, or with MindSpeed-LLM's `--moe-tp-extend-ep` block `e·TP + t` of TP·EP
+/// ([`Parallel::expert_block`]).
+pub fn expert_block_of(
+    (tp, ep, tp_extend): (usize, usize, bool),
+    (t, e): (usize, usize),
+) -> (usize, usize) {
+    match tp_extend {
+        true => (e * tp + t, ep * tp),
+        false => (e, ep),
+    }
+}
+
 impl Parallel {
     /// A layout for `cfg`, checked: heads, groups, ffn divisible by TP; layers by PP × VPP, or
     /// `first`/`last` stage layer counts with the rest spread evenly (Megatron's
@@ -204,11 +217,8 @@ impl Parallel {
 
     /// The expert block a file of TP rank `t` and expert-parallel rank `e` holds, and how many
     /// blocks the experts make.
-    pub fn expert_block(&self, (t, e): (usize, usize)) -> (usize, usize) {
-        match self.tp_extend {
-            true => (e * self.tp + t, self.ep * self.tp),
-            false => (e, self.ep),
-        }
+    pub fn expert_block(&self, rank: (usize, usize)) -> (usize, usize) {
+        expert_block_of((self.tp, self.ep, self.tp_extend), rank)
     }
 
     /// How many expert blocks the files hold ([`Parallel::expert_block`]).

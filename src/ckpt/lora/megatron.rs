@@ -10,7 +10,7 @@ use crate::arch::roles::{canonical_shape, Canon};
 use crate::arch::ModelConfig;
 use crate::ckpt::config::{arg, arg_positive, arg_uint, positive};
 use crate::ckpt::grouped::{expert_view, GroupedLora};
-use crate::ckpt::layout::{self, chunk_entries, rank_grid, KeyLayout, Parallel};
+use crate::ckpt::layout::{self, chunk_entries, expert_block_of, rank_grid, KeyLayout, Parallel};
 use crate::ckpt::megatron::{
     chunks, flatten, is_legacy_chunk, is_lora_key, open_rank_files, RankFiles,
 };
@@ -162,8 +162,7 @@ impl MegatronLora {
         let experts = arg_uint(&self.args, "num_experts")
             .with_context(|| f.path().display().to_string())?
             .ok_or_else(|| anyhow!("{}: {key} without args.num_experts", f.path().display()))?;
-        let (tp, ep, _, tp_extend) = self.ranks;
-        let local = experts / if tp_extend { ep * tp } else { ep };
+        let local = experts / self.file_ranks(0).1 .1;
         let shard = (local > 0).then(|| g.shard(&tensor.shape, local)).flatten();
         let shard = shard.ok_or_else(|| {
             anyhow!(
@@ -223,12 +222,8 @@ impl MegatronLora {
     /// ([`Parallel::expert_block`]).
     fn file_ranks(&self, rank: usize) -> ((usize, usize), (usize, usize)) {
         let (tp, ep, etp, tp_extend) = self.ranks;
-        let (t, e) = rank_grid(tp, ep, etp != tp && !tp_extend)[rank];
-        let block = match tp_extend {
-            true => (e * tp + t, ep * tp),
-            false => (e, ep),
-        };
-        ((t, e), block)
+        let file = rank_grid(tp, ep, etp != tp && !tp_extend)[rank];
+        (file, expert_block_of((tp, ep, tp_extend), file))
     }
 
     /// The module a factor adapts, named as in one whole model: a routed expert's by its
