@@ -1733,11 +1733,15 @@ fn the_distributed_optimizer_trains_as_one_rank_does() {
             split("--world-size 4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce --ddp-bucket-size 5000"),
             vec!["mp_rank_00_000", "mp_rank_00_001"],
         ),
+        // bf16 unclipped: with clipping, the clip coefficient's last bits (the gradient norm's
+        // f64 sum over pieces, not parameters, as in megatron-core) move a few main parameters
+        // across a bf16 rounding boundary, and the two runs drift apart chaotically; the norm
+        // is still computed and logged, and compared here
         (
             "untied",
             args,
             Some("--bf16"),
-            vec!["--world-size", "2"],
+            vec!["--world-size", "2", "--clip-grad", "0"],
             vec!["mp_rank_00"],
         ),
         // a pipeline's tied embedding in a bucket of its own on the first and last stage; the
@@ -1793,20 +1797,14 @@ fn the_distributed_optimizer_trains_as_one_rank_does() {
         let flags: Vec<&str> = flags.into_iter().chain(precision).collect();
         let log = stdout(&run(&model(&data, &flags)).success());
         let what = format!("{name} {precision:?} {layout:?}");
-        // bf16: the gradient norm's f64 sums (over pieces with the distributed optimizer, over
-        // parameters without) round differently in their last bits; the clip coefficient then
-        // moves a few main parameters across a bf16 rounding boundary.
-        let tolerance = if precision.is_some() { 2e-3 } else { 1e-5 };
-        same_training(one_log, &log, tolerance, &what);
+        same_training(one_log, &log, 1e-5, &what);
         for rank in rank_dirs {
             let at = save.join("iter_0000020").join(rank);
             for file in ["model_optim_rng.pt", "distrib_optim.pt"] {
                 assert!(at.join(file).is_file(), "{what}: {rank}/{file}");
             }
         }
-        // bf16: a few weights one bf16 step (2⁻¹² at their size) apart, for the same reason.
-        let weights = if precision.is_some() { 1e-3 } else { 1e-5 };
-        same_hf_weights(dir.path(), &one_dir, &save, weights);
+        same_hf_weights(dir.path(), &one_dir, &save, 1e-5);
     }
     // As two processes, as threads; resumed bit for bit; the state needs the same optimizer.
     std::fs::create_dir(path("processes")).unwrap();
