@@ -3161,6 +3161,48 @@ fn grouped_experts_train_with_the_distributed_optimizer_as_without_and_resume_bi
     }
 }
 
+#[test]
+fn grouped_experts_under_transformer_engine_are_saved_as_te_grouped_mlp_and_resume_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let te = "--micro-batch-size 1 --global-batch-size 4 --transformer-impl transformer_engine";
+    let flags = |extra: &str| {
+        let all = format!("{te} {extra}");
+        moe_args(&data, &all.split_whitespace().collect::<Vec<_>>())
+    };
+    let (plain, whole, part) = (path("plain"), path("whole"), path("part"));
+    let ungrouped = stdout(&run(&flags(&format!("--save {plain}"))).success());
+    for (i, layout) in ["", "--world-size 2 --use-distributed-optimizer"]
+        .iter()
+        .enumerate()
+    {
+        let grouped = |extra: &str| flags(&format!("--moe-grouped-gemm {layout} {extra}"));
+        let (whole, part) = (format!("{whole}{i}"), format!("{part}{i}"));
+        let full = stdout(&run(&grouped(&format!("--save {whole}"))).success());
+        same_training(&ungrouped, &full, 1e-5, layout);
+        let file = |d: &str| Path::new(d).join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+        // TEGroupedMLP's names: one parameter per expert, no GroupedMLP weight1 / weight2
+        let keys = rank_file_shapes(&file(&whole));
+        let expert = "decoder.layers.1.mlp.experts.linear_fc1.weight3";
+        assert_eq!(keys.get(expert), Some(&vec![64, 64]), "{keys:?}");
+        assert!(!keys
+            .keys()
+            .any(|k| k.contains("local_experts") || k.contains("experts.weight")));
+        let (plain, whole) = (Path::new(&plain), Path::new(&whole));
+        same_hf_weights_as(dir.path(), (plain, whole), 1e-5, Some("qwen2_moe"));
+        run(&grouped(&format!("--save {part} --exit-interval 3"))).success();
+        let rest = stdout(&run(&grouped(&format!("--save {part} --load {part}"))).success());
+        assert_eq!(&iterations(&full)[3..], &iterations(&rest)[..], "{layout}");
+        for name in ["model_optim_rng.pt", "distrib_optim.pt"] {
+            let read = |d: &Path| std::fs::read(d.join("iter_0000006/mp_rank_00").join(name));
+            if let Ok(full) = read(whole) {
+                assert!(full == read(Path::new(&part)).unwrap(), "{layout}: {name}");
+            }
+        }
+    }
+}
+
 /// The tensors of a checkpoint's rank file, by flattened key, with their shapes.
 fn rank_file_shapes(file: &Path) -> std::collections::BTreeMap<String, Vec<u64>> {
     use mindkit::ckpt::torch::pickle::Value;

@@ -1,6 +1,7 @@
 //! `mindkit ckpt info`: what a checkpoint directory holds.
 
 use super::convert::{detect, open_hf, Format};
+use super::layout::KeyLayout;
 use super::megatron::MegatronCkpt;
 use crate::arch::family::Family;
 use crate::arch::moe::Moe;
@@ -109,7 +110,14 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                 "format:      Megatron torch ({})",
                 ck.iter_dir.display()
             );
-            let _ = writeln!(out, "layout:      {}", ck.layout.name());
+            let experts = match (ck.grouped, ck.layout) {
+                (false, _) => "",
+                (true, KeyLayout::McoreTe) => {
+                    ", grouped experts (TEGroupedMLP linear_fc1.weight{i})"
+                }
+                (true, _) => ", grouped experts (GroupedMLP weight1 / weight2)",
+            };
+            let _ = writeln!(out, "layout:      {}{experts}", ck.layout.name());
             let p = &ck.par;
             let _ = writeln!(
                 out,

@@ -510,6 +510,63 @@ pub fn chunk_entries(
     out
 }
 
+/// A routed expert's per-expert key (`…mlp.experts.local_experts.{le}.linear_fc{n}.{rest}`)
+/// as `(the layer's experts module, n, le, rest)`; `None` for other keys.
+fn expert_key(key: &str) -> Option<(&str, u8, usize, &str)> {
+    let (stem, rest) = key.split_once(".mlp.experts.local_experts.")?;
+    let (le, rest) = rest.split_once(".linear_fc")?;
+    let (n, rest) = rest.split_once('.')?;
+    Some((stem, n.parse().ok()?, le.parse().ok()?, rest))
+}
+
+/// Whether `key` is a Transformer-Engine grouped expert weight (`…mlp.experts.linear_fc1.weight0`).
+pub fn is_te_grouped_key(key: &str) -> bool {
+    key.split_once(".mlp.experts.linear_fc")
+        .and_then(|(_, rest)| rest.split_once(".weight"))
+        .is_some_and(|(_, le)| !le.is_empty() && le.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// A chunk's entries ([`chunk_entries`], Transformer-Engine layout) with the routed experts
+/// as megatron-core's `TEGroupedMLP` stores them (`--moe-grouped-gemm` with the TE spec,
+/// megatron/core/transformer/moe/experts.py): each layer's experts' linear_fc1 then linear_fc2,
+/// one `TEGroupedLinear` each whose weights are `weight{le}` (the local expert's shard, as
+/// `local_experts.{le}` holds it) followed by one `_extra_state`
+/// (megatron/core/extensions/transformer_engine.py `TEGroupedLinear`: a torch checkpoint keeps
+/// one, merged over the GEMMs).
+pub fn te_grouped_entries(entries: Vec<ChunkEntry>) -> Vec<ChunkEntry> {
+    let mut out: Vec<ChunkEntry> = Vec::with_capacity(entries.len());
+    // the current layer's experts: (module, its fc1 weights, its fc2 weights)
+    let mut pending: Option<(String, [Vec<ChunkEntry>; 2])> = None;
+    let flush = |pending: &mut Option<(String, [Vec<ChunkEntry>; 2])>, out: &mut Vec<_>| {
+        if let Some((stem, fcs)) = pending.take() {
+            for (n, weights) in (1..).zip(fcs) {
+                out.extend(weights);
+                let extra = format!("{stem}.mlp.experts.linear_fc{n}._extra_state");
+                out.push((vec![extra], None));
+            }
+        }
+    };
+    for (path, canon) in entries {
+        let key = flat_key(&path);
+        let Some((stem, n, le, rest)) = expert_key(&key).filter(|&(_, n, ..)| n == 1 || n == 2)
+        else {
+            flush(&mut pending, &mut out);
+            out.push((path, canon));
+            continue;
+        };
+        if pending.as_ref().is_some_and(|(s, _)| s != stem) {
+            flush(&mut pending, &mut out);
+        }
+        let (_, fcs) = pending.get_or_insert_with(|| (stem.to_string(), Default::default()));
+        if let Some(suffix) = rest.strip_prefix("weight") {
+            let te = format!("{stem}.mlp.experts.linear_fc{n}.weight{le}{suffix}");
+            fcs[usize::from(n) - 1].push((vec![te], canon));
+        }
+    }
+    flush(&mut pending, &mut out);
+    out
+}
+
 /// Flattened key (`.`-joined path), as keys read back from a file are matched.
 pub fn flat_key(path: &[String]) -> String {
     path.join(".")
@@ -547,6 +604,22 @@ mod tests {
         (0..pp)
             .map(|p| (0..vpp).map(|v| par.chunk_layers(p, v)).collect())
             .collect()
+    }
+
+    #[test]
+    fn te_grouped_keys_are_told_from_their_neighbours() {
+        let key = |s: &str| format!("decoder.layers.3.mlp.experts.{s}");
+        for (k, te) in [
+            ("linear_fc1.weight0", true),
+            ("linear_fc2.weight12", true),
+            ("linear_fc1.weight", false),
+            ("linear_fc1._extra_state", false),
+            ("weight1", false),
+            ("local_experts.1.linear_fc1.weight", false),
+            ("linear_fc1.weight1_lora_a", false),
+        ] {
+            assert_eq!(is_te_grouped_key(&key(k)), te, "{k}");
+        }
     }
 
     #[test]

@@ -147,7 +147,7 @@ pub const FLAGS: &[Flag] = &[
     used("router-gating-in-fp32", Nothing, "MindSpeed-LLM: --moe-router-dtype fp32"),
     used("moe-tp-extend-ep", Nothing, "MindSpeed-LLM: experts whole, spread over the TP × EP ranks instead of split over TP (the same layer at TP 1)"),
     used("gemm-gradient-accumulation-fusion", Nothing, "MindSpeed: grouped experts' weight gradients add into the f32 main gradients unrounded under --bf16 (otherwise each micro-batch's are rounded to bf16, as the grouped matmul's bf16 gradients are)"),
-    used("moe-grouped-gemm", Nothing, "MindSpeed-LLM's GroupedMLP: the same experts' math, saved as mlp.experts.weight1 / weight2 (one optimizer parameter each)"),
+    used("moe-grouped-gemm", Nothing, "MindSpeed-LLM's GroupedMLP, or megatron-core's TEGroupedMLP with --transformer-impl transformer_engine: the same experts' math, saved as mlp.experts.weight1 / weight2 (one optimizer parameter each), or as mlp.experts.linear_fc1.weight{i} (one per expert)"),
     used("moe-router-enable-expert-bias", Nothing, "aux-loss-free balancing: an expert bias [E] (f32, saved as mlp.router.expert_bias) added to the sigmoid scores for the choice of experts, moved after each step towards the experts that got fewer tokens"),
     used("moe-router-bias-update-rate", One, "how far the expert bias moves per step (default 1e-3)"),
     used("moe-expert-capacity-factor", One, "token dropping: each expert takes at most ceil(T·k/E · factor) of a router call's T tokens (negative: dropless)"),

@@ -352,6 +352,7 @@ impl<B: Backend> Trainer<B> {
             stage: &self.stage,
             stages: &c.stages,
             grouped: c.grouped_experts,
+            te_grouped: c.te_grouped_experts,
         })
     }
 

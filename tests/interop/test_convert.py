@@ -223,6 +223,48 @@ def test_grouped_experts_are_mindspeeds_weight1_and_weight2(mindkit, tmp_path, f
     assert_hf_equal(MODELS / family, tmp_path / "h")
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_te_grouped_experts_are_te_grouped_mlps_weights(mindkit, tmp_path, family):
+    """`convert --moe-grouped-gemm --layout mcore-te` at TP 2 × EP 2 writes each MoE layer's
+    experts as megatron-core's TEGroupedMLP holds them in a torch checkpoint (two
+    TEGroupedLinear modules: `linear_fc1.weight{i}` for each local expert, then one
+    `_extra_state`; then linear_fc2's, megatron/core/extensions/transformer_engine.py), each
+    weight the local expert's shard that SequentialMLP's `local_experts.{i}` holds (MindSpeed-LLM's
+    convert_hf2mg.py `get_te_weight`), the rest of the file as the TE layout without grouping."""
+    import re
+    common = ("--to", "megatron", "--input", MODELS / family, "--tp", 2, "--ep", 2,
+              "--layout", "mcore-te")
+    mindkit("convert", *common, "--output", tmp_path / "s")
+    mindkit("convert", *common, "--moe-grouped-gemm", "--output", tmp_path / "g")
+    expert = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.linear_fc(\d)\.(.*)")
+    for seq_file, te_file in zip(rank_files(tmp_path / "s"), rank_files(tmp_path / "g")):
+        seq, te = load_pt(seq_file), load_pt(te_file)
+        assert te["args"].moe_grouped_gemm is True
+        want = {}
+        for k, v in seq["model"].items():
+            m = expert.fullmatch(k)
+            if not m:
+                want[k] = v
+                continue
+            stem, i, fc, rest = m.groups()
+            if rest == "weight":
+                want.setdefault(f"{stem}fc", {}).setdefault(fc, []).append((f"{stem}linear_fc{fc}.weight{i}", v))
+        # the experts module in TEGroupedMLP's order, where SequentialMLP's was
+        order = []
+        for k, v in want.items():
+            if isinstance(v, dict):
+                for fc in sorted(v):
+                    order += v[fc] + [(v[fc][0][0].rsplit(".", 1)[0] + "._extra_state", None)]
+            else:
+                order.append((k, v))
+        assert list(te["model"]) == [k for k, _ in order], te_file
+        for k, v in order:
+            got = te["model"][k]
+            assert (got is None and v is None) or torch.equal(got, v), k
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "g", "--output", tmp_path / "h")
+    assert_hf_equal(MODELS / family, tmp_path / "h")
+
+
 @pytest.mark.parametrize("family,layout", [
     ("qwen3_moe", ("--ep", 2)), ("mixtral", ("--ep", 2)),
     # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)

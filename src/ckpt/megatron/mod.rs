@@ -319,7 +319,8 @@ pub struct MegatronCkpt {
     pub padded_vocab: usize,
     /// LoRA tensors found next to the weights (set aside, not converted).
     pub lora_tensors: usize,
-    /// Whether the routed experts are stored as grouped tensors ([`super::grouped`]).
+    /// Whether the routed experts are stored as grouped tensors ([`super::grouped`]), or in
+    /// the Transformer-Engine layout as `TEGroupedMLP`'s ([`layout::te_grouped_entries`]).
     pub grouped: bool,
     /// Rank files, `[pp][m]` for the `(tp, ep)` pair `m` of [`Parallel::rank_files`].
     files: Vec<Vec<TorchFile>>,
@@ -563,7 +564,7 @@ impl MegatronCkpt {
                 let path = self.files[p][m].path().to_path_buf();
                 for (v, chunk) in per_chunk.iter_mut().enumerate() {
                     let layers = self.par.chunk_layers(p, v);
-                    let entries = chunk_entries(
+                    let mut entries = chunk_entries(
                         self.layout,
                         &self.cfg,
                         &layers,
@@ -571,6 +572,10 @@ impl MegatronCkpt {
                         pp,
                         self.par.expert_block((t, e)),
                     );
+                    if chunk.keys().any(|k| layout::is_te_grouped_key(k)) {
+                        entries = layout::te_grouped_entries(entries);
+                        self.grouped = true;
+                    }
                     let mut grouped_keys = Vec::new();
                     for (key, canon) in entries {
                         let key = layout::flat_key(&key);

@@ -28,8 +28,10 @@ pub struct MegatronTarget<'a> {
     pub divisible_by: usize,
     /// Source args to keep (Megatron → Megatron), else empty.
     pub base_args: &'a [(String, Value)],
-    /// Routed experts as MindSpeed-LLM's grouped tensors (`mlp.experts.weight1`/`weight2`,
-    /// [`crate::ckpt::grouped`]) instead of megatron-core's `local_experts.N`.
+    /// Routed experts grouped instead of megatron-core's `local_experts.N`: in the mcore
+    /// layout as MindSpeed-LLM's grouped tensors (`mlp.experts.weight1`/`weight2`,
+    /// [`crate::ckpt::grouped`]), in the TE layout as `TEGroupedMLP`'s `linear_fc1.weight{i}`
+    /// ([`layout::te_grouped_entries`]).
     pub grouped: bool,
 }
 
@@ -140,14 +142,18 @@ impl MegatronTarget<'_> {
         let blocks = self.par.expert_blocks();
         (0..vpp)
             .map(|v| {
-                chunk_entries(
+                let entries = chunk_entries(
                     self.layout,
                     self.cfg,
                     &self.par.chunk_layers(p, v),
                     (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
                     pp,
                     (block, blocks),
-                )
+                );
+                match self.grouped && self.layout == KeyLayout::McoreTe {
+                    true => layout::te_grouped_entries(entries),
+                    false => entries,
+                }
             })
             .collect()
     }
@@ -219,15 +225,10 @@ impl MegatronTarget<'_> {
         read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<()> {
-        if self.grouped && (self.cfg.moe.is_none() || self.layout != KeyLayout::Mcore) {
+        if self.grouped && self.cfg.moe.is_none() {
             bail!(
-                "--moe-grouped-gemm writes MindSpeed-LLM's grouped experts (mlp.experts.weight1 \
-                 and weight2) of a mixture of experts in the mcore layout{}",
-                if self.cfg.moe.is_none() {
-                    "; this model has no experts"
-                } else {
-                    "; pass --layout mcore"
-                }
+                "--moe-grouped-gemm writes the routed experts of a mixture of experts grouped; \
+                 this model has no experts"
             );
         }
         if self.layout == KeyLayout::Legacy && (self.cfg.qk_norm || self.cfg.moe.is_some()) {

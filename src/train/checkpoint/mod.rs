@@ -143,6 +143,8 @@ pub struct Snapshot<'a> {
     pub stages: &'a [usize],
     /// Routed experts saved as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
     pub grouped: bool,
+    /// Routed experts saved as TEGroupedMLP's (`--moe-grouped-gemm`, Transformer Engine).
+    pub te_grouped: bool,
 }
 
 /// How the checkpoint stores a parameter group's members: one unit per parameter, except that

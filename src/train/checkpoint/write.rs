@@ -5,7 +5,7 @@ use super::{iteration_dir, pack_unit, param_groups, rank_dir_of, stored_units};
 use super::{DistributedState, GroupHyper, OptimizerState, Snapshot, DISTRIBUTED_FILE, SAVE_DIR};
 use crate::ckpt::config::{megatron_args, ParallelArgs};
 use crate::ckpt::grouped::grouped_key;
-use crate::ckpt::layout::{chunk_entries, Parallel};
+use crate::ckpt::layout::{chunk_entries, te_grouped_entries, Parallel};
 use crate::ckpt::megatron::{RANK_FILE, TRACKER};
 use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
 use crate::ckpt::torch::save::PtWriter;
@@ -442,7 +442,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             ep: snap.file_ep().1,
             etp: snap.etp,
             tp_extend: snap.tp_extend,
-            grouped: snap.grouped,
+            grouped: snap.grouped || snap.te_grouped,
         },
         &snap.args,
     );
@@ -455,7 +455,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     let base_saved = snap.saved.iter().any(|&s| s);
     let mut models = Vec::with_capacity(vpp);
     for (v, layers) in stage.chunks.iter().enumerate() {
-        let entries = chunk_entries(
+        let mut entries = chunk_entries(
             snap.layout,
             snap.cfg,
             &layers.clone().collect::<Vec<_>>(),
@@ -463,6 +463,9 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             stage.count,
             snap.ep,
         );
+        if snap.te_grouped {
+            entries = te_grouped_entries(entries);
+        }
         let mut model = Vec::new();
         // With grouped experts, each layer's local experts' fc1 (fc2) weights go into one
         // tensor under the grouped key, in expert order.

@@ -107,6 +107,10 @@ pub struct TrainConfig {
     /// (`mlp.experts.weight1`/`weight2`, one optimizer parameter each), as its GroupedMLP
     /// holds them; the math is the experts' own either way.
     pub grouped_experts: bool,
+    /// `--moe-grouped-gemm` with `--transformer-impl transformer_engine`: the routed experts
+    /// saved as megatron-core's TEGroupedMLP holds them (`mlp.experts.linear_fc1.weight{i}`,
+    /// a parameter per expert, `crate::ckpt::layout::te_grouped_entries`).
+    pub te_grouped_experts: bool,
     /// MindSpeed's `--gemm-gradient-accumulation-fusion`: grouped experts' weight gradients add
     /// into the f32 main gradients unrounded (as `gradient_accumulation_fusion` does for the
     /// linear layers).
@@ -616,18 +620,19 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         }
         _ => Start::Scratch,
     };
+    let key_layout = match a.get("transformer-impl").unwrap_or("local") {
+        "local" => KeyLayout::Mcore,
+        "transformer_engine" if architecture::spec_is_local_only(a) => KeyLayout::Mcore,
+        "transformer_engine" => KeyLayout::McoreTe,
+        other => bail!("--transformer-impl {other}: expected local or transformer_engine"),
+    };
     let save = match a.get("save") {
         None => None,
         Some(dir) => Some(SaveConfig {
             dir: PathBuf::from(dir),
             interval: positive(a, "save-interval")?.map(|n| n as u64),
             no_optim: a.has("no-save-optim"),
-            layout: match a.get("transformer-impl").unwrap_or("local") {
-                "local" => KeyLayout::Mcore,
-                "transformer_engine" if architecture::spec_is_local_only(a) => KeyLayout::Mcore,
-                "transformer_engine" => KeyLayout::McoreTe,
-                other => bail!("--transformer-impl {other}: expected local or transformer_engine"),
-            },
+            layout: key_layout,
         }),
     };
     let clip_grad = non_negative(a, "clip-grad")?.unwrap_or(1.0);
@@ -655,7 +660,11 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     } else {
         LossAveraging::PerMicroBatch
     };
-    let grouped_experts = model.moe.is_some() && a.has("moe-grouped-gemm");
+    // --moe-grouped-gemm: MindSpeed-LLM's GroupedMLP with the local spec, megatron-core's
+    // TEGroupedMLP with Transformer Engine's (gpt_layer_specs.py `get_moe_module_spec`)
+    let grouped_gemm = model.moe.is_some() && a.has("moe-grouped-gemm");
+    let te_grouped_experts = grouped_gemm && key_layout == KeyLayout::McoreTe;
+    let grouped_experts = grouped_gemm && !te_grouped_experts;
     let router_f32 = moe::router_f32(a, &model, bf16)?;
     let capacity = moe::capacity(a)?.filter(|_| model.moe.is_some());
     let aux_losses = moe::aux_losses(
@@ -676,6 +685,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         dropout,
         aux_losses,
         grouped_experts,
+        te_grouped_experts,
         router_f32,
         capacity,
         expert_bias_rate: moe::bias_update_rate(a)?,
