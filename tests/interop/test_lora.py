@@ -36,6 +36,13 @@ def max_diff(a, b):
                    rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 7}), False),
     ("mistral", dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|down_proj)"), True),
     ("qwen3", dict(r=4, lora_alpha=8, target_modules=LINEAR), True),
+    # mixtures of experts: every expert's linears, the router (`gate`), the shared expert and
+    # its gate
+    ("qwen3_moe", dict(r=4, lora_alpha=8, target_modules=LINEAR + ["gate"]), True),
+    ("mixtral", dict(r=2, lora_alpha=4, target_modules=["q_proj", "w1", "w2", "w3", "gate"]), True),
+    ("qwen2_moe", dict(r=4, lora_alpha=8, target_modules=LINEAR + ["gate", "shared_expert_gate"]),
+     True),
+    ("glm4_moe", dict(r=4, lora_alpha=8, target_modules=LINEAR), True),
 ])
 def test_merge_equals_peft(mindkit, tmp_path, family, kw, safe):
     torch.manual_seed(7)
@@ -49,6 +56,13 @@ def test_merge_equals_peft(mindkit, tmp_path, family, kw, safe):
     mindkit("lora", "merge", "--base", MODELS / family, "--adapter", tmp_path / "adapter",
             "--output", tmp_path / "out")
     assert max_diff(hf_state(tmp_path / "out"), want) <= 1e-6
+    if "moe" in family or family == "mixtral":
+        # merged straight into an expert-parallel Megatron checkpoint, grouped experts
+        mindkit("lora", "merge", "--base", MODELS / family, "--adapter", tmp_path / "adapter",
+                "--output", tmp_path / "meg", "--to", "megatron", "--tp", 2, "--ep", 2,
+                "--moe-grouped-gemm")
+        mindkit("convert", "--to", "hf", "--input", tmp_path / "meg", "--output", tmp_path / "back")
+        assert max_diff(hf_state(tmp_path / "back"), want) <= 1e-6
 
 
 def peft_megatron(tmp_path, mindkit, family):
