@@ -3203,6 +3203,83 @@ fn grouped_experts_under_transformer_engine_are_saved_as_te_grouped_mlp_and_resu
     }
 }
 
+#[test]
+fn qk_norms_over_all_heads_train_save_resume_and_refuse_what_would_split_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    // MindSpeed-LLM's MiniMax script: its spec, q/k norms, and MLA ranks nothing reads
+    let minimax = "--spec mindspeed_llm.tasks.models.spec.minimax_spec layer_spec --qk-layernorm \
+                   --q-lora-rank 16 --kv-lora-rank 8";
+    let (whole, part) = (path("whole"), path("part"));
+    let one = stdout(&moe_train(&data, &format!("{minimax} --save {whole}")).success());
+    let per_head = "--qk-layernorm --spec mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec";
+    let heads = stdout(&moe_train(&data, per_head).success());
+    assert_ne!(field(&one, "lm loss")[1..], field(&heads, "lm loss")[1..]);
+    let file = Path::new(&whole).join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+    let shapes = rank_file_shapes(&file);
+    let norm =
+        |n: &str| shapes[&format!("decoder.layers.0.self_attention.{n}_layernorm.weight")].clone();
+    // 4 heads and 2 query groups of 16 dimensions
+    assert_eq!((norm("q"), norm("k")), (vec![64], vec![32]));
+    let stages = stdout(
+        &moe_train(
+            &data,
+            &format!("{minimax} --pipeline-model-parallel-size 2"),
+        )
+        .success(),
+    );
+    same_training(&one, &stages, 1e-5, "PP 2");
+    moe_train(&data, &format!("{minimax} --save {part} --exit-interval 3")).success();
+    let rest =
+        stdout(&moe_train(&data, &format!("{minimax} --save {part} --load {part}")).success());
+    assert_eq!(&iterations(&one)[3..], &iterations(&rest)[..]);
+    let info = |d: &str| -> String {
+        let out = common::mindkit(&[&"ckpt", &"info", &d]).success();
+        String::from_utf8_lossy(&out.get_output().stdout).into_owned()
+    };
+    assert!(
+        info(&whole).contains("q/k layernorm true (over all heads"),
+        "{}",
+        info(&whole)
+    );
+    let err = stderr(
+        &moe_train(
+            &data,
+            &format!("{minimax} --tensor-model-parallel-size 2 --sequence-parallel"),
+        )
+        .failure(),
+    );
+    assert!(err.contains("span all attention heads"), "{err}");
+    let hf = common::mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &whole,
+        &"--output",
+        &path("hf"),
+    ]);
+    let err = String::from_utf8_lossy(&hf.failure().get_output().stderr).into_owned();
+    assert!(err.contains("no family of transformers 4.57"), "{err}");
+    let tp = common::mindkit(&[
+        &"convert",
+        &"--to",
+        &"megatron",
+        &"--input",
+        &whole,
+        &"--output",
+        &path("tp"),
+        &"--tp",
+        &"2",
+    ]);
+    let err = String::from_utf8_lossy(&tp.failure().get_output().stderr).into_owned();
+    assert!(err.contains("span all attention heads"), "{err}");
+    // a --load checkpoint's norms as its args say, whatever the flags
+    let err = stderr(&moe_train(&data, &format!("{per_head} --load {whole} --finetune")).failure());
+    assert!(err.contains("over all heads"), "{err}");
+}
+
 /// The tensors of a checkpoint's rank file, by flattened key, with their shapes.
 fn rank_file_shapes(file: &Path) -> std::collections::BTreeMap<String, Vec<u64>> {
     use mindkit::ckpt::torch::pickle::Value;

@@ -49,6 +49,12 @@ pub struct ModelConfig {
     /// Per-head RMSNorms of the queries and keys before RoPE (Qwen3; Megatron's
     /// `--qk-layernorm`).
     pub qk_norm: bool,
+    /// The q/k norms span all of a token's heads, γ `[heads·head_dim]` and `[groups·head_dim]`,
+    /// instead of each head (MindSpeed-LLM's MiniMax spec, mindspeed_llm/tasks/models/
+    /// transformer/minimax_attention.py `MinimaxAttention`; MiniMax-M2's `qk_norm_type:
+    /// per_layer`). Tensor parallelism would cut these norms' sums: refused, as MindSpeed-LLM
+    /// refuses it.
+    pub qk_norm_per_layer: bool,
     /// The experts of a mixture-of-experts model; `None` for a dense one.
     pub moe: Option<moe::Moe>,
     /// Element type of the weights.

@@ -163,6 +163,8 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
     match role {
         Role::Embedding | Role::Output => vec![cfg.vocab, cfg.hidden],
         Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::ProjBias => vec![cfg.hidden],
+        Role::QNorm if cfg.qk_norm_per_layer => vec![cfg.heads * cfg.head_dim],
+        Role::KNorm if cfg.qk_norm_per_layer => vec![cfg.groups * cfg.head_dim],
         Role::QNorm | Role::KNorm => vec![cfg.head_dim],
         Role::Qkv => vec![qkv_rows, cfg.hidden],
         Role::QkvBias => vec![qkv_rows],

@@ -34,11 +34,16 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "embeddings:  {}; qkv bias {}; output bias {}; q/k layernorm {}",
+        "embeddings:  {}; qkv bias {}; output bias {}; q/k layernorm {}{}",
         if cfg.tied { "tied" } else { "untied" },
         cfg.qkv_bias,
         cfg.proj_bias,
-        cfg.qk_norm
+        cfg.qk_norm,
+        if cfg.qk_norm_per_layer {
+            " (over all heads: MindSpeed-LLM's MiniMax spec)"
+        } else {
+            ""
+        }
     );
     if let Some(m) = &cfg.moe {
         experts(cfg, m, out);

@@ -29,6 +29,11 @@ impl KeyLayout {
     }
 }
 
+/// Why a model whose q/k norms span all heads has no tensor-parallel layout.
+pub const PER_LAYER_NORMS_UNDER_TP: &str = "this model's q/k norms span all attention heads \
+    (MindSpeed-LLM's MiniMax spec), which tensor parallelism would split; MindSpeed-LLM refuses \
+    TP > 1 for it (mindspeed_llm/tasks/models/spec/minimax_spec.py)";
+
 /// How layers are spread over TP × PP (× virtual chunks).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parallel {
@@ -93,6 +98,9 @@ impl Parallel {
     ) -> Result<Self> {
         if tp == 0 || pp == 0 || vpp == 0 {
             bail!("--tp, --pp and --vpp must be at least 1");
+        }
+        if cfg.qk_norm_per_layer && tp > 1 {
+            bail!("--tp {tp}: {PER_LAYER_NORMS_UNDER_TP}");
         }
         let mut split = vec![
             ("num_attention_heads", cfg.heads),

@@ -120,8 +120,10 @@ pub const FLAGS: &[Flag] = &[
     used("model-type-hf", One, "MindSpeed-LLM: the family of an HF --load directory"),
     used("enable-hf2mg-convert", Nothing, "MindSpeed-LLM: --load may be an HF directory (always true here)"),
     refused("apply-layernorm-1p", Nothing, "zero-centred norm weights are not implemented"),
-    used("qk-layernorm", Nothing, "RMSNorm of each query and key head before RoPE (Qwen3)"),
-    used("spec", List, "MindSpeed-LLM's layer spec module and function: mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec (the local spec; q/k norms with --qk-layernorm)"),
+    used("qk-layernorm", Nothing, "RMSNorm of each query and key head before RoPE (Qwen3); of all heads at once with the MiniMax spec"),
+    used("spec", List, "MindSpeed-LLM's layer spec module and function: mindspeed_llm.tasks.models.spec.qwen3_spec or bailing_spec layer_spec (the local spec; q/k norms with --qk-layernorm), minimax_spec layer_spec (the same, each q/k norm over all heads; TP 1)"),
+    inert("q-lora-rank", One, "multi-latent attention's query rank: nothing reads it without --multi-latent-attention (MindSpeed-LLM's MiniMax script passes it so)"),
+    inert("kv-lora-rank", One, "multi-latent attention's key/value rank: nothing reads it without --multi-latent-attention"),
     // Mixture of experts (megatron-core 0.15; MindSpeed-LLM's where named).
     used("num-experts", One, "routed experts per MoE layer (megatron-core's MoELayer: router, SequentialMLP experts, shared experts)"),
     used("moe-router-topk", One, "experts per token (default 2)"),

@@ -122,6 +122,9 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm",
                                         qk_layernorm=getattr(a, "qk_layernorm", False))
+    if list(getattr(a, "spec", None) or []) == MINIMAX_SPEC:
+        for layer in getattr(spec, "layer_specs", [spec]):
+            layer.submodules.self_attention.module = minimax_attention()
     return GPTModel(
         config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=spec,
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
@@ -129,6 +132,42 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
         rotary_percent=getattr(a, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
         rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0, vp_stage=vp_stage)
+
+
+MINIMAX_SPEC = ["mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec"]
+
+
+def minimax_attention():
+    """A port of MindSpeed-LLM's MinimaxAttention (mindspeed_llm/tasks/models/transformer/
+    minimax_attention.py, which needs torch_npu and megatron.training to import): megatron-core's
+    SelfAttention whose q and k layernorms each normalise all of a token's heads at once, γ over
+    heads · head_dim (query groups · head_dim for k), applied before RoPE."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.spec_utils import build_module
+
+    class MinimaxAttention(SelfAttention):
+        def __init__(self, config, submodules, layer_number, attn_mask_type, **kw):
+            super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                             attn_mask_type=attn_mask_type, **kw)
+            for name, n in (("q_layernorm", config.num_attention_heads),
+                            ("k_layernorm", config.num_query_groups)):
+                setattr(self, name, build_module(getattr(submodules, name),
+                                                 hidden_size=config.kv_channels * n, config=config,
+                                                 eps=config.layernorm_epsilon))
+
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None, *a, **k):
+            mixed, _ = self.linear_qkv(hidden_states)
+            groups = self.num_query_groups_per_partition
+            per_group = self.num_attention_heads_per_partition // groups
+            d = self.hidden_size_per_attention_head
+            mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 2) * d)
+            q, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
+            s, b = q.shape[:2]
+            q = self.q_layernorm(q.reshape(s, b, 1, -1)).reshape(s, b, -1, d)
+            key = self.k_layernorm(key.reshape(s, b, 1, -1)).reshape(s, b, -1, d)
+            return q, key, value
+
+    return MinimaxAttention
 
 
 def logits(model, ids, vocab):

@@ -271,6 +271,43 @@ def test_moe_training_matches_megatron_core(tmp_path, mindkit, per_token, capaci
     assert_megatron_core_resumes(tmp_path / "ckpt", reference, iterations=ITERS, gbs=8)
 
 
+def test_qk_norms_over_all_heads_train_as_mindspeeds_minimax_attention(tmp_path, mindkit):
+    """MindSpeed-LLM's MiniMax spec (`--spec ...minimax_spec layer_spec --qk-layernorm`): the
+    tiny Qwen3-MoE with its q/k norms widened to all heads (γ [heads · head_dim], seeded) trains
+    as megatron-core's GPTModel with a port of MindSpeed-LLM's MinimaxAttention: lm loss, grad
+    norm, lr and the MoE losses to 1e-5 over 20 iterations, weights to 1e-4; megatron-core loads
+    the saved checkpoint (args.spec recorded)."""
+    from megatron_cpu import MINIMAX_SPEC, gpt_model, load_pt
+    model_dir = make_qwen3_moe(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
+    path = next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt"))
+    start = load_pt(path)
+    a = start["args"]
+    a.spec = MINIMAX_SPEC
+    torch.manual_seed(9)
+    for k in list(start["model"]):
+        for norm, n in (("q_layernorm", a.num_attention_heads), ("k_layernorm", a.num_query_groups)):
+            if k.endswith(f"self_attention.{norm}.weight"):
+                start["model"][k] = torch.empty(n * a.kv_channels).uniform_(0.5, 1.5)
+    torch.save(start, path)
+    flags = ["--spec", *MINIMAX_SPEC, "--finetune", "--tokenizer-name-or-path", model_dir]
+    mindkit_train(tmp_path / "start", data, tmp_path, MOE_FLAGS + flags)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss"))
+    gpt = gpt_model(a, moe_losses=dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001))
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        str(model_dir), data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, per_token=False, model=train_reference.Mcore(gpt), moe_layers=2)
+    same_as_megatron_core(got, history, reference, tmp_path)
+    saved = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
+    assert list(saved["args"].spec) == MINIMAX_SPEC
+    assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
+
+
 def test_partial_rotary_embedding_trains_as_megatron_core(tmp_path, mindkit):
     """--rotary-percent 0.5 (Ling-V2's and GLM-4.5's RoPE on half of each head's dimensions,
     the rest passed through): `mindkit train` and megatron-core's own GPTModel with

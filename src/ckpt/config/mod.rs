@@ -355,6 +355,7 @@ impl ModelConfig {
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: out_bias,
             qk_norm,
+            qk_norm_per_layer: false,
             moe: moe::moe_from_hf(cfg, family, layers)?,
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
@@ -423,6 +424,14 @@ impl ModelConfig {
     /// experts read from Megatron args may route or share experts in a way the family cannot
     /// say).
     pub fn check_hf(&self) -> Result<()> {
+        if self.qk_norm_per_layer {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its q/k norms span all \
+                 heads (MindSpeed-LLM's MiniMax spec), which no family of transformers 4.57 \
+                 builds (MiniMax-M2's minimax_m2 came later); keep it in Megatron format",
+                self.family.name
+            );
+        }
         if self.rotary_dim != self.head_dim && !self.family.partial_rotary {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its attention rotates \
@@ -515,6 +524,23 @@ fn arg_count(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>>
         .transpose()
 }
 
+/// MindSpeed-LLM's MiniMax layer spec (`--spec MODULE FUNCTION`, saved as `args.spec`): its
+/// attention's q/k norms span all heads ([`ModelConfig::qk_norm_per_layer`]).
+pub const MINIMAX_SPEC: [&str; 2] = ["mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec"];
+
+/// Whether `args.spec` is MindSpeed-LLM's MiniMax spec.
+fn is_minimax_spec(args: &[(String, Value)]) -> bool {
+    matches!(arg(args, "spec"), Some(Value::List(s))
+        if s.len() == 2 && s.iter().zip(MINIMAX_SPEC).all(|(v, m)| matches!(v, Value::Str(v) if v == m)))
+}
+
+/// `args.spec` for a model whose layer spec it records (MindSpeed-LLM's MiniMax spec), else
+/// `None`.
+pub fn spec_arg(cfg: &ModelConfig) -> Option<Value> {
+    let spec = MINIMAX_SPEC.map(|s| Value::Str(s.into()));
+    cfg.qk_norm_per_layer.then(|| Value::List(spec.into()))
+}
+
 fn arg_bool(args: &[(String, Value)], name: &str) -> FieldResult<Option<bool>> {
     arg_field(args, name, "True or False", |v| match v {
         Value::Bool(b) => Some(*b),
@@ -601,6 +627,7 @@ impl ModelConfig {
             _ => None,
         })?;
         let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
+        let qk_norm_per_layer = qk_norm && is_minimax_spec(args);
         if let Some(text) = carried {
             let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
             let hf: Json =
@@ -608,6 +635,7 @@ impl ModelConfig {
             let mut cfg = ModelConfig::from_hf(&hf, family).with_context(|| what)?;
             check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
+            cfg.qk_norm_per_layer = qk_norm_per_layer;
             return Ok(cfg);
         }
         let need = |n: &str| {
@@ -660,6 +688,7 @@ impl ModelConfig {
             qkv_bias,
             proj_bias: add_bias,
             qk_norm,
+            qk_norm_per_layer,
             moe,
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
@@ -841,6 +870,9 @@ pub fn megatron_args(
     }
     if let Some(hf) = &cfg.hf_config {
         set.push((HF_CONFIG_ARG, Value::Str(hf.to_string())));
+    }
+    if let Some(spec) = spec_arg(cfg) {
+        set.push(("spec", spec));
     }
     // What mindkit writes never holds LoRA modules: a source's lora_* settings would be stale.
     let mut out: Vec<(String, Value)> = base

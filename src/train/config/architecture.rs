@@ -3,6 +3,7 @@
 
 use super::{fraction, positive, positive_float};
 use crate::arch::ModelConfig;
+use crate::ckpt::config::MINIMAX_SPEC;
 use crate::ckpt::convert::Input;
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
@@ -124,6 +125,10 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
     if let Some(t) = a.get("rope-scaling-type") {
         out.push(("rope_scaling_type".into(), Value::Str(t.to_string())));
     }
+    if let Some(spec) = a.list("spec") {
+        let spec = spec.iter().map(|s| Value::Str(s.clone())).collect();
+        out.push(("spec".into(), Value::List(spec)));
+    }
     out.extend(super::moe::moe_args(a)?);
     Ok(out)
 }
@@ -180,6 +185,7 @@ pub(super) fn dropout_rates(
 const SPECS: &[(&str, &str)] = &[
     ("mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"),
     BAILING_SPEC,
+    (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
 ];
 
 /// MindSpeed-LLM's Ling (Bailing) spec: the local spec whatever `--transformer-impl` says.
@@ -188,15 +194,19 @@ const BAILING_SPEC: (&str, &str) = ("mindspeed_llm.tasks.models.spec.bailing_spe
 /// Whether `--spec` names a spec that builds megatron-core's local modules (and so local
 /// checkpoint names) even with `--transformer-impl transformer_engine`.
 pub(super) fn spec_is_local_only(a: &Args) -> bool {
-    a.list("spec")
-        .is_some_and(|s| s == [BAILING_SPEC.0.to_string(), BAILING_SPEC.1.to_string()])
+    a.list("spec").is_some_and(|s| {
+        [BAILING_SPEC, (MINIMAX_SPEC[0], MINIMAX_SPEC[1])]
+            .iter()
+            .any(|(m, f)| s == [m.to_string(), f.to_string()])
+    })
 }
 
 /// `--spec MODULE FUNCTION` (Megatron's custom layer spec): accepted where it builds what
-/// mindkit builds — MindSpeed-LLM's qwen3 and bailing specs: the local spec (TE's with qwen3's
-/// under `--transformer-impl transformer_engine`), with q/k norms as `--qk-layernorm` says and
-/// the MoE layer of `--num-experts` (mindspeed_llm/tasks/models/spec/qwen3_spec.py,
-/// bailing_spec.py) —, refused otherwise.
+/// mindkit builds — MindSpeed-LLM's qwen3, bailing and minimax specs: the local spec (TE's with
+/// qwen3's under `--transformer-impl transformer_engine`), with q/k norms as `--qk-layernorm`
+/// says (minimax's over all heads, `MinimaxAttention`) and the MoE layer of `--num-experts`
+/// (mindspeed_llm/tasks/models/spec/qwen3_spec.py, bailing_spec.py, minimax_spec.py) —,
+/// refused otherwise.
 fn check_spec(a: &Args) -> Result<()> {
     let Some(spec) = a.list("spec") else {
         return Ok(());
@@ -292,6 +302,18 @@ pub(super) fn model_config(
             "--qk-layernorm is {}given, but the --load checkpoint {} q/k layernorms",
             if cfg.qk_norm { "not " } else { "" },
             if cfg.qk_norm { "has" } else { "has no" }
+        );
+    }
+    let minimax = a.list("spec").is_some_and(|s| s == MINIMAX_SPEC);
+    if a.has("qk-layernorm") && minimax != cfg.qk_norm_per_layer {
+        bail!(
+            "--spec {}: the --load checkpoint's q/k layernorms are {}",
+            a.list("spec").map_or("(none)".into(), |s| s.join(" ")),
+            if cfg.qk_norm_per_layer {
+                "MindSpeed-LLM's MiniMax spec's, over all heads (its args.spec)"
+            } else {
+                "per head (no MiniMax args.spec)"
+            }
         );
     }
     Ok(cfg)

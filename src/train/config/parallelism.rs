@@ -3,6 +3,7 @@
 
 use super::positive;
 use crate::arch::ModelConfig;
+use crate::ckpt::layout::PER_LAYER_NORMS_UNDER_TP;
 use crate::train::args::Args;
 use anyhow::{bail, Context, Result};
 
@@ -116,6 +117,9 @@ pub(super) fn check_tensor_parallel(
         return Ok(());
     }
     let flag = "--tensor-model-parallel-size";
+    if model.qk_norm_per_layer {
+        bail!("{flag} {tp}: {PER_LAYER_NORMS_UNDER_TP}");
+    }
     for (what, n) in [
         ("--num-attention-heads", model.heads),
         ("--num-query-groups", model.groups),
