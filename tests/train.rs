@@ -3230,6 +3230,10 @@ fn qk_norms_over_all_heads_train_save_resume_and_refuse_what_would_split_them() 
         .success(),
     );
     same_training(&one, &stages, 1e-5, "PP 2");
+    let flags = format!("--micro-batch-size 1 --global-batch-size 4 {minimax}");
+    let on_npu = moe_args(&data, &flags.split_whitespace().collect::<Vec<_>>());
+    let (npu, _) = train_on_stand_in(dir.path(), &on_npu, "");
+    same_training(&one, &npu, 1e-4, "on the NPU stand-in");
     moe_train(&data, &format!("{minimax} --save {part} --exit-interval 3")).success();
     let rest =
         stdout(&moe_train(&data, &format!("{minimax} --save {part} --load {part}")).success());
