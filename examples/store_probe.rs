@@ -4,8 +4,8 @@
 //!   MASTER_PORT exported): rank 0 sets a 4108-byte value (the size of HCCL's root info),
 //!   every rank gets and checks it, then all meet at a counter; each prints `rank R of W: ok`.
 //! - `store_probe peer HOST PORT`: a client of a store someone else hosts (the interop tests'
-//!   Python TCPStore): get `py/to_rust`, set `rust/to_py` to "rust saw " + it, add 1 to
-//!   `shared/count`, then wait for `py/done`.
+//!   Python TCPStore): get `py/to_rust`, add 1 to `shared/count`, set `rust/to_py` to
+//!   "rust saw " + it (last: once Python sees it, the count is in), then wait for `py/done`.
 //! - `store_probe wait HOST PORT KEY SECONDS`: wait for KEY with that timeout (the tests check
 //!   the timeout's error against torch's server), then set `rust/after_wait` to show the
 //!   connection survived a cancelled wait.
@@ -91,11 +91,11 @@ fn meet(launch: &Launch, store: &mut TcpStore) -> Result<()> {
 fn peer(host: &str, port: u16) -> Result<()> {
     let mut store = TcpStore::connect(host, port, TIMEOUT)?;
     let from_python = store.get("py/to_rust")?;
+    let count = store.add("shared/count", 1)?;
     store.set(
         "rust/to_py",
         &[b"rust saw ".as_slice(), &from_python].concat(),
     )?;
-    let count = store.add("shared/count", 1)?;
     store.wait(&["py/done"])?;
     println!("count {count}");
     Ok(())
