@@ -22,6 +22,8 @@ const FAMILIES: &[&str] = &[
     "qwen2_moe",
     "mixtral",
     "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_direct",
 ];
 
 fn model(name: &str) -> PathBuf {
@@ -84,7 +86,7 @@ fn every_family_round_trips_through_tp2_pp2() {
 #[test]
 fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"] {
+    for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"] {
         let (a, b, h) = (
             tmp.path().join(format!("{f}-a")),
             tmp.path().join(format!("{f}-b")),

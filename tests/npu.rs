@@ -302,6 +302,7 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "index_add_rows",
         "scale_rows",
         "row_dots",
+        "gather / scatter",
     ] {
         assert!(
             table

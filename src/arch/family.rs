@@ -73,6 +73,9 @@ pub struct Family {
     /// Whether `config.json`'s `partial_rotary_factor` may rotate part of each head
     /// (glm4_moe); elsewhere it must be 1.
     pub partial_rotary: bool,
+    /// Whether its attention is multi-latent attention (`q_a_proj`, `kv_a_proj_with_mqa`, …;
+    /// [`crate::arch::Mla`]) rather than grouped-query attention.
+    pub mla: bool,
     /// How a mixture-of-experts family names its experts; `None` for dense families.
     pub moe: Option<MoeNames>,
 }
@@ -174,6 +177,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -188,6 +192,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -202,6 +207,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: true,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -216,6 +222,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -230,6 +237,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -244,6 +252,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -258,6 +267,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -273,6 +283,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: None,
     },
     Family {
@@ -287,6 +298,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
+        mla: false,
         moe: Some(QWEN_MOE),
     },
     Family {
@@ -301,6 +313,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: true,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: Some(MoeNames {
             shared: Some(SharedNames {
                 module: "shared_expert",
@@ -322,6 +335,7 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::No,
         partial_rotary: false,
+        mla: false,
         moe: Some(MoeNames {
             block: "block_sparse_moe",
             expert: ["w1", "w3", "w2"],
@@ -345,23 +359,44 @@ pub const FAMILIES: &[Family] = &[
         always_qkv_bias: false,
         qk_norm: QkNorm::Key("use_qk_norm"),
         partial_rotary: true,
-        moe: Some(MoeNames {
-            experts_key: "n_routed_experts",
-            layers: MoeLayers::FirstDense,
-            shared: Some(SharedNames {
-                module: "shared_experts",
-                gated: false,
-                size: SharedSize::Experts("n_shared_experts"),
-            }),
-            expert_bias: Some("gate.e_score_correction_bias"),
-            score: ScoreFunction::Sigmoid,
-            scaling_key: Some("routed_scaling_factor"),
-            group_keys: Some(("n_group", "topk_group")),
-            router_f32: true,
-            ..QWEN_MOE
-        }),
+        mla: false,
+        moe: Some(DEEPSEEK_MOE),
+    },
+    Family {
+        name: "deepseek_v3",
+        aliases: &["deepseek3", "deepseek-v3", "kimi2", "kimi-k2"],
+        model_types: &["deepseek_v3", "kimi_k2"],
+        architecture: "DeepseekV3ForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias: OutBias::Never,
+        always_qkv_bias: false,
+        // the query and key-value latents' norms (q_a_layernorm, kv_a_layernorm)
+        qk_norm: QkNorm::Yes,
+        partial_rotary: false,
+        mla: true,
+        moe: Some(DEEPSEEK_MOE),
     },
 ];
+
+/// GLM-4.5 and DeepSeek-V3 route alike (transformers' `Glm4MoeTopkRouter`,
+/// `DeepseekV3TopkRouter`): sigmoid scores in f32, an expert bias, groups, shared experts.
+const DEEPSEEK_MOE: MoeNames = MoeNames {
+    experts_key: "n_routed_experts",
+    layers: MoeLayers::FirstDense,
+    shared: Some(SharedNames {
+        module: "shared_experts",
+        gated: false,
+        size: SharedSize::Experts("n_shared_experts"),
+    }),
+    expert_bias: Some("gate.e_score_correction_bias"),
+    score: ScoreFunction::Sigmoid,
+    scaling_key: Some("routed_scaling_factor"),
+    group_keys: Some(("n_group", "topk_group")),
+    router_f32: true,
+    ..QWEN_MOE
+};
 
 fn supported() -> String {
     FAMILIES
@@ -433,6 +468,21 @@ pub mod hf_names {
     pub const DOWN: &str = "mlp.down_proj.weight";
     /// Per-head query and key norms (qwen3).
     pub const QK_NORM: [&str; 2] = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"];
+    /// Multi-latent attention's tensors (transformers' `DeepseekV3Attention`): the query
+    /// down projection, its latent's norm, the up projection, the query projection without a
+    /// latent; the key-value down projection, its latent's norm, the up projection.
+    pub const MLA_Q: [&str; 4] = [
+        "self_attn.q_a_proj.weight",
+        "self_attn.q_a_layernorm.weight",
+        "self_attn.q_b_proj.weight",
+        "self_attn.q_proj.weight",
+    ];
+    /// The key-value half of [`MLA_Q`].
+    pub const MLA_KV: [&str; 3] = [
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attn.kv_a_layernorm.weight",
+        "self_attn.kv_b_proj.weight",
+    ];
 }
 
 #[cfg(test)]

@@ -55,6 +55,10 @@ pub struct ModelConfig {
     /// per_layer`). Tensor parallelism would cut these norms' sums: refused, as MindSpeed-LLM
     /// refuses it.
     pub qk_norm_per_layer: bool,
+    /// Multi-latent attention (DeepSeek-V2/V3); `None` for grouped-query attention. With it
+    /// `groups` equals `heads`, `head_dim` is a query (and key) head's dimensions (the part
+    /// without RoPE and the rotated part) and `rotary_dim` the rotated part's.
+    pub mla: Option<Mla>,
     /// The experts of a mixture-of-experts model; `None` for a dense one.
     pub moe: Option<moe::Moe>,
     /// Element type of the weights.
@@ -64,4 +68,32 @@ pub struct ModelConfig {
     pub rope_scaling: Option<Json>,
     /// The original `config.json`, carried through Megatron so the way back restores it.
     pub hf_config: Option<Json>,
+}
+
+/// The shape of multi-latent attention (megatron-core megatron/core/transformer/
+/// multi_latent_attention.py `MLASelfAttention`; transformers' `DeepseekV3Attention`): queries
+/// from a low-rank latent (or straight from the hidden state), keys and values from a shared
+/// low-rank latent, each head's key the up-projected part without RoPE and one rotated part
+/// shared by all heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mla {
+    /// The query latent's width (`--q-lora-rank`, `q_lora_rank`); `None`: queries projected
+    /// from the hidden state (DeepSeek-V2-Lite).
+    pub q_lora_rank: Option<usize>,
+    /// The key-value latent's width (`--kv-lora-rank`).
+    pub kv_lora_rank: usize,
+    /// A head's query and key dimensions without RoPE (`--qk-head-dim`, `qk_nope_head_dim`).
+    pub qk_head_dim: usize,
+    /// The rotated dimensions of a head's query and of the shared key part
+    /// (`--qk-pos-emb-head-dim`, `qk_rope_head_dim`).
+    pub rope_dim: usize,
+    /// A head's value dimensions (`--v-head-dim`).
+    pub v_head_dim: usize,
+}
+
+impl Mla {
+    /// A query (and key) head's dimensions: without RoPE, then rotated.
+    pub fn q_head_dim(&self) -> usize {
+        self.qk_head_dim + self.rope_dim
+    }
 }

@@ -25,6 +25,23 @@ pub enum Role {
     QNorm,
     /// Per-head RMSNorm of the keys `[d]`.
     KNorm,
+    /// Multi-latent attention's query down projection `[q_lora, h]`.
+    QDown,
+    /// The RMSNorm of the query latent `[q_lora]` (megatron-core's `q_layernorm`).
+    QLatentNorm,
+    /// The query up projection `[heads·(d_nope + d_rope), q_lora]`.
+    QUp,
+    /// The query projection of multi-latent attention without a query latent
+    /// `[heads·(d_nope + d_rope), h]` (DeepSeek-V2-Lite).
+    QProj,
+    /// The key-value down projection `[kv_lora + d_rope, h]`: the latent, then the rotated key
+    /// part all heads share.
+    KvDown,
+    /// The RMSNorm of the key-value latent `[kv_lora]` (megatron-core's `kv_layernorm`).
+    KvLatentNorm,
+    /// The key-value up projection `[heads·(d_nope + d_v), kv_lora]`, per head its key part
+    /// then its value.
+    KvUp,
     /// Norm before the MLP `[h]`.
     PostNorm,
     /// SwiGLU input `[2F, h]` = `[gate; up]`.
@@ -63,6 +80,13 @@ pub struct Canon {
 impl Role {
     /// Roles of layer `l`, in the order they are written.
     pub fn layer_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
+        if let Some(mla) = &cfg.mla {
+            let mut roles = vec![Role::InputNorm];
+            roles.extend(Role::mla_roles(cfg, mla));
+            roles.push(Role::PostNorm);
+            roles.extend(Role::mlp_roles(cfg, l));
+            return roles;
+        }
         let mut roles = vec![Role::InputNorm, Role::Qkv];
         if cfg.qkv_bias {
             roles.push(Role::QkvBias);
@@ -76,6 +100,25 @@ impl Role {
         }
         roles.push(Role::PostNorm);
         roles.extend(Role::mlp_roles(cfg, l));
+        roles
+    }
+
+    /// The roles of multi-latent attention, in the order megatron-core's `MLASelfAttention`
+    /// registers them: the output projection (built by its base class first), the query
+    /// projections, the key-value ones, then the latents' norms (`--qk-layernorm`).
+    pub fn mla_roles(cfg: &ModelConfig, mla: &crate::arch::Mla) -> Vec<Role> {
+        let mut roles = vec![Role::Proj];
+        match mla.q_lora_rank {
+            Some(_) => roles.extend([Role::QDown, Role::QUp]),
+            None => roles.push(Role::QProj),
+        }
+        roles.extend([Role::KvDown, Role::KvUp]);
+        if cfg.qk_norm {
+            if mla.q_lora_rank.is_some() {
+                roles.push(Role::QLatentNorm);
+            }
+            roles.push(Role::KvLatentNorm);
+        }
         roles
     }
 
@@ -110,10 +153,21 @@ impl Role {
         Some(match self {
             Role::Qkv => "linear_qkv",
             Role::Proj => "linear_proj",
+            Role::QDown => "linear_q_down_proj",
+            Role::QUp => "linear_q_up_proj",
+            Role::QProj => "linear_q_proj",
+            Role::KvDown => "linear_kv_down_proj",
+            Role::KvUp => "linear_kv_up_proj",
             Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => "linear_fc1",
             Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => "linear_fc2",
             _ => return None,
         })
+    }
+
+    /// Whether it is a linear layer's weight (a matrix the decoder multiplies by).
+    pub fn is_linear(self) -> bool {
+        self.linear_module().is_some()
+            || matches!(self, Role::Output | Role::Router | Role::SharedGate)
     }
 
     /// The dtype a tensor of this role has in a model of `model` dtype: the expert bias stays
@@ -168,7 +222,12 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::QNorm | Role::KNorm => vec![cfg.head_dim],
         Role::Qkv => vec![qkv_rows, cfg.hidden],
         Role::QkvBias => vec![qkv_rows],
-        Role::Proj => vec![cfg.hidden, cfg.heads * cfg.head_dim],
+        Role::Proj => match &cfg.mla {
+            Some(m) => vec![cfg.hidden, cfg.heads * m.v_head_dim],
+            None => vec![cfg.hidden, cfg.heads * cfg.head_dim],
+        },
+        Role::QDown | Role::QLatentNorm | Role::QUp | Role::QProj => mla_q_shape(cfg, role),
+        Role::KvDown | Role::KvLatentNorm | Role::KvUp => mla_kv_shape(cfg, role),
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
         Role::Router => vec![cfg.moe.as_ref().map_or(0, |m| m.experts), cfg.hidden],
@@ -180,6 +239,37 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::SharedGate => vec![1, cfg.hidden],
     }
 }
+
+/// The shape of a query role of multi-latent attention (zero-sized without it).
+fn mla_q_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
+    let m = cfg.mla.unwrap_or(ZERO_MLA);
+    let (q_rows, rank) = (cfg.heads * m.q_head_dim(), m.q_lora_rank.unwrap_or(0));
+    match role {
+        Role::QDown => vec![rank, cfg.hidden],
+        Role::QLatentNorm => vec![rank],
+        Role::QUp => vec![q_rows, rank],
+        _ => vec![q_rows, cfg.hidden],
+    }
+}
+
+/// The shape of a key-value role of multi-latent attention (zero-sized without it).
+fn mla_kv_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
+    let m = cfg.mla.unwrap_or(ZERO_MLA);
+    match role {
+        Role::KvDown => vec![m.kv_lora_rank + m.rope_dim, cfg.hidden],
+        Role::KvLatentNorm => vec![m.kv_lora_rank],
+        _ => vec![cfg.heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank],
+    }
+}
+
+/// The shape of no multi-latent attention.
+const ZERO_MLA: crate::arch::Mla = crate::arch::Mla {
+    q_lora_rank: None,
+    kv_lora_rank: 0,
+    qk_head_dim: 0,
+    rope_dim: 0,
+    v_head_dim: 0,
+};
 
 /// One routed expert's intermediate size (0 for a dense model).
 pub fn moe_ffn(cfg: &ModelConfig) -> usize {

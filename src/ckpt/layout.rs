@@ -34,6 +34,20 @@ pub const PER_LAYER_NORMS_UNDER_TP: &str = "this model's q/k norms span all atte
     (MindSpeed-LLM's MiniMax spec), which tensor parallelism would split; MindSpeed-LLM refuses \
     TP > 1 for it (mindspeed_llm/tasks/models/spec/minimax_spec.py)";
 
+/// Whether `layout` can hold `cfg`: multi-latent attention only in megatron-core's local
+/// spec (the Transformer-Engine spec fuses its latents' norms, keeps the down projections
+/// whole and its input norm apart; not built yet).
+pub fn check_layout(layout: KeyLayout, cfg: &ModelConfig) -> Result<()> {
+    if cfg.mla.is_some() && layout != KeyLayout::Mcore {
+        bail!(
+            "multi-latent attention is written in the megatron-core local layout (--layout \
+             mcore) only; the {} layout of it is not built",
+            layout.name()
+        );
+    }
+    Ok(())
+}
+
 /// How layers are spread over TP × PP (× virtual chunks).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parallel {
@@ -112,6 +126,14 @@ impl Parallel {
                 m.shared_ffn
                     .map(|f| ("the shared experts' intermediate size", f)),
             );
+        }
+        if let Some(m) = &cfg.mla {
+            // megatron-core's local spec splits the down projections' rows too
+            split.push((
+                "the key-value latent and rotated key part (kv_lora_rank + qk_rope_head_dim)",
+                m.kv_lora_rank + m.rope_dim,
+            ));
+            split.extend(m.q_lora_rank.map(|r| ("q_lora_rank", r)));
         }
         for &(what, n) in &split {
             if n % tp != 0 {
@@ -365,8 +387,14 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             Role::Proj => "self_attention.linear_proj.weight",
             Role::ProjBias => "self_attention.linear_proj.bias",
             Role::PostNorm => "pre_mlp_layernorm.weight",
-            Role::QNorm => "self_attention.q_layernorm.weight",
+            Role::QNorm | Role::QLatentNorm => "self_attention.q_layernorm.weight",
             Role::KNorm => "self_attention.k_layernorm.weight",
+            Role::KvLatentNorm => "self_attention.kv_layernorm.weight",
+            Role::QDown => "self_attention.linear_q_down_proj.weight",
+            Role::QUp => "self_attention.linear_q_up_proj.weight",
+            Role::QProj => "self_attention.linear_q_proj.weight",
+            Role::KvDown => "self_attention.linear_kv_down_proj.weight",
+            Role::KvUp => "self_attention.linear_kv_up_proj.weight",
             Role::Fc1 => "mlp.linear_fc1.weight",
             Role::Router => "mlp.router.weight",
             Role::ExpertBias => "mlp.router.expert_bias",

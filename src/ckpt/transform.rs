@@ -46,6 +46,13 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         Role::Fc2 => one(hf::layer(l, hf::DOWN)),
         Role::QNorm => one(hf::layer(l, hf::QK_NORM[0])),
         Role::KNorm => one(hf::layer(l, hf::QK_NORM[1])),
+        Role::QDown => one(hf::layer(l, hf::MLA_Q[0])),
+        Role::QLatentNorm => one(hf::layer(l, hf::MLA_Q[1])),
+        Role::QUp => one(hf::layer(l, hf::MLA_Q[2])),
+        Role::QProj => one(hf::layer(l, hf::MLA_Q[3])),
+        Role::KvDown => one(hf::layer(l, hf::MLA_KV[0])),
+        Role::KvLatentNorm => one(hf::layer(l, hf::MLA_KV[1])),
+        Role::KvUp => one(hf::layer(l, hf::MLA_KV[2])),
         role => moe_parts(cfg, l, role),
     }
 }
@@ -196,7 +203,13 @@ fn split_of(role: Role) -> Split {
         | Role::KNorm
         | Role::Router
         | Role::ExpertBias
-        | Role::SharedGate => Split::Replicated,
+        | Role::SharedGate
+        | Role::QLatentNorm
+        | Role::KvLatentNorm => Split::Replicated,
+        // Multi-latent attention's projections are column-parallel, the down projections too
+        // (megatron-core gpt_layer_specs.py, local spec: `ColumnParallelLinear`, their outputs
+        // gathered), the up projections' rows whole heads.
+        Role::QDown | Role::KvDown | Role::QUp | Role::QProj | Role::KvUp => Split::Rows,
         Role::Qkv | Role::QkvBias => Split::Rows,
         Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => Split::Cols,
         Role::Embedding | Role::Output => Split::Vocab,

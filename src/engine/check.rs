@@ -394,3 +394,32 @@ pub fn adamw<D: Device>(
         .chain(model.as_ref())
         .try_for_each(|(what, t)| expect_shape(d, "adamw", what, t, d.shape(param)))
 }
+
+/// [`super::Backend::gather`] and [`super::Backend::scatter`]: the view lies within `x`, and
+/// `other` (the new tensor's shape, or `y`'s) has as many elements.
+pub fn strided<D: Device>(
+    d: &D,
+    op: &'static str,
+    x: &D::Tensor,
+    view: super::StridedView,
+    other: &[usize],
+) -> Result<()> {
+    let numel: usize = d.shape(x).iter().product();
+    ensure(view.end().is_some_and(|end| end <= numel), op, || {
+        format!(
+            "{view:?} reaches past the {numel} elements of {:?}",
+            d.shape(x)
+        )
+    })?;
+    let n: usize = other.iter().product();
+    ensure(n == view.count(), op, || {
+        format!("{view:?} has {} elements, {other:?} {n}", view.count())
+    })
+}
+
+/// `a` and `b` of one dtype.
+pub fn same_dtype<D: Device>(d: &D, op: &'static str, a: &D::Tensor, b: &D::Tensor) -> Result<()> {
+    ensure(d.dtype(a) == d.dtype(b), op, || {
+        format!("{:?} into {:?}", d.dtype(a), d.dtype(b))
+    })
+}

@@ -125,6 +125,63 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// A strided view of a tensor's elements in row-major order: element `(i, j, k)` of `shape`
+/// is element `offset + i·strides[0] + j·strides[1] + k·strides[2]` of the tensor (a view
+/// torch's `as_strided` would make).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StridedView {
+    /// The view's extent.
+    pub shape: [usize; 3],
+    /// Elements between neighbours of each dimension.
+    pub strides: [usize; 3],
+    /// The first element.
+    pub offset: usize,
+}
+
+impl StridedView {
+    /// Columns `at..at + width` of each of `blocks` blocks of `block` columns in rows of
+    /// `row` elements, `rows` rows: a part of every head (`blocks` heads of `block`).
+    pub fn columns(
+        rows: usize,
+        row: usize,
+        (blocks, block): (usize, usize),
+        at: usize,
+        width: usize,
+    ) -> Self {
+        StridedView {
+            shape: [rows, blocks, width],
+            strides: [row, block, 1],
+            offset: at,
+        }
+    }
+
+    /// Its elements.
+    pub fn count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The index of each of its elements, in order.
+    pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        let [a, b, c] = self.shape;
+        let [sa, sb, sc] = self.strides;
+        (0..a).flat_map(move |i| {
+            (0..b).flat_map(move |j| (0..c).map(move |k| self.offset + i * sa + j * sb + k * sc))
+        })
+    }
+
+    /// One past its last element's index (0 when empty); `None` on overflow.
+    pub fn end(&self) -> Option<usize> {
+        if self.count() == 0 {
+            return Some(0);
+        }
+        let mut last = self.offset;
+        for (n, s) in self.shape.iter().zip(self.strides) {
+            last = last.checked_add((n - 1).checked_mul(s)?)?;
+        }
+        last.checked_add(1)
+    }
+}
+
 /// AdamW's scalars for one step (torch's `AdamW` semantics: decoupled decay, ε added after the
 /// bias-corrected square root).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -155,6 +212,8 @@ pub enum Op {
     Matmul,
     MatmulBwd,
     SplitQkv,
+    /// StridedView copies (gather and scatter).
+    Gather,
     Rope,
     Attention,
     AttentionBwd,
@@ -431,6 +490,14 @@ pub trait Backend: Device {
         shape: (usize, usize),
         dst: (&mut Self::Tensor, usize),
     ) -> Result<()>;
+    /// A new tensor of `shape` and `x`'s dtype holding the elements of `view` of `x` in order
+    /// (aclnnInplaceCopy from a strided view): a part of every head, heads rearranged. The
+    /// view may repeat elements (a zero stride). Overwrites.
+    fn gather(&self, x: &Self::Tensor, view: StridedView, shape: &[usize]) -> Result<Self::Tensor>;
+    /// `view` of `x` = the elements of `y` in order, of one dtype (aclnnInplaceCopy into a
+    /// strided view): the backward of [`Backend::gather`] into a zeroed tensor where the view
+    /// repeats no element. Overwrites that view of `x` only.
+    fn scatter(&self, y: &Self::Tensor, x: &mut Self::Tensor, view: StridedView) -> Result<()>;
     /// `s · x` as a new tensor of `x`'s dtype (aclnnMuls). Overwrites.
     fn scaled(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor>;
     /// `x ·= s` (aclnnInplaceMuls).

@@ -13,7 +13,7 @@
 
 use super::cpu::Cpu;
 use super::dropout::{Mask, Rate, RowAt, Site};
-use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment, NO_ROW};
+use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment, StridedView, NO_ROW};
 use crate::tensor::host::{encode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
 use rand::rngs::StdRng;
@@ -260,6 +260,13 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             "[5,32] [5,16] [5,16]",
             1.0,
             merge_qkv
+        ),
+        case!(
+            "gather / scatter",
+            Gather,
+            "[5,24] heads' parts, broadcast, back",
+            1.0,
+            gather_scatter
         ),
         case!("rope", Rope, "[6,32] d 8; d 16 rotating 8", 2.0, rope),
         case!("attention", Attention, "[10,32] 2 segments", 2.0, attention),
@@ -519,6 +526,28 @@ fn merge_qkv<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> 
     Ok(on_both!(dut, cpu, |b| {
         let out = b.merge_qkv(&b.upload(&dq)?, &b.upload(&dk)?, &b.upload(&dv)?, ATTENTION)?;
         vec![b.download_f32(&out)?]
+    }))
+}
+
+fn gather_scatter<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let x = i.tensor(&[5, 24]);
+    Ok(on_both!(dut, cpu, |b| {
+        let x = b.upload(&x)?;
+        // columns 2..5 of each of 4 heads of 6, then one 3-wide row part repeated over 4 heads
+        let part = b.gather(&x, StridedView::columns(5, 24, (4, 6), 2, 3), &[5, 12])?;
+        let repeated = StridedView {
+            shape: [5, 4, 3],
+            strides: [24, 0, 1],
+            offset: 1,
+        };
+        let broadcast = b.gather(&x, repeated, &[5, 12])?;
+        let mut back = b.zeros(&[5, 24], b.dtype(&x))?;
+        b.scatter(&part, &mut back, StridedView::columns(5, 24, (4, 6), 1, 3))?;
+        vec![
+            b.download_f32(&part)?,
+            b.download_f32(&broadcast)?,
+            b.download_f32(&back)?,
+        ]
     }))
 }
 

@@ -19,7 +19,6 @@ pub mod parallel;
 pub mod params;
 mod rope;
 
-use crate::arch::roles::Role;
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::open_checkpoint;
 use crate::engine::{AttentionShape, Backend, Segment};
@@ -47,6 +46,9 @@ pub struct ModelSpec {
     pub max_positions: usize,
     /// RMSNorm epsilon.
     pub norm_eps: f64,
+    /// Multi-latent attention's shape (its attention then has as many key-value heads as
+    /// query heads, the values padded to the queries' dimensions).
+    pub mla: Option<crate::arch::Mla>,
     /// The experts of a mixture-of-experts model (how its tokens are routed).
     pub moe: Option<crate::arch::moe::Moe>,
     /// The router's product in f32 under bf16 weights (`--moe-router-dtype fp32`,
@@ -82,11 +84,15 @@ impl ModelSpec {
                 heads: cfg.heads,
                 groups: cfg.groups,
                 head_dim: cfg.head_dim,
-                scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+                scale: match cfg.mla {
+                    Some(m) => rope::mla_softmax_scale(cfg, m.q_head_dim()),
+                    None => 1.0 / (cfg.head_dim as f32).sqrt(),
+                },
             },
             vocab: cfg.vocab,
             max_positions: cfg.max_positions,
             norm_eps: cfg.norm_eps,
+            mla: cfg.mla,
             moe: cfg.moe.clone(),
             // transformers' router of the family (Glm4MoeTopkRouter) is f32 whatever the weights
             router_f32: cfg.family.moe.as_ref().is_some_and(|m| m.router_f32),
@@ -182,21 +188,7 @@ impl<'b, B: Backend> Model<'b, B> {
         let params = (table.params.par_iter())
             .map(|p| {
                 let t = input.read(p.canon)?;
-                let matrix = matches!(
-                    p.canon.role,
-                    Role::Qkv
-                        | Role::Proj
-                        | Role::Fc1
-                        | Role::Fc2
-                        | Role::Output
-                        | Role::Router
-                        | Role::ExpertFc1(_)
-                        | Role::ExpertFc2(_)
-                        | Role::SharedFc1
-                        | Role::SharedFc2
-                        | Role::SharedGate
-                );
-                if matrix {
+                if p.canon.role.is_linear() {
                     backend.upload_matrix(&t)
                 } else {
                     backend.upload(&t)

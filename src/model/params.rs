@@ -171,16 +171,22 @@ impl ParamTable {
         // megatron-core builds an attention block's linear_proj before its linear_qkv, and its
         // q_layernorm and k_layernorm after them (megatron/core/transformer/attention.py:
         // Attention.__init__, then SelfAttention.__init__).
-        let mut roles = vec![Role::InputNorm, Role::Proj];
-        if cfg.proj_bias {
-            roles.push(Role::ProjBias);
-        }
-        roles.push(Role::Qkv);
-        if cfg.qkv_bias {
-            roles.push(Role::QkvBias);
-        }
-        if cfg.qk_norm {
-            roles.extend([Role::QNorm, Role::KNorm]);
+        let mut roles = vec![Role::InputNorm];
+        match &cfg.mla {
+            Some(mla) => roles.extend(Role::mla_roles(cfg, mla)),
+            None => {
+                roles.push(Role::Proj);
+                if cfg.proj_bias {
+                    roles.push(Role::ProjBias);
+                }
+                roles.push(Role::Qkv);
+                if cfg.qkv_bias {
+                    roles.push(Role::QkvBias);
+                }
+                if cfg.qk_norm {
+                    roles.extend([Role::QNorm, Role::KNorm]);
+                }
+            }
         }
         roles.push(Role::PostNorm);
         for l in 0..cfg.layers {

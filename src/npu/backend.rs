@@ -17,7 +17,7 @@ use super::NpuError;
 use crate::engine::dropout::Mask;
 use crate::engine::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result, Segment,
-    NO_ROW,
+    StridedView, NO_ROW,
 };
 use crate::tensor::host::{decode_f32, Tensor as HostTensor};
 use crate::tensor::DType;
@@ -179,6 +179,12 @@ fn softmax_stats(stats: &NpuTensor) -> (View, View) {
 
 /// An empty tensor for flash attention's outputs and inputs it does not use (op-plugin
 /// passes `at::empty({0})` there).
+/// `view` of `t`'s storage.
+fn strided(t: &NpuTensor, view: StridedView) -> View {
+    let strides = view.strides.map(|s| s as i64);
+    t.view().strided(&view.shape, &strides, view.offset)
+}
+
 fn empty_view(t: &NpuTensor) -> View {
     t.view().reshaped(&[0], 0)
 }
@@ -1360,6 +1366,19 @@ impl Backend for Npu {
             &dst.view().reshaped(&[cols, rows], to),
             &src.view().strided(&[cols, rows], &[1, cols as i64], at),
         )
+    }
+
+    fn gather(&self, x: &NpuTensor, view: StridedView, shape: &[usize]) -> Result<NpuTensor> {
+        check::strided(self, "gather", x, view, shape)?;
+        let out = self.empty(shape, x.dtype)?;
+        self.copy_view(&out.view().reshaped(&view.shape, 0), &strided(x, view))?;
+        Ok(out)
+    }
+
+    fn scatter(&self, y: &NpuTensor, x: &mut NpuTensor, view: StridedView) -> Result<()> {
+        check::strided(self, "scatter", x, view, &y.shape)?;
+        check::same_dtype(self, "scatter", y, x)?;
+        self.copy_view(&strided(x, view), &y.view().reshaped(&view.shape, 0))
     }
 
     fn dropout(&self, x: &NpuTensor, mask: &Mask) -> Result<NpuTensor> {

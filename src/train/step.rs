@@ -298,6 +298,11 @@ fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
                 | Role::Output
                 | Role::SharedFc1
                 | Role::SharedFc2
+                | Role::QDown
+                | Role::QUp
+                | Role::QProj
+                | Role::KvDown
+                | Role::KvUp
         );
     let fused = match expert && cfg.grouped_experts && p.lora.is_none() {
         true => cfg.gemm_gradient_accumulation_fusion,

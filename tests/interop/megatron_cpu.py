@@ -67,6 +67,43 @@ def moe_config(a, losses=None):
     return {**fields, **(losses or {})}
 
 
+def mla_config(a):
+    """MLATransformerConfig's multi-latent attention fields from checkpoint args (none without
+    it): the latents, head dimensions and RoPE (YaRN's under megatron-core's names)."""
+    if not getattr(a, "multi_latent_attention", False):
+        return {}
+    fields = dict(multi_latent_attention=True, q_lora_rank=a.q_lora_rank,
+                  kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_head_dim,
+                  qk_pos_emb_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
+                  rope_type=a.rope_type, rotary_base=a.rotary_base)
+    if a.rope_type == "yarn":
+        fields.update(rotary_scaling_factor=a.rotary_scaling_factor, mscale=a.mscale,
+                      mscale_all_dim=a.mscale_all_dim, beta_fast=a.beta_fast,
+                      beta_slow=a.beta_slow,
+                      original_max_position_embeddings=a.original_max_position_embeddings)
+    return fields
+
+
+class MlaCoreAttention(torch.nn.Module):
+    """Causal softmax attention as Transformer Engine's DotProductAttention computes it for
+    multi-latent attention: queries and keys `[s, b, heads, dq]`, values `[s, b, heads, dv]`,
+    scores scaled by MultiLatentAttention's softmax_scale; output `[s, b, heads·dv]`."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
+                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        scores = q @ k.transpose(-1, -2) * self.scale
+        s = scores.shape[-1]
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+        out = scores.masked_fill(causal, float("-inf")).softmax(-1) @ v
+        return out.permute(2, 0, 1, 3).reshape(s, q.shape[0], -1)
+
+
 def sequence_parallel_norms():
     """megatron-core's torch-norm fallback (transformer/torch_norm.py WrappedTorchNorm) refuses
     sequence parallelism, which only its Apex / TE norms take: build it without, then mark its
@@ -99,7 +136,11 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
                                                           get_gpt_layer_local_spec)
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
-    cfg = TransformerConfig(
+    mla = mla_config(a)
+    config_class = TransformerConfig
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+    cfg = config_class(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
         ffn_hidden_size=a.ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=a.norm_epsilon,
@@ -115,13 +156,19 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
         num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
         virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None),
-        **moe_config(a, moe_losses))
+        **moe_config(a, moe_losses), **mla)
     if cfg.num_moe_experts:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
                                           vp_stage=vp_stage)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm",
-                                        qk_layernorm=getattr(a, "qk_layernorm", False))
+                                        qk_layernorm=getattr(a, "qk_layernorm", False),
+                                        multi_latent_attention=bool(mla))
+    if mla:
+        # megatron-core 0.15's local DotProductAttention takes no k_channels / v_channels: only
+        # Transformer Engine's runs multi-latent attention. The plain one below stands in for it.
+        for layer in getattr(spec, "layer_specs", [spec]):
+            layer.submodules.self_attention.submodules.core_attention = MlaCoreAttention
     if list(getattr(a, "spec", None) or []) == MINIMAX_SPEC:
         for layer in getattr(spec, "layer_specs", [spec]):
             layer.submodules.self_attention.module = minimax_attention()

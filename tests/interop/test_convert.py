@@ -78,7 +78,7 @@ def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
 
 # qwen2_moe's shared-expert gate is not in megatron-core's spec (MindSpeed-LLM adds it).
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "seed_oss", "qwen3_moe",
-                                    "mixtral", "glm4_moe"])
+                                    "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_direct"])
 def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")
@@ -267,6 +267,8 @@ def test_te_grouped_experts_are_te_grouped_mlps_weights(mindkit, tmp_path, famil
 
 @pytest.mark.parametrize("family,layout", [
     ("qwen3_moe", ("--ep", 2)), ("mixtral", ("--ep", 2)),
+    # multi-latent attention: the down projections' rows split over TP (the local spec)
+    ("deepseek_v3", ("--ep", 2)),
     # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)
     ("qwen3_moe", ("--ep", 4, "--expert-tensor-parallel-size", 1))])
 def test_expert_parallel_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path,

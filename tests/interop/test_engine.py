@@ -87,6 +87,27 @@ def test_moe_logits_and_greedy_decoding_match_transformers(family, tmp_path):
     assert (got["steps"] - steps).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_direct"])
+def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, family, tmp_path):
+    """Tiny DeepSeek-V3s (multi-latent attention with a query latent and YaRN RoPE, or queries
+    projected straight as DeepSeek-V2-Lite's, values narrower than the query heads; sigmoid
+    routing with an expert bias, groups, a shared expert and a dense first layer): prefill
+    logits and KV-cached decoding steps equal transformers' (fp32), from the HF directory and
+    from its Megatron conversion over TP 2 × EP 2."""
+    model_dir = ROOT / "fixtures/models" / family
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    prefill, steps, tokens = hf_greedy(model, ids, 8)
+    ck = tmp_path / "megatron"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", ck, "--tp", "2",
+            "--ep", "2")
+    for source in (model_dir, ck):
+        got = mindkit_logits(source, ids, 8, tmp_path / "logits.safetensors")
+        assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
+        assert got["generated"].tolist() == tokens, source
+        assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_generate_text_equals_transformers(smollm2, hf_model, tokenizer, chat):
     prompt = "What is the capital of France? Answer in one sentence." if chat else "Once upon a time"

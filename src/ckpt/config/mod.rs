@@ -2,6 +2,7 @@
 //! `rope_theta`/`rope_scaling` and 5.x `rope_parameters` conventions) or from Megatron `args`,
 //! and written back to either.
 
+mod mla;
 mod moe;
 
 use super::torch::pickle::Value;
@@ -338,6 +339,18 @@ impl ModelConfig {
             QkNorm::Yes => true,
             QkNorm::Key(k) => json_bool(cfg, k)?.unwrap_or(false),
         };
+        let mla = mla::mla_from_hf(cfg, family)?;
+        if mla.is_some() && bias {
+            bail!(
+                "attention_bias: multi-latent attention with biases is not supported (no \
+                 DeepSeek model has them)"
+            );
+        }
+        // multi-latent attention: every head its own key and value, the rotated part last
+        let (groups, head_dim, rotary_dim) = match &mla {
+            Some(m) => (heads, m.q_head_dim(), m.rope_dim),
+            None => (groups, head_dim, rotary_dim),
+        };
         Ok(ModelConfig {
             family,
             layers,
@@ -356,6 +369,7 @@ impl ModelConfig {
             proj_bias: out_bias,
             qk_norm,
             qk_norm_per_layer: false,
+            mla,
             moe: moe::moe_from_hf(cfg, family, layers)?,
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
@@ -432,7 +446,18 @@ impl ModelConfig {
                 self.family.name
             );
         }
-        if self.rotary_dim != self.head_dim && !self.family.partial_rotary {
+        if self.family.mla != self.mla.is_some() {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its attention is {}",
+                self.family.name,
+                match self.mla {
+                    Some(_) => "multi-latent attention, the family's grouped-query",
+                    None => "grouped-query attention, the family's multi-latent",
+                }
+            );
+        }
+        let rotates_part = self.rotary_dim != self.head_dim && self.mla.is_none();
+        if rotates_part && !self.family.partial_rotary {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its attention rotates \
                  whole heads; this model rotates {} of {} dimensions (rotary_percent)",
@@ -541,6 +566,13 @@ pub fn spec_arg(cfg: &ModelConfig) -> Option<Value> {
     cfg.qk_norm_per_layer.then(|| Value::List(spec.into()))
 }
 
+fn arg_str<'a>(args: &'a [(String, Value)], name: &str) -> FieldResult<Option<&'a str>> {
+    arg_field(args, name, "a string", |v| match v {
+        Value::Str(s) => Some(s.as_str()),
+        _ => None,
+    })
+}
+
 fn arg_bool(args: &[(String, Value)], name: &str) -> FieldResult<Option<bool>> {
     arg_field(args, name, "True or False", |v| match v {
         Value::Bool(b) => Some(*b),
@@ -568,10 +600,7 @@ pub(crate) fn arg_positive(args: &[(String, Value)], name: &str) -> FieldResult<
 /// `--use-rope-scaling` (Llama 3.1's scaling, only the factor configurable: default 8, low 1,
 /// high 4, original 8192, as megatron-core's `RotaryEmbedding._apply_scaling`).
 pub fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> {
-    let kind = arg_field(args, "rope_scaling_type", "a string", |v| match v {
-        Value::Str(s) => Some(s.as_str()),
-        _ => None,
-    })?;
+    let kind = arg_str(args, "rope_scaling_type")?;
     let llama3 = |factor: f64, low: f64, high: f64, original: f64| {
         json!({
             "rope_type": "llama3",
@@ -597,8 +626,17 @@ pub fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> 
                 float_or("original_max_position_embeddings", 8192.0)?,
             )))
         }
+        Some("yarn") => Ok(mla::yarn_from_args(args)?),
         Some(other) => {
-            bail!("args: --rope-scaling-type {other} is not supported (supported: llama3, or none)")
+            bail!(
+                "args: --rope-scaling-type {other} is not supported (supported: llama3, yarn, or \
+                 none)"
+            )
+        }
+        None if arg_str(args, "rope_type")? == Some("yarn")
+            && arg_bool(args, "multi_latent_attention")?.unwrap_or(false) =>
+        {
+            Ok(mla::yarn_from_args(args)?)
         }
         None if arg_bool(args, "use_rope_scaling")?.unwrap_or(false) => Ok(Some(llama3(
             float_or("rope_scaling_factor", 8.0)?,
@@ -660,8 +698,10 @@ impl ModelConfig {
         let layers = need("num_layers")?;
         let ffn = need("ffn_hidden_size")?;
         let moe = moe::moe_from_args(args, layers, ffn)?;
+        let mla = mla::mla_from_args(args)?;
         let family = match (family, &moe) {
             (Some(f), _) => f,
+            (None, _) if mla.is_some() => family::by_name("deepseek_v3")?,
             (None, None) if qk_norm => family::by_name("qwen3")?,
             (None, None) if qkv_bias && !add_bias => family::by_name("qwen2")?,
             (None, None) => family::by_name("llama")?,
@@ -670,7 +710,25 @@ impl ModelConfig {
             (None, Some(_)) => family::by_name("mixtral")?,
         };
         check_qk_norm(family, qk_norm)?;
-        let head_dim = arg_count(args, "kv_channels")?.unwrap_or(hidden / heads);
+        if family.mla != mla.is_some() {
+            bail!(
+                "args.multi_latent_attention is {} but the {} family's attention is {}",
+                if mla.is_some() { "True" } else { "False" },
+                family.name,
+                if family.mla {
+                    "multi-latent"
+                } else {
+                    "grouped-query"
+                }
+            );
+        }
+        let (groups, head_dim, rotary_dim) = match &mla {
+            Some(m) => (heads, m.q_head_dim(), m.rope_dim),
+            None => {
+                let head_dim = arg_count(args, "kv_channels")?.unwrap_or(hidden / heads);
+                (groups, head_dim, rotary_dim(args, head_dim)?)
+            }
+        };
         Ok(ModelConfig {
             family,
             layers,
@@ -678,7 +736,7 @@ impl ModelConfig {
             heads,
             groups,
             head_dim,
-            rotary_dim: rotary_dim(args, head_dim)?,
+            rotary_dim,
             ffn,
             vocab: arg_count(args, "vocab_size")?.unwrap_or(padded_rows),
             max_positions: arg_count(args, "max_position_embeddings")?.unwrap_or(4096),
@@ -689,6 +747,7 @@ impl ModelConfig {
             proj_bias: add_bias,
             qk_norm,
             qk_norm_per_layer,
+            mla,
             moe,
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
@@ -782,7 +841,11 @@ pub fn megatron_args(
         ("rotary_base", Value::Float(cfg.rope_theta)),
         (
             "rotary_percent",
-            Value::Float(cfg.rotary_dim as f64 / cfg.head_dim as f64),
+            // multi-latent attention rotates a part of its own (qk_pos_emb_head_dim) whole
+            Value::Float(match cfg.mla {
+                Some(_) => 1.0,
+                None => cfg.rotary_dim as f64 / cfg.head_dim as f64,
+            }),
         ),
         ("rotary_interleaved", Value::Bool(false)),
         (
@@ -858,6 +921,8 @@ pub fn megatron_args(
         ("model_type", Value::Str("GPT".into())),
     ];
     set.extend(moe::moe_args(cfg.moe.as_ref()));
+    set.extend(mla::mla_args(cfg));
+    set.extend(mla::yarn_args(cfg.rope_scaling.as_ref()));
     if cfg.moe.is_some() {
         // MindSpeed-LLM's --moe-tp-extend-ep leaves Megatron's groups (and args) at TP
         let etp = if par.tp_extend { par.tp } else { par.etp };
@@ -941,8 +1006,21 @@ mod tests {
         .unwrap();
         assert_eq!(mindspeed["low_freq_factor"], json!(2.0));
         assert_eq!(mindspeed["original_max_position_embeddings"], json!(4096.0));
-        let err = scaling(&[("rope_scaling_type", Value::Str("yarn".into()))]).unwrap_err();
-        assert!(err.to_string().contains("yarn"), "{err}");
+        let yarn = scaling(&[
+            ("rope_scaling_type", Value::Str("yarn".into())),
+            ("rope_scaling_factor", Value::Float(40.0)),
+            ("rope_scaling_mscale_all_dim", Value::Float(0.707)),
+            ("beta_fast", Value::Int(32)),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            yarn,
+            json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096.0,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707})
+        );
+        let err = scaling(&[("rope_scaling_type", Value::Str("longrope".into()))]).unwrap_err();
+        assert!(err.to_string().contains("longrope"), "{err}");
     }
 
     /// A small llama config.json with `edit` applied, read.

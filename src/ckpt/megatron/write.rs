@@ -237,6 +237,7 @@ impl MegatronTarget<'_> {
                  builds neither); write this model with --layout mcore or mcore-te"
             );
         }
+        layout::check_layout(self.layout, self.cfg)?;
         let par = self.par;
         let padded = self.padded_vocab();
         let args = Value::Namespace(megatron_args(

@@ -27,7 +27,7 @@ mod transpose;
 use super::dropout::Mask;
 use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
-    Segment, NO_ROW,
+    Segment, StridedView, NO_ROW,
 };
 use crate::tensor::dtype::{bf16_bits, bf16_to_f32};
 use crate::tensor::host::{decode_f32, encode_f32};
@@ -1032,6 +1032,35 @@ impl Backend for Cpu {
         check::expect_range(self, "copy_range", "dst", (dst, to), n)?;
         let values = range_f32("copy_range", src, at..at + n)?;
         write_range("copy_range", dst, to, &values)
+    }
+
+    fn gather(&self, x: &CpuTensor, view: StridedView, shape: &[usize]) -> Result<CpuTensor> {
+        check::strided(self, "gather", x, view, shape)?;
+        let take = |v: &[_]| view.indices().map(|i| v[i]).collect();
+        let data = match &x.data {
+            Data::F32(v) => Data::F32(take(v)),
+            Data::Half(dtype, bits) => {
+                Data::Half(*dtype, view.indices().map(|i| bits[i]).collect())
+            }
+            Data::Panels(_) => return Err(packed("gather")),
+        };
+        Ok(CpuTensor::holding(shape.to_vec(), data))
+    }
+
+    fn scatter(&self, y: &CpuTensor, x: &mut CpuTensor, view: StridedView) -> Result<()> {
+        let shape = y.shape.clone();
+        check::strided(self, "scatter", x, view, &shape)?;
+        check::same_dtype(self, "scatter", y, x)?;
+        match (&y.data, x.data_mut()) {
+            (Data::F32(src), Data::F32(dst)) => {
+                view.indices().zip(src).for_each(|(i, &v)| dst[i] = v)
+            }
+            (Data::Half(_, src), Data::Half(_, dst)) => {
+                view.indices().zip(src).for_each(|(i, &v)| dst[i] = v)
+            }
+            _ => return Err(packed("scatter")),
+        }
+        Ok(())
     }
 
     fn copy_transposed(

@@ -4,11 +4,13 @@
 //! KV cache.
 
 mod gqa;
+mod mla;
 
 use crate::engine::{Backend, Result, Segment};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
 use gqa::Gqa;
+use mla::Mla;
 use std::ops::Range;
 
 /// A layer's attention.
@@ -16,12 +18,16 @@ use std::ops::Range;
 pub(in crate::model) enum Attention {
     /// Grouped-query (or multi-head) self-attention.
     Gqa(Gqa),
+    /// Multi-latent attention.
+    Mla(Mla),
 }
 
 /// What an attention's backward pass needs of its forward pass.
 pub(in crate::model) enum AttentionSaved<T> {
     /// Of [`Attention::Gqa`].
     Gqa(gqa::Saved<T>),
+    /// Of [`Attention::Mla`].
+    Mla(mla::Saved<T>),
 }
 
 /// Where the keys and values a query attends to come from.
@@ -43,7 +49,8 @@ pub(in crate::model) enum Attend<'a, T> {
 impl Attention {
     /// Layer `layer`'s attention in `table`, `None` if the table lacks it.
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Attention> {
-        Gqa::of(table, layer).map(Attention::Gqa)
+        (Gqa::of(table, layer).map(Attention::Gqa))
+            .or_else(|| Mla::of(table, layer).map(Attention::Mla))
     }
 
     /// The attention of the normed input `h [T, h]`: its output `[T, h]` (summed over the
@@ -59,6 +66,10 @@ impl Attention {
                 let (out, saved) = a.forward(p, h, attend)?;
                 Ok((out, AttentionSaved::Gqa(saved)))
             }
+            Attention::Mla(a) => {
+                let (out, saved) = a.forward(p, h, attend)?;
+                Ok((out, AttentionSaved::Mla(saved)))
+            }
         }
     }
 
@@ -73,6 +84,8 @@ impl Attention {
     ) -> Result<B::Tensor> {
         match (self, saved) {
             (Attention::Gqa(a), AttentionSaved::Gqa(s)) => a.backward(p, grads, s, dy),
+            (Attention::Mla(a), AttentionSaved::Mla(s)) => a.backward(p, grads, s, dy),
+            _ => unreachable!("an attention's saved state is its own kind's"),
         }
     }
 }

@@ -1,0 +1,141 @@
+//! Multi-latent attention and YaRN RoPE as `config.json` (transformers 4.57's
+//! `DeepseekV3Config`: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
+//! `v_head_dim`; `rope_scaling` of type `yarn`) and Megatron args spell them (megatron-core
+//! 0.15's `--multi-latent-attention`, `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`,
+//! `--qk-pos-emb-head-dim`, `--v-head-dim`; MindSpeed-LLM's `--rope-scaling-type yarn` with
+//! `--rope-scaling-factor`, `--rope-scaling-mscale`, `--rope-scaling-mscale-all-dim`,
+//! `--rope-scaling-original-max-position-embeddings`, `--beta-fast`, `--beta-slow`).
+
+use super::{arg_bool, arg_count, arg_float, json_count, json_required_count, ConfigError};
+use super::{FieldResult, Value};
+use crate::arch::family::Family;
+use crate::arch::{Mla, ModelConfig};
+use serde_json::{json, Value as Json};
+
+/// The multi-latent attention `config.json` gives a family that has it.
+pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla>> {
+    if !family.mla {
+        return Ok(None);
+    }
+    Ok(Some(Mla {
+        q_lora_rank: json_count(cfg, "q_lora_rank")?,
+        kv_lora_rank: json_required_count(cfg, "kv_lora_rank")?,
+        qk_head_dim: json_required_count(cfg, "qk_nope_head_dim")?,
+        rope_dim: even_rope_dim(
+            json_required_count(cfg, "qk_rope_head_dim")?,
+            "qk_rope_head_dim",
+        )?,
+        v_head_dim: json_required_count(cfg, "v_head_dim")?,
+    }))
+}
+
+/// RoPE rotates pairs of dimensions: an odd count is refused.
+fn even_rope_dim(d: usize, field: &str) -> FieldResult<usize> {
+    if d % 2 == 1 {
+        return Err(ConfigError::OutOfRange {
+            field: field.into(),
+            got: d.to_string(),
+            expected: "even: RoPE rotates pairs of dimensions",
+        });
+    }
+    Ok(d)
+}
+
+/// The multi-latent attention of Megatron args (`None` without `multi_latent_attention`).
+pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>> {
+    if !arg_bool(args, "multi_latent_attention")?.unwrap_or(false) {
+        return Ok(None);
+    }
+    // megatron-core MLATransformerConfig's defaults
+    let count = |name: &str, default: usize| Ok(arg_count(args, name)?.unwrap_or(default));
+    Ok(Some(Mla {
+        q_lora_rank: arg_count(args, "q_lora_rank")?,
+        kv_lora_rank: count("kv_lora_rank", 32)?,
+        qk_head_dim: count("qk_head_dim", 128)?,
+        rope_dim: even_rope_dim(
+            count("qk_pos_emb_head_dim", 64)?,
+            "args.qk_pos_emb_head_dim",
+        )?,
+        v_head_dim: count("v_head_dim", 128)?,
+    }))
+}
+
+/// The args of `cfg`'s multi-latent attention (none without it).
+pub(super) fn mla_args(cfg: &ModelConfig) -> Vec<(&'static str, Value)> {
+    let Some(m) = &cfg.mla else {
+        return vec![];
+    };
+    let int = |v: usize| Value::Int(v as i64);
+    vec![
+        ("multi_latent_attention", Value::Bool(true)),
+        // megatron-core's MLA defaults to YaRN: plain RoPE is said (yarn_args overrides it)
+        ("rope_type", Value::Str("rope".into())),
+        ("q_lora_rank", m.q_lora_rank.map_or(Value::None, int)),
+        ("kv_lora_rank", int(m.kv_lora_rank)),
+        ("qk_head_dim", int(m.qk_head_dim)),
+        ("qk_pos_emb_head_dim", int(m.rope_dim)),
+        ("v_head_dim", int(m.v_head_dim)),
+    ]
+}
+
+/// YaRN scaling in Megatron args, as config.json's `rope_scaling` (`None` unless
+/// `--rope-scaling-type yarn`, MindSpeed-LLM's, or megatron-core's `rope_type` is yarn).
+pub(super) fn yarn_from_args(args: &[(String, Value)]) -> FieldResult<Option<Json>> {
+    let number = |names: [&str; 2]| -> FieldResult<Option<f64>> {
+        for name in names {
+            if let Some(v) = arg_float(args, name)? {
+                return Ok(Some(v));
+            }
+        }
+        Ok(None)
+    };
+    let factor = number(["rope_scaling_factor", "rotary_scaling_factor"])?.unwrap_or(1.0);
+    let original = number([
+        "rope_scaling_original_max_position_embeddings",
+        "original_max_position_embeddings",
+    ])?;
+    Ok(Some(json!({
+        "type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": original.unwrap_or(4096.0),
+        "beta_fast": number(["beta_fast", "yarn_beta_fast"])?.unwrap_or(32.0),
+        "beta_slow": number(["beta_slow", "yarn_beta_slow"])?.unwrap_or(1.0),
+        "mscale": number(["rope_scaling_mscale", "mscale"])?.unwrap_or(1.0),
+        "mscale_all_dim": number(["rope_scaling_mscale_all_dim", "mscale_all_dim"])?.unwrap_or(0.0),
+    })))
+}
+
+/// The args of a YaRN `rope_scaling` (none for another), under MindSpeed-LLM's names and
+/// megatron-core's.
+pub(super) fn yarn_args(r: Option<&Json>) -> Vec<(&'static str, Value)> {
+    let Some(r) = r.filter(|r| {
+        (r.get("rope_type").or_else(|| r.get("type"))).and_then(Json::as_str) == Some("yarn")
+    }) else {
+        return vec![];
+    };
+    let get = |key: &str, default: f64| {
+        Value::Float(r.get(key).and_then(Json::as_f64).unwrap_or(default))
+    };
+    let original = get("original_max_position_embeddings", 4096.0);
+    let original_int = Value::Int(match original {
+        Value::Float(f) => f as i64,
+        _ => 4096,
+    });
+    vec![
+        ("rope_scaling_type", Value::Str("yarn".into())),
+        ("rope_type", Value::Str("yarn".into())),
+        ("rope_scaling_factor", get("factor", 1.0)),
+        ("rotary_scaling_factor", get("factor", 1.0)),
+        (
+            "rope_scaling_original_max_position_embeddings",
+            original_int.clone(),
+        ),
+        ("original_max_position_embeddings", original_int),
+        ("beta_fast", get("beta_fast", 32.0)),
+        ("beta_slow", get("beta_slow", 1.0)),
+        ("rope_scaling_mscale", get("mscale", 1.0)),
+        ("mscale", get("mscale", 1.0)),
+        ("rope_scaling_mscale_all_dim", get("mscale_all_dim", 0.0)),
+        ("mscale_all_dim", get("mscale_all_dim", 0.0)),
+    ]
+}

@@ -1,0 +1,483 @@
+//! Multi-latent attention, megatron-core's `MLASelfAttention` with the local spec
+//! (megatron/core/transformer/multi_latent_attention.py; transformers' `DeepseekV3Attention`):
+//! queries up-projected from a normed low-rank latent (or projected from the input), keys and
+//! values up-projected from a second normed latent; each head's query and key end in a
+//! rotated part, the key's shared by all heads and taken from the latent's projection. RoPE
+//! acts on those parts with their dimensions de-interleaved first (pairs `(2i, 2i+1)` become
+//! `(i, i + d/2)`, as megatron-core's `apply_rotary_pos_emb` does under
+//! `multi_latent_attention` and transformers' `apply_rotary_pos_emb_interleave`), so the
+//! weights are DeepSeek's as they are. The values are padded to the query heads' width for
+//! the one attention kernel (as MindSpeed-LLM pads them without `--mla-fa-without-pad`): the
+//! padding's output is zero and dropped, its gradient zero.
+//!
+//! Under tensor parallelism the down projections are column-parallel like the up
+//! projections, their outputs gathered whole (megatron-core's local spec); under sequence
+//! parallelism the latents' norms take this rank's rows.
+//!
+//! Legend: n = rows of the pass (every rank's under sequence parallelism), nh = this rank's
+//! heads, dn = a head's dimensions without RoPE, dr = with, dq = dn + dr, dv = a value head's.
+
+use super::Attend;
+use crate::arch::roles::{Canon, Role};
+use crate::engine::{Backend, EngineError, Result, StridedView};
+use crate::model::dropout::attention_mask;
+use crate::model::layer::rms_grad;
+use crate::model::linear::Linear;
+use crate::model::parallel::{all_reduced, gathered, reduced};
+use crate::model::params::ParamTable;
+use crate::model::Pass;
+use std::ops::Range;
+
+/// The parameters of one layer's multi-latent attention.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::model) struct Mla {
+    /// The layer's index in the whole model (attention dropout's masks are keyed by it).
+    layer: usize,
+    /// The query latent (linear_q_down_proj, q_layernorm, linear_q_up_proj), or the query
+    /// projection without one (linear_q_proj).
+    q: Query,
+    /// linear_kv_down_proj `[kv_lora + dr, h]`.
+    kv_down: Linear,
+    /// kv_layernorm γ `[kv_lora]`.
+    kv_norm: Option<usize>,
+    /// linear_kv_up_proj `[nh(dn + dv), kv_lora]`.
+    kv_up: Linear,
+    /// linear_proj `[h, nh·dv]` (row-parallel).
+    proj: Linear,
+}
+
+/// How queries are made.
+#[derive(Debug, Clone, Copy)]
+enum Query {
+    /// Through a latent: down projection, its norm, up projection.
+    Latent(Linear, Option<usize>, Linear),
+    /// Projected from the input.
+    Direct(Linear),
+}
+
+/// A latent's norm: its input (this rank's rows) and `rstd`.
+type NormSaved<T> = Option<(T, T)>;
+
+/// What the backward pass needs of a latent (of the queries or the keys and values).
+struct LatentSaved<T> {
+    /// The down projection's adapter `x·Aᵀ`.
+    down_lora: Option<T>,
+    /// The norm's input and statistics.
+    norm: NormSaved<T>,
+    /// The up projection's input (the normed latent, every row) and adapter `x·Aᵀ`.
+    up_input: T,
+    up_lora: Option<T>,
+}
+
+/// What the backward pass needs of the queries' making.
+enum QuerySaved<T> {
+    /// Of their latent.
+    Latent(LatentSaved<T>),
+    /// The direct projection's adapter `x·Aᵀ`.
+    Direct(Option<T>),
+}
+
+/// What the backward pass needs of the forward pass.
+pub(in crate::model) struct Saved<T> {
+    /// The normed input `[T, h]` (this rank's rows under sequence parallelism).
+    h: T,
+    q: QuerySaved<T>,
+    kv: LatentSaved<T>,
+    /// The attention's queries, keys, padded values and output `[n, nh·dq]`, and its
+    /// log-sum-exp (`None` where the keys came from a cache).
+    attention: [T; 4],
+    lse: Option<T>,
+    /// linear_proj's input `[n, nh·dv]` and adapter `x·Aᵀ`.
+    o: T,
+    proj_lora: Option<T>,
+}
+
+impl Mla {
+    /// Layer `layer`'s multi-latent attention in `table`, `None` if the table lacks it.
+    pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Mla> {
+        let at = Some(layer);
+        let linear = |role| Linear::of(table, (role, None), at);
+        let norm = |role| table.index(Canon { role, layer: at });
+        let q = match linear(Role::QProj) {
+            Some(direct) => Query::Direct(direct),
+            None => Query::Latent(
+                linear(Role::QDown)?,
+                norm(Role::QLatentNorm),
+                linear(Role::QUp)?,
+            ),
+        };
+        Some(Mla {
+            layer,
+            q,
+            kv_down: linear(Role::KvDown)?,
+            kv_norm: norm(Role::KvLatentNorm),
+            kv_up: linear(Role::KvUp)?,
+            proj: linear(Role::Proj)?,
+        })
+    }
+
+    /// `proj(attention(q, k, v))`, summed over the tensor-parallel ranks: `[T, h]`.
+    pub(in crate::model) fn forward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        h: B::Tensor,
+        attend: Attend<B::Tensor>,
+    ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
+        let b = p.b;
+        let shape = p.spec.attention;
+        let d = dims(p)?;
+        let all = gathered(b, p.tp, &h)?;
+        let x = all.as_ref().unwrap_or(&h);
+        let (q, q_saved) = match self.q {
+            Query::Latent(down, norm, up) => {
+                let (q, saved) = latent(p, x, (down, norm, up))?;
+                (q, QuerySaved::Latent(saved))
+            }
+            Query::Direct(proj) => {
+                let (q, u) = proj.forward(p, x)?;
+                (q, QuerySaved::Direct(u))
+            }
+        };
+        let (kv_down, u_kv_down) = self.kv_down.forward(p, x)?;
+        let kv_down = columns_gathered(p, kv_down)?;
+        let n = b.shape(&kv_down)[0];
+        let row = d.kv_lora + d.r;
+        let c_kv = b.gather(
+            &kv_down,
+            cols(n, row, (1, row), 0, d.kv_lora),
+            &[n, d.kv_lora],
+        )?;
+        let mut k_pe = b.gather(&kv_down, cols(n, row, (1, row), d.kv_lora, d.r), &[n, d.r])?;
+        let (kv, mut kv_saved) = up_from_latent(p, c_kv, (self.kv_norm, self.kv_up))?;
+        kv_saved.down_lora = u_kv_down;
+        let nh = shape.heads;
+        let (kw, qw) = (d.n + d.v, d.n + d.r);
+        let mut q_pe = b.gather(&q, cols(n, nh * qw, (nh, qw), d.n, d.r), &[n, nh * d.r])?;
+        rotate(p, &mut q_pe, nh, false)?;
+        rotate(p, &mut k_pe, 1, false)?;
+        let k_pe_all = b.gather(
+            &k_pe,
+            StridedView {
+                shape: [n, nh, d.r],
+                strides: [d.r, 0, 1],
+                offset: 0,
+            },
+            &[n, nh * d.r],
+        )?;
+        let heads = |parts: &[(&B::Tensor, usize, usize)]| assemble(b, n, nh, qw, parts);
+        let q_nope = b.gather(&q, cols(n, nh * qw, (nh, qw), 0, d.n), &[n, nh * d.n])?;
+        let q_full = heads(&[(&q_nope, d.n, 0), (&q_pe, d.r, d.n)])?;
+        let k_nope = b.gather(&kv, cols(n, nh * kw, (nh, kw), 0, d.n), &[n, nh * d.n])?;
+        let v = b.gather(&kv, cols(n, nh * kw, (nh, kw), d.n, d.v), &[n, nh * d.v])?;
+        let k_full = heads(&[(&k_nope, d.n, 0), (&k_pe_all, d.r, d.n)])?;
+        let v_full = heads(&[(&v, d.v, 0)])?;
+        let (o_full, lse) = match attend {
+            Attend::Segments(segments) => {
+                let mask = attention_mask(p, self.layer);
+                let (o, lse) =
+                    b.attention(&q_full, &k_full, &v_full, segments, shape, mask.as_ref())?;
+                (o, Some(lse))
+            }
+            Attend::Cached {
+                keys,
+                values,
+                segments,
+            } => {
+                b.kv_store(keys, &k_full, segments)?;
+                b.kv_store(values, &v_full, segments)?;
+                let o = b.cached_attention(&q_full, keys, values, segments, shape)?;
+                (o, None)
+            }
+        };
+        let o = b.gather(&o_full, cols(n, nh * qw, (nh, qw), 0, d.v), &[n, nh * d.v])?;
+        let (out, proj_lora) = self.proj.forward(p, &o)?;
+        let saved = Saved {
+            h,
+            q: q_saved,
+            kv: kv_saved,
+            attention: [q_full, k_full, v_full, o_full],
+            lse,
+            o,
+            proj_lora,
+        };
+        Ok((reduced(b, p.tp, out)?, saved))
+    }
+
+    /// `dh [T, h]` of [`Mla::forward`] given the gradient `dy [T, h]` of its output (summed
+    /// over the tensor-parallel ranks), accumulating the parameters' gradients.
+    pub(in crate::model) fn backward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        s: Saved<B::Tensor>,
+        (dy, segments): (&B::Tensor, &[Range<usize>]),
+    ) -> Result<B::Tensor> {
+        let b = p.b;
+        let shape = p.spec.attention;
+        let d = dims(p)?;
+        let Some(lse) = &s.lse else {
+            return Err(EngineError::Invalid {
+                op: "attention backward",
+                msg: "the forward pass attended over a cache and kept no statistics".into(),
+            });
+        };
+        let all = gathered(b, p.tp, dy)?;
+        let dy = all.as_ref().unwrap_or(dy);
+        let d_o = self
+            .proj
+            .backward(p, grads, dy, (&s.o, s.proj_lora.as_ref()))?;
+        let n = b.shape(&d_o)[0];
+        let (nh, qw, kw) = (shape.heads, d.n + d.r, d.n + d.v);
+        let d_o_full = assemble(b, n, nh, qw, &[(&d_o, d.v, 0)])?;
+        let [q_full, k_full, v_full, o_full] = &s.attention;
+        let mask = attention_mask(p, self.layer);
+        let (dq_full, dk_full, dv_full) = b.attention_bwd(
+            &d_o_full,
+            q_full,
+            k_full,
+            v_full,
+            o_full,
+            lse,
+            segments,
+            shape,
+            mask.as_ref(),
+        )?;
+        let part = |t: &B::Tensor, at: usize, w: usize| {
+            b.gather(t, cols(n, nh * qw, (nh, qw), at, w), &[n, nh * w])
+        };
+        let mut dq_pe = part(&dq_full, d.n, d.r)?;
+        rotate(p, &mut dq_pe, nh, true)?;
+        let dq = assemble(
+            b,
+            n,
+            nh,
+            qw,
+            &[(&part(&dq_full, 0, d.n)?, d.n, 0), (&dq_pe, d.r, d.n)],
+        )?;
+        // the shared rotated key part: its gradient summed over every head, on every rank
+        let dk_pe_all = part(&dk_full, d.n, d.r)?;
+        let mut dk_pe = b.gather(&dk_pe_all, cols(n, nh * d.r, (nh, d.r), 0, d.r), &[n, d.r])?;
+        for head in 1..nh {
+            let one = cols(n, nh * d.r, (1, d.r), head * d.r, d.r);
+            b.add_assign(&mut dk_pe, &b.gather(&dk_pe_all, one, &[n, d.r])?)?;
+        }
+        let mut dk_pe = all_reduced(p.tp, dk_pe)?;
+        rotate(p, &mut dk_pe, 1, true)?;
+        let dkv = assemble(
+            b,
+            n,
+            nh,
+            kw,
+            &[
+                (&part(&dk_full, 0, d.n)?, d.n, 0),
+                (&part(&dv_full, 0, d.v)?, d.v, d.n),
+            ],
+        )?;
+        let d_c_kv = latent_bwd(p, grads, dkv, (self.kv_norm, self.kv_up), &s.kv)?;
+        let row = d.kv_lora + d.r;
+        let d_kv_down = assemble(
+            b,
+            n,
+            1,
+            row,
+            &[(&d_c_kv, d.kv_lora, 0), (&dk_pe, d.r, d.kv_lora)],
+        )?;
+        let all_h = gathered(b, p.tp, &s.h)?;
+        let x = all_h.as_ref().unwrap_or(&s.h);
+        let d_kv_down = own_columns(p, d_kv_down)?;
+        let mut dh = self
+            .kv_down
+            .backward(p, grads, &d_kv_down, (x, s.kv.down_lora.as_ref()))?;
+        let dh_q = match (self.q, &s.q) {
+            (Query::Latent(down, norm, up), QuerySaved::Latent(saved)) => {
+                let d_c = own_columns(p, latent_bwd(p, grads, dq, (norm, up), saved)?)?;
+                down.backward(p, grads, &d_c, (x, saved.down_lora.as_ref()))?
+            }
+            (Query::Direct(proj), QuerySaved::Direct(u)) => {
+                proj.backward(p, grads, &dq, (x, u.as_ref()))?
+            }
+            _ => unreachable!("the saved query path is the layer's"),
+        };
+        b.add_assign(&mut dh, &dh_q)?;
+        reduced(b, p.tp, dh)
+    }
+}
+
+/// The dimensions of the pass's multi-latent attention.
+struct Dims {
+    n: usize,
+    r: usize,
+    v: usize,
+    kv_lora: usize,
+}
+
+fn dims<B: Backend>(p: &Pass<B>) -> Result<Dims> {
+    let m = p.spec.mla.ok_or_else(|| EngineError::Invalid {
+        op: "multi-latent attention",
+        msg: "the model has no multi-latent attention shape".into(),
+    })?;
+    Ok(Dims {
+        n: m.qk_head_dim,
+        r: m.rope_dim,
+        v: m.v_head_dim,
+        kv_lora: m.kv_lora_rank,
+    })
+}
+
+/// Columns `at..at + w` of each of `blocks` blocks of `block` columns, rows of `row`.
+fn cols(n: usize, row: usize, (blocks, block): (usize, usize), at: usize, w: usize) -> StridedView {
+    StridedView::columns(n, row, (blocks, block), at, w)
+}
+
+/// Rows of `blocks` blocks of `width` columns, zeros but for `parts`: `(part [n, blocks·w],
+/// w, at)` in columns `at..at + w` of every block.
+fn assemble<B: Backend>(
+    b: &B,
+    n: usize,
+    blocks: usize,
+    width: usize,
+    parts: &[(&B::Tensor, usize, usize)],
+) -> Result<B::Tensor> {
+    let dtype = b.dtype(parts[0].0);
+    let mut out = b.zeros(&[n, blocks * width], dtype)?;
+    for &(part, w, at) in parts {
+        b.scatter(
+            part,
+            &mut out,
+            cols(n, blocks * width, (blocks, width), at, w),
+        )?;
+    }
+    Ok(out)
+}
+
+/// RoPE on the rotated parts `x [n, heads·dr]`, de-interleaved first (forward) or
+/// re-interleaved after the inverse rotation (backward).
+fn rotate<B: Backend>(p: &Pass<B>, x: &mut B::Tensor, heads: usize, inverse: bool) -> Result<()> {
+    let b = p.b;
+    let n = b.shape(x)[0];
+    let dr = b.shape(x)[1] / heads.max(1);
+    let half = dr / 2;
+    // element (row, head, i, j) at pair i, member j: interleaved (2i + j), halves (j·half + i)
+    let interleaved = StridedView {
+        shape: [n * heads, 2, half],
+        strides: [dr, 1, 2],
+        offset: 0,
+    };
+    let (cos, sin) = p.rope;
+    if !inverse {
+        *x = b.gather(x, interleaved, &[n, heads * dr])?;
+        return b.rope(x, cos, sin, dr, false);
+    }
+    b.rope(x, cos, sin, dr, true)?;
+    let mut out = b.zeros(&[n, heads * dr], b.dtype(x))?;
+    b.scatter(x, &mut out, interleaved)?;
+    *x = out;
+    Ok(())
+}
+
+/// Queries (or keys and values) from the input `x [n, h]` through a latent: down projection,
+/// the latent gathered whole, its norm, up projection.
+fn latent<B: Backend>(
+    p: &Pass<B>,
+    x: &B::Tensor,
+    (down, norm, up): (Linear, Option<usize>, Linear),
+) -> Result<(B::Tensor, LatentSaved<B::Tensor>)> {
+    let (c, down_lora) = down.forward(p, x)?;
+    let (out, mut saved) = up_from_latent(p, columns_gathered(p, c)?, (norm, up))?;
+    saved.down_lora = down_lora;
+    Ok((out, saved))
+}
+
+/// The up projection of the normed latent `c [n, r]` (the norm over this rank's rows under
+/// sequence parallelism, then gathered).
+fn up_from_latent<B: Backend>(
+    p: &Pass<B>,
+    c: B::Tensor,
+    (norm, up): (Option<usize>, Linear),
+) -> Result<(B::Tensor, LatentSaved<B::Tensor>)> {
+    let b = p.b;
+    let (normed, norm) = match norm {
+        Some(g) => {
+            let own = own_rows(p, c)?;
+            let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.norm_eps)?;
+            let all = gathered(b, p.tp, &y)?.unwrap_or(y);
+            (all, Some((own, rstd)))
+        }
+        None => (c, None),
+    };
+    let (out, up_lora) = up.forward(p, &normed)?;
+    let saved = LatentSaved {
+        down_lora: None,
+        norm,
+        up_input: normed,
+        up_lora,
+    };
+    Ok((out, saved))
+}
+
+/// The gradient of the latent `c [n, r]` (every row, whole) of [`up_from_latent`] given its
+/// output's `dy`.
+fn latent_bwd<B: Backend>(
+    p: &Pass<B>,
+    grads: &mut [B::Tensor],
+    dy: B::Tensor,
+    (norm, up): (Option<usize>, Linear),
+    s: &LatentSaved<B::Tensor>,
+) -> Result<B::Tensor> {
+    let b = p.b;
+    let d_normed = up.backward(p, grads, &dy, (&s.up_input, s.up_lora.as_ref()))?;
+    // a column-parallel layer's input gradient: partial over the ranks' heads
+    let d_normed = reduced(b, p.tp, d_normed)?;
+    match (norm, &s.norm) {
+        (Some(g), Some((x, rstd))) => {
+            let dc = rms_grad(p, grads, (&d_normed, x), g, rstd)?;
+            Ok(gathered(b, p.tp, &dc)?.unwrap_or(dc))
+        }
+        _ => Ok(gathered(b, p.tp, &d_normed)?.unwrap_or(d_normed)),
+    }
+}
+
+/// A column-parallel down projection's output `[n, w / tp]` gathered whole `[n, w]` (columns
+/// in rank order; megatron-core's `gather_from_tensor_model_parallel_region`).
+fn columns_gathered<B: Backend>(p: &Pass<B>, x: B::Tensor) -> Result<B::Tensor> {
+    let b = p.b;
+    let Some(tp) = p.tp else {
+        return Ok(x);
+    };
+    let ranks = tp.group.size();
+    let (n, w) = (b.shape(&x)[0], b.shape(&x)[1]);
+    let mut all = b.zeros(&[n * ranks, w], b.dtype(&x))?;
+    tp.group.all_gather(&x, &mut all)?;
+    let view = StridedView {
+        shape: [n, ranks, w],
+        strides: [w, n * w, 1],
+        offset: 0,
+    };
+    b.gather(&all, view, &[n, ranks * w])
+}
+
+/// This rank's columns of the gradient `[n, w]` of [`columns_gathered`]'s output.
+fn own_columns<B: Backend>(p: &Pass<B>, x: B::Tensor) -> Result<B::Tensor> {
+    let b = p.b;
+    let Some(tp) = p.tp else {
+        return Ok(x);
+    };
+    let (n, w) = (b.shape(&x)[0], b.shape(&x)[1] / tp.group.size());
+    let at = tp.group.rank() * w;
+    b.gather(&x, cols(n, w * tp.group.size(), (1, w), at, w), &[n, w])
+}
+
+/// This rank's rows of `x` under sequence parallelism (all of them otherwise).
+fn own_rows<B: Backend>(p: &Pass<B>, x: B::Tensor) -> Result<B::Tensor> {
+    let b = p.b;
+    let Some(tp) = p.tp.filter(|tp| tp.sequence_parallel) else {
+        return Ok(x);
+    };
+    let (n, w) = (b.shape(&x)[0] / tp.group.size(), b.shape(&x)[1]);
+    let view = StridedView {
+        shape: [1, 1, n * w],
+        strides: [0, 0, 1],
+        offset: tp.group.rank() * n * w,
+    };
+    b.gather(&x, view, &[n, w])
+}
