@@ -86,7 +86,13 @@ fn every_family_round_trips_through_tp2_pp2() {
 #[test]
 fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"] {
+    for f in [
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "glm4_moe",
+        "deepseek_v3",
+    ] {
         let (a, b, h) = (
             tmp.path().join(format!("{f}-a")),
             tmp.path().join(format!("{f}-b")),

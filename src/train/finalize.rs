@@ -24,7 +24,9 @@ impl<B: Backend> Trainer<B> {
             | Role::PostNorm
             | Role::FinalNorm
             | Role::Router
-            | Role::SharedGate => sp,
+            | Role::SharedGate
+            | Role::QLatentNorm
+            | Role::KvLatentNorm => sp,
             Role::QNorm | Role::KNorm => true,
             _ => false,
         };

@@ -414,6 +414,71 @@ def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
     assert len(biases) == 2 and all(trained[k].abs().sum() > 0 for k in biases)
 
 
+def make_deepseek_v3(out):
+    """A seeded tiny DeepSeek-V3 with the shipped tokenizer: multi-latent attention (a query
+    latent of 32 and a key-value latent of 16, their norms random, heads of 16 + 8 rotated
+    dimensions, values of 12), YaRN RoPE with an attention factor and a softmax mscale; layer 0
+    dense, then 4 sigmoid-routed experts of ffn 32 (top-2 renormalised, two groups one kept,
+    scaled by 2.5, a random expert bias) and a shared expert; untied."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(7)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, tie_word_embeddings=False,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_a_layernorm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.kv_a_layernorm.weight.uniform_(0.5, 1.5)
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(std=0.01)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, out / f)
+    return out
+
+
+def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
+    """A tiny DeepSeek-V3 (multi-latent attention with YaRN RoPE, sigmoid routing with an
+    expert bias moved after every step, a shared expert, a dense first layer) converted to
+    Megatron and trained by `mindkit train --multi-latent-attention ...` and by megatron-core's
+    own GPTModel (MLASelfAttention, local spec; the core attention of Transformer Engine's
+    stood in for): lm loss, grad norm, learning rate and the MoE losses per iteration to 1e-5
+    relative over 20 iterations, the final weights to 1e-4."""
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_deepseek_v3(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
+    start = load_pt(next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt")))
+    flags = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
+             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+             "--rope-scaling-type", "yarn", "--rope-scaling-factor", "4",
+             "--rope-scaling-original-max-position-embeddings", "64",
+             "--rope-scaling-mscale-all-dim", "0.5", "--qk-layernorm",
+             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
+             "--moe-z-loss-coeff", "0.001", "--moe-router-bias-update-rate", "0.002",
+             "--finetune", "--tokenizer-name-or-path", model_dir]
+    mindkit_train(tmp_path / "start", data, tmp_path, flags)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss"))
+    a = start["args"]
+    a.moe_router_bias_update_rate = 0.002
+    gpt = gpt_model(a, moe_losses=dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001))
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
+    same_as_megatron_core(got, history, reference, tmp_path)
+
+
 # Each load-balancing type (mindkit's flag) and the megatron-core router that trains the same:
 # its own sinkhorn (no aux loss allowed); MindSpeed-LLM's pai_megatron_aux_loss is the Switch
 # loss of a softmax over all experts with the top-k of it (its pai_megatron.py) and softmax_topk

@@ -256,7 +256,7 @@ impl Mla {
         )?;
         // the shared rotated key part: its gradient summed over every head, on every rank
         let dk_pe_all = part(&dk_full, d.n, d.r)?;
-        let mut dk_pe = b.gather(&dk_pe_all, cols(n, nh * d.r, (nh, d.r), 0, d.r), &[n, d.r])?;
+        let mut dk_pe = b.gather(&dk_pe_all, cols(n, nh * d.r, (1, d.r), 0, d.r), &[n, d.r])?;
         for head in 1..nh {
             let one = cols(n, nh * d.r, (1, d.r), head * d.r, d.r);
             b.add_assign(&mut dk_pe, &b.gather(&dk_pe_all, one, &[n, d.r])?)?;

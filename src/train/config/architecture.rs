@@ -89,6 +89,11 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("num-query-groups", "num_query_groups"),
         ("kv-channels", "kv_channels"),
         ("max-position-embeddings", "max_position_embeddings"),
+        ("q-lora-rank", "q_lora_rank"),
+        ("kv-lora-rank", "kv_lora_rank"),
+        ("qk-head-dim", "qk_head_dim"),
+        ("qk-pos-emb-head-dim", "qk_pos_emb_head_dim"),
+        ("v-head-dim", "v_head_dim"),
     ] {
         if let Some(v) = positive(a, flag)? {
             out.push((key.to_string(), Value::Int(v as i64)));
@@ -105,6 +110,14 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
             "original-max-position-embeddings",
             "original_max_position_embeddings",
         ),
+        ("rope-scaling-mscale", "rope_scaling_mscale"),
+        ("rope-scaling-mscale-all-dim", "rope_scaling_mscale_all_dim"),
+        (
+            "rope-scaling-original-max-position-embeddings",
+            "rope_scaling_original_max_position_embeddings",
+        ),
+        ("beta-fast", "beta_fast"),
+        ("beta-slow", "beta_slow"),
     ] {
         if let Some(v) = positive_float(a, flag)? {
             out.push((key.to_string(), Value::Float(v)));
@@ -119,6 +132,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ),
         ("use-rope-scaling", "use_rope_scaling"),
         ("qk-layernorm", "qk_layernorm"),
+        ("multi-latent-attention", "multi_latent_attention"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
     }
@@ -294,9 +308,20 @@ pub(super) fn model_config(
         cfg.dtype,
         cfg.vocab,
     )
-    .map(|c| c.moe)
-    .unwrap_or(None);
-    super::moe::check_load(flagged.as_ref(), cfg.moe.as_ref(), has_any_architecture(a))?;
+    .ok();
+    let flagged_moe = flagged.as_ref().and_then(|c| c.moe.clone());
+    super::moe::check_load(
+        flagged_moe.as_ref(),
+        cfg.moe.as_ref(),
+        has_any_architecture(a),
+    )?;
+    let flagged_mla = flagged.as_ref().and_then(|c| c.mla);
+    if (a.has("multi-latent-attention") || has_any_architecture(a)) && flagged_mla != cfg.mla {
+        bail!(
+            "the multi-latent attention flags give {flagged_mla:?}, the --load checkpoint has {:?}",
+            cfg.mla
+        );
+    }
     if a.has("qk-layernorm") != cfg.qk_norm && (a.has("qk-layernorm") || has_any_architecture(a)) {
         bail!(
             "--qk-layernorm is {}given, but the --load checkpoint {} q/k layernorms",
