@@ -1188,6 +1188,84 @@ fn partial_rotary_embedding_trains_on_tensor_parallel_ranks_as_one_rank() {
     assert!(!hf.exists());
 }
 
+/// DeepSeek-V3's attention from scratch: a query latent of 32, a key-value latent of 16, heads
+/// of 16 + 8 rotated dimensions, values of 12, the latents normed; YaRN RoPE.
+const MLA_FLAGS: [&str; 21] = [
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "32",
+    "--kv-lora-rank",
+    "16",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "12",
+    "--qk-layernorm",
+    "--rope-scaling-type",
+    "yarn",
+    "--rope-scaling-factor",
+    "4",
+    "--rope-scaling-original-max-position-embeddings",
+    "32",
+    "--rope-scaling-mscale-all-dim",
+    "0.5",
+    "--untie-embeddings-and-output-weights",
+];
+
+#[test]
+fn multi_latent_attention_trains_on_tensor_and_sequence_parallel_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("mla");
+    let path = save.to_str().unwrap();
+    let saved = ["--save", path, "--save-interval", "10"];
+    let one = stdout(&run(&from_scratch(&data, &MLA_FLAGS, &saved)).success());
+    assert!(!field(&one, "lm loss").is_empty(), "{one}");
+    for (extra, what) in [
+        (&["--tensor-model-parallel-size", "2"][..], "TP 2"),
+        (
+            &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
+            "TP 2 with sequence parallelism",
+        ),
+    ] {
+        let two = stdout(&run(&from_scratch(&data, &MLA_FLAGS, extra)).success());
+        same_training(
+            &one,
+            &two,
+            1e-5,
+            &format!("multi-latent attention over {what}"),
+        );
+    }
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &path]).success());
+    assert!(
+        info.contains("multi-latent: query latent 32, key-value latent 16, heads of 16 + 8 rotated, values of 12"),
+        "{info}"
+    );
+    // the HF export is DeepSeek-V3's, whose config.json the round trip keeps
+    let hf = dir.path().join("hf");
+    mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &path,
+        &"--output",
+        &hf,
+    ])
+    .success();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "deepseek_v3", "{cfg}");
+    assert_eq!(
+        (cfg["q_lora_rank"].as_u64(), cfg["v_head_dim"].as_u64()),
+        (Some(32), Some(12))
+    );
+    // read back as the same model: the same weights as the Megatron checkpoint's
+    same_hf_weights(dir.path(), &save, &hf, 0.0);
+}
+
 /// Every weight of two checkpoints (any layout), converted to HF: equal within `tolerance`
 /// of the larger of 1 and the tensor's largest value.
 fn same_hf_weights(dir: &Path, a: &Path, b: &Path, tolerance: f32) {

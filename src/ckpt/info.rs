@@ -45,6 +45,22 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
             ""
         }
     );
+    if let Some(m) = &cfg.mla {
+        let _ = writeln!(
+            out,
+            "attention:   multi-latent: query latent {}, key-value latent {}, heads of {} + {} \
+             rotated, values of {}{}",
+            m.q_lora_rank.map_or("none".into(), |r| r.to_string()),
+            m.kv_lora_rank,
+            m.qk_head_dim,
+            m.rope_dim,
+            m.v_head_dim,
+            match &cfg.rope_scaling {
+                Some(r) => format!("; RoPE scaling {r}"),
+                None => String::new(),
+            }
+        );
+    }
     if let Some(m) = &cfg.moe {
         experts(cfg, m, out);
     }

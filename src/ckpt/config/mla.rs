@@ -139,3 +139,22 @@ pub(super) fn yarn_args(r: Option<&Json>) -> Vec<(&'static str, Value)> {
         ("mscale_all_dim", get("mscale_all_dim", 0.0)),
     ]
 }
+
+/// `cfg`'s multi-latent attention written into a `config.json` built from the numbers
+/// (DeepseekV3Config's keys; its `head_dim` is the rotated part's).
+pub(super) fn mla_to_hf(cfg: &ModelConfig, out: &mut Json) {
+    let Some(m) = &cfg.mla else {
+        return;
+    };
+    out["q_lora_rank"] = m.q_lora_rank.map_or(Json::Null, |r| r.into());
+    out["kv_lora_rank"] = m.kv_lora_rank.into();
+    out["qk_nope_head_dim"] = m.qk_head_dim.into();
+    out["qk_rope_head_dim"] = m.rope_dim.into();
+    out["v_head_dim"] = m.v_head_dim.into();
+    out["head_dim"] = m.rope_dim.into();
+    out["rope_interleave"] = true.into();
+    if cfg.moe.is_none() {
+        // DeepseekV3Config's defaults make layers from the fourth on MoE layers
+        out["first_k_dense_replace"] = cfg.layers.into();
+    }
+}

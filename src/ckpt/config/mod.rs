@@ -431,6 +431,7 @@ impl ModelConfig {
         if let Some(m) = &self.moe {
             moe::moe_to_hf(m, self.family, &mut cfg);
         }
+        mla::mla_to_hf(self, &mut cfg);
         cfg
     }
 
