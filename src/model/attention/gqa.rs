@@ -9,7 +9,7 @@
 
 use super::Attend;
 use crate::arch::roles::{Canon, Role};
-use crate::engine::{Backend, EngineError, Result};
+use crate::engine::{Backend, Result};
 use crate::model::dropout::attention_mask;
 use crate::model::layer::rms_grad;
 use crate::model::linear::Linear;
@@ -125,13 +125,7 @@ impl Gqa {
         let b = p.b;
         let shape = p.spec.attention;
         let [u_qkv, u_proj] = &s.lora;
-        let Some(lse) = &s.lse else {
-            return Err(EngineError::Invalid {
-                op: "attention backward",
-                msg: "the forward pass attended over a cache and kept no statistics".into(),
-            });
-        };
-        let all = gathered(b, p.tp, dy)?;
+        let (lse, all) = super::backward_inputs(p, &s.lse, dy)?;
         let dy = all.as_ref().unwrap_or(dy);
         let d_o = self.proj.backward(p, grads, dy, (&s.o, u_proj.as_ref()))?;
         let mask = attention_mask(p, self.layer);

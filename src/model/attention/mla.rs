@@ -215,13 +215,7 @@ impl Mla {
         let b = p.b;
         let shape = p.spec.attention;
         let d = dims(p)?;
-        let Some(lse) = &s.lse else {
-            return Err(EngineError::Invalid {
-                op: "attention backward",
-                msg: "the forward pass attended over a cache and kept no statistics".into(),
-            });
-        };
-        let all = gathered(b, p.tp, dy)?;
+        let (lse, all) = super::backward_inputs(p, &s.lse, dy)?;
         let dy = all.as_ref().unwrap_or(dy);
         let d_o = self
             .proj

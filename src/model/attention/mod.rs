@@ -46,6 +46,23 @@ pub(in crate::model) enum Attend<'a, T> {
     },
 }
 
+/// The log-sum-exp a training forward pass kept for the backward pass (none where it attended
+/// over a cache), and the output gradient `dy` with every rank's rows under sequence
+/// parallelism.
+pub(in crate::model) fn backward_inputs<'a, B: Backend>(
+    p: &Pass<B>,
+    lse: &'a Option<B::Tensor>,
+    dy: &B::Tensor,
+) -> Result<(&'a B::Tensor, Option<B::Tensor>)> {
+    let Some(lse) = lse else {
+        return Err(crate::engine::EngineError::Invalid {
+            op: "attention backward",
+            msg: "the forward pass attended over a cache and kept no statistics".into(),
+        });
+    };
+    Ok((lse, crate::model::parallel::gathered(p.b, p.tp, dy)?))
+}
+
 impl Attention {
     /// Layer `layer`'s attention in `table`, `None` if the table lacks it.
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Attention> {

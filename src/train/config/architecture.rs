@@ -369,6 +369,11 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
         "low-freq-factor",
         "high-freq-factor",
         "original-max-position-embeddings",
+        "rope-scaling-mscale",
+        "rope-scaling-mscale-all-dim",
+        "rope-scaling-original-max-position-embeddings",
+        "beta-fast",
+        "beta-slow",
     ];
     if !scaling_flags.iter().any(|f| a.has(f)) {
         return Ok(());
@@ -382,6 +387,10 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
             "low_freq_factor",
             "high_freq_factor",
             "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
         ];
         let values = keys.iter().map(|k| r.get(k).and_then(|v| v.as_f64()));
         Some((
