@@ -83,6 +83,90 @@ fn every_family_round_trips_through_tp2_pp2() {
     assert!(tmp.path().join("llama/tokenizer.json").is_file());
 }
 
+/// A rank file's model tensors: key → (shape, bytes).
+fn rank_tensors(path: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    use mindkit::ckpt::megatron::{chunks, flatten};
+    use mindkit::ckpt::torch::{pickle::Value, TorchFile};
+    let pt = TorchFile::open(path).unwrap();
+    let mut flat = Default::default();
+    for chunk in chunks(&pt).unwrap() {
+        flatten(chunk, false, path, &mut flat).unwrap();
+    }
+    (flat.into_iter())
+        .filter_map(|(k, v)| match v {
+            Value::Tensor(t) => {
+                let t = pt.read_tensor(&k, &t).unwrap();
+                Some((k, (t.shape, t.data)))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn multi_latent_attention_layouts_convert_into_each_other_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (f, tp) in [("deepseek_v3", "2"), ("deepseek_v3_direct", "1")] {
+        let at = |s: &str| tmp.path().join(format!("{f}-{s}"));
+        let layout = ["--mla-layout", "mindspeed", "--tp", tp, "--pp", "2"];
+        convert("megatron", &model(f), &at("fused"), &layout);
+        let info = String::from_utf8(
+            (mindkit(&[&"ckpt", &"info", &at("fused")]).success())
+                .get_output()
+                .stdout
+                .clone(),
+        )
+        .unwrap();
+        assert!(
+            info.contains("in one linear_qkv (MindSpeed-LLM's deepseek_spec)"),
+            "{info}"
+        );
+        // MindSpeed-LLM's layout → megatron-core's, and back, as the HF conversions write them
+        convert(
+            "megatron",
+            &at("fused"),
+            &at("apart"),
+            &["--mla-layout", "mcore"],
+        );
+        convert(
+            "megatron",
+            &model(f),
+            &at("direct"),
+            &["--tp", tp, "--pp", "2"],
+        );
+        convert(
+            "megatron",
+            &at("apart"),
+            &at("again"),
+            &["--mla-layout", "mindspeed"],
+        );
+        for r in ["mp_rank_00_000", "mp_rank_00_001"] {
+            let read = |d: &str| rank_tensors(&rank_file(&at(d), r));
+            assert_eq!(read("apart"), read("direct"), "{f}: {r}");
+            assert_eq!(read("again"), read("fused"), "{f}: {r}");
+            let fused = read("fused");
+            assert!(fused.contains_key("decoder.layers.0.self_attention.linear_qkv.weight"));
+            assert!(!fused.keys().any(|k| k.contains("down_proj")), "{f}: {r}");
+        }
+        convert("hf", &at("fused"), &at("hf"), &[]);
+        assert_same_hf(&model(f), &at("hf"));
+    }
+    let err = convert_err(
+        "megatron",
+        &model("deepseek_v3_direct"),
+        &tmp.path().join("bad"),
+        &["--mla-layout", "mindspeed", "--tp", "2"],
+    );
+    assert!(err.contains("without a query latent"), "{err}");
+    let err = convert_err(
+        "megatron",
+        &model("qwen3"),
+        &tmp.path().join("bad"),
+        &["--mla-layout", "mindspeed"],
+    );
+    assert!(err.contains("has no multi-latent attention"), "{err}");
+}
+
 #[test]
 fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();

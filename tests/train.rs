@@ -6,6 +6,7 @@
 mod common;
 
 use common::{copy_dir, fixture, mindkit};
+use mindkit::ckpt::config::DEEPSEEK_SPEC;
 use std::path::{Path, PathBuf};
 
 /// The shipped corpus preprocessed with the demo model's tokenizer into `dir`.
@@ -1264,6 +1265,65 @@ fn multi_latent_attention_trains_on_tensor_and_sequence_parallel_ranks_as_one_ra
     );
     // read back as the same model: the same weights as the Megatron checkpoint's
     same_hf_weights(dir.path(), &save, &hf, 0.0);
+    mindspeed_layout_trains_as_megatron_cores(dir.path(), &data, &save);
+}
+
+/// The model `save` holds in MindSpeed-LLM's deepseek_spec layout (its down projections in one
+/// replicated linear_qkv) fine-tunes as in megatron-core's layout, on one rank and over TP 2
+/// with sequence parallelism; training in it saves it in it.
+fn mindspeed_layout_trains_as_megatron_cores(dir: &Path, data: &Path, save: &Path) {
+    let fused = dir.join("fused");
+    let layout = ["--mla-layout", "mindspeed"];
+    convert_checkpoint(save, &fused, &layout);
+    let demo = fixture("models/demo");
+    let tune = |load: &Path, extra: &[&str]| {
+        let tokenizer = [
+            "--finetune",
+            "--tokenizer-name-or-path",
+            demo.to_str().unwrap(),
+        ];
+        let tuned = [&MLA_FLAGS[..], &tokenizer, extra].concat();
+        with_value(args(data, &tuned), "--load", load.to_str().unwrap())
+    };
+    let spec = ["--spec", DEEPSEEK_SPEC[0], DEEPSEEK_SPEC[1]];
+    let apart = stdout(&run(&tune(save, &[])).success());
+    let out = dir.join("fused-trained");
+    let saved = [
+        &spec[..],
+        &["--save", out.to_str().unwrap(), "--save-interval", "10"],
+    ]
+    .concat();
+    for extra in [
+        saved,
+        [
+            &spec[..],
+            &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ]
+        .concat(),
+    ] {
+        let one = stdout(&run(&tune(&fused, &extra)).success());
+        same_training(&apart, &one, 1e-5, &format!("deepseek_spec {extra:?}"));
+    }
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &out]).success());
+    assert!(info.contains("MindSpeed-LLM's deepseek_spec"), "{info}");
+    // the spec must agree with the checkpoint's layout
+    let err = stderr(&run(&tune(save, &spec)).failure());
+    assert!(err.contains("multi-latent attention"), "{err}");
+}
+
+/// `mindkit convert --to megatron` of a Megatron checkpoint.
+fn convert_checkpoint(from: &Path, to: &Path, extra: &[&str]) {
+    let mut a: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+        &"convert",
+        &"--to",
+        &"megatron",
+        &"--input",
+        &from,
+        &"--output",
+        &to,
+    ];
+    a.extend(extra.iter().map(|s| s as &dyn AsRef<std::ffi::OsStr>));
+    mindkit(&a).success();
 }
 
 /// Every weight of two checkpoints (any layout), converted to HF: equal within `tolerance`

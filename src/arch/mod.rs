@@ -89,11 +89,22 @@ pub struct Mla {
     pub rope_dim: usize,
     /// A head's value dimensions (`--v-head-dim`).
     pub v_head_dim: usize,
+    /// MindSpeed-LLM's layer spec (`--spec mindspeed_llm.tasks.models.spec.deepseek_spec
+    /// layer_spec`): the query's down projection (or its direct projection) and the key-value
+    /// one are one replicated `linear_qkv` (its multi_latent_attention.py
+    /// `CustomMLASelfAttention`), not megatron-core's two column-parallel ones.
+    pub fused_down: bool,
 }
 
 impl Mla {
     /// A query (and key) head's dimensions: without RoPE, then rotated.
     pub fn q_head_dim(&self) -> usize {
         self.qk_head_dim + self.rope_dim
+    }
+
+    /// The rows of the queries' first projection out of the hidden state: the latent's, or
+    /// every head's query (`q_rank` of MindSpeed-LLM).
+    pub fn q_rank(&self, heads: usize) -> usize {
+        self.q_lora_rank.unwrap_or(heads * self.q_head_dim())
     }
 }

@@ -39,6 +39,10 @@ pub enum Role {
     KvDown,
     /// The RMSNorm of the key-value latent `[kv_lora]` (megatron-core's `kv_layernorm`).
     KvLatentNorm,
+    /// MindSpeed-LLM's fused down projections `[q_rank + kv_lora + d_rope, h]`: the query's
+    /// down projection (or its direct projection), then the key-value one
+    /// ([`crate::arch::Mla::fused_down`]).
+    QkvDown,
     /// The key-value up projection `[heads·(d_nope + d_v), kv_lora]`, per head its key part
     /// then its value.
     KvUp,
@@ -105,16 +109,30 @@ impl Role {
 
     /// The roles of multi-latent attention, in the order megatron-core's `MLASelfAttention`
     /// registers them: the output projection (built by its base class first), the query
-    /// projections, the key-value ones, then the latents' norms (`--qk-layernorm`).
+    /// projections, the key-value ones, then the latents' norms (`--qk-layernorm`). MindSpeed-
+    /// LLM's `CustomMLASelfAttention` rebuilds its base class's `linear_qkv` and `q_layernorm`
+    /// in their places: the output projection, the fused down projections, the query latent's
+    /// norm and up projection, the key-value latent's.
     pub fn mla_roles(cfg: &ModelConfig, mla: &crate::arch::Mla) -> Vec<Role> {
+        let q_latent = mla.q_lora_rank.is_some();
         let mut roles = vec![Role::Proj];
-        match mla.q_lora_rank {
-            Some(_) => roles.extend([Role::QDown, Role::QUp]),
-            None => roles.push(Role::QProj),
+        if mla.fused_down {
+            roles.push(Role::QkvDown);
+            if q_latent {
+                roles.extend(cfg.qk_norm.then_some(Role::QLatentNorm));
+                roles.push(Role::QUp);
+            }
+            roles.extend(cfg.qk_norm.then_some(Role::KvLatentNorm));
+            roles.push(Role::KvUp);
+            return roles;
+        }
+        match q_latent {
+            true => roles.extend([Role::QDown, Role::QUp]),
+            false => roles.push(Role::QProj),
         }
         roles.extend([Role::KvDown, Role::KvUp]);
         if cfg.qk_norm {
-            if mla.q_lora_rank.is_some() {
+            if q_latent {
                 roles.push(Role::QLatentNorm);
             }
             roles.push(Role::KvLatentNorm);
@@ -151,7 +169,7 @@ impl Role {
     /// `linear_fc2` modules too), which LoRA's target modules name.
     pub fn linear_module(self) -> Option<&'static str> {
         Some(match self {
-            Role::Qkv => "linear_qkv",
+            Role::Qkv | Role::QkvDown => "linear_qkv",
             Role::Proj => "linear_proj",
             Role::QDown => "linear_q_down_proj",
             Role::QUp => "linear_q_up_proj",
@@ -227,7 +245,7 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
             None => vec![cfg.hidden, cfg.heads * cfg.head_dim],
         },
         Role::QDown | Role::QLatentNorm | Role::QUp | Role::QProj => mla_q_shape(cfg, role),
-        Role::KvDown | Role::KvLatentNorm | Role::KvUp => mla_kv_shape(cfg, role),
+        Role::KvDown | Role::KvLatentNorm | Role::KvUp | Role::QkvDown => mla_kv_shape(cfg, role),
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
         Role::Router => vec![cfg.moe.as_ref().map_or(0, |m| m.experts), cfg.hidden],
@@ -258,6 +276,10 @@ fn mla_kv_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
     match role {
         Role::KvDown => vec![m.kv_lora_rank + m.rope_dim, cfg.hidden],
         Role::KvLatentNorm => vec![m.kv_lora_rank],
+        Role::QkvDown => vec![
+            m.q_rank(cfg.heads) + m.kv_lora_rank + m.rope_dim,
+            cfg.hidden,
+        ],
         _ => vec![cfg.heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank],
     }
 }
@@ -269,6 +291,7 @@ const ZERO_MLA: crate::arch::Mla = crate::arch::Mla {
     qk_head_dim: 0,
     rope_dim: 0,
     v_head_dim: 0,
+    fused_down: false,
 };
 
 /// One routed expert's intermediate size (0 for a dense model).

@@ -84,6 +84,16 @@ enum NpuCommand {
     Info,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum MlaLayout {
+    /// megatron-core's local spec: linear_q_down_proj and linear_kv_down_proj, split over TP.
+    Mcore,
+    /// MindSpeed-LLM's deepseek_spec (its --spec mindspeed_llm.tasks.models.spec.deepseek_spec
+    /// layer_spec, recorded in args.spec): both in one linear_qkv on every TP rank, as its
+    /// converters write DeepSeek.
+    Mindspeed,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum EvalTask {
     /// BoolQ dev, 0-shot, acc.
@@ -285,6 +295,10 @@ struct OutputArgs {
     /// Megatron key layout: mcore (local spec, as MindSpeed-LLM), mcore-te, legacy.
     #[arg(long, value_enum, default_value = "mcore")]
     layout: KeyLayout,
+    /// Multi-latent attention's down projections in a Megatron output. Default: the input's,
+    /// else megatron-core's.
+    #[arg(long, value_enum)]
+    mla_layout: Option<MlaLayout>,
     /// Output dtype: bf16, fp16, fp32 (default: the input's).
     #[arg(long)]
     dtype: Option<String>,
@@ -573,6 +587,7 @@ fn convert_options(
         etp: a.etp,
         tp_extend_ep: a.moe_tp_extend_ep,
         grouped_experts: a.moe_grouped_gemm,
+        fused_mla_down: a.mla_layout.map(|l| l == MlaLayout::Mindspeed),
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
         first_last: (a.first_stage_layers, a.last_stage_layers),

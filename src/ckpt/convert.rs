@@ -6,7 +6,7 @@ use super::config::parse_dtype;
 use super::hf::{self, HfWeights, Planned};
 use super::layout::{KeyLayout, Parallel};
 use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
-use super::transform::{from_hf, hf_parts, to_hf};
+use super::transform::{self, from_hf, hf_parts, to_hf};
 use crate::arch::family::{self, hf_names, Family, QkvStyle};
 use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
@@ -52,6 +52,10 @@ pub struct ConvertOptions {
     pub tp_extend_ep: bool,
     /// Write the routed experts as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
     pub grouped_experts: bool,
+    /// Multi-latent attention's down projections in a Megatron output: fused as MindSpeed-
+    /// LLM's deepseek_spec writes them (`true`), apart as megatron-core's local spec (`false`);
+    /// default the input's.
+    pub fused_mla_down: Option<bool>,
     /// Virtual chunks per stage.
     pub vpp: Option<usize>,
     /// Layers per virtual chunk (alternative to `vpp`).
@@ -408,8 +412,27 @@ pub fn write_output(
     if let Some(d) = &o.dtype {
         cfg.dtype = parse_dtype(d)?;
     }
+    if let Some(fused) = o.fused_mla_down {
+        match (&mut cfg.mla, o.to) {
+            (Some(m), Format::Megatron) => m.fused_down = fused,
+            (None, _) => bail!(
+                "--mla-layout: {} has no multi-latent attention",
+                o.input.display()
+            ),
+            (_, Format::Hf) => bail!("--mla-layout: a Megatron output's; HF has one layout"),
+        }
+    }
     let read = |c: Canon| -> Result<Tensor> {
-        let mut t = source.read(&input.cfg, c)?;
+        let mut t =
+            match transform::regrouped_from(&input.cfg, c).filter(|_| cfg.mla != input.cfg.mla) {
+                Some(parts) => {
+                    let rows: Result<Vec<Tensor>> = (parts.into_iter())
+                        .map(|(from, r)| Ok(source.read(&input.cfg, from)?.rows(r.start, r.end)))
+                        .collect();
+                    Tensor::cat_rows(&rows?)
+                }
+                None => source.read(&input.cfg, c)?,
+            };
         let want = canonical_shape(&cfg, c.role);
         if t.shape != want {
             bail!("internal: {c:?} read as {:?}, expected {want:?}", t.shape);

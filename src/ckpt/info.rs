@@ -49,7 +49,7 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
         let _ = writeln!(
             out,
             "attention:   multi-latent: query latent {}, key-value latent {}, heads of {} + {} \
-             rotated, values of {}{}",
+             rotated, values of {}{}{}",
             m.q_lora_rank.map_or("none".into(), |r| r.to_string()),
             m.kv_lora_rank,
             m.qk_head_dim,
@@ -58,6 +58,10 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
             match &cfg.rope_scaling {
                 Some(r) => format!("; RoPE scaling {r}"),
                 None => String::new(),
+            },
+            match m.fused_down {
+                true => "; down projections in one linear_qkv (MindSpeed-LLM's deepseek_spec)",
+                false => "",
             }
         );
     }

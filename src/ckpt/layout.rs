@@ -127,7 +127,13 @@ impl Parallel {
                     .map(|f| ("the shared experts' intermediate size", f)),
             );
         }
-        if let Some(m) = &cfg.mla {
+        if let Some(m) = cfg.mla.filter(|m| m.fused_down) {
+            if m.q_lora_rank.is_none() && tp > 1 {
+                // its linear_qkv holds every head's query, which its attention would take as
+                // this rank's heads (multi_latent_attention.py `mla_naive_attention`)
+                bail!("--tp {tp}: MindSpeed-LLM's deepseek_spec without a query latent (no q_lora_rank) runs on one tensor-parallel rank only");
+            }
+        } else if let Some(m) = &cfg.mla {
             // megatron-core's local spec splits the down projections' rows too
             split.push((
                 "the key-value latent and rotated key part (kv_lora_rank + qk_rope_head_dim)",
@@ -382,7 +388,7 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
         }
         (_, r) => mcore(match r {
             Role::InputNorm => "input_layernorm.weight",
-            Role::Qkv => "self_attention.linear_qkv.weight",
+            Role::Qkv | Role::QkvDown => "self_attention.linear_qkv.weight",
             Role::QkvBias => "self_attention.linear_qkv.bias",
             Role::Proj => "self_attention.linear_proj.weight",
             Role::ProjBias => "self_attention.linear_proj.bias",

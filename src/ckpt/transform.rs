@@ -8,6 +8,7 @@ use crate::arch::roles::{canonical_shape, moe_ffn, shared_ffn, Canon, Role};
 use crate::arch::ModelConfig;
 use crate::tensor::host::Tensor;
 use anyhow::{bail, Result};
+use std::ops::Range;
 
 /// HF tensor names that make up a canonical tensor, with their shapes.
 pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
@@ -53,6 +54,20 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         Role::KvDown => one(hf::layer(l, hf::MLA_KV[0])),
         Role::KvLatentNorm => one(hf::layer(l, hf::MLA_KV[1])),
         Role::KvUp => one(hf::layer(l, hf::MLA_KV[2])),
+        Role::QkvDown => {
+            let m = cfg
+                .mla
+                .expect("fused down projections are multi-latent attention's");
+            let q = match m.q_lora_rank {
+                Some(_) => hf::MLA_Q[0],
+                None => hf::MLA_Q[3],
+            };
+            let kv = m.kv_lora_rank + m.rope_dim;
+            vec![
+                (hf::layer(l, q), vec![m.q_rank(cfg.heads), h]),
+                (hf::layer(l, hf::MLA_KV[0]), vec![kv, h]),
+            ]
+        }
         role => moe_parts(cfg, l, role),
     }
 }
@@ -132,6 +147,11 @@ pub fn hf_row_blocks(cfg: &ModelConfig, c: Canon) -> Vec<Vec<RowBlock>> {
             let f = canonical_shape(cfg, c.role)[0] / 2;
             vec![vec![(0, 0, f)], vec![(0, f, f)]]
         }
+        (Role::QkvDown, _) => {
+            let parts = hf_parts(cfg, c);
+            let (q, kv) = (parts[0].1[0], parts[1].1[0]);
+            vec![vec![(0, 0, q)], vec![(0, q, kv)]]
+        }
         (role, _) => vec![vec![(0, 0, canonical_shape(cfg, role)[0])]],
     }
 }
@@ -176,6 +196,26 @@ pub fn to_hf(cfg: &ModelConfig, c: Canon, t: Tensor) -> Vec<Tensor> {
         .collect()
 }
 
+/// Where canonical tensor `c` of a model comes from in `source`, the same model with its
+/// multi-latent attention's down projections the other way (fused into MindSpeed-LLM's one
+/// `linear_qkv`, or apart as megatron-core's): the source's tensors and their rows, stacked in
+/// order. `None` where `c` is the source's own.
+pub fn regrouped_from(source: &ModelConfig, c: Canon) -> Option<Vec<(Canon, Range<usize>)>> {
+    let m = source.mla?;
+    let (q, kv) = (m.q_rank(source.heads), m.kv_lora_rank + m.rope_dim);
+    let at = |role| Canon { role, ..c };
+    let q_role = match m.q_lora_rank {
+        Some(_) => Role::QDown,
+        None => Role::QProj,
+    };
+    match (m.fused_down, c.role) {
+        (true, Role::QDown | Role::QProj) => Some(vec![(at(Role::QkvDown), 0..q)]),
+        (true, Role::KvDown) => Some(vec![(at(Role::QkvDown), q..q + kv)]),
+        (false, Role::QkvDown) => Some(vec![(at(q_role), 0..q), (at(Role::KvDown), 0..kv)]),
+        _ => None,
+    }
+}
+
 /// How a role is laid out over TP ranks (docs/checkpoints.md §3.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Split {
@@ -205,7 +245,9 @@ fn split_of(role: Role) -> Split {
         | Role::ExpertBias
         | Role::SharedGate
         | Role::QLatentNorm
-        | Role::KvLatentNorm => Split::Replicated,
+        | Role::KvLatentNorm
+        // MindSpeed-LLM's `LinearNoTP` (multi_latent_attention.py `get_mla_self_attn_submodules`)
+        | Role::QkvDown => Split::Replicated,
         // Multi-latent attention's projections are column-parallel, the down projections too
         // (megatron-core gpt_layer_specs.py, local spec: `ColumnParallelLinear`, their outputs
         // gathered), the up projections' rows whole heads.

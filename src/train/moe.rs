@@ -31,7 +31,7 @@ impl MoeTracker {
     pub(super) fn new(model: &ModelConfig, aux: Option<&AuxLosses>) -> Option<MoeTracker> {
         let (moe, aux) = (model.moe.as_ref()?, aux?);
         let mut names = Vec::new();
-        if aux.balancing != Balancing::None {
+        if matches!(aux.balancing, Balancing::Aux | Balancing::SeqAux) {
             names.push("load_balancing_loss");
         }
         if aux.balancing == Balancing::SeqAux {

@@ -93,15 +93,20 @@ def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, 
     projected straight as DeepSeek-V2-Lite's, values narrower than the query heads; sigmoid
     routing with an expert bias, groups, a shared expert and a dense first layer): prefill
     logits and KV-cached decoding steps equal transformers' (fp32), from the HF directory and
-    from its Megatron conversion over TP 2 × EP 2."""
+    from its Megatron conversions over TP 2 × EP 2: megatron-core's local spec, and MindSpeed-
+    LLM's deepseek_spec (the down projections in one linear_qkv on every rank; V2-Lite's on one
+    TP rank, as MindSpeed-LLM runs it)."""
     model_dir = ROOT / "fixtures/models" / family
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     prefill, steps, tokens = hf_greedy(model, ids, 8)
-    ck = tmp_path / "megatron"
+    ck, fused = tmp_path / "megatron", tmp_path / "mindspeed"
     mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", ck, "--tp", "2",
             "--ep", "2")
-    for source in (model_dir, ck):
+    tp = "2" if family == "deepseek_v3" else "1"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", fused, "--tp", tp,
+            "--ep", "2", "--mla-layout", "mindspeed")
+    for source in (model_dir, ck, fused):
         got = mindkit_logits(source, ids, 8, tmp_path / "logits.safetensors")
         assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
         assert got["generated"].tolist() == tokens, source

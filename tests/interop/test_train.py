@@ -479,16 +479,23 @@ def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
     same_as_megatron_core(got, history, reference, tmp_path)
 
 
-# Each load-balancing type (mindkit's flag) and the megatron-core router that trains the same:
+# Each load-balancing type (mindkit's flags) and the megatron-core router that trains the same:
 # its own sinkhorn (no aux loss allowed); MindSpeed-LLM's pai_megatron_aux_loss is the Switch
 # loss of a softmax over all experts with the top-k of it (its pai_megatron.py) and softmax_topk
 # without norm_topk_prob that top-k without a loss (router.py topk_router_routing): megatron-
-# core's aux_loss / none with moe_router_pre_softmax.
+# core's aux_loss / none with moe_router_pre_softmax. MindSpeed-LLM's `none --seq-aux` with a
+# softmax router and no expert bias (router.py apply_seq_aux_loss, its top-k the routing's) is
+# megatron-core's seq_aux_loss, which MindSpeed-LLM leaves out of its log.
 BALANCING = {
-    "sinkhorn": ("0", dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0)),
-    "pai_megatron_aux_loss": ("0.01", dict(moe_router_load_balancing_type="aux_loss",
-                                           moe_aux_loss_coeff=0.01, moe_router_pre_softmax=True)),
-    "softmax_topk": ("0", dict(moe_router_load_balancing_type="none", moe_router_pre_softmax=True)),
+    "sinkhorn": (["sinkhorn"], "0", dict(moe_router_load_balancing_type="sinkhorn",
+                                         moe_aux_loss_coeff=0.0)),
+    "pai_megatron_aux_loss": (["pai_megatron_aux_loss"], "0.01", dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+        moe_router_pre_softmax=True)),
+    "softmax_topk": (["softmax_topk"], "0", dict(moe_router_load_balancing_type="none",
+                                                 moe_router_pre_softmax=True)),
+    "seq_aux": (["none", "--seq-aux"], "0.01", dict(moe_router_load_balancing_type="seq_aux_loss",
+                                                    moe_aux_loss_coeff=0.01)),
 }
 
 
@@ -496,30 +503,36 @@ BALANCING = {
 def test_load_balancing_types_train_as_megatron_core(tmp_path, mindkit, balancing):
     """--moe-router-load-balancing-type sinkhorn (training routes each micro-batch's tokens by
     the top-2 of their Sinkhorn-balanced logits, weighted by the softmax over all experts),
-    pai_megatron_aux_loss and softmax_topk, with the z-loss, trained by `mindkit train` and by
-    megatron-core's own GPTModel (TopKRouter) from the same Megatron checkpoint: lm loss, grad
-    norm, learning rate and the tracked losses per iteration to 1e-5 relative over 20
-    iterations, the final weights to 1e-4."""
+    pai_megatron_aux_loss, softmax_topk and none with MindSpeed-LLM's --seq-aux, with the
+    z-loss, trained by `mindkit train` and by megatron-core's own GPTModel (TopKRouter) from the
+    same Megatron checkpoint: lm loss, grad norm, learning rate and the tracked losses per
+    iteration to 1e-5 relative over 20 iterations, the final weights to 1e-4."""
     from megatron_cpu import gpt_model
     model_dir = make_qwen3_moe(tmp_path / "model")
     data = write_data(tmp_path / "data")
-    coeff, reference_router = BALANCING[balancing]
+    mindkit_flags, coeff, reference_router = BALANCING[balancing]
     start = megatron_start(mindkit, model_dir, tmp_path / "start",
-                           {"moe_router_load_balancing_type": balancing})
+                           {"moe_router_load_balancing_type": mindkit_flags[0]})
     flags = [f for f in MOE_FLAGS if f != "--norm-topk-prob"]
-    flags[flags.index("aux_loss")] = balancing
+    at = flags.index("aux_loss")
+    flags[at:at + 1] = mindkit_flags
     flags[flags.index("--moe-aux-loss-coeff") + 1] = coeff
     mindkit_train(tmp_path / "start", data, tmp_path,
                   flags + ["--finetune", "--tokenizer-name-or-path", model_dir])
     got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
-                                    "z_loss"))
+                                    "seq_load_balancing_loss", "z_loss"))
     assert ("load_balancing_loss" in got) == (balancing == "pai_megatron_aux_loss"), got.keys()
+    assert "seq_load_balancing_loss" not in got, got.keys()
     gpt = gpt_model(start["args"], moe_losses=dict(moe_z_loss_coeff=0.001, **reference_router))
     gpt.load_state_dict(start["model"], strict=True)
     history, reference, _ = train_reference.train(
         None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
         lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
         clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2)
+    if balancing == "seq_aux":
+        assert any("seq_load_balancing_loss" in m for m in reference.moe_losses)
+        reference.moe_losses = [{k: v for k, v in m.items() if k == "z_loss"}
+                                for m in reference.moe_losses]
     same_as_megatron_core(got, history, reference, tmp_path)
 
 

@@ -26,6 +26,7 @@ pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla
             "qk_rope_head_dim",
         )?,
         v_head_dim: json_required_count(cfg, "v_head_dim")?,
+        fused_down: false,
     }))
 }
 
@@ -57,6 +58,7 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
             "args.qk_pos_emb_head_dim",
         )?,
         v_head_dim: count("v_head_dim", 128)?,
+        fused_down: super::spec_is(args, super::DEEPSEEK_SPEC),
     }))
 }
 

@@ -7,7 +7,7 @@ mod moe;
 
 use super::torch::pickle::Value;
 use crate::arch::family::{self, Family, OutBias, QkNorm};
-use crate::arch::ModelConfig;
+use crate::arch::{Mla, ModelConfig};
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value as Json};
@@ -554,17 +554,28 @@ fn arg_count(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>>
 /// attention's q/k norms span all heads ([`ModelConfig::qk_norm_per_layer`]).
 pub const MINIMAX_SPEC: [&str; 2] = ["mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec"];
 
-/// Whether `args.spec` is MindSpeed-LLM's MiniMax spec.
-fn is_minimax_spec(args: &[(String, Value)]) -> bool {
+/// MindSpeed-LLM's DeepSeek layer spec: multi-latent attention with its down projections in
+/// one replicated `linear_qkv` ([`crate::arch::Mla::fused_down`]).
+pub const DEEPSEEK_SPEC: [&str; 2] = [
+    "mindspeed_llm.tasks.models.spec.deepseek_spec",
+    "layer_spec",
+];
+
+/// Whether `args.spec` is `spec`.
+fn spec_is(args: &[(String, Value)], spec: [&str; 2]) -> bool {
     matches!(arg(args, "spec"), Some(Value::List(s))
-        if s.len() == 2 && s.iter().zip(MINIMAX_SPEC).all(|(v, m)| matches!(v, Value::Str(v) if v == m)))
+        if s.len() == 2 && s.iter().zip(spec).all(|(v, m)| matches!(v, Value::Str(v) if v == m)))
 }
 
-/// `args.spec` for a model whose layer spec it records (MindSpeed-LLM's MiniMax spec), else
-/// `None`.
+/// `args.spec` for a model whose layer spec it records (MindSpeed-LLM's MiniMax and DeepSeek
+/// specs), else `None`.
 pub fn spec_arg(cfg: &ModelConfig) -> Option<Value> {
-    let spec = MINIMAX_SPEC.map(|s| Value::Str(s.into()));
-    cfg.qk_norm_per_layer.then(|| Value::List(spec.into()))
+    let spec = match cfg.mla {
+        Some(m) if m.fused_down => DEEPSEEK_SPEC,
+        _ if cfg.qk_norm_per_layer => MINIMAX_SPEC,
+        _ => return None,
+    };
+    Some(Value::List(spec.map(|s| Value::Str(s.into())).into()))
 }
 
 fn arg_str<'a>(args: &'a [(String, Value)], name: &str) -> FieldResult<Option<&'a str>> {
@@ -666,7 +677,8 @@ impl ModelConfig {
             _ => None,
         })?;
         let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
-        let qk_norm_per_layer = qk_norm && is_minimax_spec(args);
+        let qk_norm_per_layer = qk_norm && spec_is(args, MINIMAX_SPEC);
+        let fused_down = spec_is(args, DEEPSEEK_SPEC);
         if let Some(text) = carried {
             let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
             let hf: Json =
@@ -675,6 +687,7 @@ impl ModelConfig {
             check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
+            cfg.mla = cfg.mla.map(|m| Mla { fused_down, ..m });
             return Ok(cfg);
         }
         let need = |n: &str| {
@@ -937,8 +950,16 @@ pub fn megatron_args(
     if let Some(hf) = &cfg.hf_config {
         set.push((HF_CONFIG_ARG, Value::Str(hf.to_string())));
     }
-    if let Some(spec) = spec_arg(cfg) {
-        set.push(("spec", spec));
+    match spec_arg(cfg) {
+        Some(spec) => set.push(("spec", spec)),
+        // a source's spec that said what this model no longer is
+        None if [MINIMAX_SPEC, DEEPSEEK_SPEC]
+            .iter()
+            .any(|&s| spec_is(base, s)) =>
+        {
+            set.push(("spec", Value::None))
+        }
+        None => {}
     }
     // What mindkit writes never holds LoRA modules: a source's lora_* settings would be stale.
     let mut out: Vec<(String, Value)> = base

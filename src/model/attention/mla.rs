@@ -11,8 +11,9 @@
 //! padding's output is zero and dropped, its gradient zero.
 //!
 //! Under tensor parallelism the down projections are column-parallel like the up
-//! projections, their outputs gathered whole (megatron-core's local spec); under sequence
-//! parallelism the latents' norms take this rank's rows.
+//! projections, their outputs gathered whole (megatron-core's local spec), or one replicated
+//! projection that every rank computes whole (MindSpeed-LLM's deepseek_spec `linear_qkv`);
+//! under sequence parallelism the latents' norms take this rank's rows.
 //!
 //! Legend: n = rows of the pass (every rank's under sequence parallelism), nh = this rank's
 //! heads, dn = a head's dimensions without RoPE, dr = with, dq = dn + dr, dv = a value head's.
@@ -33,11 +34,10 @@ use std::ops::Range;
 pub(in crate::model) struct Mla {
     /// The layer's index in the whole model (attention dropout's masks are keyed by it).
     layer: usize,
-    /// The query latent (linear_q_down_proj, q_layernorm, linear_q_up_proj), or the query
-    /// projection without one (linear_q_proj).
+    /// The projections out of the input.
+    down: Down,
+    /// What makes the queries of the first projection's output.
     q: Query,
-    /// linear_kv_down_proj `[kv_lora + dr, h]`.
-    kv_down: Linear,
     /// kv_layernorm γ `[kv_lora]`.
     kv_norm: Option<usize>,
     /// linear_kv_up_proj `[nh(dn + dv), kv_lora]`.
@@ -46,13 +46,24 @@ pub(in crate::model) struct Mla {
     proj: Linear,
 }
 
-/// How queries are made.
+/// The projections out of the input: the queries' first (their latent's down projection,
+/// or every head's query) and the key-value latent's with the shared rotated key part.
+#[derive(Debug, Clone, Copy)]
+enum Down {
+    /// megatron-core's column-parallel linear_q_down_proj (or linear_q_proj) and
+    /// linear_kv_down_proj `[kv_lora + dr, h]`.
+    Apart(Linear, Linear),
+    /// MindSpeed-LLM's replicated linear_qkv `[q_rank + kv_lora + dr, h]`.
+    Fused(Linear),
+}
+
+/// How queries are made of the first projection's output.
 #[derive(Debug, Clone, Copy)]
 enum Query {
-    /// Through a latent: down projection, its norm, up projection.
-    Latent(Linear, Option<usize>, Linear),
-    /// Projected from the input.
-    Direct(Linear),
+    /// Through a latent: its norm (q_layernorm), then the up projection.
+    Latent(Option<usize>, Linear),
+    /// They are that output.
+    Direct,
 }
 
 /// A latent's norm: its input (this rank's rows) and `rstd`.
@@ -60,8 +71,6 @@ type NormSaved<T> = Option<(T, T)>;
 
 /// What the backward pass needs of a latent (of the queries or the keys and values).
 struct LatentSaved<T> {
-    /// The down projection's adapter `x·Aᵀ`.
-    down_lora: Option<T>,
     /// The norm's input and statistics.
     norm: NormSaved<T>,
     /// The up projection's input (the normed latent, every row) and adapter `x·Aᵀ`.
@@ -69,19 +78,14 @@ struct LatentSaved<T> {
     up_lora: Option<T>,
 }
 
-/// What the backward pass needs of the queries' making.
-enum QuerySaved<T> {
-    /// Of their latent.
-    Latent(LatentSaved<T>),
-    /// The direct projection's adapter `x·Aᵀ`.
-    Direct(Option<T>),
-}
-
 /// What the backward pass needs of the forward pass.
 pub(in crate::model) struct Saved<T> {
     /// The normed input `[T, h]` (this rank's rows under sequence parallelism).
     h: T,
-    q: QuerySaved<T>,
+    /// The down projections' adapters `x·Aᵀ` (of [`Down::Apart`]'s two, or the fused one).
+    down_lora: [Option<T>; 2],
+    /// Of the query latent (`None`: direct queries).
+    q: Option<LatentSaved<T>>,
     kv: LatentSaved<T>,
     /// The attention's queries, keys, padded values and output `[n, nh·dq]`, and its
     /// log-sum-exp (`None` where the keys came from a cache).
@@ -98,18 +102,21 @@ impl Mla {
         let at = Some(layer);
         let linear = |role| Linear::of(table, (role, None), at);
         let norm = |role| table.index(Canon { role, layer: at });
-        let q = match linear(Role::QProj) {
-            Some(direct) => Query::Direct(direct),
-            None => Query::Latent(
-                linear(Role::QDown)?,
-                norm(Role::QLatentNorm),
-                linear(Role::QUp)?,
-            ),
+        let q = match linear(Role::QUp) {
+            Some(up) => Query::Latent(norm(Role::QLatentNorm), up),
+            None => Query::Direct,
+        };
+        let down = match linear(Role::QkvDown) {
+            Some(fused) => Down::Fused(fused),
+            None => {
+                let q_down = linear(Role::QDown).or_else(|| linear(Role::QProj))?;
+                Down::Apart(q_down, linear(Role::KvDown)?)
+            }
         };
         Some(Mla {
             layer,
+            down,
             q,
-            kv_down: linear(Role::KvDown)?,
             kv_norm: norm(Role::KvLatentNorm),
             kv_up: linear(Role::KvUp)?,
             proj: linear(Role::Proj)?,
@@ -128,18 +135,14 @@ impl Mla {
         let d = dims(p)?;
         let all = gathered(b, p.tp, &h)?;
         let x = all.as_ref().unwrap_or(&h);
+        let ([q_first, kv_down], down_lora) = self.down_forward(p, x, &d)?;
         let (q, q_saved) = match self.q {
-            Query::Latent(down, norm, up) => {
-                let (q, saved) = latent(p, x, (down, norm, up))?;
-                (q, QuerySaved::Latent(saved))
+            Query::Latent(norm, up) => {
+                let (q, saved) = up_from_latent(p, q_first, (norm, up))?;
+                (q, Some(saved))
             }
-            Query::Direct(proj) => {
-                let (q, u) = proj.forward(p, x)?;
-                (q, QuerySaved::Direct(u))
-            }
+            Query::Direct => (q_first, None),
         };
-        let (kv_down, u_kv_down) = self.kv_down.forward(p, x)?;
-        let kv_down = columns_gathered(p, kv_down)?;
         let n = b.shape(&kv_down)[0];
         let row = d.kv_lora + d.r;
         let c_kv = b.gather(
@@ -148,8 +151,7 @@ impl Mla {
             &[n, d.kv_lora],
         )?;
         let mut k_pe = b.gather(&kv_down, cols(n, row, (1, row), d.kv_lora, d.r), &[n, d.r])?;
-        let (kv, mut kv_saved) = up_from_latent(p, c_kv, (self.kv_norm, self.kv_up))?;
-        kv_saved.down_lora = u_kv_down;
+        let (kv, kv_saved) = up_from_latent(p, c_kv, (self.kv_norm, self.kv_up))?;
         let nh = shape.heads;
         let (kw, qw) = (d.n + d.v, d.n + d.r);
         let mut q_pe = b.gather(&q, cols(n, nh * qw, (nh, qw), d.n, d.r), &[n, nh * d.r])?;
@@ -193,6 +195,7 @@ impl Mla {
         let (out, proj_lora) = self.proj.forward(p, &o)?;
         let saved = Saved {
             h,
+            down_lora,
             q: q_saved,
             kv: kv_saved,
             attention: [q_full, k_full, v_full, o_full],
@@ -276,24 +279,79 @@ impl Mla {
             row,
             &[(&d_c_kv, d.kv_lora, 0), (&dk_pe, d.r, d.kv_lora)],
         )?;
-        let all_h = gathered(b, p.tp, &s.h)?;
-        let x = all_h.as_ref().unwrap_or(&s.h);
-        let d_kv_down = own_columns(p, d_kv_down)?;
-        let mut dh = self
-            .kv_down
-            .backward(p, grads, &d_kv_down, (x, s.kv.down_lora.as_ref()))?;
-        let dh_q = match (self.q, &s.q) {
-            (Query::Latent(down, norm, up), QuerySaved::Latent(saved)) => {
-                let d_c = own_columns(p, latent_bwd(p, grads, dq, (norm, up), saved)?)?;
-                down.backward(p, grads, &d_c, (x, saved.down_lora.as_ref()))?
-            }
-            (Query::Direct(proj), QuerySaved::Direct(u)) => {
-                proj.backward(p, grads, &dq, (x, u.as_ref()))?
-            }
+        let d_q_first = match (self.q, &s.q) {
+            (Query::Latent(norm, up), Some(saved)) => latent_bwd(p, grads, dq, (norm, up), saved)?,
+            (Query::Direct, None) => dq,
             _ => unreachable!("the saved query path is the layer's"),
         };
-        b.add_assign(&mut dh, &dh_q)?;
-        reduced(b, p.tp, dh)
+        self.down_backward(p, grads, [d_q_first, d_kv_down], (&s.h, &s.down_lora))
+    }
+
+    /// The down projections of the input `x [n, h]` (every row): the queries' first
+    /// projection (the query latent whole, or this rank's heads' queries) and the key-value
+    /// latent with the rotated key part `[n, kv_lora + dr]` whole, and their adapters' `x·Aᵀ`.
+    #[allow(clippy::type_complexity)]
+    fn down_forward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        x: &B::Tensor,
+        d: &Dims,
+    ) -> Result<([B::Tensor; 2], [Option<B::Tensor>; 2])> {
+        let b = p.b;
+        let q_latent = matches!(self.q, Query::Latent(..));
+        match self.down {
+            Down::Apart(q_down, kv_down) => {
+                let (q, u_q) = q_down.forward(p, x)?;
+                let q = if q_latent { columns_gathered(p, q)? } else { q };
+                let (kv, u_kv) = kv_down.forward(p, x)?;
+                Ok(([q, columns_gathered(p, kv)?], [u_q, u_kv]))
+            }
+            Down::Fused(fused) => {
+                let (y, u) = fused.forward(p, x)?;
+                let (n, w) = (b.shape(&y)[0], b.shape(&y)[1]);
+                let kv_w = d.kv_lora + d.r;
+                let q_w = w - kv_w;
+                let q = b.gather(&y, cols(n, w, (1, w), 0, q_w), &[n, q_w])?;
+                let kv = b.gather(&y, cols(n, w, (1, w), q_w, kv_w), &[n, kv_w])?;
+                Ok(([q, kv], [u, None]))
+            }
+        }
+    }
+
+    /// `dh [T, h]` of [`Mla::down_forward`] given its outputs' gradients (the latents' whole,
+    /// summed over the ranks' heads; direct queries' this rank's), accumulating the weights'
+    /// gradients: summed over the tensor-parallel ranks where the projections are split; a
+    /// replicated projection's is whole on every rank, this rank's rows of it taken.
+    fn down_backward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        [d_q, d_kv]: [B::Tensor; 2],
+        (h, down_lora): (&B::Tensor, &[Option<B::Tensor>; 2]),
+    ) -> Result<B::Tensor> {
+        let b = p.b;
+        let all_h = gathered(b, p.tp, h)?;
+        let x = all_h.as_ref().unwrap_or(h);
+        match self.down {
+            Down::Apart(q_down, kv_down) => {
+                let d_kv = own_columns(p, d_kv)?;
+                let mut dh = kv_down.backward(p, grads, &d_kv, (x, down_lora[1].as_ref()))?;
+                let d_q = match self.q {
+                    Query::Latent(..) => own_columns(p, d_q)?,
+                    Query::Direct => d_q,
+                };
+                let dh_q = q_down.backward(p, grads, &d_q, (x, down_lora[0].as_ref()))?;
+                b.add_assign(&mut dh, &dh_q)?;
+                reduced(b, p.tp, dh)
+            }
+            Down::Fused(fused) => {
+                let n = b.shape(&d_q)[0];
+                let (q_w, kv_w) = (b.shape(&d_q)[1], b.shape(&d_kv)[1]);
+                let d_y = assemble(b, n, 1, q_w + kv_w, &[(&d_q, q_w, 0), (&d_kv, kv_w, q_w)])?;
+                let dh = fused.backward(p, grads, &d_y, (x, down_lora[0].as_ref()))?;
+                own_rows(p, dh)
+            }
+        }
     }
 }
 
@@ -369,19 +427,6 @@ fn rotate<B: Backend>(p: &Pass<B>, x: &mut B::Tensor, heads: usize, inverse: boo
     Ok(())
 }
 
-/// Queries (or keys and values) from the input `x [n, h]` through a latent: down projection,
-/// the latent gathered whole, its norm, up projection.
-fn latent<B: Backend>(
-    p: &Pass<B>,
-    x: &B::Tensor,
-    (down, norm, up): (Linear, Option<usize>, Linear),
-) -> Result<(B::Tensor, LatentSaved<B::Tensor>)> {
-    let (c, down_lora) = down.forward(p, x)?;
-    let (out, mut saved) = up_from_latent(p, columns_gathered(p, c)?, (norm, up))?;
-    saved.down_lora = down_lora;
-    Ok((out, saved))
-}
-
 /// The up projection of the normed latent `c [n, r]` (the norm over this rank's rows under
 /// sequence parallelism, then gathered).
 fn up_from_latent<B: Backend>(
@@ -401,7 +446,6 @@ fn up_from_latent<B: Backend>(
     };
     let (out, up_lora) = up.forward(p, &normed)?;
     let saved = LatentSaved {
-        down_lora: None,
         norm,
         up_input: normed,
         up_lora,

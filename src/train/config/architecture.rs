@@ -3,7 +3,7 @@
 
 use super::{fraction, positive, positive_float};
 use crate::arch::ModelConfig;
-use crate::ckpt::config::MINIMAX_SPEC;
+use crate::ckpt::config::{DEEPSEEK_SPEC, MINIMAX_SPEC};
 use crate::ckpt::convert::Input;
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
@@ -200,6 +200,7 @@ const SPECS: &[(&str, &str)] = &[
     ("mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"),
     BAILING_SPEC,
     (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
+    (DEEPSEEK_SPEC[0], DEEPSEEK_SPEC[1]),
 ];
 
 /// MindSpeed-LLM's Ling (Bailing) spec: the local spec whatever `--transformer-impl` says.
@@ -226,6 +227,17 @@ fn check_spec(a: &Args) -> Result<()> {
         return Ok(());
     };
     let known = |(m, f): &(&str, &str)| spec == [m.to_string(), f.to_string()];
+    if spec == DEEPSEEK_SPEC {
+        if !a.has("multi-latent-attention") {
+            bail!("--spec {}: its attention is multi-latent: pass --multi-latent-attention and its shape", spec.join(" "));
+        }
+        if a.get("transformer-impl").is_some_and(|t| t != "local") {
+            bail!(
+                "--spec {}: built with --transformer-impl local (as every shipped script runs it)",
+                spec.join(" ")
+            );
+        }
+    }
     if !SPECS.iter().any(known) {
         let names: Vec<String> = SPECS.iter().map(|(m, f)| format!("{m} {f}")).collect();
         bail!(

@@ -673,6 +673,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         (global_batch / micro_batch, micro_batch),
         averaging == LossAveraging::PerToken,
     )?;
+    let lora = fused_down_unadapted(lora_config(a)?, &model)?;
     Ok(TrainConfig {
         model,
         vocab_padded,
@@ -750,6 +751,23 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         recorded,
         inert: a.inert(),
         sft,
-        lora: lora_config(a)?,
+        lora,
     })
+}
+
+/// LoRA's config, refused on multi-latent attention's replicated `linear_qkv` (MindSpeed-LLM's
+/// deepseek_spec): the factors' tensor-parallel split of a replicated layer is not built.
+fn fused_down_unadapted(
+    lora: Option<LoraConfig>,
+    model: &ModelConfig,
+) -> Result<Option<LoraConfig>> {
+    let fused = model.mla.is_some_and(|m| m.fused_down);
+    if fused
+        && lora
+            .as_ref()
+            .is_some_and(|l| l.spec.targets.contains(&crate::arch::roles::Role::Qkv))
+    {
+        bail!("--lora-target-modules linear_qkv: LoRA on MindSpeed-LLM's deepseek_spec linear_qkv (multi-latent attention's replicated down projections) is not built; adapt linear_proj, linear_fc1 or linear_fc2, or convert with --mla-layout mcore");
+    }
+    Ok(lora)
 }

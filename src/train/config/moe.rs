@@ -375,12 +375,18 @@ pub(super) fn aux_losses(
         // MindSpeed-LLM's pai_megatron_aux_loss: the Switch loss of a softmax over all experts
         "aux_loss" | "pai_megatron_aux_loss" => Balancing::Aux,
         "seq_aux_loss" => Balancing::SeqAux,
+        // MindSpeed-LLM's --seq-aux adds a loss to `none` only (router.py `topk_router_routing`)
+        "none" if a.has("seq-aux") => Balancing::SeqComplementary,
         // Sinkhorn balances in the routing itself; MindSpeed-LLM's softmax_topk has no loss
         "none" | "sinkhorn" | "softmax_topk" => Balancing::None,
         other => bail!(
             "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk and pai_megatron_aux_loss are built"
         ),
     };
+    if balancing == Balancing::SeqComplementary && capacity(a)?.is_some() {
+        // MindSpeed-LLM counts the tokens kept, which no shipped script with --seq-aux drops
+        bail!("--seq-aux with token dropping (--moe-expert-capacity-factor) is not built");
+    }
     let coeff = |flag| -> Result<Option<f32>> {
         match a.parse_value::<f64>(flag)? {
             Some(c) if !(c.is_finite() && c >= 0.0) => bail!("--{flag} {c}: must be ≥ 0"),

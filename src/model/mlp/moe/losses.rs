@@ -8,7 +8,7 @@
 //! Legend: N = all ranks' rows of the micro-batch, T = this rank's (N / TP under sequence
 //! parallelism), E = experts, k = top-k.
 
-use crate::arch::moe::{sigmoid, softmax, Moe, ScoreFunction};
+use crate::arch::moe::{route, sigmoid, softmax, Moe, ScoreFunction};
 
 /// Megatron's `--moe-router-load-balancing-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,13 +19,18 @@ pub enum Balancing {
     Aux,
     /// `seq_aux_loss`: the same per sequence, averaged over the sequences.
     SeqAux,
+    /// MindSpeed-LLM's `--seq-aux` with `none` (mindspeed_llm/core/transformer/moe/router.py
+    /// `apply_seq_aux_loss`): DeepSeek-V3's complementary sequence-wise loss, counted on the
+    /// experts the routing chose (expert bias and groups included) and scored by the scores
+    /// plus the expert bias, normalised; not logged (its tracker names only `aux_loss` types).
+    SeqComplementary,
 }
 
 impl Balancing {
     /// The tracker's name of its loss.
     pub fn name(self) -> Option<&'static str> {
         match self {
-            Balancing::None => None,
+            Balancing::None | Balancing::SeqComplementary => None,
             Balancing::Aux => Some("load_balancing_loss"),
             Balancing::SeqAux => Some("seq_load_balancing_loss"),
         }
@@ -78,34 +83,47 @@ pub struct RouterStats {
     pub tokens: Option<Vec<f32>>,
 }
 
-/// The scores the load-balancing loss reads (softmax, or sigmoids normalised to sum 1) and
-/// the experts an unbiased top-k picks from them (`compute_routing_scores_for_aux_loss`).
-fn aux_scores(score: ScoreFunction, logits: &[f32], topk: usize) -> (Vec<f32>, Vec<usize>) {
-    let scores = match score {
+/// The scores the load-balancing loss reads (softmax, or sigmoids plus `offset` normalised to
+/// sum 1).
+fn loss_scores(score: ScoreFunction, logits: &[f32], offset: Option<&[f32]>) -> Vec<f32> {
+    match score {
         ScoreFunction::Softmax => softmax(logits),
         ScoreFunction::Sigmoid => {
-            let s: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
+            let s: Vec<f32> = (logits.iter().enumerate())
+                .map(|(e, &x)| sigmoid(x) + offset.map_or(0.0, |o| o[e]))
+                .collect();
             let sum = s.iter().sum::<f32>() + 1e-20;
             s.iter().map(|&x| x / sum).collect()
         }
-    };
+    }
+}
+
+/// The [`loss_scores`] of megatron-core's losses and the experts an unbiased top-k picks from
+/// them (`compute_routing_scores_for_aux_loss`).
+fn aux_scores(score: ScoreFunction, logits: &[f32], topk: usize) -> (Vec<f32>, Vec<usize>) {
+    let scores = loss_scores(score, logits, None);
     let mut idx: Vec<usize> = (0..scores.len()).collect();
     idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
     idx.truncate(topk);
     (scores, idx)
 }
 
-/// `dlogits` of a row given the gradient `ds` of its [`aux_scores`].
-fn scores_grad(score: ScoreFunction, logits: &[f32], scores: &[f32], ds: &[f32]) -> Vec<f32> {
+/// `dlogits` of a row given the gradient `ds` of its [`loss_scores`] with `offset`.
+fn scores_grad(
+    score: ScoreFunction,
+    logits: &[f32],
+    (scores, offset): (&[f32], Option<&[f32]>),
+    ds: &[f32],
+) -> Vec<f32> {
     match score {
         ScoreFunction::Softmax => {
             let dot: f32 = scores.iter().zip(ds).map(|(s, d)| s * d).sum();
             scores.iter().zip(ds).map(|(s, d)| s * (d - dot)).collect()
         }
         ScoreFunction::Sigmoid => {
-            // scores = σ / (Σσ + ε): dσ_e = (ds_e − Σ_j ds_j·scores_j) / (Σσ + ε).
+            // scores = (σ + o) / (Σ(σ + o) + ε): dσ_e = (ds_e − Σ_j ds_j·scores_j) / (Σ(σ + o) + ε).
             let sig: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
-            let sum = sig.iter().sum::<f32>() + 1e-20;
+            let sum = sig.iter().sum::<f32>() + offset.map_or(0.0, |o| o.iter().sum()) + 1e-20;
             let dot: f32 = scores.iter().zip(ds).map(|(s, d)| s * d).sum();
             (sig.iter().zip(ds))
                 .map(|(&s, &d)| (d - dot) / sum * s * (1.0 - s))
@@ -115,12 +133,13 @@ fn scores_grad(score: ScoreFunction, logits: &[f32], scores: &[f32], ds: &[f32])
 }
 
 /// The values and this rank's rows' logit gradient `[T·E]` of the auxiliary losses of one MoE
-/// layer, given the logits of all N rows (row-major) and which rows are this rank's.
+/// layer, given the logits of all N rows (row-major), which rows are this rank's and the
+/// router's expert bias.
 pub(super) fn aux_losses(
     moe: &Moe,
     aux: &AuxLosses,
     logits: &[f32],
-    local: std::ops::Range<usize>,
+    (local, bias): (std::ops::Range<usize>, Option<&[f32]>),
     tp: usize,
 ) -> (LossValues, Vec<f32>) {
     let (e, k) = (moe.experts, moe.topk);
@@ -158,16 +177,25 @@ pub(super) fn aux_losses(
     if aux.balancing == Balancing::None || aux.aux_coeff == 0.0 {
         return (values, grad);
     }
-    // Tokens per expert (per sequence for seq_aux_loss) over all N rows.
-    let groups = if aux.balancing == Balancing::SeqAux {
-        aux.sequences.max(1)
-    } else {
-        1
+    // Tokens per expert (per sequence for the sequence-wise losses) over all N rows.
+    let groups = match aux.balancing {
+        Balancing::SeqAux | Balancing::SeqComplementary => aux.sequences.max(1),
+        _ => 1,
     };
     let rows_per_group = n / groups;
     let mut per_expert = vec![0f32; groups * e];
+    let offset = bias.filter(|_| aux.balancing == Balancing::SeqComplementary);
     let scored: Vec<(Vec<f32>, Vec<usize>)> = (0..n)
-        .map(|r| aux_scores(moe.score, &logits[r * e..(r + 1) * e], k))
+        .map(|r| {
+            let l = &logits[r * e..(r + 1) * e];
+            match aux.balancing {
+                Balancing::SeqComplementary => (
+                    loss_scores(moe.score, l, offset),
+                    route(moe, l, bias).experts,
+                ),
+                _ => aux_scores(moe.score, l, k),
+            }
+        })
         .collect();
     for (r, (_, chosen)) in scored.iter().enumerate() {
         for &x in chosen {
@@ -184,7 +212,12 @@ pub(super) fn aux_losses(
         let f = &per_expert[(row / rows_per_group) * e..][..e];
         loss += scores.iter().zip(f).map(|(s, f)| s * f).sum::<f32>() * c;
         let ds: Vec<f32> = f.iter().map(|&f| f * c * scale).collect();
-        let d = scores_grad(moe.score, &logits[row * e..(row + 1) * e], scores, &ds);
+        let d = scores_grad(
+            moe.score,
+            &logits[row * e..(row + 1) * e],
+            (scores, offset),
+            &ds,
+        );
         grad[i * e..(i + 1) * e]
             .iter_mut()
             .zip(d)
@@ -206,10 +239,12 @@ mod tests {
     #[test]
     fn auxiliary_loss_gradients_match_finite_differences() {
         let logits: Vec<f32> = (0..24).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.3).collect();
+        let bias = [0.05, -0.02, 0.1, 0.0];
         for score in [ScoreFunction::Softmax, ScoreFunction::Sigmoid] {
             for (balancing, z) in [
                 (Balancing::Aux, None),
                 (Balancing::SeqAux, None),
+                (Balancing::SeqComplementary, None),
                 (Balancing::None, Some(0.1)),
             ] {
                 let m = moe(score);
@@ -222,11 +257,11 @@ mod tests {
                     sequences: 2,
                 };
                 let total = |l: &[f32]| -> f64 {
-                    let (v, _) = aux_losses(&m, &aux, l, 0..6, 1);
+                    let (v, _) = aux_losses(&m, &aux, l, (0..6, Some(&bias)), 1);
                     f64::from(v.balancing.unwrap_or(0.0) * aux.aux_coeff)
                         + f64::from(v.z.unwrap_or(0.0) * z.unwrap_or(0.0))
                 };
-                let (_, g) = aux_losses(&m, &aux, &logits, 0..6, 1);
+                let (_, g) = aux_losses(&m, &aux, &logits, (0..6, Some(&bias)), 1);
                 for i in 0..logits.len() {
                     let (mut up, mut down) = (logits.clone(), logits.clone());
                     up[i] += 1e-2;

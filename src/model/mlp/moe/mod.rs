@@ -214,7 +214,13 @@ impl Moe {
         }
         let kept = kept(p, cfg, &routes, &calls);
         let aux = p.aux.map(|aux| {
-            let (losses, grad) = aux_losses(cfg, aux, &group_logits, local.clone(), at.tp);
+            let (losses, grad) = aux_losses(
+                cfg,
+                aux,
+                &group_logits,
+                (local.clone(), bias.as_deref()),
+                at.tp,
+            );
             let tokens = bias.as_ref().map(|_| {
                 let mut counts = vec![0f32; e_count];
                 for (r, k) in routes[mine.clone()].iter().zip(&kept[mine.clone()]) {
