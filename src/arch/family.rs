@@ -477,6 +477,17 @@ pub mod hf_names {
         "self_attn.q_b_proj.weight",
         "self_attn.q_proj.weight",
     ];
+    /// A multi-token prediction depth's tensors (DeepSeek-V3's checkpoints, layer index
+    /// `num_hidden_layers + k`): the embedding's norm, the hidden state's norm, the projection,
+    /// the final norm.
+    pub const MTP: [&str; 4] = [
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+    ];
+    /// A depth's copies of the embedding and the output layer.
+    pub const MTP_COPIES: [&str; 2] = ["embed_tokens.weight", "shared_head.head.weight"];
     /// The key-value half of [`MLA_Q`].
     pub const MLA_KV: [&str; 3] = [
         "self_attn.kv_a_proj_with_mqa.weight",

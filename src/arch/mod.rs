@@ -61,6 +61,8 @@ pub struct ModelConfig {
     pub mla: Option<Mla>,
     /// The experts of a mixture-of-experts model; `None` for a dense one.
     pub moe: Option<moe::Moe>,
+    /// Multi-token prediction's depths after the decoder; `None` without them.
+    pub mtp: Option<Mtp>,
     /// Element type of the weights.
     pub dtype: DType,
     /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from
@@ -106,5 +108,62 @@ impl Mla {
     /// every head's query (`q_rank` of MindSpeed-LLM).
     pub fn q_rank(&self, heads: usize) -> usize {
         self.q_lora_rank.unwrap_or(heads * self.q_head_dim())
+    }
+}
+
+/// Multi-token prediction (DeepSeek-V3's MTP modules; megatron-core megatron/core/transformer/
+/// multi_token_prediction.py): `depths` modules after the decoder, depth k predicting the token
+/// k + 1 ahead of each position. A depth takes the token k positions ahead (the ids rolled left,
+/// zeros past a sequence's end), normalises its embedding (`enorm`) and the previous depth's
+/// hidden state (`hnorm`), projects their concatenation `[e; h]` back to the hidden size
+/// (`eh_proj`), runs one decoder layer of the last decoder layer's kind and, normed by its own
+/// final norm, the shared output layer. Canonical layer `layers + k` is depth k's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mtp {
+    /// Prediction depths (`--mtp-num-layers`, `num_nextn_predict_layers`).
+    pub depths: usize,
+    /// Whose layout and hand-off: MindSpeed-LLM's or megatron-core's.
+    pub layout: MtpLayout,
+}
+
+/// Where multi-token prediction's norms sit, which decides what each depth is handed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MtpLayout {
+    /// MindSpeed-LLM's (mindspeed_llm/core/transformer/multi_token_prediction.py, its
+    /// gpt_model.py and transformer_block.py): the decoder's final norm moved after the MTP
+    /// block (`final_layernorm`), each depth's final norm into the block
+    /// (`mtp.final_layernorms.{k}`), so depth 1 takes the decoder's un-normed output and depth
+    /// k + 1 depth k's — DeepSeek-V3's own hand-off.
+    Mindspeed,
+    /// megatron-core 0.15's: the decoder's norm inside it (`decoder.final_layernorm`), each
+    /// depth's in its layer (`mtp.layers.{k}.final_layernorm`), and the normed states handed on.
+    Mcore,
+}
+
+impl MtpLayout {
+    /// The CLI spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            MtpLayout::Mindspeed => "mindspeed",
+            MtpLayout::Mcore => "mcore",
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Multi-token prediction's depths (0 without it).
+    pub fn mtp_depths(&self) -> usize {
+        self.mtp.map_or(0, |m| m.depths)
+    }
+
+    /// The decoder's layers and multi-token prediction's: canonical layers `0..all_layers()`.
+    pub fn all_layers(&self) -> usize {
+        self.layers + self.mtp_depths()
+    }
+
+    /// The prediction depth of canonical layer `l`, `None` for a decoder layer.
+    pub fn mtp_depth(&self, l: usize) -> Option<usize> {
+        l.checked_sub(self.layers)
+            .filter(|&k| k < self.mtp_depths())
     }
 }

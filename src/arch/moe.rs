@@ -63,9 +63,15 @@ pub struct Moe {
 }
 
 impl Moe {
-    /// Whether layer `l` is an MoE layer.
+    /// Whether layer `l` is an MoE layer; past the decoder (a multi-token prediction depth's
+    /// layer) as the last decoder layer is (megatron-core gpt_layer_specs.py
+    /// `get_gpt_mtp_block_spec_for_backend` builds it from `layer_specs[-1]`).
     pub fn is_moe_layer(&self, l: usize) -> bool {
-        self.layers.get(l).copied().unwrap_or(false)
+        self.layers
+            .get(l)
+            .or(self.layers.last())
+            .copied()
+            .unwrap_or(false)
     }
 
     /// The layer pattern of Megatron's `--moe-layer-freq` (an int `k`: layers `l` with

@@ -66,6 +66,16 @@ pub enum Role {
     SharedFc2,
     /// The sigmoid gate of the shared experts' output `[1, h]`.
     SharedGate,
+    /// A multi-token prediction depth's norm of the next token's embedding `[h]` (`enorm`).
+    MtpEmbedNorm,
+    /// Its norm of the hidden state it is handed `[h]` (`hnorm`).
+    MtpHiddenNorm,
+    /// Its projection of the normed `[embedding; hidden]` back to the hidden size `[h, 2h]`
+    /// (`eh_proj`).
+    MtpProj,
+    /// Its final norm, before the shared output layer `[h]` (`final_layernorm`, DeepSeek's
+    /// `shared_head.norm`).
+    MtpNorm,
     /// Final norm `[h]`.
     FinalNorm,
     /// Output layer `[V, h]` (untied models).
@@ -82,8 +92,23 @@ pub struct Canon {
 }
 
 impl Role {
-    /// Roles of layer `l`, in the order they are written.
+    /// Roles of canonical layer `l`, in the order they are written: a decoder layer's, or a
+    /// multi-token prediction depth's — its norms and projection, its decoder layer, its final
+    /// norm (megatron-core's `MultiTokenPredictionLayer` registration order).
     pub fn layer_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
+        let mut roles = Role::decoder_roles(cfg, l);
+        if cfg.mtp_depth(l).is_some() {
+            roles.splice(
+                0..0,
+                [Role::MtpEmbedNorm, Role::MtpHiddenNorm, Role::MtpProj],
+            );
+            roles.push(Role::MtpNorm);
+        }
+        roles
+    }
+
+    /// The roles of the decoder layer of canonical layer `l` (a prediction depth's too).
+    fn decoder_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
         if let Some(mla) = &cfg.mla {
             let mut roles = vec![Role::InputNorm];
             roles.extend(Role::mla_roles(cfg, mla));
@@ -185,7 +210,10 @@ impl Role {
     /// Whether it is a linear layer's weight (a matrix the decoder multiplies by).
     pub fn is_linear(self) -> bool {
         self.linear_module().is_some()
-            || matches!(self, Role::Output | Role::Router | Role::SharedGate)
+            || matches!(
+                self,
+                Role::Output | Role::Router | Role::SharedGate | Role::MtpProj
+            )
     }
 
     /// The dtype a tensor of this role has in a model of `model` dtype: the expert bias stays
@@ -212,17 +240,20 @@ impl Role {
     }
 }
 
-/// Every canonical tensor of the model, in file order.
+/// Every canonical tensor of the model, in file order: the decoder's, the final norm, the
+/// multi-token prediction depths', the output layer.
 pub fn canonical(cfg: &ModelConfig) -> Vec<Canon> {
     let global = |role| Canon { role, layer: None };
     let mut out = vec![global(Role::Embedding)];
-    for l in 0..cfg.layers {
-        out.extend(Role::layer_roles(cfg, l).into_iter().map(|role| Canon {
+    let layer = |l: usize| {
+        (Role::layer_roles(cfg, l).into_iter()).map(move |role| Canon {
             role,
             layer: Some(l),
-        }));
-    }
+        })
+    };
+    out.extend((0..cfg.layers).flat_map(layer));
     out.push(global(Role::FinalNorm));
+    out.extend((cfg.layers..cfg.all_layers()).flat_map(layer));
     if !cfg.tied {
         out.push(global(Role::Output));
     }
@@ -234,7 +265,14 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
     let qkv_rows = (cfg.heads + 2 * cfg.groups) * cfg.head_dim;
     match role {
         Role::Embedding | Role::Output => vec![cfg.vocab, cfg.hidden],
-        Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::ProjBias => vec![cfg.hidden],
+        Role::InputNorm
+        | Role::PostNorm
+        | Role::FinalNorm
+        | Role::ProjBias
+        | Role::MtpEmbedNorm
+        | Role::MtpHiddenNorm
+        | Role::MtpNorm => vec![cfg.hidden],
+        Role::MtpProj => vec![cfg.hidden, 2 * cfg.hidden],
         Role::QNorm if cfg.qk_norm_per_layer => vec![cfg.heads * cfg.head_dim],
         Role::KNorm if cfg.qk_norm_per_layer => vec![cfg.groups * cfg.head_dim],
         Role::QNorm | Role::KNorm => vec![cfg.head_dim],

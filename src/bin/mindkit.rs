@@ -299,6 +299,12 @@ struct OutputArgs {
     /// else megatron-core's.
     #[arg(long, value_enum)]
     mla_layout: Option<MlaLayout>,
+    /// Multi-token prediction in a Megatron output: mindspeed (MindSpeed-LLM's: final_layernorm
+    /// after the depths, mtp.final_layernorms.N) or mcore (megatron-core's:
+    /// decoder.final_layernorm, mtp.layers.N.final_layernorm). Default: the input's, else
+    /// MindSpeed-LLM's.
+    #[arg(long, value_enum)]
+    mtp_layout: Option<mindkit::arch::MtpLayout>,
     /// Output dtype: bf16, fp16, fp32 (default: the input's).
     #[arg(long)]
     dtype: Option<String>,
@@ -588,6 +594,7 @@ fn convert_options(
         tp_extend_ep: a.moe_tp_extend_ep,
         grouped_experts: a.moe_grouped_gemm,
         fused_mla_down: a.mla_layout.map(|l| l == MlaLayout::Mindspeed),
+        mtp_layout: a.mtp_layout,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
         first_last: (a.first_stage_layers, a.last_stage_layers),

@@ -9,7 +9,7 @@ use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
 use super::transform::{self, from_hf, hf_parts, to_hf};
 use crate::arch::family::{self, hf_names, Family, QkvStyle};
 use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, MtpLayout};
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use crate::util::{self, Allowed, OutputKind, ProgressUnit, TempOutput};
@@ -56,6 +56,9 @@ pub struct ConvertOptions {
     /// LLM's deepseek_spec writes them (`true`), apart as megatron-core's local spec (`false`);
     /// default the input's.
     pub fused_mla_down: Option<bool>,
+    /// Multi-token prediction's layout in a Megatron output (MindSpeed-LLM's or megatron-
+    /// core's); default the input's.
+    pub mtp_layout: Option<MtpLayout>,
     /// Virtual chunks per stage.
     pub vpp: Option<usize>,
     /// Layers per virtual chunk (alternative to `vpp`).
@@ -157,6 +160,20 @@ fn check_hf_tensors(cfg: &ModelConfig, w: &HfWeights) -> Result<()> {
                 );
             }
             expected.insert(name);
+        }
+    }
+    // The depths' copies of the embedding and output layer: shapes checked, the model's own
+    // read (DeepSeek's checkpoints hold the same tensors twice).
+    for (name, c) in transform::hf_copies(cfg) {
+        let shape = canonical_shape(cfg, c.role);
+        match w.entries().get(&name) {
+            Some(e) if e.shape == shape => _ = expected.insert(name),
+            Some(e) => bail!(
+                "{}: tensor {name} has shape {:?}; as a copy of the model's {c:?} it should have {shape:?}",
+                w.file_of(&name).map_or("".into(), |p| p.display().to_string()),
+                e.shape
+            ),
+            None => {}
         }
     }
     let ignorable =
@@ -422,6 +439,16 @@ pub fn write_output(
             (_, Format::Hf) => bail!("--mla-layout: a Megatron output's; HF has one layout"),
         }
     }
+    if let Some(layout) = o.mtp_layout {
+        match (&mut cfg.mtp, o.to) {
+            (Some(m), Format::Megatron) => m.layout = layout,
+            (None, _) => bail!(
+                "--mtp-layout: {} has no multi-token prediction depths",
+                o.input.display()
+            ),
+            (_, Format::Hf) => bail!("--mtp-layout: a Megatron output's; HF has one layout"),
+        }
+    }
     let read = |c: Canon| -> Result<Tensor> {
         let mut t =
             match transform::regrouped_from(&input.cfg, c).filter(|_| cfg.mla != input.cfg.mla) {
@@ -526,20 +553,25 @@ fn write_hf(
     dir: &Path,
 ) -> Result<(usize, u64)> {
     cfg.check_hf()?;
-    let canon = canonical(cfg);
-    let groups: Vec<Vec<Planned>> = canon
-        .iter()
-        .map(|&c| {
-            hf_parts(cfg, c)
-                .into_iter()
-                .map(|(name, shape)| Planned {
-                    name,
-                    dtype: c.role.dtype(cfg.dtype),
-                    shape,
-                })
-                .collect()
-        })
+    // Each canonical tensor, then each copy the depths of multi-token prediction carry.
+    let planned = |c: Canon, parts: Vec<(String, Vec<usize>)>| -> Vec<Planned> {
+        (parts.into_iter())
+            .map(|(name, shape)| Planned {
+                name,
+                dtype: c.role.dtype(cfg.dtype),
+                shape,
+            })
+            .collect()
+    };
+    let mut canon = canonical(cfg);
+    let mut groups: Vec<Vec<Planned>> = (canon.iter())
+        .map(|&c| planned(c, hf_parts(cfg, c)))
         .collect();
+    let copies_from = canon.len();
+    for (name, c) in transform::hf_copies(cfg) {
+        groups.push(planned(c, vec![(name, canonical_shape(cfg, c.role))]));
+        canon.push(c);
+    }
     let shards = hf::plan_shards(&groups, o.max_shard_bytes);
     let total: u64 = groups
         .iter()
@@ -556,7 +588,10 @@ fn write_hf(
             let planned: Vec<&Vec<Planned>> = members.iter().map(|&g| &groups[g]).collect();
             hf::write_safetensors(&dir.join(&name), &planned, |g| {
                 let c = canon[members[g]];
-                let parts = to_hf(cfg, c, read(c)?);
+                let parts = match members[g] < copies_from {
+                    true => to_hf(cfg, c, read(c)?),
+                    false => vec![read(c)?],
+                };
                 pb.inc(parts.iter().map(|t| t.data.len() as u64).sum());
                 Ok(parts)
             })?;

@@ -6,7 +6,7 @@ use super::megatron::MegatronCkpt;
 use crate::arch::family::Family;
 use crate::arch::moe::Moe;
 use crate::arch::roles::{canonical, canonical_shape};
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, MtpLayout};
 use anyhow::Result;
 use std::fmt::Write;
 use std::path::Path;
@@ -67,6 +67,18 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     }
     if let Some(m) = &cfg.moe {
         experts(cfg, m, out);
+    }
+    if let Some(m) = &cfg.mtp {
+        let _ = writeln!(
+            out,
+            "prediction:  {} multi-token prediction depth(s) (layers {:?}), {}",
+            m.depths,
+            cfg.layers..cfg.all_layers(),
+            match m.layout {
+                MtpLayout::Mindspeed => "MindSpeed-LLM's layout (final_layernorm after the depths, each handed the un-normed states)",
+                MtpLayout::Mcore => "megatron-core's layout (decoder.final_layernorm before the depths, each handed the normed states)",
+            }
+        );
     }
     let _ = writeln!(out, "dtype:       {}", cfg.dtype.torch_name());
     let _ = writeln!(out, "parameters:  {params} ({:.3} B)", params as f64 / 1e9);

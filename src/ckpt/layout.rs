@@ -4,8 +4,9 @@
 //! §3.6).
 
 use crate::arch::roles::{Canon, Role};
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, Mtp, MtpLayout};
 use anyhow::{bail, Result};
+use std::ops::Range;
 
 /// The key layout of a Megatron model state dict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -38,14 +39,18 @@ pub const PER_LAYER_NORMS_UNDER_TP: &str = "this model's q/k norms span all atte
 /// spec (the Transformer-Engine spec fuses its latents' norms, keeps the down projections
 /// whole and its input norm apart; not built yet).
 pub fn check_layout(layout: KeyLayout, cfg: &ModelConfig) -> Result<()> {
-    if cfg.mla.is_some() && layout != KeyLayout::Mcore {
-        bail!(
-            "multi-latent attention is written in the megatron-core local layout (--layout \
-             mcore) only; the {} layout of it is not built",
-            layout.name()
-        );
-    }
-    Ok(())
+    let what = match (cfg.mla, cfg.mtp) {
+        _ if layout == KeyLayout::Mcore => return Ok(()),
+        (Some(_), _) => "multi-latent attention",
+        // TE's MTP adds extra states to its norms and projection; the legacy model has none
+        (_, Some(_)) => "multi-token prediction",
+        (None, None) => return Ok(()),
+    };
+    bail!(
+        "{what} is written in the megatron-core local layout (--layout mcore) only; the {} \
+         layout of it is not built",
+        layout.name()
+    )
 }
 
 /// How layers are spread over TP × PP (× virtual chunks).
@@ -152,6 +157,14 @@ impl Parallel {
                     ok.join(", ")
                 );
             }
+        }
+        if cfg.mtp.is_some() && cfg.tied && pp > 1 {
+            // megatron-core keeps the shared weight in the last stage's embedding copy then,
+            // its output layer without one (language_module.py): not built
+            bail!(
+                "--pp {pp}: multi-token prediction with tied embeddings over several pipeline \
+                 stages is not built (untie them, or use one stage)"
+            );
         }
         let l = cfg.layers;
         let stage_layers = if first.is_none() && last.is_none() {
@@ -430,6 +443,44 @@ pub fn global_key(layout: KeyLayout, role: Role, tied: bool) -> Vec<String> {
     }
 }
 
+/// Key path of canonical tensor `role` of multi-token prediction depth `k`, in megatron-core's
+/// `MultiTokenPredictionBlock` (`mtp.layers.{k}.`, its decoder layer `transformer_layer`) or
+/// MindSpeed-LLM's (the depth's final norm in the block's `final_layernorms`).
+pub fn mtp_key(layout: KeyLayout, mtp: MtpLayout, role: Role, k: usize) -> Vec<String> {
+    let own = |s: &str| vec![format!("mtp.layers.{k}.{s}")];
+    match (role, mtp) {
+        (Role::MtpEmbedNorm, _) => own("enorm.weight"),
+        (Role::MtpHiddenNorm, _) => own("hnorm.weight"),
+        (Role::MtpProj, _) => own("eh_proj.weight"),
+        (Role::MtpNorm, MtpLayout::Mcore) => own("final_layernorm.weight"),
+        (Role::MtpNorm, MtpLayout::Mindspeed) => vec![format!("mtp.final_layernorms.{k}.weight")],
+        (r, _) => {
+            let (decoder, depth) = (
+                format!("decoder.layers.{k}."),
+                format!("mtp.layers.{k}.transformer_layer."),
+            );
+            let keys = layer_key(layout, r, k).into_iter();
+            keys.map(|p| p.replacen(&decoder, &depth, 1)).collect()
+        }
+    }
+}
+
+/// Key path of a non-layer tensor of `cfg`'s model: [`global_key`]'s, but the final norm of a
+/// model with MindSpeed-LLM's multi-token prediction is GPTModel's own `final_layernorm`
+/// (mindspeed_llm/core/models/gpt/gpt_model.py moves it out of the decoder).
+pub fn global_key_of(layout: KeyLayout, cfg: &ModelConfig, role: Role) -> Vec<String> {
+    match (role, cfg.mtp) {
+        (
+            Role::FinalNorm,
+            Some(Mtp {
+                layout: MtpLayout::Mindspeed,
+                ..
+            }),
+        ) => vec!["final_layernorm.weight".into()],
+        _ => global_key(layout, role, cfg.tied),
+    }
+}
+
 /// TE modules whose `_extra_state` follows a layer role's tensors.
 fn te_extra_states(role: Role, cfg: &ModelConfig) -> Vec<String> {
     let last_qkv = if cfg.qkv_bias {
@@ -488,7 +539,9 @@ pub fn chunk_entries(
     let experts = ep_rank * local_experts..(ep_rank + 1) * local_experts;
     let mut out: Vec<ChunkEntry> = Vec::new();
     let global = |role| Canon { role, layer: None };
-    if first {
+    // the multi-token prediction depths' embedding: a copy on a later stage than the first
+    // (megatron-core GPTModel builds one wherever `pre_process or mtp_process`)
+    if first || (last && cfg.mtp.is_some()) {
         out.push((
             global_key(layout, Role::Embedding, cfg.tied),
             Some(global(Role::Embedding)),
@@ -528,10 +581,24 @@ pub fn chunk_entries(
         }
     }
     if last {
-        out.push((
-            global_key(layout, Role::FinalNorm, cfg.tied),
+        let final_norm = (
+            global_key_of(layout, cfg, Role::FinalNorm),
             Some(global(Role::FinalNorm)),
-        ));
+        );
+        match cfg.mtp {
+            Some(mtp) => {
+                let (depths, norms) = mtp_entries(cfg, mtp, (layout, experts.clone()));
+                if mtp.layout == MtpLayout::Mcore {
+                    out.push(final_norm.clone());
+                }
+                out.extend(depths);
+                out.extend(norms);
+                if mtp.layout == MtpLayout::Mindspeed {
+                    out.push(final_norm);
+                }
+            }
+            None => out.push(final_norm),
+        }
         // A tied output layer is only stored on the last stage of a pipeline (it is the
         // embedding, kept in sync by an all-reduce); with one stage it does not exist.
         if !cfg.tied || pp > 1 {
@@ -550,6 +617,41 @@ pub fn chunk_entries(
         }
     }
     out
+}
+
+/// The entries of the multi-token prediction depths, holding the routed `experts` of their
+/// MoE layers: each depth's own tensors and decoder layer's, and apart the depths' final norms
+/// where MindSpeed-LLM keeps them in the block after every depth (`mtp.final_layernorms`).
+fn mtp_entries(
+    cfg: &ModelConfig,
+    mtp: Mtp,
+    (layout, experts): (KeyLayout, Range<usize>),
+) -> (Vec<ChunkEntry>, Vec<ChunkEntry>) {
+    let (mut depths, mut norms) = (Vec::new(), Vec::new());
+    for (k, l) in (cfg.layers..cfg.all_layers()).enumerate() {
+        for role in Role::layer_roles(cfg, l) {
+            if role.expert().is_some_and(|e| !experts.contains(&e)) {
+                continue;
+            }
+            let key_role = match role {
+                Role::ExpertFc1(e) => Role::ExpertFc1(e - experts.start),
+                Role::ExpertFc2(e) => Role::ExpertFc2(e - experts.start),
+                r => r,
+            };
+            let entry = (
+                mtp_key(layout, mtp.layout, key_role, k),
+                Some(Canon {
+                    role,
+                    layer: Some(l),
+                }),
+            );
+            match role == Role::MtpNorm && mtp.layout == MtpLayout::Mindspeed {
+                true => norms.push(entry),
+                false => depths.push(entry),
+            }
+        }
+    }
+    (depths, norms)
 }
 
 /// A routed expert's per-expert key (`…mlp.experts.local_experts.{le}.linear_fc{n}.{rest}`)
@@ -622,8 +724,12 @@ pub fn normalise_legacy(key: &str) -> String {
         .replace("language_model.transformer.", "language_model.encoder.")
 }
 
-/// Layer index in a key (`…layers.{j}.…`).
+/// Decoder layer index in a key (`…layers.{j}.…`; `None` for a multi-token prediction depth's
+/// `mtp.layers.{k}.…`).
 pub fn layer_index(key: &str) -> Option<usize> {
+    if key.starts_with("mtp.") {
+        return None;
+    }
     let rest = &key[key.find("layers.")? + 7..];
     rest.split('.').next()?.parse().ok()
 }

@@ -54,6 +54,10 @@ pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         Role::KvDown => one(hf::layer(l, hf::MLA_KV[0])),
         Role::KvLatentNorm => one(hf::layer(l, hf::MLA_KV[1])),
         Role::KvUp => one(hf::layer(l, hf::MLA_KV[2])),
+        Role::MtpEmbedNorm => one(hf::layer(l, hf::MTP[0])),
+        Role::MtpHiddenNorm => one(hf::layer(l, hf::MTP[1])),
+        Role::MtpProj => one(hf::layer(l, hf::MTP[2])),
+        Role::MtpNorm => one(hf::layer(l, hf::MTP[3])),
         Role::QkvDown => {
             let m = cfg
                 .mla
@@ -111,6 +115,26 @@ fn moe_parts(cfg: &ModelConfig, l: usize, role: Role) -> Vec<(String, Vec<usize>
         Role::SharedFc2 => swiglu(shared.into(), shared_ffn(cfg), plain, false),
         other => unreachable!("{other:?} is not an MoE role"),
     }
+}
+
+/// The copies of the embedding and of the output layer that each multi-token prediction depth
+/// carries in DeepSeek-V3's HF checkpoints (`model.layers.{l}.embed_tokens.weight`,
+/// `model.layers.{l}.shared_head.head.weight`: the model's own, as DeepSeek ships them and
+/// MindSpeed-LLM's mcore2hf writes them), with the canonical tensor each copies.
+pub fn hf_copies(cfg: &ModelConfig) -> Vec<(String, Canon)> {
+    let global = |role| Canon { role, layer: None };
+    let head = match cfg.tied {
+        true => Role::Embedding,
+        false => Role::Output,
+    };
+    (cfg.layers..cfg.all_layers())
+        .flat_map(|l| {
+            [
+                (hf::layer(l, hf::MTP_COPIES[0]), global(Role::Embedding)),
+                (hf::layer(l, hf::MTP_COPIES[1]), global(head)),
+            ]
+        })
+        .collect()
 }
 
 /// Where the rows of one HF part go in the canonical tensor: `(part row, canonical row, rows)`.
@@ -246,6 +270,9 @@ fn split_of(role: Role) -> Split {
         | Role::SharedGate
         | Role::QLatentNorm
         | Role::KvLatentNorm
+        | Role::MtpEmbedNorm
+        | Role::MtpHiddenNorm
+        | Role::MtpNorm
         // MindSpeed-LLM's `LinearNoTP` (multi_latent_attention.py `get_mla_self_attn_submodules`)
         | Role::QkvDown => Split::Replicated,
         // Multi-latent attention's projections are column-parallel, the down projections too
@@ -253,6 +280,8 @@ fn split_of(role: Role) -> Split {
         // gathered), the up projections' rows whole heads.
         Role::QDown | Role::KvDown | Role::QUp | Role::QProj | Role::KvUp => Split::Rows,
         Role::Qkv | Role::QkvBias => Split::Rows,
+        // megatron-core's MTP `eh_proj` is a column-parallel linear layer
+        Role::MtpProj => Split::Rows,
         Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => Split::Cols,
         Role::Embedding | Role::Output => Split::Vocab,
         Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => Split::GateUp,

@@ -28,6 +28,7 @@ use super::attention::Attend;
 use super::dropout::{dropped, Dropout};
 use super::layer::{rms_grad, Layer, LayerSaved};
 use super::linear::Linear;
+use super::mtp::{Depth, DepthSaved};
 use super::parallel::{gathered, local_ids, reduced, ExpertGroup, TensorParallel};
 use super::params::ParamTable;
 use super::{AuxLosses, ModelSpec, Pass, RouterStats};
@@ -48,6 +49,10 @@ pub struct Ids {
     /// The final norm and output layer (the last stage; the output layer may be the
     /// embedding, or on a later stage than the first its copy).
     pub(super) head: Option<(usize, usize)>,
+    /// Multi-token prediction's depths (on the last stage) and the embedding they look up
+    /// (on a later stage than the first its copy).
+    depths: Vec<Depth>,
+    depth_embedding: Option<usize>,
     pub(super) trainable: Vec<bool>,
     /// LoRA's alpha / r.
     pub(super) lora_scale: f32,
@@ -64,10 +69,16 @@ impl Ids {
             Some(norm) => Some((norm, at(Role::Output).or(embedding)?)),
             None => None,
         };
+        let depths = match head {
+            Some(_) => Depth::all_of(table)?,
+            None => Vec::new(),
+        };
         Some(Ids {
             embedding: embedding.filter(|&e| !table.params[e].shared),
             layers: layers.map(|l| Layer::of(table, l)).collect::<Option<_>>()?,
             head,
+            depth_embedding: embedding.filter(|_| !depths.is_empty()),
+            depths,
             trainable: table.params.iter().map(|p| p.trainable).collect(),
             lora_scale,
         })
@@ -127,6 +138,30 @@ pub struct MicroBatch {
     pub dropout: Option<Dropout>,
     /// Training's MoE auxiliary losses (`None`: none, as in evaluation).
     pub aux: Option<AuxLosses>,
+    /// Multi-token prediction's rows of each depth in training (none in evaluation, which
+    /// reports the main loss only).
+    pub mtp: Vec<DepthRows>,
+}
+
+/// One multi-token prediction depth's rows of a micro-batch: depth k looks k + 1 ahead.
+#[derive(Debug, Clone)]
+pub struct DepthRows {
+    /// `[T]` the input ids rolled left by k + 1 within each sequence, 0 past its end
+    /// (megatron-core `roll_tensor`, once per depth).
+    pub tokens: Vec<u32>,
+    /// `[T]` the targets, rolled alike.
+    pub labels: Vec<u32>,
+    /// `[T]` the loss mask, rolled alike.
+    pub mask: Vec<f32>,
+    /// `[T]` the gradient of the objective with respect to each row's loss: the depth's share
+    /// of the loss (`--mtp-loss-scaling-factor` / depths) times the mask over its count and
+    /// the micro-batches (megatron-core `MTPLossAutoScaler`), or times the mask alone with
+    /// per-token loss.
+    pub dloss: Vec<f32>,
+    /// Attention segments: the sequences', or with `--reset-attention-mask` the documents'
+    /// moved k + 1 rows back with the ids (MindSpeed-LLM
+    /// `generate_mtp_batch_list_on_this_tp_rank`).
+    pub segments: Vec<Range<usize>>,
 }
 
 /// What a pass of training adds: its dropout and MoE auxiliary losses, and the sequences of its
@@ -142,10 +177,10 @@ impl MicroBatch {
 }
 
 /// What the final norm and output layer's backward pass needs.
-struct HeadSaved<T> {
+pub(super) struct HeadSaved<T> {
     /// Final norm input `[T, h]`, its normed form and rstd.
-    x: T,
-    hf: T,
+    pub(super) x: T,
+    pub(super) hf: T,
     rstdf: T,
     /// Logits `[T, Vp]` and their log-sum-exp `[T]`.
     logits: T,
@@ -159,6 +194,9 @@ pub struct Saved<T> {
     /// The global index of each of `layers`.
     layer_index: Vec<usize>,
     head: Option<HeadSaved<T>>,
+    depths: Vec<DepthSaved<T>>,
+    /// Each depth's `(Σ loss·mask, Σ mask)` (training).
+    mtp_losses: Vec<(f32, f32)>,
     /// RoPE tables `[T, d/2]` of the micro-batch.
     cos: T,
     sin: T,
@@ -217,29 +255,78 @@ pub fn forward<B: Backend>(
         }
         None => (x, None),
     };
+    let (depths, mtp_losses) = match &head {
+        Some(head) => depths_forward(&p, ids, batch, head, activations)?,
+        None => Default::default(),
+    };
     let saved = Saved {
         layers,
         layer_index: ids.layers.iter().map(Layer::index).collect(),
         head,
+        depths,
+        mtp_losses,
         cos,
         sin,
     };
     Ok((out, saved))
 }
 
+/// Multi-token prediction's depths in training, after the main model's `head`: what each
+/// depth's backward pass needs, and each one's `(Σ loss·mask, Σ mask)`.
+type DepthsForward<T> = (Vec<DepthSaved<T>>, Vec<(f32, f32)>);
+
+fn depths_forward<B: Backend>(
+    p: &Pass<B>,
+    ids: &Ids,
+    batch: &MicroBatch,
+    head: &HeadSaved<B::Tensor>,
+    activations: DType,
+) -> Result<DepthsForward<B::Tensor>> {
+    let (Some(embedding), Some((_, output))) = (ids.depth_embedding, ids.head) else {
+        return Ok(Default::default());
+    };
+    let mut saved: Vec<DepthSaved<B::Tensor>> = Vec::with_capacity(ids.depths.len());
+    let mut losses = Vec::with_capacity(ids.depths.len());
+    for (depth, rows) in ids.depths.iter().zip(&batch.mtp) {
+        let from = saved.last().map_or(head, |s| &s.head);
+        let hand = if p.spec.mtp_normed_handoff() {
+            &from.hf
+        } else {
+            &from.x
+        };
+        let at = (hand, embedding);
+        let (loss, s) = depth.forward(p, at, rows, (activations, output))?;
+        let loss = p.b.download_f32(&loss)?;
+        let sum = loss.iter().zip(&rows.mask).map(|(l, m)| l * m).sum();
+        losses.push((sum, rows.mask.iter().sum()));
+        saved.push(s);
+    }
+    Ok((saved, losses))
+}
+
 impl<T> Saved<T> {
     /// The auxiliary losses' values and token counts of the MoE layers of the forward pass
-    /// (in training), by global layer index.
+    /// (in training), by global layer index: the decoder's, then the multi-token prediction
+    /// depths'.
     pub fn moe_stats(&self) -> Vec<(usize, &RouterStats)> {
+        let depths = self.depths.iter().map(|d| d.moe_stats());
         (self.layer_index.iter().zip(&self.layers))
-            .filter_map(|(&l, s)| Some((l, s.moe_stats()?)))
+            .map(|(&l, s)| (l, s.moe_stats()))
+            .chain(depths)
+            .filter_map(|(l, s)| Some((l, s?)))
             .collect()
+    }
+
+    /// Each multi-token prediction depth's `(Σ loss·mask, Σ mask)` of the forward pass (in
+    /// training).
+    pub fn mtp_losses(&self) -> &[(f32, f32)] {
+        &self.mtp_losses
     }
 }
 
 /// The per-row losses `[T]` of the last layer's output `x`: final norm, output layer, cross
 /// entropy against `labels`.
-fn head_forward<B: Backend>(
+pub(super) fn head_forward<B: Backend>(
     p: &Pass<B>,
     x: B::Tensor,
     (final_norm, output): (usize, usize),
@@ -263,14 +350,17 @@ fn head_forward<B: Backend>(
     Ok((loss, saved))
 }
 
-/// The gradient of the objective `Σ dloss · loss` with respect to the last layer's output:
-/// through the cross entropy, the output layer and the final norm, whose gradients it adds.
-fn head_backward<B: Backend>(
+/// The gradient of the objective `Σ dloss · loss` against `labels` with respect to the last
+/// layer's output: through the cross entropy, the output layer and the final norm, whose
+/// gradients it adds; `dhf`: a further gradient of the normed output (a multi-token prediction
+/// depth was handed it).
+pub(super) fn head_backward<B: Backend>(
     p: &Pass<B>,
     grads: &mut [B::Tensor],
-    batch: &MicroBatch,
+    (labels, dloss): (&[u32], &[f32]),
     head: HeadSaved<B::Tensor>,
     (final_norm, output): (usize, usize),
+    dhf: Option<B::Tensor>,
 ) -> Result<B::Tensor> {
     let b = p.b;
     let HeadSaved {
@@ -280,15 +370,18 @@ fn head_backward<B: Backend>(
         logits,
         lse,
     } = head;
-    let dloss = b.upload_f32(&[batch.tokens.len()], &batch.dloss)?;
-    let labels = local_ids(p.tp, &batch.labels);
+    let dloss = b.upload_f32(&[labels.len()], dloss)?;
+    let labels = local_ids(p.tp, labels);
     let dlogits = b.cross_entropy_bwd(logits, &labels, &lse, &dloss)?;
     let all = gathered(b, p.tp, &hf)?;
     let whole = all.as_ref().unwrap_or(&hf);
-    let dhf = Linear::weight(output).backward(p, grads, &dlogits, (whole, None))?;
+    let from_logits = Linear::weight(output).backward(p, grads, &dlogits, (whole, None))?;
     drop(dlogits);
-    let dhf = reduced(b, p.tp, dhf)?;
-    rms_grad(p, grads, (&dhf, &x), final_norm, &rstdf)
+    let mut from_logits = reduced(b, p.tp, from_logits)?;
+    if let Some(d) = dhf {
+        b.add_assign(&mut from_logits, &d)?;
+    }
+    rms_grad(p, grads, (&from_logits, &x), final_norm, &rstdf)
 }
 
 /// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`, from
@@ -306,6 +399,7 @@ pub fn backward<B: Backend>(
     let Saved {
         layers,
         head,
+        depths,
         cos,
         sin,
         ..
@@ -318,7 +412,19 @@ pub fn backward<B: Backend>(
         batch.regularisers(),
     );
     let mut dx = match (head, ids.head, dout) {
-        (Some(head), Some(at), _) => head_backward(&p, grads, batch, head, at)?,
+        (Some(head), Some(at), _) => {
+            let dhand = depths_backward(&p, (ids, grads), batch, &head, depths)?;
+            let targets = (&batch.labels[..], &batch.dloss[..]);
+            let (to_norm, to_out) = match spec.mtp_normed_handoff() {
+                true => (dhand, None),
+                false => (None, dhand),
+            };
+            let mut dx = head_backward(&p, grads, targets, head, at, to_norm)?;
+            if let Some(d) = to_out {
+                b.add_assign(&mut dx, &d)?;
+            }
+            dx
+        }
         (_, _, Some(dout)) => dout,
         _ => {
             return Err(EngineError::Invalid {
@@ -341,6 +447,31 @@ pub fn backward<B: Backend>(
         b.embedding_bwd(all.as_ref().unwrap_or(&dx), &tokens, &mut grads[e])?;
     }
     Ok(None)
+}
+
+/// The backward passes of multi-token prediction's depths, the last first: the gradient of
+/// the hidden state the main model handed to the first depth (`None` without depths).
+fn depths_backward<B: Backend>(
+    p: &Pass<B>,
+    (ids, grads): (&Ids, &mut [B::Tensor]),
+    batch: &MicroBatch,
+    head: &HeadSaved<B::Tensor>,
+    mut depths: Vec<DepthSaved<B::Tensor>>,
+) -> Result<Option<B::Tensor>> {
+    let (Some(embedding), Some((_, output))) = (ids.depth_embedding, ids.head) else {
+        return Ok(None);
+    };
+    let mut dnext = None;
+    while let Some(s) = depths.pop() {
+        let k = depths.len();
+        let from = depths.last().map_or(head, |d| &d.head);
+        let normed = p.spec.mtp_normed_handoff();
+        let hand = if normed { &from.hf } else { &from.x };
+        let saved = (s, hand, &batch.mtp[k]);
+        let d = (dnext.take(), normed);
+        dnext = Some(ids.depths[k].backward(p, grads, saved, (embedding, output), d)?);
+    }
+    Ok(dnext)
 }
 
 /// The cross entropy of logits over this rank's vocabulary shard against `labels` (rows of

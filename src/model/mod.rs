@@ -9,12 +9,14 @@
 //! way and the fused projections map onto single matmuls.
 
 mod attention;
+mod columns;
 pub mod decoder;
 pub mod dropout;
 pub mod generate;
 mod layer;
 mod linear;
 mod mlp;
+mod mtp;
 pub mod parallel;
 pub mod params;
 mod rope;
@@ -56,6 +58,8 @@ pub struct ModelSpec {
     pub router_f32: bool,
     /// Token dropping (`--moe-expert-capacity-factor`; none: dropless).
     pub capacity: Option<crate::arch::moe::Capacity>,
+    /// Multi-token prediction (training only: inference reads the main model).
+    pub mtp: Option<crate::arch::Mtp>,
     /// Routed experts whole on each rank under tensor parallelism (expert tensor parallelism
     /// 1): their rows gathered over the expert-parallel group alone, which spans the
     /// tensor-parallel ranks.
@@ -97,9 +101,17 @@ impl ModelSpec {
             // transformers' router of the family (Glm4MoeTopkRouter) is f32 whatever the weights
             router_f32: cfg.family.moe.as_ref().is_some_and(|m| m.router_f32),
             capacity: None,
+            mtp: cfg.mtp,
             experts_whole: false,
             rope: Rope::new(cfg)?,
         })
+    }
+
+    /// Whether a multi-token prediction depth is handed the hidden state normed
+    /// (megatron-core's layout) rather than as it leaves the decoder or depth before.
+    pub fn mtp_normed_handoff(&self) -> bool {
+        self.mtp
+            .is_some_and(|m| m.layout == crate::arch::MtpLayout::Mcore)
     }
 
     /// One tensor-parallel rank's part of the model over `tp` ranks: its heads and query
@@ -183,8 +195,11 @@ impl<'b, B: Backend> Model<'b, B> {
                 dir.display()
             );
         }
-        let spec = ModelSpec::from_config(&input.cfg)?;
-        let table = ParamTable::new(&input.cfg, input.cfg.vocab, None);
+        // inference reads the main model: multi-token prediction's depths are left unread
+        let mut cfg = input.cfg.clone();
+        cfg.mtp = None;
+        let spec = ModelSpec::from_config(&cfg)?;
+        let table = ParamTable::new(&cfg, cfg.vocab, None);
         let params = (table.params.par_iter())
             .map(|p| {
                 let t = input.read(p.canon)?;

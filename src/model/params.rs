@@ -8,7 +8,8 @@
 
 use crate::arch::roles::{canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
-use crate::ckpt::layout::{global_key, layer_key, KeyLayout};
+use crate::arch::MtpLayout;
+use crate::ckpt::layout::{global_key, global_key_of, layer_key, mtp_key, KeyLayout};
 use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
 use std::ops::Range;
 
@@ -100,13 +101,21 @@ pub struct ParamTable {
     pub params: Vec<ParamInfo>,
     /// Vocabulary rows of the embedding and output (padded).
     pub vocab_padded: usize,
+    /// The decoder's layers: canonical layers from here are multi-token prediction depths',
+    /// which the last pipeline stage holds.
+    pub decoder_layers: usize,
 }
 
-/// Megatron's mcore key of a parameter (the layout megatron-core's GPTModel state dict uses).
-fn mcore_name(canon: Canon, tied: bool) -> String {
-    match canon.layer {
-        Some(l) => layer_key(KeyLayout::Mcore, canon.role, l),
-        None => global_key(KeyLayout::Mcore, canon.role, tied),
+/// Megatron's mcore key of a parameter (the layout megatron-core's GPTModel state dict uses,
+/// or MindSpeed-LLM's for its multi-token prediction).
+fn mcore_name(cfg: &ModelConfig, canon: Canon) -> String {
+    let layout = KeyLayout::Mcore;
+    match (canon.layer, cfg.mtp) {
+        (Some(l), Some(mtp)) if l >= cfg.layers => {
+            mtp_key(layout, mtp.layout, canon.role, l - cfg.layers)
+        }
+        (Some(l), _) => layer_key(layout, canon.role, l),
+        (None, _) => global_key_of(layout, cfg, canon.role),
     }
     .concat()
 }
@@ -164,10 +173,8 @@ impl ParamTable {
             }
         };
         let global = |role| Canon { role, layer: None };
-        push(
-            global(Role::Embedding),
-            mcore_name(global(Role::Embedding), cfg.tied),
-        );
+        let mut push_canon = |canon: Canon| push(canon, mcore_name(cfg, canon));
+        push_canon(global(Role::Embedding));
         // megatron-core builds an attention block's linear_proj before its linear_qkv, and its
         // q_layernorm and k_layernorm after them (megatron/core/transformer/attention.py:
         // Attention.__init__, then SelfAttention.__init__).
@@ -189,28 +196,46 @@ impl ParamTable {
             }
         }
         roles.push(Role::PostNorm);
-        for l in 0..cfg.layers {
-            for role in roles.iter().copied().chain(Role::mlp_roles(cfg, l)) {
-                let canon = Canon {
-                    role,
-                    layer: Some(l),
-                };
-                push(canon, mcore_name(canon, cfg.tied));
+        let layer = |l: usize| {
+            let roles = roles.iter().copied().chain(Role::mlp_roles(cfg, l));
+            roles.map(move |role| Canon {
+                role,
+                layer: Some(l),
+            })
+        };
+        (0..cfg.layers).flat_map(layer).for_each(&mut push_canon);
+        // megatron-core's GPTModel registers its decoder (and final norm) before the
+        // multi-token prediction block; MindSpeed-LLM's registers the block, its depths'
+        // final norms last in it, then its own final norm.
+        let mindspeed = cfg.mtp.is_some_and(|m| m.layout == MtpLayout::Mindspeed);
+        let depths = cfg.layers..cfg.all_layers();
+        let depth = |role| {
+            move |l| Canon {
+                role,
+                layer: Some(l),
+            }
+        };
+        if !mindspeed {
+            push_canon(global(Role::FinalNorm));
+        }
+        for l in depths.clone() {
+            let own = [Role::MtpEmbedNorm, Role::MtpHiddenNorm, Role::MtpProj].map(|r| depth(r)(l));
+            own.into_iter().chain(layer(l)).for_each(&mut push_canon);
+            if !mindspeed {
+                push_canon(depth(Role::MtpNorm)(l));
             }
         }
-        push(
-            global(Role::FinalNorm),
-            mcore_name(global(Role::FinalNorm), cfg.tied),
-        );
+        if mindspeed {
+            depths.map(depth(Role::MtpNorm)).for_each(&mut push_canon);
+            push_canon(global(Role::FinalNorm));
+        }
         if !cfg.tied {
-            push(
-                global(Role::Output),
-                mcore_name(global(Role::Output), false),
-            );
+            push_canon(global(Role::Output));
         }
         ParamTable {
             params,
             vocab_padded,
+            decoder_layers: cfg.layers,
         }
     }
 
@@ -270,8 +295,10 @@ impl ParamTable {
     /// `GPTModel` registers its output layer.
     pub fn pipeline_stage(&self, layers: &Range<usize>, (first, last): (bool, bool)) -> ParamTable {
         let mut params = Vec::new();
+        let depths = self.decoder_layers..;
         for p in &self.params {
             let keep = match (p.canon.layer, p.canon.role) {
+                (Some(l), _) if depths.contains(&l) => last,
                 (Some(l), _) => layers.contains(&l),
                 (None, Role::Embedding) => first,
                 (None, _) => last,
@@ -280,7 +307,7 @@ impl ParamTable {
                 continue;
             }
             let mut p = p.clone();
-            if let Some(l) = p.canon.layer {
+            if let Some(l) = p.canon.layer.filter(|l| !depths.contains(l)) {
                 let (global, local) = (
                     format!("layers.{l}."),
                     format!("layers.{}.", l - layers.start),
@@ -295,6 +322,23 @@ impl ParamTable {
                 layer: None,
             })
             .is_none();
+        let predicts = params
+            .iter()
+            .any(|p| p.canon.layer.is_some_and(|l| depths.contains(&l)));
+        if let Some(e) = self.index(Canon {
+            role: Role::Embedding,
+            layer: None,
+        }) {
+            if last && !first && predicts {
+                // the multi-token prediction depths' copy of the embedding, registered first
+                // (megatron-core `LanguageModule.setup_embeddings_and_output_layer`)
+                let copy = ParamInfo {
+                    shared: true,
+                    ..self.params[e].clone()
+                };
+                params.insert(0, copy);
+            }
+        }
         if last && !first && tied {
             if let Some(e) = self.index(Canon {
                 role: Role::Embedding,
@@ -310,6 +354,7 @@ impl ParamTable {
         ParamTable {
             params,
             vocab_padded: self.vocab_padded,
+            decoder_layers: self.decoder_layers,
         }
     }
 
@@ -340,6 +385,7 @@ impl ParamTable {
         ParamTable {
             params: tables.iter().flat_map(|t| t.params.clone()).collect(),
             vocab_padded: tables.first().map_or(0, |t| t.vocab_padded),
+            decoder_layers: tables.first().map_or(0, |t| t.decoder_layers),
         }
     }
 

@@ -133,6 +133,11 @@ pub const FLAGS: &[Flag] = &[
     used("rope-scaling-original-max-position-embeddings", One, "YaRN: the context the model was pretrained for (default 4096)"),
     used("beta-fast", One, "YaRN: the ramp's fast boundary (default 32)"),
     used("beta-slow", One, "YaRN: the ramp's slow boundary (default 1)"),
+    used("mtp-num-layers", One, "multi-token prediction depths (DeepSeek-V3's MTP modules; megatron-core's MultiTokenPredictionBlock on the last pipeline stage), their losses logged as mtp_N loss"),
+    used("mtp-loss-scaling-factor", One, "the weight of the multi-token prediction losses, shared evenly by the depths (default 0.1)"),
+    used("mtp-layout", One, "mindkit's: mindspeed (default, MindSpeed-LLM's MTP: the decoder's final norm after the depths, each depth handed the un-normed states; final_layernorm, mtp.final_layernorms.N) or mcore (megatron-core 0.15's: normed states handed on; decoder.final_layernorm, mtp.layers.N.final_layernorm); a --load checkpoint's by default"),
+    inert("mtp-mem-efficient-logits", Nothing, "MindSpeed-LLM's: the multi-token prediction cross entropy's logits maximum taken in place; the math is the same"),
+    refused("mtp-spec", List, "MindSpeed-LLM's custom layer spec of the multi-token prediction depths (DeepSeek-V4's) is not built; without it a depth's layer is the decoder's last layer's kind"),
     // Mixture of experts (megatron-core 0.15; MindSpeed-LLM's where named).
     used("num-experts", One, "routed experts per MoE layer (megatron-core's MoELayer: router, SequentialMLP experts, shared experts)"),
     used("moe-router-topk", One, "experts per token (default 2)"),

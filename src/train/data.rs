@@ -5,7 +5,7 @@
 
 use crate::data::gpt_dataset::{MaskConfig, Sample, SplitSamples};
 use crate::data::sft_dataset::{SftDataset, IGNORE};
-use crate::model::decoder::MicroBatch;
+use crate::model::decoder::{DepthRows, MicroBatch};
 use anyhow::Result;
 use std::sync::Arc;
 
@@ -42,6 +42,7 @@ pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Pr
         positions: Vec::new(),
         dropout: None,
         aux: None,
+        mtp: Vec::new(),
     };
     let mut mask = Vec::new();
     for s in samples {
@@ -69,6 +70,69 @@ pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Pr
         mask,
         tokens,
     }
+}
+
+/// Multi-token prediction's rows of `p` for `depths` depths, each weighing `scale` /
+/// `depths` of the loss (megatron-core gpt_model.py `_postprocess`): depth k's ids, targets and
+/// mask rolled k + 1 rows left within each sequence, zeros past its end (`roll_tensor` once per
+/// depth), its loss weights `mask · ((1/K · scale/depths) / n_k)` as autograd takes them
+/// through `MTPLossAutoScaler` (its backward scale 1/K) and the division by the depth's own
+/// count `n_k` (at least 1), or `mask · scale/depths` with per-token loss; attention segments
+/// whose inner boundaries move back with the ids (MindSpeed-LLM's shifted `actual_seq_len`).
+pub fn mtp_rows(
+    p: &Prepared,
+    (depths, scale): (usize, f64),
+    k: usize,
+    averaging: LossAveraging,
+) -> Vec<DepthRows> {
+    let b = &p.batch;
+    let starts: Vec<usize> = (b.positions.iter().enumerate())
+        .filter(|&(_, &pos)| pos == 0)
+        .map(|(r, _)| r)
+        .collect();
+    // the sequence holding row r: its first row and the row past its last
+    let sequence = |r: usize| {
+        let i = starts.partition_point(|&s| s <= r);
+        let end = starts.get(i).copied().unwrap_or(b.tokens.len());
+        (starts[i.saturating_sub(1)], end)
+    };
+    let share = (scale / depths as f64) as f32;
+    (1..=depths)
+        .map(|d| {
+            let rolled = |at: usize| Some(at + d).filter(|&from| from < sequence(at).1);
+            let roll = |v: &[u32]| -> Vec<u32> {
+                (0..v.len())
+                    .map(|r| rolled(r).map_or(0, |f| v[f]))
+                    .collect()
+            };
+            let mask: Vec<f32> = (0..p.mask.len())
+                .map(|r| rolled(r).map_or(0.0, |f| p.mask[f]))
+                .collect();
+            let n = mask.iter().filter(|&&m| m != 0.0).count();
+            let weight = match averaging {
+                LossAveraging::PerMicroBatch => ((1.0f32 / k as f32) * share) / n.max(1) as f32,
+                LossAveraging::PerToken => share,
+            };
+            let segments = (b.segments.iter())
+                .filter_map(|s| {
+                    let (first, end) = sequence(s.start);
+                    let moved = |at: usize| match at == first || at == end {
+                        true => at,
+                        false => at.saturating_sub(d).max(first),
+                    };
+                    let (from, to) = (moved(s.start), moved(s.end));
+                    (from < to).then_some(from..to)
+                })
+                .collect();
+            DepthRows {
+                tokens: roll(&b.tokens),
+                labels: roll(&b.labels),
+                dloss: mask.iter().map(|&m| m * weight).collect(),
+                mask,
+                segments,
+            }
+        })
+        .collect()
 }
 
 /// The samples `from..from + count` of `split`, masked as `masks` says.

@@ -418,6 +418,7 @@ impl<T> Sharded<T> {
                 })
                 .collect(),
             vocab_padded: table.vocab_padded,
+            decoder_layers: table.decoder_layers,
         };
         let opt = Optimizer::new(b, &piece_table, &main, vec![true; pieces.len()], config)?;
         Ok(Sharded {

@@ -23,6 +23,9 @@ impl<B: Backend> Trainer<B> {
             Role::InputNorm
             | Role::PostNorm
             | Role::FinalNorm
+            | Role::MtpEmbedNorm
+            | Role::MtpHiddenNorm
+            | Role::MtpNorm
             | Role::Router
             | Role::SharedGate
             | Role::QLatentNorm
@@ -153,10 +156,11 @@ impl<B: Backend> Trainer<B> {
             role: Role::Embedding,
             layer: None,
         };
-        // only the first and last stage hold the embedding (or its copy)
-        let tied = self.cfg.model.tied;
+        // only the first and last stage hold the embedding (or its copy: the tied output
+        // layer, or the multi-token prediction depths' embedding)
+        let copied = self.cfg.model.tied || self.cfg.model.mtp.is_some();
         let at = self.table.index(embedding);
-        let Some(i) = at.filter(|&i| tied && self.table.params[i].trainable) else {
+        let Some(i) = at.filter(|&i| copied && self.table.params[i].trainable) else {
             return Ok(());
         };
         let (first, last) = (0, self.stage.count - 1);

@@ -41,7 +41,16 @@ pub(super) fn initial_params(
             }
             (
                 None,
-                Role::InputNorm | Role::PostNorm | Role::FinalNorm | Role::QNorm | Role::KNorm,
+                Role::InputNorm
+                | Role::PostNorm
+                | Role::FinalNorm
+                | Role::QNorm
+                | Role::KNorm
+                | Role::QLatentNorm
+                | Role::KvLatentNorm
+                | Role::MtpEmbedNorm
+                | Role::MtpHiddenNorm
+                | Role::MtpNorm,
             ) => {
                 vec![1.0; n]
             }

@@ -50,8 +50,9 @@ pub struct IterationLine {
     pub global_batch: u64,
     /// Mean lm loss over the interval's advanced iterations.
     pub loss: f64,
-    /// The MoE auxiliary losses' means over the interval (`track_moe_metrics`' names).
-    pub moe_losses: Vec<(&'static str, f64)>,
+    /// The MoE auxiliary losses' and the multi-token prediction losses' means over the
+    /// interval (`track_moe_metrics`' and `track_mtp_metrics`' names).
+    pub tracked: Vec<(String, f64)>,
     /// The grad norm before clipping (rounded to f32).
     pub grad_norm: Option<f32>,
     /// Zeros in the gradient (`--log-num-zeros-in-grad`).
@@ -90,8 +91,8 @@ impl std::fmt::Display for IterationLine {
         if self.loss > 0.0 {
             write!(f, " lm loss: {} |", py_e(self.loss, 6))?;
         }
-        for &(name, v) in self.moe_losses.iter().filter(|(_, v)| *v > 0.0) {
-            write!(f, " {name}: {} |", py_e(v, 6))?;
+        for (name, v) in self.tracked.iter().filter(|(_, v)| *v > 0.0) {
+            write!(f, " {name}: {} |", py_e(*v, 6))?;
         }
         write!(f, " loss scale: 1.0 |")?;
         if let Some(g) = self.grad_norm {

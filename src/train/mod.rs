@@ -31,6 +31,7 @@ mod init;
 mod launch;
 pub mod log;
 mod moe;
+mod mtp;
 pub mod optim;
 pub mod parallel;
 pub mod pipeline;

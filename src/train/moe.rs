@@ -40,10 +40,17 @@ impl MoeTracker {
         if aux.z_coeff.is_some() {
             names.push("z_loss");
         }
+        // megatron-core 0.15's track_moe_metrics counts every multi-token prediction depth
+        // as an MoE layer (its `mtp_num_layers`); MindSpeed-LLM's (core 0.12) counts none,
+        // though the depths' MoE layers add their losses to the sums in both.
+        let depths = match model.mtp {
+            Some(m) if m.layout == crate::arch::MtpLayout::Mcore => m.depths,
+            _ => 0,
+        };
         Some(MoeTracker {
-            sums: vec![vec![0.0; model.layers]; names.len()],
+            sums: vec![vec![0.0; model.all_layers()]; names.len()],
             names,
-            moe_layers: (0..model.layers).filter(|&l| moe.is_moe_layer(l)).count(),
+            moe_layers: (0..model.layers).filter(|&l| moe.is_moe_layer(l)).count() + depths,
             tokens: Default::default(),
         })
     }

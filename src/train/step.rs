@@ -48,9 +48,16 @@ impl<B: Backend> Trainer<B> {
             // Dropout and the MoE auxiliary losses in training only; dropout keyed by the
             // consumed-sample index `at` of the first sample: no evaluation drops anything.
             if train {
+                let mtp = data::mtp_rows(
+                    &prepared,
+                    (c.model.mtp_depths(), c.mtp_loss_scale),
+                    k,
+                    c.averaging,
+                );
                 let b = &mut prepared.batch;
                 b.dropout = Dropout::new(c.seed, c.dropout, at, &b.positions);
                 b.aux = c.aux_losses.clone();
+                b.mtp = mtp;
             }
             batches.push(prepared);
         }
@@ -82,6 +89,9 @@ impl<B: Backend> Trainer<B> {
                     if train {
                         if let (Some(m), Some(aux)) = (&mut self.moe, &self.cfg.aux_losses) {
                             m.add(&fwd.moe_stats(), aux.balancing);
+                        }
+                        if let Some(m) = &mut self.mtp {
+                            m.add(fwd.mtp_losses());
                         }
                         saved.insert(slot, fwd);
                     }
@@ -303,6 +313,7 @@ fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
                 | Role::QProj
                 | Role::KvDown
                 | Role::KvUp
+                | Role::MtpProj
         );
     let fused = match expert && cfg.grouped_experts && p.lora.is_none() {
         true => cfg.gemm_gradient_accumulation_fusion,

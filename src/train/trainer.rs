@@ -38,8 +38,9 @@ struct Interval {
     nan: u64,
     tokens: u64,
     start: Option<Instant>,
-    /// The MoE auxiliary losses' per-iteration values, summed (tracker order).
-    moe: Vec<(&'static str, f64)>,
+    /// The MoE auxiliary losses' and the multi-token prediction losses' per-iteration values,
+    /// summed (tracker order).
+    tracked: Vec<(String, f64)>,
 }
 
 /// The training state.
@@ -90,6 +91,8 @@ pub(super) struct Trainer<B: Backend> {
     pub(super) rank: usize,
     /// The MoE layers' auxiliary losses of the step (None for a dense model).
     pub(super) moe: Option<super::moe::MoeTracker>,
+    /// The multi-token prediction depths' losses of the step (None without them).
+    pub(super) mtp: Option<super::mtp::MtpTracker>,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -216,6 +219,7 @@ impl<B: Backend> Trainer<B> {
         let moe = super::moe::MoeTracker::new(&cfg.model, cfg.aux_losses.as_ref());
         let mut t = Trainer {
             moe,
+            mtp: super::mtp::MtpTracker::new(cfg.model.mtp_depths()),
             b,
             spec,
             table,
@@ -248,12 +252,10 @@ impl<B: Backend> Trainer<B> {
         Ok(t)
     }
 
-    /// The step's MoE auxiliary losses as Megatron logs them (every rank takes part in
-    /// their reduction), the tracker reset; none for a dense model.
-    fn moe_losses(&mut self) -> Result<Vec<(&'static str, f64)>> {
-        let Some(tracker) = &mut self.moe else {
-            return Ok(Vec::new());
-        };
+    /// The step's MoE auxiliary losses and multi-token prediction losses as Megatron logs them
+    /// (every rank takes part in their reduction), the trackers reset; none for a dense model
+    /// without prediction depths.
+    fn tracked_losses(&mut self) -> Result<Vec<(String, f64)>> {
         fn group<T: crate::engine::comm::Payload>(
             g: &Option<Counted<T>>,
         ) -> Option<&dyn Communicator<Tensor = T>> {
@@ -261,10 +263,16 @@ impl<B: Backend> Trainer<B> {
         }
         let c = &self.cfg;
         let micro_batches = c.global_batch / c.micro_batch / c.data_parallel;
-        Ok(tracker.take(
-            (group(&self.pp), group(&self.tp), group(&self.dp)),
-            micro_batches,
-        )?)
+        let mut out = Vec::new();
+        if let Some(tracker) = &mut self.moe {
+            let groups = (group(&self.pp), group(&self.tp), group(&self.dp));
+            let moe = tracker.take(groups, micro_batches)?;
+            out.extend(moe.into_iter().map(|(name, v)| (name.to_string(), v)));
+        }
+        if let Some(tracker) = &mut self.mtp {
+            out.extend(tracker.take((group(&self.pp), group(&self.dp)), micro_batches)?);
+        }
+        Ok(out)
     }
 
     /// One training iteration: returns (loss, grad norm, applied, tokens).
@@ -576,16 +584,18 @@ impl<B: Backend> Trainer<B> {
             interval.start.get_or_insert_with(Instant::now);
             let (loss, grad_norm, applied, tokens) = self.train_step(&train)?;
             self.iteration += 1;
-            let moe = self.moe_losses()?;
-            for (i, &(name, v)) in moe.iter().enumerate() {
-                match interval.moe.get_mut(i) {
+            let tracked = self.tracked_losses()?;
+            for (i, (name, v)) in tracked.iter().enumerate() {
+                match interval.tracked.get_mut(i) {
                     Some(slot) => slot.1 += v,
-                    None => interval.moe.push((name, v)),
+                    None => interval.tracked.push((name.clone(), *v)),
                 }
             }
-            if let (Some(tb), false) = (&mut self.tensorboard, moe.is_empty()) {
-                // track_moe_metrics writes them every iteration.
-                tb.scalars(self.iteration, self.consumed_train, &moe)?;
+            if let (Some(tb), false) = (&mut self.tensorboard, tracked.is_empty()) {
+                // track_moe_metrics and track_mtp_metrics write them every iteration.
+                let scalars: Vec<(&str, f64)> =
+                    tracked.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+                tb.scalars(self.iteration, self.consumed_train, &scalars)?;
             }
             self.flops += log::flops_per_step(&flops_model, g);
             total_tokens += tokens;
@@ -643,8 +653,8 @@ impl<B: Backend> Trainer<B> {
                     lr: lr_printed,
                     global_batch: g,
                     loss: mean,
-                    moe_losses: (interval.moe.iter())
-                        .map(|&(name, v)| (name, v / interval.advanced.max(1) as f64))
+                    tracked: (interval.tracked.iter())
+                        .map(|(name, v)| (name.clone(), v / interval.advanced.max(1) as f64))
                         .collect(),
                     grad_norm: Some(grad_norm as f32),
                     num_zeros: norms.0,

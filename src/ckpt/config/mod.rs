@@ -7,7 +7,7 @@ mod moe;
 
 use super::torch::pickle::Value;
 use crate::arch::family::{self, Family, OutBias, QkNorm};
-use crate::arch::{Mla, ModelConfig};
+use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value as Json};
@@ -371,6 +371,7 @@ impl ModelConfig {
             qk_norm_per_layer: false,
             mla,
             moe: moe::moe_from_hf(cfg, family, layers)?,
+            mtp: mtp_of(json_count(cfg, "num_nextn_predict_layers")?),
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
             hf_config: Some(cfg.clone()),
@@ -432,6 +433,9 @@ impl ModelConfig {
             moe::moe_to_hf(m, self.family, &mut cfg);
         }
         mla::mla_to_hf(self, &mut cfg);
+        if let Some(m) = &self.mtp {
+            cfg["num_nextn_predict_layers"] = m.depths.into();
+        }
         cfg
     }
 
@@ -688,6 +692,7 @@ impl ModelConfig {
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
             cfg.mla = cfg.mla.map(|m| Mla { fused_down, ..m });
+            cfg.mtp = mtp_of(arg_count(args, "mtp_num_layers")?);
             return Ok(cfg);
         }
         let need = |n: &str| {
@@ -763,11 +768,21 @@ impl ModelConfig {
             qk_norm_per_layer,
             mla,
             moe,
+            mtp: mtp_of(arg_count(args, "mtp_num_layers")?),
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
         })
     }
+}
+
+/// Multi-token prediction of `depths` (none for 0), in MindSpeed-LLM's layout until a Megatron
+/// checkpoint's keys or a flag say otherwise.
+fn mtp_of(depths: Option<usize>) -> Option<Mtp> {
+    depths.filter(|&d| d > 0).map(|depths| Mtp {
+        depths,
+        layout: MtpLayout::Mindspeed,
+    })
 }
 
 /// The dimensions of a head RoPE rotates: megatron-core rotary_pos_embedding.py
@@ -937,6 +952,10 @@ pub fn megatron_args(
     set.extend(moe::moe_args(cfg.moe.as_ref()));
     set.extend(mla::mla_args(cfg));
     set.extend(mla::yarn_args(cfg.rope_scaling.as_ref()));
+    set.push((
+        "mtp_num_layers",
+        cfg.mtp.map_or(Value::None, |m| int(m.depths)),
+    ));
     if cfg.moe.is_some() {
         // MindSpeed-LLM's --moe-tp-extend-ep leaves Megatron's groups (and args) at TP
         let etp = if par.tp_extend { par.tp } else { par.etp };

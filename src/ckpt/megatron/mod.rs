@@ -14,7 +14,7 @@ use super::torch::TorchFile;
 use super::transform::{gather_tp, shard_shape};
 use crate::arch::family::Family;
 use crate::arch::roles::{Canon, Role};
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, MtpLayout};
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
@@ -509,8 +509,16 @@ impl MegatronCkpt {
             ),
         };
         let padded_vocab = emb.shape[0] as usize * tp;
-        let cfg = ModelConfig::from_megatron_args(&args, family, emb.storage.dtype, padded_vocab)
-            .with_context(|| format!("{}", files[0][0].path().display()))?;
+        let mut cfg =
+            ModelConfig::from_megatron_args(&args, family, emb.storage.dtype, padded_vocab)
+                .with_context(|| format!("{}", files[0][0].path().display()))?;
+        if let Some(m) = &mut cfg.mtp {
+            // MindSpeed-LLM keeps the depths' final norms in the block (`mtp.final_layernorms`)
+            let last = &flat[pp - 1][0][vpp - 1];
+            if last.contains_key("mtp.layers.0.final_layernorm.weight") {
+                m.layout = MtpLayout::Mcore;
+            }
+        }
         let total: usize = stage_layers.iter().sum();
         if total != cfg.layers {
             bail!(

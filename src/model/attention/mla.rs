@@ -21,6 +21,7 @@
 use super::Attend;
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result, StridedView};
+use crate::model::columns::{assemble, cols, columns_gathered, own_columns, own_rows};
 use crate::model::dropout::attention_mask;
 use crate::model::layer::rms_grad;
 use crate::model::linear::Linear;
@@ -302,9 +303,13 @@ impl Mla {
         match self.down {
             Down::Apart(q_down, kv_down) => {
                 let (q, u_q) = q_down.forward(p, x)?;
-                let q = if q_latent { columns_gathered(p, q)? } else { q };
+                let q = if q_latent {
+                    columns_gathered(p.b, p.tp, q)?
+                } else {
+                    q
+                };
                 let (kv, u_kv) = kv_down.forward(p, x)?;
-                Ok(([q, columns_gathered(p, kv)?], [u_q, u_kv]))
+                Ok(([q, columns_gathered(p.b, p.tp, kv)?], [u_q, u_kv]))
             }
             Down::Fused(fused) => {
                 let (y, u) = fused.forward(p, x)?;
@@ -334,10 +339,10 @@ impl Mla {
         let x = all_h.as_ref().unwrap_or(h);
         match self.down {
             Down::Apart(q_down, kv_down) => {
-                let d_kv = own_columns(p, d_kv)?;
+                let d_kv = own_columns(p.b, p.tp, d_kv)?;
                 let mut dh = kv_down.backward(p, grads, &d_kv, (x, down_lora[1].as_ref()))?;
                 let d_q = match self.q {
-                    Query::Latent(..) => own_columns(p, d_q)?,
+                    Query::Latent(..) => own_columns(p.b, p.tp, d_q)?,
                     Query::Direct => d_q,
                 };
                 let dh_q = q_down.backward(p, grads, &d_q, (x, down_lora[0].as_ref()))?;
@@ -349,7 +354,7 @@ impl Mla {
                 let (q_w, kv_w) = (b.shape(&d_q)[1], b.shape(&d_kv)[1]);
                 let d_y = assemble(b, n, 1, q_w + kv_w, &[(&d_q, q_w, 0), (&d_kv, kv_w, q_w)])?;
                 let dh = fused.backward(p, grads, &d_y, (x, down_lora[0].as_ref()))?;
-                own_rows(p, dh)
+                own_rows(p.b, p.tp, dh)
             }
         }
     }
@@ -374,32 +379,6 @@ fn dims<B: Backend>(p: &Pass<B>) -> Result<Dims> {
         v: m.v_head_dim,
         kv_lora: m.kv_lora_rank,
     })
-}
-
-/// Columns `at..at + w` of each of `blocks` blocks of `block` columns, rows of `row`.
-fn cols(n: usize, row: usize, (blocks, block): (usize, usize), at: usize, w: usize) -> StridedView {
-    StridedView::columns(n, row, (blocks, block), at, w)
-}
-
-/// Rows of `blocks` blocks of `width` columns, zeros but for `parts`: `(part [n, blocks·w],
-/// w, at)` in columns `at..at + w` of every block.
-fn assemble<B: Backend>(
-    b: &B,
-    n: usize,
-    blocks: usize,
-    width: usize,
-    parts: &[(&B::Tensor, usize, usize)],
-) -> Result<B::Tensor> {
-    let dtype = b.dtype(parts[0].0);
-    let mut out = b.zeros(&[n, blocks * width], dtype)?;
-    for &(part, w, at) in parts {
-        b.scatter(
-            part,
-            &mut out,
-            cols(n, blocks * width, (blocks, width), at, w),
-        )?;
-    }
-    Ok(out)
 }
 
 /// RoPE on the rotated parts `x [n, heads·dr]`, de-interleaved first (forward) or
@@ -437,7 +416,7 @@ fn up_from_latent<B: Backend>(
     let b = p.b;
     let (normed, norm) = match norm {
         Some(g) => {
-            let own = own_rows(p, c)?;
+            let own = own_rows(p.b, p.tp, c)?;
             let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.norm_eps)?;
             let all = gathered(b, p.tp, &y)?.unwrap_or(y);
             (all, Some((own, rstd)))
@@ -473,49 +452,4 @@ fn latent_bwd<B: Backend>(
         }
         _ => Ok(gathered(b, p.tp, &d_normed)?.unwrap_or(d_normed)),
     }
-}
-
-/// A column-parallel down projection's output `[n, w / tp]` gathered whole `[n, w]` (columns
-/// in rank order; megatron-core's `gather_from_tensor_model_parallel_region`).
-fn columns_gathered<B: Backend>(p: &Pass<B>, x: B::Tensor) -> Result<B::Tensor> {
-    let b = p.b;
-    let Some(tp) = p.tp else {
-        return Ok(x);
-    };
-    let ranks = tp.group.size();
-    let (n, w) = (b.shape(&x)[0], b.shape(&x)[1]);
-    let mut all = b.zeros(&[n * ranks, w], b.dtype(&x))?;
-    tp.group.all_gather(&x, &mut all)?;
-    let view = StridedView {
-        shape: [n, ranks, w],
-        strides: [w, n * w, 1],
-        offset: 0,
-    };
-    b.gather(&all, view, &[n, ranks * w])
-}
-
-/// This rank's columns of the gradient `[n, w]` of [`columns_gathered`]'s output.
-fn own_columns<B: Backend>(p: &Pass<B>, x: B::Tensor) -> Result<B::Tensor> {
-    let b = p.b;
-    let Some(tp) = p.tp else {
-        return Ok(x);
-    };
-    let (n, w) = (b.shape(&x)[0], b.shape(&x)[1] / tp.group.size());
-    let at = tp.group.rank() * w;
-    b.gather(&x, cols(n, w * tp.group.size(), (1, w), at, w), &[n, w])
-}
-
-/// This rank's rows of `x` under sequence parallelism (all of them otherwise).
-fn own_rows<B: Backend>(p: &Pass<B>, x: B::Tensor) -> Result<B::Tensor> {
-    let b = p.b;
-    let Some(tp) = p.tp.filter(|tp| tp.sequence_parallel) else {
-        return Ok(x);
-    };
-    let (n, w) = (b.shape(&x)[0] / tp.group.size(), b.shape(&x)[1]);
-    let view = StridedView {
-        shape: [1, 1, n * w],
-        strides: [0, 0, 1],
-        offset: tp.group.rank() * n * w,
-    };
-    b.gather(&x, view, &[n, w])
 }

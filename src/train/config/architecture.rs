@@ -2,9 +2,9 @@
 //! from `--load` (every flag given checked against it).
 
 use super::{fraction, positive, positive_float};
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, Mtp, MtpLayout};
 use crate::ckpt::config::{DEEPSEEK_SPEC, MINIMAX_SPEC};
-use crate::ckpt::convert::Input;
+use crate::ckpt::convert::{Format, Input};
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
 use crate::data::handlers::template::Template;
@@ -94,6 +94,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("qk-head-dim", "qk_head_dim"),
         ("qk-pos-emb-head-dim", "qk_pos_emb_head_dim"),
         ("v-head-dim", "v_head_dim"),
+        ("mtp-num-layers", "mtp_num_layers"),
     ] {
         if let Some(v) = positive(a, flag)? {
             out.push((key.to_string(), Value::Int(v as i64)));
@@ -276,10 +277,13 @@ pub(super) fn model_config(
             args.push(("ffn_hidden_size".into(), Value::Int(ffn as i64)));
         }
         args.push(("vocab_size".into(), Value::Int(tokenizer_vocab as i64)));
-        return ModelConfig::from_megatron_args(&args, None, DType::F32, tokenizer_vocab)
-            .context("the architecture flags (without --load every one of --num-layers --hidden-size --num-attention-heads is needed)");
+        let mut cfg = ModelConfig::from_megatron_args(&args, None, DType::F32, tokenizer_vocab)
+            .context("the architecture flags (without --load every one of --num-layers --hidden-size --num-attention-heads is needed)")?;
+        cfg.mtp = mtp(a, None)?;
+        return Ok(cfg);
     };
-    let cfg = input.cfg.clone();
+    let mut cfg = input.cfg.clone();
+    cfg.mtp = mtp(a, Some(input))?;
     let checks: [(&str, usize); 6] = [
         ("num-layers", cfg.layers),
         ("hidden-size", cfg.hidden),
@@ -354,6 +358,55 @@ pub(super) fn model_config(
         );
     }
     Ok(cfg)
+}
+
+/// Multi-token prediction from `--mtp-num-layers` and mindkit's `--mtp-layout` (default
+/// MindSpeed-LLM's), checked against a `--load` checkpoint: a Megatron checkpoint's depths and
+/// layout are what Megatron's strict load of it needs; of an HF directory's depths as many as
+/// the flag asks are trained (MindSpeed-LLM's converters convert `--mtp-num-layers` depths).
+fn mtp(a: &Args, input: Option<&Input>) -> Result<Option<Mtp>> {
+    let depths = positive(a, "mtp-num-layers")?.unwrap_or(0);
+    let layout = match a.get("mtp-layout") {
+        None => None,
+        Some("mindspeed") => Some(MtpLayout::Mindspeed),
+        Some("mcore") => Some(MtpLayout::Mcore),
+        Some(other) => bail!("--mtp-layout {other}: mindspeed or mcore"),
+    };
+    let have = input.and_then(|i| i.cfg.mtp);
+    let hf = input.is_some_and(|i| i.format == Format::Hf);
+    let from_checkpoint = have.filter(|_| !hf);
+    if let Some(input) = input.filter(|_| !hf || depths > 0) {
+        let (held, layout_held) = (input.cfg.mtp_depths(), have.map(|m| m.layout));
+        let enough = if hf { held >= depths } else { held == depths };
+        if !enough {
+            bail!(
+                "--mtp-num-layers {depths}: the --load checkpoint has {held} multi-token \
+                 prediction depth(s){}",
+                if hf { "" } else { " (pass as many)" }
+            );
+        }
+        if let (Some(want), Some(held), false) = (layout, layout_held, hf) {
+            if want != held {
+                bail!(
+                    "--mtp-layout {}: the --load checkpoint's multi-token prediction is in \
+                     the {} layout (convert it with `mindkit convert --mtp-layout {}`)",
+                    want.name(),
+                    held.name(),
+                    want.name()
+                );
+            }
+        }
+    }
+    if depths == 0 {
+        if layout.is_some() {
+            bail!("--mtp-layout needs --mtp-num-layers");
+        }
+        return Ok(None);
+    }
+    let layout = layout
+        .or(from_checkpoint.map(|m| m.layout))
+        .unwrap_or(MtpLayout::Mindspeed);
+    Ok(Some(Mtp { depths, layout }))
 }
 
 /// The flags that shape RoPE and the norms, checked against the `--load` checkpoint's values:

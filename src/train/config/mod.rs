@@ -95,6 +95,9 @@ pub struct TrainConfig {
     pub dropout: (Option<Rate>, Option<Rate>),
     /// A mixture of experts' auxiliary losses (`None` for a dense model).
     pub aux_losses: Option<crate::model::AuxLosses>,
+    /// `--mtp-loss-scaling-factor` (megatron-core's default 0.1): the multi-token prediction
+    /// depths' share of the loss.
+    pub mtp_loss_scale: f64,
     /// The router's product in f32 under `--bf16` (`--moe-router-dtype fp32`,
     /// MindSpeed-LLM's `--router-gating-in-fp32`).
     pub router_f32: bool,
@@ -626,6 +629,10 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         "transformer_engine" => KeyLayout::McoreTe,
         other => bail!("--transformer-impl {other}: expected local or transformer_engine"),
     };
+    anyhow::Context::context(
+        crate::ckpt::layout::check_layout(key_layout, &model),
+        "--transformer-impl",
+    )?;
     let save = match a.get("save") {
         None => None,
         Some(dir) => Some(SaveConfig {
@@ -673,7 +680,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         (global_batch / micro_batch, micro_batch),
         averaging == LossAveraging::PerToken,
     )?;
-    let lora = fused_down_unadapted(lora_config(a)?, &model)?;
+    let lora = lora_built(lora_config(a)?, &model)?;
     Ok(TrainConfig {
         model,
         vocab_padded,
@@ -685,6 +692,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
         dropout,
         aux_losses,
+        mtp_loss_scale: non_negative(a, "mtp-loss-scaling-factor")?.unwrap_or(0.1),
         grouped_experts,
         te_grouped_experts,
         router_f32,
@@ -755,12 +763,14 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     })
 }
 
-/// LoRA's config, refused on multi-latent attention's replicated `linear_qkv` (MindSpeed-LLM's
-/// deepseek_spec): the factors' tensor-parallel split of a replicated layer is not built.
-fn fused_down_unadapted(
-    lora: Option<LoraConfig>,
-    model: &ModelConfig,
-) -> Result<Option<LoraConfig>> {
+/// LoRA's config, refused with multi-token prediction and on multi-latent attention's
+/// replicated `linear_qkv` (MindSpeed-LLM's deepseek_spec): the factors' tensor-parallel split of
+/// a replicated layer is not built.
+fn lora_built(lora: Option<LoraConfig>, model: &ModelConfig) -> Result<Option<LoraConfig>> {
+    if lora.is_some() && model.mtp.is_some() {
+        // peft would wrap the depths' decoder layers too; their merge is not built
+        bail!("LoRA with multi-token prediction (--mtp-num-layers) is not built; fine-tune fully, or without the depths");
+    }
     let fused = model.mla.is_some_and(|m| m.fused_down);
     if fused
         && lora
