@@ -900,3 +900,64 @@ fn damaged_inputs_give_errors_naming_the_file() {
     assert!(!out.exists());
     assert!(leftovers(tmp.path()).is_empty());
 }
+
+#[test]
+fn multi_token_prediction_layouts_convert_into_each_other_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let at = |s: &str| tmp.path().join(s);
+    let f = model("deepseek_v3_mtp");
+    let split = ["--tp", "2", "--pp", "2", "--ep", "2"];
+    convert("megatron", &f, &at("mindspeed"), &split);
+    let mcore = [&split[..], &["--mtp-layout", "mcore", "--moe-grouped-gemm"]].concat();
+    convert("megatron", &f, &at("mcore"), &mcore);
+    convert(
+        "megatron",
+        &at("mcore"),
+        &at("back"),
+        &["--mtp-layout", "mindspeed"],
+    );
+    let read = |d: &str, r: &str| rank_tensors(&rank_file(&at(d), r));
+    // the last stage: the depth with the embedding's copy, its norm where each layout keeps it
+    let (ms, mc) = (
+        read("mindspeed", "mp_rank_01_001_001"),
+        read("mcore", "mp_rank_01_001_001"),
+    );
+    for k in [
+        "embedding.word_embeddings.weight",
+        "final_layernorm.weight",
+        "mtp.layers.0.eh_proj.weight",
+        "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight",
+        "mtp.final_layernorms.0.weight",
+    ] {
+        assert!(ms.contains_key(k), "{k}: {:?}", ms.keys());
+    }
+    for k in [
+        "decoder.final_layernorm.weight",
+        "mtp.layers.0.final_layernorm.weight",
+        "mtp.layers.0.transformer_layer.mlp.experts.weight1",
+    ] {
+        assert!(mc.contains_key(k), "{k}: {:?}", mc.keys());
+    }
+    assert_eq!(ms["mtp.layers.0.eh_proj.weight"].0, [16, 64]);
+    for r in ["mp_rank_00_000_000", "mp_rank_01_001_001"] {
+        assert_eq!(read("back", r), read("mindspeed", r), "{r}");
+    }
+    // the embedding and output copies DeepSeek's HF layout keeps in the depth, back as they were
+    convert("hf", &at("mcore"), &at("hf"), &[]);
+    assert_same_hf(&f, &at("hf"));
+    let err = convert_err(
+        "megatron",
+        &model("qwen3"),
+        &at("bad"),
+        &["--mtp-layout", "mcore"],
+    );
+    assert!(
+        err.contains("has no multi-token prediction depths"),
+        "{err}"
+    );
+    let err = convert_err("megatron", &f, &at("bad"), &["--layout", "mcore-te"]);
+    assert!(
+        err.contains("is written in the megatron-core local layout"),
+        "{err}"
+    );
+}

@@ -3193,7 +3193,8 @@ fn the_router_in_f32_under_bf16_changes_the_routing_precision_only() {
 fn moe_on_the_npu_stand_in_matches_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    for routing in ["", SIGMOID_BIASED] {
+    // the biased sigmoid routing with a multi-token prediction depth after the decoder
+    for routing in ["", &format!("{SIGMOID_BIASED} --mtp-num-layers 1")] {
         let flags: Vec<&str> = ["--train-iters", "4"]
             .into_iter()
             .chain(routing.split_whitespace())
@@ -3202,6 +3203,11 @@ fn moe_on_the_npu_stand_in_matches_the_cpu() {
         let cpu = stdout(&run(&a).success());
         let (npu, counted) = train_on_stand_in(dir.path(), &a, "");
         same_training(&cpu, &npu, 1e-4, "a mixture of experts on the NPU stand-in");
+        if routing.contains("mtp") {
+            assert_eq!(field(&npu, "mtp_1 loss").len(), 4, "{npu}");
+            let what = "multi-token prediction on the NPU stand-in";
+            same_mtp_losses(&cpu, &npu, 1e-4, what);
+        }
         // The experts' rows are combined by one-hot products (index_add_rows' fallback).
         assert!(
             counted["ops"].get("aclnnEmbeddingDenseBackward").is_some(),
@@ -4004,4 +4010,116 @@ fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and
         let err = stderr(&moe_train(&data, &format!("{extend} {extra}")).failure());
         assert!(err.contains(says), "{extra}: {err}");
     }
+}
+
+/// A tiny DeepSeek-V3: multi-latent attention, routed and shared experts with an auxiliary
+/// loss, two multi-token prediction depths weighing 0.3 of the loss.
+const MTP_FLAGS: [&str; 15] = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "32",
+    "--moe-shared-expert-intermediate-size",
+    "32",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--mtp-num-layers",
+    "2",
+    "--mtp-loss-scaling-factor",
+    "0.3",
+    "--mtp-mem-efficient-logits",
+];
+
+/// `a` and `b` log the same multi-token prediction losses to `tolerance` (relative).
+fn same_mtp_losses(a: &str, b: &str, tolerance: f64, what: &str) {
+    let depths = if a.contains("mtp_2 loss") { 2 } else { 1 };
+    for name in ["mtp_1 loss", "mtp_2 loss"].into_iter().take(depths) {
+        let (x, y) = (field(a, name), field(b, name));
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            let close = (p - q).abs() <= tolerance * p.abs();
+            assert!(close, "{what} iteration {}: {name} {p} vs {q}", i + 1);
+        }
+    }
+}
+
+#[test]
+fn multi_token_prediction_trains_over_every_parallelism_as_one_rank_and_resumes_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("mtp");
+    let path = save.to_str().unwrap();
+    let family = [&MLA_FLAGS[..], &MTP_FLAGS[..]].concat();
+    let saved = ["--save", path, "--save-interval", "10"];
+    let one = stdout(&run(&from_scratch(&data, &family, &saved)).success());
+    assert_eq!(field(&one, "mtp_2 loss").len(), 10, "{one}");
+    for (extra, what) in [
+        (
+            &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
+            "TP 2 with sequence parallelism",
+        ),
+        (&["--pipeline-model-parallel-size", "2"][..], "PP 2"),
+        (
+            &[
+                "--expert-model-parallel-size",
+                "2",
+                "--world-size",
+                "2",
+                "--use-distributed-optimizer",
+            ][..],
+            "EP 2 × DP 2, distributed optimizer",
+        ),
+    ] {
+        let other = stdout(&run(&from_scratch(&data, &family, extra)).success());
+        let what = format!("multi-token prediction over {what}");
+        same_training(&one, &other, 1e-5, &what);
+        same_mtp_losses(&one, &other, 1e-5, &what);
+    }
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &path]).success());
+    assert!(
+        info.contains(
+            "prediction:  2 multi-token prediction depth(s) (layers 2..4), MindSpeed-LLM's layout"
+        ),
+        "{info}"
+    );
+    // megatron-core's hand-off of normed states trains another model, alike over stages
+    let mcore = [&family[..], &["--mtp-layout", "mcore"]].concat();
+    let normed = stdout(&run(&from_scratch(&data, &mcore, &[])).success());
+    assert_ne!(field(&one, "mtp_1 loss"), field(&normed, "mtp_1 loss"));
+    let staged = ["--pipeline-model-parallel-size", "2"];
+    let normed_pp = stdout(&run(&from_scratch(&data, &mcore, &staged)).success());
+    same_mtp_losses(
+        &normed,
+        &normed_pp,
+        1e-5,
+        "megatron-core's layout over PP 2",
+    );
+    // stopped at iteration 4 and resumed, the run ends as the whole one did
+    let part = dir.path().join("part");
+    let stop = ["--save", part.to_str().unwrap(), "--exit-interval", "4"];
+    run(&from_scratch(&data, &family, &stop)).success();
+    let resume = [&family[..], &["--load", part.to_str().unwrap()]].concat();
+    let rest = stdout(&run(&from_scratch(&data, &resume, &[])).success());
+    let tail: Vec<String> = iterations(&one)[4..].to_vec();
+    assert_eq!(
+        tail,
+        iterations(&rest),
+        "iterations 5-10 differ after resuming"
+    );
+    // the checkpoint's depths and layout are what a --load needs
+    let depths = resume
+        .iter()
+        .position(|&f| f == "--mtp-num-layers")
+        .unwrap();
+    let mut one_depth = resume.clone();
+    one_depth[depths + 1] = "1";
+    let err = stderr(&run(&from_scratch(&data, &one_depth, &[])).failure());
+    assert!(
+        err.contains("has 2 multi-token prediction depth(s)"),
+        "{err}"
+    );
+    let layout = [&resume[..], &["--mtp-layout", "mcore"]].concat();
+    let err = stderr(&run(&from_scratch(&data, &layout, &[])).failure());
+    assert!(err.contains("is in the mindspeed layout"), "{err}");
 }

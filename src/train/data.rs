@@ -78,10 +78,11 @@ pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Pr
 /// depth), its loss weights `mask · ((1/K · scale/depths) / n_k)` as autograd takes them
 /// through `MTPLossAutoScaler` (its backward scale 1/K) and the division by the depth's own
 /// count `n_k` (at least 1), or `mask · scale/depths` with per-token loss; attention segments
-/// whose inner boundaries move back with the ids (MindSpeed-LLM's shifted `actual_seq_len`).
+/// whose inner boundaries move back with the ids where `moved` (MindSpeed-LLM's shifted
+/// `actual_seq_len`), else the main model's (megatron-core hands its depths the same mask).
 pub fn mtp_rows(
     p: &Prepared,
-    (depths, scale): (usize, f64),
+    (depths, scale, moved): (usize, f64, bool),
     k: usize,
     averaging: LossAveraging,
 ) -> Vec<DepthRows> {
@@ -116,11 +117,11 @@ pub fn mtp_rows(
             let segments = (b.segments.iter())
                 .filter_map(|s| {
                     let (first, end) = sequence(s.start);
-                    let moved = |at: usize| match at == first || at == end {
+                    let place = |at: usize| match !moved || at == first || at == end {
                         true => at,
                         false => at.saturating_sub(d).max(first),
                     };
-                    let (from, to) = (moved(s.start), moved(s.end));
+                    let (from, to) = (place(s.start), place(s.end));
                     (from < to).then_some(from..to)
                 })
                 .collect();
@@ -344,5 +345,52 @@ fn sft_sample(
         labels: row_labels,
         loss_mask,
         segments,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(tokens: &[u32], mask: &[f32], segments: &[usize]) -> Sample {
+        Sample {
+            tokens: tokens.to_vec(),
+            labels: tokens.iter().map(|t| t + 100).collect(),
+            loss_mask: mask.to_vec(),
+            segments: segments.to_vec(),
+        }
+    }
+
+    #[test]
+    fn prediction_depths_roll_each_sequence_and_weigh_their_own_tokens() {
+        // two sequences of 5, the second packing two documents (3 + 2)
+        let p = micro_batch(
+            &[
+                sample(&[1, 2, 3, 4, 5], &[1.0, 1.0, 0.0, 1.0, 1.0], &[0]),
+                sample(&[6, 7, 8, 9, 10], &[1.0; 5], &[0, 3]),
+            ],
+            2,
+            LossAveraging::PerMicroBatch,
+        );
+        let rows = mtp_rows(&p, (2, 0.3, true), 2, LossAveraging::PerMicroBatch);
+        assert_eq!(rows.len(), 2);
+        let (one, two) = (&rows[0], &rows[1]);
+        assert_eq!(one.tokens, [2, 3, 4, 5, 0, 7, 8, 9, 10, 0]);
+        assert_eq!(two.tokens, [3, 4, 5, 0, 0, 8, 9, 10, 0, 0]);
+        assert_eq!(one.labels, [102, 103, 104, 105, 0, 107, 108, 109, 110, 0]);
+        assert_eq!(one.mask, [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]);
+        // each depth's 0.15 of the loss over its own 7 (then 5) tokens and the 2 micro-batches
+        let w = |n: f32| ((1.0f32 / 2.0) * 0.15) / n;
+        assert_eq!(one.dloss[0], w(7.0));
+        assert_eq!(one.dloss[1], 0.0);
+        assert_eq!(two.mask, [0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]);
+        assert_eq!(two.dloss[1], w(5.0));
+        // the documents' boundary moves back with the ids; the sequences' do not
+        assert_eq!(one.segments, [0..5, 5..7, 7..10]);
+        assert_eq!(two.segments, [0..5, 5..6, 6..10]);
+        let per_token = mtp_rows(&p, (2, 0.3, false), 2, LossAveraging::PerToken);
+        assert_eq!(per_token[1].dloss[1], 0.15);
+        // megatron-core's depths attend within the main model's documents
+        assert_eq!(per_token[1].segments, [0..5, 5..8, 8..10]);
     }
 }

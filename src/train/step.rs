@@ -7,6 +7,7 @@ use super::data;
 use super::pipeline;
 use super::trainer::{Chunk, Trainer};
 use crate::arch::roles::Role;
+use crate::arch::MtpLayout;
 use crate::engine::comm::{Communicator, Counted};
 use crate::engine::Backend;
 use crate::model::decoder::{backward, forward, MicroBatch, Saved};
@@ -48,12 +49,13 @@ impl<B: Backend> Trainer<B> {
             // Dropout and the MoE auxiliary losses in training only; dropout keyed by the
             // consumed-sample index `at` of the first sample: no evaluation drops anything.
             if train {
-                let mtp = data::mtp_rows(
-                    &prepared,
-                    (c.model.mtp_depths(), c.mtp_loss_scale),
-                    k,
-                    c.averaging,
-                );
+                // MindSpeed-LLM moves its depths' documents with their ids, megatron-core not
+                let moved = c
+                    .model
+                    .mtp
+                    .is_some_and(|m| m.layout == MtpLayout::Mindspeed);
+                let mtp = (c.model.mtp_depths(), c.mtp_loss_scale, moved);
+                let mtp = data::mtp_rows(&prepared, mtp, k, c.averaging);
                 let b = &mut prepared.batch;
                 b.dropout = Dropout::new(c.seed, c.dropout, at, &b.positions);
                 b.aux = c.aux_losses.clone();

@@ -127,13 +127,18 @@ def sequence_parallel_norms():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=None):
+def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=None,
+              mtp_layout="mcore"):
     """GPTModel (or, with `pre_process` / `post_process` as Megatron sets them per stage, one
     pipeline stage of it, or model chunk `vp_stage` of one) of the checkpoint args `a`, in the
-    current parallel state."""
+    current parallel state. With `a.mtp_num_layers`, multi-token prediction as Megatron's
+    gpt_builders.py builds it (get_gpt_mtp_block_spec of the decoder's last layer spec, local
+    backend; `a.mtp_loss_scaling_factor`, Megatron's default 0.1); `mtp_layout="mindspeed"` gives
+    MindSpeed-LLM's arrangement of it instead (MindSpeedMtpGPTModel below)."""
     init()
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
-                                                          get_gpt_layer_local_spec)
+                                                          get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
     mla = mla_config(a)
@@ -156,7 +161,7 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
         num_layers_in_first_pipeline_stage=getattr(a, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(a, "decoder_last_pipeline_num_layers", None),
         virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None),
-        **moe_config(a, moe_losses), **mla)
+        **mtp_config(a), **moe_config(a, moe_losses), **mla)
     if cfg.num_moe_experts:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
                                           vp_stage=vp_stage)
@@ -172,13 +177,151 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
     if list(getattr(a, "spec", None) or []) == MINIMAX_SPEC:
         for layer in getattr(spec, "layer_specs", [spec]):
             layer.submodules.self_attention.module = minimax_attention()
-    return GPTModel(
+    # (after the substitutions above: the MTP layer is the decoder's last layer spec, shared)
+    mtp = (get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=vp_stage)
+           if cfg.mtp_num_layers else None)
+    if mtp_layout not in ("mcore", "mindspeed"):
+        raise ValueError(f"mtp_layout {mtp_layout!r}")
+    model_class = GPTModel if mtp is None else mtp_gpt_model(mtp_layout)
+    return model_class(
         config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=spec,
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
         rotary_percent=getattr(a, "rotary_percent", 1.0),
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-        rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0, vp_stage=vp_stage)
+        rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0,
+        mtp_block_spec=mtp, vp_stage=vp_stage)
+
+
+def mtp_config(a):
+    """TransformerConfig's multi-token prediction fields from checkpoint args (none without)."""
+    if not getattr(a, "mtp_num_layers", None):
+        return {}
+    factor = getattr(a, "mtp_loss_scaling_factor", None)
+    return dict(mtp_num_layers=a.mtp_num_layers,
+                mtp_loss_scaling_factor=0.1 if factor is None else factor)
+
+
+def mtp_gpt_model(layout):
+    """GPTModel with multi-token prediction, `layout` "mcore" or "mindspeed". Called with labels
+    it is megatron-core's GPTModel as is ("mcore") or MindSpeed-LLM's arrangement ("mindspeed",
+    below). Called without labels both give the main logits: megatron-core 0.15.3's
+    _postprocess would fail there (`labels.clone()`), MindSpeed-LLM's mtp_block_forward too."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    if layout == "mindspeed":
+        return mindspeed_mtp_gpt_model()
+
+    class McoreMtpGPTModel(GPTModel):
+        def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+            if labels is not None:
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
+                                            **kwargs)
+            self.mtp_process = False
+            try:
+                kwargs["mtp_in_postprocess"] = False
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
+                                            **kwargs)
+            finally:
+                self.mtp_process = True
+
+    return McoreMtpGPTModel
+
+
+def mindspeed_mtp_gpt_model():
+    """megatron-core's GPTModel with MindSpeed-LLM's multi-token prediction (its patches in
+    mindspeed_llm/core/models/gpt/gpt_model.py, mindspeed_llm/core/transformer/
+    multi_token_prediction.py and transformer_block.py), re-expressed over megatron-core 0.15's
+    own modules — this is not MindSpeed-LLM's code, which needs torch_npu:
+
+    - the decoder's final norm moves out of the block to the model (`final_layernorm.weight`,
+      no `decoder.final_layernorm`) and is applied after the MTP block, so MTP depth 1 takes the
+      decoder's un-normed output;
+    - each MTP layer loses its final_layernorm to the block (`mtp.final_layernorms.{k}.weight`,
+      its mtp_block_build_layers_wrapper), applied to a copy of the depth's output just before
+      the output layer: depth k + 1 takes depth k's un-normed output;
+    - each depth's loss is taken inside the block (mtp_block_forward) as megatron-core takes it
+      in GPTModel._postprocess for pretraining data: labels and loss mask rolled left once more
+      per depth (roll_tensor: the last position zero), CE · mask, logged as sum / rolled-mask
+      sum, attached through MTPLossAutoScaler as mtp_loss_scaling_factor / depths · CE · mask
+      (/ rolled-mask sum unless calculate_per_token_loss).
+
+    MindSpeed-LLM keeps position_ids unrolled where megatron-core's MTP layer rolls them: with
+    RoPE the embedding never reads them. Its all_gather_last_dim_from_tensor_parallel_region after
+    eh_proj differs from megatron-core's gather only in its backward under TP > 1 (not
+    modelled). The MTP layer itself (embedding of the rolled ids, enorm, hnorm,
+    eh_proj(cat(enorm(e), hnorm(h))), the transformer layer) is megatron-core's
+    MultiTokenPredictionLayer with its final norm made the identity."""
+    import collections
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler,
+                                                                  MTPLossLoggingHelper, roll_tensor)
+
+    class MindSpeedMtpGPTModel(GPTModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not self.mtp_process:
+                return
+            norm, self.decoder.final_layernorm = self.decoder.final_layernorm, None
+            self.mtp.final_layernorms = torch.nn.ModuleList(
+                [layer.final_layernorm for layer in self.mtp.layers])
+            for layer in self.mtp.layers:
+                layer.final_layernorm = torch.nn.Identity()
+            # MindSpeed-LLM's module order: ..., decoder, mtp, final_layernorm, output_layer
+            modules = collections.OrderedDict()
+            for name, module in self._modules.items():
+                if name == "output_layer":
+                    modules["final_layernorm"] = norm
+                modules[name] = module
+            modules.setdefault("final_layernorm", norm)
+            self._modules = modules
+
+        def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
+                         rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
+                         attention_mask=None, packed_seq_params=None, sequence_len_offset=None,
+                         extra_block_kwargs=None, runtime_gather_output=None, **unused):
+            if not self.mtp_process:
+                return super()._postprocess(
+                    hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                    rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask,
+                    attention_mask=attention_mask, packed_seq_params=packed_seq_params,
+                    sequence_len_offset=sequence_len_offset, extra_block_kwargs=extra_block_kwargs,
+                    runtime_gather_output=runtime_gather_output, **unused)
+            weight = (self.shared_embedding_or_output_weight()
+                      if self.share_embeddings_and_output_weights else None)
+            main = hidden_states
+            if labels is not None:
+                depths = self.config.mtp_num_layers
+                states = torch.chunk(self.mtp(
+                    input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                    attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                    rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                    packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                    embedding=self.embedding, **(extra_block_kwargs or {})), 1 + depths, dim=0)
+                main = states[0]
+                mtp_labels = labels
+                mask = loss_mask if loss_mask is not None else torch.ones_like(labels)
+                for k in range(depths):
+                    logits, _ = self.output_layer(self.mtp.final_layernorms[k](states[k + 1]),
+                                                  weight=weight,
+                                                  runtime_gather_output=runtime_gather_output)
+                    mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1)
+                    mask, _ = roll_tensor(mask, shifts=-1, dims=-1)
+                    num_tokens = torch.sum(mask)
+                    loss = mask * self.compute_language_model_loss(mtp_labels, logits)
+                    if self.training:
+                        MTPLossLoggingHelper.save_loss_to_tracker(torch.sum(loss) / num_tokens, k,
+                                                                  depths)
+                    scale = self.config.mtp_loss_scaling_factor / depths
+                    main = MTPLossAutoScaler.apply(
+                        main, scale * loss if self.config.calculate_per_token_loss
+                        else scale * loss / num_tokens)
+            logits, _ = self.output_layer(self.final_layernorm(main), weight=weight,
+                                          runtime_gather_output=runtime_gather_output)
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            return self.compute_language_model_loss(labels, logits)
+
+    return MindSpeedMtpGPTModel
 
 
 MINIMAX_SPEC = ["mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec"]
@@ -223,6 +366,29 @@ def logits(model, ids, vocab):
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
     with torch.no_grad():
         return model(ids, pos, mask)[..., :vocab]
+
+
+def mtp_logits(model, ids, vocab):
+    """The main logits `[b, s, vocab]` of a GPTModel with multi-token prediction and each MTP
+    depth's (position i of depth k predicting token i + k + 1 from the ids rolled left k times,
+    the vacated positions id 0): the output layer's outputs of one labelled forward pass (labels
+    zero; megatron-core needs them to run its MTP block), which calls it for each depth, then for
+    the main head. Single tensor-parallel rank."""
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
+    seen = []
+    # (cloned: the loss that follows each call works on the logits in place)
+    hook = model.output_layer.register_forward_hook(
+        lambda module, args, out: seen.append(out[0].clone()))
+    try:
+        with torch.no_grad():
+            model(ids, pos, mask, labels=torch.zeros_like(ids))
+    finally:
+        hook.remove()
+    assert len(seen) == 1 + model.config.mtp_num_layers, len(seen)
+    out = [t.transpose(0, 1)[..., :vocab] for t in seen]
+    return out[-1], out[:-1]
 
 
 def same_buffer(model, weights, saved, bucket_size=None, disable_bucketing=False):

@@ -1,7 +1,8 @@
 """Run MindSpeed-LLM's own DeepSeek-V3 converter (examples/mcore/deepseek3/convert_ckpt_deepseek3.py
 of a checkout) on a small HF DeepSeek-V3 directory. The script fixes DeepSeek-V3-671B's shape in
-module constants; they are set from config.json before it runs, and the one-file safetensors
-directory is given the index the script reads.
+module constants; they are set from config.json before it runs (the MTP layers, at
+num_hidden_layers, from num_nextn_predict_layers), and the one-file safetensors directory is
+given the index the script reads.
 
     python mindspeed_deepseek3_convert.py MINDSPEED_LLM HF_DIR OUT TP EP
 """
@@ -35,4 +36,5 @@ conv.FIRST_K_DENSE_REPLACE = cfg["first_k_dense_replace"]
 conv.MTP_LAYER_INDEX = cfg["num_hidden_layers"]
 conv.CkptConvert(hf_model_path=str(hf), mg_save_path=str(out / "mg"),
                  num_layers=cfg["num_hidden_layers"], tp_size=tp, ep_size=ep,
-                 num_dense_layers=cfg["first_k_dense_replace"]).run()
+                 num_dense_layers=cfg["first_k_dense_replace"],
+                 mtp_num_layers=cfg.get("num_nextn_predict_layers", 0)).run()

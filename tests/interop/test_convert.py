@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_cpu import gpt_model, load_pt, logits
+from megatron_cpu import gpt_model, load_pt, logits, mtp_logits
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "fixtures/models"
@@ -93,6 +93,94 @@ def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
         want = ref(ids).logits
     got = logits(model, ids, a.vocab_size)
     assert (got - want).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def transformers_mtp_logits(ref, model_dir, ids, normed):
+    """The first MTP depth's logits of an HF DeepSeek-V3 directory (the layer at
+    model.layers.{num_hidden_layers}, as DeepSeek-V3 ships it), from transformers' own modules
+    (its DeepseekV3DecoderLayer and rotary embedding; transformers itself ignores the layer):
+    position i combines the embedding of token i + 1 (the ids rolled left, the last position id
+    0, as megatron-core's roll_tensor leaves it) with the main model's last hidden state at i —
+    after the final norm (`normed`, megatron-core's MTP) or before it (MindSpeed-LLM's) —:
+    shared_head.head(shared_head.norm(layer(eh_proj([enorm(e); hnorm(h)])))), positions
+    0 … s − 1 for RoPE."""
+    import copy
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    cfg = copy.deepcopy(ref.config)
+    n = cfg.num_hidden_layers
+    cfg.num_hidden_layers = n + 1
+    hf = load_file(str(pathlib.Path(model_dir) / "model.safetensors"))
+    p = f"model.layers.{n}."
+    own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+    layer = DeepseekV3DecoderLayer(cfg, n).eval()
+    layer.load_state_dict({k[len(p):]: v for k, v in hf.items()
+                           if k.startswith(p) and not k[len(p):].startswith(own)}, strict=True)
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    seen = {}
+    hook = ref.model.norm.register_forward_hook(
+        lambda module, args, out: seen.update(before=args[0], after=out))
+    try:
+        ref(ids)
+    finally:
+        hook.remove()
+    h = seen["after" if normed else "before"]
+    b, s = ids.shape
+    nxt = torch.roll(ids, -1, dims=1)
+    nxt[:, -1] = 0
+    e = hf[p + "embed_tokens.weight"][nxt]
+    x = torch.cat([rms(e, hf[p + "enorm.weight"]), rms(h, hf[p + "hnorm.weight"])], -1)
+    x = x @ hf[p + "eh_proj.weight"].t()
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    y = layer(x, attention_mask=mask, position_ids=pos,
+              position_embeddings=ref.model.rotary_emb(x, pos))
+    y = y[0] if isinstance(y, tuple) else y
+    return rms(y, hf[p + "shared_head.norm.weight"]) @ hf[p + "shared_head.head.weight"].t()
+
+
+@pytest.mark.parametrize("layout", ["mcore", "mindspeed"])
+def test_mtp_checkpoint_gives_transformers_logits(mindkit, tmp_path, layout):
+    """deepseek_v3_mtp (one multi-token prediction depth kept as DeepSeek-V3 ships it, at
+    model.layers.4) converted with `--mtp-layout mcore` (megatron-core's keys: the decoder's
+    final norm in the block, each MTP layer's final_layernorm) or `mindspeed` (MindSpeed-LLM's:
+    final_layernorm.weight on the model, mtp.final_layernorms.{k}) loads strictly into GPTModel
+    with its MultiTokenPredictionBlock (megatron-core's, or megatron_cpu's MindSpeed-LLM
+    arrangement): args.mtp_num_layers 1, the main logits equal transformers', the MTP depth's
+    those transformers' own modules give for DeepSeek-V3's MTP layer (from the normed hidden
+    state for mcore, the un-normed for mindspeed); back to HF gives the same bytes."""
+    from transformers import AutoModelForCausalLM
+    model_dir = MODELS / "deepseek_v3_mtp"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "m",
+            "--mtp-layout", layout)
+    obj = load_pt(rank_files(tmp_path / "m")[0])
+    a = obj["args"]
+    assert a.mtp_num_layers == 1
+    sd = obj["model"]
+    norms = {"mcore": ("decoder.final_layernorm.weight", "mtp.layers.0.final_layernorm.weight"),
+             "mindspeed": ("final_layernorm.weight", "mtp.final_layernorms.0.weight")}
+    other = "mindspeed" if layout == "mcore" else "mcore"
+    assert all(k in sd for k in norms[layout]), sorted(sd)
+    assert not any(k in sd for k in norms[other]), sorted(sd)
+    hf = load_file(str(model_dir / "model.safetensors"))
+    assert torch.equal(sd["mtp.layers.0.eh_proj.weight"], hf["model.layers.4.eh_proj.weight"])
+    model = gpt_model(a, mtp_layout=layout).eval()
+    result = model.load_state_dict(sd, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(0, a.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    main, (depth1,) = mtp_logits(model, ids, a.vocab_size)
+    assert (main - want).abs().max().item() <= 1e-4
+    assert (logits(model, ids, a.vocab_size) - want).abs().max().item() <= 1e-4
+    want = transformers_mtp_logits(ref, model_dir, ids, normed=layout == "mcore")
+    assert (depth1 - want).abs().max().item() <= 1e-4
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "m", "--output", tmp_path / "h")
+    assert_hf_equal(model_dir, tmp_path / "h")
 
 
 def test_qwen3_tp2_pp2_checkpoint_gives_transformers_logits(mindkit, tmp_path):
@@ -269,6 +357,8 @@ def test_te_grouped_experts_are_te_grouped_mlps_weights(mindkit, tmp_path, famil
     ("qwen3_moe", ("--ep", 2)), ("mixtral", ("--ep", 2)),
     # multi-latent attention: the down projections' rows split over TP (the local spec)
     ("deepseek_v3", ("--ep", 2)),
+    # with an MTP layer: its eh_proj's rows over TP, its experts over EP (main logits only)
+    ("deepseek_v3_mtp", ("--ep", 2, "--mtp-layout", "mcore")),
     # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)
     ("qwen3_moe", ("--ep", 4, "--expert-tensor-parallel-size", 1))])
 def test_expert_parallel_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path,
@@ -332,20 +422,27 @@ def test_megatron_checkpointing_reads_the_directory(mindkit, tmp_path):
                    "num_query_groups": 4, "add_qkv_bias": True}
 
 
-def test_mindspeed_deepseek_layout_equals_mindspeed_llms_converter(mindkit, tmp_path):
+@pytest.mark.parametrize("fixture,flags", [("deepseek_v3", []),
+                                           ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"])])
+def test_mindspeed_deepseek_layout_equals_mindspeed_llms_converter(mindkit, tmp_path, fixture,
+                                                                   flags):
     """`convert --mla-layout mindspeed` of a tiny DeepSeek-V3 (query latent, MoE with a shared
     expert and a dense first layer) over TP 2 × EP 2 holds, file for file, the tensors MindSpeed-
     LLM's own convert_ckpt_deepseek3.py writes (its one replicated linear_qkv of q_a_proj and
-    kv_a_proj_with_mqa), bit for bit; the Megatron checkpoint converts back to the HF bytes."""
+    kv_a_proj_with_mqa), bit for bit; the Megatron checkpoint converts back to the HF bytes.
+    With an MTP layer (`--mtp-layout mindspeed`, the converter's mtp_num_layers from
+    num_nextn_predict_layers): its mtp.layers.0.* (eh_proj's rows split over TP), the
+    final_layernorm.weight on the model and mtp.final_layernorms.0.weight as it writes them."""
     src = os.environ.get("MINDSPEED_LLM")
     if not src:
         pytest.skip("MINDSPEED_LLM (a MindSpeed-LLM checkout) is unset: its converters are not on PyPI")
-    model = MODELS / "deepseek_v3"
+    model = MODELS / fixture
     script = ROOT / "tests/interop/mindspeed_deepseek3_convert.py"
     subprocess.run([sys.executable, script, src, model, tmp_path / "msl", "2", "2"], check=True,
                    capture_output=True)
     mindkit("convert", "--to", "megatron", "--input", model, "--output", tmp_path / "mk",
-            "--mla-layout", "mindspeed", "--tp", 2, "--ep", 2, "--make-vocab-size-divisible-by", 1)
+            "--mla-layout", "mindspeed", "--tp", 2, "--ep", 2, "--make-vocab-size-divisible-by", 1,
+            *flags)
     for rank in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
         # the reference's file (pickle protocol 4, written just now) is beyond weights_only
         want = torch.load(tmp_path / "msl/mg/iter_0000001" / rank / "model_optim_rng.pt",

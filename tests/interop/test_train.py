@@ -217,14 +217,16 @@ def make_qwen3_moe(out):
 
 def same_as_megatron_core(got, history, reference, tmp_path):
     """The TensorBoard scalars `got` of mindkit's run equal the reference's per iteration to
-    1e-5 relative (lm loss, grad norm, learning rate, and with MoE layers the auxiliary
-    losses), and its saved weights the reference model's to 1e-4 (the expert biases exactly).
+    1e-5 relative (lm loss, grad norm, learning rate, with MoE layers the auxiliary
+    losses, with multi-token prediction each depth's `mtp_{k} loss`), and its saved weights the reference model's to 1e-4 (the expert biases exactly).
     Returns the saved weights."""
     from megatron_cpu import load_pt
     want = {"lm loss": [h[0] for h in history], "grad-norm": [h[1] for h in history],
             "learning-rate": [h[2] for h in history]}
     for name in reference.moe_losses[0] if reference.moe_losses else ():
         want[name] = [m[name] for m in reference.moe_losses]
+    for name in reference.mtp_losses[0] if getattr(reference, "mtp_losses", None) else ():
+        want[name] = [m[name] for m in reference.mtp_losses]
     for key, values in want.items():
         assert len(got[key]) == ITERS, key
         for i, (g, w) in enumerate(zip(got[key], values)):
@@ -414,16 +416,19 @@ def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
     assert len(biases) == 2 and all(trained[k].abs().sum() > 0 for k in biases)
 
 
-def make_deepseek_v3(out):
+def make_deepseek_v3(out, mtp=0):
     """A seeded tiny DeepSeek-V3 with the shipped tokenizer: multi-latent attention (a query
     latent of 32 and a key-value latent of 16, their norms random, heads of 16 + 8 rotated
     dimensions, values of 12), YaRN RoPE with an attention factor and a softmax mscale; layer 0
     dense, then 4 sigmoid-routed experts of ffn 32 (top-2 renormalised, two groups one kept,
-    scaled by 2.5, a random expert bias) and a shared expert; untied."""
+    scaled by 2.5, a random expert bias) and a shared expert; untied. With `mtp`, that many
+    multi-token prediction depths stored as DeepSeek-V3 ships them (as fixtures/models/
+    deepseek_v3_mtp: model.layers.{3 + k} past num_hidden_layers 3, num_nextn_predict_layers)
+    and the final norm random."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     torch.manual_seed(7)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3 + mtp,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
@@ -438,10 +443,51 @@ def make_deepseek_v3(out):
             layer.self_attn.kv_a_layernorm.weight.uniform_(0.5, 1.5)
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.normal_(std=0.01)
-    model.save_pretrained(out, safe_serialization=True)
+    if mtp:
+        add_mtp_layers(model, out, 3, mtp)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / f, out / f)
     return out
+
+
+@torch.no_grad()
+def add_mtp_layers(model, out, layers, depths):
+    """Saves `model` (built with `layers` + `depths` decoder layers) as an HF DeepSeek-V3 of
+    `layers` layers whose last `depths` are multi-token prediction layers as DeepSeek-V3 ships
+    them: beside each decoder layer enorm, hnorm and shared_head.norm (random), eh_proj
+    [hidden, 2 · hidden], copies of the embedding (embed_tokens) and of the head
+    (shared_head.head); the final norm made random too."""
+    from safetensors.torch import save_file
+    h = model.config.hidden_size
+    model.model.norm.weight.uniform_(0.5, 1.5)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for k in range(layers, layers + depths):
+        p = f"model.layers.{k}."
+        sd[p + "enorm.weight"] = torch.empty(h).uniform_(0.5, 1.5)
+        sd[p + "hnorm.weight"] = torch.empty(h).uniform_(0.5, 1.5)
+        sd[p + "eh_proj.weight"] = torch.empty(h, 2 * h).normal_(std=0.02)
+        sd[p + "shared_head.norm.weight"] = torch.empty(h).uniform_(0.5, 1.5)
+        sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+        sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.num_hidden_layers = layers
+    model.config.num_nextn_predict_layers = depths
+    model.config.save_pretrained(out)
+
+
+def mla_flags(model_dir):
+    """`mindkit train`'s flags for make_deepseek_v3's model, from its Megatron checkpoint."""
+    return ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
+            "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+            "--rope-scaling-type", "yarn", "--rope-scaling-factor", "4",
+            "--rope-scaling-original-max-position-embeddings", "64",
+            "--rope-scaling-mscale-all-dim", "0.5", "--qk-layernorm",
+            "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
+            "--moe-z-loss-coeff", "0.001", "--moe-router-bias-update-rate", "0.002",
+            "--finetune", "--tokenizer-name-or-path", model_dir]
 
 
 def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
@@ -456,15 +502,7 @@ def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
     data = write_data(tmp_path / "data")
     mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
     start = load_pt(next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt")))
-    flags = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
-             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
-             "--rope-scaling-type", "yarn", "--rope-scaling-factor", "4",
-             "--rope-scaling-original-max-position-embeddings", "64",
-             "--rope-scaling-mscale-all-dim", "0.5", "--qk-layernorm",
-             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
-             "--moe-z-loss-coeff", "0.001", "--moe-router-bias-update-rate", "0.002",
-             "--finetune", "--tokenizer-name-or-path", model_dir]
-    mindkit_train(tmp_path / "start", data, tmp_path, flags)
+    mindkit_train(tmp_path / "start", data, tmp_path, mla_flags(model_dir))
     got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
                                     "z_loss"))
     a = start["args"]
@@ -477,6 +515,60 @@ def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
         lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
         clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
     same_as_megatron_core(got, history, reference, tmp_path)
+
+
+# The layers the logged load_balancing_loss / z_loss are averaged over (each layer's tracked
+# loss summed, the MTP layer's included): megatron-core 0.15's training_log passes
+# mtp_num_layers to track_moe_metrics, which adds it to the MoE layers (moe_utils.py);
+# MindSpeed-LLM's own training_log (mindspeed_llm/training/training.py, on core 0.12.1's
+# track_moe_metrics) does not: the two MoE decoder layers only.
+MTP_MOE_LAYERS = {"mcore": 2 + 1, "mindspeed": 2}
+
+
+@pytest.mark.parametrize("layout", ["mcore", "mindspeed"])
+def test_multi_token_prediction_trains_as_megatron_core(tmp_path, mindkit, layout):
+    """Multi-token prediction (one depth, loss scale 0.3) on the tiny DeepSeek-V3: the HF model
+    with an MTP layer as DeepSeek-V3 ships it (an MoE layer past the decoder's) converted by
+    `mindkit convert --mtp-layout {mcore,mindspeed}` and trained by `mindkit train
+    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 --mtp-layout ...` and by megatron-core's
+    own GPTModel with its MultiTokenPredictionBlock (get_gpt_mtp_block_spec of the last layer's
+    spec; the loss in GPTModel._postprocess, MTPLossAutoScaler scaled 1 / micro-batches) — or,
+    for `mindspeed`, that model arranged as MindSpeed-LLM arranges it (the decoder's final norm
+    after the MTP block, so MTP sees un-normed states; each depth's norm in the block;
+    megatron_cpu.mindspeed_mtp_gpt_model) — from the same converted checkpoint, loaded strictly:
+    lm loss, grad norm, learning rate, the MoE losses and the logged `mtp_1 loss` per iteration
+    to 1e-5 relative over 20 iterations, the final weights (the MTP layer's too) to 1e-4; the
+    saved checkpoint loads strictly again."""
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_deepseek_v3(tmp_path / "model", mtp=1)
+    data = write_data(tmp_path / "data")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start",
+            "--mtp-layout", layout)
+    start = load_pt(next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt")))
+    mtp = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3", "--mtp-layout", layout]
+    mindkit_train(tmp_path / "start", data, tmp_path, mla_flags(model_dir) + mtp)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss", "mtp_1 loss"))
+    a = start["args"]
+    a.moe_router_bias_update_rate = 0.002
+    a.mtp_num_layers, a.mtp_loss_scaling_factor = 1, 0.3
+    losses = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                  moe_z_loss_coeff=0.001)
+    gpt = gpt_model(a, moe_losses=losses, mtp_layout=layout)
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=MTP_MOE_LAYERS[layout],
+        expert_bias=True)
+    assert len(reference.mtp_losses) == ITERS
+    trained = same_as_megatron_core(got, history, reference, tmp_path)
+    assert any(k.startswith("mtp.layers.0.transformer_layer.mlp.experts") for k in trained)
+    saved = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
+    assert saved["args"].mtp_num_layers == 1
+    again = gpt_model(saved["args"], mtp_layout=layout)
+    result = again.load_state_dict(saved["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
 
 
 # Each load-balancing type (mindkit's flags) and the megatron-core router that trains the same:

@@ -45,18 +45,42 @@ def padded_model(model_dir, vocab_padded):
 
 class Mcore(torch.nn.Module):
     """megatron-core's GPTModel called as a transformers model is (`model(input_ids=…).logits`),
-    causal mask and positions made as megatron_cpu.logits makes them."""
+    causal mask and positions made as megatron_cpu.logits makes them. With `labels` (and
+    `loss_mask`, both [b, s]) it is called as pretrain_gpt.py's forward_step calls it and gives
+    its per-token loss `[b, s]` as `.loss` (multi-token prediction's losses attached to the
+    graph inside the model)."""
 
     def __init__(self, gpt):
         super().__init__()
         self.module = gpt
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, labels=None, loss_mask=None):
         from types import SimpleNamespace
         b, s = input_ids.shape
         pos = torch.arange(s).unsqueeze(0).expand(b, -1)
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].expand(b, 1, s, s)
+        if labels is not None:
+            return SimpleNamespace(loss=self.module(input_ids, pos, mask, labels=labels,
+                                                    loss_mask=loss_mask))
         return SimpleNamespace(logits=self.module(input_ids, pos, mask))
+
+
+def mtp_depths(model):
+    """The number of multi-token prediction depths of `model` (an Mcore-wrapped GPTModel), 0
+    without."""
+    gpt = getattr(model, "module", None)
+    return (gpt.config.mtp_num_layers or 0) if getattr(gpt, "mtp_process", False) else 0
+
+
+def mtp_step_losses(micro_batches, depths):
+    """The step's MTP losses as training_log logs them (MTPLossLoggingHelper.track_mtp_metrics
+    with loss_scale 1 / micro-batches, one rank: each depth's tracked sum over the micro-batches
+    of sum(CE · rolled mask) / rolled-mask sum, times 1 / micro-batches), the tracker cleared."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    values = MTPLossLoggingHelper.tracker["values"] * (1 / micro_batches)
+    out = {f"mtp_{k + 1} loss": values[k].item() for k in range(depths)}
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return out
 
 
 def moe_step_losses(micro_batches, moe_layers):
@@ -81,11 +105,18 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
     the number of zero gradient elements). With `evaluation` = (interval, eval_iters), also the validation losses
     Megatron's evaluate() reports every interval and after the last iteration, as
     `model.validation`. With `moe_layers` (a megatron-core MoE model), each iteration's
-    auxiliary losses as Megatron logs them, as `model.moe_losses`; with `expert_bias` too, its
+    auxiliary losses as Megatron logs them, as `model.moe_losses` (`moe_layers` counts the MTP
+    layers too where the logging does: megatron-core 0.15's training_log); with `expert_bias` too, its
     routers' expert biases move after each step's micro-batches as megatron-core's
     finalize_model_grads moves them. With `o2_optimizer`, the moments are stored rounded to bf16 after
     every step, as MindSpeed-LLM's O2AdamW (mindspeed_llm/tasks/models/common/adamw.py) keeps
-    them: the step itself reads them widened to f32 and updates with the unrounded ones."""
+    them: the step itself reads them widened to f32 and updates with the unrounded ones.
+    With multi-token prediction (an Mcore-wrapped GPTModel built with it), the model is called
+    with labels and loss mask as pretrain_gpt.py's forward_step calls it: its per-token loss
+    gives the lm loss as before, the MTP losses enter the backward pass through
+    MTPLossAutoScaler, whose scale is set as schedules.forward_step_calc_loss sets it (1 /
+    micro-batches, 1 with per-token loss), and each iteration's logged `mtp_{k} loss` are
+    `model.mtp_losses`."""
     megatron_cpu.init()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -113,6 +144,15 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
     history = []
     model.validation = []
     model.moe_losses = []
+    model.mtp_losses = []
+    depths = mtp_depths(model)
+    if depths:
+        from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler,
+                                                                      MTPLossLoggingHelper)
+        # the tracker is sized by the first model that tracked in this process
+        MTPLossLoggingHelper.tracker.clear()
+        # schedules.forward_step_calc_loss: loss_scale (ones(1) without a grad scaler) / micro-batches
+        MTPLossAutoScaler.set_loss_scale(torch.ones(1) if per_token else torch.ones(1) / (gbs // mbs))
     if moe_layers:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
         from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
@@ -125,19 +165,29 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
         batch = [ds[i] for i in range(start, start + mbs)]
         tokens = torch.stack([b["tokens"] for b in batch])
         labels = torch.stack([b["labels"] for b in batch])
-        mask = torch.stack([b["loss_mask"] for b in batch]).view(-1).float()
-        logits = model(input_ids=tokens).logits.float()
-        losses = F.cross_entropy(logits.view(-1, vocab_padded), labels.view(-1), reduction="none")
+        mask = torch.stack([b["loss_mask"] for b in batch]).float()
+        if depths:
+            # pretrain_gpt.py forward_step / loss_func: the model's per-token loss, masked
+            losses = model(input_ids=tokens, labels=labels, loss_mask=mask).loss.float().view(-1)
+        else:
+            logits = model(input_ids=tokens).logits.float()
+            losses = F.cross_entropy(logits.view(-1, vocab_padded), labels.view(-1),
+                                     reduction="none")
+        mask = mask.view(-1)
         return torch.sum(losses * mask), mask.sum()
 
     def evaluate(consumed):
         # evaluate(): the loss sums and token counts of every micro-batch of eval_iters global
         # batches, divided once.
         s_all, n_all = 0.0, 0.0
+        if depths:
+            model.eval()  # (as evaluate() does: no MTP loss tracked)
         with torch.no_grad():
             for start in range(consumed, consumed + evaluation[1] * gbs, mbs):
                 s, n = micro_batch(valid, start)
                 s_all, n_all = s_all + s.item(), n_all + n.item()
+        if depths:
+            model.train()
         model.validation.append(s_all / n_all)
         return consumed + evaluation[1] * gbs
 
@@ -175,6 +225,8 @@ def train(model_dir, prefix, *, vocab_padded, eod, seq, mbs, gbs, iters, lr, min
         sched.step(increment=gbs)
         if moe_layers:
             model.moe_losses.append(moe_step_losses(k_micro, moe_layers))
+        if depths:
+            model.mtp_losses.append(mtp_step_losses(k_micro, depths))
         lr_printed = float(torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float32))
         zeros = sum(int((p.grad == 0).sum()) for p in params)
         params_norm = torch.norm(torch.stack([p.detach().norm() for p in params])).item()

@@ -293,13 +293,15 @@ pub(super) fn model_config(
         ("max-position-embeddings", cfg.max_positions),
     ];
     for (flag, have) in checks {
-        if let Some(v) = positive(a, flag)? {
+        // multi-latent attention's heads are shaped by its own flags (as megatron-core's MLA)
+        let shapes_nothing = flag == "kv-channels" && cfg.mla.is_some();
+        if let Some(v) = positive(a, flag)?.filter(|_| !shapes_nothing) {
             if v != have && flag != "max-position-embeddings" {
                 bail!("--{flag} {v} does not match the --load checkpoint's {have}");
             }
         }
     }
-    if a.has("group-query-attention") {
+    if a.has("group-query-attention") && cfg.mla.is_none() {
         if let Some(g) = positive(a, "num-query-groups")?.filter(|&g| g != cfg.groups) {
             bail!(
                 "--num-query-groups {g} does not match the --load checkpoint's {}",
