@@ -4123,3 +4123,97 @@ fn multi_token_prediction_trains_over_every_parallelism_as_one_rank_and_resumes_
     let err = stderr(&run(&from_scratch(&data, &layout, &[])).failure());
     assert!(err.contains("is in the mindspeed layout"), "{err}");
 }
+
+#[test]
+fn lora_on_the_deepseek_spec_replicated_linear_qkv_trains_and_merges_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let (save, fused) = (dir.path().join("mla"), dir.path().join("fused"));
+    let saved = ["--save", save.to_str().unwrap(), "--save-interval", "10"];
+    run(&from_scratch(&data, &MLA_FLAGS, &saved)).success();
+    convert_checkpoint(&save, &fused, &["--mla-layout", "mindspeed"]);
+    let demo = fixture("models/demo");
+    let spec = ["--spec", DEEPSEEK_SPEC[0], DEEPSEEK_SPEC[1]];
+    let lora = "--finetune --lora-r 4 --lora-alpha 8 --lora-target-modules linear_qkv linear_proj \
+        --lora-ckpt-filter --save-interval 10";
+    let tune = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let flags = [
+            &MLA_FLAGS[..],
+            &spec,
+            &split(lora),
+            &["--tokenizer-name-or-path", demo.to_str().unwrap()],
+            &["--save", out.to_str().unwrap()],
+            extra,
+        ]
+        .concat();
+        let log = stdout(
+            &run(&with_value(
+                args(&data, &flags),
+                "--load",
+                fused.to_str().unwrap(),
+            ))
+            .success(),
+        );
+        (log, out)
+    };
+    let merged = |adapter: &Path| {
+        let out = adapter.with_extension("merged");
+        mindkit(&[
+            &"lora",
+            &"merge",
+            &"--base",
+            &fused,
+            &"--adapter",
+            &adapter,
+            &"--to",
+            &"hf",
+            &"--output",
+            &out,
+            &"--quiet",
+        ])
+        .success();
+        out
+    };
+    let (one, one_dir) = tune("one", &[]);
+    let tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
+    let (two, two_dir) = tune("tp2sp", &tp);
+    same_training(
+        &one,
+        &two,
+        1e-5,
+        "LoRA on deepseek_spec's linear_qkv at TP 2 + SP",
+    );
+    // the replicated layer's factors whole in both ranks' files; merged, the one-rank model
+    let key = "decoder.layers.0.self_attention.linear_qkv.lora_B.default.weight";
+    let shapes: Vec<_> = ["mp_rank_00", "mp_rank_01"]
+        .iter()
+        .map(|r| rank_key_shape(&two_dir, r, key))
+        .collect();
+    assert_eq!(shapes[0], shapes[1]);
+    assert_eq!(shapes[0], rank_key_shape(&one_dir, "mp_rank_00", key));
+    same_hf_weights(dir.path(), &merged(&one_dir), &merged(&two_dir), 1e-5);
+}
+
+/// The shape of `key` in rank directory `rank` of the latest iteration of checkpoint `dir`.
+fn rank_key_shape(dir: &Path, rank: &str, key: &str) -> Vec<u64> {
+    use mindkit::ckpt::megatron::{chunks, flatten};
+    use mindkit::ckpt::torch::{pickle::Value, TorchFile};
+    let iteration = std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap();
+    let file = dir
+        .join(format!(
+            "iter_{:07}",
+            iteration.trim().parse::<u64>().unwrap()
+        ))
+        .join(rank)
+        .join("model_optim_rng.pt");
+    let pt = TorchFile::open(&file).unwrap();
+    let mut flat = Default::default();
+    for chunk in chunks(&pt).unwrap() {
+        flatten(chunk, false, &file, &mut flat).unwrap();
+    }
+    match &flat[key] {
+        Value::Tensor(t) => t.shape.clone(),
+        other => panic!("{key}: {other:?}"),
+    }
+}

@@ -164,8 +164,11 @@ impl ParamTable {
                         scaled_init: false,
                         trainable: true,
                         // peft's megatron LoRA layer: a row-parallel layer's A is split like
-                        // it, a column-parallel layer's B; the other factor is whole.
-                        tp_split: (part == LoraPart::A) == is_row_parallel(canon.role),
+                        // it, a column-parallel layer's B; the other factor is whole. A
+                        // replicated layer (MindSpeed-LLM's `LinearNoTP`, a torch Linear to
+                        // peft) keeps both whole.
+                        tp_split: is_tp_split(canon.role)
+                            && (part == LoraPart::A) == is_row_parallel(canon.role),
                         shared: false,
                         chunk: 0,
                     });

@@ -16,7 +16,7 @@ use crate::ckpt::megatron::{
 };
 use crate::ckpt::torch::pickle::{TensorRef, Value};
 use crate::ckpt::torch::TorchFile;
-use crate::ckpt::transform::{is_row_parallel, shard_shape};
+use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -48,6 +48,15 @@ pub struct MegatronLora {
     /// The files' tensor-parallel, expert-parallel and expert tensor-parallel sizes, and
     /// `--moe-tp-extend-ep` ([`RankFiles`]).
     ranks: (usize, usize, usize, bool),
+}
+
+/// The tensor-parallel ranks a layer's adapter factors are split over: its weight's (TP, or
+/// ETP for routed experts), 1 for a replicated layer (both factors whole on every rank).
+fn replicas_split(par: &Parallel, role: crate::arch::roles::Role) -> usize {
+    match is_tp_split(role) {
+        true => par.split_of(role),
+        false => 1,
+    }
 }
 
 /// Module kinds Megatron splits on their input dimension (row-parallel).
@@ -298,8 +307,9 @@ impl MegatronLora {
                     )
                 })?;
             // each shard from the first file holding it (dense shards are on every
-            // expert-parallel rank, whole experts on several tensor-parallel ones)
-            let split = par.split_of(canon.role);
+            // expert-parallel rank, whole experts on several tensor-parallel ones, a replicated
+            // layer's whole factors on every rank)
+            let split = replicas_split(&par, canon.role);
             let slot = found
                 .entry((canon.layer, format!("{:?}", canon.role)))
                 .or_insert_with(|| (canon, [vec![None; split], vec![None; split]], [false; 2]));
@@ -332,7 +342,7 @@ impl MegatronLora {
                     a[0].2
                 );
             }
-            let tp = par.split_of(canon.role);
+            let tp = replicas_split(&par, canon.role);
             let shard = shard_shape(cfg, canon.role, tp, 0);
             for (shards, want, t_) in [(&a, [r, shard[1]], a_t), (&b, [shard[0], r], b_t)] {
                 for (p, t, key, tensor) in shards {
@@ -349,17 +359,18 @@ impl MegatronLora {
             }
             let scale = lora_scale(alpha, r as f64, &a[0].2)?;
             let row = is_row_parallel(canon.role);
+            let split = tp > 1;
             let rows = canonical_shape(cfg, canon.role)[0];
             let term = Term {
                 b: Factor::Shards {
                     role: canon.role,
-                    gather: !row,
+                    gather: split && !row,
                     shards: b,
                     transposed: b_t,
                 },
                 a: Factor::Shards {
                     role: canon.role,
-                    gather: row,
+                    gather: split && row,
                     shards: a,
                     transposed: a_t,
                 },

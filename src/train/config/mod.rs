@@ -763,21 +763,11 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     })
 }
 
-/// LoRA's config, refused with multi-token prediction and on multi-latent attention's
-/// replicated `linear_qkv` (MindSpeed-LLM's deepseek_spec): the factors' tensor-parallel split of
-/// a replicated layer is not built.
+/// LoRA's config, refused with multi-token prediction.
 fn lora_built(lora: Option<LoraConfig>, model: &ModelConfig) -> Result<Option<LoraConfig>> {
     if lora.is_some() && model.mtp.is_some() {
         // peft would wrap the depths' decoder layers too; their merge is not built
         bail!("LoRA with multi-token prediction (--mtp-num-layers) is not built; fine-tune fully, or without the depths");
-    }
-    let fused = model.mla.is_some_and(|m| m.fused_down);
-    if fused
-        && lora
-            .as_ref()
-            .is_some_and(|l| l.spec.targets.contains(&crate::arch::roles::Role::Qkv))
-    {
-        bail!("--lora-target-modules linear_qkv: LoRA on MindSpeed-LLM's deepseek_spec linear_qkv (multi-latent attention's replicated down projections) is not built; adapt linear_proj, linear_fc1 or linear_fc2, or convert with --mla-layout mcore");
     }
     Ok(lora)
 }
