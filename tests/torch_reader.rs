@@ -25,6 +25,7 @@ fn torch_name(d: DType) -> &'static str {
         DType::I8 => "int8",
         DType::U8 => "uint8",
         DType::Bool => "bool",
+        DType::F8E4M3 => "float8_e4m3fn",
     }
 }
 

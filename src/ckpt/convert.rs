@@ -111,7 +111,31 @@ pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConf
         .with_context(|| format!("{}: not valid JSON", cfg_path.display()))?;
     let mut cfg =
         ModelConfig::from_hf(&json, family).with_context(|| format!("{}", cfg_path.display()))?;
-    let weights = HfWeights::open(dir)?;
+    let mut weights = HfWeights::open(dir)?;
+    match fp8_blocks(&json).with_context(|| format!("{}", cfg_path.display()))? {
+        Some(block) => {
+            weights.dequantize_fp8(block)?;
+            // what mindkit writes of it is dequantized
+            if let Some(obj) = cfg.hf_config.as_mut().and_then(|c| c.as_object_mut()) {
+                obj.remove("quantization_config");
+            }
+        }
+        None => {
+            let fp8 = weights
+                .entries()
+                .iter()
+                .find(|(_, e)| e.dtype == DType::F8E4M3);
+            if let Some((name, _)) = fp8 {
+                bail!(
+                    "{}: tensor {name} is float8_e4m3fn but config.json has no fp8 \
+                     quantization_config (its weight_block_size says how to dequantize it)",
+                    weights
+                        .file_of(name)
+                        .map_or("".into(), |p| p.display().to_string())
+                );
+            }
+        }
+    }
     let has = |n: &str| weights.entries().contains_key(n);
     let has_head = has(hf_names::LM_HEAD);
     match json.get("tie_word_embeddings").and_then(|v| v.as_bool()) {
@@ -134,6 +158,41 @@ pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConf
     // The tensors' own dtype wins over config.json's torch_dtype.
     cfg.dtype = weights.entries()[hf_names::EMBED].dtype;
     Ok((cfg, weights))
+}
+
+/// The weight block of a block-scaled float8 checkpoint (`quantization_config` with
+/// `quant_method: fp8` and `weight_block_size`, DeepSeek-V3's and Kimi-K2's), `None` for one
+/// that is not quantized; other quantizations are refused by name.
+fn fp8_blocks(cfg: &serde_json::Value) -> Result<Option<[usize; 2]>> {
+    let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(None);
+    };
+    let field = |k: &str| q.get(k).and_then(|v| v.as_str());
+    match field("quant_method") {
+        Some("fp8") => {}
+        other => bail!(
+            "quantization_config.quant_method {other:?}: only DeepSeek-V3's block-scaled fp8 \
+             weights are read (dequantized to bf16)"
+        ),
+    }
+    if let Some(fmt) = field("fmt").filter(|f| *f != "e4m3") {
+        bail!("quantization_config.fmt {fmt:?}: only e4m3 is read");
+    }
+    let block: Option<Vec<usize>> =
+        (q.get("weight_block_size").and_then(|b| b.as_array())).map(|b| {
+            b.iter()
+                .filter_map(|n| n.as_u64().map(|n| n as usize))
+                .collect()
+        });
+    match block.as_deref() {
+        Some(&[rows, cols]) if rows > 0 && cols > 0 => Ok(Some([rows, cols])),
+        _ => bail!(
+            "quantization_config.weight_block_size {}: two positive block sizes are needed \
+             (per-tensor fp8 scales are not read)",
+            q.get("weight_block_size")
+                .map_or("missing".into(), |b| b.to_string())
+        ),
+    }
 }
 
 /// Every tensor the config implies exists with the implied shape, and nothing else is there.

@@ -4,7 +4,8 @@
 
 use super::torch::pickle::{TensorRef, Value};
 use super::torch::TorchFile;
-use crate::tensor::host::Tensor;
+use crate::tensor::dtype::{bf16_bits, f8e4m3_to_f32};
+use crate::tensor::host::{decode_f32, Tensor};
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
@@ -20,6 +21,14 @@ enum Location {
     Safetensors { file: usize, start: u64 },
     /// A tensor in a `pytorch_model*.bin`.
     Torch { file: usize, tensor: TensorRef },
+    /// A float8 e4m3fn tensor (where `Safetensors` says) with its f32 scales `[⌈out/b₀⌉,
+    /// ⌈in/b₁⌉]`, one per `block`, read dequantized to bf16.
+    Fp8Blocks {
+        file: usize,
+        start: u64,
+        scales: Box<Entry>,
+        block: [usize; 2],
+    },
 }
 
 /// One tensor's description.
@@ -43,6 +52,8 @@ pub struct HfWeights {
     files: Vec<(PathBuf, File)>,
     torch: HashMap<usize, TorchFile>,
     entries: BTreeMap<String, Entry>,
+    /// The block of the float8 tensors read dequantized, and how many there are.
+    fp8: Option<([usize; 2], usize)>,
 }
 
 /// safetensors dtype names ⇄ ours.
@@ -58,6 +69,7 @@ fn from_st(d: Dtype) -> Option<DType> {
         Dtype::I8 => DType::I8,
         Dtype::U8 => DType::U8,
         Dtype::BOOL => DType::Bool,
+        Dtype::F8_E4M3 => DType::F8E4M3,
         _ => return None,
     })
 }
@@ -74,7 +86,29 @@ fn to_st(d: DType) -> Dtype {
         DType::I8 => Dtype::I8,
         DType::U8 => Dtype::U8,
         DType::Bool => Dtype::BOOL,
+        DType::F8E4M3 => Dtype::F8_E4M3,
     }
+}
+
+/// A float8 e4m3fn matrix of `shape` dequantized to bf16 bytes, each `block` times its scale
+/// (`scales` row-major `[⌈rows/b₀⌉, ⌈cols/b₁⌉]`): `bf16(f32(x) · s)`, as DeepSeek-V3's
+/// inference/kernel.py `weight_dequant` computes it under fp8_cast_bf16.py's bf16 default dtype.
+pub fn dequantize_blocks(
+    raw: &[u8],
+    [rows, cols]: [usize; 2],
+    scales: &[f32],
+    block: [usize; 2],
+) -> Vec<u8> {
+    let per_row = cols.div_ceil(block[1]);
+    let mut out = Vec::with_capacity(rows * cols * 2);
+    for (r, row) in raw.chunks_exact(cols.max(1)).take(rows).enumerate() {
+        let s = &scales[(r / block[0]) * per_row..][..per_row];
+        for (c, &x) in row.iter().enumerate() {
+            let v = f8e4m3_to_f32(x) * s[c / block[1]];
+            out.extend_from_slice(&bf16_bits(v).to_le_bytes());
+        }
+    }
+    out
 }
 
 /// The weight files of an HF directory, in the order an index names them.
@@ -129,6 +163,7 @@ impl HfWeights {
             files: Vec::new(),
             torch: HashMap::new(),
             entries: BTreeMap::new(),
+            fp8: None,
         };
         for path in paths {
             if !path.exists() {
@@ -210,6 +245,76 @@ impl HfWeights {
         Ok(())
     }
 
+    /// Read every float8 e4m3fn weight `W` as bf16, dequantized by its block scales
+    /// `W_scale_inv` (f32 `[⌈out/b₀⌉, ⌈in/b₁⌉]` for `block` `[b₀, b₁]`, as DeepSeek-V3 ships
+    /// its weights and `quantization_config.weight_block_size` says); the scales are then no
+    /// tensors of their own. A float8 tensor without its scales is an error naming both.
+    pub fn dequantize_fp8(&mut self, block: [usize; 2]) -> Result<()> {
+        let fp8: Vec<String> = (self.entries.iter())
+            .filter(|(_, e)| e.dtype == DType::F8E4M3)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in &fp8 {
+            let scale_name = format!("{name}_scale_inv");
+            let path = || {
+                self.file_of(name)
+                    .map_or(String::new(), |p| p.display().to_string())
+            };
+            let e = &self.entries[name];
+            let [rows, cols] = e.shape[..] else {
+                bail!(
+                    "{}: float8 tensor {name} has shape {:?}; block scales need a matrix",
+                    path(),
+                    e.shape
+                );
+            };
+            let want = vec![rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+            match self.entries.get(&scale_name) {
+                Some(s) if s.shape == want && s.dtype == DType::F32 => {}
+                Some(s) => bail!(
+                    "{}: {scale_name} is {} {:?}; the scales of {name} {:?} in {block:?} blocks \
+                     are float32 {want:?}",
+                    path(),
+                    s.dtype.torch_name(),
+                    s.shape,
+                    e.shape
+                ),
+                None => bail!("{}: float8 tensor {name} has no {scale_name}", path()),
+            }
+            let Location::Safetensors { file, start } = e.loc else {
+                bail!(
+                    "{}: float8 tensor {name} outside a safetensors file",
+                    path()
+                );
+            };
+            let shape = e.shape.clone();
+            let scales = self.entries.remove(&scale_name).expect("checked above");
+            if !matches!(scales.loc, Location::Safetensors { .. }) {
+                bail!("{scale_name} outside a safetensors file");
+            }
+            self.entries.insert(
+                name.clone(),
+                Entry {
+                    dtype: DType::BF16,
+                    shape,
+                    loc: Location::Fp8Blocks {
+                        file,
+                        start,
+                        scales: Box::new(scales),
+                        block,
+                    },
+                },
+            );
+        }
+        self.fp8 = Some((block, fp8.len()));
+        Ok(())
+    }
+
+    /// The block of the float8 weights read dequantized and how many there are (`None`: none).
+    pub fn fp8(&self) -> Option<([usize; 2], usize)> {
+        self.fp8
+    }
+
     /// The weight files, in the order an index names them.
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().map(|(p, _)| p.as_path())
@@ -223,9 +328,9 @@ impl HfWeights {
     /// The file holding `name`.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
         self.entries.get(name).map(|e| match &e.loc {
-            Location::Safetensors { file, .. } | Location::Torch { file, .. } => {
-                self.files[*file].0.as_path()
-            }
+            Location::Safetensors { file, .. }
+            | Location::Torch { file, .. }
+            | Location::Fp8Blocks { file, .. } => self.files[*file].0.as_path(),
         })
     }
 
@@ -252,6 +357,34 @@ impl HfWeights {
             }
             Location::Torch { file, tensor } => {
                 out.extend_from_slice(&self.torch[file].read_tensor(name, tensor)?.data)
+            }
+            Location::Fp8Blocks {
+                file,
+                start,
+                scales,
+                block,
+            } => {
+                let (path, f) = &self.files[*file];
+                let at = |what: &str| format!("{}: reading {what} of {name}", path.display());
+                let mut raw = vec![0u8; e.shape.iter().product()];
+                f.read_exact_at(&mut raw, *start)
+                    .with_context(|| at("float8 values"))?;
+                let Location::Safetensors { file, start } = scales.loc else {
+                    unreachable!("scales are read from safetensors files");
+                };
+                let mut bytes = vec![0u8; scales.nbytes()];
+                let (spath, sf) = &self.files[file];
+                sf.read_exact_at(&mut bytes, start).with_context(|| {
+                    format!("{}: reading the scales of {name}", spath.display())
+                })?;
+                let mut s = vec![0f32; bytes.len() / 4];
+                decode_f32(&bytes, DType::F32, &mut s)?;
+                out.extend(dequantize_blocks(
+                    &raw,
+                    [e.shape[0], e.shape[1]],
+                    &s,
+                    *block,
+                ));
             }
         }
         Ok(e)
@@ -400,4 +533,35 @@ pub fn copy_side_files(from: &Path, to: &Path) -> Result<usize> {
         }
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::dtype::bf16_to_f32;
+
+    #[test]
+    fn float8_blocks_take_their_own_scale_cut_short_at_the_edges() {
+        // a 3 × 5 matrix of 1.0 (0x38) in 2 × 2 blocks: scales [2, 3] row-major
+        let raw = vec![0x38u8; 15];
+        let scales = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let out = dequantize_blocks(&raw, [3, 5], &scales, [2, 2]);
+        let values: Vec<f32> = (out.chunks_exact(2))
+            .map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect();
+        assert_eq!(
+            values,
+            [
+                1.0, 1.0, 2.0, 2.0, 3.0, //
+                1.0, 1.0, 2.0, 2.0, 3.0, //
+                4.0, 4.0, 5.0, 5.0, 6.0,
+            ]
+        );
+        // the product is rounded to bf16 once: 1.125 · 1.0078125 = 1.1337890625 → 1.1328125
+        let out = dequantize_blocks(&[0x39], [1, 1], &[1.007_812_5], [128, 128]);
+        assert_eq!(
+            bf16_to_f32(u16::from_le_bytes([out[0], out[1]])),
+            1.132_812_5
+        );
+    }
 }

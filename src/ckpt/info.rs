@@ -129,6 +129,13 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
             let (cfg, weights) = open_hf(path, family)?;
             let _ = writeln!(out, "format:      Hugging Face ({})", path.display());
             architecture(&cfg, &mut out);
+            if let Some(([rows, cols], n)) = weights.fp8() {
+                let _ = writeln!(
+                    out,
+                    "stored:      {n} weights as float8_e4m3fn in {rows}×{cols} blocks with \
+                     float32 scales (weight_scale_inv), read dequantized to bfloat16"
+                );
+            }
             let files = super::hf::weight_files(path)?;
             for f in &files {
                 let size = std::fs::metadata(f).map_or(0, |m| m.len());

@@ -7,8 +7,8 @@ use super::NpuError;
 use crate::tensor::DType;
 use ascendcl_sys::aclnn::{aclIntArray, aclScalar, aclTensor, aclTensorList};
 use ascendcl_sys::{
-    aclDataType, ACL_BF16, ACL_BOOL, ACL_DOUBLE, ACL_FLOAT, ACL_FLOAT16, ACL_FORMAT_ND, ACL_INT16,
-    ACL_INT32, ACL_INT64, ACL_INT8, ACL_UINT8,
+    aclDataType, ACL_BF16, ACL_BOOL, ACL_DOUBLE, ACL_DT_UNDEFINED, ACL_FLOAT, ACL_FLOAT16,
+    ACL_FORMAT_ND, ACL_INT16, ACL_INT32, ACL_INT64, ACL_INT8, ACL_UINT8,
 };
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -26,6 +26,8 @@ pub fn acl_dtype(dtype: DType) -> aclDataType {
         DType::F64 => ACL_DOUBLE,
         DType::I16 => ACL_INT16,
         DType::I8 => ACL_INT8,
+        // CANN's ACL_FLOAT8_E4M3FN exists on 910C only; mindkit computes on no float8 tensor
+        DType::F8E4M3 => ACL_DT_UNDEFINED,
     }
 }
 

@@ -26,6 +26,9 @@ pub enum DType {
     U8,
     /// bool
     Bool,
+    /// float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinity, NaN
+    /// for all-ones): DeepSeek-V3's block-scaled weights.
+    F8E4M3,
 }
 
 impl DType {
@@ -35,7 +38,7 @@ impl DType {
             DType::F64 | DType::I64 => 8,
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 | DType::I16 => 2,
-            DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::I8 | DType::U8 | DType::Bool | DType::F8E4M3 => 1,
         }
     }
 
@@ -63,6 +66,19 @@ pub fn bf16_bits(x: f32) -> u16 {
     }
 }
 
+/// The value of the float8 e4m3fn `bits` (exact in f32): `(1 + m/8)·2^(e−7)`, subnormals
+/// `m/8·2^−6`, NaN for exponent and mantissa all ones (torch's `float8_e4m3fn`).
+#[inline]
+pub fn f8e4m3_to_f32(bits: u8) -> f32 {
+    let sign = if bits & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (i32::from((bits >> 3) & 0xF), f32::from(bits & 0x7));
+    sign * match (e, bits & 0x7F) {
+        (_, 0x7F) => f32::NAN,
+        (0, _) => m / 8.0 * 2f32.powi(-6),
+        _ => (1.0 + m / 8.0) * 2f32.powi(e - 7),
+    }
+}
+
 /// The f32 that bfloat16 `bits` hold (exact: the bits become the top half, every NaN payload
 /// kept as it is, unlike `half::bf16::to_f32`, which sets the quiet bit of a signalling NaN).
 #[inline]
@@ -73,6 +89,26 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn float8_e4m3fn_decodes_as_torch_does() {
+        // torch.tensor([...], dtype=torch.uint8).view(torch.float8_e4m3fn).float() (torch 2.9)
+        for (bits, value) in [
+            (0x00, 0.0),
+            (0x01, 0.001_953_125),
+            (0x07, 0.013_671_875),
+            (0x08, 0.015_625),
+            (0x38, 1.0),
+            (0x3C, 1.5),
+            (0x7E, 448.0),
+            (0xC0, -2.0),
+            (0xFE, -448.0),
+        ] {
+            assert_eq!(f8e4m3_to_f32(bits), value, "{bits:#x}");
+        }
+        assert!(f8e4m3_to_f32(0x7F).is_nan() && f8e4m3_to_f32(0xFF).is_nan());
+        assert_eq!(f8e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+    }
 
     #[test]
     fn bf16_rounding_matches_half() {

@@ -2,7 +2,7 @@
 //! checkpoint conversion needs: row/column slicing and concatenation, row padding, casts.
 //! Every move copies bytes, so a round trip through them is bit-exact.
 
-use super::dtype::{bf16_bits, bf16_to_f32};
+use super::dtype::{bf16_bits, bf16_to_f32, f8e4m3_to_f32};
 use super::simd::narrow_bf16;
 use super::DType;
 use half::f16;
@@ -174,6 +174,7 @@ pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), Cas
             .for_each(|(v, c)| *v = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))),
         DType::F16 => (out.iter_mut().zip(bytes.chunks_exact(2)))
             .for_each(|(v, c)| *v = f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        DType::F8E4M3 => (out.iter_mut().zip(bytes)).for_each(|(v, &b)| *v = f8e4m3_to_f32(b)),
         other => return Err(CastError::From(other)),
     }
     Ok(())

@@ -555,3 +555,70 @@ def test_reads_checkpoints_other_tools_wrote(mindkit, tmp_path):
     mindkit("convert", "--to", "megatron", "--input", bin_dir, "--output", tmp_path / "bm", "--tp", 2)
     mindkit("convert", "--to", "hf", "--input", tmp_path / "bm", "--output", tmp_path / "bh")
     assert_hf_equal(MODELS / "llama", tmp_path / "bh")
+
+
+# What DeepSeek-V3's FP8 release quantizes: every linear weight of its layers (not the
+# embedding, the output layer, the norms, the router or the MTP depths' own projection).
+def fp8_quantized(name, t):
+    skip = ("norm", "mlp.gate.weight", "e_score_correction_bias", "eh_proj", "embed_tokens",
+            "shared_head")
+    return ".layers." in name and t.dim() == 2 and not any(s in name for s in skip)
+
+
+def test_fp8_block_scaled_checkpoint_converts_to_its_bf16_twin(mindkit, tmp_path):
+    """A DeepSeek-V3 checkpoint stored as DeepSeek ships V3 and Kimi-K2 (linear weights as
+    float8_e4m3fn with float32 `weight_scale_inv` per block, `quantization_config` fp8 with a
+    weight_block_size; 16 × 8 blocks here, so that the tiny matrices hold several, some cut
+    short) converts to the bf16 weights DeepSeek's reference dequantizes it to (inference/
+    kernel.py `weight_dequant`: the float8 value times its block's scale in float32, then
+    bfloat16 as fp8_cast_bf16.py's default dtype), byte for byte; through Megatron and back too;
+    the written config.json drops the quantization."""
+    block = (16, 8)
+    source = MODELS / "deepseek_v3_mtp"
+    # bf16 as DeepSeek ships them, the routers' expert bias float32
+    weights = {k: v if "e_score_correction_bias" in k else v.to(torch.bfloat16)
+               for k, v in load_file(str(source / "model.safetensors")).items()}
+    fp8, twin = {}, {}
+    for name, w in weights.items():
+        if not fp8_quantized(name, w):
+            fp8[name] = twin[name] = w
+            continue
+        rows, cols = w.shape
+        r, c = -(-rows // block[0]), -(-cols // block[1])
+        padded = torch.zeros(r * block[0], c * block[1])
+        padded[:rows, :cols] = w.float()
+        blocks = padded.view(r, block[0], c, block[1])
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        scale[scale == 0] = 1.0
+        per_element = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        q = (padded / per_element)[:rows, :cols].to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale.contiguous()
+        twin[name] = (q.float() * per_element[:rows, :cols]).to(torch.bfloat16)
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    from safetensors.torch import save_file
+    for d, tensors, extra in [
+        ("fp8", fp8, {"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                              "quant_method": "fp8",
+                                              "weight_block_size": list(block)}}),
+        ("twin", twin, {}),
+    ]:
+        (tmp_path / d).mkdir()
+        save_file(tensors, str(tmp_path / d / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
+    assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) > 50
+    info = subprocess.run([os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit")),
+                           "ckpt", "info", str(tmp_path / "fp8")], capture_output=True, text=True)
+    assert "as float8_e4m3fn in 16×8 blocks" in info.stdout, info
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "fp8", "--output", tmp_path / "hf")
+    assert_hf_equal(tmp_path / "twin", tmp_path / "hf")
+    mindkit("convert", "--to", "megatron", "--input", tmp_path / "fp8", "--output",
+            tmp_path / "mg", "--tp", "2", "--ep", "2")
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "mg", "--output", tmp_path / "back")
+    assert_hf_equal(tmp_path / "twin", tmp_path / "back")
+    # a float8 weight without its scales is named
+    del fp8["model.layers.1.self_attn.q_b_proj.weight_scale_inv"]
+    save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    err = mindkit("convert", "--to", "hf", "--input", tmp_path / "fp8", "--output",
+                  tmp_path / "bad", ok=False)
+    assert "model.layers.1.self_attn.q_b_proj.weight has no" in err, err

@@ -111,6 +111,8 @@ cann_constants! {
     ACL_BOOL: aclDataType = 12;
     /// bf16.
     ACL_BF16: aclDataType = 27;
+    /// No type CANN computes on (mindkit's float8 weights are dequantized on the host).
+    ACL_DT_UNDEFINED: aclDataType = -1;
     /// The plain row-major format every tensor mindkit makes uses.
     ACL_FORMAT_ND: aclFormat = 2;
 }

@@ -46,6 +46,12 @@ const STORAGE_CLASSES: &[(&str, DType)] = &[
     ("BoolStorage", DType::Bool),
 ];
 
+/// The dtypes torch pickles as a typed storage class ([`DType::storage_class`]); newer ones
+/// (float8) only as untyped storage with a dtype.
+pub fn has_storage_class(d: DType) -> bool {
+    STORAGE_CLASSES.iter().any(|&(_, t)| t == d)
+}
+
 const TORCH_DTYPES: &[(&str, DType)] = &[
     ("float64", DType::F64),
     ("float32", DType::F32),
@@ -57,6 +63,7 @@ const TORCH_DTYPES: &[(&str, DType)] = &[
     ("int8", DType::I8),
     ("uint8", DType::U8),
     ("bool", DType::Bool),
+    ("float8_e4m3fn", DType::F8E4M3),
     ("float", DType::F32),
     ("double", DType::F64),
     ("half", DType::F16),

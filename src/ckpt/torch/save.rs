@@ -340,6 +340,9 @@ fn write_tuple(out: &mut Vec<u8>, items: Vec<Item>) -> std::result::Result<(), U
         match item {
             Item::Value(v) => write_value(out, v)?,
             Item::Storage(key, dtype, numel) => {
+                if !super::pickle::has_storage_class(dtype) {
+                    return Err(Unpicklable(format!("a {} storage", dtype.torch_name())));
+                }
                 out.push(op::MARK);
                 write_str(out, "storage");
                 write_global(out, "torch", dtype.storage_class());

@@ -453,6 +453,7 @@ fn dtype_code(d: DType) -> u8 {
         DType::I8 => 7,
         DType::U8 => 8,
         DType::Bool => 9,
+        DType::F8E4M3 => 10,
     }
 }
 
@@ -468,6 +469,7 @@ fn dtype_of(code: u8) -> Option<DType> {
         DType::I8,
         DType::U8,
         DType::Bool,
+        DType::F8E4M3,
     ]
     .into_iter()
     .find(|&d| dtype_code(d) == code)
