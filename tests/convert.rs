@@ -24,6 +24,7 @@ const FAMILIES: &[&str] = &[
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v3_direct",
+    "deepseek_v2",
 ];
 
 fn model(name: &str) -> PathBuf {
@@ -176,6 +177,7 @@ fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
         "mixtral",
         "glm4_moe",
         "deepseek_v3",
+        "deepseek_v2",
     ] {
         let (a, b, h) = (
             tmp.path().join(format!("{f}-a")),
@@ -960,4 +962,35 @@ fn multi_token_prediction_layouts_convert_into_each_other_byte_identical() {
         err.contains("is written in the megatron-core local layout"),
         "{err}"
     );
+}
+
+#[test]
+fn deepseek_v2s_group_limited_greedy_routing_is_refused_where_its_groups_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("v2");
+    std::fs::create_dir(&dir).unwrap();
+    let from = model("deepseek_v2");
+    std::fs::copy(
+        from.join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(from.join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (groups, kept, refused) in [(2, 1, true), (2, 2, false), (1, 1, false)] {
+        cfg["topk_method"] = "group_limited_greedy".into();
+        (cfg["n_group"], cfg["topk_group"]) = (groups.into(), kept.into());
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let out = tmp.path().join(format!("m{groups}{kept}"));
+        match refused {
+            true => {
+                let err = convert_err("megatron", &dir, &out, &[]);
+                assert!(
+                    err.contains("\"topk_method\" is group_limited_greedy"),
+                    "{err}"
+                );
+            }
+            false => convert("megatron", &dir, &out, &[]),
+        }
+    }
 }

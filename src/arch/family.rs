@@ -92,6 +92,18 @@ pub enum MoeLayers {
     FirstDense,
 }
 
+/// Whether a family renormalises the probabilities of the experts it chooses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopkNorm {
+    /// Always (Mixtral).
+    Always,
+    /// As this `config.json` key says (`norm_topk_prob`, transformers' default false).
+    Key(&'static str),
+    /// Never, whatever `config.json` says (transformers 4.57's `DeepseekV2MoEGate` reads
+    /// `norm_topk_prob` but does not use it).
+    Never,
+}
+
 /// How a family sizes its shared experts in `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedSize {
@@ -125,9 +137,8 @@ pub struct MoeNames {
     pub experts_key: &'static str,
     /// The `config.json` key of one routed expert's intermediate size.
     pub ffn_key: &'static str,
-    /// The `config.json` key saying whether the chosen experts' probabilities are renormalised
-    /// (`norm_topk_prob`, transformers' default false); `None` when they always are.
-    pub norm_topk_key: Option<&'static str>,
+    /// Whether the chosen experts' probabilities are renormalised.
+    pub norm_topk: TopkNorm,
     /// Which layers are MoE layers.
     pub layers: MoeLayers,
     /// The shared experts, when the family has them.
@@ -153,7 +164,7 @@ const QWEN_MOE: MoeNames = MoeNames {
     expert: ["gate_proj", "up_proj", "down_proj"],
     experts_key: "num_experts",
     ffn_key: "moe_intermediate_size",
-    norm_topk_key: Some("norm_topk_prob"),
+    norm_topk: TopkNorm::Key("norm_topk_prob"),
     layers: MoeLayers::SparseStep,
     shared: None,
     expert_bias: None,
@@ -341,7 +352,7 @@ pub const FAMILIES: &[Family] = &[
             expert: ["w1", "w3", "w2"],
             experts_key: "num_local_experts",
             ffn_key: "intermediate_size",
-            norm_topk_key: None,
+            norm_topk: TopkNorm::Always,
             layers: MoeLayers::All,
             shared: None,
             ..QWEN_MOE
@@ -363,6 +374,26 @@ pub const FAMILIES: &[Family] = &[
         moe: Some(DEEPSEEK_MOE),
     },
     Family {
+        name: "deepseek_v2",
+        aliases: &[
+            "deepseek2",
+            "deepseek-v2",
+            "deepseek2-lite",
+            "deepseek2_lite",
+        ],
+        model_types: &["deepseek_v2"],
+        architecture: "DeepseekV2ForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias: OutBias::Never,
+        always_qkv_bias: false,
+        qk_norm: QkNorm::Yes,
+        partial_rotary: false,
+        mla: true,
+        moe: Some(DEEPSEEK_V2_MOE),
+    },
+    Family {
         name: "deepseek_v3",
         aliases: &["deepseek3", "deepseek-v3", "kimi2", "kimi-k2"],
         model_types: &["deepseek_v3", "kimi_k2"],
@@ -379,6 +410,23 @@ pub const FAMILIES: &[Family] = &[
         moe: Some(DEEPSEEK_MOE),
     },
 ];
+
+/// DeepSeek-V2 (transformers 4.57's `DeepseekV2MoEGate`): softmax scores over all experts in
+/// f32, the top-k as they are (never renormalised), scaled, shared experts, the first layers
+/// dense; its `group_limited_greedy` (groups scored by their best expert) is refused.
+const DEEPSEEK_V2_MOE: MoeNames = MoeNames {
+    experts_key: "n_routed_experts",
+    norm_topk: TopkNorm::Never,
+    layers: MoeLayers::FirstDense,
+    shared: Some(SharedNames {
+        module: "shared_experts",
+        gated: false,
+        size: SharedSize::Experts("n_shared_experts"),
+    }),
+    scaling_key: Some("routed_scaling_factor"),
+    router_f32: true,
+    ..QWEN_MOE
+};
 
 /// GLM-4.5 and DeepSeek-V3 route alike (transformers' `Glm4MoeTopkRouter`,
 /// `DeepseekV3TopkRouter`): sigmoid scores in f32, an expert bias, groups, shared experts.

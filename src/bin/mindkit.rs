@@ -308,7 +308,7 @@ struct OutputArgs {
     /// Output dtype: bf16, fp16, fp32 (default: the input's).
     #[arg(long)]
     dtype: Option<String>,
-    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, qwen3, seed_oss (seed-oss), internlm, baichuan, aquila, qwen3_moe, qwen2_moe, mixtral.
+    /// Model family (default: from config.json / args). Supported: llama (llama2, llama3), mistral, qwen2, qwen3, seed_oss (seed-oss), internlm, baichuan, aquila, qwen3_moe, qwen2_moe, mixtral, glm4_moe (glm45), deepseek_v2 (deepseek2-lite), deepseek_v3 (kimi2).
     #[arg(long)]
     family: Option<String>,
     /// Pad the vocabulary to a multiple of this × TP (Megatron's default 128).

@@ -78,7 +78,8 @@ def test_reshard_tp4_pp2_vpp2_and_back(mindkit, tmp_path, family):
 
 # qwen2_moe's shared-expert gate is not in megatron-core's spec (MindSpeed-LLM adds it).
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "seed_oss", "qwen3_moe",
-                                    "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_direct"])
+                                    "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_direct",
+                                    "deepseek_v2"])
 def test_gptmodel_logits_equal_transformers(mindkit, tmp_path, family):
     from transformers import AutoModelForCausalLM
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m")
@@ -357,6 +358,8 @@ def test_te_grouped_experts_are_te_grouped_mlps_weights(mindkit, tmp_path, famil
     ("qwen3_moe", ("--ep", 2)), ("mixtral", ("--ep", 2)),
     # multi-latent attention: the down projections' rows split over TP (the local spec)
     ("deepseek_v3", ("--ep", 2)),
+    # DeepSeek-V2-Lite's: direct queries, softmax routing not renormalised, scaled
+    ("deepseek_v2", ("--ep", 2)),
     # with an MTP layer: its eh_proj's rows over TP, its experts over EP (main logits only)
     ("deepseek_v3_mtp", ("--ep", 2, "--mtp-layout", "mcore")),
     # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)

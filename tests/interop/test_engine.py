@@ -87,7 +87,7 @@ def test_moe_logits_and_greedy_decoding_match_transformers(family, tmp_path):
     assert (got["steps"] - steps).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_direct"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_direct", "deepseek_v2"])
 def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, family, tmp_path):
     """Tiny DeepSeek-V3s (multi-latent attention with a query latent and YaRN RoPE, or queries
     projected straight as DeepSeek-V2-Lite's, values narrower than the query heads; sigmoid
@@ -95,7 +95,8 @@ def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, 
     logits and KV-cached decoding steps equal transformers' (fp32), from the HF directory and
     from its Megatron conversions over TP 2 × EP 2: megatron-core's local spec, and MindSpeed-
     LLM's deepseek_spec (the down projections in one linear_qkv on every rank; V2-Lite's on one
-    TP rank, as MindSpeed-LLM runs it)."""
+    TP rank, as MindSpeed-LLM runs it). deepseek_v2 is transformers' own DeepseekV2 (V2-Lite's
+    routing: softmax over all experts, the top-k scaled, not renormalised)."""
     model_dir = ROOT / "fixtures/models" / family
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()

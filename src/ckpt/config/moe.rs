@@ -7,7 +7,7 @@ use super::{
     arg, arg_bool, arg_count, arg_field, arg_float, check_count, json_bool, json_count, json_field,
     json_positive, json_required_count, ConfigError, FieldResult,
 };
-use crate::arch::family::{Family, MoeLayers, MoeNames, SharedSize};
+use crate::arch::family::{Family, MoeLayers, MoeNames, SharedSize, TopkNorm};
 use crate::arch::moe::{LayerFreq, Moe, ScoreFunction};
 use crate::ckpt::torch::pickle::Value;
 use serde_json::{json, Value as Json};
@@ -25,14 +25,30 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
     };
     let topk = json_required_count(cfg, "num_experts_per_tok")?;
     check_topk(topk, experts, "num_experts_per_tok")?;
-    let normalised = match names.norm_topk_key {
-        Some(key) => json_bool(cfg, key)?.unwrap_or(false),
-        None => true,
+    if super::json_str(cfg, "topk_method")? == Some("group_limited_greedy") {
+        // DeepSeek-V2 scores a group by its best expert, megatron-core by its best topk/groups
+        let groups = json_count(cfg, "n_group")?.unwrap_or(1);
+        if groups > 1 && json_count(cfg, "topk_group")?.unwrap_or(groups) < groups {
+            return Err(ConfigError::OutOfRange {
+                field: "topk_method".into(),
+                got: "group_limited_greedy".into(),
+                expected: "greedy, or groups that limit nothing: group-limited routing that \
+                           scores a group by its best expert is not built",
+            });
+        }
+    }
+    let normalised = match names.norm_topk {
+        TopkNorm::Key(key) => json_bool(cfg, key)?.unwrap_or(false),
+        TopkNorm::Always => true,
+        TopkNorm::Never => false,
     };
     if names.score == ScoreFunction::Sigmoid && !normalised && topk > 1 {
         // megatron-core normalises the chosen sigmoid scores (topk_routing_with_score_function)
         return Err(ConfigError::OutOfRange {
-            field: names.norm_topk_key.unwrap_or("norm_topk_prob").into(),
+            field: match names.norm_topk {
+                TopkNorm::Key(key) => key.into(),
+                _ => "norm_topk_prob".into(),
+            },
             got: "false".into(),
             expected: "true: Megatron's sigmoid routing normalises the chosen scores",
         });
@@ -133,16 +149,21 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
     let routing = moe.score != names.score
         || (moe.topk_scale.is_some() && names.scaling_key.is_none())
         || !groups_fit
-        || (names.norm_topk_key.is_none() && moe.pre_softmax);
+        || match names.norm_topk {
+            TopkNorm::Key(_) => false,
+            TopkNorm::Always => moe.pre_softmax,
+            TopkNorm::Never => !moe.pre_softmax,
+        };
     if routing {
         return Some(format!(
             "{}'s router takes {} scores{}{}{}; this model routes otherwise (score function {}, \
              pre-softmax {}, scaling {:?}, groups {:?})",
             family.name,
             names.score.name(),
-            match names.norm_topk_key {
-                Some(_) => ", the chosen optionally renormalised",
-                None => ", the chosen renormalised",
+            match names.norm_topk {
+                TopkNorm::Key(_) => ", the chosen optionally renormalised",
+                TopkNorm::Always => ", the chosen renormalised",
+                TopkNorm::Never => ", the chosen as they are",
             },
             if names.scaling_key.is_some() {
                 ", scaled"
@@ -236,7 +257,7 @@ pub(super) fn moe_to_hf(moe: &Moe, family: &Family, cfg: &mut Json) {
     cfg[names.experts_key] = moe.experts.into();
     cfg["num_experts_per_tok"] = moe.topk.into();
     cfg[names.ffn_key] = moe.ffn.into();
-    if let Some(key) = names.norm_topk_key {
+    if let TopkNorm::Key(key) = names.norm_topk {
         cfg[key] = (!moe.pre_softmax).into();
     }
     match names.layers {
