@@ -4217,3 +4217,155 @@ fn rank_key_shape(dir: &Path, rank: &str, key: &str) -> Vec<u64> {
         other => panic!("{key}: {other:?}"),
     }
 }
+
+/// `--dataloader-type cyclic` on pretraining and fine-tuning samples: with the learning rate at
+/// 0 every iteration scores its samples with the same weights, so a sequential run over one
+/// epoch gives each sample's loss and gradient norm, and the random sampler's runs must score
+/// `torch.randperm(epoch, manual_seed(0))` of them (one rank), or each rank's bucket in
+/// `torch.randperm(bucket, manual_seed(0))` order (two ranks as threads); then resuming a
+/// two-rank run continues it bit for bit.
+#[test]
+fn cyclic_loading_draws_each_ranks_bucket_in_torchs_order_and_resumes() {
+    use mindkit::data::mt19937::Mt19937;
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // fine-tuning data: 12 alpaca records
+    let words = [
+        "the", "of", "and", "a", "to", "in", "is", "was", "he", "for",
+    ];
+    let text = |seed: usize, n: usize| -> String {
+        let picked: Vec<&str> = (0..n).map(|i| words[(seed * 7 + i * 3) % 10]).collect();
+        picked.join(" ")
+    };
+    let records: String = (0..12)
+        .map(|i| {
+            let record = serde_json::json!({
+                "instruction": text(i, 2 + i % 5),
+                "input": text(i + 1, i % 3),
+                "output": text(i + 2, 2 + (i * 3) % 9),
+            });
+            format!("{record}\n")
+        })
+        .collect();
+    let input = dir.path().join("alpaca.jsonl");
+    std::fs::write(&input, records).unwrap();
+    let prefix = dir.path().join("sft");
+    mindkit(&[
+        &"preprocess",
+        &"--input",
+        &input,
+        &"--output-prefix",
+        &prefix,
+        &"--tokenizer",
+        &fixture("models/demo"),
+        &"--handler",
+        &"alpaca",
+        &"--prompt-type",
+        &"alpaca",
+        &"--seq-length",
+        &"128",
+        &"--quiet",
+    ])
+    .success();
+    let sft_samples = mindkit::data::sft_dataset::SftDataset::open(&prefix)
+        .unwrap()
+        .len();
+    let samples = mindkit(&[
+        &"data",
+        &"samples",
+        &"--data-path",
+        &data,
+        &"--split",
+        &"1",
+        &"--seq-length",
+        &"32",
+    ])
+    .success();
+    // one epoch of the corpus (the train split asks no more below)
+    let gpt_samples = stdout(&samples).lines().count();
+    let sft = "--is-instruction-dataset --prompt-type alpaca --no-pad-to-seq-lengths \
+               --seq-length 128";
+    let frozen = "--micro-batch-size 1 --lr 0 --min-lr 0 --lr-warmup-iters 0";
+    for (what, source, flags, n) in [
+        ("pretraining", &data, "", gpt_samples),
+        ("fine-tuning", &prefix, sft, sft_samples),
+    ] {
+        assert!(n >= 8 && n % 2 == 0, "{what}: {n} samples");
+        let train = |extra: String| {
+            let extra = format!("{flags} {frozen} {extra}");
+            let extra: Vec<&str> = extra.split_whitespace().collect();
+            stdout(&run(&args(source, &extra)).success())
+        };
+        let in_order = train(format!("--global-batch-size 1 --train-iters {n}"));
+        let (losses, norms) = (field(&in_order, "lm loss"), field(&in_order, "grad norm"));
+        assert_eq!(losses.len(), n, "{what}: {in_order}");
+        let perm = Mt19937::torch(0).torch_randperm(n as u64);
+        let one = train(format!(
+            "--global-batch-size 1 --train-iters {n} --dataloader-type cyclic"
+        ));
+        let want: Vec<f64> = perm.iter().map(|&i| losses[i as usize]).collect();
+        assert_eq!(field(&one, "lm loss"), want, "{what}, one rank: {one}");
+        let want: Vec<f64> = perm.iter().map(|&i| norms[i as usize]).collect();
+        assert_eq!(field(&one, "grad norm"), want, "{what}, one rank");
+        assert_ne!(perm, (0..n as u64).collect::<Vec<_>>());
+        // two ranks: buckets 0..n/2 and n/2..n, each in randperm(n/2) order
+        let half = n / 2;
+        let two = train(format!(
+            "--global-batch-size 2 --train-iters {half} --dataloader-type cyclic --world-size 2"
+        ));
+        let got = field(&two, "lm loss");
+        assert_eq!(got.len(), half, "{what}: {two}");
+        let bucket = Mt19937::torch(0).torch_randperm(half as u64);
+        for (i, (&g, &p)) in got.iter().zip(&bucket).enumerate() {
+            // two samples of the same token count: the mean of their losses
+            let want = (losses[p as usize] + losses[half + p as usize]) / 2.0;
+            assert!(
+                (g - want).abs() <= 1e-5 * want.abs(),
+                "{what}, two ranks, iteration {}: {g} vs {want}",
+                i + 1
+            );
+        }
+    }
+    // Training for real on two ranks, resumed after iteration 3: the checkpoint's consumed
+    // samples put each rank back on its draw.
+    let run_two = |extra: &str| {
+        let extra = format!(
+            "--micro-batch-size 1 --global-batch-size 4 --train-iters 8 --world-size 2 \
+             --dataloader-type cyclic {extra}"
+        );
+        let extra: Vec<&str> = extra.split_whitespace().collect();
+        args(&data, &extra)
+    };
+    let whole = iterations(&stdout(&run(&run_two("")).success()));
+    let save = dir.path().join("cyclic");
+    let save_flag = format!("--save {} --exit-interval 3", save.display());
+    run(&run_two(&save_flag)).success();
+    let mut resume = run_two("");
+    let at = resume.iter().position(|a| a == "--load").unwrap();
+    resume[at + 1] = save.to_str().unwrap().into();
+    let rest = iterations(&stdout(&run(&resume).success()));
+    assert_eq!(whole.len(), 8);
+    assert_eq!(
+        &whole[3..],
+        &rest[..],
+        "iterations 4-8 differ after resuming"
+    );
+    // ... and a checkpoint of another batch layout is refused before any work
+    let mut other = resume.clone();
+    other.extend(
+        [
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "4",
+            "--override-opt-param-scheduler",
+        ]
+        .map(String::from),
+    );
+    let err = stderr(&run(&other).failure());
+    assert!(err.contains("another batch layout"), "{err}");
+    // Megatron's sampler without data sharding is not built (MindSpeed-LLM ignores the flag)
+    let unsharded = run_two("--no-data-sharding");
+    let err = stderr(&run(&unsharded).failure());
+    assert!(err.contains("--no-data-sharding"), "{err}");
+}

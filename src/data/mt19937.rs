@@ -5,7 +5,14 @@
 //!   masked rejection sampling (numpy `random/mtrand.pyx` `_shuffle_raw`,
 //!   `random/src/legacy/legacy-distributions.c` / `distributions.c` `random_interval`);
 //! - CPython's `random.Random(seed)` (the harness's few-shot sampler): seeded by `init_by_array`
-//!   over the seed's 32-bit words (CPython `Modules/_randommodule.c`).
+//!   over the seed's 32-bit words (CPython `Modules/_randommodule.c`);
+//! - torch's CPU generator after `torch.Generator().manual_seed(seed)` and `torch.randperm(n,
+//!   generator=g)` (Megatron's `--dataloader-type cyclic` sampler): `at::mt19937(seed)` is
+//!   `init_genrand` of the seed's low 32 bits (aten/src/ATen/core/MT19937RNGEngine.h);
+//!   `randperm_cpu` (aten/src/ATen/native/TensorFactories.cpp) swaps position i with
+//!   `i + random() % (n − i)` below `u32::MAX / 20` elements, and from there on builds the
+//!   permutation inside out with `random64() % (i + 1)`, `random64()` being two 32-bit draws,
+//!   the first the high word (CPUGeneratorImpl.cpp).
 
 /// MT19937 state size.
 const N: usize = 624;
@@ -37,6 +44,12 @@ impl Mt19937 {
         };
         r.init_by_array(key);
         r
+    }
+
+    /// torch's CPU generator after `manual_seed(seed)`: `init_genrand` of the low 32 bits (torch
+    /// keeps the 64-bit seed only to report it).
+    pub fn torch(seed: u64) -> Self {
+        Self::numpy(seed as u32)
     }
 
     fn init_genrand(&mut self, seed: u32) {
@@ -127,6 +140,28 @@ impl Mt19937 {
         }
     }
 
+    /// `torch.randperm(n, generator=g)` on the CPU with this generator as `g` (torch 2.9's
+    /// `randperm_cpu`): below `u32::MAX / 20` elements a forward Fisher–Yates walk over
+    /// `0..n` with `next_u32() % (n − i)` (the modulo's slight bias kept), from there on the
+    /// inside-out variant with 64-bit draws.
+    pub fn torch_randperm(&mut self, n: u64) -> Vec<u64> {
+        let mut perm: Vec<u64> = (0..n).collect();
+        if n < u64::from(u32::MAX / 20) {
+            for i in 0..n.saturating_sub(1) {
+                let z = u64::from(self.next_u32()) % (n - i);
+                perm.swap(i as usize, (z + i) as usize);
+            }
+            return perm;
+        }
+        for i in 0..n {
+            let high = u64::from(self.next_u32());
+            let z = ((high << 32) | u64::from(self.next_u32())) % (i + 1);
+            perm[i as usize] = perm[z as usize];
+            perm[z as usize] = i;
+        }
+        perm
+    }
+
     /// numpy's legacy `RandomState.shuffle` of a 1-D array, in place.
     pub fn numpy_shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
@@ -149,5 +184,185 @@ mod tests {
         r.numpy_shuffle(&mut a);
         assert_eq!(a, [2, 8, 4, 9, 1, 6, 7, 3, 0, 5]);
         assert_eq!(Mt19937::numpy(5489).next_u32(), 3_499_211_612);
+    }
+
+    /// A permutation's first and last four entries and `Σ (i mod 1000003)·p[i] mod (2³¹ − 1)`
+    /// over its positions i, as the expected values below were computed in Python.
+    fn fingerprint(p: &[u64]) -> ([u64; 4], [u64; 4], u64) {
+        let sum = (p.iter().enumerate())
+            .map(|(i, &v)| (i as u64 % 1_000_003) * v % ((1 << 31) - 1))
+            .sum();
+        let n = p.len();
+        (
+            [p[0], p[1], p[2], p[3]],
+            [p[n - 4], p[n - 3], p[n - 2], p[n - 1]],
+            sum,
+        )
+    }
+
+    // torch 2.9.1 (CPU): torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    #[test]
+    fn torch_randperm_equals_torch() {
+        let perm = |seed: u64, n: u64| Mt19937::torch(seed).torch_randperm(n);
+        let small: [(u64, [&[u64]; 5]); 4] = [
+            (
+                0,
+                [
+                    &[],
+                    &[0],
+                    &[0, 1],
+                    &[4, 0, 5, 3, 2, 6, 1],
+                    &[4, 1, 7, 5, 3, 9, 0, 8, 6, 2],
+                ],
+            ),
+            (
+                1,
+                [
+                    &[],
+                    &[0],
+                    &[1, 0],
+                    &[0, 6, 1, 3, 5, 2, 4],
+                    &[5, 6, 1, 2, 0, 8, 9, 3, 7, 4],
+                ],
+            ),
+            (
+                1234,
+                [
+                    &[],
+                    &[0],
+                    &[1, 0],
+                    &[6, 4, 3, 1, 0, 5, 2],
+                    &[5, 4, 8, 2, 6, 9, 1, 7, 0, 3],
+                ],
+            ),
+            // torch keeps the seed's low 32 bits: 2³² + 5 draws as 5 does
+            (
+                (1 << 32) + 5,
+                [
+                    &[],
+                    &[0],
+                    &[1, 0],
+                    &[1, 0, 4, 2, 6, 5, 3],
+                    &[1, 4, 9, 6, 3, 5, 0, 2, 8, 7],
+                ],
+            ),
+        ];
+        for (seed, expected) in small {
+            for (n, want) in [0, 1, 2, 7, 10].into_iter().zip(expected) {
+                assert_eq!(perm(seed, n), want, "seed {seed} n {n}");
+            }
+        }
+        type Print = ([u64; 4], [u64; 4], u64);
+        let large: [(u64, u64, Print); 8] = [
+            (
+                0,
+                1000,
+                ([44, 37, 675, 775], [932, 745, 263, 354], 251_667_852),
+            ),
+            (
+                0,
+                100_000,
+                (
+                    [36044, 73702, 76369, 2549],
+                    [70481, 47534, 99934, 84786],
+                    90_009_501_508_039,
+                ),
+            ),
+            (
+                1,
+                1000,
+                ([845, 303, 66, 436], [364, 513, 935, 639], 250_929_158),
+            ),
+            (
+                1,
+                100_000,
+                (
+                    [95845, 18969, 32002, 23533],
+                    [83320, 75609, 36467, 61140],
+                    89_763_932_140_901,
+                ),
+            ),
+            (
+                1234,
+                1000,
+                ([775, 760, 390, 842], [450, 478, 173, 804], 252_444_433),
+            ),
+            (
+                1234,
+                100_000,
+                (
+                    [69775, 70546, 90246, 94746],
+                    [41956, 31366, 3720, 64918],
+                    89_843_958_290_640,
+                ),
+            ),
+            (
+                (1 << 32) + 5,
+                1000,
+                ([411, 49, 291, 695], [226, 389, 935, 655], 253_045_579),
+            ),
+            (
+                (1 << 32) + 5,
+                100_000,
+                (
+                    [53411, 99184, 41565, 33006],
+                    [2466, 82440, 5805, 57622],
+                    89_758_601_852_779,
+                ),
+            ),
+        ];
+        for (seed, n, want) in large {
+            assert_eq!(fingerprint(&perm(seed, n)), want, "seed {seed} n {n}");
+        }
+    }
+
+    // torch 2.9.1, as above, on both sides of the switch to the inside-out walk at
+    // u32::MAX / 20 = 214748364 elements (1.7 GB each; some ten seconds apiece in release).
+    #[test]
+    #[ignore = "draws four permutations of 214 million elements"]
+    fn torch_randperm_equals_torch_past_its_switch_to_64_bit_draws() {
+        type Print = ([u64; 4], [u64; 4], u64);
+        let cases: [(u64, u64, Print); 4] = [
+            (
+                0,
+                214_748_363,
+                (
+                    [209652414, 184016258, 65237881, 190120003],
+                    [97841722, 3969528, 51934543, 53763082],
+                    230_585_613_869_884_687,
+                ),
+            ),
+            (
+                3,
+                214_748_363,
+                (
+                    [3426993, 89012687, 34994685, 171579910],
+                    [2149681, 40745462, 212516164, 92186696],
+                    230_580_595_708_278_926,
+                ),
+            ),
+            (
+                0,
+                214_748_364,
+                (
+                    [180140102, 136514640, 18739608, 22357822],
+                    [60523199, 10659741, 142775043, 79202631],
+                    230_574_951_973_732_917,
+                ),
+            ),
+            (
+                3,
+                214_748_364,
+                (
+                    [50815193, 116864026, 18612126, 8421410],
+                    [15019188, 108813077, 122959525, 138283752],
+                    230_584_655_938_982_272,
+                ),
+            ),
+        ];
+        for (seed, n, want) in cases {
+            let got = fingerprint(&Mt19937::torch(seed).torch_randperm(n));
+            assert_eq!(got, want, "seed {seed} n {n}");
+        }
     }
 }

@@ -1,13 +1,147 @@
-//! Micro-batches as Megatron's `MegatronPretrainingSampler` draws them on one data-parallel
-//! rank (megatron/legacy/data/data_samplers.py): iteration i (from 1) consumes samples
-//! `[(i−1)·G, i·G)` of the split in order, micro-batch k the `k`-th M of them; each sample
-//! becomes rows of one [`MicroBatch`] with the loss weights of Megatron's loss averaging.
+//! Micro-batches as Megatron's samplers draw them on one data-parallel rank
+//! (megatron/legacy/data/data_samplers.py): `--dataloader-type single`'s
+//! `MegatronPretrainingSampler` (iteration i, from 1, consumes samples `[(i−1)·G, i·G)` of the
+//! split in order, micro-batch k the `k`-th M of them) or `cyclic`'s
+//! `MegatronPretrainingRandomSampler` ([`RandomSampler`]); each sample becomes rows of one
+//! [`MicroBatch`] with the loss weights of Megatron's loss averaging.
 
 use crate::data::gpt_dataset::{MaskConfig, Sample, SplitSamples};
+use crate::data::mt19937::Mt19937;
 use crate::data::sft_dataset::{SftDataset, IGNORE};
 use crate::model::decoder::{DepthRows, MicroBatch};
-use anyhow::Result;
+use anyhow::{anyhow, bail, Result};
 use std::sync::Arc;
+
+/// `--dataloader-type`: how the data-parallel ranks draw a split's samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loader {
+    /// `single` (Megatron's default): `MegatronPretrainingSampler`, the split in order, once.
+    Single,
+    /// `cyclic`: [`RandomSampler`], shuffled per rank and epoch, epoch after epoch.
+    Cyclic,
+}
+
+impl Loader {
+    /// The flag's value, as Megatron's args record it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Loader::Single => "single",
+            Loader::Cyclic => "cyclic",
+        }
+    }
+}
+
+/// Megatron's `MegatronPretrainingRandomSampler` with `data_sharding` (its default, and always
+/// so in MindSpeed-LLM's `build_pretraining_data_loader`), iterated through training.py's
+/// `cyclic_iter` (Megatron-LM core_v0.15.3 megatron/legacy/data/data_samplers.py; the same in
+/// core_v0.12.1, which MindSpeed-LLM runs on).
+///
+/// With `total` samples in the split, M × DP samples per draw: an epoch uses `A = total −
+/// total mod (M·DP)` samples, rank r the bucket `[r·B, (r+1)·B)` of `B = A / DP` of them, read
+/// in the order of `torch.randperm(B, generator=torch.Generator().manual_seed(epoch))`. The
+/// sampler counts the samples consumed over all ranks: the micro-batch drawn after `c` of them
+/// belongs to epoch `c / A`, and rank r takes `r·B + perm[(c mod A)/DP + u]`, u < M. An epoch
+/// ends after A samples; the next draw starts the next epoch's permutation, within an
+/// iteration if need be. Resuming with `c` from the checkpoint lands on the same draw.
+#[derive(Debug, Clone, Copy)]
+pub struct RandomSampler {
+    /// Samples in the split (`len(dataset)`).
+    pub total: u64,
+    /// M.
+    pub micro_batch: usize,
+    /// DP.
+    pub ranks: usize,
+    /// This rank's data-parallel rank.
+    pub rank: usize,
+}
+
+impl RandomSampler {
+    /// M × DP: the samples one draw consumes over all ranks.
+    fn draw(&self) -> u64 {
+        (self.micro_batch * self.ranks) as u64
+    }
+
+    /// The samples an epoch reads (`active_total_samples`): the split less its last incomplete
+    /// group of M × DP.
+    pub fn active(&self) -> u64 {
+        self.total - self.total % self.draw().max(1)
+    }
+
+    /// Samples of each rank's bucket (`bucket_size`).
+    pub fn bucket(&self) -> u64 {
+        self.active() / self.ranks.max(1) as u64
+    }
+
+    /// The epoch and the position in its permutation of the micro-batch drawn after
+    /// `consumed` samples: an error where the split holds fewer than M × DP samples (Megatron
+    /// divides by zero) or `consumed` is not a whole number of draws into its epoch (Megatron's
+    /// assertion; a checkpoint of another batch layout).
+    pub fn locate(&self, consumed: u64) -> Result<(u64, u64)> {
+        let active = self.active();
+        if active == 0 {
+            bail!(
+                "--dataloader-type cyclic: the split holds {} samples, fewer than one draw of \
+                 --micro-batch-size {} × {} data-parallel ranks",
+                self.total,
+                self.micro_batch,
+                self.ranks
+            );
+        }
+        let within = consumed % active;
+        if !within.is_multiple_of(self.draw()) {
+            bail!(
+                "--dataloader-type cyclic: {consumed} samples consumed leave {within} into an \
+                 epoch of {active}, not a multiple of --micro-batch-size {} × {} data-parallel \
+                 ranks (the checkpoint was written with another batch layout)",
+                self.micro_batch,
+                self.ranks
+            );
+        }
+        Ok((consumed / active, within / self.ranks as u64))
+    }
+
+    /// The sample ids of the micro-batch this rank draws after `consumed` samples (counted
+    /// over all ranks).
+    pub fn micro_batch(&self, consumed: u64, perms: &mut Permutations) -> Result<Vec<u64>> {
+        let (epoch, at) = self.locate(consumed)?;
+        let bucket = self.bucket();
+        let perm = perms.get(bucket, epoch);
+        let start = self.rank as u64 * bucket;
+        let at = at as usize;
+        let drawn = perm
+            .get(at..at + self.micro_batch)
+            .ok_or_else(|| anyhow!("internal: draw {at} past the bucket of {bucket}"))?;
+        Ok(drawn.iter().map(|&i| start + i).collect())
+    }
+}
+
+/// The random sampler's permutations, kept for the few epochs in use (an iteration may span
+/// two; validation reads another split): `torch.randperm(n, manual_seed(epoch))` depends on
+/// `(n, epoch)` alone, so the splits share them.
+#[derive(Default)]
+pub struct Permutations {
+    /// `((n, epoch), permutation)`, the most recently used last.
+    kept: Vec<((u64, u64), Vec<u64>)>,
+}
+
+impl Permutations {
+    /// Permutations kept at most.
+    const KEPT: usize = 3;
+
+    /// `torch.randperm(n, generator=torch.Generator().manual_seed(epoch))`.
+    pub fn get(&mut self, n: u64, epoch: u64) -> &[u64] {
+        let key = (n, epoch);
+        let entry = match self.kept.iter().position(|(k, _)| *k == key) {
+            Some(i) => self.kept.remove(i),
+            None => (key, Mt19937::torch(epoch).torch_randperm(n)),
+        };
+        if self.kept.len() == Self::KEPT {
+            self.kept.remove(0);
+        }
+        self.kept.push(entry);
+        self.kept.last().map_or(&[], |(_, p)| p.as_slice())
+    }
+}
 
 /// How per-row losses are combined into the objective (megatron-core 0.15
 /// `forward_step_calc_loss` and `finalize_model_grads`).
@@ -136,11 +270,11 @@ pub fn mtp_rows(
         .collect()
 }
 
-/// The samples `from..from + count` of `split`, masked as `masks` says.
-pub fn samples(split: &SplitSamples, masks: &MaskConfig, from: u64, count: usize) -> Vec<Sample> {
-    (0..count)
-        .map(|j| {
-            let (_, text) = split.text(from as usize + j, masks.pad_value());
+/// The samples `ids` of `split`, masked as `masks` says.
+pub fn samples(split: &SplitSamples, masks: &MaskConfig, ids: &[u64]) -> Vec<Sample> {
+    ids.iter()
+        .map(|&id| {
+            let (_, text) = split.text(id as usize, masks.pad_value());
             masks.sample(&text)
         })
         .collect()
@@ -257,23 +391,19 @@ impl Source {
         self.len() == 0
     }
 
-    /// Samples `from..from + m` as one micro-batch of K.
-    pub fn micro_batch(
-        &self,
-        from: u64,
-        m: usize,
-        k: usize,
-        averaging: LossAveraging,
-    ) -> Result<Prepared> {
+    /// Samples `ids` as one micro-batch of K.
+    pub fn micro_batch(&self, ids: &[u64], k: usize, averaging: LossAveraging) -> Result<Prepared> {
+        if let Some(id) = ids.iter().find(|&&id| id >= self.len() as u64) {
+            bail!("internal: sample {id} of a split of {}", self.len());
+        }
         match self {
             Source::Pretrain {
                 samples: split,
                 masks,
-            } => Ok(micro_batch(&samples(split, masks, from, m), k, averaging)),
+            } => Ok(micro_batch(&samples(split, masks, ids), k, averaging)),
             Source::Sft { data, index, rows } => {
-                let docs = &index[from as usize..from as usize + m];
-                let mut out = Vec::with_capacity(m);
-                for &doc in docs {
+                let mut out = Vec::with_capacity(ids.len());
+                for &doc in ids.iter().map(|&id| &index[id as usize]) {
                     let (ids, labels) = data.sample(doc as usize, rows.seq_length)?;
                     let mask = match rows.reset {
                         Some((_, true)) => data.attention_mask(doc as usize),
@@ -359,6 +489,123 @@ mod tests {
             loss_mask: mask.to_vec(),
             segments: segments.to_vec(),
         }
+    }
+
+    // Megatron-LM core_v0.15.3's MegatronPretrainingRandomSampler (data_sharding=True) run with
+    // torch 2.9.1 through training.py's cyclic_iter, one sampler per rank built at the consumed
+    // count given: each case's ids by iteration, then rank, then micro-batch.
+    #[test]
+    fn the_random_sampler_draws_as_megatrons() {
+        // (samples in the split, consumed at start, M, DP, G, iterations, ids)
+        type Case = (u64, u64, usize, usize, usize, u64, &'static [u64]);
+        let cases: [Case; 5] = [
+            // epochs of 10 crossed inside iterations 3 and 5
+            (
+                10,
+                0,
+                1,
+                1,
+                4,
+                6,
+                &[
+                    4, 1, 7, 5, 3, 9, 0, 8, 6, 2, 5, 6, 1, 2, 0, 8, 9, 3, 7, 4, 8, 7, 1, 5,
+                ],
+            ),
+            // 23 samples: epochs of 20, buckets of 10; rank 1 reads 10..20
+            (
+                23,
+                0,
+                2,
+                2,
+                8,
+                7,
+                &[
+                    4, 1, 7, 5, 14, 11, 17, 15, 3, 9, 0, 8, 13, 19, 10, 18, 6, 2, 5, 6, 16, 12, 15,
+                    16, 1, 2, 0, 8, 11, 12, 10, 18, 9, 3, 7, 4, 19, 13, 17, 14, 8, 7, 1, 5, 18, 17,
+                    11, 15, 6, 9, 0, 4, 16, 19, 10, 14,
+                ],
+            ),
+            // the same run resumed after two iterations
+            (
+                23,
+                16,
+                2,
+                2,
+                8,
+                5,
+                &[
+                    6, 2, 5, 6, 16, 12, 15, 16, 1, 2, 0, 8, 11, 12, 10, 18, 9, 3, 7, 4, 19, 13, 17,
+                    14, 8, 7, 1, 5, 18, 17, 11, 15, 6, 9, 0, 4, 16, 19, 10, 14,
+                ],
+            ),
+            // resumed in epoch 2, four ranks of buckets of 5
+            (
+                23,
+                40,
+                1,
+                4,
+                4,
+                5,
+                &[
+                    3, 8, 13, 18, 4, 9, 14, 19, 1, 6, 11, 16, 0, 5, 10, 15, 2, 7, 12, 17,
+                ],
+            ),
+            (
+                1000,
+                96,
+                4,
+                2,
+                16,
+                3,
+                &[
+                    110, 235, 90, 155, 125, 477, 401, 300, 610, 735, 590, 655, 625, 977, 901, 800,
+                    49, 464, 94, 439, 59, 58, 161, 176, 549, 964, 594, 939, 559, 558, 661, 676, 99,
+                    220, 20, 66, 148, 257, 167, 367, 599, 720, 520, 566, 648, 757, 667, 867,
+                ],
+            ),
+        ];
+        let mut perms = Permutations::default();
+        for (total, start, m, dp, g, iters, want) in cases {
+            let mut got = Vec::new();
+            for i in 0..iters {
+                for rank in 0..dp {
+                    let sampler = RandomSampler {
+                        total,
+                        micro_batch: m,
+                        ranks: dp,
+                        rank,
+                    };
+                    for j in 0..g / (m * dp) {
+                        let consumed = start + i * g as u64 + (j * m * dp) as u64;
+                        got.extend(sampler.micro_batch(consumed, &mut perms).unwrap());
+                    }
+                }
+            }
+            assert_eq!(got, want, "{total} samples from {start}, M {m}, DP {dp}");
+        }
+    }
+
+    #[test]
+    fn the_random_sampler_refuses_what_megatron_cannot_draw() {
+        let sampler = |total| RandomSampler {
+            total,
+            micro_batch: 2,
+            ranks: 2,
+            rank: 0,
+        };
+        let mut perms = Permutations::default();
+        // fewer samples than one draw of M × DP
+        let small = sampler(3).micro_batch(0, &mut perms).unwrap_err();
+        assert!(
+            format!("{small}").contains("fewer than one draw"),
+            "{small}"
+        );
+        // a consumed count inside a draw (a checkpoint of another layout)
+        let inside = sampler(23).micro_batch(22, &mut perms).unwrap_err();
+        assert!(
+            format!("{inside}").contains("2 into an epoch of 20"),
+            "{inside}"
+        );
     }
 
     #[test]

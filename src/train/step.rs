@@ -38,14 +38,22 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<(Vec<PendingLoss<B::Tensor>>, u64)> {
         let c = &self.cfg;
         let (m, k) = (c.micro_batch, c.global_batch / c.micro_batch);
-        // Megatron's sampler: rank r's j-th micro-batch is the (j·DP + r)-th of the global
-        // batch; every micro-batch weighs 1/K of the whole batch (the gradients are summed
-        // over the ranks).
+        // Megatron's sampler (`single`): rank r's j-th micro-batch is the (j·DP + r)-th of the
+        // global batch; `cyclic`: its j-th draw from its own bucket. Every micro-batch weighs
+        // 1/K of the whole batch (the gradients are summed over the ranks).
         let (dp, dp_rank) = self.dp.as_ref().map_or((1, 0), |g| (g.size(), g.rank()));
+        let random = self.random_sampler(split);
         let mut batches = Vec::with_capacity(k / dp);
         for j in 0..k / dp {
             let at = from + ((j * dp + dp_rank) * m) as u64;
-            let mut prepared = split.micro_batch(at, m, k, c.averaging)?;
+            let ids: Vec<u64> = match c.loader {
+                data::Loader::Single => (at..at + m as u64).collect(),
+                // every rank's sampler counts the M × DP samples of each draw
+                data::Loader::Cyclic => {
+                    random.micro_batch(from + (j * dp * m) as u64, &mut self.perms)?
+                }
+            };
+            let mut prepared = split.micro_batch(&ids, k, c.averaging)?;
             // Dropout and the MoE auxiliary losses in training only; dropout keyed by the
             // consumed-sample index `at` of the first sample: no evaluation drops anything.
             if train {
@@ -141,6 +149,17 @@ impl<B: Backend> Trainer<B> {
             }
         }
         Ok((losses, tokens))
+    }
+
+    /// `--dataloader-type cyclic`'s sampler of `split` on this data-parallel rank.
+    pub(super) fn random_sampler(&self, split: &data::Source) -> data::RandomSampler {
+        let (ranks, rank) = self.dp.as_ref().map_or((1, 0), |g| (g.size(), g.rank()));
+        data::RandomSampler {
+            total: split.len() as u64,
+            micro_batch: self.cfg.micro_batch,
+            ranks,
+            rank,
+        }
     }
 
     /// This rank's stage of the pipeline over `micro` micro-batches.

@@ -17,7 +17,7 @@ use crate::model::params::{LoraSpec, ParamTable};
 use crate::model::ModelSpec;
 use crate::tensor::DType;
 use crate::util::{progress_bar, ProgressUnit};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,6 +61,8 @@ pub(super) struct Trainer<B: Backend> {
     pub(super) iteration: u64,
     pub(super) consumed_train: u64,
     pub(super) consumed_valid: u64,
+    /// `--dataloader-type cyclic`: the random sampler's permutations in use.
+    pub(super) perms: data::Permutations,
     /// Samples the schedule has counted (successful steps × G).
     pub(super) schedule_steps: u64,
     pub(super) flops: f64,
@@ -233,6 +235,7 @@ impl<B: Backend> Trainer<B> {
             iteration: 0,
             consumed_train: 0,
             consumed_valid: 0,
+            perms: data::Permutations::default(),
             schedule_steps: 0,
             flops: 0.0,
             quiet,
@@ -407,7 +410,8 @@ impl<B: Backend> Trainer<B> {
         iters: u64,
     ) -> Result<f64> {
         let g = self.cfg.global_batch as u64;
-        if start + iters * g > split.len() as u64 {
+        let cyclic = self.cfg.loader == data::Loader::Cyclic;
+        if !cyclic && start + iters * g > split.len() as u64 {
             bail!(
                 "the {name} split has {} samples, fewer than the evaluations ask for",
                 split.len()
@@ -511,7 +515,22 @@ impl<B: Backend> Trainer<B> {
         let c_iters = self.cfg.train_iters;
         let remaining = c_iters - self.iteration.min(c_iters);
         let needed = self.consumed_train + remaining * self.cfg.global_batch as u64;
-        if needed > train.len() as u64 {
+        let cyclic = self.cfg.loader == data::Loader::Cyclic;
+        if cyclic {
+            // The random sampler cycles: it needs one draw of M × DP samples, and the consumed
+            // counts of the checkpoint on whole draws of each split's epoch.
+            let splits = [
+                (Some(&train), self.consumed_train, "train"),
+                (valid.as_ref(), self.consumed_valid, "validation"),
+                (test.as_ref(), 0, "test"),
+            ];
+            for (split, consumed, name) in splits {
+                if let Some(split) = split {
+                    (self.random_sampler(split).locate(consumed))
+                        .with_context(|| format!("the {name} split"))?;
+                }
+            }
+        } else if needed > train.len() as u64 {
             // Megatron's sampler would run out of samples part-way (a `release` checkpoint
             // starts at iteration 0 but keeps its consumed samples).
             bail!(
@@ -722,7 +741,7 @@ impl<B: Backend> Trainer<B> {
                 saved = self.save(&bar)?;
             }
             if let (Some((_, iters)), Some(valid)) = (self.cfg.eval, valid.as_ref()) {
-                if self.consumed_valid + iters * g <= valid.len() as u64 {
+                if cyclic || self.consumed_valid + iters * g <= valid.len() as u64 {
                     let loss = self.validate(valid, iters)?;
                     let prefix = format!("iteration {} on validation set", self.iteration);
                     self.say(&bar, &log::validation_box(&prefix, loss));

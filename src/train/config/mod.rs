@@ -17,7 +17,7 @@ pub use parallelism::{BucketSize, Buckets, VirtualPipeline};
 
 use super::args::Args;
 use super::data::LossAveraging;
-use super::data::SftRows;
+use super::data::{Loader, SftRows};
 use super::optim::AdamConfig;
 use super::parallel::{Axis, Layout};
 use super::schedule::Schedule;
@@ -129,6 +129,8 @@ pub struct TrainConfig {
     /// Data-parallel ranks (the world size over TP × PP): each takes its slice of every global
     /// batch, as Megatron's sampler gives it.
     pub data_parallel: usize,
+    /// `--dataloader-type`: which sampler draws the samples.
+    pub loader: Loader,
     /// Where the ranks sit (TP, DP, PP).
     pub layout: Layout,
     /// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1: the layout's expert-parallel group
@@ -404,9 +406,6 @@ fn check_single_rank(a: &Args) -> Result<()> {
     if let Some(n) = positive(a, "context-parallel-size")?.filter(|&n| n > 1) {
         bail!("--context-parallel-size {n}: this build trains with tensor, pipeline, data and expert parallelism only (use 1)");
     }
-    if let Some(t) = a.get("dataloader-type").filter(|t| *t != "single") {
-        bail!("--dataloader-type {t}: only single (Megatron's default sequential sampler) is implemented");
-    }
     if let Some(o) = a.get("optimizer").filter(|o| *o != "adam") {
         bail!("--optimizer {o}: only adam (AdamW) is implemented");
     }
@@ -418,6 +417,26 @@ fn check_single_rank(a: &Args) -> Result<()> {
     }
 
     Ok(())
+}
+
+/// `--dataloader-type` (Megatron's default `single`); Megatron's `external` (a loader of the
+/// user's own) has no meaning here.
+fn loader(a: &Args) -> Result<Loader> {
+    match a.get("dataloader-type").unwrap_or("single") {
+        "single" => Ok(Loader::Single),
+        // Megatron's sampler without sharding (one permutation, every DP-th sample to a rank);
+        // MindSpeed-LLM ignores the flag, so the result would depend on whose script it is
+        "cyclic" if a.has("no-data-sharding") => Err(flag_error(
+            "no-data-sharding",
+            "with --dataloader-type cyclic is not implemented (MindSpeed-LLM ignores the flag and \
+             shards; leave it out to train as MindSpeed-LLM does)",
+        )),
+        "cyclic" => Ok(Loader::Cyclic),
+        other => Err(flag_error(
+            "dataloader-type",
+            format!("{other}: expected single (Megatron's sequential sampler) or cyclic (its random sampler)"),
+        )),
+    }
 }
 
 /// The ranks of this run: the launcher's (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS) for a
@@ -452,6 +471,7 @@ pub fn world_size(a: &Args) -> Result<usize> {
 /// Resolve the command line.
 pub fn resolve(a: &Args) -> Result<TrainConfig> {
     check_single_rank(a)?;
+    let loader = loader(a)?;
     let load = a.get("load").map(PathBuf::from);
     // Megatron's load_checkpoint: no checkpoint under --load (no tracker file) means "will
     // start from random"; only --exit-on-missing-checkpoint makes it an error.
@@ -662,6 +682,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     };
     let mut recorded = recorded_args(a, &schedule, &adam, bf16)?;
     recorded.extend(moe::recorded_moe_args(a)?);
+    recorded.push(("dataloader_type", serde_json::json!(loader.name())));
     let averaging = if a.has("calculate-per-token-loss") {
         LossAveraging::PerToken
     } else {
@@ -706,6 +727,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         micro_batch,
         global_batch,
         data_parallel,
+        loader,
         layout,
         tp_extend_ep,
         stages,
