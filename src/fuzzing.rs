@@ -116,6 +116,20 @@ pub fn safetensors_config(data: &[u8]) -> bool {
     checkpoint(path.parent().expect("hf/"))
 }
 
+/// The `torch_dist` index reader: `split(data)` is (`.metadata`, a `.distcp` file), the index
+/// read over a directory holding that file as both of a writer's files, every chunk it names
+/// opened and read. Returns whether the index was read.
+pub fn torch_dist(data: &[u8]) -> bool {
+    let (index, items) = split(data);
+    let meta = scratch_file("td/.metadata", index);
+    for f in ["__0_0.distcp", "__0_1.distcp"] {
+        scratch_file(&format!("td/{f}"), items);
+    }
+    let dir = meta.parent().expect("td/");
+    let _ = crate::ckpt::torch_dist::read_every_chunk(dir);
+    crate::ckpt::torch::pickle::parse(index).is_ok()
+}
+
 /// The `.bin/.idx` reader: `split(data)` is (`.idx`, `.bin`), opened as a dataset whose every
 /// sequence and document is read. Returns whether the pair opened.
 pub fn idx(data: &[u8]) -> bool {
@@ -218,6 +232,14 @@ pub fn seeds(fixtures: &Path) -> std::io::Result<Vec<Seed>> {
                 &path,
                 "",
                 join(&std::fs::read(&path)?, &weights),
+            );
+        } else if name.ends_with(".metadata") {
+            let items = std::fs::read(path.with_file_name("__0_0.distcp")).unwrap_or_default();
+            seed(
+                "torch_dist",
+                &path,
+                "",
+                join(&std::fs::read(&path)?, &items),
             );
         } else if name.ends_with(".idx") {
             if let Ok(bin) = sibling("bin") {

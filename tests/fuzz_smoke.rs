@@ -11,8 +11,9 @@ use std::sync::OnceLock;
 /// An entry point: whether it read the input.
 type Entry = fn(&[u8]) -> bool;
 
-const TARGETS: [(&str, Entry); 4] = [
+const TARGETS: [(&str, Entry); 5] = [
     ("pickle", fuzzing::pickle),
+    ("torch_dist", fuzzing::torch_dist),
     ("safetensors_config", fuzzing::safetensors_config),
     ("idx", fuzzing::idx),
     ("records", fuzzing::records),

@@ -420,3 +420,56 @@ fn columnar_files_declaring_far_more_rows_than_bytes_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn damaged_or_hostile_torch_dist_indexes_are_named_and_leave_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture_dir = fixture("torch_dist/llama");
+    // the fixture itself is megatron-core's save of the llama fixture: read back exactly
+    let hf = tmp.path().join("hf");
+    convert("hf", &fixture_dir, &hf, &[]);
+    let (a, b) = (
+        mindkit::ckpt::hf::HfWeights::open(&fixture("models/llama")).unwrap(),
+        mindkit::ckpt::hf::HfWeights::open(&hf).unwrap(),
+    );
+    let names: Vec<&String> = a.entries().keys().collect();
+    assert_eq!(names, b.entries().keys().collect::<Vec<_>>());
+    for n in names {
+        assert_eq!(a.read(n).unwrap(), b.read(n).unwrap(), "{n}");
+    }
+    for (variant, error) in [
+        ("forbidden_global", "forbidden global collections.Counter"),
+        (
+            "overlapping_chunks",
+            "decoder.layers.mlp.linear_fc1.weight: chunks at",
+        ),
+        (
+            "missing_chunk",
+            "decoder.layers.mlp.linear_fc1.weight: its chunks cover",
+        ),
+        ("offset_past_file", "stored at bytes 1099511627776.."),
+        ("path_outside", "not a file of the checkpoint directory"),
+    ] {
+        let dir = tmp.path().join(variant);
+        copy_dir(&fixture_dir, &dir);
+        let it = dir.join("iter_0000007");
+        let hostile = fixture(&format!("torch_dist/hostile/{variant}.metadata"));
+        std::fs::copy(hostile, it.join(".metadata")).unwrap();
+        let out = tmp.path().join(format!("{variant}-hf"));
+        let err = stderr_of_failure(&[
+            &"convert",
+            &"--to",
+            &"hf",
+            &"--input",
+            &dir,
+            &"--output",
+            &out,
+        ]);
+        assert!(err.contains(error), "{variant}: {err}");
+        assert!(
+            err.contains(".metadata"),
+            "{variant}: the index is named: {err}"
+        );
+        assert!(!out.exists(), "{variant}: {:?}", leftovers(tmp.path()));
+    }
+}

@@ -6,6 +6,7 @@ use super::config::parse_dtype;
 use super::hf::{self, HfWeights, Planned};
 use super::layout::{KeyLayout, Parallel};
 use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
+use super::torch_dist::{self, TorchDistCkpt};
 use super::transform::{self, from_hf, hf_parts, to_hf};
 use crate::arch::family::{self, hf_names, Family, QkvStyle};
 use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
@@ -85,11 +86,12 @@ pub struct ConvertOptions {
 enum Source {
     Hf { dir: PathBuf, weights: HfWeights },
     Megatron(Box<MegatronCkpt>),
+    TorchDist(Box<TorchDistCkpt>),
 }
 
 /// Find the format of `dir`.
 pub fn detect(dir: &Path) -> Result<Format> {
-    if is_megatron_dir(dir) {
+    if is_megatron_dir(dir) || torch_dist::is_torch_dist(dir) {
         Ok(Format::Megatron)
     } else if dir.join("config.json").is_file() {
         Ok(Format::Hf)
@@ -277,6 +279,7 @@ impl Source {
                 Ok(from_hf(cfg, c, parts))
             }
             Source::Megatron(ck) => ck.read(c),
+            Source::TorchDist(ck) => ck.read(c),
         }
     }
 
@@ -284,6 +287,7 @@ impl Source {
         match self {
             Source::Hf { dir, .. } => dir,
             Source::Megatron(ck) => ck.iter_dir.parent().unwrap_or(&ck.iter_dir),
+            Source::TorchDist(ck) => ck.iter_dir.parent().unwrap_or(&ck.iter_dir),
         }
     }
 }
@@ -382,11 +386,13 @@ impl Input {
         if !matches!(c.role, Role::Embedding | Role::Output) {
             return self.read(c);
         }
-        if let Source::Megatron(ck) = &self.source {
-            let t = ck.read_padded(c)?;
-            if t.shape[0] == rows {
-                return Ok(t);
-            }
+        let own = match &self.source {
+            Source::Megatron(ck) => Some(ck.read_padded(c)?),
+            Source::TorchDist(ck) => Some(ck.read_padded(c)?),
+            Source::Hf { .. } => None,
+        };
+        if let Some(t) = own.filter(|t| t.shape[0] == rows) {
+            return Ok(t);
         }
         let t = self.read(c)?;
         if t.shape[0] > rows {
@@ -406,7 +412,13 @@ impl Input {
                 .chain(weights.paths().map(Path::to_path_buf))
                 .collect(),
             Source::Megatron(ck) => ck.paths().map(Path::to_path_buf).collect(),
+            Source::TorchDist(ck) => ck.paths().map(Path::to_path_buf).collect(),
         }
+    }
+
+    /// Whether it is a Megatron `torch_dist` checkpoint (one index of global tensors).
+    pub fn is_torch_dist(&self) -> bool {
+        matches!(self.source, Source::TorchDist(_))
     }
 
     /// LoRA tensors stored next to the weights (Megatron checkpoints saved without
@@ -414,7 +426,7 @@ impl Input {
     pub fn lora_tensors(&self) -> usize {
         match &self.source {
             Source::Megatron(ck) => ck.lora_tensors,
-            Source::Hf { .. } => 0,
+            Source::Hf { .. } | Source::TorchDist(_) => 0,
         }
     }
 }
@@ -446,6 +458,14 @@ pub fn open_checkpoint(dir: &Path, format: Option<Format>, family: Option<&str>)
                     dir: dir.to_path_buf(),
                     weights,
                 },
+            }
+        }
+        Format::Megatron if torch_dist::is_torch_dist(dir) => {
+            let ck = TorchDistCkpt::open(dir, family)?;
+            Input {
+                cfg: ck.cfg.clone(),
+                format,
+                source: Source::TorchDist(Box::new(ck)),
             }
         }
         Format::Megatron => {
@@ -552,6 +572,7 @@ fn write_megatron(
 ) -> Result<(usize, u64)> {
     let (src_par, base_args) = match source {
         Source::Megatron(ck) => (Some(&ck.par), ck.args.as_slice()),
+        Source::TorchDist(ck) => (Some(&ck.par), ck.args.as_slice()),
         Source::Hf { .. } => (None, &[][..]),
     };
     let tp = o.tp.or(src_par.map(|p| p.tp)).unwrap_or(1);

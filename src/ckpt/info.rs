@@ -3,6 +3,7 @@
 use super::convert::{detect, open_hf, Format};
 use super::layout::KeyLayout;
 use super::megatron::MegatronCkpt;
+use super::torch_dist::{is_torch_dist, TorchDistCkpt};
 use crate::arch::family::Family;
 use crate::arch::moe::Moe;
 use crate::arch::roles::{canonical, canonical_shape};
@@ -121,6 +122,57 @@ fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
     );
 }
 
+/// `ckpt info` of a `torch_dist` checkpoint: its layout as saved, the model, the optimizer state
+/// it holds, its files; with `keys`, every global tensor and its chunks.
+fn torch_dist_info(
+    path: &Path,
+    family: Option<&'static Family>,
+    keys: bool,
+    out: &mut String,
+) -> Result<()> {
+    let ck = TorchDistCkpt::open(path, family)?;
+    let _ = writeln!(
+        out,
+        "format:      Megatron torch_dist ({})",
+        ck.iter_dir.display()
+    );
+    let p = &ck.par;
+    let _ = writeln!(
+        out,
+        "saved with:  TP {} × PP {}{} (global tensors: read at any layout), padded vocab {}",
+        p.tp,
+        p.pp,
+        if p.ep > 1 {
+            format!(" × EP {}", p.ep)
+        } else {
+            String::new()
+        },
+        ck.padded_vocab
+    );
+    architecture(&ck.cfg, out);
+    let _ = writeln!(
+        out,
+        "optimizer:   {}",
+        ck.optimizer.as_deref().unwrap_or("not saved")
+    );
+    for f in ck.paths() {
+        let size = std::fs::metadata(f).map_or(0, |m| m.len());
+        let _ = writeln!(out, "file:        {} ({size} bytes)", f.display());
+    }
+    if keys {
+        for (name, t) in ck.tensors() {
+            let _ = writeln!(
+                out,
+                "  {name}  {}  {:?}  ({} chunks)",
+                t.dtype.torch_name(),
+                t.shape,
+                t.chunks()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A human-readable description of the checkpoint at `path`; with `keys`, every tensor.
 pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<String> {
     let mut out = String::new();
@@ -147,6 +199,7 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                 }
             }
         }
+        Format::Megatron if is_torch_dist(path) => torch_dist_info(path, family, keys, &mut out)?,
         Format::Megatron => {
             let ck = MegatronCkpt::open(path, family)?;
             let _ = writeln!(

@@ -12,4 +12,5 @@ pub mod layout;
 pub mod lora;
 pub mod megatron;
 pub mod torch;
+pub mod torch_dist;
 pub mod transform;

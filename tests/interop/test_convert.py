@@ -360,8 +360,6 @@ def test_te_grouped_experts_are_te_grouped_mlps_weights(mindkit, tmp_path, famil
     ("deepseek_v3", ("--ep", 2)),
     # DeepSeek-V2-Lite's: direct queries, softmax routing not renormalised, scaled
     ("deepseek_v2", ("--ep", 2)),
-    # with an MTP layer: its eh_proj's rows over TP, its experts over EP (main logits only)
-    ("deepseek_v3_mtp", ("--ep", 2, "--mtp-layout", "mcore")),
     # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)
     ("qwen3_moe", ("--ep", 4, "--expert-tensor-parallel-size", 1))])
 def test_expert_parallel_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path,
@@ -625,3 +623,41 @@ def test_fp8_block_scaled_checkpoint_converts_to_its_bf16_twin(mindkit, tmp_path
     err = mindkit("convert", "--to", "hf", "--input", tmp_path / "fp8", "--output",
                   tmp_path / "bad", ok=False)
     assert "model.layers.1.self_attn.q_b_proj.weight has no" in err, err
+
+
+@pytest.mark.parametrize("family,ranks,layout", [
+    # homogeneous layers: stacked along a leading axis
+    ("llama", 1, ()),
+    # a dense first layer: every layer keyed apart; the experts along an expert axis
+    ("qwen3_moe", 1, ()),
+    # TP 2 × PP 2: four ranks write their shards of the global tensors
+    ("qwen3", 4, ("--tp", 2, "--pp", 2)),
+])
+def test_torch_dist_checkpoint_converts_to_the_model_it_holds(mindkit, tmp_path, family, ranks,
+                                                              layout):
+    """megatron-core saves a GPTModel with `dist_checkpointing.save`, as Megatron's
+    `--ckpt-format torch_dist` does (metadata.json, common.pt with the args, the .metadata index,
+    .distcp items); `mindkit convert` reads it (no torch, no process group) back to the HF model it
+    came from, byte for byte, and `ckpt info` describes it."""
+    import socket
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output",
+            tmp_path / "torch", *layout)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    script = pathlib.Path(__file__).parent / "megatron_dist_save.py"
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+            "--master-port", str(port)] if ranks > 1 else [sys.executable])
+    r = subprocess.run([*cmd, str(script), str(tmp_path / "torch/iter_0000001"),
+                        str(tmp_path / "dist")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("saved") == ranks, r.stdout + r.stderr
+    assert (tmp_path / "dist/iter_0000007/.metadata").is_file()
+    info = subprocess.run([os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit")),
+                           "ckpt", "info", str(tmp_path / "dist")], capture_output=True, text=True)
+    assert "Megatron torch_dist" in info.stdout, info
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "dist", "--output", tmp_path / "hf")
+    assert_hf_equal(MODELS / family, tmp_path / "hf")

@@ -110,22 +110,64 @@ impl TorchFile {
             path: path.to_path_buf(),
             cause,
         };
-        let archive_err = |what: String| TorchError::Archive {
-            path: path.to_path_buf(),
-            what,
-        };
         let file = File::open(path).map_err(io)?;
         // SAFETY: read-only map; checkpoint files are not modified while being converted, and
         // every offset into the map is bounds-checked below.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        if !map.starts_with(b"PK\x03\x04") {
+        let len = map.len();
+        Self::from_map(path, (file, map), 0..len)
+    }
+
+    /// Open the `torch.save` archive stored at bytes `range` of `path` (an item of a
+    /// distributed checkpoint's `.distcp` file: a whole archive whose offsets count from its
+    /// first byte), unpickled; tensor data is not read.
+    pub fn open_item(path: &Path, range: std::ops::Range<u64>) -> Result<Self> {
+        let io = |cause| TorchError::Io {
+            path: path.to_path_buf(),
+            cause,
+        };
+        let file = File::open(path).map_err(io)?;
+        // SAFETY: as in `open`.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        if range.start > range.end || range.end > map.len() as u64 {
+            return Err(TorchError::Archive {
+                path: path.to_path_buf(),
+                what: format!(
+                    "item at bytes {}..{} runs past the file's {} bytes",
+                    range.start,
+                    range.end,
+                    map.len()
+                ),
+            });
+        }
+        Self::from_map(path, (file, map), range.start as usize..range.end as usize)
+    }
+
+    /// The archive at bytes `range` of an opened, mapped file.
+    fn from_map(
+        path: &Path,
+        (file, map): (File, Mmap),
+        range: std::ops::Range<usize>,
+    ) -> Result<Self> {
+        let io = |cause| TorchError::Io {
+            path: path.to_path_buf(),
+            cause,
+        };
+        let archive_err = |what: String| TorchError::Archive {
+            path: path.to_path_buf(),
+            what,
+        };
+        let base = range.start;
+        let bytes = &map[range];
+        if !bytes.starts_with(b"PK\x03\x04") {
             return Err(archive_err(
                 "not a zip-format torch file (the legacy pre-1.6 tar/raw-pickle format is unsupported: \
                  re-save it with torch.save in torch >= 1.6)"
                     .into(),
             ));
         }
-        let records = index_records(&map).map_err(archive_err)?;
+        let mut records = index_records(bytes).map_err(archive_err)?;
+        records.values_mut().for_each(|r| r.start += base);
         for name in ["byteorder", "data.pkl"] {
             if let Some(&r) = records.get(name) {
                 if let Some(computed) = crc_matches(&file, r).map_err(io)? {

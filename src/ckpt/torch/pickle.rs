@@ -143,6 +143,9 @@ pub enum Value {
     TorchDType(DType),
     /// A tensor (data not read). Boxed, like the storage: a [`Value`] stays 32 bytes.
     Tensor(Box<TensorRef>),
+    /// An object of one of the allowed classes of a distributed checkpoint's index (torch's DCP
+    /// `Metadata` and its parts), its attributes in order.
+    Object(Box<Object>),
     /// Internal: a storage from a persistent id, consumed by the tensor rebuild.
     Storage(Box<StorageRef>),
     /// Internal: an allowed global not yet called.
@@ -161,6 +164,50 @@ impl Value {
             _ => None,
         }
     }
+}
+
+/// An instance of an allowed class, rebuilt as `NEWOBJ` + `BUILD` rebuild it: the attributes
+/// of its `__dict__` state, or its `__setstate__` tuple under [`Object::STATE`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Object {
+    /// Its class.
+    pub class: DcpClass,
+    /// Its attributes.
+    pub attrs: Vec<(String, Value)>,
+}
+
+impl Object {
+    /// The attribute a tuple state (`__setstate__`) is kept under.
+    pub const STATE: &'static str = "__setstate__";
+
+    /// Attribute `name`.
+    pub fn get(&self, name: &str) -> Option<&Value> {
+        self.attrs.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+    }
+}
+
+/// The classes of torch's distributed checkpoint index (`.metadata`: torch 2.9
+/// torch/distributed/checkpoint/metadata.py, filesystem.py; megatron-core 0.15
+/// dist_checkpointing/strategies/torch.py `MCoreMetadata`) the reader rebuilds as [`Object`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DcpClass {
+    /// `Metadata`, or megatron-core's `MCoreMetadata` (with `mcore_data`).
+    Metadata,
+    /// `TensorStorageMetadata(properties, size, chunks)`.
+    TensorStorage,
+    /// `BytesStorageMetadata` (an object item, e.g. an `_extra_state`).
+    BytesStorage,
+    /// `ChunkStorageMetadata(offsets, sizes)`.
+    Chunk,
+    /// `TensorProperties` (its state a tuple: dtype, layout, requires_grad, memory format,
+    /// pin_memory).
+    TensorProperties,
+    /// `MetadataIndex(fqn, offset, index)`.
+    MetadataIndex,
+    /// `_StorageInfo(relative_path, offset, length)`.
+    StorageInfo,
+    /// `StorageMeta`.
+    StorageMeta,
 }
 
 /// The globals the reader understands; anything else is refused.
@@ -182,6 +229,15 @@ pub enum Global {
     CodecsEncode,
     /// `builtins.bytearray`
     ByteArray,
+    /// A class of a distributed checkpoint's index.
+    Dcp(DcpClass),
+    /// `torch.Size` (called with a tuple of ints)
+    TorchSize,
+    /// `torch.serialization._get_layout` (called with the layout's name)
+    GetLayout,
+    /// `torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING` (an enum, called with its
+    /// value)
+    MemFormat,
 }
 
 fn resolve_global(module: &str, name: &str) -> Option<Global> {
@@ -199,6 +255,25 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
         ("argparse", "Namespace") => Global::Namespace,
         ("_codecs", "encode") => Global::CodecsEncode,
         ("builtins" | "__builtin__", "bytearray") => Global::ByteArray,
+        ("torch", "Size") => Global::TorchSize,
+        ("torch.serialization", "_get_layout") => Global::GetLayout,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING") => Global::MemFormat,
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata") => {
+            Global::Dcp(DcpClass::Metadata)
+        }
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo") => {
+            Global::Dcp(DcpClass::StorageInfo)
+        }
+        ("torch.distributed.checkpoint.metadata", n) => Global::Dcp(match n {
+            "Metadata" => DcpClass::Metadata,
+            "TensorStorageMetadata" => DcpClass::TensorStorage,
+            "BytesStorageMetadata" => DcpClass::BytesStorage,
+            "ChunkStorageMetadata" => DcpClass::Chunk,
+            "TensorProperties" => DcpClass::TensorProperties,
+            "MetadataIndex" => DcpClass::MetadataIndex,
+            "StorageMeta" => DcpClass::StorageMeta,
+            _ => return None,
+        }),
         ("torch", n) => match (storage(n), dtype(n)) {
             (Some(d), _) => Global::StorageClass(d),
             (_, Some(d)) => Global::TorchDType(d),
@@ -325,7 +400,7 @@ impl Obj {
         let container = matches!(
             value,
             Value::List(_) | Value::Tuple(_) | Value::Dict(_) | Value::Namespace(_)
-        );
+        ) || matches!(value, Value::Object(_));
         Obj {
             value,
             depth: container as usize,
@@ -340,6 +415,11 @@ fn room(v: &Value) -> (usize, usize, usize) {
         Value::List(x) | Value::Tuple(x) => (x.len(), x.capacity(), SLOT),
         Value::Dict(x) => (x.len(), x.capacity(), 2 * SLOT),
         Value::Namespace(x) => (x.len(), x.capacity(), size_of::<(String, Value)>()),
+        Value::Object(o) => (
+            o.attrs.len(),
+            o.attrs.capacity(),
+            size_of::<(String, Value)>(),
+        ),
         _ => (0, 0, 0),
     }
 }
@@ -350,6 +430,7 @@ fn reserve(v: &mut Value, additional: usize) {
         Value::List(x) | Value::Tuple(x) => x.reserve_exact(additional),
         Value::Dict(x) => x.reserve_exact(additional),
         Value::Namespace(x) => x.reserve_exact(additional),
+        Value::Object(o) => o.attrs.reserve_exact(additional),
         _ => {}
     }
 }
@@ -1051,6 +1132,16 @@ impl Machine<'_> {
                 }
             }
             (Global::ByteArray, [Value::Bytes(b)]) => Ok(Value::Bytes(b.clone())),
+            (Global::Dcp(class), []) => Ok(Value::Object(Box::new(Object {
+                class,
+                attrs: Vec::new(),
+            }))),
+            (Global::TorchSize, [dims @ Value::Tuple(_)]) => {
+                self.uints(dims)?;
+                Ok(dims.clone())
+            }
+            (Global::GetLayout, [Value::Str(name)]) => Ok(Value::Str(name.clone())),
+            (Global::MemFormat, [Value::Int(i)]) => Ok(Value::Int(*i)),
             (Global::ByteArray, []) => Ok(Value::Bytes(Vec::new())),
             (g, _) => self.bad(format!("{g:?} called with unexpected arguments")),
         }
@@ -1072,26 +1163,39 @@ impl Machine<'_> {
 
     fn build(&mut self, state: Obj) -> Result<()> {
         match (&self.top()?.value, &state.value) {
-            (Value::Namespace(_), Value::Dict(items)) => {
+            (Value::Namespace(_) | Value::Object(_), Value::Dict(items)) => {
                 if !items.iter().all(|(k, _)| matches!(k, Value::Str(_))) {
-                    return self.bad("Namespace attribute name is not a string");
+                    return self.bad("attribute name is not a string");
                 }
             }
+            // `__setstate__` with a tuple (TensorProperties)
+            (Value::Object(_), Value::Tuple(_)) => {}
             // OrderedDict state (e.g. a module state_dict's `_metadata`) carries no tensors.
             (Value::Dict(_), _) => return Ok(()),
             _ => return self.bad("BUILD on an object that takes no state"),
         }
         let extra = match &state.value {
             Value::Dict(items) => items.len(),
-            _ => 0,
+            _ => 1,
         };
-        self.adopt(vec![state], extra, |attrs, mut state| {
-            if let (Value::Namespace(attrs), [Value::Dict(items)]) = (attrs, &mut state[..]) {
-                for (k, v) in items.drain(..) {
-                    if let Value::Str(k) = k {
-                        attrs.push((k, v));
+        self.adopt(vec![state], extra, |obj, mut state| {
+            let attrs = match obj {
+                Value::Namespace(attrs) => attrs,
+                Value::Object(o) => &mut o.attrs,
+                _ => return,
+            };
+            match &mut state[..] {
+                [Value::Dict(items)] => {
+                    for (k, v) in items.drain(..) {
+                        if let Value::Str(k) = k {
+                            attrs.push((k, v));
+                        }
                     }
                 }
+                [tuple @ Value::Tuple(_)] => {
+                    attrs.push((Object::STATE.into(), std::mem::replace(tuple, Value::None)))
+                }
+                _ => {}
             }
         })
     }
@@ -1135,6 +1239,10 @@ fn dedupe_keys(root: &mut Value) {
             Value::Namespace(attrs) => {
                 dedupe(attrs, |k| state.hash_one(k), |a, b| a == b);
                 todo.extend(attrs.iter_mut().map(|(_, v)| v));
+            }
+            Value::Object(o) => {
+                dedupe(&mut o.attrs, |k| state.hash_one(k), |a, b| a == b);
+                todo.extend(o.attrs.iter_mut().map(|(_, v)| v));
             }
             Value::List(items) | Value::Tuple(items) => todo.extend(items.iter_mut()),
             _ => {}
@@ -1204,6 +1312,14 @@ impl std::hash::Hash for KeyHash<'_> {
             Value::Global(g) => g.hash(h),
             Value::Tensor(t) => (&t.storage.key, t.offset, &t.shape).hash(h),
             Value::Storage(s) => s.key.hash(h),
+            // a frozen dataclass (MetadataIndex) as a key
+            Value::Object(o) => {
+                o.class.hash(h);
+                for (k, v) in &o.attrs {
+                    k.hash(h);
+                    KeyHash(v).hash(h);
+                }
+            }
             // None; dicts and Namespaces are refused as keys (SETITEM).
             _ => {}
         }

@@ -317,7 +317,9 @@ fn write_value(out: &mut Vec<u8>, v: &Value) -> std::result::Result<(), Unpickla
         }
         Value::TorchDType(d) => write_global(out, "torch", d.torch_name()),
         Value::Tensor(t) => write_tensor(out, t)?,
-        Value::Storage(_) | Value::Global(_) => return Err(Unpicklable(format!("{v:?}"))),
+        Value::Storage(_) | Value::Global(_) | Value::Object(_) => {
+            return Err(Unpicklable(format!("{v:?}")))
+        }
     }
     Ok(())
 }

@@ -634,6 +634,13 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     let start = match (load, input) {
         (Some(dir), Some(input)) => {
             let resume = hf_load.is_none() && !a.has("finetune");
+            if resume && input.is_torch_dist() {
+                bail!(
+                    "--load {}: resuming a torch_dist checkpoint (its iteration, scheduler and \
+                     optimizer state) is not built yet; --finetune trains from its weights",
+                    dir.display()
+                );
+            }
             Start::Load {
                 dir,
                 input: std::sync::Arc::new(input),
