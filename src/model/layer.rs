@@ -53,6 +53,12 @@ impl Layer {
         self.index
     }
 
+    /// Its multi-latent attention's key-value up projection weight, `None` for another
+    /// attention kind.
+    pub(super) fn latent_up(&self) -> Option<usize> {
+        self.attention.latent_up()
+    }
+
     /// Layer `layer` of `table`, `None` if the table lacks any of its parameters.
     pub(super) fn of(table: &ParamTable, layer: usize) -> Option<Layer> {
         let at = |role| {

@@ -25,7 +25,7 @@ use crate::arch::ModelConfig;
 use crate::ckpt::convert::open_checkpoint;
 use crate::engine::{AttentionShape, Backend, Segment};
 use anyhow::{anyhow, bail, Result};
-use attention::Attend;
+use attention::{Absorbed, Attend};
 use decoder::Ids;
 use parallel::TensorParallel;
 use params::ParamTable;
@@ -49,7 +49,8 @@ pub struct ModelSpec {
     /// RMSNorm epsilon.
     pub norm_eps: f64,
     /// Multi-latent attention's shape (its attention then has as many key-value heads as
-    /// query heads, the values padded to the queries' dimensions).
+    /// query heads, the values padded to the queries' dimensions; its KV cache holds the
+    /// compressed latent instead).
     pub mla: Option<crate::arch::Mla>,
     /// The experts of a mixture-of-experts model (how its tokens are routed).
     pub moe: Option<crate::arch::moe::Moe>,
@@ -147,6 +148,13 @@ struct Pass<'a, B: Backend> {
 
 /// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
 /// training, whole (one rank), with a KV cache.
+///
+/// A multi-latent attention model caches, per layer and position, only the normed key-value
+/// latent and the rotated shared key part (`kv_lora_rank + qk_rope_head_dim` values, as
+/// DeepSeek-V3's inference/model.py `kv_cache` and `pe_cache`), and attends over them with
+/// the key-value up projection absorbed into the queries and the output (its `attn_impl =
+/// "absorb"`; MindSpeed-LLM's `--enable-mla-absorb`): no per-step up projection of the
+/// context, and the same scores and outputs up to the sums' order.
 pub struct Model<'b, B: Backend> {
     backend: &'b B,
     /// Its configuration.
@@ -155,21 +163,52 @@ pub struct Model<'b, B: Backend> {
     ids: Ids,
     /// The parameters, in the [`ParamTable`]'s order, in their stored dtype.
     params: Vec<B::Tensor>,
+    /// Each layer's key-value up projection split by head, for attention over the latent
+    /// cache (multi-latent attention's layers; `None` for the others).
+    absorbed: Vec<Option<Absorbed<B::Tensor>>>,
     /// The files it was loaded from.
     source_files: Vec<PathBuf>,
 }
 
-/// The keys and values of every layer for `slots` sequences of up to `capacity` positions.
+/// What every layer attends to for `slots` sequences of up to `capacity` positions: each
+/// position's keys and values, or under multi-latent attention its compressed latent.
 pub struct KvCache<T> {
-    keys: Vec<T>,
-    values: Vec<T>,
+    layers: Vec<LayerCache<T>>,
+    width: usize,
     capacity: usize,
+}
+
+/// One layer's part of a [`KvCache`], `[slots, capacity, width]` tensors (f32, as the
+/// engine's caches are).
+enum LayerCache<T> {
+    /// Grouped-query attention's keys and values, each `groups·head_dim` wide.
+    Full {
+        /// Keys.
+        keys: T,
+        /// Values.
+        values: T,
+    },
+    /// Multi-latent attention's normed key-value latent, then its rotated shared key part:
+    /// `kv_lora_rank + qk_rope_head_dim` wide.
+    Latent(T),
 }
 
 impl<T> KvCache<T> {
     /// Positions a slot holds at most.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The values one layer keeps for each cached position: its keys' and values' widths
+    /// (`2·groups·head_dim`), or under multi-latent attention the latent's and the rotated
+    /// key part's (`kv_lora_rank + qk_rope_head_dim`).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The layers it holds.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
     }
 }
 
@@ -213,11 +252,25 @@ impl<'b, B: Backend> Model<'b, B> {
             .collect::<Result<_>>()?;
         let ids = Ids::new(&table, 0..spec.layers, 1.0)
             .ok_or_else(|| anyhow!("internal: the parameter table misses a tensor"))?;
+        // multi-latent attention's up projections, read once more and split by head
+        let absorbed = (ids.layers.par_iter())
+            .map(|layer| {
+                let (Some(up), Some(m)) = (layer.latent_up(), &spec.mla) else {
+                    return Ok(None);
+                };
+                let canon = table.params[up].canon;
+                let w = input.read(canon)?;
+                Absorbed::new(backend, &w, spec.attention.heads, m)
+                    .map(Some)
+                    .map_err(|e| anyhow!("{}: {canon:?}: {e}", dir.display()))
+            })
+            .collect::<Result<_>>()?;
         Ok(Model {
             backend,
             spec,
             ids,
             params,
+            absorbed,
             source_files: input.files(),
         })
     }
@@ -227,18 +280,36 @@ impl<'b, B: Backend> Model<'b, B> {
         &self.source_files
     }
 
-    /// An empty cache for `slots` sequences of up to `capacity` positions.
+    /// An empty cache for `slots` sequences of up to `capacity` positions: each layer's
+    /// keys and values, or under multi-latent attention its latent ([`KvCache`]).
     pub fn cache(&self, slots: usize, capacity: usize) -> Result<KvCache<B::Tensor>> {
+        let b = self.backend;
         let a = self.spec.attention;
-        let width = a.groups * a.head_dim;
-        let make = || -> Result<Vec<B::Tensor>> {
-            (0..self.spec.layers)
-                .map(|_| Ok(self.backend.kv_cache(slots, capacity, width)?))
-                .collect()
+        let make = |width| b.kv_cache(slots, capacity, width);
+        let (layers, width) = match self.spec.mla {
+            Some(m) => {
+                let width = m.kv_lora_rank + m.rope_dim;
+                let layers = (0..self.spec.layers)
+                    .map(|_| Ok(LayerCache::Latent(make(width)?)))
+                    .collect::<Result<_>>()?;
+                (layers, width)
+            }
+            None => {
+                let width = a.groups * a.head_dim;
+                let layers = (0..self.spec.layers)
+                    .map(|_| {
+                        Ok(LayerCache::Full {
+                            keys: make(width)?,
+                            values: make(width)?,
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                (layers, 2 * width)
+            }
         };
         Ok(KvCache {
-            keys: make()?,
-            values: make()?,
+            layers,
+            width,
             capacity,
         })
     }
@@ -297,13 +368,31 @@ impl<'b, B: Backend> Model<'b, B> {
         );
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
+        if cache.layers.len() != self.ids.layers.len() {
+            bail!(
+                "a KV cache of {} layers for a model of {}",
+                cache.layers.len(),
+                self.ids.layers.len()
+            );
+        }
         let mut x = b.embedding(&self.params[embedding], &ids)?;
-        let caches = cache.keys.iter_mut().zip(&mut cache.values);
-        for (layer, (keys, values)) in self.ids.layers.iter().zip(caches) {
-            let attend = Attend::Cached {
-                keys,
-                values,
-                segments: &segments,
+        let layers = self.ids.layers.iter().zip(&self.absorbed);
+        for ((layer, absorbed), cache) in layers.zip(&mut cache.layers) {
+            let segments = &segments;
+            let attend = match (cache, absorbed) {
+                (LayerCache::Full { keys, values }, _) => Attend::Cached {
+                    keys,
+                    values,
+                    segments,
+                },
+                (LayerCache::Latent(cache), Some(absorbed)) => Attend::Latent {
+                    cache,
+                    absorbed,
+                    segments,
+                },
+                (LayerCache::Latent(_), None) => {
+                    bail!("internal: a latent KV cache for layer {}", layer.index())
+                }
             };
             x = layer.forward(&p, x, attend)?.0;
         }
@@ -318,5 +407,108 @@ impl<'b, B: Backend> Model<'b, B> {
     /// The backend it runs on.
     pub fn backend(&self) -> &'b B {
         self.backend
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cpu::Cpu;
+    use crate::engine::Device;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/models")
+            .join(name)
+    }
+
+    /// The logits `[n, vocab]` of every row of one sequence `tokens` from position 0, without
+    /// a cache: the layers' training pass (keys and values up-projected from the latent).
+    fn uncached(model: &Model<Cpu>, tokens: &[u32]) -> Vec<f32> {
+        let (b, spec) = (&Cpu, &model.spec);
+        let positions: Vec<usize> = (0..tokens.len()).collect();
+        let (cos, sin) = spec.rope_tables(&positions);
+        let half = spec.rope_table_shape(tokens.len());
+        let (cos, sin) = (b.upload_f32(&half, &cos), b.upload_f32(&half, &sin));
+        let (cos, sin) = (cos.unwrap(), sin.unwrap());
+        let p = (model.ids).pass(
+            (b, spec),
+            &model.params,
+            (None, None),
+            (&cos, &sin),
+            ((None, None), 1),
+        );
+        let (embedding, (norm, output)) = model.ids.whole_model().unwrap();
+        let mut x = b.embedding(&model.params[embedding], tokens).unwrap();
+        let whole = 0..tokens.len();
+        for layer in &model.ids.layers {
+            let attend = Attend::Segments(std::slice::from_ref(&whole));
+            x = layer.forward(&p, x, attend).unwrap().0;
+        }
+        let (x, _) = b.rms_norm(&x, &model.params[norm], spec.norm_eps).unwrap();
+        let logits = b.matmul(&x, &model.params[output], None).unwrap();
+        b.download_f32(&logits).unwrap()
+    }
+
+    #[test]
+    fn the_latent_cache_decodes_ragged_batches_as_the_uncached_pass_computes() {
+        let seqs: [&[u32]; 3] = [
+            &[5, 17, 3, 99, 42, 8, 150, 7, 61],
+            &[1, 2, 3, 4, 5, 6],
+            &[190, 11, 23, 9, 77, 45, 30],
+        ];
+        let slots = [2, 0, 1];
+        // (sequence, new tokens) of each call: prefills beside decoding steps and chunks
+        let calls: [&[(usize, usize)]; 4] = [
+            &[(0, 5), (1, 3)],
+            &[(1, 1), (2, 4), (0, 1)],
+            &[(2, 2), (0, 1), (1, 2)],
+            &[(0, 2), (2, 1)],
+        ];
+        for family in ["deepseek_v3", "deepseek_v3_direct", "deepseek_v2"] {
+            let model = Model::load(&Cpu, &fixture(family)).unwrap();
+            let (m, vocab) = (model.spec.mla.unwrap(), model.spec.vocab);
+            let width = m.kv_lora_rank + m.rope_dim;
+            let mut cache = model.cache(3, 16).unwrap();
+            assert_eq!((cache.width(), cache.layers()), (width, model.spec.layers));
+            for layer in &cache.layers {
+                let LayerCache::Latent(t) = layer else {
+                    panic!("{family}: a cache of keys and values")
+                };
+                assert_eq!(Cpu.shape(t), [3, 16, width], "{family}");
+            }
+            let mut past = [0; 3];
+            for (i, call) in calls.iter().enumerate() {
+                let steps: Vec<Step> = (call.iter())
+                    .map(|&(s, len)| Step {
+                        slot: slots[s],
+                        past: past[s],
+                        tokens: &seqs[s][past[s]..past[s] + len],
+                    })
+                    .collect();
+                let rows: Vec<usize> = (0..call.iter().map(|c| c.1).sum()).collect();
+                let got = model.forward(&mut cache, &steps, &rows).unwrap();
+                let got = Cpu.download_f32(&got).unwrap();
+                let mut at = 0;
+                for &(s, len) in call.iter() {
+                    let want = uncached(&model, &seqs[s][..past[s] + len]);
+                    let got = &got[at * vocab..(at + len) * vocab];
+                    let d = (got.iter().zip(&want[past[s] * vocab..]))
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(
+                        d <= 1e-5,
+                        "{family}: call {i}, sequence {s}: logits differ by {d}"
+                    );
+                    (past[s], at) = (past[s] + len, at + len);
+                }
+            }
+            assert_eq!(past, [9, 6, 7]);
+        }
+        let llama = Model::load(&Cpu, &fixture("llama")).unwrap();
+        let a = llama.spec.attention;
+        let cache = llama.cache(1, 4).unwrap();
+        assert_eq!(cache.width(), 2 * a.groups * a.head_dim);
+        assert!(matches!(cache.layers[0], LayerCache::Full { .. }));
     }
 }

@@ -98,6 +98,12 @@ impl Gqa {
                 b.kv_store(values, &v, segments)?;
                 (b.cached_attention(&q, keys, values, segments, shape)?, None)
             }
+            Attend::Latent { .. } => {
+                return Err(crate::engine::EngineError::Invalid {
+                    op: "grouped-query attention",
+                    msg: "its cache holds keys and values, not a latent".into(),
+                })
+            }
         };
         let (out, u_proj) = self.proj.forward(p, &o)?;
         let saved = Saved {

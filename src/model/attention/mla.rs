@@ -10,17 +10,24 @@
 //! the one attention kernel (as MindSpeed-LLM pads them without `--mla-fa-without-pad`): the
 //! padding's output is zero and dropped, its gradient zero.
 //!
+//! Inference caches, per position, only the normed key-value latent and the rotated shared key
+//! part, and attends over them with the up projection absorbed ([`Absorbed`]: DeepSeek-V3's
+//! inference/model.py `attn_impl="absorb"`): each head's query without RoPE times its key
+//! up projection scores the latent directly, and the attention-weighted latent times its
+//! value up projection is its output, so the context is never up-projected.
+//!
 //! Under tensor parallelism the down projections are column-parallel like the up
 //! projections, their outputs gathered whole (megatron-core's local spec), or one replicated
 //! projection that every rank computes whole (MindSpeed-LLM's deepseek_spec `linear_qkv`);
 //! under sequence parallelism the latents' norms take this rank's rows.
 //!
 //! Legend: n = rows of the pass (every rank's under sequence parallelism), nh = this rank's
-//! heads, dn = a head's dimensions without RoPE, dr = with, dq = dn + dr, dv = a value head's.
+//! heads, dn = a head's dimensions without RoPE, dr = with, dq = dn + dr, dv = a value head's,
+//! kv_lora = the key-value latent's.
 
 use super::Attend;
 use crate::arch::roles::{Canon, Role};
-use crate::engine::{Backend, EngineError, Result, StridedView};
+use crate::engine::{AttentionShape, Backend, EngineError, Result, Segment, StridedView};
 use crate::model::columns::{assemble, cols, columns_gathered, own_columns, own_rows};
 use crate::model::dropout::attention_mask;
 use crate::model::layer::rms_grad;
@@ -28,6 +35,7 @@ use crate::model::linear::Linear;
 use crate::model::parallel::{all_reduced, gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
+use crate::tensor::host::Tensor as HostTensor;
 use std::ops::Range;
 
 /// The parameters of one layer's multi-latent attention.
@@ -87,10 +95,11 @@ pub(in crate::model) struct Saved<T> {
     down_lora: [Option<T>; 2],
     /// Of the query latent (`None`: direct queries).
     q: Option<LatentSaved<T>>,
+    /// Of the key-value latent (no up projection's adapter where it attended over the cache).
     kv: LatentSaved<T>,
     /// The attention's queries, keys, padded values and output `[n, nh·dq]`, and its
-    /// log-sum-exp (`None` where the keys came from a cache).
-    attention: [T; 4],
+    /// log-sum-exp (`None` both where it attended over the latent cache).
+    attention: Option<[T; 4]>,
     lse: Option<T>,
     /// linear_proj's input `[n, nh·dv]` and adapter `x·Aᵀ`.
     o: T,
@@ -152,59 +161,71 @@ impl Mla {
             &[n, d.kv_lora],
         )?;
         let mut k_pe = b.gather(&kv_down, cols(n, row, (1, row), d.kv_lora, d.r), &[n, d.r])?;
-        let (kv, kv_saved) = up_from_latent(p, c_kv, (self.kv_norm, self.kv_up))?;
+        let (c_kv, kv_norm) = normed_latent(p, c_kv, self.kv_norm)?;
         let nh = shape.heads;
-        let (kw, qw) = (d.n + d.v, d.n + d.r);
+        let qw = d.n + d.r;
         let mut q_pe = b.gather(&q, cols(n, nh * qw, (nh, qw), d.n, d.r), &[n, nh * d.r])?;
         rotate(p, &mut q_pe, nh, false)?;
         rotate(p, &mut k_pe, 1, false)?;
-        let k_pe_all = b.gather(
-            &k_pe,
-            StridedView {
-                shape: [n, nh, d.r],
-                strides: [d.r, 0, 1],
-                offset: 0,
-            },
-            &[n, nh * d.r],
-        )?;
-        let heads = |parts: &[(&B::Tensor, usize, usize)]| assemble(b, n, nh, qw, parts);
-        let q_nope = b.gather(&q, cols(n, nh * qw, (nh, qw), 0, d.n), &[n, nh * d.n])?;
-        let q_full = heads(&[(&q_nope, d.n, 0), (&q_pe, d.r, d.n)])?;
-        let k_nope = b.gather(&kv, cols(n, nh * kw, (nh, kw), 0, d.n), &[n, nh * d.n])?;
-        let v = b.gather(&kv, cols(n, nh * kw, (nh, kw), d.n, d.v), &[n, nh * d.v])?;
-        let k_full = heads(&[(&k_nope, d.n, 0), (&k_pe_all, d.r, d.n)])?;
-        let v_full = heads(&[(&v, d.v, 0)])?;
-        let (o_full, lse) = match attend {
+        let (o, attention, lse, kv_up) = match attend {
             Attend::Segments(segments) => {
+                let (kv, up_lora) = self.kv_up.forward(p, &c_kv)?;
+                let (q_full, k_full, v_full) = full_heads(p, &d, (&q, &q_pe), (&kv, &k_pe))?;
                 let mask = attention_mask(p, self.layer);
-                let (o, lse) =
+                let (o_full, lse) =
                     b.attention(&q_full, &k_full, &v_full, segments, shape, mask.as_ref())?;
-                (o, Some(lse))
+                let o = b.gather(&o_full, cols(n, nh * qw, (nh, qw), 0, d.v), &[n, nh * d.v])?;
+                (
+                    o,
+                    Some([q_full, k_full, v_full, o_full]),
+                    Some(lse),
+                    up_lora,
+                )
             }
-            Attend::Cached {
-                keys,
-                values,
+            Attend::Latent {
+                cache,
+                absorbed,
                 segments,
             } => {
-                b.kv_store(keys, &k_full, segments)?;
-                b.kv_store(values, &v_full, segments)?;
-                let o = b.cached_attention(&q_full, keys, values, segments, shape)?;
-                (o, None)
+                let latent = assemble(
+                    b,
+                    n,
+                    1,
+                    row,
+                    &[(&c_kv, d.kv_lora, 0), (&k_pe, d.r, d.kv_lora)],
+                )?;
+                b.kv_store(cache, &latent, segments)?;
+                let o = absorbed.attend(p, &d, (&q, &q_pe), cache, segments)?;
+                (o, None, None, None)
+            }
+            Attend::Cached { .. } => {
+                return Err(EngineError::Invalid {
+                    op: "multi-latent attention",
+                    msg: "its cache holds the key-value latent, not keys and values".into(),
+                })
             }
         };
-        let o = b.gather(&o_full, cols(n, nh * qw, (nh, qw), 0, d.v), &[n, nh * d.v])?;
         let (out, proj_lora) = self.proj.forward(p, &o)?;
         let saved = Saved {
             h,
             down_lora,
             q: q_saved,
-            kv: kv_saved,
-            attention: [q_full, k_full, v_full, o_full],
+            kv: LatentSaved {
+                norm: kv_norm,
+                up_input: c_kv,
+                up_lora: kv_up,
+            },
+            attention,
             lse,
             o,
             proj_lora,
         };
         Ok((reduced(b, p.tp, out)?, saved))
+    }
+
+    /// Its key-value up projection's weight (in the parameter table).
+    pub(in crate::model) fn kv_up_weight(&self) -> usize {
+        self.kv_up.w
     }
 
     /// `dh [T, h]` of [`Mla::forward`] given the gradient `dy [T, h]` of its output (summed
@@ -227,7 +248,12 @@ impl Mla {
         let n = b.shape(&d_o)[0];
         let (nh, qw, kw) = (shape.heads, d.n + d.r, d.n + d.v);
         let d_o_full = assemble(b, n, nh, qw, &[(&d_o, d.v, 0)])?;
-        let [q_full, k_full, v_full, o_full] = &s.attention;
+        let Some([q_full, k_full, v_full, o_full]) = &s.attention else {
+            return Err(EngineError::Invalid {
+                op: "multi-latent attention backward",
+                msg: "the forward pass attended over the latent cache".into(),
+            });
+        };
         let mask = attention_mask(p, self.layer);
         let (dq_full, dk_full, dv_full) = b.attention_bwd(
             &d_o_full,
@@ -360,6 +386,139 @@ impl Mla {
     }
 }
 
+/// The key-value up projection split by head for attention over the latent cache
+/// (DeepSeek-V3's inference/model.py `MLA` with `attn_impl="absorb"`, MindSpeed-LLM's
+/// `--enable-mla-absorb`): each head's key part `W_uk [dn, kv_lora]`, transposed, folds into
+/// its query (`q_nope·W_uk` scores the latent as `q_nope·(W_uk·c)` scores the key) and its
+/// value part `W_uv [dv, kv_lora]` maps its output out of the latent (`(p·C)·W_uvᵀ = p·(C·W_uvᵀ)`).
+pub(in crate::model) struct Absorbed<T> {
+    /// `W_ukᵀ [kv_lora, dn]` of each head.
+    keys: Vec<T>,
+    /// `W_uv [dv, kv_lora]` of each head.
+    values: Vec<T>,
+}
+
+impl<T> Absorbed<T> {
+    /// Of the key-value up projection `w [heads·(dn + dv), kv_lora]` (linear_kv_up_proj, whole,
+    /// as the checkpoint holds it) of a model of multi-latent attention `m`, uploaded to `b` as
+    /// matmul weights.
+    pub(in crate::model) fn new<B: Backend<Tensor = T>>(
+        b: &B,
+        w: &HostTensor,
+        heads: usize,
+        m: &crate::arch::Mla,
+    ) -> Result<Self> {
+        let (dn, kv_lora) = (m.qk_head_dim, m.kv_lora_rank);
+        let kw = dn + m.v_head_dim;
+        if w.shape != [heads * kw, kv_lora] {
+            return Err(EngineError::Invalid {
+                op: "multi-latent attention",
+                msg: format!(
+                    "the key-value up projection is {:?}, not [{}, {kv_lora}]",
+                    w.shape,
+                    heads * kw
+                ),
+            });
+        }
+        let mut absorbed = Absorbed {
+            keys: Vec::with_capacity(heads),
+            values: Vec::with_capacity(heads),
+        };
+        for at in (0..heads).map(|h| h * kw) {
+            let keys = w.rows(at, at + dn).transposed();
+            absorbed.keys.push(b.upload_matrix(&keys)?);
+            absorbed
+                .values
+                .push(b.upload_matrix(&w.rows(at + dn, at + kw))?);
+        }
+        Ok(absorbed)
+    }
+
+    /// The attention output `[n, nh·dv]` of the queries `q [n, nh·dq]` (their rotated parts
+    /// `q_pe [n, nh·dr]` rotated) over each segment's cached latents `[slots, capacity, kv_lora
+    /// + dr]`: the heads' absorbed queries `[q_nope·W_uk | q_pe]` attend, as one key-value
+    /// group, to the rows `[c_kv | k_pe]` as keys and as values (the output's rotated part,
+    /// softmax · k_pe, is dropped), then each head's `softmax · c_kv` is up-projected by its
+    /// `W_uv`.
+    fn attend<B: Backend<Tensor = T>>(
+        &self,
+        p: &Pass<B>,
+        d: &Dims,
+        (q, q_pe): (&T, &T),
+        cache: &T,
+        segments: &[Segment],
+    ) -> Result<T> {
+        let b = p.b;
+        let shape = p.spec.attention;
+        let (nh, n) = (shape.heads, b.shape(q)[0]);
+        if self.keys.len() != nh {
+            return Err(EngineError::Invalid {
+                op: "multi-latent attention",
+                msg: format!("{} heads absorbed for {nh}", self.keys.len()),
+            });
+        }
+        let (qw, lw) = (d.n + d.r, d.kv_lora + d.r);
+        let mut q_latent = b.zeros(&[n, nh * lw], b.dtype(q))?;
+        for (h, w_uk) in self.keys.iter().enumerate() {
+            let q_nope = b.gather(q, cols(n, nh * qw, (1, qw), h * qw, d.n), &[n, d.n])?;
+            let absorbed = b.matmul(&q_nope, w_uk, None)?;
+            let part = cols(n, nh * lw, (1, lw), h * lw, d.kv_lora);
+            b.scatter(&absorbed, &mut q_latent, part)?;
+        }
+        b.scatter(
+            q_pe,
+            &mut q_latent,
+            cols(n, nh * lw, (nh, lw), d.kv_lora, d.r),
+        )?;
+        let latent = AttentionShape {
+            heads: nh,
+            groups: 1,
+            head_dim: lw,
+            scale: shape.scale,
+        };
+        let o_latent = b.cached_attention(&q_latent, cache, cache, segments, latent)?;
+        let mut o = b.zeros(&[n, nh * d.v], b.dtype(&o_latent))?;
+        for (h, w_uv) in self.values.iter().enumerate() {
+            let part = cols(n, nh * lw, (1, lw), h * lw, d.kv_lora);
+            let c = b.gather(&o_latent, part, &[n, d.kv_lora])?;
+            let part = cols(n, nh * d.v, (1, d.v), h * d.v, d.v);
+            b.scatter(&b.matmul(&c, w_uv, None)?, &mut o, part)?;
+        }
+        Ok(o)
+    }
+}
+
+/// Every head's query `[n, nh·dq]` (its part without RoPE, then its rotated `q_pe`), key
+/// `[n, nh·dq]` (its part of the up-projected latent `kv`, then the shared rotated `k_pe`) and
+/// value `[n, nh·dq]` (padded), for the one attention kernel.
+fn full_heads<B: Backend>(
+    p: &Pass<B>,
+    d: &Dims,
+    (q, q_pe): (&B::Tensor, &B::Tensor),
+    (kv, k_pe): (&B::Tensor, &B::Tensor),
+) -> Result<(B::Tensor, B::Tensor, B::Tensor)> {
+    let b = p.b;
+    let (nh, n) = (p.spec.attention.heads, b.shape(q)[0]);
+    let (kw, qw) = (d.n + d.v, d.n + d.r);
+    let k_pe_all = b.gather(
+        k_pe,
+        StridedView {
+            shape: [n, nh, d.r],
+            strides: [d.r, 0, 1],
+            offset: 0,
+        },
+        &[n, nh * d.r],
+    )?;
+    let heads = |parts: &[(&B::Tensor, usize, usize)]| assemble(b, n, nh, qw, parts);
+    let q_nope = b.gather(q, cols(n, nh * qw, (nh, qw), 0, d.n), &[n, nh * d.n])?;
+    let q_full = heads(&[(&q_nope, d.n, 0), (q_pe, d.r, d.n)])?;
+    let k_nope = b.gather(kv, cols(n, nh * kw, (nh, kw), 0, d.n), &[n, nh * d.n])?;
+    let v = b.gather(kv, cols(n, nh * kw, (nh, kw), d.n, d.v), &[n, nh * d.v])?;
+    let k_full = heads(&[(&k_nope, d.n, 0), (&k_pe_all, d.r, d.n)])?;
+    let v_full = heads(&[(&v, d.v, 0)])?;
+    Ok((q_full, k_full, v_full))
+}
+
 /// The dimensions of the pass's multi-latent attention.
 struct Dims {
     n: usize,
@@ -406,23 +565,32 @@ fn rotate<B: Backend>(p: &Pass<B>, x: &mut B::Tensor, heads: usize, inverse: boo
     Ok(())
 }
 
-/// The up projection of the normed latent `c [n, r]` (the norm over this rank's rows under
-/// sequence parallelism, then gathered).
+/// The latent `c [n, r]` normed (over this rank's rows under sequence parallelism, then
+/// gathered), and what the norm's backward pass needs.
+fn normed_latent<B: Backend>(
+    p: &Pass<B>,
+    c: B::Tensor,
+    norm: Option<usize>,
+) -> Result<(B::Tensor, NormSaved<B::Tensor>)> {
+    let b = p.b;
+    match norm {
+        Some(g) => {
+            let own = own_rows(p.b, p.tp, c)?;
+            let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.norm_eps)?;
+            let all = gathered(b, p.tp, &y)?.unwrap_or(y);
+            Ok((all, Some((own, rstd))))
+        }
+        None => Ok((c, None)),
+    }
+}
+
+/// The up projection of the normed latent `c [n, r]` ([`normed_latent`]).
 fn up_from_latent<B: Backend>(
     p: &Pass<B>,
     c: B::Tensor,
     (norm, up): (Option<usize>, Linear),
 ) -> Result<(B::Tensor, LatentSaved<B::Tensor>)> {
-    let b = p.b;
-    let (normed, norm) = match norm {
-        Some(g) => {
-            let own = own_rows(p.b, p.tp, c)?;
-            let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.norm_eps)?;
-            let all = gathered(b, p.tp, &y)?.unwrap_or(y);
-            (all, Some((own, rstd)))
-        }
-        None => (c, None),
-    };
+    let (normed, norm) = normed_latent(p, c, norm)?;
     let (out, up_lora) = up.forward(p, &normed)?;
     let saved = LatentSaved {
         norm,

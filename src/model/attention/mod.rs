@@ -10,6 +10,7 @@ use crate::engine::{Backend, Result, Segment};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
 use gqa::Gqa;
+pub(in crate::model) use mla::Absorbed;
 use mla::Mla;
 use std::ops::Range;
 
@@ -35,12 +36,25 @@ pub(in crate::model) enum Attend<'a, T> {
     /// Training: the rows' own, causally within each of these row ranges (sequences, or
     /// documents with `--reset-attention-mask`).
     Segments(&'a [Range<usize>]),
-    /// Inference: this layer's cache, which the new rows' keys and values extend first.
+    /// Inference (grouped-query attention): this layer's cache, which the new rows' keys and
+    /// values extend first.
     Cached {
         /// Keys `[slots, capacity, kw]` of every cached sequence.
         keys: &'a mut T,
         /// Values, alike.
         values: &'a mut T,
+        /// Each sequence's new rows.
+        segments: &'a [Segment],
+    },
+    /// Inference (multi-latent attention): this layer's cache of the compressed latent, which
+    /// the new rows extend first, attended through the up projection absorbed into the
+    /// queries and the output.
+    Latent {
+        /// The normed key-value latent and the rotated shared key part `[slots, capacity,
+        /// kv_lora + dr]` of every cached sequence.
+        cache: &'a mut T,
+        /// The layer's up projection, by head.
+        absorbed: &'a Absorbed<T>,
         /// Each sequence's new rows.
         segments: &'a [Segment],
     },
@@ -68,6 +82,15 @@ impl Attention {
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Attention> {
         (Gqa::of(table, layer).map(Attention::Gqa))
             .or_else(|| Mla::of(table, layer).map(Attention::Mla))
+    }
+
+    /// A multi-latent attention's key-value up projection weight (in the parameter table),
+    /// which inference absorbs ([`Absorbed`]).
+    pub(in crate::model) fn latent_up(&self) -> Option<usize> {
+        match self {
+            Attention::Gqa(_) => None,
+            Attention::Mla(a) => Some(a.kv_up_weight()),
+        }
     }
 
     /// The attention of the normed input `h [T, h]`: its output `[T, h]` (summed over the
