@@ -174,6 +174,8 @@ pub const FLAGS: &[Flag] = &[
     inert("moe-alltoall-overlap-comm", Nothing, OVERLAP),
     inert("moe-allgather-overlap-comm", Nothing, OVERLAP),
     inert("moe-fb-overlap", Nothing, OVERLAP),
+    refused("schedules-method", One, "MindSpeed's DualPipeV schedule (dualpipev) places each stage's layers in a V (chunk 0 forward, chunk 1 back, MTP on the first stage): not built; MindSpeed itself refuses it below two pipeline stages"),
+    inert("dualpipev-dw-detach", Nothing, OVERLAP),
     inert("moe-permute-fusion", Nothing, KERNEL),
     inert("use-fused-moe-token-permute-and-unpermute", Nothing, KERNEL),
     inert("moe-zero-memory", One, MEMORY),
