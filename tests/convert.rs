@@ -84,6 +84,68 @@ fn every_family_round_trips_through_tp2_pp2() {
     assert!(tmp.path().join("llama/tokenizer.json").is_file());
 }
 
+#[test]
+fn every_family_round_trips_through_torch_dist() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in FAMILIES.iter().chain(&["deepseek_v3_mtp"]) {
+        let (d, h) = (tmp.path().join(format!("{f}-d")), tmp.path().join(f));
+        let mut extra = vec!["--ckpt-format", "torch_dist"];
+        if *f == "deepseek_v3_mtp" {
+            extra.extend(["--mtp-layout", "mcore"]);
+        }
+        convert("megatron", &model(f), &d, &extra);
+        let it = d.join("iter_0000001");
+        for name in [".metadata", "__0_0.distcp", "common.pt", "metadata.json"] {
+            assert!(it.join(name).is_file(), "{f}: {name}");
+        }
+        convert("hf", &d, &h, &[]);
+        assert_same_hf(&model(f), &h);
+    }
+    // the args record the layout asked for; a torch_dist source reads back into torch_dist
+    let (d2, d3) = (tmp.path().join("tp2"), tmp.path().join("again"));
+    let extra = ["--ckpt-format", "torch_dist", "--tp", "2", "--pp", "2"];
+    convert("megatron", &model("qwen3"), &d2, &extra);
+    let info = mindkit(&[&"ckpt", &"info", &d2]).success();
+    let info = String::from_utf8(info.get_output().stdout.clone()).unwrap();
+    assert!(
+        info.contains("torch_dist") && info.contains("TP 2 × PP 2"),
+        "{info}"
+    );
+    convert("megatron", &d2, &d3, &["--ckpt-format", "torch_dist"]);
+    convert("hf", &d3, &tmp.path().join("qwen3-again"), &[]);
+    assert_same_hf(&model("qwen3"), &tmp.path().join("qwen3-again"));
+}
+
+#[test]
+fn torch_dist_refuses_the_layouts_megatron_core_does_not_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let cases: [(&str, &[&str], &str); 4] = [
+        ("llama", &["--layout", "mcore-te"], "--layout mcore-te"),
+        ("mixtral", &["--moe-grouped-gemm"], "--moe-grouped-gemm"),
+        (
+            "deepseek_v3",
+            &["--mla-layout", "mindspeed"],
+            "--mla-layout mindspeed",
+        ),
+        ("deepseek_v3_mtp", &[], "--mtp-layout mcore"),
+    ];
+    for (f, extra, named) in cases {
+        let mut args = vec!["--ckpt-format", "torch_dist"];
+        args.extend(extra);
+        let err = convert_err("megatron", &model(f), &out, &args);
+        assert!(err.contains(named), "{f}: {err}");
+        assert!(!out.exists(), "{f}: output left behind");
+    }
+    let err = convert_err(
+        "hf",
+        &model("llama"),
+        &out,
+        &["--ckpt-format", "torch_dist"],
+    );
+    assert!(err.contains("a Megatron output's"), "{err}");
+}
+
 /// A rank file's model tensors: key → (shape, bytes).
 fn rank_tensors(path: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> {
     use mindkit::ckpt::megatron::{chunks, flatten};

@@ -295,6 +295,11 @@ struct OutputArgs {
     /// Megatron key layout: mcore (local spec, as MindSpeed-LLM), mcore-te, legacy.
     #[arg(long, value_enum, default_value = "mcore")]
     layout: KeyLayout,
+    /// Megatron checkpoint format: torch (one file per model-parallel rank) or torch_dist
+    /// (megatron-core's distributed checkpoint, its default since core 0.15; the args record
+    /// the layout given, and megatron-core loads it at any layout).
+    #[arg(long, value_enum, default_value = "torch")]
+    ckpt_format: convert::CkptFormat,
     /// Multi-latent attention's down projections in a Megatron output. Default: the input's,
     /// else megatron-core's.
     #[arg(long, value_enum)]
@@ -599,6 +604,7 @@ fn convert_options(
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
         first_last: (a.first_stage_layers, a.last_stage_layers),
         layout: a.layout,
+        ckpt_format: a.ckpt_format,
         dtype: a.dtype.clone(),
         family: a.family.clone(),
         divisible_by: a.make_vocab_size_divisible_by,

@@ -6,7 +6,7 @@ use super::config::parse_dtype;
 use super::hf::{self, HfWeights, Planned};
 use super::layout::{KeyLayout, Parallel};
 use super::megatron::{is_megatron_dir, MegatronCkpt, MegatronTarget};
-use super::torch_dist::{self, TorchDistCkpt};
+use super::torch_dist::{self, DistTarget, TorchDistCkpt};
 use super::transform::{self, from_hf, hf_parts, to_hf};
 use crate::arch::family::{self, hf_names, Family, QkvStyle};
 use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
@@ -26,6 +26,18 @@ pub enum Format {
     Hf,
     /// Megatron torch-format directory.
     Megatron,
+}
+
+/// Megatron's checkpoint formats (its `--ckpt-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CkptFormat {
+    /// One `torch.save` file per model-parallel rank (`mp_rank_TT[_PPP]/model_optim_rng.pt`).
+    #[default]
+    Torch,
+    /// megatron-core's distributed checkpoint (`.metadata`, `__R_K.distcp`, `common.pt`),
+    /// loadable at any parallel layout.
+    #[value(name = "torch_dist")]
+    TorchDist,
 }
 
 /// Everything `mindkit convert` takes.
@@ -68,6 +80,8 @@ pub struct ConvertOptions {
     pub first_last: (Option<usize>, Option<usize>),
     /// Key layout of a Megatron output.
     pub layout: KeyLayout,
+    /// Format of a Megatron output.
+    pub ckpt_format: CkptFormat,
     /// Output dtype (default: the source's).
     pub dtype: Option<String>,
     /// Family override.
@@ -528,6 +542,9 @@ pub fn write_output(
             (_, Format::Hf) => bail!("--mtp-layout: a Megatron output's; HF has one layout"),
         }
     }
+    if o.ckpt_format == CkptFormat::TorchDist {
+        torch_dist_layouts(o, &mut cfg)?;
+    }
     let read = |c: Canon| -> Result<Tensor> {
         let mut t =
             match transform::regrouped_from(&input.cfg, c).filter(|_| cfg.mla != input.cfg.mla) {
@@ -611,6 +628,21 @@ fn write_megatron(
         true => par.with_tp_extend(cfg)?,
         false => par,
     };
+    let progress = |total| util::progress_bar(total, ProgressUnit::Bytes, o.progress);
+    if o.ckpt_format == CkptFormat::TorchDist {
+        let target = DistTarget {
+            cfg,
+            par: &par,
+            divisible_by: o.divisible_by,
+            base_args,
+            final_dir: &o.output,
+        };
+        let total = target.total_bytes();
+        let pb = progress(total);
+        target.write(dir, read, &|n| pb.inc(n))?;
+        pb.finish_and_clear();
+        return Ok((canonical(cfg).len(), total));
+    }
     let target = MegatronTarget {
         cfg,
         par: &par,
@@ -620,10 +652,48 @@ fn write_megatron(
         grouped: o.grouped_experts,
     };
     let total = target.total_bytes();
-    let pb = util::progress_bar(total, ProgressUnit::Bytes, o.progress);
+    let pb = progress(total);
     target.write(dir, read, &|n| pb.inc(n))?;
     pb.finish_and_clear();
     Ok((canonical(cfg).len(), total))
+}
+
+/// A `torch_dist` output is what megatron-core loads: its own layout of multi-latent
+/// attention (the default here), the local spec's keys, experts one by one; MindSpeed-LLM's
+/// and Transformer Engine's layouts are refused by name.
+fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
+    if o.to != Format::Megatron {
+        bail!("--ckpt-format torch_dist: a Megatron output's format; HF has one");
+    }
+    let refuse = |what: &str| {
+        anyhow!(
+            "--ckpt-format torch_dist is written as megatron-core's local spec loads it; {what} \
+             is not (write it with --ckpt-format torch)"
+        )
+    };
+    match o.layout {
+        KeyLayout::Mcore => {}
+        KeyLayout::McoreTe => return Err(refuse("--layout mcore-te (Transformer Engine's)")),
+        KeyLayout::Legacy => return Err(refuse("--layout legacy")),
+    }
+    if o.grouped_experts {
+        return Err(refuse(
+            "--moe-grouped-gemm (MindSpeed-LLM's grouped experts)",
+        ));
+    }
+    if o.fused_mla_down == Some(true) {
+        return Err(refuse("--mla-layout mindspeed"));
+    }
+    if cfg.mtp.is_some_and(|m| m.layout == MtpLayout::Mindspeed) {
+        // megatron-core's depths hand on normed states: another model, so never chosen silently
+        return Err(refuse(
+            "MindSpeed-LLM's multi-token prediction (pass --mtp-layout mcore for megatron-core's)",
+        ));
+    }
+    if let Some(m) = &mut cfg.mla {
+        m.fused_down = false;
+    }
+    Ok(())
 }
 
 fn write_hf(

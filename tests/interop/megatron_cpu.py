@@ -30,9 +30,47 @@ def init():
 
 
 def load_pt(path):
-    """torch.load with the default weights_only unpickler; Namespace allowed as megatron-core does."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, weights_only=True)
+    """torch.load with the default weights_only unpickler; Namespace allowed as megatron-core does
+    (added, as megatron-core's safe_globals.py adds it: torch's `safe_globals` context manager
+    would drop megatron-core's own list on leaving)."""
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    return torch.load(path, weights_only=True)
+
+
+def rank_stage(iteration_dir):
+    """In a process of torchrun (or alone, one rank): the process group over gloo and
+    megatron-core's parallel state of the layout of the torch-format checkpoint iteration directory
+    `iteration_dir` (TP × PP × EP); this rank's GPTModel stage loaded strictly from its
+    mp_rank_TT[_PPP][_EEE] file. Returns (file name, model, loaded object)."""
+    from megatron.core import parallel_state, tensor_parallel
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    torch.distributed.init_process_group("gloo")
+    names = sorted(p.name for p in iteration_dir.glob("mp_rank_*"))
+    a = load_pt(iteration_dir / names[0] / "model_optim_rng.pt")["args"]
+    ep_size = getattr(a, "expert_model_parallel_size", 1) or 1
+    parallel_state.initialize_model_parallel(
+        a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+        expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=getattr(a, "expert_tensor_parallel_size", None))
+    tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *x, **k: contextlib.nullcontext()
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_rank()
+    name = (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else "")
+            + (f"_{ep:03d}" if ep_size > 1 else ""))
+    obj = load_pt(iteration_dir / name / "model_optim_rng.pt")
+    model = stage_model(obj["args"])
+    model.load_state_dict(obj["model"], strict=True)
+    return name, model, obj
+
+
+def stage_model(a):
+    """This rank's pipeline stage of the GPTModel of args `a` (parallel state initialized)."""
+    from megatron.core import parallel_state
+    return gpt_model(a, parallel_state.is_pipeline_first_stage(),
+                     parallel_state.is_pipeline_last_stage())
 
 
 def moe_config(a, losses=None):

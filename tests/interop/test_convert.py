@@ -625,6 +625,23 @@ def test_fp8_block_scaled_checkpoint_converts_to_its_bf16_twin(mindkit, tmp_path
     assert "model.layers.1.self_attn.q_b_proj.weight has no" in err, err
 
 
+def run_ranks(script, ranks, *args):
+    """`script` (beside this file) run by `ranks` processes under torchrun (alone for one) on a
+    free port, its output captured; it must succeed."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+            "--master-port", str(port)] if ranks > 1 else [sys.executable])
+    r = subprocess.run([*cmd, str(pathlib.Path(__file__).parent / script), *map(str, args)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 @pytest.mark.parametrize("family,ranks,layout", [
     # homogeneous layers: stacked along a leading axis
     ("llama", 1, ()),
@@ -639,21 +656,10 @@ def test_torch_dist_checkpoint_converts_to_the_model_it_holds(mindkit, tmp_path,
     `--ckpt-format torch_dist` does (metadata.json, common.pt with the args, the .metadata index,
     .distcp items); `mindkit convert` reads it (no torch, no process group) back to the HF model it
     came from, byte for byte, and `ckpt info` describes it."""
-    import socket
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output",
             tmp_path / "torch", *layout)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    script = pathlib.Path(__file__).parent / "megatron_dist_save.py"
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-            "--master-port", str(port)] if ranks > 1 else [sys.executable])
-    r = subprocess.run([*cmd, str(script), str(tmp_path / "torch/iter_0000001"),
-                        str(tmp_path / "dist")], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_ranks("megatron_dist_save.py", ranks, tmp_path / "torch/iter_0000001",
+                  tmp_path / "dist")
     assert r.stdout.count("saved") == ranks, r.stdout + r.stderr
     assert (tmp_path / "dist/iter_0000007/.metadata").is_file()
     info = subprocess.run([os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit")),
@@ -661,3 +667,35 @@ def test_torch_dist_checkpoint_converts_to_the_model_it_holds(mindkit, tmp_path,
     assert "Megatron torch_dist" in info.stdout, info
     mindkit("convert", "--to", "hf", "--input", tmp_path / "dist", "--output", tmp_path / "hf")
     assert_hf_equal(MODELS / family, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("family,source,ranks,layout", [
+    # stacked layers, written from HF, loaded on one rank
+    ("llama", (), 1, ()),
+    # stacked layers and experts, written from a TP 2 × PP 2 torch checkpoint, loaded at TP 1
+    ("mixtral", ("--tp", 2, "--pp", 2), 1, ()),
+    # a dense first layer (every layer keyed apart), loaded at TP 2 × PP 2 by four ranks
+    ("qwen3_moe", (), 4, ("--tp", 2, "--pp", 2)),
+    # multi-latent attention and megatron-core's multi-token prediction, loaded at EP 2
+    ("deepseek_v3_mtp", (), 2, ("--ep", 2)),
+])
+def test_megatron_core_loads_mindkits_torch_dist_strictly_at_any_layout(mindkit, tmp_path, family,
+                                                                         source, ranks, layout):
+    """`mindkit convert --ckpt-format torch_dist` writes what megatron-core 0.15.3's
+    `dist_checkpointing.load` of a GPTModel's sharded state dict takes with every missing or
+    unexpected key an error, at a layout other than the one the args record: every rank's tensors
+    equal those of its stage loaded from the torch-format checkpoint of that layout; common.pt
+    loads with the weights_only unpickler (megatron_dist_load.py)."""
+    mtp = ("--mtp-layout", "mcore") if family == "deepseek_v3_mtp" else ()
+    src = MODELS / family
+    if source:
+        mindkit("convert", "--to", "megatron", "--input", src, "--output", tmp_path / "src",
+                *source, *mtp)
+        src = tmp_path / "src"
+    mindkit("convert", "--to", "megatron", "--ckpt-format", "torch_dist", "--input", src,
+            "--output", tmp_path / "dist", *mtp)
+    mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output",
+            tmp_path / "torch", *layout, *mtp)
+    r = run_ranks("megatron_dist_load.py", ranks, tmp_path / "torch/iter_0000001",
+                  tmp_path / "dist")
+    assert r.stdout.count("tensors equal") == ranks, r.stdout + r.stderr

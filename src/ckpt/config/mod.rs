@@ -5,6 +5,7 @@
 mod mla;
 mod moe;
 
+use super::layout::Parallel;
 use super::torch::pickle::Value;
 use crate::arch::family::{self, Family, OutBias, QkNorm};
 use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
@@ -835,6 +836,24 @@ pub struct ParallelArgs {
     pub tp_extend: bool,
     /// The routed experts stored as MindSpeed-LLM's grouped tensors.
     pub grouped: bool,
+}
+
+impl ParallelArgs {
+    /// The args of layout `par`.
+    pub fn of(par: &Parallel, padded_vocab: usize, divisible_by: usize, grouped: bool) -> Self {
+        ParallelArgs {
+            tp: par.tp,
+            pp: par.pp,
+            vpp: par.vpp,
+            first_last: par.first_last(),
+            padded_vocab,
+            divisible_by,
+            ep: par.ep,
+            etp: par.etp,
+            tp_extend: par.tp_extend,
+            grouped,
+        }
+    }
 }
 
 /// The `args` Namespace Megatron's loaders and `check_checkpoint_args` read

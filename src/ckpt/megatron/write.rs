@@ -242,18 +242,7 @@ impl MegatronTarget<'_> {
         let padded = self.padded_vocab();
         let args = Value::Namespace(megatron_args(
             self.cfg,
-            &ParallelArgs {
-                tp: par.tp,
-                pp: par.pp,
-                vpp: par.vpp,
-                first_last: par.first_last(),
-                padded_vocab: padded,
-                divisible_by: self.divisible_by,
-                ep: par.ep,
-                etp: par.etp,
-                tp_extend: par.tp_extend,
-                grouped: self.grouped,
-            },
+            &ParallelArgs::of(par, padded, self.divisible_by, self.grouped),
             self.base_args,
         ));
         let iter_dir = dir.join("iter_0000001");

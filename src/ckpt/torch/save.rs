@@ -47,9 +47,7 @@ impl PtWriter {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "archive".into());
-        let mut pickle = vec![op::PROTO, 2];
-        write_value(&mut pickle, root).map_err(|e| fail(e.to_string()))?;
-        pickle.push(b'.');
+        let pickle = pickle_of(root).map_err(|e| fail(e.to_string()))?;
         let discarding = Arc::new(AtomicBool::new(false));
         let sink = Sink {
             file,
@@ -63,10 +61,9 @@ impl PtWriter {
             path: path.to_path_buf(),
             archive,
         };
-        w.record("data.pkl", &pickle)?;
-        w.record(".format_version", b"1")?;
-        w.record(".storage_alignment", b"64")?;
-        w.record("byteorder", b"little")?;
+        for (name, bytes) in opening_records(pickle) {
+            w.record(name, &bytes)?;
+        }
         Ok(w)
     }
 
@@ -77,10 +74,7 @@ impl PtWriter {
 
     /// Open record `name` of `len` bytes, which [`PtWriter::append`] then writes.
     fn begin_record(&mut self, name: &str, len: u64) -> Result<()> {
-        let options = SimpleFileOptions::default()
-            .compression_method(zip::CompressionMethod::Stored)
-            .with_alignment(64)
-            .large_file(len >= u32::MAX as u64);
+        let options = record_options(len);
         let full = format!("{}/{name}", self.archive);
         let path = self.path.clone();
         self.open_zip(name)?
@@ -123,7 +117,7 @@ impl PtWriter {
 
     /// Close the archive and move it into place.
     pub fn finish(mut self) -> Result<()> {
-        self.record("version", b"3\n")?;
+        self.record(VERSION_RECORD.0, VERSION_RECORD.1)?;
         let zip = self.zip.take().ok_or_else(|| TorchError::Archive {
             path: self.path.clone(),
             what: "finished twice".into(),
@@ -140,6 +134,70 @@ impl PtWriter {
         sink.file.finish()?;
         Ok(())
     }
+}
+
+/// The pickle of `root` (protocol 2, as `torch.save` writes it).
+fn pickle_of(root: &Value) -> std::result::Result<Vec<u8>, Unpicklable> {
+    let mut pickle = vec![op::PROTO, 2];
+    write_value(&mut pickle, root)?;
+    pickle.push(b'.');
+    Ok(pickle)
+}
+
+/// The records an archive opens with: the pickle, then torch's format markers.
+fn opening_records(pickle: Vec<u8>) -> [(&'static str, Vec<u8>); 4] {
+    [
+        ("data.pkl", pickle),
+        (".format_version", b"1".to_vec()),
+        (".storage_alignment", b"64".to_vec()),
+        ("byteorder", b"little".to_vec()),
+    ]
+}
+
+/// The record an archive closes with.
+const VERSION_RECORD: (&str, &[u8]) = ("version", b"3\n");
+
+/// How each record is stored: uncompressed, 64-byte aligned, zip64 when large.
+fn record_options(len: u64) -> SimpleFileOptions {
+    SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Stored)
+        .with_alignment(64)
+        .large_file(len >= u32::MAX as u64)
+}
+
+/// One `torch.save(root)` archive written into `sink` as torch writes into a stream: under
+/// the archive directory `archive`, every position counted from the sink's start, the
+/// storages `"0"`, `"1"`, … given in order. A distributed checkpoint's items are such
+/// archives, one after the other in a `.distcp` file. `path` names the file in errors.
+pub fn write_archive<W: Write + Seek>(
+    sink: W,
+    path: &Path,
+    root: &Value,
+    storages: &[&[u8]],
+) -> Result<W> {
+    let fail = |doing: &str, e| archive_error(path, doing, e);
+    let pickle = pickle_of(root).map_err(|e| TorchError::Archive {
+        path: path.to_path_buf(),
+        what: e.to_string(),
+    })?;
+    let opening = opening_records(pickle);
+    let records = (opening.iter())
+        .map(|(name, bytes)| (name.to_string(), bytes.as_slice()))
+        .chain((storages.iter().enumerate()).map(|(i, s)| (format!("data/{i}"), *s)))
+        .chain([(VERSION_RECORD.0.to_string(), VERSION_RECORD.1)]);
+    let mut zip = zip::ZipWriter::new(sink);
+    for (name, bytes) in records {
+        zip.start_file(
+            format!("archive/{name}"),
+            record_options(bytes.len() as u64),
+        )
+        .map_err(|e| fail(&format!("writing record {name}"), e))?;
+        zip.write_all(bytes).map_err(|cause| TorchError::Io {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+    }
+    zip.finish().map_err(|e| fail("finishing the archive", e))
 }
 
 impl Drop for PtWriter {
@@ -426,4 +484,99 @@ fn write_str(out: &mut Vec<u8>, s: &str) {
 fn write_global(out: &mut Vec<u8>, module: &str, name: &str) {
     out.push(op::GLOBAL);
     out.extend_from_slice(format!("{module}\n{name}\n").as_bytes());
+}
+
+/// A protocol-2 pickle written opcode by opcode, for instances of classes a [`Value`] does
+/// not describe (a distributed checkpoint's index, `.metadata`): each method appends what
+/// the pickle opcode it is named after does.
+pub struct Pickler(Vec<u8>);
+
+impl Default for Pickler {
+    fn default() -> Self {
+        Pickler(vec![op::PROTO, 2])
+    }
+}
+
+impl Pickler {
+    /// A value of a plain type.
+    pub fn value(&mut self, v: &Value) -> std::result::Result<(), impl std::error::Error> {
+        write_value(&mut self.0, v)
+    }
+
+    /// A string.
+    pub fn str(&mut self, s: &str) {
+        write_str(&mut self.0, s);
+    }
+
+    /// An int.
+    pub fn int(&mut self, i: i64) {
+        write_int(&mut self.0, i);
+    }
+
+    /// A bool.
+    pub fn bool(&mut self, b: bool) {
+        self.0.push(if b { op::NEWTRUE } else { op::NEWFALSE });
+    }
+
+    /// `None`.
+    pub fn none(&mut self) {
+        self.0.push(op::NONE);
+    }
+
+    /// `module.name`.
+    pub fn global(&mut self, module: &str, name: &str) {
+        write_global(&mut self.0, module, name);
+    }
+
+    /// The start of a tuple's, a dict's or a list's items.
+    pub fn mark(&mut self) {
+        self.0.push(op::MARK);
+    }
+
+    /// A tuple of the items since the mark.
+    pub fn tuple(&mut self) {
+        self.0.push(op::TUPLE);
+    }
+
+    /// The callable below called with the tuple on top.
+    pub fn reduce(&mut self) {
+        self.0.push(op::REDUCE);
+    }
+
+    /// `cls.__new__(cls)` of `module.class` (as `copyreg.__newobj__` pickles an instance).
+    pub fn new_object(&mut self, module: &str, class: &str) {
+        write_global(&mut self.0, module, class);
+        self.0.extend_from_slice(&[op::EMPTY_TUPLE, op::NEWOBJ]);
+    }
+
+    /// The object below given the state on top (its `__dict__`, or `__setstate__`'s argument).
+    pub fn build(&mut self) {
+        self.0.push(op::BUILD);
+    }
+
+    /// An empty dict.
+    pub fn empty_dict(&mut self) {
+        self.0.push(op::EMPTY_DICT);
+    }
+
+    /// The key-value pairs since the mark set in the dict below them.
+    pub fn set_items(&mut self) {
+        self.0.push(op::SETITEMS);
+    }
+
+    /// An empty list.
+    pub fn empty_list(&mut self) {
+        self.0.push(op::EMPTY_LIST);
+    }
+
+    /// The items since the mark appended to the list below them.
+    pub fn appends(&mut self) {
+        self.0.push(op::APPENDS);
+    }
+
+    /// The pickle's bytes, ended.
+    pub fn finish(mut self) -> Vec<u8> {
+        self.0.push(b'.');
+        self.0
+    }
 }

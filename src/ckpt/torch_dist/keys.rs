@@ -12,20 +12,23 @@ use crate::ckpt::layout::{global_key_of, layer_key, mtp_key, KeyLayout};
 /// The word embedding's key.
 pub(super) const EMBEDDING: &str = "embedding.word_embeddings.weight";
 
-/// The global tensors and leading indices that may hold canonical tensor `c`, in the order
-/// they are tried: megatron-core's names of the layer (stacked, then per layer), then the
-/// local spec's own.
-pub(super) fn candidates(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
+/// A layer tensor's local key: the layer's prefix (`decoder.layers.{l}.`, or an MTP depth's
+/// `mtp.layers.{k}.`), the name under it, and the expert it is of.
+struct LayerTensor {
+    prefix: String,
+    name: String,
+    /// Whether the local key starts with the prefix (else the name is the whole key).
+    prefixed: bool,
+    expert: Option<usize>,
+}
+
+fn layer_tensor(cfg: &ModelConfig, role: Role, l: usize) -> LayerTensor {
     let layout = KeyLayout::Mcore;
-    let Some(l) = c.layer else {
-        return vec![(global_key_of(layout, cfg, c.role).concat(), Vec::new())];
-    };
-    let (role, expert) = match c.role {
+    let (role, expert) = match role {
         Role::ExpertFc1(e) => (Role::ExpertFc1(0), Some(e)),
         Role::ExpertFc2(e) => (Role::ExpertFc2(0), Some(e)),
         r => (r, None),
     };
-    // the key of the layer's tensor with `{j}` for its index
     let (key, prefix) = match (cfg.mtp, cfg.mtp_depth(l)) {
         (Some(m), Some(k)) => (
             mtp_key(layout, m.layout, role, k).concat(),
@@ -36,15 +39,37 @@ pub(super) fn candidates(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>
             format!("decoder.layers.{l}."),
         ),
     };
-    let suffix = key.strip_prefix(&prefix).unwrap_or(&key).to_string();
-    let mut names = vec![sharded_name(&suffix), suffix];
+    let (name, prefixed) = match key.strip_prefix(&prefix) {
+        Some(name) => (name.to_string(), true),
+        None => (key.clone(), false),
+    };
+    LayerTensor {
+        prefix,
+        name,
+        prefixed,
+        expert,
+    }
+}
+
+/// The global tensors and leading indices that may hold canonical tensor `c`, in the order
+/// they are tried: megatron-core's names of the layer (stacked, then per layer), then the
+/// local spec's own.
+pub(super) fn candidates(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
+    let Some(l) = c.layer else {
+        return vec![(
+            global_key_of(KeyLayout::Mcore, cfg, c.role).concat(),
+            Vec::new(),
+        )];
+    };
+    let t = layer_tensor(cfg, c.role, l);
+    let mut names = vec![sharded_name(&t.name, true), t.name.clone()];
     names.dedup();
     let lead = |stacked: bool| -> Vec<usize> {
         let mut at = Vec::new();
         if stacked {
             at.push(l);
         }
-        at.extend(expert);
+        at.extend(t.expert);
         at
     };
     let mut out = Vec::new();
@@ -53,8 +78,8 @@ pub(super) fn candidates(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>
         if cfg.mtp_depth(l).is_none() {
             out.push((format!("decoder.layers.{name}"), lead(true)));
         }
-        let own = match key.starts_with(&prefix) {
-            true => format!("{prefix}{name}"),
+        let own = match t.prefixed {
+            true => format!("{}{name}", t.prefix),
             false => name.clone(),
         };
         out.push((own, lead(false)));
@@ -62,18 +87,62 @@ pub(super) fn candidates(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>
     out
 }
 
-/// megatron-core's sharded name of a layer tensor of the local spec (Transformer Engine's,
-/// where the local spec maps its keys to them).
-fn sharded_name(suffix: &str) -> String {
-    let renamed = match suffix {
-        "input_layernorm.weight" => "self_attention.linear_qkv.layer_norm_weight",
-        "pre_mlp_layernorm.weight" => "mlp.linear_fc1.layer_norm_weight",
+/// Where canonical tensor `c` goes in a checkpoint megatron-core's local spec loads: the
+/// global tensor, the leading indices that select it and the sizes of those leading axes.
+pub(super) struct Placement {
+    pub key: String,
+    pub at: Vec<usize>,
+    pub lead: Vec<usize>,
+}
+
+/// Where megatron-core 0.15's `sharded_state_dict` of the local spec puts `c`
+/// (transformer_block.py: the layers stacked unless `moe_layer_freq` makes them differ;
+/// gpt_layer_specs.py `get_gpt_layer_local_spec`: the norms under Transformer Engine's
+/// names except with multi-latent attention; moe/experts.py: the experts along an axis).
+pub(super) fn placement(cfg: &ModelConfig, c: Canon) -> Placement {
+    let Some(l) = c.layer else {
+        let key = global_key_of(KeyLayout::Mcore, cfg, c.role).concat();
+        return Placement {
+            key,
+            at: Vec::new(),
+            lead: Vec::new(),
+        };
+    };
+    let t = layer_tensor(cfg, c.role, l);
+    let name = sharded_name(&t.name, cfg.mla.is_none());
+    let homogeneous = cfg.moe.as_ref().is_none_or(|m| m.layers.iter().all(|&x| x));
+    let stacked = homogeneous && cfg.mtp_depth(l).is_none();
+    let (mut at, mut lead) = match stacked {
+        true => (vec![l], vec![cfg.layers]),
+        false => (Vec::new(), Vec::new()),
+    };
+    if let (Some(e), Some(m)) = (t.expert, &cfg.moe) {
+        at.push(e);
+        lead.push(m.experts);
+    }
+    let key = match stacked {
+        true => format!("decoder.layers.{name}"),
+        false => format!("{}{name}", t.prefix),
+    };
+    Placement { key, at, lead }
+}
+
+/// megatron-core's sharded name of a layer tensor of the local spec: its norms under
+/// Transformer Engine's names where the spec maps them (`te_norms`; inside an MTP depth's
+/// `transformer_layer.` too), SequentialMLP's experts along an expert axis.
+fn sharded_name(name: &str, te_norms: bool) -> String {
+    let (head, local) = match name.strip_prefix("transformer_layer.") {
+        Some(rest) => ("transformer_layer.", rest),
+        None => ("", name),
+    };
+    let renamed = match local {
+        "input_layernorm.weight" if te_norms => "self_attention.linear_qkv.layer_norm_weight",
+        "pre_mlp_layernorm.weight" if te_norms => "mlp.linear_fc1.layer_norm_weight",
         s => s,
     };
-    // SequentialMLP's experts along an expert axis
     match renamed.split_once("mlp.experts.local_experts.0.") {
-        Some((head, rest)) => format!("{head}mlp.experts.experts.{rest}"),
-        None => renamed.to_string(),
+        Some((h, rest)) => format!("{head}{h}mlp.experts.experts.{rest}"),
+        None => format!("{head}{renamed}"),
     }
 }
 

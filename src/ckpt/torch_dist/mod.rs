@@ -11,6 +11,9 @@
 //! layers stacked along a leading axis or keyed one by one, routed experts along another.
 
 mod keys;
+mod write;
+
+pub use write::DistTarget;
 
 use super::config::arg_uint;
 use super::layout::Parallel;
@@ -19,7 +22,7 @@ use super::torch::TorchFile;
 use super::transform::gather_tp;
 use crate::arch::family::Family;
 use crate::arch::roles::{canonical, Canon, Role};
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, MtpLayout};
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
@@ -130,8 +133,14 @@ impl TorchDistCkpt {
             .get(keys::EMBEDDING)
             .ok_or_else(|| anyhow!("{}: no tensor {}", meta_path.display(), keys::EMBEDDING))?;
         let padded_vocab = emb.shape[0];
-        let cfg = ModelConfig::from_megatron_args(&args, family, emb.dtype, padded_vocab)
+        let mut cfg = ModelConfig::from_megatron_args(&args, family, emb.dtype, padded_vocab)
             .with_context(|| common_path.display().to_string())?;
+        if let Some(m) = &mut cfg.mtp {
+            // megatron-core keeps each depth's final norm in its layer, MindSpeed-LLM in the block
+            if tensors.contains_key("mtp.layers.0.final_layernorm.weight") {
+                m.layout = MtpLayout::Mcore;
+            }
+        }
         let size = |name| -> Result<usize> {
             Ok(arg_uint(&args, name)
                 .with_context(|| common_path.display().to_string())?
