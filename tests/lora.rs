@@ -111,6 +111,17 @@ fn megatron_lora_merges_into_any_base_format() {
     // Megatron base + PEFT adapter → HF.
     merge(&t("base"), &peft_adapter, &t("p-hf"), &["--to", "hf"]).success();
     assert_matches_golden(&t("p-hf"), &golden, 1e-6);
+    // torch_dist base (written from the TP1 PP4 one) + PEFT adapter → torch_dist → HF.
+    convert(
+        "megatron",
+        &t("base"),
+        &t("dist"),
+        &["--ckpt-format", "torch_dist"],
+    );
+    let to_dist = ["--to", "megatron", "--ckpt-format", "torch_dist"];
+    merge(&t("dist"), &peft_adapter, &t("d"), &to_dist).success();
+    convert("hf", &t("d"), &t("d-hf"), &[]);
+    assert_matches_golden(&t("d-hf"), &golden, 1e-6);
 }
 
 #[test]

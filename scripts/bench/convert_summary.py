@@ -16,11 +16,14 @@ ROWS = [("torch-hf2mg", "torch script HF → Megatron TP2 PP2"),
         ("merge-mg", "mindkit lora merge → Megatron TP2 PP2"),
         ("peft-merge", "peft merge_and_unload + save_pretrained"),
         ("msl-moe", "MindSpeed-LLM convert_ckpt_v2 → TP2 EP4 grouped"),
-        ("mindkit-moe", "mindkit HF → Megatron TP2 EP4 grouped")]
+        ("mindkit-moe", "mindkit HF → Megatron TP2 EP4 grouped"),
+        ("torch-dist2hf", "torch dcp_to_torch_save + torch → HF"),
+        ("mindkit-dist2hf", "mindkit torch_dist → HF")]
 RATIOS = [("msl-moe", "mindkit-moe", "MindSpeed-LLM's converter / mindkit (MoE → TP2 EP4): mindkit is this many times faster"),
           ("merge-hf", "convert-hf2hf", "lora merge → HF / plain convert → HF"),
           ("merge-mg", "convert-hf2mg", "lora merge → Megatron / plain convert → Megatron"),
-          ("peft-merge", "merge-hf", "peft / mindkit lora merge (→ HF): mindkit is this many times faster")]
+          ("peft-merge", "merge-hf", "peft / mindkit lora merge (→ HF): mindkit is this many times faster"),
+          ("torch-dist2hf", "mindkit-dist2hf", "torch path / mindkit (torch_dist → HF): mindkit is this many times faster")]
 
 
 def main(results, hf, only=None):
@@ -45,7 +48,7 @@ def main(results, hf, only=None):
         if a in med and b in med:
             print(f"{label}: {med[a] / med[b]:.2f}")
     if "cp" in med:
-        for k in ("mindkit-hf2mg", "mindkit-mg2hf"):
+        for k in ("mindkit-hf2mg", "mindkit-mg2hf", "mindkit-dist2hf"):
             if k in med:
                 print(f"{k} / cp -r: {med[k] / med['cp']:.2f}x the time of a plain copy")
 

@@ -38,7 +38,7 @@ impl Tensor {
     }
 
     /// Bytes of one row (all dims but the first); a 1-D tensor's row is one element.
-    fn row_bytes(&self) -> usize {
+    pub fn row_bytes(&self) -> usize {
         self.shape[1..].iter().product::<usize>() * self.dtype.size()
     }
 

@@ -279,6 +279,29 @@ impl TorchFile {
         Ok(Tensor::new(t.storage.dtype, shape, data))
     }
 
+    /// Bytes `from..from + into.len()` of a contiguous tensor's data read into `into` (a part
+    /// of a large tensor without a copy of the whole).
+    pub fn read_tensor_part(
+        &self,
+        name: &str,
+        t: &TensorRef,
+        from: usize,
+        into: &mut [u8],
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let (start, len) = self.tensor_range(name, t)?;
+        if from.checked_add(into.len()).is_none_or(|end| end > len) {
+            return Err(self.tensor_error(
+                name,
+                format!("bytes {from}..+{} of its {len} asked for", into.len()),
+            ));
+        }
+        (self.file.read_exact_at(into, (start + from) as u64)).map_err(|cause| TorchError::Io {
+            path: self.path.clone(),
+            cause,
+        })
+    }
+
     /// Byte range of a contiguous tensor in the file, checked against its storage record.
     fn tensor_range(&self, name: &str, t: &TensorRef) -> Result<(usize, usize)> {
         let err = |what: String| self.tensor_error(name, what);

@@ -233,9 +233,16 @@ impl TorchDistCkpt {
 
     /// Read one canonical tensor (the vocabulary cut to the model's rows).
     pub fn read(&self, c: Canon) -> Result<Tensor> {
-        let t = self.read_padded(c)?;
+        let mut t = self.read_padded(c)?;
+        let vocab = self.cfg.vocab;
         match c.role {
-            Role::Embedding | Role::Output => gather_tp(c.role, &[t], self.cfg.vocab),
+            // the padding cut off in place (a copy would double the largest tensor)
+            Role::Embedding | Role::Output if t.shape[0] >= vocab => {
+                t.data.truncate(vocab * t.row_bytes());
+                t.shape[0] = vocab;
+                Ok(t)
+            }
+            Role::Embedding | Role::Output => gather_tp(c.role, &[t], vocab),
             _ => Ok(t),
         }
     }
@@ -270,19 +277,25 @@ impl TorchDistCkpt {
             };
             check_item(tr, chunk, t.dtype)
                 .with_context(|| format!("{}: {what}", path.display()))?;
-            let data = item.read_tensor(&what, tr)?.data;
-            // the chunk's block at the leading indices, then its place in the region
+            // the chunk's block at the leading indices, read alone; then its place in the
+            // region, or the region itself when the block is all of it
             let lead: usize = (at.iter().enumerate())
                 .map(|(d, &i)| {
                     (i - chunk.offsets[d]) * chunk.sizes[d + 1..].iter().product::<usize>()
                 })
                 .sum();
             let inner = &chunk.sizes[at.len()..];
-            let block = &data[lead * size..][..inner.iter().product::<usize>() * size];
+            let (from, len) = (lead * size, inner.iter().product::<usize>() * size);
+            if inner == shape.as_slice() {
+                item.read_tensor_part(&what, tr, from, &mut out)?;
+                continue;
+            }
+            let mut block = vec![0u8; len];
+            item.read_tensor_part(&what, tr, from, &mut block)?;
             place(
                 &mut out,
                 &shape,
-                (block, inner),
+                (&block, inner),
                 &chunk.offsets[at.len()..],
                 size,
             );

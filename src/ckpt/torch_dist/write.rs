@@ -177,38 +177,52 @@ impl DistTarget<'_> {
         let mut tensors: BTreeMap<String, Global> = BTreeMap::new();
         // linear module → (the leading axes' sizes, the offsets of each item)
         let mut extra: BTreeMap<String, (Vec<usize>, Vec<Vec<usize>>)> = BTreeMap::new();
-        for c in canonical(self.cfg) {
-            let t = read(c)?;
-            let t = match c.role {
-                Role::Embedding | Role::Output => t.rows_padded(0, padded),
-                _ => t,
-            };
-            let p = keys::placement(self.cfg, c);
-            let mut sizes = vec![1; p.at.len()];
-            sizes.extend(&t.shape);
-            let root = tensor_value(t.dtype, &sizes);
-            let stored = (data.append(&data_path, &root, &[&t.data]))
-                .with_context(|| format!("writing {}", p.key))?;
-            progress(t.data.len() as u64);
-            let mut shape = p.lead.clone();
-            shape.extend(self.shape(c, padded));
-            let mut offsets = p.at.clone();
-            offsets.extend(std::iter::repeat_n(0, t.shape.len()));
-            let global = tensors.entry(p.key.clone()).or_insert_with(|| Global {
-                dtype: t.dtype,
-                shape,
-                chunks: Vec::new(),
+        // the next tensor read while one is written
+        std::thread::scope(|scope| -> Result<()> {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            let cfg = self.cfg;
+            scope.spawn(move || {
+                for c in canonical(cfg) {
+                    let t = read(c);
+                    let failed = t.is_err();
+                    if tx.send(t.map(|t| (c, t))).is_err() || failed {
+                        break;
+                    }
+                }
             });
-            global.chunks.push((offsets, sizes, stored));
-            if let Some(module) = linear_module(&p.key) {
-                let (lead, at) = (p.lead.clone(), p.at.clone());
-                let entry = extra.entry(format!("{module}._extra_state"));
-                let slot = entry.or_insert_with(|| (lead, Vec::new()));
-                if !slot.1.contains(&at) {
-                    slot.1.push(at);
+            for next in rx {
+                let (c, t) = next?;
+                let t = match c.role {
+                    Role::Embedding | Role::Output => t.rows_padded(0, padded),
+                    _ => t,
+                };
+                let p = keys::placement(self.cfg, c);
+                let mut sizes = vec![1; p.at.len()];
+                sizes.extend(&t.shape);
+                let root = tensor_value(t.dtype, &sizes);
+                let stored = (data.append(&data_path, &root, &[&t.data]))
+                    .with_context(|| format!("writing {}", p.key))?;
+                progress(t.data.len() as u64);
+                let mut shape = p.lead.clone();
+                shape.extend(self.shape(c, padded));
+                let mut offsets = p.at.clone();
+                offsets.extend(std::iter::repeat_n(0, t.shape.len()));
+                let global = tensors.entry(p.key.clone()).or_insert_with(|| Global {
+                    dtype: t.dtype,
+                    shape,
+                    chunks: Vec::new(),
+                });
+                global.chunks.push((offsets, sizes, stored));
+                if let Some(module) = linear_module(&p.key) {
+                    let slot = (extra.entry(format!("{module}._extra_state")))
+                        .or_insert_with(|| (p.lead.clone(), Vec::new()));
+                    if !slot.1.contains(&p.at) {
+                        slot.1.push(p.at);
+                    }
                 }
             }
-        }
+            Ok(())
+        })?;
         // megatron-core's local linears' extra state: `None`, saved as a one-item list
         let none = Value::List(vec![Value::None]);
         let mut objects = Vec::new();
