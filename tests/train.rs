@@ -164,7 +164,7 @@ fn bad_input_is_refused_before_any_work() {
     let data = corpus(dir.path());
     let save = dir.path().join("save");
     // (flags, what the refusal says)
-    let cases: [(&str, &str); 16] = [
+    let cases: [(&str, &str); 17] = [
         (
             "--global-batch-size 5",
             "not a multiple of --micro-batch-size",
@@ -204,7 +204,11 @@ fn bad_input_is_refused_before_any_work() {
         ("--hidden-dropout 1", "would drop every element"),
         ("--lr-warmup-iters 20", "must be shorter than decay"),
         ("--lora-r 4", "needs --lora-target-modules"),
-        ("--ckpt-format torch_dist", "only torch"),
+        ("--ckpt-format torch_dist", "train writes only torch"),
+        (
+            "--ckpt-convert-format torch --ckpt-convert-save /tmp/x",
+            "`mindkit convert --to megatron --ckpt-format",
+        ),
     ];
     for (extra, says) in cases {
         let extra = split(extra);

@@ -410,7 +410,7 @@ fn check_single_rank(a: &Args) -> Result<()> {
         bail!("--optimizer {o}: only adam (AdamW) is implemented");
     }
     if let Some(f) = a.get("ckpt-format").filter(|f| *f != "torch") {
-        bail!("--ckpt-format {f}: only torch (one model_optim_rng.pt per rank) is written; pass --ckpt-format torch");
+        bail!("--ckpt-format {f}: train writes only torch (one model_optim_rng.pt per rank); pass --ckpt-format torch, and `mindkit convert --to megatron --ckpt-format torch_dist` turns its checkpoints into torch_dist");
     }
     if let Some(stage) = a.get("stage").filter(|s| *s != "sft") {
         bail!("--stage {stage}: only sft (supervised fine-tuning) is implemented");
