@@ -875,21 +875,26 @@ fn a_write_error_prints_only_that_error() {
     // fails with ENOSPC; SIGXFSZ, which would kill the process instead, is ignored.
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let output = std::process::Command::new("sh")
-        .args(["-c", "trap '' XFSZ; ulimit -f 64; exec \"$0\" \"$@\""])
-        .arg(assert_cmd::cargo::cargo_bin("mindkit"))
-        .args(["convert", "--quiet", "--to", "megatron", "--input"])
-        .arg(model("llama"))
-        .arg("--output")
-        .arg(&out)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{err}");
-    assert!(err.contains("model_optim_rng.pt: File too large"), "{err}");
-    assert_eq!(err.lines().count(), 1, "only the error: {err}");
-    assert!(!out.exists());
-    assert!(leftovers(tmp.path()).is_empty());
+    for (format, file) in [
+        ("torch", "model_optim_rng.pt"),
+        ("torch_dist", "__0_0.distcp"),
+    ] {
+        let output = std::process::Command::new("sh")
+            .args(["-c", "trap '' XFSZ; ulimit -f 64; exec \"$0\" \"$@\""])
+            .arg(assert_cmd::cargo::cargo_bin("mindkit"))
+            .args(["convert", "--quiet", "--to", "megatron", "--input"])
+            .arg(model("llama"))
+            .args(["--ckpt-format", format, "--output"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{err}");
+        assert!(err.contains(&format!("{file}: File too large")), "{err}");
+        assert_eq!(err.lines().count(), 1, "only the error: {err}");
+        assert!(!out.exists());
+        assert!(leftovers(tmp.path()).is_empty());
+    }
 }
 
 #[test]

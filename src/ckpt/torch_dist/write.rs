@@ -73,7 +73,9 @@ struct Global {
 
 /// The data file as the sink of one archive at a time: positions counted from the open
 /// archive's start, as a stream's are; the position kept here, so that asking for it (as the
-/// zip writer does for every record) does not flush the buffer.
+/// zip writer does for every record) does not flush the buffer. After a write error it takes
+/// bytes without writing them: the zip writer's drop, finishing the archive, then has nothing
+/// to fail on and print (the error has already been returned; the directory is discarded).
 struct DataFile {
     file: BufWriter<std::fs::File>,
     /// Where the open archive starts.
@@ -82,18 +84,39 @@ struct DataFile {
     pos: u64,
     /// The file's length.
     len: u64,
+    failed: bool,
+}
+
+impl DataFile {
+    /// `result`, remembering a failure.
+    fn note<T>(&mut self, result: std::io::Result<T>) -> std::io::Result<T> {
+        self.failed |= result.is_err();
+        result
+    }
 }
 
 impl Write for DataFile {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.file.write(buf)?;
+        let n = match self.failed {
+            true => buf.len(),
+            false => {
+                let written = self.file.write(buf);
+                self.note(written)?
+            }
+        };
         self.pos += n as u64;
         self.len = self.len.max(self.pos);
         Ok(n)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        self.file.flush()
+        match self.failed {
+            true => Ok(()),
+            false => {
+                let flushed = self.file.flush();
+                self.note(flushed)
+            }
+        }
     }
 }
 
@@ -107,9 +130,11 @@ impl Seek for DataFile {
         let target = target
             .filter(|&t| t >= self.base)
             .ok_or_else(|| std::io::Error::other("seek outside the item"))?;
-        if target != self.pos {
-            self.pos = self.file.seek(SeekFrom::Start(target))?;
+        if target != self.pos && !self.failed {
+            let moved = self.file.seek(SeekFrom::Start(target));
+            self.note(moved)?;
         }
+        self.pos = target;
         Ok(self.pos - self.base)
     }
 }
@@ -173,6 +198,7 @@ impl DistTarget<'_> {
             base: 0,
             pos: 0,
             len: 0,
+            failed: false,
         };
         let mut tensors: BTreeMap<String, Global> = BTreeMap::new();
         // linear module → (the leading axes' sizes, the offsets of each item)
