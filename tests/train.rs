@@ -159,6 +159,37 @@ fn the_log_is_megatrons() {
 }
 
 #[test]
+fn conversions_keep_a_trained_checkpoints_vocabulary_padding() {
+    use mindkit::arch::roles::{Canon, Role};
+    use mindkit::ckpt::convert::open_checkpoint;
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("save");
+    // from scratch: every padding row its own random values (from HF they would be copies)
+    let path = save.to_str().unwrap();
+    let untied = ["--untie-embeddings-and-output-weights"];
+    let a = from_scratch(&data, &untied, &["--train-iters", "3", "--save", path]);
+    run(&a).success();
+    // the demo's 400 rows padded to 512
+    let rows = 512;
+    let padded = |d: &Path, role| {
+        let input = open_checkpoint(d, None, None).unwrap();
+        input
+            .read_padded(Canon { role, layer: None }, rows)
+            .unwrap()
+    };
+    for format in ["torch", "torch_dist"] {
+        let out = dir.path().join(format);
+        common::convert("megatron", &save, &out, &["--ckpt-format", format]);
+        for role in [Role::Embedding, Role::Output] {
+            let (want, got) = (padded(&save, role), padded(&out, role));
+            assert_ne!(want.rows(400, 401), want.rows(399, 400), "{role:?}");
+            assert_eq!(got, want, "{format}: {role:?}");
+        }
+    }
+}
+
+#[test]
 fn bad_input_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

@@ -566,9 +566,19 @@ pub fn write_output(
         t.cast(c.role.dtype(cfg.dtype))
             .map_err(|e| anyhow!("{c:?}: {e}"))
     };
+    // The vocabulary rows padded to a Megatron output's size: a Megatron source's own padding
+    // rows kept when its padded size is the output's (they are trained, and their logits enter
+    // Megatron's loss), else copies of the last real row; an edited tensor is padded as that.
+    let read_padded = |c: Canon, rows: usize| -> Result<Tensor> {
+        match edit.is_none() && matches!(c.role, Role::Embedding | Role::Output) {
+            true => (input.read_padded(c, rows)?.cast(c.role.dtype(cfg.dtype)))
+                .map_err(|e| anyhow!("{c:?}: {e}")),
+            false => read(c),
+        }
+    };
     let tmp = TempOutput::dir(&o.output, output_kind(o.to), o.force)?;
     let (tensors, bytes) = match o.to {
-        Format::Megatron => write_megatron(o, &cfg, source, &read, tmp.path())?,
+        Format::Megatron => write_megatron(o, &cfg, source, &read_padded, tmp.path())?,
         Format::Hf => write_hf(o, &cfg, &read, tmp.path())?,
     };
     hf::copy_side_files(source.side_files_dir(), tmp.path())?;
@@ -584,7 +594,7 @@ fn write_megatron(
     o: &ConvertOptions,
     cfg: &ModelConfig,
     source: &Source,
-    read: &(dyn Fn(Canon) -> Result<Tensor> + Sync),
+    read_padded: &(dyn Fn(Canon, usize) -> Result<Tensor> + Sync),
     dir: &Path,
 ) -> Result<(usize, u64)> {
     let (src_par, base_args) = match source {
@@ -629,6 +639,8 @@ fn write_megatron(
         false => par,
     };
     let progress = |total| util::progress_bar(total, ProgressUnit::Bytes, o.progress);
+    let padded = par.padded_vocab(cfg.vocab, o.divisible_by);
+    let read = &|c: Canon| read_padded(c, padded);
     if o.ckpt_format == CkptFormat::TorchDist {
         let target = DistTarget {
             cfg,

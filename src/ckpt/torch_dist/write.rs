@@ -219,7 +219,9 @@ impl DistTarget<'_> {
             for next in rx {
                 let (c, t) = next?;
                 let t = match c.role {
-                    Role::Embedding | Role::Output => t.rows_padded(0, padded),
+                    Role::Embedding | Role::Output if t.shape[0] != padded => {
+                        t.rows_padded(0, padded)
+                    }
                     _ => t,
                 };
                 let p = keys::placement(self.cfg, c);
