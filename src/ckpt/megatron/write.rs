@@ -7,8 +7,8 @@ use crate::arch::ModelConfig;
 use crate::ckpt::config::{megatron_args, ParallelArgs};
 use crate::ckpt::grouped::{grouped_key, grouped_shape, pack};
 use crate::ckpt::layout::{self, chunk_entries, KeyLayout, Parallel};
-use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
-use crate::ckpt::torch::save::PtWriter;
+use crate::ckpt::torch::pickle::Value;
+use crate::ckpt::torch::save::{contiguous, PtWriter};
 use crate::ckpt::transform::{shard_row_parts, shard_shape, tp_shard};
 use crate::tensor::host::Tensor;
 use anyhow::{bail, Context, Result};
@@ -68,26 +68,6 @@ fn insert_path(dict: &mut Vec<(Value, Value)>, path: &[String], v: Value) {
     if let Value::Dict(inner) = &mut dict[pos].1 {
         insert_path(inner, &path[1..], v);
     }
-}
-
-/// A contiguous tensor of `shape` over the whole of storage `key`.
-fn contiguous(key: usize, dtype: crate::tensor::DType, shape: Vec<u64>) -> Value {
-    let numel: u64 = shape.iter().product();
-    let mut stride = vec![1u64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        stride[i] = stride[i + 1] * shape[i + 1];
-    }
-    Value::Tensor(Box::new(TensorRef {
-        storage: StorageRef {
-            key: key.to_string(),
-            dtype,
-            location: "cpu".into(),
-            numel,
-        },
-        offset: 0,
-        shape,
-        stride,
-    }))
 }
 
 impl MegatronTarget<'_> {
@@ -199,7 +179,11 @@ impl MegatronTarget<'_> {
                     }
                     None => (path.clone(), shard.iter().map(|&n| n as u64).collect()),
                 };
-                let tensor = contiguous(stored.len(), c.role.dtype(self.cfg.dtype), shape);
+                let tensor = contiguous(
+                    &stored.len().to_string(),
+                    c.role.dtype(self.cfg.dtype),
+                    &shape,
+                );
                 stored.push(Stored {
                     canons: vec![*c],
                     grouped: is_grouped,

@@ -4,7 +4,7 @@
 //! The file is written under a temporary name and renamed by [`PtWriter::finish`]; a write
 //! error leaves no file and prints nothing but that error.
 
-use super::pickle::{TensorRef, Value};
+use super::pickle::{StorageRef, TensorRef, Value};
 use super::TorchError;
 use crate::tensor::DType;
 use crate::util::{AtomicFile, OutputKind};
@@ -134,6 +134,25 @@ impl PtWriter {
         sink.file.finish()?;
         Ok(())
     }
+}
+
+/// A contiguous CPU tensor of `shape` over the whole of storage `key`.
+pub fn contiguous(key: &str, dtype: DType, shape: &[u64]) -> Value {
+    let mut stride = vec![1u64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        stride[i] = stride[i + 1] * shape[i + 1];
+    }
+    Value::Tensor(Box::new(TensorRef {
+        storage: StorageRef {
+            key: key.to_string(),
+            dtype,
+            location: "cpu".into(),
+            numel: shape.iter().product(),
+        },
+        offset: 0,
+        shape: shape.to_vec(),
+        stride,
+    }))
 }
 
 /// The pickle of `root` (protocol 2, as `torch.save` writes it).

@@ -13,8 +13,8 @@ use crate::arch::ModelConfig;
 use crate::ckpt::config::{megatron_args, ParallelArgs};
 use crate::ckpt::layout::Parallel;
 use crate::ckpt::megatron::TRACKER;
-use crate::ckpt::torch::pickle::{StorageRef, TensorRef, Value};
-use crate::ckpt::torch::save::{write_archive, Pickler, PtWriter};
+use crate::ckpt::torch::pickle::Value;
+use crate::ckpt::torch::save::{contiguous, write_archive, Pickler, PtWriter};
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use anyhow::{anyhow, Context, Result};
@@ -227,7 +227,8 @@ impl DistTarget<'_> {
                 let p = keys::placement(self.cfg, c);
                 let mut sizes = vec![1; p.at.len()];
                 sizes.extend(&t.shape);
-                let root = tensor_value(t.dtype, &sizes);
+                let dims: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+                let root = contiguous("0", t.dtype, &dims);
                 let stored = (data.append(&data_path, &root, &[&t.data]))
                     .with_context(|| format!("writing {}", p.key))?;
                 progress(t.data.len() as u64);
@@ -308,26 +309,6 @@ impl DistTarget<'_> {
         PtWriter::create(path, &root, false)?.finish()?;
         Ok(())
     }
-}
-
-/// A contiguous tensor of `shape` over the whole of storage "0".
-fn tensor_value(dtype: DType, shape: &[usize]) -> Value {
-    let shape: Vec<u64> = shape.iter().map(|&n| n as u64).collect();
-    let mut stride = vec![1u64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        stride[i] = stride[i + 1] * shape[i + 1];
-    }
-    Value::Tensor(Box::new(TensorRef {
-        storage: StorageRef {
-            key: "0".into(),
-            dtype,
-            location: "cpu".into(),
-            numel: shape.iter().product(),
-        },
-        offset: 0,
-        shape,
-        stride,
-    }))
 }
 
 /// The linear module a global weight belongs to, if it is a linear layer's weight.
