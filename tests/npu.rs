@@ -303,6 +303,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "scale_rows",
         "row_dots",
         "gather / scatter",
+        "grouped_matmul",
+        "grouped_matmul_bwd",
     ] {
         assert!(
             table
@@ -320,6 +322,7 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "aclnnFlashAttentionUnpaddingScoreGrad",
         "aclnnRotaryPositionEmbedding",
         "aclnnRotaryPositionEmbeddingGrad",
+        "aclnnGroupedMatmulV4",
     ];
     assert!(
         fused
@@ -456,6 +459,16 @@ fn without_flash_attention_kernels_attention_runs_as_batch_matmul_and_softmax() 
     falls_back(&both, instead, &attention, &used);
     // A CANN with the forward kernel but not the backward's: the backward falls back.
     falls_back(&both[1..], instead, &attention, &used);
+}
+
+#[test]
+fn without_a_grouped_matmul_kernel_experts_run_one_matmul_per_group() {
+    falls_back(
+        &["aclnnGroupedMatmulV4"],
+        "one aclnnMatmul per group",
+        &["grouped_matmul", "grouped_matmul_bwd"],
+        &["aclnnMatmul"],
+    );
 }
 
 #[test]

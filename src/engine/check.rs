@@ -105,12 +105,8 @@ pub fn index_add_rows<D: Device>(
 ) -> Result<()> {
     let (n, c) = (rows(d.shape(dst)), cols(d.shape(dst)));
     expect_shape(d, "index_add_rows", "src", src, &[selected.len(), c])?;
-    let mut seen = vec![false; n];
-    let distinct = selected
-        .iter()
-        .all(|&r| r < n && !std::mem::replace(&mut seen[r], true));
-    ensure(distinct, "index_add_rows", || {
-        format!("rows {selected:?} of {n} (each at most once)")
+    ensure(selected.iter().all(|&r| r < n), "index_add_rows", || {
+        format!("rows {selected:?} of {n}")
     })
 }
 
@@ -200,6 +196,55 @@ pub fn matmul_bwd<D: Device>(
         "matmul_bwd",
         || "dbias length".into(),
     )?;
+    Ok((n, k, m))
+}
+
+/// [`super::Backend::grouped_matmul`]: `(n, k, m)`.
+pub fn grouped_matmul<D: Device>(
+    d: &D,
+    x: &D::Tensor,
+    w: &[&D::Tensor],
+    counts: &[usize],
+) -> Result<(usize, usize, usize)> {
+    let op = "grouped_matmul";
+    let (n, k) = (rows(d.shape(x)), cols(d.shape(x)));
+    let first = w.first().ok_or_else(|| EngineError::Invalid {
+        op,
+        msg: "no groups".into(),
+    })?;
+    let m = rows(d.shape(first));
+    for (g, wg) in w.iter().enumerate() {
+        expect_shape(d, op, &format!("w[{g}]"), wg, &[m, k])?;
+        same_dtype(d, op, wg, first)?;
+    }
+    ensure(counts.len() == w.len(), op, || {
+        format!("{} group sizes for {} weights", counts.len(), w.len())
+    })?;
+    ensure(counts.iter().sum::<usize>() == n, op, || {
+        format!("group sizes {counts:?} do not add up to the {n} rows")
+    })?;
+    Ok((n, k, m))
+}
+
+/// [`super::Backend::grouped_matmul_bwd`]: `(n, k, m)`.
+pub fn grouped_matmul_bwd<D: Device>(
+    d: &D,
+    (dy, x): (&D::Tensor, &D::Tensor),
+    w: &[&D::Tensor],
+    counts: &[usize],
+    dw: &[Option<&mut D::Tensor>],
+) -> Result<(usize, usize, usize)> {
+    let op = "grouped_matmul_bwd";
+    let (n, k, m) = grouped_matmul(d, x, w, counts)?;
+    expect_shape(d, op, "dy", dy, &[n, m])?;
+    ensure(dw.len() == w.len(), op, || {
+        format!("{} weight gradients for {} weights", dw.len(), w.len())
+    })?;
+    for (g, dwg) in dw.iter().enumerate() {
+        if let Some(dwg) = dwg {
+            expect_shape(d, op, &format!("dw[{g}]"), dwg, &[m, k])?;
+        }
+    }
     Ok((n, k, m))
 }
 

@@ -17,6 +17,7 @@ pub(crate) mod check;
 pub mod comm;
 pub mod cpu;
 pub mod dropout;
+pub mod grouped;
 pub mod selftest;
 
 use crate::tensor::host::Tensor as HostTensor;
@@ -211,6 +212,8 @@ pub enum Op {
     RmsNormBwd,
     Matmul,
     MatmulBwd,
+    /// Grouped matmul and its backward (an MoE layer's experts).
+    GroupedMatmul,
     SplitQkv,
     /// StridedView copies (gather and scatter).
     Gather,
@@ -281,9 +284,12 @@ pub trait Backend: Device {
     ) -> Result<()>;
     /// Rows `rows` of `x` (aclnnIndexSelect). Overwrites.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
-    /// `dst[rows[i]] += src[i]` for each row `i` of `src`, `rows` distinct, each sum rounded to
-    /// `dst`'s dtype (aclnnInplaceIndexAdd; the backward pass of [`Backend::select_rows`], an
-    /// MoE layer's combination of its experts' outputs). Accumulates.
+    /// `dst[rows[i]] += src[i]` for each row `i` of `src` in order, each sum rounded to `dst`'s
+    /// dtype (megatron-core's `scatter_add_`); a row may repeat, an MoE layer's token routed to
+    /// several experts (the backward pass of [`Backend::select_rows`], an MoE layer's
+    /// combination of its experts' outputs). On the NPU a repeated row's terms are summed
+    /// together before their one rounding (aclnnEmbeddingDenseBackward, then
+    /// aclnnInplaceAdd). Accumulates.
     fn index_add_rows(
         &self,
         dst: &mut Self::Tensor,
@@ -335,6 +341,29 @@ pub trait Backend: Device {
         w: &Self::Tensor,
         dw: Option<&mut Self::Tensor>,
         dbias: Option<&mut Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+    /// `y [n, m]`: each group of `counts[g]` consecutive rows of `x [n, k]` times `w[g]ᵀ`
+    /// (`w[g] [m, k]`; `Σ counts = n`): an MoE layer's experts on their tokens, permuted expert
+    /// after expert (aclnnGroupedMatmulV4: `x` split along M by a list of group sizes, the
+    /// weights a list of transposed views). Each group's rows as [`Backend::matmul`] gives
+    /// them. Overwrites.
+    fn grouped_matmul(
+        &self,
+        x: &Self::Tensor,
+        w: &[&Self::Tensor],
+        counts: &[usize],
+    ) -> Result<Self::Tensor>;
+    /// The backward of [`Backend::grouped_matmul`]: returns `dx [n, k]`, each group's
+    /// `dy_g · w[g]` (aclnnGroupedMatmulV4 split along M; overwrites), and accumulates
+    /// `dw[g] += dy_gᵀ · x_g` where `dw[g]` is given (aclnnGroupedMatmulV4 split along K, then
+    /// aclnnInplaceAdd), each as [`Backend::matmul_bwd`] would for the group alone.
+    fn grouped_matmul_bwd(
+        &self,
+        dy: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &[&Self::Tensor],
+        counts: &[usize],
+        dw: &mut [Option<&mut Self::Tensor>],
     ) -> Result<Self::Tensor>;
     /// Split a fused QKV activation `[n, groups·(heads/groups + 2)·d]` (Megatron's GQA-grouped
     /// order) into `q [n, heads·d]`, `k [n, groups·d]`, `v [n, groups·d]`

@@ -248,6 +248,20 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             matmul_bwd
         ),
         case!(
+            "grouped_matmul",
+            GroupedMatmul,
+            "[10,24] in groups 4,0,6 · 3×[16,24]ᵀ",
+            1.0,
+            grouped_matmul
+        ),
+        case!(
+            "grouped_matmul_bwd",
+            GroupedMatmul,
+            "[10,16] → dx, dw of groups 1 and 3 of 3",
+            1.0,
+            grouped_matmul_bwd
+        ),
+        case!(
             "split_qkv",
             SplitQkv,
             "[5,64] 4 heads / 2 groups",
@@ -505,6 +519,37 @@ fn matmul_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs>
             b.download_f32(&dx)?,
             b.download_f32(&dw)?,
             b.download_f32(&db)?,
+        ]
+    }))
+}
+
+/// The groups of the grouped matmul checks: one empty, as an expert no token chose.
+const GROUPS: [usize; 3] = [4, 0, 6];
+
+fn grouped_matmul<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let x = i.tensor(&[10, 24]);
+    let w: Vec<HostTensor> = (0..3).map(|_| i.tensor(&[16, 24])).collect();
+    Ok(on_both!(dut, cpu, |b| {
+        let w = w.iter().map(|w| b.upload(w)).collect::<Result<Vec<_>>>()?;
+        let w: Vec<_> = w.iter().collect();
+        vec![b.download_f32(&b.grouped_matmul(&b.upload(&x)?, &w, &GROUPS)?)?]
+    }))
+}
+
+fn grouped_matmul_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (dy, x) = (i.tensor(&[10, 16]), i.tensor(&[10, 24]));
+    let w: Vec<HostTensor> = (0..3).map(|_| i.tensor(&[16, 24])).collect();
+    let dw: Vec<HostTensor> = (0..2).map(|_| i.tensor_in(&[16, 24], DType::F32)).collect();
+    Ok(on_both!(dut, cpu, |b| {
+        let w = w.iter().map(|w| b.upload(w)).collect::<Result<Vec<_>>>()?;
+        let w: Vec<_> = w.iter().collect();
+        let (mut dw0, mut dw2) = (b.upload(&dw[0])?, b.upload(&dw[1])?);
+        let mut grads = [Some(&mut dw0), None, Some(&mut dw2)];
+        let dx = b.grouped_matmul_bwd(&b.upload(&dy)?, &b.upload(&x)?, &w, &GROUPS, &mut grads)?;
+        vec![
+            b.download_f32(&dx)?,
+            b.download_f32(&dw0)?,
+            b.download_f32(&dw2)?,
         ]
     }))
 }
@@ -874,7 +919,7 @@ fn sum_squares<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs
 /// failed.
 pub fn report(title: &str, device: &str, checks: &[Check]) -> String {
     let mut out = format!(
-        "{title}\n{:<18} {:<5} {:<34} {:>10} {:>9}  result\n",
+        "{title}\n{:<20} {:<5} {:<40} {:>10} {:>9}  result\n",
         "op", "dtype", "shape", "error", "tolerance"
     );
     for c in checks {
@@ -884,7 +929,7 @@ pub fn report(title: &str, device: &str, checks: &[Check]) -> String {
         };
         let dtype = format!("{:?}", c.dtype).to_lowercase();
         out += &format!(
-            "{:<18} {:<5} {:<34} {:>10} {:>9.1e}  {result}\n",
+            "{:<20} {:<5} {:<40} {:>10} {:>9.1e}  {result}\n",
             c.op, dtype, c.shape, error, c.tolerance
         );
         if let Some(why) = &c.failure {

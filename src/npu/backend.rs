@@ -147,6 +147,8 @@ pub struct Npu {
     rope_grad: Fused,
     /// Flash attention, or BatchMatMul and Softmax ([`attention`]).
     flash: Fused,
+    /// aclnnGroupedMatmulV4, or one aclnnMatmul per group ([`grouped`]).
+    gmm: Fused,
 }
 
 /// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
@@ -166,6 +168,7 @@ macro_rules! aclnn {
 }
 
 mod attention;
+mod grouped;
 
 use attention::Sequence;
 
@@ -206,6 +209,8 @@ impl Npu {
                 .aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize
                 .is_some()
             && op.aclnnFlashAttentionUnpaddingScoreGrad.is_some();
+        let gmm =
+            op.aclnnGroupedMatmulV4GetWorkspaceSize.is_some() && op.aclnnGroupedMatmulV4.is_some();
         // SAFETY: the runtime's own NUL-terminated string.
         let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
         let npu = Npu {
@@ -218,6 +223,7 @@ impl Npu {
                 "attention",
                 "aclnnBatchMatMul + aclnnSoftmax(+Backward), one sequence at a time",
             ),
+            gmm: Fused::new("grouped matmul", "one aclnnMatmul per group"),
         };
         if !rope {
             npu.rope
@@ -231,6 +237,9 @@ impl Npu {
             npu.flash.give_up(
                 "has no function aclnnFlashAttentionVarLenScore or aclnnFlashAttentionUnpaddingScoreGrad",
             );
+        }
+        if !gmm {
+            npu.gmm.give_up("has no function aclnnGroupedMatmulV4");
         }
         Ok(npu)
     }
@@ -771,8 +780,8 @@ impl Backend for Npu {
 
     fn index_add_rows(&self, dst: &mut NpuTensor, src: &NpuTensor, rows: &[usize]) -> Result<()> {
         check::index_add_rows(self, dst, src, rows)?;
-        // The rows are distinct: a one-hot product of them is the indexed sum
-        // (aclnnEmbeddingDenseBackward, then one rounding add into `dst`).
+        // A one-hot product of the rows is the indexed sum (aclnnEmbeddingDenseBackward, a
+        // repeated row's terms summed together), then one rounding add into `dst`.
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         self.embedding_bwd(src, &ids, dst)
     }
@@ -888,6 +897,26 @@ impl Backend for Npu {
             self.add_view(&out.view(), &b.view().reshaped(&[m], 0))?;
         }
         self.converted(out, x.dtype)
+    }
+
+    fn grouped_matmul(
+        &self,
+        x: &NpuTensor,
+        w: &[&NpuTensor],
+        counts: &[usize],
+    ) -> Result<NpuTensor> {
+        self.grouped_matmul_on(x, w, counts)
+    }
+
+    fn grouped_matmul_bwd(
+        &self,
+        dy: &NpuTensor,
+        x: &NpuTensor,
+        w: &[&NpuTensor],
+        counts: &[usize],
+        dw: &mut [Option<&mut NpuTensor>],
+    ) -> Result<NpuTensor> {
+        self.grouped_matmul_bwd_on((dy, x), w, counts, dw)
     }
 
     fn matmul_bwd(

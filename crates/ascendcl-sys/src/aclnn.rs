@@ -206,6 +206,14 @@ pub mod opapi {
         fn aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize(query: *const aclTensor, key_in: *const aclTensor, value: *const aclTensor, dy: *const aclTensor, pse_shift_optional: *const aclTensor, drop_mask_optional: *const aclTensor, padding_mask_optional: *const aclTensor, atten_mask_optional: *const aclTensor, softmax_max_optional: *const aclTensor, softmax_sum_optional: *const aclTensor, softmax_in_optional: *const aclTensor, attention_in_optional: *const aclTensor, prefix_optional: *const aclIntArray, actual_seq_q_len_optional: *const aclIntArray, actual_seq_kv_len_optional: *const aclIntArray, scale_value: f64, keep_prob: f64, pre_tokens: i64, next_tokens: i64, head_num: i64, input_layout: *mut c_char, inner_precise: i64, sparse_mode: i64, dq_out: *const aclTensor, dk_out: *const aclTensor, dv_out: *const aclTensor, dpse_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize`].
         fn aclnnFlashAttentionUnpaddingScoreGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// Matrix products of groups (an MoE layer's experts): `x` split along M (`group_type` 0)
+        /// or K (2) by `group_list` (`group_list_type` 1: each group's size), each group times
+        /// its weight (a list, or one 3-D tensor); `split_item` 2/3: one output tensor. The
+        /// quantisation and activation arguments may be null. Optional: without it (or a
+        /// kernel for the SoC), one aclnnMatmul per group.
+        fn aclnnGroupedMatmulV4GetWorkspaceSize(x: *const aclTensorList, weight: *const aclTensorList, bias_optional: *const aclTensorList, scale_optional: *const aclTensorList, offset_optional: *const aclTensorList, antiquant_scale_optional: *const aclTensorList, antiquant_offset_optional: *const aclTensorList, per_token_scale_optional: *const aclTensorList, group_list_optional: *const aclTensor, activation_input_optional: *const aclTensorList, activation_quant_scale_optional: *const aclTensorList, activation_quant_offset_optional: *const aclTensorList, split_item: i64, group_type: i64, group_list_type: i64, act_type: i64, out: *mut aclTensorList, activation_feature_out_optional: *mut aclTensorList, dyn_quant_scale_out_optional: *mut aclTensorList, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnGroupedMatmulV4GetWorkspaceSize`].
+        fn aclnnGroupedMatmulV4(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

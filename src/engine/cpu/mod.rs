@@ -661,6 +661,26 @@ impl Backend for Cpu {
         Ok(CpuTensor::stored(vec![n, m], out, x.dtype()))
     }
 
+    fn grouped_matmul(
+        &self,
+        x: &CpuTensor,
+        w: &[&CpuTensor],
+        counts: &[usize],
+    ) -> Result<CpuTensor> {
+        super::grouped::grouped_matmul(self, x, w, counts)
+    }
+
+    fn grouped_matmul_bwd(
+        &self,
+        dy: &CpuTensor,
+        x: &CpuTensor,
+        w: &[&CpuTensor],
+        counts: &[usize],
+        dw: &mut [Option<&mut CpuTensor>],
+    ) -> Result<CpuTensor> {
+        super::grouped::grouped_matmul_bwd(self, (dy, x), w, counts, dw)
+    }
+
     fn matmul_bwd(
         &self,
         dy: &CpuTensor,

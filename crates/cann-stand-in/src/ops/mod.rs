@@ -5,6 +5,7 @@
 
 mod attention;
 mod elementwise;
+mod grouped;
 mod loss;
 mod nn;
 
@@ -114,6 +115,7 @@ launches!(
     aclnnSoftmax,
     aclnnSoftmaxBackward,
     aclnnInplaceMaskedFillScalar,
+    aclnnGroupedMatmulV4,
 );
 
 /// Every function ascendcl-sys declares for libnnopbase and libopapi is exported here with its
@@ -123,6 +125,7 @@ fn exports_have_the_declared_types() {
     use crate::aclnn::*;
     use attention::*;
     use elementwise::*;
+    use grouped::*;
     use loss::*;
     use nn::*;
     let _ = ascendcl_sys::aclnn::nnopbase::Functions {
@@ -184,6 +187,8 @@ fn exports_have_the_declared_types() {
             aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
         ),
         aclnnFlashAttentionUnpaddingScoreGrad: Some(aclnnFlashAttentionUnpaddingScoreGrad),
+        aclnnGroupedMatmulV4GetWorkspaceSize: Some(aclnnGroupedMatmulV4GetWorkspaceSize),
+        aclnnGroupedMatmulV4: Some(aclnnGroupedMatmulV4),
         aclnnLogSoftmaxGetWorkspaceSize,
         aclnnLogSoftmax,
         aclnnCrossEntropyLossGetWorkspaceSize,

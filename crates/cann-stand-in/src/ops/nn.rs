@@ -109,7 +109,7 @@ fn matmul(
 }
 
 /// `c [n, m] = x [n, k] · y [k, m]`, accumulated in f32 over k in order.
-fn gemm(x: &[f32], y: &[f32], c: &mut [f32], k: usize, m: usize) {
+pub(super) fn gemm(x: &[f32], y: &[f32], c: &mut [f32], k: usize, m: usize) {
     for (xr, cr) in x.chunks_exact(k.max(1)).zip(c.chunks_exact_mut(m.max(1))) {
         for (&xv, yr) in xr.iter().zip(y.chunks_exact(m.max(1))) {
             cr.iter_mut().zip(yr).for_each(|(c, &y)| *c += xv * y);
