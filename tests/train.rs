@@ -3262,6 +3262,14 @@ fn moe_on_the_npu_stand_in_matches_the_cpu() {
     same_training(&cpu, &npu, 1e-4, "EP 2 on the NPU stand-in");
     let calls = |f: &str| counted["hccl"][f]["calls"].as_u64().unwrap_or(0);
     assert!(calls("HcclReduceScatter") > 0, "{counted}");
+    // In bf16 the experts run as grouped matmuls (aclnnGroupedMatmulV4), forward and backward.
+    let bf16 = moe_args(&data, &[&flags[..], &["--bf16"]].concat());
+    let cpu = stdout(&run(&bf16).success());
+    let (npu, counted) = train_on_stand_in(dir.path(), &bf16, "");
+    same_training(&cpu, &npu, 2e-2, "bf16 experts on the NPU stand-in");
+    let launches = counted["ops"]["aclnnGroupedMatmulV4"].as_u64().unwrap_or(0);
+    // 3 MoE layers × 4 micro-batches × (2 forward + 3 backward), at least
+    assert!(launches >= 60, "{counted}");
 }
 
 #[test]

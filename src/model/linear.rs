@@ -57,6 +57,12 @@ impl Linear {
         }
     }
 
+    /// Its weight when it is all there is (no bias, no adapter): then `y = x·Wᵀ` on every
+    /// rank, whatever the parallelism.
+    pub(super) fn bare(&self) -> Option<usize> {
+        (self.bias.is_none() && self.lora.is_none()).then_some(self.w)
+    }
+
     /// `y [T, m] = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ`; returns `y` and, with an adapter, `x·Aᵀ`
     /// `[T, r]` for the backward pass. Under tensor parallelism a row-parallel layer's `y` is
     /// a partial sum the caller reduces: its bias and adapter term are added by one rank, and

@@ -43,6 +43,11 @@ impl SwiGlu {
         })
     }
 
+    /// The weights of linear_fc1 and linear_fc2 when they are bare ([`Linear::bare`]).
+    pub(in crate::model) fn bare(&self) -> Option<(usize, usize)> {
+        self.fc1.bare().zip(self.fc2.bare())
+    }
+
     /// This rank's partial sum `fc2(swiglu(fc1(x)) · w) [T, h]` (no collectives), `w [T]` the
     /// optional per-row scale of the activation.
     pub(in crate::model) fn forward<B: Backend>(

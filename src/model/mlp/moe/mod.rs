@@ -17,6 +17,7 @@
 //! Legend: T = this rank's rows, N = its tensor-parallel group's rows (T without sequence
 //! parallelism), M = its expert-parallel group's (EP·N), h = hidden, E = routed experts.
 
+mod experts;
 pub(in crate::model) mod losses;
 mod spread;
 
@@ -47,15 +48,6 @@ pub(in crate::model) struct Moe {
     shared: Option<(SwiGlu, Option<usize>)>,
 }
 
-/// One expert's share of a forward pass.
-struct ExpertSaved<T> {
-    expert: usize,
-    /// Its tokens (rows of the M), ascending, and their routing weights `[n]` (f32).
-    rows: Vec<usize>,
-    weights: T,
-    swiglu: SwiGluSaved<T>,
-}
-
 /// What the backward pass needs of the forward pass.
 pub(in crate::model) struct Saved<T> {
     /// The normed input `[T, h]`.
@@ -65,7 +57,7 @@ pub(in crate::model) struct Saved<T> {
     routes: Vec<Routed>,
     /// How the M rows lie over the expert-parallel ranks.
     spread: Spread,
-    experts: Vec<ExpertSaved<T>>,
+    experts: experts::Saved<T>,
     shared: Option<SharedSaved<T>>,
     /// In training, what the trainer is told and the auxiliary losses' gradient of this
     /// rank's logits `[T·E]`.
@@ -119,6 +111,14 @@ impl Moe {
             first,
             shared,
         })
+    }
+
+    /// This rank's routed experts.
+    fn local(&self) -> experts::Local<'_> {
+        experts::Local {
+            experts: &self.experts,
+            first: self.first,
+        }
     }
 
     /// The dtype of the router's product for input `h`: f32 with `router_f32`
@@ -236,26 +236,8 @@ impl Moe {
             (RouterStats { losses, tokens }, grad)
         });
         let mut out = b.zeros(b.shape(x), b.dtype(x))?;
-        let mut experts = Vec::new();
-        let per_expert = tokens_per_expert(&routes, &kept, e_count);
-        let mine_only = (per_expert.into_iter().enumerate())
-            .skip(self.first)
-            .take(self.experts.len());
-        for (expert, (rows, w)) in mine_only {
-            if rows.is_empty() {
-                continue;
-            }
-            let weights = b.upload_f32(&[rows.len()], &w)?;
-            let xe = b.select_rows(x, &rows)?;
-            let (y, swiglu) = self.experts[expert - self.first].forward(p, &xe, Some(&weights))?;
-            b.index_add_rows(&mut out, &y, &rows)?;
-            experts.push(ExpertSaved {
-                expert,
-                rows,
-                weights,
-                swiglu,
-            });
-        }
+        let tokens = tokens_per_expert(&routes, &kept, e_count);
+        let experts = self.local().forward(p, x, tokens, &mut out)?;
         let out = spread.reduce(b, p.ep, out)?;
         let mut out = match p.spec.experts_whole {
             true => out,
@@ -317,26 +299,10 @@ impl Moe {
         let sent = if whole { &s.h } else { x_tp };
         let h_everyone = s.spread.gather(b, p.ep, sent)?;
         let x = h_everyone.as_ref().unwrap_or(sent);
-        let mut dx = b.zeros(b.shape(x), b.dtype(x))?;
         let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
-        for e in s.experts {
-            let dy_e = b.select_rows(dy_all, &e.rows)?;
-            let xe = b.select_rows(x, &e.rows)?;
-            let (dx_e, dw) = self.experts[e.expert - self.first].backward(
-                p,
-                grads,
-                e.swiglu,
-                (&xe, &dy_e, Some(&e.weights)),
-            )?;
-            b.index_add_rows(&mut dx, &dx_e, &e.rows)?;
-            let dw = dw.expect("a scaled expert's weight gradient");
-            for (&row, d) in e.rows.iter().zip(dw) {
-                let slot = (s.routes[row].experts.iter())
-                    .position(|&x| x == e.expert)
-                    .expect("the expert is among the row's");
-                dweights[row][slot] = d;
-            }
-        }
+        let dx =
+            self.local()
+                .backward(p, grads, s.experts, (x, dy_all), (&s.routes, &mut dweights))?;
         // Every expert-parallel rank's experts' part of the rows this rank sent.
         let mut dx = s.spread.reduce(b, p.ep, dx)?;
         let mut shared_dx = None;
