@@ -174,22 +174,25 @@ fn group_limited_topk(scores: &[f32], k: usize, (groups, keep): (usize, usize)) 
 }
 
 /// Route one token given its router `logits [experts]` and, with an expert bias (aux-loss-free
-/// balancing), the bias added to the scores for the choice only.
+/// balancing), the bias added to the scores for the choice only: to the sigmoid scores
+/// (megatron-core), or to the softmax over all experts (MindSpeed-LLM's `softmax_topk`,
+/// mindspeed_llm/core/transformer/moe/router.py `topk_router_routing`; LongCat-Flash's
+/// router, transformers' `LongcatFlashTopkRouter`).
 pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
     let choose = |scores: &[f32]| match moe.group_limit {
         Some(g) => group_limited_topk(scores, moe.topk, g),
         None => topk(scores, moe.topk),
     };
+    let biased = |scores: Vec<f32>| match expert_bias {
+        Some(bias) => scores.iter().zip(bias).map(|(s, b)| s + b).collect(),
+        None => scores,
+    };
     let experts = match moe.score {
-        ScoreFunction::Softmax if moe.pre_softmax => choose(&softmax(logits)),
-        ScoreFunction::Softmax => choose(logits),
-        ScoreFunction::Sigmoid => {
-            let scores = logits.iter().map(|&x| sigmoid(x));
-            match expert_bias {
-                Some(bias) => choose(&scores.zip(bias).map(|(s, b)| s + b).collect::<Vec<_>>()),
-                None => choose(&scores.collect::<Vec<_>>()),
-            }
+        ScoreFunction::Softmax if moe.pre_softmax || expert_bias.is_some() => {
+            choose(&biased(softmax(logits)))
         }
+        ScoreFunction::Softmax => choose(logits),
+        ScoreFunction::Sigmoid => choose(&biased(logits.iter().map(|&x| sigmoid(x)).collect())),
     };
     weigh(moe, logits, experts)
 }
@@ -396,6 +399,34 @@ mod tests {
         let s = sigmoid;
         let sum = s(0.0) + s(-1.0);
         assert!((r.weights[0] - s(0.0) / sum).abs() < 1e-7);
+    }
+
+    #[test]
+    fn an_expert_bias_moves_softmax_choices_but_not_their_weights() {
+        // MindSpeed-LLM's softmax_topk: the bias added to the softmax over all experts chooses,
+        // the softmax weighs (renormalised unless pre-softmax), then the scale
+        let logits = [2.0, 1.0, 0.5, 0.0];
+        let bias = [0.0, 0.0, 0.5, 0.0];
+        let p = softmax(&logits);
+        let mut m = moe(ScoreFunction::Softmax, true);
+        m.topk_scale = Some(6.0);
+        let r = route(&m, &logits, Some(&bias));
+        assert_eq!(r.experts, [2, 0]);
+        assert_eq!(r.weights, [p[2] * 6.0, p[0] * 6.0]);
+        // without the bias, the two best logits
+        assert_eq!(route(&m, &logits, None).experts, [0, 1]);
+        let renormalised = route(&moe(ScoreFunction::Softmax, false), &logits, Some(&bias));
+        assert_eq!(renormalised.experts, [2, 0]);
+        let sum = p[2] + p[0];
+        let close = |a: f32, b: f32| (a - b).abs() < 1e-6;
+        assert!(
+            close(renormalised.weights[0], p[2] / sum),
+            "{renormalised:?}"
+        );
+        assert!(
+            close(renormalised.weights[1], p[0] / sum),
+            "{renormalised:?}"
+        );
     }
 
     #[test]

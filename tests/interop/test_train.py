@@ -416,6 +416,76 @@ def test_aux_loss_free_balancing_matches_megatron_core(tmp_path, mindkit):
     assert len(biases) == 2 and all(trained[k].abs().sum() > 0 for k in biases)
 
 
+def mindspeed_softmax_topk(router):
+    """`router` (megatron-core's TopKRouter, built with an expert bias) routing as MindSpeed-LLM's
+    softmax_topk does with one, ported from mindspeed_llm/core/transformer/moe/router.py
+    `topk_router_routing`: the z-loss, a softmax over all experts, the top-k of it plus the
+    expert bias, the chosen softmax scores (no norm_topk_prob) times the scaling factor, and the
+    chosen experts counted for the bias update."""
+    def routing(logits):
+        logits = router.apply_z_loss(logits.view(-1, router.config.num_moe_experts))
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+        _, indices = torch.topk(scores + router.expert_bias, k=router.topk, dim=1)
+        chosen = torch.gather(scores, 1, indices) * router.config.moe_router_topk_scaling_factor
+        probs = torch.zeros_like(scores).scatter(1, indices, chosen)
+        routing_map = torch.zeros_like(scores).int().scatter(1, indices, 1).bool()
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                router.local_tokens_per_expert += routing_map.sum(dim=0)
+        return probs, routing_map
+    router.routing = routing
+
+
+def test_softmax_topk_with_an_expert_bias_trains_as_mindspeed_llms_router(tmp_path, mindkit):
+    """MindSpeed-LLM's softmax_topk routing with an expert bias (LongCat-Flash's script: the bias
+    added to the softmax over all experts for the choice, the softmax scores scaled by 6 as the
+    weights, the bias moved after every step, a z-loss): `mindkit train` against megatron-core's
+    GPTModel whose routers run MindSpeed-LLM's routing (ported above) and whose biases
+    finalize_model_grads' _update_router_expert_bias moves: lm loss, grad norm, learning rate and
+    z_loss per iteration to 1e-5 relative over 20 iterations, the final weights to 1e-4, the
+    final expert biases bit for bit."""
+    import argparse
+    from megatron_cpu import gpt_model
+    model_dir = make_qwen3_moe(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    routing = dict(moe_router_load_balancing_type="softmax_topk", norm_topk_prob=False,
+                   moe_router_pre_softmax=True, moe_router_topk_scaling_factor=6.0,
+                   moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.002)
+    def bias(key, weight):
+        return ({key.replace("weight", "expert_bias"): torch.zeros(weight.shape[0])}
+                if key.endswith("router.weight") else {})
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", routing, bias)
+    flags = [f for f in MOE_FLAGS if f != "--norm-topk-prob"]
+    flags[flags.index("aux_loss")] = "softmax_topk"
+    flags[flags.index("--moe-aux-loss-coeff") + 1] = "0"
+    flags += ["--moe-router-topk-scaling-factor", "6", "--moe-router-enable-expert-bias",
+              "--moe-router-bias-update-rate", "0.002", "--finetune",
+              "--tokenizer-name-or-path", model_dir]
+    mindkit_train(tmp_path / "start", data, tmp_path, flags)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss"))
+    assert "load_balancing_loss" not in got, got.keys()
+    # megatron-core's TransformerConfig takes an expert bias with sigmoid scores only; the
+    # routing is replaced anyway
+    built = argparse.Namespace(**{**vars(start["args"]), "moe_router_score_function": "sigmoid"})
+    gpt = gpt_model(built, moe_losses=dict(moe_z_loss_coeff=0.001))
+    gpt.load_state_dict(start["model"], strict=True)
+    routers = [m for m in gpt.modules() if hasattr(m, "expert_bias")]
+    assert len(routers) == 2
+    for router in routers:
+        mindspeed_softmax_topk(router)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
+    trained = same_as_megatron_core(got, history, reference, tmp_path)
+    biases = [k for k in trained if k.endswith("expert_bias")]
+    for name in biases:
+        ref = reference.module.state_dict()[name]
+        assert trained[name].dtype == torch.float32 and torch.equal(trained[name], ref), name
+    assert len(biases) == 2 and all(trained[k].abs().sum() > 0 for k in biases)
+
+
 def make_deepseek_v3(out, mtp=0):
     """A seeded tiny DeepSeek-V3 with the shipped tokenizer: multi-latent attention (a query
     latent of 32 and a key-value latent of 16, their norms random, heads of 16 + 8 rotated

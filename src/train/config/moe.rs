@@ -5,7 +5,7 @@
 //! mindkit does not build yet, refused by name.
 
 use super::{positive, positive_float};
-use crate::arch::moe::{Capacity, DropPolicy, Moe};
+use crate::arch::moe::{Capacity, DropPolicy, Moe, ScoreFunction};
 use crate::arch::ModelConfig;
 use crate::ckpt::torch::pickle::Value;
 use crate::model::{AuxLosses, Balancing};
@@ -203,8 +203,9 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
 /// dropping or an auxiliary loss (megatron-core's `TransformerConfig` and
 /// `sinkhorn_load_balancing` refuse both), and, as not built, with an expert bias (which it
 /// would count but not route by) or whole experts under TP (a router call balances Megatron's
-/// sequence-parallel block); MindSpeed-LLM's `softmax_topk` without an expert bias (added to
-/// softmax scores there, not built).
+/// sequence-parallel block); an expert bias with a softmax router only in MindSpeed-LLM's
+/// `softmax_topk`, which adds it to the softmax scores (megatron-core `TransformerConfig`
+/// refuses the pair).
 fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> Result<()> {
     let Some(m) = &model.moe else { return Ok(()) };
     let balancing = a
@@ -223,9 +224,10 @@ fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> 
         "sinkhorn" if etp == 1 && tp > 1 => Some(
             "whole experts under tensor parallelism (--expert-tensor-parallel-size 1): not built",
         ),
-        "sinkhorn" | "softmax_topk" if m.expert_bias => {
-            Some("--moe-router-enable-expert-bias: not built")
-        }
+        "sinkhorn" if m.expert_bias => Some("--moe-router-enable-expert-bias: not built"),
+        t if m.expert_bias && m.score == ScoreFunction::Softmax && t != "softmax_topk" => Some(
+            "--moe-router-enable-expert-bias and the softmax score function: megatron-core's routers add the bias to sigmoid scores only and refuse the pair (MindSpeed-LLM's softmax_topk adds it to the softmax)",
+        ),
         _ => None,
     };
     match refused {
