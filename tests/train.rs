@@ -3787,6 +3787,75 @@ fn expert_parallel_ranks_train_as_one_rank_does() {
 }
 
 #[test]
+fn zero_computation_experts_train_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // LongCat-Flash's routing: softmax_topk with an expert bias over 4 routed and 2 zero experts
+    let zero = "--num-zero-experts 2 --moe-router-load-balancing-type softmax_topk \
+        --moe-aux-loss-coeff 0 --moe-router-topk-scaling-factor 6 \
+        --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002";
+    let one = stdout(&moe_train(&data, zero).success());
+    let plain = stdout(&moe_train(&data, "").success());
+    assert_ne!(field(&one, "lm loss"), field(&plain, "lm loss"));
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let tp_alone = stdout(&moe_train(&data, &format!("{zero} {tp}")).success());
+    same_training(&one, &tp_alone, 1e-5, "zero experts under TP 2 + SP");
+    for (layout, base) in [
+        ("--expert-model-parallel-size 2".to_string(), &one),
+        (
+            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2".into(),
+            &one,
+        ),
+        (format!("{tp} --expert-model-parallel-size 2"), &tp_alone),
+        (
+            format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"),
+            &tp_alone,
+        ),
+        (
+            "--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --world-size 2".into(),
+            &one,
+        ),
+    ] {
+        let what = format!("zero experts, {layout}");
+        if !layout.contains("sequence-parallel") && layout.contains("tensor-model") {
+            // MoE under TP trains with sequence parallelism only (megatron-core)
+            let err = stderr(&moe_train(&data, &format!("{zero} {layout}")).failure());
+            assert!(err.contains("--sequence-parallel"), "{err}");
+            continue;
+        }
+        let log = stdout(&moe_train(&data, &format!("{zero} {layout}")).success());
+        same_training(base, &log, 1e-5, &what);
+    }
+    // its checkpoint (a router of 6 rows) split over TP 2 × EP 2 and joined again by convert
+    // continues as the saved one does
+    let saved = dir.path().join("zero");
+    moe_train(&data, &format!("{zero} --save {}", saved.display())).success();
+    let (split, joined) = (dir.path().join("split"), dir.path().join("joined"));
+    common::convert("megatron", &saved, &split, &["--tp", "2", "--ep", "2"]);
+    common::convert("megatron", &split, &joined, &["--tp", "1", "--ep", "1"]);
+    let from = |ckpt: &Path| {
+        let flags = format!(
+            "{zero} --load {} --finetune --train-iters 4 --lr-warmup-iters 1",
+            ckpt.display()
+        );
+        stdout(&moe_train(&data, &flags).success())
+    };
+    let (a, b) = (from(&saved), from(&joined));
+    assert_eq!(field(&a, "lm loss").len(), 4, "{a}");
+    assert_eq!(field(&a, "lm loss"), field(&b, "lm loss"));
+    // refused: an uneven split over expert-parallel ranks, token dropping
+    let err =
+        stderr(&moe_train(&data, "--num-zero-experts 3 --expert-model-parallel-size 2").failure());
+    assert!(
+        err.contains("--num-zero-experts 3: they do not divide"),
+        "{err}"
+    );
+    let err =
+        stderr(&moe_train(&data, "--num-zero-experts 2 --moe-expert-capacity-factor 1").failure());
+    assert!(err.contains("token dropping"), "{err}");
+}
+
+#[test]
 fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

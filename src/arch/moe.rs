@@ -27,6 +27,12 @@ impl ScoreFunction {
 pub struct Moe {
     /// Routed experts per MoE layer (`--num-experts`).
     pub experts: usize,
+    /// Zero-computation experts beside the routed ones (MindSpeed-LLM's `--num-zero-experts`,
+    /// LongCat-Flash's `zero_expert_num`): router outputs `experts..experts + zero_experts`,
+    /// each giving back its token's input times the routing weight
+    /// (mindspeed_llm/tasks/models/transformer/zero_experts_moe_layer.py; transformers'
+    /// `LongcatFlashMoE`'s identity experts).
+    pub zero_experts: usize,
     /// Experts each token goes to (`--moe-router-topk`).
     pub topk: usize,
     /// One routed expert's intermediate size (`--moe-ffn-hidden-size`).
@@ -63,6 +69,11 @@ pub struct Moe {
 }
 
 impl Moe {
+    /// The router's outputs: the routed experts, then the zero-computation ones.
+    pub fn router_width(&self) -> usize {
+        self.experts + self.zero_experts
+    }
+
     /// Whether layer `l` is an MoE layer; past the decoder (a multi-token prediction depth's
     /// layer) as the last decoder layer is (megatron-core gpt_layer_specs.py
     /// `get_gpt_mtp_block_spec_for_backend` builds it from `layer_specs[-1]`).
@@ -129,6 +140,7 @@ pub fn sigmoid(x: f32) -> f32 {
 pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
     Moe {
         experts: 4,
+        zero_experts: 0,
         topk: 2,
         ffn: 8,
         shared_ffn: None,

@@ -2,6 +2,7 @@
 //! unsharded shape in Megatron's order. Checkpoint formats map their tensors onto these
 //! (`crate::ckpt::transform`); the model and the optimizer iterate them as parameters.
 
+use super::moe::Moe;
 use super::ModelConfig;
 use crate::tensor::DType;
 
@@ -286,8 +287,8 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::KvDown | Role::KvLatentNorm | Role::KvUp | Role::QkvDown => mla_kv_shape(cfg, role),
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
-        Role::Router => vec![cfg.moe.as_ref().map_or(0, |m| m.experts), cfg.hidden],
-        Role::ExpertBias => vec![cfg.moe.as_ref().map_or(0, |m| m.experts)],
+        Role::Router => vec![cfg.moe.as_ref().map_or(0, Moe::router_width), cfg.hidden],
+        Role::ExpertBias => vec![cfg.moe.as_ref().map_or(0, Moe::router_width)],
         Role::ExpertFc1(_) => vec![2 * moe_ffn(cfg), cfg.hidden],
         Role::ExpertFc2(_) => vec![cfg.hidden, moe_ffn(cfg)],
         Role::SharedFc1 => vec![2 * shared_ffn(cfg), cfg.hidden],

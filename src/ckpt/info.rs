@@ -109,9 +109,13 @@ fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
         (None, _) => "none".to_string(),
         (Some(f), gated) => format!("ffn {f}{}", if gated { ", gated" } else { "" }),
     };
+    let zero = match m.zero_experts {
+        0 => String::new(),
+        z => format!(" + {z} zero-computation"),
+    };
     let _ = writeln!(
         out,
-        "experts:     {} routed (ffn {}), {routing}; shared {shared}; MoE layers {}",
+        "experts:     {} routed (ffn {}){zero}, {routing}; shared {shared}; MoE layers {}",
         m.experts,
         m.ffn,
         if moe_layers.len() == cfg.layers {

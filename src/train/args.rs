@@ -140,6 +140,7 @@ pub const FLAGS: &[Flag] = &[
     refused("mtp-spec", List, "MindSpeed-LLM's custom layer spec of the multi-token prediction depths (DeepSeek-V4's) is not built; without it a depth's layer is the decoder's last layer's kind"),
     // Mixture of experts (megatron-core 0.15; MindSpeed-LLM's where named).
     used("num-experts", One, "routed experts per MoE layer (megatron-core's MoELayer: router, SequentialMLP experts, shared experts)"),
+    used("num-zero-experts", One, "zero-computation experts beside the routed ones (MindSpeed-LLM, LongCat-Flash): each gives back its token's input times the routing weight"),
     used("moe-router-topk", One, "experts per token (default 2)"),
     used("moe-ffn-hidden-size", One, "one routed expert's intermediate size (default --ffn-hidden-size)"),
     used("moe-intermediate-size", One, "MindSpeed-LLM: --moe-ffn-hidden-size"),

@@ -423,7 +423,7 @@ def mindspeed_softmax_topk(router):
     expert bias, the chosen softmax scores (no norm_topk_prob) times the scaling factor, and the
     chosen experts counted for the bias update."""
     def routing(logits):
-        logits = router.apply_z_loss(logits.view(-1, router.config.num_moe_experts))
+        logits = router.apply_z_loss(logits.view(-1, router.weight.shape[0]))
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
         _, indices = torch.topk(scores + router.expert_bias, k=router.topk, dim=1)
         chosen = torch.gather(scores, 1, indices) * router.config.moe_router_topk_scaling_factor
@@ -484,6 +484,101 @@ def test_softmax_topk_with_an_expert_bias_trains_as_mindspeed_llms_router(tmp_pa
         ref = reference.module.state_dict()[name]
         assert trained[name].dtype == torch.float32 and torch.equal(trained[name], ref), name
     assert len(biases) == 2 and all(trained[k].abs().sum() > 0 for k in biases)
+
+
+def mindspeed_zero_experts(layer, zero):
+    """megatron-core's MoELayer `layer` (E routed experts, one rank, the all-gather dispatcher) run
+    as MindSpeed-LLM's zero_experts_moe_forward (mindspeed_llm/tasks/models/transformer/
+    zero_experts_moe_layer.py), ported: its router scores E + `zero` experts (its weight, expert
+    bias and token counts widened: topk_router_init_wrapper), the probabilities and routing map
+    split into the routed experts' part, dispatched to the layer's experts as usual, and the
+    zero-computation experts' part, whose tokens come back times their probabilities through a
+    dispatcher of their own; the two outputs added, then the shared experts'."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    experts, router, groups = layer.config.num_moe_experts, layer.router, get_default_pg_collection()
+    width = experts + zero
+    router.weight = torch.nn.Parameter(torch.zeros(width, router.weight.shape[1]))
+    router.register_buffer("expert_bias", torch.zeros(width))
+    router.register_buffer("local_tokens_per_expert", torch.zeros(width), persistent=False)
+    routed = MoEAllGatherTokenDispatcher(experts, list(range(experts)), config=layer.config,
+                                         pg_collection=groups)
+    zeros = MoEAllGatherTokenDispatcher(zero, list(range(zero)), config=layer.config,
+                                        pg_collection=groups)
+
+    def through(dispatcher, hidden_states, probs, routing_map, compute):
+        h, p = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+        h, p = dispatcher.token_dispatch(h, p)
+        x, tokens, permuted_probs = dispatcher.dispatch_postprocess(h, p)
+        out = dispatcher.combine_preprocess(compute(x, tokens, permuted_probs))
+        return dispatcher.combine_postprocess(dispatcher.token_combine(out))
+
+    def forward(hidden_states):
+        shared = layer.shared_experts_compute(hidden_states)
+        probs, routing_map = router(hidden_states)
+        probs, zero_probs = torch.split(probs, [experts, zero], dim=-1)
+        routing_map, zero_map = torch.split(routing_map, [experts, zero], dim=-1)
+        out = through(routed, hidden_states, probs, routing_map,
+                      lambda x, tokens, p: layer.experts(x, tokens, p)[0])
+        out = out + through(zeros, hidden_states, zero_probs, zero_map,
+                            lambda x, tokens, p: x * p.unsqueeze(-1).to(x.dtype))
+        return (out if shared is None else out + shared), None
+    layer.forward = forward
+
+
+def test_zero_computation_experts_train_as_mindspeed_llms_moe_layer(tmp_path, mindkit):
+    """--num-zero-experts 2 beside 4 routed experts, routed as LongCat-Flash's script routes them
+    (softmax_topk with an expert bias over all 6, the weights scaled by 6, a z-loss): `mindkit
+    train` against megatron-core's GPTModel whose MoE layers run MindSpeed-LLM's zero-expert
+    forward and routing (ported above) from the same checkpoint (its router widened to 6 rows):
+    lm loss, grad norm, learning rate and z_loss per iteration to 1e-5 relative over 20
+    iterations, the final weights (the router's 6 rows) to 1e-4, the expert biases bit for bit."""
+    import argparse
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_qwen3_moe(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    routing = dict(moe_router_load_balancing_type="softmax_topk", norm_topk_prob=False,
+                   moe_router_pre_softmax=True, moe_router_topk_scaling_factor=6.0,
+                   moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.002,
+                   num_zero_experts=2)
+    torch.manual_seed(11)
+    def widened(key, weight):
+        # the router's rows of the zero experts, and the expert bias over all six
+        if not key.endswith("router.weight"):
+            return {}
+        return {key.replace("weight", "expert_bias"): torch.zeros(weight.shape[0] + 2)}
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", routing, widened)
+    for key in [k for k in start["model"] if k.endswith("router.weight")]:
+        w = start["model"][key]
+        start["model"][key] = torch.cat([w, 0.5 * torch.randn(2, w.shape[1])])
+    torch.save(start, next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt")))
+    flags = [f for f in MOE_FLAGS if f != "--norm-topk-prob"]
+    flags[flags.index("aux_loss")] = "softmax_topk"
+    flags[flags.index("--moe-aux-loss-coeff") + 1] = "0"
+    flags += ["--num-zero-experts", "2", "--moe-router-topk-scaling-factor", "6",
+              "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.002",
+              "--finetune", "--tokenizer-name-or-path", model_dir]
+    mindkit_train(tmp_path / "start", data, tmp_path, flags)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "z_loss"))
+    built = argparse.Namespace(**{**vars(start["args"]), "moe_router_score_function": "sigmoid"})
+    gpt = gpt_model(built, moe_losses=dict(moe_z_loss_coeff=0.001))
+    layers = [m for m in gpt.modules() if hasattr(m, "router")]
+    assert len(layers) == 2
+    for layer in layers:
+        mindspeed_zero_experts(layer, 2)
+        mindspeed_softmax_topk(layer.router)
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
+    trained = same_as_megatron_core(got, history, reference, tmp_path)
+    routers = [k for k in trained if k.endswith("router.weight")]
+    assert len(routers) == 2 and all(trained[k].shape[0] == 6 for k in routers)
+    for name in [k for k in trained if k.endswith("expert_bias")]:
+        ref = reference.module.state_dict()[name]
+        assert torch.equal(trained[name], ref), name
+        assert trained[name][4:].abs().sum() > 0, name
 
 
 def make_deepseek_v3(out, mtp=0):

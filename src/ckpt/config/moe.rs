@@ -62,6 +62,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
     .filter(|&f| f > 0);
     Ok(Some(Moe {
         experts,
+        zero_experts: 0,
         topk,
         ffn,
         shared_ffn,
@@ -231,6 +232,12 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
             }
         ));
     }
+    if moe.zero_experts > 0 {
+        return Some(format!(
+            "the {} family has no zero-computation experts; this model has {} (--num-zero-experts)",
+            family.name, moe.zero_experts
+        ));
+    }
     let first_dense = moe.layers.iter().take_while(|&&m| !m).count();
     let layers_fit = match names.layers {
         MoeLayers::All => moe.layers.iter().all(|&m| m),
@@ -361,6 +368,7 @@ pub(super) fn moe_from_args(
     };
     let moe = Moe {
         experts,
+        zero_experts: arg_count(args, "num_zero_experts")?.unwrap_or(0),
         topk,
         ffn: expert_ffn,
         shared_ffn,
@@ -452,6 +460,10 @@ pub(super) fn moe_args(moe: Option<&Moe>) -> Vec<(&'static str, Value)> {
     let all = m.layers.iter().all(|&x| x);
     vec![
         ("num_experts", int(m.experts)),
+        (
+            "num_zero_experts",
+            opt(Some(m.zero_experts).filter(|&z| z > 0)),
+        ),
         ("moe_router_topk", int(m.topk)),
         ("moe_ffn_hidden_size", int(m.ffn)),
         ("moe_shared_expert_intermediate_size", opt(m.shared_ffn)),

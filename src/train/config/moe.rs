@@ -24,6 +24,7 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
         }
     };
     int("num_experts", positive(a, "num-experts")?);
+    int("num_zero_experts", positive(a, "num-zero-experts")?);
     int("moe_router_topk", positive(a, "moe-router-topk")?);
     int("moe_ffn_hidden_size", positive(a, "moe-ffn-hidden-size")?);
     int(
@@ -187,6 +188,7 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         bail!("a mixture of experts with tensor parallelism trains with --sequence-parallel (megatron-core refuses it without)");
     }
     check_balancing(a, model, (tp, etp))?;
+    check_zero_experts(a, model, ep)?;
     if let Some(d) = a.get("moe-router-dtype").filter(|d| *d != "fp32") {
         bail!("--moe-router-dtype {d}: fp32 is built");
     }
@@ -197,6 +199,31 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Zero-computation experts as MindSpeed-LLM's zero_experts_moe_layer.py runs them: `Z / EP` on
+/// each expert-parallel rank (a remainder would be routed to and computed by none), and, as not
+/// built (no shipped script asks), not with token dropping, Sinkhorn or group-limited routing.
+fn check_zero_experts(a: &Args, model: &ModelConfig, ep: usize) -> Result<()> {
+    let Some(m) = model.moe.as_ref().filter(|m| m.zero_experts > 0) else {
+        return Ok(());
+    };
+    let z = m.zero_experts;
+    let refused = if !z.is_multiple_of(ep) {
+        Some(format!(
+            "they do not divide over --expert-model-parallel-size {ep}"
+        ))
+    } else if capacity(a)?.is_some() {
+        Some("token dropping (--moe-expert-capacity-factor) is not built with them".into())
+    } else if m.sinkhorn || m.group_limit.is_some() {
+        Some("Sinkhorn and group-limited routing are not built with them".into())
+    } else {
+        None
+    };
+    match refused {
+        Some(why) => bail!("--num-zero-experts {z}: {why}"),
+        None => Ok(()),
+    }
 }
 
 /// The load-balancing types against what else the flags ask: Sinkhorn balancing without token

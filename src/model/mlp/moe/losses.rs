@@ -142,7 +142,7 @@ pub(super) fn aux_losses(
     (local, bias): (std::ops::Range<usize>, Option<&[f32]>),
     tp: usize,
 ) -> (LossValues, Vec<f32>) {
-    let (e, k) = (moe.experts, moe.topk);
+    let (e, k) = (moe.router_width(), moe.topk);
     let n = logits.len() / e;
     let t = local.len();
     let scale = if aux.per_token {

@@ -52,6 +52,8 @@ pub(in crate::model) struct Moe {
 pub(in crate::model) struct Saved<T> {
     /// The normed input `[T, h]`.
     h: T,
+    /// Each of this rank's rows' summed weights of its zero-computation experts `[T]` (f32).
+    zero: Option<T>,
     /// The router's logits of all M rows (f32, row-major `[M, E]`) and every row's route.
     logits: Vec<f32>,
     routes: Vec<Routed>,
@@ -99,9 +101,6 @@ impl Moe {
         let all = table.params[router].shape[0];
         let first = (0..all).find(|&e| expert(e).is_some())?;
         let experts: Vec<SwiGlu> = (first..all).map_while(expert).collect();
-        if !all.is_multiple_of(experts.len()) {
-            return None;
-        }
         let shared = SwiGlu::of(table, (Role::SharedFc1, Role::SharedFc2), layer)
             .map(|s| (s, at(Role::SharedGate)));
         Some(Moe {
@@ -185,7 +184,7 @@ impl Moe {
         let everyone = spread.gather(b, p.ep, sent)?;
         let x = everyone.as_ref().unwrap_or(sent);
         let (logits, group_logits) = self.logits(p, &h, &spread)?;
-        let e_count = cfg.experts;
+        let e_count = cfg.router_width();
         let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
         let dtype = Self::router_dtype(p, &h);
@@ -243,6 +242,14 @@ impl Moe {
             true => out,
             false => reduced(b, p.tp, out)?,
         };
+        // The zero-computation experts' part, `z·h` for this rank's rows, after the routed
+        // experts' (zero_experts_moe_layer.py adds the two before the shared experts).
+        let zero = zero_weights(cfg, &routes[mine.clone()], &kept[mine.clone()])
+            .map(|z| b.upload_f32(&[z.len()], &z))
+            .transpose()?;
+        if let Some(z) = &zero {
+            b.add_assign(&mut out, &b.scale_rows(&h, z)?)?;
+        }
         let shared = match &self.shared {
             None => None,
             Some((swiglu, gate)) => {
@@ -258,6 +265,7 @@ impl Moe {
         };
         let saved = Saved {
             h,
+            zero,
             logits,
             routes,
             spread,
@@ -349,6 +357,18 @@ impl Moe {
             }
             dweights = flat.chunks(cfg.topk.max(1)).map(<[f32]>::to_vec).collect();
         }
+        if let Some(z) = &s.zero {
+            // y += z·h: dh += z·dy, and each chosen zero expert's weight gets dy·h
+            b.add_assign(&mut dx, &b.scale_rows(dy, z)?)?;
+            let dots = b.row_dots(dy, &s.h)?;
+            let mine = rows_of(p, b.shape(&s.h)[0], &s.spread).mine;
+            for (row, d) in mine.zip(dots) {
+                let slots = s.routes[row].experts.iter().enumerate();
+                for (slot, _) in slots.filter(|(_, &e)| e >= cfg.experts) {
+                    dweights[row][slot] = d;
+                }
+            }
+        }
         let mut dlogits = logits_grad(p, cfg, (&s.h, &s.logits, &s.routes, &s.spread), &dweights);
         if let Some((_, grad)) = &s.aux {
             dlogits.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
@@ -399,10 +419,25 @@ fn logits_grad<B: Backend>(
     (h, logits, routes, spread): (&B::Tensor, &[f32], &[Routed], &Spread),
     dweights: &[Vec<f32>],
 ) -> Vec<f32> {
-    let e = cfg.experts;
+    let e = cfg.router_width();
     (rows_of(p, p.b.shape(h)[0], spread).mine)
         .flat_map(|t| route_grad(cfg, &logits[t * e..(t + 1) * e], &routes[t], &dweights[t]))
         .collect()
+}
+
+/// Each row's summed routing weights of the zero-computation experts among its kept experts,
+/// `None` for a model without them.
+fn zero_weights(cfg: &Experts, routes: &[Routed], kept: &[Vec<bool>]) -> Option<Vec<f32>> {
+    (cfg.zero_experts > 0).then(|| {
+        (routes.iter().zip(kept))
+            .map(|(r, k)| {
+                (r.experts.iter().zip(&r.weights).zip(k))
+                    .filter(|((&e, _), &k)| k && e >= cfg.experts)
+                    .map(|((_, &w), _)| w)
+                    .sum()
+            })
+            .collect()
+    })
 }
 
 /// Where this rank's rows sit among the M.
@@ -469,7 +504,7 @@ fn kept<B: Backend>(
     let mut out = vec![Vec::new(); routes.len()];
     for rows in calls {
         let call: Vec<Routed> = rows.iter().map(|&i| routes[i].clone()).collect();
-        for (&i, k) in rows.iter().zip(c.kept(&call, cfg.topk, cfg.experts)) {
+        for (&i, k) in rows.iter().zip(c.kept(&call, cfg.topk, cfg.router_width())) {
             out[i] = k;
         }
     }
