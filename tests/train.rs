@@ -1301,6 +1301,46 @@ fn multi_latent_attention_trains_on_tensor_and_sequence_parallel_ranks_as_one_ra
     // read back as the same model: the same weights as the Megatron checkpoint's
     same_hf_weights(dir.path(), &save, &hf, 0.0);
     mindspeed_layout_trains_as_megatron_cores(dir.path(), &data, &save);
+    // LongCat-Flash's latents scaled by √(hidden / rank): over TP 2 + SP as on one rank; no HF
+    // family of the ones built holds them
+    let scales = ["--enable-mla-scale-q-lora", "--enable-mla-scale-kv-lora"];
+    let scaled = [&MLA_FLAGS[..], &scales[..]].concat();
+    let scaled_save = dir.path().join("scaled");
+    let saved = [
+        "--save",
+        scaled_save.to_str().unwrap(),
+        "--save-interval",
+        "10",
+    ];
+    let one_scaled = stdout(&run(&from_scratch(&data, &scaled, &saved)).success());
+    assert_ne!(field(&one_scaled, "lm loss"), field(&one, "lm loss"));
+    let sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
+    let two_scaled = stdout(&run(&from_scratch(&data, &scaled, &sp)).success());
+    same_training(
+        &one_scaled,
+        &two_scaled,
+        1e-5,
+        "scaled latents over TP 2 + SP",
+    );
+    let bf16 = stdout(&run(&from_scratch(&data, &scaled, &["--bf16"])).success());
+    let (x, y) = (field(&one_scaled, "lm loss"), field(&bf16, "lm loss"));
+    assert!(
+        x.iter().zip(&y).all(|(a, b)| (a - b).abs() <= 1e-2 * a),
+        "{x:?} vs {y:?}"
+    );
+    let hf = dir.path().join("scaled-hf");
+    let out = mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &scaled_save,
+        &"--output",
+        &hf,
+    ]);
+    let err = stderr(&out.failure());
+    assert!(err.contains("scales the normed latents"), "{err}");
+    assert!(!hf.exists());
 }
 
 /// The model `save` holds in MindSpeed-LLM's deepseek_spec layout (its down projections in one

@@ -96,9 +96,27 @@ pub struct Mla {
     /// one are one replicated `linear_qkv` (its multi_latent_attention.py
     /// `CustomMLASelfAttention`), not megatron-core's two column-parallel ones.
     pub fused_down: bool,
+    /// The normed query latent and key-value latent scaled by `√(hidden / rank)` before their
+    /// up projections (MindSpeed-LLM's `--enable-mla-scale-q-lora`, `--enable-mla-scale-kv-lora`,
+    /// its multi_latent_attention.py; LongCat-Flash's `mla_scale_q_lora` / `mla_scale_kv_lora`).
+    pub scale_latents: [bool; 2],
 }
 
 impl Mla {
+    /// The factors of [`Mla::scale_latents`] for a model of `hidden` width: the query latent's
+    /// (none without one) and the key-value latent's, in f32 as torch multiplies a tensor by a
+    /// Python float.
+    pub fn latent_scales(&self, hidden: usize) -> [Option<f32>; 2] {
+        let scale = |on: bool, rank: Option<usize>| {
+            rank.filter(|_| on)
+                .map(|r| (hidden as f64 / r as f64).sqrt() as f32)
+        };
+        [
+            scale(self.scale_latents[0], self.q_lora_rank),
+            scale(self.scale_latents[1], Some(self.kv_lora_rank)),
+        ]
+    }
+
     /// A query (and key) head's dimensions: without RoPE, then rotated.
     pub fn q_head_dim(&self) -> usize {
         self.qk_head_dim + self.rope_dim

@@ -331,6 +331,7 @@ const ZERO_MLA: crate::arch::Mla = crate::arch::Mla {
     rope_dim: 0,
     v_head_dim: 0,
     fused_down: false,
+    scale_latents: [false; 2],
 };
 
 /// One routed expert's intermediate size (0 for a dense model).

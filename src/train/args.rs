@@ -122,6 +122,8 @@ pub const FLAGS: &[Flag] = &[
     refused("apply-layernorm-1p", Nothing, "zero-centred norm weights are not implemented"),
     used("qk-layernorm", Nothing, "RMSNorm of each query and key head before RoPE (Qwen3); of all heads at once with the MiniMax spec"),
     used("spec", List, "MindSpeed-LLM's layer spec module and function: mindspeed_llm.tasks.models.spec.qwen3_spec or bailing_spec layer_spec (the local spec; q/k norms with --qk-layernorm), minimax_spec layer_spec (the same, each q/k norm over all heads; TP 1), deepseek_spec layer_spec (multi-latent attention, its down projections in one replicated linear_qkv; --transformer-impl local)"),
+    used("enable-mla-scale-q-lora", Nothing, "MindSpeed-LLM's: multi-latent attention's normed query latent times √(hidden / q-lora-rank) before its up projection (LongCat-Flash)"),
+    used("enable-mla-scale-kv-lora", Nothing, "MindSpeed-LLM's: the normed key-value latent times √(hidden / kv-lora-rank) before its up projection (LongCat-Flash)"),
     used("multi-latent-attention", Nothing, "multi-latent attention (DeepSeek-V2/V3; megatron-core's MLASelfAttention, local spec names; its latents' norms with --qk-layernorm)"),
     used("q-lora-rank", One, "multi-latent attention's query latent (none: queries projected from the hidden state; without --multi-latent-attention nothing reads it, as MindSpeed-LLM's MiniMax script passes it)"),
     used("kv-lora-rank", One, "multi-latent attention's key-value latent (default 32; nothing reads it without --multi-latent-attention)"),

@@ -682,6 +682,41 @@ def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
     same_as_megatron_core(got, history, reference, tmp_path)
 
 
+def test_scaled_latents_train_as_mindspeed_llms_multi_latent_attention(tmp_path, mindkit):
+    """--enable-mla-scale-q-lora / --enable-mla-scale-kv-lora (LongCat-Flash's script): the
+    tiny DeepSeek-V3 trained by `mindkit train` and by megatron-core's GPTModel whose latent norms'
+    outputs are scaled by √(hidden / rank) before the up projections, as MindSpeed-LLM's
+    multi_latent_attention.py scales them (ported): lm loss, grad norm, learning rate and the MoE
+    losses per iteration to 1e-5 relative over 20 iterations, the final weights to 1e-4."""
+    import math
+    from megatron_cpu import gpt_model
+    model_dir = make_deepseek_v3(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    scaled = dict(enable_mla_scale_q_lora=True, enable_mla_scale_kv_lora=True)
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", scaled)
+    flags = ["--enable-mla-scale-q-lora", "--enable-mla-scale-kv-lora"]
+    mindkit_train(tmp_path / "start", data, tmp_path, mla_flags(model_dir) + flags)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss"))
+    a = start["args"]
+    a.moe_router_bias_update_rate = 0.002
+    gpt = gpt_model(a, moe_losses=dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001))
+    gpt.load_state_dict(start["model"], strict=True)
+    norms = 0
+    for attention in [m for m in gpt.modules() if hasattr(m, "kv_layernorm")]:
+        for name, rank in (("q_layernorm", a.q_lora_rank), ("kv_layernorm", a.kv_lora_rank)):
+            norm, factor = getattr(attention, name), math.sqrt(a.hidden_size / rank)
+            norm.forward = (lambda f, s: lambda x: f(x) * s)(norm.forward, factor)
+            norms += 1
+    assert norms == 6
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
+    same_as_megatron_core(got, history, reference, tmp_path)
+
+
 # The layers the logged load_balancing_loss / z_loss are averaged over (each layer's tracked
 # loss summed, the MTP layer's included): megatron-core 0.15's training_log passes
 # mtp_num_layers to track_moe_metrics, which adds it to the MoE layers (moe_utils.py);

@@ -27,6 +27,7 @@ pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla
         )?,
         v_head_dim: json_required_count(cfg, "v_head_dim")?,
         fused_down: false,
+        scale_latents: [false; 2],
     }))
 }
 
@@ -59,6 +60,10 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
         )?,
         v_head_dim: count("v_head_dim", 128)?,
         fused_down: super::spec_is(args, super::DEEPSEEK_SPEC),
+        scale_latents: [
+            arg_bool(args, "enable_mla_scale_q_lora")?.unwrap_or(false),
+            arg_bool(args, "enable_mla_scale_kv_lora")?.unwrap_or(false),
+        ],
     }))
 }
 
@@ -77,6 +82,8 @@ pub(super) fn mla_args(cfg: &ModelConfig) -> Vec<(&'static str, Value)> {
         ("qk_head_dim", int(m.qk_head_dim)),
         ("qk_pos_emb_head_dim", int(m.rope_dim)),
         ("v_head_dim", int(m.v_head_dim)),
+        ("enable_mla_scale_q_lora", Value::Bool(m.scale_latents[0])),
+        ("enable_mla_scale_kv_lora", Value::Bool(m.scale_latents[1])),
     ]
 }
 

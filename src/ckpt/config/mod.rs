@@ -462,6 +462,14 @@ impl ModelConfig {
                 }
             );
         }
+        if self.mla.is_some_and(|m| m.scale_latents.contains(&true)) {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its multi-latent attention \
+                 scales the normed latents (--enable-mla-scale-q-lora / --enable-mla-scale-kv-lora), \
+                 which the family does not",
+                self.family.name
+            );
+        }
         let rotates_part = self.rotary_dim != self.head_dim && self.mla.is_none();
         if rotates_part && !self.family.partial_rotary {
             bail!(

@@ -148,7 +148,7 @@ impl Mla {
         let ([q_first, kv_down], down_lora) = self.down_forward(p, x, &d)?;
         let (q, q_saved) = match self.q {
             Query::Latent(norm, up) => {
-                let (q, saved) = up_from_latent(p, q_first, (norm, up))?;
+                let (q, saved) = up_from_latent(p, q_first, (norm, up), Latent::Query)?;
                 (q, Some(saved))
             }
             Query::Direct => (q_first, None),
@@ -161,7 +161,7 @@ impl Mla {
             &[n, d.kv_lora],
         )?;
         let mut k_pe = b.gather(&kv_down, cols(n, row, (1, row), d.kv_lora, d.r), &[n, d.r])?;
-        let (c_kv, kv_norm) = normed_latent(p, c_kv, self.kv_norm)?;
+        let (c_kv, kv_norm) = normed_latent(p, c_kv, self.kv_norm, Latent::KeyValue)?;
         let nh = shape.heads;
         let qw = d.n + d.r;
         let mut q_pe = b.gather(&q, cols(n, nh * qw, (nh, qw), d.n, d.r), &[n, nh * d.r])?;
@@ -297,7 +297,8 @@ impl Mla {
                 (&part(&dv_full, 0, d.v)?, d.v, d.n),
             ],
         )?;
-        let d_c_kv = latent_bwd(p, grads, dkv, (self.kv_norm, self.kv_up), &s.kv)?;
+        let kv = (self.kv_norm, self.kv_up);
+        let d_c_kv = latent_bwd(p, grads, dkv, (kv, Latent::KeyValue), &s.kv)?;
         let row = d.kv_lora + d.r;
         let d_kv_down = assemble(
             b,
@@ -307,7 +308,9 @@ impl Mla {
             &[(&d_c_kv, d.kv_lora, 0), (&dk_pe, d.r, d.kv_lora)],
         )?;
         let d_q_first = match (self.q, &s.q) {
-            (Query::Latent(norm, up), Some(saved)) => latent_bwd(p, grads, dq, (norm, up), saved)?,
+            (Query::Latent(norm, up), Some(saved)) => {
+                latent_bwd(p, grads, dq, ((norm, up), Latent::Query), saved)?
+            }
             (Query::Direct, None) => dq,
             _ => unreachable!("the saved query path is the layer's"),
         };
@@ -565,19 +568,36 @@ fn rotate<B: Backend>(p: &Pass<B>, x: &mut B::Tensor, heads: usize, inverse: boo
     Ok(())
 }
 
+/// Which of the two latents.
+#[derive(Clone, Copy)]
+enum Latent {
+    Query,
+    KeyValue,
+}
+
+/// The factor the latent's norm output is scaled by ([`crate::arch::Mla::latent_scales`]).
+fn latent_scale<B: Backend>(p: &Pass<B>, latent: Latent) -> Option<f32> {
+    let scales = p.spec.mla?.latent_scales(p.spec.hidden);
+    scales[latent as usize]
+}
+
 /// The latent `c [n, r]` normed (over this rank's rows under sequence parallelism, then
-/// gathered), and what the norm's backward pass needs.
+/// gathered) and scaled where the model says, and what the norm's backward pass needs.
 fn normed_latent<B: Backend>(
     p: &Pass<B>,
     c: B::Tensor,
     norm: Option<usize>,
+    latent: Latent,
 ) -> Result<(B::Tensor, NormSaved<B::Tensor>)> {
     let b = p.b;
     match norm {
         Some(g) => {
             let own = own_rows(p.b, p.tp, c)?;
             let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.norm_eps)?;
-            let all = gathered(b, p.tp, &y)?.unwrap_or(y);
+            let mut all = gathered(b, p.tp, &y)?.unwrap_or(y);
+            if let Some(s) = latent_scale(p, latent) {
+                all = b.scaled(&all, s)?;
+            }
             Ok((all, Some((own, rstd))))
         }
         None => Ok((c, None)),
@@ -589,8 +609,9 @@ fn up_from_latent<B: Backend>(
     p: &Pass<B>,
     c: B::Tensor,
     (norm, up): (Option<usize>, Linear),
+    latent: Latent,
 ) -> Result<(B::Tensor, LatentSaved<B::Tensor>)> {
-    let (normed, norm) = normed_latent(p, c, norm)?;
+    let (normed, norm) = normed_latent(p, c, norm, latent)?;
     let (out, up_lora) = up.forward(p, &normed)?;
     let saved = LatentSaved {
         norm,
@@ -606,13 +627,16 @@ fn latent_bwd<B: Backend>(
     p: &Pass<B>,
     grads: &mut [B::Tensor],
     dy: B::Tensor,
-    (norm, up): (Option<usize>, Linear),
+    ((norm, up), latent): ((Option<usize>, Linear), Latent),
     s: &LatentSaved<B::Tensor>,
 ) -> Result<B::Tensor> {
     let b = p.b;
     let d_normed = up.backward(p, grads, &dy, (&s.up_input, s.up_lora.as_ref()))?;
     // a column-parallel layer's input gradient: partial over the ranks' heads
-    let d_normed = reduced(b, p.tp, d_normed)?;
+    let mut d_normed = reduced(b, p.tp, d_normed)?;
+    if let (Some(s), Some(_)) = (latent_scale(p, latent), norm) {
+        d_normed = b.scaled(&d_normed, s)?;
+    }
     match (norm, &s.norm) {
         (Some(g), Some((x, rstd))) => {
             let dc = rms_grad(p, grads, (&d_normed, x), g, rstd)?;

@@ -134,6 +134,8 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("use-rope-scaling", "use_rope_scaling"),
         ("qk-layernorm", "qk_layernorm"),
         ("multi-latent-attention", "multi_latent_attention"),
+        ("enable-mla-scale-q-lora", "enable_mla_scale_q_lora"),
+        ("enable-mla-scale-kv-lora", "enable_mla_scale_kv_lora"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
     }
