@@ -1224,6 +1224,64 @@ fn partial_rotary_embedding_trains_on_tensor_parallel_ranks_as_one_rank() {
     assert!(!hf.exists());
 }
 
+#[test]
+fn longrope_trains_over_tensor_parallel_ranks_and_stays_in_megatron_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // Phi-3.5's LongRoPE as MindSpeed-LLM trains with it: heads of 16, 8 frequencies
+    let factors = "1.0,1.5,2.0,3.0,4.5,6.0,9.0,12.0";
+    let longrope = [
+        "--rope-scaling-type",
+        "longrope",
+        "--longrope-freqs-type",
+        "outer",
+        "--long-factor",
+        factors,
+        "--short-factor",
+        factors,
+        "--rope-scaling-original-max-position-embeddings",
+        "16",
+    ];
+    let save = dir.path().join("longrope");
+    let saved = ["--save", save.to_str().unwrap(), "--save-interval", "10"];
+    let one = stdout(&run(&from_scratch(&data, &longrope, &saved)).success());
+    let plain = stdout(&run(&from_scratch(&data, &[], &[])).success());
+    assert_ne!(field(&one, "lm loss"), field(&plain, "lm loss"));
+    let sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
+    let two = stdout(&run(&from_scratch(&data, &longrope, &sp)).success());
+    same_training(&one, &two, 1e-5, "LongRoPE over TP 2 + SP");
+    // inference and an HF export are refused by name, nothing written
+    let hf = dir.path().join("hf");
+    let err = stderr(
+        &mindkit(&[
+            &"convert",
+            &"--to",
+            &"hf",
+            &"--input",
+            &save,
+            &"--output",
+            &hf,
+        ])
+        .failure(),
+    );
+    assert!(err.contains("LongRoPE"), "{err}");
+    assert!(!hf.exists());
+    let err = stderr(&mindkit(&[&"generate", &"--model", &save, &"--prompt", &"a"]).failure());
+    assert!(
+        err.contains("LongRoPE outside training is not built"),
+        "{err}"
+    );
+    // one factor per frequency, or refused
+    let short = [
+        &longrope[..4],
+        &["--long-factor", "1,2", "--short-factor", "1,2"],
+        &longrope[8..],
+    ]
+    .concat();
+    let err = stderr(&run(&from_scratch(&data, &short, &[])).failure());
+    assert!(err.contains("has 2 factors"), "{err}");
+}
+
 /// DeepSeek-V3's attention from scratch: a query latent of 32, a key-value latent of 16, heads
 /// of 16 + 8 rotated dimensions, values of 12, the latents normed; YaRN RoPE.
 const MLA_FLAGS: [&str; 21] = [

@@ -82,6 +82,12 @@ impl ModelSpec {
 
     /// From a checkpoint's configuration (HF `config.json` or Megatron args).
     pub fn from_config(cfg: &ModelConfig) -> Result<Self> {
+        Self::at_length(cfg, None)
+    }
+
+    /// From a checkpoint's configuration, for a model run at `seq_length` positions (training:
+    /// it chooses LongRoPE's factors as MindSpeed-LLM does).
+    pub fn at_length(cfg: &ModelConfig, seq_length: Option<usize>) -> Result<Self> {
         Ok(ModelSpec {
             layers: cfg.layers,
             hidden: cfg.hidden,
@@ -104,7 +110,7 @@ impl ModelSpec {
             capacity: None,
             mtp: cfg.mtp,
             experts_whole: false,
-            rope: Rope::new(cfg)?,
+            rope: Rope::new(cfg, seq_length)?,
         })
     }
 

@@ -1,8 +1,9 @@
-//! Rotary position embedding: the inverse frequencies (with `linear`, `llama3` or `yarn`
-//! scaling) and the cos/sin rows of given positions, computed in f32 in the order
-//! transformers computes them (`LlamaRotaryEmbedding`, `_compute_llama3_parameters`,
-//! `_compute_yarn_parameters`), so the tables agree to the ulp. YaRN's attention factor
-//! scales the tables, as transformers and megatron-core (`YarnRotaryEmbedding`'s mscale) do.
+//! Rotary position embedding: the inverse frequencies (with `linear`, `llama3`, `yarn` or, in
+//! training, `longrope` scaling) and the cos/sin rows of given positions, computed in f32 in
+//! the order transformers computes them (`LlamaRotaryEmbedding`, `_compute_llama3_parameters`,
+//! `_compute_yarn_parameters`) or MindSpeed-LLM does (its rotary_pos_embedding.py for LongRoPE),
+//! so the tables agree to the ulp. YaRN's and LongRoPE's attention factors scale the tables, as
+//! transformers, megatron-core (`YarnRotaryEmbedding`'s mscale) and MindSpeed-LLM do.
 
 use crate::arch::ModelConfig;
 use anyhow::{bail, Result};
@@ -12,7 +13,11 @@ use serde_json::Value as Json;
 #[derive(Debug, Clone)]
 pub(super) struct Rope {
     inv_freq: Vec<f32>,
-    /// The factor of every cos and sin (YaRN's attention factor; 1 otherwise).
+    /// MindSpeed-LLM's `mul` LongRoPE: each angle is `(p · dᵢ) · inv_freqᵢ` with `dᵢ` the
+    /// reciprocal of frequency i's factor (`torch.mul(torch.outer(seq, 1 / ext), inv_freq)`);
+    /// `None`: `p · inv_freqᵢ`.
+    divisors: Option<Vec<f32>>,
+    /// The factor of every cos and sin (YaRN's or LongRoPE's attention factor; 1 otherwise).
     attention_factor: f32,
 }
 
@@ -24,7 +29,10 @@ fn number(r: &Json, key: &str, default: Option<f64>) -> Result<f64> {
 }
 
 impl Rope {
-    pub(super) fn new(cfg: &ModelConfig) -> Result<Self> {
+    /// The rotary embedding of `cfg` for a model run at `seq_length` positions, which chooses
+    /// LongRoPE's factors as MindSpeed-LLM's training does (`None`: no such length, where
+    /// LongRoPE is refused).
+    pub(super) fn new(cfg: &ModelConfig, seq_length: Option<usize>) -> Result<Self> {
         let d = cfg.rotary_dim;
         let base = cfg.rope_theta as f32;
         let mut inv_freq: Vec<f32> = (0..d)
@@ -32,6 +40,7 @@ impl Rope {
             .map(|i| 1.0 / base.powf(i as f32 / d as f32))
             .collect();
         let mut attention_factor = 1.0;
+        let mut divisors = None;
         if let Some(r) = &cfg.rope_scaling {
             let kind = (r.get("rope_type").or_else(|| r.get("type")))
                 .and_then(Json::as_str)
@@ -44,14 +53,26 @@ impl Rope {
                 }
                 "llama3" => llama3(&mut inv_freq, r)?,
                 "yarn" => attention_factor = yarn(&mut inv_freq, r, (d, base, cfg))?,
+                "longrope" => {
+                    let Some(s) = seq_length else {
+                        bail!(
+                            "LongRoPE outside training is not built: transformers chooses its \
+                             factors per forward pass by the length so far and applies its \
+                             attention factor, MindSpeed-LLM's evaluation takes the short factors \
+                             unscaled; keep such a model to `mindkit train`"
+                        );
+                    };
+                    (divisors, attention_factor) = longrope(&mut inv_freq, r, (d, base, cfg, s))?;
+                }
                 other => bail!(
                     "config.json: rope scaling \"{other}\" is not supported (supported: default, \
-                     linear, llama3, yarn)"
+                     linear, llama3, yarn, and longrope in training)"
                 ),
             }
         }
         Ok(Rope {
             inv_freq,
+            divisors,
             attention_factor,
         })
     }
@@ -66,8 +87,11 @@ impl Rope {
         let n = positions.len() * self.inv_freq.len();
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for &p in positions {
-            for &f in &self.inv_freq {
-                let angle = p as f32 * f;
+            for (i, &f) in self.inv_freq.iter().enumerate() {
+                let angle = match &self.divisors {
+                    Some(d) => (p as f32 * d[i]) * f,
+                    None => p as f32 * f,
+                };
                 cos.push(angle.cos() * self.attention_factor);
                 sin.push(angle.sin() * self.attention_factor);
             }
@@ -173,6 +197,56 @@ fn yarn(inv_freq: &mut [f32], r: &Json, (d, base, cfg): (usize, f32, &ModelConfi
         *f = interpolation * (1.0 - extrapolation_factor) + *f * extrapolation_factor;
     }
     Ok(attention_factor as f32)
+}
+
+/// LongRoPE as MindSpeed-LLM trains with it (mindspeed_llm/core/models/common/embeddings/
+/// rotary_pos_embedding.py `rotary_embedding_forward`, `apply_rotary_pos_emb_bshd`) over `d`
+/// rotated dimensions of RoPE base `base` at sequence length `s`: the long factors when `s` is
+/// beyond the original context, else the short ones; `outer` divides each inverse frequency by
+/// its factor (transformers' `_compute_longrope_parameters` too), `mul` divides the positions
+/// ([`Rope::divisors`]). The attention factor: the long or short mscale as `s` is beyond the
+/// original context or not, or without them `√(1 + ln(max / original) / ln original)` when the
+/// model's positions exceed the original context. Returns the divisors and the factor.
+fn longrope(
+    inv_freq: &mut [f32],
+    r: &Json,
+    (d, base, cfg, s): (usize, f32, &ModelConfig, usize),
+) -> Result<(Option<Vec<f32>>, f32)> {
+    let original = number(r, "original_max_position_embeddings", None)?;
+    let long = s as f64 > original;
+    let key = if long { "long_factor" } else { "short_factor" };
+    let ext: Vec<f32> = (r.get(key).and_then(Json::as_array).into_iter().flatten())
+        .filter_map(Json::as_f64)
+        .map(|f| f as f32)
+        .collect();
+    if ext.len() != inv_freq.len() {
+        bail!(
+            "LongRoPE's {key} has {} factors; the {d} rotated dimensions have {} frequencies",
+            ext.len(),
+            inv_freq.len()
+        );
+    }
+    let mscale = |k: &str| r.get(k).and_then(Json::as_f64);
+    let attention_factor = match (mscale("long_mscale"), mscale("short_mscale")) {
+        (Some(l), Some(_)) if long => l,
+        (Some(_), Some(short)) => short,
+        _ => {
+            let scale = cfg.max_positions as f64 / original;
+            match scale <= 1.0 {
+                true => 1.0,
+                false => (1.0 + scale.ln() / original.ln()).sqrt(),
+            }
+        }
+    };
+    let outer = r.get("freqs_type").and_then(Json::as_str) == Some("outer");
+    if outer {
+        for (i, f) in inv_freq.iter_mut().enumerate() {
+            *f = 1.0 / (ext[i] * base.powf((2 * i) as f32 / d as f32));
+        }
+        return Ok((None, attention_factor as f32));
+    }
+    let divisors = ext.iter().map(|&e| 1.0 / e).collect();
+    Ok((Some(divisors), attention_factor as f32))
 }
 
 /// Llama 3.1's frequency-dependent scaling, step for step as transformers does it.

@@ -115,7 +115,8 @@ impl<B: Backend> Trainer<B> {
             groups.tp.as_ref().map_or(0, |g| g.rank()),
             cfg.layout.size(Axis::Tp),
         );
-        let mut spec = ModelSpec::from_config(&cfg.model)?.tensor_parallel(tp.1);
+        let mut spec =
+            ModelSpec::at_length(&cfg.model, Some(cfg.seq_length))?.tensor_parallel(tp.1);
         spec.experts_whole = tp.1 > 1 && cfg.layout.expert_tensor_parallel() == 1;
         spec.router_f32 = cfg.router_f32;
         spec.capacity = cfg.capacity;

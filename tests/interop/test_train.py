@@ -8,6 +8,7 @@ within 1% of fp32 over 50 iterations; MindSpeed-LLM fine-tuning against a port o
 against peft. The values are read back from mindkit's TensorBoard event files with TensorBoard's
 own reader."""
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -825,6 +826,91 @@ def test_load_balancing_types_train_as_megatron_core(tmp_path, mindkit, balancin
         assert any("seq_load_balancing_loss" in m for m in reference.moe_losses)
         reference.moe_losses = [{k: v for k, v in m.items() if k == "z_loss"}
                                 for m in reference.moe_losses]
+    same_as_megatron_core(got, history, reference, tmp_path)
+
+
+def mindspeed_longrope(gpt, r, seq_length, max_positions):
+    """megatron-core's GPTModel `gpt` with MindSpeed-LLM's LongRoPE (ported from
+    mindspeed_llm/core/models/common/embeddings/rotary_pos_embedding.py
+    `rotary_embedding_forward` and `apply_rotary_pos_emb_bshd`): the long factors when the
+    training sequence length is beyond the original context, else the short ones; `outer`
+    divides the inverse frequencies by them, `mul` the positions; the cos and sin scaled by the
+    long or short mscale, or without them by √(1 + ln(max / original) / ln original)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    rotary = gpt.rotary_pos_emb
+    original = r["rope_scaling_original_max_position_embeddings"]
+    long = seq_length > original
+    ext = torch.tensor(r["long_factor"] if long else r["short_factor"], dtype=torch.float32)
+    dim = 2 * rotary.inv_freq.shape[0]
+    def freqs(max_seq_len, offset=0):
+        seq = torch.arange(max_seq_len, dtype=torch.float32) + offset
+        if r["longrope_freqs_type"] == "outer":
+            shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+            return torch.outer(seq, 1.0 / (ext * r["rotary_base"] ** shape))
+        return torch.mul(torch.outer(seq, 1.0 / ext), rotary.inv_freq)
+    rotary.get_freqs_non_repeated = freqs
+    if r.get("long_mscale") and r.get("short_mscale"):
+        mscale = r["long_mscale"] if long else r["short_mscale"]
+    else:
+        scale = max_positions / original
+        mscale = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    plain = rope_utils._apply_rotary_pos_emb_bshd
+    rope_utils._apply_rotary_pos_emb_bshd = (
+        lambda t, f, rotary_interleaved=False, multi_latent_attention=False, **_:
+        plain(t, f, rotary_interleaved, multi_latent_attention, mscale))
+    return plain
+
+
+# LongRoPE cases: the angles' computation, the original context (the training length 48 beyond
+# it or not) and the mscales (none: computed from max_position_embeddings 256)
+LONGROPE = {
+    "outer-long-mscales": dict(longrope_freqs_type="outer",
+                               rope_scaling_original_max_position_embeddings=32,
+                               long_mscale=1.2, short_mscale=1.1),
+    "mul-short-computed-mscale": dict(longrope_freqs_type="mul",
+                                      rope_scaling_original_max_position_embeddings=64,
+                                      long_mscale=None, short_mscale=None),
+}
+
+
+@pytest.mark.parametrize("case", LONGROPE)
+def test_longrope_trains_as_mindspeed_llms_rotary_embedding(tmp_path, mindkit, case):
+    """--rope-scaling-type longrope (Phi-3.5's; MindSpeed-LLM's --long-factor, --short-factor,
+    --longrope-freqs-type, --long/short-mscale) on the tiny llama: `mindkit train` against
+    megatron-core's GPTModel with MindSpeed-LLM's LongRoPE (ported above) from the same
+    checkpoint: lm loss, grad norm and learning rate per iteration to 1e-5 relative over 20
+    iterations, the final weights to 1e-4."""
+    from megatron_cpu import gpt_model
+    from megatron.core.models.common.embeddings import rope_utils
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    longrope = dict(rope_scaling_type="longrope",
+                    long_factor=[1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 9.0, 12.0],
+                    short_factor=[1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7], **LONGROPE[case])
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", longrope)
+    flags = ["--rope-scaling-type", "longrope",
+             "--longrope-freqs-type", longrope["longrope_freqs_type"],
+             "--long-factor", ",".join(map(str, longrope["long_factor"])),
+             "--short-factor", ",".join(map(str, longrope["short_factor"])),
+             "--rope-scaling-original-max-position-embeddings",
+             str(longrope["rope_scaling_original_max_position_embeddings"])]
+    if longrope["long_mscale"]:
+        flags += ["--long-mscale", str(longrope["long_mscale"]),
+                  "--short-mscale", str(longrope["short_mscale"])]
+    mindkit_train(tmp_path / "start", data, tmp_path,
+                  flags + ["--finetune", "--tokenizer-name-or-path", model_dir])
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate"))
+    gpt = gpt_model(start["args"])
+    gpt.load_state_dict(start["model"], strict=True)
+    plain = mindspeed_longrope(gpt, {**longrope, "rotary_base": start["args"].rotary_base}, 48,
+                               start["args"].max_position_embeddings)
+    try:
+        history, reference, _ = train_reference.train(
+            None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+            lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+            clip_grad=1.0, model=train_reference.Mcore(gpt))
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = plain
     same_as_megatron_core(got, history, reference, tmp_path)
 
 

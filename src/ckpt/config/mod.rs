@@ -2,6 +2,7 @@
 //! `rope_theta`/`rope_scaling` and 5.x `rope_parameters` conventions) or from Megatron `args`,
 //! and written back to either.
 
+mod longrope;
 mod mla;
 mod moe;
 
@@ -462,6 +463,15 @@ impl ModelConfig {
                 }
             );
         }
+        let kind = self.rope_scaling.as_ref().and_then(|r| r.get("rope_type"));
+        if kind.and_then(Json::as_str) == Some("longrope") {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its LongRoPE is \
+                 MindSpeed-LLM's training one (factors chosen by --seq-length), which no family of \
+                 the ones built says the same way; keep it in Megatron format",
+                self.family.name
+            );
+        }
         if self.mla.is_some_and(|m| m.scale_latents.contains(&true)) {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its multi-latent attention \
@@ -652,10 +662,11 @@ pub fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> 
             )))
         }
         Some("yarn") => Ok(mla::yarn_from_args(args)?),
+        Some("longrope") => Ok(Some(longrope::longrope_from_args(args)?)),
         Some(other) => {
             bail!(
-                "args: --rope-scaling-type {other} is not supported (supported: llama3, yarn, or \
-                 none)"
+                "args: --rope-scaling-type {other} is not supported (supported: llama3, yarn, \
+                 longrope, or none)"
             )
         }
         None if arg_str(args, "rope_type")? == Some("yarn")
@@ -979,6 +990,7 @@ pub fn megatron_args(
     set.extend(moe::moe_args(cfg.moe.as_ref()));
     set.extend(mla::mla_args(cfg));
     set.extend(mla::yarn_args(cfg.rope_scaling.as_ref()));
+    set.extend(longrope::longrope_args(cfg.rope_scaling.as_ref()));
     set.push((
         "mtp_num_layers",
         cfg.mtp.map_or(Value::None, |m| int(m.depths)),
@@ -1088,7 +1100,13 @@ mod tests {
                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707})
         );
         let err = scaling(&[("rope_scaling_type", Value::Str("longrope".into()))]).unwrap_err();
-        assert!(err.to_string().contains("longrope"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("rope_scaling_original_max_position_embeddings"),
+            "{err}"
+        );
+        let err = scaling(&[("rope_scaling_type", Value::Str("ntk".into()))]).unwrap_err();
+        assert!(err.to_string().contains("--rope-scaling-type ntk"), "{err}");
     }
 
     /// A small llama config.json with `edit` applied, read.

@@ -119,6 +119,8 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ),
         ("beta-fast", "beta_fast"),
         ("beta-slow", "beta_slow"),
+        ("long-mscale", "long_mscale"),
+        ("short-mscale", "short_mscale"),
     ] {
         if let Some(v) = positive_float(a, flag)? {
             out.push((key.to_string(), Value::Float(v)));
@@ -142,12 +144,35 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
     if let Some(t) = a.get("rope-scaling-type") {
         out.push(("rope_scaling_type".into(), Value::Str(t.to_string())));
     }
+    if let Some(t) = a.get("longrope-freqs-type") {
+        out.push(("longrope_freqs_type".into(), Value::Str(t.to_string())));
+    }
+    for (flag, key) in [
+        ("long-factor", "long_factor"),
+        ("short-factor", "short_factor"),
+    ] {
+        if let Some(list) = a.get(flag) {
+            out.push((key.into(), comma_floats(flag, list)?));
+        }
+    }
     if let Some(spec) = a.list("spec") {
         let spec = spec.iter().map(|s| Value::Str(s.clone())).collect();
         out.push(("spec".into(), Value::List(spec)));
     }
     out.extend(super::moe::moe_args(a)?);
     Ok(out)
+}
+
+/// MindSpeed-LLM's comma-separated list of numbers (`--long-factor 1.08,1.11,…`), as the list
+/// of floats its `pre_validate_args` makes of it.
+fn comma_floats(flag: &str, list: &str) -> Result<Value> {
+    let parsed = (list.split(','))
+        .map(|x| match x.trim().parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => Ok(Value::Float(v)),
+            _ => Err(anyhow!("--{flag}: {x:?} is not a positive number")),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Value::List(parsed))
 }
 
 /// Refuse architecture flags outside the LLaMA family.
@@ -443,6 +468,11 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
         "rope-scaling-original-max-position-embeddings",
         "beta-fast",
         "beta-slow",
+        "longrope-freqs-type",
+        "long-factor",
+        "short-factor",
+        "long-mscale",
+        "short-mscale",
     ];
     if !scaling_flags.iter().any(|f| a.has(f)) {
         return Ok(());
@@ -468,7 +498,12 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
         ))
     };
     let (w, h) = (numbers(&wanted), numbers(&cfg.rope_scaling));
+    let longrope = |r: &Option<serde_json::Value>| {
+        r.as_ref().and_then(|r| r.get("rope_type")) == Some(&serde_json::json!("longrope"))
+    };
     let agree = match (&w, &h) {
+        // LongRoPE's factor lists: all of it alike
+        _ if longrope(&wanted) || longrope(&cfg.rope_scaling) => wanted == cfg.rope_scaling,
         (None, None) => true,
         (Some((wk, wv)), Some((hk, hv))) => {
             wk == hk
