@@ -3326,8 +3326,11 @@ fn the_router_in_f32_under_bf16_changes_the_routing_precision_only() {
 fn moe_on_the_npu_stand_in_matches_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    // the biased sigmoid routing with a multi-token prediction depth after the decoder
-    for routing in ["", &format!("{SIGMOID_BIASED} --mtp-num-layers 1")] {
+    // the biased sigmoid routing with a multi-token prediction depth after the decoder;
+    // LongCat-Flash's zero-computation experts
+    let zero = "--num-zero-experts 2 --moe-router-load-balancing-type softmax_topk \
+        --moe-aux-loss-coeff 0 --moe-router-enable-expert-bias";
+    for routing in ["", &format!("{SIGMOID_BIASED} --mtp-num-layers 1"), zero] {
         let flags: Vec<&str> = ["--train-iters", "4"]
             .into_iter()
             .chain(routing.split_whitespace())
