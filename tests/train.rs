@@ -3888,6 +3888,31 @@ fn expert_parallel_ranks_train_as_one_rank_does() {
 }
 
 #[test]
+fn a_softmax_routers_expert_bias_moves_but_routes_only_under_softmax_topk() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // MiniMax-M2.7's script: softmax scores, aux_loss, an expert bias; MindSpeed-LLM's
+    // topk_softmax_with_capacity leaves the bias out of a softmax router's choice
+    let bias = "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01";
+    let save = dir.path().join("biased");
+    let saved = format!("{bias} --save {}", save.display());
+    let biased = stdout(&moe_train(&data, &saved).success());
+    let plain = stdout(&moe_train(&data, "").success());
+    assert_eq!(field(&biased, "lm loss"), field(&plain, "lm loss"));
+    let file = save.join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+    let biases = expert_biases(&file);
+    assert!(
+        !biases.is_empty() && biases.iter().all(|(_, b)| b.iter().any(|&x| x != 0.0)),
+        "{biases:?}"
+    );
+    // softmax_topk adds it to the softmax: another routing
+    let topk = "--moe-router-load-balancing-type softmax_topk --moe-aux-loss-coeff 0";
+    let with = stdout(&moe_train(&data, &format!("{topk} {bias}")).success());
+    let without = stdout(&moe_train(&data, topk).success());
+    assert_ne!(field(&with, "lm loss"), field(&without, "lm loss"));
+}
+
+#[test]
 fn zero_computation_experts_train_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

@@ -60,6 +60,12 @@ pub struct Moe {
     /// experts only and moved after each step towards balance (aux-loss-free balancing,
     /// `--moe-router-enable-expert-bias`).
     pub expert_bias: bool,
+    /// A softmax router's expert bias is added to the softmax over all experts for the choice
+    /// (MindSpeed-LLM's `softmax_topk`, LongCat-Flash). Otherwise such a bias is kept and moved
+    /// but routes nothing, as MindSpeed-LLM's `topk_softmax_with_capacity` leaves it under
+    /// megatron-core's own balancing types (MiniMax-M2.7's script; megatron-core itself refuses
+    /// the pair, MindSpeed-LLM's `TransformerConfig` patch allows it).
+    pub softmax_bias: bool,
     /// Sinkhorn balancing (`--moe-router-load-balancing-type sinkhorn`): in training each
     /// router call chooses its tokens' experts by the top-k of its Sinkhorn-normalised
     /// logits ([`sinkhorn_choice`]); the weights, and the choice outside training, are those
@@ -151,6 +157,7 @@ pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
         group_limit: None,
         layers: vec![true],
         expert_bias: false,
+        softmax_bias: false,
         sinkhorn: false,
     }
 }
@@ -187,20 +194,24 @@ fn group_limited_topk(scores: &[f32], k: usize, (groups, keep): (usize, usize)) 
 
 /// Route one token given its router `logits [experts]` and, with an expert bias (aux-loss-free
 /// balancing), the bias added to the scores for the choice only: to the sigmoid scores
-/// (megatron-core), or to the softmax over all experts (MindSpeed-LLM's `softmax_topk`,
-/// mindspeed_llm/core/transformer/moe/router.py `topk_router_routing`; LongCat-Flash's
-/// router, transformers' `LongcatFlashTopkRouter`).
+/// (megatron-core), or to the softmax over all experts where [`Moe::softmax_bias`] says
+/// (MindSpeed-LLM's `softmax_topk`, mindspeed_llm/core/transformer/moe/router.py
+/// `topk_router_routing`; LongCat-Flash's router, transformers' `LongcatFlashTopkRouter`).
 pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
     let choose = |scores: &[f32]| match moe.group_limit {
         Some(g) => group_limited_topk(scores, moe.topk, g),
         None => topk(scores, moe.topk),
     };
-    let biased = |scores: Vec<f32>| match expert_bias {
+    let bias = match moe.score {
+        ScoreFunction::Softmax => expert_bias.filter(|_| moe.softmax_bias),
+        ScoreFunction::Sigmoid => expert_bias,
+    };
+    let biased = |scores: Vec<f32>| match bias {
         Some(bias) => scores.iter().zip(bias).map(|(s, b)| s + b).collect(),
         None => scores,
     };
     let experts = match moe.score {
-        ScoreFunction::Softmax if moe.pre_softmax || expert_bias.is_some() => {
+        ScoreFunction::Softmax if moe.pre_softmax || bias.is_some() => {
             choose(&biased(softmax(logits)))
         }
         ScoreFunction::Softmax => choose(logits),
@@ -422,12 +433,22 @@ mod tests {
         let p = softmax(&logits);
         let mut m = moe(ScoreFunction::Softmax, true);
         m.topk_scale = Some(6.0);
+        // megatron-core's types under MindSpeed-LLM: the bias routes nothing
+        assert_eq!(route(&m, &logits, Some(&bias)).experts, [0, 1]);
+        m.softmax_bias = true;
         let r = route(&m, &logits, Some(&bias));
         assert_eq!(r.experts, [2, 0]);
         assert_eq!(r.weights, [p[2] * 6.0, p[0] * 6.0]);
         // without the bias, the two best logits
         assert_eq!(route(&m, &logits, None).experts, [0, 1]);
-        let renormalised = route(&moe(ScoreFunction::Softmax, false), &logits, Some(&bias));
+        let renormalised = route(
+            &Moe {
+                softmax_bias: true,
+                ..moe(ScoreFunction::Softmax, false)
+            },
+            &logits,
+            Some(&bias),
+        );
         assert_eq!(renormalised.experts, [2, 0]);
         let sum = p[2] + p[0];
         let close = |a: f32, b: f32| (a - b).abs() < 1e-6;

@@ -76,6 +76,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         group_limit: hf_groups(cfg, names, topk)?,
         layers: hf_layers(cfg, names.layers, layers)?,
         expert_bias: names.expert_bias.is_some(),
+        softmax_bias: false,
         sinkhorn: false,
     }))
 }
@@ -382,6 +383,7 @@ pub(super) fn moe_from_args(
         group_limit,
         layers: Moe::pattern(layers, &layer_freq(args)?, first_dense),
         expert_bias: arg_bool(args, "moe_router_enable_expert_bias")?.unwrap_or(false),
+        softmax_bias: false,
         sinkhorn: false,
     };
     let normalised = arg_bool(args, "norm_topk_prob")?.unwrap_or(false);
@@ -432,7 +434,10 @@ fn routed_as_balanced(mut moe: Moe, types: Vec<String>, normalised: bool) -> Fie
                 moe.score = ScoreFunction::Sigmoid;
             }
         }
-        Some("softmax_topk") => ungrouped(&mut moe, !normalised),
+        Some("softmax_topk") => {
+            ungrouped(&mut moe, !normalised);
+            moe.softmax_bias = true;
+        }
         Some("pai_megatron_aux_loss") => {
             ungrouped(&mut moe, true);
             moe.topk_scale = None;
@@ -498,6 +503,21 @@ pub(super) fn moe_args(moe: Option<&Moe>) -> Vec<(&'static str, Value)> {
             Value::Str("sinkhorn".into()),
         )
     }))
+    // the routing a softmax router's bias takes part in, renormalised or not
+    .chain(
+        (m.softmax_bias && m.expert_bias)
+            .then(|| {
+                [
+                    (
+                        "moe_router_load_balancing_type",
+                        Value::Str("softmax_topk".into()),
+                    ),
+                    ("norm_topk_prob", Value::Bool(!m.pre_softmax)),
+                ]
+            })
+            .into_iter()
+            .flatten(),
+    )
     .collect()
 }
 

@@ -5,7 +5,7 @@
 //! mindkit does not build yet, refused by name.
 
 use super::{positive, positive_float};
-use crate::arch::moe::{Capacity, DropPolicy, Moe, ScoreFunction};
+use crate::arch::moe::{Capacity, DropPolicy, Moe};
 use crate::arch::ModelConfig;
 use crate::ckpt::torch::pickle::Value;
 use crate::model::{AuxLosses, Balancing};
@@ -230,9 +230,9 @@ fn check_zero_experts(a: &Args, model: &ModelConfig, ep: usize) -> Result<()> {
 /// dropping or an auxiliary loss (megatron-core's `TransformerConfig` and
 /// `sinkhorn_load_balancing` refuse both), and, as not built, with an expert bias (which it
 /// would count but not route by) or whole experts under TP (a router call balances Megatron's
-/// sequence-parallel block); an expert bias with a softmax router only in MindSpeed-LLM's
-/// `softmax_topk`, which adds it to the softmax scores (megatron-core `TransformerConfig`
-/// refuses the pair).
+/// sequence-parallel block). An expert bias with a softmax router is MindSpeed-LLM's: added to
+/// the softmax by its `softmax_topk`, routing nothing under megatron-core's types
+/// ([`crate::arch::moe::Moe::softmax_bias`]).
 fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> Result<()> {
     let Some(m) = &model.moe else { return Ok(()) };
     let balancing = a
@@ -252,9 +252,6 @@ fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> 
             "whole experts under tensor parallelism (--expert-tensor-parallel-size 1): not built",
         ),
         "sinkhorn" if m.expert_bias => Some("--moe-router-enable-expert-bias: not built"),
-        t if m.expert_bias && m.score == ScoreFunction::Softmax && t != "softmax_topk" => Some(
-            "--moe-router-enable-expert-bias and the softmax score function: megatron-core's routers add the bias to sigmoid scores only and refuse the pair (MindSpeed-LLM's softmax_topk adds it to the softmax)",
-        ),
         _ => None,
     };
     match refused {
