@@ -57,6 +57,11 @@ fn grads_at<'a, T>(grads: &'a mut [T], at: &[Option<usize>]) -> Vec<Option<&'a m
     at.iter().map(|i| i.and_then(|i| slots[i].take())).collect()
 }
 
+/// The parameters at `at`.
+fn params<'a, B: Backend>(p: &Pass<'a, B>, at: &[usize]) -> Vec<&'a B::Tensor> {
+    at.iter().map(|&i| &p.params[i]).collect()
+}
+
 /// Row `row`'s routing-weight gradient for `expert`.
 fn record(routes: &[Routed], dweights: &mut [Vec<f32>], (row, expert): (usize, usize), d: f32) {
     let slot = (routes[row].experts.iter())
@@ -66,9 +71,15 @@ fn record(routes: &[Routed], dweights: &mut [Vec<f32>], (row, expert): (usize, u
 }
 
 impl Local<'_> {
-    /// linear_fc1's and linear_fc2's weights of every expert, if all are bare.
-    fn bare(&self) -> Option<Vec<(usize, usize)>> {
-        self.experts.iter().map(SwiGlu::bare).collect()
+    /// linear_fc1's weights of every expert and linear_fc2's, if all are bare.
+    fn bare(&self) -> Option<[Vec<usize>; 2]> {
+        let pairs: Vec<(usize, usize)> = self
+            .experts
+            .iter()
+            .map(SwiGlu::bare)
+            .collect::<Option<_>>()?;
+        let (fc1, fc2) = pairs.into_iter().unzip();
+        Some([fc1, fc2])
     }
 
     /// Adds into `out [M, h]` this rank's experts' outputs on their tokens among the rows of
@@ -82,7 +93,7 @@ impl Local<'_> {
     ) -> Result<Saved<B::Tensor>> {
         let b = p.b;
         let mine = tokens.into_iter().skip(self.first).take(self.experts.len());
-        if let Some(weights) = self.bare() {
+        if let Some([fc1, fc2]) = self.bare() {
             let (mut rows, mut counts, mut w) = (Vec::new(), Vec::new(), Vec::new());
             for (r, we) in mine {
                 counts.push(r.len());
@@ -92,13 +103,11 @@ impl Local<'_> {
             if rows.is_empty() {
                 return Ok(Saved::Grouped(None));
             }
-            let (fc1, fc2): (Vec<_>, Vec<_>) = weights.into_iter().unzip();
-            let params = |ws: &[usize]| ws.iter().map(|&i| &p.params[i]).collect::<Vec<_>>();
             let weights = b.upload_f32(&[w.len()], &w)?;
-            let up = b.grouped_matmul(&b.select_rows(x, &rows)?, &params(&fc1), &counts)?;
+            let up = b.grouped_matmul(&b.select_rows(x, &rows)?, &params(p, &fc1), &counts)?;
             let act = b.swiglu(&up)?;
             let scaled = b.scale_rows(&act, &weights)?;
-            let y = b.grouped_matmul(&scaled, &params(&fc2), &counts)?;
+            let y = b.grouped_matmul(&scaled, &params(p, &fc2), &counts)?;
             b.index_add_rows(out, &y, &rows)?;
             let saved = GroupedSaved {
                 rows,
@@ -145,23 +154,21 @@ impl Local<'_> {
         match s {
             Saved::Grouped(None) => {}
             Saved::Grouped(Some(g)) => {
-                let (fc1, fc2): (Vec<_>, Vec<_>) =
-                    self.bare().expect("bare experts").into_iter().unzip();
-                let params = |ws: &[usize]| ws.iter().map(|&i| &p.params[i]).collect::<Vec<_>>();
+                let [fc1, fc2] = self.bare().expect("the forward pass's bare experts");
                 let trained = |ws: &[usize]| -> Vec<Option<usize>> {
                     ws.iter().map(|&i| p.trainable[i].then_some(i)).collect()
                 };
                 let dyp = b.select_rows(dy, &g.rows)?;
                 let mut dw2 = grads_at(grads, &trained(&fc2));
                 let dscaled =
-                    b.grouped_matmul_bwd(&dyp, &g.scaled, &params(&fc2), &g.counts, &mut dw2)?;
+                    b.grouped_matmul_bwd(&dyp, &g.scaled, &params(p, &fc2), &g.counts, &mut dw2)?;
                 drop(dw2);
                 let dact = b.scale_rows(&dscaled, &g.weights)?;
                 let dw = b.row_dots(&dscaled, &g.act)?;
                 let dup = b.swiglu_bwd(&dact, &g.up)?;
                 let xp = b.select_rows(x, &g.rows)?;
                 let mut dw1 = grads_at(grads, &trained(&fc1));
-                let dxp = b.grouped_matmul_bwd(&dup, &xp, &params(&fc1), &g.counts, &mut dw1)?;
+                let dxp = b.grouped_matmul_bwd(&dup, &xp, &params(p, &fc1), &g.counts, &mut dw1)?;
                 b.index_add_rows(&mut dx, &dxp, &g.rows)?;
                 let experts = (g.counts.iter().enumerate())
                     .flat_map(|(e, &c)| std::iter::repeat_n(self.first + e, c));
