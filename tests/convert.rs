@@ -166,6 +166,57 @@ fn rank_tensors(path: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, 
         .collect()
 }
 
+/// Every layer's up projections of a `--mla-mm-split` rank file are the whole ones' rows of
+/// each head (MindSpeed-LLM's convert_hf2mg.py: q_b_proj viewed `[heads, dn + dr, r]` and split
+/// on its second dimension; kv_b_proj `[heads, dn + dv, r]` alike), with no whole one left.
+fn assert_split_by_head(
+    hf: &Path,
+    whole: &std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)>,
+    split: &std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)>,
+) {
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    let dim = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (dn, dr, dv) = (
+        dim("qk_nope_head_dim"),
+        dim("qk_rope_head_dim"),
+        dim("v_head_dim"),
+    );
+    let pairs = [
+        (
+            "linear_q_up_proj",
+            ["linear_qk_nope", "linear_qk_rope"],
+            [dn, dr],
+        ),
+        (
+            "linear_kv_up_proj",
+            ["linear_kv_nope", "linear_v"],
+            [dn, dv],
+        ),
+    ];
+    let mut checked = 0;
+    for (key, (shape, bytes)) in whole {
+        for (up, parts, widths) in pairs {
+            let Some(prefix) = key.strip_suffix(&format!("{up}.weight")) else {
+                continue;
+            };
+            assert!(!split.contains_key(key), "{key} left whole");
+            let row = bytes.len() / shape[0];
+            let heads = shape[0] / (widths[0] + widths[1]);
+            let mut joined = Vec::new();
+            for h in 0..heads {
+                for (part, w) in parts.iter().zip(widths) {
+                    let (_, data) = &split[&format!("{prefix}{part}.weight")];
+                    joined.extend_from_slice(&data[h * w * row..(h + 1) * w * row]);
+                }
+            }
+            assert_eq!(&joined, bytes, "{key}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 0, "no up projection in the rank file");
+}
+
 #[test]
 fn multi_latent_attention_layouts_convert_into_each_other_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();
@@ -203,16 +254,43 @@ fn multi_latent_attention_layouts_convert_into_each_other_byte_identical() {
             &at("again"),
             &["--mla-layout", "mindspeed"],
         );
+        // MindSpeed-LLM's --mla-mm-split: from HF, and from and into the other layouts
+        let split = [
+            "--mla-layout",
+            "mindspeed-mm-split",
+            "--tp",
+            tp,
+            "--pp",
+            "2",
+        ];
+        convert("megatron", &model(f), &at("split"), &split);
+        convert("megatron", &at("split"), &at("split-fused"), &layout[..2]);
+        convert(
+            "megatron",
+            &at("split"),
+            &at("split-apart"),
+            &["--mla-layout", "mcore"],
+        );
+        convert("megatron", &at("apart"), &at("split-again"), &split[..2]);
         for r in ["mp_rank_00_000", "mp_rank_00_001"] {
             let read = |d: &str| rank_tensors(&rank_file(&at(d), r));
             assert_eq!(read("apart"), read("direct"), "{f}: {r}");
             assert_eq!(read("again"), read("fused"), "{f}: {r}");
+            assert_eq!(read("split-fused"), read("fused"), "{f}: {r}");
+            assert_eq!(read("split-apart"), read("direct"), "{f}: {r}");
+            assert_eq!(read("split-again"), read("split"), "{f}: {r}");
             let fused = read("fused");
             assert!(fused.contains_key("decoder.layers.0.self_attention.linear_qkv.weight"));
             assert!(!fused.keys().any(|k| k.contains("down_proj")), "{f}: {r}");
+            assert_split_by_head(&model(f), &fused, &read("split"));
         }
+        let info = mindkit(&[&"ckpt", &"info", &at("split")]).success();
+        let info = String::from_utf8(info.get_output().stdout.clone()).unwrap();
+        assert!(info.contains("up projections split"), "{info}");
         convert("hf", &at("fused"), &at("hf"), &[]);
         assert_same_hf(&model(f), &at("hf"));
+        convert("hf", &at("split"), &at("split-hf"), &[]);
+        assert_same_hf(&model(f), &at("split-hf"));
     }
     let err = convert_err(
         "megatron",

@@ -1444,6 +1444,43 @@ fn mindspeed_layout_trains_as_megatron_cores(dir: &Path, data: &Path, save: &Pat
     // the spec must agree with the checkpoint's layout
     let err = stderr(&run(&tune(save, &spec)).failure());
     assert!(err.contains("multi-latent attention"), "{err}");
+    // --mla-mm-split: the up projections split by head train as the whole ones, and save so
+    let split_dir = dir.join("split");
+    convert_checkpoint(save, &split_dir, &["--mla-layout", "mindspeed-mm-split"]);
+    let split = [&spec[..], &["--mla-mm-split"]].concat();
+    let split_out = dir.join("split-trained");
+    let saved = [
+        "--save",
+        split_out.to_str().unwrap(),
+        "--save-interval",
+        "10",
+    ];
+    let sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
+    for extra in [&saved[..], &sp[..]] {
+        let one = stdout(&run(&tune(&split_dir, &[&split[..], extra].concat())).success());
+        same_training(&apart, &one, 1e-5, &format!("--mla-mm-split {extra:?}"));
+    }
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &split_out]).success());
+    assert!(info.contains("--mla-mm-split"), "{info}");
+    same_hf_weights(dir, &out, &split_out, 1e-5);
+    // an HF --load takes the layout the flags name
+    let hf = dir.join("hf-for-split");
+    mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &save,
+        &"--output",
+        &hf,
+    ])
+    .success();
+    let whole = stdout(&run(&tune(&hf, &[])).success());
+    let one = stdout(&run(&tune(&hf, &split)).success());
+    same_training(&whole, &one, 1e-5, "--mla-mm-split from HF");
+    // MindSpeed-LLM's split needs its spec's attention
+    let err = stderr(&run(&tune(&hf, &["--mla-mm-split"])).failure());
+    assert!(err.contains("mla_mm_split"), "{err}");
 }
 
 /// `mindkit convert --to megatron` of a Megatron checkpoint.

@@ -96,6 +96,12 @@ pub struct Mla {
     /// one are one replicated `linear_qkv` (its multi_latent_attention.py
     /// `CustomMLASelfAttention`), not megatron-core's two column-parallel ones.
     pub fused_down: bool,
+    /// MindSpeed-LLM's `--mla-mm-split` (with its DeepSeek layer spec): each up projection is
+    /// two, every head's part without RoPE apart from its rotated part (`linear_qk_nope`,
+    /// `linear_qk_rope`) and every head's key part apart from its value (`linear_kv_nope`,
+    /// `linear_v`), their rows head by head (its multi_latent_attention.py
+    /// `MLASelfAttentionWithMMSplitSubmodules`).
+    pub split_up: bool,
     /// The normed query latent and key-value latent scaled by `√(hidden / rank)` before their
     /// up projections (MindSpeed-LLM's `--enable-mla-scale-q-lora`, `--enable-mla-scale-kv-lora`,
     /// its multi_latent_attention.py; LongCat-Flash's `mla_scale_q_lora` / `mla_scale_kv_lora`).
@@ -142,6 +148,40 @@ pub struct Mtp {
     pub depths: usize,
     /// Whose layout and hand-off: MindSpeed-LLM's or megatron-core's.
     pub layout: MtpLayout,
+}
+
+/// How a Megatron checkpoint lays out multi-latent attention's projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MlaLayout {
+    /// megatron-core's local spec: linear_q_down_proj and linear_kv_down_proj, split over TP.
+    Mcore,
+    /// MindSpeed-LLM's deepseek_spec (its --spec mindspeed_llm.tasks.models.spec.deepseek_spec
+    /// layer_spec, recorded in args.spec): both in one linear_qkv on every TP rank, as its
+    /// converters write DeepSeek ([`Mla::fused_down`]).
+    Mindspeed,
+    /// MindSpeed-LLM's deepseek_spec with --mla-mm-split: the up projections split too,
+    /// linear_qk_nope / linear_qk_rope and linear_kv_nope / linear_v ([`Mla::split_up`]).
+    MindspeedMmSplit,
+}
+
+impl MlaLayout {
+    /// The CLI spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            MlaLayout::Mcore => "mcore",
+            MlaLayout::Mindspeed => "mindspeed",
+            MlaLayout::MindspeedMmSplit => "mindspeed-mm-split",
+        }
+    }
+
+    /// `m` laid out so.
+    pub fn apply(self, m: Mla) -> Mla {
+        Mla {
+            fused_down: self != MlaLayout::Mcore,
+            split_up: self == MlaLayout::MindspeedMmSplit,
+            ..m
+        }
+    }
 }
 
 /// Where multi-token prediction's norms sit, which decides what each depth is handed.

@@ -32,6 +32,11 @@ pub enum Role {
     QLatentNorm,
     /// The query up projection `[heads·(d_nope + d_rope), q_lora]`.
     QUp,
+    /// [`crate::arch::Mla::split_up`]'s query up projection of the parts without RoPE
+    /// `[heads·d_nope, q_lora]` (`linear_qk_nope`).
+    QUpNope,
+    /// Its up projection of the rotated parts `[heads·d_rope, q_lora]` (`linear_qk_rope`).
+    QUpRope,
     /// The query projection of multi-latent attention without a query latent
     /// `[heads·(d_nope + d_rope), h]` (DeepSeek-V2-Lite).
     QProj,
@@ -47,6 +52,11 @@ pub enum Role {
     /// The key-value up projection `[heads·(d_nope + d_v), kv_lora]`, per head its key part
     /// then its value.
     KvUp,
+    /// [`crate::arch::Mla::split_up`]'s key up projection `[heads·d_nope, kv_lora]`
+    /// (`linear_kv_nope`).
+    KvUpNope,
+    /// Its value up projection `[heads·d_v, kv_lora]` (`linear_v`).
+    ValueUp,
     /// Norm before the MLP `[h]`.
     PostNorm,
     /// SwiGLU input `[2F, h]` = `[gate; up]`.
@@ -146,10 +156,10 @@ impl Role {
             roles.push(Role::QkvDown);
             if q_latent {
                 roles.extend(cfg.qk_norm.then_some(Role::QLatentNorm));
-                roles.push(Role::QUp);
+                roles.extend(Role::up_roles(mla, Role::QUp));
             }
             roles.extend(cfg.qk_norm.then_some(Role::KvLatentNorm));
-            roles.push(Role::KvUp);
+            roles.extend(Role::up_roles(mla, Role::KvUp));
             return roles;
         }
         match q_latent {
@@ -164,6 +174,25 @@ impl Role {
             roles.push(Role::KvLatentNorm);
         }
         roles
+    }
+
+    /// The tensors of an up projection (`QUp` or `KvUp`): itself, or its two parts under
+    /// [`crate::arch::Mla::split_up`].
+    pub fn up_roles(mla: &crate::arch::Mla, up: Role) -> Vec<Role> {
+        match (mla.split_up, up.up_parts()) {
+            (true, Some(parts)) => parts.to_vec(),
+            _ => vec![up],
+        }
+    }
+
+    /// The two parts an up projection splits into ([`crate::arch::Mla::split_up`]), each
+    /// head's rows of the first then of the second; `None` for another role.
+    pub fn up_parts(self) -> Option<[Role; 2]> {
+        match self {
+            Role::QUp => Some([Role::QUpNope, Role::QUpRope]),
+            Role::KvUp => Some([Role::KvUpNope, Role::ValueUp]),
+            _ => None,
+        }
     }
 
     /// The MLP roles of layer `l`: fc1 and fc2 of a dense layer; an MoE layer's router, each
@@ -202,6 +231,10 @@ impl Role {
             Role::QProj => "linear_q_proj",
             Role::KvDown => "linear_kv_down_proj",
             Role::KvUp => "linear_kv_up_proj",
+            Role::QUpNope => "linear_qk_nope",
+            Role::QUpRope => "linear_qk_rope",
+            Role::KvUpNope => "linear_kv_nope",
+            Role::ValueUp => "linear_v",
             Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => "linear_fc1",
             Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => "linear_fc2",
             _ => return None,
@@ -284,7 +317,9 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
             None => vec![cfg.hidden, cfg.heads * cfg.head_dim],
         },
         Role::QDown | Role::QLatentNorm | Role::QUp | Role::QProj => mla_q_shape(cfg, role),
+        Role::QUpNope | Role::QUpRope => mla_q_shape(cfg, role),
         Role::KvDown | Role::KvLatentNorm | Role::KvUp | Role::QkvDown => mla_kv_shape(cfg, role),
+        Role::KvUpNope | Role::ValueUp => mla_kv_shape(cfg, role),
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
         Role::Router => vec![cfg.moe.as_ref().map_or(0, Moe::router_width), cfg.hidden],
@@ -305,6 +340,8 @@ fn mla_q_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::QDown => vec![rank, cfg.hidden],
         Role::QLatentNorm => vec![rank],
         Role::QUp => vec![q_rows, rank],
+        Role::QUpNope => vec![cfg.heads * m.qk_head_dim, rank],
+        Role::QUpRope => vec![cfg.heads * m.rope_dim, rank],
         _ => vec![q_rows, cfg.hidden],
     }
 }
@@ -319,6 +356,8 @@ fn mla_kv_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
             m.q_rank(cfg.heads) + m.kv_lora_rank + m.rope_dim,
             cfg.hidden,
         ],
+        Role::KvUpNope => vec![cfg.heads * m.qk_head_dim, m.kv_lora_rank],
+        Role::ValueUp => vec![cfg.heads * m.v_head_dim, m.kv_lora_rank],
         _ => vec![cfg.heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank],
     }
 }
@@ -331,6 +370,7 @@ const ZERO_MLA: crate::arch::Mla = crate::arch::Mla {
     rope_dim: 0,
     v_head_dim: 0,
     fused_down: false,
+    split_up: false,
     scale_latents: [false; 2],
 };
 

@@ -84,16 +84,6 @@ enum NpuCommand {
     Info,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum MlaLayout {
-    /// megatron-core's local spec: linear_q_down_proj and linear_kv_down_proj, split over TP.
-    Mcore,
-    /// MindSpeed-LLM's deepseek_spec (its --spec mindspeed_llm.tasks.models.spec.deepseek_spec
-    /// layer_spec, recorded in args.spec): both in one linear_qkv on every TP rank, as its
-    /// converters write DeepSeek.
-    Mindspeed,
-}
-
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum EvalTask {
     /// BoolQ dev, 0-shot, acc.
@@ -300,10 +290,10 @@ struct OutputArgs {
     /// the layout given, and megatron-core loads it at any layout).
     #[arg(long, value_enum, default_value = "torch")]
     ckpt_format: convert::CkptFormat,
-    /// Multi-latent attention's down projections in a Megatron output. Default: the input's,
+    /// Multi-latent attention's projections in a Megatron output. Default: the input's,
     /// else megatron-core's.
     #[arg(long, value_enum)]
-    mla_layout: Option<MlaLayout>,
+    mla_layout: Option<mindkit::arch::MlaLayout>,
     /// Multi-token prediction in a Megatron output: mindspeed (MindSpeed-LLM's: final_layernorm
     /// after the depths, mtp.final_layernorms.N) or mcore (megatron-core's:
     /// decoder.final_layernorm, mtp.layers.N.final_layernorm). Default: the input's, else
@@ -598,7 +588,7 @@ fn convert_options(
         etp: a.etp,
         tp_extend_ep: a.moe_tp_extend_ep,
         grouped_experts: a.moe_grouped_gemm,
-        fused_mla_down: a.mla_layout.map(|l| l == MlaLayout::Mindspeed),
+        mla_layout: a.mla_layout,
         mtp_layout: a.mtp_layout,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,

@@ -10,7 +10,7 @@ use super::torch_dist::{self, DistTarget, TorchDistCkpt};
 use super::transform::{self, from_hf, hf_parts, to_hf};
 use crate::arch::family::{self, hf_names, Family, QkvStyle};
 use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
-use crate::arch::{ModelConfig, MtpLayout};
+use crate::arch::{Mla, MlaLayout, ModelConfig, MtpLayout};
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
 use crate::util::{self, Allowed, OutputKind, ProgressUnit, TempOutput};
@@ -65,10 +65,8 @@ pub struct ConvertOptions {
     pub tp_extend_ep: bool,
     /// Write the routed experts as MindSpeed-LLM's grouped tensors (`--moe-grouped-gemm`).
     pub grouped_experts: bool,
-    /// Multi-latent attention's down projections in a Megatron output: fused as MindSpeed-
-    /// LLM's deepseek_spec writes them (`true`), apart as megatron-core's local spec (`false`);
-    /// default the input's.
-    pub fused_mla_down: Option<bool>,
+    /// Multi-latent attention's layout in a Megatron output; default the input's.
+    pub mla_layout: Option<MlaLayout>,
     /// Multi-token prediction's layout in a Megatron output (MindSpeed-LLM's or megatron-
     /// core's); default the input's.
     pub mtp_layout: Option<MtpLayout>,
@@ -522,15 +520,22 @@ pub fn write_output(
     if let Some(d) = &o.dtype {
         cfg.dtype = parse_dtype(d)?;
     }
-    if let Some(fused) = o.fused_mla_down {
+    if let Some(layout) = o.mla_layout {
         match (&mut cfg.mla, o.to) {
-            (Some(m), Format::Megatron) => m.fused_down = fused,
+            (Some(m), Format::Megatron) => *m = layout.apply(*m),
             (None, _) => bail!(
                 "--mla-layout: {} has no multi-latent attention",
                 o.input.display()
             ),
             (_, Format::Hf) => bail!("--mla-layout: a Megatron output's; HF has one layout"),
         }
+    }
+    if o.to == Format::Hf {
+        // HF holds each up projection whole (DeepSeek's q_b_proj, kv_b_proj)
+        cfg.mla = cfg.mla.map(|m| Mla {
+            split_up: false,
+            ..m
+        });
     }
     if let Some(layout) = o.mtp_layout {
         match (&mut cfg.mtp, o.to) {
@@ -546,16 +551,11 @@ pub fn write_output(
         torch_dist_layouts(o, &mut cfg)?;
     }
     let read = |c: Canon| -> Result<Tensor> {
-        let mut t =
-            match transform::regrouped_from(&input.cfg, c).filter(|_| cfg.mla != input.cfg.mla) {
-                Some(parts) => {
-                    let rows: Result<Vec<Tensor>> = (parts.into_iter())
-                        .map(|(from, r)| Ok(source.read(&input.cfg, from)?.rows(r.start, r.end)))
-                        .collect();
-                    Tensor::cat_rows(&rows?)
-                }
-                None => source.read(&input.cfg, c)?,
-            };
+        let own = |c: Canon| source.read(&input.cfg, c);
+        let mut t = match cfg.mla != input.cfg.mla {
+            true => transform::read_regrouped(&input.cfg, c, &own)?,
+            false => own(c)?,
+        };
         let want = canonical_shape(&cfg, c.role);
         if t.shape != want {
             bail!("internal: {c:?} read as {:?}, expected {want:?}", t.shape);
@@ -693,8 +693,8 @@ fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
             "--moe-grouped-gemm (MindSpeed-LLM's grouped experts)",
         ));
     }
-    if o.fused_mla_down == Some(true) {
-        return Err(refuse("--mla-layout mindspeed"));
+    if let Some(l) = o.mla_layout.filter(|&l| l != MlaLayout::Mcore) {
+        return Err(refuse(&format!("--mla-layout {}", l.name())));
     }
     if cfg.mtp.is_some_and(|m| m.layout == MtpLayout::Mindspeed) {
         // megatron-core's depths hand on normed states: another model, so never chosen silently
@@ -702,9 +702,7 @@ fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
             "MindSpeed-LLM's multi-token prediction (pass --mtp-layout mcore for megatron-core's)",
         ));
     }
-    if let Some(m) = &mut cfg.mla {
-        m.fused_down = false;
-    }
+    cfg.mla = cfg.mla.map(|m| MlaLayout::Mcore.apply(m));
     Ok(())
 }
 

@@ -60,9 +60,10 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
                 Some(r) => format!("; RoPE scaling {r}"),
                 None => String::new(),
             },
-            match m.fused_down {
-                true => "; down projections in one linear_qkv (MindSpeed-LLM's deepseek_spec)",
-                false => "",
+            match (m.fused_down, m.split_up) {
+                (true, false) => "; down projections in one linear_qkv (MindSpeed-LLM's deepseek_spec)",
+                (true, true) => "; down projections in one linear_qkv, up projections split (MindSpeed-LLM's deepseek_spec, --mla-mm-split)",
+                _ => "",
             }
         );
     }

@@ -221,9 +221,10 @@ pub fn to_hf(cfg: &ModelConfig, c: Canon, t: Tensor) -> Vec<Tensor> {
 }
 
 /// Where canonical tensor `c` of a model comes from in `source`, the same model with its
-/// multi-latent attention's down projections the other way (fused into MindSpeed-LLM's one
-/// `linear_qkv`, or apart as megatron-core's): the source's tensors and their rows, stacked in
-/// order. `None` where `c` is the source's own.
+/// multi-latent attention's projections laid out the other way: the down projections fused
+/// into MindSpeed-LLM's one `linear_qkv` or apart as megatron-core's, the up projections whole
+/// or split by `--mla-mm-split`. The source's tensors and their rows, stacked in order; `None`
+/// where `c` is the source's own.
 pub fn regrouped_from(source: &ModelConfig, c: Canon) -> Option<Vec<(Canon, Range<usize>)>> {
     let m = source.mla?;
     let (q, kv) = (m.q_rank(source.heads), m.kv_lora_rank + m.rope_dim);
@@ -233,11 +234,62 @@ pub fn regrouped_from(source: &ModelConfig, c: Canon) -> Option<Vec<(Canon, Rang
         None => Role::QProj,
     };
     match (m.fused_down, c.role) {
-        (true, Role::QDown | Role::QProj) => Some(vec![(at(Role::QkvDown), 0..q)]),
-        (true, Role::KvDown) => Some(vec![(at(Role::QkvDown), q..q + kv)]),
-        (false, Role::QkvDown) => Some(vec![(at(q_role), 0..q), (at(Role::KvDown), 0..kv)]),
+        (true, Role::QDown | Role::QProj) => return Some(vec![(at(Role::QkvDown), 0..q)]),
+        (true, Role::KvDown) => return Some(vec![(at(Role::QkvDown), q..q + kv)]),
+        (false, Role::QkvDown) => return Some(vec![(at(q_role), 0..q), (at(Role::KvDown), 0..kv)]),
+        _ => {}
+    }
+    // each head's rows of the whole up projection: its first part's, then its second's
+    let (up, widths) = match c.role {
+        Role::QUp | Role::QUpNope | Role::QUpRope => (Role::QUp, [m.qk_head_dim, m.rope_dim]),
+        Role::KvUp | Role::KvUpNope | Role::ValueUp => (Role::KvUp, [m.qk_head_dim, m.v_head_dim]),
+        _ => return None,
+    };
+    let parts = up.up_parts()?;
+    let whole = widths[0] + widths[1];
+    let heads = 0..source.heads;
+    match (m.split_up, c.role == up) {
+        (true, true) => Some(
+            heads
+                .flat_map(|h| (0..2).map(move |i| (i, h)))
+                .map(|(i, h)| (at(parts[i]), h * widths[i]..(h + 1) * widths[i]))
+                .collect(),
+        ),
+        (false, false) => {
+            let (i, start) = match c.role == parts[0] {
+                true => (0, 0),
+                false => (1, widths[0]),
+            };
+            let rows = |h: usize| h * whole + start..h * whole + start + widths[i];
+            Some(heads.map(|h| (at(up), rows(h))).collect())
+        }
         _ => None,
     }
+}
+
+/// Canonical tensor `c` of a model read from `source`, the same model laid out as
+/// [`regrouped_from`] allows, by `read` (which reads one of the source's own, each once).
+pub fn read_regrouped(
+    source: &ModelConfig,
+    c: Canon,
+    read: &dyn Fn(Canon) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let Some(parts) = regrouped_from(source, c) else {
+        return read(c);
+    };
+    let mut read_once: Vec<(Canon, Tensor)> = Vec::new();
+    let mut rows = Vec::with_capacity(parts.len());
+    for (from, r) in parts {
+        let at = match read_once.iter().position(|(c, _)| *c == from) {
+            Some(at) => at,
+            None => {
+                read_once.push((from, read(from)?));
+                read_once.len() - 1
+            }
+        };
+        rows.push(read_once[at].1.rows(r.start, r.end));
+    }
+    Ok(Tensor::cat_rows(&rows))
 }
 
 /// How a role is laid out over TP ranks (docs/checkpoints.md §3.4).
@@ -279,6 +331,8 @@ fn split_of(role: Role) -> Split {
         // (megatron-core gpt_layer_specs.py, local spec: `ColumnParallelLinear`, their outputs
         // gathered), the up projections' rows whole heads.
         Role::QDown | Role::KvDown | Role::QUp | Role::QProj | Role::KvUp => Split::Rows,
+        // MindSpeed-LLM's split up projections: column-parallel too, each rank its heads' rows
+        Role::QUpNope | Role::QUpRope | Role::KvUpNope | Role::ValueUp => Split::Rows,
         Role::Qkv | Role::QkvBias => Split::Rows,
         // megatron-core's MTP `eh_proj` is a column-parallel linear layer
         Role::MtpProj => Split::Rows,

@@ -53,10 +53,10 @@ impl Layer {
         self.index
     }
 
-    /// Its multi-latent attention's key-value up projection weight, `None` for another
-    /// attention kind.
-    pub(super) fn latent_up(&self) -> Option<usize> {
-        self.attention.latent_up()
+    /// Whether inference absorbs its attention's key-value up projection (multi-latent
+    /// attention's).
+    pub(super) fn absorbs(&self) -> bool {
+        self.attention.absorbs()
     }
 
     /// Layer `layer` of `table`, `None` if the table lacks any of its parameters.

@@ -21,8 +21,10 @@ pub mod parallel;
 pub mod params;
 mod rope;
 
+use crate::arch::roles::{Canon, Role};
 use crate::arch::ModelConfig;
 use crate::ckpt::convert::open_checkpoint;
+use crate::ckpt::transform;
 use crate::engine::{AttentionShape, Backend, Segment};
 use anyhow::{anyhow, bail, Result};
 use attention::{Absorbed, Attend};
@@ -261,11 +263,14 @@ impl<'b, B: Backend> Model<'b, B> {
         // multi-latent attention's up projections, read once more and split by head
         let absorbed = (ids.layers.par_iter())
             .map(|layer| {
-                let (Some(up), Some(m)) = (layer.latent_up(), &spec.mla) else {
+                let (true, Some(m)) = (layer.absorbs(), &spec.mla) else {
                     return Ok(None);
                 };
-                let canon = table.params[up].canon;
-                let w = input.read(canon)?;
+                let canon = Canon {
+                    role: Role::KvUp,
+                    layer: Some(layer.index()),
+                };
+                let w = transform::read_regrouped(&cfg, canon, &|c| input.read(c))?;
                 Absorbed::new(backend, &w, spec.attention.heads, m)
                     .map(Some)
                     .map_err(|e| anyhow!("{}: {canon:?}: {e}", dir.display()))

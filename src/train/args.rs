@@ -129,6 +129,7 @@ pub const FLAGS: &[Flag] = &[
     used("spec", List, "MindSpeed-LLM's layer spec module and function: mindspeed_llm.tasks.models.spec.qwen3_spec or bailing_spec layer_spec (the local spec; q/k norms with --qk-layernorm), minimax_spec layer_spec (the same, each q/k norm over all heads; TP 1), deepseek_spec layer_spec (multi-latent attention, its down projections in one replicated linear_qkv; --transformer-impl local)"),
     used("enable-mla-scale-q-lora", Nothing, "MindSpeed-LLM's: multi-latent attention's normed query latent times √(hidden / q-lora-rank) before its up projection (LongCat-Flash)"),
     used("enable-mla-scale-kv-lora", Nothing, "MindSpeed-LLM's: the normed key-value latent times √(hidden / kv-lora-rank) before its up projection (LongCat-Flash)"),
+    used("mla-mm-split", Nothing, "MindSpeed-LLM's (with its deepseek_spec): each multi-latent up projection as two, linear_qk_nope / linear_qk_rope and linear_kv_nope / linear_v, in checkpoints and in the optimizer's state"),
     used("multi-latent-attention", Nothing, "multi-latent attention (DeepSeek-V2/V3; megatron-core's MLASelfAttention, local spec names; its latents' norms with --qk-layernorm)"),
     used("q-lora-rank", One, "multi-latent attention's query latent (none: queries projected from the hidden state; without --multi-latent-attention nothing reads it, as MindSpeed-LLM's MiniMax script passes it)"),
     used("kv-lora-rank", One, "multi-latent attention's key-value latent (default 32; nothing reads it without --multi-latent-attention)"),

@@ -1,8 +1,8 @@
 //! A rank's starting weights: read from `--load` or drawn as megatron-core initialises them.
 
 use super::config::{Start, TrainConfig};
-use crate::arch::roles::Role;
-use crate::ckpt::transform::tp_shard;
+use crate::arch::roles::{Canon, Role};
+use crate::ckpt::transform::{read_regrouped, tp_shard};
 use crate::model::params::{LoraPart, ParamInfo, ParamTable};
 use crate::tensor::host::Tensor as HostTensor;
 use anyhow::{anyhow, bail, Context, Result};
@@ -75,8 +75,9 @@ pub(super) fn initial_params(
         let t = match (&cfg.start, p.lora) {
             (Start::Load { .. }, None) if slots.is_empty() => continue,
             (Start::Load { input, .. }, None) => {
-                let t = input
-                    .read_padded(p.canon, whole.vocab_padded)
+                // the flags may lay multi-latent attention out otherwise than the checkpoint
+                let read = |c: Canon| input.read_padded(c, whole.vocab_padded);
+                let t = read_regrouped(&input.cfg, p.canon, &read)
                     .with_context(|| format!("--load: {}", p.name))?;
                 if t.shape != p.shape {
                     bail!(

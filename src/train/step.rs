@@ -334,6 +334,10 @@ fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
                 | Role::QProj
                 | Role::KvDown
                 | Role::KvUp
+                | Role::QUpNope
+                | Role::QUpRope
+                | Role::KvUpNope
+                | Role::ValueUp
                 | Role::MtpProj
         );
     let fused = match expert && cfg.grouped_experts && p.lora.is_none() {

@@ -423,26 +423,31 @@ def test_megatron_checkpointing_reads_the_directory(mindkit, tmp_path):
                    "num_query_groups": 4, "add_qkv_bias": True}
 
 
-@pytest.mark.parametrize("fixture,flags", [("deepseek_v3", []),
-                                           ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"])])
+@pytest.mark.parametrize("fixture,flags,layout", [
+    ("deepseek_v3", [], "mindspeed"),
+    ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"], "mindspeed"),
+    ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"], "mindspeed-mm-split")])
 def test_mindspeed_deepseek_layout_equals_mindspeed_llms_converter(mindkit, tmp_path, fixture,
-                                                                   flags):
+                                                                   flags, layout):
     """`convert --mla-layout mindspeed` of a tiny DeepSeek-V3 (query latent, MoE with a shared
     expert and a dense first layer) over TP 2 × EP 2 holds, file for file, the tensors MindSpeed-
     LLM's own convert_ckpt_deepseek3.py writes (its one replicated linear_qkv of q_a_proj and
     kv_a_proj_with_mqa), bit for bit; the Megatron checkpoint converts back to the HF bytes.
     With an MTP layer (`--mtp-layout mindspeed`, the converter's mtp_num_layers from
     num_nextn_predict_layers): its mtp.layers.0.* (eh_proj's rows split over TP), the
-    final_layernorm.weight on the model and mtp.final_layernorms.0.weight as it writes them."""
+    final_layernorm.weight on the model and mtp.final_layernorms.0.weight as it writes them.
+    `mindspeed-mm-split`: the up projections as its `--mla-mm-split` splits them
+    (linear_qk_nope, linear_qk_rope, linear_kv_nope, linear_v)."""
     src = os.environ.get("MINDSPEED_LLM")
     if not src:
         pytest.skip("MINDSPEED_LLM (a MindSpeed-LLM checkout) is unset: its converters are not on PyPI")
     model = MODELS / fixture
     script = ROOT / "tests/interop/mindspeed_deepseek3_convert.py"
-    subprocess.run([sys.executable, script, src, model, tmp_path / "msl", "2", "2"], check=True,
-                   capture_output=True)
+    split = ["--mla-mm-split"] if layout == "mindspeed-mm-split" else []
+    subprocess.run([sys.executable, script, src, model, tmp_path / "msl", "2", "2", *split],
+                   check=True, capture_output=True)
     mindkit("convert", "--to", "megatron", "--input", model, "--output", tmp_path / "mk",
-            "--mla-layout", "mindspeed", "--tp", 2, "--ep", 2, "--make-vocab-size-divisible-by", 1,
+            "--mla-layout", layout, "--tp", 2, "--ep", 2, "--make-vocab-size-divisible-by", 1,
             *flags)
     for rank in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
         # the reference's file (pickle protocol 4, written just now) is beyond weights_only

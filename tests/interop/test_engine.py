@@ -95,7 +95,7 @@ def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, 
     logits and KV-cached decoding steps equal transformers' (fp32), from the HF directory and
     from its Megatron conversions over TP 2 × EP 2: megatron-core's local spec, and MindSpeed-
     LLM's deepseek_spec (the down projections in one linear_qkv on every rank; V2-Lite's on one
-    TP rank, as MindSpeed-LLM runs it). deepseek_v2 is transformers' own DeepseekV2 (V2-Lite's
+    TP rank, as MindSpeed-LLM runs it), and that with --mla-mm-split's up projections. deepseek_v2 is transformers' own DeepseekV2 (V2-Lite's
     routing: softmax over all experts, the top-k scaled, not renormalised)."""
     model_dir = ROOT / "fixtures/models" / family
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -107,7 +107,10 @@ def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, 
     tp = "2" if family == "deepseek_v3" else "1"
     mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", fused, "--tp", tp,
             "--ep", "2", "--mla-layout", "mindspeed")
-    for source in (model_dir, ck, fused):
+    split = tmp_path / "mm-split"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", split, "--tp", tp,
+            "--ep", "2", "--mla-layout", "mindspeed-mm-split")
+    for source in (model_dir, ck, fused, split):
         got = mindkit_logits(source, ids, 8, tmp_path / "logits.safetensors")
         assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
         assert got["generated"].tolist() == tokens, source

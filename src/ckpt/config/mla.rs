@@ -27,6 +27,7 @@ pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla
         )?,
         v_head_dim: json_required_count(cfg, "v_head_dim")?,
         fused_down: false,
+        split_up: false,
         scale_latents: [false; 2],
     }))
 }
@@ -50,6 +51,7 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
     }
     // megatron-core MLATransformerConfig's defaults
     let count = |name: &str, default: usize| Ok(arg_count(args, name)?.unwrap_or(default));
+    let (fused_down, split_up) = mla_layout_of(args)?;
     Ok(Some(Mla {
         q_lora_rank: arg_count(args, "q_lora_rank")?,
         kv_lora_rank: count("kv_lora_rank", 32)?,
@@ -59,12 +61,30 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
             "args.qk_pos_emb_head_dim",
         )?,
         v_head_dim: count("v_head_dim", 128)?,
-        fused_down: super::spec_is(args, super::DEEPSEEK_SPEC),
+        fused_down,
+        split_up,
         scale_latents: [
             arg_bool(args, "enable_mla_scale_q_lora")?.unwrap_or(false),
             arg_bool(args, "enable_mla_scale_kv_lora")?.unwrap_or(false),
         ],
     }))
+}
+
+/// The layout of MindSpeed-LLM's multi-latent attention in Megatron args: whether the down
+/// projections are fused ([`Mla::fused_down`]: its DeepSeek spec) and the up projections split
+/// ([`Mla::split_up`]: `mla_mm_split`, which only that spec's attention knows).
+pub(super) fn mla_layout_of(args: &[(String, Value)]) -> FieldResult<(bool, bool)> {
+    let fused_down = super::spec_is(args, super::DEEPSEEK_SPEC);
+    let split_up = arg_bool(args, "mla_mm_split")?.unwrap_or(false);
+    if split_up && !fused_down {
+        return Err(ConfigError::OutOfRange {
+            field: "args.mla_mm_split".into(),
+            got: "true".into(),
+            expected: "false unless args.spec is MindSpeed-LLM's deepseek_spec (only its \
+                       multi-latent attention splits the up projections)",
+        });
+    }
+    Ok((fused_down, split_up))
 }
 
 /// The args of `cfg`'s multi-latent attention (none without it).
@@ -84,6 +104,7 @@ pub(super) fn mla_args(cfg: &ModelConfig) -> Vec<(&'static str, Value)> {
         ("v_head_dim", int(m.v_head_dim)),
         ("enable_mla_scale_q_lora", Value::Bool(m.scale_latents[0])),
         ("enable_mla_scale_kv_lora", Value::Bool(m.scale_latents[1])),
+        ("mla_mm_split", Value::Bool(m.split_up)),
     ]
 }
 

@@ -702,7 +702,6 @@ impl ModelConfig {
         })?;
         let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
         let qk_norm_per_layer = qk_norm && spec_is(args, MINIMAX_SPEC);
-        let fused_down = spec_is(args, DEEPSEEK_SPEC);
         if let Some(text) = carried {
             let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
             let hf: Json =
@@ -711,7 +710,12 @@ impl ModelConfig {
             check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
-            cfg.mla = cfg.mla.map(|m| Mla { fused_down, ..m });
+            let (fused_down, split_up) = mla::mla_layout_of(args)?;
+            cfg.mla = cfg.mla.map(|m| Mla {
+                fused_down,
+                split_up,
+                ..m
+            });
             cfg.mtp = mtp_of(arg_count(args, "mtp_num_layers")?);
             return Ok(cfg);
         }

@@ -49,8 +49,8 @@ pub(in crate::model) struct Mla {
     q: Query,
     /// kv_layernorm γ `[kv_lora]`.
     kv_norm: Option<usize>,
-    /// linear_kv_up_proj `[nh(dn + dv), kv_lora]`.
-    kv_up: Linear,
+    /// linear_kv_up_proj `[nh(dn + dv), kv_lora]` (or its two parts).
+    kv_up: Up,
     /// linear_proj `[h, nh·dv]` (row-parallel).
     proj: Linear,
 }
@@ -70,9 +70,83 @@ enum Down {
 #[derive(Debug, Clone, Copy)]
 enum Query {
     /// Through a latent: its norm (q_layernorm), then the up projection.
-    Latent(Option<usize>, Linear),
+    Latent(Option<usize>, Up),
     /// They are that output.
     Direct,
+}
+
+/// An up projection out of a latent, its output per head the part without RoPE (queries and
+/// keys) then the rotated part (queries) or the value (keys and values).
+#[derive(Debug, Clone, Copy)]
+enum Up {
+    /// One linear layer: linear_q_up_proj, linear_kv_up_proj.
+    Whole(Linear),
+    /// The two parts' (`--mla-mm-split`): linear_qk_nope and linear_qk_rope, linear_kv_nope
+    /// and linear_v.
+    Split(Linear, Linear),
+}
+
+/// An up projection's adapters' `x·Aᵀ` (of its one linear layer, or of each part).
+type UpAdapters<T> = [Option<T>; 2];
+
+impl Up {
+    /// Layer `layer`'s up projection `whole` in `table`, whole or split.
+    fn of(table: &ParamTable, layer: usize, whole: Role) -> Option<Up> {
+        let linear = |role| Linear::of(table, (role, None), Some(layer));
+        if let Some(up) = linear(whole) {
+            return Some(Up::Whole(up));
+        }
+        let [first, second] = whole.up_parts()?;
+        Some(Up::Split(linear(first)?, linear(second)?))
+    }
+
+    /// `y [n, nh·(w0 + w1)]` of the latent `x [n, r]` and its adapters' `x·Aᵀ`, given the
+    /// parts' widths per head `[w0, w1]`.
+    fn forward<B: Backend>(
+        self,
+        p: &Pass<B>,
+        x: &B::Tensor,
+        [w0, w1]: [usize; 2],
+    ) -> Result<(B::Tensor, UpAdapters<B::Tensor>)> {
+        match self {
+            Up::Whole(up) => {
+                let (y, u) = up.forward(p, x)?;
+                Ok((y, [u, None]))
+            }
+            Up::Split(first, second) => {
+                let (y0, u0) = first.forward(p, x)?;
+                let (y1, u1) = second.forward(p, x)?;
+                let (n, nh) = (p.b.shape(x)[0], p.spec.attention.heads);
+                let y = assemble(p.b, n, nh, w0 + w1, &[(&y0, w0, 0), (&y1, w1, w0)])?;
+                Ok((y, [u0, u1]))
+            }
+        }
+    }
+
+    /// `dx [n, r]` of [`Up::forward`] given `dy [n, nh·(w0 + w1)]` (a partial sum over the
+    /// tensor-parallel ranks' heads), accumulating the weights' gradients.
+    fn backward<B: Backend>(
+        self,
+        p: &Pass<B>,
+        grads: &mut [B::Tensor],
+        dy: &B::Tensor,
+        (x, u, [w0, w1]): (&B::Tensor, &UpAdapters<B::Tensor>, [usize; 2]),
+    ) -> Result<B::Tensor> {
+        match self {
+            Up::Whole(up) => up.backward(p, grads, dy, (x, u[0].as_ref())),
+            Up::Split(first, second) => {
+                let b = p.b;
+                let (n, nh, w) = (b.shape(dy)[0], p.spec.attention.heads, w0 + w1);
+                let part = |at: usize, width: usize| {
+                    b.gather(dy, cols(n, nh * w, (nh, w), at, width), &[n, nh * width])
+                };
+                let mut dx = first.backward(p, grads, &part(0, w0)?, (x, u[0].as_ref()))?;
+                let dx1 = second.backward(p, grads, &part(w0, w1)?, (x, u[1].as_ref()))?;
+                b.add_assign(&mut dx, &dx1)?;
+                Ok(dx)
+            }
+        }
+    }
 }
 
 /// A latent's norm: its input (this rank's rows) and `rstd`.
@@ -82,9 +156,9 @@ type NormSaved<T> = Option<(T, T)>;
 struct LatentSaved<T> {
     /// The norm's input and statistics.
     norm: NormSaved<T>,
-    /// The up projection's input (the normed latent, every row) and adapter `x·Aᵀ`.
+    /// The up projection's input (the normed latent, every row) and adapters' `x·Aᵀ`.
     up_input: T,
-    up_lora: Option<T>,
+    up_lora: UpAdapters<T>,
 }
 
 /// What the backward pass needs of the forward pass.
@@ -112,7 +186,7 @@ impl Mla {
         let at = Some(layer);
         let linear = |role| Linear::of(table, (role, None), at);
         let norm = |role| table.index(Canon { role, layer: at });
-        let q = match linear(Role::QUp) {
+        let q = match Up::of(table, layer, Role::QUp) {
             Some(up) => Query::Latent(norm(Role::QLatentNorm), up),
             None => Query::Direct,
         };
@@ -128,7 +202,7 @@ impl Mla {
             down,
             q,
             kv_norm: norm(Role::KvLatentNorm),
-            kv_up: linear(Role::KvUp)?,
+            kv_up: Up::of(table, layer, Role::KvUp)?,
             proj: linear(Role::Proj)?,
         })
     }
@@ -148,7 +222,7 @@ impl Mla {
         let ([q_first, kv_down], down_lora) = self.down_forward(p, x, &d)?;
         let (q, q_saved) = match self.q {
             Query::Latent(norm, up) => {
-                let (q, saved) = up_from_latent(p, q_first, (norm, up), Latent::Query)?;
+                let (q, saved) = up_from_latent(p, q_first, (norm, up), (Latent::Query, &d))?;
                 (q, Some(saved))
             }
             Query::Direct => (q_first, None),
@@ -169,7 +243,7 @@ impl Mla {
         rotate(p, &mut k_pe, 1, false)?;
         let (o, attention, lse, kv_up) = match attend {
             Attend::Segments(segments) => {
-                let (kv, up_lora) = self.kv_up.forward(p, &c_kv)?;
+                let (kv, up_lora) = self.kv_up.forward(p, &c_kv, Latent::KeyValue.widths(&d))?;
                 let (q_full, k_full, v_full) = full_heads(p, &d, (&q, &q_pe), (&kv, &k_pe))?;
                 let mask = attention_mask(p, self.layer);
                 let (o_full, lse) =
@@ -196,7 +270,7 @@ impl Mla {
                 )?;
                 b.kv_store(cache, &latent, segments)?;
                 let o = absorbed.attend(p, &d, (&q, &q_pe), cache, segments)?;
-                (o, None, None, None)
+                (o, None, None, [None, None])
             }
             Attend::Cached { .. } => {
                 return Err(EngineError::Invalid {
@@ -221,11 +295,6 @@ impl Mla {
             proj_lora,
         };
         Ok((reduced(b, p.tp, out)?, saved))
-    }
-
-    /// Its key-value up projection's weight (in the parameter table).
-    pub(in crate::model) fn kv_up_weight(&self) -> usize {
-        self.kv_up.w
     }
 
     /// `dh [T, h]` of [`Mla::forward`] given the gradient `dy [T, h]` of its output (summed
@@ -298,7 +367,7 @@ impl Mla {
             ],
         )?;
         let kv = (self.kv_norm, self.kv_up);
-        let d_c_kv = latent_bwd(p, grads, dkv, (kv, Latent::KeyValue), &s.kv)?;
+        let d_c_kv = latent_bwd(p, grads, dkv, (kv, Latent::KeyValue, &d), &s.kv)?;
         let row = d.kv_lora + d.r;
         let d_kv_down = assemble(
             b,
@@ -309,7 +378,7 @@ impl Mla {
         )?;
         let d_q_first = match (self.q, &s.q) {
             (Query::Latent(norm, up), Some(saved)) => {
-                latent_bwd(p, grads, dq, ((norm, up), Latent::Query), saved)?
+                latent_bwd(p, grads, dq, ((norm, up), Latent::Query, &d), saved)?
             }
             (Query::Direct, None) => dq,
             _ => unreachable!("the saved query path is the layer's"),
@@ -575,6 +644,17 @@ enum Latent {
     KeyValue,
 }
 
+impl Latent {
+    /// The widths per head of its up projection's output parts: the queries' without RoPE
+    /// and rotated, the keys' and the values'.
+    fn widths(self, d: &Dims) -> [usize; 2] {
+        match self {
+            Latent::Query => [d.n, d.r],
+            Latent::KeyValue => [d.n, d.v],
+        }
+    }
+}
+
 /// The factor the latent's norm output is scaled by ([`crate::arch::Mla::latent_scales`]).
 fn latent_scale<B: Backend>(p: &Pass<B>, latent: Latent) -> Option<f32> {
     let scales = p.spec.mla?.latent_scales(p.spec.hidden);
@@ -608,11 +688,11 @@ fn normed_latent<B: Backend>(
 fn up_from_latent<B: Backend>(
     p: &Pass<B>,
     c: B::Tensor,
-    (norm, up): (Option<usize>, Linear),
-    latent: Latent,
+    (norm, up): (Option<usize>, Up),
+    (latent, d): (Latent, &Dims),
 ) -> Result<(B::Tensor, LatentSaved<B::Tensor>)> {
     let (normed, norm) = normed_latent(p, c, norm, latent)?;
-    let (out, up_lora) = up.forward(p, &normed)?;
+    let (out, up_lora) = up.forward(p, &normed, latent.widths(d))?;
     let saved = LatentSaved {
         norm,
         up_input: normed,
@@ -627,11 +707,12 @@ fn latent_bwd<B: Backend>(
     p: &Pass<B>,
     grads: &mut [B::Tensor],
     dy: B::Tensor,
-    ((norm, up), latent): ((Option<usize>, Linear), Latent),
+    ((norm, up), latent, d): ((Option<usize>, Up), Latent, &Dims),
     s: &LatentSaved<B::Tensor>,
 ) -> Result<B::Tensor> {
     let b = p.b;
-    let d_normed = up.backward(p, grads, &dy, (&s.up_input, s.up_lora.as_ref()))?;
+    let saved = (&s.up_input, &s.up_lora, latent.widths(d));
+    let d_normed = up.backward(p, grads, &dy, saved)?;
     // a column-parallel layer's input gradient: partial over the ranks' heads
     let mut d_normed = reduced(b, p.tp, d_normed)?;
     if let (Some(s), Some(_)) = (latent_scale(p, latent), norm) {

@@ -15,6 +15,8 @@ use mla::Mla;
 use std::ops::Range;
 
 /// A layer's attention.
+// one per layer, built once and copied as a plain value: the variants' sizes do not matter
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy)]
 pub(in crate::model) enum Attention {
     /// Grouped-query (or multi-head) self-attention.
@@ -84,13 +86,10 @@ impl Attention {
             .or_else(|| Mla::of(table, layer).map(Attention::Mla))
     }
 
-    /// A multi-latent attention's key-value up projection weight (in the parameter table),
-    /// which inference absorbs ([`Absorbed`]).
-    pub(in crate::model) fn latent_up(&self) -> Option<usize> {
-        match self {
-            Attention::Gqa(_) => None,
-            Attention::Mla(a) => Some(a.kv_up_weight()),
-        }
+    /// Whether inference absorbs its key-value up projection ([`Absorbed`]): multi-latent
+    /// attention's.
+    pub(in crate::model) fn absorbs(&self) -> bool {
+        matches!(self, Attention::Mla(_))
     }
 
     /// The attention of the normed input `h [T, h]`: its output `[T, h]` (summed over the

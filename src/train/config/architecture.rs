@@ -2,7 +2,7 @@
 //! from `--load` (every flag given checked against it).
 
 use super::{fraction, positive, positive_float};
-use crate::arch::{ModelConfig, Mtp, MtpLayout};
+use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
 use crate::ckpt::config::{DEEPSEEK_SPEC, MINIMAX_SPEC};
 use crate::ckpt::convert::{Format, Input};
 use crate::ckpt::torch::pickle::Value;
@@ -138,6 +138,7 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("multi-latent-attention", "multi_latent_attention"),
         ("enable-mla-scale-q-lora", "enable_mla_scale_q_lora"),
         ("enable-mla-scale-kv-lora", "enable_mla_scale_kv_lora"),
+        ("mla-mm-split", "mla_mm_split"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
     }
@@ -352,8 +353,13 @@ pub(super) fn model_config(
         None,
         cfg.dtype,
         cfg.vocab,
-    )
-    .ok();
+    );
+    // why the flags make no model, for the mismatches below
+    let unmade = match &flagged {
+        Err(e) => format!(" ({e:#})"),
+        Ok(_) => String::new(),
+    };
+    let flagged = flagged.ok();
     let flagged_moe = flagged.as_ref().and_then(|c| c.moe.clone());
     super::moe::check_load(
         flagged_moe.as_ref(),
@@ -361,9 +367,18 @@ pub(super) fn model_config(
         has_any_architecture(a),
     )?;
     let flagged_mla = flagged.as_ref().and_then(|c| c.mla);
+    if let (Format::Hf, Some(f), Some(m)) = (input.format, flagged_mla, &mut cfg.mla) {
+        // an HF --load takes the layout the flags name, as MindSpeed-LLM's conversion of it
+        // writes it (--enable-hf2mg-convert)
+        *m = Mla {
+            fused_down: f.fused_down,
+            split_up: f.split_up,
+            ..*m
+        };
+    }
     if (a.has("multi-latent-attention") || has_any_architecture(a)) && flagged_mla != cfg.mla {
         bail!(
-            "the multi-latent attention flags give {flagged_mla:?}, the --load checkpoint has {:?}",
+            "the multi-latent attention flags give {flagged_mla:?}{unmade}, the --load checkpoint has {:?}",
             cfg.mla
         );
     }
