@@ -146,14 +146,20 @@ fn torch_dist_refuses_the_layouts_megatron_core_does_not_load() {
     assert!(err.contains("a Megatron output's"), "{err}");
 }
 
-/// A rank file's model tensors: key → (shape, bytes).
+/// A rank file's model tensors: key → (shape, bytes), the keys of every model chunk but the
+/// first prefixed `model{v}.`.
 fn rank_tensors(path: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> {
     use mindkit::ckpt::megatron::{chunks, flatten};
     use mindkit::ckpt::torch::{pickle::Value, TorchFile};
     let pt = TorchFile::open(path).unwrap();
-    let mut flat = Default::default();
-    for chunk in chunks(&pt).unwrap() {
-        flatten(chunk, false, path, &mut flat).unwrap();
+    let mut flat = std::collections::BTreeMap::new();
+    for (v, chunk) in chunks(&pt).unwrap().into_iter().enumerate() {
+        let mut one = Default::default();
+        flatten(chunk, false, path, &mut one).unwrap();
+        flat.extend(one.into_iter().map(|(k, t)| match v {
+            0 => (k, t),
+            _ => (format!("model{v}.{k}"), t),
+        }));
     }
     (flat.into_iter())
         .filter_map(|(k, v)| match v {
@@ -306,6 +312,72 @@ fn multi_latent_attention_layouts_convert_into_each_other_byte_identical() {
         &["--mla-layout", "mindspeed"],
     );
     assert!(err.contains("has no multi-latent attention"), "{err}");
+}
+
+#[test]
+fn dualpipev_stages_hold_their_v_of_chunks_and_convert_back_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let at = |s: &str| tmp.path().join(s);
+    let v = ["--pp", "2", "--schedules-method", "dualpipev"];
+    for f in ["llama", "deepseek_v3_mtp"] {
+        convert(
+            "megatron",
+            &model(f),
+            &at(f),
+            &[&v[..], &["--tp", "2"]].concat(),
+        );
+        let info = mindkit(&[&"ckpt", &"info", &at(f)]).success();
+        let info = String::from_utf8(info.get_output().stdout.clone()).unwrap();
+        assert!(info.contains("DualPipeV"), "{info}");
+        // layers 0 | 3 on stage 0 (with the output layer), 1 | 2 on stage 1; the source's
+        // layout kept when no new pipeline is asked for, and a plain one when it is
+        let first = rank_tensors(&rank_file(&at(f), "mp_rank_00_000"));
+        assert!(first.contains_key("embedding.word_embeddings.weight"));
+        assert!(first.contains_key("model1.output_layer.weight"));
+        assert!(first.contains_key("model1.decoder.layers.0.input_layernorm.weight"));
+        let last = rank_tensors(&rank_file(&at(f), "mp_rank_00_001"));
+        assert!(!last
+            .keys()
+            .any(|k| k.contains("output_layer") || k.contains("embedding")));
+        convert("megatron", &at(f), &at(&format!("{f}-kept")), &[]);
+        convert(
+            "megatron",
+            &at(f),
+            &at(&format!("{f}-plain")),
+            &["--pp", "2"],
+        );
+        convert(
+            "megatron",
+            &at(&format!("{f}-plain")),
+            &at(&format!("{f}-v")),
+            &v,
+        );
+        for r in ["mp_rank_00_000", "mp_rank_00_001"] {
+            let read = |d: &str| rank_tensors(&rank_file(&at(d), r));
+            assert_eq!(read(&format!("{f}-kept")), read(f), "{f}: {r}");
+            assert!(!read(&format!("{f}-plain"))
+                .keys()
+                .any(|k| k.starts_with("model1")));
+        }
+        convert("hf", &at(&format!("{f}-v")), &at(&format!("{f}-hf")), &[]);
+        assert_same_hf(&model(f), &at(&format!("{f}-hf")));
+    }
+    let cases: [(&str, &[&str], &str); 4] = [
+        ("llama", &["--pp", "1"], "2 or more stages"),
+        ("qwen3", &["--pp", "2"], "untied"),
+        ("llama", &["--pp", "4"], "2 × 4 equal chunks"),
+        (
+            "llama",
+            &["--pp", "2", "--ckpt-format", "torch_dist"],
+            "dualpipev",
+        ),
+    ];
+    for (f, extra, named) in cases {
+        let args = [&["--schedules-method", "dualpipev"][..], extra].concat();
+        let err = convert_err("megatron", &model(f), &at("bad"), &args);
+        assert!(err.contains(named), "{f} {extra:?}: {err}");
+        assert!(!at("bad").exists());
+    }
 }
 
 #[test]

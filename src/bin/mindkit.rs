@@ -84,6 +84,12 @@ enum NpuCommand {
     Info,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SchedulesMethod {
+    /// DualPipeV (MindSpeed's mindspeed/core/pipeline_parallel/dualpipev).
+    Dualpipev,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum EvalTask {
     /// BoolQ dev, 0-shot, acc.
@@ -276,6 +282,13 @@ struct OutputArgs {
     /// Layers per virtual pipeline chunk (Megatron's --num-layers-per-virtual-pipeline-stage).
     #[arg(long, alias = "num-layers-per-virtual-pipeline-stage")]
     num_layers_per_virtual_stage: Option<usize>,
+    /// MindSpeed's pipeline schedule of the Megatron output: dualpipev lays each stage's
+    /// layers out in two chunks in a V (stage p holds the p-th and the (2·PP − 1 − p)-th of
+    /// 2·PP blocks; the first stage also the final norm, output layer and multi-token
+    /// prediction), as its converters write them. Default: the source's, unless --tp, --pp
+    /// or --vpp is given.
+    #[arg(long, value_enum, conflicts_with_all = ["vpp", "num_layers_per_virtual_stage"])]
+    schedules_method: Option<SchedulesMethod>,
     /// Layers on the first pipeline stage (uneven split: the other stages share the rest evenly).
     #[arg(long, alias = "decoder-first-pipeline-num-layers")]
     first_stage_layers: Option<usize>,
@@ -592,6 +605,7 @@ fn convert_options(
         mtp_layout: a.mtp_layout,
         vpp: a.vpp,
         layers_per_virtual_stage: a.num_layers_per_virtual_stage,
+        dualpipev: a.schedules_method == Some(SchedulesMethod::Dualpipev),
         first_last: (a.first_stage_layers, a.last_stage_layers),
         layout: a.layout,
         ckpt_format: a.ckpt_format,

@@ -74,6 +74,9 @@ pub struct ConvertOptions {
     pub vpp: Option<usize>,
     /// Layers per virtual chunk (alternative to `vpp`).
     pub layers_per_virtual_stage: Option<usize>,
+    /// MindSpeed's `--schedules-method dualpipev` layout of a Megatron output
+    /// ([`Parallel::dualpipev`]); default a source's when no new pipeline is given.
+    pub dualpipev: bool,
     /// Uneven first / last stage layer counts (either or both).
     pub first_last: (Option<usize>, Option<usize>),
     /// Key layout of a Megatron output.
@@ -633,7 +636,13 @@ fn write_megatron(
     let whole = src_par.is_some_and(|p| p.etp == 1 && p.tp > 1 && !p.tp_extend);
     let etp = o.etp.unwrap_or(if whole { 1 } else { tp });
     let extend = o.tp_extend_ep || (src_par.is_some_and(|p| p.tp_extend) && o.etp.is_none());
-    let par = Parallel::new(cfg, tp, pp, vpp, first_last)?.with_experts(cfg, (ep, etp))?;
+    let kept = o.tp.is_none() && o.pp.is_none() && o.vpp.is_none();
+    let dualpipev = o.dualpipev || (kept && src_par.is_some_and(|p| p.dualpipev));
+    let par = match dualpipev {
+        true => Parallel::new(cfg, tp, pp, 1, first_last)?.with_dualpipev(cfg)?,
+        false => Parallel::new(cfg, tp, pp, vpp, first_last)?,
+    };
+    let par = par.with_experts(cfg, (ep, etp))?;
     let par = match extend {
         true => par.with_tp_extend(cfg)?,
         false => par,
@@ -692,6 +701,9 @@ fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
         return Err(refuse(
             "--moe-grouped-gemm (MindSpeed-LLM's grouped experts)",
         ));
+    }
+    if o.dualpipev {
+        return Err(refuse("--schedules-method dualpipev"));
     }
     if let Some(l) = o.mla_layout.filter(|&l| l != MlaLayout::Mcore) {
         return Err(refuse(&format!("--mla-layout {}", l.name())));

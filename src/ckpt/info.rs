@@ -226,10 +226,10 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                 "parallel:    TP {} × PP {}{}{}{}, layers per stage {:?}, padded vocab {}",
                 p.tp,
                 p.pp,
-                if p.vpp > 1 {
-                    format!(" × VPP {}", p.vpp)
-                } else {
-                    String::new()
+                match (p.dualpipev, p.vpp > 1) {
+                    (true, _) => " (DualPipeV: 2 chunks per stage in a V)".to_string(),
+                    (false, true) => format!(" × VPP {}", p.vpp),
+                    (false, false) => String::new(),
                 },
                 if p.ep > 1 {
                     format!(" × EP {}", p.ep)

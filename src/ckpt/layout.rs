@@ -74,6 +74,12 @@ pub struct Parallel {
     /// the TP × EP grid, block `e·TP + t` in `mp_rank_tt_eee` (mindspeed_llm/core/transformer/
     /// moe/moe_layer.py `local_expert_indices_offset`).
     pub tp_extend: bool,
+    /// MindSpeed's `--schedules-method dualpipev`: two chunks per stage in a V, stage `p`
+    /// holding the `p`-th and the `(2·PP − 1 − p)`-th of `2·PP` equal blocks of layers, so the
+    /// first stage holds the embedding and also the last block with the final norm, the output
+    /// layer and multi-token prediction (mindspeed/core/pipeline_parallel/dualpipev/
+    /// dualpipev_chunks.py `get_model`, `get_transformer_layer_offset`).
+    pub dualpipev: bool,
 }
 
 /// The `(tensor-parallel, expert-parallel)` rank of each file of a pipeline stage, in file
@@ -191,7 +197,45 @@ impl Parallel {
             ep: 1,
             etp: tp,
             tp_extend: false,
+            dualpipev: false,
         })
+    }
+
+    /// The layout in DualPipeV's V of chunks ([`Parallel::dualpipev`]), checked as MindSpeed's
+    /// dualpipev_feature.py checks it: several even stages and no virtual pipeline of its own,
+    /// every stage's layers two equal chunks, the output layer untied.
+    pub fn with_dualpipev(mut self, cfg: &ModelConfig) -> Result<Self> {
+        let (pp, l) = (self.pp, cfg.layers);
+        if pp < 2 {
+            bail!("--schedules-method dualpipev: needs a pipeline of 2 or more stages (MindSpeed refuses it on one)");
+        }
+        if self.vpp > 1 || self.first_last().is_some() {
+            bail!("--schedules-method dualpipev lays out its own two chunks per stage: not with a virtual pipeline or uneven stages");
+        }
+        if !l.is_multiple_of(2 * pp) {
+            bail!("--schedules-method dualpipev: num_layers {l} does not split into 2 × {pp} equal chunks");
+        }
+        if cfg.tied {
+            bail!("--schedules-method dualpipev needs the output layer untied from the embedding (MindSpeed refuses tied ones)");
+        }
+        self.vpp = 2;
+        self.dualpipev = true;
+        Ok(self)
+    }
+
+    /// The stage and chunk holding the final norm and the output layer (and multi-token
+    /// prediction): the last stage's last chunk, or DualPipeV's first stage's second.
+    pub fn last_chunk(&self) -> (usize, usize) {
+        match self.dualpipev {
+            true => (0, 1),
+            false => (self.pp - 1, self.vpp - 1),
+        }
+    }
+
+    /// Whether chunk `v` of stage `p` is the model's first (it holds the embedding) and its
+    /// last ([`Parallel::last_chunk`]).
+    pub fn chunk_ends(&self, p: usize, v: usize) -> (bool, bool) {
+        ((p, v) == (0, 0), (p, v) == self.last_chunk())
     }
 
     /// The layout with the routed experts split over `ep` expert-parallel ranks and each over
@@ -292,9 +336,18 @@ impl Parallel {
     /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th
     /// `1/vpp` of the layers, and each stage a `1/vpp` of its own layers in each (Megatron's
     /// `get_transformer_layer_offset`, even or uneven).
+    /// Under DualPipeV chunk 0 counts up from the first layer and chunk 1 down from the last.
     pub fn chunk_layers(&self, p: usize, v: usize) -> Vec<usize> {
         let per_chunk = |q: usize| self.stage_layers[q] / self.vpp;
         let total: usize = self.stage_layers.iter().sum();
+        if self.dualpipev {
+            let k = per_chunk(p);
+            let start = match v {
+                0 => p * k,
+                _ => total - (p + 1) * k,
+            };
+            return (start..start + k).collect();
+        }
         let start = v * (total / self.vpp) + (0..p).map(per_chunk).sum::<usize>();
         (start..start + per_chunk(p)).collect()
     }
@@ -752,10 +805,60 @@ mod tests {
             ep: 1,
             etp: 1,
             tp_extend: false,
+            dualpipev: false,
         };
         (0..pp)
             .map(|p| (0..vpp).map(|v| par.chunk_layers(p, v)).collect())
             .collect()
+    }
+
+    #[test]
+    fn dualpipev_chunks_sit_in_a_v_as_mindspeed_llms_converter_lists_them() {
+        // mindspeed_llm/tasks/checkpoint/convert_hf2mg.py's examples: PP 2 → [0 1 6 7 | 2 3 4 5],
+        // PP 4 → [0 7 | 1 6 | 2 5 | 3 4]
+        let cfg = |layers: usize| {
+            use crate::ckpt::torch::pickle::Value;
+            let args: Vec<(String, Value)> = [
+                ("num_layers", layers),
+                ("hidden_size", 64),
+                ("num_attention_heads", 4),
+                ("ffn_hidden_size", 128),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), Value::Int(v as i64)))
+            .chain([(
+                "untie_embeddings_and_output_weights".to_string(),
+                Value::Bool(true),
+            )])
+            .collect();
+            ModelConfig::from_megatron_args(&args, None, crate::tensor::DType::F32, 256).unwrap()
+        };
+        let v = |pp: usize| {
+            let c = cfg(8);
+            let par = Parallel::new(&c, 1, pp, 1, (None, None))
+                .and_then(|p| p.with_dualpipev(&c))
+                .unwrap();
+            let placed: Vec<Vec<usize>> = (0..pp)
+                .flat_map(|p| (0..2).map(move |v| (p, v)))
+                .map(|(p, v)| par.chunk_layers(p, v))
+                .collect();
+            (placed, par.last_chunk())
+        };
+        let flat = |c: Vec<Vec<usize>>| c.concat();
+        assert_eq!(flat(v(2).0), [0, 1, 6, 7, 2, 3, 4, 5]);
+        assert_eq!(flat(v(4).0), [0, 7, 1, 6, 2, 5, 3, 4]);
+        assert_eq!(v(4).1, (0, 1));
+        let refused = |layers: usize, pp: usize, tied: bool| {
+            let mut c = cfg(layers);
+            c.tied = tied;
+            Parallel::new(&c, 1, pp, 1, (None, None))
+                .and_then(|p| p.with_dualpipev(&c))
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(refused(8, 1, false).contains("2 or more stages"));
+        assert!(refused(6, 2, false).contains("2 × 2 equal chunks"));
+        assert!(refused(8, 2, true).contains("untied"));
     }
 
     #[test]

@@ -199,6 +199,7 @@ impl Stage {
             ep: 1,
             etp: 1,
             tp_extend: false,
+            dualpipev: false,
         };
         let chunks = (0..vpp)
             .map(|v| {

@@ -4,7 +4,9 @@ module constants; they are set from config.json before it runs (the MTP layers, 
 num_hidden_layers, from num_nextn_predict_layers), and the one-file safetensors directory is
 given the index the script reads.
 
-    python mindspeed_deepseek3_convert.py MINDSPEED_LLM HF_DIR OUT TP EP [--mla-mm-split]
+    python mindspeed_deepseek3_convert.py MINDSPEED_LLM HF_DIR OUT TP EP [--mla-mm-split] [--dualpipev]
+
+--dualpipev: two pipeline stages in DualPipeV's V (its --pp 2 --schedules-method dualpipev).
 """
 import importlib.util
 import json
@@ -16,6 +18,7 @@ from safetensors import safe_open
 
 msllm, src, out, tp, ep = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), *map(int, sys.argv[4:6])
 mm_split = "--mla-mm-split" in sys.argv[6:]
+dualpipev = "--dualpipev" in sys.argv[6:]
 hf = out / "hf"
 shutil.copytree(src, hf)
 cfg = json.loads((hf / "config.json").read_text())
@@ -37,5 +40,6 @@ conv.FIRST_K_DENSE_REPLACE = cfg["first_k_dense_replace"]
 conv.MTP_LAYER_INDEX = cfg["num_hidden_layers"]
 conv.CkptConvert(hf_model_path=str(hf), mg_save_path=str(out / "mg"),
                  num_layers=cfg["num_hidden_layers"], tp_size=tp, ep_size=ep,
+                 pp_size=2 if dualpipev else 1, dualpipe="dualpipev" if dualpipev else None,
                  num_dense_layers=cfg["first_k_dense_replace"],
                  mtp_num_layers=cfg.get("num_nextn_predict_layers", 0), mla_mm_split=mm_split).run()

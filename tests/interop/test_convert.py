@@ -426,7 +426,9 @@ def test_megatron_checkpointing_reads_the_directory(mindkit, tmp_path):
 @pytest.mark.parametrize("fixture,flags,layout", [
     ("deepseek_v3", [], "mindspeed"),
     ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"], "mindspeed"),
-    ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"], "mindspeed-mm-split")])
+    ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed"], "mindspeed-mm-split"),
+    ("deepseek_v3_mtp", ["--mtp-layout", "mindspeed", "--pp", 2, "--schedules-method", "dualpipev"],
+     "mindspeed")])
 def test_mindspeed_deepseek_layout_equals_mindspeed_llms_converter(mindkit, tmp_path, fixture,
                                                                    flags, layout):
     """`convert --mla-layout mindspeed` of a tiny DeepSeek-V3 (query latent, MoE with a shared
@@ -437,26 +439,37 @@ def test_mindspeed_deepseek_layout_equals_mindspeed_llms_converter(mindkit, tmp_
     num_nextn_predict_layers): its mtp.layers.0.* (eh_proj's rows split over TP), the
     final_layernorm.weight on the model and mtp.final_layernorms.0.weight as it writes them.
     `mindspeed-mm-split`: the up projections as its `--mla-mm-split` splits them
-    (linear_qk_nope, linear_qk_rope, linear_kv_nope, linear_v)."""
+    (linear_qk_nope, linear_qk_rope, linear_kv_nope, linear_v). `--schedules-method dualpipev`
+    over two stages (at TP 1: its converter takes TP 2 then only with --moe-tp-extend-ep, which
+    it honours only for grouped experts): each stage's model0 / model1 in DualPipeV's V, the first
+    stage's model1 with the last layer, the final norm, the output layer and the MTP depth."""
     src = os.environ.get("MINDSPEED_LLM")
     if not src:
         pytest.skip("MINDSPEED_LLM (a MindSpeed-LLM checkout) is unset: its converters are not on PyPI")
     model = MODELS / fixture
     script = ROOT / "tests/interop/mindspeed_deepseek3_convert.py"
     split = ["--mla-mm-split"] if layout == "mindspeed-mm-split" else []
-    subprocess.run([sys.executable, script, src, model, tmp_path / "msl", "2", "2", *split],
+    split += ["--dualpipev"] if "dualpipev" in flags else []
+    tp = 1 if "dualpipev" in flags else 2
+    subprocess.run([sys.executable, script, src, model, tmp_path / "msl", str(tp), "2", *split],
                    check=True, capture_output=True)
     mindkit("convert", "--to", "megatron", "--input", model, "--output", tmp_path / "mk",
-            "--mla-layout", layout, "--tp", 2, "--ep", 2, "--make-vocab-size-divisible-by", 1,
+            "--mla-layout", layout, "--tp", tp, "--ep", 2, "--make-vocab-size-divisible-by", 1,
             *flags)
-    for rank in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
+    ranks = sorted(p.name for p in (tmp_path / "msl/mg/iter_0000001").iterdir())
+    assert ranks == sorted(p.name for p in (tmp_path / "mk/iter_0000001").iterdir())
+    assert len(ranks) == 4
+    for rank in ranks:
         # the reference's file (pickle protocol 4, written just now) is beyond weights_only
         want = torch.load(tmp_path / "msl/mg/iter_0000001" / rank / "model_optim_rng.pt",
-                          weights_only=False)["model"]
-        got = load_pt(tmp_path / "mk/iter_0000001" / rank / "model_optim_rng.pt")["model"]
-        assert sorted(got) == sorted(want), rank
-        for name, w in want.items():
-            assert torch.equal(got[name], w), f"{rank} {name}"
+                          weights_only=False)
+        got = load_pt(tmp_path / "mk/iter_0000001" / rank / "model_optim_rng.pt")
+        chunks = [k for k in want if k.startswith("model")]
+        assert chunks == (["model0", "model1"] if "dualpipev" in flags else ["model"])
+        for chunk in chunks:
+            assert sorted(got[chunk]) == sorted(want[chunk]), f"{rank} {chunk}"
+            for name, w in want[chunk].items():
+                assert torch.equal(got[chunk][name], w), f"{rank} {chunk} {name}"
     mindkit("convert", "--to", "hf", "--input", tmp_path / "mk", "--output", tmp_path / "h")
     assert_hf_equal(model, tmp_path / "h")
 

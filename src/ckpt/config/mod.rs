@@ -601,6 +601,21 @@ pub fn spec_arg(cfg: &ModelConfig) -> Option<Value> {
     Some(Value::List(spec.map(|s| Value::Str(s.into())).into()))
 }
 
+/// Whether Megatron args record MindSpeed's DualPipeV schedule (`schedules_method`
+/// `dualpipev`, its only one), which lays the chunks out in a V
+/// ([`crate::ckpt::layout::Parallel::dualpipev`]).
+pub fn dualpipev_of(args: &[(String, Value)]) -> FieldResult<bool> {
+    match arg_str(args, "schedules_method")? {
+        None => Ok(false),
+        Some("dualpipev") => Ok(true),
+        Some(other) => Err(ConfigError::OutOfRange {
+            field: "args.schedules_method".into(),
+            got: other.into(),
+            expected: "dualpipev or None",
+        }),
+    }
+}
+
 fn arg_str<'a>(args: &'a [(String, Value)], name: &str) -> FieldResult<Option<&'a str>> {
     arg_field(args, name, "a string", |v| match v {
         Value::Str(s) => Some(s.as_str()),
@@ -859,6 +874,8 @@ pub struct ParallelArgs {
     pub tp_extend: bool,
     /// The routed experts stored as MindSpeed-LLM's grouped tensors.
     pub grouped: bool,
+    /// MindSpeed's DualPipeV chunks ([`Parallel::dualpipev`]).
+    pub dualpipev: bool,
 }
 
 impl ParallelArgs {
@@ -875,6 +892,7 @@ impl ParallelArgs {
             etp: par.etp,
             tp_extend: par.tp_extend,
             grouped,
+            dualpipev: par.dualpipev,
         }
     }
 }
@@ -940,9 +958,17 @@ pub fn megatron_args(
         ),
         ("tensor_model_parallel_size", int(par.tp)),
         ("pipeline_model_parallel_size", int(par.pp)),
+        // DualPipeV's two chunks are its own, no virtual pipeline (MindSpeed refuses both)
+        (
+            "schedules_method",
+            match par.dualpipev {
+                true => Value::Str("dualpipev".into()),
+                false => Value::None,
+            },
+        ),
         (
             "virtual_pipeline_model_parallel_size",
-            if par.vpp > 1 {
+            if par.vpp > 1 && !par.dualpipev {
                 int(par.vpp)
             } else {
                 Value::None
@@ -952,7 +978,7 @@ pub fn megatron_args(
         // (it refuses both set at once).
         (
             "num_layers_per_virtual_pipeline_stage",
-            if par.vpp > 1 && par.first_last.is_none() {
+            if par.vpp > 1 && par.first_last.is_none() && !par.dualpipev {
                 int(cfg.layers / par.pp / par.vpp)
             } else {
                 Value::None

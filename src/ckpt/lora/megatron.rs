@@ -276,7 +276,7 @@ impl MegatronLora {
                     layout,
                     cfg,
                     &par.chunk_layers(p, v),
-                    (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
+                    par.chunk_ends(p, v),
                     pp,
                     (0, 1),
                 );

@@ -512,9 +512,14 @@ impl MegatronCkpt {
         let mut cfg =
             ModelConfig::from_megatron_args(&args, family, emb.storage.dtype, padded_vocab)
                 .with_context(|| format!("{}", files[0][0].path().display()))?;
+        let dualpipev = crate::ckpt::config::dualpipev_of(&args)
+            .with_context(|| format!("{}", files[0][0].path().display()))?;
         if let Some(m) = &mut cfg.mtp {
             // MindSpeed-LLM keeps the depths' final norms in the block (`mtp.final_layernorms`)
-            let last = &flat[pp - 1][0][vpp - 1];
+            let last = match dualpipev {
+                true => &flat[0][0][1],
+                false => &flat[pp - 1][0][vpp - 1],
+            };
             if last.contains_key("mtp.layers.0.final_layernorm.weight") {
                 m.layout = MtpLayout::Mcore;
             }
@@ -534,7 +539,13 @@ impl MegatronCkpt {
             ep: 1,
             etp: tp,
             tp_extend: false,
+            dualpipev: false,
+        };
+        let par = match dualpipev {
+            true => Parallel { vpp: 1, ..par }.with_dualpipev(&cfg),
+            false => Ok(par),
         }
+        .with_context(|| format!("{}: args.schedules_method", files[0][0].path().display()))?
         .with_experts(&cfg, (ep, if tp_extend { tp } else { etp }))
         .and_then(|p| match tp_extend {
             true => p.with_tp_extend(&cfg),
@@ -564,7 +575,6 @@ impl MegatronCkpt {
 
     /// Match every expected key of every chunk to its tensors; check shapes against the config.
     fn build_index(&mut self, flat: Vec<Vec<Vec<BTreeMap<String, Value>>>>) -> Result<()> {
-        let (pp, vpp) = (self.par.pp, self.par.vpp);
         let grid = self.par.rank_files();
         for (p, stage) in flat.into_iter().enumerate() {
             for (m, mut per_chunk) in stage.into_iter().enumerate() {
@@ -576,8 +586,8 @@ impl MegatronCkpt {
                         self.layout,
                         &self.cfg,
                         &layers,
-                        (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
-                        pp,
+                        self.par.chunk_ends(p, v),
+                        self.par.pp,
                         self.par.expert_block((t, e)),
                     );
                     if chunk.keys().any(|k| layout::is_te_grouped_key(k)) {

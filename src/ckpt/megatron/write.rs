@@ -126,7 +126,7 @@ impl MegatronTarget<'_> {
                     self.layout,
                     self.cfg,
                     &self.par.chunk_layers(p, v),
-                    (p == 0 && v == 0, p == pp - 1 && v == vpp - 1),
+                    self.par.chunk_ends(p, v),
                     pp,
                     (block, blocks),
                 );

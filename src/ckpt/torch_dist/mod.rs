@@ -162,6 +162,7 @@ impl TorchDistCkpt {
                 ep: 1,
                 etp: 1,
                 tp_extend: false,
+                dualpipev: false,
             });
         let optimizer = keys::optimizer_kind(tensors.keys());
         let mut ck = TorchDistCkpt {

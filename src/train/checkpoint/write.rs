@@ -429,6 +429,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         ep: snap.file_ep().1,
         etp: snap.etp,
         tp_extend: snap.tp_extend,
+        dualpipev: false,
     };
     let mut args = megatron_args(
         snap.cfg,
@@ -443,6 +444,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             etp: snap.etp,
             tp_extend: snap.tp_extend,
             grouped: snap.grouped || snap.te_grouped,
+            dualpipev: parallel.dualpipev,
         },
         &snap.args,
     );
