@@ -120,8 +120,10 @@ CAP = {
     "--recompute-num-layers": NUM_LAYERS,
 }
 # Pipeline-stage layout, meaningless with one stage: per-stage layer counts and lists, virtual
-# pipeline sizing, and the no-op layers that pad a model to a multiple of the stages.
+# pipeline sizing, the no-op layers that pad a model to a multiple of the stages, and MindSpeed's
+# DualPipeV schedule (it refuses it below two stages, and the 2-layer model has no 2 × 2 chunks).
 DROP = {
+    "--schedules-method",
     "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank",
     "--num-layer-list",

@@ -1826,6 +1826,71 @@ fn pipeline_stages_train_as_one_rank_does() {
 }
 
 #[test]
+fn dualpipev_stages_train_as_one_rank_does_and_save_in_its_v() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (batch, iters) = (EIGHT_MICRO_BATCHES, TWENTY_SAVED);
+    let model = |extra: &[&str]| {
+        let untied = ["--num-layers", "4", "--untie-embeddings-and-output-weights"];
+        from_scratch(&data, &untied, extra)
+    };
+    let one_dir = path("one");
+    let one = stdout(
+        &run(&model(
+            &[&batch[..], &iters, &["--save", &one_dir]].concat(),
+        ))
+        .success(),
+    );
+    assert_eq!(iterations(&one).len(), 20, "{one}");
+    let v = ["--schedules-method", "dualpipev"];
+    for (i, layout) in [
+        vec!["--pipeline-model-parallel-size", "2"],
+        vec!["--pipeline-model-parallel-size", "2", "--world-size", "4"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let save = path(&format!("v{i}"));
+        let flags = [&batch[..], &iters, &layout, &v, &["--save", &save]].concat();
+        let log = stdout(&run(&model(&flags)).success());
+        same_training(&one, &log, 1e-5, &format!("dualpipev {layout:?}"));
+        let info = stdout(&mindkit(&[&"ckpt", &"info", &save]).success());
+        assert!(info.contains("DualPipeV"), "{info}");
+        same_hf_weights(dir.path(), Path::new(&one_dir), Path::new(&save), 1e-5);
+    }
+    // as MindSpeed checks it, and what is not built
+    for (extra, named) in [
+        (
+            vec![],
+            "pipeline_model_parallel_size should be larger than 1",
+        ),
+        (
+            vec!["--pipeline-model-parallel-size", "4"],
+            "2 × 4 equal chunks",
+        ),
+        (
+            vec![
+                "--pipeline-model-parallel-size",
+                "2",
+                "--mtp-num-layers",
+                "1",
+            ],
+            "not built",
+        ),
+    ] {
+        let err = stderr(&run(&model(&[&batch[..], &v, &extra].concat())).failure());
+        assert!(err.contains(named), "{extra:?}: {err}");
+    }
+    let tied = [&batch[..], &v, &["--pipeline-model-parallel-size", "2"]].concat();
+    let err = stderr(&run(&from_scratch(&data, &["--num-layers", "4"], &tied)).failure());
+    assert!(
+        err.contains("--untie-embeddings-and-output-weights"),
+        "{err}"
+    );
+}
+
+#[test]
 fn pipeline_stages_as_processes_and_resumed_train_as_threads_do() {
     let dir = tempfile::tempdir().unwrap();
     let pp = [

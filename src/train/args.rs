@@ -183,7 +183,7 @@ pub const FLAGS: &[Flag] = &[
     inert("moe-alltoall-overlap-comm", Nothing, OVERLAP),
     inert("moe-allgather-overlap-comm", Nothing, OVERLAP),
     inert("moe-fb-overlap", Nothing, OVERLAP),
-    refused("schedules-method", One, "MindSpeed's DualPipeV schedule (dualpipev) places each stage's layers in a V (chunk 0 forward, chunk 1 back, MTP on the first stage): not built; MindSpeed itself refuses it below two pipeline stages"),
+    used("schedules-method", One, "MindSpeed's dualpipev: each stage's layers in two chunks in a V (chunk 0 counting up, chunk 1 down; the first stage also holds the output layer and the loss), saved in that layout (not yet with --mtp-num-layers); mindkit runs the V forward, then backward (not DualPipeV's overlapped order: the same sums in the same order, more activations held); 2 or more pipeline stages, as MindSpeed requires"),
     inert("dualpipev-dw-detach", Nothing, OVERLAP),
     inert("moe-permute-fusion", Nothing, KERNEL),
     inert("use-fused-moe-token-permute-and-unpermute", Nothing, KERNEL),

@@ -139,7 +139,7 @@ impl<B: Backend> Trainer<B> {
             flat = self.gathered(self.loss_sums(losses)?)?.flat();
         }
         if let Some(pp) = &self.pp {
-            pp.broadcast_f32(&mut flat, self.stage.count - 1)?;
+            pp.broadcast_f32(&mut flat, self.stage.head())?;
         }
         Ok(data::LossSums::interleaved(&flat, 1))
     }

@@ -183,6 +183,8 @@ pub struct Stage {
     pub count: usize,
     /// The layers of each model chunk.
     pub chunks: Vec<Range<usize>>,
+    /// Its two chunks in DualPipeV's V ([`crate::ckpt::layout::Parallel::dualpipev`]).
+    pub dualpipev: bool,
 }
 
 impl Stage {
@@ -190,7 +192,8 @@ impl Stage {
     /// chunk `v` of each stage holds its share of the `v`-th `1/vpp` of the layers
     /// (megatron-core `get_transformer_layer_offset`, [`crate::ckpt::layout::Parallel::
     /// chunk_layers`]).
-    pub fn of(stages: &[usize], vpp: usize, index: usize) -> Stage {
+    /// Under DualPipeV (`dualpipev`, two chunks) the chunks sit in its V.
+    pub fn of(stages: &[usize], vpp: usize, index: usize, dualpipev: bool) -> Stage {
         let parallel = crate::ckpt::layout::Parallel {
             tp: 1,
             pp: stages.len(),
@@ -199,7 +202,7 @@ impl Stage {
             ep: 1,
             etp: 1,
             tp_extend: false,
-            dualpipev: false,
+            dualpipev,
         };
         let chunks = (0..vpp)
             .map(|v| {
@@ -212,6 +215,7 @@ impl Stage {
             index,
             count: stages.len(),
             chunks,
+            dualpipev,
         }
     }
 
@@ -220,9 +224,18 @@ impl Stage {
         self.index == 0
     }
 
-    /// Whether it holds the final norm, the output layer and the loss.
+    /// Whether it holds the final norm, the output layer and the loss (in its last chunk).
     pub fn last(&self) -> bool {
-        self.index + 1 == self.count
+        self.index == self.head()
+    }
+
+    /// The stage holding the final norm, the output layer and the loss: the last, or
+    /// DualPipeV's first.
+    pub fn head(&self) -> usize {
+        match self.dualpipev {
+            true => 0,
+            false => self.count - 1,
+        }
     }
 
     /// `(index, count)`.

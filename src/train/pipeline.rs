@@ -61,6 +61,10 @@ pub struct Pipeline {
     pub group: usize,
     /// This stage.
     pub stage: usize,
+    /// MindSpeed's DualPipeV: two chunks in a V, chunk 0 flowing to the next stage and
+    /// chunk 1 back to the previous one, the last stage handing its chunk 0's output to its
+    /// own chunk 1, the first stage's chunk 1 ending the model.
+    pub v_shape: bool,
 }
 
 impl Pipeline {
@@ -71,7 +75,33 @@ impl Pipeline {
 
     /// Whether `chunk` here is the model's last (it computes the loss, nothing after it).
     pub fn model_last(&self, chunk: usize) -> bool {
-        self.stage + 1 == self.stages && chunk + 1 == self.chunks
+        match self.v_shape {
+            true => self.stage == 0 && chunk == 1,
+            false => self.stage + 1 == self.stages && chunk + 1 == self.chunks,
+        }
+    }
+
+    /// The stage `chunk`'s forward output goes to (and its output gradient comes from).
+    pub fn downstream(&self, chunk: usize) -> usize {
+        match self.v_shape && chunk == 1 {
+            true => self.stage.saturating_sub(1),
+            false => (self.stage + 1) % self.stages,
+        }
+    }
+
+    /// The stage `chunk`'s forward input comes from (and its input gradient goes to).
+    pub fn upstream(&self, chunk: usize) -> usize {
+        match self.v_shape && chunk == 1 {
+            true => (self.stage + 1).min(self.stages - 1),
+            false => (self.stage + self.stages - 1) % self.stages,
+        }
+    }
+
+    /// The chunk of this stage that takes `chunk`'s forward output as its input, where the
+    /// V turns: the last stage's chunk 1 takes its chunk 0's (whose output gradient is, in
+    /// turn, chunk 1's input gradient).
+    pub fn turns(&self, chunk: usize) -> Option<usize> {
+        (self.v_shape && self.stage + 1 == self.stages && chunk == 0).then_some(1)
     }
 
     /// The stage's schedule: every micro-batch forward through each of its chunks and, when
@@ -83,9 +113,10 @@ impl Pipeline {
             inputs: vec![0; self.chunks],
             grads: vec![0; self.chunks],
         };
-        match self.chunks {
-            1 => b.one_f_one_b(train),
-            _ => b.interleaved(train),
+        match (self.v_shape, self.chunks) {
+            (true, _) => b.v_forward_then_backward(train),
+            (false, 1) => b.one_f_one_b(train),
+            (false, _) => b.interleaved(train),
         }
         b.ops
             .retain(|op| !matches!(op, Op::Exchange(x) if x.is_empty()));
@@ -191,6 +222,52 @@ impl Builder {
     /// Its input's gradient sent back unless the model starts there.
     fn send_prev(&self, slot: Slot) -> Option<Slot> {
         (!self.p.model_first(slot.0)).then_some(slot)
+    }
+
+    /// DualPipeV's V (mindspeed/core/pipeline_parallel/dualpipev), run as every micro-batch
+    /// forward through chunk 0, then through chunk 1, then backward through chunk 1 and
+    /// chunk 0: each phase a chain along the V in micro-batch order, so no stage waits on one
+    /// that waits on it. The passes and their sums are DualPipeV's; its order, overlapping one
+    /// chunk's forward with the other's backward to hold fewer activations, is not.
+    fn v_forward_then_backward(&mut self, train: bool) {
+        let (p, n) = (self.p, self.p.micro);
+        let turn = |c: usize| p.turns(c).is_some();
+        let (first, last) = (p.stage == 0, p.stage + 1 == p.stages);
+        for c in 0..2 {
+            for m in 0..n {
+                // chunk 0 takes the previous stage's output, chunk 1 the next stage's (or, on
+                // the last stage, its own chunk 0's)
+                let from = self.recv_prev(c, if c == 0 { !first } else { !last });
+                self.exchange(Exchange {
+                    recv_prev: from,
+                    ..Exchange::default()
+                });
+                self.ops.push(Op::Forward((c, m)));
+                let onward = !turn(c) && !p.model_last(c);
+                self.exchange(Exchange {
+                    send_next: onward.then_some((c, m)),
+                    ..Exchange::default()
+                });
+            }
+        }
+        if !train {
+            return;
+        }
+        for c in [1, 0] {
+            for m in 0..n {
+                let from = self.recv_next(c, !p.model_last(c) && !turn(c));
+                self.exchange(Exchange {
+                    recv_next: from,
+                    ..Exchange::default()
+                });
+                self.ops.push(Op::Backward((c, m)));
+                let back = !(p.model_first(c) || (last && c == 1));
+                self.exchange(Exchange {
+                    send_prev: back.then_some((c, m)),
+                    ..Exchange::default()
+                });
+            }
+        }
     }
 
     /// `forward_backward_pipelining_without_interleaving`.
@@ -342,6 +419,7 @@ mod tests {
                     micro,
                     group,
                     stage,
+                    v_shape: false,
                 };
                 p.ops(train)
             })
@@ -365,6 +443,7 @@ mod tests {
                     micro,
                     group,
                     stage: s,
+                    v_shape: false,
                 };
                 while let Some(op) = lists[s].get(at[s].0).copied() {
                     match op {
@@ -493,6 +572,100 @@ mod tests {
         }
     }
 
+    /// Every stage's DualPipeV list run against the others with blocking sends (a send waits
+    /// for its receive): each pass once, in V order, with its input or gradient from the
+    /// stage along the V (or the turn's own chunk), and nothing waits forever.
+    #[test]
+    fn dualpipev_runs_the_v_forward_then_backward_without_deadlock() {
+        for (stages, micro) in [(2, 3), (3, 5), (4, 7)] {
+            let pipe = |stage| Pipeline {
+                stages,
+                chunks: 2,
+                micro,
+                group: stages,
+                stage,
+                v_shape: true,
+            };
+            let lists: Vec<Vec<Op>> = (0..stages).map(|s| pipe(s).ops(true)).collect();
+            let mut at = vec![0usize; stages];
+            let mut have: Vec<HashSet<(bool, Slot)>> = vec![HashSet::new(); stages];
+            let mut done: Vec<Vec<Op>> = vec![Vec::new(); stages];
+            loop {
+                let mut moved = false;
+                for s in 0..stages {
+                    let p = pipe(s);
+                    let Some(&op) = lists[s].get(at[s]) else {
+                        continue;
+                    };
+                    match op {
+                        Op::Forward(slot @ (c, m)) => {
+                            let ready = p.model_first(c)
+                                || have[s].remove(&(false, slot))
+                                || (p.turns(0) == Some(c)
+                                    && done[s].contains(&Op::Forward((0, m))));
+                            assert!(
+                                ready,
+                                "PP {stages} stage {s}: forward {slot:?} without input"
+                            );
+                        }
+                        Op::Backward(slot @ (c, m)) => {
+                            let ready = p.model_last(c)
+                                || have[s].remove(&(true, slot))
+                                || (p.turns(c) == Some(1)
+                                    && done[s].contains(&Op::Backward((1, m))));
+                            assert!(
+                                ready,
+                                "PP {stages} stage {s}: backward {slot:?} without gradient"
+                            );
+                        }
+                        Op::Exchange(x) => {
+                            // one part each; a send completes once its peer receives it
+                            if let Some(slot) = x.recv_prev.or(x.recv_next) {
+                                let grad = x.recv_next.is_some();
+                                let from = match grad {
+                                    false => p.upstream(slot.0),
+                                    true => p.downstream(slot.0),
+                                };
+                                let sent = lists[from].get(at[from]).is_some_and(|o| {
+                                    matches!(o, Op::Exchange(y) if match grad {
+                                        false => y.send_next == Some(slot),
+                                        true => y.send_prev == Some(slot),
+                                    })
+                                });
+                                if !sent {
+                                    continue;
+                                }
+                                have[s].insert((grad, slot));
+                                at[from] += 1;
+                            } else {
+                                continue; // a send: its receiver moves it
+                            }
+                        }
+                    }
+                    done[s].push(op);
+                    at[s] += 1;
+                    moved = true;
+                }
+                if !moved {
+                    break;
+                }
+            }
+            for s in 0..stages {
+                assert_eq!(
+                    at[s],
+                    lists[s].len(),
+                    "PP {stages}: stage {s} stuck at {:?}",
+                    lists[s].get(at[s])
+                );
+                let passes = done[s]
+                    .iter()
+                    .filter(|o| !matches!(o, Op::Exchange(_)))
+                    .count();
+                assert_eq!(passes, 4 * micro, "PP {stages} stage {s}");
+            }
+        }
+    }
+
     #[test]
     fn megatrons_schedule_table_and_warmup() {
         // schedules.py's example: PP 2, N 3 (group), M 5 micro-batches, VP 2.
@@ -502,6 +675,7 @@ mod tests {
             micro: 5,
             group: 3,
             stage: 0,
+            v_shape: false,
         };
         let table: Vec<_> = (0..10).map(|k| p.table(k)).collect();
         let micro: Vec<usize> = table.iter().map(|t| t.0).collect();

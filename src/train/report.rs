@@ -210,7 +210,10 @@ impl<B: Backend> Trainer<B> {
         let block = rows * c.model.hidden * a.size();
         let (first, last) = (self.stage.first(), self.stage.last());
         let v = self.chunks.len();
-        let sends = k * (2 * v - usize::from(last) - usize::from(first));
+        // DualPipeV's turn (its last stage) hands chunk 0's output and chunk 1's input
+        // gradient over in place
+        let turn = 2 * usize::from(self.cfg.dualpipev && self.stage.index + 1 == self.stage.count);
+        let sends = k * (2 * v - usize::from(last) - usize::from(first) - turn);
         let tied = self.cfg.model.tied
             && (first || last)
             && self
@@ -227,16 +230,22 @@ impl<B: Backend> Trainer<B> {
             1 => ("(PP − 1) / (K + PP − 1)".to_string(), k),
             _ => (format!("(PP − 1) / ({v}·K + PP − 1)"), v * k),
         };
+        let bubble = match self.cfg.dualpipev {
+            true => "of DualPipeV's V run forward, then backward: not modelled".to_string(),
+            false => format!(
+                "{bubble} = {}/{} = {:.3}",
+                p - 1,
+                vk + p - 1,
+                (p - 1) as f64 / (vk + p - 1) as f64
+            ),
+        };
         format!(
-            "sends and receives, each: {sends} × [{rows}, {}] {a:?} + {} × [{}, {}] f32 = {} bytes; bubble {bubble} = {}/{} = {:.3}",
+            "sends and receives, each: {sends} × [{rows}, {}] {a:?} + {} × [{}, {}] f32 = {} bytes; bubble {bubble}",
             c.model.hidden,
             usize::from(tied),
             c.vocab_padded / tp,
             c.model.hidden,
             sends * block + embedding,
-            p - 1,
-            vk + p - 1,
-            (p - 1) as f64 / (vk + p - 1) as f64
         )
     }
 }

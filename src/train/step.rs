@@ -92,9 +92,10 @@ impl<B: Backend> Trainer<B> {
                 pipeline::Op::Forward(slot) => {
                     let batch = &batches[slot.1].batch;
                     let (out, fwd) = self.forward_pass(slot.0, batch, inputs.remove(&slot))?;
-                    match pipe.model_last(slot.0) {
-                        true => losses[slot.1].0 = Some(out),
-                        false => _ = outputs.insert(slot, out),
+                    match (pipe.model_last(slot.0), pipe.turns(slot.0)) {
+                        (true, _) => losses[slot.1].0 = Some(out),
+                        (false, Some(c)) => _ = inputs.insert((c, slot.1), out),
+                        (false, None) => _ = outputs.insert(slot, out),
                     }
                     if train {
                         if let (Some(m), Some(aux)) = (&mut self.moe, &self.cfg.aux_losses) {
@@ -113,7 +114,11 @@ impl<B: Backend> Trainer<B> {
                     let batch = &batches[slot.1].batch;
                     let grad = out_grads.remove(&slot);
                     if let Some(d) = self.backward_pass(slot, batch, fwd, grad)? {
-                        in_grads.insert(slot, d);
+                        // where the V turns, chunk 1's input gradient is chunk 0's output's
+                        match (0..slot.0).find(|&c| pipe.turns(c) == Some(slot.0)) {
+                            Some(c) => _ = out_grads.insert((c, slot.1), d),
+                            None => _ = in_grads.insert(slot, d),
+                        }
                     }
                 }
                 pipeline::Op::Exchange(x) => {
@@ -132,7 +137,7 @@ impl<B: Backend> Trainer<B> {
                         None => None,
                     };
                     let rows = |slot: pipeline::Slot| batches[slot.1].batch.tokens.len();
-                    let (from_prev, from_next) = self.p2p(&x, (to_next, to_prev), rows)?;
+                    let (from_prev, from_next) = self.p2p(&pipe, &x, (to_next, to_prev), rows)?;
                     if let (Some(slot), Some(t)) = (x.recv_prev, from_prev) {
                         inputs.insert(slot, t);
                     }
@@ -171,6 +176,7 @@ impl<B: Backend> Trainer<B> {
             micro,
             group: v.map_or(self.stage.count, |v| v.group),
             stage: self.stage.index,
+            v_shape: self.cfg.dualpipev,
         }
     }
 
@@ -260,6 +266,7 @@ impl<B: Backend> Trainer<B> {
     /// and the next stage.
     fn p2p(
         &self,
+        pipe: &pipeline::Pipeline,
         x: &pipeline::Exchange,
         (to_next, to_prev): (Option<&B::Tensor>, Option<&B::Tensor>),
         rows: impl Fn(pipeline::Slot) -> usize,
@@ -267,8 +274,12 @@ impl<B: Backend> Trainer<B> {
         let Some(pp) = &self.pp else {
             return Ok((None, None));
         };
-        let (me, count) = (self.stage.index, self.stage.count);
-        let (next, prev) = ((me + 1) % count, (me + count - 1) % count);
+        let me = self.stage.index;
+        // along the model: the next stage's chunk takes the output (the previous one's, back
+        // up a V's second leg)
+        let chunk = |slot: Option<pipeline::Slot>| slot.map_or(0, |s| s.0);
+        let next = |slot| pipe.downstream(chunk(slot));
+        let prev = |slot| pipe.upstream(chunk(slot));
         let sp = match self.cfg.sequence_parallel {
             true => self.tp().1,
             false => 1,
@@ -280,17 +291,21 @@ impl<B: Backend> Trainer<B> {
             Ok(x)
         };
         let (mut from_prev, mut from_next) = (None, None);
-        let ops: [u8; 4] = if me % 2 == 0 {
+        let ops: [u8; 4] = if me.is_multiple_of(2) {
             [0, 1, 2, 3]
         } else {
             [1, 0, 3, 2]
         };
         for op in ops {
             match op {
-                0 => to_next.map(|t| pp.send(t, next)).transpose().map(drop)?,
-                1 => from_prev = x.recv_prev.map(|s| recv(s, prev)).transpose()?,
-                2 => to_prev.map(|t| pp.send(t, prev)).transpose().map(drop)?,
-                _ => from_next = x.recv_next.map(|s| recv(s, next)).transpose()?,
+                0 => (to_next.map(|t| pp.send(t, next(x.send_next))))
+                    .transpose()
+                    .map(drop)?,
+                1 => from_prev = x.recv_prev.map(|s| recv(s, prev(Some(s)))).transpose()?,
+                2 => (to_prev.map(|t| pp.send(t, prev(x.send_prev))))
+                    .transpose()
+                    .map(drop)?,
+                _ => from_next = x.recv_next.map(|s| recv(s, next(Some(s)))).transpose()?,
             }
         }
         Ok((from_prev, from_next))

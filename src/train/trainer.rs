@@ -121,7 +121,8 @@ impl<B: Backend> Trainer<B> {
         spec.router_f32 = cfg.router_f32;
         spec.capacity = cfg.capacity;
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
-        let stage = Stage::of(&cfg.stages, vpp, groups.pp.as_ref().map_or(0, |g| g.rank()));
+        let pp_rank = groups.pp.as_ref().map_or(0, |g| g.rank());
+        let stage = Stage::of(&cfg.stages, vpp, pp_rank, cfg.dualpipev);
         let rank = groups.rank;
         let lora = cfg.lora.as_ref().map(|l| &l.spec);
         let mut table = ParamTable::new(&cfg.model, cfg.vocab_padded, lora);

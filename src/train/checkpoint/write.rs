@@ -429,7 +429,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
         ep: snap.file_ep().1,
         etp: snap.etp,
         tp_extend: snap.tp_extend,
-        dualpipev: false,
+        dualpipev: stage.dualpipev,
     };
     let mut args = megatron_args(
         snap.cfg,
@@ -461,7 +461,7 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
             snap.layout,
             snap.cfg,
             &layers.clone().collect::<Vec<_>>(),
-            (stage.first() && v == 0, stage.last() && v + 1 == vpp),
+            parallel.chunk_ends(stage.index, v),
             stage.count,
             snap.ep,
         );

@@ -141,6 +141,9 @@ pub struct TrainConfig {
     /// The virtual pipeline: model chunks per stage and the micro-batches each chunk runs in
     /// a row (`None`: one chunk per stage, the 1F1B schedule).
     pub virtual_pipeline: Option<VirtualPipeline>,
+    /// MindSpeed's `--schedules-method dualpipev`: the two chunks of each stage in a V
+    /// ([`crate::ckpt::layout::Parallel::dualpipev`]).
+    pub dualpipev: bool,
     /// `--sequence-parallel` at TP > 1.
     pub sequence_parallel: bool,
     /// `--use-distributed-optimizer` and how its buffer is bucketed.
@@ -577,14 +580,20 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     let data_parallel = layout.size(Axis::Dp);
     check_tensor_parallel(a, &model, vocab_padded, tp)?;
     let chunks = virtual_stages(a, &model, pp)?;
-    let stages = pipeline_stages(a, &model, (pp, chunks))?;
     if !global_batch.is_multiple_of(micro_batch * data_parallel) {
         bail!(
             "--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} × {data_parallel} data-parallel ranks (--world-size)"
         );
     }
-    let virtual_pipeline = match chunks {
-        1 => None,
+    let micro = global_batch / micro_batch / data_parallel;
+    let dualpipev = parallelism::dualpipev(a, &model, (pp, chunks), micro)?;
+    let stages = pipeline_stages(a, &model, (pp, if dualpipev { 2 } else { chunks }))?;
+    let virtual_pipeline = match (chunks, dualpipev) {
+        (_, true) => Some(VirtualPipeline {
+            chunks: 2,
+            group: pp,
+        }),
+        (1, false) => None,
         _ => Some(virtual_pipeline(
             a,
             (pp, chunks),
@@ -739,6 +748,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         tp_extend_ep,
         stages,
         virtual_pipeline,
+        dualpipev,
         sequence_parallel: tp > 1 && a.has("sequence-parallel"),
         distributed_optimizer: match a.has("use-distributed-optimizer") {
             false => None,

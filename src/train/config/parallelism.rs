@@ -42,6 +42,55 @@ pub(super) fn pipeline_stages(
     Ok(parallel.stage_layers)
 }
 
+/// Whether `--schedules-method dualpipev` asks for MindSpeed's DualPipeV, checked as its
+/// dualpipev_feature.py `validate_args` checks it: several pipeline stages, no virtual pipeline
+/// of its own (`chunks` 1), even stages of two equal chunks, an untied output layer, enough
+/// micro-batches (`micro` per data-parallel rank: at least 2·PP − 1), no context parallelism
+/// or overlapped gradient reduction.
+pub(super) fn dualpipev(
+    a: &Args,
+    model: &ModelConfig,
+    (pp, chunks): (usize, usize),
+    micro: usize,
+) -> Result<bool> {
+    match a.get("schedules-method") {
+        None => return Ok(false),
+        Some("dualpipev") => {}
+        Some(other) => bail!("--schedules-method {other}: MindSpeed's only schedule is dualpipev"),
+    }
+    let why = if pp < 2 {
+        "pipeline_model_parallel_size should be larger than 1".to_string()
+    } else if chunks > 1 {
+        "it is incompatible with a virtual pipeline".into()
+    } else if a.has("decoder-first-pipeline-num-layers")
+        || a.has("decoder-last-pipeline-num-layers")
+    {
+        "its chunks split even stages".into()
+    } else if !model.layers.is_multiple_of(2 * pp) {
+        format!(
+            "--num-layers {} does not split into 2 × {pp} equal chunks",
+            model.layers
+        )
+    } else if model.tied {
+        "it requires --untie-embeddings-and-output-weights".into()
+    } else if micro < 2 * pp - 1 {
+        format!(
+            "{micro} micro-batches per data-parallel rank: it needs at least 2 × PP − 1 = {}",
+            2 * pp - 1
+        )
+    } else if a.has("overlap-grad-reduce") {
+        "it is incompatible with --overlap-grad-reduce".into()
+    } else if model.mtp.is_some() {
+        bail!(
+            "--schedules-method dualpipev with --mtp-num-layers: MindSpeed gives the depths on the \
+             first stage an embedding of their own, trained apart from the model's; not built"
+        );
+    } else {
+        return Ok(true);
+    };
+    bail!("--schedules-method dualpipev: {why} (as MindSpeed checks it)")
+}
+
 /// A virtual pipeline (Megatron's interleaved schedule).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VirtualPipeline {
