@@ -1825,16 +1825,52 @@ fn pipeline_stages_train_as_one_rank_does() {
     );
 }
 
+/// An untied 4-layer model from scratch (DualPipeV's 2 × 2 chunks).
+fn four_untied_layers(data: &Path, extra: &[&str]) -> Vec<String> {
+    let untied = ["--num-layers", "4", "--untie-embeddings-and-output-weights"];
+    from_scratch(data, &untied, extra)
+}
+
+#[test]
+fn dualpipev_stages_as_processes_and_resumed_train_as_threads_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--schedules-method",
+        "dualpipev",
+        "--global-batch-size",
+        "8",
+    ];
+    let half = processes_and_resumed_train_as_threads(
+        dir.path(),
+        four_untied_layers,
+        &v,
+        &["mp_rank_00_000", "mp_rank_00_001"],
+    );
+    // the interleaved schedule's two chunks hold other layers: its state is not resumed
+    let data = dir.path().join("corpus_text_document");
+    let ring = [
+        &v[..2],
+        &v[4..],
+        &["--num-layers-per-virtual-pipeline-stage", "1"],
+    ]
+    .concat();
+    let out = run(&loading(four_untied_layers(&data, &ring), &half)).failure();
+    assert!(
+        stderr(&out).contains("in DualPipeV's V, this run has 2 model chunk(s)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn dualpipev_stages_train_as_one_rank_does_and_save_in_its_v() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
     let (batch, iters) = (EIGHT_MICRO_BATCHES, TWENTY_SAVED);
-    let model = |extra: &[&str]| {
-        let untied = ["--num-layers", "4", "--untie-embeddings-and-output-weights"];
-        from_scratch(&data, &untied, extra)
-    };
+    let model = |extra: &[&str]| four_untied_layers(&data, extra);
     let one_dir = path("one");
     let one = stdout(
         &run(&model(

@@ -59,7 +59,7 @@ impl<B: Backend> Trainer<B> {
                     &dir,
                     (&self.table, at),
                     trained,
-                    (weights_only, self.cfg.grouped_experts),
+                    (weights_only, self.cfg.grouped_experts, self.cfg.dualpipev),
                 )?
             }
         };

@@ -320,7 +320,7 @@ pub fn load_state(
     dir: &Path,
     (table, at): (&ParamTable, RankAt),
     trained: &[bool],
-    (weights_only, grouped): (bool, bool),
+    (weights_only, grouped, dualpipev): (bool, bool, bool),
 ) -> Result<Resumed> {
     let path = rank_file(dir, at)?;
     let (tp, pp, ep) = at;
@@ -355,13 +355,22 @@ pub fn load_state(
         );
     }
     let chunks = table.params.last().map_or(1, |p| p.chunk + 1) as u64;
-    let saved = int_of(arg("virtual_pipeline_model_parallel_size")).unwrap_or(1);
-    if saved != chunks {
+    let saved_v = matches!(arg("schedules_method"), Some(Value::Str(s)) if s == "dualpipev");
+    let saved = match saved_v {
+        true => 2,
+        false => int_of(arg("virtual_pipeline_model_parallel_size")).unwrap_or(1),
+    };
+    if (saved, saved_v) != (chunks, dualpipev) {
+        let placed = |n: u64, v: bool| match v {
+            true => format!("{n} model chunks per pipeline stage in DualPipeV's V"),
+            false => format!("{n} model chunk(s) per pipeline stage"),
+        };
         bail!(
-            "{}: saved with {saved} model chunk(s) per pipeline stage, this run has {chunks}: \
-             resuming its training state needs the same layout; load its weights with \
-             --finetune or --no-load-optim",
-            path.display()
+            "{}: saved with {}, this run has {}: resuming its training state needs the same \
+             layout; load its weights with --finetune or --no-load-optim",
+            path.display(),
+            placed(saved, saved_v),
+            placed(chunks, dualpipev)
         );
     }
     let mut resumed = progress(&path, root)?;
