@@ -449,6 +449,20 @@ fn moe_and_mla_generation_on_the_stand_in_equals_the_cpu() {
     for op in ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"] {
         assert!(counted.contains(&format!("\"{op}\"")), "{op}: {counted}");
     }
+    // the same model with MindSpeed-LLM's --mla-mm-split up projections decodes so there too
+    let split = dir.path().join("split");
+    let layout = ["--mla-layout", "mindspeed-mm-split"];
+    common::convert("megatron", &model, &split, &layout);
+    let split_generate = [
+        &["generate", "--model", split.to_str().unwrap()],
+        &generate[3..],
+    ]
+    .concat();
+    let (cmd, _) = on_stand_in(
+        dir.path(),
+        &[&split_generate[..], &["--device", "npu"]].concat(),
+    );
+    assert_eq!(cpu, succeeds(cmd));
 }
 
 /// Selftest on a stand-in without the kernels of `missing`: the warning names the operator
