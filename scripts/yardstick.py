@@ -717,6 +717,12 @@ def attach_data(flags, data, tokenizer, res):
     pairwise = has(flags, "--is-pairwise-dataset")
     if has(flags, "--is-instruction-dataset") or pairwise:
         handler = value(flags, "--handler-name") or "AlpacaStyleInstructionHandler"
+        if handler == "GeneralPretrainHandler":
+            # training never reads --handler-name; a pretraining handler's documents are no
+            # instruction dataset (deepseek32's tune script names one): its data is made as
+            # the instruction scripts' is
+            res.notes.append("--handler-name GeneralPretrainHandler with --is-instruction-dataset: alpaca instruction data")
+            handler = "AlpacaStyleInstructionHandler"
         if pairwise:
             res.reasons.append("--is-pairwise-dataset [preprocess]")
             res.notes.append("no pairwise handler: alpaca instruction data instead")
