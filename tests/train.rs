@@ -1856,11 +1856,10 @@ fn dualpipev_stages_as_processes_and_resumed_train_as_threads_do() {
         &["--num-layers-per-virtual-pipeline-stage", "1"],
     ]
     .concat();
-    let out = run(&loading(four_untied_layers(&data, &ring), &half)).failure();
+    let err = stderr(&run(&loading(four_untied_layers(&data, &ring), &half)).failure());
     assert!(
-        stderr(&out).contains("in DualPipeV's V, this run has 2 model chunk(s)"),
-        "{}",
-        stderr(&out)
+        err.contains("in DualPipeV's V, this run has 2 model chunk(s)"),
+        "{err}"
     );
 }
 

@@ -555,10 +555,7 @@ pub fn write_output(
     }
     let read = |c: Canon| -> Result<Tensor> {
         let own = |c: Canon| source.read(&input.cfg, c);
-        let mut t = match cfg.mla != input.cfg.mla {
-            true => transform::read_regrouped(&input.cfg, c, &own)?,
-            false => own(c)?,
-        };
+        let mut t = transform::read_regrouped(&input.cfg, c, &own)?;
         let want = canonical_shape(&cfg, c.role);
         if t.shape != want {
             bail!("internal: {c:?} read as {:?}, expected {want:?}", t.shape);

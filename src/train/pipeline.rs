@@ -104,6 +104,22 @@ impl Pipeline {
         (self.v_shape && self.stage + 1 == self.stages && chunk == 0).then_some(1)
     }
 
+    /// The chunk whose forward output `chunk` takes as its input where the V turns (the
+    /// inverse of [`Pipeline::turns`]).
+    pub fn turned_from(&self, chunk: usize) -> Option<usize> {
+        (self.v_shape && self.stage + 1 == self.stages && chunk == 1).then_some(0)
+    }
+
+    /// Whether `chunk`'s input comes from another stage (and its input gradient goes there).
+    fn fed_by_peer(&self, chunk: usize) -> bool {
+        !self.model_first(chunk) && self.turned_from(chunk).is_none()
+    }
+
+    /// Whether `chunk`'s output goes to another stage (and its output gradient comes from it).
+    fn feeds_peer(&self, chunk: usize) -> bool {
+        !self.model_last(chunk) && self.turns(chunk).is_none()
+    }
+
     /// The stage's schedule: every micro-batch forward through each of its chunks and, when
     /// `train`, backward again, with the exchanges between them.
     pub fn ops(&self, train: bool) -> Vec<Op> {
@@ -231,19 +247,17 @@ impl Builder {
     /// chunk's forward with the other's backward to hold fewer activations, is not.
     fn v_forward_then_backward(&mut self, train: bool) {
         let (p, n) = (self.p, self.p.micro);
-        let turn = |c: usize| p.turns(c).is_some();
-        let (first, last) = (p.stage == 0, p.stage + 1 == p.stages);
         for c in 0..2 {
             for m in 0..n {
                 // chunk 0 takes the previous stage's output, chunk 1 the next stage's (or, on
                 // the last stage, its own chunk 0's)
-                let from = self.recv_prev(c, if c == 0 { !first } else { !last });
+                let from = self.recv_prev(c, p.fed_by_peer(c));
                 self.exchange(Exchange {
                     recv_prev: from,
                     ..Exchange::default()
                 });
                 self.ops.push(Op::Forward((c, m)));
-                let onward = !turn(c) && !p.model_last(c);
+                let onward = p.feeds_peer(c);
                 self.exchange(Exchange {
                     send_next: onward.then_some((c, m)),
                     ..Exchange::default()
@@ -255,13 +269,13 @@ impl Builder {
         }
         for c in [1, 0] {
             for m in 0..n {
-                let from = self.recv_next(c, !p.model_last(c) && !turn(c));
+                let from = self.recv_next(c, p.feeds_peer(c));
                 self.exchange(Exchange {
                     recv_next: from,
                     ..Exchange::default()
                 });
                 self.ops.push(Op::Backward((c, m)));
-                let back = !(p.model_first(c) || (last && c == 1));
+                let back = p.fed_by_peer(c);
                 self.exchange(Exchange {
                     send_prev: back.then_some((c, m)),
                     ..Exchange::default()

@@ -115,7 +115,7 @@ impl<B: Backend> Trainer<B> {
                     let grad = out_grads.remove(&slot);
                     if let Some(d) = self.backward_pass(slot, batch, fwd, grad)? {
                         // where the V turns, chunk 1's input gradient is chunk 0's output's
-                        match (0..slot.0).find(|&c| pipe.turns(c) == Some(slot.0)) {
+                        match pipe.turned_from(slot.0) {
                             Some(c) => _ = out_grads.insert((c, slot.1), d),
                             None => _ = in_grads.insert(slot, d),
                         }
