@@ -388,10 +388,10 @@ fn generate_and_eval_on_the_stand_in_equal_the_cpu() {
     assert_eq!(results("cpu"), results("npu"));
 }
 
-/// A near-random mixture-of-experts model with multi-latent attention, saved by one
-/// `mindkit train` iteration from scratch on the shipped corpus into `dir/moe` (its logits
-/// spread wide: greedy tokens that differ where the computation does).
-fn moe_mla_checkpoint(dir: &Path) -> PathBuf {
+/// A near-random mixture-of-experts model with multi-latent attention (and `extra` flags),
+/// saved by one `mindkit train` iteration from scratch on the shipped corpus into `dir/moe`
+/// (its logits spread wide: greedy tokens that differ where the computation does).
+fn moe_mla_checkpoint(dir: &Path, extra: &str) -> PathBuf {
     let demo = common::fixture("models/demo");
     let prefix = dir.join("corpus");
     common::mindkit(&[
@@ -414,7 +414,8 @@ fn moe_mla_checkpoint(dir: &Path) -> PathBuf {
         --disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 \
         --multi-latent-attention --qk-layernorm --q-lora-rank 16 --kv-lora-rank 16 \
         --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --init-method-std 0.2";
-    let mut args: Vec<std::ffi::OsString> = flags.split_whitespace().map(Into::into).collect();
+    let flags = flags.split_whitespace().chain(extra.split_whitespace());
+    let mut args: Vec<std::ffi::OsString> = flags.map(Into::into).collect();
     args.extend([
         "--data-path".into(),
         data.into_os_string(),
@@ -431,19 +432,8 @@ fn moe_mla_checkpoint(dir: &Path) -> PathBuf {
 #[test]
 fn moe_and_mla_generation_on_the_stand_in_equals_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let model = moe_mla_checkpoint(dir.path());
-    let generate = [
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "The cat",
-        "--max-new-tokens",
-        "12",
-    ];
-    let cpu = succeeds(on_toolkit(dir.path(), &generate));
-    let (cmd, report) = on_stand_in(dir.path(), &[&generate[..], &["--device", "npu"]].concat());
-    assert_eq!(cpu, succeeds(cmd));
+    let model = moe_mla_checkpoint(dir.path(), "");
+    let (cpu, report) = generates_as_the_cpu(dir.path(), &model);
     // the experts' tokens gathered and their outputs added back on the device
     let counted = std::fs::read_to_string(report).unwrap();
     for op in ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"] {
@@ -453,16 +443,37 @@ fn moe_and_mla_generation_on_the_stand_in_equals_the_cpu() {
     let split = dir.path().join("split");
     let layout = ["--mla-layout", "mindspeed-mm-split"];
     common::convert("megatron", &model, &split, &layout);
-    let split_generate = [
-        &["generate", "--model", split.to_str().unwrap()],
-        &generate[3..],
-    ]
-    .concat();
-    let (cmd, _) = on_stand_in(
-        dir.path(),
-        &[&split_generate[..], &["--device", "npu"]].concat(),
-    );
-    assert_eq!(cpu, succeeds(cmd));
+    assert_eq!(cpu, generates_as_the_cpu(dir.path(), &split).0);
+}
+
+/// What `mindkit generate` greedily decodes from `model` on the CPU, having checked that the
+/// stand-in decodes the same; and the stand-in's report of the operators it ran.
+fn generates_as_the_cpu(dir: &Path, model: &Path) -> (String, PathBuf) {
+    let generate = [
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "12",
+    ];
+    let cpu = succeeds(on_toolkit(dir, &generate));
+    let (cmd, report) = on_stand_in(dir, &[&generate[..], &["--device", "npu"]].concat());
+    assert_eq!(cpu, succeeds(cmd), "{}", model.display());
+    (cpu, report)
+}
+
+#[test]
+fn longcat_flash_generation_on_the_stand_in_equals_the_cpu() {
+    // LongCat-Flash's paired layers: shortcut experts with zero-computation ones, scaled latents
+    let dir = tempfile::tempdir().unwrap();
+    let longcat = "--spec mindspeed_llm.tasks.models.spec.longcat_spec layer_spec \
+        --enable-mla-scale-q-lora --enable-mla-scale-kv-lora --num-zero-experts 2 \
+        --moe-router-load-balancing-type softmax_topk --moe-router-enable-expert-bias \
+        --moe-router-topk-scaling-factor 6 --untie-embeddings-and-output-weights";
+    let model = moe_mla_checkpoint(dir.path(), longcat);
+    generates_as_the_cpu(dir.path(), &model);
 }
 
 /// Selftest on a stand-in without the kernels of `missing`: the warning names the operator

@@ -4744,3 +4744,109 @@ fn cyclic_loading_draws_each_ranks_bucket_in_torchs_order_and_resumes() {
     let err = stderr(&run(&unsharded).failure());
     assert!(err.contains("--no-data-sharding"), "{err}");
 }
+
+/// LongCat-Flash's layer from scratch (MindSpeed-LLM's longcat_spec, as its pretrain script
+/// runs it shrunk): two layers, each two sublayers of multi-latent attention with scaled
+/// latents and a dense MLP, and shortcut experts — 4 routed and 2 zero-computation ones, a
+/// softmax over all with an expert bias, top-2 scaled by 6.
+const LONGCAT_FLAGS: &str = "--spec mindspeed_llm.tasks.models.spec.longcat_spec layer_spec \
+    --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 \
+    --qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm --enable-mla-scale-q-lora \
+    --enable-mla-scale-kv-lora --untie-embeddings-and-output-weights \
+    --num-experts 4 --num-zero-experts 2 --moe-router-topk 2 --moe-ffn-hidden-size 32 \
+    --moe-router-load-balancing-type softmax_topk --moe-router-topk-scaling-factor 6 \
+    --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002 --moe-aux-loss-coeff 0 \
+    --moe-router-dtype fp32 --transformer-impl local --micro-batch-size 1 --train-iters 6";
+
+/// `mindkit train` of [`LONGCAT_FLAGS`] with `extra`.
+fn longcat_train(data: &Path, extra: &str) -> assert_cmd::assert::Assert {
+    let flags: Vec<&str> = LONGCAT_FLAGS
+        .split_whitespace()
+        .chain(extra.split_whitespace())
+        .collect();
+    run(&from_scratch(data, &flags, &[]))
+}
+
+#[test]
+fn longcat_pairs_train_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let saved = dir.path().join("longcat");
+    let save = format!("--save {} --save-interval 6", saved.display());
+    let one = stdout(&longcat_train(&data, &save).success());
+    assert_eq!(field(&one, "lm loss").len(), 6, "{one}");
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let tp_alone = stdout(&longcat_train(&data, tp).success());
+    same_training(&one, &tp_alone, 1e-5, "LongCat-Flash under TP 2 + SP");
+    for (layout, base) in [
+        ("--expert-model-parallel-size 2".to_string(), &one),
+        // a stage per pair
+        ("--pipeline-model-parallel-size 2".into(), &one),
+        (
+            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --world-size 4".into(),
+            &one,
+        ),
+        (format!("{tp} --expert-model-parallel-size 2"), &tp_alone),
+    ] {
+        let log = stdout(&longcat_train(&data, &layout).success());
+        same_training(base, &log, 1e-5, &format!("LongCat-Flash, {layout}"));
+    }
+    // Megatron's names for it, as MindSpeed-LLM's model_builder.py maps them for longcat
+    let file = saved.join("iter_0000006/mp_rank_00/model_optim_rng.pt");
+    let ck = mindkit::ckpt::torch::TorchFile::open(&file).unwrap();
+    let Some(mindkit::ckpt::torch::pickle::Value::Dict(model)) = ck.root().get("model") else {
+        panic!("{}: no model", file.display());
+    };
+    let keys: Vec<String> = (model.iter())
+        .filter_map(|(k, _)| match k {
+            mindkit::ckpt::torch::pickle::Value::Str(k) => Some(k.clone()),
+            _ => None,
+        })
+        .collect();
+    for key in [
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.router.expert_bias",
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight",
+        "decoder.layers.1.input_layernorm_0.weight",
+        "decoder.layers.1.self_attention_0.linear_qkv.weight",
+        "decoder.layers.1.pre_mlp_layernorm_1.weight",
+        "decoder.layers.1.mlps_0.linear_fc1.weight",
+        "decoder.layers.1.self_attention_1.linear_kv_up_proj.weight",
+        "decoder.layers.1.mlps_1.linear_fc2.weight",
+    ] {
+        assert!(keys.iter().any(|k| k == key), "{key} not in {keys:?}");
+    }
+    assert!(
+        !keys.iter().any(|k| k.starts_with("decoder.layers.2.")),
+        "{keys:?}"
+    );
+    // split over TP 2 × PP 2 × EP 2 and joined again, it continues as saved
+    let (split, joined) = (dir.path().join("split"), dir.path().join("joined"));
+    common::convert(
+        "megatron",
+        &saved,
+        &split,
+        &["--tp", "2", "--pp", "2", "--ep", "2"],
+    );
+    common::convert(
+        "megatron",
+        &split,
+        &joined,
+        &["--tp", "1", "--pp", "1", "--ep", "1"],
+    );
+    let from = |ckpt: &Path| {
+        let flags = format!("--load {} --finetune --lr-warmup-iters 1", ckpt.display());
+        stdout(&longcat_train(&data, &flags).success())
+    };
+    let (a, b, c) = (from(&saved), from(&split), from(&joined));
+    assert_eq!(field(&a, "lm loss"), field(&c, "lm loss"));
+    same_training(
+        &a,
+        &b,
+        1e-5,
+        "LongCat-Flash resumed from TP 2 × PP 2 × EP 2",
+    );
+    // the layer's own rules: multi-latent attention, every layer routing
+    let err = stderr(&longcat_train(&data, "--first-k-dense-replace 1").failure());
+    assert!(err.contains("every layer an MoE layer"), "{err}");
+}

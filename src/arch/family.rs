@@ -78,6 +78,12 @@ pub struct Family {
     pub mla: bool,
     /// How a mixture-of-experts family names its experts; `None` for dense families.
     pub moe: Option<MoeNames>,
+    /// LongCat-Flash's layer ([`crate::arch::ModelConfig::paired`]): `config.json` counts
+    /// its `num_layers` and sizes the dense MLPs by `ffn_hidden_size`; a layer's sublayers
+    /// are `input_layernorm.{s}`, `self_attn.{s}`, `post_attention_layernorm.{s}`,
+    /// `mlps.{s}`, its shortcut experts the layer's `mlp`, whose routing's softmax takes the
+    /// expert bias for the choice and whose multi-latent attention scales its latents.
+    pub paired: bool,
 }
 
 /// Which layers of a mixture-of-experts family are MoE layers, as its `config.json` says.
@@ -156,6 +162,13 @@ pub struct MoeNames {
     /// Whether transformers takes the router's product in f32 whatever the weights' dtype
     /// (glm4_moe's `Glm4MoeTopkRouter`).
     pub router_f32: bool,
+    /// The router's module in the block (`gate`; LongCat-Flash's `router.classifier`).
+    pub router: &'static str,
+    /// The `config.json` key of the experts a token goes to (`num_experts_per_tok`).
+    pub topk_key: &'static str,
+    /// The `config.json` key of the zero-computation experts' count, when the family has them
+    /// (LongCat-Flash's `zero_expert_num`: they return a token's input times its weight).
+    pub zero_key: Option<&'static str>,
 }
 
 /// Qwen2-MoE and Qwen3-MoE name their experts alike.
@@ -172,6 +185,9 @@ const QWEN_MOE: MoeNames = MoeNames {
     scaling_key: None,
     group_keys: None,
     router_f32: false,
+    router: "gate",
+    topk_key: "num_experts_per_tok",
+    zero_key: None,
 };
 
 /// Every supported family.
@@ -189,6 +205,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -204,6 +221,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -219,6 +237,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -234,6 +253,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -249,6 +269,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -264,6 +285,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -279,6 +301,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -295,6 +318,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: None,
     },
     Family {
@@ -310,6 +334,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: Some(QWEN_MOE),
     },
     Family {
@@ -325,6 +350,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: Some(MoeNames {
             shared: Some(SharedNames {
                 module: "shared_expert",
@@ -347,6 +373,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        paired: false,
         moe: Some(MoeNames {
             block: "block_sparse_moe",
             expert: ["w1", "w3", "w2"],
@@ -371,6 +398,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Key("use_qk_norm"),
         partial_rotary: true,
         mla: false,
+        paired: false,
         moe: Some(DEEPSEEK_MOE),
     },
     Family {
@@ -391,6 +419,7 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
         mla: true,
+        paired: false,
         moe: Some(DEEPSEEK_V2_MOE),
     },
     Family {
@@ -407,9 +436,44 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
         mla: true,
+        paired: false,
         moe: Some(DEEPSEEK_MOE),
     },
+    Family {
+        name: "longcat_flash",
+        aliases: &["longcat", "longcat-flash"],
+        model_types: &["longcat_flash"],
+        architecture: "LongcatFlashForCausalLM",
+        qkv: QkvStyle::Separate,
+        bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias: OutBias::Never,
+        always_qkv_bias: false,
+        // the query and key-value latents' norms
+        qk_norm: QkNorm::Yes,
+        partial_rotary: false,
+        mla: true,
+        paired: true,
+        moe: Some(LONGCAT_MOE),
+    },
 ];
+
+/// LongCat-Flash (transformers 4.57's `LongcatFlashMoE`, `LongcatFlashTopkRouter`): a softmax
+/// over the routed and zero-computation experts in f32, the expert bias added for the choice,
+/// the top-k as they are, scaled; every layer's shortcut experts.
+const LONGCAT_MOE: MoeNames = MoeNames {
+    experts_key: "n_routed_experts",
+    ffn_key: "expert_ffn_hidden_size",
+    norm_topk: TopkNorm::Never,
+    layers: MoeLayers::All,
+    expert_bias: Some("router.e_score_correction_bias"),
+    scaling_key: Some("routed_scaling_factor"),
+    router_f32: true,
+    router: "router.classifier",
+    topk_key: "moe_topk",
+    zero_key: Some("zero_expert_num"),
+    ..QWEN_MOE
+};
 
 /// DeepSeek-V2 (transformers 4.57's `DeepseekV2MoEGate`): softmax scores over all experts in
 /// f32, the top-k as they are (never renormalised), scaled, shared experts, the first layers

@@ -16,8 +16,15 @@ use serde_json::Value as Json;
 pub struct ModelConfig {
     /// The family (tensor naming).
     pub family: &'static Family,
-    /// Transformer layers.
+    /// Decoder layers (for a [`ModelConfig::paired`] model twice the layers its files count).
     pub layers: usize,
+    /// LongCat-Flash's layer (MindSpeed-LLM's `--spec mindspeed_llm.tasks.models.spec.
+    /// longcat_spec layer_spec`, its longcat_transformer_layer.py; transformers 4.57's
+    /// `LongcatFlashDecoderLayer`): each layer of its files is two decoder layers here, the
+    /// first's and second's attention, norms and dense MLP its `_0` and `_1` sublayers, and
+    /// the first also routes its MLP's normed input through a shortcut mixture of experts
+    /// whose output the second adds to its own.
+    pub paired: bool,
     /// Hidden size.
     pub hidden: usize,
     /// Attention heads.
@@ -209,6 +216,26 @@ impl MtpLayout {
 }
 
 impl ModelConfig {
+    /// Decoder layers per layer of its files: 2 for a [`ModelConfig::paired`] model, else 1.
+    pub fn sublayers(&self) -> usize {
+        if self.paired {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// The layers its files count (Megatron's `num_layers`, `config.json`'s).
+    pub fn stored_layers(&self) -> usize {
+        self.layers / self.sublayers()
+    }
+
+    /// Whether decoder layer `l` opens a pair of a [`ModelConfig::paired`] model: it routes
+    /// the shortcut mixture of experts the next layer adds.
+    pub fn opens_pair(&self, l: usize) -> bool {
+        self.paired && l.is_multiple_of(2) && l < self.layers
+    }
+
     /// Multi-token prediction's depths (0 without it).
     pub fn mtp_depths(&self) -> usize {
         self.mtp.map_or(0, |m| m.depths)

@@ -91,6 +91,14 @@ impl Moe {
             .unwrap_or(false)
     }
 
+    /// These experts as a [`crate::arch::ModelConfig::paired`] model's shortcut experts: the
+    /// pattern over its files' layers becomes one over its decoder layers, each pair's first
+    /// routing as its layer did.
+    pub fn paired(mut self) -> Moe {
+        self.layers = self.layers.iter().flat_map(|&m| [m, false]).collect();
+        self
+    }
+
     /// The layer pattern of Megatron's `--moe-layer-freq` (an int `k`: layers `l` with
     /// `l % k == 0`, as Python computes it, so `-1` is every layer; or the list itself) after
     /// MindSpeed-LLM's `--first-k-dense-replace` (layers below it dense; `-1` or less: none,

@@ -121,7 +121,8 @@ impl Role {
     /// The roles of the decoder layer of canonical layer `l` (a prediction depth's too).
     fn decoder_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
         if let Some(mla) = &cfg.mla {
-            let mut roles = vec![Role::InputNorm];
+            let mut roles = Role::shortcut_roles(cfg, l);
+            roles.push(Role::InputNorm);
             roles.extend(Role::mla_roles(cfg, mla));
             roles.push(Role::PostNorm);
             roles.extend(Role::mlp_roles(cfg, l));
@@ -200,9 +201,33 @@ impl Role {
     /// megatron-core's `MoELayer` registers them: a module's own parameters before its
     /// children's).
     pub fn mlp_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
-        let Some(moe) = cfg.moe.as_ref().filter(|m| m.is_moe_layer(l)) else {
-            return vec![Role::Fc1, Role::Fc2];
-        };
+        match cfg
+            .moe
+            .as_ref()
+            .filter(|m| m.is_moe_layer(l) && !cfg.paired)
+        {
+            Some(moe) => Role::moe_roles(moe),
+            None => vec![Role::Fc1, Role::Fc2],
+        }
+    }
+
+    /// The roles of the shortcut mixture of experts layer `l` routes (the first of a
+    /// [`ModelConfig::paired`] model's pairs; none elsewhere), which precede the layer's own:
+    /// MindSpeed-LLM's `LongCatFlashTransformerLayer` registers its `mlp` in its base class's
+    /// constructor, before its sublayers.
+    pub fn shortcut_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
+        match cfg
+            .moe
+            .as_ref()
+            .filter(|m| cfg.opens_pair(l) && m.is_moe_layer(l))
+        {
+            Some(moe) => Role::moe_roles(moe),
+            None => Vec::new(),
+        }
+    }
+
+    /// An MoE block's roles, in registration order.
+    fn moe_roles(moe: &Moe) -> Vec<Role> {
         let mut roles = vec![Role::Router];
         if moe.expert_bias {
             roles.push(Role::ExpertBias);

@@ -252,8 +252,12 @@ fn check_hf_tensors(cfg: &ModelConfig, w: &HfWeights) -> Result<()> {
             None => {}
         }
     }
-    let ignorable =
-        |n: &str| n.ends_with("rotary_emb.inv_freq") || (cfg.tied && n == hf_names::LM_HEAD);
+    // LongCat-Flash's multi-token prediction module, which transformers skips too
+    let ignorable = |n: &str| {
+        n.ends_with("rotary_emb.inv_freq")
+            || (cfg.tied && n == hf_names::LM_HEAD)
+            || (cfg.paired && n.starts_with("model.mtp."))
+    };
     if let Some(extra) = w
         .entries()
         .keys()
@@ -525,6 +529,12 @@ pub fn write_output(
     }
     if let Some(layout) = o.mla_layout {
         match (&mut cfg.mla, o.to) {
+            // its spec's attention is MindSpeed-LLM's, whose down projections are fused
+            (Some(_), Format::Megatron) if cfg.paired && layout == MlaLayout::Mcore => bail!(
+                "--mla-layout mcore: {} is LongCat-Flash's (MindSpeed-LLM's longcat_spec), whose \
+                 attention has MindSpeed-LLM's fused down projections",
+                o.input.display()
+            ),
             (Some(m), Format::Megatron) => *m = layout.apply(*m),
             (None, _) => bail!(
                 "--mla-layout: {} has no multi-latent attention",
@@ -611,22 +621,24 @@ fn write_megatron(
              not --num-layers-per-virtual-stage"
         ),
         (None, Some(n)) => {
-            if n == 0 || !cfg.layers.is_multiple_of(pp * n) {
+            let layers = cfg.stored_layers();
+            if n == 0 || !layers.is_multiple_of(pp * n) {
                 bail!(
-                    "--num-layers-per-virtual-stage {n} does not divide {} layers over {pp} stages",
-                    cfg.layers
+                    "--num-layers-per-virtual-stage {n} does not divide {layers} layers over {pp} stages"
                 );
             }
-            cfg.layers / pp / n
+            layers / pp / n
         }
         (None, None) if o.tp.is_none() && o.pp.is_none() => src_par.map_or(1, |p| p.vpp),
         (None, None) => 1,
     };
     // Without a new layout, a Megatron source's uneven stages are kept, as its VPP is.
     let first_last = match (o.first_last, src_par) {
-        ((None, None), Some(p)) if o.tp.is_none() && o.pp.is_none() => p
-            .first_last()
-            .map_or((None, None), |(f, l)| (Some(f), Some(l))),
+        ((None, None), Some(p)) if o.tp.is_none() && o.pp.is_none() => {
+            let stored = |n: usize| Some(n / cfg.sublayers());
+            p.first_last()
+                .map_or((None, None), |(f, l)| (stored(f), stored(l)))
+        }
         _ => o.first_last,
     };
     let ep = o.ep.or(src_par.map(|p| p.ep)).unwrap_or(1);
@@ -701,6 +713,11 @@ fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
     }
     if o.dualpipev {
         return Err(refuse("--schedules-method dualpipev"));
+    }
+    if cfg.paired {
+        return Err(refuse(
+            "LongCat-Flash's layer (MindSpeed-LLM's longcat_spec)",
+        ));
     }
     if let Some(l) = o.mla_layout.filter(|&l| l != MlaLayout::Mcore) {
         return Err(refuse(&format!("--mla-layout {}", l.name())));

@@ -20,8 +20,12 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     let _ = writeln!(out, "family:      {}", cfg.family.name);
     let _ = writeln!(
         out,
-        "architecture: {} layers, hidden {}, heads {} (kv {}), head_dim {}{}, ffn {}, vocab {}",
-        cfg.layers,
+        "architecture: {} layers{}, hidden {}, heads {} (kv {}), head_dim {}{}, ffn {}, vocab {}",
+        cfg.stored_layers(),
+        match cfg.paired {
+            true => " (LongCat-Flash's: two sublayers each, shortcut experts)",
+            false => "",
+        },
         cfg.hidden,
         cfg.heads,
         cfg.groups,
@@ -47,6 +51,10 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
         }
     );
     if let Some(m) = &cfg.mla {
+        let spec = match cfg.paired {
+            true => "longcat_spec",
+            false => "deepseek_spec",
+        };
         let _ = writeln!(
             out,
             "attention:   multi-latent: query latent {}, key-value latent {}, heads of {} + {} \
@@ -61,9 +69,9 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
                 None => String::new(),
             },
             match (m.fused_down, m.split_up) {
-                (true, false) => "; down projections in one linear_qkv (MindSpeed-LLM's deepseek_spec)",
-                (true, true) => "; down projections in one linear_qkv, up projections split (MindSpeed-LLM's deepseek_spec, --mla-mm-split)",
-                _ => "",
+                (true, false) => format!("; down projections in one linear_qkv (MindSpeed-LLM's {spec})"),
+                (true, true) => format!("; down projections in one linear_qkv, up projections split (MindSpeed-LLM's {spec}, --mla-mm-split)"),
+                _ => String::new(),
             }
         );
     }
@@ -88,7 +96,12 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
 
 /// The experts line: routed experts and their routing, shared experts, which layers.
 fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
-    let moe_layers: Vec<usize> = (0..cfg.layers).filter(|&l| m.is_moe_layer(l)).collect();
+    // as the files count layers (a paired model's first sublayers route)
+    let s = cfg.sublayers();
+    let moe_layers: Vec<usize> = (0..cfg.layers)
+        .filter(|&l| m.is_moe_layer(l))
+        .map(|l| l / s)
+        .collect();
     let mut routing = if m.pre_softmax {
         format!("{} over all, top-{}", m.score.name(), m.topk)
     } else {
@@ -119,7 +132,7 @@ fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
         "experts:     {} routed (ffn {}){zero}, {routing}; shared {shared}; MoE layers {}",
         m.experts,
         m.ffn,
-        if moe_layers.len() == cfg.layers {
+        if moe_layers.len() == cfg.stored_layers() {
             "all".to_string()
         } else {
             format!("{moe_layers:?}")
@@ -241,7 +254,9 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                     (false, true) => format!(" (ETP {}: whole experts)", p.etp),
                     _ => String::new(),
                 },
-                p.stage_layers,
+                (p.stage_layers.iter())
+                    .map(|n| n / ck.cfg.sublayers())
+                    .collect::<Vec<_>>(),
                 ck.padded_vocab
             );
             architecture(&ck.cfg, &mut out);

@@ -113,7 +113,8 @@ pub fn expert_block_of(
 impl Parallel {
     /// A layout for `cfg`, checked: heads, groups, ffn divisible by TP; layers by PP × VPP, or
     /// `first`/`last` stage layer counts with the rest spread evenly (Megatron's
-    /// `--decoder-first/last-pipeline-num-layers`, either or both).
+    /// `--decoder-first/last-pipeline-num-layers`, either or both, counting layers as files
+    /// count them: a [`ModelConfig::paired`] model's pairs).
     pub fn new(
         cfg: &ModelConfig,
         tp: usize,
@@ -121,6 +122,10 @@ impl Parallel {
         vpp: usize,
         (first, last): (Option<usize>, Option<usize>),
     ) -> Result<Self> {
+        let (first, last) = (
+            first.map(|f| f * cfg.sublayers()),
+            last.map(|l| l * cfg.sublayers()),
+        );
         if tp == 0 || pp == 0 || vpp == 0 {
             bail!("--tp, --pp and --vpp must be at least 1");
         }
@@ -352,7 +357,8 @@ impl Parallel {
         (start..start + per_chunk(p)).collect()
     }
 
-    /// `(first, last)` stage sizes when the split is uneven.
+    /// `(first, last)` stage sizes when the split is uneven, in decoder layers (a paired
+    /// model's files count half as many).
     pub fn first_last(&self) -> Option<(usize, usize)> {
         let (first, last) = (self.stage_layers[0], self.stage_layers[self.pp - 1]);
         let even = self.stage_layers.iter().all(|&s| s == first);
@@ -538,6 +544,36 @@ pub fn global_key_of(layout: KeyLayout, cfg: &ModelConfig, role: Role) -> Vec<St
     }
 }
 
+/// Key path of a layer tensor of `cfg`'s model, `j` the decoder layer's index in its model
+/// chunk: [`layer_key`]'s, but a [`ModelConfig::paired`] model's decoder layers `2i` and
+/// `2i + 1` are the sublayers of layer `i` (MindSpeed-LLM's longcat_transformer_layer.py
+/// `LongCatFlashTransformerLayer`: `input_layernorm_{s}`, `self_attention_{s}`,
+/// `pre_mlp_layernorm_{s}`, `mlps_{s}`; the shortcut experts are the layer's `mlp`).
+pub fn layer_key_of(layout: KeyLayout, cfg: &ModelConfig, role: Role, j: usize) -> Vec<String> {
+    let key = layer_key(layout, role, j);
+    if !cfg.paired {
+        return key;
+    }
+    let (layer, s) = (format!("decoder.layers.{j}."), j % 2);
+    let sublayer = |rest: &str| {
+        for module in ["input_layernorm", "self_attention", "pre_mlp_layernorm"] {
+            if let Some(tail) = rest.strip_prefix(module) {
+                return format!("{module}_{s}{tail}");
+            }
+        }
+        match rest.strip_prefix("mlp.linear_fc") {
+            Some(tail) => format!("mlps_{s}.linear_fc{tail}"),
+            None => rest.to_string(),
+        }
+    };
+    key.into_iter()
+        .map(|k| match k.strip_prefix(&layer) {
+            Some(rest) => format!("decoder.layers.{}.{}", j / 2, sublayer(rest)),
+            None => k,
+        })
+        .collect()
+}
+
 /// TE modules whose `_extra_state` follows a layer role's tensors.
 fn te_extra_states(role: Role, cfg: &ModelConfig) -> Vec<String> {
     let last_qkv = if cfg.qkv_bias {
@@ -625,7 +661,7 @@ pub fn chunk_entries(
                 Role::ExpertFc2(e) => Role::ExpertFc2(e - experts.start),
                 r => r,
             };
-            out.push((layer_key(key_layout, key_role, j), Some(canon)));
+            out.push((layer_key_of(key_layout, cfg, key_role, j), Some(canon)));
             if layout == KeyLayout::McoreTe {
                 let mut extra = te_extra_states(key_role, cfg);
                 if role == Role::PostNorm && moe_layer {

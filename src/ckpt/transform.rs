@@ -12,6 +12,46 @@ use std::ops::Range;
 
 /// HF tensor names that make up a canonical tensor, with their shapes.
 pub fn hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
+    let parts = decoder_hf_parts(cfg, c);
+    match (cfg.paired, c.layer) {
+        (true, Some(l)) => (parts.into_iter())
+            .map(|(name, shape)| (paired_hf_name(&name, l), shape))
+            .collect(),
+        _ => parts,
+    }
+}
+
+/// A paired model's HF name of decoder layer `l`'s tensor `name` (transformers 4.57's
+/// `LongcatFlashDecoderLayer`): layer `l / 2`'s sublayer `l % 2`
+/// (`input_layernorm.{s}`, `self_attn.{s}`, `post_attention_layernorm.{s}`, the dense MLP
+/// `mlps.{s}`), the shortcut experts the layer's own `mlp`.
+fn paired_hf_name(name: &str, l: usize) -> String {
+    let (prefix, s) = (hf::layer(l, ""), l % 2);
+    let Some(rest) = name.strip_prefix(&prefix) else {
+        return name.to_string();
+    };
+    let sublayer = [
+        "input_layernorm.",
+        "self_attn.",
+        "post_attention_layernorm.",
+    ]
+    .iter()
+    .find_map(|m| rest.strip_prefix(m).map(|tail| format!("{m}{s}.{tail}")));
+    let dense = ["gate_proj.", "up_proj.", "down_proj."]
+        .iter()
+        .find_map(|p| {
+            rest.strip_prefix("mlp.")
+                .and_then(|r| r.strip_prefix(p))
+                .map(|t| format!("mlps.{s}.{p}{t}"))
+        });
+    hf::layer(
+        l / 2,
+        &sublayer.or(dense).unwrap_or_else(|| rest.to_string()),
+    )
+}
+
+/// [`hf_parts`] of a decoder whose every layer is one HF layer.
+fn decoder_hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
     let (h, d) = (cfg.hidden, cfg.head_dim);
     let l = c.layer.unwrap_or(0);
     let one = |name: String| vec![(name, canonical_shape(cfg, c.role))];
@@ -98,7 +138,10 @@ fn moe_parts(cfg: &ModelConfig, l: usize, role: Role) -> Vec<(String, Vec<usize>
     };
     let plain = ["gate_proj", "up_proj", "down_proj"];
     match role {
-        Role::Router => vec![(name("gate".into()), canonical_shape(cfg, role))],
+        Role::Router => {
+            let router = names.map_or("gate", |n| n.router);
+            vec![(name(router.into()), canonical_shape(cfg, role))]
+        }
         Role::ExpertBias => (names.and_then(|n| n.expert_bias))
             .map(|key| {
                 (

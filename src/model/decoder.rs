@@ -243,8 +243,10 @@ pub fn forward<B: Backend>(
         }
     };
     let mut layers = Vec::with_capacity(ids.layers.len());
+    let mut carry = None;
     for layer in &ids.layers {
-        let (out, saved) = layer.forward(&p, x, Attend::Segments(&batch.segments))?;
+        let attend = Attend::Segments(&batch.segments);
+        let (out, saved) = layer.forward(&p, (x, &mut carry), attend)?;
         layers.push(saved);
         x = out;
     }
@@ -434,8 +436,9 @@ pub fn backward<B: Backend>(
             })
         }
     };
+    let mut carry = None;
     for (layer, s) in ids.layers.iter().zip(layers).rev() {
-        dx = layer.backward(&p, grads, s, (dx, &batch.segments))?;
+        dx = layer.backward(&p, grads, s, (dx, &batch.segments, &mut carry))?;
     }
     let Some(e) = ids.embedding else {
         return Ok(Some(dx));

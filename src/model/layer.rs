@@ -3,10 +3,16 @@
 //! megatron/core/transformer/transformer_layer.py `TransformerLayer`). A family is the kinds
 //! it composes ([`Attention`], [`Mlp`]), never a copy of this code.
 //!
+//! A paired model's layers ([`crate::arch::ModelConfig::paired`], LongCat-Flash: MindSpeed-LLM
+//! mindspeed_llm/tasks/models/transformer/longcat_transformer_layer.py) are this layer twice:
+//! the first also routes its MLP's normed input through a mixture of experts ([`Shortcut`])
+//! whose output the second adds to its own after its MLP's residual sum.
+//!
 //! Legend: T = rows (this rank's block of them under sequence parallelism), h = hidden.
 
 use super::attention::{Attend, Attention, AttentionSaved};
 use super::dropout::dropped;
+use super::mlp::moe::{Moe, Saved as MoeSaved};
 use super::mlp::{Mlp, MlpSaved};
 use super::params::ParamTable;
 use super::Pass;
@@ -26,7 +32,22 @@ pub(super) struct Layer {
     /// RMSNorm γ `[h]` before the MLP.
     post_norm: usize,
     mlp: Mlp,
+    /// Its part in a paired model's shortcut experts.
+    shortcut: Option<Shortcut>,
 }
+
+/// A layer's part in a paired model's shortcut mixture of experts.
+#[derive(Debug, Clone)]
+enum Shortcut {
+    /// It routes its MLP's normed input through these experts (the first of a pair).
+    Routes(Moe),
+    /// It adds the output of the experts the layer before it routed (the second).
+    Adds,
+}
+
+/// What flows from a pair's first layer to its second: in the forward pass the shortcut
+/// experts' output `[T, h]`, in the backward pass its gradient.
+pub(super) type Carry<T> = Option<T>;
 
 /// What one layer's backward pass needs of its forward pass.
 pub(super) struct LayerSaved<T> {
@@ -38,12 +59,16 @@ pub(super) struct LayerSaved<T> {
     x_mid: T,
     rstd2: T,
     mlp: MlpSaved<T>,
+    shortcut: Option<MoeSaved<T>>,
 }
 
 impl<T> LayerSaved<T> {
     /// Its MoE block's losses and token counts (training only).
     pub(super) fn moe_stats(&self) -> Option<&super::mlp::moe::losses::RouterStats> {
-        self.mlp.moe_stats()
+        match &self.shortcut {
+            Some(s) => s.stats(),
+            None => self.mlp.moe_stats(),
+        }
     }
 }
 
@@ -67,20 +92,32 @@ impl Layer {
                 layer: Some(layer),
             })
         };
+        let mlp = Mlp::of(table, layer)?;
+        let routes = |l| match Mlp::of(table, l) {
+            Some(Mlp::Dense(_)) => Moe::of(table, l),
+            _ => None,
+        };
+        let shortcut = match routes(layer) {
+            Some(moe) => Some(Shortcut::Routes(moe)),
+            None if layer > 0 && routes(layer - 1).is_some() => Some(Shortcut::Adds),
+            None => None,
+        };
         Some(Layer {
             index: layer,
             input_norm: at(Role::InputNorm)?,
             attention: Attention::of(table, layer)?,
             post_norm: at(Role::PostNorm)?,
-            mlp: Mlp::of(table, layer)?,
+            mlp,
+            shortcut,
         })
     }
 
-    /// The layer's output `[T, h]` for input `x [T, h]`, and what the backward pass needs.
+    /// The layer's output `[T, h]` for input `x [T, h]`, and what the backward pass needs;
+    /// `carry` takes the shortcut experts' output from a pair's first layer to its second.
     pub(super) fn forward<B: Backend>(
         &self,
         p: &Pass<B>,
-        x: B::Tensor,
+        (x, carry): (B::Tensor, &mut Carry<B::Tensor>),
         attend: Attend<B::Tensor>,
     ) -> Result<(B::Tensor, LayerSaved<B::Tensor>)> {
         let (b, eps) = (p.b, p.spec.norm_eps);
@@ -91,9 +128,20 @@ impl Layer {
         let mut x_mid = dropped(p, &attended, at)?.unwrap_or(attended);
         b.add_assign(&mut x_mid, &x)?;
         let (h2, rstd2) = b.rms_norm(&x_mid, &p.params[self.post_norm], eps)?;
+        let shortcut = match &self.shortcut {
+            Some(Shortcut::Routes(moe)) => {
+                let (routed, saved) = moe.forward(p, b.cast(&h2, b.dtype(&h2))?)?;
+                *carry = Some(routed);
+                Some(saved)
+            }
+            _ => None,
+        };
         let (mlp_out, mlp) = self.mlp.forward(p, h2)?;
         let mut out = dropped(p, &mlp_out, (self.index, Site::MlpOutput))?.unwrap_or(mlp_out);
         b.add_assign(&mut out, &x_mid)?;
+        if let Some(Shortcut::Adds) = self.shortcut {
+            b.add_assign(&mut out, &take_carry(carry)?)?;
+        }
         let saved = LayerSaved {
             x,
             rstd1,
@@ -101,25 +149,35 @@ impl Layer {
             x_mid,
             rstd2,
             mlp,
+            shortcut,
         };
         Ok((out, saved))
     }
 
     /// The gradient of the layer's input given `dout`, the gradient of its output (the
     /// forward pass attended within `segments`); accumulates the parameters' gradients.
+    /// `carry` takes the gradient of the shortcut experts' output from a pair's second layer
+    /// back to its first.
     pub(super) fn backward<B: Backend>(
         &self,
         p: &Pass<B>,
         grads: &mut [B::Tensor],
         s: LayerSaved<B::Tensor>,
-        (dout, segments): (B::Tensor, &[Range<usize>]),
+        (dout, segments, carry): (B::Tensor, &[Range<usize>], &mut Carry<B::Tensor>),
     ) -> Result<B::Tensor> {
         let b = p.b;
+        if let Some(Shortcut::Adds) = self.shortcut {
+            *carry = Some(b.cast(&dout, b.dtype(&dout))?);
+        }
         // out = x_mid + dropout(mlp(norm(x_mid))): dout flows to both.
         let dmlp = dropped(p, &dout, (self.index, Site::MlpOutput))?;
-        let dh2 = self
+        let mut dh2 = self
             .mlp
             .backward(p, grads, s.mlp, dmlp.as_ref().unwrap_or(&dout))?;
+        if let (Some(Shortcut::Routes(moe)), Some(saved)) = (&self.shortcut, s.shortcut) {
+            let routed = moe.backward(p, grads, saved, &take_carry(carry)?)?;
+            b.add_assign(&mut dh2, &routed)?;
+        }
         let mut dx_mid = rms_grad(p, grads, (&dh2, &s.x_mid), self.post_norm, &s.rstd2)?;
         b.add_assign(&mut dx_mid, &dout)?;
         // x_mid = x + dropout(attention(norm(x))).
@@ -134,6 +192,16 @@ impl Layer {
         b.add_assign(&mut dx, &dx_mid)?;
         Ok(dx)
     }
+}
+
+/// What a pair's first layer handed its second (or the second its first), taken.
+fn take_carry<T>(carry: &mut Carry<T>) -> Result<T> {
+    carry
+        .take()
+        .ok_or_else(|| crate::engine::EngineError::Invalid {
+            op: "paired layer",
+            msg: "the second layer of a pair ran without its first".into(),
+        })
 }
 
 /// `dx` of `y = rms_norm(x)·γ` given `dy`, accumulating γ's gradient (parameter `gamma`) when

@@ -388,6 +388,7 @@ impl<'b, B: Backend> Model<'b, B> {
         }
         let mut x = b.embedding(&self.params[embedding], &ids)?;
         let layers = self.ids.layers.iter().zip(&self.absorbed);
+        let mut carry = None;
         for ((layer, absorbed), cache) in layers.zip(&mut cache.layers) {
             let segments = &segments;
             let attend = match (cache, absorbed) {
@@ -405,7 +406,7 @@ impl<'b, B: Backend> Model<'b, B> {
                     bail!("internal: a latent KV cache for layer {}", layer.index())
                 }
             };
-            x = layer.forward(&p, x, attend)?.0;
+            x = layer.forward(&p, (x, &mut carry), attend)?.0;
         }
         let (x, _) = b.rms_norm(
             &b.select_rows(&x, rows)?,
@@ -452,9 +453,10 @@ mod tests {
         let (embedding, (norm, output)) = model.ids.whole_model().unwrap();
         let mut x = b.embedding(&model.params[embedding], tokens).unwrap();
         let whole = 0..tokens.len();
+        let mut carry = None;
         for layer in &model.ids.layers {
             let attend = Attend::Segments(std::slice::from_ref(&whole));
-            x = layer.forward(&p, x, attend).unwrap().0;
+            x = layer.forward(&p, (x, &mut carry), attend).unwrap().0;
         }
         let (x, _) = b.rms_norm(&x, &model.params[norm], spec.norm_eps).unwrap();
         let logits = b.matmul(&x, &model.params[output], None).unwrap();

@@ -111,7 +111,9 @@ impl Depth {
         let c = gathered(b, p.tp, &c)?.unwrap_or(c);
         let (y, _) = self.proj.forward(p, &c)?;
         let y = own_rows(b, p.tp, columns_gathered(b, p.tp, y)?)?;
-        let (out, layer) = self.layer.forward(p, y, Attend::Segments(&rows.segments))?;
+        let (out, layer) =
+            self.layer
+                .forward(p, (y, &mut None), Attend::Segments(&rows.segments))?;
         let (loss, head) = head_forward(p, out, (self.norm, output), &rows.labels)?;
         let saved = DepthSaved {
             index: self.index,
@@ -150,7 +152,7 @@ impl Depth {
         }
         let dy = self
             .layer
-            .backward(p, grads, s.layer, (dout, &rows.segments))?;
+            .backward(p, grads, s.layer, (dout, &rows.segments, &mut None))?;
         let dy = gathered(b, p.tp, &dy)?.unwrap_or(dy);
         let dy = own_columns(b, p.tp, dy)?;
         let dc = self.proj.backward(p, grads, &dy, (&s.c, None))?;

@@ -9,7 +9,7 @@
 use crate::arch::roles::{canonical_shape, Canon, Role};
 use crate::arch::ModelConfig;
 use crate::arch::MtpLayout;
-use crate::ckpt::layout::{global_key, global_key_of, layer_key, mtp_key, KeyLayout};
+use crate::ckpt::layout::{global_key, global_key_of, layer_key_of, mtp_key, KeyLayout};
 use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
 use std::ops::Range;
 
@@ -114,7 +114,7 @@ fn mcore_name(cfg: &ModelConfig, canon: Canon) -> String {
         (Some(l), Some(mtp)) if l >= cfg.layers => {
             mtp_key(layout, mtp.layout, canon.role, l - cfg.layers)
         }
-        (Some(l), _) => layer_key(layout, canon.role, l),
+        (Some(l), _) => layer_key_of(layout, cfg, canon.role, l),
         (None, _) => global_key_of(layout, cfg, canon.role),
     }
     .concat()
@@ -200,7 +200,8 @@ impl ParamTable {
         }
         roles.push(Role::PostNorm);
         let layer = |l: usize| {
-            let roles = roles.iter().copied().chain(Role::mlp_roles(cfg, l));
+            let own = roles.iter().copied().chain(Role::mlp_roles(cfg, l));
+            let roles = Role::shortcut_roles(cfg, l).into_iter().chain(own);
             roles.map(move |role| Canon {
                 role,
                 layer: Some(l),

@@ -161,3 +161,33 @@ def test_qwen3_chat_generation_equals_transformers(assets, tmp_path, thinking):
             "--chat", "--quiet"] + ([] if thinking is None else ["--enable-thinking", thinking])
     r = subprocess.run([str(a) for a in args], capture_output=True, text=True, check=True)
     assert r.stdout == want + "\n"
+
+
+def test_longcat_flash_logits_and_decoding_match_transformers(mindkit, tmp_path):
+    """A tiny LongCat-Flash (transformers' own LongcatFlash: each layer two sublayers of multi-
+    latent attention with scaled latents and a dense MLP, shortcut experts on the first
+    sublayer's normed input — 4 routed and 2 zero-computation ones, a softmax over all with an
+    expert bias for the choice, top-2 scaled): prefill logits and KV-cached decoding steps equal
+    transformers' (fp32), from the HF directory and from its Megatron conversions in MindSpeed-
+    LLM's longcat_spec layout over TP 2 × PP 2 × EP 2 (grouped experts) and with --mla-mm-split;
+    the Megatron checkpoint converts back to the HF bytes."""
+    model_dir = ROOT / "fixtures/models/longcat_flash"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    prefill, steps, tokens = hf_greedy(model, ids, 8)
+    ck, split = tmp_path / "megatron", tmp_path / "mm-split"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", ck, "--tp", "2",
+            "--pp", "2", "--ep", "2", "--moe-grouped-gemm")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", split, "--ep", "2",
+            "--mla-layout", "mindspeed-mm-split")
+    for source in (model_dir, ck, split):
+        got = mindkit_logits(source, ids, 8, tmp_path / "logits.safetensors")
+        assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
+        assert got["generated"].tolist() == tokens, source
+        assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
+    back = tmp_path / "back"
+    mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
+    want, got = load_file(str(model_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k

@@ -17,8 +17,13 @@ pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla
     if !family.mla {
         return Ok(None);
     }
+    // LongCat-Flash's attention always has a query latent and scales both latents
+    let q_lora_rank = match family.paired {
+        true => Some(json_required_count(cfg, "q_lora_rank")?),
+        false => json_count(cfg, "q_lora_rank")?,
+    };
     Ok(Some(Mla {
-        q_lora_rank: json_count(cfg, "q_lora_rank")?,
+        q_lora_rank,
         kv_lora_rank: json_required_count(cfg, "kv_lora_rank")?,
         qk_head_dim: json_required_count(cfg, "qk_nope_head_dim")?,
         rope_dim: even_rope_dim(
@@ -26,9 +31,10 @@ pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla
             "qk_rope_head_dim",
         )?,
         v_head_dim: json_required_count(cfg, "v_head_dim")?,
-        fused_down: false,
+        // and MindSpeed-LLM's longcat_spec fuses the down projections
+        fused_down: family.paired,
         split_up: false,
-        scale_latents: [false; 2],
+        scale_latents: [family.paired; 2],
     }))
 }
 
@@ -74,14 +80,16 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
 /// projections are fused ([`Mla::fused_down`]: its DeepSeek spec) and the up projections split
 /// ([`Mla::split_up`]: `mla_mm_split`, which only that spec's attention knows).
 pub(super) fn mla_layout_of(args: &[(String, Value)]) -> FieldResult<(bool, bool)> {
-    let fused_down = super::spec_is(args, super::DEEPSEEK_SPEC);
+    let fused_down =
+        super::spec_is(args, super::DEEPSEEK_SPEC) || super::spec_is(args, super::LONGCAT_SPEC);
     let split_up = arg_bool(args, "mla_mm_split")?.unwrap_or(false);
     if split_up && !fused_down {
         return Err(ConfigError::OutOfRange {
             field: "args.mla_mm_split".into(),
             got: "true".into(),
-            expected: "false unless args.spec is MindSpeed-LLM's deepseek_spec (only its \
-                       multi-latent attention splits the up projections)",
+            expected: "false unless args.spec is MindSpeed-LLM's deepseek_spec or \
+                       longcat_spec (only their multi-latent attention splits the up \
+                       projections)",
         });
     }
     Ok((fused_down, split_up))

@@ -9,6 +9,7 @@ mod moe;
 use super::layout::Parallel;
 use super::torch::pickle::Value;
 use crate::arch::family::{self, Family, OutBias, QkNorm};
+use crate::arch::moe::Moe;
 use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
@@ -321,7 +322,11 @@ impl ModelConfig {
             None => json_str(cfg, "dtype")?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F32);
-        let layers = json_required_count(cfg, "num_hidden_layers")?;
+        // a paired family's files count its layers of two decoder layers each
+        let layers = match family.paired {
+            true => 2 * json_required_count(cfg, "num_layers")?,
+            false => json_required_count(cfg, "num_hidden_layers")?,
+        };
         let head_dim = json_count(cfg, "head_dim")?.unwrap_or(hidden / heads);
         let rotary_dim = match json_positive(cfg, "partial_rotary_factor")? {
             Some(f) if f != 1.0 && !family.partial_rotary => {
@@ -356,12 +361,19 @@ impl ModelConfig {
         Ok(ModelConfig {
             family,
             layers,
+            paired: family.paired,
             hidden,
             heads,
             groups,
             head_dim,
             rotary_dim,
-            ffn: json_required_count(cfg, "intermediate_size")?,
+            ffn: json_required_count(
+                cfg,
+                match family.paired {
+                    true => "ffn_hidden_size",
+                    false => "intermediate_size",
+                },
+            )?,
             vocab: json_required_count(cfg, "vocab_size")?,
             max_positions: json_count(cfg, "max_position_embeddings")?.unwrap_or(4096),
             rope_theta: rope_theta.unwrap_or(10000.0),
@@ -372,7 +384,10 @@ impl ModelConfig {
             qk_norm,
             qk_norm_per_layer: false,
             mla,
-            moe: moe::moe_from_hf(cfg, family, layers)?,
+            moe: match moe::moe_from_hf(cfg, family, layers / family_sublayers(family))? {
+                Some(m) if family.paired => Some(m.paired()),
+                moe => moe,
+            },
             mtp: mtp_of(json_count(cfg, "num_nextn_predict_layers")?),
             dtype,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
@@ -434,6 +449,15 @@ impl ModelConfig {
         if let Some(m) = &self.moe {
             moe::moe_to_hf(m, self.family, &mut cfg);
         }
+        if self.paired {
+            // LongcatFlashConfig's names (its num_hidden_layers counts the decoder layers)
+            let obj = cfg.as_object_mut().expect("an object");
+            obj.remove("intermediate_size");
+            obj.insert("ffn_hidden_size".into(), self.ffn.into());
+            obj.insert("num_layers".into(), self.stored_layers().into());
+            obj.insert("mla_scale_q_lora".into(), true.into());
+            obj.insert("mla_scale_kv_lora".into(), true.into());
+        }
         mla::mla_to_hf(self, &mut cfg);
         if let Some(m) = &self.mtp {
             cfg["num_nextn_predict_layers"] = m.depths.into();
@@ -445,6 +469,25 @@ impl ModelConfig {
     /// experts read from Megatron args may route or share experts in a way the family cannot
     /// say).
     pub fn check_hf(&self) -> Result<()> {
+        if self.paired != self.family.paired {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: {}",
+                self.family.name,
+                match self.paired {
+                    true => "its layers are LongCat-Flash's pairs (pass --family longcat_flash)",
+                    false => "the family's layers are LongCat-Flash's pairs, this model's not",
+                }
+            );
+        }
+        let scaled = self.mla.map(|m| m.latent_scales(self.hidden));
+        if self.paired && scaled.is_some_and(|s| s.contains(&None)) {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: the family's multi-latent \
+                 attention has a query latent and scales both latents (--q-lora-rank, \
+                 --enable-mla-scale-q-lora, --enable-mla-scale-kv-lora)",
+                self.family.name
+            );
+        }
         if self.qk_norm_per_layer {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its q/k norms span all \
@@ -472,7 +515,7 @@ impl ModelConfig {
                 self.family.name
             );
         }
-        if self.mla.is_some_and(|m| m.scale_latents.contains(&true)) {
+        if !self.paired && self.mla.is_some_and(|m| m.scale_latents.contains(&true)) {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its multi-latent attention \
                  scales the normed latents (--enable-mla-scale-q-lora / --enable-mla-scale-kv-lora), \
@@ -584,6 +627,11 @@ pub const DEEPSEEK_SPEC: [&str; 2] = [
     "layer_spec",
 ];
 
+/// MindSpeed-LLM's LongCat-Flash layer spec: each layer two sublayers of multi-latent
+/// attention (its down projections fused as [`DEEPSEEK_SPEC`]'s) and a dense MLP, with a
+/// shortcut mixture of experts ([`ModelConfig::paired`]).
+pub const LONGCAT_SPEC: [&str; 2] = ["mindspeed_llm.tasks.models.spec.longcat_spec", "layer_spec"];
+
 /// Whether `args.spec` is `spec`.
 fn spec_is(args: &[(String, Value)], spec: [&str; 2]) -> bool {
     matches!(arg(args, "spec"), Some(Value::List(s))
@@ -594,6 +642,7 @@ fn spec_is(args: &[(String, Value)], spec: [&str; 2]) -> bool {
 /// specs), else `None`.
 pub fn spec_arg(cfg: &ModelConfig) -> Option<Value> {
     let spec = match cfg.mla {
+        _ if cfg.paired => LONGCAT_SPEC,
         Some(m) if m.fused_down => DEEPSEEK_SPEC,
         _ if cfg.qk_norm_per_layer => MINIMAX_SPEC,
         _ => return None,
@@ -753,10 +802,18 @@ impl ModelConfig {
         // are then reported as tensors no supported family has.
         let add_bias = flag("add_dense_bias")? || flag("add_bias_linear")?;
         let qkv_bias = flag("add_qkv_bias")? || add_bias;
-        let layers = need("num_layers")?;
+        let paired = spec_is(args, LONGCAT_SPEC);
+        let stored_layers = need("num_layers")?;
         let ffn = need("ffn_hidden_size")?;
-        let moe = moe::moe_from_args(args, layers, ffn)?;
+        let mut moe = moe::moe_from_args(args, stored_layers, ffn)?;
         let mla = mla::mla_from_args(args)?;
+        let layers = match paired {
+            true => {
+                moe = Some(paired_moe(moe, mla.is_some())?);
+                2 * stored_layers
+            }
+            false => stored_layers,
+        };
         let family = match (family, &moe) {
             (Some(f), _) => f,
             (None, _) if mla.is_some() => family::by_name("deepseek_v3")?,
@@ -790,6 +847,7 @@ impl ModelConfig {
         Ok(ModelConfig {
             family,
             layers,
+            paired,
             hidden,
             heads,
             groups,
@@ -807,12 +865,58 @@ impl ModelConfig {
             qk_norm_per_layer,
             mla,
             moe,
-            mtp: mtp_of(arg_count(args, "mtp_num_layers")?),
+            mtp: match mtp_of(arg_count(args, "mtp_num_layers")?) {
+                Some(_) if paired => bail!(
+                    "args.mtp_num_layers with MindSpeed-LLM's longcat_spec: multi-token \
+                     prediction over LongCat-Flash's layer is not built"
+                ),
+                mtp => mtp,
+            },
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
         })
     }
+}
+
+/// Decoder layers per layer of a family's files.
+fn family_sublayers(family: &Family) -> usize {
+    if family.paired {
+        2
+    } else {
+        1
+    }
+}
+
+/// The experts of a model in MindSpeed-LLM's LongCat-Flash layer spec ([`LONGCAT_SPEC`]),
+/// `moe` as its args read over its stored layers: every stored layer routes its shortcut
+/// experts, from the first of its two decoder layers.
+fn paired_moe(moe: Option<Moe>, mla: bool) -> FieldResult<Moe> {
+    let refuse = |field: &str, expected| ConfigError::OutOfRange {
+        field: field.into(),
+        got: "otherwise".into(),
+        expected,
+    };
+    if !mla {
+        return Err(refuse(
+            "args.multi_latent_attention",
+            "true under MindSpeed-LLM's longcat_spec (its sublayers' attention is multi-latent)",
+        ));
+    }
+    let Some(moe) = moe else {
+        return Err(refuse(
+            "args.num_experts",
+            "set under MindSpeed-LLM's longcat_spec (every layer routes shortcut experts)",
+        ));
+    };
+    if !moe.layers.iter().all(|&m| m) {
+        return Err(refuse(
+            "args.moe_layer_freq / args.first_k_dense_replace",
+            "every layer an MoE layer under MindSpeed-LLM's longcat_spec (its layer always \
+             builds the shortcut experts)",
+        ));
+    }
+    Ok(moe.paired())
 }
 
 /// Multi-token prediction of `depths` (none for 0), in MindSpeed-LLM's layout until a Megatron
@@ -915,7 +1019,7 @@ pub fn megatron_args(
         .and_then(|r| r.get("factor"))
         .and_then(Json::as_f64);
     let mut set: Vec<(&str, Value)> = vec![
-        ("num_layers", int(cfg.layers)),
+        ("num_layers", int(cfg.stored_layers())),
         ("hidden_size", int(cfg.hidden)),
         ("ffn_hidden_size", int(cfg.ffn)),
         ("num_attention_heads", int(cfg.heads)),
@@ -979,7 +1083,7 @@ pub fn megatron_args(
         (
             "num_layers_per_virtual_pipeline_stage",
             if par.vpp > 1 && par.first_last.is_none() && !par.dualpipev {
-                int(cfg.layers / par.pp / par.vpp)
+                int(cfg.stored_layers() / par.pp / par.vpp)
             } else {
                 Value::None
             },
@@ -994,11 +1098,13 @@ pub fn megatron_args(
         ),
         (
             "decoder_first_pipeline_num_layers",
-            par.first_last.map_or(Value::None, |(f, _)| int(f)),
+            par.first_last
+                .map_or(Value::None, |(f, _)| int(f / cfg.sublayers())),
         ),
         (
             "decoder_last_pipeline_num_layers",
-            par.first_last.map_or(Value::None, |(_, l)| int(l)),
+            par.first_last
+                .map_or(Value::None, |(_, l)| int(l / cfg.sublayers())),
         ),
         ("expert_model_parallel_size", int(par.ep)),
         ("moe_grouped_gemm", Value::Bool(par.grouped)),
@@ -1017,7 +1123,7 @@ pub fn megatron_args(
         ("ckpt_format", Value::Str("torch".into())),
         ("model_type", Value::Str("GPT".into())),
     ];
-    set.extend(moe::moe_args(cfg.moe.as_ref()));
+    set.extend(moe::moe_args(cfg.moe.as_ref(), cfg.sublayers()));
     set.extend(mla::mla_args(cfg));
     set.extend(mla::yarn_args(cfg.rope_scaling.as_ref()));
     set.extend(longrope::longrope_args(cfg.rope_scaling.as_ref()));
@@ -1041,7 +1147,7 @@ pub fn megatron_args(
     match spec_arg(cfg) {
         Some(spec) => set.push(("spec", spec)),
         // a source's spec that said what this model no longer is
-        None if [MINIMAX_SPEC, DEEPSEEK_SPEC]
+        None if [MINIMAX_SPEC, DEEPSEEK_SPEC, LONGCAT_SPEC]
             .iter()
             .any(|&s| spec_is(base, s)) =>
         {

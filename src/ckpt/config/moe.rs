@@ -23,8 +23,8 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         None | Some(0) => return Ok(None),
         Some(n) => check_count(names.experts_key, n)?,
     };
-    let topk = json_required_count(cfg, "num_experts_per_tok")?;
-    check_topk(topk, experts, "num_experts_per_tok")?;
+    let topk = json_required_count(cfg, names.topk_key)?;
+    check_topk(topk, experts, names.topk_key)?;
     if super::json_str(cfg, "topk_method")? == Some("group_limited_greedy") {
         // DeepSeek-V2 scores a group by its best expert, megatron-core by its best topk/groups
         let groups = json_count(cfg, "n_group")?.unwrap_or(1);
@@ -60,9 +60,17 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         Some(SharedSize::Experts(key)) => json_count(cfg, key)?.map(|n| n * ffn),
     }
     .filter(|&f| f > 0);
+    // none is a valid count of them (transformers reads `zero_expert_num or 0`)
+    let zero_experts = match names.zero_key {
+        Some(key) => match json_field(cfg, key, "an integer", Json::as_u64)? {
+            None | Some(0) => 0,
+            Some(n) => check_count(key, n)?,
+        },
+        None => 0,
+    };
     Ok(Some(Moe {
         experts,
-        zero_experts: 0,
+        zero_experts,
         topk,
         ffn,
         shared_ffn,
@@ -76,7 +84,8 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         group_limit: hf_groups(cfg, names, topk)?,
         layers: hf_layers(cfg, names.layers, layers)?,
         expert_bias: names.expert_bias.is_some(),
-        softmax_bias: false,
+        // a softmax router's bias takes part in the choice (LongcatFlashTopkRouter)
+        softmax_bias: names.expert_bias.is_some() && names.score == ScoreFunction::Softmax,
         sinkhorn: false,
     }))
 }
@@ -149,6 +158,8 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
         (Some(_), None) => false,
     };
     let routing = moe.score != names.score
+        || moe.softmax_bias
+            != (names.expert_bias.is_some() && names.score == ScoreFunction::Softmax)
         || (moe.topk_scale.is_some() && names.scaling_key.is_none())
         || !groups_fit
         || match names.norm_topk {
@@ -233,17 +244,20 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
             }
         ));
     }
-    if moe.zero_experts > 0 {
+    if moe.zero_experts > 0 && names.zero_key.is_none() {
         return Some(format!(
             "the {} family has no zero-computation experts; this model has {} (--num-zero-experts)",
             family.name, moe.zero_experts
         ));
     }
-    let first_dense = moe.layers.iter().take_while(|&&m| !m).count();
+    // as the family's files count layers (a paired family's first sublayers route)
+    let sublayers = if family.paired { 2 } else { 1 };
+    let stored: Vec<bool> = moe.layers.iter().copied().step_by(sublayers).collect();
+    let first_dense = stored.iter().take_while(|&&m| !m).count();
     let layers_fit = match names.layers {
-        MoeLayers::All => moe.layers.iter().all(|&m| m),
+        MoeLayers::All => stored.iter().all(|&m| m),
         MoeLayers::SparseStep => true,
-        MoeLayers::FirstDense => moe.layers[first_dense..].iter().all(|&m| m),
+        MoeLayers::FirstDense => stored[first_dense..].iter().all(|&m| m),
     };
     if !layers_fit {
         return Some(format!(
@@ -253,7 +267,7 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
                 MoeLayers::All => "every layer",
                 _ => "every layer after the first dense ones",
             },
-            moe.layers
+            stored
         ));
     }
     None
@@ -263,7 +277,10 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
 pub(super) fn moe_to_hf(moe: &Moe, family: &Family, cfg: &mut Json) {
     let Some(names) = &family.moe else { return };
     cfg[names.experts_key] = moe.experts.into();
-    cfg["num_experts_per_tok"] = moe.topk.into();
+    cfg[names.topk_key] = moe.topk.into();
+    if let Some(key) = names.zero_key {
+        cfg[key] = moe.zero_experts.into();
+    }
     cfg[names.ffn_key] = moe.ffn.into();
     if let TopkNorm::Key(key) = names.norm_topk {
         cfg[key] = (!moe.pre_softmax).into();
@@ -456,13 +473,16 @@ fn routed_as_balanced(mut moe: Moe, types: Vec<String>, normalised: bool) -> Fie
 
 /// What `moe` contributes to `args` (the keys megatron-core's `TransformerConfig` and
 /// MindSpeed-LLM's MoE layer read); without experts, `num_experts` None.
-pub(super) fn moe_args(moe: Option<&Moe>) -> Vec<(&'static str, Value)> {
+/// `sublayers`: decoder layers per stored layer (a paired model's MoE layers are the first of
+/// each pair's).
+pub(super) fn moe_args(moe: Option<&Moe>, sublayers: usize) -> Vec<(&'static str, Value)> {
     let int = |v: usize| Value::Int(v as i64);
     let Some(m) = moe else {
         return vec![("num_experts", Value::None)];
     };
     let opt = |v: Option<usize>| v.map_or(Value::None, int);
-    let all = m.layers.iter().all(|&x| x);
+    let stored: Vec<bool> = m.layers.iter().copied().step_by(sublayers).collect();
+    let all = stored.iter().all(|&x| x);
     vec![
         ("num_experts", int(m.experts)),
         (
@@ -490,7 +510,7 @@ pub(super) fn moe_args(moe: Option<&Moe>) -> Vec<(&'static str, Value)> {
             if all {
                 int(1)
             } else {
-                Value::List(m.layers.iter().map(|&x| Value::Int(x as i64)).collect())
+                Value::List(stored.iter().map(|&x| Value::Int(x as i64)).collect())
             },
         ),
         ("first_k_dense_replace", Value::None),
@@ -585,7 +605,7 @@ mod tests {
         let err = routed(2, "sparsemixer_topk").unwrap_err().to_string();
         assert!(err.contains("args.moe_router_load_balancing_type"), "{err}");
         // written back, a Sinkhorn-balanced model stays one
-        let args: Vec<(String, Value)> = (moe_args(routed(2, "sinkhorn").unwrap().as_ref()))
+        let args: Vec<(String, Value)> = (moe_args(routed(2, "sinkhorn").unwrap().as_ref(), 1))
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();

@@ -525,12 +525,14 @@ impl MegatronCkpt {
             }
         }
         let total: usize = stage_layers.iter().sum();
-        if total != cfg.layers {
+        if total != cfg.stored_layers() {
             bail!(
                 "args say num_layers = {} but the rank files hold {total} layers",
-                cfg.layers
+                cfg.stored_layers()
             );
         }
+        // a paired model's layers are two decoder layers each
+        let stage_layers = stage_layers.iter().map(|n| n * cfg.sublayers()).collect();
         let par = Parallel {
             tp,
             pp,

@@ -135,6 +135,13 @@ impl TorchDistCkpt {
         let padded_vocab = emb.shape[0];
         let mut cfg = ModelConfig::from_megatron_args(&args, family, emb.dtype, padded_vocab)
             .with_context(|| common_path.display().to_string())?;
+        if cfg.paired {
+            bail!(
+                "{}: args.spec is MindSpeed-LLM's longcat_spec, whose layer torch_dist is not read \
+                 for (save it with --ckpt-format torch)",
+                common_path.display()
+            );
+        }
         if let Some(m) = &mut cfg.mtp {
             // megatron-core keeps each depth's final norm in its layer, MindSpeed-LLM in the block
             if tensors.contains_key("mtp.layers.0.final_layernorm.weight") {

@@ -3,7 +3,7 @@
 
 use super::{fraction, positive, positive_float};
 use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
-use crate::ckpt::config::{DEEPSEEK_SPEC, MINIMAX_SPEC};
+use crate::ckpt::config::{DEEPSEEK_SPEC, LONGCAT_SPEC, MINIMAX_SPEC};
 use crate::ckpt::convert::{Format, Input};
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
@@ -230,6 +230,7 @@ const SPECS: &[(&str, &str)] = &[
     BAILING_SPEC,
     (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
     (DEEPSEEK_SPEC[0], DEEPSEEK_SPEC[1]),
+    (LONGCAT_SPEC[0], LONGCAT_SPEC[1]),
 ];
 
 /// MindSpeed-LLM's Ling (Bailing) spec: the local spec whatever `--transformer-impl` says.
@@ -249,14 +250,16 @@ pub(super) fn spec_is_local_only(a: &Args) -> bool {
 /// mindkit builds — MindSpeed-LLM's qwen3, bailing and minimax specs: the local spec (TE's with
 /// qwen3's under `--transformer-impl transformer_engine`), with q/k norms as `--qk-layernorm`
 /// says (minimax's over all heads, `MinimaxAttention`) and the MoE layer of `--num-experts`
-/// (mindspeed_llm/tasks/models/spec/qwen3_spec.py, bailing_spec.py, minimax_spec.py) —,
-/// refused otherwise.
+/// (mindspeed_llm/tasks/models/spec/qwen3_spec.py, bailing_spec.py, minimax_spec.py) —, its
+/// deepseek and longcat specs (multi-latent attention's down projections fused; longcat's
+/// layers paired, `crate::arch::ModelConfig::paired`) with the local implementation, refused
+/// otherwise.
 fn check_spec(a: &Args) -> Result<()> {
     let Some(spec) = a.list("spec") else {
         return Ok(());
     };
     let known = |(m, f): &(&str, &str)| spec == [m.to_string(), f.to_string()];
-    if spec == DEEPSEEK_SPEC {
+    if spec == DEEPSEEK_SPEC || spec == LONGCAT_SPEC {
         if !a.has("multi-latent-attention") {
             bail!("--spec {}: its attention is multi-latent: pass --multi-latent-attention and its shape", spec.join(" "));
         }
@@ -313,7 +316,7 @@ pub(super) fn model_config(
     let mut cfg = input.cfg.clone();
     cfg.mtp = mtp(a, Some(input))?;
     let checks: [(&str, usize); 6] = [
-        ("num-layers", cfg.layers),
+        ("num-layers", cfg.stored_layers()),
         ("hidden-size", cfg.hidden),
         ("ffn-hidden-size", cfg.ffn),
         ("num-attention-heads", cfg.heads),
@@ -387,6 +390,18 @@ pub(super) fn model_config(
             "--qk-layernorm is {}given, but the --load checkpoint {} q/k layernorms",
             if cfg.qk_norm { "not " } else { "" },
             if cfg.qk_norm { "has" } else { "has no" }
+        );
+    }
+    let longcat = a.list("spec").is_some_and(|s| s == LONGCAT_SPEC);
+    if longcat != cfg.paired && (a.has("spec") || has_any_architecture(a)) {
+        bail!(
+            "--spec {}: the --load checkpoint's layers are {}",
+            a.list("spec").map_or("(none)".into(), |s| s.join(" ")),
+            if cfg.paired {
+                "LongCat-Flash's pairs (MindSpeed-LLM's longcat_spec)"
+            } else {
+                "not LongCat-Flash's pairs (pass no longcat_spec)"
+            }
         );
     }
     let minimax = a.list("spec").is_some_and(|s| s == MINIMAX_SPEC);
@@ -554,7 +569,7 @@ fn check_rope_and_norm(a: &Args, flags: &[(String, Value)], cfg: &ModelConfig) -
 fn flags_with_defaults(flags: &[(String, Value)], cfg: &ModelConfig) -> Vec<(String, Value)> {
     let mut args = flags.to_vec();
     for (key, v) in [
-        ("num_layers", cfg.layers),
+        ("num_layers", cfg.stored_layers()),
         ("hidden_size", cfg.hidden),
         ("num_attention_heads", cfg.heads),
         ("ffn_hidden_size", cfg.ffn),

@@ -24,7 +24,8 @@ pub(super) fn pipeline_stages(
         }
         return Ok(vec![model.layers]);
     }
-    let l = model.layers;
+    // layers as the flags count them (a paired model's pairs, which no stage splits)
+    let l = model.stored_layers();
     if first.is_none() && last.is_none() && !l.is_multiple_of(pp) {
         bail!("--pipeline-model-parallel-size {pp} does not divide --num-layers {l}: give --decoder-first/last-pipeline-num-layers for uneven stages");
     }
@@ -66,10 +67,10 @@ pub(super) fn dualpipev(
         || a.has("decoder-last-pipeline-num-layers")
     {
         "its chunks split even stages".into()
-    } else if !model.layers.is_multiple_of(2 * pp) {
+    } else if !model.stored_layers().is_multiple_of(2 * pp) {
         format!(
             "--num-layers {} does not split into 2 × {pp} equal chunks",
-            model.layers
+            model.stored_layers()
         )
     } else if model.tied {
         "it requires --untie-embeddings-and-output-weights".into()
@@ -116,7 +117,7 @@ pub(super) fn virtual_stages(a: &Args, model: &ModelConfig, pp: usize) -> Result
             if uneven.iter().any(|f| a.has(f)) {
                 bail!("--num-layers-per-virtual-pipeline-stage: with uneven stages give --num-virtual-stages-per-pipeline-rank instead (as Megatron asks)");
             }
-            let l = model.layers;
+            let l = model.stored_layers();
             if !l.is_multiple_of(pp) || !(l / pp).is_multiple_of(n) {
                 bail!("--num-layers-per-virtual-pipeline-stage {n}: the {l} layers over {pp} pipeline stages do not split into chunks of {n}");
             }
