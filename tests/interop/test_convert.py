@@ -5,6 +5,7 @@ real SmolLM2-135M."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -472,6 +473,46 @@ def test_mindspeed_deepseek_layout_equals_mindspeed_llms_converter(mindkit, tmp_
                 assert torch.equal(got[chunk][name], w), f"{rank} {chunk} {name}"
     mindkit("convert", "--to", "hf", "--input", tmp_path / "mk", "--output", tmp_path / "h")
     assert_hf_equal(model, tmp_path / "h")
+
+
+
+def test_longcat_flash_layout_equals_mindspeed_llms_converter(mindkit, tmp_path):
+    """`convert --tp 2 --ep 2 --etp 1 --moe-grouped-gemm` of a tiny LongCat-Flash holds, file for
+    file, the tensors MindSpeed-LLM's own convert_ckpt_v2.py --model-type-hf longcat writes
+    (the ranks its whole experts save, its sublayers' names, the grouped experts, the router's
+    rows of routed and zero-computation experts and its expert bias), bit for bit; mindkit reads
+    the converter's checkpoint (a defaultdict state dict, the HF config in its args) back to the
+    HF bytes."""
+    src = os.environ.get("MINDSPEED_LLM")
+    if not src:
+        pytest.skip("MINDSPEED_LLM (a MindSpeed-LLM checkout) is unset: its converters are not on PyPI")
+    hf = tmp_path / "hf"
+    shutil.copytree(MODELS / "longcat_flash", hf)
+    names = list(load_file(str(hf / "model.safetensors")))
+    (hf / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
+    subprocess.run([sys.executable, ROOT / "scripts/bench/msl_convert.py", src, "--model-type-hf",
+                    "longcat", "--load-model-type", "hf", "--save-model-type", "mg",
+                    "--target-tensor-parallel-size", "2", "--target-expert-parallel-size", "2",
+                    "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm", "--load-dir", hf,
+                    "--save-dir", tmp_path / "msl"], check=True, capture_output=True)
+    mindkit("convert", "--to", "megatron", "--input", MODELS / "longcat_flash", "--output",
+            tmp_path / "mk", "--tp", 2, "--ep", 2, "--etp", 1, "--moe-grouped-gemm",
+            "--make-vocab-size-divisible-by", 1)
+    ranks = sorted(p.name for p in (tmp_path / "msl/iter_0000001").iterdir())
+    assert ranks == sorted(p.name for p in (tmp_path / "mk/iter_0000001").iterdir())
+    assert ranks == ["mp_rank_00_000", "mp_rank_01_001"]
+    for rank in ranks:
+        # the reference's file (a defaultdict, pickle protocol 4) is beyond weights_only
+        want = torch.load(tmp_path / "msl/iter_0000001" / rank / "model_optim_rng.pt",
+                          weights_only=False)["model"]
+        got = load_pt(tmp_path / "mk/iter_0000001" / rank / "model_optim_rng.pt")["model"]
+        assert sorted(got) == sorted(want), rank
+        for name, w in want.items():
+            assert torch.equal(got[name], w), f"{rank} {name}"
+    mindkit("convert", "--to", "hf", "--input", tmp_path / "msl", "--output", tmp_path / "back")
+    want, got = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "back/model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_smollm2_round_trip_tp3_pp2(mindkit, tmp_path, smollm2):

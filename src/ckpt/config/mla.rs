@@ -80,8 +80,7 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
 /// projections are fused ([`Mla::fused_down`]: its DeepSeek spec) and the up projections split
 /// ([`Mla::split_up`]: `mla_mm_split`, which only that spec's attention knows).
 pub(super) fn mla_layout_of(args: &[(String, Value)]) -> FieldResult<(bool, bool)> {
-    let fused_down =
-        super::spec_is(args, super::DEEPSEEK_SPEC) || super::spec_is(args, super::LONGCAT_SPEC);
+    let fused_down = super::spec_is(args, super::DEEPSEEK_SPEC) || super::longcat_of(args)?;
     let split_up = arg_bool(args, "mla_mm_split")?.unwrap_or(false);
     if split_up && !fused_down {
         return Err(ConfigError::OutOfRange {

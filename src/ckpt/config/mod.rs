@@ -616,6 +616,44 @@ fn arg_count(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>>
         .transpose()
 }
 
+/// The `config.json` MindSpeed-LLM's convert_ckpt_v2.py copies into the args it saves
+/// (its Hf2MgConvert puts every field of the HF config on its args Namespace beside its own
+/// `model_type_hf`), when `args.model_type` names a family: every scalar and list of strings.
+fn converter_config(args: &[(String, Value)]) -> Option<Json> {
+    let is_str = |name| matches!(arg(args, name), Some(Value::Str(_)));
+    let Some(Value::Str(model_type)) = arg(args, "model_type") else {
+        return None;
+    };
+    if !is_str("model_type_hf") || family::by_model_type(model_type).is_err() {
+        return None;
+    }
+    let json = |v: &Value| match v {
+        Value::None => Some(Json::Null),
+        Value::Bool(b) => Some((*b).into()),
+        Value::Int(i) => Some((*i).into()),
+        Value::Float(f) => serde_json::Number::from_f64(*f).map(Json::Number),
+        Value::Str(s) => Some(s.as_str().into()),
+        Value::List(l) => (l.iter())
+            .map(|v| match v {
+                Value::Str(s) => Some(Json::from(s.as_str())),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(Json::Array),
+        _ => None,
+    };
+    let fields = args.iter().filter_map(|(k, v)| Some((k.clone(), json(v)?)));
+    Some(Json::Object(fields.collect()))
+}
+
+/// A count where 0 means none (MindSpeed-LLM's converters write `mtp_num_layers = 0`).
+fn arg_count_or_none(args: &[(String, Value)], name: &str) -> FieldResult<Option<usize>> {
+    match arg_uint(args, name)? {
+        None | Some(0) => Ok(None),
+        Some(n) => check_count(&format!("args.{name}"), n as u64).map(Some),
+    }
+}
+
 /// MindSpeed-LLM's MiniMax layer spec (`--spec MODULE FUNCTION`, saved as `args.spec`): its
 /// attention's q/k norms span all heads ([`ModelConfig::qk_norm_per_layer`]).
 pub const MINIMAX_SPEC: [&str; 2] = ["mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec"];
@@ -631,6 +669,13 @@ pub const DEEPSEEK_SPEC: [&str; 2] = [
 /// attention (its down projections fused as [`DEEPSEEK_SPEC`]'s) and a dense MLP, with a
 /// shortcut mixture of experts ([`ModelConfig::paired`]).
 pub const LONGCAT_SPEC: [&str; 2] = ["mindspeed_llm.tasks.models.spec.longcat_spec", "layer_spec"];
+
+/// Whether Megatron args describe MindSpeed-LLM's LongCat-Flash layer: its spec (as training
+/// saves it), or its converter's `transformerlayer_type` (configs/checkpoint/model_cfg.json
+/// `longcat`, as convert_ckpt_v2.py saves it).
+pub(super) fn longcat_of(args: &[(String, Value)]) -> FieldResult<bool> {
+    Ok(spec_is(args, LONGCAT_SPEC) || arg_str(args, "transformerlayer_type")? == Some("longcat"))
+}
 
 /// Whether `args.spec` is `spec`.
 fn spec_is(args: &[(String, Value)], spec: [&str; 2]) -> bool {
@@ -766,11 +811,24 @@ impl ModelConfig {
         })?;
         let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
         let qk_norm_per_layer = qk_norm && spec_is(args, MINIMAX_SPEC);
-        if let Some(text) = carried {
-            let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
-            let hf: Json =
-                serde_json::from_str(text).with_context(|| format!("{what}: not valid JSON"))?;
+        let carried = match carried {
+            Some(text) => {
+                let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
+                let hf: Json = serde_json::from_str(text)
+                    .with_context(|| format!("{what}: not valid JSON"))?;
+                Some((hf, what, true))
+            }
+            None => converter_config(args).map(|hf| {
+                let what = "the config.json fields MindSpeed-LLM's converter saved in args";
+                (hf, what.to_string(), false)
+            }),
+        };
+        if let Some((hf, what, keep)) = carried {
             let mut cfg = ModelConfig::from_hf(&hf, family).with_context(|| what)?;
+            if !keep {
+                // the args hold much besides the config: the config written is built anew
+                cfg.hf_config = None;
+            }
             check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
@@ -780,7 +838,7 @@ impl ModelConfig {
                 split_up,
                 ..m
             });
-            cfg.mtp = mtp_of(arg_count(args, "mtp_num_layers")?);
+            cfg.mtp = mtp_of(arg_count_or_none(args, "mtp_num_layers")?);
             return Ok(cfg);
         }
         let need = |n: &str| {
@@ -802,7 +860,7 @@ impl ModelConfig {
         // are then reported as tensors no supported family has.
         let add_bias = flag("add_dense_bias")? || flag("add_bias_linear")?;
         let qkv_bias = flag("add_qkv_bias")? || add_bias;
-        let paired = spec_is(args, LONGCAT_SPEC);
+        let paired = longcat_of(args)?;
         let stored_layers = need("num_layers")?;
         let ffn = need("ffn_hidden_size")?;
         let mut moe = moe::moe_from_args(args, stored_layers, ffn)?;
@@ -865,7 +923,7 @@ impl ModelConfig {
             qk_norm_per_layer,
             mla,
             moe,
-            mtp: match mtp_of(arg_count(args, "mtp_num_layers")?) {
+            mtp: match mtp_of(arg_count_or_none(args, "mtp_num_layers")?) {
                 Some(_) if paired => bail!(
                     "args.mtp_num_layers with MindSpeed-LLM's longcat_spec: multi-token \
                      prediction over LongCat-Flash's layer is not built"

@@ -215,6 +215,12 @@ pub enum DcpClass {
 pub enum Global {
     /// `collections.OrderedDict`
     OrderedDict,
+    /// `collections.defaultdict` (MindSpeed-LLM's converters save their state dicts as
+    /// one), read as a plain dict: only ever called with a container type as its factory,
+    /// which is never called.
+    DefaultDict,
+    /// `builtins.dict` / `builtins.list`, as a defaultdict's factory only.
+    ContainerType,
     /// `torch._utils._rebuild_tensor_v2`
     RebuildTensorV2,
     /// `torch._utils._rebuild_parameter`
@@ -250,6 +256,8 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
     let dtype = |n: &str| TORCH_DTYPES.iter().find(|(c, _)| *c == n).map(|(_, d)| *d);
     Some(match (module, name) {
         ("collections", "OrderedDict") => Global::OrderedDict,
+        ("collections", "defaultdict") => Global::DefaultDict,
+        ("builtins" | "__builtin__", "dict" | "list") => Global::ContainerType,
         ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
         ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
         ("argparse", "Namespace") => Global::Namespace,
@@ -1096,6 +1104,9 @@ impl Machine<'_> {
         };
         match (g, args.as_slice()) {
             (Global::OrderedDict, []) => Ok(Value::Dict(Vec::new())),
+            (Global::DefaultDict, [] | [Value::None | Value::Global(Global::ContainerType)]) => {
+                Ok(Value::Dict(Vec::new()))
+            }
             (Global::Namespace, []) => Ok(Value::Namespace(Vec::new())),
             (Global::RebuildTensorV2, [storage, offset, size, stride, _grad, _hooks, ..]) => {
                 let Value::Storage(storage) = storage else {
@@ -1360,6 +1371,21 @@ mod tests {
             (0, vec![4, 8], vec![8, 1])
         );
         assert!(t.is_contiguous());
+    }
+
+    #[test]
+    fn reads_a_defaultdict_as_a_dict_and_never_calls_its_factory() {
+        // pickle.dumps(defaultdict(dict, a=1), protocol=4), as MindSpeed-LLM's converters save
+        let p = b"\x80\x04\x95>\x00\x00\x00\x00\x00\x00\x00\x8c\x0bcollections\x94\x8c\x0bdefaultdict\x94\x93\x94\x8c\x08builtins\x94\x8c\x04dict\x94\x93\x94\x85\x94R\x94\x8c\x01a\x94K\x01s.";
+        assert_eq!(
+            parse(p).unwrap(),
+            Value::Dict(vec![(Value::Str("a".into()), Value::Int(1))])
+        );
+        // the factory is never called, nor a defaultdict of another one built
+        let e = parse(b"\x80\x04\x8c\x08builtins\x8c\x04dict\x93)R.").unwrap_err();
+        assert!(e.to_string().contains("call"), "{e}");
+        let p = b"\x80\x04\x8c\x0bcollections\x8c\x0bdefaultdict\x93K\x01\x85R.";
+        assert!(parse(p).is_err());
     }
 
     #[test]
