@@ -4846,6 +4846,72 @@ fn longcat_pairs_train_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
         1e-5,
         "LongCat-Flash resumed from TP 2 × PP 2 × EP 2",
     );
+    // a LoRA adapter on its sublayers merges into them: W + alpha/r · B·A
+    let adapter = dir.path().join("adapter");
+    let lora = format!(
+        "--load {} --finetune --save {} --save-interval 6 --lr 1e-2 --lora-r 4 --lora-alpha 8 \
+         --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2",
+        saved.display(),
+        adapter.display()
+    );
+    longcat_train(&data, &lora).success();
+    let merged = dir.path().join("merged");
+    common::lora_merge(&saved, &adapter, &merged, &[]).success();
+    let tensors = |dir: &Path| {
+        let iter = std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap();
+        let file = dir.join(format!(
+            "iter_{:07}/mp_rank_00/model_optim_rng.pt",
+            iter.trim().parse::<usize>().unwrap()
+        ));
+        let ck = mindkit::ckpt::torch::TorchFile::open(&file).unwrap();
+        let Some(mindkit::ckpt::torch::pickle::Value::Dict(model)) = ck.root().get("model") else {
+            panic!("{}: no model", file.display());
+        };
+        (model.iter())
+            .filter_map(|(k, v)| match (k, v) {
+                (
+                    mindkit::ckpt::torch::pickle::Value::Str(k),
+                    mindkit::ckpt::torch::pickle::Value::Tensor(t),
+                ) => {
+                    let t = ck.read_tensor(k, t).unwrap();
+                    Some((k.clone(), mindkit::tensor::host::to_f32(&t).unwrap()))
+                }
+                _ => None,
+            })
+            .collect::<std::collections::HashMap<_, _>>()
+    };
+    let (base, adapted, merged) = (tensors(&saved), tensors(&adapter), tensors(&merged));
+    for module in [
+        "decoder.layers.1.mlps_1.linear_fc2",
+        "decoder.layers.0.self_attention_1.linear_proj",
+    ] {
+        let (a, b) = (
+            &adapted[&format!("{module}.lora_A.default.weight")],
+            &adapted[&format!("{module}.lora_B.default.weight")],
+        );
+        let (w, got) = (
+            &base[&format!("{module}.weight")],
+            &merged[&format!("{module}.weight")],
+        );
+        let (rows, r) = (b.len() / 4, 4);
+        let cols = a.len() / r;
+        let mut moved = 0f32;
+        for i in 0..rows {
+            for j in 0..cols {
+                let ba: f32 = (0..r).map(|k| b[i * r + k] * a[k * cols + j]).sum();
+                let want = w[i * cols + j] + 2.0 * ba;
+                assert!(
+                    (got[i * cols + j] - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "{module} [{i}, {j}]"
+                );
+                moved = moved.max((2.0 * ba).abs());
+            }
+        }
+        assert!(
+            moved > 1e-4,
+            "{module}: the adapter moved nothing ({moved})"
+        );
+    }
     // the layer's own rules: multi-latent attention, every layer routing
     let err = stderr(&longcat_train(&data, "--first-k-dense-replace 1").failure());
     assert!(err.contains("every layer an MoE layer"), "{err}");
