@@ -196,8 +196,10 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
     let mut out = String::new();
     match detect(path)? {
         Format::Hf => {
-            let (cfg, weights) = open_hf(path, family)?;
+            let (mut cfg, weights) = open_hf(path, family)?;
             let _ = writeln!(out, "format:      Hugging Face ({})", path.display());
+            // HF has one layout of the attention; Megatron's are its converters' choice
+            cfg.mla = cfg.mla.map(|m| crate::arch::MlaLayout::Mcore.apply(m));
             architecture(&cfg, &mut out);
             if let Some(([rows, cols], n)) = weights.fp8() {
                 let _ = writeln!(
