@@ -533,6 +533,17 @@ pub enum UnknownFamily {
     ModelType(String),
 }
 
+impl Family {
+    /// Decoder layers per layer of its files: 2 for a [`Family::paired`] family, else 1.
+    pub fn sublayers(&self) -> usize {
+        if self.paired {
+            2
+        } else {
+            1
+        }
+    }
+}
+
 /// The family called `name` (`--family`), or an error listing the supported ones.
 pub fn by_name(name: &str) -> Result<&'static Family, UnknownFamily> {
     let lower = name.to_ascii_lowercase();

@@ -99,6 +99,12 @@ impl Moe {
         self
     }
 
+    /// The layer pattern over the layers of its files, of `sublayers` decoder layers each (the
+    /// inverse of [`Moe::paired`] at 2).
+    pub fn stored_layers(&self, sublayers: usize) -> Vec<bool> {
+        self.layers.iter().copied().step_by(sublayers).collect()
+    }
+
     /// The layer pattern of Megatron's `--moe-layer-freq` (an int `k`: layers `l` with
     /// `l % k == 0`, as Python computes it, so `-1` is every layer; or the list itself) after
     /// MindSpeed-LLM's `--first-k-dense-replace` (layers below it dense; `-1` or less: none,

@@ -324,7 +324,7 @@ impl ModelConfig {
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F32);
         // a paired family's files count its layers of two decoder layers each
         let layers = match family.paired {
-            true => 2 * json_required_count(cfg, "num_layers")?,
+            true => family.sublayers() * json_required_count(cfg, "num_layers")?,
             false => json_required_count(cfg, "num_hidden_layers")?,
         };
         let head_dim = json_count(cfg, "head_dim")?.unwrap_or(hidden / heads);
@@ -384,7 +384,7 @@ impl ModelConfig {
             qk_norm,
             qk_norm_per_layer: false,
             mla,
-            moe: match moe::moe_from_hf(cfg, family, layers / family_sublayers(family))? {
+            moe: match moe::moe_from_hf(cfg, family, layers / family.sublayers())? {
                 Some(m) if family.paired => Some(m.paired()),
                 moe => moe,
             },
@@ -934,15 +934,6 @@ impl ModelConfig {
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
         })
-    }
-}
-
-/// Decoder layers per layer of a family's files.
-fn family_sublayers(family: &Family) -> usize {
-    if family.paired {
-        2
-    } else {
-        1
     }
 }
 

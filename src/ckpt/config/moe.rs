@@ -251,8 +251,7 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
         ));
     }
     // as the family's files count layers (a paired family's first sublayers route)
-    let sublayers = if family.paired { 2 } else { 1 };
-    let stored: Vec<bool> = moe.layers.iter().copied().step_by(sublayers).collect();
+    let stored = moe.stored_layers(family.sublayers());
     let first_dense = stored.iter().take_while(|&&m| !m).count();
     let layers_fit = match names.layers {
         MoeLayers::All => stored.iter().all(|&m| m),
@@ -481,7 +480,7 @@ pub(super) fn moe_args(moe: Option<&Moe>, sublayers: usize) -> Vec<(&'static str
         return vec![("num_experts", Value::None)];
     };
     let opt = |v: Option<usize>| v.map_or(Value::None, int);
-    let stored: Vec<bool> = m.layers.iter().copied().step_by(sublayers).collect();
+    let stored = m.stored_layers(sublayers);
     let all = stored.iter().all(|&x| x);
     vec![
         ("num_experts", int(m.experts)),
