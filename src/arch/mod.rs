@@ -47,6 +47,12 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     /// RMSNorm epsilon.
     pub norm_eps: f64,
+    /// The epsilon of multi-latent attention's latent norms where it is not `norm_eps`:
+    /// transformers 4.57 builds DeepSeek's `q_a_layernorm` / `kv_a_layernorm` with its
+    /// RMSNorm's default 1e-6 whatever `rms_norm_eps` says (modeling_deepseek_v3.py
+    /// `DeepseekV3Attention`), so a model read from `config.json` has it; Megatron takes
+    /// `--norm-epsilon` for every norm, so one read from Megatron args, and training, have none.
+    pub latent_norm_eps: Option<f64>,
     /// Output layer shares the embedding.
     pub tied: bool,
     /// q/k/v biases.

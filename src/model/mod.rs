@@ -50,6 +50,9 @@ pub struct ModelSpec {
     pub max_positions: usize,
     /// RMSNorm epsilon.
     pub norm_eps: f64,
+    /// Multi-latent attention's latent norms' epsilon
+    /// ([`crate::arch::ModelConfig::latent_norm_eps`], else `norm_eps`).
+    pub latent_eps: f64,
     /// Multi-latent attention's shape (its attention then has as many key-value heads as
     /// query heads, the values padded to the queries' dimensions; its KV cache holds the
     /// compressed latent instead).
@@ -105,6 +108,7 @@ impl ModelSpec {
             vocab: cfg.vocab,
             max_positions: cfg.max_positions,
             norm_eps: cfg.norm_eps,
+            latent_eps: cfg.latent_norm_eps.unwrap_or(cfg.norm_eps),
             mla: cfg.mla,
             moe: cfg.moe.clone(),
             // transformers' router of the family (Glm4MoeTopkRouter) is f32 whatever the weights

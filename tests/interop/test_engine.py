@@ -1,8 +1,10 @@
 """The engine against transformers on the real SmolLM2-135M-Instruct (fp32 compute): prefill
 logits and every KV-cached decoding step within 1e-3, 32 greedy tokens identical, `mindkit
 generate` text equal to transformers' `generate`; the same logits from a Megatron conversion."""
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -170,7 +172,8 @@ def test_longcat_flash_logits_and_decoding_match_transformers(mindkit, tmp_path)
     expert bias for the choice, top-2 scaled): prefill logits and KV-cached decoding steps equal
     transformers' (fp32), from the HF directory and from its Megatron conversions in MindSpeed-
     LLM's longcat_spec layout over TP 2 × PP 2 × EP 2 (grouped experts) and with --mla-mm-split;
-    the Megatron checkpoint converts back to the HF bytes."""
+    the Megatron checkpoint converts back to the HF bytes. With rms_norm_eps 1e-5 the latent
+    norms still take transformers' 1e-6 when read from HF."""
     model_dir = ROOT / "fixtures/models/longcat_flash"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -185,6 +188,15 @@ def test_longcat_flash_logits_and_decoding_match_transformers(mindkit, tmp_path)
         assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
         assert got["generated"].tolist() == tokens, source
         assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
+    # transformers' latent norms take eps 1e-6 whatever rms_norm_eps says; read from HF, so do mindkit's
+    eps = tmp_path / "eps"
+    shutil.copytree(model_dir, eps)
+    cfg = json.loads((eps / "config.json").read_text())
+    (eps / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    model = AutoModelForCausalLM.from_pretrained(eps, dtype=torch.float32).eval()
+    prefill, _, tokens = hf_greedy(model, ids, 1)
+    got = mindkit_logits(eps, ids, 1, tmp_path / "eps.safetensors")
+    assert (got["prefill"] - prefill).abs().max().item() <= 1e-5
     back = tmp_path / "back"
     mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
     want, got = load_file(str(model_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))

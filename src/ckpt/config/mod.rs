@@ -378,6 +378,7 @@ impl ModelConfig {
             max_positions: json_count(cfg, "max_position_embeddings")?.unwrap_or(4096),
             rope_theta: rope_theta.unwrap_or(10000.0),
             norm_eps: json_positive(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
+            latent_norm_eps: mla.map(|_| 1e-6),
             tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: out_bias,
@@ -829,6 +830,8 @@ impl ModelConfig {
                 // the args hold much besides the config: the config written is built anew
                 cfg.hf_config = None;
             }
+            // Megatron's latent norms take its one epsilon
+            cfg.latent_norm_eps = None;
             check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
@@ -916,6 +919,7 @@ impl ModelConfig {
             max_positions: arg_count(args, "max_position_embeddings")?.unwrap_or(4096),
             rope_theta: arg_positive(args, "rotary_base")?.unwrap_or(10000.0),
             norm_eps: arg_positive(args, "norm_epsilon")?.unwrap_or(1e-5),
+            latent_norm_eps: None,
             tied: !flag("untie_embeddings_and_output_weights")?,
             qkv_bias,
             proj_bias: add_bias,

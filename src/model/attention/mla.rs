@@ -673,7 +673,7 @@ fn normed_latent<B: Backend>(
     match norm {
         Some(g) => {
             let own = own_rows(p.b, p.tp, c)?;
-            let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.norm_eps)?;
+            let (y, rstd) = b.rms_norm(&own, &p.params[g], p.spec.latent_eps)?;
             let mut all = gathered(b, p.tp, &y)?.unwrap_or(y);
             if let Some(s) = latent_scale(p, latent) {
                 all = b.scaled(&all, s)?;

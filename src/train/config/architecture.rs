@@ -315,6 +315,8 @@ pub(super) fn model_config(
     };
     let mut cfg = input.cfg.clone();
     cfg.mtp = mtp(a, Some(input))?;
+    // training is Megatron's: every norm takes --norm-epsilon, an HF model's latent norms too
+    cfg.latent_norm_eps = None;
     let checks: [(&str, usize); 6] = [
         ("num-layers", cfg.stored_layers()),
         ("hidden-size", cfg.hidden),
