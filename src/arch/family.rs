@@ -411,52 +411,41 @@ pub const FAMILIES: &[Family] = &[
         ],
         model_types: &["deepseek_v2"],
         architecture: "DeepseekV2ForCausalLM",
-        qkv: QkvStyle::Separate,
-        bias_key: Some("attention_bias"),
-        bias_default: false,
-        out_bias: OutBias::Never,
-        always_qkv_bias: false,
-        qk_norm: QkNorm::Yes,
-        partial_rotary: false,
-        mla: true,
-        paired: false,
         moe: Some(DEEPSEEK_V2_MOE),
+        // DeepSeek-V3's attention (V2-Lite's queries without a latent read from config.json)
+        ..DEEPSEEK_V3
     },
-    Family {
-        name: "deepseek_v3",
-        aliases: &["deepseek3", "deepseek-v3", "kimi2", "kimi-k2"],
-        model_types: &["deepseek_v3", "kimi_k2"],
-        architecture: "DeepseekV3ForCausalLM",
-        qkv: QkvStyle::Separate,
-        bias_key: Some("attention_bias"),
-        bias_default: false,
-        out_bias: OutBias::Never,
-        always_qkv_bias: false,
-        // the query and key-value latents' norms (q_a_layernorm, kv_a_layernorm)
-        qk_norm: QkNorm::Yes,
-        partial_rotary: false,
-        mla: true,
-        paired: false,
-        moe: Some(DEEPSEEK_MOE),
-    },
+    DEEPSEEK_V3,
     Family {
         name: "longcat_flash",
         aliases: &["longcat", "longcat-flash"],
         model_types: &["longcat_flash"],
         architecture: "LongcatFlashForCausalLM",
-        qkv: QkvStyle::Separate,
-        bias_key: Some("attention_bias"),
-        bias_default: false,
-        out_bias: OutBias::Never,
-        always_qkv_bias: false,
-        // the query and key-value latents' norms
-        qk_norm: QkNorm::Yes,
-        partial_rotary: false,
-        mla: true,
         paired: true,
         moe: Some(LONGCAT_MOE),
+        // DeepSeek-V3's attention, its latents' norms as q/k norms
+        ..DEEPSEEK_V3
     },
 ];
+
+/// DeepSeek-V3 (and Kimi-K2, which transformers reads as it).
+const DEEPSEEK_V3: Family = Family {
+    name: "deepseek_v3",
+    aliases: &["deepseek3", "deepseek-v3", "kimi2", "kimi-k2"],
+    model_types: &["deepseek_v3", "kimi_k2"],
+    architecture: "DeepseekV3ForCausalLM",
+    qkv: QkvStyle::Separate,
+    bias_key: Some("attention_bias"),
+    bias_default: false,
+    out_bias: OutBias::Never,
+    always_qkv_bias: false,
+    // the query and key-value latents' norms (q_a_layernorm, kv_a_layernorm)
+    qk_norm: QkNorm::Yes,
+    partial_rotary: false,
+    mla: true,
+    paired: false,
+    moe: Some(DEEPSEEK_MOE),
+};
 
 /// LongCat-Flash (transformers 4.57's `LongcatFlashMoE`, `LongcatFlashTopkRouter`): a softmax
 /// over the routed and zero-computation experts in f32, the expert bias added for the choice,

@@ -394,31 +394,50 @@ pub(super) fn model_config(
             if cfg.qk_norm { "has" } else { "has no" }
         );
     }
-    let longcat = a.list("spec").is_some_and(|s| s == LONGCAT_SPEC);
-    if longcat != cfg.paired && (a.has("spec") || has_any_architecture(a)) {
-        bail!(
-            "--spec {}: the --load checkpoint's layers are {}",
-            a.list("spec").map_or("(none)".into(), |s| s.join(" ")),
-            if cfg.paired {
-                "LongCat-Flash's pairs (MindSpeed-LLM's longcat_spec)"
-            } else {
-                "not LongCat-Flash's pairs (pass no longcat_spec)"
-            }
-        );
-    }
-    let minimax = a.list("spec").is_some_and(|s| s == MINIMAX_SPEC);
-    if a.has("qk-layernorm") && minimax != cfg.qk_norm_per_layer {
-        bail!(
-            "--spec {}: the --load checkpoint's q/k layernorms are {}",
-            a.list("spec").map_or("(none)".into(), |s| s.join(" ")),
-            if cfg.qk_norm_per_layer {
-                "MindSpeed-LLM's MiniMax spec's, over all heads (its args.spec)"
-            } else {
-                "per head (no MiniMax args.spec)"
-            }
-        );
-    }
+    let paired = (cfg.paired, a.has("spec") || has_any_architecture(a));
+    same_spec(
+        a,
+        LONGCAT_SPEC,
+        paired,
+        (
+            "layers",
+            "LongCat-Flash's pairs (MindSpeed-LLM's longcat_spec)",
+            "not LongCat-Flash's pairs (pass no longcat_spec)",
+        ),
+    )?;
+    let per_layer = (cfg.qk_norm_per_layer, a.has("qk-layernorm"));
+    same_spec(
+        a,
+        MINIMAX_SPEC,
+        per_layer,
+        (
+            "q/k layernorms",
+            "MindSpeed-LLM's MiniMax spec's, over all heads (its args.spec)",
+            "per head (no MiniMax args.spec)",
+        ),
+    )?;
     Ok(cfg)
+}
+
+/// Whether `--spec` names `spec` exactly when the `--load` checkpoint `has` what it builds
+/// (checked when `asked`), else an error saying what the checkpoint's `what.0` are: `what.1`
+/// or `what.2`.
+fn same_spec(
+    a: &Args,
+    spec: [&str; 2],
+    (has, asked): (bool, bool),
+    what: (&str, &str, &str),
+) -> Result<()> {
+    let named = a.list("spec").is_some_and(|s| s == spec);
+    if asked && named != has {
+        bail!(
+            "--spec {}: the --load checkpoint's {} are {}",
+            a.list("spec").map_or("(none)".into(), |s| s.join(" ")),
+            what.0,
+            if has { what.1 } else { what.2 }
+        );
+    }
+    Ok(())
 }
 
 /// Multi-token prediction from `--mtp-num-layers` and mindkit's `--mtp-layout` (default
