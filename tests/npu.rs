@@ -305,6 +305,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "gather / scatter",
         "grouped_matmul",
         "grouped_matmul_bwd",
+        "permute",
+        "unpermute",
     ] {
         assert!(
             table
@@ -323,6 +325,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "aclnnRotaryPositionEmbedding",
         "aclnnRotaryPositionEmbeddingGrad",
         "aclnnGroupedMatmulV4",
+        "aclnnMoeTokenPermute",
+        "aclnnMoeTokenPermuteGrad",
     ];
     assert!(
         fused
@@ -434,9 +438,9 @@ fn moe_and_mla_generation_on_the_stand_in_equals_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let model = moe_mla_checkpoint(dir.path(), "");
     let (cpu, report) = generates_as_the_cpu(dir.path(), &model);
-    // the experts' tokens gathered and their outputs added back on the device
+    // the experts' tokens permuted and their outputs summed back on the device
     let counted = std::fs::read_to_string(report).unwrap();
-    for op in ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"] {
+    for op in ["aclnnMoeTokenPermute", "aclnnMoeTokenPermuteGrad"] {
         assert!(counted.contains(&format!("\"{op}\"")), "{op}: {counted}");
     }
     // the same model with MindSpeed-LLM's --mla-mm-split up projections decodes so there too
@@ -499,8 +503,11 @@ fn falls_back(missing: &[&str], instead: &str, checks: &[&str], used: &[&str]) {
             .lines()
             .filter(|l| l.strip_prefix(check).is_some_and(|r| r.starts_with("  ")))
             .collect();
+        // each dtype's row of each of the check's shapes
         assert!(
-            rows.len() == 3 && rows.iter().all(|l| l.ends_with("ok")),
+            !rows.is_empty()
+                && rows.len().is_multiple_of(3)
+                && rows.iter().all(|l| l.ends_with("ok")),
             "{table}"
         );
     }
@@ -557,6 +564,14 @@ fn without_a_grouped_matmul_kernel_experts_run_one_matmul_per_group() {
         &["grouped_matmul", "grouped_matmul_bwd"],
         &["aclnnMatmul"],
     );
+}
+
+#[test]
+fn without_moe_permutation_kernels_tokens_move_by_index_gathers_and_adds() {
+    let instead = "aclnnIndexSelect + aclnnEmbeddingDenseBackward";
+    let checks = ["permute", "unpermute"];
+    let used = ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"];
+    falls_back(&["aclnnMoeTokenPermute"], instead, &checks, &used);
 }
 
 #[test]

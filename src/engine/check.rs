@@ -110,6 +110,20 @@ pub fn index_add_rows<D: Device>(
     })
 }
 
+/// [`super::Backend::permute`] and [`super::Backend::unpermute`]: `x` has the rows the
+/// dispatch moves (its tokens, or its routed choices).
+pub fn dispatched<D: Device + ?Sized>(
+    d: &D,
+    op: &'static str,
+    x: &D::Tensor,
+    expected: usize,
+) -> Result<()> {
+    let n = rows(d.shape(x));
+    ensure(n == expected, op, || {
+        format!("{n} rows where the dispatch moves {expected}")
+    })
+}
+
 /// [`super::Backend::scale_rows`].
 pub fn scale_rows<D: Device>(d: &D, x: &D::Tensor, w: &D::Tensor) -> Result<()> {
     expect_shape(d, "scale_rows", "w", w, &[rows(d.shape(x))])?;

@@ -16,12 +16,14 @@
 pub(crate) mod check;
 pub mod comm;
 pub mod cpu;
+pub mod dispatch;
 pub mod dropout;
 pub mod grouped;
 pub mod selftest;
 
 use crate::tensor::host::Tensor as HostTensor;
 use crate::tensor::DType;
+use dispatch::Dispatch;
 use dropout::Mask;
 use std::ops::Range;
 
@@ -214,6 +216,9 @@ pub enum Op {
     MatmulBwd,
     /// Grouped matmul and its backward (an MoE layer's experts).
     GroupedMatmul,
+    /// An MoE layer's token permutation and its sum back ([`Backend::permute`],
+    /// [`Backend::unpermute`]).
+    Permute,
     SplitQkv,
     /// StridedView copies (gather and scatter).
     Gather,
@@ -296,6 +301,21 @@ pub trait Backend: Device {
         src: &Self::Tensor,
         rows: &[usize],
     ) -> Result<()>;
+    /// The rows of `x [tokens, h]` the dispatch routes, in its permuted order (expert after
+    /// expert, [`Dispatch::rows`]): `[d.len(), h]` (megatron-core moe_utils.py `permute`;
+    /// aclnnMoeTokenPermute on the NPU). Also the backward pass of [`Backend::unpermute`].
+    /// Overwrites.
+    fn permute(&self, x: &Self::Tensor, d: &Dispatch) -> Result<Self::Tensor> {
+        dispatch::permute(self, x, d)
+    }
+    /// `[tokens, h]`: each token's permuted rows of `y [d.len(), h]` summed, as
+    /// [`Backend::index_add_rows`] adds them into zeros (`unpermute` with the routing weights
+    /// applied before it, as megatron-core 0.15's experts apply them; aclnnMoeTokenPermuteGrad
+    /// on the NPU where every choice is routed). Also the backward pass of
+    /// [`Backend::permute`]. Overwrites.
+    fn unpermute(&self, y: &Self::Tensor, d: &Dispatch) -> Result<Self::Tensor> {
+        dispatch::unpermute(self, y, d)
+    }
     /// `y[i] = x[i] · w[i]` for rows `x [n, c]` and f32 weights `w [n]`, the product in f32
     /// and stored in `x`'s dtype (aclnnMul, `w` broadcast as `[n, 1]`; an MoE expert's routing
     /// weights). Overwrites.

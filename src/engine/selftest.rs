@@ -12,6 +12,7 @@
 //! a vocabulary shard's, some of them [`NO_ROW`] (tensor parallelism).
 
 use super::cpu::Cpu;
+use super::dispatch::Dispatch;
 use super::dropout::{Mask, Rate, RowAt, Site};
 use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment, StridedView, NO_ROW};
 use crate::tensor::host::{encode_f32, Tensor as HostTensor};
@@ -225,6 +226,34 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             "[3,6] → [11,6] rows 3",
             1.0,
             index_add_rows
+        ),
+        case!(
+            "permute",
+            Permute,
+            "[5,24] top-2 of 3 experts, all routed",
+            1.0,
+            permute_all
+        ),
+        case!(
+            "permute",
+            Permute,
+            "[5,24] top-2 of 3 experts, 3 not routed",
+            1.0,
+            permute_some
+        ),
+        case!(
+            "unpermute",
+            Permute,
+            "[10,24] → [5,24] top-2, all routed",
+            1.0,
+            unpermute_all
+        ),
+        case!(
+            "unpermute",
+            Permute,
+            "[7,24] → [5,24] top-2, 3 not routed",
+            1.0,
+            unpermute_some
         ),
         case!("scale_rows", Add, "[7,24] · [7]", 1.0, scale_rows),
         case!("row_dots", Norm, "[7,24] · [7,24]", 1.0, row_dots),
@@ -521,6 +550,47 @@ fn matmul_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs>
             b.download_f32(&db)?,
         ]
     }))
+}
+
+/// Five tokens' top-2 choices of three experts, in an order the sort must change; with
+/// `routed` false three of them go nowhere (another rank's experts, dropped).
+fn dispatch(routed: bool) -> Dispatch {
+    let all = [2, 0, 1, 2, 0, 1, 2, 1, 0, 2];
+    let choices = (all.iter().enumerate())
+        .map(|(i, &e)| (routed || ![1, 4, 9].contains(&i)).then_some(e))
+        .collect();
+    Dispatch::new(choices, 2, 3).expect("whole tokens of three experts")
+}
+
+fn permute_of<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu, routed: bool) -> Result<Outputs> {
+    let (x, d) = (i.tensor(&[5, 24]), dispatch(routed));
+    Ok(on_both!(dut, cpu, |b| {
+        vec![b.download_f32(&b.permute(&b.upload(&x)?, &d)?)?]
+    }))
+}
+
+fn permute_all<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    permute_of(i, dut, cpu, true)
+}
+
+fn permute_some<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    permute_of(i, dut, cpu, false)
+}
+
+fn unpermute_of<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu, routed: bool) -> Result<Outputs> {
+    let d = dispatch(routed);
+    let y = i.tensor(&[d.len(), 24]);
+    Ok(on_both!(dut, cpu, |b| {
+        vec![b.download_f32(&b.unpermute(&b.upload(&y)?, &d)?)?]
+    }))
+}
+
+fn unpermute_all<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    unpermute_of(i, dut, cpu, true)
+}
+
+fn unpermute_some<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    unpermute_of(i, dut, cpu, false)
 }
 
 /// The groups of the grouped matmul checks: one empty, as an expert no token chose.

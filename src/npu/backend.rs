@@ -14,6 +14,7 @@
 use super::context::{Block, Context, Launch};
 use super::descriptor::{acl_dtype, View};
 use super::NpuError;
+use crate::engine::dispatch::Dispatch;
 use crate::engine::dropout::Mask;
 use crate::engine::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, Op, Result, Segment,
@@ -149,6 +150,10 @@ pub struct Npu {
     flash: Fused,
     /// aclnnGroupedMatmulV4, or one aclnnMatmul per group ([`grouped`]).
     gmm: Fused,
+    /// aclnnMoeTokenPermute(Grad), or aclnnIndexSelect and aclnnEmbeddingDenseBackward
+    /// ([`permute`]); whether its sort was compared with the stable one yet.
+    moe_permute: Fused,
+    permute_checked: AtomicBool,
 }
 
 /// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
@@ -169,6 +174,7 @@ macro_rules! aclnn {
 
 mod attention;
 mod grouped;
+mod permute;
 
 use attention::Sequence;
 
@@ -211,6 +217,10 @@ impl Npu {
             && op.aclnnFlashAttentionUnpaddingScoreGrad.is_some();
         let gmm =
             op.aclnnGroupedMatmulV4GetWorkspaceSize.is_some() && op.aclnnGroupedMatmulV4.is_some();
+        let moe_permute = op.aclnnMoeTokenPermuteGetWorkspaceSize.is_some()
+            && op.aclnnMoeTokenPermute.is_some()
+            && op.aclnnMoeTokenPermuteGradGetWorkspaceSize.is_some()
+            && op.aclnnMoeTokenPermuteGrad.is_some();
         // SAFETY: the runtime's own NUL-terminated string.
         let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
         let npu = Npu {
@@ -224,6 +234,11 @@ impl Npu {
                 "aclnnBatchMatMul + aclnnSoftmax(+Backward), one sequence at a time",
             ),
             gmm: Fused::new("grouped matmul", "one aclnnMatmul per group"),
+            moe_permute: Fused::new(
+                "MoE token permutation",
+                "aclnnIndexSelect + aclnnEmbeddingDenseBackward",
+            ),
+            permute_checked: AtomicBool::new(false),
         };
         if !rope {
             npu.rope
@@ -240,6 +255,10 @@ impl Npu {
         }
         if !gmm {
             npu.gmm.give_up("has no function aclnnGroupedMatmulV4");
+        }
+        if !moe_permute {
+            npu.moe_permute
+                .give_up("has no function aclnnMoeTokenPermute or aclnnMoeTokenPermuteGrad");
         }
         Ok(npu)
     }
@@ -784,6 +803,14 @@ impl Backend for Npu {
         // repeated row's terms summed together), then one rounding add into `dst`.
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         self.embedding_bwd(src, &ids, dst)
+    }
+
+    fn permute(&self, x: &NpuTensor, d: &Dispatch) -> Result<NpuTensor> {
+        self.permute_on(x, d)
+    }
+
+    fn unpermute(&self, y: &NpuTensor, d: &Dispatch) -> Result<NpuTensor> {
+        self.unpermute_on(y, d)
     }
 
     fn scale_rows(&self, x: &NpuTensor, w: &NpuTensor) -> Result<NpuTensor> {

@@ -127,6 +127,17 @@ aclnnStatus aclnnGroupedMatmulV4GetWorkspaceSize(
     int64_t actType, aclTensorList *out, aclTensorList *activationFeatureOutOptional,
     aclTensorList *dynQuantScaleOutOptional, uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnGroupedMatmulV4(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+/* aclnn_moe_token_permute.h, aclnn_moe_token_permute_grad.h */
+aclnnStatus aclnnMoeTokenPermuteGetWorkspaceSize(const aclTensor *tokens, const aclTensor *indices,
+                                                 int64_t numOutTokens, bool paddedMode,
+                                                 const aclTensor *permuteTokensOut, const aclTensor *sortedIndicesOut,
+                                                 uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnMoeTokenPermute(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+aclnnStatus aclnnMoeTokenPermuteGradGetWorkspaceSize(const aclTensor *permutedOutputGrad, const aclTensor *sortedIndices,
+                                                     int64_t numTopk, bool paddedMode, const aclTensor *out,
+                                                     uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnMoeTokenPermuteGrad(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                     aclrtStream stream);
 aclnnStatus aclnnLogSoftmaxGetWorkspaceSize(const aclTensor *self, int64_t dim, aclTensor *out,
                                             uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnLogSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);

@@ -214,6 +214,21 @@ pub mod opapi {
         fn aclnnGroupedMatmulV4GetWorkspaceSize(x: *const aclTensorList, weight: *const aclTensorList, bias_optional: *const aclTensorList, scale_optional: *const aclTensorList, offset_optional: *const aclTensorList, antiquant_scale_optional: *const aclTensorList, antiquant_offset_optional: *const aclTensorList, per_token_scale_optional: *const aclTensorList, group_list_optional: *const aclTensor, activation_input_optional: *const aclTensorList, activation_quant_scale_optional: *const aclTensorList, activation_quant_offset_optional: *const aclTensorList, split_item: i64, group_type: i64, group_list_type: i64, act_type: i64, out: *mut aclTensorList, activation_feature_out_optional: *mut aclTensorList, dyn_quant_scale_out_optional: *mut aclTensorList, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnGroupedMatmulV4GetWorkspaceSize`].
         fn aclnnGroupedMatmulV4(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// An MoE layer's tokens permuted by their experts: `indices [tokens, topk]` (int32 or
+        /// int64) sorted stably, `permute_tokens_out[j]` = the token of the j-th, the first
+        /// `num_out_tokens` kept (0: all); `sorted_indices_out [tokens·topk]` (int32) each
+        /// choice's place. `padded_mode` must be false. Optional: without it (or a kernel for
+        /// the SoC), aclnnIndexSelect.
+        fn aclnnMoeTokenPermuteGetWorkspaceSize(tokens: *const aclTensor, indices: *const aclTensor, num_out_tokens: i64, padded_mode: bool, permute_tokens_out: *const aclTensor, sorted_indices_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMoeTokenPermuteGetWorkspaceSize`].
+        fn aclnnMoeTokenPermute(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// The backward pass of [`Functions::aclnnMoeTokenPermuteGetWorkspaceSize`]: `out
+        /// [tokens, h]`, each token's `num_topk` rows of `permuted_output_grad [tokens·topk, h]`
+        /// (at `sorted_indices`) summed. Optional like it: without it, the indexed add of
+        /// aclnnEmbeddingDenseBackward.
+        fn aclnnMoeTokenPermuteGradGetWorkspaceSize(permuted_output_grad: *const aclTensor, sorted_indices: *const aclTensor, num_topk: i64, padded_mode: bool, out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMoeTokenPermuteGradGetWorkspaceSize`].
+        fn aclnnMoeTokenPermuteGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

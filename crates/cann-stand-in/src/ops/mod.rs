@@ -8,6 +8,7 @@ mod elementwise;
 mod grouped;
 mod loss;
 mod nn;
+mod permute;
 
 use crate::aclnn::{launch, Kernel, Plan};
 use crate::view::View;
@@ -116,6 +117,8 @@ launches!(
     aclnnSoftmaxBackward,
     aclnnInplaceMaskedFillScalar,
     aclnnGroupedMatmulV4,
+    aclnnMoeTokenPermute,
+    aclnnMoeTokenPermuteGrad,
 );
 
 /// Every function ascendcl-sys declares for libnnopbase and libopapi is exported here with its
@@ -128,6 +131,7 @@ fn exports_have_the_declared_types() {
     use grouped::*;
     use loss::*;
     use nn::*;
+    use permute::*;
     let _ = ascendcl_sys::aclnn::nnopbase::Functions {
         aclCreateTensor,
         aclCreateScalar,
@@ -189,6 +193,10 @@ fn exports_have_the_declared_types() {
         aclnnFlashAttentionUnpaddingScoreGrad: Some(aclnnFlashAttentionUnpaddingScoreGrad),
         aclnnGroupedMatmulV4GetWorkspaceSize: Some(aclnnGroupedMatmulV4GetWorkspaceSize),
         aclnnGroupedMatmulV4: Some(aclnnGroupedMatmulV4),
+        aclnnMoeTokenPermuteGetWorkspaceSize: Some(aclnnMoeTokenPermuteGetWorkspaceSize),
+        aclnnMoeTokenPermute: Some(aclnnMoeTokenPermute),
+        aclnnMoeTokenPermuteGradGetWorkspaceSize: Some(aclnnMoeTokenPermuteGradGetWorkspaceSize),
+        aclnnMoeTokenPermuteGrad: Some(aclnnMoeTokenPermuteGrad),
         aclnnLogSoftmaxGetWorkspaceSize,
         aclnnLogSoftmax,
         aclnnCrossEntropyLossGetWorkspaceSize,

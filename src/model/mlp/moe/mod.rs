@@ -112,11 +112,12 @@ impl Moe {
         })
     }
 
-    /// This rank's routed experts.
-    fn local(&self) -> experts::Local<'_> {
+    /// This rank's routed experts, each token choosing `topk`.
+    fn local(&self, topk: usize) -> experts::Local<'_> {
         experts::Local {
             experts: &self.experts,
             first: self.first,
+            topk,
         }
     }
 
@@ -234,9 +235,7 @@ impl Moe {
             });
             (RouterStats { losses, tokens }, grad)
         });
-        let mut out = b.zeros(b.shape(x), b.dtype(x))?;
-        let tokens = tokens_per_expert(&routes, &kept, e_count);
-        let experts = self.local().forward(p, x, tokens, &mut out)?;
+        let (out, experts) = self.local(cfg.topk).forward(p, x, (&routes, &kept))?;
         let out = spread.reduce(b, p.ep, out)?;
         let mut out = match p.spec.experts_whole {
             true => out,
@@ -309,8 +308,7 @@ impl Moe {
         let x = h_everyone.as_ref().unwrap_or(sent);
         let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
         let dx =
-            self.local()
-                .backward(p, grads, s.experts, (x, dy_all), (&s.routes, &mut dweights))?;
+            (self.local(cfg.topk)).backward(p, grads, s.experts, (x, dy_all), &mut dweights)?;
         // Every expert-parallel rank's experts' part of the rows this rank sent.
         let mut dx = s.spread.reduce(b, p.ep, dx)?;
         let mut shared_dx = None;
@@ -526,23 +524,6 @@ pub(super) fn megatron_block(n: usize, sequences: usize, (r, tp): (usize, usize)
     (r * block..(r + 1) * block)
         .flat_map(|position| (0..sequences).map(move |b| b * s + position))
         .collect()
-}
-
-/// Each expert's tokens in ascending order and their routing weights, the dropped ones left
-/// out (megatron-core `permute`: `routing_map.T` masked, tokens of expert 0 first).
-fn tokens_per_expert(
-    routes: &[Routed],
-    kept: &[Vec<bool>],
-    experts: usize,
-) -> Vec<(Vec<usize>, Vec<f32>)> {
-    let mut out = vec![(Vec::new(), Vec::new()); experts];
-    for (t, (r, k)) in routes.iter().zip(kept).enumerate() {
-        for ((&e, &w), _) in (r.experts.iter().zip(&r.weights).zip(k)).filter(|(_, &k)| k) {
-            out[e].0.push(t);
-            out[e].1.push(w);
-        }
-    }
-    out
 }
 
 #[cfg(test)]
