@@ -229,6 +229,7 @@ pub const FLAGS: &[Flag] = &[
     inert("pack", Nothing, "used by preprocessing; the data here is already .bin/.idx (packed or not, as mindkit preprocess wrote it)"),
     inert("workers", One, "preprocessing workers (MindSpeed-LLM converts raw data with them); the data here is already .bin/.idx"),
     inert("attention-mask-type", One, "how the NPU flash attention receives the mask (causal, or a general mask tensor); the mask itself follows --reset-attention-mask either way"),
+    inert("cp-attention-mask-type", One, "MindSpeed-LLM's deprecated alias of --attention-mask-type (deprecated_args.py): how the NPU flash attention receives the mask; the mask itself follows --reset-attention-mask either way"),
     refused("full-shuffle-instruction-dataset", Nothing, "MindSpeed-LLM's full shuffle is not implemented"),
     // Batches and length.
     used("micro-batch-size", One, "samples per forward/backward pass"),
