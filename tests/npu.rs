@@ -575,6 +575,25 @@ fn without_moe_permutation_kernels_tokens_move_by_index_gathers_and_adds() {
 }
 
 #[test]
+fn a_permutation_sorted_otherwise_than_stably_is_noticed_and_replaced_by_index_gathers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cmd, _) = on_stand_in(dir.path(), &["selftest", "--device", "npu"]);
+    cmd.env("MINDKIT_STAND_IN_UNSTABLE_SORT", "1");
+    let out = cmd.assert().success();
+    let (table, err) = (
+        String::from_utf8_lossy(&out.get_output().stdout),
+        String::from_utf8_lossy(&out.get_output().stderr),
+    );
+    let why =
+        "sorts equal expert indices out of their tokens' order: MoE token permutation runs as";
+    assert!(
+        err.contains(why) && err.matches("warning").count() == 1,
+        "{err}"
+    );
+    assert!(table.contains(" 0 failed"), "{table}");
+}
+
+#[test]
 fn npu_info_reads_every_other_device_when_one_cannot_be_opened() {
     let dir = tempfile::tempdir().unwrap();
     let home = toolkit(&dir.path().join("toolkit"), stand_in());

@@ -5,7 +5,8 @@
 //! token copied out up to `numOutTokens`, and each choice's place in the sorted order
 //! (`sortedIndicesOut = argSort(sortedIndicesFirst)`); the gradient sums each token's `topK`
 //! rows at those places. Indices must lie in [0, 16777215) and be fewer than 16777215, `topK`
-//! at most 512, as the documentation says; the indices are checked at launch.
+//! at most 512, as the documentation says; the indices are checked at launch. The sort is
+//! stable unless `MINDKIT_STAND_IN_UNSTABLE_SORT` is set.
 
 use super::{checked_index, Ex, Ws, HEAVY};
 use crate::aclnn::{ensure, phase1, Kernel};
@@ -79,6 +80,12 @@ pub extern "C" fn aclnnMoeTokenPermuteGetWorkspaceSize(
     })
 }
 
+/// Whether `MINDKIT_STAND_IN_UNSTABLE_SORT` is set, to play a CANN whose sort puts equal
+/// indices in reverse order (the documentation says `argSort`, not which one).
+fn unstable() -> bool {
+    std::env::var_os("MINDKIT_STAND_IN_UNSTABLE_SORT").is_some()
+}
+
 /// The permutation's kernel.
 fn permute(x: View, ids: View, topk: usize, (out, sorted): (View, View)) -> Kernel {
     Box::new(move || {
@@ -89,7 +96,10 @@ fn permute(x: View, ids: View, topk: usize, (out, sorted): (View, View)) -> Kern
             return Err(format!("indices[{i}] = {v} is outside [0, {INDEX_LIMIT})"));
         }
         let mut order: Vec<usize> = (0..values.len()).collect();
-        order.sort_by_key(|&i| values[i]);
+        match unstable() {
+            false => order.sort_by_key(|&i| values[i]),
+            true => order.sort_by_key(|&i| (values[i], std::cmp::Reverse(i))),
+        }
         let mut places = vec![0f64; order.len()];
         for (at, &i) in order.iter().enumerate() {
             places[i] = at as f64;
