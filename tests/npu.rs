@@ -305,6 +305,7 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "gather / scatter",
         "grouped_matmul",
         "grouped_matmul_bwd",
+        "softmax_topk",
         "permute",
         "unpermute",
     ] {
@@ -327,6 +328,7 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "aclnnGroupedMatmulV4",
         "aclnnMoeTokenPermute",
         "aclnnMoeTokenPermuteGrad",
+        "aclnnMoeGatingTopKSoftmax",
     ];
     assert!(
         fused
@@ -438,9 +440,15 @@ fn moe_and_mla_generation_on_the_stand_in_equals_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let model = moe_mla_checkpoint(dir.path(), "");
     let (cpu, report) = generates_as_the_cpu(dir.path(), &model);
-    // the experts' tokens permuted and their outputs summed back on the device
+    // the tokens routed by the router's top-k on the device, permuted and their outputs
+    // summed back there
     let counted = std::fs::read_to_string(report).unwrap();
-    for op in ["aclnnMoeTokenPermute", "aclnnMoeTokenPermuteGrad"] {
+    let routing = [
+        "aclnnMoeGatingTopKSoftmax",
+        "aclnnMoeTokenPermute",
+        "aclnnMoeTokenPermuteGrad",
+    ];
+    for op in routing {
         assert!(counted.contains(&format!("\"{op}\"")), "{op}: {counted}");
     }
     // the same model with MindSpeed-LLM's --mla-mm-split up projections decodes so there too
@@ -466,6 +474,19 @@ fn generates_as_the_cpu(dir: &Path, model: &Path) -> (String, PathBuf) {
     let (cmd, report) = on_stand_in(dir, &[&generate[..], &["--device", "npu"]].concat());
     assert_eq!(cpu, succeeds(cmd), "{}", model.display());
     (cpu, report)
+}
+
+#[test]
+fn pre_softmax_scaled_routing_on_the_stand_in_decodes_as_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = "--moe-router-pre-softmax --moe-router-topk-scaling-factor 2.5";
+    let model = moe_mla_checkpoint(dir.path(), flags);
+    let (_, report) = generates_as_the_cpu(dir.path(), &model);
+    let counted = std::fs::read_to_string(report).unwrap();
+    assert!(
+        counted.contains("\"aclnnMoeGatingTopKSoftmax\""),
+        "{counted}"
+    );
 }
 
 #[test]
@@ -572,6 +593,17 @@ fn without_moe_permutation_kernels_tokens_move_by_index_gathers_and_adds() {
     let checks = ["permute", "unpermute"];
     let used = ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"];
     falls_back(&["aclnnMoeTokenPermute"], instead, &checks, &used);
+}
+
+#[test]
+fn without_a_gating_kernel_the_router_logits_are_read_back_and_routed_on_the_host() {
+    let instead = "the logits read back and routed on the host";
+    falls_back(
+        &["aclnnMoeGatingTopKSoftmax"],
+        instead,
+        &["softmax_topk"],
+        &[],
+    );
 }
 
 #[test]

@@ -237,7 +237,7 @@ pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
 /// The route of a token with router `logits` to the chosen `experts` (best first): their
 /// weights as the score function gives them.
 pub fn weigh(moe: &Moe, logits: &[f32], experts: Vec<usize>) -> Routed {
-    let mut weights = match moe.score {
+    let weights = match moe.score {
         ScoreFunction::Softmax if moe.pre_softmax => {
             let scores = softmax(logits);
             experts.iter().map(|&e| scores[e]).collect()
@@ -256,10 +256,37 @@ pub fn weigh(moe: &Moe, logits: &[f32], experts: Vec<usize>) -> Routed {
             }
         }
     };
+    scaled(moe, Routed { experts, weights })
+}
+
+/// The route to the chosen `experts` (best first) of a softmax router given their softmax
+/// probabilities over all experts `probs`: those (`--moe-router-pre-softmax`), or renormalised
+/// over the chosen — the softmax of the chosen logits.
+pub fn weigh_probabilities(moe: &Moe, experts: Vec<usize>, probs: &[f32]) -> Routed {
+    let weights = match moe.pre_softmax {
+        true => probs.to_vec(),
+        false => {
+            let sum: f32 = probs.iter().sum();
+            probs.iter().map(|p| p / sum).collect()
+        }
+    };
+    scaled(moe, Routed { experts, weights })
+}
+
+/// `route` with its weights scaled by `--moe-router-topk-scaling-factor`.
+fn scaled(moe: &Moe, mut route: Routed) -> Routed {
     if let Some(s) = moe.topk_scale {
-        weights.iter_mut().for_each(|w| *w *= s as f32);
+        route.weights.iter_mut().for_each(|w| *w *= s as f32);
     }
-    Routed { experts, weights }
+    route
+}
+
+/// Whether a token's route is the top-k of its router's softmax probabilities (logits) with
+/// weights from them alone: a softmax router without groups or an expert bias in its choice.
+pub fn routes_by_softmax_topk(moe: &Moe) -> bool {
+    moe.score == ScoreFunction::Softmax
+        && moe.group_limit.is_none()
+        && !(moe.expert_bias && moe.softmax_bias)
 }
 
 /// Each token's `topk` experts by Sinkhorn balancing of one router call's `logits`
@@ -414,6 +441,26 @@ mod tests {
     use super::*;
 
     use super::example as moe;
+
+    #[test]
+    fn routes_from_the_top_k_probabilities_equal_the_routes_from_the_logits() {
+        let logits = [0.3, -1.2, 2.5, 0.9, 2.1, -0.4];
+        for pre_softmax in [false, true] {
+            let mut cfg = moe(ScoreFunction::Softmax, pre_softmax);
+            cfg.topk_scale = Some(2.5);
+            assert!(routes_by_softmax_topk(&cfg));
+            let want = route(&cfg, &logits, None);
+            let all = softmax(&logits);
+            let probs: Vec<f32> = want.experts.iter().map(|&e| all[e]).collect();
+            let got = weigh_probabilities(&cfg, want.experts.clone(), &probs);
+            let off = (got.weights.iter().zip(&want.weights)).map(|(a, b)| (a - b).abs());
+            assert!(off.fold(0f32, f32::max) < 1e-6, "{got:?} {want:?}");
+        }
+        let mut biased = moe(ScoreFunction::Softmax, false);
+        (biased.expert_bias, biased.softmax_bias) = (true, true);
+        assert!(!routes_by_softmax_topk(&biased));
+        assert!(!routes_by_softmax_topk(&moe(ScoreFunction::Sigmoid, false)));
+    }
 
     #[test]
     fn softmax_routing_renormalises_the_chosen_experts_unless_pre_softmax() {

@@ -124,6 +124,16 @@ pub fn dispatched<D: Device + ?Sized>(
     })
 }
 
+/// [`super::Backend::softmax_topk`]: `k` of the logits' `[n, E]` columns; their width.
+pub fn softmax_topk<D: Device + ?Sized>(d: &D, logits: &D::Tensor, k: usize) -> Result<usize> {
+    let shape = d.shape(logits);
+    let width = cols(shape);
+    ensure(shape.len() == 2 && k <= width, "softmax_topk", || {
+        format!("top-{k} of logits {shape:?}")
+    })?;
+    Ok(width)
+}
+
 /// [`super::Backend::scale_rows`].
 pub fn scale_rows<D: Device>(d: &D, x: &D::Tensor, w: &D::Tensor) -> Result<()> {
     expect_shape(d, "scale_rows", "w", w, &[rows(d.shape(x))])?;

@@ -7,6 +7,9 @@
 //! The permuted order is a stable sort of the flattened choices by expert: expert after
 //! expert, and within an expert token after token — what megatron-core's `permute` and
 //! aclnnMoeTokenPermute (ops-transformer moe/moe_token_permute, `argSort` of the indices) give.
+//!
+//! Before them, the router's top-k of a softmax ([`super::Backend::softmax_topk`]; on the NPU
+//! aclnnMoeGatingTopKSoftmax), here read back and computed on the host.
 
 use super::{check, Backend, Result};
 
@@ -117,6 +120,30 @@ pub fn unpermute<B: Backend + ?Sized>(b: &B, y: &B::Tensor, d: &Dispatch) -> Res
     let mut out = b.zeros(&[d.tokens(), width], b.dtype(y))?;
     b.index_add_rows(&mut out, y, &d.rows())?;
     Ok(out)
+}
+
+/// [`super::Backend::softmax_topk`] on the host: the logits read back, each row's softmax in
+/// f32, its `k` largest (the lower column first among equals), rounded to the logits' dtype.
+pub fn softmax_topk<B: Backend + ?Sized>(
+    b: &B,
+    logits: &B::Tensor,
+    k: usize,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let width = check::softmax_topk(b, logits, k)?;
+    let dtype = b.dtype(logits);
+    let (mut experts, mut probs) = (Vec::new(), Vec::new());
+    for row in b.download_f32(logits)?.chunks(width) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|&x| (x - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let mut order: Vec<usize> = (0..width).collect();
+        order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+        for &e in &order[..k] {
+            experts.push(e as u32);
+            probs.push(dtype.round(exps[e] / sum));
+        }
+    }
+    Ok((experts, probs))
 }
 
 #[cfg(test)]

@@ -216,9 +216,9 @@ pub enum Op {
     MatmulBwd,
     /// Grouped matmul and its backward (an MoE layer's experts).
     GroupedMatmul,
-    /// An MoE layer's token permutation and its sum back ([`Backend::permute`],
-    /// [`Backend::unpermute`]).
-    Permute,
+    /// An MoE layer's routing: the router's top-k ([`Backend::softmax_topk`]), the tokens'
+    /// permutation and its sum back ([`Backend::permute`], [`Backend::unpermute`]).
+    MoeRouting,
     SplitQkv,
     /// StridedView copies (gather and scatter).
     Gather,
@@ -301,6 +301,13 @@ pub trait Backend: Device {
         src: &Self::Tensor,
         rows: &[usize],
     ) -> Result<()>;
+    /// Each row's `k` largest softmax probabilities of `logits [n, E]` and their columns, best
+    /// first (the lower column first among equals), `[n, k]` each on the host, the
+    /// probabilities rounded to the logits' dtype (an MoE router's top-k over a softmax,
+    /// aclnnMoeGatingTopKSoftmax on the NPU).
+    fn softmax_topk(&self, logits: &Self::Tensor, k: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+        dispatch::softmax_topk(self, logits, k)
+    }
     /// The rows of `x [tokens, h]` the dispatch routes, in its permuted order (expert after
     /// expert, [`Dispatch::rows`]): `[d.len(), h]` (megatron-core moe_utils.py `permute`;
     /// aclnnMoeTokenPermute on the NPU). Also the backward pass of [`Backend::unpermute`].

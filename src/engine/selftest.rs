@@ -15,7 +15,7 @@ use super::cpu::Cpu;
 use super::dispatch::Dispatch;
 use super::dropout::{Mask, Rate, RowAt, Site};
 use super::{AdamWStep, AttentionShape, Backend, Device, Op, Result, Segment, StridedView, NO_ROW};
-use crate::tensor::host::{encode_f32, Tensor as HostTensor};
+use crate::tensor::host::{encode_f32, to_f32, Tensor as HostTensor};
 use crate::tensor::DType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -228,29 +228,36 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             index_add_rows
         ),
         case!(
+            "softmax_topk",
+            MoeRouting,
+            "[9,6] top-3, a tie",
+            1.0,
+            softmax_topk
+        ),
+        case!(
             "permute",
-            Permute,
+            MoeRouting,
             "[5,24] top-2 of 3 experts, all routed",
             1.0,
             permute_all
         ),
         case!(
             "permute",
-            Permute,
+            MoeRouting,
             "[5,24] top-2 of 3 experts, 3 not routed",
             1.0,
             permute_some
         ),
         case!(
             "unpermute",
-            Permute,
+            MoeRouting,
             "[10,24] → [5,24] top-2, all routed",
             1.0,
             unpermute_all
         ),
         case!(
             "unpermute",
-            Permute,
+            MoeRouting,
             "[7,24] → [5,24] top-2, 3 not routed",
             1.0,
             unpermute_some
@@ -549,6 +556,18 @@ fn matmul_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs>
             b.download_f32(&dw)?,
             b.download_f32(&db)?,
         ]
+    }))
+}
+
+fn softmax_topk<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let random = i.tensor(&[9, 6]);
+    // row 4's two largest, columns 1 and 3, equal: the lower first
+    let mut values = to_f32(&random).expect("a float dtype");
+    (values[4 * 6 + 1], values[4 * 6 + 3]) = (2.0, 2.0);
+    let logits = HostTensor::from_f32(i.dtype, vec![9, 6], &values).expect("a float dtype");
+    Ok(on_both!(dut, cpu, |b| {
+        let (experts, probs) = b.softmax_topk(&b.upload(&logits)?, 3)?;
+        vec![experts.iter().map(|&e| e as f32).collect(), probs]
     }))
 }
 

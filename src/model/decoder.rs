@@ -114,6 +114,7 @@ impl Ids {
             dropout,
             aux,
             sequences,
+            inference: false,
         }
     }
 }

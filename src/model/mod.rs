@@ -156,6 +156,8 @@ struct Pass<'a, B: Backend> {
     /// The sequences of the pass's rows, whole ones one after the other (the router calls of
     /// Megatron's sequence-parallel ranks take blocks of their positions).
     sequences: usize,
+    /// Inference: no backward pass follows (an MoE router's logits may stay on the device).
+    inference: bool,
 }
 
 /// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
@@ -374,13 +376,16 @@ impl<'b, B: Backend> Model<'b, B> {
         let (cos, sin) = spec.rope.tables(&positions);
         let half = spec.rope_table_shape(positions.len());
         let (cos, sin) = (b.upload_f32(&half, &cos)?, b.upload_f32(&half, &sin)?);
-        let p = self.ids.pass(
-            (b, spec),
-            &self.params,
-            (None, None),
-            (&cos, &sin),
-            ((None, None), 1),
-        );
+        let p = Pass {
+            inference: true,
+            ..self.ids.pass(
+                (b, spec),
+                &self.params,
+                (None, None),
+                (&cos, &sin),
+                ((None, None), 1),
+            )
+        };
         let (embedding, (final_norm, output)) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
         if cache.layers.len() != self.ids.layers.len() {

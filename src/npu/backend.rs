@@ -151,9 +151,11 @@ pub struct Npu {
     /// aclnnGroupedMatmulV4, or one aclnnMatmul per group ([`grouped`]).
     gmm: Fused,
     /// aclnnMoeTokenPermute(Grad), or aclnnIndexSelect and aclnnEmbeddingDenseBackward
-    /// ([`permute`]); whether its sort was compared with the stable one yet.
+    /// ([`moe`]); whether its sort was compared with the stable one yet.
     moe_permute: Fused,
     permute_checked: AtomicBool,
+    /// aclnnMoeGatingTopKSoftmax, or the logits read back and routed on the host ([`moe`]).
+    gating: Fused,
 }
 
 /// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
@@ -174,7 +176,7 @@ macro_rules! aclnn {
 
 mod attention;
 mod grouped;
-mod permute;
+mod moe;
 
 use attention::Sequence;
 
@@ -221,6 +223,8 @@ impl Npu {
             && op.aclnnMoeTokenPermute.is_some()
             && op.aclnnMoeTokenPermuteGradGetWorkspaceSize.is_some()
             && op.aclnnMoeTokenPermuteGrad.is_some();
+        let gating = op.aclnnMoeGatingTopKSoftmaxGetWorkspaceSize.is_some()
+            && op.aclnnMoeGatingTopKSoftmax.is_some();
         // SAFETY: the runtime's own NUL-terminated string.
         let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
         let npu = Npu {
@@ -239,6 +243,10 @@ impl Npu {
                 "aclnnIndexSelect + aclnnEmbeddingDenseBackward",
             ),
             permute_checked: AtomicBool::new(false),
+            gating: Fused::new(
+                "MoE top-k gating",
+                "the logits read back and routed on the host",
+            ),
         };
         if !rope {
             npu.rope
@@ -259,6 +267,10 @@ impl Npu {
         if !moe_permute {
             npu.moe_permute
                 .give_up("has no function aclnnMoeTokenPermute or aclnnMoeTokenPermuteGrad");
+        }
+        if !gating {
+            npu.gating
+                .give_up("has no function aclnnMoeGatingTopKSoftmax");
         }
         Ok(npu)
     }
@@ -803,6 +815,10 @@ impl Backend for Npu {
         // repeated row's terms summed together), then one rounding add into `dst`.
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         self.embedding_bwd(src, &ids, dst)
+    }
+
+    fn softmax_topk(&self, logits: &NpuTensor, k: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+        self.softmax_topk_on(logits, k)
     }
 
     fn permute(&self, x: &NpuTensor, d: &Dispatch) -> Result<NpuTensor> {

@@ -138,6 +138,13 @@ aclnnStatus aclnnMoeTokenPermuteGradGetWorkspaceSize(const aclTensor *permutedOu
                                                      uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnMoeTokenPermuteGrad(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                      aclrtStream stream);
+/* aclnn_moe_gating_top_k_softmax.h */
+aclnnStatus aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(const aclTensor *x, const aclTensor *finishedOptional, int64_t k,
+                                                      const aclTensor *yOut, const aclTensor *expertIdxOut,
+                                                      const aclTensor *rowIdxOut, uint64_t *workspaceSize,
+                                                      aclOpExecutor **executor);
+aclnnStatus aclnnMoeGatingTopKSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                      aclrtStream stream);
 aclnnStatus aclnnLogSoftmaxGetWorkspaceSize(const aclTensor *self, int64_t dim, aclTensor *out,
                                             uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnLogSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);

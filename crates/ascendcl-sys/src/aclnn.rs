@@ -229,6 +229,14 @@ pub mod opapi {
         fn aclnnMoeTokenPermuteGradGetWorkspaceSize(permuted_output_grad: *const aclTensor, sorted_indices: *const aclTensor, num_topk: i64, padded_mode: bool, out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnMoeTokenPermuteGradGetWorkspaceSize`].
         fn aclnnMoeTokenPermuteGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// An MoE router's top-k over a softmax: `y_out [rows, k]` (x's dtype) the `k` largest
+        /// probabilities of each row of `x [rows, experts]`, `expert_idx_out` (int32) their
+        /// experts, `row_idx_out` (int32) `k·rows + row`; `finished_optional` may be null.
+        /// Optional: without it (or a kernel for the SoC), the logits are read back and
+        /// routed on the host.
+        fn aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(x: *const aclTensor, finished_optional: *const aclTensor, k: i64, y_out: *const aclTensor, expert_idx_out: *const aclTensor, row_idx_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMoeGatingTopKSoftmaxGetWorkspaceSize`].
+        fn aclnnMoeGatingTopKSoftmax(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

@@ -7,8 +7,8 @@ mod attention;
 mod elementwise;
 mod grouped;
 mod loss;
+mod moe;
 mod nn;
-mod permute;
 
 use crate::aclnn::{launch, Kernel, Plan};
 use crate::view::View;
@@ -119,6 +119,7 @@ launches!(
     aclnnGroupedMatmulV4,
     aclnnMoeTokenPermute,
     aclnnMoeTokenPermuteGrad,
+    aclnnMoeGatingTopKSoftmax,
 );
 
 /// Every function ascendcl-sys declares for libnnopbase and libopapi is exported here with its
@@ -130,8 +131,8 @@ fn exports_have_the_declared_types() {
     use elementwise::*;
     use grouped::*;
     use loss::*;
+    use moe::*;
     use nn::*;
-    use permute::*;
     let _ = ascendcl_sys::aclnn::nnopbase::Functions {
         aclCreateTensor,
         aclCreateScalar,
@@ -197,6 +198,8 @@ fn exports_have_the_declared_types() {
         aclnnMoeTokenPermute: Some(aclnnMoeTokenPermute),
         aclnnMoeTokenPermuteGradGetWorkspaceSize: Some(aclnnMoeTokenPermuteGradGetWorkspaceSize),
         aclnnMoeTokenPermuteGrad: Some(aclnnMoeTokenPermuteGrad),
+        aclnnMoeGatingTopKSoftmaxGetWorkspaceSize: Some(aclnnMoeGatingTopKSoftmaxGetWorkspaceSize),
+        aclnnMoeGatingTopKSoftmax: Some(aclnnMoeGatingTopKSoftmax),
         aclnnLogSoftmaxGetWorkspaceSize,
         aclnnLogSoftmax,
         aclnnCrossEntropyLossGetWorkspaceSize,

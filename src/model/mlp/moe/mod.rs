@@ -23,7 +23,8 @@ mod spread;
 
 use super::dense::{SwiGlu, SwiGluSaved};
 use crate::arch::moe::{
-    route, route_grad, sigmoid, sinkhorn_choice, weigh, Moe as Experts, Routed,
+    route, route_grad, routes_by_softmax_topk, sigmoid, sinkhorn_choice, weigh,
+    weigh_probabilities, Moe as Experts, Routed,
 };
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result};
@@ -169,6 +170,36 @@ impl Moe {
         Ok((spread.gather_f32(p.ep, routed, width)?, group))
     }
 
+    /// The routes of the rows `h` by the backend's top-k of the router's softmax
+    /// ([`Backend::softmax_topk`]: the logits stay on the device), where the routing is one
+    /// and the pass is inference on one rank (no auxiliary losses or backward pass need the
+    /// logits, no other rank's rows come); `None` elsewhere.
+    fn gated<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        cfg: &Experts,
+        h: &B::Tensor,
+    ) -> Result<Option<Vec<Routed>>> {
+        let one_rank = p.tp.is_none() && p.ep.is_none();
+        if !(routes_by_softmax_topk(cfg) && one_rank && p.inference) {
+            return Ok(None);
+        }
+        let b = p.b;
+        let logits = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
+            true => {
+                let (h32, w32) = self.router_operands(p, h)?;
+                b.matmul(&h32, &w32, None)?
+            }
+            false => b.matmul(h, &p.params[self.router], None)?,
+        };
+        let (experts, probs) = b.softmax_topk(&logits, cfg.topk)?;
+        let k = cfg.topk.max(1);
+        let routes = (experts.chunks(k).zip(probs.chunks(k)))
+            .map(|(e, y)| weigh_probabilities(cfg, e.iter().map(|&e| e as usize).collect(), y))
+            .collect();
+        Ok(Some(routes))
+    }
+
     /// The MoE block's output `[T, h]` for the normed input `h`, and what the backward pass
     /// needs.
     pub(in crate::model) fn forward<B: Backend>(
@@ -184,7 +215,6 @@ impl Moe {
         let spread = Spread::of(p.ep, b.shape(sent)[0])?;
         let everyone = spread.gather(b, p.ep, sent)?;
         let x = everyone.as_ref().unwrap_or(sent);
-        let (logits, group_logits) = self.logits(p, &h, &spread)?;
         let e_count = cfg.router_width();
         let bias = (self.bias.map(|i| b.download_f32(&p.params[i]))).transpose()?;
         // The routing weights take the logits' dtype (megatron-core `.type_as(logits)`).
@@ -193,9 +223,17 @@ impl Moe {
             r.weights.iter_mut().for_each(|w| *w = dtype.round(*w));
             r
         };
-        let mut routes: Vec<Routed> = (logits.chunks(e_count))
-            .map(|l| rounded(route(cfg, l, bias.as_deref())))
-            .collect();
+        let (logits, group_logits, routes) = match self.gated(p, cfg, &h)? {
+            Some(routes) => (Vec::new(), Vec::new(), routes),
+            None => {
+                let (logits, group_logits) = self.logits(p, &h, &spread)?;
+                let routes = (logits.chunks(e_count))
+                    .map(|l| route(cfg, l, bias.as_deref()))
+                    .collect();
+                (logits, group_logits, routes)
+            }
+        };
+        let mut routes: Vec<Routed> = routes.into_iter().map(rounded).collect();
         let at = rows_of(p, b.shape(&h)[0], &spread);
         let (local, mine) = (at.local.clone(), at.mine.clone());
         let calls = router_calls(&spread, p.sequences, at.calls);
@@ -293,6 +331,12 @@ impl Moe {
         dy: &B::Tensor,
     ) -> Result<B::Tensor> {
         let (b, cfg) = (p.b, experts_of(p)?);
+        if s.logits.is_empty() {
+            return Err(EngineError::Invalid {
+                op: "moe",
+                msg: "the backward pass of an MoE layer routed for inference".into(),
+            });
+        }
         let whole = p.spec.experts_whole;
         let dy_group = match whole {
             true => None,

@@ -1,6 +1,9 @@
-//! An MoE layer's tokens permuted to its experts on aclnnMoeTokenPermute and their outputs
-//! summed back on aclnnMoeTokenPermuteGrad (ops-transformer moe/moe_token_permute,
-//! moe/moe_token_permute_grad), the operators MindSpeed's `npu_moe_token_permute` runs.
+//! An MoE layer's routing on aclnnMoeGatingTopKSoftmax (ops-transformer
+//! moe/moe_gating_top_k_softmax: the router's top-k over a softmax, read back as `[rows, k]`
+//! experts and probabilities rather than every logit), its tokens permuted to its experts on
+//! aclnnMoeTokenPermute and their outputs summed back on aclnnMoeTokenPermuteGrad
+//! (moe/moe_token_permute, moe/moe_token_permute_grad), the operators MindSpeed's
+//! `npu_moe_token_permute` runs.
 //!
 //! The permutation takes every token's choices as `[tokens, topk]` expert indices: a choice
 //! this rank does not run (another rank's expert, a zero-computation expert, a dropped token)
@@ -17,11 +20,63 @@
 
 use super::{Npu, NpuTensor};
 use crate::engine::dispatch::{self, Dispatch};
-use crate::engine::{check, EngineError, Result};
+use crate::engine::{check, Device, EngineError, Result};
 use crate::tensor::DType;
 use std::sync::atomic::Ordering;
 
+/// Little-endian int32 values.
+fn int32_values(bytes: &[u8]) -> impl Iterator<Item = i32> + '_ {
+    (bytes.chunks_exact(4)).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
 impl Npu {
+    /// [`crate::engine::Backend::softmax_topk`].
+    pub(super) fn softmax_topk_on(
+        &self,
+        logits: &NpuTensor,
+        k: usize,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        check::softmax_topk(self, logits, k)?;
+        let op = self.ctx.op;
+        let (Some(prepare), Some(launch)) = (
+            op.aclnnMoeGatingTopKSoftmaxGetWorkspaceSize,
+            op.aclnnMoeGatingTopKSoftmax,
+        ) else {
+            return dispatch::softmax_topk(self, logits, k);
+        };
+        if self.gating.absent() {
+            return dispatch::softmax_topk(self, logits, k);
+        }
+        let n = logits.rows();
+        let y = self.empty(&[n, k], logits.dtype)?;
+        let (experts, rows) = (
+            self.empty(&[n, k], DType::I32)?,
+            self.empty(&[n, k], DType::I32)?,
+        );
+        let c = &self.ctx;
+        let (xs, ys, es, rs) = (
+            c.tensor(&logits.view())?,
+            c.tensor(&y.view())?,
+            c.tensor(&experts.view())?,
+            c.tensor(&rows.view())?,
+        );
+        let none = std::ptr::null();
+        let top = k as i64;
+        let done = c.run(
+            "aclnnMoeGatingTopKSoftmax",
+            // SAFETY: the descriptors outlive the launch; ws and ex are valid out-pointers.
+            |ws, ex| unsafe { prepare(xs.raw, none, top, ys.raw, es.raw, rs.raw, ws, ex) },
+            launch,
+        );
+        drop((xs, ys, es, rs));
+        if !self.gating.outcome("aclnnMoeGatingTopKSoftmax", done)? {
+            return dispatch::softmax_topk(self, logits, k);
+        }
+        let bytes = self.ctx.download(experts.block.ptr, n * k * 4)?;
+        let chosen = int32_values(&bytes).map(|e| e as u32).collect();
+        Ok((chosen, self.download_f32(&y)?))
+    }
+
     /// `values` as an int32 tensor of `shape`.
     fn int32s(&self, shape: &[usize], values: impl Iterator<Item = usize>) -> Result<NpuTensor> {
         let bytes = values
@@ -86,9 +141,7 @@ impl Npu {
     /// Whether the operator's `sortedIndicesOut` is the stable sort's.
     fn sorts_stably(&self, places: &NpuTensor, d: &Dispatch) -> Result<bool> {
         let bytes = self.ctx.download(places.block.ptr, places.numel() * 4)?;
-        let got = bytes
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64);
+        let got = int32_values(&bytes).map(i64::from);
         Ok(got.eq(d.positions().into_iter().map(|p| p as i64)))
     }
 

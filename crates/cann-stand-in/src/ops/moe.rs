@@ -7,6 +7,10 @@
 //! rows at those places. Indices must lie in [0, 16777215) and be fewer than 16777215, `topK`
 //! at most 512, as the documentation says; the indices are checked at launch. The sort is
 //! stable unless `MINDKIT_STAND_IN_UNSTABLE_SORT` is set.
+//!
+//! Before them, aclnnMoeGatingTopKSoftmax (ops-transformer moe/moe_gating_top_k_softmax/docs/
+//! aclnnMoeGatingTopKSoftmax.md): each row's softmax and its top-k, without `finishedOptional`
+//! (which must be null), `k` at most 1024.
 
 use super::{checked_index, Ex, Ws, HEAVY};
 use crate::aclnn::{ensure, phase1, Kernel};
@@ -166,6 +170,76 @@ fn permute_grad(dy: View, places: View, topk: usize, out: View) -> Kernel {
             sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
         }
         out.write(&sums);
+        Ok(())
+    })
+}
+
+/// Most experts chosen per row.
+const MAX_GATING_K: i64 = 1024;
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(
+    x: *const aclTensor,
+    finished_optional: *const aclTensor,
+    k: i64,
+    y_out: *const aclTensor,
+    expert_idx_out: *const aclTensor,
+    row_idx_out: *const aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1("aclnnMoeGatingTopKSoftmax", workspace_size, executor, |p| {
+        p.absent(finished_optional, "finishedOptional")?;
+        let logits = p.input(x, "x")?;
+        let y = p.output(y_out, "yOut")?;
+        let experts = p.output(expert_idx_out, "expertIdxOut")?;
+        let rows = p.output(row_idx_out, "rowIdxOut")?;
+        p.float(&logits, "x")?;
+        ensure!(
+            p,
+            logits.rank() == 2,
+            "x {:?}: the stand-in takes 2-D",
+            logits.dims
+        );
+        let (n, width) = (logits.dims[0], logits.dims[1]);
+        ensure!(
+            p,
+            (0..=MAX_GATING_K.min(width as i64)).contains(&k),
+            "k {k} is not in [0, min({MAX_GATING_K}, {width})]"
+        );
+        let k = k as usize;
+        p.shape(&y, "yOut", &[n, k])?;
+        p.dtype(&y, "yOut", logits.dtype)?;
+        for (v, name) in [(&experts, "expertIdxOut"), (&rows, "rowIdxOut")] {
+            p.shape(v, name, &[n, k])?;
+            p.dtype(v, name, ACL_INT32)?;
+        }
+        Ok((HEAVY, gating(logits, k, (y, experts, rows))))
+    })
+}
+
+/// The gating's kernel: each row's softmax in f32, its `k` largest (the lower expert first
+/// among equals), `rowIdxOut[row][j] = j·rows + row`.
+fn gating(logits: View, k: usize, (y, experts, rows): (View, View, View)) -> Kernel {
+    Box::new(move || {
+        let (n, width) = (logits.dims[0], logits.dims[1]);
+        let (mut probs, mut chosen, mut places) = (Vec::new(), Vec::new(), Vec::new());
+        for (r, row) in logits.read().chunks(width.max(1)).enumerate().take(n) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            let mut order: Vec<usize> = (0..width).collect();
+            order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+            for (j, &e) in order[..k].iter().enumerate() {
+                probs.push(exps[e] / sum);
+                chosen.push(e as f64);
+                places.push((j * n + r) as f64);
+            }
+        }
+        y.write(&probs);
+        experts.write_f64(&chosen);
+        rows.write_f64(&places);
         Ok(())
     })
 }
