@@ -142,6 +142,19 @@ impl Moe {
         Ok((b.cast(h, dtype)?, b.cast(&p.params[self.router], dtype)?))
     }
 
+    /// The router's logits `[T, E]` of this rank's rows `h`, on the device, in the router's
+    /// dtype.
+    fn router_logits<B: Backend>(&self, p: &Pass<B>, h: &B::Tensor) -> Result<B::Tensor> {
+        let b = p.b;
+        match p.spec.router_f32 && b.dtype(h) != DType::F32 {
+            true => {
+                let (h32, w32) = self.router_operands(p, h)?;
+                b.matmul(&h32, &w32, None)
+            }
+            false => b.matmul(h, &p.params[self.router], None),
+        }
+    }
+
     /// The router's logits (f32, on the host) of all M rows (spread as `spread` says) and of
     /// its tensor-parallel group's N rows, from this rank's rows `h`.
     fn logits<B: Backend>(
@@ -151,13 +164,7 @@ impl Moe {
         spread: &Spread,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let b = p.b;
-        let local = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
-            true => {
-                let (h32, w32) = self.router_operands(p, h)?;
-                b.download_f32(&b.matmul(&h32, &w32, None)?)?
-            }
-            false => b.download_f32(&b.matmul(h, &p.params[self.router], None)?)?,
-        };
+        let local = b.download_f32(&self.router_logits(p, h)?)?;
         let group = match p.tp.filter(|tp| tp.sequence_parallel) {
             Some(tp) => tp.group.all_gather_f32(&local)?,
             None => local.clone(),
@@ -184,15 +191,7 @@ impl Moe {
         if !(routes_by_softmax_topk(cfg) && one_rank && p.inference) {
             return Ok(None);
         }
-        let b = p.b;
-        let logits = match p.spec.router_f32 && b.dtype(h) != DType::F32 {
-            true => {
-                let (h32, w32) = self.router_operands(p, h)?;
-                b.matmul(&h32, &w32, None)?
-            }
-            false => b.matmul(h, &p.params[self.router], None)?,
-        };
-        let (experts, probs) = b.softmax_topk(&logits, cfg.topk)?;
+        let (experts, probs) = (p.b).softmax_topk(&self.router_logits(p, h)?, cfg.topk)?;
         let k = cfg.topk.max(1);
         let routes = (experts.chunks(k).zip(probs.chunks(k)))
             .map(|(e, y)| weigh_probabilities(cfg, e.iter().map(|&e| e as usize).collect(), y))
