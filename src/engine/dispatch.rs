@@ -21,6 +21,9 @@ pub struct Dispatch {
     choices: Vec<Option<u32>>,
     k: usize,
     experts: usize,
+    /// The flattened choices in the permuted order, and how many of them are routed.
+    order: Vec<usize>,
+    routed: usize,
 }
 
 impl Dispatch {
@@ -29,10 +32,19 @@ impl Dispatch {
     pub fn new(choices: Vec<Option<u32>>, k: usize, experts: usize) -> Option<Dispatch> {
         let whole = k > 0 && choices.len().is_multiple_of(k);
         let inside = choices.iter().flatten().all(|&e| (e as usize) < experts);
-        (whole && inside).then_some(Dispatch {
+        if !(whole && inside) {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..choices.len()).collect();
+        // a stable sort: ties keep their flattened order
+        order.sort_by_key(|&i| choices[i].map_or(experts, |e| e as usize));
+        let routed = choices.iter().flatten().count();
+        Some(Dispatch {
             choices,
             k,
             experts,
+            order,
+            routed,
         })
     }
 
@@ -58,16 +70,13 @@ impl Dispatch {
 
     /// The flattened choices (`token · k + slot`) in the permuted order: the routed ones,
     /// then the others in their order.
-    pub fn order(&self) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.choices.len()).collect();
-        // a stable sort: ties keep their flattened order
-        order.sort_by_key(|&i| self.choices[i].map_or(self.experts, |e| e as usize));
-        order
+    pub fn order(&self) -> &[usize] {
+        &self.order
     }
 
     /// How many choices are routed (the permuted rows).
     pub fn len(&self) -> usize {
-        self.choices.iter().flatten().count()
+        self.routed
     }
 
     /// Whether no choice is routed.
@@ -77,13 +86,14 @@ impl Dispatch {
 
     /// Whether every choice is routed (one expert-parallel rank, nothing dropped).
     pub fn is_full(&self) -> bool {
-        self.choices.iter().all(Option::is_some)
+        self.routed == self.choices.len()
     }
 
     /// Each permuted row's token.
     pub fn rows(&self) -> Vec<usize> {
-        let order = self.order();
-        order[..self.len()].iter().map(|&i| i / self.k).collect()
+        (self.order[..self.routed].iter())
+            .map(|&i| i / self.k)
+            .collect()
     }
 
     /// Each local expert's permuted rows.
@@ -100,7 +110,7 @@ impl Dispatch {
     /// aclnnMoeTokenPermute's `sortedIndicesOut`.
     pub fn positions(&self) -> Vec<usize> {
         let mut positions = vec![0; self.choices.len()];
-        for (at, i) in self.order().into_iter().enumerate() {
+        for (at, &i) in self.order.iter().enumerate() {
             positions[i] = at;
         }
         positions

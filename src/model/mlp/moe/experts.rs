@@ -96,8 +96,7 @@ impl Local<'_> {
     ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
         let b = p.b;
         let dispatch = self.dispatch(routes, kept);
-        let order = dispatch.order();
-        let routed = &order[..dispatch.len()];
+        let routed = &dispatch.order()[..dispatch.len()];
         let weight = |&i: &usize| routes[i / self.topk].weights[i % self.topk];
         let counts = dispatch.counts();
         if let Some([fc1, fc2]) = self.bare() {
@@ -183,7 +182,7 @@ impl Local<'_> {
                 let xp = b.permute(x, &g.dispatch)?;
                 let mut dw1 = grads_at(grads, &trained(&fc1));
                 let dxp = b.grouped_matmul_bwd(&dup, &xp, &params(p, &fc1), &g.counts, &mut dw1)?;
-                for (i, d) in g.dispatch.order().into_iter().zip(dw) {
+                for (&i, d) in g.dispatch.order().iter().zip(dw) {
                     dweights[i / k][i % k] = d;
                 }
                 b.unpermute(&dxp, &g.dispatch)
