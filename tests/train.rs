@@ -1224,6 +1224,80 @@ fn partial_rotary_embedding_trains_on_tensor_parallel_ranks_as_one_rank() {
     assert!(!hf.exists());
 }
 
+/// Phi-3.5-MoE's norms and biases on the dense layer: LayerNorm, q/k/v, attention-output and
+/// output-layer biases (MindSpeed-LLM's flags), untied.
+const LAYER_NORM_AND_BIASES: [&str; 7] = [
+    "--normalization",
+    "LayerNorm",
+    "--add-qkv-bias",
+    "--add-dense-bias",
+    "--add-output-layer-bias",
+    "--untie-embeddings-and-output-weights",
+    "--norm-epsilon",
+];
+
+#[test]
+fn layer_norm_with_biases_trains_on_tensor_sequence_and_pipeline_parallel_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("layer_norm");
+    let path = save.to_str().unwrap();
+    let family = [&LAYER_NORM_AND_BIASES[..], &["1e-5"]].concat();
+    let one_flags = ["--save", path, "--save-interval", "10"];
+    let one = stdout(&run(&from_scratch(&data, &family, &one_flags)).success());
+    let rms = stdout(&run(&from_scratch(&data, &[], &[])).success());
+    assert_ne!(field(&one, "lm loss"), field(&rms, "lm loss"));
+    for layout in [
+        &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
+        &["--pipeline-model-parallel-size", "2"][..],
+    ] {
+        let log = stdout(&run(&from_scratch(&data, &family, layout)).success());
+        same_training(
+            &one,
+            &log,
+            1e-5,
+            &format!("LayerNorm with biases over {layout:?}"),
+        );
+    }
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &path]).success());
+    assert!(
+        info.contains(
+            "untied (output layer bias); norms LayerNorm; qkv bias true; output bias true"
+        ),
+        "{info}"
+    );
+    // The biases start at 0 (megatron-core's init) and move in training.
+    let file = save.join("iter_0000010/mp_rank_00/model_optim_rng.pt");
+    let file = mindkit::ckpt::torch::TorchFile::open(&file).unwrap();
+    for key in [
+        "decoder.layers.0.input_layernorm.bias",
+        "decoder.layers.1.pre_mlp_layernorm.bias",
+        "decoder.final_layernorm.bias",
+        "decoder.layers.0.self_attention.linear_proj.bias",
+        "output_layer.bias",
+    ] {
+        assert!(std_of(&file, key) > 0.0, "{key}");
+    }
+    // No family built here holds LayerNorms in Hugging Face format: refused by name.
+    let hf = dir.path().join("hf");
+    let out = mindkit(&[
+        &"convert",
+        &"--to",
+        &"hf",
+        &"--input",
+        &path,
+        &"--output",
+        &hf,
+    ])
+    .failure();
+    assert!(
+        stderr(&out).contains("its norms are LayerNorms"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!hf.exists());
+}
+
 #[test]
 fn longrope_trains_over_tensor_parallel_ranks_and_stays_in_megatron_format() {
     let dir = tempfile::tempdir().unwrap();

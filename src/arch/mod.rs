@@ -45,8 +45,12 @@ pub struct ModelConfig {
     pub max_positions: usize,
     /// RoPE base.
     pub rope_theta: f64,
-    /// RMSNorm epsilon.
+    /// The norms' epsilon.
     pub norm_eps: f64,
+    /// The decoder's norms (each layer's two and the final one) are LayerNorms with a bias β,
+    /// `y = (x − μ)·rstd·γ + β` (Megatron's `--normalization LayerNorm`, MindSpeed-LLM's
+    /// `PTNorm`; Phi-3.5-MoE's `nn.LayerNorm`), not RMSNorms.
+    pub layer_norm: bool,
     /// The epsilon of multi-latent attention's latent norms where it is not `norm_eps`:
     /// transformers 4.57 builds DeepSeek's `q_a_layernorm` / `kv_a_layernorm` with its
     /// RMSNorm's default 1e-6 whatever `rms_norm_eps` says (modeling_deepseek_v3.py
@@ -59,6 +63,9 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Attention output bias.
     pub proj_bias: bool,
+    /// The output layer's bias `[V]` (MindSpeed-LLM's `--add-output-layer-bias`; Phi-3.5-MoE's
+    /// `lm_head_bias`).
+    pub output_bias: bool,
     /// Per-head RMSNorms of the queries and keys before RoPE (Qwen3; Megatron's
     /// `--qk-layernorm`).
     pub qk_norm: bool,

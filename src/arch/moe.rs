@@ -1,7 +1,9 @@
 //! Mixture of experts as data: how many experts, how a token picks them (the router's score
 //! function and top-k rule, megatron-core megatron/core/transformer/moe/moe_utils.py
 //! `topk_routing_with_score_function`), which layers hold them, shared experts. The routing
-//! itself, on the host, is [`route`].
+//! itself, on the host, is [`route`]; SparseMixer's ([`sparsemixer`]) apart.
+
+pub mod sparsemixer;
 
 /// How the router turns logits into scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +74,9 @@ pub struct Moe {
     /// of the score function above, which is then its activation (a softmax over all experts,
     /// a sigmoid at top-1).
     pub sinkhorn: bool,
+    /// SparseMixer-v2's top-2 routing ([`sparsemixer`]; MindSpeed-LLM's `sparsemixer_topk`,
+    /// Phi-3.5-MoE): the score function, pre-softmax, scaling and groups do not apply.
+    pub sparsemixer: bool,
 }
 
 impl Moe {
@@ -143,7 +148,7 @@ pub struct Routed {
 }
 
 /// Indices of the `k` largest values, largest first, the lower index first among equals.
-fn topk(values: &[f32], k: usize) -> Vec<usize> {
+pub(crate) fn topk(values: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..values.len()).collect();
     idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
     idx.truncate(k);
@@ -173,6 +178,7 @@ pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
         expert_bias: false,
         softmax_bias: false,
         sinkhorn: false,
+        sparsemixer: false,
     }
 }
 
@@ -212,6 +218,9 @@ fn group_limited_topk(scores: &[f32], k: usize, (groups, keep): (usize, usize)) 
 /// (MindSpeed-LLM's `softmax_topk`, mindspeed_llm/core/transformer/moe/router.py
 /// `topk_router_routing`; LongCat-Flash's router, transformers' `LongcatFlashTopkRouter`).
 pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
+    if moe.sparsemixer {
+        return sparsemixer::route(logits, None);
+    }
     let choose = |scores: &[f32]| match moe.group_limit {
         Some(g) => group_limited_topk(scores, moe.topk, g),
         None => topk(scores, moe.topk),
@@ -285,6 +294,7 @@ fn scaled(moe: &Moe, mut route: Routed) -> Routed {
 /// weights from them alone: a softmax router without groups or an expert bias in its choice.
 pub fn routes_by_softmax_topk(moe: &Moe) -> bool {
     moe.score == ScoreFunction::Softmax
+        && !moe.sparsemixer
         && moe.group_limit.is_none()
         && !(moe.expert_bias && moe.softmax_bias)
 }
@@ -388,6 +398,9 @@ impl Capacity {
 /// weights ([`route`]'s, same order): the derivative of the score function through the chosen
 /// experts (the choice itself is constant), as autograd takes it in megatron-core.
 pub fn route_grad(moe: &Moe, logits: &[f32], routed: &Routed, dweights: &[f32]) -> Vec<f32> {
+    if moe.sparsemixer {
+        return sparsemixer::route_grad(logits, routed, dweights);
+    }
     let scale = moe.topk_scale.unwrap_or(1.0) as f32;
     let dw: Vec<f32> = dweights.iter().map(|&d| d * scale).collect();
     let mut dlogits = vec![0f32; logits.len()];

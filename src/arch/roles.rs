@@ -13,6 +13,8 @@ pub enum Role {
     Embedding,
     /// Norm before attention `[h]`.
     InputNorm,
+    /// Its bias `[h]` (a LayerNorm's β, [`crate::arch::ModelConfig::layer_norm`]).
+    InputNormBias,
     /// Fused QKV in GQA-group order `[ng(nh/ng+2)d, h]`.
     Qkv,
     /// Its bias.
@@ -59,6 +61,8 @@ pub enum Role {
     ValueUp,
     /// Norm before the MLP `[h]`.
     PostNorm,
+    /// Its bias `[h]`.
+    PostNormBias,
     /// SwiGLU input `[2F, h]` = `[gate; up]`.
     Fc1,
     /// MLP output `[h, F]`.
@@ -89,8 +93,12 @@ pub enum Role {
     MtpNorm,
     /// Final norm `[h]`.
     FinalNorm,
+    /// Its bias `[h]`.
+    FinalNormBias,
     /// Output layer `[V, h]` (untied models).
     Output,
+    /// Its bias `[V]` ([`crate::arch::ModelConfig::output_bias`]).
+    OutputBias,
 }
 
 /// A canonical tensor: a role, in a (global) layer for layer roles.
@@ -122,13 +130,14 @@ impl Role {
     fn decoder_roles(cfg: &ModelConfig, l: usize) -> Vec<Role> {
         if let Some(mla) = &cfg.mla {
             let mut roles = Role::shortcut_roles(cfg, l);
-            roles.push(Role::InputNorm);
+            roles.extend(Role::norm_roles(cfg, Role::InputNorm));
             roles.extend(Role::mla_roles(cfg, mla));
-            roles.push(Role::PostNorm);
+            roles.extend(Role::norm_roles(cfg, Role::PostNorm));
             roles.extend(Role::mlp_roles(cfg, l));
             return roles;
         }
-        let mut roles = vec![Role::InputNorm, Role::Qkv];
+        let mut roles = Role::norm_roles(cfg, Role::InputNorm);
+        roles.push(Role::Qkv);
         if cfg.qkv_bias {
             roles.push(Role::QkvBias);
         }
@@ -139,9 +148,38 @@ impl Role {
         if cfg.qk_norm {
             roles.extend([Role::QNorm, Role::KNorm]);
         }
-        roles.push(Role::PostNorm);
+        roles.extend(Role::norm_roles(cfg, Role::PostNorm));
         roles.extend(Role::mlp_roles(cfg, l));
         roles
+    }
+
+    /// A norm's tensors: its γ, and a LayerNorm's β after it
+    /// ([`crate::arch::ModelConfig::layer_norm`]).
+    pub fn norm_roles(cfg: &ModelConfig, norm: Role) -> Vec<Role> {
+        let bias = match norm {
+            Role::InputNorm => Role::InputNormBias,
+            Role::PostNorm => Role::PostNormBias,
+            _ => Role::FinalNormBias,
+        };
+        let mut roles = vec![norm];
+        roles.extend(cfg.layer_norm.then_some(bias));
+        roles
+    }
+
+    /// The output layer's tensors (none for a tied one): its weight, and its bias
+    /// ([`crate::arch::ModelConfig::output_bias`]).
+    pub fn output_roles(cfg: &ModelConfig) -> Vec<Role> {
+        match cfg.tied {
+            true => Vec::new(),
+            false if cfg.output_bias => vec![Role::Output, Role::OutputBias],
+            false => vec![Role::Output],
+        }
+    }
+
+    /// Whether its rows are the vocabulary's (padded in Megatron's files, split over the
+    /// tensor-parallel ranks by rows).
+    pub fn vocab_rows(self) -> bool {
+        matches!(self, Role::Embedding | Role::Output | Role::OutputBias)
     }
 
     /// The roles of multi-latent attention, in the order megatron-core's `MLASelfAttention`
@@ -311,11 +349,13 @@ pub fn canonical(cfg: &ModelConfig) -> Vec<Canon> {
         })
     };
     out.extend((0..cfg.layers).flat_map(layer));
-    out.push(global(Role::FinalNorm));
+    out.extend(
+        Role::norm_roles(cfg, Role::FinalNorm)
+            .into_iter()
+            .map(global),
+    );
     out.extend((cfg.layers..cfg.all_layers()).flat_map(layer));
-    if !cfg.tied {
-        out.push(global(Role::Output));
-    }
+    out.extend(Role::output_roles(cfg).into_iter().map(global));
     out
 }
 
@@ -324,9 +364,13 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
     let qkv_rows = (cfg.heads + 2 * cfg.groups) * cfg.head_dim;
     match role {
         Role::Embedding | Role::Output => vec![cfg.vocab, cfg.hidden],
+        Role::OutputBias => vec![cfg.vocab],
         Role::InputNorm
         | Role::PostNorm
         | Role::FinalNorm
+        | Role::InputNormBias
+        | Role::PostNormBias
+        | Role::FinalNormBias
         | Role::ProjBias
         | Role::MtpEmbedNorm
         | Role::MtpHiddenNorm

@@ -402,7 +402,7 @@ impl Input {
     /// Megatron checkpoint's own rows when it holds exactly `rows`, else the real rows and
     /// copies of the last one, as Megatron's converters pad.
     pub fn read_padded(&self, c: Canon, rows: usize) -> Result<Tensor> {
-        if !matches!(c.role, Role::Embedding | Role::Output) {
+        if !c.role.vocab_rows() {
             return self.read(c);
         }
         let own = match &self.source {
@@ -580,7 +580,7 @@ pub fn write_output(
     // rows kept when its padded size is the output's (they are trained, and their logits enter
     // Megatron's loss), else copies of the last real row; an edited tensor is padded as that.
     let read_padded = |c: Canon, rows: usize| -> Result<Tensor> {
-        match edit.is_none() && matches!(c.role, Role::Embedding | Role::Output) {
+        match edit.is_none() && c.role.vocab_rows() {
             true => (input.read_padded(c, rows)?.cast(c.role.dtype(cfg.dtype)))
                 .map_err(|e| anyhow!("{c:?}: {e}")),
             false => read(c),

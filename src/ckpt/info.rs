@@ -39,8 +39,18 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "embeddings:  {}; qkv bias {}; output bias {}; q/k layernorm {}{}",
+        "embeddings:  {}{}; norms {}; qkv bias {}; output bias {}; q/k layernorm {}{}",
         if cfg.tied { "tied" } else { "untied" },
+        if cfg.output_bias {
+            " (output layer bias)"
+        } else {
+            ""
+        },
+        if cfg.layer_norm {
+            "LayerNorm"
+        } else {
+            "RMSNorm"
+        },
         cfg.qkv_bias,
         cfg.proj_bias,
         cfg.qk_norm,

@@ -440,11 +440,13 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
     match (layout, role) {
         (KeyLayout::Legacy, r) => legacy(match r {
             Role::InputNorm => "input_norm.weight",
+            Role::InputNormBias => "input_norm.bias",
             Role::Qkv => "self_attention.query_key_value.weight",
             Role::QkvBias => "self_attention.query_key_value.bias",
             Role::Proj => "self_attention.dense.weight",
             Role::ProjBias => "self_attention.dense.bias",
             Role::PostNorm => "post_attention_norm.weight",
+            Role::PostNormBias => "post_attention_norm.bias",
             Role::Fc1 => "mlp.dense_h_to_4h.weight",
             _ => "mlp.dense_4h_to_h.weight",
         }),
@@ -452,6 +454,10 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             mcore("self_attention.linear_qkv.layer_norm_weight")
         }
         (KeyLayout::McoreTe, Role::PostNorm) => mcore("mlp.linear_fc1.layer_norm_weight"),
+        (KeyLayout::McoreTe, Role::InputNormBias) => {
+            mcore("self_attention.linear_qkv.layer_norm_bias")
+        }
+        (KeyLayout::McoreTe, Role::PostNormBias) => mcore("mlp.linear_fc1.layer_norm_bias"),
         (_, Role::ExpertFc1(e)) => {
             mcore(&format!("mlp.experts.local_experts.{e}.linear_fc1.weight"))
         }
@@ -460,11 +466,13 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
         }
         (_, r) => mcore(match r {
             Role::InputNorm => "input_layernorm.weight",
+            Role::InputNormBias => "input_layernorm.bias",
             Role::Qkv | Role::QkvDown => "self_attention.linear_qkv.weight",
             Role::QkvBias => "self_attention.linear_qkv.bias",
             Role::Proj => "self_attention.linear_proj.weight",
             Role::ProjBias => "self_attention.linear_proj.bias",
             Role::PostNorm => "pre_mlp_layernorm.weight",
+            Role::PostNormBias => "pre_mlp_layernorm.bias",
             Role::QNorm | Role::QLatentNorm => "self_attention.q_layernorm.weight",
             Role::KNorm => "self_attention.k_layernorm.weight",
             Role::KvLatentNorm => "self_attention.kv_layernorm.weight",
@@ -498,10 +506,16 @@ pub fn global_key(layout: KeyLayout, role: Role, tied: bool) -> Vec<String> {
         (KeyLayout::Legacy, Role::FinalNorm) => {
             path(&["language_model", "encoder", "final_norm.weight"])
         }
+        (KeyLayout::Legacy, Role::FinalNormBias) => {
+            path(&["language_model", "encoder", "final_norm.bias"])
+        }
+        (KeyLayout::Legacy, Role::OutputBias) => path(&["language_model", "output_layer", "bias"]),
         (KeyLayout::Legacy, _) if tied => path(&["word_embeddings_for_head", "weight"]),
         (KeyLayout::Legacy, _) => path(&["language_model", "output_layer", "weight"]),
         (_, Role::Embedding) => path(&["embedding.word_embeddings.weight"]),
         (_, Role::FinalNorm) => path(&["decoder.final_layernorm.weight"]),
+        (_, Role::FinalNormBias) => path(&["decoder.final_layernorm.bias"]),
+        (_, Role::OutputBias) => path(&["output_layer.bias"]),
         _ => path(&["output_layer.weight"]),
     }
 }
@@ -653,7 +667,9 @@ pub fn chunk_entries(
                 layer: Some(l),
             };
             let key_layout = match (layout, role) {
-                (KeyLayout::McoreTe, Role::PostNorm) if moe_layer => KeyLayout::Mcore,
+                (KeyLayout::McoreTe, Role::PostNorm | Role::PostNormBias) if moe_layer => {
+                    KeyLayout::Mcore
+                }
                 _ => layout,
             };
             let key_role = match role {
@@ -664,7 +680,7 @@ pub fn chunk_entries(
             out.push((layer_key_of(key_layout, cfg, key_role, j), Some(canon)));
             if layout == KeyLayout::McoreTe {
                 let mut extra = te_extra_states(key_role, cfg);
-                if role == Role::PostNorm && moe_layer {
+                if role == *Role::norm_roles(cfg, Role::PostNorm).last().unwrap() && moe_layer {
                     extra.push("pre_mlp_layernorm._extra_state".into());
                 }
                 for s in extra {
@@ -674,23 +690,22 @@ pub fn chunk_entries(
         }
     }
     if last {
-        let final_norm = (
-            global_key_of(layout, cfg, Role::FinalNorm),
-            Some(global(Role::FinalNorm)),
-        );
+        let final_norm: Vec<ChunkEntry> = (Role::norm_roles(cfg, Role::FinalNorm).into_iter())
+            .map(|r| (global_key_of(layout, cfg, r), Some(global(r))))
+            .collect();
         match cfg.mtp {
             Some(mtp) => {
                 let (depths, norms) = mtp_entries(cfg, mtp, (layout, experts.clone()));
                 if mtp.layout == MtpLayout::Mcore {
-                    out.push(final_norm.clone());
+                    out.extend(final_norm.clone());
                 }
                 out.extend(depths);
                 out.extend(norms);
                 if mtp.layout == MtpLayout::Mindspeed {
-                    out.push(final_norm);
+                    out.extend(final_norm);
                 }
             }
-            None => out.push(final_norm),
+            None => out.extend(final_norm),
         }
         // A tied output layer is only stored on the last stage of a pipeline (it is the
         // embedding, kept in sync by an all-reduce); with one stage it does not exist.
@@ -704,6 +719,10 @@ pub fn chunk_entries(
                 global_key(layout, Role::Output, cfg.tied),
                 Some(global(source)),
             ));
+            if cfg.output_bias {
+                let bias = Role::OutputBias;
+                out.push((global_key(layout, bias, cfg.tied), Some(global(bias))));
+            }
             if layout == KeyLayout::McoreTe {
                 out.push((vec!["output_layer._extra_state".into()], None));
             }

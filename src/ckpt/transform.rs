@@ -357,6 +357,9 @@ fn split_of(role: Role) -> Split {
         Role::InputNorm
         | Role::PostNorm
         | Role::FinalNorm
+        | Role::InputNormBias
+        | Role::PostNormBias
+        | Role::FinalNormBias
         | Role::ProjBias
         | Role::QNorm
         | Role::KNorm
@@ -380,7 +383,7 @@ fn split_of(role: Role) -> Split {
         // megatron-core's MTP `eh_proj` is a column-parallel linear layer
         Role::MtpProj => Split::Rows,
         Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => Split::Cols,
-        Role::Embedding | Role::Output => Split::Vocab,
+        Role::Embedding | Role::Output | Role::OutputBias => Split::Vocab,
         Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => Split::GateUp,
     }
 }

@@ -19,7 +19,7 @@ fn numel(shape: &[usize]) -> usize {
 }
 
 /// `Invalid` unless `t` has `shape`.
-pub fn expect_shape<D: Device>(
+pub fn expect_shape<D: Device + ?Sized>(
     d: &D,
     op: &'static str,
     what: &str,
@@ -181,6 +181,33 @@ pub fn rms_norm_bwd<D: Device>(
         "rms_norm_bwd",
         || "γ / dγ length".into(),
     )
+}
+
+/// [`super::Backend::layer_norm`]: the rows, γ and β each one row wide.
+pub fn layer_norm<D: Device + ?Sized>(
+    d: &D,
+    x: &D::Tensor,
+    gamma: &D::Tensor,
+    beta: &D::Tensor,
+) -> Result<usize> {
+    let h = cols(d.shape(x));
+    let (g, b) = (numel(d.shape(gamma)), numel(d.shape(beta)));
+    ensure(g == h && b == h, "layer_norm", || {
+        format!("γ of {g} and β of {b} for rows of {h}")
+    })?;
+    Ok(rows(d.shape(x)))
+}
+
+/// [`super::Backend::layer_norm_bwd`]: the rows.
+pub fn layer_norm_bwd<D: Device + ?Sized>(
+    d: &D,
+    (dy, x, stats): (&D::Tensor, &D::Tensor, &D::Tensor),
+    gamma: &D::Tensor,
+) -> Result<usize> {
+    let n = layer_norm(d, x, gamma, gamma)?;
+    expect_shape(d, "layer_norm_bwd", "dy", dy, d.shape(x))?;
+    expect_shape(d, "layer_norm_bwd", "mean and rstd", stats, &[2 * n])?;
+    Ok(n)
 }
 
 /// [`super::Backend::matmul`]: `(n, k, m)`.

@@ -207,9 +207,81 @@ impl Mask<'_> {
     }
 }
 
+/// The random streams of an MoE router in training, apart from dropout's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterDraw {
+    /// The input jitter's factors (`--moe-input-jitter-eps`), one per hidden column.
+    Jitter = 0,
+    /// SparseMixer's sampling ([`crate::arch::moe::sparsemixer`]).
+    SparseMixer = 1,
+}
+
+/// `n` uniform draws in (0, 1) of the row at `at` for layer `layer`'s router stream `stream`:
+/// Philox with key `[!seed, layer·4 + stream]` (dropout's keys take `seed` itself) and counter
+/// `[sample (low, high word), position, i / 4]`, word `i % 4`, its top 24 bits centred in their
+/// interval — as dropout's, the same on every backend, thread count and parallel layout.
+pub fn router_uniforms(
+    seed: u32,
+    layer: usize,
+    stream: RouterDraw,
+    at: RowAt,
+    n: usize,
+) -> Vec<f32> {
+    let key = [!seed, ((layer as u32) << 2) | stream as u32];
+    let mut out = Vec::with_capacity(n);
+    for block in 0..n.div_ceil(4) {
+        let counter = [
+            at.sample as u32,
+            (at.sample >> 32) as u32,
+            at.position,
+            block as u32,
+        ];
+        for bits in philox4x32_10(counter, key) {
+            out.push(((bits >> 8) as f32 + 0.5) / (1u32 << 24) as f32);
+        }
+    }
+    out.truncate(n);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn router_draws_are_uniform_inside_the_unit_interval_and_keyed_by_place_and_stream() {
+        let at = RowAt {
+            sample: 7,
+            position: 3,
+        };
+        let u = router_uniforms(42, 2, RouterDraw::SparseMixer, at, 4099);
+        assert!(u.iter().all(|&x| x > 0.0 && x < 1.0));
+        let mean = u.iter().map(|&x| x as f64).sum::<f64>() / u.len() as f64;
+        assert!((mean - 0.5).abs() < 0.02, "{mean}");
+        assert_eq!(
+            u[..10],
+            router_uniforms(42, 2, RouterDraw::SparseMixer, at, 10)[..]
+        );
+        // above or below a half, against the same elsewhere
+        let half =
+            |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| f32::from(u8::from(x > 0.5))).collect() };
+        let elsewhere = [
+            router_uniforms(42, 2, RouterDraw::Jitter, at, 256),
+            router_uniforms(42, 3, RouterDraw::SparseMixer, at, 256),
+            router_uniforms(43, 2, RouterDraw::SparseMixer, at, 256),
+            router_uniforms(
+                42,
+                2,
+                RouterDraw::SparseMixer,
+                RowAt { position: 4, ..at },
+                256,
+            ),
+        ];
+        for other in elsewhere {
+            let c = correlation(&half(&u[..256]), &half(&other));
+            assert!(c.abs() < 0.3, "{c}");
+        }
+    }
 
     #[test]
     fn philox_matches_random123_known_answers() {

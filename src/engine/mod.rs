@@ -19,6 +19,7 @@ pub mod cpu;
 pub mod dispatch;
 pub mod dropout;
 pub mod grouped;
+pub mod layer_norm;
 pub mod selftest;
 
 use crate::tensor::host::Tensor as HostTensor;
@@ -349,6 +350,31 @@ pub trait Backend: Device {
         rstd: &Self::Tensor,
         dgamma: Option<&mut Self::Tensor>,
     ) -> Result<Self::Tensor>;
+    /// `y = (x − μ)·rstd·γ + β` over each row of `x [n, |γ|]`, μ the row's mean and
+    /// `rstd = 1/√(var + eps)` (the biased variance), in f32 and stored in `x`'s dtype; with
+    /// the rows' means then rstds `[2n]` (f32) for the backward pass (torch.nn.LayerNorm;
+    /// aclnnLayerNorm's meanOut and rstdOut). On the host ([`layer_norm`]) on every backend.
+    /// Overwrites.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        (gamma, beta): (&Self::Tensor, &Self::Tensor),
+        eps: f64,
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        layer_norm::forward(self, x, (gamma, beta), eps)
+    }
+    /// `dx` of [`Backend::layer_norm`] given `dy` and its `stats`, and `dγ += Σ dy∘x̂`,
+    /// `dβ += Σ dy` into whichever is trained (aclnnLayerNormBackward). Returns dx
+    /// (overwrites).
+    fn layer_norm_bwd(
+        &self,
+        (dy, x): (&Self::Tensor, &Self::Tensor),
+        gamma: &Self::Tensor,
+        stats: &Self::Tensor,
+        grads: (Option<&mut Self::Tensor>, Option<&mut Self::Tensor>),
+    ) -> Result<Self::Tensor> {
+        layer_norm::backward(self, (dy, x), gamma, stats, grads)
+    }
     /// `y [n, m] = x [n, k] · wᵀ (+ bias)` for `w [m, k]` (aclnnMatmul with `wᵀ` as a view,
     /// aclnnAdd). Overwrites.
     fn matmul(

@@ -26,9 +26,10 @@
 
 use super::attention::Attend;
 use super::dropout::{dropped, Dropout};
-use super::layer::{rms_grad, Layer, LayerSaved};
+use super::layer::{Layer, LayerSaved};
 use super::linear::Linear;
 use super::mtp::{Depth, DepthSaved};
+use super::norm::{Head, Norm, NormSaved};
 use super::parallel::{gathered, local_ids, reduced, ExpertGroup, TensorParallel};
 use super::params::ParamTable;
 use super::{AuxLosses, ModelSpec, Pass, RouterStats};
@@ -48,7 +49,7 @@ pub struct Ids {
     pub(super) layers: Vec<Layer>,
     /// The final norm and output layer (the last stage; the output layer may be the
     /// embedding, or on a later stage than the first its copy).
-    pub(super) head: Option<(usize, usize)>,
+    pub(super) head: Option<Head>,
     /// Multi-token prediction's depths (on the last stage) and the embedding they look up
     /// (on a later stage than the first its copy).
     depths: Vec<Depth>,
@@ -65,8 +66,12 @@ impl Ids {
     pub fn new(table: &ParamTable, layers: Range<usize>, lora_scale: f32) -> Option<Ids> {
         let at = |role| table.index(Canon { role, layer: None });
         let embedding = at(Role::Embedding);
-        let head = match at(Role::FinalNorm) {
-            Some(norm) => Some((norm, at(Role::Output).or(embedding)?)),
+        let head = match Norm::of(table, Role::FinalNorm, None) {
+            Some(norm) => {
+                let output = Linear::of(table, (Role::Output, Some(Role::OutputBias)), None);
+                let output = output.or(embedding.map(Linear::weight))?;
+                Some(Head { norm, output })
+            }
             None => None,
         };
         let depths = match head {
@@ -86,7 +91,7 @@ impl Ids {
 
     /// The embedding and the head `(final norm, output layer)` of a whole model (`None` for
     /// a pipeline stage that lacks either).
-    pub(super) fn whole_model(&self) -> Option<(usize, (usize, usize))> {
+    pub(super) fn whole_model(&self) -> Option<(usize, Head)> {
         self.embedding.zip(self.head)
     }
 
@@ -179,10 +184,9 @@ impl MicroBatch {
 
 /// What the final norm and output layer's backward pass needs.
 pub(super) struct HeadSaved<T> {
-    /// Final norm input `[T, h]`, its normed form and rstd.
-    pub(super) x: T,
+    /// The final norm's input `[T, h]` and statistics, and its normed output.
+    pub(super) norm: NormSaved<T>,
     pub(super) hf: T,
-    rstdf: T,
     /// Logits `[T, Vp]` and their log-sum-exp `[T]`.
     logits: T,
     lse: T,
@@ -252,8 +256,8 @@ pub fn forward<B: Backend>(
         x = out;
     }
     let (out, head) = match ids.head {
-        Some((final_norm, output)) => {
-            let (loss, head) = head_forward(&p, x, (final_norm, output), &batch.labels)?;
+        Some(at) => {
+            let (loss, head) = head_forward(&p, x, &at, &batch.labels)?;
             (loss, Some(head))
         }
         None => (x, None),
@@ -285,7 +289,7 @@ fn depths_forward<B: Backend>(
     head: &HeadSaved<B::Tensor>,
     activations: DType,
 ) -> Result<DepthsForward<B::Tensor>> {
-    let (Some(embedding), Some((_, output))) = (ids.depth_embedding, ids.head) else {
+    let (Some(embedding), Some(Head { output, .. })) = (ids.depth_embedding, ids.head) else {
         return Ok(Default::default());
     };
     let mut saved: Vec<DepthSaved<B::Tensor>> = Vec::with_capacity(ids.depths.len());
@@ -295,7 +299,7 @@ fn depths_forward<B: Backend>(
         let hand = if p.spec.mtp_normed_handoff() {
             &from.hf
         } else {
-            &from.x
+            &from.norm.x
         };
         let at = (hand, embedding);
         let (loss, s) = depth.forward(p, at, rows, (activations, output))?;
@@ -332,21 +336,20 @@ impl<T> Saved<T> {
 pub(super) fn head_forward<B: Backend>(
     p: &Pass<B>,
     x: B::Tensor,
-    (final_norm, output): (usize, usize),
+    at: &Head,
     labels: &[u32],
 ) -> Result<(B::Tensor, HeadSaved<B::Tensor>)> {
     let b = p.b;
-    let (hf, rstdf) = b.rms_norm(&x, &p.params[final_norm], p.spec.norm_eps)?;
+    let (hf, norm) = at.norm.forward(p, x)?;
     let all = gathered(b, p.tp, &hf)?;
-    let logits = b.matmul(all.as_ref().unwrap_or(&hf), &p.params[output], None)?;
+    let (logits, _) = at.output.forward(p, all.as_ref().unwrap_or(&hf))?;
     let (loss, lse) = match p.tp {
         Some(tp) => vocab_parallel_cross_entropy(b, tp, &logits, &tp.local(labels))?,
         None => b.cross_entropy(&logits, labels)?,
     };
     let saved = HeadSaved {
-        x,
+        norm,
         hf,
-        rstdf,
         logits,
         lse,
     };
@@ -362,14 +365,13 @@ pub(super) fn head_backward<B: Backend>(
     grads: &mut [B::Tensor],
     (labels, dloss): (&[u32], &[f32]),
     head: HeadSaved<B::Tensor>,
-    (final_norm, output): (usize, usize),
+    at: &Head,
     dhf: Option<B::Tensor>,
 ) -> Result<B::Tensor> {
     let b = p.b;
     let HeadSaved {
-        x,
+        norm,
         hf,
-        rstdf,
         logits,
         lse,
     } = head;
@@ -378,13 +380,13 @@ pub(super) fn head_backward<B: Backend>(
     let dlogits = b.cross_entropy_bwd(logits, &labels, &lse, &dloss)?;
     let all = gathered(b, p.tp, &hf)?;
     let whole = all.as_ref().unwrap_or(&hf);
-    let from_logits = Linear::weight(output).backward(p, grads, &dlogits, (whole, None))?;
+    let from_logits = at.output.backward(p, grads, &dlogits, (whole, None))?;
     drop(dlogits);
     let mut from_logits = reduced(b, p.tp, from_logits)?;
     if let Some(d) = dhf {
         b.add_assign(&mut from_logits, &d)?;
     }
-    rms_grad(p, grads, (&from_logits, &x), final_norm, &rstdf)
+    at.norm.backward(p, grads, &from_logits, &norm)
 }
 
 /// The backward pass of [`forward`] in reverse order, for the objective `Σ dloss · loss`, from
@@ -422,7 +424,7 @@ pub fn backward<B: Backend>(
                 true => (dhand, None),
                 false => (None, dhand),
             };
-            let mut dx = head_backward(&p, grads, targets, head, at, to_norm)?;
+            let mut dx = head_backward(&p, grads, targets, head, &at, to_norm)?;
             if let Some(d) = to_out {
                 b.add_assign(&mut dx, &d)?;
             }
@@ -462,7 +464,7 @@ fn depths_backward<B: Backend>(
     head: &HeadSaved<B::Tensor>,
     mut depths: Vec<DepthSaved<B::Tensor>>,
 ) -> Result<Option<B::Tensor>> {
-    let (Some(embedding), Some((_, output))) = (ids.depth_embedding, ids.head) else {
+    let (Some(embedding), Some(Head { output, .. })) = (ids.depth_embedding, ids.head) else {
         return Ok(None);
     };
     let mut dnext = None;
@@ -470,7 +472,7 @@ fn depths_backward<B: Backend>(
         let k = depths.len();
         let from = depths.last().map_or(head, |d| &d.head);
         let normed = p.spec.mtp_normed_handoff();
-        let hand = if normed { &from.hf } else { &from.x };
+        let hand = if normed { &from.hf } else { &from.norm.x };
         let saved = (s, hand, &batch.mtp[k]);
         let d = (dnext.take(), normed);
         dnext = Some(ids.depths[k].backward(p, grads, saved, (embedding, output), d)?);

@@ -25,20 +25,28 @@ pub struct Dropout {
     pub hidden: Option<Rate>,
     /// `--attention-dropout`, `None` for 0.
     pub attention: Option<Rate>,
+    /// `--moe-input-jitter-eps`: each MoE router's input multiplied by draws of
+    /// U(1 − ε, 1 + ε) (megatron-core router.py `apply_input_jitter`).
+    pub jitter: Option<f32>,
     /// `[T]` each row's sample (its consumed-sample index) and position.
     rows: Vec<RowAt>,
 }
 
 impl Dropout {
-    /// The dropout of a micro-batch whose first sample is the run's `first_sample`-th and
-    /// whose rows sit at `positions` (0 where a sample starts); `None` where both rates are 0.
+    /// The random draws of a micro-batch whose first sample is the run's `first_sample`-th and
+    /// whose rows sit at `positions` (0 where a sample starts): dropout's, and its routers'
+    /// (`router`: the input jitter's ε, and whether a router samples its experts, SparseMixer's);
+    /// `None` where nothing is drawn.
     pub fn new(
         seed: u32,
         (hidden, attention): (Option<Rate>, Option<Rate>),
+        (jitter, sampled): (Option<f32>, bool),
         first_sample: u64,
         positions: &[usize],
     ) -> Option<Dropout> {
-        hidden.or(attention)?;
+        if hidden.or(attention).is_none() && jitter.is_none() && !sampled {
+            return None;
+        }
         let mut sample = first_sample;
         let rows = positions
             .iter()
@@ -57,6 +65,7 @@ impl Dropout {
             seed,
             hidden,
             attention,
+            jitter,
             rows,
         })
     }
@@ -66,13 +75,7 @@ impl Dropout {
 /// under sequence parallelism) at `site` of layer `layer`; `None` without hidden dropout.
 fn hidden_mask<'a, B: Backend>(p: &Pass<'a, B>, layer: usize, site: Site) -> Option<Mask<'a>> {
     let d = p.dropout?;
-    let rows = match p.tp.filter(|tp| tp.sequence_parallel) {
-        Some(tp) => {
-            let n = d.rows.len() / tp.group.size();
-            &d.rows[tp.group.rank() * n..][..n]
-        }
-        None => &d.rows[..],
-    };
+    let rows = rows_here(p)?;
     Some(Mask {
         seed: d.seed,
         rate: d.hidden?,
@@ -80,6 +83,19 @@ fn hidden_mask<'a, B: Backend>(p: &Pass<'a, B>, layer: usize, site: Site) -> Opt
         site,
         rows,
         first_head: 0,
+    })
+}
+
+/// Where this rank's rows of the residual stream sit (its block of them under sequence
+/// parallelism), in training; `None` where nothing is drawn.
+pub(super) fn rows_here<'a, B: Backend>(p: &Pass<'a, B>) -> Option<&'a [RowAt]> {
+    let d = p.dropout?;
+    Some(match p.tp.filter(|tp| tp.sequence_parallel) {
+        Some(tp) => {
+            let n = d.rows.len() / tp.group.size();
+            &d.rows[tp.group.rank() * n..][..n]
+        }
+        None => &d.rows[..],
     })
 }
 

@@ -14,9 +14,10 @@ use super::attention::{Attend, Attention, AttentionSaved};
 use super::dropout::dropped;
 use super::mlp::moe::{Moe, Saved as MoeSaved};
 use super::mlp::{Mlp, MlpSaved};
+use super::norm::{Norm, NormSaved};
 use super::params::ParamTable;
 use super::Pass;
-use crate::arch::roles::{Canon, Role};
+use crate::arch::roles::Role;
 use crate::engine::dropout::Site;
 use crate::engine::{Backend, Result};
 use std::ops::Range;
@@ -26,11 +27,11 @@ use std::ops::Range;
 pub(super) struct Layer {
     /// Its index in the whole model.
     index: usize,
-    /// RMSNorm γ `[h]` before the attention.
-    input_norm: usize,
+    /// The norm before the attention.
+    input_norm: Norm,
     attention: Attention,
-    /// RMSNorm γ `[h]` before the MLP.
-    post_norm: usize,
+    /// The norm before the MLP.
+    post_norm: Norm,
     mlp: Mlp,
     /// Its part in a paired model's shortcut experts.
     shortcut: Option<Shortcut>,
@@ -51,13 +52,11 @@ pub(super) type Carry<T> = Option<T>;
 
 /// What one layer's backward pass needs of its forward pass.
 pub(super) struct LayerSaved<T> {
-    /// The layer's input (residual) `[T, h]` and the input norm's `rstd [T]`.
-    x: T,
-    rstd1: T,
+    /// The input norm's: the layer's input (residual) `[T, h]` and its statistics.
+    norm1: NormSaved<T>,
     attention: AttentionSaved<T>,
-    /// The residual after the attention `[T, h]` and the second norm's `rstd [T]`.
-    x_mid: T,
-    rstd2: T,
+    /// The second norm's: the residual after the attention `[T, h]` and its statistics.
+    norm2: NormSaved<T>,
     mlp: MlpSaved<T>,
     shortcut: Option<MoeSaved<T>>,
 }
@@ -86,12 +85,6 @@ impl Layer {
 
     /// Layer `layer` of `table`, `None` if the table lacks any of its parameters.
     pub(super) fn of(table: &ParamTable, layer: usize) -> Option<Layer> {
-        let at = |role| {
-            table.index(Canon {
-                role,
-                layer: Some(layer),
-            })
-        };
         let mlp = Mlp::of(table, layer)?;
         let routes = |l| match Mlp::of(table, l) {
             Some(Mlp::Dense(_)) => Moe::of(table, l),
@@ -104,9 +97,9 @@ impl Layer {
         };
         Some(Layer {
             index: layer,
-            input_norm: at(Role::InputNorm)?,
+            input_norm: Norm::of(table, Role::InputNorm, Some(layer))?,
             attention: Attention::of(table, layer)?,
-            post_norm: at(Role::PostNorm)?,
+            post_norm: Norm::of(table, Role::PostNorm, Some(layer))?,
             mlp,
             shortcut,
         })
@@ -120,14 +113,14 @@ impl Layer {
         (x, carry): (B::Tensor, &mut Carry<B::Tensor>),
         attend: Attend<B::Tensor>,
     ) -> Result<(B::Tensor, LayerSaved<B::Tensor>)> {
-        let (b, eps) = (p.b, p.spec.norm_eps);
-        let (h1, rstd1) = b.rms_norm(&x, &p.params[self.input_norm], eps)?;
+        let b = p.b;
+        let (h1, norm1) = self.input_norm.forward(p, x)?;
         // Each sum is `residual + dropout(output)` (hidden dropout in training).
         let (attended, attention) = self.attention.forward(p, h1, attend)?;
         let at = (self.index, Site::AttentionOutput);
         let mut x_mid = dropped(p, &attended, at)?.unwrap_or(attended);
-        b.add_assign(&mut x_mid, &x)?;
-        let (h2, rstd2) = b.rms_norm(&x_mid, &p.params[self.post_norm], eps)?;
+        b.add_assign(&mut x_mid, &norm1.x)?;
+        let (h2, norm2) = self.post_norm.forward(p, x_mid)?;
         let shortcut = match &self.shortcut {
             Some(Shortcut::Routes(moe)) => {
                 let (routed, saved) = moe.forward(p, b.cast(&h2, b.dtype(&h2))?)?;
@@ -138,16 +131,14 @@ impl Layer {
         };
         let (mlp_out, mlp) = self.mlp.forward(p, h2)?;
         let mut out = dropped(p, &mlp_out, (self.index, Site::MlpOutput))?.unwrap_or(mlp_out);
-        b.add_assign(&mut out, &x_mid)?;
+        b.add_assign(&mut out, &norm2.x)?;
         if let Some(Shortcut::Adds) = self.shortcut {
             b.add_assign(&mut out, &take_carry(carry)?)?;
         }
         let saved = LayerSaved {
-            x,
-            rstd1,
+            norm1,
             attention,
-            x_mid,
-            rstd2,
+            norm2,
             mlp,
             shortcut,
         };
@@ -178,7 +169,7 @@ impl Layer {
             let routed = moe.backward(p, grads, saved, &take_carry(carry)?)?;
             b.add_assign(&mut dh2, &routed)?;
         }
-        let mut dx_mid = rms_grad(p, grads, (&dh2, &s.x_mid), self.post_norm, &s.rstd2)?;
+        let mut dx_mid = self.post_norm.backward(p, grads, &dh2, &s.norm2)?;
         b.add_assign(&mut dx_mid, &dout)?;
         // x_mid = x + dropout(attention(norm(x))).
         let dattn = dropped(p, &dx_mid, (self.index, Site::AttentionOutput))?;
@@ -188,7 +179,7 @@ impl Layer {
             s.attention,
             (dattn.as_ref().unwrap_or(&dx_mid), segments),
         )?;
-        let mut dx = rms_grad(p, grads, (&dh1, &s.x), self.input_norm, &s.rstd1)?;
+        let mut dx = self.input_norm.backward(p, grads, &dh1, &s.norm1)?;
         b.add_assign(&mut dx, &dx_mid)?;
         Ok(dx)
     }

@@ -140,7 +140,7 @@ impl Linear {
 }
 
 /// Two distinct elements of a slice, mutably.
-fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
+pub(super) fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
     assert_ne!(i, j, "internal: one gradient taken twice");
     if i < j {
         let (a, b) = v.split_at_mut(j);

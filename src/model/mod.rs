@@ -17,6 +17,7 @@ mod layer;
 mod linear;
 mod mlp;
 mod mtp;
+mod norm;
 pub mod parallel;
 pub mod params;
 mod rope;
@@ -386,7 +387,7 @@ impl<'b, B: Backend> Model<'b, B> {
                 ((None, None), 1),
             )
         };
-        let (embedding, (final_norm, output)) = (self.ids.whole_model())
+        let (embedding, head) = (self.ids.whole_model())
             .ok_or_else(|| anyhow!("internal: an inference model without its embedding or head"))?;
         if cache.layers.len() != self.ids.layers.len() {
             bail!(
@@ -417,12 +418,8 @@ impl<'b, B: Backend> Model<'b, B> {
             };
             x = layer.forward(&p, (x, &mut carry), attend)?.0;
         }
-        let (x, _) = b.rms_norm(
-            &b.select_rows(&x, rows)?,
-            &self.params[final_norm],
-            spec.norm_eps,
-        )?;
-        Ok(b.matmul(&x, &self.params[output], None)?)
+        let x = head.norm.apply(&p, b.select_rows(&x, rows)?)?;
+        Ok(head.output.forward(&p, &x)?.0)
     }
 
     /// The backend it runs on.
@@ -459,7 +456,7 @@ mod tests {
             (&cos, &sin),
             ((None, None), 1),
         );
-        let (embedding, (norm, output)) = model.ids.whole_model().unwrap();
+        let (embedding, head) = model.ids.whole_model().unwrap();
         let mut x = b.embedding(&model.params[embedding], tokens).unwrap();
         let whole = 0..tokens.len();
         let mut carry = None;
@@ -467,8 +464,8 @@ mod tests {
             let attend = Attend::Segments(std::slice::from_ref(&whole));
             x = layer.forward(&p, (x, &mut carry), attend).unwrap().0;
         }
-        let (x, _) = b.rms_norm(&x, &model.params[norm], spec.norm_eps).unwrap();
-        let logits = b.matmul(&x, &model.params[output], None).unwrap();
+        let x = head.norm.apply(&p, x).unwrap();
+        let logits = head.output.forward(&p, &x).unwrap().0;
         b.download_f32(&logits).unwrap()
     }
 

@@ -17,6 +17,7 @@ use super::decoder::{head_backward, head_forward, DepthRows, HeadSaved};
 use super::dropout::dropped;
 use super::layer::{rms_grad, Layer, LayerSaved};
 use super::linear::Linear;
+use super::norm::{Head, Norm};
 use super::parallel::{gathered, local_ids, reduced};
 use super::params::ParamTable;
 use super::Pass;
@@ -95,7 +96,7 @@ impl Depth {
         p: &Pass<B>,
         (hand, embedding): (&B::Tensor, usize),
         rows: &DepthRows,
-        (activations, output): (DType, usize),
+        (activations, output): (DType, Linear),
     ) -> Result<(B::Tensor, DepthSaved<B::Tensor>)> {
         let (b, eps, h) = (p.b, p.spec.norm_eps, p.spec.hidden);
         let mut e = b.embedding(&p.params[embedding], &local_ids(p.tp, &rows.tokens))?;
@@ -114,7 +115,11 @@ impl Depth {
         let (out, layer) =
             self.layer
                 .forward(p, (y, &mut None), Attend::Segments(&rows.segments))?;
-        let (loss, head) = head_forward(p, out, (self.norm, output), &rows.labels)?;
+        let head_at = Head {
+            norm: Norm::rms(self.norm),
+            output,
+        };
+        let (loss, head) = head_forward(p, out, &head_at, &rows.labels)?;
         let saved = DepthSaved {
             index: self.index,
             e,
@@ -137,7 +142,7 @@ impl Depth {
         p: &Pass<B>,
         grads: &mut [B::Tensor],
         (s, hand, rows): (DepthSaved<B::Tensor>, &B::Tensor, &DepthRows),
-        (embedding, output): (usize, usize),
+        (embedding, output): (usize, Linear),
         (dnext, normed): (Option<B::Tensor>, bool),
     ) -> Result<B::Tensor> {
         let (b, h) = (p.b, p.spec.hidden);
@@ -146,7 +151,11 @@ impl Depth {
             true => (dnext, None),
             false => (None, dnext),
         };
-        let mut dout = head_backward(p, grads, targets, s.head, (self.norm, output), to_norm)?;
+        let head_at = Head {
+            norm: Norm::rms(self.norm),
+            output,
+        };
+        let mut dout = head_backward(p, grads, targets, s.head, &head_at, to_norm)?;
         if let Some(d) = to_out {
             b.add_assign(&mut dout, &d)?;
         }

@@ -128,7 +128,7 @@ impl ParamTable {
         let base_trained = lora.is_none();
         let mut push = |canon: Canon, name: String| {
             let mut shape = canonical_shape(cfg, canon.role);
-            if matches!(canon.role, Role::Embedding | Role::Output) {
+            if canon.role.vocab_rows() {
                 shape[0] = vocab_padded;
             }
             let lora_of = lora.filter(|l| l.adapts(canon.role));
@@ -181,7 +181,7 @@ impl ParamTable {
         // megatron-core builds an attention block's linear_proj before its linear_qkv, and its
         // q_layernorm and k_layernorm after them (megatron/core/transformer/attention.py:
         // Attention.__init__, then SelfAttention.__init__).
-        let mut roles = vec![Role::InputNorm];
+        let mut roles = Role::norm_roles(cfg, Role::InputNorm);
         match &cfg.mla {
             Some(mla) => roles.extend(Role::mla_roles(cfg, mla)),
             None => {
@@ -198,7 +198,7 @@ impl ParamTable {
                 }
             }
         }
-        roles.push(Role::PostNorm);
+        roles.extend(Role::norm_roles(cfg, Role::PostNorm));
         let layer = |l: usize| {
             let own = roles.iter().copied().chain(Role::mlp_roles(cfg, l));
             let roles = Role::shortcut_roles(cfg, l).into_iter().chain(own);
@@ -220,7 +220,8 @@ impl ParamTable {
             }
         };
         if !mindspeed {
-            push_canon(global(Role::FinalNorm));
+            (Role::norm_roles(cfg, Role::FinalNorm).into_iter())
+                .for_each(|r| push_canon(global(r)));
         }
         for l in depths.clone() {
             let own = [Role::MtpEmbedNorm, Role::MtpHiddenNorm, Role::MtpProj].map(|r| depth(r)(l));
@@ -231,11 +232,10 @@ impl ParamTable {
         }
         if mindspeed {
             depths.map(depth(Role::MtpNorm)).for_each(&mut push_canon);
-            push_canon(global(Role::FinalNorm));
+            (Role::norm_roles(cfg, Role::FinalNorm).into_iter())
+                .for_each(|r| push_canon(global(r)));
         }
-        if !cfg.tied {
-            push_canon(global(Role::Output));
-        }
+        (Role::output_roles(cfg).into_iter()).for_each(|r| push_canon(global(r)));
         ParamTable {
             params,
             vocab_padded,

@@ -14,7 +14,8 @@ use anyhow::{anyhow, Result};
 
 impl<B: Backend> Trainer<B> {
     /// The trained norm weights each tensor-parallel rank holds whole but takes the gradient
-    /// of over its part only: under sequence parallelism the norms of the residual stream and
+    /// of over its part only: under sequence parallelism the norms of the residual stream (a
+    /// LayerNorm's β too) and
     /// an MoE layer's router and shared-expert gate, over its rows (Megatron's
     /// `sequence_parallel` attribute); the q/k layernorms, over its heads.
     pub(super) fn trained_norms(&self) -> Vec<usize> {
@@ -23,6 +24,9 @@ impl<B: Backend> Trainer<B> {
             Role::InputNorm
             | Role::PostNorm
             | Role::FinalNorm
+            | Role::InputNormBias
+            | Role::PostNormBias
+            | Role::FinalNormBias
             | Role::MtpEmbedNorm
             | Role::MtpHiddenNorm
             | Role::MtpNorm

@@ -36,9 +36,17 @@ pub(super) fn initial_params(
                     .map_err(|e| anyhow!("LoRA init: {e}"))?;
                 (0..n).map(|_| uniform.sample(&mut rng)).collect()
             }
-            (Some(LoraPart::B), _) | (None, Role::QkvBias | Role::ProjBias | Role::ExpertBias) => {
-                vec![0.0; n]
-            }
+            (Some(LoraPart::B), _)
+            | (
+                None,
+                Role::QkvBias
+                | Role::ProjBias
+                | Role::ExpertBias
+                | Role::InputNormBias
+                | Role::PostNormBias
+                | Role::FinalNormBias
+                | Role::OutputBias,
+            ) => vec![0.0; n],
             (
                 None,
                 Role::InputNorm

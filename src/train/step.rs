@@ -65,7 +65,7 @@ impl<B: Backend> Trainer<B> {
                 let mtp = (c.model.mtp_depths(), c.mtp_loss_scale, moved);
                 let mtp = data::mtp_rows(&prepared, mtp, k, c.averaging);
                 let b = &mut prepared.batch;
-                b.dropout = Dropout::new(c.seed, c.dropout, at, &b.positions);
+                b.dropout = Dropout::new(c.seed, c.dropout, c.router_noise, at, &b.positions);
                 b.aux = c.aux_losses.clone();
                 b.mtp = mtp;
             }

@@ -183,10 +183,11 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
     config_class = TransformerConfig
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+    norm = getattr(a, "normalization", "RMSNorm")
     cfg = config_class(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
-        ffn_hidden_size=a.ffn_hidden_size, normalization="RMSNorm", layernorm_epsilon=a.norm_epsilon,
+        ffn_hidden_size=a.ffn_hidden_size, normalization=norm, layernorm_epsilon=a.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=a.add_bias_linear,
         add_qkv_bias=a.add_qkv_bias, qk_layernorm=getattr(a, "qk_layernorm", False),
         bias_activation_fusion=False, persist_layer_norm=False,
@@ -201,10 +202,10 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
         virtual_pipeline_model_parallel_size=getattr(a, "virtual_pipeline_model_parallel_size", None),
         **mtp_config(a), **moe_config(a, moe_losses), **mla)
     if cfg.num_moe_experts:
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=norm,
                                           vp_stage=vp_stage)
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm",
+        spec = get_gpt_layer_local_spec(normalization=norm,
                                         qk_layernorm=getattr(a, "qk_layernorm", False),
                                         multi_latent_attention=bool(mla))
     if mla:
@@ -221,7 +222,7 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
     if mtp_layout not in ("mcore", "mindspeed"):
         raise ValueError(f"mtp_layout {mtp_layout!r}")
     model_class = GPTModel if mtp is None else mtp_gpt_model(mtp_layout)
-    return model_class(
+    model = model_class(
         config=cfg, pre_process=pre_process, post_process=post_process, transformer_layer_spec=spec,
         vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(a.rotary_base),
@@ -229,6 +230,27 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
         rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor or 8.0,
         mtp_block_spec=mtp, vp_stage=vp_stage)
+    mindspeed_biases(model, cfg, a)
+    return model
+
+
+def mindspeed_biases(model, cfg, a):
+    """MindSpeed-LLM's biases megatron-core lacks: `--add-dense-bias` gives every attention's
+    linear_proj one, added inside it (mindspeed_llm/tasks/models/transformer/attention.py
+    SelfAttentionWithDenseBias: bias=True, skip_bias_add=False), `--add-output-layer-bias` the
+    output layer (mindspeed_llm/core/models/gpt/gpt_model.py: ColumnParallelLinear with
+    bias=args.add_output_layer_bias, skip_bias_add=False)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    if getattr(a, "add_dense_bias", False) and not a.add_bias_linear:
+        for layer in getattr(getattr(model, "decoder", None), "layers", []):
+            old = layer.self_attention.linear_proj
+            layer.self_attention.linear_proj = RowParallelLinear(
+                old.input_size, old.output_size, config=cfg, init_method=cfg.output_layer_init_method,
+                bias=True, input_is_parallel=True, skip_bias_add=False, is_expert=False)
+    if getattr(a, "add_output_layer_bias", False) and getattr(model, "post_process", False):
+        model.output_layer = ColumnParallelLinear(
+            cfg.hidden_size, model.vocab_size, config=cfg, init_method=cfg.init_method, bias=True,
+            skip_bias_add=False, gather_output=not model.parallel_output)
 
 
 def mtp_config(a):

@@ -323,6 +323,48 @@ def test_qk_norms_over_all_heads_train_as_mindspeeds_minimax_attention(tmp_path,
     assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
 
 
+def test_layer_norm_and_biases_train_as_mindspeed_llms_phi35_layer(tmp_path, mindkit):
+    """--normalization LayerNorm with q/k/v, attention-output (--add-dense-bias) and output-layer
+    (--add-output-layer-bias) biases, as MindSpeed-LLM's Phi-3.5 spec builds them (its PTNorm is
+    torch's LayerNorm): `mindkit train` and megatron-core's GPTModel with those modules, from the
+    same Megatron checkpoint (every bias and LayerNorm β seeded), lm loss, grad norm and
+    learning rate per iteration to 1e-5 relative over 20 iterations, the final weights to 1e-4;
+    megatron-core loads the saved checkpoint strictly."""
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    gen = torch.Generator().manual_seed(12)
+    biases = {"input_layernorm.weight": "input_layernorm.bias",
+              "pre_mlp_layernorm.weight": "pre_mlp_layernorm.bias",
+              "final_layernorm.weight": "final_layernorm.bias",
+              "linear_qkv.weight": "linear_qkv.bias", "linear_proj.weight": "linear_proj.bias",
+              "output_layer.weight": "output_layer.bias"}
+
+    def added(key, weight):
+        for w, b in biases.items():
+            if key.endswith(w):
+                return {key.replace(w, b): torch.randn(weight.shape[0], generator=gen) * 0.05}
+        return {}
+
+    flags = {"normalization": "LayerNorm", "add_qkv_bias": True, "add_dense_bias": True,
+             "add_output_layer_bias": True}
+    start = megatron_start(mindkit, model_dir, tmp_path / "start", flags, added)
+    mindkit_train(tmp_path / "start", data, tmp_path, [
+        "--normalization", "LayerNorm", "--add-qkv-bias", "--add-dense-bias",
+        "--add-output-layer-bias", "--finetune", "--tokenizer-name-or-path", model_dir])
+    got = scalars(tmp_path / "tb")
+    gpt = gpt_model(start["args"])
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
+        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        model=train_reference.Mcore(gpt))
+    same_as_megatron_core(got, history, reference, tmp_path)
+    saved = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
+    assert saved["args"].normalization == "LayerNorm" and saved["args"].add_output_layer_bias
+    assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
+
+
 def test_partial_rotary_embedding_trains_as_megatron_core(tmp_path, mindkit):
     """--rotary-percent 0.5 (Ling-V2's and GLM-4.5's RoPE on half of each head's dimensions,
     the rest passed through): `mindkit train` and megatron-core's own GPTModel with

@@ -382,6 +382,8 @@ impl ModelConfig {
             tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: out_bias,
+            layer_norm: false,
+            output_bias: false,
             qk_norm,
             qk_norm_per_layer: false,
             mla,
@@ -489,6 +491,17 @@ impl ModelConfig {
                 self.family.name
             );
         }
+        if self.layer_norm || self.output_bias {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: {} no family built here \
+                 has (Phi-3.5-MoE's phimoe is not yet); keep it in Megatron format",
+                self.family.name,
+                match self.layer_norm {
+                    true => "its norms are LayerNorms, which",
+                    false => "its output layer has a bias, which",
+                }
+            );
+        }
         if self.qk_norm_per_layer {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its q/k norms span all \
@@ -553,6 +566,7 @@ impl ModelConfig {
         if self.proj_bias && !self.qkv_bias {
             bail!("an attention output bias without q/k/v biases is not a supported layout");
         }
+
         self.check_hf()
     }
 }
@@ -812,6 +826,8 @@ impl ModelConfig {
         })?;
         let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
         let qk_norm_per_layer = qk_norm && spec_is(args, MINIMAX_SPEC);
+        let layer_norm = layer_norm_of(args)?;
+        let output_bias = arg_bool(args, "add_output_layer_bias")?.unwrap_or(false);
         let carried = match carried {
             Some(text) => {
                 let what = format!("args.{HF_CONFIG_ARG} (the original config.json)");
@@ -835,6 +851,7 @@ impl ModelConfig {
             check_qk_norm(cfg.family, qk_norm)?;
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
+            (cfg.layer_norm, cfg.output_bias) = (layer_norm, output_bias);
             let (fused_down, split_up) = mla::mla_layout_of(args)?;
             cfg.mla = cfg.mla.map(|m| Mla {
                 fused_down,
@@ -842,6 +859,7 @@ impl ModelConfig {
                 ..m
             });
             cfg.mtp = mtp_of(arg_count_or_none(args, "mtp_num_layers")?);
+            check_norms(&cfg)?;
             return Ok(cfg);
         }
         let need = |n: &str| {
@@ -905,7 +923,7 @@ impl ModelConfig {
                 (groups, head_dim, rotary_dim(args, head_dim)?)
             }
         };
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             family,
             layers,
             paired,
@@ -923,6 +941,8 @@ impl ModelConfig {
             tied: !flag("untie_embeddings_and_output_weights")?,
             qkv_bias,
             proj_bias: add_bias,
+            layer_norm,
+            output_bias,
             qk_norm,
             qk_norm_per_layer,
             mla,
@@ -937,7 +957,9 @@ impl ModelConfig {
             dtype,
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
-        })
+        };
+        check_norms(&cfg)?;
+        Ok(cfg)
     }
 }
 
@@ -970,6 +992,41 @@ fn paired_moe(moe: Option<Moe>, mla: bool) -> FieldResult<Moe> {
         ));
     }
     Ok(moe.paired())
+}
+
+/// LayerNorm and the output layer's bias where they are built: LayerNorm only in grouped-query
+/// attention's plain decoder layers (the q/k norms, latent norms and prediction depths' norms
+/// are RMSNorms here), the bias only on an untied output layer.
+fn check_norms(cfg: &ModelConfig) -> Result<()> {
+    if cfg.output_bias && cfg.tied {
+        bail!(
+            "args.add_output_layer_bias with the output layer tied to the embedding is not \
+             built (pass --untie-embeddings-and-output-weights)"
+        );
+    }
+    let with = [
+        (cfg.qk_norm, "q/k norms"),
+        (cfg.mla.is_some(), "multi-latent attention"),
+        (cfg.mtp.is_some(), "multi-token prediction"),
+        (cfg.paired, "LongCat-Flash's paired layers"),
+    ];
+    match with.iter().find(|(on, _)| *on && cfg.layer_norm) {
+        Some((_, what)) => bail!("args.normalization LayerNorm with {what} is not built"),
+        None => Ok(()),
+    }
+}
+
+/// Whether `args.normalization` makes the decoder's norms LayerNorms (RMSNorms otherwise).
+fn layer_norm_of(args: &[(String, Value)]) -> FieldResult<bool> {
+    match arg_str(args, "normalization")? {
+        None | Some("RMSNorm") => Ok(false),
+        Some("LayerNorm") => Ok(true),
+        Some(other) => Err(ConfigError::OutOfRange {
+            field: "args.normalization".into(),
+            got: format!("{other:?}"),
+            expected: "\"RMSNorm\" or \"LayerNorm\"",
+        }),
+    }
 }
 
 /// Multi-token prediction of `depths` (none for 0), in MindSpeed-LLM's layout until a Megatron
@@ -1102,12 +1159,19 @@ pub fn megatron_args(
             "rope_scaling_factor",
             scaling_factor.map_or(Value::None, Value::Float),
         ),
-        ("normalization", Value::Str("RMSNorm".into())),
+        (
+            "normalization",
+            Value::Str(match cfg.layer_norm {
+                true => "LayerNorm".into(),
+                false => "RMSNorm".into(),
+            }),
+        ),
         ("norm_epsilon", Value::Float(cfg.norm_eps)),
         ("swiglu", Value::Bool(true)),
         ("add_bias_linear", Value::Bool(false)),
         ("add_dense_bias", Value::Bool(cfg.proj_bias)),
         ("add_qkv_bias", Value::Bool(cfg.qkv_bias)),
+        ("add_output_layer_bias", Value::Bool(cfg.output_bias)),
         ("qk_layernorm", Value::Bool(cfg.qk_norm)),
         (
             "untie_embeddings_and_output_weights",

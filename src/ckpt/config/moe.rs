@@ -87,6 +87,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         // a softmax router's bias takes part in the choice (LongcatFlashTopkRouter)
         softmax_bias: names.expert_bias.is_some() && names.score == ScoreFunction::Softmax,
         sinkhorn: false,
+        sparsemixer: false,
     }))
 }
 
@@ -401,6 +402,7 @@ pub(super) fn moe_from_args(
         expert_bias: arg_bool(args, "moe_router_enable_expert_bias")?.unwrap_or(false),
         softmax_bias: false,
         sinkhorn: false,
+        sparsemixer: false,
     };
     let normalised = arg_bool(args, "norm_topk_prob")?.unwrap_or(false);
     routed_as_balanced(moe, balancing_types(args)?, normalised).map(Some)
@@ -458,11 +460,24 @@ fn routed_as_balanced(mut moe: Moe, types: Vec<String>, normalised: bool) -> Fie
             ungrouped(&mut moe, true);
             moe.topk_scale = None;
         }
+        Some("sparsemixer_topk") if moe.topk != 2 => {
+            // router.py `sparsemixer_top2` raises the same
+            return Err(ConfigError::OutOfRange {
+                field: "args.moe_router_topk".into(),
+                got: moe.topk.to_string(),
+                expected: "2 with sparsemixer_topk (SparseMixer routes two experts)",
+            });
+        }
+        Some("sparsemixer_topk") => {
+            moe.sparsemixer = true;
+            ungrouped(&mut moe, false);
+            moe.topk_scale = None;
+        }
         Some(t) if !["aux_loss", "seq_aux_loss", "global_aux_loss", "none"].contains(&t) => {
             return Err(ConfigError::OutOfRange {
                 field: "args.moe_router_load_balancing_type".into(),
                 got: format!("{t:?}"),
-                expected: "aux_loss, seq_aux_loss, global_aux_loss, none, sinkhorn, softmax_topk or pai_megatron_aux_loss (the routings built)",
+                expected: "aux_loss, seq_aux_loss, global_aux_loss, none, sinkhorn, softmax_topk, sparsemixer_topk or pai_megatron_aux_loss (the routings built)",
             })
         }
         _ => {}
@@ -520,6 +535,12 @@ pub(super) fn moe_args(moe: Option<&Moe>, sublayers: usize) -> Vec<(&'static str
         (
             "moe_router_load_balancing_type",
             Value::Str("sinkhorn".into()),
+        )
+    }))
+    .chain(m.sparsemixer.then(|| {
+        (
+            "moe_router_load_balancing_type",
+            Value::Str("sparsemixer_topk".into()),
         )
     }))
     // the routing a softmax router's bias takes part in, renormalised or not
@@ -601,13 +622,25 @@ mod tests {
             rule(routed(2, "pai_megatron_aux_loss").unwrap().unwrap()),
             pai
         );
-        let err = routed(2, "sparsemixer_topk").unwrap_err().to_string();
+        // SparseMixer: its own top-2 of softmaxes, unscaled and ungrouped
+        let sparse = routed(2, "sparsemixer_topk").unwrap().unwrap();
+        assert!(sparse.sparsemixer);
+        assert_eq!(
+            rule(sparse),
+            (ScoreFunction::Softmax, false, None, None, false)
+        );
+        let err = routed(3, "sparsemixer_topk").unwrap_err().to_string();
+        assert!(err.contains("args.moe_router_topk"), "{err}");
+        let err = routed(2, "switch").unwrap_err().to_string();
         assert!(err.contains("args.moe_router_load_balancing_type"), "{err}");
-        // written back, a Sinkhorn-balanced model stays one
-        let args: Vec<(String, Value)> = (moe_args(routed(2, "sinkhorn").unwrap().as_ref(), 1))
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        assert!(moe_from_args(&args, 2, 64).unwrap().unwrap().sinkhorn);
+        // written back, a Sinkhorn-balanced (or SparseMixer) model stays one
+        for (balancing, is) in [("sinkhorn", 0), ("sparsemixer_topk", 1)] {
+            let args: Vec<(String, Value)> = (moe_args(routed(2, balancing).unwrap().as_ref(), 1))
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+            let m = moe_from_args(&args, 2, 64).unwrap().unwrap();
+            assert!([m.sinkhorn, m.sparsemixer][is], "{balancing}");
+        }
     }
 }

@@ -138,6 +138,8 @@ fn sharded_name(name: &str, te_norms: bool) -> String {
     let renamed = match local {
         "input_layernorm.weight" if te_norms => "self_attention.linear_qkv.layer_norm_weight",
         "pre_mlp_layernorm.weight" if te_norms => "mlp.linear_fc1.layer_norm_weight",
+        "input_layernorm.bias" if te_norms => "self_attention.linear_qkv.layer_norm_bias",
+        "pre_mlp_layernorm.bias" if te_norms => "mlp.linear_fc1.layer_norm_bias",
         s => s,
     };
     match renamed.split_once("mlp.experts.local_experts.0.") {

@@ -245,12 +245,12 @@ impl TorchDistCkpt {
         let vocab = self.cfg.vocab;
         match c.role {
             // the padding cut off in place (a copy would double the largest tensor)
-            Role::Embedding | Role::Output if t.shape[0] >= vocab => {
+            r if r.vocab_rows() && t.shape[0] >= vocab => {
                 t.data.truncate(vocab * t.row_bytes());
                 t.shape[0] = vocab;
                 Ok(t)
             }
-            Role::Embedding | Role::Output => gather_tp(c.role, &[t], vocab),
+            r if r.vocab_rows() => gather_tp(c.role, &[t], vocab),
             _ => Ok(t),
         }
     }

@@ -8,7 +8,7 @@
 //! caller's temporary output.
 
 use super::{keys, COMMON, METADATA, METADATA_JSON};
-use crate::arch::roles::{canonical, canonical_shape, Canon, Role};
+use crate::arch::roles::{canonical, canonical_shape, Canon};
 use crate::arch::ModelConfig;
 use crate::ckpt::config::{megatron_args, ParallelArgs};
 use crate::ckpt::layout::Parallel;
@@ -172,7 +172,7 @@ impl DistTarget<'_> {
     /// The global shape of canonical tensor `c` (the vocabulary padded).
     fn shape(&self, c: Canon, padded: usize) -> Vec<usize> {
         let mut shape = canonical_shape(self.cfg, c.role);
-        if matches!(c.role, Role::Embedding | Role::Output) {
+        if c.role.vocab_rows() {
             shape[0] = padded;
         }
         shape
@@ -219,9 +219,7 @@ impl DistTarget<'_> {
             for next in rx {
                 let (c, t) = next?;
                 let t = match c.role {
-                    Role::Embedding | Role::Output if t.shape[0] != padded => {
-                        t.rows_padded(0, padded)
-                    }
+                    r if r.vocab_rows() && t.shape[0] != padded => t.rows_padded(0, padded),
                     _ => t,
                 };
                 let p = keys::placement(self.cfg, c);

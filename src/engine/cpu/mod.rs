@@ -14,7 +14,7 @@ mod bf16_gemm;
 pub mod comm;
 mod gemm;
 mod loss;
-mod norm;
+pub(crate) mod norm;
 mod optim;
 mod qkv;
 mod rope;

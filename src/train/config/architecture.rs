@@ -129,6 +129,8 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
     for (flag, key) in [
         ("group-query-attention", "group_query_attention"),
         ("add-qkv-bias", "add_qkv_bias"),
+        ("add-dense-bias", "add_dense_bias"),
+        ("add-output-layer-bias", "add_output_layer_bias"),
         (
             "untie-embeddings-and-output-weights",
             "untie_embeddings_and_output_weights",
@@ -141,6 +143,9 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("mla-mm-split", "mla_mm_split"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
+    }
+    if let Some(n) = a.get("normalization") {
+        out.push(("normalization".into(), Value::Str(n.to_string())));
     }
     if let Some(t) = a.get("rope-scaling-type") {
         out.push(("rope_scaling_type".into(), Value::Str(t.to_string())));
@@ -179,8 +184,11 @@ fn comma_floats(flag: &str, list: &str) -> Result<Value> {
 /// Refuse architecture flags outside the LLaMA family.
 fn check_family_flags(a: &Args) -> Result<()> {
     check_spec(a)?;
-    if let Some(n) = a.get("normalization").filter(|n| *n != "RMSNorm") {
-        bail!("--normalization {n}: only RMSNorm (the LLaMA family) is implemented");
+    if let Some(n) = a
+        .get("normalization")
+        .filter(|n| !["RMSNorm", "LayerNorm"].contains(n))
+    {
+        bail!("--normalization {n}: RMSNorm and LayerNorm are implemented");
     }
     if let Some(p) = a.get("position-embedding-type").filter(|p| *p != "rope") {
         bail!("--position-embedding-type {p}: only rope is implemented");
@@ -193,11 +201,13 @@ fn check_family_flags(a: &Args) -> Result<()> {
 
 /// `--hidden-dropout` and `--attention-dropout` (Megatron's defaults: 0.1 each), `None` for
 /// 0, for a model of `model`'s layers and heads trained on `seq_length` positions (the
-/// bounds of the masks' keys, [`crate::engine::dropout`]).
+/// bounds of the masks' keys, [`crate::engine::dropout`], which the routers' draws
+/// `router_noise` share).
 pub(super) fn dropout_rates(
     a: &Args,
     model: &ModelConfig,
     seq_length: usize,
+    router_noise: (Option<f32>, bool),
 ) -> Result<(Option<Rate>, Option<Rate>)> {
     let mut rates = [None; 2];
     for (rate, flag) in rates
@@ -221,6 +231,10 @@ pub(super) fn dropout_rates(
     if let (Some((n, max, what)), true) = (over, hidden.or(attention).is_some()) {
         bail!("dropout's masks key at most {max} {what}, not {n}: pass --hidden-dropout 0 --attention-dropout 0");
     }
+    let routed = router_noise.0.is_some() || router_noise.1;
+    if let (Some((n, max, what)), true) = (over, routed) {
+        bail!("the MoE routers' random draws key at most {max} {what}, not {n}");
+    }
     Ok((hidden, attention))
 }
 
@@ -228,6 +242,7 @@ pub(super) fn dropout_rates(
 const SPECS: &[(&str, &str)] = &[
     ("mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"),
     BAILING_SPEC,
+    PHI35_MOE_SPEC,
     (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
     (DEEPSEEK_SPEC[0], DEEPSEEK_SPEC[1]),
     (LONGCAT_SPEC[0], LONGCAT_SPEC[1]),
@@ -236,18 +251,31 @@ const SPECS: &[(&str, &str)] = &[
 /// MindSpeed-LLM's Ling (Bailing) spec: the local spec whatever `--transformer-impl` says.
 const BAILING_SPEC: (&str, &str) = ("mindspeed_llm.tasks.models.spec.bailing_spec", "layer_spec");
 
+/// MindSpeed-LLM's Phi-3.5-MoE spec: megatron-core's local modules, its norms `PTNorm` (torch's
+/// LayerNorm or RMSNorm as `--normalization` says), its attention `SelfAttentionWithDenseBias`
+/// (linear_proj's bias as `--add-dense-bias` says), whatever `--transformer-impl` says
+/// (mindspeed_llm/tasks/models/spec/phi35_moe_spec.py).
+const PHI35_MOE_SPEC: (&str, &str) = (
+    "mindspeed_llm.tasks.models.spec.phi35_moe_spec",
+    "layer_spec",
+);
+
 /// Whether `--spec` names a spec that builds megatron-core's local modules (and so local
 /// checkpoint names) even with `--transformer-impl transformer_engine`.
 pub(super) fn spec_is_local_only(a: &Args) -> bool {
     a.list("spec").is_some_and(|s| {
-        [BAILING_SPEC, (MINIMAX_SPEC[0], MINIMAX_SPEC[1])]
-            .iter()
-            .any(|(m, f)| s == [m.to_string(), f.to_string()])
+        [
+            BAILING_SPEC,
+            PHI35_MOE_SPEC,
+            (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
+        ]
+        .iter()
+        .any(|(m, f)| s == [m.to_string(), f.to_string()])
     })
 }
 
 /// `--spec MODULE FUNCTION` (Megatron's custom layer spec): accepted where it builds what
-/// mindkit builds — MindSpeed-LLM's qwen3, bailing and minimax specs: the local spec (TE's with
+/// mindkit builds — MindSpeed-LLM's qwen3, bailing, phi35_moe and minimax specs: the local spec (TE's with
 /// qwen3's under `--transformer-impl transformer_engine`), with q/k norms as `--qk-layernorm`
 /// says (minimax's over all heads, `MinimaxAttention`) and the MoE layer of `--num-experts`
 /// (mindspeed_llm/tasks/models/spec/qwen3_spec.py, bailing_spec.py, minimax_spec.py) —, its

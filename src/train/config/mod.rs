@@ -93,6 +93,9 @@ pub struct TrainConfig {
     pub seed: u32,
     /// `--hidden-dropout`, `--attention-dropout` (`None`: 0).
     pub dropout: (Option<Rate>, Option<Rate>),
+    /// The MoE routers' draws in training: `--moe-input-jitter-eps`, and whether a router
+    /// samples its experts (SparseMixer, `--moe-router-load-balancing-type sparsemixer_topk`).
+    pub router_noise: (Option<f32>, bool),
     /// A mixture of experts' auxiliary losses (`None` for a dense model).
     pub aux_losses: Option<crate::model::AuxLosses>,
     /// `--mtp-loss-scaling-factor` (megatron-core's default 0.1): the multi-token prediction
@@ -554,7 +557,8 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             model.max_positions
         );
     }
-    let dropout = dropout_rates(a, &model, seq_length)?;
+    let router_noise = moe::router_noise(a, &model)?;
+    let dropout = dropout_rates(a, &model, seq_length, router_noise)?;
     moe::check_supported(a, &model)?;
     let micro_batch = positive(a, "micro-batch-size")?
         .ok_or_else(|| anyhow!("--micro-batch-size is required"))?;
@@ -728,6 +732,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         split,
         seed: a.parse_value::<u32>("seed")?.unwrap_or(1234),
         dropout,
+        router_noise,
         aux_losses,
         mtp_loss_scale: non_negative(a, "mtp-loss-scaling-factor")?.unwrap_or(0.1),
         grouped_experts,

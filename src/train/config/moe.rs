@@ -252,6 +252,13 @@ fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> 
             "whole experts under tensor parallelism (--expert-tensor-parallel-size 1): not built",
         ),
         "sinkhorn" if m.expert_bias => Some("--moe-router-enable-expert-bias: not built"),
+        // MindSpeed-LLM's sparsemixer_topk routes without dropping, whatever the capacity
+        "sparsemixer_topk" if capacity(a)?.is_some() => Some(
+            "token dropping (--moe-expert-capacity-factor): MindSpeed-LLM's SparseMixer drops none",
+        ),
+        "sparsemixer_topk" if m.expert_bias => {
+            Some("--moe-router-enable-expert-bias: SparseMixer routes by no bias")
+        }
         _ => None,
     };
     match refused {
@@ -372,6 +379,26 @@ pub(super) fn capacity(a: &Args) -> Result<Option<Capacity>> {
     }
 }
 
+/// The routers' draws in training: `--moe-input-jitter-eps` (megatron-core router.py
+/// `apply_input_jitter`: the router's input times U(1 − ε, 1 + ε), its experts' input as it
+/// was), and whether the routers sample their experts (SparseMixer).
+pub(super) fn router_noise(a: &Args, model: &ModelConfig) -> Result<(Option<f32>, bool)> {
+    let eps = a.parse_value::<f64>("moe-input-jitter-eps")?;
+    let Some(m) = &model.moe else {
+        if let Some(e) = eps {
+            bail!("--moe-input-jitter-eps {e} without --num-experts: there is no router to jitter");
+        }
+        return Ok((None, false));
+    };
+    let jitter = match eps {
+        Some(e) if !(e.is_finite() && (0.0..1.0).contains(&e)) => {
+            bail!("--moe-input-jitter-eps {e}: must lie in [0, 1)")
+        }
+        e => e.map(|e| e as f32),
+    };
+    Ok((jitter, m.sparsemixer))
+}
+
 /// `--moe-router-bias-update-rate` (default 1e-3, megatron/training/arguments.py).
 pub(super) fn bias_update_rate(a: &Args) -> Result<f64> {
     match a.parse_value::<f64>("moe-router-bias-update-rate")? {
@@ -403,10 +430,11 @@ pub(super) fn aux_losses(
         "seq_aux_loss" => Balancing::SeqAux,
         // MindSpeed-LLM's --seq-aux adds a loss to `none` only (router.py `topk_router_routing`)
         "none" if a.has("seq-aux") => Balancing::SeqComplementary,
-        // Sinkhorn balances in the routing itself; MindSpeed-LLM's softmax_topk has no loss
-        "none" | "sinkhorn" | "softmax_topk" => Balancing::None,
+        // Sinkhorn balances in the routing itself;
+        // MindSpeed-LLM's softmax_topk and sparsemixer_topk have no loss
+        "none" | "sinkhorn" | "softmax_topk" | "sparsemixer_topk" => Balancing::None,
         other => bail!(
-            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk and pai_megatron_aux_loss are built"
+            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk, sparsemixer_topk and pai_megatron_aux_loss are built"
         ),
     };
     if balancing == Balancing::SeqComplementary && capacity(a)?.is_some() {

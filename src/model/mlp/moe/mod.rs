@@ -23,11 +23,13 @@ mod spread;
 
 use super::dense::{SwiGlu, SwiGluSaved};
 use crate::arch::moe::{
-    route, route_grad, routes_by_softmax_topk, sigmoid, sinkhorn_choice, weigh,
+    route, route_grad, routes_by_softmax_topk, sigmoid, sinkhorn_choice, sparsemixer, weigh,
     weigh_probabilities, Moe as Experts, Routed,
 };
 use crate::arch::roles::{Canon, Role};
+use crate::engine::dropout::{router_uniforms, RouterDraw};
 use crate::engine::{Backend, EngineError, Result};
+use crate::model::dropout::rows_here;
 use crate::model::parallel::{gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
@@ -39,6 +41,8 @@ use std::ops::Range;
 /// The parameters of one MoE layer.
 #[derive(Debug, Clone)]
 pub(in crate::model) struct Moe {
+    /// Its layer's index in the whole model.
+    layer: usize,
     /// The router `[E, h]` and its expert bias `[E]` (f32).
     router: usize,
     bias: Option<usize>,
@@ -53,6 +57,9 @@ pub(in crate::model) struct Moe {
 pub(in crate::model) struct Saved<T> {
     /// The normed input `[T, h]`.
     h: T,
+    /// In training with `--moe-input-jitter-eps`, the router's jittered input `[T, h]` and the
+    /// jitter's factors (f32, row-major `[T, h]`).
+    jitter: Option<(T, Vec<f32>)>,
     /// Each of this rank's rows' summed weights of its zero-computation experts `[T]` (f32).
     zero: Option<T>,
     /// The router's logits of all M rows (f32, row-major `[M, E]`) and every row's route.
@@ -105,6 +112,7 @@ impl Moe {
         let shared = SwiGlu::of(table, (Role::SharedFc1, Role::SharedFc2), layer)
             .map(|s| (s, at(Role::SharedGate)));
         Some(Moe {
+            layer,
             router,
             bias,
             experts,
@@ -165,16 +173,54 @@ impl Moe {
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let b = p.b;
         let local = b.download_f32(&self.router_logits(p, h)?)?;
-        let group = match p.tp.filter(|tp| tp.sequence_parallel) {
-            Some(tp) => tp.group.all_gather_f32(&local)?,
-            None => local.clone(),
-        };
         let width = b.shape(&p.params[self.router])[0];
-        let routed = match p.spec.experts_whole {
-            true => local,
-            false => group.clone(),
+        spread_rows(p, local, width, spread)
+    }
+
+    /// The router's input in training with `--moe-input-jitter-eps ε`: this rank's rows `h`
+    /// times factors drawn from U(1 − ε, 1 + ε) in `h`'s dtype (megatron-core router.py
+    /// `apply_input_jitter`), and the factors; `None` otherwise.
+    fn jittered<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        h: &B::Tensor,
+    ) -> Result<Option<(B::Tensor, Vec<f32>)>> {
+        let (Some(eps), Some(rows)) = (p.dropout.and_then(|d| d.jitter), rows_here(p)) else {
+            return Ok(None);
         };
-        Ok((spread.gather_f32(p.ep, routed, width)?, group))
+        let (b, dtype) = (p.b, p.b.dtype(h));
+        let width = b.shape(h)[1..].iter().product();
+        let (low, high) = (dtype.round(1.0 - eps), dtype.round(1.0 + eps));
+        let seed = p.dropout.map_or(0, |d| d.seed);
+        let factors: Vec<f32> = (rows.iter())
+            .flat_map(|&at| router_uniforms(seed, self.layer, RouterDraw::Jitter, at, width))
+            .map(|u| dtype.round(low + dtype.round(u) * (high - low)))
+            .collect();
+        let x = b.download_f32(h)?;
+        let product: Vec<f32> = x.iter().zip(&factors).map(|(x, f)| x * f).collect();
+        let jittered = b.cast(&b.upload_f32(b.shape(h), &product)?, dtype)?;
+        Ok(Some((jittered, factors)))
+    }
+
+    /// SparseMixer's draws in training for all M rows (spread as `spread` says), each row's
+    /// [`sparsemixer::draws`]: this rank's rows' drawn where they sit, gathered as the logits.
+    fn sparse_draws<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        spread: &Spread,
+        width: usize,
+    ) -> Result<Vec<f32>> {
+        let (Some(d), Some(rows)) = (p.dropout, rows_here(p)) else {
+            return Err(EngineError::Invalid {
+                op: "moe",
+                msg: "SparseMixer trains without its rows' places".into(),
+            });
+        };
+        let n = sparsemixer::draws(width);
+        let local: Vec<f32> = (rows.iter())
+            .flat_map(|&at| router_uniforms(d.seed, self.layer, RouterDraw::SparseMixer, at, n))
+            .collect();
+        Ok(spread_rows(p, local, n, spread)?.0)
     }
 
     /// The routes of the rows `h` by the backend's top-k of the router's softmax
@@ -222,10 +268,12 @@ impl Moe {
             r.weights.iter_mut().for_each(|w| *w = dtype.round(*w));
             r
         };
+        let jitter = self.jittered(p, &h)?;
+        let router_in = jitter.as_ref().map_or(&h, |(j, _)| j);
         let (logits, group_logits, routes) = match self.gated(p, cfg, &h)? {
             Some(routes) => (Vec::new(), Vec::new(), routes),
             None => {
-                let (logits, group_logits) = self.logits(p, &h, &spread)?;
+                let (logits, group_logits) = self.logits(p, router_in, &spread)?;
                 let routes = (logits.chunks(e_count))
                     .map(|l| route(cfg, l, bias.as_deref()))
                     .collect();
@@ -247,6 +295,17 @@ impl Moe {
                 {
                     routes[r] = rounded(weigh(cfg, row(r), experts));
                 }
+            }
+        }
+        if cfg.sparsemixer && p.aux.is_some() {
+            // training's choice: sampled
+            let (draws, n) = (
+                self.sparse_draws(p, &spread, e_count)?,
+                sparsemixer::draws(e_count),
+            );
+            let rows = logits.chunks(e_count).zip(draws.chunks(n));
+            for (route, (row, u)) in routes.iter_mut().zip(rows) {
+                *route = rounded(sparsemixer::route(row, Some(u)));
             }
         }
         let kept = kept(p, cfg, &routes, &calls);
@@ -301,6 +360,7 @@ impl Moe {
         };
         let saved = Saved {
             h,
+            jitter,
             zero,
             logits,
             routes,
@@ -415,24 +475,54 @@ impl Moe {
             dlogits.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
         }
         let router = self.router;
+        let router_in = s.jitter.as_ref().map_or(&s.h, |(j, _)| j);
         let (h, w) = match p.spec.router_f32 && b.dtype(&s.h) != DType::F32 {
             true => self
-                .router_operands(p, &s.h)
+                .router_operands(p, router_in)
                 .map(|(h, w)| (Some(h), Some(w)))?,
             false => (None, None),
         };
         let (h32, w32) = (
-            h.as_ref().unwrap_or(&s.h),
+            h.as_ref().unwrap_or(router_in),
             w.as_ref().unwrap_or(&p.params[router]),
         );
-        let dh = linear_grad(p, grads, (&dlogits, h32), (router, w32))?;
-        b.add_assign(&mut dx, &b.cast(&dh, b.dtype(&s.h))?)?;
+        let mut dh = b.cast(
+            &linear_grad(p, grads, (&dlogits, h32), (router, w32))?,
+            b.dtype(&s.h),
+        )?;
+        if let Some((_, factors)) = &s.jitter {
+            // through the jitter: times its factors, in the input's dtype
+            let scaled: Vec<f32> = (b.download_f32(&dh)?.iter().zip(factors))
+                .map(|(d, f)| d * f)
+                .collect();
+            dh = b.cast(&b.upload_f32(b.shape(&dh), &scaled)?, b.dtype(&s.h))?;
+        }
+        b.add_assign(&mut dx, &dh)?;
         if let Some((g, dsig)) = dgate {
             let dh = linear_grad(p, grads, (&dsig, &s.h), (g, &p.params[g]))?;
             b.add_assign(&mut dx, &dh)?;
         }
         Ok(dx)
     }
+}
+
+/// Per-row values `local` (f32, `width` each) of this rank's rows gathered as the router's
+/// logits are: all M rows (spread as `spread` says), and its tensor-parallel group's N rows.
+fn spread_rows<B: Backend>(
+    p: &Pass<B>,
+    local: Vec<f32>,
+    width: usize,
+    spread: &Spread,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let group = match p.tp.filter(|tp| tp.sequence_parallel) {
+        Some(tp) => tp.group.all_gather_f32(&local)?,
+        None => local.clone(),
+    };
+    let routed = match p.spec.experts_whole {
+        true => local,
+        false => group.clone(),
+    };
+    Ok((spread.gather_f32(p.ep, routed, width)?, group))
 }
 
 /// `dh [T, h]` of `y = h·Wᵀ` given `dy` (f32 values on the host, `[T, rows of W]`, taken in
