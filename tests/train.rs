@@ -4194,6 +4194,53 @@ fn zero_computation_experts_train_over_tensor_expert_and_pipeline_ranks_as_one_r
 }
 
 #[test]
+fn sparsemixer_with_input_jitter_trains_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // Phi-3.5-MoE's routing and layer: SparseMixer top-2, jittered router input, LayerNorm
+    // with the dense and output-layer biases
+    let phi = "--moe-router-load-balancing-type sparsemixer_topk --moe-input-jitter-eps 0.01 \
+               --normalization LayerNorm --add-qkv-bias --add-dense-bias --add-output-layer-bias \
+               --untie-embeddings-and-output-weights --eval-interval 3 --eval-iters 1";
+    let one = stdout(&moe_train(&data, phi).success());
+    // no load-balancing loss, the z-loss is kept
+    let lines = iterations(&one);
+    assert!(
+        lines.iter().all(|l| !l.contains("load_balancing_loss")),
+        "{one}"
+    );
+    assert!(field(&one, "z_loss").iter().all(|&z| z > 0.0), "{one}");
+    // the draws are the seed's: another seed trains otherwise, so does the run without jitter
+    let seeded = stdout(&moe_train(&data, &format!("{phi} --seed 7")).success());
+    assert_ne!(field(&one, "lm loss"), field(&seeded, "lm loss"));
+    let still = phi.replace("--moe-input-jitter-eps 0.01", "");
+    let still = stdout(&moe_train(&data, &still).success());
+    assert_ne!(field(&one, "lm loss"), field(&still, "lm loss"));
+    for layout in [
+        "--tensor-model-parallel-size 2 --sequence-parallel",
+        "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer",
+        "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+        "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2",
+    ] {
+        let what = format!("{phi} {layout}");
+        same_training(
+            &one,
+            &stdout(&moe_train(&data, &what).success()),
+            1e-5,
+            &what,
+        );
+    }
+    for (extra, refusal) in [
+        ("--moe-router-topk 3", "args.moe_router_topk"),
+        ("--moe-expert-capacity-factor 1", "token dropping"),
+        ("--moe-input-jitter-eps 1.5", "must lie in [0, 1)"),
+    ] {
+        let err = stderr(&moe_train(&data, &format!("{phi} {extra}")).failure());
+        assert!(err.contains(refusal), "{extra}: {err}");
+    }
+}
+
+#[test]
 fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

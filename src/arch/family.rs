@@ -76,6 +76,12 @@ pub struct Family {
     /// Whether its attention is multi-latent attention (`q_a_proj`, `kv_a_proj_with_mqa`, …;
     /// [`crate::arch::Mla`]) rather than grouped-query attention.
     pub mla: bool,
+    /// Its norms are LayerNorms with a bias (`input_layernorm.bias`, …; Phi-3.5-MoE's
+    /// `nn.LayerNorm`), not RMSNorms.
+    pub layer_norm: bool,
+    /// The `config.json` key giving `lm_head` a bias (Phi-3.5-MoE's `lm_head_bias`), when the
+    /// family has one.
+    pub lm_head_bias: Option<&'static str>,
     /// How a mixture-of-experts family names its experts; `None` for dense families.
     pub moe: Option<MoeNames>,
     /// LongCat-Flash's layer ([`crate::arch::ModelConfig::paired`]): `config.json` counts
@@ -169,6 +175,9 @@ pub struct MoeNames {
     /// The `config.json` key of the zero-computation experts' count, when the family has them
     /// (LongCat-Flash's `zero_expert_num`: they return a token's input times its weight).
     pub zero_key: Option<&'static str>,
+    /// Its router routes by SparseMixer's top-2 ([`crate::arch::moe::sparsemixer`];
+    /// Phi-3.5-MoE's `sparsemixer`), its score function and normalisation aside.
+    pub sparsemixer: bool,
 }
 
 /// Qwen2-MoE and Qwen3-MoE name their experts alike.
@@ -188,6 +197,7 @@ const QWEN_MOE: MoeNames = MoeNames {
     router: "gate",
     topk_key: "num_experts_per_tok",
     zero_key: None,
+    sparsemixer: false,
 };
 
 /// Every supported family.
@@ -205,6 +215,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -221,6 +233,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -237,6 +251,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -253,6 +269,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -269,6 +287,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -285,6 +305,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -301,6 +323,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -318,6 +342,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: None,
     },
@@ -334,6 +360,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Yes,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: Some(QWEN_MOE),
     },
@@ -350,6 +378,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: Some(MoeNames {
             shared: Some(SharedNames {
@@ -373,6 +403,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::No,
         partial_rotary: false,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: Some(MoeNames {
             block: "block_sparse_moe",
@@ -382,6 +414,35 @@ pub const FAMILIES: &[Family] = &[
             norm_topk: TopkNorm::Always,
             layers: MoeLayers::All,
             shared: None,
+            ..QWEN_MOE
+        }),
+    },
+    Family {
+        name: "phimoe",
+        aliases: &["phi35_moe", "phi3.5-moe", "phi-3.5-moe"],
+        model_types: &["phimoe"],
+        architecture: "PhimoeForCausalLM",
+        qkv: QkvStyle::Separate,
+        // transformers' PhimoeConfig: attention_bias (q/k/v and o_proj) off by default
+        bias_key: Some("attention_bias"),
+        bias_default: false,
+        out_bias: OutBias::WithQkv,
+        always_qkv_bias: false,
+        qk_norm: QkNorm::No,
+        partial_rotary: false,
+        mla: false,
+        layer_norm: true,
+        lm_head_bias: Some("lm_head_bias"),
+        paired: false,
+        moe: Some(MoeNames {
+            block: "block_sparse_moe",
+            expert: ["w1", "w3", "w2"],
+            experts_key: "num_local_experts",
+            ffn_key: "intermediate_size",
+            norm_topk: TopkNorm::Never,
+            layers: MoeLayers::All,
+            shared: None,
+            sparsemixer: true,
             ..QWEN_MOE
         }),
     },
@@ -398,6 +459,8 @@ pub const FAMILIES: &[Family] = &[
         qk_norm: QkNorm::Key("use_qk_norm"),
         partial_rotary: true,
         mla: false,
+        layer_norm: false,
+        lm_head_bias: None,
         paired: false,
         moe: Some(DEEPSEEK_MOE),
     },
@@ -443,6 +506,8 @@ const DEEPSEEK_V3: Family = Family {
     qk_norm: QkNorm::Yes,
     partial_rotary: false,
     mla: true,
+    layer_norm: false,
+    lm_head_bias: None,
     paired: false,
     moe: Some(DEEPSEEK_MOE),
 };

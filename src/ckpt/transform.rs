@@ -76,6 +76,10 @@ fn decoder_hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         Role::Output => one(hf::LM_HEAD.into()),
         Role::InputNorm => one(hf::layer(l, hf::INPUT_NORM)),
         Role::PostNorm => one(hf::layer(l, hf::POST_NORM)),
+        Role::InputNormBias => one(hf::layer(l, &bias_of(hf::INPUT_NORM))),
+        Role::PostNormBias => one(hf::layer(l, &bias_of(hf::POST_NORM))),
+        Role::FinalNormBias => one(bias_of(hf::FINAL_NORM)),
+        Role::OutputBias => one(bias_of(hf::LM_HEAD)),
         Role::Qkv => qkv("weight", qkv_rows, &[h]),
         Role::QkvBias => qkv("bias", qkv_rows, &[]),
         Role::Proj => one(hf::layer(l, &format!("{}.weight", hf::O_PROJ))),
@@ -114,6 +118,11 @@ fn decoder_hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         }
         role => moe_parts(cfg, l, role),
     }
+}
+
+/// The bias beside HF weight `name` (`….weight` → `….bias`).
+fn bias_of(name: &str) -> String {
+    format!("{}.bias", name.trim_end_matches(".weight"))
 }
 
 /// The HF tensors of an MoE block's role in layer `l` (`{block}.gate`, `{block}.experts.{e}.*`,

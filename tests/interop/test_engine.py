@@ -89,6 +89,53 @@ def test_moe_logits_and_greedy_decoding_match_transformers(family, tmp_path):
     assert (got["steps"] - steps).abs().max().item() <= 1e-5
 
 
+def tiny_phimoe(out):
+    """A seeded tiny Phi-3.5-MoE (transformers' PhimoeForCausalLM: LayerNorms, q/k/v, o_proj and
+    lm_head biases, 4 experts routed by SparseMixer top-2), every bias and norm β random."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+    torch.manual_seed(21)
+    cfg = PhimoeConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                       lm_head_bias=True, rope_scaling=None, tie_word_embeddings=False,
+                       attention_dropout=0.0, bos_token_id=1, eos_token_id=2)
+    model = PhimoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "layernorm" in name or name.startswith("model.norm"):
+                p.normal_(mean=1.0 if name.endswith(".weight") else 0.0, std=0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return model.eval()
+
+
+def test_phimoe_logits_and_decoding_match_transformers(mindkit, tmp_path):
+    """A tiny Phi-3.5-MoE (LayerNorms, attention and lm_head biases, SparseMixer top-2 routing
+    outside training): prefill logits and KV-cached decoding steps equal transformers' (fp32),
+    from the HF directory and from its Megatron conversions over TP 2 × EP 2 (megatron-core's
+    SequentialMLP names) and PP 2 with grouped experts; the Megatron checkpoint converts back
+    to the HF bytes."""
+    model_dir = tmp_path / "phimoe"
+    model = tiny_phimoe(model_dir)
+    ids = torch.randint(0, 250, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    prefill, steps, tokens = hf_greedy(model, ids, 8)
+    ck, grouped = tmp_path / "megatron", tmp_path / "grouped"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", ck, "--tp", "2",
+            "--ep", "2")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", grouped, "--pp", "2",
+            "--moe-grouped-gemm")
+    for source in (model_dir, ck, grouped):
+        got = mindkit_logits(source, ids, 8, tmp_path / "logits.safetensors")
+        assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
+        assert got["generated"].tolist() == tokens, source
+        assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
+    back = tmp_path / "back"
+    mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
+    want, got = load_file(str(model_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_direct", "deepseek_v2"])
 def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, family, tmp_path):
     """Tiny DeepSeek-V3s (multi-latent attention with a query latent and YaRN RoPE, or queries

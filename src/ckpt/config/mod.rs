@@ -382,8 +382,11 @@ impl ModelConfig {
             tied: json_bool(cfg, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias: bias || family.always_qkv_bias,
             proj_bias: out_bias,
-            layer_norm: false,
-            output_bias: false,
+            layer_norm: family.layer_norm,
+            output_bias: match family.lm_head_bias {
+                Some(key) => json_bool(cfg, key)?.unwrap_or(false),
+                None => false,
+            },
             qk_norm,
             qk_norm_per_layer: false,
             mla,
@@ -443,6 +446,9 @@ impl ModelConfig {
         if let QkNorm::Key(key) = self.family.qk_norm {
             cfg[key] = self.qk_norm.into();
         }
+        if let Some(key) = self.family.lm_head_bias {
+            cfg[key] = self.output_bias.into();
+        }
         if self.family.partial_rotary {
             cfg["partial_rotary_factor"] = (self.rotary_dim as f64 / self.head_dim as f64).into();
         }
@@ -491,15 +497,20 @@ impl ModelConfig {
                 self.family.name
             );
         }
-        if self.layer_norm || self.output_bias {
+        if self.layer_norm != self.family.layer_norm {
             bail!(
-                "cannot write this model in Hugging Face format as {}: {} no family built here \
-                 has (Phi-3.5-MoE's phimoe is not yet); keep it in Megatron format",
+                "cannot write this model in Hugging Face format as {}: its norms are {}, the \
+                 family's {}",
                 self.family.name,
-                match self.layer_norm {
-                    true => "its norms are LayerNorms, which",
-                    false => "its output layer has a bias, which",
-                }
+                norm_name(self.layer_norm),
+                norm_name(self.family.layer_norm)
+            );
+        }
+        if self.output_bias && self.family.lm_head_bias.is_none() {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its output layer has a \
+                 bias, which the family's lm_head has not",
+                self.family.name
             );
         }
         if self.qk_norm_per_layer {
@@ -568,6 +579,14 @@ impl ModelConfig {
         }
 
         self.check_hf()
+    }
+}
+
+/// How a model's norms read in an error.
+fn norm_name(layer_norm: bool) -> &'static str {
+    match layer_norm {
+        true => "LayerNorms",
+        false => "RMSNorms",
     }
 }
 
@@ -899,6 +918,7 @@ impl ModelConfig {
             (None, None) if qk_norm => family::by_name("qwen3")?,
             (None, None) if qkv_bias && !add_bias => family::by_name("qwen2")?,
             (None, None) => family::by_name("llama")?,
+            (None, Some(m)) if m.sparsemixer => family::by_name("phimoe")?,
             (None, Some(_)) if qk_norm => family::by_name("qwen3_moe")?,
             (None, Some(_)) if qkv_bias && !add_bias => family::by_name("qwen2_moe")?,
             (None, Some(_)) => family::by_name("mixtral")?,

@@ -8,7 +8,7 @@ use super::{
     json_positive, json_required_count, ConfigError, FieldResult,
 };
 use crate::arch::family::{Family, MoeLayers, MoeNames, SharedSize, TopkNorm};
-use crate::arch::moe::{LayerFreq, Moe, ScoreFunction};
+use crate::arch::moe::{sparsemixer, LayerFreq, Moe, ScoreFunction};
 use crate::ckpt::torch::pickle::Value;
 use serde_json::{json, Value as Json};
 
@@ -25,6 +25,9 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
     };
     let topk = json_required_count(cfg, names.topk_key)?;
     check_topk(topk, experts, names.topk_key)?;
+    if names.sparsemixer {
+        check_sparsemixer(cfg, topk, names.topk_key)?;
+    }
     if super::json_str(cfg, "topk_method")? == Some("group_limited_greedy") {
         // DeepSeek-V2 scores a group by its best expert, megatron-core by its best topk/groups
         let groups = json_count(cfg, "n_group")?.unwrap_or(1);
@@ -76,7 +79,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         shared_ffn,
         shared_gate: shared_ffn.is_some() && names.shared.as_ref().is_some_and(|s| s.gated),
         score: names.score,
-        pre_softmax: names.score == ScoreFunction::Softmax && !normalised,
+        pre_softmax: names.score == ScoreFunction::Softmax && !normalised && !names.sparsemixer,
         topk_scale: match names.scaling_key {
             Some(key) => json_positive(cfg, key)?.filter(|&s| s != 1.0),
             None => None,
@@ -87,8 +90,30 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
         // a softmax router's bias takes part in the choice (LongcatFlashTopkRouter)
         softmax_bias: names.expert_bias.is_some() && names.score == ScoreFunction::Softmax,
         sinkhorn: false,
-        sparsemixer: false,
+        sparsemixer: names.sparsemixer,
     }))
+}
+
+/// A SparseMixer router's `config.json` (transformers' `PhimoeConfig`): top-2, and its
+/// threshold `router_jitter_noise` the ε MindSpeed-LLM routes by
+/// ([`crate::arch::moe::sparsemixer::EPS`]).
+fn check_sparsemixer(cfg: &Json, topk: usize, topk_key: &str) -> FieldResult<()> {
+    if topk != 2 {
+        return Err(ConfigError::OutOfRange {
+            field: topk_key.into(),
+            got: topk.to_string(),
+            expected: "2 (SparseMixer routes two experts)",
+        });
+    }
+    let eps = json_field(cfg, "router_jitter_noise", "a number", Json::as_f64)?;
+    match eps {
+        Some(e) if (e as f32 - sparsemixer::EPS).abs() > 1e-9 => Err(ConfigError::OutOfRange {
+            field: "router_jitter_noise".into(),
+            got: e.to_string(),
+            expected: "0.01: SparseMixer's threshold as MindSpeed-LLM routes by it",
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Group-limited routing from `config.json` (`None` for one group). transformers scores a group
@@ -158,16 +183,25 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
         (Some((_, kept)), Some(_)) => kept > 0 && moe.topk / kept == 2,
         (Some(_), None) => false,
     };
-    let routing = moe.score != names.score
+    if moe.sparsemixer != names.sparsemixer {
+        return Some(format!(
+            "{}'s router {} SparseMixer; this model's {}",
+            family.name,
+            if names.sparsemixer { "is" } else { "is not" },
+            if moe.sparsemixer { "is" } else { "is not" },
+        ));
+    }
+    let routing = !names.sparsemixer && moe.score != names.score
         || moe.softmax_bias
             != (names.expert_bias.is_some() && names.score == ScoreFunction::Softmax)
         || (moe.topk_scale.is_some() && names.scaling_key.is_none())
         || !groups_fit
-        || match names.norm_topk {
-            TopkNorm::Key(_) => false,
-            TopkNorm::Always => moe.pre_softmax,
-            TopkNorm::Never => !moe.pre_softmax,
-        };
+        || !names.sparsemixer
+            && match names.norm_topk {
+                TopkNorm::Key(_) => false,
+                TopkNorm::Always => moe.pre_softmax,
+                TopkNorm::Never => !moe.pre_softmax,
+            };
     if routing {
         return Some(format!(
             "{}'s router takes {} scores{}{}{}; this model routes otherwise (score function {}, \
@@ -309,6 +343,10 @@ pub(super) fn moe_to_hf(moe: &Moe, family: &Family, cfg: &mut Json) {
     }
     if let Some(key) = names.scaling_key {
         cfg[key] = moe.topk_scale.unwrap_or(1.0).into();
+    }
+    if names.sparsemixer {
+        cfg["router_jitter_noise"] = f64::from(sparsemixer::EPS).into();
+        cfg["input_jitter_noise"] = 0.0.into();
     }
     if let Some((groups, kept)) = names.group_keys {
         let (g, k) = moe.group_limit.unwrap_or((1, 1));
