@@ -112,7 +112,13 @@ fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
         .filter(|&l| m.is_moe_layer(l))
         .map(|l| l / s)
         .collect();
-    let mut routing = if m.pre_softmax {
+    let mut routing = if m.sparsemixer {
+        format!(
+            "SparseMixer top-{} (ε {}, sampled in training)",
+            m.topk,
+            crate::arch::moe::sparsemixer::EPS
+        )
+    } else if m.pre_softmax {
         format!("{} over all, top-{}", m.score.name(), m.topk)
     } else {
         format!("top-{} renormalised ({})", m.topk, m.score.name())

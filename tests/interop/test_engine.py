@@ -128,6 +128,9 @@ def test_phimoe_logits_and_decoding_match_transformers(mindkit, tmp_path):
         assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
         assert got["generated"].tolist() == tokens, source
         assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
+    info = subprocess.run([BIN, "ckpt", "info", ck], capture_output=True, text=True,
+                          check=True).stdout
+    assert "norms LayerNorm" in info and "SparseMixer top-2" in info, info
     back = tmp_path / "back"
     mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
     want, got = load_file(str(model_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
