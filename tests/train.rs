@@ -3538,10 +3538,16 @@ fn moe_on_the_npu_stand_in_matches_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     // the biased sigmoid routing with a multi-token prediction depth after the decoder;
-    // LongCat-Flash's zero-computation experts
+    // LongCat-Flash's zero-computation experts;
     let zero = "--num-zero-experts 2 --moe-router-load-balancing-type softmax_topk \
         --moe-aux-loss-coeff 0 --moe-router-enable-expert-bias";
-    for routing in ["", &format!("{SIGMOID_BIASED} --mtp-num-layers 1"), zero] {
+    // Phi-3.5-MoE's: SparseMixer sampling, input jitter, LayerNorm (on the host) and biases
+    for routing in [
+        "",
+        &format!("{SIGMOID_BIASED} --mtp-num-layers 1"),
+        zero,
+        PHI35_MOE,
+    ] {
         let flags: Vec<&str> = ["--train-iters", "4"]
             .into_iter()
             .chain(routing.split_whitespace())
@@ -4193,15 +4199,19 @@ fn zero_computation_experts_train_over_tensor_expert_and_pipeline_ranks_as_one_r
     assert!(err.contains("token dropping"), "{err}");
 }
 
+/// Phi-3.5-MoE's routing and layer (MindSpeed-LLM's phi35_moe script): SparseMixer top-2, the
+/// router's input jittered, LayerNorm with the dense and output-layer biases.
+const PHI35_MOE: &str = "--moe-router-load-balancing-type sparsemixer_topk \
+    --moe-input-jitter-eps 0.01 --normalization LayerNorm --add-qkv-bias --add-dense-bias \
+    --add-output-layer-bias --untie-embeddings-and-output-weights";
+
 #[test]
 fn sparsemixer_with_input_jitter_trains_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
     // Phi-3.5-MoE's routing and layer: SparseMixer top-2, jittered router input, LayerNorm
     // with the dense and output-layer biases
-    let phi = "--moe-router-load-balancing-type sparsemixer_topk --moe-input-jitter-eps 0.01 \
-               --normalization LayerNorm --add-qkv-bias --add-dense-bias --add-output-layer-bias \
-               --untie-embeddings-and-output-weights --eval-interval 3 --eval-iters 1";
+    let phi = &format!("{PHI35_MOE} --eval-interval 3 --eval-iters 1")[..];
     let one = stdout(&moe_train(&data, phi).success());
     // no load-balancing loss, the z-loss is kept
     let lines = iterations(&one);
