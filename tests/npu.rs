@@ -308,6 +308,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "softmax_topk",
         "permute",
         "unpermute",
+        "layer_norm",
+        "layer_norm_bwd",
     ] {
         assert!(
             table
@@ -329,6 +331,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "aclnnMoeTokenPermute",
         "aclnnMoeTokenPermuteGrad",
         "aclnnMoeGatingTopKSoftmax",
+        "aclnnLayerNorm",
+        "aclnnLayerNormBackward",
     ];
     assert!(
         fused
@@ -593,6 +597,22 @@ fn without_moe_permutation_kernels_tokens_move_by_index_gathers_and_adds() {
     let checks = ["permute", "unpermute"];
     let used = ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"];
     falls_back(&["aclnnMoeTokenPermute"], instead, &checks, &used);
+}
+
+#[test]
+fn without_layer_norm_kernels_the_rows_are_normed_on_the_host() {
+    falls_back(
+        &["aclnnLayerNorm"],
+        "the rows read back and normed on the host",
+        &["layer_norm", "layer_norm_bwd"],
+        &["aclnnLayerNormBackward"],
+    );
+    falls_back(
+        &["aclnnLayerNormBackward"],
+        "the rows read back and differentiated on the host",
+        &["layer_norm_bwd"],
+        &["aclnnLayerNorm"],
+    );
 }
 
 #[test]

@@ -3567,6 +3567,9 @@ fn moe_on_the_npu_stand_in_matches_the_cpu() {
         let ran = |op: &str| counted["ops"].get(op).is_some();
         let summed = routing == zero || ran("aclnnMoeTokenPermuteGrad");
         assert!(ran("aclnnMoeTokenPermute") && summed, "{counted}");
+        // Phi-3.5-MoE's LayerNorms on aclnnLayerNorm and its backward
+        let normed = ran("aclnnLayerNorm") && ran("aclnnLayerNormBackward");
+        assert_eq!(routing == PHI35_MOE, normed, "{counted}");
     }
     // Two expert-parallel ranks, one stand-in NPU each: their rows gathered and scattered back
     // over the stand-in's HCCL.

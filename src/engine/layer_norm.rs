@@ -1,9 +1,9 @@
-//! LayerNorm (`--normalization LayerNorm`; Phi-3.5-MoE's `nn.LayerNorm`) on the host, every
-//! backend's [`super::Backend::layer_norm`] and [`super::Backend::layer_norm_bwd`]: the rows
-//! read back, normalised in f32 ([`super::cpu::norm`], as `torch.nn.LayerNorm` computes a
-//! bf16 input) and written back in the input's dtype. A model normalises `[T, h]` once
-//! before each attention and MLP, small beside their products; aclnnLayerNorm is not wired
-//! on the NPU yet.
+//! LayerNorm (`--normalization LayerNorm`; Phi-3.5-MoE's `nn.LayerNorm`) on the host: the
+//! default [`super::Backend::layer_norm`] and [`super::Backend::layer_norm_bwd`] (the CPU's,
+//! and the NPU's where CANN lacks aclnnLayerNorm or its backward): the rows read back,
+//! normalised in f32 ([`super::cpu::norm`], as `torch.nn.LayerNorm` computes a bf16 input)
+//! and written back in the input's dtype. A model normalises `[T, h]` once before each
+//! attention and MLP, small beside their products.
 
 use super::cpu::norm;
 use super::{check, Backend, Result};

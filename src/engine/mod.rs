@@ -213,6 +213,8 @@ pub enum Op {
     EmbeddingBwd,
     RmsNorm,
     RmsNormBwd,
+    LayerNorm,
+    LayerNormBwd,
     Matmul,
     MatmulBwd,
     /// Grouped matmul and its backward (an MoE layer's experts).
@@ -353,7 +355,7 @@ pub trait Backend: Device {
     /// `y = (x − μ)·rstd·γ + β` over each row of `x [n, |γ|]`, μ the row's mean and
     /// `rstd = 1/√(var + eps)` (the biased variance), in f32 and stored in `x`'s dtype; with
     /// the rows' means then rstds `[2n]` (f32) for the backward pass (torch.nn.LayerNorm;
-    /// aclnnLayerNorm's meanOut and rstdOut). On the host ([`layer_norm`]) on every backend.
+    /// aclnnLayerNorm's meanOut and rstdOut). By default on the host ([`layer_norm`]).
     /// Overwrites.
     fn layer_norm(
         &self,

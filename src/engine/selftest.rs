@@ -274,6 +274,14 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             2.0,
             head_norm_bwd
         ),
+        case!("layer_norm", LayerNorm, "[7,48] with β", 1.0, layer_norm),
+        case!(
+            "layer_norm_bwd",
+            LayerNormBwd,
+            "[7,48] → dx, dγ, dβ",
+            2.0,
+            layer_norm_bwd
+        ),
         case!("matmul", Matmul, "[9,40]·[24,40]ᵀ + bias", 1.0, matmul),
         case!("matmul n=1", Matmul, "[1,40]·[24,40]ᵀ", 1.0, matmul_row),
         case!(
@@ -517,6 +525,40 @@ fn rms_norm_bwd_of<B: Backend>(
         let mut dg = b.upload(&dgamma)?;
         let dx = b.rms_norm_bwd(&b.upload(&dy)?, &x, &gamma, &rstd, Some(&mut dg))?;
         vec![b.download_f32(&dx)?, b.download_f32(&dg)?]
+    }))
+}
+
+fn layer_norm<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (x, gamma, beta) = (i.tensor(&[7, 48]), i.tensor(&[48]), i.tensor(&[48]));
+    Ok(on_both!(dut, cpu, |b| {
+        let affine = (&b.upload(&gamma)?, &b.upload(&beta)?);
+        let (y, stats) = b.layer_norm(&b.upload(&x)?, affine, 1e-5)?;
+        vec![b.download_f32(&y)?, b.download_f32(&stats)?]
+    }))
+}
+
+fn layer_norm_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (x, gamma, beta, dy) = (
+        i.tensor(&[7, 48]),
+        i.tensor(&[48]),
+        i.tensor(&[48]),
+        i.tensor(&[7, 48]),
+    );
+    let (dgamma, dbeta) = (
+        i.tensor_in(&[48], DType::F32),
+        i.tensor_in(&[48], DType::F32),
+    );
+    Ok(on_both!(dut, cpu, |b| {
+        let (x, gamma) = (b.upload(&x)?, b.upload(&gamma)?);
+        let (_, stats) = b.layer_norm(&x, (&gamma, &b.upload(&beta)?), 1e-5)?;
+        let (mut dg, mut db) = (b.upload(&dgamma)?, b.upload(&dbeta)?);
+        let grads = (Some(&mut dg), Some(&mut db));
+        let dx = b.layer_norm_bwd((&b.upload(&dy)?, &x), &gamma, &stats, grads)?;
+        vec![
+            b.download_f32(&dx)?,
+            b.download_f32(&dg)?,
+            b.download_f32(&db)?,
+        ]
     }))
 }
 

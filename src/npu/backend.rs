@@ -156,6 +156,9 @@ pub struct Npu {
     permute_checked: AtomicBool,
     /// aclnnMoeGatingTopKSoftmax, or the logits read back and routed on the host ([`moe`]).
     gating: Fused,
+    /// aclnnLayerNorm and aclnnLayerNormBackward, or the host's LayerNorm ([`norm`]).
+    layer_norm: Fused,
+    layer_norm_grad: Fused,
 }
 
 /// Queue aclnn operator `$launch` (phase 1 `$prepare` with `$args`, then the launch).
@@ -177,6 +180,7 @@ macro_rules! aclnn {
 mod attention;
 mod grouped;
 mod moe;
+mod norm;
 
 use attention::Sequence;
 
@@ -225,6 +229,11 @@ impl Npu {
             && op.aclnnMoeTokenPermuteGrad.is_some();
         let gating = op.aclnnMoeGatingTopKSoftmaxGetWorkspaceSize.is_some()
             && op.aclnnMoeGatingTopKSoftmax.is_some();
+        let layer_norm = op.aclnnLayerNormGetWorkspaceSize.is_some() && op.aclnnLayerNorm.is_some();
+        let layer_norm_grad = op.aclnnLayerNormBackwardGetWorkspaceSize.is_some()
+            && op.aclnnLayerNormBackward.is_some()
+            && ctx.nn.aclCreateBoolArray.is_some()
+            && ctx.nn.aclDestroyBoolArray.is_some();
         // SAFETY: the runtime's own NUL-terminated string.
         let soc = unsafe { super::c_string((ctx.acl.aclrtGetSocName)()) };
         let npu = Npu {
@@ -246,6 +255,11 @@ impl Npu {
             gating: Fused::new(
                 "MoE top-k gating",
                 "the logits read back and routed on the host",
+            ),
+            layer_norm: Fused::new("LayerNorm", "the rows read back and normed on the host"),
+            layer_norm_grad: Fused::new(
+                "LayerNorm's backward",
+                "the rows read back and differentiated on the host",
             ),
         };
         if !rope {
@@ -271,6 +285,13 @@ impl Npu {
         if !gating {
             npu.gating
                 .give_up("has no function aclnnMoeGatingTopKSoftmax");
+        }
+        if !layer_norm {
+            npu.layer_norm.give_up("has no function aclnnLayerNorm");
+        }
+        if !layer_norm_grad {
+            npu.layer_norm_grad
+                .give_up("has no function aclnnLayerNormBackward or aclCreateBoolArray");
         }
         Ok(npu)
     }
@@ -927,6 +948,25 @@ impl Backend for Npu {
             self.add_view(&d.view().reshaped(&[h], 0), &dg.view())?;
         }
         Ok(dx)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &NpuTensor,
+        affine: (&NpuTensor, &NpuTensor),
+        eps: f64,
+    ) -> Result<(NpuTensor, NpuTensor)> {
+        self.layer_norm_on(x, affine, eps)
+    }
+
+    fn layer_norm_bwd(
+        &self,
+        at: (&NpuTensor, &NpuTensor),
+        gamma: &NpuTensor,
+        stats: &NpuTensor,
+        grads: (Option<&mut NpuTensor>, Option<&mut NpuTensor>),
+    ) -> Result<NpuTensor> {
+        self.layer_norm_bwd_on(at, gamma, stats, grads)
     }
 
     fn matmul(&self, x: &NpuTensor, w: &NpuTensor, bias: Option<&NpuTensor>) -> Result<NpuTensor> {

@@ -5,7 +5,7 @@
 use super::context::Context;
 use super::NpuError;
 use crate::tensor::DType;
-use ascendcl_sys::aclnn::{aclIntArray, aclScalar, aclTensor, aclTensorList};
+use ascendcl_sys::aclnn::{aclBoolArray, aclIntArray, aclScalar, aclTensor, aclTensorList};
 use ascendcl_sys::{
     aclDataType, ACL_BF16, ACL_BOOL, ACL_DOUBLE, ACL_DT_UNDEFINED, ACL_FLOAT, ACL_FLOAT16,
     ACL_FORMAT_ND, ACL_INT16, ACL_INT32, ACL_INT64, ACL_INT8, ACL_UINT8,
@@ -155,6 +155,24 @@ impl Context {
         Ok(HostDesc {
             raw,
             destroy: self.nn.aclDestroyIntArray,
+            _ctx: PhantomData,
+        })
+    }
+
+    /// A bool array, by the optional functions `create` and `destroy` (resolved by the
+    /// caller).
+    pub fn bool_array(
+        &self,
+        values: &[bool],
+        create: unsafe extern "C" fn(*const bool, u64) -> *mut aclBoolArray,
+        destroy: unsafe extern "C" fn(*const aclBoolArray) -> i32,
+    ) -> Result<HostDesc<'_, aclBoolArray>, NpuError> {
+        // SAFETY: the values are copied at creation.
+        let raw = unsafe { create(values.as_ptr(), values.len() as u64) };
+        self.created("aclCreateBoolArray", raw)?;
+        Ok(HostDesc {
+            raw,
+            destroy,
             _ctx: PhantomData,
         })
     }

@@ -11,6 +11,7 @@ typedef struct aclOpExecutor aclOpExecutor;
 typedef struct aclTensor aclTensor;
 typedef struct aclScalar aclScalar;
 typedef struct aclIntArray aclIntArray;
+typedef struct aclBoolArray aclBoolArray;
 typedef struct aclTensorList aclTensorList;
 typedef int32_t aclnnStatus;
 
@@ -24,6 +25,8 @@ aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size)
 aclnnStatus aclDestroyTensor(const aclTensor *tensor);
 aclnnStatus aclDestroyScalar(const aclScalar *scalar);
 aclnnStatus aclDestroyIntArray(const aclIntArray *array);
+aclBoolArray *aclCreateBoolArray(const bool *value, uint64_t size);
+aclnnStatus aclDestroyBoolArray(const aclBoolArray *array);
 aclnnStatus aclDestroyTensorList(const aclTensorList *array);
 aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor);
 aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor);
@@ -39,6 +42,22 @@ aclnnStatus aclnnRmsNormGetWorkspaceSize(const aclTensor *x, const aclTensor *ga
                                          const aclTensor *yOut, const aclTensor *rstdOut,
                                          uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnRmsNorm(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+/* aclnnop/aclnn_layer_norm.h, aclnn_layer_norm_backward.h */
+aclnnStatus aclnnLayerNormGetWorkspaceSize(const aclTensor *input, const aclIntArray *normalizedShape,
+                                           const aclTensor *weightOptional, const aclTensor *biasOptional,
+                                           double eps, aclTensor *out, aclTensor *meanOutOptional,
+                                           aclTensor *rstdOutOptional, uint64_t *workspaceSize,
+                                           aclOpExecutor **executor);
+aclnnStatus aclnnLayerNorm(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+aclnnStatus aclnnLayerNormBackwardGetWorkspaceSize(const aclTensor *gradOut, const aclTensor *input,
+                                                   const aclIntArray *normalizedShape, const aclTensor *mean,
+                                                   const aclTensor *rstd, const aclTensor *weightOptional,
+                                                   const aclTensor *biasOptional, const aclBoolArray *outputMask,
+                                                   aclTensor *gradInputOut, aclTensor *gradWeightOut,
+                                                   aclTensor *gradBiasOut, uint64_t *workspaceSize,
+                                                   aclOpExecutor **executor);
+aclnnStatus aclnnLayerNormBackward(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                   aclrtStream stream);
 aclnnStatus aclnnRmsNormGradGetWorkspaceSize(const aclTensor *dy, const aclTensor *x, const aclTensor *rstd,
                                              const aclTensor *gamma, const aclTensor *dxOut, const aclTensor *dgammaOut,
                                              uint64_t *workspaceSize, aclOpExecutor **executor);

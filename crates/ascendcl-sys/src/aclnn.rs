@@ -26,6 +26,8 @@ opaque! {
     aclScalar;
     /// An int64 array.
     aclIntArray;
+    /// A bool array.
+    aclBoolArray;
     /// A list of tensor descriptors.
     aclTensorList;
     /// What phase 1 of an operator prepares and its launch consumes.
@@ -61,6 +63,13 @@ pub mod nnopbase {
         fn aclnnInit(config_path: *const c_char) -> aclnnStatus;
         /// Release aclnn.
         fn aclnnFinalize() -> aclnnStatus;
+
+        optional:
+        /// A bool array, copied (LayerNorm's backward takes its output mask so). Optional:
+        /// without it LayerNorm's backward runs on the host.
+        fn aclCreateBoolArray(value: *const bool, size: u64) -> *mut aclBoolArray;
+        /// Destroy a bool array.
+        fn aclDestroyBoolArray(array: *const aclBoolArray) -> aclnnStatus;
     }
 
     /// Load `libnnopbase.so` (see [`crate::candidates`]).
@@ -237,6 +246,17 @@ pub mod opapi {
         fn aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(x: *const aclTensor, finished_optional: *const aclTensor, k: i64, y_out: *const aclTensor, expert_idx_out: *const aclTensor, row_idx_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnMoeGatingTopKSoftmaxGetWorkspaceSize`].
         fn aclnnMoeGatingTopKSoftmax(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// out = (input − mean)·rstd·weight + bias over the trailing `normalized_shape`, the
+        /// rows' mean and rstd saved (`[rows, 1]`, fp32 here). Optional: without it (or a
+        /// kernel for the SoC) LayerNorm runs on the host.
+        fn aclnnLayerNormGetWorkspaceSize(input: *const aclTensor, normalized_shape: *const aclIntArray, weight_optional: *const aclTensor, bias_optional: *const aclTensor, eps: f64, out: *mut aclTensor, mean_out_optional: *mut aclTensor, rstd_out_optional: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnLayerNormGetWorkspaceSize`].
+        fn aclnnLayerNorm(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// The gradients of [`Functions::aclnnLayerNormGetWorkspaceSize`]'s input, weight and
+        /// bias (as `output_mask` asks) from the saved mean and rstd.
+        fn aclnnLayerNormBackwardGetWorkspaceSize(grad_out: *const aclTensor, input: *const aclTensor, normalized_shape: *const aclIntArray, mean: *const aclTensor, rstd: *const aclTensor, weight_optional: *const aclTensor, bias_optional: *const aclTensor, output_mask: *const aclBoolArray, grad_input_out: *mut aclTensor, grad_weight_out: *mut aclTensor, grad_bias_out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnLayerNormBackwardGetWorkspaceSize`].
+        fn aclnnLayerNormBackward(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
     }
 
     /// Load `libopapi.so` (see [`crate::candidates`]).

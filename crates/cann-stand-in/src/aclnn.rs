@@ -8,7 +8,7 @@
 use crate::view::{dtype_name, element_size, View, ACL_DOUBLE};
 use crate::{fail, lock, with_device, Runtime};
 use ascendcl_sys::aclnn::{
-    aclIntArray, aclOpExecutor, aclScalar, aclTensor, aclTensorList, aclnnStatus,
+    aclBoolArray, aclIntArray, aclOpExecutor, aclScalar, aclTensor, aclTensorList, aclnnStatus,
 };
 use ascendcl_sys::{
     aclDataType, aclFormat, aclrtStream, ACL_BF16, ACL_BOOL, ACL_FLOAT, ACL_FLOAT16, ACL_FORMAT_ND,
@@ -32,6 +32,7 @@ pub(crate) enum Object {
     },
     Scalar(f64),
     IntArray(Vec<i64>),
+    BoolArray(Vec<bool>),
     TensorList(Vec<usize>),
 }
 
@@ -41,6 +42,7 @@ impl Object {
             Object::Tensor { .. } => "aclTensor",
             Object::Scalar(_) => "aclScalar",
             Object::IntArray(_) => "aclIntArray",
+            Object::BoolArray(_) => "aclBoolArray",
             Object::TensorList(_) => "aclTensorList",
         }
     }
@@ -320,6 +322,17 @@ pub extern "C" fn aclCreateIntArray(value: *const i64, size: u64) -> *mut aclInt
 }
 
 #[no_mangle]
+pub extern "C" fn aclCreateBoolArray(value: *const bool, size: u64) -> *mut aclBoolArray {
+    create("aclCreateBoolArray", |_| {
+        Ok(Object::BoolArray(c_array(
+            value,
+            size,
+            "aclCreateBoolArray: value",
+        )?))
+    })
+}
+
+#[no_mangle]
 pub extern "C" fn aclCreateTensorList(
     value: *const *const aclTensor,
     size: u64,
@@ -386,6 +399,11 @@ pub extern "C" fn aclDestroyScalar(scalar: *const aclScalar) -> aclnnStatus {
 #[no_mangle]
 pub extern "C" fn aclDestroyIntArray(array: *const aclIntArray) -> aclnnStatus {
     destroy("aclIntArray", array as usize)
+}
+
+#[no_mangle]
+pub extern "C" fn aclDestroyBoolArray(array: *const aclBoolArray) -> aclnnStatus {
+    destroy("aclBoolArray", array as usize)
 }
 
 #[no_mangle]
@@ -570,6 +588,14 @@ impl Plan<'_> {
     pub fn int_array(&self, p: *const aclIntArray, name: &str) -> Result<Vec<i64>, aclnnStatus> {
         match self.object(p as usize, "aclIntArray", name)? {
             Some(Object::IntArray(v)) => Ok(v.clone()),
+            _ => self.required(None, name),
+        }
+    }
+
+    /// A bool array's values.
+    pub fn bool_array(&self, p: *const aclBoolArray, name: &str) -> Result<Vec<bool>, aclnnStatus> {
+        match self.object(p as usize, "aclBoolArray", name)? {
+            Some(Object::BoolArray(v)) => Ok(v.clone()),
             _ => self.required(None, name),
         }
     }

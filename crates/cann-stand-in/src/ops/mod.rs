@@ -6,6 +6,7 @@
 mod attention;
 mod elementwise;
 mod grouped;
+mod layer_norm;
 mod loss;
 mod moe;
 mod nn;
@@ -89,6 +90,8 @@ launches!(
     aclnnMatmul,
     aclnnRmsNorm,
     aclnnRmsNormGrad,
+    aclnnLayerNorm,
+    aclnnLayerNormBackward,
     aclnnSwiGlu,
     aclnnSwiGluGrad,
     aclnnEmbedding,
@@ -130,6 +133,7 @@ fn exports_have_the_declared_types() {
     use attention::*;
     use elementwise::*;
     use grouped::*;
+    use layer_norm::*;
     use loss::*;
     use moe::*;
     use nn::*;
@@ -146,6 +150,8 @@ fn exports_have_the_declared_types() {
         aclDestroyAclOpExecutor,
         aclnnInit,
         aclnnFinalize,
+        aclCreateBoolArray: Some(aclCreateBoolArray),
+        aclDestroyBoolArray: Some(aclDestroyBoolArray),
     };
     let _ = ascendcl_sys::aclnn::opapi::Functions {
         aclnnMatmulGetWorkspaceSize,
@@ -200,6 +206,10 @@ fn exports_have_the_declared_types() {
         aclnnMoeTokenPermuteGrad: Some(aclnnMoeTokenPermuteGrad),
         aclnnMoeGatingTopKSoftmaxGetWorkspaceSize: Some(aclnnMoeGatingTopKSoftmaxGetWorkspaceSize),
         aclnnMoeGatingTopKSoftmax: Some(aclnnMoeGatingTopKSoftmax),
+        aclnnLayerNormGetWorkspaceSize: Some(aclnnLayerNormGetWorkspaceSize),
+        aclnnLayerNorm: Some(aclnnLayerNorm),
+        aclnnLayerNormBackwardGetWorkspaceSize: Some(aclnnLayerNormBackwardGetWorkspaceSize),
+        aclnnLayerNormBackward: Some(aclnnLayerNormBackward),
         aclnnLogSoftmaxGetWorkspaceSize,
         aclnnLogSoftmax,
         aclnnCrossEntropyLossGetWorkspaceSize,
