@@ -112,8 +112,8 @@ def test_phimoe_logits_and_decoding_match_transformers(mindkit, tmp_path):
     """A tiny Phi-3.5-MoE (LayerNorms, attention and lm_head biases, SparseMixer top-2 routing
     outside training): prefill logits and KV-cached decoding steps equal transformers' (fp32),
     from the HF directory and from its Megatron conversions over TP 2 × EP 2 (megatron-core's
-    SequentialMLP names) and PP 2 with grouped experts; the Megatron checkpoint converts back
-    to the HF bytes."""
+    SequentialMLP names) and PP 2 with grouped experts; its Megatron checkpoints (TP × EP,
+    Transformer Engine's names at TP 2, torch_dist) convert back to the HF tensors."""
     model_dir = tmp_path / "phimoe"
     model = tiny_phimoe(model_dir)
     ids = torch.randint(0, 250, (24,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -131,12 +131,21 @@ def test_phimoe_logits_and_decoding_match_transformers(mindkit, tmp_path):
     info = subprocess.run([BIN, "ckpt", "info", ck], capture_output=True, text=True,
                           check=True).stdout
     assert "norms LayerNorm" in info and "SparseMixer top-2" in info, info
-    back = tmp_path / "back"
-    mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
-    want, got = load_file(str(model_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
+    # back to the HF tensors from every layout: TP × EP, Transformer Engine's names (the norms'
+    # β as layer_norm_bias), torch_dist
+    te, dist = tmp_path / "te", tmp_path / "dist"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", te, "--tp", "2",
+            "--layout", "mcore-te")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", dist,
+            "--ckpt-format", "torch_dist")
+    want = load_file(str(model_dir / "model.safetensors"))
+    for source in (ck, te, dist):
+        back = tmp_path / f"back_{source.name}"
+        mindkit("convert", "--to", "hf", "--input", source, "--output", back)
+        got = load_file(str(back / "model.safetensors"))
+        assert want.keys() == got.keys(), source
+        for k in want:
+            assert torch.equal(want[k], got[k]), (source, k)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_direct", "deepseek_v2"])
