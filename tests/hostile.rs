@@ -201,6 +201,23 @@ fn config_fields_of_the_wrong_type_are_errors() {
 }
 
 #[test]
+fn hugging_face_longrope_is_refused_by_name() {
+    // Phi-3 / Phi-3.5's: factors switched by the running sequence length, not built for HF models
+    let tmp = tempfile::tempdir().unwrap();
+    let model = llama_with_config(tmp.path(), |cfg| {
+        cfg["rope_scaling"] =
+            json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]});
+    });
+    let cfg_path = model.join("config.json").display().to_string();
+    for err in generate_and_convert_fail(&model, &model, "megatron", &tmp.path().join("out")) {
+        assert!(
+            err.contains(&cfg_path) && err.contains("rope_scaling longrope"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn nonsensical_numbers_are_refused_up_front() {
     let positive = "it must be a finite number above 0";
     refused_config("/rms_norm_eps", json!(0.0), "rms_norm_eps", positive);

@@ -128,6 +128,19 @@ pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConf
         .with_context(|| format!("{}: not valid JSON", cfg_path.display()))?;
     let mut cfg =
         ModelConfig::from_hf(&json, family).with_context(|| format!("{}", cfg_path.display()))?;
+    let scaling = cfg.rope_scaling.as_ref();
+    let kind = scaling.and_then(|r| r.get("rope_type").or_else(|| r.get("type")));
+    if kind.and_then(|k| k.as_str()) == Some("longrope") {
+        // transformers' Phi-3 / Phi-3.5 pick the short or long factors (and mscale) by the
+        // running sequence length at each call; mindkit's LongRoPE is MindSpeed-LLM's training
+        // one, chosen once by --seq-length
+        bail!(
+            "{}: rope_scaling longrope (Phi-3 / Phi-3.5's, its factors switched by the running \
+             sequence length) is not built for Hugging Face models yet; MindSpeed-LLM's training \
+             LongRoPE (--rope-scaling-type longrope) is",
+            cfg_path.display()
+        );
+    }
     let mut weights = HfWeights::open(dir)?;
     match fp8_blocks(&json).with_context(|| format!("{}", cfg_path.display()))? {
         Some(block) => {
