@@ -1205,23 +1205,26 @@ fn partial_rotary_embedding_trains_on_tensor_parallel_ranks_as_one_rank() {
         stdout(&info)
     );
     // No supported Hugging Face family rotates part of a head: refused by name.
-    let hf = dir.path().join("hf");
-    let out = mindkit(&[
+    let err = hf_export_refused(dir.path(), &save);
+    assert!(err.contains("rotates 8 of 16 dimensions"), "{err}");
+}
+
+/// The stderr of `convert --to hf` of the checkpoint `save`, which must fail without writing
+/// its output (under `dir`).
+fn hf_export_refused(dir: &Path, save: &Path) -> String {
+    let hf = dir.join("hf");
+    let args: [&dyn AsRef<std::ffi::OsStr>; 7] = [
         &"convert",
         &"--to",
         &"hf",
         &"--input",
-        &path,
+        &save,
         &"--output",
         &hf,
-    ])
-    .failure();
-    assert!(
-        stderr(&out).contains("rotates 8 of 16 dimensions"),
-        "{}",
-        stderr(&out)
-    );
-    assert!(!hf.exists());
+    ];
+    let err = stderr(&mindkit(&args).failure());
+    assert!(!hf.exists(), "{err}");
+    err
 }
 
 /// Phi-3.5-MoE's norms and biases on the dense layer: LayerNorm, q/k/v, attention-output and
@@ -1278,24 +1281,9 @@ fn layer_norm_with_biases_trains_on_tensor_sequence_and_pipeline_parallel_ranks_
     ] {
         assert!(std_of(&file, key) > 0.0, "{key}");
     }
-    // No family built here holds LayerNorms in Hugging Face format: refused by name.
-    let hf = dir.path().join("hf");
-    let out = mindkit(&[
-        &"convert",
-        &"--to",
-        &"hf",
-        &"--input",
-        &path,
-        &"--output",
-        &hf,
-    ])
-    .failure();
-    assert!(
-        stderr(&out).contains("its norms are LayerNorms"),
-        "{}",
-        stderr(&out)
-    );
-    assert!(!hf.exists());
+    // No dense family built here holds LayerNorms in Hugging Face format: refused by name.
+    let err = hf_export_refused(dir.path(), &save);
+    assert!(err.contains("its norms are LayerNorms"), "{err}");
 }
 
 #[test]
@@ -1325,21 +1313,8 @@ fn longrope_trains_over_tensor_parallel_ranks_and_stays_in_megatron_format() {
     let two = stdout(&run(&from_scratch(&data, &longrope, &sp)).success());
     same_training(&one, &two, 1e-5, "LongRoPE over TP 2 + SP");
     // inference and an HF export are refused by name, nothing written
-    let hf = dir.path().join("hf");
-    let err = stderr(
-        &mindkit(&[
-            &"convert",
-            &"--to",
-            &"hf",
-            &"--input",
-            &save,
-            &"--output",
-            &hf,
-        ])
-        .failure(),
-    );
+    let err = hf_export_refused(dir.path(), Path::new(&save));
     assert!(err.contains("LongRoPE"), "{err}");
-    assert!(!hf.exists());
     let err = stderr(&mindkit(&[&"generate", &"--model", &save, &"--prompt", &"a"]).failure());
     assert!(
         err.contains("LongRoPE outside training is not built"),

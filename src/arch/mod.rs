@@ -249,6 +249,13 @@ impl ModelConfig {
         self.paired && l.is_multiple_of(2) && l < self.layers
     }
 
+    /// The RoPE scaling's kind (`rope_type`, transformers 4.x's older `type`), `None` for plain
+    /// RoPE.
+    pub fn rope_type(&self) -> Option<&str> {
+        let r = self.rope_scaling.as_ref()?;
+        r.get("rope_type").or_else(|| r.get("type"))?.as_str()
+    }
+
     /// Multi-token prediction's depths (0 without it).
     pub fn mtp_depths(&self) -> usize {
         self.mtp.map_or(0, |m| m.depths)

@@ -156,14 +156,18 @@ impl Role {
     /// A norm's tensors: its γ, and a LayerNorm's β after it
     /// ([`crate::arch::ModelConfig::layer_norm`]).
     pub fn norm_roles(cfg: &ModelConfig, norm: Role) -> Vec<Role> {
-        let bias = match norm {
+        let mut roles = vec![norm];
+        roles.extend(cfg.layer_norm.then_some(norm.norm_bias()));
+        roles
+    }
+
+    /// The β beside a decoder norm's γ (`InputNorm`, `PostNorm`, `FinalNorm`).
+    pub fn norm_bias(self) -> Role {
+        match self {
             Role::InputNorm => Role::InputNormBias,
             Role::PostNorm => Role::PostNormBias,
             _ => Role::FinalNormBias,
-        };
-        let mut roles = vec![norm];
-        roles.extend(cfg.layer_norm.then_some(bias));
-        roles
+        }
     }
 
     /// The output layer's tensors (none for a tied one): its weight, and its bias

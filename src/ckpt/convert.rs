@@ -128,9 +128,7 @@ pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConf
         .with_context(|| format!("{}: not valid JSON", cfg_path.display()))?;
     let mut cfg =
         ModelConfig::from_hf(&json, family).with_context(|| format!("{}", cfg_path.display()))?;
-    let scaling = cfg.rope_scaling.as_ref();
-    let kind = scaling.and_then(|r| r.get("rope_type").or_else(|| r.get("type")));
-    if kind.and_then(|k| k.as_str()) == Some("longrope") {
+    if cfg.rope_type() == Some("longrope") {
         // transformers' Phi-3 / Phi-3.5 pick the short or long factors (and mscale) by the
         // running sequence length at each call; mindkit's LongRoPE is MindSpeed-LLM's training
         // one, chosen once by --seq-length

@@ -37,14 +37,9 @@ impl Norm {
     /// `table` with its bias when the table holds one; `None` if it lacks γ.
     pub(super) fn of(table: &ParamTable, role: Role, layer: Option<usize>) -> Option<Norm> {
         let at = |role| table.index(Canon { role, layer });
-        let bias = match role {
-            Role::InputNorm => Role::InputNormBias,
-            Role::PostNorm => Role::PostNormBias,
-            _ => Role::FinalNormBias,
-        };
         Some(Norm {
             gamma: at(role)?,
-            beta: at(bias),
+            beta: at(role.norm_bias()),
         })
     }
 

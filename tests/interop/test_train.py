@@ -323,6 +323,20 @@ def test_qk_norms_over_all_heads_train_as_mindspeeds_minimax_attention(tmp_path,
     assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
 
 
+def same_as_dense_megatron_core(start, data, tmp_path):
+    """mindkit_train's run in `tmp_path` equals megatron-core's GPTModel of the Megatron
+    checkpoint `start` (a dense model) trained by the PyTorch reference with the same settings
+    (`same_as_megatron_core`)."""
+    from megatron_cpu import gpt_model
+    gpt = gpt_model(start["args"])
+    gpt.load_state_dict(start["model"], strict=True)
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
+        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        model=train_reference.Mcore(gpt))
+    same_as_megatron_core(scalars(tmp_path / "tb"), history, reference, tmp_path)
+
+
 def test_layer_norm_and_biases_train_as_mindspeed_llms_phi35_layer(tmp_path, mindkit):
     """--normalization LayerNorm with q/k/v, attention-output (--add-dense-bias) and output-layer
     (--add-output-layer-bias) biases, as MindSpeed-LLM's Phi-3.5 spec builds them (its PTNorm is
@@ -352,14 +366,7 @@ def test_layer_norm_and_biases_train_as_mindspeed_llms_phi35_layer(tmp_path, min
     mindkit_train(tmp_path / "start", data, tmp_path, [
         "--normalization", "LayerNorm", "--add-qkv-bias", "--add-dense-bias",
         "--add-output-layer-bias", "--finetune", "--tokenizer-name-or-path", model_dir])
-    got = scalars(tmp_path / "tb")
-    gpt = gpt_model(start["args"])
-    gpt.load_state_dict(start["model"], strict=True)
-    history, reference, _ = train_reference.train(
-        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
-        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
-        model=train_reference.Mcore(gpt))
-    same_as_megatron_core(got, history, reference, tmp_path)
+    same_as_dense_megatron_core(start, data, tmp_path)
     saved = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
     assert saved["args"].normalization == "LayerNorm" and saved["args"].add_output_layer_bias
     assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
@@ -370,20 +377,12 @@ def test_partial_rotary_embedding_trains_as_megatron_core(tmp_path, mindkit):
     the rest passed through): `mindkit train` and megatron-core's own GPTModel with
     rotary_percent 0.5 from the same Megatron checkpoint, lm loss, grad norm and learning rate
     per iteration to 1e-5 relative over 20 iterations, the final weights to 1e-4."""
-    from megatron_cpu import gpt_model
     model_dir = make_model(tmp_path / "model", "llama")
     data = write_data(tmp_path / "data")
     start = megatron_start(mindkit, model_dir, tmp_path / "start", {"rotary_percent": 0.5})
     mindkit_train(tmp_path / "start", data, tmp_path, [
         "--rotary-percent", "0.5", "--finetune", "--tokenizer-name-or-path", model_dir])
-    got = scalars(tmp_path / "tb")
-    gpt = gpt_model(start["args"])
-    gpt.load_state_dict(start["model"], strict=True)
-    history, reference, _ = train_reference.train(
-        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
-        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
-        model=train_reference.Mcore(gpt))
-    same_as_megatron_core(got, history, reference, tmp_path)
+    same_as_dense_megatron_core(start, data, tmp_path)
 
 
 def test_grouped_experts_in_the_distributed_optimizer_are_laid_out_as_grouped_mlps_buffer(tmp_path):

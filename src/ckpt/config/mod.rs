@@ -531,8 +531,7 @@ impl ModelConfig {
                 }
             );
         }
-        let kind = self.rope_scaling.as_ref().and_then(|r| r.get("rope_type"));
-        if kind.and_then(Json::as_str) == Some("longrope") {
+        if self.rope_type() == Some("longrope") {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its LongRoPE is \
                  MindSpeed-LLM's training one (factors chosen by --seq-length), which no family of \
@@ -1142,9 +1141,7 @@ pub fn megatron_args(
     let int = |v: usize| Value::Int(v as i64);
     let gqa = cfg.groups != cfg.heads;
     let rope_scaling = cfg.rope_scaling.as_ref();
-    let scaling_type = rope_scaling
-        .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
-        .and_then(Json::as_str);
+    let scaling_type = cfg.rope_type();
     let scaling_factor = rope_scaling
         .and_then(|r| r.get("factor"))
         .and_then(Json::as_f64);

@@ -185,15 +185,15 @@ impl Moe {
         p: &Pass<B>,
         h: &B::Tensor,
     ) -> Result<Option<(B::Tensor, Vec<f32>)>> {
-        let (Some(eps), Some(rows)) = (p.dropout.and_then(|d| d.jitter), rows_here(p)) else {
+        let (Some(d), Some(rows)) = (p.dropout, rows_here(p)) else {
             return Ok(None);
         };
+        let Some(eps) = d.jitter else { return Ok(None) };
         let (b, dtype) = (p.b, p.b.dtype(h));
         let width = b.shape(h)[1..].iter().product();
         let (low, high) = (dtype.round(1.0 - eps), dtype.round(1.0 + eps));
-        let seed = p.dropout.map_or(0, |d| d.seed);
         let factors: Vec<f32> = (rows.iter())
-            .flat_map(|&at| router_uniforms(seed, self.layer, RouterDraw::Jitter, at, width))
+            .flat_map(|&at| router_uniforms(d.seed, self.layer, RouterDraw::Jitter, at, width))
             .map(|u| dtype.round(low + dtype.round(u) * (high - low)))
             .collect();
         let x = b.download_f32(h)?;
