@@ -39,6 +39,9 @@ pub struct ModelConfig {
     pub rotary_dim: usize,
     /// MLP intermediate size.
     pub ffn: usize,
+    /// The dense MLP's activation, gated or not (Megatron's `activation_func` and
+    /// `gated_linear_unit`); an MoE layer's experts are SwiGLU.
+    pub activation: Activation,
     /// True vocabulary rows (without Megatron padding).
     pub vocab: usize,
     /// Max positions.
@@ -90,6 +93,33 @@ pub struct ModelConfig {
     pub rope_scaling: Option<Json>,
     /// The original `config.json`, carried through Megatron so the way back restores it.
     pub hf_config: Option<Json>,
+}
+
+/// A dense MLP's activation between linear_fc1 and linear_fc2 (megatron-core
+/// megatron/core/transformer/mlp.py `MLP.forward`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu(gate)·up` over fc1's `[gate; up]` (Megatron's `--swiglu`: `F.silu`, gated).
+    SwiGlu,
+    /// `relu(x)²` over fc1's output, not gated (Megatron's `--squared-relu`, megatron-core
+    /// megatron/core/activations.py `squared_relu`; PLM's MLP, MindSpeed-LLM's
+    /// `--fc-type up_down`).
+    SquaredRelu,
+}
+
+impl Activation {
+    /// Whether fc1 yields a gate and an up projection (`[2F, h]`), not one `[F, h]`.
+    pub fn gated(self) -> bool {
+        self == Activation::SwiGlu
+    }
+
+    /// Megatron's flag for it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Activation::SwiGlu => "--swiglu",
+            Activation::SquaredRelu => "--squared-relu",
+        }
+    }
 }
 
 /// The shape of multi-latent attention (megatron-core megatron/core/transformer/

@@ -65,6 +65,9 @@ pub enum Role {
     PostNormBias,
     /// SwiGLU input `[2F, h]` = `[gate; up]`.
     Fc1,
+    /// A non-gated MLP's input projection `[F, h]` (Megatron's `linear_fc1` without
+    /// `gated_linear_unit`, [`crate::arch::Activation::gated`]; HF `up_proj`).
+    Up,
     /// MLP output `[h, F]`.
     Fc2,
     /// An MoE layer's router `[E, h]`.
@@ -249,7 +252,8 @@ impl Role {
             .filter(|m| m.is_moe_layer(l) && !cfg.paired)
         {
             Some(moe) => Role::moe_roles(moe),
-            None => vec![Role::Fc1, Role::Fc2],
+            None if cfg.activation.gated() => vec![Role::Fc1, Role::Fc2],
+            None => vec![Role::Up, Role::Fc2],
         }
     }
 
@@ -302,7 +306,7 @@ impl Role {
             Role::QUpRope => "linear_qk_rope",
             Role::KvUpNope => "linear_kv_nope",
             Role::ValueUp => "linear_v",
-            Role::Fc1 | Role::ExpertFc1(_) | Role::SharedFc1 => "linear_fc1",
+            Role::Fc1 | Role::Up | Role::ExpertFc1(_) | Role::SharedFc1 => "linear_fc1",
             Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => "linear_fc2",
             _ => return None,
         })
@@ -394,6 +398,7 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::KvDown | Role::KvLatentNorm | Role::KvUp | Role::QkvDown => mla_kv_shape(cfg, role),
         Role::KvUpNope | Role::ValueUp => mla_kv_shape(cfg, role),
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
+        Role::Up => vec![cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
         Role::Router => vec![cfg.moe.as_ref().map_or(0, Moe::router_width), cfg.hidden],
         Role::ExpertBias => vec![cfg.moe.as_ref().map_or(0, Moe::router_width)],

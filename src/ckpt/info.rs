@@ -7,7 +7,7 @@ use super::torch_dist::{is_torch_dist, TorchDistCkpt};
 use crate::arch::family::Family;
 use crate::arch::moe::Moe;
 use crate::arch::roles::{canonical, canonical_shape};
-use crate::arch::{ModelConfig, MtpLayout};
+use crate::arch::{Activation, ModelConfig, MtpLayout};
 use anyhow::Result;
 use std::fmt::Write;
 use std::path::Path;
@@ -20,7 +20,7 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
     let _ = writeln!(out, "family:      {}", cfg.family.name);
     let _ = writeln!(
         out,
-        "architecture: {} layers{}, hidden {}, heads {} (kv {}), head_dim {}{}, ffn {}, vocab {}",
+        "architecture: {} layers{}, hidden {}, heads {} (kv {}), head_dim {}{}, ffn {}{}, vocab {}",
         cfg.stored_layers(),
         match cfg.paired {
             true => " (LongCat-Flash's: two sublayers each, shortcut experts)",
@@ -35,6 +35,10 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
             false => format!(" (RoPE on {})", cfg.rotary_dim),
         },
         cfg.ffn,
+        match cfg.activation {
+            Activation::SwiGlu => "",
+            Activation::SquaredRelu => " (squared ReLU, not gated)",
+        },
         cfg.vocab
     );
     let _ = writeln!(

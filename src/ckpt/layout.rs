@@ -447,7 +447,7 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             Role::ProjBias => "self_attention.dense.bias",
             Role::PostNorm => "post_attention_norm.weight",
             Role::PostNormBias => "post_attention_norm.bias",
-            Role::Fc1 => "mlp.dense_h_to_4h.weight",
+            Role::Fc1 | Role::Up => "mlp.dense_h_to_4h.weight",
             _ => "mlp.dense_4h_to_h.weight",
         }),
         (KeyLayout::McoreTe, Role::InputNorm) => {
@@ -485,7 +485,7 @@ pub fn layer_key(layout: KeyLayout, role: Role, j: usize) -> Vec<String> {
             Role::QUpRope => "self_attention.linear_qk_rope.weight",
             Role::KvUpNope => "self_attention.linear_kv_nope.weight",
             Role::ValueUp => "self_attention.linear_v.weight",
-            Role::Fc1 => "mlp.linear_fc1.weight",
+            Role::Fc1 | Role::Up => "mlp.linear_fc1.weight",
             Role::Router => "mlp.router.weight",
             Role::ExpertBias => "mlp.router.expert_bias",
             Role::SharedFc1 => "mlp.shared_experts.linear_fc1.weight",
@@ -610,7 +610,7 @@ fn te_extra_states(role: Role, cfg: &ModelConfig) -> Vec<String> {
         // (transformer_engine/pytorch/ops/op.py `get_extra_state`).
         Role::QNorm => &["self_attention.q_layernorm._extra_state"],
         Role::KNorm => &["self_attention.k_layernorm._extra_state"],
-        Role::Fc1 => &["mlp.linear_fc1._extra_state"],
+        Role::Fc1 | Role::Up => &["mlp.linear_fc1._extra_state"],
         Role::Fc2 => &["mlp.linear_fc2._extra_state"],
         Role::SharedFc1 => &["mlp.shared_experts.linear_fc1._extra_state"],
         Role::SharedFc2 => &["mlp.shared_experts.linear_fc2._extra_state"],

@@ -88,6 +88,7 @@ fn decoder_hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
             .iter()
             .map(|p| (hf::layer(l, p), vec![cfg.ffn, h]))
             .collect(),
+        Role::Up => one(hf::layer(l, hf::GATE_UP[1])),
         Role::Fc2 => one(hf::layer(l, hf::DOWN)),
         Role::QNorm => one(hf::layer(l, hf::QK_NORM[0])),
         Role::KNorm => one(hf::layer(l, hf::QK_NORM[1])),
@@ -389,6 +390,8 @@ fn split_of(role: Role) -> Split {
         // MindSpeed-LLM's split up projections: column-parallel too, each rank its heads' rows
         Role::QUpNope | Role::QUpRope | Role::KvUpNope | Role::ValueUp => Split::Rows,
         Role::Qkv | Role::QkvBias => Split::Rows,
+        // a non-gated fc1's rows are one projection's: plain column-parallel chunks
+        Role::Up => Split::Rows,
         // megatron-core's MTP `eh_proj` is a column-parallel linear layer
         Role::MtpProj => Split::Rows,
         Role::Proj | Role::Fc2 | Role::ExpertFc2(_) | Role::SharedFc2 => Split::Cols,

@@ -451,6 +451,11 @@ pub fn swiglu<D: Device>(d: &D, x: &D::Tensor, dy: Option<&D::Tensor>) -> Result
     }
 }
 
+/// [`super::Backend::squared_relu_bwd`]: `dy` shaped as `x`.
+pub fn squared_relu_bwd<D: Device>(d: &D, dy: &D::Tensor, x: &D::Tensor) -> Result<()> {
+    expect_shape(d, "squared_relu_bwd", "dy", dy, d.shape(x))
+}
+
 /// [`super::Backend::cross_entropy`].
 pub fn cross_entropy<D: Device>(d: &D, logits: &D::Tensor, labels: &[u32]) -> Result<()> {
     let (n, v) = (rows(d.shape(logits)), cols(d.shape(logits)));

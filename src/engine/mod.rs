@@ -234,6 +234,8 @@ pub enum Op {
     CachedAttention,
     SwiGlu,
     SwiGluBwd,
+    /// [`Backend::squared_relu`] and its backward.
+    SquaredRelu,
     CrossEntropy,
     CrossEntropyBwd,
     LogSoftmax,
@@ -513,6 +515,13 @@ pub trait Backend: Device {
     fn swiglu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// `dx` of [`Backend::swiglu`] (aclnnSwiGluGrad). Overwrites.
     fn swiglu_bwd(&self, dy: &Self::Tensor, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `relu(x)²` elementwise, rounded once to x's dtype (megatron-core
+    /// megatron/core/activations.py `squared_relu`, `torch.pow(F.relu(x), 2)`; aclnnRelu, then
+    /// aclnnMul of it by itself).
+    fn squared_relu(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `dx = 2·relu(x)·dy` of [`Backend::squared_relu`] in dy's dtype, rounded once (autograd's
+    /// `pow` backward `dy·(2·r)`, `2·r` exact; aclnnRelu, aclnnMul, aclnnMuls by 2).
+    fn squared_relu_bwd(&self, dy: &Self::Tensor, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x += y` (aclnnInplaceAdd).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// Log-softmax over the last dimension (aclnnLogSoftmax). Overwrites.

@@ -352,6 +352,14 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
         ),
         case!("swiglu", SwiGlu, "[7,40]", 1.0, swiglu),
         case!("swiglu_bwd", SwiGluBwd, "[7,20]", 1.0, swiglu_bwd),
+        case!("squared_relu", SquaredRelu, "[7,20]", 1.0, squared_relu),
+        case!(
+            "squared_relu_bwd",
+            SquaredRelu,
+            "[7,20]",
+            1.0,
+            squared_relu_bwd
+        ),
         case!("add_assign", Add, "[7,13]", 1.0, add_assign),
         case!("log_softmax", LogSoftmax, "[5,33]", 1.0, log_softmax),
         case!("cross_entropy", CrossEntropy, "[6,50]", 1.0, cross_entropy),
@@ -891,6 +899,20 @@ fn swiglu_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs>
     }))
 }
 
+fn squared_relu<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let x = i.tensor(&[7, 20]);
+    Ok(on_both!(dut, cpu, |b| vec![
+        b.download_f32(&b.squared_relu(&b.upload(&x)?)?)?
+    ]))
+}
+
+fn squared_relu_bwd<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    let (dy, x) = (i.tensor(&[7, 20]), i.tensor(&[7, 20]));
+    Ok(on_both!(dut, cpu, |b| {
+        vec![b.download_f32(&b.squared_relu_bwd(&b.upload(&dy)?, &b.upload(&x)?)?)?]
+    }))
+}
+
 fn add_assign<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
     let (x, y) = (i.tensor(&[7, 13]), i.tensor(&[7, 13]));
     Ok(on_both!(dut, cpu, |b| {
@@ -1252,6 +1274,23 @@ pub fn gradients() -> Result<Vec<Check>> {
     let dx = b.swiglu_bwd(&up(&[3, 4], &dy)?, &up(&[3, 8], &x)?)?;
     checks.push(gradient_check(
         "swiglu_bwd",
+        "[3,8]",
+        &[x],
+        fwd,
+        &[b.download_f32(&dx)?],
+    )?);
+
+    // squared relu: x [3, 8]
+    let (x, dy) = (values(24), values(24));
+    let fwd = |v: &[Vec<f32>]| -> Result<f64> {
+        Ok(dot(
+            &b.download_f32(&b.squared_relu(&up(&[3, 8], &v[0])?)?)?,
+            &dy,
+        ))
+    };
+    let dx = b.squared_relu_bwd(&up(&[3, 8], &dy)?, &up(&[3, 8], &x)?)?;
+    checks.push(gradient_check(
+        "squared_relu_bwd",
         "[3,8]",
         &[x],
         fwd,

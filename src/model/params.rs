@@ -7,8 +7,8 @@
 //! `lora_B` right after its weight, and only they are trained.
 
 use crate::arch::roles::{canonical_shape, Canon, Role};
-use crate::arch::ModelConfig;
 use crate::arch::MtpLayout;
+use crate::arch::{Activation, ModelConfig};
 use crate::ckpt::layout::{global_key, global_key_of, layer_key_of, mtp_key, KeyLayout};
 use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
 use std::ops::Range;
@@ -104,6 +104,8 @@ pub struct ParamTable {
     /// The decoder's layers: canonical layers from here are multi-token prediction depths',
     /// which the last pipeline stage holds.
     pub decoder_layers: usize,
+    /// The dense MLPs' activation ([`ModelConfig::activation`]).
+    pub activation: Activation,
 }
 
 /// Megatron's mcore key of a parameter (the layout megatron-core's GPTModel state dict uses,
@@ -240,6 +242,7 @@ impl ParamTable {
             params,
             vocab_padded,
             decoder_layers: cfg.layers,
+            activation: cfg.activation,
         }
     }
 
@@ -359,6 +362,7 @@ impl ParamTable {
             params,
             vocab_padded: self.vocab_padded,
             decoder_layers: self.decoder_layers,
+            activation: self.activation,
         }
     }
 
@@ -390,6 +394,7 @@ impl ParamTable {
             params: tables.iter().flat_map(|t| t.params.clone()).collect(),
             vocab_padded: tables.first().map_or(0, |t| t.vocab_padded),
             decoder_layers: tables.first().map_or(0, |t| t.decoder_layers),
+            activation: tables.first().map_or(Activation::SwiGlu, |t| t.activation),
         }
     }
 

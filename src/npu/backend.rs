@@ -478,6 +478,15 @@ impl Npu {
         )
     }
 
+    /// `max(x, 0)` in x's dtype (aclnnRelu).
+    fn relu(&self, x: &NpuTensor) -> Result<NpuTensor> {
+        let r = self.empty(&x.shape, x.dtype)?;
+        let (xd, rd) = (self.ctx.tensor(&x.view())?, self.ctx.tensor(&r.view())?);
+        aclnn!(self, aclnnReluGetWorkspaceSize, aclnnRelu, xd.raw, rd.raw)?;
+        drop((xd, rd));
+        Ok(r)
+    }
+
     /// `out = a · b` through views, `b` broadcast to `a` (aclnnMul).
     fn mul_view(&self, a: &View, b: &View, out: &View) -> Result<()> {
         let (x, y, o) = (
@@ -1290,6 +1299,23 @@ impl Backend for Npu {
                 o.raw
             )?;
         }
+        Ok(dx)
+    }
+
+    fn squared_relu(&self, x: &NpuTensor) -> Result<NpuTensor> {
+        let r = self.relu(x)?;
+        let y = self.empty(&x.shape, x.dtype)?;
+        self.mul_view(&r.view(), &r.view(), &y.view())?;
+        Ok(y)
+    }
+
+    fn squared_relu_bwd(&self, dy: &NpuTensor, x: &NpuTensor) -> Result<NpuTensor> {
+        check::squared_relu_bwd(self, dy, x)?;
+        let r = self.relu(x)?;
+        let mut dx = self.empty(&x.shape, dy.dtype)?;
+        self.mul_view(&r.view(), &dy.view(), &dx.view())?;
+        // ×2 is exact: one rounding, as autograd's `dy·(2·r)`
+        self.scale(&mut dx, 2.0)?;
         Ok(dx)
     }
 

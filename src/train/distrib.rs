@@ -419,6 +419,7 @@ impl<T> Sharded<T> {
                 .collect(),
             vocab_padded: table.vocab_padded,
             decoder_layers: table.decoder_layers,
+            activation: table.activation,
         };
         let opt = Optimizer::new(b, &piece_table, &main, vec![true; pieces.len()], config)?;
         Ok(Sharded {

@@ -340,6 +340,7 @@ fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
             Role::Qkv
                 | Role::Proj
                 | Role::Fc1
+                | Role::Up
                 | Role::Fc2
                 | Role::Output
                 | Role::SharedFc1

@@ -195,6 +195,10 @@ aclnnStatus aclnnForeachNorm(void *workspace, uint64_t workspaceSize, aclOpExecu
 aclnnStatus aclnnMulGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
                                      uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnMul(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
+/* aclnnop/aclnn_relu.h (ops-math activation/relu): squared ReLU is aclnnRelu, then aclnnMul */
+aclnnStatus aclnnReluGetWorkspaceSize(const aclTensor *self, const aclTensor *out, uint64_t *workspaceSize,
+                                      aclOpExecutor **executor);
+aclnnStatus aclnnRelu(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);
 /* The flash-attention fallback: aclnn_batch_matmul.h, aclnn_softmax.h, aclnn_softmax_backward.h (NPU reference
  * notes) and aclnn_masked_fill_scalar.h (hicann/ops-math conversion/masked_fill/docs/aclnnInplaceMaskedFillScalar.md) */
 aclnnStatus aclnnBatchMatMulGetWorkspaceSize(const aclTensor *self, const aclTensor *mat2, aclTensor *out,

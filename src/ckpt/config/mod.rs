@@ -10,7 +10,7 @@ use super::layout::Parallel;
 use super::torch::pickle::Value;
 use crate::arch::family::{self, Family, OutBias, QkNorm};
 use crate::arch::moe::Moe;
-use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
+use crate::arch::{Activation, Mla, ModelConfig, Mtp, MtpLayout};
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value as Json};
@@ -367,6 +367,8 @@ impl ModelConfig {
             groups,
             head_dim,
             rotary_dim,
+            // every family mindkit reads from config.json has SwiGLU MLPs (`hidden_act: silu`)
+            activation: Activation::SwiGlu,
             ffn: json_required_count(
                 cfg,
                 match family.paired {
@@ -504,6 +506,15 @@ impl ModelConfig {
                 self.family.name,
                 norm_name(self.layer_norm),
                 norm_name(self.family.layer_norm)
+            );
+        }
+        if self.activation != Activation::SwiGlu {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its MLP is {} (not \
+                 gated), which no family of transformers 4.57 mindkit writes builds (PLM's \
+                 modeling is remote code); keep it in Megatron format",
+                self.family.name,
+                self.activation.flag()
             );
         }
         if self.output_bias && self.family.lm_head_bias.is_none() {
@@ -845,6 +856,7 @@ impl ModelConfig {
         let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
         let qk_norm_per_layer = qk_norm && spec_is(args, MINIMAX_SPEC);
         let layer_norm = layer_norm_of(args)?;
+        let activation = activation_of(args)?;
         let output_bias = arg_bool(args, "add_output_layer_bias")?.unwrap_or(false);
         let carried = match carried {
             Some(text) => {
@@ -870,6 +882,7 @@ impl ModelConfig {
             cfg.dtype = dtype;
             cfg.qk_norm_per_layer = qk_norm_per_layer;
             (cfg.layer_norm, cfg.output_bias) = (layer_norm, output_bias);
+            cfg.activation = activation;
             let (fused_down, split_up) = mla::mla_layout_of(args)?;
             cfg.mla = cfg.mla.map(|m| Mla {
                 fused_down,
@@ -878,6 +891,7 @@ impl ModelConfig {
             });
             cfg.mtp = mtp_of(arg_count_or_none(args, "mtp_num_layers")?);
             check_norms(&cfg)?;
+            check_activation(&cfg)?;
             return Ok(cfg);
         }
         let need = |n: &str| {
@@ -952,6 +966,7 @@ impl ModelConfig {
             head_dim,
             rotary_dim,
             ffn,
+            activation,
             vocab: arg_count(args, "vocab_size")?.unwrap_or(padded_rows),
             max_positions: arg_count(args, "max_position_embeddings")?.unwrap_or(4096),
             rope_theta: arg_positive(args, "rotary_base")?.unwrap_or(10000.0),
@@ -978,8 +993,20 @@ impl ModelConfig {
             hf_config: None,
         };
         check_norms(&cfg)?;
+        check_activation(&cfg)?;
         Ok(cfg)
     }
+}
+
+/// A non-gated MLP only in dense models: an MoE layer's experts are SwiGLU here.
+fn check_activation(cfg: &ModelConfig) -> Result<()> {
+    if cfg.moe.is_some() && !cfg.activation.gated() {
+        bail!(
+            "args.squared_relu with mixture of experts: experts (and dense layers beside them) \
+             with a non-gated MLP are not built"
+        );
+    }
+    Ok(())
 }
 
 /// The experts of a model in MindSpeed-LLM's LongCat-Flash layer spec ([`LONGCAT_SPEC`]),
@@ -1045,6 +1072,54 @@ fn layer_norm_of(args: &[(String, Value)]) -> FieldResult<bool> {
             got: format!("{other:?}"),
             expected: "\"RMSNorm\" or \"LayerNorm\"",
         }),
+    }
+}
+
+/// The dense MLP's activation of `args`: `swiglu` (gated SiLU), or `squared_relu` (not gated;
+/// MindSpeed-LLM's `fc_type: up_down` says the same). Args without `swiglu` predate its record
+/// and are SwiGLU; Megatron's default GeLU MLP (`swiglu` False alone) and a non-gated SiLU
+/// (`swiglu` with `fc_type: up_down`) are not built.
+fn activation_of(args: &[(String, Value)]) -> FieldResult<Activation> {
+    let swiglu = arg_bool(args, "swiglu")?;
+    let squared_relu = arg_bool(args, "squared_relu")?.unwrap_or(false);
+    let fc_type = arg_str(args, "fc_type")?;
+    let refuse = |field: &str, got: &str, expected| {
+        Err(ConfigError::OutOfRange {
+            field: format!("args.{field}"),
+            got: got.into(),
+            expected,
+        })
+    };
+    if let Some(other) = fc_type.filter(|t| !["up_down", "gate_up"].contains(t)) {
+        return refuse(
+            "fc_type",
+            other,
+            "\"up_down\" or \"gate_up\" (MindSpeed-LLM's)",
+        );
+    }
+    match (swiglu, squared_relu) {
+        (Some(true), true) => refuse(
+            "squared_relu",
+            "True",
+            "False beside args.swiglu (Megatron asserts one activation)",
+        ),
+        (Some(true), false) if fc_type == Some("up_down") => refuse(
+            "fc_type",
+            "\"up_down\"",
+            "not \"up_down\" beside args.swiglu: a non-gated SiLU MLP is not built",
+        ),
+        (_, true) if fc_type == Some("gate_up") => refuse(
+            "fc_type",
+            "\"gate_up\"",
+            "not \"gate_up\" beside args.squared_relu: a gated squared ReLU is not built",
+        ),
+        (_, true) => Ok(Activation::SquaredRelu),
+        (Some(true) | None, false) => Ok(Activation::SwiGlu),
+        (Some(false), false) => refuse(
+            "swiglu",
+            "False",
+            "True, or args.squared_relu: Megatron's default GeLU MLP is not built",
+        ),
     }
 }
 
@@ -1184,7 +1259,11 @@ pub fn megatron_args(
             }),
         ),
         ("norm_epsilon", Value::Float(cfg.norm_eps)),
-        ("swiglu", Value::Bool(true)),
+        ("swiglu", Value::Bool(cfg.activation == Activation::SwiGlu)),
+        (
+            "squared_relu",
+            Value::Bool(cfg.activation == Activation::SquaredRelu),
+        ),
         ("add_bias_linear", Value::Bool(false)),
         ("add_dense_bias", Value::Bool(cfg.proj_bias)),
         ("add_qkv_bias", Value::Bool(cfg.qkv_bias)),

@@ -17,6 +17,7 @@ mod loss;
 pub(crate) mod norm;
 mod optim;
 mod qkv;
+mod relu;
 mod rope;
 mod rows;
 mod swiglu;
@@ -941,6 +942,23 @@ impl Backend for Cpu {
         let block = rows::block_rows(2 * f);
         let (dx, _) = rows::map_rows([dy, x], shape, block, |_, [dy, x], dx| {
             swiglu::swiglu_bwd(dy, x, f, dx)
+        });
+        Ok(dx)
+    }
+
+    fn squared_relu(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let shape = (x.shape.clone(), x.dtype());
+        let block = rows::block_rows(x.cols());
+        let (y, _) = rows::map_rows([x], shape, block, |_, [x], y| relu::squared_relu_fwd(x, y));
+        Ok(y)
+    }
+
+    fn squared_relu_bwd(&self, dy: &CpuTensor, x: &CpuTensor) -> Result<CpuTensor> {
+        check::squared_relu_bwd(self, dy, x)?;
+        let shape = (x.shape.clone(), dy.dtype());
+        let block = rows::block_rows(x.cols());
+        let (dx, _) = rows::map_rows([dy, x], shape, block, |_, [dy, x], dx| {
+            relu::squared_relu_bwd(dy, x, dx)
         });
         Ok(dx)
     }

@@ -1,27 +1,32 @@
-//! The dense SwiGLU MLP, Megatron's `MLP` with `--swiglu`: linear_fc1 to `[gate; up]`,
-//! `silu(gate)·up`, linear_fc2 (megatron-core megatron/core/transformer/mlp.py). Its
-//! rank-local part ([`SwiGlu`]) is also each expert of an MoE layer, there with the
-//! activation scaled per token by the routing weight (`MLP.forward`'s `per_token_scale`).
+//! The dense MLP, Megatron's `MLP` (megatron-core megatron/core/transformer/mlp.py): linear_fc1,
+//! the activation, linear_fc2 — with `--swiglu` fc1 to `[gate; up]` and `silu(gate)·up`, with
+//! `--squared-relu` fc1 to one projection and `relu(x)²` ([`Activation`]). Its rank-local
+//! part ([`Ffn`]) is also each expert of an MoE layer (SwiGLU), there with the activation
+//! scaled per token by the routing weight (`MLP.forward`'s `per_token_scale`).
 //!
 //! Legend: T = rows, h = hidden, F = ffn (this rank's columns under tensor parallelism).
 
 use crate::arch::roles::Role;
+use crate::arch::Activation;
 use crate::engine::{Backend, Result};
 use crate::model::linear::Linear;
 use crate::model::parallel::{gathered, reduced};
 use crate::model::params::ParamTable;
 use crate::model::Pass;
 
-/// linear_fc1 `[2F, h]` (column-parallel) and linear_fc2 `[h, F]` (row-parallel).
+/// linear_fc1 `[2F, h]` (gated) or `[F, h]` (column-parallel), the activation and
+/// linear_fc2 `[h, F]` (row-parallel).
 #[derive(Debug, Clone, Copy)]
-pub(in crate::model) struct SwiGlu {
+pub(in crate::model) struct Ffn {
     fc1: Linear,
     fc2: Linear,
+    act: Activation,
 }
 
-/// What [`SwiGlu::backward`] needs of [`SwiGlu::forward`].
-pub(in crate::model) struct SwiGluSaved<T> {
-    /// fc1's output `[T, 2F]`, the SwiGLU `[T, F]` and, when scaled per row, fc2's input.
+/// What [`Ffn::backward`] needs of [`Ffn::forward`].
+pub(in crate::model) struct FfnSaved<T> {
+    /// fc1's output `[T, 2F]` or `[T, F]`, the activation `[T, F]` and, when scaled per row,
+    /// fc2's input.
     up: T,
     act: T,
     scaled: Option<T>,
@@ -29,17 +34,20 @@ pub(in crate::model) struct SwiGluSaved<T> {
     lora: [Option<T>; 2],
 }
 
-impl SwiGlu {
-    /// The pair of `(fc1, fc2)` roles in layer `layer` of `table`, `None` if it lacks them.
+impl Ffn {
+    /// The pair of `(fc1, fc2)` roles in layer `layer` of `table` with activation `act`
+    /// between them, `None` if it lacks them.
     pub(in crate::model) fn of(
         table: &ParamTable,
         (fc1, fc2): (Role, Role),
         layer: usize,
-    ) -> Option<SwiGlu> {
+        act: Activation,
+    ) -> Option<Ffn> {
         let at = Some(layer);
-        Some(SwiGlu {
+        Some(Ffn {
             fc1: Linear::of(table, (fc1, None), at)?,
             fc2: Linear::of(table, (fc2, None), at)?,
+            act,
         })
     }
 
@@ -48,20 +56,23 @@ impl SwiGlu {
         self.fc1.bare().zip(self.fc2.bare())
     }
 
-    /// This rank's partial sum `fc2(swiglu(fc1(x)) · w) [T, h]` (no collectives), `w [T]` the
+    /// This rank's partial sum `fc2(act(fc1(x)) · w) [T, h]` (no collectives), `w [T]` the
     /// optional per-row scale of the activation.
     pub(in crate::model) fn forward<B: Backend>(
         &self,
         p: &Pass<B>,
         x: &B::Tensor,
         w: Option<&B::Tensor>,
-    ) -> Result<(B::Tensor, SwiGluSaved<B::Tensor>)> {
+    ) -> Result<(B::Tensor, FfnSaved<B::Tensor>)> {
         let b = p.b;
         let (up, u_fc1) = self.fc1.forward(p, x)?;
-        let act = b.swiglu(&up)?;
+        let act = match self.act {
+            Activation::SwiGlu => b.swiglu(&up)?,
+            Activation::SquaredRelu => b.squared_relu(&up)?,
+        };
         let scaled = w.map(|w| b.scale_rows(&act, w)).transpose()?;
         let (out, u_fc2) = self.fc2.forward(p, scaled.as_ref().unwrap_or(&act))?;
-        let saved = SwiGluSaved {
+        let saved = FfnSaved {
             up,
             act,
             scaled,
@@ -70,14 +81,14 @@ impl SwiGlu {
         Ok((out, saved))
     }
 
-    /// `dx [T, h]` (a partial sum over the tensor-parallel ranks) of [`SwiGlu::forward`] given
+    /// `dx [T, h]` (a partial sum over the tensor-parallel ranks) of [`Ffn::forward`] given
     /// its input `x` and the gradient `dy` of its output, accumulating the parameters'
     /// gradients; with a row scale `w`, also its gradient (this rank's columns' part).
     pub(in crate::model) fn backward<B: Backend>(
         &self,
         p: &Pass<B>,
         grads: &mut [B::Tensor],
-        s: SwiGluSaved<B::Tensor>,
+        s: FfnSaved<B::Tensor>,
         (x, dy, w): (&B::Tensor, &B::Tensor, Option<&B::Tensor>),
     ) -> Result<(B::Tensor, Option<Vec<f32>>)> {
         let b = p.b;
@@ -91,7 +102,10 @@ impl SwiGlu {
             ),
             None => (dfc2_in, None),
         };
-        let dup = b.swiglu_bwd(&dact, &s.up)?;
+        let dup = match self.act {
+            Activation::SwiGlu => b.swiglu_bwd(&dact, &s.up)?,
+            Activation::SquaredRelu => b.squared_relu_bwd(&dact, &s.up)?,
+        };
         let dx = self.fc1.backward(p, grads, &dup, (x, u_fc1.as_ref()))?;
         Ok((dx, dw))
     }
@@ -99,30 +113,34 @@ impl SwiGlu {
 
 /// The parameters of one layer's dense MLP.
 #[derive(Debug, Clone, Copy)]
-pub(in crate::model) struct Dense(SwiGlu);
+pub(in crate::model) struct Dense(Ffn);
 
 /// What the backward pass needs of the forward pass.
 pub(in crate::model) struct Saved<T> {
     /// The normed input `[T, h]` (this rank's rows under sequence parallelism).
     h: T,
-    swiglu: SwiGluSaved<T>,
+    ffn: FfnSaved<T>,
 }
 
 impl Dense {
     /// Layer `layer`'s MLP in `table`, `None` if the table lacks it.
     pub(in crate::model) fn of(table: &ParamTable, layer: usize) -> Option<Dense> {
-        SwiGlu::of(table, (Role::Fc1, Role::Fc2), layer).map(Dense)
+        let fc1 = match table.activation.gated() {
+            true => Role::Fc1,
+            false => Role::Up,
+        };
+        Ffn::of(table, (fc1, Role::Fc2), layer, table.activation).map(Dense)
     }
 
-    /// `fc2(swiglu(fc1(h)))` summed over the tensor-parallel ranks: `[T, h]`.
+    /// `fc2(act(fc1(h)))` summed over the tensor-parallel ranks: `[T, h]`.
     pub(in crate::model) fn forward<B: Backend>(
         &self,
         p: &Pass<B>,
         h: B::Tensor,
     ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
         let all = gathered(p.b, p.tp, &h)?;
-        let (out, swiglu) = self.0.forward(p, all.as_ref().unwrap_or(&h), None)?;
-        Ok((reduced(p.b, p.tp, out)?, Saved { h, swiglu }))
+        let (out, ffn) = self.0.forward(p, all.as_ref().unwrap_or(&h), None)?;
+        Ok((reduced(p.b, p.tp, out)?, Saved { h, ffn }))
     }
 
     /// `dh [T, h]` of [`Dense::forward`] given the gradient `dy [T, h]` of its output,
@@ -141,7 +159,7 @@ impl Dense {
         let (dh, _) = self.0.backward(
             p,
             grads,
-            s.swiglu,
+            s.ffn,
             (
                 h_all.as_ref().unwrap_or(&s.h),
                 dy_all.as_ref().unwrap_or(dy),

@@ -14,7 +14,7 @@ use moe::Moe;
 /// A layer's MLP.
 #[derive(Debug, Clone)]
 pub(in crate::model) enum Mlp {
-    /// The dense SwiGLU MLP.
+    /// The dense MLP.
     Dense(Dense),
     /// Routed experts (and shared ones).
     Moe(Moe),

@@ -2,7 +2,7 @@
 //! from `--load` (every flag given checked against it).
 
 use super::{fraction, positive, positive_float};
-use crate::arch::{Mla, ModelConfig, Mtp, MtpLayout};
+use crate::arch::{Activation, Mla, ModelConfig, Mtp, MtpLayout};
 use crate::ckpt::config::{DEEPSEEK_SPEC, LONGCAT_SPEC, MINIMAX_SPEC};
 use crate::ckpt::convert::{Format, Input};
 use crate::ckpt::torch::pickle::Value;
@@ -141,8 +141,13 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("enable-mla-scale-q-lora", "enable_mla_scale_q_lora"),
         ("enable-mla-scale-kv-lora", "enable_mla_scale_kv_lora"),
         ("mla-mm-split", "mla_mm_split"),
+        ("swiglu", "swiglu"),
+        ("squared-relu", "squared_relu"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
+    }
+    if let Some(t) = a.get("fc-type") {
+        out.push(("fc_type".into(), Value::Str(t.to_string())));
     }
     if let Some(n) = a.get("normalization") {
         out.push(("normalization".into(), Value::Str(n.to_string())));
@@ -318,8 +323,11 @@ pub(super) fn model_config(
     check_family_flags(a)?;
     let flags = architecture_args(a)?;
     let Some(input) = input else {
-        if !a.has("swiglu") {
-            bail!("--swiglu is required: the LLaMA family's MLP is SwiGLU");
+        if !a.has("swiglu") && !a.has("squared-relu") {
+            bail!(
+                "--swiglu is required (or --squared-relu): Megatron's default GeLU MLP is not \
+                 built"
+            );
         }
         if !a.has("disable-bias-linear") {
             bail!(
@@ -329,10 +337,13 @@ pub(super) fn model_config(
         }
         let mut args = flags;
         if !args.iter().any(|(k, _)| k == "ffn_hidden_size") {
-            // Megatron's SwiGLU default (validate_args).
+            // Megatron's defaults (validate_args): 4h, SwiGLU's shrunk to keep its size.
             let h = positive(a, "hidden-size")?
                 .ok_or_else(|| anyhow!("--hidden-size is required without --load"))?;
-            let ffn = ((4 * h * 2) as f64 / 3.0 / 64.0) as usize * 64;
+            let ffn = match a.has("swiglu") {
+                true => ((4 * h * 2) as f64 / 3.0 / 64.0) as usize * 64,
+                false => 4 * h,
+            };
             args.push(("ffn_hidden_size".into(), Value::Int(ffn as i64)));
         }
         args.push(("vocab_size".into(), Value::Int(tokenizer_vocab as i64)));
@@ -378,6 +389,16 @@ pub(super) fn model_config(
         );
     }
     check_rope_and_norm(a, &flags, &cfg)?;
+    let flagged_act = [Activation::SwiGlu, Activation::SquaredRelu]
+        .into_iter()
+        .find(|act| a.has(&act.flag()[2..]));
+    if let Some(act) = flagged_act.filter(|&act| act != cfg.activation) {
+        bail!(
+            "{} is given, but the --load checkpoint's MLP is {}'s",
+            act.flag(),
+            cfg.activation.flag()
+        );
+    }
     if a.has("add-qkv-bias") && !cfg.qkv_bias {
         bail!("--add-qkv-bias is given, but the --load checkpoint has no q/k/v biases");
     }

@@ -124,6 +124,21 @@ pub extern "C" fn aclnnMulGetWorkspaceSize(
 }
 
 #[no_mangle]
+pub extern "C" fn aclnnReluGetWorkspaceSize(
+    self_: *const aclTensor,
+    out: *const aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1("aclnnRelu", workspace_size, executor, |p| {
+        let x = p.input(self_, "self")?;
+        let o = p.output(out, "out")?;
+        p.shape(&o, "out", &x.dims)?;
+        Ok((0, unary(x, o, |v| v.max(0.0))))
+    })
+}
+
+#[no_mangle]
 pub extern "C" fn aclnnAddGetWorkspaceSize(
     self_: *const aclTensor,
     other: *const aclTensor,

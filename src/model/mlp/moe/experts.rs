@@ -4,10 +4,10 @@
 //! linear_fc1 and linear_fc2 each one grouped matmul over every expert (experts.py
 //! `GroupedMLP`, MindSpeed-LLM's `--moe-grouped-gemm`; aclnnGroupedMatmulV4 on the NPU), each
 //! token's outputs summed back into its row ([`Backend::unpermute`]). Experts with adapters or
-//! biases run one after the other, each a [`SwiGlu`]. Both compute each expert's rows with the
+//! biases run one after the other, each a [`Ffn`] (SwiGLU). Both compute each expert's rows with the
 //! same products, in the same permuted order.
 
-use super::super::dense::{SwiGlu, SwiGluSaved};
+use super::super::dense::{Ffn, FfnSaved};
 use crate::arch::moe::Routed;
 use crate::engine::dispatch::Dispatch;
 use crate::engine::{Backend, Result};
@@ -16,7 +16,7 @@ use crate::model::Pass;
 /// This rank's routed experts: global experts `first..first + experts.len()`, each token
 /// choosing `topk`.
 pub(super) struct Local<'a> {
-    pub(super) experts: &'a [SwiGlu],
+    pub(super) experts: &'a [Ffn],
     pub(super) first: usize,
     pub(super) topk: usize,
 }
@@ -36,7 +36,7 @@ pub(super) struct ExpertSaved<T> {
     /// (f32).
     choices: Vec<usize>,
     weights: T,
-    swiglu: SwiGluSaved<T>,
+    swiglu: FfnSaved<T>,
 }
 
 /// The grouped forward pass.
@@ -66,11 +66,8 @@ fn params<'a, B: Backend>(p: &Pass<'a, B>, at: &[usize]) -> Vec<&'a B::Tensor> {
 impl Local<'_> {
     /// linear_fc1's weights of every expert and linear_fc2's, if all are bare.
     fn bare(&self) -> Option<[Vec<usize>; 2]> {
-        let pairs: Vec<(usize, usize)> = self
-            .experts
-            .iter()
-            .map(SwiGlu::bare)
-            .collect::<Option<_>>()?;
+        let pairs: Vec<(usize, usize)> =
+            self.experts.iter().map(Ffn::bare).collect::<Option<_>>()?;
         let (fc1, fc2) = pairs.into_iter().unzip();
         Some([fc1, fc2])
     }

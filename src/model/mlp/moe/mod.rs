@@ -1,7 +1,7 @@
 //! The mixture-of-experts MLP, megatron-core's `MoELayer` with the all-gather token
 //! dispatcher (megatron/core/transformer/moe/moe_layer.py, router.py, experts.py
 //! `SequentialMLP`, shared_experts.py): the router's logits on this rank's rows, every token
-//! routed on the host ([`route`]), each expert a [`SwiGlu`] over its tokens with its
+//! routed on the host ([`route`]), each expert a [`Ffn`] (SwiGLU) over its tokens with its
 //! activation scaled by their routing weights, the outputs added back into their rows in
 //! expert order; the shared experts (with their optional sigmoid gate) added after.
 //!
@@ -21,12 +21,13 @@ mod experts;
 pub(in crate::model) mod losses;
 mod spread;
 
-use super::dense::{SwiGlu, SwiGluSaved};
+use super::dense::{Ffn, FfnSaved};
 use crate::arch::moe::{
     route, route_grad, routes_by_softmax_topk, sigmoid, sinkhorn_choice, sparsemixer, weigh,
     weigh_probabilities, Moe as Experts, Routed,
 };
 use crate::arch::roles::{Canon, Role};
+use crate::arch::Activation;
 use crate::engine::dropout::{router_uniforms, RouterDraw};
 use crate::engine::{Backend, EngineError, Result};
 use crate::model::dropout::rows_here;
@@ -47,10 +48,10 @@ pub(in crate::model) struct Moe {
     router: usize,
     bias: Option<usize>,
     /// This rank's routed experts, global experts `first..first + experts.len()`.
-    experts: Vec<SwiGlu>,
+    experts: Vec<Ffn>,
     first: usize,
     /// The shared experts and their gate `[1, h]`.
-    shared: Option<(SwiGlu, Option<usize>)>,
+    shared: Option<(Ffn, Option<usize>)>,
 }
 
 /// What the backward pass needs of the forward pass.
@@ -83,7 +84,7 @@ impl<T> Saved<T> {
 
 /// The shared experts' state, with their gate's: their summed output `[T, h]` and `σ [T]`
 /// (f32).
-type SharedSaved<T> = (SwiGluSaved<T>, Option<(T, T)>);
+type SharedSaved<T> = (FfnSaved<T>, Option<(T, T)>);
 
 /// The routing configuration of the pass's model.
 fn experts_of<'a, B: Backend>(p: &Pass<'a, B>) -> Result<&'a Experts> {
@@ -105,12 +106,24 @@ impl Moe {
         };
         let router = at(Role::Router)?;
         let bias = at(Role::ExpertBias);
-        let expert = |e| SwiGlu::of(table, (Role::ExpertFc1(e), Role::ExpertFc2(e)), layer);
+        let expert = |e| {
+            Ffn::of(
+                table,
+                (Role::ExpertFc1(e), Role::ExpertFc2(e)),
+                layer,
+                Activation::SwiGlu,
+            )
+        };
         let all = table.params[router].shape[0];
         let first = (0..all).find(|&e| expert(e).is_some())?;
-        let experts: Vec<SwiGlu> = (first..all).map_while(expert).collect();
-        let shared = SwiGlu::of(table, (Role::SharedFc1, Role::SharedFc2), layer)
-            .map(|s| (s, at(Role::SharedGate)));
+        let experts: Vec<Ffn> = (first..all).map_while(expert).collect();
+        let shared = Ffn::of(
+            table,
+            (Role::SharedFc1, Role::SharedFc2),
+            layer,
+            Activation::SwiGlu,
+        )
+        .map(|s| (s, at(Role::SharedGate)));
         Some(Moe {
             layer,
             router,
