@@ -1286,6 +1286,127 @@ fn layer_norm_with_biases_trains_on_tensor_sequence_and_pipeline_parallel_ranks_
     assert!(err.contains("its norms are LayerNorms"), "{err}");
 }
 
+/// The shape of model tensor `key` in the one-rank checkpoint `save` wrote at iteration 10.
+fn saved_shape(save: &Path, key: &str) -> Option<Vec<u64>> {
+    let file = save.join("iter_0000010/mp_rank_00/model_optim_rng.pt");
+    let file = mindkit::ckpt::torch::TorchFile::open(&file).unwrap();
+    match file.root().get("model").unwrap().get(key) {
+        Some(mindkit::ckpt::torch::pickle::Value::Tensor(t)) => Some(t.shape.clone()),
+        _ => None,
+    }
+}
+
+/// PLM's MLP as MindSpeed-LLM's scripts ask for it: one projection and relu(x)² (no --swiglu).
+const SQUARED_RELU: [&str; 3] = ["--squared-relu", "--fc-type", "up_down"];
+
+/// [`from_scratch`]'s run with `family`'s MLP in place of SwiGLU.
+fn without_swiglu(data: &Path, family: &[&str], extra: &[&str]) -> Vec<String> {
+    let mut a = from_scratch(data, family, extra);
+    a.retain(|x| x != "--swiglu");
+    a
+}
+
+#[test]
+fn squared_relu_mlp_trains_on_tensor_sequence_and_pipeline_parallel_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("squared");
+    let path = save.to_str().unwrap();
+    let one_flags = ["--save", path, "--save-interval", "10"];
+    let one = stdout(&run(&without_swiglu(&data, &SQUARED_RELU, &one_flags)).success());
+    let swiglu = stdout(&run(&from_scratch(&data, &[], &[])).success());
+    assert_ne!(field(&one, "lm loss"), field(&swiglu, "lm loss"));
+    for layout in [
+        &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
+        &["--pipeline-model-parallel-size", "2"][..],
+    ] {
+        let log = stdout(&run(&without_swiglu(&data, &SQUARED_RELU, layout)).success());
+        same_training(&one, &log, 1e-5, &format!("squared ReLU over {layout:?}"));
+    }
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &path]).success());
+    assert!(info.contains("ffn 96 (squared ReLU, not gated)"), "{info}");
+    let fc1 = saved_shape(&save, "decoder.layers.0.mlp.linear_fc1.weight");
+    assert_eq!(fc1, Some(vec![96, 64]));
+    // neither --swiglu beside it nor Megatron's default GeLU MLP (neither flag) is built
+    let both = [&SQUARED_RELU[..], &["--swiglu"]].concat();
+    let err = stderr(&run(&from_scratch(&data, &both, &[])).failure());
+    assert!(err.contains("args.squared_relu"), "{err}");
+    let err = stderr(&run(&without_swiglu(&data, &[], &[])).failure());
+    assert!(
+        err.contains("--swiglu is required (or --squared-relu)"),
+        "{err}"
+    );
+    let mut swiglu_on_it = args(&data, &["--swiglu", "--finetune"]);
+    let at = swiglu_on_it.iter().position(|x| x == "--load").unwrap();
+    swiglu_on_it[at + 1] = path.to_string();
+    let err = stderr(&run(&swiglu_on_it).failure());
+    assert!(
+        err.contains("checkpoint's MLP is --squared-relu's"),
+        "{err}"
+    );
+    // no Hugging Face family built here has a non-gated MLP: refused by name
+    let err = hf_export_refused(dir.path(), &save);
+    assert!(
+        err.contains("its MLP is --squared-relu (not gated)"),
+        "{err}"
+    );
+}
+
+/// PLM-1.8B's layer as MindSpeed-LLM's plm spec builds it: multi-latent attention without a
+/// query latent, the key-value latent normed without --qk-layernorm, its plm RoPE (plain on the
+/// rotated part), and the squared ReLU MLP.
+const PLM: [&str; 16] = [
+    "--spec",
+    "mindspeed_llm.tasks.models.spec.plm_spec",
+    "layer_spec",
+    "--multi-latent-attention",
+    "--kv-lora-rank",
+    "16",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "12",
+    "--rope-scaling-type",
+    "plm",
+    "--transformer-impl",
+    "local",
+];
+
+#[test]
+fn plms_layer_trains_on_pipeline_stages_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("plm");
+    let path = save.to_str().unwrap();
+    let family = [&PLM[..], &SQUARED_RELU[..]].concat();
+    let saved = ["--save", path, "--save-interval", "10"];
+    let one = stdout(&run(&without_swiglu(&data, &family, &saved)).success());
+    let pp = ["--pipeline-model-parallel-size", "2"];
+    let two = stdout(&run(&without_swiglu(&data, &family, &pp)).success());
+    same_training(&one, &two, 1e-5, "PLM's layer over PP 2");
+    // its replicated direct queries are not split over tensor-parallel ranks (nor by MindSpeed)
+    let tp = ["--tensor-model-parallel-size", "2"];
+    let err = stderr(&run(&without_swiglu(&data, &family, &tp)).failure());
+    assert!(
+        err.contains("without a query latent in MindSpeed-LLM's fused layout"),
+        "{err}"
+    );
+    // the plm spec's plm RoPE is plain RoPE on the rotated part
+    let plain: Vec<String> = without_swiglu(&data, &family, &[]);
+    let at = plain.iter().position(|x| x == "plm").unwrap();
+    let plain = [&plain[..at - 1], &plain[at + 1..]].concat();
+    same_training(&one, &stdout(&run(&plain).success()), 0.0, "plm RoPE");
+    let layer = "decoder.layers.1.self_attention.";
+    let norm = |n: &str| saved_shape(&save, &format!("{layer}{n}_layernorm.weight"));
+    assert_eq!((norm("kv"), norm("q")), (Some(vec![16]), None));
+    // a query latent is not what the plm spec builds
+    let latent = [&family[..], &["--q-lora-rank", "32"]].concat();
+    let err = stderr(&run(&without_swiglu(&data, &latent, &[])).failure());
+    assert!(err.contains("args.q_lora_rank"), "{err}");
+}
+
 #[test]
 fn longrope_trains_over_tensor_parallel_ranks_and_stays_in_megatron_format() {
     let dir = tempfile::tempdir().unwrap();

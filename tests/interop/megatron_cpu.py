@@ -184,11 +184,15 @@ def gpt_model(a, pre_process=True, post_process=True, vp_stage=None, moe_losses=
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
     norm = getattr(a, "normalization", "RMSNorm")
+    # --squared-relu: megatron-core's non-gated squared ReLU MLP, else SwiGLU (--swiglu)
+    from megatron.core.activations import squared_relu
+    squared = getattr(a, "squared_relu", False)
     cfg = config_class(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
         ffn_hidden_size=a.ffn_hidden_size, normalization=norm, layernorm_epsilon=a.norm_epsilon,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=a.add_bias_linear,
+        gated_linear_unit=not squared, activation_func=squared_relu if squared else F.silu,
+        add_bias_linear=a.add_bias_linear,
         add_qkv_bias=a.add_qkv_bias, qk_layernorm=getattr(a, "qk_layernorm", False),
         bias_activation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,

@@ -372,6 +372,32 @@ def test_layer_norm_and_biases_train_as_mindspeed_llms_phi35_layer(tmp_path, min
     assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
 
 
+def test_squared_relu_mlp_trains_as_megatron_core(tmp_path, mindkit):
+    """--squared-relu --fc-type up_down (PLM's non-gated MLP, as MindSpeed-LLM's scripts pass
+    it): `mindkit train` and megatron-core's GPTModel with `squared_relu` and no gated linear
+    unit, from the same Megatron checkpoint (linear_fc1 one projection [F, h]), lm loss, grad norm
+    and learning rate per iteration to 1e-5 relative over 20 iterations, the final weights to
+    1e-4; megatron-core loads the saved checkpoint strictly, its args saying squared_relu."""
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+
+    def up_only(key, weight):
+        # the gated checkpoint's fc1 [gate; up] cut to one projection
+        return ({key: weight[: weight.shape[0] // 2].clone()}
+                if key.endswith("linear_fc1.weight") else {})
+
+    start = megatron_start(mindkit, model_dir, tmp_path / "start",
+                           {"swiglu": False, "squared_relu": True}, up_only)
+    mindkit_train(tmp_path / "start", data, tmp_path, [
+        "--squared-relu", "--fc-type", "up_down", "--finetune",
+        "--tokenizer-name-or-path", model_dir])
+    same_as_dense_megatron_core(start, data, tmp_path)
+    saved = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
+    assert saved["args"].squared_relu and not saved["args"].swiglu
+    assert gpt_model(saved["args"]).load_state_dict(saved["model"], strict=True) is not None
+
+
 def test_partial_rotary_embedding_trains_as_megatron_core(tmp_path, mindkit):
     """--rotary-percent 0.5 (Ling-V2's and GLM-4.5's RoPE on half of each head's dimensions,
     the rest passed through): `mindkit train` and megatron-core's own GPTModel with

@@ -76,11 +76,53 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
     }))
 }
 
+/// Whether `args.spec` is MindSpeed-LLM's PLM spec ([`super::PLM_SPEC`]), with what that spec
+/// builds: multi-latent attention without a query latent or split up projections, and no
+/// experts (its MLP spec is dense).
+pub(super) fn plm_spec_of(args: &[(String, Value)]) -> FieldResult<bool> {
+    if !super::spec_is(args, super::PLM_SPEC) {
+        return Ok(false);
+    }
+    let refuse = |field: &str, expected| ConfigError::OutOfRange {
+        field: format!("args.{field}"),
+        got: "otherwise".into(),
+        expected,
+    };
+    let multi_latent = arg_bool(args, "multi_latent_attention")?.unwrap_or(false);
+    if !multi_latent {
+        return Err(refuse(
+            "multi_latent_attention",
+            "True under MindSpeed-LLM's plm_spec (its attention is multi-latent)",
+        ));
+    }
+    let absent = [
+        (
+            "q_lora_rank",
+            "absent under plm_spec (its attention has no query latent)",
+        ),
+        ("num_experts", "absent under plm_spec (its MLP is dense)"),
+    ];
+    for (field, expected) in absent {
+        if !matches!(super::arg(args, field), None | Some(Value::None)) {
+            return Err(refuse(field, expected));
+        }
+    }
+    if arg_bool(args, "mla_mm_split")?.unwrap_or(false) {
+        return Err(refuse(
+            "mla_mm_split",
+            "False under plm_spec (its attention's up projections are whole)",
+        ));
+    }
+    Ok(true)
+}
+
 /// The layout of MindSpeed-LLM's multi-latent attention in Megatron args: whether the down
 /// projections are fused ([`Mla::fused_down`]: its DeepSeek spec) and the up projections split
 /// ([`Mla::split_up`]: `mla_mm_split`, which only that spec's attention knows).
 pub(super) fn mla_layout_of(args: &[(String, Value)]) -> FieldResult<(bool, bool)> {
-    let fused_down = super::spec_is(args, super::DEEPSEEK_SPEC) || super::longcat_of(args)?;
+    let fused_down = super::spec_is(args, super::DEEPSEEK_SPEC)
+        || super::longcat_of(args)?
+        || plm_spec_of(args)?;
     let split_up = arg_bool(args, "mla_mm_split")?.unwrap_or(false);
     if split_up && !fused_down {
         return Err(ConfigError::OutOfRange {

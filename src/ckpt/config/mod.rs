@@ -709,6 +709,13 @@ pub const DEEPSEEK_SPEC: [&str; 2] = [
     "layer_spec",
 ];
 
+/// MindSpeed-LLM's PLM layer spec (mindspeed_llm/tasks/models/spec/plm_spec.py): the DeepSeek
+/// spec's multi-latent attention ([`DEEPSEEK_SPEC`], down projections fused) with its
+/// key-value latent always normed (`kv_layernorm` a PTNorm whatever `--qk-layernorm` says), no
+/// query latent, and a dense MLP. Written back as the DeepSeek spec with `qk_layernorm`: the
+/// same tensors.
+pub const PLM_SPEC: [&str; 2] = ["mindspeed_llm.tasks.models.spec.plm_spec", "layer_spec"];
+
 /// MindSpeed-LLM's LongCat-Flash layer spec: each layer two sublayers of multi-latent
 /// attention (its down projections fused as [`DEEPSEEK_SPEC`]'s) and a dense MLP, with a
 /// shortcut mixture of experts ([`ModelConfig::paired`]).
@@ -816,10 +823,14 @@ pub fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> 
         }
         Some("yarn") => Ok(mla::yarn_from_args(args)?),
         Some("longrope") => Ok(Some(longrope::longrope_from_args(args)?)),
+        Some("plm") => {
+            check_plm_rope(args)?;
+            Ok(None)
+        }
         Some(other) => {
             bail!(
                 "args: --rope-scaling-type {other} is not supported (supported: llama3, yarn, \
-                 longrope, or none)"
+                 longrope, plm, or none)"
             )
         }
         None if arg_str(args, "rope_type")? == Some("yarn")
@@ -835,6 +846,32 @@ pub fn rope_scaling_from_args(args: &[(String, Value)]) -> Result<Option<Json>> 
         ))),
         None => Ok(None),
     }
+}
+
+/// MindSpeed-LLM's `--rope-scaling-type plm` (mindspeed_llm/core/models/common/embeddings/
+/// rotary_pos_embedding.py `apply_plm_scaling`): the inverse frequencies `base^(−2i/d)` over
+/// `d` = multi-latent attention's rotated part (`qk_pos_emb_head_dim`), or hidden / heads —
+/// plain RoPE wherever that `d` is the part RoPE rotates, refused elsewhere.
+fn check_plm_rope(args: &[(String, Value)]) -> Result<()> {
+    if arg_bool(args, "multi_latent_attention")?.unwrap_or(false) {
+        return Ok(());
+    }
+    let whole = match (
+        arg_count(args, "hidden_size")?,
+        arg_count(args, "num_attention_heads")?,
+    ) {
+        (Some(h), Some(n)) => h / n,
+        _ => return Ok(()),
+    };
+    let head_dim = arg_count(args, "kv_channels")?.unwrap_or(whole);
+    let rotated = rotary_dim(args, head_dim)?;
+    if rotated != whole {
+        bail!(
+            "args.rope_scaling_type plm: MindSpeed-LLM's plm frequencies span hidden / heads = \
+             {whole} dimensions, but RoPE rotates {rotated}: not built"
+        );
+    }
+    Ok(())
 }
 
 /// The args attribute mindkit stores the original `config.json` in (a JSON string).
@@ -853,7 +890,7 @@ impl ModelConfig {
             Value::Str(s) => Some(s),
             _ => None,
         })?;
-        let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false);
+        let qk_norm = arg_bool(args, "qk_layernorm")?.unwrap_or(false) || mla::plm_spec_of(args)?;
         let qk_norm_per_layer = qk_norm && spec_is(args, MINIMAX_SPEC);
         let layer_norm = layer_norm_of(args)?;
         let activation = activation_of(args)?;

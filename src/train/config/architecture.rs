@@ -3,7 +3,7 @@
 
 use super::{fraction, positive, positive_float};
 use crate::arch::{Activation, Mla, ModelConfig, Mtp, MtpLayout};
-use crate::ckpt::config::{DEEPSEEK_SPEC, LONGCAT_SPEC, MINIMAX_SPEC};
+use crate::ckpt::config::{DEEPSEEK_SPEC, LONGCAT_SPEC, MINIMAX_SPEC, PLM_SPEC};
 use crate::ckpt::convert::{Format, Input};
 use crate::ckpt::torch::pickle::Value;
 use crate::data::gpt_dataset::MaskConfig;
@@ -251,6 +251,7 @@ const SPECS: &[(&str, &str)] = &[
     (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
     (DEEPSEEK_SPEC[0], DEEPSEEK_SPEC[1]),
     (LONGCAT_SPEC[0], LONGCAT_SPEC[1]),
+    (PLM_SPEC[0], PLM_SPEC[1]),
 ];
 
 /// MindSpeed-LLM's Ling (Bailing) spec: the local spec whatever `--transformer-impl` says.
@@ -273,6 +274,7 @@ pub(super) fn spec_is_local_only(a: &Args) -> bool {
             BAILING_SPEC,
             PHI35_MOE_SPEC,
             (MINIMAX_SPEC[0], MINIMAX_SPEC[1]),
+            (PLM_SPEC[0], PLM_SPEC[1]),
         ]
         .iter()
         .any(|(m, f)| s == [m.to_string(), f.to_string()])
@@ -285,13 +287,20 @@ pub(super) fn spec_is_local_only(a: &Args) -> bool {
 /// says (minimax's over all heads, `MinimaxAttention`) and the MoE layer of `--num-experts`
 /// (mindspeed_llm/tasks/models/spec/qwen3_spec.py, bailing_spec.py, minimax_spec.py) —, its
 /// deepseek and longcat specs (multi-latent attention's down projections fused; longcat's
-/// layers paired, `crate::arch::ModelConfig::paired`) with the local implementation, refused
+/// layers paired, `crate::arch::ModelConfig::paired`) with the local implementation, its plm
+/// spec (the deepseek spec's attention, the key-value latent always normed, a dense MLP), refused
 /// otherwise.
 fn check_spec(a: &Args) -> Result<()> {
     let Some(spec) = a.list("spec") else {
         return Ok(());
     };
     let known = |(m, f): &(&str, &str)| spec == [m.to_string(), f.to_string()];
+    if spec == PLM_SPEC && !a.has("multi-latent-attention") {
+        bail!(
+            "--spec {}: its attention is multi-latent: pass --multi-latent-attention and its shape",
+            spec.join(" ")
+        );
+    }
     if spec == DEEPSEEK_SPEC || spec == LONGCAT_SPEC {
         if !a.has("multi-latent-attention") {
             bail!("--spec {}: its attention is multi-latent: pass --multi-latent-attention and its shape", spec.join(" "));
@@ -436,7 +445,9 @@ pub(super) fn model_config(
             cfg.mla
         );
     }
-    if a.has("qk-layernorm") != cfg.qk_norm && (a.has("qk-layernorm") || has_any_architecture(a)) {
+    // MindSpeed-LLM's plm spec norms the key-value latent whatever --qk-layernorm says
+    let qk_norm = a.has("qk-layernorm") || a.list("spec").is_some_and(|s| s == PLM_SPEC);
+    if qk_norm != cfg.qk_norm && (qk_norm || has_any_architecture(a)) {
         bail!(
             "--qk-layernorm is {}given, but the --load checkpoint {} q/k layernorms",
             if cfg.qk_norm { "not " } else { "" },

@@ -170,6 +170,20 @@ pub(super) fn check_tensor_parallel(
     if model.qk_norm_per_layer {
         bail!("{flag} {tp}: {PER_LAYER_NORMS_UNDER_TP}");
     }
+    if model
+        .mla
+        .is_some_and(|m| m.fused_down && m.q_lora_rank.is_none())
+    {
+        // its attention views the replicated linear_qkv's queries of every head as this
+        // rank's heads (multi_latent_attention.py `CustomMLASelfAttention`): no split to match
+        bail!(
+            "{flag} {tp}: multi-latent attention without a query latent in MindSpeed-LLM's \
+             fused layout (--spec deepseek_spec / plm_spec: one replicated linear_qkv) is not \
+             built over tensor parallelism, as MindSpeed-LLM's attention does not split those \
+             queries by head either; train it at TP 1 (as the PLM and DeepSeek-V2-Lite scripts \
+             do), or without --spec in megatron-core's layout"
+        );
+    }
     for (what, n) in [
         ("--num-attention-heads", model.heads),
         ("--num-query-groups", model.groups),
