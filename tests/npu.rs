@@ -310,6 +310,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "unpermute",
         "layer_norm",
         "layer_norm_bwd",
+        "squared_relu",
+        "squared_relu_bwd",
     ] {
         assert!(
             table
@@ -333,6 +335,7 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "aclnnMoeGatingTopKSoftmax",
         "aclnnLayerNorm",
         "aclnnLayerNormBackward",
+        "aclnnRelu",
     ];
     assert!(
         fused
@@ -349,7 +352,7 @@ fn selftest_on_the_cpu_checks_its_gradients() {
         &["selftest", "--device", "cpu"],
     ));
     assert!(
-        table.contains("finite differences") && table.contains("9 of 9 checks passed"),
+        table.contains("finite differences") && table.contains("10 of 10 checks passed"),
         "{table}"
     );
 }
