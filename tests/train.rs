@@ -1286,6 +1286,20 @@ fn layer_norm_with_biases_trains_on_tensor_sequence_and_pipeline_parallel_ranks_
     assert!(err.contains("its norms are LayerNorms"), "{err}");
 }
 
+/// The values of model tensor `key` in the latest checkpoint of the one-rank run `dir`.
+fn saved_values(dir: &Path, key: &str) -> Vec<f32> {
+    let latest = std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap();
+    let iteration: u64 = latest.trim().parse().unwrap();
+    let file = dir.join(format!("iter_{iteration:07}/mp_rank_00/model_optim_rng.pt"));
+    let file = mindkit::ckpt::torch::TorchFile::open(&file).unwrap();
+    let Some(mindkit::ckpt::torch::pickle::Value::Tensor(t)) =
+        file.root().get("model").unwrap().get(key)
+    else {
+        panic!("{key} missing in {}", dir.display());
+    };
+    mindkit::tensor::host::to_f32(&file.read_tensor(key, t).unwrap()).unwrap()
+}
+
 /// The shape of model tensor `key` in the one-rank checkpoint `save` wrote at iteration 10.
 fn saved_shape(save: &Path, key: &str) -> Option<Vec<u64>> {
     let file = save.join("iter_0000010/mp_rank_00/model_optim_rng.pt");
@@ -1350,6 +1364,54 @@ fn squared_relu_mlp_trains_on_tensor_sequence_and_pipeline_parallel_ranks_as_one
         err.contains("its MLP is --squared-relu (not gated)"),
         "{err}"
     );
+    // a LoRA adapter of its one-projection linear_fc1 merges into it as W + α/r·B·A
+    let lora = dir.path().join("lora");
+    let mut tune = args(
+        &data,
+        &[
+            &SQUARED_RELU[..],
+            &["--finetune", "--lora-r", "4", "--lora-alpha", "8"],
+            &["--lora-target-modules", "linear_fc1", "--save"],
+            &[lora.to_str().unwrap(), "--save-interval", "10"],
+        ]
+        .concat(),
+    );
+    let at = tune.iter().position(|x| x == "--load").unwrap();
+    tune[at + 1] = path.to_string();
+    run(&tune).success();
+    let merged = dir.path().join("merged");
+    let merge: [&dyn AsRef<std::ffi::OsStr>; 9] = [
+        &"lora",
+        &"merge",
+        &"--base",
+        &save,
+        &"--adapter",
+        &lora,
+        &"--output",
+        &merged,
+        &"--quiet",
+    ];
+    mindkit(&merge).success();
+    let fc1 = "decoder.layers.1.mlp.linear_fc1";
+    let w = |dir: &Path, key: &str| saved_values(dir, &format!("{fc1}.{key}"));
+    let (base, a, b) = (
+        w(&save, "weight"),
+        w(&lora, "lora_A.default.weight"),
+        w(&lora, "lora_B.default.weight"),
+    );
+    let got = w(&merged, "weight");
+    assert_eq!((a.len(), b.len(), got.len()), (4 * 64, 96 * 4, 96 * 64));
+    for (i, (&g, &w0)) in got.iter().zip(&base).enumerate() {
+        let (row, col) = (i / 64, i % 64);
+        let ba: f32 = (0..4).map(|k| b[row * 4 + k] * a[k * 64 + col]).sum();
+        assert!((g - (w0 + 2.0 * ba)).abs() <= 1e-6, "element {i}: {g}");
+    }
+    // on the NPU stand-in (aclnnRelu, aclnnMul) as on the CPU
+    let six = without_swiglu(&data, &SQUARED_RELU, &["--train-iters", "6"]);
+    let cpu = stdout(&run(&six).success());
+    let (npu, counted) = train_on_stand_in(dir.path(), &six, "");
+    same_training(&cpu, &npu, 1e-4, "squared ReLU on the NPU stand-in");
+    assert!(counted["ops"].get("aclnnRelu").is_some(), "{counted}");
 }
 
 /// PLM-1.8B's layer as MindSpeed-LLM's plm spec builds it: multi-latent attention without a
