@@ -201,8 +201,9 @@ fn config_fields_of_the_wrong_type_are_errors() {
 }
 
 #[test]
-fn hugging_face_longrope_is_refused_by_name() {
-    // Phi-3 / Phi-3.5's: factors switched by the running sequence length, not built for HF models
+fn hugging_face_longrope_outside_phimoe_is_refused_by_name() {
+    // transformers' LongRoPE is built as Phi-3.5-MoE applies it (long or short mscale by the
+    // running length); other families keep one attention factor
     let tmp = tempfile::tempdir().unwrap();
     let model = llama_with_config(tmp.path(), |cfg| {
         cfg["rope_scaling"] =

@@ -1500,7 +1500,7 @@ fn longrope_trains_over_tensor_parallel_ranks_and_stays_in_megatron_format() {
     assert!(err.contains("LongRoPE"), "{err}");
     let err = stderr(&mindkit(&[&"generate", &"--model", &save, &"--prompt", &"a"]).failure());
     assert!(
-        err.contains("LongRoPE outside training is not built"),
+        err.contains("MindSpeed-LLM's LongRoPE (--rope-scaling-type longrope) outside training"),
         "{err}"
     );
     // one factor per frequency, or refused

@@ -119,6 +119,44 @@ pub fn detect(dir: &Path) -> Result<Format> {
     }
 }
 
+/// transformers' LongRoPE as Phi-3.5-MoE's model applies it (modeling_phimoe.py
+/// `PhimoeRotaryEmbedding`: the long or short factors and mscale by the running length at every
+/// call; other families' `dynamic_rope_update` keeps one attention factor, not built). It takes
+/// the original context from `config.json` twice: the factors switch past its own
+/// `original_max_position_embeddings` (modeling_rope_utils.py `_compute_longrope_parameters`),
+/// the mscale past rope_scaling's. mindkit switches both at one place: they must agree.
+fn check_longrope_context(json: &serde_json::Value) -> Result<()> {
+    if let Some(other) = json["model_type"].as_str().filter(|t| *t != "phimoe") {
+        bail!(
+            "rope_scaling longrope in a {other} model: transformers' LongRoPE is built as \
+             Phi-3.5-MoE's (phimoe) applies it"
+        );
+    }
+    let scaling = &json["rope_scaling"];
+    for mscale in ["short_mscale", "long_mscale"] {
+        if scaling
+            .get(mscale)
+            .and_then(serde_json::Value::as_f64)
+            .is_none()
+        {
+            bail!("rope_scaling longrope: {mscale} must be a number (as transformers' PhimoeConfig requires)");
+        }
+    }
+    let key = "original_max_position_embeddings";
+    let top = json.get(key).and_then(serde_json::Value::as_f64);
+    let scaling = json["rope_scaling"]
+        .get(key)
+        .and_then(serde_json::Value::as_f64);
+    if top.is_none() || top != scaling {
+        bail!(
+            "rope_scaling longrope: {key} is {top:?} at the top and {scaling:?} in rope_scaling; \
+             transformers switches the factors at the first and the mscale at the second, \
+             mindkit both at one: they must be the same number"
+        );
+    }
+    Ok(())
+}
+
 /// Open an HF directory: config.json checked against the tensors actually present.
 pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConfig, HfWeights)> {
     let cfg_path = dir.join("config.json");
@@ -129,15 +167,7 @@ pub fn open_hf(dir: &Path, family: Option<&'static Family>) -> Result<(ModelConf
     let mut cfg =
         ModelConfig::from_hf(&json, family).with_context(|| format!("{}", cfg_path.display()))?;
     if cfg.rope_type() == Some("longrope") {
-        // transformers' Phi-3 / Phi-3.5 pick the short or long factors (and mscale) by the
-        // running sequence length at each call; mindkit's LongRoPE is MindSpeed-LLM's training
-        // one, chosen once by --seq-length
-        bail!(
-            "{}: rope_scaling longrope (Phi-3 / Phi-3.5's, its factors switched by the running \
-             sequence length) is not built for Hugging Face models yet; MindSpeed-LLM's training \
-             LongRoPE (--rope-scaling-type longrope) is",
-            cfg_path.display()
-        );
+        check_longrope_context(&json).with_context(|| format!("{}", cfg_path.display()))?;
     }
     let mut weights = HfWeights::open(dir)?;
     match fp8_blocks(&json).with_context(|| format!("{}", cfg_path.display()))? {

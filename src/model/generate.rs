@@ -291,12 +291,22 @@ fn generate_each<B: Backend>(
         .collect();
     // Per sequence: positions already in its cache slot, and the tokens to feed next.
     let mut inputs: Vec<(usize, Vec<u32>)> = prompts.iter().map(|p| (0, p.to_vec())).collect();
+    let switch = model.spec.rope.switches_after();
     loop {
         let running: Vec<usize> = (0..seqs.len())
             .filter(|&i| seqs[i].finish.is_none())
             .collect();
         if running.is_empty() {
             break;
+        }
+        for &i in &running {
+            let (past, input) = &mut inputs[i];
+            let passes = |o: usize| (1..=o).contains(past) && *past + input.len() > o;
+            if switch.is_some_and(passes) {
+                // LongRoPE's long factors from here: the cache is computed again with them
+                *input = [prompts[i], &seqs[i].tokens[..]].concat();
+                *past = 0;
+            }
         }
         let steps: Vec<Step> = (running.iter())
             .map(|&i| Step {

@@ -19,6 +19,19 @@ pub(super) struct Rope {
     divisors: Option<Vec<f32>>,
     /// The factor of every cos and sin (YaRN's or LongRoPE's attention factor; 1 otherwise).
     attention_factor: f32,
+    /// transformers' LongRoPE (Phi-3.5-MoE's `config.json` outside training): the frequencies
+    /// and factor above are the short ones, these the long ones, taken by a forward pass whose
+    /// running length passes the original context.
+    long: Option<LongFactors>,
+}
+
+/// The long half of transformers' LongRoPE ([`Rope::long`]).
+#[derive(Debug, Clone)]
+struct LongFactors {
+    /// The original context (`original_max_position_embeddings`): longer passes take these.
+    original: usize,
+    inv_freq: Vec<f32>,
+    attention_factor: f32,
 }
 
 fn number(r: &Json, key: &str, default: Option<f64>) -> Result<f64> {
@@ -41,6 +54,7 @@ impl Rope {
             .collect();
         let mut attention_factor = 1.0;
         let mut divisors = None;
+        let mut long = None;
         if let Some(r) = &cfg.rope_scaling {
             let kind = (r.get("rope_type").or_else(|| r.get("type")))
                 .and_then(Json::as_str)
@@ -53,17 +67,35 @@ impl Rope {
                 }
                 "llama3" => llama3(&mut inv_freq, r)?,
                 "yarn" => attention_factor = yarn(&mut inv_freq, r, (d, base, cfg))?,
-                "longrope" => {
-                    let Some(s) = seq_length else {
-                        bail!(
-                            "LongRoPE outside training is not built: transformers chooses its \
-                             factors per forward pass by the length so far and applies its \
-                             attention factor, MindSpeed-LLM's evaluation takes the short factors \
-                             unscaled; keep such a model to `mindkit train`"
-                        );
-                    };
-                    (divisors, attention_factor) = longrope(&mut inv_freq, r, (d, base, cfg, s))?;
-                }
+                "longrope" => match (seq_length, r.get("freqs_type")) {
+                    (Some(s), freqs) => {
+                        let outer = freqs.and_then(Json::as_str) == Some("outer");
+                        (divisors, attention_factor) =
+                            longrope(&mut inv_freq, r, (d, base, cfg, s), outer)?;
+                    }
+                    (None, None) => {
+                        // transformers' `_compute_longrope_parameters`: each frequency divided
+                        let mut long_freq = inv_freq.clone();
+                        let (_, short_factor) =
+                            longrope(&mut inv_freq, r, (d, base, cfg, 0), true)?;
+                        let original = number(r, "original_max_position_embeddings", None)?;
+                        let beyond = original as usize + 1;
+                        let (_, long_factor) =
+                            longrope(&mut long_freq, r, (d, base, cfg, beyond), true)?;
+                        attention_factor = short_factor;
+                        long = Some(LongFactors {
+                            original: original as usize,
+                            inv_freq: long_freq,
+                            attention_factor: long_factor,
+                        });
+                    }
+                    (None, Some(_)) => bail!(
+                        "MindSpeed-LLM's LongRoPE (--rope-scaling-type longrope) outside training \
+                         is not built: its evaluation takes the short factors unscaled, \
+                         transformers switches them by the running length; keep such a model \
+                         to `mindkit train`"
+                    ),
+                },
                 other => bail!(
                     "config.json: rope scaling \"{other}\" is not supported (supported: default, \
                      linear, llama3, yarn, and longrope in training)"
@@ -74,7 +106,15 @@ impl Rope {
             inv_freq,
             divisors,
             attention_factor,
+            long,
         })
+    }
+
+    /// Where transformers' LongRoPE switches to its long factors: a generation whose cache
+    /// holds at most this many positions and that passes it is computed again from its first
+    /// token (transformers' `PhimoeForCausalLM.prepare_inputs_for_generation`); `None` without.
+    pub(super) fn switches_after(&self) -> Option<usize> {
+        self.long.as_ref().map(|l| l.original)
     }
 
     /// The frequencies: half the rotated dimensions of a head.
@@ -82,18 +122,25 @@ impl Rope {
         self.inv_freq.len()
     }
 
-    /// `cos` and `sin` of `position · inv_freq`, `[positions, rotary_dim / 2]` each.
+    /// `cos` and `sin` of `position · inv_freq`, `[positions, rotary_dim / 2]` each: for one
+    /// forward pass, whose running length (the last position + 1, transformers' `seq_len`)
+    /// chooses LongRoPE's factors where they switch.
     pub(super) fn tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
-        let n = positions.len() * self.inv_freq.len();
+        let running = positions.iter().max().map_or(0, |p| p + 1);
+        let (inv_freq, factor) = match &self.long {
+            Some(l) if running > l.original => (&l.inv_freq, l.attention_factor),
+            _ => (&self.inv_freq, self.attention_factor),
+        };
+        let n = positions.len() * inv_freq.len();
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for &p in positions {
-            for (i, &f) in self.inv_freq.iter().enumerate() {
+            for (i, &f) in inv_freq.iter().enumerate() {
                 let angle = match &self.divisors {
                     Some(d) => (p as f32 * d[i]) * f,
                     None => p as f32 * f,
                 };
-                cos.push(angle.cos() * self.attention_factor);
-                sin.push(angle.sin() * self.attention_factor);
+                cos.push(angle.cos() * factor);
+                sin.push(angle.sin() * factor);
             }
         }
         (cos, sin)
@@ -203,7 +250,7 @@ fn yarn(inv_freq: &mut [f32], r: &Json, (d, base, cfg): (usize, f32, &ModelConfi
 /// rotary_pos_embedding.py `rotary_embedding_forward`, `apply_rotary_pos_emb_bshd`) over `d`
 /// rotated dimensions of RoPE base `base` at sequence length `s`: the long factors when `s` is
 /// beyond the original context, else the short ones; `outer` divides each inverse frequency by
-/// its factor (transformers' `_compute_longrope_parameters` too), `mul` divides the positions
+/// its factor (transformers' `_compute_longrope_parameters` too; `outer`), `mul` divides the positions
 /// ([`Rope::divisors`]). The attention factor: the long or short mscale as `s` is beyond the
 /// original context or not, or without them `√(1 + ln(max / original) / ln original)` when the
 /// model's positions exceed the original context. Returns the divisors and the factor.
@@ -211,6 +258,7 @@ fn longrope(
     inv_freq: &mut [f32],
     r: &Json,
     (d, base, cfg, s): (usize, f32, &ModelConfig, usize),
+    outer: bool,
 ) -> Result<(Option<Vec<f32>>, f32)> {
     let original = number(r, "original_max_position_embeddings", None)?;
     let long = s as f64 > original;
@@ -238,7 +286,6 @@ fn longrope(
             }
         }
     };
-    let outer = r.get("freqs_type").and_then(Json::as_str) == Some("outer");
     if outer {
         for (i, f) in inv_freq.iter_mut().enumerate() {
             *f = 1.0 / (ext[i] * base.powf((2 * i) as f32 / d as f32));

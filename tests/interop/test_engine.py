@@ -89,16 +89,18 @@ def test_moe_logits_and_greedy_decoding_match_transformers(family, tmp_path):
     assert (got["steps"] - steps).abs().max().item() <= 1e-5
 
 
-def tiny_phimoe(out):
+def tiny_phimoe(out, **changes):
     """A seeded tiny Phi-3.5-MoE (transformers' PhimoeForCausalLM: LayerNorms, q/k/v, o_proj and
-    lm_head biases, 4 experts routed by SparseMixer top-2), every bias and norm β random."""
+    lm_head biases, 4 experts routed by SparseMixer top-2), every bias and norm β random; its
+    config as `changes` says."""
     from transformers import PhimoeConfig, PhimoeForCausalLM
     torch.manual_seed(21)
-    cfg = PhimoeConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
-                       lm_head_bias=True, rope_scaling=None, tie_word_embeddings=False,
-                       attention_dropout=0.0, bos_token_id=1, eos_token_id=2)
+    settings = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                    lm_head_bias=True, rope_scaling=None, tie_word_embeddings=False,
+                    attention_dropout=0.0, bos_token_id=1, eos_token_id=2)
+    cfg = PhimoeConfig(**(settings | changes))
     model = PhimoeForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -146,6 +148,53 @@ def test_phimoe_logits_and_decoding_match_transformers(mindkit, tmp_path):
         assert want.keys() == got.keys(), source
         for k in want:
             assert torch.equal(want[k], got[k]), (source, k)
+
+
+def test_phimoe_longrope_switches_factors_as_transformers(mindkit, tmp_path):
+    """Phi-3.5-MoE's LongRoPE (`rope_scaling` longrope, scaled down: the original context 8 of 64
+    positions, random short and long factors, its long and short mscales): prefill logits of a prompt within the original
+    context and of one beyond it, and KV-cached decoding across the switch (the cached keys kept,
+    as a forward pass keeps them), equal transformers' (fp32); `mindkit generate` decodes what
+    transformers' `generate` decodes across it (the cache computed again at the switch, as its
+    `prepare_inputs_for_generation` drops it); HF → Megatron → HF keeps the config and tensors."""
+    gen = torch.Generator().manual_seed(3)
+    scaling = {"type": "longrope", "original_max_position_embeddings": 8,
+               "short_factor": (1 + torch.rand(8, generator=gen)).tolist(),
+               "long_factor": (1 + 4 * torch.rand(8, generator=gen)).tolist(),
+               "short_mscale": 1.1, "long_mscale": 1.3}
+    model_dir = tmp_path / "phimoe"
+    model = tiny_phimoe(model_dir, vocab_size=400, max_position_embeddings=64,
+                        original_max_position_embeddings=8, rope_scaling=scaling)
+    for n, steps in ((6, 8), (12, 4)):
+        ids = torch.randint(3, 400, (n,), generator=gen).tolist()
+        prefill, logits, tokens = hf_greedy(model, ids, steps)
+        got = mindkit_logits(model_dir, ids, steps, tmp_path / "logits.safetensors")
+        assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, n
+        assert got["generated"].tolist() == tokens, n
+        assert (got["steps"] - logits).abs().max().item() <= 1e-5, n
+    # generation across the switch, from the HF directory and its Megatron conversion
+    demo = ROOT / "fixtures/models/demo"
+    tok = AutoTokenizer.from_pretrained(demo)
+    prompt = "the cat sat"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] <= 8, ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    # the recomputed cache decides tokens here: keeping the short-factor keys would not
+    assert out[0, ids.shape[1]:].tolist() != hf_greedy(model, ids[0].tolist(), 12)[2]
+    want = tok.decode(out[0, ids.shape[1]:])
+    ck, back = tmp_path / "megatron", tmp_path / "back"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", ck)
+    for source in (model_dir, ck):
+        text = subprocess.run([BIN, "generate", "--model", source, "--tokenizer", demo,
+                               "--prompt", prompt, "--max-new-tokens", "12", "--quiet"],
+                              capture_output=True, text=True, check=True).stdout
+        assert text.strip() == want.strip(), (source, text, want)
+    mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
+    assert json.loads((back / "config.json").read_text())["rope_scaling"] == model.config.rope_scaling
+    want_tensors, got_tensors = (load_file(str(d / "model.safetensors")) for d in (model_dir, back))
+    assert all(torch.equal(want_tensors[k], got_tensors[k]) for k in want_tensors)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_direct", "deepseek_v2"])

@@ -542,7 +542,13 @@ impl ModelConfig {
                 }
             );
         }
-        if self.rope_type() == Some("longrope") {
+        // MindSpeed-LLM's training LongRoPE records how it divides (`freqs_type`);
+        // transformers' (Phi-3.5-MoE's config.json) does not
+        let mindspeed_longrope = self
+            .rope_scaling
+            .as_ref()
+            .is_some_and(|r| self.rope_type() == Some("longrope") && r.get("freqs_type").is_some());
+        if mindspeed_longrope {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its LongRoPE is \
                  MindSpeed-LLM's training one (factors chosen by --seq-length), which no family of \
