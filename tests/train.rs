@@ -1227,6 +1227,26 @@ fn hf_export_refused(dir: &Path, save: &Path) -> String {
     err
 }
 
+/// The run `with(extra)` makes, saved on one rank to `save`: it trains otherwise than the plain
+/// model of [`from_scratch`], and over TP 2 + SP and over PP 2 as on one rank.
+fn saved_and_as_one_rank_over_tp_sp_and_pp(
+    data: &Path,
+    with: impl Fn(&[&str]) -> Vec<String>,
+    save: &str,
+    what: &str,
+) {
+    let one = stdout(&run(&with(&["--save", save, "--save-interval", "10"])).success());
+    let plain = stdout(&run(&from_scratch(data, &[], &[])).success());
+    assert_ne!(field(&one, "lm loss"), field(&plain, "lm loss"));
+    for layout in [
+        &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
+        &["--pipeline-model-parallel-size", "2"][..],
+    ] {
+        let log = stdout(&run(&with(layout)).success());
+        same_training(&one, &log, 1e-5, &format!("{what} over {layout:?}"));
+    }
+}
+
 /// Phi-3.5-MoE's norms and biases on the dense layer: LayerNorm, q/k/v, attention-output and
 /// output-layer biases (MindSpeed-LLM's flags), untied.
 const LAYER_NORM_AND_BIASES: [&str; 7] = [
@@ -1246,22 +1266,8 @@ fn layer_norm_with_biases_trains_on_tensor_sequence_and_pipeline_parallel_ranks_
     let save = dir.path().join("layer_norm");
     let path = save.to_str().unwrap();
     let family = [&LAYER_NORM_AND_BIASES[..], &["1e-5"]].concat();
-    let one_flags = ["--save", path, "--save-interval", "10"];
-    let one = stdout(&run(&from_scratch(&data, &family, &one_flags)).success());
-    let rms = stdout(&run(&from_scratch(&data, &[], &[])).success());
-    assert_ne!(field(&one, "lm loss"), field(&rms, "lm loss"));
-    for layout in [
-        &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
-        &["--pipeline-model-parallel-size", "2"][..],
-    ] {
-        let log = stdout(&run(&from_scratch(&data, &family, layout)).success());
-        same_training(
-            &one,
-            &log,
-            1e-5,
-            &format!("LayerNorm with biases over {layout:?}"),
-        );
-    }
+    let with = |extra: &[&str]| from_scratch(&data, &family, extra);
+    saved_and_as_one_rank_over_tp_sp_and_pp(&data, with, path, "LayerNorm with biases");
     let info = stdout(&mindkit(&[&"ckpt", &"info", &path]).success());
     assert!(
         info.contains(
@@ -1326,17 +1332,8 @@ fn squared_relu_mlp_trains_on_tensor_sequence_and_pipeline_parallel_ranks_as_one
     let data = corpus(dir.path());
     let save = dir.path().join("squared");
     let path = save.to_str().unwrap();
-    let one_flags = ["--save", path, "--save-interval", "10"];
-    let one = stdout(&run(&without_swiglu(&data, &SQUARED_RELU, &one_flags)).success());
-    let swiglu = stdout(&run(&from_scratch(&data, &[], &[])).success());
-    assert_ne!(field(&one, "lm loss"), field(&swiglu, "lm loss"));
-    for layout in [
-        &["--tensor-model-parallel-size", "2", "--sequence-parallel"][..],
-        &["--pipeline-model-parallel-size", "2"][..],
-    ] {
-        let log = stdout(&run(&without_swiglu(&data, &SQUARED_RELU, layout)).success());
-        same_training(&one, &log, 1e-5, &format!("squared ReLU over {layout:?}"));
-    }
+    let with = |extra: &[&str]| without_swiglu(&data, &SQUARED_RELU, extra);
+    saved_and_as_one_rank_over_tp_sp_and_pp(&data, with, path, "squared ReLU");
     let info = stdout(&mindkit(&[&"ckpt", &"info", &path]).success());
     assert!(info.contains("ffn 96 (squared ReLU, not gated)"), "{info}");
     let fc1 = saved_shape(&save, "decoder.layers.0.mlp.linear_fc1.weight");

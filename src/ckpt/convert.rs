@@ -139,17 +139,18 @@ fn check_longrope_context(json: &serde_json::Value) -> Result<()> {
             .and_then(serde_json::Value::as_f64)
             .is_none()
         {
-            bail!("rope_scaling longrope: {mscale} must be a number (as transformers' PhimoeConfig requires)");
+            bail!(
+                "rope_scaling longrope: {mscale} must be a number (as transformers' \
+                 PhimoeConfig requires)"
+            );
         }
     }
     let key = "original_max_position_embeddings";
     let top = json.get(key).and_then(serde_json::Value::as_f64);
-    let scaling = json["rope_scaling"]
-        .get(key)
-        .and_then(serde_json::Value::as_f64);
-    if top.is_none() || top != scaling {
+    let inner = scaling.get(key).and_then(serde_json::Value::as_f64);
+    if top.is_none() || top != inner {
         bail!(
-            "rope_scaling longrope: {key} is {top:?} at the top and {scaling:?} in rope_scaling; \
+            "rope_scaling longrope: {key} is {top:?} at the top and {inner:?} in rope_scaling; \
              transformers switches the factors at the first and the mscale at the second, \
              mindkit both at one: they must be the same number"
         );

@@ -1,8 +1,9 @@
-//! Rotary position embedding: the inverse frequencies (with `linear`, `llama3`, `yarn` or, in
-//! training, `longrope` scaling) and the cos/sin rows of given positions, computed in f32 in
-//! the order transformers computes them (`LlamaRotaryEmbedding`, `_compute_llama3_parameters`,
-//! `_compute_yarn_parameters`) or MindSpeed-LLM does (its rotary_pos_embedding.py for LongRoPE),
-//! so the tables agree to the ulp. YaRN's and LongRoPE's attention factors scale the tables, as
+//! Rotary position embedding: the inverse frequencies (with `linear`, `llama3`, `yarn` or
+//! `longrope` scaling) and the cos/sin rows of given positions, computed in f32 in the order
+//! transformers computes them (`LlamaRotaryEmbedding`, `_compute_llama3_parameters`,
+//! `_compute_yarn_parameters`, `_compute_longrope_parameters` with Phi-3.5-MoE's
+//! `PhimoeRotaryEmbedding`) or MindSpeed-LLM does (its rotary_pos_embedding.py for LongRoPE in
+//! training), so the tables agree to the ulp. YaRN's and LongRoPE's attention factors scale the tables, as
 //! transformers, megatron-core (`YarnRotaryEmbedding`'s mscale) and MindSpeed-LLM do.
 
 use crate::arch::ModelConfig;
@@ -98,7 +99,7 @@ impl Rope {
                 },
                 other => bail!(
                     "config.json: rope scaling \"{other}\" is not supported (supported: default, \
-                     linear, llama3, yarn, and longrope in training)"
+                     linear, llama3, yarn, longrope)"
                 ),
             }
         }
