@@ -141,10 +141,14 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("enable-mla-scale-q-lora", "enable_mla_scale_q_lora"),
         ("enable-mla-scale-kv-lora", "enable_mla_scale_kv_lora"),
         ("mla-mm-split", "mla_mm_split"),
-        ("swiglu", "swiglu"),
-        ("squared-relu", "squared_relu"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
+    }
+    // the MLP's activation only as given: a --load checkpoint's stands otherwise
+    for (flag, key) in [("swiglu", "swiglu"), ("squared-relu", "squared_relu")] {
+        if a.has(flag) {
+            out.push((key.to_string(), Value::Bool(true)));
+        }
     }
     if let Some(t) = a.get("fc-type") {
         out.push(("fc_type".into(), Value::Str(t.to_string())));
