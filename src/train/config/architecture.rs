@@ -299,22 +299,21 @@ fn check_spec(a: &Args) -> Result<()> {
         return Ok(());
     };
     let known = |(m, f): &(&str, &str)| spec == [m.to_string(), f.to_string()];
-    if spec == PLM_SPEC && !a.has("multi-latent-attention") {
+    let multi_latent = [DEEPSEEK_SPEC, LONGCAT_SPEC, PLM_SPEC]
+        .iter()
+        .any(|s| spec == s);
+    if multi_latent && !a.has("multi-latent-attention") {
         bail!(
             "--spec {}: its attention is multi-latent: pass --multi-latent-attention and its shape",
             spec.join(" ")
         );
     }
-    if spec == DEEPSEEK_SPEC || spec == LONGCAT_SPEC {
-        if !a.has("multi-latent-attention") {
-            bail!("--spec {}: its attention is multi-latent: pass --multi-latent-attention and its shape", spec.join(" "));
-        }
-        if a.get("transformer-impl").is_some_and(|t| t != "local") {
-            bail!(
-                "--spec {}: built with --transformer-impl local (as every shipped script runs it)",
-                spec.join(" ")
-            );
-        }
+    let local_only = spec == DEEPSEEK_SPEC || spec == LONGCAT_SPEC;
+    if local_only && a.get("transformer-impl").is_some_and(|t| t != "local") {
+        bail!(
+            "--spec {}: built with --transformer-impl local (as every shipped script runs it)",
+            spec.join(" ")
+        );
     }
     if !SPECS.iter().any(known) {
         let names: Vec<String> = SPECS.iter().map(|(m, f)| format!("{m} {f}")).collect();
