@@ -195,7 +195,7 @@ fn bad_input_is_refused_before_any_work() {
     let data = corpus(dir.path());
     let save = dir.path().join("save");
     // (flags, what the refusal says)
-    let cases: [(&str, &str); 17] = [
+    let cases: [(&str, &str); 19] = [
         (
             "--global-batch-size 5",
             "not a multiple of --micro-batch-size",
@@ -235,7 +235,15 @@ fn bad_input_is_refused_before_any_work() {
         ("--hidden-dropout 1", "would drop every element"),
         ("--lr-warmup-iters 20", "must be shorter than decay"),
         ("--lora-r 4", "needs --lora-target-modules"),
-        ("--ckpt-format torch_dist", "train writes only torch"),
+        ("--ckpt-format zarr", "train writes torch (one model_optim_rng.pt per rank) or torch_dist"),
+        (
+            "--ckpt-format torch_dist --lora-r 4 --lora-alpha 8 --lora-target-modules linear_qkv",
+            "--ckpt-format torch_dist is saved as megatron-core's local spec loads it; a LoRA adapter is not",
+        ),
+        (
+            "--ckpt-format torch_dist --transformer-impl transformer_engine",
+            "--transformer-impl transformer_engine's layout is not (save with --ckpt-format torch)",
+        ),
         (
             "--ckpt-convert-format torch --ckpt-convert-save /tmp/x",
             "`mindkit convert --to megatron --ckpt-format",

@@ -479,7 +479,15 @@ impl Input {
 
     /// Whether it is a Megatron `torch_dist` checkpoint (one index of global tensors).
     pub fn is_torch_dist(&self) -> bool {
-        matches!(self.source, Source::TorchDist(_))
+        self.torch_dist().is_some()
+    }
+
+    /// The `torch_dist` checkpoint it is, if it is one.
+    pub fn torch_dist(&self) -> Option<&TorchDistCkpt> {
+        match &self.source {
+            Source::TorchDist(ck) => Some(ck),
+            _ => None,
+        }
     }
 
     /// LoRA tensors stored next to the weights (Megatron checkpoints saved without

@@ -453,6 +453,32 @@ pub fn tp_shard(role: Role, t: &Tensor, r: usize, tp: usize, padded_vocab: usize
     }
 }
 
+/// Where tensor-parallel rank `r`'s shard (of shape `shard`, one of `tp`) lies in the
+/// canonical tensor (its vocabulary padded): each block of the shard's rows with the offsets
+/// it starts at there — one block, or SwiGLU's gate and up halves, which lie apart.
+pub fn shard_places(
+    role: Role,
+    shard: &[usize],
+    r: usize,
+    tp: usize,
+) -> Vec<(Range<usize>, Vec<usize>)> {
+    let rows = shard.first().copied().unwrap_or(1);
+    let at = |axis: usize, offset: usize| {
+        let mut o = vec![0; shard.len()];
+        o[axis] = offset;
+        o
+    };
+    match split_of(role) {
+        Split::Replicated => vec![(0..rows, vec![0; shard.len()])],
+        Split::Rows | Split::Vocab => vec![(0..rows, at(0, r * rows))],
+        Split::Cols => vec![(0..rows, at(1, r * shard[1]))],
+        Split::GateUp => {
+            let n = rows / 2;
+            vec![(0..n, at(0, r * n)), (n..rows, at(0, n * tp + r * n))]
+        }
+    }
+}
+
 /// Rank `r`'s shard of the canonical tensor `t` ([`tp_shard`]'s bytes) as parts to write one
 /// after the other, borrowed from `t` where the shard is made of its rows (every split but the
 /// column split, for which `None`): the writer then holds no copy of a large tensor's shard.

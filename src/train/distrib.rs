@@ -586,6 +586,70 @@ impl<T> Sharded<T> {
         world
     }
 
+    /// Where buffer element `at` sits in the world tensors ([`Sharded::world`]: each bucket
+    /// up to its last parameter, one after the other).
+    fn world_at(&self, at: usize) -> Result<usize> {
+        let mut before = 0;
+        for bucket in &self.layout.buckets {
+            if (bucket.start..bucket.end).contains(&at) {
+                return Ok(before + at - bucket.start);
+            }
+            before += bucket.unpadded;
+        }
+        Err(EngineError::Invalid {
+            op: "distributed optimizer",
+            msg: "internal: an element outside the buffer".into(),
+        })
+    }
+
+    /// Each trained parameter's place in the world tensors: its index in the table and its
+    /// elements there (a grouped unit has none: its members are stored transposed together).
+    fn world_ranges(&self) -> Result<Vec<(usize, Range<usize>)>> {
+        (self.layout.placed.iter())
+            .filter_map(|p| match &self.units[p.param] {
+                Unit {
+                    members,
+                    transposed: None,
+                } if members.len() == 1 => Some((members[0], p.range.clone())),
+                _ => None,
+            })
+            .map(|(param, range)| {
+                let from = self.world_at(range.start)?;
+                Ok((param, from..from + range.len()))
+            })
+            .collect()
+    }
+
+    /// The trained parameters' main copies, first and second moments (f32, flat) cut from
+    /// world tensors of [`Sharded::gathered_state`], by table index.
+    pub fn param_states(&self, world: &[Vec<f32>; 3]) -> Result<Vec<(usize, [Vec<f32>; 3])>> {
+        (self.world_ranges()?.into_iter())
+            .map(|(param, r)| Ok((param, world.clone().map(|w| w[r.clone()].to_vec()))))
+            .collect()
+    }
+
+    /// The world tensors ([`Sharded::gathered_state`]'s form) holding the trained parameters'
+    /// main copies and moments given by table index (`states`), for [`Sharded::load`].
+    pub fn world_of(
+        &self,
+        states: &dyn Fn(usize) -> Option<[Vec<f32>; 3]>,
+    ) -> Result<[Vec<f32>; 3]> {
+        let mut world: [Vec<f32>; 3] = Default::default();
+        world
+            .iter_mut()
+            .for_each(|w| w.resize(self.layout.numel_unpadded(), 0.0));
+        for (param, r) in self.world_ranges()? {
+            let got = states(param).ok_or_else(|| EngineError::Invalid {
+                op: "distributed optimizer",
+                msg: format!("internal: no state for parameter {param}"),
+            })?;
+            for (w, s) in world.iter_mut().zip(&got) {
+                w[r.clone()].copy_from_slice(s);
+            }
+        }
+        Ok(world)
+    }
+
     /// Load this rank's pieces of main parameters and moments from the world tensors of a
     /// `distrib_optim.pt` ([`Sharded::gathered_state`]'s form), after `steps` steps.
     pub fn load<B: Backend<Tensor = T>>(
@@ -594,25 +658,11 @@ impl<T> Sharded<T> {
         world: [&[f32]; 3],
         steps: u64,
     ) -> Result<()> {
-        let mut bucket_offset = Vec::with_capacity(self.layout.buckets.len());
-        let mut before = 0;
-        for bucket in &self.layout.buckets {
-            bucket_offset.push((bucket.start..bucket.end, before));
-            before += bucket.unpadded;
-        }
         let placed: std::collections::HashMap<usize, usize> = (self.layout.placed.iter())
             .map(|p| (p.param, p.range.start))
             .collect();
         for (i, piece) in self.pieces.iter().enumerate() {
-            let at = placed[&piece.param] + piece.param_range.start;
-            let (range, before) = (bucket_offset.iter())
-                .find(|(r, _)| r.contains(&at))
-                .cloned()
-                .ok_or_else(|| EngineError::Invalid {
-                    op: "load",
-                    msg: "internal: a piece outside the buffer".into(),
-                })?;
-            let from = before + at - range.start;
+            let from = self.world_at(placed[&piece.param] + piece.param_range.start)?;
             let slice = from..from + piece.param_range.len();
             let n = [piece.param_range.len()];
             self.main[i] = b.upload_f32(&n, &world[0][slice.clone()])?;

@@ -25,6 +25,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod datasets;
+mod dist_ckpt;
 pub mod distrib;
 mod finalize;
 mod init;

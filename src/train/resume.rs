@@ -47,6 +47,12 @@ impl<B: Backend> Trainer<B> {
         // `release` checkpoint starts at iteration 0 and loads no optimizer, scheduler or RNG
         // state; the consumed samples still come from its args.
         let release = checkpoint::is_release(&dir)?;
+        if let Start::Load { input, .. } = &self.cfg.start {
+            let input = input.clone();
+            if let Some(ck) = input.torch_dist().filter(|_| self.cfg.lora.is_none()) {
+                return self.resume_dist(ck, (no_optim, release));
+            }
+        }
         let no_optim = no_optim || release;
         let extend = self.cfg.tp_extend_ep;
         let at = (self.tp(), self.stage.rank(), self.file_ep(self.ep()));
@@ -193,7 +199,7 @@ impl<B: Backend> Trainer<B> {
 
     /// Megatron's `OptimizerParamScheduler.load_state_dict`: the checkpoint's settings must
     /// equal the command line's unless told which to use.
-    fn apply_checkpoint_schedule(&mut self, sched: &serde_json::Value) -> Result<()> {
+    pub(super) fn apply_checkpoint_schedule(&mut self, sched: &serde_json::Value) -> Result<()> {
         let s = &mut self.cfg.schedule;
         let num = |k: &str| sched.get(k).and_then(|v| v.as_f64());
         let checks: [(&str, &str, f64, Option<f64>); 4] = [
@@ -233,8 +239,20 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
+    /// What the optimizer's parameter groups record now.
+    pub(super) fn group_hyper(&self) -> checkpoint::GroupHyper {
+        checkpoint::GroupHyper {
+            lr: self.cfg.schedule.lr(self.schedule_steps),
+            max_lr: self.cfg.schedule.max_lr,
+            min_lr: self.cfg.schedule.min_lr,
+            weight_decay: self.cfg.schedule.wd(self.schedule_steps),
+            betas: self.cfg.adam.betas,
+            eps: self.cfg.adam.eps,
+        }
+    }
+
     /// The host copy of everything a checkpoint holds.
-    fn snapshot(
+    pub(super) fn snapshot(
         &self,
         gathered: Option<Vec<Option<[Vec<f32>; 3]>>>,
     ) -> Result<checkpoint::Snapshot<'_>> {
@@ -245,14 +263,7 @@ impl<B: Backend> Trainer<B> {
             .map(|p| b.download(p))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let save = self.cfg.save.as_ref();
-        let hyper = checkpoint::GroupHyper {
-            lr: self.cfg.schedule.lr(self.schedule_steps),
-            max_lr: self.cfg.schedule.max_lr,
-            min_lr: self.cfg.schedule.min_lr,
-            weight_decay: self.cfg.schedule.wd(self.schedule_steps),
-            betas: self.cfg.adam.betas,
-            eps: self.cfg.adam.eps,
-        };
+        let hyper = self.group_hyper();
         let chained = self.sharded.len() > 1;
         let distributed = (gathered
             .into_iter()
@@ -373,6 +384,11 @@ impl<B: Backend> Trainer<B> {
             }
             _ => None,
         };
+        if let Some(save) = self.cfg.save.as_ref().filter(|s| s.dist) {
+            let path = self.save_dist(&save.dir, gathered)?;
+            self.say_saved(bar, &save.dir, start);
+            return Ok(Some(path));
+        }
         // Megatron's torch format: expert-data-parallel rank 0 of each expert-parallel rank
         // (data-parallel rank 0 without expert parallelism) writes.
         let writers = if self.ep.is_some() {
@@ -396,19 +412,29 @@ impl<B: Backend> Trainer<B> {
             true => checkpoint::save(&save.dir, &snap)?,
             false => self.save_shards(&groups, &save.dir, &snap)?,
         };
+        self.say_saved(bar, &save.dir, start);
+        Ok(Some(path))
+    }
+
+    /// Megatron's line for a checkpoint saved.
+    pub(super) fn say_saved(
+        &self,
+        bar: &indicatif::ProgressBar,
+        dir: &std::path::Path,
+        start: Instant,
+    ) {
         let ((t, tps), (p, pps)) = (self.tp(), self.stage.rank());
         self.say(
             bar,
             &format!(
                 "  successfully saved checkpoint from iteration {:>7} to {} [ t {}/{tps}, p {}/{pps} ] ({:.1} s)",
                 self.iteration,
-                save.dir.display(),
+                dir.display(),
                 t + 1,
                 p + 1,
                 start.elapsed().as_secs_f64()
             ),
         );
-        Ok(Some(path))
     }
 
     /// Every model-parallel rank's file into one temporary iteration directory that its rank 0
@@ -421,8 +447,31 @@ impl<B: Backend> Trainer<B> {
         dir: &std::path::Path,
         snap: &checkpoint::Snapshot,
     ) -> Result<std::path::PathBuf> {
+        let (temp, into) = self.start_save(groups, dir, snap.iteration)?;
+        agreed(groups, checkpoint::write_rank(&into, snap))?;
+        match temp {
+            Some(temp) => checkpoint::finish(dir, temp, snap),
+            None => Ok(dir
+                .join(checkpoint::iteration_dir(snap.iteration))
+                .join(checkpoint::rank_dir_of(
+                    snap.tp.0,
+                    snap.stage,
+                    snap.file_ep(),
+                ))
+                .join(crate::ckpt::megatron::RANK_FILE)),
+        }
+    }
+
+    /// The temporary iteration directory of a save over `groups` (its first rank's, `None`
+    /// elsewhere) and its path, which the first rank sends down `groups` in order.
+    pub(super) fn start_save(
+        &self,
+        groups: &[&dyn Communicator<Tensor = B::Tensor>],
+        dir: &std::path::Path,
+        iteration: u64,
+    ) -> Result<(Option<crate::util::TempOutput>, std::path::PathBuf)> {
         let temp = match groups.iter().all(|g| g.rank() == 0) {
-            true => Some(checkpoint::begin(dir, snap.iteration)),
+            true => Some(checkpoint::begin(dir, iteration)),
             false => None,
         };
         // The directory's name, or none when rank 0 could not start it (a name is never
@@ -442,28 +491,22 @@ impl<B: Backend> Trainer<B> {
                 dir.display()
             );
         }
-        let into = dir.join(std::ffi::OsStr::from_bytes(&name));
-        let written = checkpoint::write_rank(&into, snap);
-        let mut failed = [f32::from(u8::from(written.is_err()))];
-        for g in groups.iter().rev() {
-            g.all_reduce_f32(&mut failed, ReduceOp::Max)?;
-        }
-        written?;
-        if failed[0] > 0.0 {
-            bail!("another model-parallel rank failed to write its part of the checkpoint");
-        }
-        match temp {
-            Some(temp) => checkpoint::finish(dir, temp, snap),
-            None => Ok(dir
-                .join(checkpoint::iteration_dir(snap.iteration))
-                .join(checkpoint::rank_dir_of(
-                    snap.tp.0,
-                    snap.stage,
-                    snap.file_ep(),
-                ))
-                .join(crate::ckpt::megatron::RANK_FILE)),
-        }
+        Ok((temp, dir.join(std::ffi::OsStr::from_bytes(&name))))
     }
+}
+
+/// `written` once every rank of `groups` has written its part: a rank that fails makes the
+/// save fail on all.
+pub(super) fn agreed<T, C: Communicator + ?Sized>(groups: &[&C], written: Result<T>) -> Result<T> {
+    let mut failed = [f32::from(u8::from(written.is_err()))];
+    for g in groups.iter().rev() {
+        g.all_reduce_f32(&mut failed, ReduceOp::Max)?;
+    }
+    let written = written?;
+    if failed[0] > 0.0 {
+        bail!("another rank failed to write its part of the checkpoint");
+    }
+    Ok(written)
 }
 
 /// What MindSpeed-LLM records of LoRA in `args` (read back by `mindkit lora merge`).

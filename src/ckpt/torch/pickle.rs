@@ -25,6 +25,13 @@ impl DType {
     }
 }
 
+/// The dtype torch names `name` (`bfloat16`, `float`, …).
+pub fn dtype_of_torch_name(name: &str) -> Option<DType> {
+    (TORCH_DTYPES.iter())
+        .find(|(c, _)| *c == name)
+        .map(|(_, d)| *d)
+}
+
 fn lookup_name(table: &[(&'static str, DType)], d: DType) -> &'static str {
     table
         .iter()
@@ -253,7 +260,7 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
             .find(|(c, _)| *c == n)
             .map(|(_, d)| *d)
     };
-    let dtype = |n: &str| TORCH_DTYPES.iter().find(|(c, _)| *c == n).map(|(_, d)| *d);
+    let dtype = dtype_of_torch_name;
     Some(match (module, name) {
         ("collections", "OrderedDict") => Global::OrderedDict,
         ("collections", "defaultdict") => Global::DefaultDict,

@@ -89,9 +89,12 @@ pub(super) fn candidates(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>
 
 /// Where canonical tensor `c` goes in a checkpoint megatron-core's local spec loads: the
 /// global tensor, the leading indices that select it and the sizes of those leading axes.
-pub(super) struct Placement {
+pub struct Placement {
+    /// The global tensor's key.
     pub key: String,
+    /// The leading indices that select it.
     pub at: Vec<usize>,
+    /// Those axes' sizes.
     pub lead: Vec<usize>,
 }
 
@@ -99,7 +102,7 @@ pub(super) struct Placement {
 /// (transformer_block.py: the layers stacked unless `moe_layer_freq` makes them differ;
 /// gpt_layer_specs.py `get_gpt_layer_local_spec`: the norms under Transformer Engine's
 /// names except with multi-latent attention; moe/experts.py: the experts along an axis).
-pub(super) fn placement(cfg: &ModelConfig, c: Canon) -> Placement {
+pub fn placement(cfg: &ModelConfig, c: Canon) -> Placement {
     let Some(l) = c.layer else {
         let key = global_key_of(KeyLayout::Mcore, cfg, c.role).concat();
         return Placement {
@@ -147,6 +150,10 @@ fn sharded_name(name: &str, te_norms: bool) -> String {
         None => format!("{head}{renamed}"),
     }
 }
+
+/// The prefix of the model-shaped optimizer state's keys (megatron-core
+/// dist_checkpointing/optimizer.py `optim_state_to_sharding_state`).
+pub const OPTIMIZER_STATE: &str = "optimizer.state.";
 
 /// Whether a global tensor is no model weight: the optimizer's state, RNG state.
 pub(super) fn is_not_model(key: &str) -> bool {

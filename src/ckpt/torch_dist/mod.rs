@@ -13,7 +13,11 @@
 mod keys;
 mod write;
 
-pub use write::DistTarget;
+pub use keys::{placement, Placement, OPTIMIZER_STATE};
+pub use write::{
+    dist_args, extra_state_fqns, write_common, write_index, ChunkAt, ChunkRecord, DistTarget,
+    ItemFile,
+};
 
 use super::config::arg_uint;
 use super::layout::Parallel;
@@ -262,6 +266,33 @@ impl TorchDistCkpt {
             .get(&c)
             .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
         self.region(name, at)
+    }
+
+    /// The optimizer's state `state` (`exp_avg`, `exp_avg_sq`, `fp32_param`) of one canonical
+    /// tensor, model-shaped (megatron-core's non-distributed optimizer, or the distributed
+    /// one's `fully_reshardable` form), with all its vocabulary rows; `None` when the
+    /// checkpoint holds no such state.
+    pub fn read_state(&self, state: &str, c: Canon) -> Result<Option<Tensor>> {
+        let (name, at) = self
+            .index
+            .get(&c)
+            .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
+        let key = format!("{}{state}.{name}", keys::OPTIMIZER_STATE);
+        match self.tensors.get(&key) {
+            Some(t) if t.shape != self.tensors[name].shape => bail!(
+                "{}: {key} has shape {:?}, its parameter {:?}",
+                self.iter_dir.join(METADATA).display(),
+                t.shape,
+                self.tensors[name].shape
+            ),
+            Some(_) => self.region(&key, at).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `common.pt`: args, iteration, scheduler and the optimizer's non-sharded state.
+    pub fn common(&self) -> Result<TorchFile> {
+        Ok(TorchFile::open(&self.iter_dir.join(COMMON))?)
     }
 
     /// The part of global tensor `name` at leading indices `at` (all of the other dimensions),

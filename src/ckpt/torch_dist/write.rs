@@ -17,7 +17,7 @@ use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::torch::save::{contiguous, write_archive, Pickler, PtWriter};
 use crate::tensor::host::Tensor;
 use crate::tensor::DType;
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -58,10 +58,31 @@ pub struct DistTarget<'a> {
     pub final_dir: &'a Path,
 }
 
-/// A stored item: where it is in the data file.
-struct Stored {
+/// A stored item: its data file (in the iteration directory) and byte range there.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Stored {
+    file: String,
     offset: u64,
     length: u64,
+}
+
+/// A chunk written of a global tensor, as the index records it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ChunkRecord {
+    /// The global tensor's key.
+    pub key: String,
+    /// Its element type's torch name.
+    dtype: String,
+    /// Its global shape.
+    shape: Vec<usize>,
+    /// Where the chunk starts.
+    offsets: Vec<usize>,
+    /// The chunk's shape.
+    sizes: Vec<usize>,
+    /// How many of the leading axes index layers or experts (one item each).
+    lead: usize,
+    /// Its bytes.
+    item: Stored,
 }
 
 /// A global tensor: element type, shape and its chunks (offsets, sizes, item).
@@ -69,6 +90,22 @@ struct Global {
     dtype: DType,
     shape: Vec<usize>,
     chunks: Vec<(Vec<usize>, Vec<usize>, Stored)>,
+}
+
+/// Where a tensor goes: its global tensor's key, the leading indices that select it and those
+/// axes' sizes, its own global shape (vocabulary padded) and where the tensor written starts
+/// in it.
+pub struct ChunkAt<'a> {
+    /// The global tensor's key.
+    pub key: &'a str,
+    /// Indices on the leading axes (stacked layers, experts).
+    pub at: &'a [usize],
+    /// Those axes' sizes.
+    pub lead: &'a [usize],
+    /// The shape under the leading axes.
+    pub shape: &'a [usize],
+    /// The written tensor's offsets in that shape.
+    pub offsets: &'a [usize],
 }
 
 /// The data file as the sink of one archive at a time: positions counted from the open
@@ -139,17 +176,176 @@ impl Seek for DataFile {
     }
 }
 
-impl DataFile {
-    /// Append one `torch.save(root)` item.
-    fn append(&mut self, path: &Path, root: &Value, storages: &[&[u8]]) -> Result<Stored> {
-        self.base = self.len;
-        self.seek(SeekFrom::Start(0))?;
-        write_archive(&mut *self, path, root, storages)?;
-        Ok(Stored {
-            offset: self.base,
-            length: self.len - self.base,
+/// One data file of a checkpoint, items appended one after the other (one in memory at a
+/// time).
+pub struct ItemFile {
+    data: DataFile,
+    path: std::path::PathBuf,
+    name: String,
+}
+
+impl ItemFile {
+    /// Create data file `name` in `iter_dir`.
+    pub fn create(iter_dir: &Path, name: &str) -> Result<Self> {
+        let path = iter_dir.join(name);
+        let file =
+            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(ItemFile {
+            data: DataFile {
+                file: BufWriter::with_capacity(8 << 20, file),
+                base: 0,
+                pos: 0,
+                len: 0,
+                failed: false,
+            },
+            path,
+            name: name.to_string(),
         })
     }
+
+    /// Append one `torch.save(root)` item.
+    fn append(&mut self, root: &Value, storages: &[&[u8]]) -> Result<Stored> {
+        let d = &mut self.data;
+        d.base = d.len;
+        d.seek(SeekFrom::Start(0))?;
+        write_archive(&mut *d, &self.path, root, storages)?;
+        Ok(Stored {
+            file: self.name.clone(),
+            offset: d.base,
+            length: d.len - d.base,
+        })
+    }
+
+    /// Append tensor `t` as a chunk of a global tensor placed by `to`.
+    pub fn tensor(&mut self, to: &ChunkAt, t: &Tensor) -> Result<ChunkRecord> {
+        let mut sizes = vec![1; to.at.len()];
+        sizes.extend(&t.shape);
+        let dims: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+        let root = contiguous("0", t.dtype, &dims);
+        let item =
+            (self.append(&root, &[&t.data])).with_context(|| format!("writing {}", to.key))?;
+        let mut shape = to.lead.to_vec();
+        shape.extend(to.shape);
+        let mut offsets = to.at.to_vec();
+        offsets.extend(to.offsets);
+        Ok(ChunkRecord {
+            key: to.key.to_string(),
+            dtype: t.dtype.torch_name().to_string(),
+            shape,
+            offsets,
+            sizes,
+            lead: to.at.len(),
+            item,
+        })
+    }
+
+    /// Append megatron-core's local linears' extra state (`None`, saved as a one-item list)
+    /// under each of `fqns`.
+    pub fn extra_states(&mut self, fqns: Vec<String>) -> Result<Vec<(String, Stored)>> {
+        let none = Value::List(vec![Value::None]);
+        (fqns.into_iter())
+            .map(|fqn| Ok((fqn, self.append(&none, &[])?)))
+            .collect()
+    }
+
+    /// Flush and sync it.
+    pub fn finish(mut self) -> Result<()> {
+        let d = &mut self.data;
+        (d.file.flush())
+            .and_then(|_| d.file.get_ref().sync_all())
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+/// The `_extra_state` objects megatron-core asks for beside the linear layers' weights among
+/// `records`: one per linear module and leading index ([`object_fqn`]).
+pub fn extra_state_fqns(records: &[ChunkRecord]) -> Vec<String> {
+    // linear module → (the leading axes' sizes, the offsets of each item)
+    let mut extra: BTreeMap<String, (Vec<usize>, Vec<Vec<usize>>)> = BTreeMap::new();
+    for r in records {
+        if let Some(module) = linear_module(&r.key) {
+            let (lead, at) = (&r.shape[..r.lead], &r.offsets[..r.lead]);
+            let slot = (extra.entry(format!("{module}._extra_state")))
+                .or_insert_with(|| (lead.to_vec(), Vec::new()));
+            if !slot.1.iter().any(|a| a == at) {
+                slot.1.push(at.to_vec());
+            }
+        }
+    }
+    (extra.iter())
+        .flat_map(|(key, (lead, items))| items.iter().map(|at| object_fqn(key, at, lead)))
+        .collect()
+}
+
+/// Write the `.metadata` index of every rank's `records` and `objects` into `iter_dir`;
+/// `final_dir` is where the checkpoint will be (DCP's `checkpoint_id`).
+pub fn write_index(
+    iter_dir: &Path,
+    records: Vec<ChunkRecord>,
+    objects: &[(String, Stored)],
+    final_dir: &Path,
+) -> Result<()> {
+    let mut tensors: BTreeMap<String, Global> = BTreeMap::new();
+    for r in records {
+        let dtype = crate::ckpt::torch::pickle::dtype_of_torch_name(&r.dtype)
+            .ok_or_else(|| anyhow!("internal: dtype {} of {}", r.dtype, r.key))?;
+        let global = tensors.entry(r.key.clone()).or_insert_with(|| Global {
+            dtype,
+            shape: r.shape.clone(),
+            chunks: Vec::new(),
+        });
+        if global.dtype != dtype || global.shape != r.shape {
+            bail!(
+                "internal: chunks of {} disagree on its dtype or shape ({:?} {:?}, {dtype:?} {:?})",
+                r.key,
+                global.dtype,
+                global.shape,
+                r.shape
+            );
+        }
+        global.chunks.push((r.offsets, r.sizes, r.item));
+    }
+    let id = final_dir.join(iter_dir.file_name().unwrap_or_default());
+    let index = metadata_pickle(&tensors, objects, &id)?;
+    write_file(&iter_dir.join(METADATA), &index)
+}
+
+/// Write `common.pt` (the entries, and the sharded state dict's content metadata:
+/// megatron/training/checkpointing.py `_build_sharded_state_dict_metadata`) and
+/// `metadata.json`, which marks the format, into `iter_dir`.
+/// `entries` may hold tensors over `storages` (named by their index); `content` adds to the
+/// content metadata.
+pub fn write_common(
+    iter_dir: &Path,
+    (mut entries, storages): (Vec<(Value, Value)>, &[Vec<u8>]),
+    content: Vec<(Value, Value)>,
+) -> Result<()> {
+    let s = |x: &str| Value::Str(x.into());
+    let mut metadata = content;
+    metadata.extend([
+        (s("singleton_local_shards"), Value::Bool(false)),
+        (s("chained_optim_avoid_prefix"), Value::Bool(true)),
+    ]);
+    entries.push((s("content_metadata"), Value::Dict(metadata)));
+    let mut w = PtWriter::create(&iter_dir.join(COMMON), &Value::Dict(entries), false)?;
+    for (key, bytes) in storages.iter().enumerate() {
+        w.write_storage(&key.to_string(), bytes)?;
+    }
+    w.finish()?;
+    write_file(
+        &iter_dir.join(METADATA_JSON),
+        br#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#,
+    )
+}
+
+/// `args` of a `torch_dist` checkpoint: `ckpt_format` says so.
+pub fn dist_args(mut args: Vec<(String, Value)>) -> Value {
+    for (k, v) in &mut args {
+        if k == "ckpt_format" {
+            *v = Value::Str("torch_dist".into());
+        }
+    }
+    Value::Namespace(args)
 }
 
 impl DistTarget<'_> {
@@ -190,19 +386,8 @@ impl DistTarget<'_> {
         let iter_dir = dir.join(format!("iter_{ITERATION:07}"));
         std::fs::create_dir_all(&iter_dir)
             .with_context(|| format!("creating {}", iter_dir.display()))?;
-        let data_path = iter_dir.join(DATA_FILE);
-        let file = std::fs::File::create(&data_path)
-            .with_context(|| format!("creating {}", data_path.display()))?;
-        let mut data = DataFile {
-            file: BufWriter::with_capacity(8 << 20, file),
-            base: 0,
-            pos: 0,
-            len: 0,
-            failed: false,
-        };
-        let mut tensors: BTreeMap<String, Global> = BTreeMap::new();
-        // linear module → (the leading axes' sizes, the offsets of each item)
-        let mut extra: BTreeMap<String, (Vec<usize>, Vec<Vec<usize>>)> = BTreeMap::new();
+        let mut data = ItemFile::create(&iter_dir, DATA_FILE)?;
+        let mut records = Vec::new();
         // the next tensor read while one is written
         std::thread::scope(|scope| -> Result<()> {
             let (tx, rx) = std::sync::mpsc::sync_channel(1);
@@ -223,89 +408,39 @@ impl DistTarget<'_> {
                     _ => t,
                 };
                 let p = keys::placement(self.cfg, c);
-                let mut sizes = vec![1; p.at.len()];
-                sizes.extend(&t.shape);
-                let dims: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
-                let root = contiguous("0", t.dtype, &dims);
-                let stored = (data.append(&data_path, &root, &[&t.data]))
-                    .with_context(|| format!("writing {}", p.key))?;
+                let to = ChunkAt {
+                    key: &p.key,
+                    at: &p.at,
+                    lead: &p.lead,
+                    shape: &self.shape(c, padded),
+                    offsets: &vec![0; t.shape.len()],
+                };
+                records.push(data.tensor(&to, &t)?);
                 progress(t.data.len() as u64);
-                let mut shape = p.lead.clone();
-                shape.extend(self.shape(c, padded));
-                let mut offsets = p.at.clone();
-                offsets.extend(std::iter::repeat_n(0, t.shape.len()));
-                let global = tensors.entry(p.key.clone()).or_insert_with(|| Global {
-                    dtype: t.dtype,
-                    shape,
-                    chunks: Vec::new(),
-                });
-                global.chunks.push((offsets, sizes, stored));
-                if let Some(module) = linear_module(&p.key) {
-                    let slot = (extra.entry(format!("{module}._extra_state")))
-                        .or_insert_with(|| (p.lead.clone(), Vec::new()));
-                    if !slot.1.contains(&p.at) {
-                        slot.1.push(p.at);
-                    }
-                }
             }
             Ok(())
         })?;
-        // megatron-core's local linears' extra state: `None`, saved as a one-item list
-        let none = Value::List(vec![Value::None]);
-        let mut objects = Vec::new();
-        for (key, (lead, items)) in &extra {
-            for at in items {
-                let fqn = object_fqn(key, at, lead);
-                let stored = data.append(&data_path, &none, &[])?;
-                objects.push((fqn, stored));
-            }
-        }
-        data.file
-            .flush()
-            .and_then(|_| data.file.get_ref().sync_all())
-            .with_context(|| format!("writing {}", data_path.display()))?;
-        let id = self
-            .final_dir
-            .join(iter_dir.file_name().unwrap_or_default());
-        let index = metadata_pickle(&tensors, &objects, &id)?;
-        write_file(&iter_dir.join(METADATA), &index)?;
-        self.write_common(&iter_dir.join(COMMON), padded)?;
-        write_file(
-            &iter_dir.join(METADATA_JSON),
-            br#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#,
-        )?;
+        let objects = data.extra_states(extra_state_fqns(&records))?;
+        data.finish()?;
+        write_index(&iter_dir, records, &objects, self.final_dir)?;
+        self.write_common(&iter_dir, padded)?;
         write_file(&dir.join(TRACKER), ITERATION.to_string().as_bytes())
     }
 
-    /// `common.pt`: args, checkpoint version, iteration and the sharded state dict's content
-    /// metadata (megatron/training/checkpointing.py `_build_sharded_state_dict_metadata`).
-    fn write_common(&self, path: &Path, padded: usize) -> Result<()> {
-        let par = self.par;
-        let mut args = megatron_args(
+    /// `common.pt`: args, checkpoint version and iteration.
+    fn write_common(&self, iter_dir: &Path, padded: usize) -> Result<()> {
+        let args = megatron_args(
             self.cfg,
-            &ParallelArgs::of(par, padded, self.divisible_by, false),
+            &ParallelArgs::of(self.par, padded, self.divisible_by, false),
             self.base_args,
         );
-        for (k, v) in &mut args {
-            if k == "ckpt_format" {
-                *v = Value::Str("torch_dist".into());
-            }
-        }
         let s = |x: &str| Value::Str(x.into());
-        let root = Value::Dict(vec![
-            (s("args"), Value::Namespace(args)),
+        let entries = vec![
+            (s("args"), dist_args(args)),
             (s("checkpoint_version"), Value::Float(3.0)),
             (s("iteration"), Value::Int(ITERATION as i64)),
-            (
-                s("content_metadata"),
-                Value::Dict(vec![
-                    (s("singleton_local_shards"), Value::Bool(false)),
-                    (s("chained_optim_avoid_prefix"), Value::Bool(true)),
-                ]),
-            ),
-        ]);
-        PtWriter::create(path, &root, false)?.finish()?;
-        Ok(())
+        ];
+        write_common(iter_dir, (entries, &[]), Vec::new())
     }
 }
 
@@ -417,7 +552,7 @@ fn metadata_pickle(
         p.build();
         p.new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo");
         let info = Value::Dict(vec![
-            (s("relative_path"), s(DATA_FILE)),
+            (s("relative_path"), s(&stored.file)),
             (s("offset"), Value::Int(stored.offset as i64)),
             (s("length"), Value::Int(stored.length as i64)),
             (s("transform_descriptors"), Value::None),

@@ -13,11 +13,15 @@
 //! Here what a checkpoint holds and the names both sides share; writing is `write`, reading
 //! back (resuming) is `read`.
 
+mod dist;
 mod read;
 mod write;
 
+pub use dist::{data_file, saved_steps, write_part, write_root, DistOptimizer};
+
 pub use read::{
-    is_release, load_distributed, load_named, load_progress, load_state, rank_file, Resumed,
+    is_release, load_distributed, load_named, load_progress, load_state, progress, rank_file,
+    Resumed,
 };
 pub use write::{begin, finish, json_value, prepare, save, set_arg, write_rank};
 

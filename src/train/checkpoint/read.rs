@@ -82,7 +82,7 @@ pub struct Resumed {
     pub optimizer: Option<OptimizerState>,
 }
 
-fn int_of(v: Option<&Value>) -> Option<u64> {
+pub(super) fn int_of(v: Option<&Value>) -> Option<u64> {
     match v? {
         Value::Int(i) => u64::try_from(*i).ok(),
         Value::Float(f) if *f >= 0.0 && f.fract() == 0.0 => Some(*f as u64),
@@ -287,8 +287,8 @@ pub fn load_distributed(
     Ok((world, steps))
 }
 
-/// The progress a rank file records: iteration, consumed samples, FLOPs and the scheduler.
-fn progress(path: &Path, root: &Value) -> Result<Resumed> {
+/// The progress a rank file (or a `torch_dist` checkpoint's `common.pt`) records: iteration, consumed samples, FLOPs and the scheduler.
+pub fn progress(path: &Path, root: &Value) -> Result<Resumed> {
     let arg = |k: &str| root.get("args").and_then(|a| a.get(k));
     Ok(Resumed {
         iteration: int_of(root.get("iteration"))

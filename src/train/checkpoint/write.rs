@@ -45,13 +45,13 @@ fn s(k: &str) -> Value {
 
 /// Storages of one rank file, in the order the pickle names them.
 #[derive(Default)]
-struct Storages {
-    data: Vec<Vec<u8>>,
+pub(super) struct Storages {
+    pub(super) data: Vec<Vec<u8>>,
 }
 
 impl Storages {
     /// A tensor value over a new storage holding `t`.
-    fn tensor(&mut self, t: &Tensor) -> Value {
+    pub(super) fn tensor(&mut self, t: &Tensor) -> Value {
         let shape: Vec<u64> = t.shape.iter().map(|&n| n as u64).collect();
         let mut stride = vec![1u64; shape.len()];
         for i in (0..shape.len().saturating_sub(1)).rev() {
@@ -76,11 +76,11 @@ impl Storages {
 
 /// One torch parameter group as Megatron saves it: its group keys, torch AdamW's settings, and
 /// its `params` ids — or, for the distributed optimizer, no ids and the step count.
-fn group_value(
+pub(super) fn group_value(
     (decay, experts): (bool, bool),
     h: &GroupHyper,
     params: Option<Vec<Value>>,
-    step: Option<u64>,
+    step: Option<Value>,
 ) -> Value {
     let mult = if decay { 1.0 } else { 0.0 };
     let mut items = vec![
@@ -106,7 +106,7 @@ fn group_value(
         (s("decoupled_weight_decay"), Value::Bool(true)),
     ];
     items.extend(params.map(|ids| (s("params"), Value::List(ids))));
-    items.extend(step.map(|n| (s("step"), Value::Int(n as i64))));
+    items.extend(step.map(|n| (s("step"), n)));
     Value::Dict(items)
 }
 
@@ -123,7 +123,14 @@ fn distributed_groups(table: &ParamTable, parts: &[DistributedState]) -> Value {
         };
         let groups = param_groups(table, &members)
             .iter()
-            .map(|(decay, _)| group_value((*decay, d.experts), &d.hyper, None, Some(d.steps)))
+            .map(|(decay, _)| {
+                group_value(
+                    (*decay, d.experts),
+                    &d.hyper,
+                    None,
+                    Some(Value::Int(d.steps as i64)),
+                )
+            })
             .collect();
         Value::Dict(vec![(
             s("optimizer"),
@@ -416,9 +423,9 @@ pub fn finish(save: &Path, temp: TempOutput, snap: &Snapshot) -> Result<PathBuf>
         .join(RANK_FILE))
 }
 
-/// Write this rank's `mp_rank_TT[_PPP]/model_optim_rng.pt` of `snap` into the iteration
-/// directory `dir`.
-pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
+/// The parallel layout a rank's `snap` is saved with, and the `args` recording it (with the
+/// run's own).
+pub fn layout_args(snap: &Snapshot) -> (Parallel, Vec<(String, Value)>) {
     let stage = snap.stage;
     let vpp = stage.chunks.len();
     let parallel = Parallel {
@@ -451,6 +458,15 @@ pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
     for (k, v) in &snap.args {
         set_arg(&mut args, k, v.clone());
     }
+    (parallel, args)
+}
+
+/// Write this rank's `mp_rank_TT[_PPP]/model_optim_rng.pt` of `snap` into the iteration
+/// directory `dir`.
+pub fn write_rank(dir: &Path, snap: &Snapshot) -> Result<()> {
+    let stage = snap.stage;
+    let vpp = stage.chunks.len();
+    let (parallel, args) = layout_args(snap);
     let mut st = Storages::default();
     // A LoRA-only checkpoint (--lora-ckpt-filter) keeps only adapter keys, as MindSpeed-LLM's
     // filter does: not even the Transformer Engine layout's `_extra_state` placeholders.

@@ -22,7 +22,7 @@ use super::optim::AdamConfig;
 use super::parallel::{Axis, Layout};
 use super::schedule::Schedule;
 use crate::arch::family::by_name;
-use crate::arch::ModelConfig;
+use crate::arch::{ModelConfig, MtpLayout};
 use crate::ckpt::convert::{detect, open_checkpoint, Format, Input};
 use crate::ckpt::layout::KeyLayout;
 use crate::data::gpt_dataset::{split_matrix, split_weights, Blend, MaskConfig};
@@ -70,6 +70,8 @@ pub struct SaveConfig {
     pub no_optim: bool,
     /// Key layout from `--transformer-impl`.
     pub layout: KeyLayout,
+    /// `--ckpt-format torch_dist` (else torch).
+    pub dist: bool,
 }
 
 /// Everything a training run needs, resolved.
@@ -415,9 +417,6 @@ fn check_single_rank(a: &Args) -> Result<()> {
     if let Some(o) = a.get("optimizer").filter(|o| *o != "adam") {
         bail!("--optimizer {o}: only adam (AdamW) is implemented");
     }
-    if let Some(f) = a.get("ckpt-format").filter(|f| *f != "torch") {
-        bail!("--ckpt-format {f}: train writes only torch (one model_optim_rng.pt per rank); pass --ckpt-format torch, and `mindkit convert --to megatron --ckpt-format torch_dist` turns its checkpoints into torch_dist");
-    }
     if let Some(stage) = a.get("stage").filter(|s| *s != "sft") {
         bail!("--stage {stage}: only sft (supervised fine-tuning) is implemented");
     }
@@ -647,13 +646,6 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     let start = match (load, input) {
         (Some(dir), Some(input)) => {
             let resume = hf_load.is_none() && !a.has("finetune");
-            if resume && input.is_torch_dist() {
-                bail!(
-                    "--load {}: resuming a torch_dist checkpoint (its iteration, scheduler and \
-                     optimizer state) is not built yet; --finetune trains from its weights",
-                    dir.display()
-                );
-            }
             Start::Load {
                 dir,
                 input: std::sync::Arc::new(input),
@@ -680,6 +672,14 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             interval: positive(a, "save-interval")?.map(|n| n as u64),
             no_optim: a.has("no-save-optim"),
             layout: key_layout,
+            dist: match a.get("ckpt-format").unwrap_or("torch") {
+                "torch" => false,
+                "torch_dist" => true,
+                f => bail!(
+                    "--ckpt-format {f}: train writes torch (one model_optim_rng.pt per rank) or \
+                     torch_dist (megatron-core's distributed checkpoint)"
+                ),
+            },
         }),
     };
     let clip_grad = non_negative(a, "clip-grad")?.unwrap_or(1.0);
@@ -722,6 +722,13 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         averaging == LossAveraging::PerToken,
     )?;
     let lora = lora_built(lora_config(a)?, &model)?;
+    if save.as_ref().is_some_and(|s| s.dist) {
+        check_torch_dist_save(
+            &model,
+            key_layout,
+            (grouped_gemm, dualpipev, lora.is_some()),
+        )?;
+    }
     Ok(TrainConfig {
         model,
         vocab_padded,
@@ -808,6 +815,45 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
 }
 
 /// LoRA's config, refused with multi-token prediction.
+/// `--ckpt-format torch_dist` saves what megatron-core's local spec loads: the layouts it
+/// does not have are refused by name, as `mindkit convert` refuses them.
+fn check_torch_dist_save(
+    model: &ModelConfig,
+    layout: KeyLayout,
+    (grouped_gemm, dualpipev, lora): (bool, bool, bool),
+) -> Result<()> {
+    let mla_split = model.mla.is_some_and(|m| m.fused_down || m.split_up);
+    let mindspeed_mtp = model.mtp.is_some_and(|m| m.layout == MtpLayout::Mindspeed);
+    let refused = [
+        (
+            layout == KeyLayout::McoreTe,
+            "--transformer-impl transformer_engine's layout",
+        ),
+        (grouped_gemm, "--moe-grouped-gemm's grouped experts"),
+        (dualpipev, "--schedules-method dualpipev's layer order"),
+        (
+            model.paired,
+            "LongCat-Flash's layer (MindSpeed-LLM's longcat_spec)",
+        ),
+        (
+            mla_split,
+            "MindSpeed-LLM's layout of multi-latent attention (its deepseek_spec)",
+        ),
+        (
+            mindspeed_mtp,
+            "MindSpeed-LLM's multi-token prediction (--mtp-layout mcore is megatron-core's)",
+        ),
+        (lora, "a LoRA adapter"),
+    ];
+    match refused.iter().find(|(refused, _)| *refused) {
+        Some((_, what)) => bail!(
+            "--ckpt-format torch_dist is saved as megatron-core's local spec loads it; {what} \
+             is not (save with --ckpt-format torch)"
+        ),
+        None => Ok(()),
+    }
+}
+
 fn lora_built(lora: Option<LoraConfig>, model: &ModelConfig) -> Result<Option<LoraConfig>> {
     if lora.is_some() && model.mtp.is_some() {
         // peft would wrap the depths' decoder layers too; their merge is not built
