@@ -5214,3 +5214,101 @@ fn longcat_pairs_train_over_tensor_expert_and_pipeline_ranks_as_one_rank() {
     let err = stderr(&longcat_train(&data, "--first-k-dense-replace 1").failure());
     assert!(err.contains("every layer an MoE layer"), "{err}");
 }
+
+/// `model` trained over `layout` saving `--ckpt-format torch_dist`, whole and stopped at
+/// iteration 4 then resumed there: the same iterations, bit for bit, and byte-identical
+/// data files and common.pt in the final iteration directory. Resumed at each of `others` (another layout,
+/// optimizer or precision), the run goes on with the same losses within `tolerance`.
+fn torch_dist_resumes(dir: &Path, model: Model, layout: &[&str], others: &[(&[&str], f64)]) {
+    let data = corpus(dir);
+    let flags = |name: &str, extra: &[&str]| {
+        let at = dir.join(name);
+        let save = [
+            "--ckpt-format",
+            "torch_dist",
+            "--save",
+            at.to_str().unwrap(),
+        ];
+        let a = model(
+            &data,
+            &[layout, &save, &["--train-iters", "8"], extra].concat(),
+        );
+        (at, a)
+    };
+    let (whole, a) = flags("whole", &[]);
+    let whole_log = stdout(&run(&a).success());
+    let (half, a) = flags("half", &["--exit-interval", "4"]);
+    run(&a).success();
+    let (resumed, a) = flags("resumed", &[]);
+    let rest = stdout(&run(&loading(a, &half)).success());
+    let tail = iterations(&whole_log)[4..].join("\n");
+    assert_eq!(iterations(&rest).len(), 4, "{rest}");
+    same_training(&tail, &rest, 0.0, &format!("resumed over {layout:?}"));
+    let last = |d: &Path| d.join("iter_0000008");
+    // (the index names its own directory and a random save id)
+    let files = std::fs::read_dir(last(&whole)).unwrap().flatten();
+    for e in files.filter(|e| e.file_name() != ".metadata") {
+        let name = e.file_name();
+        let other = std::fs::read(last(&resumed).join(&name)).unwrap();
+        assert!(
+            std::fs::read(e.path()).unwrap() == other,
+            "{name:?} differs after resuming"
+        );
+    }
+    for (other, tolerance) in others {
+        let a = loading(
+            model(&data, &[*other, &["--train-iters", "8"]].concat()),
+            &half,
+        );
+        let log = stdout(&run(&a).success());
+        same_training(&tail, &log, *tolerance, &format!("resumed at {other:?}"));
+    }
+}
+
+#[test]
+fn torch_dist_checkpoints_resume_bit_exactly_and_at_other_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let batch = ["--micro-batch-size", "1", "--global-batch-size", "8"];
+    let tp2_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
+    let dense = [
+        &tp2_sp[..],
+        &["--pipeline-model-parallel-size", "2", "--world-size", "8"],
+        &["--use-distributed-optimizer"],
+        &batch,
+    ]
+    .concat();
+    let one: &[&str] = &batch;
+    let dp2 = [&batch[..], &["--world-size", "2"]].concat();
+    let tp2 = [
+        &batch[..],
+        &["--tensor-model-parallel-size", "2", "--world-size", "2"],
+    ]
+    .concat();
+    let bf16 = [&batch[..], &["--bf16"]].concat();
+    torch_dist_resumes(
+        &dir.path().join("dense"),
+        args,
+        &dense,
+        &[(one, 1e-5), (&dp2, 1e-5), (&tp2, 1e-5), (&bf16, 1e-2)],
+    );
+    // the plain optimizer's f32 main copies (fp32_param) under --bf16
+    torch_dist_resumes(&dir.path().join("bf16"), args, &bf16, &[(one, 1e-2)]);
+    // routed experts on an expert axis, their optimizer apart (a ChainedOptimizer of two)
+    let ep2 = [
+        "--expert-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+    ];
+    let moe = [&tp2_sp[..], &ep2, &["--world-size", "4"], &batch].concat();
+    let ep2_plain = [
+        &batch[..],
+        &["--expert-model-parallel-size", "2", "--world-size", "2"],
+    ]
+    .concat();
+    torch_dist_resumes(
+        &dir.path().join("moe"),
+        moe_args,
+        &moe,
+        &[(one, 1e-5), (&ep2_plain, 1e-5)],
+    );
+}

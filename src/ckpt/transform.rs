@@ -564,6 +564,38 @@ mod tests {
     use crate::tensor::DType;
 
     #[test]
+    fn shard_places_put_every_shard_back_where_it_came_from() {
+        // 8 rows × 4 f32 columns (SwiGLU: 4 gate rows, 4 up rows); 12 padded vocabulary rows
+        let t = Tensor::new(DType::F32, vec![8, 4], (0..128).map(|b| b as u8).collect());
+        let (tp, padded) = (2, 12);
+        for role in [
+            Role::InputNorm,
+            Role::Qkv,
+            Role::Proj,
+            Role::Embedding,
+            Role::Fc1,
+        ] {
+            let whole = match role {
+                Role::Embedding => t.rows_padded(0, padded),
+                _ => t.clone(),
+            };
+            let mut rebuilt = vec![0u8; whole.data.len()];
+            for r in 0..tp {
+                let shard = tp_shard(role, &t, r, tp, padded);
+                let row_bytes = shard.data.len() / shard.shape[0];
+                for (rows, at) in shard_places(role, &shard.shape, r, tp) {
+                    for (i, row) in rows.enumerate() {
+                        let from = (at[0] + i) * whole.row_bytes() + at[1] * 4;
+                        let src = &shard.data[row * row_bytes..(row + 1) * row_bytes];
+                        rebuilt[from..from + row_bytes].copy_from_slice(src);
+                    }
+                }
+            }
+            assert_eq!(rebuilt, whole.data, "{role:?}");
+        }
+    }
+
+    #[test]
     fn row_parts_are_the_shards_bytes() {
         // a 10-row canonical tensor of 3 columns, 16 padded vocabulary rows over TP 4
         let t = Tensor::new(DType::F32, vec![10, 3], (0..120).map(|b| b as u8).collect());

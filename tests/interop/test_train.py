@@ -1285,3 +1285,133 @@ def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_pa
     assert key == ((torch.bfloat16 if bf16 else torch.float32), torch.float32)
     buckets = same_buffer(model, obj["model"], saved, bucket)
     assert (len(buckets) > 1) == (bucket is not None)
+
+
+def megatron_core_optimizer(model, a, bf16):
+    """megatron-core's own optimizer over `model` as get_megatron_optimizer makes it for the args
+    `a` without the distributed optimizer — FP32Optimizer, or with bf16 parameters
+    Float16OptimizerWithFloat16Params holding f32 main copies — over `_get_param_groups`' groups
+    of torch's AdamW. Their constructors ask for CUDA, so the objects are made as they make
+    themselves, on the CPU."""
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import (FP32Optimizer,
+                                                   Float16OptimizerWithFloat16Params)
+    groups = _get_param_groups([model], None, None, 1.0, a.lr, a.min_lr, None, None)
+    inner = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay)
+
+    def init_state_fn(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    cls = Float16OptimizerWithFloat16Params if bf16 else FP32Optimizer
+    opt = cls.__new__(cls)
+    opt.optimizer, opt.init_state_fn, opt.is_stub_optimizer = inner, init_state_fn, False
+    opt.config = OptimizerConfig(optimizer="adam", lr=a.lr, bf16=bf16)
+    if bf16:
+        opt.grad_scaler = None
+        opt.float16_groups, opt.fp32_from_float16_groups, opt.fp32_from_fp32_groups = [], [], []
+        for group in inner.param_groups:
+            halves, mains = [], []
+            for i, p in enumerate(group["params"]):
+                main = p.detach().clone().float()
+                tensor_parallel.copy_tensor_model_parallel_attributes(main, p)
+                group["params"][i], p.main_param = main, main
+                halves.append(p)
+                mains.append(main)
+            opt.float16_groups.append(halves)
+            opt.fp32_from_float16_groups.append(mains)
+            opt.fp32_from_fp32_groups.append([])
+    return opt
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit, precision):
+    """`mindkit train --ckpt-format torch_dist` loaded as Megatron's load_checkpoint loads a
+    torch_dist checkpoint: dist_checkpointing.load of the model's and megatron-core's own
+    optimizer's sharded state dicts with every missing or unexpected key an error, then their
+    load_state_dict. The weights equal those of the same run saved in the torch format, and so
+    do every parameter's moments (and, in bf16, its f32 main copy) and the step; common.pt
+    loads with the weights_only unpickler, records no RNG state to load, and its scheduler
+    loads into OptimizerParamScheduler."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron_cpu import gpt_model, load_pt
+    bf16 = precision == "bf16"
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    flags = ["--bf16"] if bf16 else []
+    mindkit_train(model_dir, data, tmp_path / "dist", flags + ["--ckpt-format", "torch_dist"])
+    mindkit_train(model_dir, data, tmp_path / "torch", flags)
+    ref = load_pt(tmp_path / f"torch/ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
+    a = ref["args"]
+    dist_dir = tmp_path / f"dist/ckpt/iter_{ITERS:07d}"
+    common = load_pt(dist_dir / "common.pt")
+    assert common["iteration"] == ITERS and common["args"].ckpt_format == "torch_dist"
+    assert common["args"].no_save_rng and common["args"].consumed_train_samples == ITERS * 8
+
+    def built():
+        model = gpt_model(a)
+        return model.to(torch.bfloat16) if bf16 else model
+
+    model = built()
+    opt = megatron_core_optimizer(model, a, bf16)
+    request = {"model": model.sharded_state_dict()}
+    request["optimizer"] = opt.sharded_state_dict(request, is_loading=True)
+    loaded = dist_checkpointing.load(request, str(dist_dir), strict=StrictHandling.RAISE_ALL)
+    model.load_state_dict(loaded["model"], strict=True)
+    opt.load_state_dict(loaded["optimizer"])
+    reference = built()
+    reference.load_state_dict(ref["model"], strict=True)
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        if isinstance(got, torch.Tensor):
+            assert torch.equal(got, want), name
+    # the torch format's optimizer state, by parameter id (groups in the same order)
+    saved = ref["optimizer"]["optimizer"] if bf16 else ref["optimizer"]
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    assert len(params) == len(saved["state"]) > 0
+    for i, p in enumerate(params):
+        state = opt.optimizer.state[p]
+        assert int(state["step"]) == ITERS
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[k], saved["state"][i][k]), (i, k)
+    if bf16:
+        mains = [m for g in ref["optimizer"]["fp32_from_fp16_params"] for m in g]
+        got = [m for g in opt.fp32_from_float16_groups for m in g]
+        assert len(got) == len(mains) and all(torch.equal(x, y) for x, y in zip(got, mains))
+    gbs = 8
+    sched = OptimizerParamScheduler(
+        opt.optimizer, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
+        lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=ITERS * gbs,
+        lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
+        wd_incr_steps=ITERS * gbs, wd_incr_style="constant")
+    sched.load_state_dict(common["opt_param_scheduler"])
+    assert sched.num_steps == ITERS * gbs
+
+
+@pytest.mark.parametrize("ranks,layout", [(4, ("--tp", 2, "--pp", 2)), (1, ("--tp", 1, "--pp", 1))])
+def test_megatron_core_loads_a_torch_dist_save_of_tensor_and_pipeline_parallel_ranks(
+        mindkit, tmp_path, ranks, layout):
+    """`mindkit train --ckpt-format torch_dist` over TP 2 + SP × PP 2 (four ranks, each writing
+    its shards of the global tensors, SwiGLU's gate and up rows apart): megatron-core's
+    `dist_checkpointing.load` of each rank's GPTModel stage, every missing or unexpected key an
+    error, at TP 2 × PP 2 and at TP 1, gives the tensors of the same run saved in the torch format
+    (resharded by `mindkit convert` for TP 1) — megatron_dist_load.py."""
+    from test_convert import run_ranks
+    model_dir = make_model(tmp_path / "model", "qwen3")
+    data = write_data(tmp_path / "data")
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--pipeline-model-parallel-size", "2", "--world-size", "4", "--no-save-optim",
+             "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec",
+             "--qk-layernorm"]
+    mindkit_train(model_dir, data, tmp_path / "dist", flags + ["--ckpt-format", "torch_dist"])
+    mindkit_train(model_dir, data, tmp_path / "torch", flags)
+    mindkit("convert", "--to", "megatron", "--input", tmp_path / "torch/ckpt", "--output",
+            tmp_path / "ref", *layout)
+    ref = next((tmp_path / "ref").glob("iter_*"))
+    r = run_ranks("megatron_dist_load.py", ranks, ref, tmp_path / "dist/ckpt")
+    assert r.stdout.count("tensors equal") == ranks, r.stdout + r.stderr

@@ -258,11 +258,11 @@ impl ItemFile {
 }
 
 /// The `_extra_state` objects megatron-core asks for beside the linear layers' weights among
-/// `records`: one per linear module and leading index ([`object_fqn`]).
+/// `records` (the model's, not their optimizer state): one per linear module and leading index ([`object_fqn`]).
 pub fn extra_state_fqns(records: &[ChunkRecord]) -> Vec<String> {
     // linear module → (the leading axes' sizes, the offsets of each item)
     let mut extra: BTreeMap<String, (Vec<usize>, Vec<Vec<usize>>)> = BTreeMap::new();
-    for r in records {
+    for r in records.iter().filter(|r| !keys::is_not_model(&r.key)) {
         if let Some(module) = linear_module(&r.key) {
             let (lead, at) = (&r.shape[..r.lead], &r.offsets[..r.lead]);
             let slot = (extra.entry(format!("{module}._extra_state")))
