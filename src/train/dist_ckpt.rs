@@ -32,6 +32,20 @@ impl<B: Backend> Trainer<B> {
         if no_optim || release {
             return Ok(());
         }
+        let dir = ck.iter_dir.display();
+        match ck.optimizer.as_deref() {
+            None => bail!(
+                "--load {dir} holds no optimizer state (saved with --no-save-optim?); resume with \
+                 --no-load-optim, or start a new run from its weights with --finetune"
+            ),
+            Some(kind) if !kind.starts_with("model-shaped") => bail!(
+                "--load {dir} holds the optimizer state as {kind} (megatron-core's default for the \
+                 distributed optimizer), which only a run of the layout that saved it reads; \
+                 mindkit resumes model-shaped state (saved with --dist-ckpt-optim-fully-reshardable, \
+                 or without the distributed optimizer): resume with --no-load-optim"
+            ),
+            Some(_) => {}
+        }
         if let Some(sched) = &state.scheduler {
             self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
             self.apply_checkpoint_schedule(sched)?;
