@@ -5309,10 +5309,21 @@ fn torch_dist_checkpoints_resume_bit_exactly_and_at_other_layouts() {
     let data = dir.path().join("dense/corpus_text_document");
     let bare = dir.path().join("bare");
     let save = ["--ckpt-format", "torch_dist", "--no-save-optim", "--save"];
-    run(&args(&data, &[&save[..], &[bare.to_str().unwrap()]].concat())).success();
+    run(&args(
+        &data,
+        &[&save[..], &[bare.to_str().unwrap()]].concat(),
+    ))
+    .success();
     let out = run(&loading(args(&data, &["--train-iters", "12"]), &bare)).failure();
-    assert!(stderr(&out).contains("holds no optimizer state"), "{}", stderr(&out));
-    let resumed = loading(args(&data, &["--train-iters", "12", "--no-load-optim"]), &bare);
+    assert!(
+        stderr(&out).contains("holds no optimizer state"),
+        "{}",
+        stderr(&out)
+    );
+    let resumed = loading(
+        args(&data, &["--train-iters", "12", "--no-load-optim"]),
+        &bare,
+    );
     assert_eq!(iterations(&stdout(&run(&resumed).success())).len(), 2);
     torch_dist_resumes(
         &dir.path().join("moe"),

@@ -563,18 +563,21 @@ mod tests {
     use super::*;
     use crate::tensor::DType;
 
+    /// A role of each tensor-parallel split: replicated, rows, columns, vocabulary, gate/up.
+    const ONE_OF_EACH_SPLIT: [Role; 5] = [
+        Role::InputNorm,
+        Role::Qkv,
+        Role::Proj,
+        Role::Embedding,
+        Role::Fc1,
+    ];
+
     #[test]
     fn shard_places_put_every_shard_back_where_it_came_from() {
         // 8 rows × 4 f32 columns (SwiGLU: 4 gate rows, 4 up rows); 12 padded vocabulary rows
         let t = Tensor::new(DType::F32, vec![8, 4], (0..128).map(|b| b as u8).collect());
         let (tp, padded) = (2, 12);
-        for role in [
-            Role::InputNorm,
-            Role::Qkv,
-            Role::Proj,
-            Role::Embedding,
-            Role::Fc1,
-        ] {
+        for role in ONE_OF_EACH_SPLIT {
             let whole = match role {
                 Role::Embedding => t.rows_padded(0, padded),
                 _ => t.clone(),
@@ -599,13 +602,7 @@ mod tests {
     fn row_parts_are_the_shards_bytes() {
         // a 10-row canonical tensor of 3 columns, 16 padded vocabulary rows over TP 4
         let t = Tensor::new(DType::F32, vec![10, 3], (0..120).map(|b| b as u8).collect());
-        for role in [
-            Role::InputNorm,
-            Role::Qkv,
-            Role::Proj,
-            Role::Embedding,
-            Role::Fc1,
-        ] {
+        for role in ONE_OF_EACH_SPLIT {
             for r in 0..2 {
                 let tp = if role == Role::Embedding { 4 } else { 2 };
                 let shard = tp_shard(role, &t, r + 2 * (tp == 4) as usize, tp, 16);

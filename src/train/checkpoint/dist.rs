@@ -30,7 +30,7 @@ use std::path::Path;
 
 /// The optimizer's state a `torch_dist` checkpoint holds, model-shaped, by table index.
 pub struct DistOptimizer {
-    /// First and second moments (f32) of the trained parameters this rank writes.
+    /// First moments of the trained parameters (`None` for the others).
     pub exp_avg: Vec<Option<Tensor>>,
     /// Second moments.
     pub exp_avg_sq: Vec<Option<Tensor>>,
