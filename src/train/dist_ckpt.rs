@@ -25,10 +25,7 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<()> {
         let common = ck.common()?;
         let state = checkpoint::progress(common.path(), common.root())?;
-        self.iteration = if release { 0 } else { state.iteration };
-        self.consumed_train = state.consumed_train;
-        self.consumed_valid = state.consumed_valid;
-        self.flops = state.flops;
+        self.restore_progress(&state, release);
         if no_optim || release {
             return Ok(());
         }
@@ -46,10 +43,7 @@ impl<B: Backend> Trainer<B> {
             ),
             Some(_) => {}
         }
-        if let Some(sched) = &state.scheduler {
-            self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
-            self.apply_checkpoint_schedule(sched)?;
-        }
+        self.restore_schedule(&state)?;
         let steps = checkpoint::saved_steps(&common)?;
         let states = (0..self.table.params.len())
             .map(|i| match self.table.params[i].trainable {

@@ -69,17 +69,11 @@ impl<B: Backend> Trainer<B> {
                 )?
             }
         };
-        self.iteration = if release { 0 } else { state.iteration };
-        self.consumed_train = state.consumed_train;
-        self.consumed_valid = state.consumed_valid;
-        self.flops = state.flops;
+        self.restore_progress(&state, release);
         if no_optim {
             return Ok(());
         }
-        if let Some(sched) = &state.scheduler {
-            self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
-            self.apply_checkpoint_schedule(sched)?;
-        }
+        self.restore_schedule(&state)?;
         if !self.sharded.is_empty() {
             // Under expert parallelism the dense parameters' state is in the file its
             // data-parallel rank 0 saved — rank `t` of the stage, whose expert-parallel rank
@@ -197,9 +191,26 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
+    /// A checkpoint's iteration (0 for a `release` one), consumed samples and FLOPs.
+    pub(super) fn restore_progress(&mut self, state: &checkpoint::Resumed, release: bool) {
+        self.iteration = if release { 0 } else { state.iteration };
+        self.consumed_train = state.consumed_train;
+        self.consumed_valid = state.consumed_valid;
+        self.flops = state.flops;
+    }
+
+    /// A checkpoint's scheduler state, if saved: its step count and settings.
+    pub(super) fn restore_schedule(&mut self, state: &checkpoint::Resumed) -> Result<()> {
+        if let Some(sched) = &state.scheduler {
+            self.schedule_steps = sched.get("num_steps").and_then(|v| v.as_u64()).unwrap_or(0);
+            self.apply_checkpoint_schedule(sched)?;
+        }
+        Ok(())
+    }
+
     /// Megatron's `OptimizerParamScheduler.load_state_dict`: the checkpoint's settings must
     /// equal the command line's unless told which to use.
-    pub(super) fn apply_checkpoint_schedule(&mut self, sched: &serde_json::Value) -> Result<()> {
+    fn apply_checkpoint_schedule(&mut self, sched: &serde_json::Value) -> Result<()> {
         let s = &mut self.cfg.schedule;
         let num = |k: &str| sched.get(k).and_then(|v| v.as_f64());
         let checks: [(&str, &str, f64, Option<f64>); 4] = [

@@ -814,7 +814,6 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     })
 }
 
-/// LoRA's config, refused with multi-token prediction.
 /// `--ckpt-format torch_dist` saves what megatron-core's local spec loads: the layouts it
 /// does not have are refused by name, as `mindkit convert` refuses them.
 fn check_torch_dist_save(
@@ -854,6 +853,7 @@ fn check_torch_dist_save(
     }
 }
 
+/// LoRA's config, refused with multi-token prediction.
 fn lora_built(lora: Option<LoraConfig>, model: &ModelConfig) -> Result<Option<LoraConfig>> {
     if lora.is_some() && model.mtp.is_some() {
         // peft would wrap the depths' decoder layers too; their merge is not built
