@@ -1182,7 +1182,7 @@ fn multi_token_prediction_layouts_convert_into_each_other_byte_identical() {
 }
 
 #[test]
-fn deepseek_v2s_group_limited_greedy_routing_is_refused_where_its_groups_limit() {
+fn deepseek_v2s_group_limited_greedy_routing_converts_both_ways_and_bad_groups_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("v2");
     std::fs::create_dir(&dir).unwrap();
@@ -1194,20 +1194,36 @@ fn deepseek_v2s_group_limited_greedy_routing_is_refused_where_its_groups_limit()
     .unwrap();
     let text = std::fs::read_to_string(from.join("config.json")).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
-    for (groups, kept, refused) in [(2, 1, true), (2, 2, false), (1, 1, false)] {
-        cfg["topk_method"] = "group_limited_greedy".into();
+    // 4 experts, top-2: (groups, kept, whether converted (config carried back), or the field
+    // refused)
+    for (method, groups, kept, outcome) in [
+        ("group_limited_greedy", 2, 1, Ok(())),
+        // groups that limit nothing (routed as greedy routes)
+        ("group_limited_greedy", 2, 2, Ok(())),
+        ("group_limited_greedy", 1, 1, Ok(())),
+        ("group_limited_greedy", 3, 1, Err("\"topk_group\"")),
+        ("group_limited_greedy", 4, 1, Err("\"topk_group\"")),
+        ("noaux_tc", 2, 1, Err("\"topk_method\"")),
+    ] {
+        cfg["topk_method"] = method.into();
         (cfg["n_group"], cfg["topk_group"]) = (groups.into(), kept.into());
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-        let out = tmp.path().join(format!("m{groups}{kept}"));
-        match refused {
-            true => {
+        let out = tmp.path().join(format!("m{method}{groups}{kept}"));
+        match outcome {
+            Err(field) => {
                 let err = convert_err("megatron", &dir, &out, &[]);
-                assert!(
-                    err.contains("\"topk_method\" is group_limited_greedy"),
-                    "{err}"
-                );
+                assert!(err.contains(field), "{method} {groups} {kept}: {err}");
             }
-            false => convert("megatron", &dir, &out, &[]),
+            Ok(()) => {
+                convert("megatron", &dir, &out, &["--ep", "2"]);
+                let back = tmp.path().join(format!("h{method}{groups}{kept}"));
+                convert("hf", &out, &back, &[]);
+                let text = std::fs::read_to_string(back.join("config.json")).unwrap();
+                let got: serde_json::Value = serde_json::from_str(&text).unwrap();
+                for key in ["topk_method", "n_group", "topk_group"] {
+                    assert_eq!(got[key], cfg[key], "{groups} {kept}: {key}");
+                }
+            }
         }
     }
 }

@@ -4471,6 +4471,74 @@ fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_on
 }
 
 #[test]
+fn group_limited_greedy_routing_trains_over_expert_ranks_as_one_rank_without_its_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    // DeepSeek-V2's routing: the best 1 of 2 groups, each scored by its best expert
+    let groups = "--moe-router-num-groups 2 --moe-router-group-topk 1 \
+        --moe-router-topk-scaling-factor 1.5 --moe-aux-loss-coeff 0";
+    let greedy = format!("{groups} --moe-router-load-balancing-type group_limited_greedy");
+    let one = stdout(&moe_train(&data, &greedy).success());
+    assert!(
+        iterations(&one)
+            .iter()
+            .all(|l| !l.contains("load_balancing_loss")),
+        "{one}"
+    );
+    assert!(field(&one, "z_loss").iter().all(|&z| z > 0.0), "{one}");
+    // megatron-core scores a group by its best top-k / kept = 2 experts: another routing
+    let summed = format!("{groups} --moe-router-load-balancing-type none");
+    let other = stdout(&moe_train(&data, &summed).success());
+    assert_ne!(field(&one, "lm loss"), field(&other, "lm loss"));
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let tp_alone = stdout(&moe_train(&data, &format!("{greedy} {tp}")).success());
+    for (layout, base) in [
+        (
+            "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer",
+            &one,
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+            &one,
+        ),
+        (
+            &format!("{tp} --expert-model-parallel-size 2")[..],
+            &tp_alone,
+        ),
+    ] {
+        let what = format!("{greedy} {layout}");
+        same_training(
+            base,
+            &stdout(&moe_train(&data, &what).success()),
+            1e-5,
+            &what,
+        );
+    }
+    let greedy_type = "--moe-router-load-balancing-type group_limited_greedy";
+    for (extra, refusal) in [
+        (
+            format!("{greedy} --moe-aux-loss-coeff 0.01"),
+            "balance losses are not built",
+        ),
+        (
+            format!("{greedy} --moe-comm-aux-loss-coeff 0.1"),
+            "balance losses are not built",
+        ),
+        (
+            "--moe-device-level-aux-loss-coeff 0.1".into(),
+            "only MindSpeed-LLM's group_limited_greedy",
+        ),
+        (
+            format!("{greedy_type} --moe-aux-loss-coeff 0"),
+            "needs --moe-router-group-topk",
+        ),
+    ] {
+        let err = stderr(&moe_train(&data, &extra).failure());
+        assert!(err.contains(refusal), "{extra}: {err}");
+    }
+}
+
+#[test]
 fn expert_parallel_checkpoints_hold_their_ranks_experts_and_resume_bit_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());

@@ -165,6 +165,10 @@ pub struct MoeNames {
     /// The `config.json` keys of group-limited routing: groups, groups kept (`n_group`,
     /// `topk_group`; transformers scores a group by its best two experts).
     pub group_keys: Option<(&'static str, &'static str)>,
+    /// The `config.json` key that turns those groups on, scoring each by its best expert
+    /// (DeepSeek-V2's `topk_method`: `greedy` or `group_limited_greedy`); without it the
+    /// groups always limit the routing.
+    pub greedy_key: Option<&'static str>,
     /// Whether transformers takes the router's product in f32 whatever the weights' dtype
     /// (glm4_moe's `Glm4MoeTopkRouter`).
     pub router_f32: bool,
@@ -193,6 +197,7 @@ const QWEN_MOE: MoeNames = MoeNames {
     score: ScoreFunction::Softmax,
     scaling_key: None,
     group_keys: None,
+    greedy_key: None,
     router_f32: false,
     router: "gate",
     topk_key: "num_experts_per_tok",
@@ -531,7 +536,8 @@ const LONGCAT_MOE: MoeNames = MoeNames {
 
 /// DeepSeek-V2 (transformers 4.57's `DeepseekV2MoEGate`): softmax scores over all experts in
 /// f32, the top-k as they are (never renormalised), scaled, shared experts, the first layers
-/// dense; its `group_limited_greedy` (groups scored by their best expert) is refused.
+/// dense; with `topk_method` `group_limited_greedy` (DeepSeek-V2, V2-Chat) within the best
+/// `topk_group` of `n_group` groups, each scored by its best expert.
 const DEEPSEEK_V2_MOE: MoeNames = MoeNames {
     experts_key: "n_routed_experts",
     norm_topk: TopkNorm::Never,
@@ -542,6 +548,8 @@ const DEEPSEEK_V2_MOE: MoeNames = MoeNames {
         size: SharedSize::Experts("n_shared_experts"),
     }),
     scaling_key: Some("routed_scaling_factor"),
+    group_keys: Some(("n_group", "topk_group")),
+    greedy_key: Some("topk_method"),
     router_f32: true,
     ..QWEN_MOE
 };

@@ -56,6 +56,10 @@ pub struct Moe {
     /// Group-limited routing: `(groups, groups kept)` (`--moe-router-num-groups`,
     /// `--moe-router-group-topk`).
     pub group_limit: Option<(usize, usize)>,
+    /// Those groups are scored by their best expert alone (DeepSeek-V2's `topk_method`
+    /// `group_limited_greedy`, MindSpeed-LLM's load-balancing type of that name), not by
+    /// megatron-core's best `topk / groups kept`.
+    pub group_by_best: bool,
     /// Which layers are MoE layers (the others dense), one entry per layer.
     pub layers: Vec<bool>,
     /// The router holds an expert bias `[E]` (f32), added to sigmoid scores for the choice of
@@ -174,6 +178,7 @@ pub(crate) fn example(score: ScoreFunction, pre_softmax: bool) -> Moe {
         pre_softmax,
         topk_scale: None,
         group_limit: None,
+        group_by_best: false,
         layers: vec![true],
         expert_bias: false,
         softmax_bias: false,
@@ -191,13 +196,20 @@ pub fn softmax(x: &[f32]) -> Vec<f32> {
 }
 
 /// The top-k of `scores` within the best groups (megatron-core `group_limited_topk`: a
-/// group's score is the sum of its best `k / groups kept` experts' scores; experts outside the
-/// chosen groups are out of the running).
-fn group_limited_topk(scores: &[f32], k: usize, (groups, keep): (usize, usize)) -> Vec<usize> {
+/// group's score is the sum of its best `k / groups kept` experts' scores, or with `by_best`
+/// its best expert's, transformers' `DeepseekV2MoEGate`; experts outside the chosen groups are
+/// out of the running).
+fn group_limited_topk(
+    scores: &[f32],
+    k: usize,
+    (groups, keep): (usize, usize),
+    by_best: bool,
+) -> Vec<usize> {
     let per = scores.len() / groups;
+    let scored = if by_best { 1 } else { k / keep };
     let group_scores: Vec<f32> = scores
         .chunks(per)
-        .map(|g| topk(g, k / keep).iter().map(|&i| g[i]).sum())
+        .map(|g| topk(g, scored).iter().map(|&i| g[i]).sum())
         .collect();
     let chosen = topk(&group_scores, keep);
     let masked: Vec<f32> = (scores.iter().enumerate())
@@ -222,7 +234,7 @@ pub fn route(moe: &Moe, logits: &[f32], expert_bias: Option<&[f32]>) -> Routed {
         return sparsemixer::route(logits, None);
     }
     let choose = |scores: &[f32]| match moe.group_limit {
-        Some(g) => group_limited_topk(scores, moe.topk, g),
+        Some(g) => group_limited_topk(scores, moe.topk, g, moe.group_by_best),
         None => topk(scores, moe.topk),
     };
     let bias = match moe.score {
@@ -544,6 +556,16 @@ mod tests {
         let logits = [0.1f32, 0.2, 0.5, 0.0].map(|p| p.ln());
         let r = route(&m, &logits, None);
         assert_eq!(r.experts, [2, 3]);
+        // scored by their best expert (DeepSeek-V2's group_limited_greedy): 0.35 beats 0.3,
+        // where the best two's sums, 0.4 and 0.6, choose the other group
+        m.group_by_best = true;
+        m.topk_scale = Some(2.0);
+        let logits = [0.35f32, 0.05, 0.3, 0.3].map(|p| p.ln());
+        let r = route(&m, &logits, None);
+        assert_eq!(r.experts, [0, 1]);
+        assert!((r.weights[0] - 0.7).abs() < 1e-6, "{r:?}");
+        m.group_by_best = false;
+        assert_eq!(route(&m, &logits, None).experts, [2, 3]);
     }
 
     /// The analytic gradient of `Σ c_j·w_j` against central differences of the logits.

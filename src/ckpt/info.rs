@@ -129,6 +129,9 @@ fn experts(cfg: &ModelConfig, m: &Moe, out: &mut String) {
     };
     if let Some((groups, kept)) = m.group_limit {
         routing += &format!(" in {kept} of {groups} groups");
+        if m.group_by_best {
+            routing += " (each scored by its best expert)";
+        }
     }
     if let Some(s) = m.topk_scale {
         routing += &format!(", scaled by {s}");

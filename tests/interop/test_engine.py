@@ -227,6 +227,53 @@ def test_multi_latent_attention_logits_and_decoding_match_transformers(mindkit, 
         assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
 
 
+def test_deepseek_v2_group_limited_greedy_routing_matches_transformers(mindkit, tmp_path):
+    """DeepSeek-V2's (and V2-Chat's) `topk_method: group_limited_greedy`: the routed experts
+    chosen within the best 2 of 4 groups, each group scored by its best expert — not by its best
+    two, as megatron-core (top-k / groups kept) and DeepSeek-V3 score them, which the test
+    model's routing tells apart. A tiny transformers DeepseekV2 (16 experts, top-4, routers
+    scaled up so that routing is
+    decisive): prefill logits and KV-cached decoding equal transformers' from the HF directory
+    and from its Megatron conversion over TP 2 × EP 2 (MindSpeed-LLM's
+    `group_limited_greedy` args), which converts back to the same config and tensors."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(ROOT / "fixtures/models/deepseek_v2")
+    cfg.update(dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                    topk_method="group_limited_greedy", routed_scaling_factor=2.0))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model_dir = tmp_path / "hf"
+    model.save_pretrained(model_dir)
+    ids = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    prefill, steps, tokens = hf_greedy(model, ids, 8)
+    # scored by their best two experts, the groups would route otherwise
+    gate = model.model.layers[1].mlp.gate
+    h = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    scores = torch.nn.functional.linear(h, gate.weight).softmax(-1).view(64, 4, 4)
+    assert not torch.equal(scores.max(-1).values.topk(2).indices.sort().values,
+                           scores.topk(2).values.sum(-1).topk(2).indices.sort().values)
+    ck = tmp_path / "megatron"
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", ck, "--tp", "2",
+            "--ep", "2")
+    for source in (model_dir, ck):
+        got = mindkit_logits(source, ids, 8, tmp_path / "logits.safetensors")
+        assert (got["prefill"] - prefill).abs().max().item() <= 1e-5, source
+        assert got["generated"].tolist() == tokens, source
+        assert (got["steps"] - steps).abs().max().item() <= 1e-5, source
+    back = tmp_path / "back"
+    mindkit("convert", "--to", "hf", "--input", ck, "--output", back)
+    written = json.loads((back / "config.json").read_text())
+    for key in ("topk_method", "n_group", "topk_group", "routed_scaling_factor",
+                "num_experts_per_tok", "n_routed_experts"):
+        assert written[key] == getattr(cfg, key), key
+    want, got = (load_file(str(d / "model.safetensors")) for d in (model_dir, back))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_generate_text_equals_transformers(smollm2, hf_model, tokenizer, chat):
     prompt = "What is the capital of France? Answer in one sentence." if chat else "Once upon a time"

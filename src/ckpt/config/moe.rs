@@ -28,18 +28,6 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
     if names.sparsemixer {
         check_sparsemixer(cfg, topk, names.topk_key)?;
     }
-    if super::json_str(cfg, "topk_method")? == Some("group_limited_greedy") {
-        // DeepSeek-V2 scores a group by its best expert, megatron-core by its best topk/groups
-        let groups = json_count(cfg, "n_group")?.unwrap_or(1);
-        if groups > 1 && json_count(cfg, "topk_group")?.unwrap_or(groups) < groups {
-            return Err(ConfigError::OutOfRange {
-                field: "topk_method".into(),
-                got: "group_limited_greedy".into(),
-                expected: "greedy, or groups that limit nothing: group-limited routing that \
-                           scores a group by its best expert is not built",
-            });
-        }
-    }
     let normalised = match names.norm_topk {
         TopkNorm::Key(key) => json_bool(cfg, key)?.unwrap_or(false),
         TopkNorm::Always => true,
@@ -56,6 +44,7 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
             expected: "true: Megatron's sigmoid routing normalises the chosen scores",
         });
     }
+    let (group_limit, group_by_best) = hf_groups(cfg, names, (experts, topk))?;
     let ffn = json_required_count(cfg, names.ffn_key)?;
     let shared_ffn = match names.shared.as_ref().map(|s| s.size) {
         None => None,
@@ -84,7 +73,8 @@ pub(super) fn moe_from_hf(cfg: &Json, family: &Family, layers: usize) -> FieldRe
             Some(key) => json_positive(cfg, key)?.filter(|&s| s != 1.0),
             None => None,
         },
-        group_limit: hf_groups(cfg, names, topk)?,
+        group_limit,
+        group_by_best,
         layers: hf_layers(cfg, names.layers, layers)?,
         expert_bias: names.expert_bias.is_some(),
         // a softmax router's bias takes part in the choice (LongcatFlashTopkRouter)
@@ -116,26 +106,66 @@ fn check_sparsemixer(cfg: &Json, topk: usize, topk_key: &str) -> FieldResult<()>
     }
 }
 
-/// Group-limited routing from `config.json` (`None` for one group). transformers scores a group
-/// by its best two experts (`Glm4MoeTopkRouter.get_topk_indices`), megatron-core by its best
-/// `topk / groups kept`: a configuration where they differ is refused.
-fn hf_groups(cfg: &Json, names: &MoeNames, topk: usize) -> FieldResult<Option<(usize, usize)>> {
+/// Group-limited routing from `config.json` (`None` for one group), and whether a group is
+/// scored by its best expert. transformers scores a group by its best two experts
+/// (`Glm4MoeTopkRouter.get_topk_indices`), megatron-core by its best `topk / groups kept`: a
+/// configuration where they differ is refused. DeepSeek-V2's `topk_method` chooses: `greedy`
+/// limits nothing, `group_limited_greedy` scores each group by its best expert
+/// (`DeepseekV2MoEGate`).
+fn hf_groups(
+    cfg: &Json,
+    names: &MoeNames,
+    (experts, topk): (usize, usize),
+) -> FieldResult<(Option<(usize, usize)>, bool)> {
     let Some((groups_key, kept_key)) = names.group_keys else {
-        return Ok(None);
+        return Ok((None, false));
+    };
+    let by_best = match names.greedy_key {
+        None => false,
+        Some(key) => match super::json_str(cfg, key)? {
+            None | Some("greedy") => return Ok((None, false)),
+            Some("group_limited_greedy") => true,
+            Some(other) => {
+                return Err(ConfigError::OutOfRange {
+                    field: key.into(),
+                    got: format!("{other:?}"),
+                    expected: "greedy or group_limited_greedy",
+                })
+            }
+        },
     };
     let groups = json_count(cfg, groups_key)?.unwrap_or(1);
     let kept = json_count(cfg, kept_key)?.unwrap_or(1);
-    if groups <= 1 {
-        return Ok(None);
+    if groups <= 1 || by_best && kept >= groups {
+        return Ok((None, false));
     }
-    if kept == 0 || topk / kept != 2 {
+    if !by_best && (kept == 0 || topk / kept != 2) {
         return Err(ConfigError::OutOfRange {
             field: kept_key.into(),
             got: kept.to_string(),
             expected: "num_experts_per_tok / 2: transformers scores a group by two experts",
         });
     }
-    Ok(Some((groups, kept)))
+    check_groups(kept_key, (experts, topk), (groups, kept))?;
+    Ok((Some((groups, kept)), by_best))
+}
+
+/// Groups of `experts` of which `kept` hold a token's `topk` experts: the experts split evenly
+/// into the groups, and the kept groups hold at least `topk` of them (else transformers and
+/// MindSpeed-LLM would pick masked experts at score 0).
+fn check_groups(
+    field: &str,
+    (experts, topk): (usize, usize),
+    (groups, kept): (usize, usize),
+) -> FieldResult<()> {
+    if !experts.is_multiple_of(groups) || kept == 0 || kept * (experts / groups) < topk {
+        return Err(ConfigError::OutOfRange {
+            field: field.into(),
+            got: format!("{kept} of {groups} groups"),
+            expected: "groups that split the experts evenly, the kept ones holding the top-k",
+        });
+    }
+    Ok(())
 }
 
 /// Which of the `layers` are MoE layers, as `config.json` places them.
@@ -180,7 +210,8 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
     };
     let groups_fit = match (moe.group_limit, names.group_keys) {
         (None, _) => true,
-        (Some((_, kept)), Some(_)) => kept > 0 && moe.topk / kept == 2,
+        (Some(_), Some(_)) if names.greedy_key.is_some() => moe.group_by_best,
+        (Some((_, kept)), Some(_)) => !moe.group_by_best && kept > 0 && moe.topk / kept == 2,
         (Some(_), None) => false,
     };
     if moe.sparsemixer != names.sparsemixer {
@@ -205,7 +236,7 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
     if routing {
         return Some(format!(
             "{}'s router takes {} scores{}{}{}; this model routes otherwise (score function {}, \
-             pre-softmax {}, scaling {:?}, groups {:?})",
+             pre-softmax {}, scaling {:?}, groups and by-best {:?})",
             family.name,
             names.score.name(),
             match names.norm_topk {
@@ -218,15 +249,15 @@ pub(super) fn hf_limits(moe: &Moe, family: &Family) -> Option<String> {
             } else {
                 ""
             },
-            if names.group_keys.is_some() {
-                " in groups scored by two experts"
-            } else {
-                ""
+            match (names.group_keys, names.greedy_key) {
+                (Some(_), Some(_)) => " in groups scored by their best expert",
+                (Some(_), None) => " in groups scored by two experts",
+                (None, _) => "",
             },
             moe.score.name(),
             moe.pre_softmax,
             moe.topk_scale,
-            moe.group_limit
+            (moe.group_limit, moe.group_by_best)
         ));
     }
     let shared = names.shared.as_ref();
@@ -337,7 +368,9 @@ pub(super) fn moe_to_hf(moe: &Moe, family: &Family, cfg: &mut Json) {
             }
         }
         Some(SharedSize::Experts(key)) => {
-            cfg[key] = (moe.shared_ffn.unwrap_or(0) / moe.ffn.max(1)).into();
+            // none is null (transformers builds shared experts unless `n_shared_experts` is
+            // None), never 0, which is no count of them
+            cfg[key] = moe.shared_ffn.map(|f| f / moe.ffn.max(1)).into();
         }
         None => {}
     }
@@ -352,6 +385,13 @@ pub(super) fn moe_to_hf(moe: &Moe, family: &Family, cfg: &mut Json) {
         let (g, k) = moe.group_limit.unwrap_or((1, 1));
         cfg[groups] = g.into();
         cfg[kept] = k.into();
+    }
+    if let Some(key) = names.greedy_key {
+        cfg[key] = match moe.group_limit.is_some() && moe.group_by_best {
+            true => "group_limited_greedy",
+            false => "greedy",
+        }
+        .into();
     }
 }
 
@@ -411,11 +451,26 @@ pub(super) fn moe_from_args(
             })
         }
     };
+    let types = balancing_types(args)?;
+    let greedy = types.first().is_some_and(|t| t == "group_limited_greedy");
     let group_limit = match (
         arg_count(args, "moe_router_num_groups")?,
         arg_count(args, "moe_router_group_topk")?,
     ) {
         (Some(g), Some(k)) => Some((g, k)),
+        // MindSpeed-LLM's group_limited_greedy takes the expert-parallel ranks for groups
+        // (router.py `topk_router_init`) and asserts the groups kept are given
+        (None, Some(k)) if greedy => Some((
+            arg_count(args, "expert_model_parallel_size")?.unwrap_or(1),
+            k,
+        )),
+        (_, None) if greedy => {
+            return Err(ConfigError::OutOfRange {
+                field: "args.moe_router_group_topk".into(),
+                got: "None".into(),
+                expected: "the groups group_limited_greedy keeps",
+            })
+        }
         _ => None,
     };
     let first_dense = match arg(args, "first_k_dense_replace") {
@@ -436,6 +491,7 @@ pub(super) fn moe_from_args(
             && !arg_bool(args, "norm_topk_prob")?.unwrap_or(false),
         topk_scale: arg_float(args, "moe_router_topk_scaling_factor")?,
         group_limit,
+        group_by_best: false,
         layers: Moe::pattern(layers, &layer_freq(args)?, first_dense),
         expert_bias: arg_bool(args, "moe_router_enable_expert_bias")?.unwrap_or(false),
         softmax_bias: false,
@@ -443,7 +499,11 @@ pub(super) fn moe_from_args(
         sparsemixer: false,
     };
     let normalised = arg_bool(args, "norm_topk_prob")?.unwrap_or(false);
-    routed_as_balanced(moe, balancing_types(args)?, normalised).map(Some)
+    let moe = routed_as_balanced(moe, types, normalised)?;
+    if let Some(g) = moe.group_limit.filter(|&(g, k)| g > 1 && k < g) {
+        check_groups("args.moe_router_group_topk", (experts, topk), g)?;
+    }
+    Ok(Some(moe))
 }
 
 /// `args.moe_router_load_balancing_type`: a name, or megatron-core's list of them.
@@ -494,6 +554,25 @@ fn routed_as_balanced(mut moe: Moe, types: Vec<String>, normalised: bool) -> Fie
             ungrouped(&mut moe, !normalised);
             moe.softmax_bias = true;
         }
+        Some("group_limited_greedy") => {
+            // router.py `group_limited_greedy_topKgating`: a softmax over all experts, each
+            // group scored by its best expert, the chosen renormalised (norm_topk_prob at
+            // top-k > 1) or else scaled
+            let renormalised = normalised && moe.topk > 1;
+            moe.score = ScoreFunction::Softmax;
+            moe.pre_softmax = !renormalised;
+            if renormalised {
+                moe.topk_scale = None;
+            } else if moe.topk_scale.is_none() {
+                return Err(ConfigError::OutOfRange {
+                    field: "args.moe_router_topk_scaling_factor".into(),
+                    got: "None".into(),
+                    expected: "a number: group_limited_greedy scales the chosen by it",
+                });
+            }
+            moe.group_limit = moe.group_limit.filter(|&(g, k)| g > 1 && k < g);
+            moe.group_by_best = moe.group_limit.is_some();
+        }
         Some("pai_megatron_aux_loss") => {
             ungrouped(&mut moe, true);
             moe.topk_scale = None;
@@ -515,7 +594,7 @@ fn routed_as_balanced(mut moe: Moe, types: Vec<String>, normalised: bool) -> Fie
             return Err(ConfigError::OutOfRange {
                 field: "args.moe_router_load_balancing_type".into(),
                 got: format!("{t:?}"),
-                expected: "aux_loss, seq_aux_loss, global_aux_loss, none, sinkhorn, softmax_topk, sparsemixer_topk or pai_megatron_aux_loss (the routings built)",
+                expected: "aux_loss, seq_aux_loss, global_aux_loss, none, sinkhorn, softmax_topk, sparsemixer_topk, pai_megatron_aux_loss or group_limited_greedy (the routings built)",
             })
         }
         _ => {}
@@ -535,6 +614,7 @@ pub(super) fn moe_args(moe: Option<&Moe>, sublayers: usize) -> Vec<(&'static str
     let opt = |v: Option<usize>| v.map_or(Value::None, int);
     let stored = m.stored_layers(sublayers);
     let all = stored.iter().all(|&x| x);
+    let greedy = m.group_by_best && m.group_limit.is_some();
     vec![
         ("num_experts", int(m.experts)),
         (
@@ -553,7 +633,9 @@ pub(super) fn moe_args(moe: Option<&Moe>, sublayers: usize) -> Vec<(&'static str
         ("moe_router_enable_expert_bias", Value::Bool(m.expert_bias)),
         (
             "moe_router_topk_scaling_factor",
-            m.topk_scale.map_or(Value::None, Value::Float),
+            // group_limited_greedy asserts a factor when it does not renormalise
+            (m.topk_scale.or((greedy && m.pre_softmax).then_some(1.0)))
+                .map_or(Value::None, Value::Float),
         ),
         ("moe_router_num_groups", opt(m.group_limit.map(|g| g.0))),
         ("moe_router_group_topk", opt(m.group_limit.map(|g| g.1))),
@@ -581,6 +663,21 @@ pub(super) fn moe_args(moe: Option<&Moe>, sublayers: usize) -> Vec<(&'static str
             Value::Str("sparsemixer_topk".into()),
         )
     }))
+    // MindSpeed-LLM's routing by groups scored by their best expert, renormalised or not
+    .chain(
+        greedy
+            .then(|| {
+                [
+                    (
+                        "moe_router_load_balancing_type",
+                        Value::Str("group_limited_greedy".into()),
+                    ),
+                    ("norm_topk_prob", Value::Bool(!m.pre_softmax)),
+                ]
+            })
+            .into_iter()
+            .flatten(),
+    )
     // the routing a softmax router's bias takes part in, renormalised or not
     .chain(
         (m.softmax_bias && m.expert_bias)
@@ -625,6 +722,25 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_v2s_groups_scored_by_their_best_expert_are_written_as_its_topk_method() {
+        let family = crate::arch::family::by_name("deepseek_v2").unwrap();
+        let mut m = crate::arch::moe::example(ScoreFunction::Softmax, true);
+        (m.topk_scale, m.layers) = (Some(2.5), vec![false, true]);
+        for (groups, method) in [(Some((2, 1)), "group_limited_greedy"), (None, "greedy")] {
+            (m.group_limit, m.group_by_best) = (groups, groups.is_some());
+            assert_eq!(hf_limits(&m, family), None);
+            let mut cfg = json!({"num_experts_per_tok": 2, "moe_intermediate_size": 8});
+            moe_to_hf(&m, family, &mut cfg);
+            assert_eq!(cfg["topk_method"], method);
+            assert_eq!(moe_from_hf(&cfg, family, 2).unwrap().as_ref(), Some(&m));
+        }
+        // megatron-core's groups (scored by their best top-k / kept) it cannot hold
+        m.group_by_best = false;
+        m.group_limit = Some((2, 1));
+        assert!(hf_limits(&m, family).is_some());
+    }
+
+    #[test]
     fn load_balancing_types_that_route_otherwise_are_read_as_they_route() {
         let rule = |m: Moe| {
             (
@@ -660,6 +776,21 @@ mod tests {
             rule(routed(2, "pai_megatron_aux_loss").unwrap().unwrap()),
             pai
         );
+        // MindSpeed-LLM's group_limited_greedy: groups scored by their best expert, the
+        // chosen renormalised (norm_topk_prob) and then not scaled, or scaled at top-1
+        let greedy = routed(2, "group_limited_greedy").unwrap().unwrap();
+        assert!(greedy.group_by_best);
+        let renormalised = (ScoreFunction::Softmax, false, None, Some((2, 1)), false);
+        assert_eq!(rule(greedy.clone()), renormalised);
+        let top1 = rule(routed(1, "group_limited_greedy").unwrap().unwrap());
+        assert_eq!(
+            top1,
+            (ScoreFunction::Softmax, true, Some(2.5), Some((2, 1)), false)
+        );
+        let args: Vec<(String, Value)> = (moe_args(Some(&greedy), 1).into_iter())
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        assert_eq!(moe_from_args(&args, 2, 64).unwrap().unwrap(), greedy);
         // SparseMixer: its own top-2 of softmaxes, unscaled and ungrouped
         let sparse = routed(2, "sparsemixer_topk").unwrap().unwrap();
         assert!(sparse.sparsemixer);

@@ -17,6 +17,11 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
     if !a.has("num-experts") {
         return Ok(Vec::new());
     }
+    let greedy = a.get("moe-router-load-balancing-type") == Some("group_limited_greedy");
+    if greedy && a.get("moe-router-group-topk").is_none() {
+        // as MindSpeed-LLM's moe_router.py `_validate_group_limited_greedy` asserts
+        bail!("--moe-router-load-balancing-type group_limited_greedy needs --moe-router-group-topk (the groups it keeps)");
+    }
     let mut out: Vec<(String, Value)> = Vec::new();
     let mut int = |key: &str, v: Option<usize>| {
         if let Some(v) = v {
@@ -379,6 +384,24 @@ pub(super) fn capacity(a: &Args) -> Result<Option<Capacity>> {
     }
 }
 
+/// MindSpeed-LLM's `group_limited_greedy` (DeepSeek-V2's routing, mindspeed_llm/core/
+/// transformer/moe/router.py `group_limited_greedy_topKgating`) trains without a loss here: its
+/// expert-, device- and communication-level balance losses (computed on a micro-batch of one
+/// sequence only: it views a router call's rows as `micro_batch_size` sequences of all of them)
+/// are not built, so their coefficients must be 0.
+fn greedy_losses(a: &Args) -> Result<Balancing> {
+    for flag in [
+        "moe-aux-loss-coeff",
+        "moe-device-level-aux-loss-coeff",
+        "moe-comm-aux-loss-coeff",
+    ] {
+        if let Some(c) = a.parse_value::<f64>(flag)?.filter(|&c| c != 0.0) {
+            bail!("--{flag} {c} with --moe-router-load-balancing-type group_limited_greedy: its balance losses are not built (0 trains its routing without them)");
+        }
+    }
+    Ok(Balancing::None)
+}
+
 /// The routers' draws in training: `--moe-input-jitter-eps` (megatron-core router.py
 /// `apply_input_jitter`: the router's input times U(1 − ε, 1 + ε), its experts' input as it
 /// was), and whether the routers sample their experts (SparseMixer).
@@ -421,10 +444,10 @@ pub(super) fn aux_losses(
     if model.moe.is_none() {
         return Ok(None);
     }
-    let balancing = match a
+    let named = a
         .get("moe-router-load-balancing-type")
-        .unwrap_or("aux_loss")
-    {
+        .unwrap_or("aux_loss");
+    let balancing = match named {
         // MindSpeed-LLM's pai_megatron_aux_loss: the Switch loss of a softmax over all experts
         "aux_loss" | "pai_megatron_aux_loss" => Balancing::Aux,
         "seq_aux_loss" => Balancing::SeqAux,
@@ -433,10 +456,19 @@ pub(super) fn aux_losses(
         // Sinkhorn balances in the routing itself;
         // MindSpeed-LLM's softmax_topk and sparsemixer_topk have no loss
         "none" | "sinkhorn" | "softmax_topk" | "sparsemixer_topk" => Balancing::None,
+        "group_limited_greedy" => greedy_losses(a)?,
         other => bail!(
-            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk, sparsemixer_topk and pai_megatron_aux_loss are built"
+            "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk, sparsemixer_topk, pai_megatron_aux_loss and group_limited_greedy are built"
         ),
     };
+    for flag in ["moe-device-level-aux-loss-coeff", "moe-comm-aux-loss-coeff"] {
+        match a.parse_value::<f64>(flag)? {
+            Some(c) if c != 0.0 && named != "group_limited_greedy" => {
+                bail!("--{flag} {c}: only MindSpeed-LLM's group_limited_greedy reads it")
+            }
+            _ => {}
+        }
+    }
     if balancing == Balancing::SeqComplementary && capacity(a)?.is_some() {
         // MindSpeed-LLM counts the tokens kept, which no shipped script with --seq-aux drops
         bail!("--seq-aux with token dropping (--moe-expert-capacity-factor) is not built");
