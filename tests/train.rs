@@ -5393,6 +5393,24 @@ fn torch_dist_checkpoints_resume_bit_exactly_and_at_other_layouts() {
         &bare,
     );
     assert_eq!(iterations(&stdout(&run(&resumed).success())).len(), 2);
+    // a bad format is refused with no --save too; ckpt info names the virtual pipeline
+    let out = run(&args(&data, &["--ckpt-format", "zarr"])).failure();
+    assert!(
+        stderr(&out).contains("train writes torch"),
+        "{}",
+        stderr(&out)
+    );
+    let vpp = dir.path().join("vpp");
+    let chunks = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+    ];
+    let vpp_save = [&save[..], &[vpp.to_str().unwrap()], &chunks].concat();
+    run(&moe_args(&data, &vpp_save)).success();
+    let info = stdout(&mindkit(&[&"ckpt", &"info", &vpp]).success());
+    assert!(info.contains("TP 1 × PP 2 × VPP 2 "), "{info}");
     torch_dist_resumes(
         &dir.path().join("moe"),
         moe_args,

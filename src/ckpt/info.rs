@@ -178,11 +178,17 @@ fn torch_dist_info(
         ck.iter_dir.display()
     );
     let p = &ck.par;
+    // the virtual pipeline a training run saved with (its layers are global: read at any)
+    let vpp = super::config::arg_uint(&ck.args, "virtual_pipeline_model_parallel_size")?;
     let _ = writeln!(
         out,
-        "saved with:  TP {} × PP {}{} (global tensors: read at any layout), padded vocab {}",
+        "saved with:  TP {} × PP {}{}{} (global tensors: read at any layout), padded vocab {}",
         p.tp,
         p.pp,
+        match vpp.filter(|&v| v > 1) {
+            Some(v) => format!(" × VPP {v}"),
+            None => String::new(),
+        },
         if p.ep > 1 {
             format!(" × EP {}", p.ep)
         } else {

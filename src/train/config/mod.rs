@@ -665,6 +665,15 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         crate::ckpt::layout::check_layout(key_layout, &model),
         "--transformer-impl",
     )?;
+    // checked with or without --save, as Megatron's argparse choices check it
+    let dist = match a.get("ckpt-format").unwrap_or("torch") {
+        "torch" => false,
+        "torch_dist" => true,
+        f => bail!(
+            "--ckpt-format {f}: train writes torch (one model_optim_rng.pt per rank) or \
+             torch_dist (megatron-core's distributed checkpoint)"
+        ),
+    };
     let save = match a.get("save") {
         None => None,
         Some(dir) => Some(SaveConfig {
@@ -672,14 +681,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
             interval: positive(a, "save-interval")?.map(|n| n as u64),
             no_optim: a.has("no-save-optim"),
             layout: key_layout,
-            dist: match a.get("ckpt-format").unwrap_or("torch") {
-                "torch" => false,
-                "torch_dist" => true,
-                f => bail!(
-                    "--ckpt-format {f}: train writes torch (one model_optim_rng.pt per rank) or \
-                     torch_dist (megatron-core's distributed checkpoint)"
-                ),
-            },
+            dist,
         }),
     };
     let clip_grad = non_negative(a, "clip-grad")?.unwrap_or(1.0);
