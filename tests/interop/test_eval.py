@@ -76,12 +76,28 @@ def test_boolq_matches_the_harness(smollm2, testdata, tmp_path):
     assert acc == pytest.approx(results["acc,none"], abs=1e-12)
 
 
-def test_boolq_on_a_tiny_qwen3_matches_the_harness(assets, testdata, tmp_path):
-    """The Qwen3 family (q/k norms, head_dim ≠ hidden / heads) under `mindkit eval`: BoolQ
+def tiny_phimoe_with_llama2s_tokenizer(out, tok_dir):
+    """A tiny Phi-3.5-MoE (test_engine.py's) over the Llama-2 tokenizer Phi-3.5 extends."""
+    import shutil
+    from transformers import AutoTokenizer
+    from test_engine import tiny_phimoe
+    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+    tiny_phimoe(out, vocab_size=vocab, max_position_embeddings=2048)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, out / f)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phimoe"])
+def test_boolq_on_tiny_models_matches_the_harness(assets, testdata, tmp_path, family):
+    """Families beside SmolLM2's under `mindkit eval`: Qwen3 (q/k norms, head_dim ≠ hidden /
+    heads) and Phi-3.5-MoE (LayerNorms, biases, SparseMixer-routed experts): BoolQ
     loglikelihoods within 1e-3 of the harness's and the same accuracy."""
     import tiny_qwen3
-    model_dir = tmp_path / "qwen3"
-    tiny_qwen3.build(model_dir, assets / "qwen3")
+    model_dir = tmp_path / family
+    if family == "qwen3":
+        tiny_qwen3.build(model_dir, assets / "qwen3")
+    else:
+        tiny_phimoe_with_llama2s_tokenizer(model_dir, assets / "llama2")
     data = testdata / "boolq/dev_200.jsonl"
     yaml_text = boolq_yaml(data)
     samples, results = harness_samples(tmp_path, model_dir, "boolq_local", yaml_text)

@@ -43,22 +43,39 @@ def max_diff(a, b):
     ("qwen2_moe", dict(r=4, lora_alpha=8, target_modules=LINEAR + ["gate", "shared_expert_gate"]),
      True),
     ("glm4_moe", dict(r=4, lora_alpha=8, target_modules=LINEAR), True),
+    # multi-latent attention: the latents' down and up projections, the experts and the dense
+    # first layer
+    ("deepseek_v3", dict(r=4, lora_alpha=8, target_modules=[
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+        "up_proj", "down_proj"]), True),
+    ("deepseek_v2", dict(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "down_proj"]), True),
+    # Phi-3.5-MoE: biased attention, SparseMixer's router and the experts' w1/w2/w3
+    ("phimoe", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "w1", "w2",
+                                                       "w3", "gate"]), True),
 ])
 def test_merge_equals_peft(mindkit, tmp_path, family, kw, safe):
+    if family == "phimoe":
+        from test_engine import tiny_phimoe
+        model_dir = tmp_path / "phimoe"
+        tiny_phimoe(model_dir)
+    else:
+        model_dir = MODELS / family
     torch.manual_seed(7)
-    base = AutoModelForCausalLM.from_pretrained(MODELS / family, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(init_lora_weights=False, **kw))
     model.save_pretrained(tmp_path / "adapter", safe_serialization=safe)
-    fresh = AutoModelForCausalLM.from_pretrained(MODELS / family, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     merged = PeftModel.from_pretrained(fresh, tmp_path / "adapter").merge_and_unload()
     want = {k: v for k, v in merged.state_dict().items()
             if not (merged.config.tie_word_embeddings and k == "lm_head.weight")}
-    mindkit("lora", "merge", "--base", MODELS / family, "--adapter", tmp_path / "adapter",
+    mindkit("lora", "merge", "--base", model_dir, "--adapter", tmp_path / "adapter",
             "--output", tmp_path / "out")
     assert max_diff(hf_state(tmp_path / "out"), want) <= 1e-6
-    if "moe" in family or family == "mixtral":
+    if getattr(merged.config, "num_local_experts", None) or "moe" in family \
+            or family.startswith("deepseek"):
         # merged straight into an expert-parallel Megatron checkpoint, grouped experts
-        mindkit("lora", "merge", "--base", MODELS / family, "--adapter", tmp_path / "adapter",
+        mindkit("lora", "merge", "--base", model_dir, "--adapter", tmp_path / "adapter",
                 "--output", tmp_path / "meg", "--to", "megatron", "--tp", 2, "--ep", 2,
                 "--moe-grouped-gemm")
         mindkit("convert", "--to", "hf", "--input", tmp_path / "meg", "--output", tmp_path / "back")
