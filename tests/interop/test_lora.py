@@ -50,6 +50,10 @@ def max_diff(a, b):
         "up_proj", "down_proj"]), True),
     ("deepseek_v2", dict(r=4, lora_alpha=8, target_modules=[
         "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "down_proj"]), True),
+    # LongCat-Flash: both sublayers' attention and dense MLPs, the shortcut experts, the router
+    ("longcat_flash", dict(r=4, lora_alpha=8, target_modules=[
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+        "up_proj", "down_proj", "classifier"]), True),
     # Phi-3.5-MoE: biased attention, SparseMixer's router and the experts' w1/w2/w3
     ("phimoe", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "w1", "w2",
                                                        "w3", "gate"]), True),
@@ -73,7 +77,7 @@ def test_merge_equals_peft(mindkit, tmp_path, family, kw, safe):
             "--output", tmp_path / "out")
     assert max_diff(hf_state(tmp_path / "out"), want) <= 1e-6
     if getattr(merged.config, "num_local_experts", None) or "moe" in family \
-            or family.startswith("deepseek"):
+            or family.startswith(("deepseek", "longcat")):
         # merged straight into an expert-parallel Megatron checkpoint, grouped experts
         mindkit("lora", "merge", "--base", model_dir, "--adapter", tmp_path / "adapter",
                 "--output", tmp_path / "meg", "--to", "megatron", "--tp", 2, "--ep", 2,
