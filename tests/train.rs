@@ -4416,6 +4416,36 @@ fn sparsemixer_with_input_jitter_trains_over_tensor_expert_and_pipeline_ranks_as
     }
 }
 
+/// The tiny MoE routed by `routing` ([`moe_train`] flags) trains over EP 2 × EDP 2 with the
+/// distributed optimizer and over PP 2 × EP 2 as `one` rank did, and over TP 2 + SP × EP 2 as
+/// over TP 2 + SP alone (each tensor-parallel rank routes its own block of positions).
+fn routing_trains_over_expert_layouts_as_one_rank(data: &Path, routing: &str, one: &str) {
+    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
+    let tp_alone = stdout(&moe_train(data, &format!("{routing} {tp}")).success());
+    for (layout, base) in [
+        (
+            "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer",
+            one,
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+            one,
+        ),
+        (
+            &format!("{tp} --expert-model-parallel-size 2")[..],
+            &tp_alone,
+        ),
+    ] {
+        let what = format!("{routing} {layout}");
+        same_training(
+            base,
+            &stdout(&moe_train(data, &what).success()),
+            1e-5,
+            &what,
+        );
+    }
+}
+
 #[test]
 fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();
@@ -4432,31 +4462,8 @@ fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_on
     // the same routing as top-k it is not
     let plain = stdout(&moe_train(&data, "--moe-router-load-balancing-type none").success());
     assert_ne!(field(&one, "lm loss"), field(&plain, "lm loss"));
+    routing_trains_over_expert_layouts_as_one_rank(&data, sinkhorn, &one);
     let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
-    let tp_alone = stdout(&moe_train(&data, &format!("{sinkhorn} {tp}")).success());
-    for (layout, base) in [
-        (
-            "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer",
-            &one,
-        ),
-        (
-            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
-            &one,
-        ),
-        // each tensor-parallel rank balances its own block of positions
-        (
-            &format!("{tp} --expert-model-parallel-size 2")[..],
-            &tp_alone,
-        ),
-    ] {
-        let what = format!("{sinkhorn} {layout}");
-        same_training(
-            base,
-            &stdout(&moe_train(&data, &what).success()),
-            1e-5,
-            &what,
-        );
-    }
     for (extra, refusal) in [
         ("--moe-aux-loss-coeff 0.01", "--moe-aux-loss-coeff above 0"),
         ("--moe-expert-capacity-factor 1", "token dropping"),
@@ -4490,30 +4497,7 @@ fn group_limited_greedy_routing_trains_over_expert_ranks_as_one_rank_without_its
     let summed = format!("{groups} --moe-router-load-balancing-type none");
     let other = stdout(&moe_train(&data, &summed).success());
     assert_ne!(field(&one, "lm loss"), field(&other, "lm loss"));
-    let tp = "--tensor-model-parallel-size 2 --sequence-parallel";
-    let tp_alone = stdout(&moe_train(&data, &format!("{greedy} {tp}")).success());
-    for (layout, base) in [
-        (
-            "--expert-model-parallel-size 2 --world-size 4 --use-distributed-optimizer",
-            &one,
-        ),
-        (
-            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
-            &one,
-        ),
-        (
-            &format!("{tp} --expert-model-parallel-size 2")[..],
-            &tp_alone,
-        ),
-    ] {
-        let what = format!("{greedy} {layout}");
-        same_training(
-            base,
-            &stdout(&moe_train(&data, &what).success()),
-            1e-5,
-            &what,
-        );
-    }
+    routing_trains_over_expert_layouts_as_one_rank(&data, &greedy, &one);
     let greedy_type = "--moe-router-load-balancing-type group_limited_greedy";
     for (extra, refusal) in [
         (
