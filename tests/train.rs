@@ -4516,6 +4516,10 @@ fn group_limited_greedy_routing_trains_over_expert_ranks_as_one_rank_without_its
             format!("{greedy_type} --moe-aux-loss-coeff 0"),
             "needs --moe-router-group-topk",
         ),
+        (
+            format!("{greedy_type} --moe-router-group-topk 1 --moe-aux-loss-coeff 0"),
+            "needs --moe-router-num-groups",
+        ),
     ] {
         let err = stderr(&moe_train(&data, &extra).failure());
         assert!(err.contains(refusal), "{extra}: {err}");

@@ -17,10 +17,16 @@ pub(super) fn moe_args(a: &Args) -> Result<Vec<(String, Value)>> {
     if !a.has("num-experts") {
         return Ok(Vec::new());
     }
-    let greedy = a.get("moe-router-load-balancing-type") == Some("group_limited_greedy");
-    if greedy && a.get("moe-router-group-topk").is_none() {
-        // as MindSpeed-LLM's moe_router.py `_validate_group_limited_greedy` asserts
-        bail!("--moe-router-load-balancing-type group_limited_greedy needs --moe-router-group-topk (the groups it keeps)");
+    if a.get("moe-router-load-balancing-type") == Some("group_limited_greedy") {
+        if a.get("moe-router-group-topk").is_none() {
+            // as MindSpeed-LLM's moe_router.py `_validate_group_limited_greedy` asserts
+            bail!("--moe-router-load-balancing-type group_limited_greedy needs --moe-router-group-topk (the groups it keeps)");
+        }
+        if a.get("moe-router-num-groups").is_none() {
+            // MindSpeed-LLM would take the expert-parallel size, a routing that changes with
+            // the layout; the checkpoint's args then record no groups
+            bail!("--moe-router-load-balancing-type group_limited_greedy needs --moe-router-num-groups (MindSpeed-LLM defaults it to --expert-model-parallel-size: pass that number)");
+        }
     }
     let mut out: Vec<(String, Value)> = Vec::new();
     let mut int = |key: &str, v: Option<usize>| {
@@ -461,12 +467,11 @@ pub(super) fn aux_losses(
             "--moe-router-load-balancing-type {other}: aux_loss, seq_aux_loss, sinkhorn, none and MindSpeed-LLM's softmax_topk, sparsemixer_topk, pai_megatron_aux_loss and group_limited_greedy are built"
         ),
     };
-    for flag in ["moe-device-level-aux-loss-coeff", "moe-comm-aux-loss-coeff"] {
-        match a.parse_value::<f64>(flag)? {
-            Some(c) if c != 0.0 && named != "group_limited_greedy" => {
-                bail!("--{flag} {c}: only MindSpeed-LLM's group_limited_greedy reads it")
+    if named != "group_limited_greedy" {
+        for flag in ["moe-device-level-aux-loss-coeff", "moe-comm-aux-loss-coeff"] {
+            if let Some(c) = a.parse_value::<f64>(flag)?.filter(|&c| c != 0.0) {
+                bail!("--{flag} {c}: only MindSpeed-LLM's group_limited_greedy reads it");
             }
-            _ => {}
         }
     }
     if balancing == Balancing::SeqComplementary && capacity(a)?.is_some() {
