@@ -563,8 +563,13 @@ fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_and_
         ),
         (
             "qwen3_moe",
-            &["--tp", "4", "--etp", "2"],
-            "only 1 (whole experts) or the TP size",
+            &["--tp", "4", "--etp", "3"],
+            "expert tensor parallelism 3 does not divide TP 4",
+        ),
+        (
+            "qwen3_moe",
+            &["--tp", "2", "--etp", "4"],
+            "expert tensor parallelism 4 does not divide TP 2",
         ),
         (
             "qwen3_moe",
@@ -579,6 +584,69 @@ fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_and_
     ] {
         let err = convert_err("megatron", &model(input), &tmp.path().join("x"), extra);
         assert!(err.contains(message), "{err}");
+    }
+}
+
+#[test]
+fn experts_split_over_fewer_ranks_than_tp_are_written_in_the_files_megatron_saves_and_read_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ranks = |d: &Path| -> Vec<String> {
+        let mut r: Vec<String> = std::fs::read_dir(d.join("iter_0000001"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        r.sort();
+        r
+    };
+    let info = |d: &Path| -> String {
+        let out = mindkit(&[
+            &"ckpt" as &dyn AsRef<std::ffi::OsStr>,
+            &"info",
+            &"--keys",
+            &d,
+        ]);
+        String::from_utf8(out.success().get_output().stdout.clone()).unwrap()
+    };
+    for grouped in [false, true] {
+        let [a, b, c, h] = ["a", "b", "c", "h"].map(|s| tmp.path().join(format!("{s}-{grouped}")));
+        let mut flags = vec!["--tp", "4", "--ep", "2", "--etp", "2"];
+        if grouped {
+            flags.push("--moe-grouped-gemm");
+        }
+        // TP 4 × EP 2 × ETP 2: ranks r < ETP × EP = 4 of the expert view save, each into
+        // mp_rank_{r mod TP}_{(r / ETP) mod EP}, its expert shard r mod ETP
+        convert("megatron", &model("qwen3_moe"), &a, &flags);
+        let files = ["00_000", "01_000", "02_001", "03_001"].map(|r| format!("mp_rank_{r}"));
+        assert_eq!(ranks(&a), files);
+        let shown = info(&a);
+        assert!(
+            shown.contains("TP 4 × PP 1 × EP 2 (ETP 2: experts split 2 ways)"),
+            "{shown}"
+        );
+        // each expert's intermediate size 16 in halves, the dense MLP's 64 in quarters
+        let expert_fc2 = match grouped {
+            false => "local_experts.0.linear_fc2.weight  float32  [32, 8]",
+            true => "experts.weight2  float32  [16, 32]",
+        };
+        assert!(shown.contains(expert_fc2), "{shown}");
+        assert!(
+            shown.contains("layers.0.mlp.linear_fc2.weight  float32  [32, 16]"),
+            "{shown}"
+        );
+        convert("hf", &a, &h, &[]);
+        assert_same_hf(&model("qwen3_moe"), &h);
+        // resharded, the split is kept where it divides the new TP; then whole experts
+        convert("megatron", &a, &b, &["--tp", "2", "--pp", "2"]);
+        assert_eq!(ranks(&b).len(), 8);
+        assert!(!info(&b).contains("ETP"), "ETP 2 = TP 2");
+        convert("megatron", &a, &c, &["--etp", "1"]);
+        let whole = ["00_000", "01_001", "02_000", "03_001"].map(|r| format!("mp_rank_{r}"));
+        assert_eq!(ranks(&c), whole);
+        for d in [&b, &c] {
+            std::fs::remove_dir_all(&h).unwrap();
+            convert("hf", d, &h, &[]);
+            assert_same_hf(&model("qwen3_moe"), &h);
+        }
     }
 }
 

@@ -259,9 +259,10 @@ struct OutputArgs {
     /// this many mp_rank_TT[_PPP]_EEE directories (default: the input's, or 1).
     #[arg(long, alias = "target-expert-parallel-size")]
     ep: Option<usize>,
-    /// Expert tensor-parallel size of a Megatron output: TP (each routed expert split as the
-    /// dense layers are) or 1 (whole experts; files only for the TP × EP pairs Megatron saves,
-    /// e.g. mp_rank_00_000 and mp_rank_01_001 at TP 2 × EP 2). Default: the input's, else TP.
+    /// Expert tensor-parallel size of a Megatron output, a divisor of TP: TP (each routed
+    /// expert split as the dense layers are), fewer (split over that many ranks), or 1 (whole
+    /// experts); files only for the TP × EP pairs Megatron saves, e.g. mp_rank_00_000 and
+    /// mp_rank_01_001 at TP 2 × EP 2 × ETP 1. Default: the input's where it divides TP, else TP.
     #[arg(long, alias = "expert-tensor-parallel-size")]
     etp: Option<usize>,
     /// MindSpeed-LLM's --moe-tp-extend-ep: the routed experts whole, spread over the TP × EP

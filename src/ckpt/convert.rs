@@ -57,8 +57,8 @@ pub struct ConvertOptions {
     pub pp: Option<usize>,
     /// EP size (default: the source's, or 1).
     pub ep: Option<usize>,
-    /// Expert tensor-parallel size, TP or 1 (default: 1 for a source with whole experts under
-    /// TP > 1, else TP).
+    /// Expert tensor-parallel size, a divisor of TP (default: a source's narrower one where it
+    /// divides TP, else TP).
     pub etp: Option<usize>,
     /// MindSpeed-LLM's `--moe-tp-extend-ep`: whole experts over the TP × EP files (default: a
     /// source's, unless `etp` is given).
@@ -692,8 +692,9 @@ fn write_megatron(
         _ => o.first_last,
     };
     let ep = o.ep.or(src_par.map(|p| p.ep)).unwrap_or(1);
-    let whole = src_par.is_some_and(|p| p.etp == 1 && p.tp > 1 && !p.tp_extend);
-    let etp = o.etp.unwrap_or(if whole { 1 } else { tp });
+    // A source's experts split over fewer ranks than its TP stay so where the new TP allows.
+    let narrow = src_par.filter(|p| p.etp < p.tp && !p.tp_extend && tp.is_multiple_of(p.etp));
+    let etp = o.etp.unwrap_or(narrow.map_or(tp, |p| p.etp));
     let extend = o.tp_extend_ep || (src_par.is_some_and(|p| p.tp_extend) && o.etp.is_none());
     let kept = o.tp.is_none() && o.pp.is_none() && o.vpp.is_none();
     let dualpipev = o.dualpipev || (kept && src_par.is_some_and(|p| p.dualpipev));

@@ -280,10 +280,11 @@ pub fn info(path: &Path, family: Option<&'static Family>, keys: bool) -> Result<
                 } else {
                     String::new()
                 },
-                match (p.tp_extend, p.etp != p.tp) {
+                match (p.tp_extend, p.etp) {
                     (true, _) => " (moe_tp_extend_ep: whole experts over TP × EP)".to_string(),
-                    (false, true) => format!(" (ETP {}: whole experts)", p.etp),
-                    _ => String::new(),
+                    (false, e) if e == p.tp => String::new(),
+                    (false, 1) => " (ETP 1: whole experts)".to_string(),
+                    (false, e) => format!(" (ETP {e}: experts split {e} ways)"),
                 },
                 (p.stage_layers.iter())
                     .map(|n| n / ck.cfg.sublayers())

@@ -67,8 +67,8 @@ pub struct Parallel {
     /// Expert-parallel size: the routed experts of each MoE layer split into this many
     /// consecutive blocks (`mp_rank_TT[_PPP]_EEE` directories), the rest replicated.
     pub ep: usize,
-    /// Expert tensor-parallel size: the ranks each routed expert is split over, TP or 1
-    /// (whole experts, `--expert-tensor-parallel-size 1`; shared experts follow TP).
+    /// Expert tensor-parallel size: the ranks each routed expert is split over, a divisor of
+    /// TP (1: whole experts, `--expert-tensor-parallel-size 1`; shared experts follow TP).
     pub etp: usize,
     /// MindSpeed-LLM's `--moe-tp-extend-ep`: whole experts, `E / (EP·TP)` in every file of
     /// the TP × EP grid, block `e·TP + t` in `mp_rank_tt_eee` (mindspeed_llm/core/transformer/
@@ -83,18 +83,38 @@ pub struct Parallel {
 }
 
 /// The `(tensor-parallel, expert-parallel)` rank of each file of a pipeline stage, in file
-/// order, for TP × EP, the experts split as the dense layers are or `whole` (expert tensor
-/// parallelism 1; `--moe-tp-extend-ep` fills every pair as a split layout does). Megatron's torch format
-/// saves from expert-data-parallel rank 0 only (megatron/training/checkpointing.py), the
-/// ranks `r < ETP × EP` of the expert view `etp-ep-edp` (megatron/core/parallel_state.py):
-/// with ETP = TP every pair, `(r mod TP, r / TP)`; with whole experts `(r mod TP, r mod EP)`
-/// for `r < max(TP, EP)`, as MindSpeed-LLM's converters list them
-/// (mindspeed_llm/tasks/checkpoint/convert_mg2hf.py `get_etp_valid_ckpts_list`).
-pub fn rank_grid(tp: usize, ep: usize, whole: bool) -> Vec<(usize, usize)> {
-    match whole {
-        false => (0..tp * ep).map(|r| (r % tp, r / tp)).collect(),
-        true => (0..tp.max(ep)).map(|r| (r % tp, r % ep)).collect(),
+/// order, for TP × EP with the routed experts split over `etp` ranks (`--moe-tp-extend-ep`
+/// fills every pair as ETP = TP does). Megatron's torch format saves from expert-data-parallel
+/// rank 0 only (megatron/training/checkpointing.py), the ranks `r < ETP × EP` of the expert
+/// view `etp-ep-edp` (megatron/core/parallel_state.py `RankGenerator`), each into the file of
+/// its dense TP rank `r mod TP` and its expert-parallel rank `(r / ETP) mod EP`, holding
+/// expert shard `r mod ETP` (`= r mod TP mod ETP`, ETP dividing TP). Under TP > ETP × EP
+/// the ranks up to TP write the dense shards the others leave, as MindSpeed-LLM's converters
+/// list them (mindspeed_llm/tasks/checkpoint/convert_mg2hf.py `get_etp_valid_ckpts_list`).
+/// With ETP = TP every pair `(r mod TP, r / TP)`; with whole experts `(r mod TP, r mod EP)`.
+pub fn rank_grid(tp: usize, ep: usize, etp: usize) -> Vec<(usize, usize)> {
+    (0..tp.max(etp * ep))
+        .map(|r| (r % tp, r / etp % ep))
+        .collect()
+}
+
+/// Why TP × EP with the routed experts split over `etp` ranks is no layout of Megatron's
+/// torch-format files ([`rank_grid`]); `None` when it is one. Past TP, ETP ranks would write
+/// one file twice; TP and ETP × EP not dividing one another leaves shards no rank saves.
+pub fn expert_grid_fault(tp: usize, ep: usize, etp: usize) -> Option<String> {
+    if etp == 0 || !tp.is_multiple_of(etp) {
+        return Some(format!(
+            "expert tensor parallelism {etp} does not divide TP {tp}: Megatron's torch-format \
+             files are named by TP and EP rank only, so its expert shards would not all have a file"
+        ));
     }
+    let ranks = etp * ep;
+    (!ranks.is_multiple_of(tp) && !tp.is_multiple_of(ranks)).then(|| {
+        format!(
+            "TP {tp} and ETP {etp} × EP {ep} do not divide one another: Megatron's files of \
+             such a layout leave shards no rank saves"
+        )
+    })
 }
 
 /// The expert block file `(t, e)` holds of TP × EP files, and how many there are: block `e` of
@@ -245,8 +265,8 @@ impl Parallel {
 
     /// The layout with the routed experts split over `ep` expert-parallel ranks and each over
     /// `etp` tensor-parallel ranks (checked: the experts divide evenly, their intermediate
-    /// size by ETP; ETP is TP or 1, and then TP and EP divide one another, the only layouts
-    /// whose files Megatron and MindSpeed-LLM write; a dense model takes only 1).
+    /// size by ETP, and the files make a layout Megatron writes, [`expert_grid_fault`]; a
+    /// dense model takes only ETP = TP).
     pub fn with_experts(mut self, cfg: &ModelConfig, (ep, etp): (usize, usize)) -> Result<Self> {
         let experts = cfg.moe.as_ref().map_or(1, |m| m.experts);
         if ep == 0 || !experts.is_multiple_of(ep) {
@@ -260,20 +280,11 @@ impl Parallel {
             );
         }
         let tp = self.tp;
-        if etp != tp && (etp != 1 || cfg.moe.is_none()) {
-            bail!(
-                "expert tensor parallelism {etp} under TP {tp}: {}",
-                match cfg.moe {
-                    None => "a dense model has no experts",
-                    Some(_) => "only 1 (whole experts) or the TP size is built",
-                }
-            );
+        if etp != tp && cfg.moe.is_none() {
+            bail!("expert tensor parallelism {etp} under TP {tp}: a dense model has no experts");
         }
-        if etp == 1 && !ep.is_multiple_of(tp) && !tp.is_multiple_of(ep) {
-            bail!(
-                "whole experts (expert tensor parallelism 1) need TP {tp} and EP {ep} to divide \
-                 one another: Megatron's files of other layouts leave shards unsaved"
-            );
+        if let Some(fault) = expert_grid_fault(tp, ep, etp) {
+            bail!("{fault}");
         }
         if let Some(m) = &cfg.moe {
             if !m.ffn.is_multiple_of(etp) {
@@ -335,7 +346,8 @@ impl Parallel {
     /// The `(tp, ep)` ranks of a stage's files ([`rank_grid`]; every pair with
     /// `--moe-tp-extend-ep`).
     pub fn rank_files(&self) -> Vec<(usize, usize)> {
-        rank_grid(self.tp, self.ep, self.etp != self.tp && !self.tp_extend)
+        let etp = if self.tp_extend { self.tp } else { self.etp };
+        rank_grid(self.tp, self.ep, etp)
     }
 
     /// Global layers of virtual chunk `v` on stage `p`. Virtual stage `v` holds the `v`-th
@@ -971,5 +983,21 @@ mod tests {
             .contains("11 layers cannot be split as first 2 + last 2 with the rest evenly over 2"));
         assert!(err(uneven_stages(4, 2, 1, Some(1), Some(2))).contains("over 0 other"));
         assert!(err(uneven_stages(4, 1, 1, Some(1), None)).contains("--pp of at least 2"));
+    }
+
+    #[test]
+    fn expert_files_are_those_the_expert_views_first_ranks_save() {
+        // ETP = TP: every pair; ETP 1: (r mod TP, r mod EP); between: (r mod TP, r / ETP mod EP)
+        assert_eq!(rank_grid(2, 2, 2), [(0, 0), (1, 0), (0, 1), (1, 1)]);
+        assert_eq!(rank_grid(2, 4, 1), [(0, 0), (1, 1), (0, 2), (1, 3)]);
+        assert_eq!(rank_grid(4, 2, 2), [(0, 0), (1, 0), (2, 1), (3, 1)]);
+        assert_eq!(rank_grid(4, 1, 2), [(0, 0), (1, 0), (2, 0), (3, 0)]);
+        assert_eq!(expert_grid_fault(4, 2, 2), None);
+        assert_eq!(expert_grid_fault(4, 4, 2), None);
+        let fault = |l: (usize, usize, usize)| expert_grid_fault(l.0, l.1, l.2).unwrap();
+        assert!(fault((2, 1, 4)).contains("4 does not divide TP 2"));
+        assert!(fault((4, 2, 3)).contains("3 does not divide TP 4"));
+        assert!(fault((4, 3, 2)).contains("TP 4 and ETP 2 × EP 3 do not divide one another"));
+        assert!(fault((2, 3, 1)).contains("TP 2 and ETP 1 × EP 3"));
     }
 }

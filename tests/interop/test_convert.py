@@ -356,24 +356,27 @@ def test_te_grouped_experts_are_te_grouped_mlps_weights(mindkit, tmp_path, famil
 
 
 @pytest.mark.parametrize("family,layout", [
-    ("qwen3_moe", ("--ep", 2)), ("mixtral", ("--ep", 2)),
+    ("qwen3_moe", ("--tp", 2, "--ep", 2)), ("mixtral", ("--tp", 2, "--ep", 2)),
     # multi-latent attention: the down projections' rows split over TP (the local spec)
-    ("deepseek_v3", ("--ep", 2)),
+    ("deepseek_v3", ("--tp", 2, "--ep", 2)),
     # DeepSeek-V2-Lite's: direct queries, softmax routing not renormalised, scaled
-    ("deepseek_v2", ("--ep", 2)),
+    ("deepseek_v2", ("--tp", 2, "--ep", 2)),
     # whole experts: the four ranks' (TP, EP) are (0, 0), (1, 1), (0, 2), (1, 3)
-    ("qwen3_moe", ("--ep", 4, "--expert-tensor-parallel-size", 1))])
+    ("qwen3_moe", ("--tp", 2, "--ep", 4, "--expert-tensor-parallel-size", 1)),
+    # experts in halves under TP 4: (0, 0), (1, 0), (2, 1), (3, 1), expert shard r mod 2
+    ("qwen3_moe", ("--tp", 4, "--ep", 2, "--expert-tensor-parallel-size", 2))])
 def test_expert_parallel_checkpoint_loads_into_megatron_core_on_each_rank(mindkit, tmp_path,
                                                                           family, layout):
-    """HF → Megatron at TP 2 × EP 2 (mp_rank_TT_EEE), or TP 2 × EP 4 with whole experts
-    (expert tensor parallelism 1: files of four TP × EP pairs): under torchrun, four
-    megatron-core ranks (gloo; its expert_model_parallel_size and expert_tensor_parallel_size)
-    each load their rank file strictly into GPTModel with its MoE layer, run one forward pass
-    together, and the logits equal transformers'."""
+    """HF → Megatron at TP 2 × EP 2 (mp_rank_TT_EEE), TP 2 × EP 4 with whole experts
+    (expert tensor parallelism 1: files of four TP × EP pairs), or TP 4 × EP 2 with each
+    expert split over ETP 2: under torchrun, four megatron-core ranks (gloo; its
+    expert_model_parallel_size and expert_tensor_parallel_size) each load their rank file
+    strictly into GPTModel with its MoE layer, run one forward pass together, and the logits
+    equal transformers'."""
     import re
     import socket
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output", tmp_path / "m",
-            "--tp", 2, *layout)
+            *layout)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

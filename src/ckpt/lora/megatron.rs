@@ -231,7 +231,7 @@ impl MegatronLora {
     /// ([`Parallel::expert_block`]).
     fn file_ranks(&self, rank: usize) -> ((usize, usize), (usize, usize)) {
         let (tp, ep, etp, tp_extend) = self.ranks;
-        let file = rank_grid(tp, ep, etp != tp && !tp_extend)[rank];
+        let file = rank_grid(tp, ep, if tp_extend { tp } else { etp })[rank];
         (file, expert_block_of((tp, ep, tp_extend), file))
     }
 
@@ -421,10 +421,11 @@ impl MegatronLora {
             } else {
                 String::new()
             },
-            match (ep, etp != tp) {
+            match (ep, etp) {
                 (1, _) => String::new(),
-                (_, false) => format!(", EP {ep}"),
-                (_, true) => format!(", EP {ep} (whole experts)"),
+                (_, e) if e == tp => format!(", EP {ep}"),
+                (_, 1) => format!(", EP {ep} (whole experts)"),
+                (_, e) => format!(", EP {ep} (experts split over ETP {e})"),
             }
         );
         let experts = arg_uint(&self.args, "num_experts")
@@ -466,14 +467,16 @@ impl MegatronLora {
                 .or_default()
                 .insert((f.stage, f.chunk, module.clone()));
             layers.extend(layout::layer_index(&f.module).map(|l| (f.stage, f.chunk, l)));
-            // Each factor's shard is counted once: a replicated factor's once, a whole
-            // expert's once, a dense factor once over the expert-parallel files.
-            let whole = f.module.contains(".local_experts.") && etp != tp;
-            let split = (f.kind == FactorKind::A) == row_parallel_module(&f.module) && !whole;
-            let t = if split {
-                self.file_ranks(f.rank).0 .0
-            } else {
-                0
+            // Each factor's shard is counted once: a replicated factor's once, an expert's
+            // once per ETP shard, a dense factor once over the expert-parallel files.
+            let split_over = match f.module.contains(".local_experts.") {
+                true => etp,
+                false => tp,
+            };
+            let split = (f.kind == FactorKind::A) == row_parallel_module(&f.module);
+            let t = match split {
+                true => self.file_ranks(f.rank).0 .0 % split_over,
+                false => 0,
             };
             let key = (f.stage, f.chunk, module, f.kind == FactorKind::A);
             if counted.insert((key, t)) {

@@ -157,7 +157,7 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         bail!("missing rank file {}", first_path.display());
     }
     let first = TorchFile::open(&first_path)?;
-    let (saved_tp, saved_pp, saved_ep, (whole, tp_extend)) = saved_layout(&first)?;
+    let (saved_tp, saved_pp, saved_ep, (saved_etp, tp_extend)) = saved_layout(&first)?;
     let kinds = (saved_pp > 1 || shortest.len() == 3, saved_ep > 1);
     let ranks: Vec<_> = names.iter().map(|n| rank_of(n, kinds)).collect();
     let found =
@@ -167,13 +167,16 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         found(|r| r.1).max(saved_pp),
         found(|r| r.2).max(saved_ep),
     );
-    let etp = if whole || tp_extend { 1 } else { tp };
-    if whole && !ep.is_multiple_of(tp) && !tp.is_multiple_of(ep) {
-        bail!(
-            "{}: whole experts (expert_tensor_parallel_size 1) under TP {tp} × EP {ep}, which \
-             do not divide one another: not a layout Megatron or MindSpeed-LLM writes",
-            first.path().display()
-        );
+    let etp = match saved_etp {
+        _ if tp_extend => 1,
+        e if e == saved_tp => tp,
+        e => e,
+    };
+    if let Some(fault) = (!tp_extend)
+        .then(|| layout::expert_grid_fault(tp, ep, etp))
+        .flatten()
+    {
+        bail!("{}: {fault}", first.path().display());
     }
     // `mp_rank_00_000` names a pipeline-parallel checkpoint even when its other stages are gone.
     let named_stage = ranks.iter().any(|r| r.3);
@@ -187,10 +190,11 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
         found(|r| r.0),
         found(|r| r.1),
         found(|r| r.2),
-        match (whole, tp_extend) {
-            (true, _) => ", whole experts",
-            (_, true) => ", experts spread over TP × EP (moe_tp_extend_ep)",
-            _ => "",
+        match (etp, tp_extend) {
+            (_, true) => ", experts spread over TP × EP (moe_tp_extend_ep)".to_string(),
+            (1, _) if tp > 1 => ", whole experts".to_string(),
+            (e, _) if e != tp => format!(", experts split over ETP {e}"),
+            _ => String::new(),
         }
     );
     if (tp.checked_mul(pp).and_then(|n| n.checked_mul(ep))).is_none_or(|n| n > MAX_RANK_FILES) {
@@ -200,7 +204,7 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
             iter_dir.display()
         );
     }
-    let grid = rank_grid(tp, ep, whole);
+    let grid = rank_grid(tp, ep, if tp_extend { tp } else { etp });
     let paths: Vec<(usize, usize, PathBuf)> = (0..pp)
         .flat_map(|p| grid.iter().enumerate().map(move |(m, &te)| (p, m, te)))
         .map(|(p, m, (t, e))| (p, m, rank_path(t, p, e)))
@@ -246,10 +250,10 @@ pub fn open_rank_files(dir: &Path) -> Result<RankFiles> {
     })
 }
 
-/// TP × PP × EP as rank 0's args record them (1 × 1 × 1 when they do not), and whether the
-/// routed experts are whole under TP > 1: with `expert_tensor_parallel_size` 1, or spread over
-/// TP × EP with MindSpeed-LLM's `moe_tp_extend_ep`.
-fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, (bool, bool))> {
+/// TP × PP × EP as rank 0's args record them (1 × 1 × 1 when they do not), the expert
+/// tensor-parallel size (TP when they do not), and whether the routed experts are spread
+/// whole over TP × EP with MindSpeed-LLM's `moe_tp_extend_ep` under TP > 1.
+fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, (usize, bool))> {
     let args = match first.root().get("args") {
         Some(Value::Namespace(a)) => a.as_slice(),
         _ => &[],
@@ -262,13 +266,6 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, (bool, bool))
     let tp = size("tensor_model_parallel_size")?;
     let etp = arg_uint(args, "expert_tensor_parallel_size")
         .with_context(|| first.path().display().to_string())?;
-    if let Some(etp) = etp.filter(|&e| e != tp && e != 1) {
-        bail!(
-            "{}: saved with expert tensor parallelism {etp} under tensor parallelism {tp}: \
-             reading experts split over other than 1 or TP ranks is not built",
-            first.path().display()
-        );
-    }
     let extend = matches!(
         args.iter().find(|(k, _)| k == "moe_tp_extend_ep"),
         Some((_, Value::Bool(true)))
@@ -284,7 +281,7 @@ fn saved_layout(first: &TorchFile) -> Result<(usize, usize, usize, (bool, bool))
         tp,
         size("pipeline_model_parallel_size")?,
         size("expert_model_parallel_size")?,
-        (tp > 1 && etp == Some(1), tp > 1 && extend),
+        (etp.filter(|&e| e > 0).unwrap_or(tp), tp > 1 && extend),
     ))
 }
 
