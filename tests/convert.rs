@@ -453,18 +453,20 @@ fn experts_split_over_expert_parallel_ranks_and_back_byte_identical() {
     assert!(err.contains("a dense model has no experts"), "{err}");
 }
 
+/// The rank directories of a converted checkpoint's iteration 1, sorted.
+fn ranks(d: &Path) -> Vec<String> {
+    let mut r: Vec<String> = std::fs::read_dir(d.join("iter_0000001"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    r.sort();
+    r
+}
+
 #[test]
 fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_and_mindspeed_save_and_read_back(
 ) {
     let tmp = tempfile::tempdir().unwrap();
-    let ranks = |d: &Path| -> Vec<String> {
-        let mut r: Vec<String> = std::fs::read_dir(d.join("iter_0000001"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        r.sort();
-        r
-    };
     let info = |d: &Path, keys: bool| -> String {
         let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"ckpt", &"info"];
         if keys {
@@ -590,14 +592,6 @@ fn whole_experts_under_tensor_parallelism_are_written_in_the_files_megatron_and_
 #[test]
 fn experts_split_over_fewer_ranks_than_tp_are_written_in_the_files_megatron_saves_and_read_back() {
     let tmp = tempfile::tempdir().unwrap();
-    let ranks = |d: &Path| -> Vec<String> {
-        let mut r: Vec<String> = std::fs::read_dir(d.join("iter_0000001"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        r.sort();
-        r
-    };
     let info = |d: &Path| -> String {
         let out = mindkit(&[
             &"ckpt" as &dyn AsRef<std::ffi::OsStr>,

@@ -4085,22 +4085,32 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
         dir.path().join("merged"),
     );
     let path = |d: &Path| d.to_str().unwrap().to_string();
+    // eight heads in four groups: tensor parallelism up to 4
+    let heads = ["--num-attention-heads", "8", "--num-query-groups", "4"];
     run(&moe_args(
         &data,
         &[
-            "--train-iters",
-            "1",
-            "--lr-decay-iters",
-            "10",
-            "--save",
-            &path(&base),
-        ],
+            &heads[..],
+            &[
+                "--train-iters",
+                "1",
+                "--lr-decay-iters",
+                "10",
+                "--save",
+                &path(&base),
+            ],
+        ]
+        .concat(),
     ))
     .success();
     let lora = |extra: &[&str]| {
         let mut a = moe_args(
             &data,
             &[
+                "--num-attention-heads",
+                "8",
+                "--num-query-groups",
+                "4",
                 "--load",
                 &path(&base),
                 "--finetune",
@@ -4131,6 +4141,11 @@ fn lora_on_a_mixture_of_experts_adapts_every_expert_as_peft_does() {
         format!("{tp} --expert-model-parallel-size 2"),
         // whole experts: their adapters whole too, no sum over TP
         format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"),
+        // experts in halves over blocks of two of four TP ranks: their whole factors summed
+        // over those two
+        "--tensor-model-parallel-size 4 --sequence-parallel --expert-model-parallel-size 2 \
+         --expert-tensor-parallel-size 2"
+            .into(),
     ] {
         let mut extra: Vec<&str> = layout.split(' ').collect();
         let saved = dir.path().join(format!("adapter_{}", ep_adapters.len()));
@@ -4254,7 +4269,7 @@ fn expert_parallel_ranks_train_as_one_rank_does() {
                 // Megatron's router call would be each rank's block of positions, which whole
                 // experts do not gather: refused
                 let err = stderr(&moe_train(&data, &what).failure());
-                assert!(err.contains("token dropping with whole experts"), "{err}");
+                assert!(err.contains("token dropping with --expert-tensor-parallel-size 1"), "{err}");
                 continue;
             }
             let log = stdout(&moe_train(&data, &what).success());
@@ -4469,7 +4484,7 @@ fn sinkhorn_routing_balances_each_router_call_and_trains_over_expert_ranks_as_on
         ("--moe-expert-capacity-factor 1", "token dropping"),
         (
             &format!("{tp} --expert-model-parallel-size 2 --expert-tensor-parallel-size 1")[..],
-            "whole experts",
+            "experts split over fewer ranks than tensor parallelism",
         ),
     ] {
         let err = stderr(&moe_train(&data, &format!("{sinkhorn} {extra}")).failure());
@@ -4654,6 +4669,39 @@ fn expert_parallel_ranks_with_micro_batches_of_their_own_lengths_train_as_one_ra
     }
 }
 
+/// The rank directories of a checkpoint's iteration 6, sorted.
+fn rank_dirs_of_iteration_6(dir: &str) -> Vec<String> {
+    let mut ranks: Vec<String> = std::fs::read_dir(Path::new(dir).join("iter_0000006"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    ranks.sort();
+    ranks
+}
+
+/// [`moe_train`] with `layout` saving to `part`, stopped at iteration 3 and resumed: the
+/// iterations logged after 3 are those of `full` (the whole run's log), and every file of
+/// `ranks` in iteration 6 equals the whole run's (in `full_dir`) byte for byte.
+fn moe_resumes_bit_exactly(data: &Path, layout: &str, (full, full_dir): (&str, &str), part: &str) {
+    moe_train(data, &format!("{layout} --save {part} --exit-interval 3")).success();
+    let rest = moe_train(data, &format!("{layout} --save {part} --load {part}"));
+    assert_eq!(
+        &iterations(full)[3..],
+        &iterations(&stdout(&rest.success()))[..],
+        "{layout}"
+    );
+    let saved = ["model_optim_rng.pt", "distrib_optim.pt"];
+    let ranks = rank_dirs_of_iteration_6(full_dir);
+    for (rank, file) in ranks.iter().flat_map(|r| saved.map(|f| (r, f))) {
+        let read =
+            |d: &str| std::fs::read(Path::new(d).join("iter_0000006").join(rank).join(file)).ok();
+        assert!(
+            read(full_dir) == read(part),
+            "{layout}: {rank}/{file} differs after resuming"
+        );
+    }
+}
+
 #[test]
 fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and_resume() {
     let dir = tempfile::tempdir().unwrap();
@@ -4684,36 +4732,14 @@ fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and
             let layout = format!("{layout} {SIGMOID_BIASED} {optimizer}");
             let (full_dir, part) = (path(&format!("full{n}{m}")), path(&format!("part{n}{m}")));
             let full = stdout(&moe_train(&data, &format!("{layout} --save {full_dir}")).success());
-            let iter6 = Path::new(&full_dir).join("iter_0000006");
-            let mut ranks: Vec<String> = std::fs::read_dir(&iter6)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect();
-            ranks.sort();
-            assert_eq!(ranks, *files, "{what}");
+            assert_eq!(rank_dirs_of_iteration_6(&full_dir), *files, "{what}");
             // read back whole: the experts as tensor parallelism alone trained them
             let merged = path(&format!("merged{n}{m}"));
             assert_eq!(one_rank_expert_biases(&full_dir, &merged), want, "{what}");
             same_weights(&tp_alone, &full_dir, 1e-5);
             // resumed from iteration 3 (the dense optimizer state of a TP rank is in its
             // data-parallel rank 0's file), the same iterations and files
-            moe_train(&data, &format!("{layout} --save {part} --exit-interval 3")).success();
-            let rest = moe_train(&data, &format!("{layout} --save {part} --load {part}"));
-            assert_eq!(
-                &iterations(&full)[3..],
-                &iterations(&stdout(&rest.success()))[..],
-                "{what}"
-            );
-            let saved = ["model_optim_rng.pt", "distrib_optim.pt"];
-            for (rank, file) in ranks.iter().flat_map(|r| saved.map(|f| (r, f))) {
-                let read = |d: &str| {
-                    std::fs::read(Path::new(d).join("iter_0000006").join(rank).join(file)).ok()
-                };
-                assert!(
-                    read(&full_dir) == read(&part),
-                    "{what}: {rank}/{file} differs after resuming"
-                );
-            }
+            moe_resumes_bit_exactly(&data, &layout, (&full, &full_dir), &part);
         }
     }
     // with fewer expert-parallel ranks than tensor-parallel ones some TP shards would be
@@ -4721,7 +4747,7 @@ fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and
     let fewer = format!("{whole} --expert-model-parallel-size 1");
     let err = stderr(&moe_train(&data, &fewer).failure());
     assert!(
-        err.contains("needs an --expert-model-parallel-size that is a multiple of 2"),
+        err.contains("needs --expert-model-parallel-size × 1 to be a multiple of 2"),
         "{err}"
     );
     let extend = format!("{tp} --moe-tp-extend-ep");
@@ -4737,6 +4763,73 @@ fn whole_experts_under_tensor_parallelism_save_as_megatron_names_their_ranks_and
         ),
     ] {
         let err = stderr(&moe_train(&data, &format!("{extend} {extra}")).failure());
+        assert!(err.contains(says), "{extra}: {err}");
+    }
+}
+
+#[test]
+fn experts_split_over_part_of_the_tensor_parallel_ranks_train_as_tensor_parallelism_alone_and_resume(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let tp = "--num-query-groups 4 --tensor-model-parallel-size 4 --sequence-parallel";
+    let tp_alone = path("tp");
+    let base = stdout(&moe_train(&data, &format!("{tp} --save {tp_alone}")).success());
+    // TP 4 × ETP 2 × EP 2: each expert in halves over a block of two TP ranks, which gather
+    // their rows for it; then with DP 2 and the distributed optimizer over EDP 1
+    let split = format!("{tp} --expert-tensor-parallel-size 2 --expert-model-parallel-size 2");
+    for (n, layout) in [
+        split.clone(),
+        format!("{tp} --expert-tensor-parallel-size 2 --expert-model-parallel-size 4 --world-size 8 --use-distributed-optimizer"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let full_dir = path(&format!("full{n}"));
+        let log = stdout(&moe_train(&data, &format!("{layout} --save {full_dir}")).success());
+        same_training(&base, &log, 1e-5, layout);
+        let (x, y) = (
+            field(&base, "load_balancing_loss"),
+            field(&log, "load_balancing_loss"),
+        );
+        assert_eq!(x.len(), y.len(), "{layout}");
+        for (p, q) in x.iter().zip(&y) {
+            assert!((p - q).abs() <= 1e-5 * p.abs(), "{layout}: {p} vs {q}");
+        }
+        same_weights(&tp_alone, &full_dir, 1e-5);
+        // expert-data-parallel rank 0 writes: rank r into (r mod TP, r / ETP mod EP)
+        let ranks = rank_dirs_of_iteration_6(&full_dir);
+        let want: &[&str] = match n {
+            0 => &["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"],
+            _ => &[
+                "mp_rank_00_000",
+                "mp_rank_00_002",
+                "mp_rank_01_000",
+                "mp_rank_01_002",
+                "mp_rank_02_001",
+                "mp_rank_02_003",
+                "mp_rank_03_001",
+                "mp_rank_03_003",
+            ],
+        };
+        assert_eq!(ranks, want, "{layout}");
+        // resumed from iteration 3, the same iterations and files
+        moe_resumes_bit_exactly(&data, layout, (&log, &full_dir), &path(&format!("part{n}")));
+    }
+    // ETP must divide TP, and ETP × EP be a multiple of it (else shards go unsaved)
+    for (extra, says) in [
+        ("--expert-tensor-parallel-size 3", "a divisor of --tensor-model-parallel-size 4"),
+        (
+            "--expert-tensor-parallel-size 2 --expert-model-parallel-size 1",
+            "needs --expert-model-parallel-size × 2 to be a multiple of 4",
+        ),
+        (
+            "--expert-tensor-parallel-size 2 --expert-model-parallel-size 2 --moe-expert-capacity-factor 0.5",
+            "token dropping with --expert-tensor-parallel-size 2",
+        ),
+    ] {
+        let err = stderr(&moe_train(&data, &format!("{tp} {extra}")).failure());
         assert!(err.contains(says), "{extra}: {err}");
     }
 }

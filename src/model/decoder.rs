@@ -30,7 +30,7 @@ use super::layer::{Layer, LayerSaved};
 use super::linear::Linear;
 use super::mtp::{Depth, DepthSaved};
 use super::norm::{Head, Norm, NormSaved};
-use super::parallel::{gathered, local_ids, reduced, ExpertGroup, TensorParallel};
+use super::parallel::{gathered, local_ids, reduced, ExpertGroups, TensorParallel};
 use super::params::ParamTable;
 use super::{AuxLosses, ModelSpec, Pass, RouterStats};
 use crate::arch::roles::{Canon, Role};
@@ -100,9 +100,9 @@ impl Ids {
         &'a self,
         (b, spec): (&'a B, &'a ModelSpec),
         params: &'a [B::Tensor],
-        (tp, ep): (
+        (tp, (ep, etp)): (
             Option<&'a TensorParallel<'a, B::Tensor>>,
-            ExpertGroup<'a, B::Tensor>,
+            ExpertGroups<'a, B::Tensor>,
         ),
         rope: (&'a B::Tensor, &'a B::Tensor),
         ((dropout, aux), sequences): Regularisers<'a>,
@@ -115,6 +115,7 @@ impl Ids {
             lora_scale: self.lora_scale,
             tp,
             ep,
+            etp,
             rope,
             dropout,
             aux,
@@ -217,7 +218,7 @@ pub fn forward<B: Backend>(
     (ids, params): (&Ids, &[B::Tensor]),
     (batch, input): (&MicroBatch, Option<B::Tensor>),
     activations: DType,
-    (tp, ep): (Option<&TensorParallel<B::Tensor>>, ExpertGroup<B::Tensor>),
+    (tp, experts): (Option<&TensorParallel<B::Tensor>>, ExpertGroups<B::Tensor>),
 ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
     let (cos, sin) = spec.rope_tables(&batch.positions);
     let half = spec.rope_table_shape(batch.tokens.len());
@@ -225,7 +226,7 @@ pub fn forward<B: Backend>(
     let p = ids.pass(
         (b, spec),
         params,
-        (tp, ep),
+        (tp, experts),
         (&cos, &sin),
         batch.regularisers(),
     );
@@ -399,7 +400,7 @@ pub fn backward<B: Backend>(
     (ids, params, grads): (&Ids, &[B::Tensor], &mut [B::Tensor]),
     (batch, dout): (&MicroBatch, Option<B::Tensor>),
     saved: Saved<B::Tensor>,
-    (tp, ep): (Option<&TensorParallel<B::Tensor>>, ExpertGroup<B::Tensor>),
+    (tp, experts): (Option<&TensorParallel<B::Tensor>>, ExpertGroups<B::Tensor>),
 ) -> Result<Option<B::Tensor>> {
     let Saved {
         layers,
@@ -412,7 +413,7 @@ pub fn backward<B: Backend>(
     let p = ids.pass(
         (b, spec),
         params,
-        (tp, ep),
+        (tp, experts),
         (&cos, &sin),
         batch.regularisers(),
     );

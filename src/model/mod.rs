@@ -67,10 +67,6 @@ pub struct ModelSpec {
     pub capacity: Option<crate::arch::moe::Capacity>,
     /// Multi-token prediction (training only: inference reads the main model).
     pub mtp: Option<crate::arch::Mtp>,
-    /// Routed experts whole on each rank under tensor parallelism (expert tensor parallelism
-    /// 1): their rows gathered over the expert-parallel group alone, which spans the
-    /// tensor-parallel ranks.
-    pub experts_whole: bool,
     /// Rotary embedding.
     rope: Rope,
 }
@@ -116,7 +112,6 @@ impl ModelSpec {
             router_f32: cfg.family.moe.as_ref().is_some_and(|m| m.router_f32),
             capacity: None,
             mtp: cfg.mtp,
-            experts_whole: false,
             rope: Rope::new(cfg, seq_length)?,
         })
     }
@@ -151,6 +146,8 @@ struct Pass<'a, B: Backend> {
     lora_scale: f32,
     tp: Option<&'a TensorParallel<'a, B::Tensor>>,
     ep: parallel::ExpertGroup<'a, B::Tensor>,
+    /// The ranks each routed expert is split over ([`parallel::ExpertGroups`]).
+    etp: Option<&'a TensorParallel<'a, B::Tensor>>,
     rope: (&'a B::Tensor, &'a B::Tensor),
     dropout: Option<&'a dropout::Dropout>,
     aux: Option<&'a AuxLosses>,
@@ -159,6 +156,23 @@ struct Pass<'a, B: Backend> {
     sequences: usize,
     /// Inference: no backward pass follows (an MoE router's logits may stay on the device).
     inference: bool,
+}
+
+impl<B: Backend> Pass<'_, B> {
+    /// The pass the routed experts' own layers run in: their tensor parallelism is the expert
+    /// tensor-parallel ranks' (none for whole experts).
+    fn of_experts(&self) -> Self {
+        Pass {
+            tp: self.etp,
+            ..*self
+        }
+    }
+
+    /// Whether the routed experts are split over the tensor-parallel group itself (ETP = TP):
+    /// the rows they see are the group's.
+    fn experts_split_as_tp(&self) -> bool {
+        matches!((self.tp, self.etp), (Some(t), Some(e)) if t.group.size() == e.group.size())
+    }
 }
 
 /// A loaded model on a backend, for inference: the same parameters and [`Layer`] code as
@@ -382,7 +396,7 @@ impl<'b, B: Backend> Model<'b, B> {
             ..self.ids.pass(
                 (b, spec),
                 &self.params,
-                (None, None),
+                (None, (None, None)),
                 (&cos, &sin),
                 ((None, None), 1),
             )
@@ -452,7 +466,7 @@ mod tests {
         let p = (model.ids).pass(
             (b, spec),
             &model.params,
-            (None, None),
+            (None, (None, None)),
             (&cos, &sin),
             ((None, None), 1),
         );

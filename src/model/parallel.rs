@@ -24,6 +24,11 @@ pub struct TensorParallel<'a, T> {
 /// each MoE layer's routed experts between them, each with its own rows (data-parallel ranks).
 pub type ExpertGroup<'a, T> = Option<&'a dyn Communicator<Tensor = T>>;
 
+/// The expert groups of a pass: the expert-parallel group, and the expert tensor-parallel
+/// ranks each routed expert is split over (`None`: whole on this rank; the tensor-parallel
+/// group itself where ETP = TP, a block of its ranks where ETP divides TP).
+pub type ExpertGroups<'a, T> = (ExpertGroup<'a, T>, Option<&'a TensorParallel<'a, T>>);
+
 impl<T> TensorParallel<'_, T> {
     /// Ids (tokens or labels) as rows of this rank's vocabulary shard, [`NO_ROW`] for the
     /// others'.

@@ -121,9 +121,9 @@ impl<B: Backend> Trainer<B> {
     /// to its tensor-parallel shard.
     fn shard_of(&self, p: &crate::model::params::ParamInfo, t: HostTensor) -> Result<HostTensor> {
         let padded = self.cfg.vocab_padded;
-        let tp = self.tp();
-        let t = match p.tp_split && tp.1 > 1 {
-            true => tp_shard(p.canon.role, &t, tp.0, tp.1, padded),
+        let (r, ranks) = self.shard(p);
+        let t = match p.tp_split && ranks > 1 {
+            true => tp_shard(p.canon.role, &t, r, ranks, padded),
             false => t,
         };
         if t.shape != p.shape {

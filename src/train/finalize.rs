@@ -238,10 +238,13 @@ impl<B: Backend> Trainer<B> {
     /// factors are copies, as the dense layers'.
     fn counted(&self) -> Vec<usize> {
         let first = self.tp.as_ref().is_none_or(|g| g.rank() == 0);
-        let whole = self.spec.experts_whole;
         (self.table.params.iter().enumerate())
             .filter(|&(i, p)| {
-                let own = first || p.tp_split || (whole && self.expert_parallel(i));
+                // a routed expert's whole factors on its expert tensor-parallel rank 0
+                let own = match self.expert_parallel(i) {
+                    true => p.tp_split || self.shard(p).0 == 0,
+                    false => first || p.tp_split,
+                };
                 p.trainable && !p.shared && own
             })
             .map(|(i, _)| i)
@@ -303,10 +306,14 @@ impl<B: Backend> Trainer<B> {
         }
         let edp = if sharded { &self.edp } else { &None };
         let experts = over(part(&experts)?, &[edp, &self.ep])?;
-        match self.spec.experts_whole {
-            // the expert-parallel group spans the tensor-parallel ranks
-            true => over(over(x, &[&self.tp])? + experts, &[&self.pp]),
-            false => self.mp_summed(x + experts),
+        match self.cfg.layout.expert_tensor_parallel() == self.tp().1 {
+            true => self.mp_summed(x + experts),
+            // the expert-parallel group spans tensor-parallel ranks: the experts' sums over
+            // their expert tensor-parallel ranks only
+            false => {
+                let experts = over(experts, &[&self.etp])?;
+                over(over(x, &[&self.tp])? + experts, &[&self.pp])
+            }
         }
     }
 

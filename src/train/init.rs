@@ -103,8 +103,9 @@ pub(super) fn initial_params(
         };
         // this rank's table says whether it is split (routed experts may be whole)
         let split = slots.first().is_some_and(|&i| mine.params[i].tp_split);
-        let t = match tp.1 > 1 && split {
-            true => tp_shard(p.canon.role, &t, tp.0, tp.1, whole.vocab_padded),
+        let (r, ranks) = (cfg.layout).shard(p.canon.role.expert().is_some(), tp);
+        let t = match ranks > 1 && split {
+            true => tp_shard(p.canon.role, &t, r, ranks, whole.vocab_padded),
             false => t,
         };
         for i in slots {

@@ -99,10 +99,12 @@ pub struct Groups<T> {
     pub(super) pp: Option<Comm<T>>,
     pub(super) ep: Option<Comm<T>>,
     pub(super) edp: Option<Comm<T>>,
+    /// Expert tensor parallelism apart from tensor parallelism (1 < ETP < TP).
+    pub(super) etp: Option<Comm<T>>,
 }
 
 /// The axes a rank has a group along, in the order every rank joins them.
-const GROUP_AXES: [Axis; 5] = [Axis::Tp, Axis::Dp, Axis::Pp, Axis::Ep, Axis::Edp];
+const GROUP_AXES: [Axis; 6] = [Axis::Tp, Axis::Dp, Axis::Pp, Axis::Ep, Axis::Edp, Axis::Etp];
 
 impl<T> Groups<T> {
     /// A single rank.
@@ -114,6 +116,7 @@ impl<T> Groups<T> {
             pp: None,
             ep: None,
             edp: None,
+            etp: None,
         }
     }
 
@@ -144,6 +147,7 @@ impl<T> Groups<T> {
             Axis::Pp => &mut self.pp,
             Axis::Ep => &mut self.ep,
             Axis::Edp => &mut self.edp,
+            Axis::Etp => &mut self.etp,
             _ => &mut self.dp,
         }
     }
@@ -158,11 +162,18 @@ impl<T> Groups<T> {
     }
 }
 
-/// Whether a rank of `layout` has a group along `axis`: where the axis has several ranks, and
+/// Whether a rank of `layout` has a group along `axis`: where the axis has several ranks,
 /// along the expert-data-parallel one only with expert parallelism (else it is the
-/// data-parallel group).
+/// data-parallel group), and along the expert tensor-parallel one only where it is not the
+/// tensor-parallel group (ETP < TP).
 fn joins(layout: &Layout, axis: Axis) -> bool {
-    layout.size(axis) > 1 && (axis != Axis::Edp || layout.size(Axis::Ep) > 1)
+    let n = layout.size(axis);
+    n > 1
+        && match axis {
+            Axis::Edp => layout.size(Axis::Ep) > 1,
+            Axis::Etp => n < layout.size(Axis::Tp),
+            _ => true,
+        }
 }
 
 /// A rank's backend and its groups.
@@ -191,7 +202,8 @@ fn thread_groups(layout: &Layout, timeout: std::time::Duration) -> Vec<ThreadCom
 }
 
 /// This process's groups of `layout` over its socket connections to every rank: its
-/// tensor-, data-, pipeline-, expert- and expert-data-parallel groups as subgroups 1 to 5.
+/// tensor-, data-, pipeline-, expert-, expert-data- and expert tensor-parallel groups as
+/// subgroups 1 to 6.
 fn socket_groups(
     world: crate::engine::cpu::comm::SocketComm,
     layout: &Layout,

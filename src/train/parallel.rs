@@ -26,6 +26,8 @@ pub enum Axis {
     Ep,
     /// Expert data parallelism: the ranks holding the same experts.
     Edp,
+    /// Expert tensor parallelism: the ranks each routed expert is split over.
+    Etp,
 }
 
 impl Axis {
@@ -38,6 +40,7 @@ impl Axis {
             Axis::Pp => (false, 3),
             Axis::Ep => (true, 1),
             Axis::Edp => (true, 2),
+            Axis::Etp => (true, 0),
         }
     }
 
@@ -50,6 +53,7 @@ impl Axis {
             Axis::Pp => "pp",
             Axis::Ep => "ep",
             Axis::Edp => "edp",
+            Axis::Etp => "etp",
         }
     }
 }
@@ -104,6 +108,17 @@ impl Layout {
     /// The experts' tensor-parallel size.
     pub fn expert_tensor_parallel(&self) -> usize {
         self.experts[0]
+    }
+
+    /// The shard of a split parameter that tensor-parallel rank `tp.0` of `tp.1` holds, and
+    /// how many there are: a routed expert's (`expert`) is its expert tensor-parallel rank's
+    /// of ETP — the TP rank modulo ETP, ETP dividing TP (`etp-ep-edp` numbers the ranks with
+    /// ETP fastest as `tp-…` does with TP) —, another's its TP rank's.
+    pub fn shard(&self, expert: bool, tp: (usize, usize)) -> (usize, usize) {
+        match expert {
+            true => (tp.0 % self.experts[0], self.experts[0]),
+            false => tp,
+        }
     }
 
     fn view(&self, experts: bool) -> &[usize; 4] {

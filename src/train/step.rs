@@ -188,6 +188,7 @@ impl<B: Backend> Trainer<B> {
         input: Option<B::Tensor>,
     ) -> Result<(B::Tensor, Saved<B::Tensor>)> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let etp = expert_tensor_parallel((self.tp.as_ref(), self.etp.as_ref()), &self.cfg);
         let Chunk { ids, params } = &self.chunks[chunk];
         Ok(forward(
             &self.b,
@@ -197,7 +198,10 @@ impl<B: Backend> Trainer<B> {
             self.activations(),
             (
                 tp.as_ref(),
-                self.ep.as_ref().map(|g| g as &dyn Communicator<Tensor = _>),
+                (
+                    self.ep.as_ref().map(|g| g as &dyn Communicator<Tensor = _>),
+                    etp.as_ref(),
+                ),
             ),
         )?)
     }
@@ -217,6 +221,7 @@ impl<B: Backend> Trainer<B> {
         grad: Option<B::Tensor>,
     ) -> Result<Option<B::Tensor>> {
         let tp = tensor_parallel(self.tp.as_ref(), &self.cfg);
+        let etp = expert_tensor_parallel((self.tp.as_ref(), self.etp.as_ref()), &self.cfg);
         let Chunk { ids, params } = &self.chunks[chunk];
         let rounded: Vec<usize> = params
             .clone()
@@ -241,7 +246,10 @@ impl<B: Backend> Trainer<B> {
             saved,
             (
                 tp.as_ref(),
-                self.ep.as_ref().map(|g| g as &dyn Communicator<Tensor = _>),
+                (
+                    self.ep.as_ref().map(|g| g as &dyn Communicator<Tensor = _>),
+                    etp.as_ref(),
+                ),
             ),
         )?;
         if earlier.is_empty() {
@@ -361,6 +369,19 @@ fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
         false => cfg.gradient_accumulation_fusion,
     };
     cfg.bf16 && p.trainable && !(fused && linear_weight)
+}
+
+/// The ranks a rank's routed experts are split over, as a pass takes them: the
+/// tensor-parallel group `tp` at ETP = TP, the expert tensor-parallel group `etp` (its own
+/// block of them) where ETP is less, none for whole experts.
+fn expert_tensor_parallel<'a, T: crate::engine::comm::Payload>(
+    (tp, etp): (Option<&'a Counted<T>>, Option<&'a Counted<T>>),
+    cfg: &TrainConfig,
+) -> Option<TensorParallel<'a, T>> {
+    match cfg.layout.expert_tensor_parallel() {
+        1 => None,
+        _ => tensor_parallel(etp.or(tp), cfg),
+    }
 }
 
 /// A rank's place in tensor parallelism over `group`.

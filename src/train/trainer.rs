@@ -82,6 +82,9 @@ pub(super) struct Trainer<B: Backend> {
     /// The expert-data-parallel group under expert parallelism (None: one rank, or no expert
     /// parallelism, where the data-parallel group reduces the experts' gradients too).
     pub(super) edp: Option<Counted<B::Tensor>>,
+    /// The expert tensor-parallel group where it is not the tensor-parallel one (1 < ETP <
+    /// TP: a block of its ranks); None at ETP = TP or 1.
+    pub(super) etp: Option<Counted<B::Tensor>>,
     /// The distributed optimizer's state (`--use-distributed-optimizer`; `opt` then holds
     /// none): the parameters' over the data-parallel group, and under expert parallelism the
     /// routed experts' apart over the expert-data-parallel group (megatron-core's
@@ -117,7 +120,6 @@ impl<B: Backend> Trainer<B> {
         );
         let mut spec =
             ModelSpec::at_length(&cfg.model, Some(cfg.seq_length))?.tensor_parallel(tp.1);
-        spec.experts_whole = tp.1 > 1 && cfg.layout.expert_tensor_parallel() == 1;
         spec.router_f32 = cfg.router_f32;
         spec.capacity = cfg.capacity;
         let vpp = cfg.virtual_pipeline.map_or(1, |v| v.chunks);
@@ -249,6 +251,7 @@ impl<B: Backend> Trainer<B> {
             pp: groups.pp.map(Counted::new),
             ep: groups.ep.map(Counted::new),
             edp: groups.edp.map(Counted::new),
+            etp: groups.etp.map(Counted::new),
             stage,
             rank,
             cfg,
@@ -466,6 +469,13 @@ impl<B: Backend> Trainer<B> {
         self.tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
     }
 
+    /// The shard of split parameter `p` this rank holds, and how many there are
+    /// ([`super::parallel::Layout::shard`]).
+    pub(super) fn shard(&self, p: &crate::model::params::ParamInfo) -> (usize, usize) {
+        let expert = p.canon.role.expert().is_some();
+        self.cfg.layout.shard(expert, self.tp())
+    }
+
     /// This rank's expert-parallel rank and the group's size.
     pub(super) fn ep(&self) -> (usize, usize) {
         self.ep.as_ref().map_or((0, 1), |g| (g.rank(), g.size()))
@@ -570,10 +580,14 @@ impl<B: Backend> Trainer<B> {
                     ),
                     None => String::new(),
                 };
+                let split = match c.layout.size(Axis::Etp) {
+                    etp if etp == c.layout.size(Axis::Tp) => String::new(),
+                    etp => format!("{etp} expert tensor-parallel × "),
+                };
                 let experts = match c.layout.size(Axis::Ep) {
                     1 => String::new(),
                     ep => format!(
-                        " ({ep} expert-parallel × {} expert-data-parallel)",
+                        " ({split}{ep} expert-parallel × {} expert-data-parallel)",
                         c.layout.size(Axis::Edp)
                     ),
                 };

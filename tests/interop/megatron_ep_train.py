@@ -19,7 +19,10 @@ data-parallel group). With --layout whole the two processes are instead tensor-p
 (TP 2 with sequence parallelism, one data-parallel rank) and expert-parallel ranks of whole
 experts (expert_tensor_parallel_size 1), files mp_rank_00_000 and mp_rank_01_001; with --layout
 tp-ep four processes, TP 2 with sequence parallelism × DP 2 = EP 2 (the experts split over TP),
-every mp_rank_TT_EEE; the logits are gathered over TP for the loss. --capacity F sets
+every mp_rank_TT_EEE; with --layout etp2 four processes, TP 4 with sequence parallelism, each
+expert in halves over a block of two TP ranks (expert_tensor_parallel_size 2), the two blocks the
+expert-parallel ranks (files mp_rank_00_000, 01_000, 02_001, 03_001); the logits are gathered
+over TP for the loss. --capacity F sets
 moe_expert_capacity_factor (token dropping, each sequence-parallel rank's router call apart).
 
 Arguments: the EP 2 start checkpoint's iteration directory, the data prefix, the number of
@@ -111,7 +114,7 @@ def build(start_args):
 
 
 # --layout: tensor-parallel size, expert tensor-parallel size, processes
-LAYOUTS = {"ep2": (1, None, 2), "whole": (2, 1, 2), "tp-ep": (2, None, 4)}
+LAYOUTS = {"ep2": (1, None, 2), "whole": (2, 1, 2), "tp-ep": (2, None, 4), "etp2": (4, 2, 4)}
 
 
 def main(start_dir, prefix, out, mindkit_dir=None, layout="ep2", capacity=None):
@@ -129,7 +132,6 @@ def main(start_dir, prefix, out, mindkit_dir=None, layout="ep2", capacity=None):
     # whole experts: TP 2 with sequence parallelism and expert tensor parallelism 1, the
     # expert-parallel group spanning the two tensor-parallel ranks
     tp_size, etp_size, world = LAYOUTS[layout]
-    whole = etp_size == 1
     assert torch.distributed.get_world_size() == world
     parallel_state.initialize_model_parallel(tp_size, 1, expert_model_parallel_size=2,
                                              expert_tensor_parallel_size=etp_size)
@@ -143,7 +145,9 @@ def main(start_dir, prefix, out, mindkit_dir=None, layout="ep2", capacity=None):
     ep = parallel_state.get_expert_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_rank()
     assert dp == world // tp_size and parallel_state.get_expert_model_parallel_world_size() == 2
-    assert ep == (tp if whole else rank)
+    # the expert view numbers ETP fastest: with experts split over fewer ranks than TP, the
+    # expert-parallel rank is the TP rank's block of ETP; otherwise the data-parallel rank
+    assert ep == (tp // etp_size if etp_size and etp_size < tp_size else rank)
     assert parallel_state.get_expert_data_parallel_world_size() == 1
     name = f"mp_rank_{tp:02d}_{ep:03d}"
     start = megatron_cpu.load_pt(start_dir / name / "model_optim_rng.pt")

@@ -39,13 +39,19 @@ LAYOUTS = {
     # positions of every sequence) a router call of their own
     "tp-ep": (TP + ["--world-size", "4", "--moe-expert-capacity-factor", "0.5"], ["--tp", 2],
               ["00_000", "00_001", "01_000", "01_001"]),
+    # TP 4 + SP, each expert in halves over a block of two TP ranks (ETP 2), the blocks the
+    # expert-parallel ranks: rank r writes (r mod 4, r / 2 mod 2)
+    "etp2": (["--tensor-model-parallel-size", "4", "--sequence-parallel",
+              "--expert-tensor-parallel-size", "2", "--world-size", "4"], ["--tp", 4, "--etp", 2],
+             ["00_000", "01_000", "02_001", "03_001"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_training_matches_megatron_core(tmp_path, mindkit, layout):
     from megatron_cpu import load_pt
-    model_dir = make_qwen3_moe(tmp_path / "model")
+    # four key-value heads for TP 4
+    model_dir = make_qwen3_moe(tmp_path / "model", kv_heads=4 if layout == "etp2" else 2)
     data = write_data(tmp_path / "data")
     # megatron-core's all-to-all dispatcher needs CUDA streams; mindkit runs every dispatcher
     # type as the all-gather one, which megatron-core runs on the CPU.

@@ -207,14 +207,14 @@ MOE_FLAGS = ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
              "--moe-permutation-async-comm"]
 
 
-def make_qwen3_moe(out):
+def make_qwen3_moe(out, kv_heads=2):
     """A seeded tiny Qwen3-MoE (layer 0 dense, 4 experts of ffn 32, top-2 renormalised, q/k
-    norms, head_dim 32, untied) with the shipped tokenizer."""
+    norms, head_dim 32, `kv_heads` key-value heads of 4, untied) with the shipped tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(6)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=256,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOD, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
         tie_word_embeddings=False, use_sliding_window=False))

@@ -98,7 +98,12 @@ pub fn write_part(
         if c.role.vocab_rows() {
             shape[0] = table.vocab_padded;
         }
-        let (r, ranks) = if p.tp_split { snap.tp } else { (0, 1) };
+        let (r, ranks) = match (p.tp_split, c.role.expert()) {
+            (false, _) => (0, 1),
+            // a routed expert's shard is its expert tensor-parallel rank's (ETP dividing TP)
+            (true, Some(_)) => (snap.tp.0 % snap.etp, snap.etp),
+            (true, None) => snap.tp,
+        };
         let mut tensors = vec![(None, &snap.params[i])];
         if let Some(o) = opt {
             tensors.extend(o.states(i).into_iter().map(|(n, t)| (Some(n), t)));

@@ -136,7 +136,7 @@ pub struct Snapshot<'a> {
     /// This rank's expert-parallel rank and the group's size: which experts its file holds,
     /// and its `_EEE` and `args` ([`Snapshot::file_ep`]).
     pub ep: (usize, usize),
-    /// Expert tensor-parallel size (TP, or 1: whole experts).
+    /// Expert tensor-parallel size (a divisor of TP; 1: whole experts).
     pub etp: usize,
     /// MindSpeed-LLM's `--moe-tp-extend-ep` under TP > 1: the expert-parallel group spans the
     /// TP ranks, files are named by the rank in its EP groups of TP-sized blocks.

@@ -181,18 +181,20 @@ pub(super) fn check_supported(a: &Args, model: &ModelConfig) -> Result<()> {
         expert_parallel(a, model)?,
         expert_tensor_parallel(a, model)?,
     );
-    if etp != tp && etp != 1 {
-        bail!("--expert-tensor-parallel-size {etp}: the tensor-parallel size {tp} or 1 (experts whole) are built");
+    if !tp.is_multiple_of(etp) {
+        // the files of Megatron's torch format are named by TP and EP rank only
+        bail!("--expert-tensor-parallel-size {etp}: a divisor of --tensor-model-parallel-size {tp} is built (the torch-format files hold no other split)");
     }
-    if etp != tp && !ep.is_multiple_of(tp) {
+    if etp != tp && !(etp * ep).is_multiple_of(tp) {
         // Megatron's torch format saves from expert-data-parallel rank 0 only: with fewer
-        // expert-parallel ranks than tensor-parallel ones, some TP shards would be saved by none.
-        bail!("--expert-tensor-parallel-size 1 under --tensor-model-parallel-size {tp} needs an --expert-model-parallel-size that is a multiple of {tp} (is {ep})");
+        // expert ranks (ETP × EP) than tensor-parallel ones, some TP shards would be saved by none.
+        bail!("--expert-tensor-parallel-size {etp} under --tensor-model-parallel-size {tp} needs --expert-model-parallel-size × {etp} to be a multiple of {tp} (EP is {ep})");
     }
-    if etp == 1 && tp > 1 && capacity(a)?.is_some() {
+    if etp < tp && capacity(a)?.is_some() {
         // Megatron routes (and drops) each sequence-parallel rank's block of positions of
-        // every sequence; whole experts here take each rank's own rows, not that block.
-        bail!("--moe-expert-capacity-factor: token dropping with whole experts under tensor parallelism (--expert-tensor-parallel-size 1) is not built (no shipped script drops tokens)");
+        // every sequence; experts split over fewer ranks than TP take their ranks' own rows,
+        // not those blocks.
+        bail!("--moe-expert-capacity-factor: token dropping with --expert-tensor-parallel-size {etp} under --tensor-model-parallel-size {tp} is not built (no shipped script drops tokens)");
     }
     if tp > 1 && !a.has("sequence-parallel") {
         // megatron-core moe_layer.py `MoELayer.forward` raises the same in training.
@@ -259,8 +261,8 @@ fn check_balancing(a: &Args, model: &ModelConfig, (tp, etp): (usize, usize)) -> 
         {
             Some("--moe-aux-loss-coeff above 0: megatron-core refuses it")
         }
-        "sinkhorn" if etp == 1 && tp > 1 => Some(
-            "whole experts under tensor parallelism (--expert-tensor-parallel-size 1): not built",
+        "sinkhorn" if etp < tp => Some(
+            "experts split over fewer ranks than tensor parallelism (--expert-tensor-parallel-size): not built",
         ),
         "sinkhorn" if m.expert_bias => Some("--moe-router-enable-expert-bias: not built"),
         // MindSpeed-LLM's sparsemixer_topk routes without dropping, whatever the capacity

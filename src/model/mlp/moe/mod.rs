@@ -268,8 +268,13 @@ impl Moe {
         let (b, cfg) = (p.b, experts_of(p)?);
         let group = gathered(b, p.tp, &h)?;
         let x_tp = group.as_ref().unwrap_or(&h);
-        // the rows this rank sends to the experts: its group's, or with whole experts its own
-        let sent = if p.spec.experts_whole { &h } else { x_tp };
+        // the rows this rank sends to the experts: its expert tensor-parallel group's (the
+        // tensor-parallel group's at ETP = TP), or with whole experts its own
+        let etp_group = etp_gathered(p, &h)?;
+        let sent = match p.experts_split_as_tp() {
+            true => x_tp,
+            false => etp_group.as_ref().unwrap_or(&h),
+        };
         let spread = Spread::of(p.ep, b.shape(sent)[0])?;
         let everyone = spread.gather(b, p.ep, sent)?;
         let x = everyone.as_ref().unwrap_or(sent);
@@ -344,12 +349,10 @@ impl Moe {
             });
             (RouterStats { losses, tokens }, grad)
         });
-        let (out, experts) = self.local(cfg.topk).forward(p, x, (&routes, &kept))?;
+        let (out, experts) =
+            (self.local(cfg.topk)).forward(&p.of_experts(), x, (&routes, &kept))?;
         let out = spread.reduce(b, p.ep, out)?;
-        let mut out = match p.spec.experts_whole {
-            true => out,
-            false => reduced(b, p.tp, out)?,
-        };
+        let mut out = reduced(b, p.etp, out)?;
         // The zero-computation experts' part, `z·h` for this rank's rows, after the routed
         // experts' (zero_experts_moe_layer.py adds the two before the shared experts).
         let zero = zero_weights(cfg, &routes[mine.clone()], &kept[mine.clone()])
@@ -409,22 +412,29 @@ impl Moe {
                 msg: "the backward pass of an MoE layer routed for inference".into(),
             });
         }
-        let whole = p.spec.experts_whole;
-        let dy_group = match whole {
-            true => None,
-            false => gathered(b, p.tp, dy)?,
-        };
+        let as_tp = p.experts_split_as_tp();
+        let dy_group = gathered(b, p.etp, dy)?;
         let dy_sent = dy_group.as_ref().unwrap_or(dy);
         let dy_everyone = s.spread.gather(b, p.ep, dy_sent)?;
         let dy_all = dy_everyone.as_ref().unwrap_or(dy_sent);
         let h_group = gathered(b, p.tp, &s.h)?;
         let x_tp = h_group.as_ref().unwrap_or(&s.h);
-        let sent = if whole { &s.h } else { x_tp };
+        let etp_group = etp_gathered(p, &s.h)?;
+        let sent = match as_tp {
+            true => x_tp,
+            false => etp_group.as_ref().unwrap_or(&s.h),
+        };
         let h_everyone = s.spread.gather(b, p.ep, sent)?;
         let x = h_everyone.as_ref().unwrap_or(sent);
         let mut dweights = vec![vec![0f32; cfg.topk]; s.routes.len()];
-        let dx =
-            (self.local(cfg.topk)).backward(p, grads, s.experts, (x, dy_all), &mut dweights)?;
+        let experts = p.of_experts();
+        let dx = (self.local(cfg.topk)).backward(
+            &experts,
+            grads,
+            s.experts,
+            (x, dy_all),
+            &mut dweights,
+        )?;
         // Every expert-parallel rank's experts' part of the rows this rank sent.
         let mut dx = s.spread.reduce(b, p.ep, dx)?;
         let mut shared_dx = None;
@@ -446,24 +456,27 @@ impl Moe {
             let dys_all = gathered(b, p.tp, dys)?;
             let dys_all = dys_all.as_ref().unwrap_or(dys);
             let (dxs, _) = swiglu.backward(p, grads, saved, (x_tp, dys_all, None))?;
-            match whole {
-                false => b.add_assign(&mut dx, &dxs)?,
-                true => shared_dx = Some(dxs),
-            }
+            shared_dx = Some(dxs);
         }
-        // Summed over the ranks (this rank's rows under sequence parallelism); the router's
-        // and the gate's terms come from this rank's rows of `h` and are added after.
-        let mut dx = match shared_dx {
-            None if whole => dx,
-            None => reduced(b, p.tp, dx)?,
-            Some(dxs) => {
+        // Summed over the ranks (this rank's rows under sequence parallelism): the routed
+        // experts' over the expert tensor-parallel ones, the shared experts' over the
+        // tensor-parallel ones (at ETP = TP both at once); the router's and the gate's terms
+        // come from this rank's rows of `h` and are added after.
+        let mut dx = match (as_tp, shared_dx) {
+            (true, Some(dxs)) => {
+                b.add_assign(&mut dx, &dxs)?;
+                reduced(b, p.tp, dx)?
+            }
+            (_, None) => reduced(b, p.etp, dx)?,
+            (false, Some(dxs)) => {
+                let mut dx = reduced(b, p.etp, dx)?;
                 b.add_assign(&mut dx, &reduced(b, p.tp, dxs)?)?;
                 dx
             }
         };
         // Each rank's experts' (and expert columns') share of every row's routing-weight
         // gradients, summed.
-        let groups = [p.tp.map(|tp| tp.group).filter(|_| !whole), p.ep];
+        let groups = [p.etp.map(|etp| etp.group), p.ep];
         if groups.iter().any(Option::is_some) {
             let mut flat: Vec<f32> = dweights.concat();
             for g in groups.into_iter().flatten() {
@@ -531,11 +544,25 @@ fn spread_rows<B: Backend>(
         Some(tp) => tp.group.all_gather_f32(&local)?,
         None => local.clone(),
     };
-    let routed = match p.spec.experts_whole {
-        true => local,
-        false => group.clone(),
+    let routed = match (
+        p.experts_split_as_tp(),
+        p.etp.filter(|e| e.sequence_parallel),
+    ) {
+        (true, _) => group.clone(),
+        (false, Some(etp)) => etp.group.all_gather_f32(&local)?,
+        (false, None) => local,
     };
     Ok((spread.gather_f32(p.ep, routed, width)?, group))
+}
+
+/// The rows of `x` this rank's expert tensor-parallel group holds, gathered, where that
+/// group is not the tensor-parallel one (whose rows the caller has); `None` otherwise or
+/// with whole experts.
+fn etp_gathered<B: Backend>(p: &Pass<B>, x: &B::Tensor) -> Result<Option<B::Tensor>> {
+    match p.experts_split_as_tp() {
+        true => Ok(None),
+        false => gathered(p.b, p.etp, x),
+    }
 }
 
 /// `dh [T, h]` of `y = h·Wᵀ` given `dy` (f32 values on the host, `[T, rows of W]`, taken in
@@ -593,7 +620,7 @@ struct RowsAt {
     local: Range<usize>,
     /// Its rows among the M.
     mine: Range<usize>,
-    /// The router calls among each expert-parallel rank's rows ([`Spread`]): its
+    /// The router calls among each expert-parallel rank's rows ([`Spread`]): its expert
     /// tensor-parallel ranks' (its own alone with whole experts).
     calls: usize,
 }
@@ -607,11 +634,13 @@ fn rows_of<B: Backend>(p: &Pass<B>, rows: usize, spread: &Spread) -> RowsAt {
         }
         None => (1, 0..rows),
     };
-    let group = spread.mine();
-    let (mine, calls) = match p.spec.experts_whole {
-        true => (group, 1),
-        false => (group.start + local.start..group.start + local.end, tp),
+    // its rows among its expert tensor-parallel group's, which it sent to the experts
+    let (calls, first) = match p.etp.filter(|etp| etp.sequence_parallel) {
+        Some(etp) => (etp.group.size(), etp.group.rank() * rows),
+        None => (1, 0),
     };
+    let group = spread.mine();
+    let mine = group.start + first..group.start + first + rows;
     RowsAt {
         tp,
         local,
