@@ -717,6 +717,7 @@ fn write_megatron(
             divisible_by: o.divisible_by,
             base_args,
             final_dir: &o.output,
+            grouped: o.grouped_experts,
         };
         let total = target.total_bytes();
         let pb = progress(total);
@@ -740,8 +741,10 @@ fn write_megatron(
 }
 
 /// A `torch_dist` output is what megatron-core loads: its own layout of multi-latent
-/// attention (the default here), the local spec's keys, experts one by one; MindSpeed-LLM's
-/// and Transformer Engine's layouts are refused by name.
+/// attention (the default here), the local spec's keys, experts one by one (as GroupedMLP
+/// shards its weights too, megatron/core/transformer/moe/experts.py `sharded_state_dict`:
+/// `--moe-grouped-gemm` only sets the args' flag); MindSpeed-LLM's and Transformer Engine's
+/// layouts are refused by name.
 fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
     if o.to != Format::Megatron {
         bail!("--ckpt-format torch_dist: a Megatron output's format; HF has one");
@@ -756,11 +759,6 @@ fn torch_dist_layouts(o: &ConvertOptions, cfg: &mut ModelConfig) -> Result<()> {
         KeyLayout::Mcore => {}
         KeyLayout::McoreTe => return Err(refuse("--layout mcore-te (Transformer Engine's)")),
         KeyLayout::Legacy => return Err(refuse("--layout legacy")),
-    }
-    if o.grouped_experts {
-        return Err(refuse(
-            "--moe-grouped-gemm (MindSpeed-LLM's grouped experts)",
-        ));
     }
     if o.dualpipev {
         return Err(refuse("--schedules-method dualpipev"));

@@ -4,13 +4,18 @@ RNG-tracker fork) and a single-process gloo group."""
 import argparse
 import contextlib
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
+from megatron.core import model_parallel_config
 
 torch.cuda.current_device = lambda: torch.device("cpu")
 # LanguageModule moves a pipeline's tied embedding copy, DDP its buffers, to the GPU.
 torch.Tensor.cuda = lambda self, *a, **k: self
+# megatron-core 0.15's model_parallel_config.py warns about EP × TP without SP through a
+# module it never imports.
+model_parallel_config.warnings = warnings
 
 
 def init():

@@ -28,11 +28,6 @@ def main(iteration_dir, hf_dir):
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *x, **k: contextlib.nullcontext()
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    # megatron-core 0.15's model_parallel_config.py warns about EP × TP without SP through a
-    # module it never imports.
-    import warnings
-    from megatron.core import model_parallel_config
-    model_parallel_config.warnings = warnings
     tp = parallel_state.get_tensor_model_parallel_rank()
     ep = parallel_state.get_expert_model_parallel_rank()
     name = f"mp_rank_{tp:02d}_{ep:03d}" if ep_size > 1 else f"mp_rank_{tp:02d}"

@@ -740,6 +740,9 @@ def test_torch_dist_checkpoint_converts_to_the_model_it_holds(mindkit, tmp_path,
     ("qwen3_moe", (), 4, ("--tp", 2, "--pp", 2)),
     # multi-latent attention and megatron-core's multi-token prediction, loaded at EP 2
     ("deepseek_v3_mtp", (), 2, ("--ep", 2)),
+    # grouped experts: megatron-core's GroupedMLP (weight1 / weight2) at TP 2 × EP 2 loads the
+    # experts one by one, as SequentialMLP's
+    ("qwen3_moe", (), 4, ("--tp", 2, "--ep", 2, "--moe-grouped-gemm")),
 ])
 def test_megatron_core_loads_mindkits_torch_dist_strictly_at_any_layout(mindkit, tmp_path, family,
                                                                          source, ranks, layout):
@@ -749,13 +752,14 @@ def test_megatron_core_loads_mindkits_torch_dist_strictly_at_any_layout(mindkit,
     equal those of its stage loaded from the torch-format checkpoint of that layout; common.pt
     loads with the weights_only unpickler (megatron_dist_load.py)."""
     mtp = ("--mtp-layout", "mcore") if family == "deepseek_v3_mtp" else ()
+    grouped = ("--moe-grouped-gemm",) if "--moe-grouped-gemm" in layout else ()
     src = MODELS / family
     if source:
         mindkit("convert", "--to", "megatron", "--input", src, "--output", tmp_path / "src",
                 *source, *mtp)
         src = tmp_path / "src"
     mindkit("convert", "--to", "megatron", "--ckpt-format", "torch_dist", "--input", src,
-            "--output", tmp_path / "dist", *mtp)
+            "--output", tmp_path / "dist", *mtp, *grouped)
     mindkit("convert", "--to", "megatron", "--input", MODELS / family, "--output",
             tmp_path / "torch", *layout, *mtp)
     r = run_ranks("megatron_dist_load.py", ranks, tmp_path / "torch/iter_0000001",

@@ -56,6 +56,9 @@ pub struct DistTarget<'a> {
     /// Where the checkpoint will be once in place (the index records it, as DCP's
     /// `checkpoint_id`).
     pub final_dir: &'a Path,
+    /// The args record grouped experts (`moe_grouped_gemm`): megatron-core's GroupedMLP
+    /// shards its weights as SequentialMLP's, expert by expert, so the tensors are the same.
+    pub grouped: bool,
 }
 
 /// A stored item: its data file (in the iteration directory) and byte range there.
@@ -431,7 +434,7 @@ impl DistTarget<'_> {
     fn write_common(&self, iter_dir: &Path, padded: usize) -> Result<()> {
         let args = megatron_args(
             self.cfg,
-            &ParallelArgs::of(self.par, padded, self.divisible_by, false),
+            &ParallelArgs::of(self.par, padded, self.divisible_by, self.grouped),
             self.base_args,
         );
         let s = |x: &str| Value::Str(x.into());

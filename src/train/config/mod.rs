@@ -830,7 +830,12 @@ fn check_torch_dist_save(
             layout == KeyLayout::McoreTe,
             "--transformer-impl transformer_engine's layout",
         ),
-        (grouped_gemm, "--moe-grouped-gemm's grouped experts"),
+        // GroupedMLP's weights are sharded as SequentialMLP's (convert writes them), its
+        // optimizer state as its own transposed parameters (megatron-core's experts.py)
+        (
+            grouped_gemm,
+            "--moe-grouped-gemm's grouped experts' optimizer state",
+        ),
         (dualpipev, "--schedules-method dualpipev's layer order"),
         (
             model.paired,
