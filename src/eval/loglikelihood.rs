@@ -7,7 +7,7 @@
 
 use crate::data::tokenizer::Tokenizer;
 use crate::engine::Backend;
-use crate::model::{Model, Step};
+use crate::model::{KvCache, Model, Step};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 
@@ -55,6 +55,20 @@ pub struct Scorer<'m, 'b, B: Backend> {
     pub max_length: usize,
     /// Requests whose input was left-truncated so far.
     pub truncated: usize,
+    /// The last batch's first input and its keys and values (one slot): the next batch's
+    /// inputs that start with the same tokens (a few-shot context, a shared passage) take
+    /// them from here rather than computing them again.
+    last: Option<(Vec<u32>, KvCache<B::Tensor>)>,
+    /// Input positions taken from [`Scorer::last`] so far, and computed.
+    pub positions: (usize, usize),
+}
+
+/// Fewer shared positions than this are computed again: not worth the copies.
+const MIN_SHARED: usize = 32;
+
+/// How many tokens `a` and `b` begin with in common.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// One request, tokenized: its input sequence and the continuation tokens at its end.
@@ -71,7 +85,53 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
             tokenizer,
             max_length,
             truncated: 0,
+            last: None,
+            positions: (0, 0),
         }
+    }
+
+    /// How many leading positions every input of `sequences` could take from a cache of
+    /// `tokens`: those they all begin with, up to each one's first position whose logits are
+    /// wanted (`firsts`); none under [`MIN_SHARED`] or where the rotary embedding changes with
+    /// the pass's length.
+    fn shareable(&self, tokens: &[u32], sequences: &[Vec<u32>], firsts: &[usize]) -> usize {
+        if self.model.spec.rope_depends_on_length() {
+            return 0;
+        }
+        let shared = (sequences.iter().zip(firsts))
+            .map(|(s, &first)| common_prefix(tokens, s).min(first))
+            .min()
+            .unwrap_or(0);
+        if shared < MIN_SHARED {
+            0
+        } else {
+            shared
+        }
+    }
+
+    /// The leading positions every input of `sequences` takes from [`Scorer::last`]: those
+    /// they share with the last batch's first input, or else those they share with each
+    /// other, computed first (once) into it.
+    fn share_prefix(&mut self, sequences: &[Vec<u32>], firsts: &[usize]) -> Result<usize> {
+        let from_last =
+            (self.last.as_ref()).map_or(0, |(tokens, _)| self.shareable(tokens, sequences, firsts));
+        if from_last > 0 || sequences.len() < 2 {
+            return Ok(from_last);
+        }
+        let within = self.shareable(&sequences[0], sequences, firsts);
+        if within > 0 {
+            let tokens = &sequences[0][..within];
+            let mut prefix = self.model.cache(1, within)?;
+            let step = Step {
+                slot: 0,
+                past: 0,
+                tokens,
+            };
+            self.model.forward(&mut prefix, &[step], &[within - 1])?;
+            self.positions.1 += within;
+            self.last = Some((tokens.to_vec(), prefix));
+        }
+        Ok(within)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -115,7 +175,9 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
         })
     }
 
-    /// Score the requests of `docs` (each document a list of requests), all in one batch.
+    /// Score the requests of `docs` (each document a list of requests), all in one batch;
+    /// the leading positions every input shares with the last batch's first input are taken
+    /// from its cache (the same keys and values, computed once).
     pub fn score(&mut self, docs: &[Vec<Request>]) -> Result<Vec<Vec<Score>>> {
         // Distinct inputs (per document) become the batch's sequences.
         let mut sequences: Vec<Vec<u32>> = Vec::new();
@@ -133,18 +195,27 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
             }
             placed.push(reqs);
         }
-        // Rows whose logits are needed: the last len(continuation) positions of each input.
+        // Each input's first position whose logits are wanted.
+        let mut firsts: Vec<usize> = sequences.iter().map(Vec::len).collect();
+        for (seq, t) in placed.iter().flatten() {
+            let first = &mut firsts[*seq];
+            *first = (*first).min(sequences[*seq].len() - t.continuation.len());
+        }
+        let shared = self.share_prefix(&sequences, &firsts)?;
+        // Rows whose logits are needed: the last len(continuation) positions of each input,
+        // among the positions computed (those after the shared ones).
         let mut starts = Vec::with_capacity(sequences.len());
         let mut total = 0;
         for s in &sequences {
             starts.push(total);
-            total += s.len();
+            total += s.len() - shared;
         }
+        let end_of = |seq: usize| starts[seq] + sequences[seq].len() - shared;
         let mut wanted: Vec<usize> = placed
             .iter()
             .flatten()
             .flat_map(|(seq, t)| {
-                let end = starts[*seq] + sequences[*seq].len();
+                let end = end_of(*seq);
                 end - t.continuation.len()..end
             })
             .collect();
@@ -154,15 +225,29 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
             wanted.iter().enumerate().map(|(i, &r)| (r, i)).collect();
         let capacity = sequences.iter().map(Vec::len).max().unwrap_or(1);
         let mut cache = self.model.cache(sequences.len(), capacity)?;
+        if let Some((_, last)) = self.last.as_ref().filter(|_| shared > 0) {
+            for slot in 0..sequences.len() {
+                self.model
+                    .copy_positions((last, 0), (&mut cache, slot), shared)?;
+            }
+        }
         let steps: Vec<Step> = (sequences.iter().enumerate())
             .map(|(slot, s)| Step {
                 slot,
-                past: 0,
-                tokens: s,
+                past: shared,
+                tokens: &s[shared..],
             })
             .collect();
         let backend = self.model.backend();
         let logits = self.model.forward(&mut cache, &steps, &wanted)?;
+        self.positions.0 += shared * sequences.len();
+        self.positions.1 += total;
+        if let Some(first) = sequences.first() {
+            let mut kept = self.model.cache(1, first.len())?;
+            self.model
+                .copy_positions((&cache, 0), (&mut kept, 0), first.len())?;
+            self.last = Some((first.clone(), kept));
+        }
         let logprobs = backend.download_f32(&backend.log_softmax(&logits)?)?;
         let vocab = self.model.spec.vocab;
         Ok(placed
@@ -170,7 +255,7 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
             .map(|reqs| {
                 reqs.iter()
                     .map(|(seq, t)| {
-                        let end = starts[*seq] + sequences[*seq].len();
+                        let end = end_of(*seq);
                         let first = end - t.continuation.len();
                         let mut score = Score {
                             logprob: 0.0,
@@ -187,5 +272,55 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
                     .collect()
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cpu::Cpu;
+    use std::path::Path;
+
+    /// Documents of two questions each after one long shared context.
+    fn docs(context: &str, questions: &[&str]) -> Vec<Vec<Request>> {
+        (questions.iter())
+            .map(|q| {
+                [" yes", " no"]
+                    .map(|a| Request {
+                        context: format!("{context}\nQuestion: {q}\nAnswer:"),
+                        continuation: a.into(),
+                    })
+                    .to_vec()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_shared_prefix_is_computed_once_and_scores_as_computed_anew() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models/demo");
+        let model = Model::load(&Cpu, &dir).unwrap();
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let context = "The sky over the old harbour town was grey all morning, and the fishing \
+                       boats stayed in, their crews mending nets along the quay while the gulls \
+                       circled and the tide came slowly up the stone steps.";
+        let first = docs(context, &["Did the boats go out?", "Was it sunny?"]);
+        let later = docs(context, &["Were the gulls there?"]);
+        // one scorer: the first batch shares within itself, the second with the first
+        let mut shared = Scorer::new(&model, &tokenizer, 512);
+        let a = shared.score(&first).unwrap();
+        let after_first = shared.positions;
+        assert!(after_first.0 >= 2 * MIN_SHARED, "{after_first:?}");
+        let b = shared.score(&later).unwrap();
+        assert!(shared.positions.0 > after_first.0, "{:?}", shared.positions);
+        // fresh scorers, every request alone: all computed
+        let requests = first.iter().chain(&later).flatten();
+        for (request, got) in requests.zip(a.iter().chain(&b).flatten()) {
+            let mut alone = Scorer::new(&model, &tokenizer, 512);
+            let want = alone.score(&[vec![request.clone()]]).unwrap()[0][0];
+            assert_eq!(alone.positions.0, 0);
+            let close = (got.logprob - want.logprob).abs() <= 1e-5 * want.logprob.abs();
+            assert!(close, "{got:?} vs {want:?}");
+            assert_eq!(got.is_greedy, want.is_greedy);
+        }
     }
 }

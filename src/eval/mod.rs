@@ -147,6 +147,21 @@ pub struct ChoiceDoc {
     pub subject: Option<String>,
 }
 
+/// The batches of `docs`: runs of at most `size` documents, never across two subtasks (an
+/// MMLU subject's documents share their few-shot context, which the scorer then computes
+/// once for the subject).
+fn batches(docs: &[ChoiceDoc], size: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=docs.len() {
+        if i == docs.len() || i - start == size || docs[i].subject != docs[start].subject {
+            out.push(start..i);
+            start = i;
+        }
+    }
+    out
+}
+
 /// The outcome of a run.
 #[derive(Debug, Clone)]
 pub struct EvalReport {
@@ -297,7 +312,8 @@ fn evaluate_on<B: Backend>(
     let pb = progress_bar(docs.len() as u64, ProgressUnit::Docs, o.progress);
     pb.set_message(o.task.name());
     let mut hits: Vec<(Option<String>, bool)> = Vec::with_capacity(docs.len());
-    for (b, batch) in docs.chunks(o.batch_size).enumerate() {
+    for run in batches(&docs, o.batch_size) {
+        let (first, batch) = (run.start, &docs[run]);
         let scores = score_batch(&mut scorer, cache.as_mut(), batch)?;
         for (i, (doc, s)) in batch.iter().zip(&scores).enumerate() {
             let lls: Vec<f64> = s.iter().map(|s| s.logprob).collect();
@@ -305,7 +321,7 @@ fn evaluate_on<B: Backend>(
                 bail!(
                     "document {} of {}: the model gave a non-finite loglikelihood ({bad}); its \
                      weights or configuration (rms_norm_eps, rope_theta, …) are broken",
-                    b * o.batch_size + i,
+                    first + i,
                     o.data.display()
                 );
             }
@@ -313,7 +329,7 @@ fn evaluate_on<B: Backend>(
             hits.push((doc.subject.clone(), pred == doc.gold));
             if let Some(w) = log.as_mut() {
                 let record = json!({
-                    "doc_id": b * o.batch_size + i,
+                    "doc_id": first + i,
                     "subject": doc.subject,
                     "prompt": doc.context,
                     "choices": doc.choices,
@@ -350,6 +366,8 @@ fn evaluate_on<B: Backend>(
         },
         "max_length": scorer.max_length,
         "n_truncated": scorer.truncated,
+        // input positions taken from a shared prefix's cache, and computed
+        "positions": {"shared": scorer.positions.0, "computed": scorer.positions.1},
         "total_evaluation_time_seconds": start.elapsed().as_secs_f64(),
     });
     if !groups.is_empty() {

@@ -82,6 +82,13 @@ impl ModelSpec {
         [positions, self.rope.frequencies()]
     }
 
+    /// Whether a position's rotation depends on the running length of its forward pass
+    /// (LongRoPE's factors switch with it): then a cached prefix is only valid for passes of
+    /// its own length.
+    pub fn rope_depends_on_length(&self) -> bool {
+        self.rope.switches_after().is_some()
+    }
+
     /// From a checkpoint's configuration (HF `config.json` or Megatron args).
     pub fn from_config(cfg: &ModelConfig) -> Result<Self> {
         Self::at_length(cfg, None)
@@ -344,6 +351,49 @@ impl<'b, B: Backend> Model<'b, B> {
             width,
             capacity,
         })
+    }
+
+    /// Copy the first `n` cached positions of slot `from` of `src` into slot `to` of `dst`,
+    /// every layer: a prefix computed once, for sequences that start with the same tokens.
+    pub fn copy_positions(
+        &self,
+        (src, from): (&KvCache<B::Tensor>, usize),
+        (dst, to): (&mut KvCache<B::Tensor>, usize),
+        n: usize,
+    ) -> Result<()> {
+        if n > src.capacity.min(dst.capacity) || src.width != dst.width {
+            bail!(
+                "internal: {n} positions copied between KV caches of {} and {} positions",
+                src.capacity,
+                dst.capacity
+            );
+        }
+        let b = self.backend;
+        let copy = |s: &B::Tensor, d: &mut B::Tensor, width: usize| {
+            let at = |slot: usize, capacity: usize| slot * capacity * width;
+            b.copy_range(
+                (s, at(from, src.capacity)),
+                (d, at(to, dst.capacity)),
+                n * width,
+            )
+        };
+        for (s, d) in src.layers.iter().zip(&mut dst.layers) {
+            match (s, d) {
+                (
+                    LayerCache::Full { keys, values },
+                    LayerCache::Full {
+                        keys: to_keys,
+                        values: to_values,
+                    },
+                ) => {
+                    copy(keys, to_keys, src.width / 2)?;
+                    copy(values, to_values, src.width / 2)?;
+                }
+                (LayerCache::Latent(s), LayerCache::Latent(d)) => copy(s, d, src.width)?,
+                _ => bail!("internal: KV caches of two attention kinds"),
+            }
+        }
+        Ok(())
     }
 
     /// Run the new tokens of `steps` (a ragged batch) through the model, extending `cache`;
