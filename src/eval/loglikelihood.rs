@@ -110,27 +110,28 @@ impl<'m, 'b, B: Backend> Scorer<'m, 'b, B> {
     }
 
     /// The leading positions every input of `sequences` takes from [`Scorer::last`]: those
-    /// they share with the last batch's first input, or else those they share with each
-    /// other, computed first (once) into it.
+    /// they share with the last batch's first input, or, where they share more with each
+    /// other (a new subject's context), those, computed first (once) into it.
     fn share_prefix(&mut self, sequences: &[Vec<u32>], firsts: &[usize]) -> Result<usize> {
         let from_last =
             (self.last.as_ref()).map_or(0, |(tokens, _)| self.shareable(tokens, sequences, firsts));
-        if from_last > 0 || sequences.len() < 2 {
+        let within = match sequences.len() {
+            0 | 1 => 0,
+            _ => self.shareable(&sequences[0], sequences, firsts),
+        };
+        if within <= from_last {
             return Ok(from_last);
         }
-        let within = self.shareable(&sequences[0], sequences, firsts);
-        if within > 0 {
-            let tokens = &sequences[0][..within];
-            let mut prefix = self.model.cache(1, within)?;
-            let step = Step {
-                slot: 0,
-                past: 0,
-                tokens,
-            };
-            self.model.forward(&mut prefix, &[step], &[within - 1])?;
-            self.positions.1 += within;
-            self.last = Some((tokens.to_vec(), prefix));
-        }
+        let tokens = &sequences[0][..within];
+        let mut prefix = self.model.cache(1, within)?;
+        let step = Step {
+            slot: 0,
+            past: 0,
+            tokens,
+        };
+        self.model.forward(&mut prefix, &[step], &[within - 1])?;
+        self.positions.1 += within;
+        self.last = Some((tokens.to_vec(), prefix));
         Ok(within)
     }
 
