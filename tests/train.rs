@@ -5499,3 +5499,106 @@ fn torch_dist_checkpoints_resume_bit_exactly_and_at_other_layouts() {
         &[(one, 1e-5), (&ep2_plain, 1e-5)],
     );
 }
+
+/// Preference pairs as MindSpeed-LLM's pairwise handlers write them (int32
+/// `_packed_{chosen,rejected}_{input_ids,labels}_document`): a prompt with ignored labels, then
+/// the chosen or the rejected answer; a few longer than the 32-token sequences, to be cut.
+fn preference_pairs(dir: &Path) -> PathBuf {
+    let prefix = dir.join("pairs");
+    let keys = [
+        "chosen_input_ids",
+        "chosen_labels",
+        "rejected_input_ids",
+        "rejected_labels",
+    ];
+    let mut writers: Vec<_> = keys
+        .iter()
+        .map(|k| {
+            let p = dir.join(format!("pairs_packed_{k}_document"));
+            mindkit::data::indexed::IndexedWriter::create(
+                &p,
+                mindkit::data::indexed::DType::I32,
+                false,
+            )
+            .unwrap()
+        })
+        .collect();
+    let token = |i: usize| (3 + (i * 37) % 500) as i32;
+    for pair in 0..16usize {
+        let prompt: Vec<i32> = (0..3 + pair % 5 + 20 * usize::from(pair % 7 == 0))
+            .map(|i| token(pair * 11 + i))
+            .collect();
+        for (side, w) in [(0usize, 0usize), (1, 2)] {
+            let answer: Vec<i32> = (0..2 + (pair + side) % 6 + 15 * usize::from(pair % 5 == 1))
+                .map(|i| token(pair * 7 + side * 13 + i * 3))
+                .collect();
+            let ids = [prompt.clone(), answer.clone()].concat();
+            let labels = [vec![-100; prompt.len()], answer].concat();
+            writers[w].add_document(&[ids]).unwrap();
+            writers[w + 1].add_document(&[labels]).unwrap();
+        }
+    }
+    for w in writers {
+        w.finish().unwrap();
+    }
+    prefix
+}
+
+#[test]
+fn dpo_trains_on_data_tensor_and_pipeline_parallel_ranks_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let pairs = preference_pairs(dir.path());
+    let dpo = ["--stage", "dpo", "--is-pairwise-dataset", "--finetune"];
+    let train = |layout: &[&str]| {
+        let extra = [&dpo[..], layout].concat();
+        stdout(&run(&args(&pairs, &extra)).success())
+    };
+    // Megatron leaves a loss-dictionary entry out of the line while it is 0
+    let accuracy = |log: &str| -> Vec<f64> {
+        let value = |l: &String| {
+            (l.split(" | ")
+                .find(|f| f.trim().starts_with("rewards/accuracies")))
+            .map_or(0.0, |f| {
+                f.rsplit(':').next().unwrap().trim().parse().unwrap()
+            })
+        };
+        iterations(log).iter().map(value).collect()
+    };
+    let one = train(&[]);
+    let accuracies = accuracy(&one);
+    assert!(accuracies.iter().any(|&a| a > 0.0), "{one}");
+    let losses = field(&one, "lm loss");
+    assert!(losses.last() < losses.first(), "{one}");
+    for layout in [
+        &["--world-size", "2"][..],
+        &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        &["--pipeline-model-parallel-size", "2"],
+    ] {
+        let other = train(layout);
+        same_training(&one, &other, 1e-5, &layout.join(" "));
+        assert_eq!(accuracy(&other), accuracies, "{layout:?}");
+    }
+    for (flags, refusal) in [
+        (&["--is-pairwise-dataset"][..], "train with --stage dpo"),
+        (
+            &["--stage", "dpo", "--finetune"],
+            "add --is-pairwise-dataset",
+        ),
+        (
+            &[&dpo[..], &["--dpo-loss-type", "kto"]].concat(),
+            "expected sigmoid, hinge or ipo",
+        ),
+        (
+            &[&dpo[..], &["--ref-model", "/elsewhere"]].concat(),
+            "other than --load",
+        ),
+        (&["--dpo-beta", "0.2"], "applies to --stage dpo"),
+    ] {
+        let out = run(&args(&pairs, flags)).failure();
+        assert!(
+            stderr(&out).contains(refusal),
+            "{flags:?}: {}",
+            stderr(&out)
+        );
+    }
+}

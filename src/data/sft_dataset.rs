@@ -20,7 +20,7 @@ pub const IGNORE: i64 = -100;
 pub enum SftError {
     /// A field file is missing.
     #[error("{0}: not found; fine-tuning data is made by `mindkit preprocess --handler …` (expected {1})")]
-    Missing(PathBuf, &'static str),
+    Missing(PathBuf, String),
     /// The field files disagree.
     #[error("{prefix}: input_ids holds {ids} sequences, {field} {other}")]
     Mismatch {
@@ -75,7 +75,12 @@ fn field(prefix: &Path, name: &str) -> PathBuf {
 impl SftDataset {
     /// Open `<prefix>_packed_{input_ids,labels[,attention_mask]}_document`.
     pub fn open(prefix: &Path) -> Result<SftDataset> {
-        let open = |name: &'static str| -> Result<Option<IndexedDataset>> {
+        Self::open_fields(prefix, "")
+    }
+
+    /// Open `<prefix>_packed_{part}{input_ids,labels[,attention_mask]}_document`.
+    fn open_fields(prefix: &Path, part: &str) -> Result<SftDataset> {
+        let open = |name: &str| -> Result<Option<IndexedDataset>> {
             let p = field(prefix, name);
             let mut idx = p.as_os_str().to_owned();
             idx.push(".idx");
@@ -84,16 +89,18 @@ impl SftDataset {
             }
             Ok(Some(IndexedDataset::open(&p)?))
         };
-        let input_ids = open("input_ids")?.ok_or_else(|| {
-            SftError::Missing(
-                field(prefix, "input_ids"),
-                "_packed_input_ids_document.bin/.idx",
-            )
-        })?;
-        let labels = open("labels")?.ok_or_else(|| {
-            SftError::Missing(field(prefix, "labels"), "_packed_labels_document.bin/.idx")
-        })?;
-        let attention_mask = open("attention_mask")?;
+        let required = |name: &str| -> Result<IndexedDataset> {
+            let name = format!("{part}{name}");
+            open(&name)?.ok_or_else(|| {
+                SftError::Missing(
+                    field(prefix, &name),
+                    format!("_packed_{name}_document.bin/.idx"),
+                )
+            })
+        };
+        let input_ids = required("input_ids")?;
+        let labels = required("labels")?;
+        let attention_mask = open(&format!("{part}attention_mask"))?;
         for (name, other) in [
             ("labels", Some(&labels)),
             ("attention_mask", attention_mask.as_ref()),
@@ -158,6 +165,82 @@ impl SftDataset {
     /// sub-samples 1, 2, … and its tail padding 0).
     pub fn attention_mask(&self, i: usize) -> Option<Vec<i64>> {
         self.attention_mask.as_ref().map(|m| m.sequence(i))
+    }
+}
+
+/// The preference pairs of one prefix (`--is-pairwise-dataset`): the
+/// `<prefix>_packed_{chosen,rejected}_{input_ids,labels}_document` files MindSpeed-LLM's
+/// pairwise handlers (`AlpacaStylePairwiseHandler`, `SharegptStylePairwiseHandler`) write, a
+/// prompt followed by the chosen answer and the same prompt followed by the rejected one.
+pub struct PairwiseDataset {
+    chosen: SftDataset,
+    rejected: SftDataset,
+}
+
+impl PairwiseDataset {
+    /// Open the four files of `prefix`.
+    pub fn open(prefix: &Path) -> Result<PairwiseDataset> {
+        let chosen = SftDataset::open_fields(prefix, "chosen_")?;
+        let rejected = SftDataset::open_fields(prefix, "rejected_")?;
+        if rejected.len() != chosen.len() {
+            return Err(SftError::Mismatch {
+                prefix: prefix.to_path_buf(),
+                ids: chosen.len(),
+                field: "rejected_input_ids",
+                other: rejected.len(),
+            });
+        }
+        Ok(PairwiseDataset { chosen, rejected })
+    }
+
+    /// Pairs.
+    pub fn len(&self) -> usize {
+        self.chosen.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.chosen.is_empty()
+    }
+
+    /// The largest token id of the input ids.
+    pub fn max_token(&self) -> i64 {
+        self.chosen.max_token().max(self.rejected.max_token())
+    }
+
+    /// Pair `i` as (input ids, labels) of the chosen and of the rejected answer, cut to
+    /// `seq_length` as MindSpeed-LLM's `_cut_pairwise_token` cuts them
+    /// (mindspeed_llm/tasks/preprocess/decoder_packed_mtf_dataset.py): the prompt is the chosen
+    /// sequence's tokens before its first scored label; it and the longer answer share
+    /// `seq_length` by `_infer_seqlen`, both answers keep as many tokens, and an answer's labels
+    /// are its own input ids.
+    pub fn pair(&self, i: usize, seq_length: usize) -> Result<[(Vec<i64>, Vec<i64>); 2]> {
+        let chosen_ids = self.chosen.input_ids.sequence(i);
+        let chosen_labels = self.chosen.labels.sequence(i);
+        let rejected_ids = self.rejected.input_ids.sequence(i);
+        let bad = |len: usize, why: &str| SftError::Sample {
+            prefix: self.chosen.prefix.clone(),
+            index: i,
+            len,
+            why: why.to_string(),
+        };
+        let prompt = (chosen_labels.iter().take(chosen_ids.len()))
+            .position(|&l| l != IGNORE)
+            .ok_or_else(|| bad(chosen_ids.len(), "has no scored label in its chosen answer"))?;
+        if rejected_ids.len() < prompt {
+            return Err(bad(
+                rejected_ids.len(),
+                "(its rejected sequence) is shorter than its chosen sequence's prompt",
+            ));
+        }
+        let (chosen, rejected) = (&chosen_ids[prompt..], &rejected_ids[prompt..]);
+        let (s, t) = infer_seqlen(prompt, chosen.len().max(rejected.len()), seq_length);
+        Ok([chosen, rejected].map(|answer| {
+            let answer = &answer[..t.min(answer.len())];
+            let ids = [&chosen_ids[..s], answer].concat();
+            let labels = std::iter::repeat_n(IGNORE, s).chain(answer.iter().copied());
+            (ids, labels.collect())
+        }))
     }
 }
 

@@ -7,7 +7,7 @@
 
 use crate::data::gpt_dataset::{MaskConfig, Sample, SplitSamples};
 use crate::data::mt19937::Mt19937;
-use crate::data::sft_dataset::{SftDataset, IGNORE};
+use crate::data::sft_dataset::{PairwiseDataset, SftDataset, IGNORE};
 use crate::model::decoder::{DepthRows, MicroBatch};
 use anyhow::{anyhow, bail, Result};
 use std::sync::Arc;
@@ -366,6 +366,17 @@ pub enum Source {
         /// EOD, pad and masking.
         masks: MaskConfig,
     },
+    /// MindSpeed-LLM's preference pairs (`--is-pairwise-dataset`): sample k is pair
+    /// `index[k]`, a micro-batch of M pairs the M chosen sequences then the M rejected ones
+    /// (`PairwiseDataCollatorWithPadding`), all padded to one length.
+    Pairwise {
+        /// The packed files.
+        data: Arc<PairwiseDataset>,
+        /// Sample k is pair `index[k]`.
+        index: Vec<u64>,
+        /// Row layout.
+        rows: SftRows,
+    },
     /// MindSpeed-LLM fine-tuning samples.
     Sft {
         /// The packed files.
@@ -382,7 +393,7 @@ impl Source {
     pub fn len(&self) -> usize {
         match self {
             Source::Pretrain { samples, .. } => samples.len(),
-            Source::Sft { index, .. } => index.len(),
+            Source::Sft { index, .. } | Source::Pairwise { index, .. } => index.len(),
         }
     }
 
@@ -411,16 +422,32 @@ impl Source {
                     };
                     out.push((ids, labels, mask));
                 }
-                let longest = out.iter().map(|(ids, _, _)| ids.len()).max().unwrap_or(0);
-                let t = longest.div_ceil(rows.multiple_of) * rows.multiple_of;
-                let samples: Vec<Sample> = out
-                    .iter()
-                    .map(|(ids, labels, mask)| sft_sample(ids, labels, mask.as_deref(), t, rows))
-                    .collect();
-                Ok(micro_batch(&samples, k, averaging))
+                Ok(micro_batch(&padded(&out, rows), k, averaging))
+            }
+            Source::Pairwise { data, index, rows } => {
+                let mut pairs = Vec::with_capacity(ids.len());
+                for &pair in ids.iter().map(|&id| &index[id as usize]) {
+                    pairs.push(data.pair(pair as usize, rows.seq_length)?);
+                }
+                let [chosen, rejected] = [0, 1]
+                    .map(|a| (pairs.iter()).map(move |p| (p[a].0.clone(), p[a].1.clone(), None)));
+                let out: Vec<_> = chosen.chain(rejected).collect();
+                Ok(micro_batch(&padded(&out, rows), k, averaging))
             }
         }
     }
+}
+
+/// A fine-tuning sequence as read: input ids, labels, and a neat pack's stored mask.
+type SftSequence = (Vec<i64>, Vec<i64>, Option<Vec<i64>>);
+
+/// Fine-tuning sequences as rows of one length: the longest rounded up to `rows.multiple_of`.
+fn padded(out: &[SftSequence], rows: &SftRows) -> Vec<Sample> {
+    let longest = out.iter().map(|(ids, _, _)| ids.len()).max().unwrap_or(0);
+    let t = longest.div_ceil(rows.multiple_of) * rows.multiple_of;
+    out.iter()
+        .map(|(ids, labels, mask)| sft_sample(ids, labels, mask.as_deref(), t, rows))
+        .collect()
 }
 
 /// One fine-tuning sample as `t` rows: right-padded ids, labels shifted by one (the model

@@ -4,7 +4,7 @@
 use super::data;
 use super::trainer::Trainer;
 use crate::data::gpt_dataset::{build_splits, SampleConfig};
-use crate::data::sft_dataset::{index as sft_index, legacy_split, SftDataset};
+use crate::data::sft_dataset::{index as sft_index, legacy_split, PairwiseDataset, SftDataset};
 use crate::engine::Backend;
 use anyhow::{bail, Result};
 use std::sync::Arc;
@@ -18,19 +18,34 @@ impl<B: Backend> Trainer<B> {
             None => (None, None),
         };
         if let Some(sft) = &c.sft {
-            let ds = Arc::new(SftDataset::open(&sft.prefix)?);
-            let ranges = legacy_split(&c.split, ds.len())?;
-            let source = |range: std::ops::Range<usize>, n: u64| data::Source::Sft {
-                data: ds.clone(),
-                index: sft_index(range, n, sft.order),
-                rows: sft.rows,
+            type Build = Box<dyn Fn(std::ops::Range<usize>, u64) -> data::Source>;
+            let (order, rows) = (sft.order, sft.rows);
+            let (len, source): (usize, Build) = if sft.pairwise {
+                let ds = Arc::new(PairwiseDataset::open(&sft.prefix)?);
+                let len = ds.len();
+                let build = move |range, n| data::Source::Pairwise {
+                    data: ds.clone(),
+                    index: sft_index(range, n, order),
+                    rows,
+                };
+                (len, Box::new(build))
+            } else {
+                let ds = Arc::new(SftDataset::open(&sft.prefix)?);
+                let len = ds.len();
+                let build = move |range, n| data::Source::Sft {
+                    data: ds.clone(),
+                    index: sft_index(range, n, order),
+                    rows,
+                };
+                (len, Box::new(build))
             };
+            let ranges = legacy_split(&c.split, len)?;
             if ranges[0].is_empty() {
                 bail!(
                     "{}: the train split of --split {:?} holds none of its {} samples",
                     sft.prefix.display(),
                     c.split,
-                    ds.len()
+                    len
                 );
             }
             let train = source(ranges[0].clone(), c.train_samples);
@@ -70,6 +85,7 @@ impl<B: Backend> Trainer<B> {
     pub(super) fn check_vocab(&self) -> Result<()> {
         for prefix in &self.cfg.blend.prefixes {
             let max = match &self.cfg.sft {
+                Some(sft) if sft.pairwise => PairwiseDataset::open(&sft.prefix)?.max_token(),
                 Some(sft) => SftDataset::open(&sft.prefix)?.max_token(),
                 None => crate::data::indexed::IndexedDataset::open(prefix)?.max_token(),
             };

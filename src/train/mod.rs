@@ -36,6 +36,7 @@ mod mtp;
 pub mod optim;
 pub mod parallel;
 pub mod pipeline;
+pub mod preference;
 mod report;
 mod resume;
 pub mod schedule;

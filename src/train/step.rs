@@ -25,6 +25,55 @@ type Neighbours<T> = (Option<T>, Option<T>);
 pub(super) type PendingLoss<T> = (Option<T>, Vec<f32>);
 
 impl<B: Backend> Trainer<B> {
+    /// [`Trainer::step_batches`], after (under `--stage dpo`) the reference's forward passes
+    /// of the same micro-batches, whose row losses the policy's passes then read.
+    pub(super) fn passes(
+        &mut self,
+        split: &data::Source,
+        from: u64,
+        train: bool,
+    ) -> Result<(Vec<PendingLoss<B::Tensor>>, u64)> {
+        if let Some(mut reference) = self.reference.take() {
+            std::mem::swap(&mut self.params, &mut reference);
+            let scored = self.step_batches(split, from, false);
+            std::mem::swap(&mut self.params, &mut reference);
+            self.reference = Some(reference);
+            let download = |(loss, _): &PendingLoss<B::Tensor>| {
+                loss.as_ref().map(|t| self.b.download_f32(t)).transpose()
+            };
+            let rows = scored?.0.iter().map(download).collect::<Result<_, _>>()?;
+            self.reference_losses = Some(rows);
+        }
+        self.step_batches(split, from, train)
+    }
+
+    /// A DPO micro-batch on the last pipeline stage: the policy's row losses `out` and the
+    /// reference's become its pair losses (what is logged, as one value of weight 1) and each
+    /// row's loss gradient for the backward pass.
+    fn preference_loss(
+        &mut self,
+        out: &B::Tensor,
+        reference: Option<&Vec<f32>>,
+        prepared: &mut data::Prepared,
+        train: bool,
+    ) -> Result<PendingLoss<B::Tensor>> {
+        let (Some(dpo), Some(reference)) = (self.cfg.preference, reference) else {
+            return Err(anyhow!(
+                "internal: a DPO pass without the reference's losses"
+            ));
+        };
+        let k = self.cfg.global_batch / self.cfg.micro_batch;
+        let policy = self.b.download_f32(out)?;
+        let rows = (&policy[..], &reference[..]);
+        let scored = dpo.score(rows, &prepared.mask, self.cfg.micro_batch, k);
+        if train {
+            self.accuracy.add(scored.accuracy);
+        }
+        prepared.batch.dloss = scored.dloss;
+        let loss = self.b.upload_f32(&[1], &[scored.loss as f32])?;
+        Ok((Some(loss), vec![1.0]))
+    }
+
     /// Forward (and, for training, backward) of K micro-batches from `split` at `from`:
     /// returns each micro-batch's loss mask with, on the last pipeline stage, its losses (on
     /// the device), and the rows processed. Over pipeline stages the passes run in
@@ -71,6 +120,7 @@ impl<B: Backend> Trainer<B> {
             }
             batches.push(prepared);
         }
+        let reference = self.reference_losses.take();
         let tokens = batches.iter().map(|p| p.batch.tokens.len() as u64).sum();
         let pipe = self.pipeline(batches.len());
         let mut losses: Vec<PendingLoss<B::Tensor>> =
@@ -93,6 +143,11 @@ impl<B: Backend> Trainer<B> {
                     let batch = &batches[slot.1].batch;
                     let (out, fwd) = self.forward_pass(slot.0, batch, inputs.remove(&slot))?;
                     match (pipe.model_last(slot.0), pipe.turns(slot.0)) {
+                        (true, _) if reference.is_some() => {
+                            let rows = reference.as_ref().and_then(|r| r[slot.1].as_ref());
+                            let prepared = &mut batches[slot.1];
+                            losses[slot.1] = self.preference_loss(&out, rows, prepared, train)?;
+                        }
                         (true, _) => losses[slot.1].0 = Some(out),
                         (false, Some(c)) => _ = inputs.insert((c, slot.1), out),
                         (false, None) => _ = outputs.insert(slot, out),

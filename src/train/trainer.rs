@@ -98,6 +98,14 @@ pub(super) struct Trainer<B: Backend> {
     pub(super) moe: Option<super::moe::MoeTracker>,
     /// The multi-token prediction depths' losses of the step (None without them).
     pub(super) mtp: Option<super::mtp::MtpTracker>,
+    /// `--stage dpo`: the frozen reference (the weights training started from), in the
+    /// layout of `params`.
+    pub(super) reference: Option<Vec<B::Tensor>>,
+    /// `--stage dpo`: the reference's row losses of each micro-batch of the pass about to run
+    /// (on the last pipeline stage; none elsewhere).
+    pub(super) reference_losses: Option<Vec<Option<Vec<f32>>>>,
+    /// `--stage dpo`: the step's reward accuracies.
+    pub(super) accuracy: super::preference::AccuracyTracker,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -255,8 +263,15 @@ impl<B: Backend> Trainer<B> {
             stage,
             rank,
             cfg,
+            reference: None,
+            reference_losses: None,
+            accuracy: Default::default(),
         };
         t.resume(&trained)?;
+        if t.cfg.preference.is_some() {
+            let copy = |p: &B::Tensor| t.b.download(p).and_then(|h| t.b.upload(&h));
+            t.reference = Some(t.params.iter().map(copy).collect::<Result<_, _>>()?);
+        }
         Ok(t)
     }
 
@@ -277,6 +292,16 @@ impl<B: Backend> Trainer<B> {
             let moe = tracker.take(groups, micro_batches)?;
             out.extend(moe.into_iter().map(|(name, v)| (name.to_string(), v)));
         }
+        if self.cfg.preference.is_some() {
+            // a loss-dictionary entry: the micro-batches' mean, averaged over the data-parallel
+            // ranks (only the last pipeline stage holds them)
+            let mut sum = [self.accuracy.take()];
+            for g in [group(&self.pp), group(&self.dp)].into_iter().flatten() {
+                g.all_reduce_f64(&mut sum, ReduceOp::Sum)?;
+            }
+            let name = "rewards/accuracies".to_string();
+            out.insert(0, (name, sum[0] / (micro_batches * c.data_parallel) as f64));
+        }
         if let Some(tracker) = &mut self.mtp {
             out.extend(tracker.take((group(&self.pp), group(&self.dp)), micro_batches)?);
         }
@@ -291,7 +316,7 @@ impl<B: Backend> Trainer<B> {
             }
         }
         self.grads_zeroed = false;
-        let (losses, mut tokens) = self.step_batches(train, self.consumed_train, true)?;
+        let (losses, mut tokens) = self.passes(train, self.consumed_train, true)?;
         let mut n: f32 = losses
             .iter()
             .map(|(_, mask)| mask.iter().sum::<f32>())
@@ -424,7 +449,7 @@ impl<B: Backend> Trainer<B> {
         }
         let mut all = data::LossSums::default();
         for i in 0..iters {
-            let (losses, _) = self.step_batches(split, start + i * g, false)?;
+            let (losses, _) = self.passes(split, start + i * g, false)?;
             all.extend(self.everyones_losses(&losses)?);
         }
         Ok(f64::from(all.report(self.token_weighted())))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+import megatron_cpu
 import sft_reference
 import train_reference
 
@@ -1113,6 +1114,57 @@ def test_fine_tuning_matches_mindspeed(tmp_path, mindkit, flags, options):
     for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2)):
         for i, (g, w) in enumerate(zip(got[key], [h[column] for h in history])):
             assert abs(g - w) <= 1e-5 * abs(w) + 1e-12, f"{key} at iteration {i + 1}: {g} vs {w}"
+
+
+def write_pairs(prefix, n=24, seed=3):
+    """Preference pairs as MindSpeed-LLM's pairwise handlers write them: a prompt (labels
+    ignored) then the chosen or the rejected answer, int32; some pairs longer than the
+    sequence, which the dataset cuts."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    rng = np.random.default_rng(seed)
+    builders = {key: IndexedDatasetBuilder(f"{prefix}_packed_{key}_document.bin", dtype=np.int32)
+                for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")}
+    for i in range(n):
+        prompt = rng.integers(3, VOCAB, size=int(rng.integers(2, 30 if i % 5 == 0 else 12)))
+        for side in ("chosen", "rejected"):
+            answer = rng.integers(3, VOCAB, size=int(rng.integers(1, 40 if i % 7 == 0 else 10)))
+            ids = np.concatenate([prompt, answer])
+            labels = np.concatenate([np.full(len(prompt), -100), answer])
+            for key, values in ((f"{side}_input_ids", ids), (f"{side}_labels", labels)):
+                builders[key].add_item(torch.tensor(values, dtype=torch.int32))
+                builders[key].end_document()
+    for key, b in builders.items():
+        b.finalize(f"{prefix}_packed_{key}_document.idx")
+
+
+@pytest.mark.parametrize("loss_type,flags", [
+    ("sigmoid", ["--dpo-label-smoothing", "0.1", "--pref-ftx", "0.5"]),
+    ("hinge", []),
+    ("ipo", ["--dpo-beta", "0.5"]),
+])
+def test_dpo_matches_mindspeed(tmp_path, mindkit, loss_type, flags):
+    """--stage dpo against a port of MindSpeed-LLM's DPO trainer (sft_reference.dpo_train): the
+    policy and a frozen copy of the starting weights score the chosen and rejected answers;
+    loss, grad norm, lr and rewards/accuracies per iteration."""
+    model_dir = make_model(tmp_path / "model", "llama")
+    megatron_cpu.init()
+    write_pairs(tmp_path / "pairs")
+    options = {"beta": 0.1, "label_smoothing": 0.0, "ftx": 0.0}
+    for name, value in zip(flags[::2], flags[1::2]):
+        options[{"--dpo-label-smoothing": "label_smoothing", "--pref-ftx": "ftx",
+                 "--dpo-beta": "beta"}[name]] = float(value)
+    dpo = ["--stage", "dpo", "--is-pairwise-dataset", "--finetune", "--dpo-loss-type", loss_type, *flags]
+    mindkit_train(model_dir, str(tmp_path / "pairs"), tmp_path, dpo)
+    got = scalars(tmp_path / "tb", tags=("lm loss", "grad-norm", "learning-rate", "rewards/accuracies"))
+    history = sft_reference.dpo_train(
+        str(model_dir), str(tmp_path / "pairs"), seq=48, mbs=2, gbs=8, iters=ITERS, lr=1e-3,
+        min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        loss_type=loss_type, vocab_padded=512, **options)
+    for key, column in (("lm loss", 0), ("grad-norm", 1), ("learning-rate", 2), ("rewards/accuracies", 3)):
+        for i, (g, w) in enumerate(zip(got[key], [h[column] for h in history])):
+            assert abs(g - w) <= 1e-5 * abs(w) + 1e-6, f"{key} at iteration {i + 1}: {g} vs {w}"
+    assert all(len(got[key]) == ITERS for key in ("lm loss", "rewards/accuracies")), got.keys()
+    assert 0 < history[-1][3] and history[-1][0] < history[0][0]  # it learns to prefer
 
 
 def lora_pair(tmp_path, r, alpha):

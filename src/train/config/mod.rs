@@ -33,7 +33,7 @@ use crate::model::params::LoraSpec;
 use crate::tensor::DType;
 use anyhow::{anyhow, bail, Result};
 use architecture::{dropout_rates, family_name, model_config, tokenizer, tokenizer_source};
-use finetune::{lora_config, sft_config};
+use finetune::{lora_config, preference_config, sft_config};
 use optimizer::{recorded_args, schedule};
 use parallelism::{
     buckets, check_tensor_parallel, pipeline_stages, virtual_pipeline, virtual_stages,
@@ -211,6 +211,8 @@ pub struct TrainConfig {
     pub sft: Option<SftConfig>,
     /// LoRA adapters (`--lora-r`, `--lora-target-modules`): only they are trained.
     pub lora: Option<LoraConfig>,
+    /// `--stage dpo`: direct preference optimisation against the starting weights.
+    pub preference: Option<crate::train::preference::Dpo>,
 }
 
 /// MindSpeed-LLM's LoRA settings.
@@ -233,6 +235,8 @@ pub struct SftConfig {
     pub rows: SftRows,
     /// Shuffling and padding of epochs.
     pub order: Order,
+    /// `--is-pairwise-dataset`: preference pairs (chosen, rejected), not instruction samples.
+    pub pairwise: bool,
 }
 
 /// Where the schedule's settings come from on resume.
@@ -417,8 +421,8 @@ fn check_single_rank(a: &Args) -> Result<()> {
     if let Some(o) = a.get("optimizer").filter(|o| *o != "adam") {
         bail!("--optimizer {o}: only adam (AdamW) is implemented");
     }
-    if let Some(stage) = a.get("stage").filter(|s| *s != "sft") {
-        bail!("--stage {stage}: only sft (supervised fine-tuning) is implemented");
+    if let Some(stage) = a.get("stage").filter(|s| !["sft", "dpo"].contains(s)) {
+        bail!("--stage {stage}: sft (supervised fine-tuning) and dpo (direct preference optimisation) are implemented");
     }
 
     Ok(())
@@ -655,6 +659,8 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         }
         _ => Start::Scratch,
     };
+    let resuming = matches!(start, Start::Load { resume: true, .. });
+    let preference = preference_config(a, sft.as_ref(), resuming)?;
     let key_layout = match a.get("transformer-impl").unwrap_or("local") {
         "local" => KeyLayout::Mcore,
         "transformer_engine" if architecture::spec_is_local_only(a) => KeyLayout::Mcore,
@@ -813,6 +819,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         inert: a.inert(),
         sft,
         lora,
+        preference,
     })
 }
 
