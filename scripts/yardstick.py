@@ -329,8 +329,10 @@ def sentence(rng, n):
 
 def write_corpora(root):
     """Writes the pretraining corpus (1024 documents, so that a 949,50,1 split leaves the test
-    split one) and the alpaca-style instruction set (1024 short records); returns their paths."""
+    split one) and the alpaca-style instruction set (1024 short records, each also with a chosen
+    and a rejected answer for the pairwise handlers); returns their paths."""
     rng = random.Random(1234)
+    rejected = random.Random(4321)
     text, alpaca = root / "pretrain.jsonl", root / "alpaca.jsonl"
     with text.open("w", encoding="utf-8") as f:
         for _ in range(1024):
@@ -341,6 +343,7 @@ def write_corpora(root):
             record = {"instruction": sentence(rng, rng.randint(3, 7)),
                       "input": sentence(rng, rng.randint(0, 4)) if rng.random() < 0.3 else "",
                       "output": sentence(rng, rng.randint(3, 9))}
+            record.update(chosen=record["output"], rejected=sentence(rejected, rejected.randint(3, 9)))
             f.write(json.dumps(record) + "\n")
     return text, alpaca
 
@@ -711,8 +714,9 @@ def attach_data(flags, data, tokenizer, res):
 
     Pretraining scripts get the text corpus; `--is-instruction-dataset` scripts alpaca records
     through their `--handler-name` and `--prompt-type`, packed when they train with `--pack` or
-    `--neat-pack`. mindkit has no pairwise (DPO) handler: `--is-pairwise-dataset` scripts get the
-    instruction data, and the missing handler is recorded.
+    `--neat-pack`. `--is-pairwise-dataset` (DPO) scripts get preference pairs made by
+    AlpacaStylePairwiseHandler, as MindSpeed-LLM's DPO data scripts make them (the training
+    scripts' own `--handler-name` is not read by training).
     """
     pairwise = has(flags, "--is-pairwise-dataset")
     if has(flags, "--is-instruction-dataset") or pairwise:
@@ -724,9 +728,7 @@ def attach_data(flags, data, tokenizer, res):
             res.notes.append("--handler-name GeneralPretrainHandler with --is-instruction-dataset: alpaca instruction data")
             handler = "AlpacaStyleInstructionHandler"
         if pairwise:
-            res.reasons.append("--is-pairwise-dataset [preprocess]")
-            res.notes.append("no pairwise handler: alpaca instruction data instead")
-            handler = "AlpacaStyleInstructionHandler"
+            handler = "AlpacaStylePairwiseHandler"
         pack = has(flags, "--pack") or has(flags, "--neat-pack")
         prompt = value(flags, "--prompt-type")
         prefix, refusal, note = data.instruction(tokenizer, handler, prompt, pack)

@@ -5,7 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
+use mindkit::data::handlers::chat::PAIRWISE_KEYS;
 use mindkit::data::handlers::template::ReasoningEffort;
+use mindkit::data::handlers::INSTRUCTION_KEYS;
 use mindkit::data::indexed::IndexedDataset;
 use mindkit::data::preprocess::{
     key_prefix, preprocess, DTypeChoice, HandlerKind, PreprocessOptions,
@@ -179,7 +181,11 @@ fn matches_json_golden(path: &Path) -> bool {
         .iter()
         .filter(|d| d.get("dropped").is_none() && d.get("refused").is_none())
         .collect();
-    for key in ["input_ids", "attention_mask", "labels"] {
+    let keys = match o.handler.is_some_and(HandlerKind::pairwise) {
+        true => &PAIRWISE_KEYS[..],
+        false => &INSTRUCTION_KEYS[..],
+    };
+    for &key in keys {
         let ds = IndexedDataset::open(&key_prefix(&prefix, key, true)).unwrap();
         assert_eq!(
             ds.doc_count(),
@@ -213,6 +219,19 @@ fn instruction_handlers_match_mindspeed() {
     let (compared, _) = compare_json_goldens("golden/mindspeed", "");
     assert!(
         compared >= 10,
+        "the tiny-bpe goldens must always be compared"
+    );
+}
+
+/// The pairwise handlers (AlpacaStylePairwiseHandler, SharegptStylePairwiseHandler): string and
+/// list answers, --map-keys as the shipped DPO data scripts give them, reasoning templates in each
+/// --enable-thinking mode, records MindSpeed-LLM drops or raises on.
+#[test]
+fn pairwise_handlers_match_mindspeed() {
+    let (compared, total) = compare_json_goldens("golden/mindspeed/pairwise", "");
+    assert_eq!(total, 12);
+    assert!(
+        compared >= 4,
         "the tiny-bpe goldens must always be compared"
     );
 }

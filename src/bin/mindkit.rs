@@ -391,7 +391,7 @@ struct PreprocessArgs {
     /// Do not add the tokenizer's special tokens (BOS) in pretrain mode: Megatron core ≤ 0.15 behaviour.
     #[arg(long, visible_alias = "tokenizer-hf-no-include-special-tokens")]
     no_special_tokens: bool,
-    /// Instruction handler: alpaca, belle, moss, sharegpt (MindSpeed-LLM class names accepted).
+    /// Instruction handler: alpaca, belle, moss, sharegpt, or the preference-pair handlers alpaca-pairwise and sharegpt-pairwise (MindSpeed-LLM class names accepted).
     #[arg(long, visible_alias = "handler-name")]
     handler: Option<String>,
     /// Chat template for alpaca/sharegpt: any of MindSpeed-LLM's templates.json (qwen, qwen3, llama2, chatml, glm4_moe, ...).
@@ -535,7 +535,7 @@ fn preprocess_options(a: PreprocessArgs) -> Result<preprocess::PreprocessOptions
     let handler = match a.handler.as_deref() {
         None | Some("" | "GeneralPretrainHandler") => None,
         Some(h) => Some(preprocess::HandlerKind::parse(h).with_context(|| {
-            format!("unknown --handler {h:?}; choose alpaca, belle, moss or sharegpt")
+            format!("unknown --handler {h:?}; choose alpaca, belle, moss, sharegpt, alpaca-pairwise or sharegpt-pairwise")
         })?),
     };
     let dtype = match a.dtype.as_str() {

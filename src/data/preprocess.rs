@@ -98,9 +98,21 @@ pub enum HandlerKind {
     Moss,
     /// ShareGPT conversations or OpenAI messages.
     Sharegpt,
+    /// instruction / input with chosen and rejected answers (preference pairs).
+    AlpacaPairwise,
+    /// ShareGPT conversations with chosen and rejected answers (preference pairs).
+    SharegptPairwise,
 }
 
 impl HandlerKind {
+    /// Whether it writes preference pairs.
+    pub fn pairwise(self) -> bool {
+        matches!(
+            self,
+            HandlerKind::AlpacaPairwise | HandlerKind::SharegptPairwise
+        )
+    }
+
     /// Parse a handler name, accepting MindSpeed-LLM's class names.
     pub fn parse(name: &str) -> Option<HandlerKind> {
         Some(match name {
@@ -112,6 +124,8 @@ impl HandlerKind {
             "sharegpt" | "SharegptStyleInstructionHandler" | "OpenAIInstructionHandler" => {
                 HandlerKind::Sharegpt
             }
+            "alpaca-pairwise" | "AlpacaStylePairwiseHandler" => HandlerKind::AlpacaPairwise,
+            "sharegpt-pairwise" | "SharegptStylePairwiseHandler" => HandlerKind::SharegptPairwise,
             _ => return None,
         })
     }
@@ -324,8 +338,8 @@ fn build_handler<'t>(
     };
     if let Some(template) = template {
         let format = match kind {
-            HandlerKind::Alpaca => ChatFormat::Alpaca,
-            HandlerKind::Sharegpt => ChatFormat::Sharegpt,
+            HandlerKind::Alpaca | HandlerKind::AlpacaPairwise => ChatFormat::Alpaca,
+            HandlerKind::Sharegpt | HandlerKind::SharegptPairwise => ChatFormat::Sharegpt,
             _ => return Err(PreprocessError::Options("--prompt-type works with --handler alpaca or sharegpt (belle and moss use the fixed Alpaca prompter, as in MindSpeed-LLM)".into())),
         };
         let mut columns = Columns::default();
@@ -347,6 +361,7 @@ fn build_handler<'t>(
             columns,
             cutoff_len: opts.seq_length.unwrap_or(100_000),
             eod,
+            pairwise: kind.pairwise(),
         }));
     }
     let kind =
@@ -354,6 +369,13 @@ fn build_handler<'t>(
             HandlerKind::Alpaca => PrompterKind::Alpaca,
             HandlerKind::Belle => PrompterKind::Belle,
             HandlerKind::Moss => PrompterKind::Moss,
+            HandlerKind::AlpacaPairwise | HandlerKind::SharegptPairwise => {
+                return Err(PreprocessError::Options(
+                    "the pairwise handlers need --prompt-type (MindSpeed-LLM encodes their \
+                     pairs with its template)"
+                        .into(),
+                ))
+            }
             HandlerKind::Sharegpt => return Err(PreprocessError::Options(
                 "--handler sharegpt needs --prompt-type (e.g. qwen, chatml, llama2, alpaca, empty)"
                     .into(),
@@ -633,6 +655,12 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<Summary, PreprocessError> 
     if opts.pack && (opts.handler.is_none() || opts.seq_length.is_none()) {
         return Err(PreprocessError::Options(
             "--pack needs an instruction --handler and --seq-length".into(),
+        ));
+    }
+    if opts.pack && opts.handler.is_some_and(HandlerKind::pairwise) {
+        return Err(PreprocessError::Options(
+            "--pack packs instruction samples; preference pairs are written one per document"
+                .into(),
         ));
     }
     let handler = build_handler(opts, &tok, template)?;

@@ -42,6 +42,10 @@ pub struct Columns {
     /// sharegpt/OpenAI: the tools column (OpenAI records: `tools` when unset), which only the
     /// deepseek4 template reads.
     pub tools: Option<String>,
+    /// pairwise: the chosen answer's column.
+    pub chosen: String,
+    /// pairwise: the rejected answer's column.
+    pub rejected: String,
 }
 
 impl Default for Columns {
@@ -61,6 +65,8 @@ impl Default for Columns {
             function_tag: "function_call".into(),
             system_tag: "system".into(),
             tools: None,
+            chosen: "chosen".into(),
+            rejected: "rejected".into(),
         }
     }
 }
@@ -101,6 +107,8 @@ impl Columns {
                 "function_tag" => self.function_tag = v,
                 "system_tag" => self.system_tag = v,
                 "tools" => self.tools = Some(v),
+                "chosen" => self.chosen = v,
+                "rejected" => self.rejected = v,
                 other => return Err(MapKeysError::UnknownKey(other.to_string())),
             }
         }
@@ -151,7 +159,18 @@ pub struct ChatHandler<'t> {
     pub cutoff_len: usize,
     /// `--append-eod`.
     pub eod: Option<u32>,
+    /// MindSpeed-LLM's pairwise handlers (`AlpacaStylePairwiseHandler`,
+    /// `SharegptStylePairwiseHandler`): a prompt with a chosen and a rejected answer.
+    pub pairwise: bool,
 }
+
+/// Output key names of the pairwise handlers, in MindSpeed-LLM's order.
+pub const PAIRWISE_KEYS: [&str; 4] = [
+    "chosen_input_ids",
+    "chosen_labels",
+    "rejected_input_ids",
+    "rejected_labels",
+];
 
 fn msg(role: Role, content: &str) -> Message {
     Message::new(role, content)
@@ -236,7 +255,12 @@ impl Columns {
 // skipped and counted as it does, so that the output stays identical to its. A missing or
 // mistyped field, or an unknown role, is bad input: an error unless --skip-bad-records.
 impl ChatHandler<'_> {
-    fn align_alpaca(&self, r: &Map<String, Value>) -> Result<Aligned, RecordError> {
+    /// An alpaca record's prompt messages (its history, then the instruction and input as one
+    /// user message) and system prompt.
+    fn align_alpaca_prompt(
+        &self,
+        r: &Map<String, Value>,
+    ) -> Result<(Vec<Message>, String), RecordError> {
         let c = &self.columns;
         let mut prompt = self.alpaca_history(r)?;
         let parts: Vec<&str> = [opt_str_field(r, &c.prompt)?, opt_str_field(r, &c.query)?]
@@ -244,6 +268,16 @@ impl ChatHandler<'_> {
             .filter(|s| !s.is_empty())
             .collect();
         prompt.push(msg(Role::User, &parts.join("\n")));
+        let system = match &c.system {
+            Some(s) => opt_str_field(r, s)?.to_string(),
+            None => String::new(),
+        };
+        Ok((prompt, system))
+    }
+
+    fn align_alpaca(&self, r: &Map<String, Value>) -> Result<Aligned, RecordError> {
+        let c = &self.columns;
+        let (prompt, system) = self.align_alpaca_prompt(r)?;
         let response = match r.get(&c.response) {
             Some(Value::String(s)) => vec![msg(Role::Assistant, s)],
             Some(Value::Array(a)) if a.is_empty() => {
@@ -272,16 +306,108 @@ impl ChatHandler<'_> {
                 ))
             }
         };
-        let system = match &c.system {
-            Some(s) => opt_str_field(r, s)?.to_string(),
-            None => String::new(),
-        };
         Ok(Aligned {
             prompt,
             response,
             system,
             tools: String::new(),
         })
+    }
+
+    /// A pairwise alpaca record's two answers (`convert_alpaca_to_intermediate` with
+    /// `ranking`): the chosen and rejected columns' strings, or from lists the chosen one's
+    /// first and the rejected one's second element, as upstream indexes them. A chosen answer
+    /// that is neither leaves the record no response, which upstream drops.
+    fn alpaca_answers(&self, r: &Map<String, Value>) -> Result<[Message; 2], RecordError> {
+        let c = &self.columns;
+        let (chosen, at) = match r.get(&c.chosen) {
+            Some(Value::String(s)) => (s.as_str(), None),
+            Some(Value::Array(a)) => match a.first().and_then(Value::as_str) {
+                Some(s) => (s, Some(1)),
+                None => return Err(not_text(&c.chosen, 0)),
+            },
+            _ => return Err(RecordError::dropped(format!("no {:?} answer", c.chosen))),
+        };
+        let rejected = match (r.get(&c.rejected), at) {
+            (None | Some(Value::Null), _) => return Err(RecordError::missing(&c.rejected)),
+            (Some(Value::String(s)), None) => Some(s.as_str()),
+            (Some(Value::Array(a)), Some(i)) => a.get(i).and_then(Value::as_str),
+            _ => None,
+        };
+        let rejected = rejected.ok_or_else(|| not_text(&c.rejected, at.unwrap_or(0)))?;
+        Ok([chosen, rejected].map(|text| msg(Role::Assistant, text)))
+    }
+
+    /// A pairwise ShareGPT record's two answers (`convert_sharegpt_to_intermediate` with
+    /// `ranking`): the chosen and rejected columns, messages of an assistant or function role
+    /// (another role upstream drops the record).
+    fn sharegpt_answers(&self, r: &Map<String, Value>) -> Result<[Message; 2], RecordError> {
+        let c = &self.columns;
+        let answer = |column: &str| -> Result<Message, RecordError> {
+            let m = r.get(column).ok_or_else(|| RecordError::missing(column))?;
+            if !m.is_object() {
+                return Err(RecordError::wrong_type(column, "a message object", m));
+            }
+            let role = match c.tag(
+                role_tag(c, 0, m)
+                    .map_err(|_| RecordError::missing(&format!("{column}.{}", c.role_tag)))?,
+            ) {
+                Tag::Role(role @ (Role::Assistant | Role::Function)) => role,
+                _ => {
+                    return Err(RecordError::dropped(format!(
+                        "{column}.{} is not an assistant or function tag",
+                        c.role_tag
+                    )))
+                }
+            };
+            match m.get(&c.content_tag) {
+                Some(Value::String(s)) => Ok(msg(role, s)),
+                _ => Err(RecordError::missing(&format!("{column}.{}", c.content_tag))),
+            }
+        };
+        Ok([answer(&c.chosen)?, answer(&c.rejected)?])
+    }
+
+    /// A pairwise record as MindSpeed-LLM's `AlpacaStylePairwiseHandler._filter` encodes it: the
+    /// prompt messages plus each answer through the template's single-turn encoding, the answer's
+    /// ids its labels (the prompt's ignored), the eos after each answer with an `efficient_eos`
+    /// template. A record upstream cannot align (it raises) is an error.
+    fn process_pairwise(&self, record: &Map<String, Value>) -> Result<Document, RecordError> {
+        let (prompt, system, answers) = match self.format {
+            ChatFormat::Alpaca => {
+                let (prompt, system) = self.align_alpaca_prompt(record)?;
+                (prompt, system, self.alpaca_answers(record)?)
+            }
+            ChatFormat::Sharegpt => {
+                let (prompt, system) =
+                    self.align_sharegpt_messages(record, &self.columns, false)?;
+                if prompt.len() % 2 == 0 {
+                    return Err(RecordError::dropped(
+                        "a pairwise conversation's messages (its prompt) must be odd in number",
+                    ));
+                }
+                (prompt, system, self.sharegpt_answers(record)?)
+            }
+        };
+        let eos = self.tokenizer.eos().map(i64::from);
+        let mut out = Vec::with_capacity(4);
+        // both answers follow the chosen encoding's prompt (upstream drops the rejected one's,
+        // which a reasoning template may end differently)
+        let mut shared_prompt = None;
+        for answer in answers {
+            let messages: Vec<Message> = prompt.iter().cloned().chain([answer]).collect();
+            let (prompt_ids, mut answer_ids) =
+                self.template
+                    .encode_oneturn(self.tokenizer, &messages, &system)?;
+            let prompt_ids = shared_prompt.get_or_insert(prompt_ids);
+            if let (true, Some(e)) = (self.template.efficient_eos, eos) {
+                answer_ids.push(e);
+            }
+            let labels = std::iter::repeat_n(IGNORE, prompt_ids.len()).chain(answer_ids.clone());
+            out.push(vec![[&prompt_ids[..], &answer_ids].concat()]);
+            out.push(vec![labels.collect()]);
+        }
+        Ok(out)
     }
 
     /// The `[[query, answer], ...]` history column as messages (none when absent or null).
@@ -333,6 +459,45 @@ impl ChatHandler<'_> {
             &self.columns
         };
         let openai = c.messages == "messages";
+        let (mut aligned, system) = self.align_sharegpt_messages(r, c, openai)?;
+        if openai {
+            if !matches!(
+                aligned.first().map(|m| m.role),
+                Some(Role::User | Role::System)
+            ) {
+                return Err(RecordError::dropped(
+                    "first message must be from the user or the system",
+                ));
+            }
+            if aligned.last().map(|m| m.role) != Some(Role::Assistant) {
+                return Err(RecordError::dropped(
+                    "last message must be from the assistant",
+                ));
+            }
+        } else if aligned.len() % 2 != 0 {
+            return Err(RecordError::dropped("odd number of messages"));
+        }
+        let response = aligned.split_off(aligned.len() - 1);
+        Ok(Aligned {
+            prompt: aligned,
+            response,
+            system,
+            tools: if self.template.class() == TemplateClass::DeepSeek4 {
+                tools_text(r, c, openai)
+            } else {
+                String::new()
+            },
+        })
+    }
+
+    /// A conversation record's messages after its system prompt (each aligned by
+    /// [`Self::align_message`]), and the system prompt (its column's, or the first message's).
+    fn align_sharegpt_messages(
+        &self,
+        r: &Map<String, Value>,
+        c: &Columns,
+        openai: bool,
+    ) -> Result<(Vec<Message>, String), RecordError> {
         let messages = match r.get(&c.messages) {
             None => return Err(RecordError::missing(&c.messages)),
             Some(Value::Array(m)) => m,
@@ -364,34 +529,7 @@ impl ChatHandler<'_> {
         for (turn, (i, m)) in messages.iter().enumerate().skip(first).enumerate() {
             aligned.push(self.align_message(c, openai, turn, i, m)?);
         }
-        if openai {
-            if !matches!(
-                aligned.first().map(|m| m.role),
-                Some(Role::User | Role::System)
-            ) {
-                return Err(RecordError::dropped(
-                    "first message must be from the user or the system",
-                ));
-            }
-            if aligned.last().map(|m| m.role) != Some(Role::Assistant) {
-                return Err(RecordError::dropped(
-                    "last message must be from the assistant",
-                ));
-            }
-        } else if aligned.len() % 2 != 0 {
-            return Err(RecordError::dropped("odd number of messages"));
-        }
-        let response = aligned.split_off(aligned.len() - 1);
-        Ok(Aligned {
-            prompt: aligned,
-            response,
-            system,
-            tools: if self.template.class() == TemplateClass::DeepSeek4 {
-                tools_text(r, c, openai)
-            } else {
-                String::new()
-            },
-        })
+        Ok((aligned, system))
     }
 
     /// Message `i` of a conversation (`turn` after the system prompt). ShareGPT records must
@@ -440,6 +578,17 @@ impl ChatHandler<'_> {
         }
         openai_message(c, role, i, m)
     }
+}
+
+/// A pairwise answer column that is not text where upstream reads it.
+fn not_text(column: &str, at: usize) -> RecordError {
+    RecordError::invalid(
+        "wrong type",
+        format!(
+            "field {column:?} should be a string, or a list whose element {at} is one (as \
+             MindSpeed-LLM reads it)"
+        ),
+    )
 }
 
 /// The tools text the converters hand the template (read for deepseek4 only): the OpenAI
@@ -493,7 +642,11 @@ fn openai_message(c: &Columns, role: Role, i: usize, m: &Value) -> Result<Messag
 
 impl Handler for ChatHandler<'_> {
     fn keys(&self) -> Vec<String> {
-        INSTRUCTION_KEYS.iter().map(|s| s.to_string()).collect()
+        let keys = match self.pairwise {
+            true => &PAIRWISE_KEYS[..],
+            false => &INSTRUCTION_KEYS[..],
+        };
+        keys.iter().map(|s| s.to_string()).collect()
     }
 
     fn columns(&self) -> Vec<String> {
@@ -514,10 +667,17 @@ impl Handler for ChatHandler<'_> {
             names.push(c.tools.clone().unwrap_or_else(|| "tools".into()));
         }
         names.extend(c.system.iter().cloned());
+        if self.pairwise {
+            names.retain(|n| *n != c.response);
+            names.extend([c.chosen.clone(), c.rejected.clone()]);
+        }
         names
     }
 
     fn process(&self, record: &Map<String, Value>) -> Result<Document, RecordError> {
+        if self.pairwise {
+            return self.process_pairwise(record);
+        }
         let a = match self.format {
             ChatFormat::Alpaca => self.align_alpaca(record)?,
             ChatFormat::Sharegpt => self.align_sharegpt(record)?,

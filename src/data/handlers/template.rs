@@ -657,6 +657,60 @@ impl Template {
         }
     }
 
+    /// `encode_oneturn` (what MindSpeed-LLM's pairwise handlers call): every message but the
+    /// last as the prompt, the last (an answer) as the response, never truncated. The reasoning
+    /// template strips the thoughts of earlier answers always, the last's only with
+    /// `enable_thinking` false, and gives the empty thought to the last answer alone
+    /// (`ReasoningTemplate.encode_oneturn`); deepseek4's is not built.
+    pub fn encode_oneturn(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        system: &str,
+    ) -> Result<TurnIds, RecordError> {
+        let Some(last) = messages.len().checked_sub(1) else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let mut messages = messages.to_vec();
+        let reasoning = self.class == TemplateClass::Reasoning;
+        match self.class {
+            TemplateClass::DeepSeek4 => {
+                return Err(RecordError::invalid(
+                    "unsupported template",
+                    "the deepseek4 template's single-turn encoding (pairwise data) is not built",
+                ))
+            }
+            TemplateClass::Reasoning => {
+                for m in messages
+                    .iter_mut()
+                    .take(last.saturating_sub(1))
+                    .skip(1)
+                    .step_by(2)
+                {
+                    m.content = self.remove_thought(&m.content);
+                }
+                if self.enable_thinking == Some(false) {
+                    messages[last].content = self.remove_thought(&messages[last].content);
+                }
+            }
+            _ => {}
+        }
+        let mut encoded = self.encode_messages(tok, &messages, system)?;
+        let mut answer = encoded.pop().unwrap_or_default();
+        let mut prompt = encoded.concat();
+        let (open, close) = &self.thought_words;
+        let content = &messages[last].content;
+        if reasoning && !content.contains(open.as_str()) && !content.contains(close.as_str()) {
+            let empty = tok.encode(&format!("{open}{close}"), false)?;
+            let empty = empty.into_iter().map(i64::from);
+            match self.enable_thinking == Some(true) {
+                true => _ = answer.splice(0..0, empty),
+                false => prompt.extend(empty),
+            }
+        }
+        Ok((prompt, answer))
+    }
+
     /// `ReasoningTemplate.encode_multiturn` before `_make_pairs`. With `enable_thinking` false
     /// every answer loses its thoughts; then an answer holding neither thought word gets the
     /// empty thought (`thought_words[0] + thought_words[1]`, encoded on its own): at the end of
