@@ -232,6 +232,8 @@ pub const FLAGS: &[Flag] = &[
     used("dpo-label-smoothing", One, "MindSpeed-LLM: the sigmoid loss's label smoothing, 0 to 0.5 (default 0)"),
     used("pref-ftx", One, "MindSpeed-LLM: the weight of the chosen answers' mean negative log likelihood in the DPO loss (default 0)"),
     used("ref-model", One, "MindSpeed-LLM: the DPO reference; only the --load checkpoint (the weights training starts from) is built"),
+    inert("npu-deterministic", Nothing, "MindSpeed: deterministic NPU kernels; mindkit's results are deterministic always"),
+    inert("use-deter-comp", Nothing, "MindSpeed-LLM's deprecated alias of --npu-deterministic; mindkit's results are deterministic always"),
     inert("variable-seq-lengths", Nothing, "pipeline stages exchange each micro-batch's own length here; the math is the same"),
     inert("refer-model-iter", One, "MindSpeed-LLM: the reference's iteration when resuming DPO, which is refused here"),
     used("padded-samples", Nothing, "MindSpeed-LLM: pad the epoch to a multiple of the global batch"),
