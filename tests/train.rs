@@ -5569,6 +5569,33 @@ fn dpo_trains_on_data_tensor_and_pipeline_parallel_ranks_as_one_rank() {
     assert!(accuracies.iter().any(|&a| a > 0.0), "{one}");
     let losses = field(&one, "lm loss");
     assert!(losses.last() < losses.first(), "{one}");
+    // the policy starts as the reference: every pair's sigmoid loss is log 2
+    assert!((losses[0] - std::f64::consts::LN_2).abs() < 1e-6, "{one}");
+    let lora = [
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lora-target-modules",
+        "linear_qkv",
+        "linear_fc1",
+    ];
+    let adapted = field(&train(&lora), "lm loss");
+    assert!((adapted[0] - std::f64::consts::LN_2).abs() < 1e-6);
+    assert!(adapted.last() < adapted.first());
+    // validation reduces the pair losses as training does
+    let evaluated = train(&[
+        "--split",
+        "12,4,0",
+        "--eval-interval",
+        "5",
+        "--eval-iters",
+        "1",
+    ]);
+    assert!(
+        evaluated.contains("validation loss at iteration 5"),
+        "{evaluated}"
+    );
     for layout in [
         &["--world-size", "2"][..],
         &["--tensor-model-parallel-size", "2", "--sequence-parallel"],

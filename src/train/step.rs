@@ -34,9 +34,16 @@ impl<B: Backend> Trainer<B> {
         train: bool,
     ) -> Result<(Vec<PendingLoss<B::Tensor>>, u64)> {
         if let Some(mut reference) = self.reference.take() {
-            std::mem::swap(&mut self.params, &mut reference);
+            let swap = |params: &mut [B::Tensor], reference: &mut [Option<B::Tensor>]| {
+                for (p, r) in params.iter_mut().zip(reference) {
+                    if let Some(r) = r {
+                        std::mem::swap(p, r);
+                    }
+                }
+            };
+            swap(&mut self.params, &mut reference);
             let scored = self.step_batches(split, from, false);
-            std::mem::swap(&mut self.params, &mut reference);
+            swap(&mut self.params, &mut reference);
             self.reference = Some(reference);
             let download = |(loss, _): &PendingLoss<B::Tensor>| {
                 loss.as_ref().map(|t| self.b.download_f32(t)).transpose()

@@ -99,8 +99,9 @@ pub(super) struct Trainer<B: Backend> {
     /// The multi-token prediction depths' losses of the step (None without them).
     pub(super) mtp: Option<super::mtp::MtpTracker>,
     /// `--stage dpo`: the frozen reference (the weights training started from), in the
-    /// layout of `params`.
-    pub(super) reference: Option<Vec<B::Tensor>>,
+    /// layout of `params`: a copy of each trained parameter (the frozen ones, a LoRA base, are
+    /// the reference's already).
+    pub(super) reference: Option<Vec<Option<B::Tensor>>>,
     /// `--stage dpo`: the reference's row losses of each micro-batch of the pass about to run
     /// (on the last pipeline stage; none elsewhere).
     pub(super) reference_losses: Option<Vec<Option<Vec<f32>>>>,
@@ -269,8 +270,11 @@ impl<B: Backend> Trainer<B> {
         };
         t.resume(&trained)?;
         if t.cfg.preference.is_some() {
-            let copy = |p: &B::Tensor| t.b.download(p).and_then(|h| t.b.upload(&h));
-            t.reference = Some(t.params.iter().map(copy).collect::<Result<_, _>>()?);
+            let copy = |(p, &trained): (&B::Tensor, &bool)| {
+                (trained.then(|| t.b.download(p).and_then(|h| t.b.upload(&h)))).transpose()
+            };
+            let copies = t.params.iter().zip(&trained).map(copy);
+            t.reference = Some(copies.collect::<Result<_, _>>()?);
         }
         Ok(t)
     }
