@@ -68,14 +68,6 @@ pub(super) fn sft_config(
         }
         return Ok(None);
     }
-    if a.has("neat-pack") && !a.has("reset-attention-mask") {
-        // MindSpeed-LLM's dataset reads the documents' numbering only under
-        // --reset-attention-mask (decoder_packed_mtf_dataset.py); otherwise a pack is one sample
-        eprintln!(
-            "mindkit train: note: --neat-pack without --reset-attention-mask has no effect \
-             (as in MindSpeed-LLM): each pack is one causal sequence"
-        );
-    }
     if pairwise {
         // MindSpeed-LLM's pairwise samples carry no position ids or document lengths, which its
         // DPO get_batch reads under --reset-attention-mask.
@@ -84,6 +76,14 @@ pub(super) fn sft_config(
                 bail!("--{flag} does not apply to preference pairs (--is-pairwise-dataset)");
             }
         }
+    }
+    if a.has("neat-pack") && !a.has("reset-attention-mask") {
+        // MindSpeed-LLM's dataset reads the documents' numbering only under
+        // --reset-attention-mask (decoder_packed_mtf_dataset.py); otherwise a pack is one sample
+        eprintln!(
+            "mindkit train: note: --neat-pack without --reset-attention-mask has no effect \
+             (as in MindSpeed-LLM): each pack is one causal sequence"
+        );
     }
     if blend.prefixes.len() > 1 || blend.weights.is_some() {
         bail!(
