@@ -3,6 +3,9 @@
 //! (`mindspeed_llm/tasks/preprocess/utils.py` `convert_alpaca_to_intermediate`,
 //! `convert_sharegpt_to_intermediate`, `convert_openai_to_intermediate`), then encoded by a
 //! [`Template`] into (source, target) pairs: sources are masked in labels, targets kept.
+//! The pairwise handlers (`AlpacaStylePairwiseHandler`, `SharegptStylePairwiseHandler`) align
+//! a prompt with a chosen and a rejected answer and encode each with the template's single
+//! turn ([`PAIRWISE_KEYS`]).
 
 use serde_json::{Map, Value};
 

@@ -7,10 +7,12 @@
 //!   `moss` (MOSSInstructionHandler).
 //! * [`chat`]: MindSpeed-LLM's LLaMA-Factory-style handlers driven by a `--prompt-type`
 //!   [`template`]: `alpaca` with a prompt type (AlpacaStyleInstructionHandler) and `sharegpt`
-//!   (SharegptStyleInstructionHandler, OpenAIInstructionHandler for `messages` records).
+//!   (SharegptStyleInstructionHandler, OpenAIInstructionHandler for `messages` records), and
+//!   their preference-pair forms `alpaca-pairwise` / `sharegpt-pairwise` (DPO data).
 //!
 //! Instruction handlers write `input_ids`, `attention_mask`, `labels` with prompt tokens
-//! masked as `-100` in labels, aligned with `input_ids` (the shift happens in training).
+//! masked as `-100` in labels, aligned with `input_ids` (the shift happens in training); the
+//! pairwise ones `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`, `rejected_labels`.
 
 pub mod chat;
 pub mod pretrain;
