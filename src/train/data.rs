@@ -425,13 +425,14 @@ impl Source {
                 Ok(micro_batch(&padded(&out, rows), k, averaging))
             }
             Source::Pairwise { data, index, rows } => {
-                let mut pairs = Vec::with_capacity(ids.len());
+                let (mut out, mut rejected) = (Vec::new(), Vec::new());
                 for &pair in ids.iter().map(|&id| &index[id as usize]) {
-                    pairs.push(data.pair(pair as usize, rows.seq_length)?);
+                    let [(c_ids, c_labels), (r_ids, r_labels)] =
+                        data.pair(pair as usize, rows.seq_length)?;
+                    out.push((c_ids, c_labels, None));
+                    rejected.push((r_ids, r_labels, None));
                 }
-                let [chosen, rejected] = [0, 1]
-                    .map(|a| (pairs.iter()).map(move |p| (p[a].0.clone(), p[a].1.clone(), None)));
-                let out: Vec<_> = chosen.chain(rejected).collect();
+                out.append(&mut rejected);
                 Ok(micro_batch(&padded(&out, rows), k, averaging))
             }
         }

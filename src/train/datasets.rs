@@ -18,27 +18,32 @@ impl<B: Backend> Trainer<B> {
             None => (None, None),
         };
         if let Some(sft) = &c.sft {
-            type Build = Box<dyn Fn(std::ops::Range<usize>, u64) -> data::Source>;
-            let (order, rows) = (sft.order, sft.rows);
-            let (len, source): (usize, Build) = if sft.pairwise {
-                let ds = Arc::new(PairwiseDataset::open(&sft.prefix)?);
-                let len = ds.len();
-                let build = move |range, n| data::Source::Pairwise {
-                    data: ds.clone(),
-                    index: sft_index(range, n, order),
-                    rows,
-                };
-                (len, Box::new(build))
+            type Build = Box<dyn Fn(Vec<u64>) -> data::Source>;
+            let rows = sft.rows;
+            let (len, make): (usize, Build) = if sft.pairwise {
+                let data = Arc::new(PairwiseDataset::open(&sft.prefix)?);
+                let len = data.len();
+                (
+                    len,
+                    Box::new(move |index| data::Source::Pairwise {
+                        data: data.clone(),
+                        index,
+                        rows,
+                    }),
+                )
             } else {
-                let ds = Arc::new(SftDataset::open(&sft.prefix)?);
-                let len = ds.len();
-                let build = move |range, n| data::Source::Sft {
-                    data: ds.clone(),
-                    index: sft_index(range, n, order),
-                    rows,
-                };
-                (len, Box::new(build))
+                let data = Arc::new(SftDataset::open(&sft.prefix)?);
+                let len = data.len();
+                (
+                    len,
+                    Box::new(move |index| data::Source::Sft {
+                        data: data.clone(),
+                        index,
+                        rows,
+                    }),
+                )
             };
+            let source = |range, n| make(sft_index(range, n, sft.order));
             let ranges = legacy_split(&c.split, len)?;
             if ranges[0].is_empty() {
                 bail!(

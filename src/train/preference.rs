@@ -151,25 +151,6 @@ impl Dpo {
     }
 }
 
-/// The step's `rewards/accuracies` as Megatron logs a loss-dictionary entry: each
-/// micro-batch's, averaged over the data-parallel ranks and the step's micro-batches.
-#[derive(Debug, Default)]
-pub(super) struct AccuracyTracker {
-    sum: f64,
-}
-
-impl AccuracyTracker {
-    /// Add one micro-batch's.
-    pub(super) fn add(&mut self, accuracy: f64) {
-        self.sum += accuracy;
-    }
-
-    /// The step's sum of micro-batch accuracies on this rank, the tracker reset.
-    pub(super) fn take(&mut self) -> f64 {
-        std::mem::take(&mut self.sum)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -74,7 +74,7 @@ impl<B: Backend> Trainer<B> {
         let rows = (&policy[..], &reference[..]);
         let scored = dpo.score(rows, &prepared.mask, self.cfg.micro_batch, k);
         if train {
-            self.accuracy.add(scored.accuracy);
+            self.accuracy += scored.accuracy;
         }
         prepared.batch.dloss = scored.dloss;
         let loss = self.b.upload_f32(&[1], &[scored.loss as f32])?;

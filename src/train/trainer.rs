@@ -105,8 +105,8 @@ pub(super) struct Trainer<B: Backend> {
     /// `--stage dpo`: the reference's row losses of each micro-batch of the pass about to run
     /// (on the last pipeline stage; none elsewhere).
     pub(super) reference_losses: Option<Vec<Option<Vec<f32>>>>,
-    /// `--stage dpo`: the step's reward accuracies.
-    pub(super) accuracy: super::preference::AccuracyTracker,
+    /// `--stage dpo`: the sum of the step's micro-batches' reward accuracies on this rank.
+    pub(super) accuracy: f64,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -266,7 +266,7 @@ impl<B: Backend> Trainer<B> {
             cfg,
             reference: None,
             reference_losses: None,
-            accuracy: Default::default(),
+            accuracy: 0.0,
         };
         t.resume(&trained)?;
         if t.cfg.preference.is_some() {
@@ -299,7 +299,7 @@ impl<B: Backend> Trainer<B> {
         if self.cfg.preference.is_some() {
             // a loss-dictionary entry: the micro-batches' mean, averaged over the data-parallel
             // ranks (only the last pipeline stage holds them)
-            let mut sum = [self.accuracy.take()];
+            let mut sum = [std::mem::take(&mut self.accuracy)];
             for g in [group(&self.pp), group(&self.dp)].into_iter().flatten() {
                 g.all_reduce_f64(&mut sum, ReduceOp::Sum)?;
             }

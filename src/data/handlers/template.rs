@@ -17,7 +17,7 @@ mod truncation;
 
 use serde_json::Value;
 
-use super::RecordError;
+use super::{widen, RecordError};
 use crate::data::tokenizer::{Tokenizer, TokenizerError};
 use builtin::BUILTIN;
 pub use deepseek4::{Deepseek4Thinking, ReasoningEffort};
@@ -698,17 +698,32 @@ impl Template {
         let mut encoded = self.encode_messages(tok, &messages, system)?;
         let mut answer = encoded.pop().unwrap_or_default();
         let mut prompt = encoded.concat();
-        let (open, close) = &self.thought_words;
-        let content = &messages[last].content;
-        if reasoning && !content.contains(open.as_str()) && !content.contains(close.as_str()) {
-            let empty = tok.encode(&format!("{open}{close}"), false)?;
-            let empty = empty.into_iter().map(i64::from);
-            match self.enable_thinking == Some(true) {
-                true => _ = answer.splice(0..0, empty),
-                false => prompt.extend(empty),
-            }
+        if reasoning && !self.has_thought_words(&messages[last].content) {
+            self.add_empty_thought(&self.empty_thought(tok)?, &mut prompt, &mut answer);
         }
         Ok((prompt, answer))
+    }
+
+    /// Whether an answer holds either thought word.
+    fn has_thought_words(&self, content: &str) -> bool {
+        let (open, close) = &self.thought_words;
+        content.contains(open.as_str()) || content.contains(close.as_str())
+    }
+
+    /// The empty thought's ids: `thought_words[0] + thought_words[1]`, encoded on its own.
+    fn empty_thought(&self, tok: &Tokenizer) -> Result<Vec<i64>, RecordError> {
+        let (open, close) = &self.thought_words;
+        Ok(widen(&tok.encode(&format!("{open}{close}"), false)?))
+    }
+
+    /// The empty thought given to an answer without thought words: at the end of its prompt,
+    /// untrained, unless `enable_thinking` is true, which puts it at the start of the answer,
+    /// trained.
+    fn add_empty_thought(&self, empty: &[i64], prompt: &mut Vec<i64>, answer: &mut Vec<i64>) {
+        match self.enable_thinking == Some(true) {
+            true => _ = answer.splice(0..0, empty.iter().copied()),
+            false => prompt.extend(empty),
+        }
     }
 
     /// `ReasoningTemplate.encode_multiturn` before `_make_pairs`. With `enable_thinking` false
@@ -729,20 +744,11 @@ impl Template {
             }
         }
         let mut encoded = self.encode_messages(tok, &messages, system)?;
-        let (open, close) = &self.thought_words;
-        let empty_thought: Vec<i64> = tok
-            .encode(&format!("{open}{close}"), false)?
-            .into_iter()
-            .map(i64::from)
-            .collect();
+        let empty = self.empty_thought(tok)?;
         for (i, answer) in messages.iter().enumerate().skip(1).step_by(2) {
-            if answer.content.contains(open.as_str()) || answer.content.contains(close.as_str()) {
-                continue;
-            }
-            if self.enable_thinking == Some(true) {
-                encoded[i].splice(0..0, empty_thought.iter().copied());
-            } else {
-                encoded[i - 1].extend(&empty_thought);
+            if !self.has_thought_words(&answer.content) {
+                let (prompts, answers) = encoded.split_at_mut(i);
+                self.add_empty_thought(&empty, &mut prompts[i - 1], &mut answers[0]);
             }
         }
         Ok(encoded)
