@@ -307,7 +307,9 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "grouped_matmul_bwd",
         "softmax_topk",
         "permute",
+        "permute_bwd",
         "unpermute",
+        "unpermute_bwd",
         "layer_norm",
         "layer_norm_bwd",
         "squared_relu",
@@ -332,6 +334,8 @@ fn selftest_on_the_stand_in_checks_every_operator_against_the_cpu() {
         "aclnnGroupedMatmulV4",
         "aclnnMoeTokenPermute",
         "aclnnMoeTokenPermuteGrad",
+        "aclnnMoeTokenUnpermute",
+        "aclnnMoeTokenUnpermuteGrad",
         "aclnnMoeGatingTopKSoftmax",
         "aclnnLayerNorm",
         "aclnnLayerNormBackward",
@@ -453,7 +457,7 @@ fn moe_and_mla_generation_on_the_stand_in_equals_the_cpu() {
     let routing = [
         "aclnnMoeGatingTopKSoftmax",
         "aclnnMoeTokenPermute",
-        "aclnnMoeTokenPermuteGrad",
+        "aclnnMoeTokenUnpermute",
     ];
     for op in routing {
         assert!(counted.contains(&format!("\"{op}\"")), "{op}: {counted}");
@@ -508,10 +512,15 @@ fn longcat_flash_generation_on_the_stand_in_equals_the_cpu() {
     generates_as_the_cpu(dir.path(), &model);
 }
 
-/// Selftest on a stand-in without the kernels of `missing`: the warning names the operator
-/// and the composition `instead`, the `checks` rows pass, and the stand-in ran `used` in place
-/// of `missing`.
+/// Selftest on a stand-in without the kernels of `missing`: the one warning names the
+/// operator and the composition `instead`, the `checks` rows pass, and the stand-in ran `used`
+/// in place of `missing`.
 fn falls_back(missing: &[&str], instead: &str, checks: &[&str], used: &[&str]) {
+    falls_back_warning(missing, &[instead], checks, used);
+}
+
+/// [`falls_back`] with a warning for each of `instead`, the first naming `missing[0]`.
+fn falls_back_warning(missing: &[&str], instead: &[&str], checks: &[&str], used: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let (mut cmd, report) = on_stand_in(dir.path(), &["selftest", "--device", "npu"]);
     cmd.env("MINDKIT_STAND_IN_NO_KERNEL", missing.join(","));
@@ -522,8 +531,8 @@ fn falls_back(missing: &[&str], instead: &str, checks: &[&str], used: &[&str]) {
     );
     assert!(
         err.contains(&format!("no kernel of {}", missing[0]))
-            && err.contains(&format!("runs as {instead}"))
-            && err.matches("warning").count() == 1,
+            && (instead.iter()).all(|i| err.contains(&format!("runs as {i}")))
+            && err.matches("warning").count() == instead.len(),
         "{err}"
     );
     for check in checks {
@@ -595,11 +604,25 @@ fn without_a_grouped_matmul_kernel_experts_run_one_matmul_per_group() {
 }
 
 #[test]
-fn without_moe_permutation_kernels_tokens_move_by_index_gathers_and_adds() {
-    let instead = "aclnnIndexSelect + aclnnEmbeddingDenseBackward";
-    let checks = ["permute", "unpermute"];
-    let used = ["aclnnIndexSelect", "aclnnEmbeddingDenseBackward"];
-    falls_back(&["aclnnMoeTokenPermute"], instead, &checks, &used);
+fn without_a_permutation_kernel_tokens_move_on_the_routing_kernel_then_by_index_gathers() {
+    let checks = ["permute", "unpermute_bwd"];
+    let routing = "aclnnMoeInitRoutingV2";
+    falls_back(&["aclnnMoeTokenPermute"], routing, &checks, &[routing]);
+    let both = ["aclnnMoeTokenPermute", routing];
+    let instead = [routing, "aclnnIndexSelect"];
+    falls_back_warning(&both, &instead, &checks, &["aclnnIndexSelect"]);
+}
+
+#[test]
+fn without_unpermutation_kernels_sums_and_their_gradients_fall_back_to_their_neighbours() {
+    let sum = "aclnnMoeTokenPermuteGrad";
+    falls_back(&["aclnnMoeTokenUnpermute"], sum, &["unpermute"], &[sum]);
+    let gather = "aclnnMoeTokenPermute";
+    let grad = ["aclnnMoeTokenUnpermuteGrad"];
+    falls_back(&grad, "the permutation", &["unpermute_bwd"], &[gather]);
+    // and the permutation's gradient, once more the indexed add
+    let add = "aclnnEmbeddingDenseBackward";
+    falls_back(&[sum], add, &["permute_bwd"], &[add]);
 }
 
 #[test]
@@ -630,7 +653,7 @@ fn without_a_gating_kernel_the_router_logits_are_read_back_and_routed_on_the_hos
 }
 
 #[test]
-fn a_permutation_sorted_otherwise_than_stably_is_noticed_and_replaced_by_index_gathers() {
+fn permutations_sorted_otherwise_than_stably_are_noticed_and_replaced_by_index_gathers() {
     let dir = tempfile::tempdir().unwrap();
     let (mut cmd, _) = on_stand_in(dir.path(), &["selftest", "--device", "npu"]);
     cmd.env("MINDKIT_STAND_IN_UNSTABLE_SORT", "1");
@@ -639,10 +662,15 @@ fn a_permutation_sorted_otherwise_than_stably_is_noticed_and_replaced_by_index_g
         String::from_utf8_lossy(&out.get_output().stdout),
         String::from_utf8_lossy(&out.get_output().stderr),
     );
-    let why =
-        "sorts equal expert indices out of their tokens' order: MoE token permutation runs as";
+    // the permutation, then the routing operator that sorts as it does
+    let why = "sorts equal expert indices out of their tokens' order: ";
+    let instead = [
+        "MoE token permutation runs as aclnnMoeInitRoutingV2",
+        "MoE routing runs as aclnnIndexSelect",
+    ];
     assert!(
-        err.contains(why) && err.matches("warning").count() == 1,
+        instead.iter().all(|i| err.contains(&format!("{why}{i}")))
+            && err.matches("warning").count() == 2,
         "{err}"
     );
     assert!(table.contains(" 0 failed"), "{table}");

@@ -3724,11 +3724,17 @@ fn moe_on_the_npu_stand_in_matches_the_cpu() {
             let what = "multi-token prediction on the NPU stand-in";
             same_mtp_losses(&cpu, &npu, 1e-4, what);
         }
-        // The experts' tokens permuted by aclnnMoeTokenPermute, their outputs summed back by
-        // aclnnMoeTokenPermuteGrad where every choice is routed (zero-computation experts take
-        // some: then by the one-hot products of index_add_rows).
+        // The experts' tokens moved as MindSpeed's fused permutation moves and differentiates
+        // them: permuted by aclnnMoeTokenPermute, their outputs summed back by
+        // aclnnMoeTokenUnpermute, and the backward passes on their Grad operators, where every
+        // choice is routed (zero-computation experts take some: then by index_add_rows).
         let ran = |op: &str| counted["ops"].get(op).is_some();
-        let summed = routing == zero || ran("aclnnMoeTokenPermuteGrad");
+        let sums = [
+            "aclnnMoeTokenUnpermute",
+            "aclnnMoeTokenUnpermuteGrad",
+            "aclnnMoeTokenPermuteGrad",
+        ];
+        let summed = routing == zero || sums.iter().all(|op| ran(op));
         assert!(ran("aclnnMoeTokenPermute") && summed, "{counted}");
         // Phi-3.5-MoE's LayerNorms on aclnnLayerNorm and its backward
         let normed = ran("aclnnLayerNorm") && ran("aclnnLayerNormBackward");

@@ -315,18 +315,27 @@ pub trait Backend: Device {
     }
     /// The rows of `x [tokens, h]` the dispatch routes, in its permuted order (expert after
     /// expert, [`Dispatch::rows`]): `[d.len(), h]` (megatron-core moe_utils.py `permute`;
-    /// aclnnMoeTokenPermute on the NPU). Also the backward pass of [`Backend::unpermute`].
-    /// Overwrites.
+    /// aclnnMoeTokenPermute on the NPU, or aclnnMoeInitRoutingV2). Overwrites.
     fn permute(&self, x: &Self::Tensor, d: &Dispatch) -> Result<Self::Tensor> {
         dispatch::permute(self, x, d)
     }
+    /// The backward pass of [`Backend::permute`]: [`Backend::unpermute`]'s sum
+    /// (aclnnMoeTokenPermuteGrad on the NPU where every choice is routed, the operator
+    /// MindSpeed's fused permutation differentiates by). Overwrites.
+    fn permute_bwd(&self, dy: &Self::Tensor, d: &Dispatch) -> Result<Self::Tensor> {
+        dispatch::unpermute(self, dy, d)
+    }
     /// `[tokens, h]`: each token's permuted rows of `y [d.len(), h]` summed, as
     /// [`Backend::index_add_rows`] adds them into zeros (`unpermute` with the routing weights
-    /// applied before it, as megatron-core 0.15's experts apply them; aclnnMoeTokenPermuteGrad
-    /// on the NPU where every choice is routed). Also the backward pass of
-    /// [`Backend::permute`]. Overwrites.
+    /// applied before it, as megatron-core 0.15's experts apply them; on the NPU where every
+    /// choice is routed aclnnMoeTokenUnpermute, its probabilities ones). Overwrites.
     fn unpermute(&self, y: &Self::Tensor, d: &Dispatch) -> Result<Self::Tensor> {
         dispatch::unpermute(self, y, d)
+    }
+    /// The backward pass of [`Backend::unpermute`]: [`Backend::permute`]'s gather
+    /// (aclnnMoeTokenUnpermuteGrad on the NPU where every choice is routed). Overwrites.
+    fn unpermute_bwd(&self, dy: &Self::Tensor, d: &Dispatch) -> Result<Self::Tensor> {
+        dispatch::permute(self, dy, d)
     }
     /// `y[i] = x[i] · w[i]` for rows `x [n, c]` and f32 weights `w [n]`, the product in f32
     /// and stored in `x`'s dtype (aclnnMul, `w` broadcast as `[n, 1]`; an MoE expert's routing

@@ -262,6 +262,34 @@ fn cases<B: Backend>() -> Vec<Case<B>> {
             1.0,
             unpermute_some
         ),
+        case!(
+            "permute_bwd",
+            MoeRouting,
+            "[10,24] → [5,24] top-2, all routed",
+            1.0,
+            permute_bwd_all
+        ),
+        case!(
+            "permute_bwd",
+            MoeRouting,
+            "[7,24] → [5,24] top-2, 3 not routed",
+            1.0,
+            permute_bwd_some
+        ),
+        case!(
+            "unpermute_bwd",
+            MoeRouting,
+            "[5,24] top-2 of 3 experts, all routed",
+            1.0,
+            unpermute_bwd_all
+        ),
+        case!(
+            "unpermute_bwd",
+            MoeRouting,
+            "[5,24] top-2 of 3 experts, 3 not routed",
+            1.0,
+            unpermute_bwd_some
+        ),
         case!("scale_rows", Add, "[7,24] · [7]", 1.0, scale_rows),
         case!("row_dots", Norm, "[7,24] · [7,24]", 1.0, row_dots),
         case!("rms_norm", RmsNorm, "[7,48]", 1.0, rms_norm),
@@ -631,35 +659,71 @@ fn dispatch(routed: bool) -> Dispatch {
     Dispatch::new(choices, 2, 3).expect("whole tokens of three experts")
 }
 
-fn permute_of<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu, routed: bool) -> Result<Outputs> {
-    let (x, d) = (i.tensor(&[5, 24]), dispatch(routed));
+/// One of an MoE layer's token movements.
+#[derive(Clone, Copy)]
+enum Move {
+    Permute,
+    PermuteBwd,
+    Unpermute,
+    UnpermuteBwd,
+}
+
+/// `how` over [`dispatch`]`(routed)`: on a row per token where it takes tokens (the
+/// permutation, the unpermutation's gradient), on a row per routed choice otherwise.
+fn moved<B: Backend>(
+    i: &mut Inputs,
+    dut: &B,
+    cpu: &Cpu,
+    (how, routed): (Move, bool),
+) -> Result<Outputs> {
+    let d = dispatch(routed);
+    let rows = match how {
+        Move::Permute | Move::UnpermuteBwd => d.tokens(),
+        Move::PermuteBwd | Move::Unpermute => d.len(),
+    };
+    let x = i.tensor(&[rows, 24]);
     Ok(on_both!(dut, cpu, |b| {
-        vec![b.download_f32(&b.permute(&b.upload(&x)?, &d)?)?]
+        let x = b.upload(&x)?;
+        let y = match how {
+            Move::Permute => b.permute(&x, &d)?,
+            Move::PermuteBwd => b.permute_bwd(&x, &d)?,
+            Move::Unpermute => b.unpermute(&x, &d)?,
+            Move::UnpermuteBwd => b.unpermute_bwd(&x, &d)?,
+        };
+        vec![b.download_f32(&y)?]
     }))
 }
 
 fn permute_all<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
-    permute_of(i, dut, cpu, true)
+    moved(i, dut, cpu, (Move::Permute, true))
 }
 
 fn permute_some<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
-    permute_of(i, dut, cpu, false)
+    moved(i, dut, cpu, (Move::Permute, false))
 }
 
-fn unpermute_of<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu, routed: bool) -> Result<Outputs> {
-    let d = dispatch(routed);
-    let y = i.tensor(&[d.len(), 24]);
-    Ok(on_both!(dut, cpu, |b| {
-        vec![b.download_f32(&b.unpermute(&b.upload(&y)?, &d)?)?]
-    }))
+fn permute_bwd_all<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    moved(i, dut, cpu, (Move::PermuteBwd, true))
+}
+
+fn permute_bwd_some<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    moved(i, dut, cpu, (Move::PermuteBwd, false))
 }
 
 fn unpermute_all<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
-    unpermute_of(i, dut, cpu, true)
+    moved(i, dut, cpu, (Move::Unpermute, true))
 }
 
 fn unpermute_some<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
-    unpermute_of(i, dut, cpu, false)
+    moved(i, dut, cpu, (Move::Unpermute, false))
+}
+
+fn unpermute_bwd_all<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    moved(i, dut, cpu, (Move::UnpermuteBwd, true))
+}
+
+fn unpermute_bwd_some<B: Backend>(i: &mut Inputs, dut: &B, cpu: &Cpu) -> Result<Outputs> {
+    moved(i, dut, cpu, (Move::UnpermuteBwd, false))
 }
 
 /// The groups of the grouped matmul checks: one empty, as an expert no token chose.

@@ -150,10 +150,18 @@ pub struct Npu {
     flash: Fused,
     /// aclnnGroupedMatmulV4, or one aclnnMatmul per group ([`grouped`]).
     gmm: Fused,
-    /// aclnnMoeTokenPermute(Grad), or aclnnIndexSelect and aclnnEmbeddingDenseBackward
-    /// ([`moe`]); whether its sort was compared with the stable one yet.
+    /// An MoE layer's token movements ([`moe`]): aclnnMoeTokenPermute, or
+    /// aclnnMoeInitRoutingV2, or aclnnIndexSelect (each sort compared with the stable one on
+    /// its first use); aclnnMoeTokenPermuteGrad, or aclnnEmbeddingDenseBackward;
+    /// aclnnMoeTokenUnpermute, or aclnnMoeTokenPermuteGrad; aclnnMoeTokenUnpermuteGrad, or the
+    /// permutation.
     moe_permute: Fused,
     permute_checked: AtomicBool,
+    init_routing: Fused,
+    routing_checked: AtomicBool,
+    permute_grad: Fused,
+    moe_unpermute: Fused,
+    unpermute_grad: Fused,
     /// aclnnMoeGatingTopKSoftmax, or the logits read back and routed on the host ([`moe`]).
     gating: Fused,
     /// aclnnLayerNorm and aclnnLayerNormBackward, or the host's LayerNorm ([`norm`]).
@@ -223,10 +231,16 @@ impl Npu {
             && op.aclnnFlashAttentionUnpaddingScoreGrad.is_some();
         let gmm =
             op.aclnnGroupedMatmulV4GetWorkspaceSize.is_some() && op.aclnnGroupedMatmulV4.is_some();
-        let moe_permute = op.aclnnMoeTokenPermuteGetWorkspaceSize.is_some()
-            && op.aclnnMoeTokenPermute.is_some()
-            && op.aclnnMoeTokenPermuteGradGetWorkspaceSize.is_some()
+        let moe_permute =
+            op.aclnnMoeTokenPermuteGetWorkspaceSize.is_some() && op.aclnnMoeTokenPermute.is_some();
+        let init_routing = op.aclnnMoeInitRoutingV2GetWorkspaceSize.is_some()
+            && op.aclnnMoeInitRoutingV2.is_some();
+        let permute_grad = op.aclnnMoeTokenPermuteGradGetWorkspaceSize.is_some()
             && op.aclnnMoeTokenPermuteGrad.is_some();
+        let moe_unpermute = op.aclnnMoeTokenUnpermuteGetWorkspaceSize.is_some()
+            && op.aclnnMoeTokenUnpermute.is_some();
+        let unpermute_grad = op.aclnnMoeTokenUnpermuteGradGetWorkspaceSize.is_some()
+            && op.aclnnMoeTokenUnpermuteGrad.is_some();
         let gating = op.aclnnMoeGatingTopKSoftmaxGetWorkspaceSize.is_some()
             && op.aclnnMoeGatingTopKSoftmax.is_some();
         let layer_norm = op.aclnnLayerNormGetWorkspaceSize.is_some() && op.aclnnLayerNorm.is_some();
@@ -247,11 +261,16 @@ impl Npu {
                 "aclnnBatchMatMul + aclnnSoftmax(+Backward), one sequence at a time",
             ),
             gmm: Fused::new("grouped matmul", "one aclnnMatmul per group"),
-            moe_permute: Fused::new(
-                "MoE token permutation",
-                "aclnnIndexSelect + aclnnEmbeddingDenseBackward",
-            ),
+            moe_permute: Fused::new("MoE token permutation", "aclnnMoeInitRoutingV2"),
             permute_checked: AtomicBool::new(false),
+            init_routing: Fused::new("MoE routing", "aclnnIndexSelect"),
+            routing_checked: AtomicBool::new(false),
+            permute_grad: Fused::new(
+                "MoE token permutation's backward",
+                "aclnnEmbeddingDenseBackward",
+            ),
+            moe_unpermute: Fused::new("MoE token unpermutation", "aclnnMoeTokenPermuteGrad"),
+            unpermute_grad: Fused::new("MoE token unpermutation's backward", "the permutation"),
             gating: Fused::new(
                 "MoE top-k gating",
                 "the logits read back and routed on the host",
@@ -278,9 +297,19 @@ impl Npu {
         if !gmm {
             npu.gmm.give_up("has no function aclnnGroupedMatmulV4");
         }
-        if !moe_permute {
-            npu.moe_permute
-                .give_up("has no function aclnnMoeTokenPermute or aclnnMoeTokenPermuteGrad");
+        let moe = [
+            (moe_permute, &npu.moe_permute, "aclnnMoeTokenPermute"),
+            (init_routing, &npu.init_routing, "aclnnMoeInitRoutingV2"),
+            (permute_grad, &npu.permute_grad, "aclnnMoeTokenPermuteGrad"),
+            (moe_unpermute, &npu.moe_unpermute, "aclnnMoeTokenUnpermute"),
+            (
+                unpermute_grad,
+                &npu.unpermute_grad,
+                "aclnnMoeTokenUnpermuteGrad",
+            ),
+        ];
+        for (_, fused, op) in moe.into_iter().filter(|(there, ..)| !there) {
+            fused.give_up(&format!("has no function {op}"));
         }
         if !gating {
             npu.gating
@@ -855,8 +884,16 @@ impl Backend for Npu {
         self.permute_on(x, d)
     }
 
+    fn permute_bwd(&self, dy: &NpuTensor, d: &Dispatch) -> Result<NpuTensor> {
+        self.permute_bwd_on(dy, d)
+    }
+
     fn unpermute(&self, y: &NpuTensor, d: &Dispatch) -> Result<NpuTensor> {
         self.unpermute_on(y, d)
+    }
+
+    fn unpermute_bwd(&self, dy: &NpuTensor, d: &Dispatch) -> Result<NpuTensor> {
+        self.unpermute_bwd_on(dy, d)
     }
 
     fn scale_rows(&self, x: &NpuTensor, w: &NpuTensor) -> Result<NpuTensor> {

@@ -164,6 +164,30 @@ aclnnStatus aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(const aclTensor *x, const 
                                                       aclOpExecutor **executor);
 aclnnStatus aclnnMoeGatingTopKSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                       aclrtStream stream);
+/* aclnn_moe_token_unpermute.h, aclnn_moe_token_unpermute_grad.h */
+aclnnStatus aclnnMoeTokenUnpermuteGetWorkspaceSize(const aclTensor *permutedTokens, const aclTensor *sortedIndices,
+                                                   const aclTensor *probsOptional, bool paddedMode,
+                                                   const aclIntArray *restoreShapeOptional, aclTensor *out,
+                                                   uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnMoeTokenUnpermute(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                   aclrtStream stream);
+aclnnStatus aclnnMoeTokenUnpermuteGradGetWorkspaceSize(
+    const aclTensor *permuteTokens, const aclTensor *unpermutedTokensGrad, const aclTensor *sortedIndices,
+    const aclTensor *probsOptional, bool paddedMode, const aclIntArray *restoreShapeOptional,
+    aclTensor *permutedTokensGradOut, aclTensor *probsGradOut, uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnMoeTokenUnpermuteGrad(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                       aclrtStream stream);
+/* aclnn_moe_init_routing_v2.h */
+aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(const aclTensor *x, const aclTensor *expertIdx, int64_t activeNum,
+                                                  int64_t expertCapacity, int64_t expertNum, int64_t dropPadMode,
+                                                  int64_t expertTokensCountOrCumsumFlag,
+                                                  bool expertTokensBeforeCapacityFlag, const aclTensor *expandedXOut,
+                                                  const aclTensor *expandedRowIdxOut,
+                                                  const aclTensor *expertTokensCountOrCumsumOut,
+                                                  const aclTensor *expertTokensBeforeCapacityOut,
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor);
+aclnnStatus aclnnMoeInitRoutingV2(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                  aclrtStream stream);
 aclnnStatus aclnnLogSoftmaxGetWorkspaceSize(const aclTensor *self, int64_t dim, aclTensor *out,
                                             uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnLogSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream);

@@ -250,6 +250,29 @@ pub mod opapi {
         fn aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(x: *const aclTensor, finished_optional: *const aclTensor, k: i64, y_out: *const aclTensor, expert_idx_out: *const aclTensor, row_idx_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnMoeGatingTopKSoftmaxGetWorkspaceSize`].
         fn aclnnMoeGatingTopKSoftmax(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// Each token's `topK` rows of `permuted_tokens [tokens·topK, h]` (at `sorted_indices`,
+        /// int32) times `probs_optional [tokens, topK]` summed into `out [tokens, h]`; without
+        /// probs `topK` is 1 (a gather). `padded_mode` must be false and
+        /// `restore_shape_optional` null. Optional: without it, aclnnMoeTokenPermuteGrad.
+        fn aclnnMoeTokenUnpermuteGetWorkspaceSize(permuted_tokens: *const aclTensor, sorted_indices: *const aclTensor, probs_optional: *const aclTensor, padded_mode: bool, restore_shape_optional: *const aclIntArray, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMoeTokenUnpermuteGetWorkspaceSize`].
+        fn aclnnMoeTokenUnpermute(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// The backward pass of [`Functions::aclnnMoeTokenUnpermuteGetWorkspaceSize`]:
+        /// `permuted_tokens_grad_out[sorted_indices[i·topK + j]] = unpermuted_tokens_grad[i] ·
+        /// probs[i, j]`, and `probs_grad_out [tokens, topK]` each row's products with
+        /// `permute_tokens`. Optional: without it, the permutation.
+        fn aclnnMoeTokenUnpermuteGradGetWorkspaceSize(permute_tokens: *const aclTensor, unpermuted_tokens_grad: *const aclTensor, sorted_indices: *const aclTensor, probs_optional: *const aclTensor, padded_mode: bool, restore_shape_optional: *const aclIntArray, permuted_tokens_grad_out: *mut aclTensor, probs_grad_out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMoeTokenUnpermuteGradGetWorkspaceSize`].
+        fn aclnnMoeTokenUnpermuteGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
+        /// An MoE layer's routing: `expert_idx [rows, k]` flattened and sorted,
+        /// `expanded_x_out[i]` = the row of the i-th (the first `active_num` kept; 0: all),
+        /// `expanded_row_idx_out [rows·k]` (int32) each choice's place, and, as
+        /// `expert_tokens_count_or_cumsum_flag` asks (1 cumulative, 2 counts, 0 none), each
+        /// expert's tokens. `drop_pad_mode` 1 pads each expert to `expert_capacity`. Optional:
+        /// without it, aclnnIndexSelect.
+        fn aclnnMoeInitRoutingV2GetWorkspaceSize(x: *const aclTensor, expert_idx: *const aclTensor, active_num: i64, expert_capacity: i64, expert_num: i64, drop_pad_mode: i64, expert_tokens_count_or_cumsum_flag: i64, expert_tokens_before_capacity_flag: bool, expanded_x_out: *const aclTensor, expanded_row_idx_out: *const aclTensor, expert_tokens_count_or_cumsum_out: *const aclTensor, expert_tokens_before_capacity_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        /// Launch of [`Functions::aclnnMoeInitRoutingV2GetWorkspaceSize`].
+        fn aclnnMoeInitRoutingV2(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
         /// out = (input − mean)·rstd·weight + bias over the trailing `normalized_shape`, the
         /// rows' mean and rstd saved (`[rows, 1]`, fp32 here). Optional: without it (or a
         /// kernel for the SoC) LayerNorm runs on the host.

@@ -124,6 +124,9 @@ launches!(
     aclnnMoeTokenPermute,
     aclnnMoeTokenPermuteGrad,
     aclnnMoeGatingTopKSoftmax,
+    aclnnMoeTokenUnpermute,
+    aclnnMoeTokenUnpermuteGrad,
+    aclnnMoeInitRoutingV2,
 );
 
 /// Every function ascendcl-sys declares for libnnopbase and libopapi is exported here with its
@@ -207,6 +210,14 @@ fn exports_have_the_declared_types() {
         aclnnMoeTokenPermuteGrad: Some(aclnnMoeTokenPermuteGrad),
         aclnnMoeGatingTopKSoftmaxGetWorkspaceSize: Some(aclnnMoeGatingTopKSoftmaxGetWorkspaceSize),
         aclnnMoeGatingTopKSoftmax: Some(aclnnMoeGatingTopKSoftmax),
+        aclnnMoeTokenUnpermuteGetWorkspaceSize: Some(aclnnMoeTokenUnpermuteGetWorkspaceSize),
+        aclnnMoeTokenUnpermute: Some(aclnnMoeTokenUnpermute),
+        aclnnMoeTokenUnpermuteGradGetWorkspaceSize: Some(
+            aclnnMoeTokenUnpermuteGradGetWorkspaceSize,
+        ),
+        aclnnMoeTokenUnpermuteGrad: Some(aclnnMoeTokenUnpermuteGrad),
+        aclnnMoeInitRoutingV2GetWorkspaceSize: Some(aclnnMoeInitRoutingV2GetWorkspaceSize),
+        aclnnMoeInitRoutingV2: Some(aclnnMoeInitRoutingV2),
         aclnnLayerNormGetWorkspaceSize: Some(aclnnLayerNormGetWorkspaceSize),
         aclnnLayerNorm: Some(aclnnLayerNorm),
         aclnnLayerNormBackwardGetWorkspaceSize: Some(aclnnLayerNormBackwardGetWorkspaceSize),

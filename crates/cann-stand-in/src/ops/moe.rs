@@ -8,6 +8,19 @@
 //! at most 512, as the documentation says; the indices are checked at launch. The sort is
 //! stable unless `MINDKIT_STAND_IN_UNSTABLE_SORT` is set.
 //!
+//! aclnnMoeTokenUnpermute and aclnnMoeTokenUnpermuteGrad (moe/moe_token_unpermute/docs/
+//! aclnnMoeTokenUnpermute.md, moe/moe_token_unpermute_grad/docs/aclnnMoeTokenUnpermuteGrad.md),
+//! without padded mode or a restore shape: each token's `topK` rows at `sortedIndices` times
+//! its probabilities summed (without probabilities `topK` is 1); the gradient writes each
+//! choice's row of the token's gradient times its probability at its place and each
+//! probability's gradient, the product with the permuted token there. The gradient takes
+//! probabilities and every input its op_api checks as required (`permuteTokens`,
+//! `probsGradOut`), and refuses places that repeat. aclnnMoeInitRoutingV2
+//! (moe/moe_init_routing_v2/docs/aclnnMoeInitRoutingV2.md) in its dropless mode (`dropPadMode`
+//! 0; the stand-in has no drop/pad mode): the permutation's sort and gather, the first
+//! `activeNum` kept (0: all), `expandedRowIdxOut` each choice's place, the experts' token
+//! counts or their running sum when asked, which needs every index below `expertNum`.
+//!
 //! Before them, aclnnMoeGatingTopKSoftmax (ops-transformer moe/moe_gating_top_k_softmax/docs/
 //! aclnnMoeGatingTopKSoftmax.md): each row's softmax and its top-k, without `finishedOptional`
 //! (which must be null), `k` at most 1024.
@@ -15,7 +28,7 @@
 use super::{checked_index, Ex, Ws, HEAVY};
 use crate::aclnn::{ensure, phase1, Kernel};
 use crate::view::View;
-use ascendcl_sys::aclnn::{aclTensor, aclnnStatus};
+use ascendcl_sys::aclnn::{aclIntArray, aclTensor, aclnnStatus};
 use ascendcl_sys::ACL_INT32;
 
 /// The indices' bound (exclusive), on their values and on their count.
@@ -90,30 +103,39 @@ fn unstable() -> bool {
     std::env::var_os("MINDKIT_STAND_IN_UNSTABLE_SORT").is_some()
 }
 
+/// The flattened expert indices `values` (each checked to lie in `[0, limit)`, named `what`)
+/// sorted: the choices in sorted order, and each choice's place in it.
+fn sorted(values: &[i64], limit: i64, what: &str) -> Result<(Vec<usize>, Vec<f64>), String> {
+    if let Some((i, v)) = (values.iter().enumerate()).find(|(_, v)| !(0..limit).contains(*v)) {
+        return Err(format!("{what}[{i}] = {v} is outside [0, {limit})"));
+    }
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    match unstable() {
+        false => order.sort_by_key(|&i| values[i]),
+        true => order.sort_by_key(|&i| (values[i], std::cmp::Reverse(i))),
+    }
+    let mut places = vec![0f64; order.len()];
+    for (at, &i) in order.iter().enumerate() {
+        places[i] = at as f64;
+    }
+    Ok((order, places))
+}
+
+/// The rows of `x` the first `out.dims[0]` sorted choices (`topk` per row) take, into `out`.
+fn gather_sorted(x: &View, order: &[usize], topk: usize, out: &View) {
+    let mut rows = Vec::with_capacity(out.numel());
+    for &i in &order[..out.dims[0]] {
+        rows.extend(x.row(i / topk).read());
+    }
+    out.write(&rows);
+}
+
 /// The permutation's kernel.
-fn permute(x: View, ids: View, topk: usize, (out, sorted): (View, View)) -> Kernel {
+fn permute(x: View, ids: View, topk: usize, (out, sorted_out): (View, View)) -> Kernel {
     Box::new(move || {
-        let values = ids.read_int();
-        if let Some((i, v)) =
-            (values.iter().enumerate()).find(|(_, v)| !(0..INDEX_LIMIT).contains(*v))
-        {
-            return Err(format!("indices[{i}] = {v} is outside [0, {INDEX_LIMIT})"));
-        }
-        let mut order: Vec<usize> = (0..values.len()).collect();
-        match unstable() {
-            false => order.sort_by_key(|&i| values[i]),
-            true => order.sort_by_key(|&i| (values[i], std::cmp::Reverse(i))),
-        }
-        let mut places = vec![0f64; order.len()];
-        for (at, &i) in order.iter().enumerate() {
-            places[i] = at as f64;
-        }
-        let mut rows = Vec::with_capacity(out.numel());
-        for &i in &order[..out.dims[0]] {
-            rows.extend(x.row(i / topk).read());
-        }
-        out.write(&rows);
-        sorted.write_f64(&places);
+        let (order, places) = sorted(&ids.read_int(), INDEX_LIMIT, "indices")?;
+        gather_sorted(&x, &order, topk, &out);
+        sorted_out.write_f64(&places);
         Ok(())
     })
 }
@@ -155,21 +177,285 @@ pub extern "C" fn aclnnMoeTokenPermuteGradGetWorkspaceSize(
         p.shape(&places, "sortedIndices", &[all])?;
         p.shape(&o, "out", &[all / topk, h])?;
         p.dtype(&o, "out", dy.dtype)?;
-        Ok((HEAVY, permute_grad(dy, places, topk, o)))
+        Ok((HEAVY, unpermute(dy, places, (None, topk), o)))
     })
 }
 
-/// The gradient's kernel: each token's rows summed in f32, its choices in order.
-fn permute_grad(dy: View, places: View, topk: usize, out: View) -> Kernel {
+/// The kernel of the gradient and of the unpermutation: each token's rows (times its
+/// probabilities, where given) summed in f32, its choices in order.
+fn unpermute(rows: View, places: View, (probs, topk): (Option<View>, usize), out: View) -> Kernel {
     Box::new(move || {
-        let (rows, h) = (dy.dims[0], dy.dims[1]);
+        let (all, h) = (rows.dims[0], rows.dims[1]);
+        let weights = probs.as_ref().map_or_else(|| vec![1.0; all], View::read);
         let mut sums = vec![0f32; out.numel()];
         for (i, place) in places.read_int().into_iter().enumerate() {
-            let row = dy.row(checked_index(place, i, rows)?).read();
+            let row = rows.row(checked_index(place, i, all)?).read();
             let sum = &mut sums[(i / topk) * h..(i / topk + 1) * h];
-            sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+            let w = weights[i];
+            sum.iter_mut().zip(row).for_each(|(s, v)| *s += v * w);
         }
         out.write(&sums);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
+    permuted_tokens: *const aclTensor,
+    sorted_indices: *const aclTensor,
+    probs_optional: *const aclTensor,
+    padded_mode: bool,
+    restore_shape_optional: *const aclIntArray,
+    out: *mut aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1("aclnnMoeTokenUnpermute", workspace_size, executor, |p| {
+        ensure!(p, !padded_mode, "paddedMode true: only false is supported");
+        p.absent(restore_shape_optional, "restoreShapeOptional")?;
+        let rows = p.input(permuted_tokens, "permutedTokens")?;
+        let places = p.input(sorted_indices, "sortedIndices")?;
+        let probs = p.opt_input(probs_optional, "probsOptional")?;
+        let o = p.output(out, "out")?;
+        p.float(&rows, "permutedTokens")?;
+        p.dtype(&places, "sortedIndices", ACL_INT32)?;
+        ensure!(
+            p,
+            rows.rank() == 2,
+            "permutedTokens {:?} is not 2-D",
+            rows.dims
+        );
+        let (all, h) = (rows.dims[0], rows.dims[1]);
+        // without probs each token has one row (topK 1)
+        let (tokens, topk) = match &probs {
+            Some(pr) => {
+                p.float(pr, "probsOptional")?;
+                ensure!(p, pr.rank() == 2, "probsOptional {:?} is not 2-D", pr.dims);
+                (pr.dims[0], pr.dims[1])
+            }
+            None => (all, 1),
+        };
+        ensure!(
+            p,
+            (1..=MAX_TOPK).contains(&topk) && tokens * topk == all,
+            "permutedTokens has {all} rows, not tokens {tokens} × topK {topk} (at most {MAX_TOPK})"
+        );
+        p.shape(&places, "sortedIndices", &[all])?;
+        p.shape(&o, "out", &[tokens, h])?;
+        p.dtype(&o, "out", rows.dtype)?;
+        Ok((HEAVY, unpermute(rows, places, (probs, topk), o)))
+    })
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn aclnnMoeTokenUnpermuteGradGetWorkspaceSize(
+    permute_tokens: *const aclTensor,
+    unpermuted_tokens_grad: *const aclTensor,
+    sorted_indices: *const aclTensor,
+    probs_optional: *const aclTensor,
+    padded_mode: bool,
+    restore_shape_optional: *const aclIntArray,
+    permuted_tokens_grad_out: *mut aclTensor,
+    probs_grad_out: *mut aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1(
+        "aclnnMoeTokenUnpermuteGrad",
+        workspace_size,
+        executor,
+        |p| {
+            ensure!(p, !padded_mode, "paddedMode true: only false is supported");
+            p.absent(restore_shape_optional, "restoreShapeOptional")?;
+            ensure!(
+                p,
+                !probs_optional.is_null(),
+                "probsOptional is null: the stand-in takes probs"
+            );
+            let rows = p.input(permute_tokens, "permuteTokens")?;
+            let dy = p.input(unpermuted_tokens_grad, "unpermutedTokensGrad")?;
+            let places = p.input(sorted_indices, "sortedIndices")?;
+            let probs = p.input(probs_optional, "probsOptional")?;
+            let drows = p.output(permuted_tokens_grad_out, "permutedTokensGradOut")?;
+            let dprobs = p.output(probs_grad_out, "probsGradOut")?;
+            p.float(&rows, "permuteTokens")?;
+            p.float(&probs, "probsOptional")?;
+            p.dtype(&places, "sortedIndices", ACL_INT32)?;
+            ensure!(
+                p,
+                rows.rank() == 2 && probs.rank() == 2,
+                "permuteTokens {:?} and probsOptional {:?} must be 2-D",
+                rows.dims,
+                probs.dims
+            );
+            let (all, h) = (rows.dims[0], rows.dims[1]);
+            let (tokens, topk) = (probs.dims[0], probs.dims[1]);
+            ensure!(
+            p,
+            (1..=MAX_TOPK).contains(&topk) && tokens * topk == all,
+            "permuteTokens has {all} rows, not tokens {tokens} × topK {topk} (at most {MAX_TOPK})"
+        );
+            p.shape(&dy, "unpermutedTokensGrad", &[tokens, h])?;
+            p.dtype(&dy, "unpermutedTokensGrad", rows.dtype)?;
+            p.shape(&places, "sortedIndices", &[all])?;
+            p.shape(&drows, "permutedTokensGradOut", &[all, h])?;
+            p.dtype(&drows, "permutedTokensGradOut", rows.dtype)?;
+            p.shape(&dprobs, "probsGradOut", &[tokens, topk])?;
+            p.dtype(&dprobs, "probsGradOut", probs.dtype)?;
+            let kernel = unpermute_grad((rows, dy, places, probs), topk, (drows, dprobs));
+            Ok((HEAVY, kernel))
+        },
+    )
+}
+
+/// The unpermutation's gradient's kernel: each choice's row of the token's gradient times its
+/// probability, at its place (the places a permutation: no place twice), and each
+/// probability's gradient, that row's product with the permuted token there, in f32.
+fn unpermute_grad(
+    (rows, dy, places, probs): (View, View, View, View),
+    topk: usize,
+    (drows, dprobs): (View, View),
+) -> Kernel {
+    Box::new(move || {
+        let (all, h) = (rows.dims[0], rows.dims[1]);
+        let (dy, probs) = (dy.read(), probs.read());
+        let mut grad = vec![0f32; all * h];
+        let mut seen = vec![false; all];
+        let mut dprob = Vec::with_capacity(all);
+        for (i, place) in places.read_int().into_iter().enumerate() {
+            let at = checked_index(place, i, all)?;
+            if std::mem::replace(&mut seen[at], true) {
+                return Err(format!("sortedIndices repeats {at} (element {i})"));
+            }
+            let g = &dy[(i / topk) * h..(i / topk + 1) * h];
+            let out = &mut grad[at * h..(at + 1) * h];
+            out.iter_mut().zip(g).for_each(|(o, &v)| *o = v * probs[i]);
+            dprob.push(g.iter().zip(rows.row(at).read()).map(|(a, b)| a * b).sum());
+        }
+        drows.write(&grad);
+        dprobs.write(&dprob);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn aclnnMoeInitRoutingV2GetWorkspaceSize(
+    x: *const aclTensor,
+    expert_idx: *const aclTensor,
+    active_num: i64,
+    expert_capacity: i64,
+    expert_num: i64,
+    drop_pad_mode: i64,
+    expert_tokens_count_or_cumsum_flag: i64,
+    expert_tokens_before_capacity_flag: bool,
+    expanded_x_out: *const aclTensor,
+    expanded_row_idx_out: *const aclTensor,
+    expert_tokens_count_or_cumsum_out: *const aclTensor,
+    expert_tokens_before_capacity_out: *const aclTensor,
+    workspace_size: Ws,
+    executor: Ex,
+) -> aclnnStatus {
+    phase1("aclnnMoeInitRoutingV2", workspace_size, executor, |p| {
+        let counting = expert_tokens_count_or_cumsum_flag;
+        ensure!(
+            p,
+            drop_pad_mode == 0 && !expert_tokens_before_capacity_flag,
+            "dropPadMode {drop_pad_mode}: the stand-in takes 0 (dropless), without \
+             expertTokensBeforeCapacityOut"
+        );
+        p.absent(
+            expert_tokens_before_capacity_out,
+            "expertTokensBeforeCapacityOut",
+        )?;
+        ensure!(
+            p,
+            active_num >= 0 && expert_capacity >= 0 && expert_num >= 0,
+            "activeNum {active_num}, expertCapacity {expert_capacity} and expertNum \
+             {expert_num} must not be negative"
+        );
+        ensure!(
+            p,
+            (0..=2).contains(&counting) && (counting == 0 || expert_num > 0),
+            "expertTokensCountOrCumsumFlag {counting} is not 0, 1 or 2 (and 1, 2 need expertNum)"
+        );
+        let tokens = p.input(x, "x")?;
+        let ids = p.input(expert_idx, "expertIdx")?;
+        let expanded = p.output(expanded_x_out, "expandedXOut")?;
+        let places = p.output(expanded_row_idx_out, "expandedRowIdxOut")?;
+        let counts = match counting {
+            0 => None,
+            _ => Some(p.output(
+                expert_tokens_count_or_cumsum_out,
+                "expertTokensCountOrCumsumOut",
+            )?),
+        };
+        if counting == 0 {
+            p.absent(
+                expert_tokens_count_or_cumsum_out,
+                "expertTokensCountOrCumsumOut",
+            )?;
+        }
+        p.float(&tokens, "x")?;
+        p.dtype(&ids, "expertIdx", ACL_INT32)?;
+        ensure!(p, tokens.rank() == 2, "x {:?} is not 2-D", tokens.dims);
+        let (n, h) = (tokens.dims[0], tokens.dims[1]);
+        let k = match ids.dims[..] {
+            [rows, k] if rows == n => k,
+            [rows] if rows == n => 1,
+            _ => {
+                return Err(p.invalid(format!("expertIdx {:?} is not [{n}, k] or [{n}]", ids.dims)))
+            }
+        };
+        let all = n * k;
+        let kept = match active_num {
+            0 => all,
+            active => all.min(active as usize),
+        };
+        p.shape(&expanded, "expandedXOut", &[kept, h])?;
+        p.dtype(&expanded, "expandedXOut", tokens.dtype)?;
+        p.shape(&places, "expandedRowIdxOut", &[all])?;
+        p.dtype(&places, "expandedRowIdxOut", ACL_INT32)?;
+        if let Some(c) = &counts {
+            p.shape(c, "expertTokensCountOrCumsumOut", &[expert_num as usize])?;
+            p.dtype(c, "expertTokensCountOrCumsumOut", ACL_INT32)?;
+        }
+        // counting needs each index to be an expert; otherwise any index ≥ 0 sorts
+        let limit = if counting == 0 { i64::MAX } else { expert_num };
+        let kernel = init_routing(
+            (tokens, ids),
+            (k, limit, counting),
+            (expanded, places, counts),
+        );
+        Ok((HEAVY, kernel))
+    })
+}
+
+/// The routing's kernel: the permutation's sort and gather, and each expert's tokens
+/// (`counting` 2) or their running sum (1).
+fn init_routing(
+    (x, ids): (View, View),
+    (k, limit, counting): (usize, i64, i64),
+    (expanded, places, counts): (View, View, Option<View>),
+) -> Kernel {
+    Box::new(move || {
+        let values = ids.read_int();
+        let (order, place) = sorted(&values, limit, "expertIdx")?;
+        gather_sorted(&x, &order, k, &expanded);
+        places.write_f64(&place);
+        if let Some(c) = &counts {
+            let mut per = vec![0f64; c.numel()];
+            values.iter().for_each(|&e| per[e as usize] += 1.0);
+            if counting == 1 {
+                per.iter_mut().fold(0.0, |sum, v| {
+                    *v += sum;
+                    *v
+                });
+            }
+            c.write_f64(&per);
+        }
         Ok(())
     })
 }

@@ -168,7 +168,7 @@ impl Local<'_> {
                 let trained = |ws: &[usize]| -> Vec<Option<usize>> {
                     ws.iter().map(|&i| p.trainable[i].then_some(i)).collect()
                 };
-                let dyp = b.permute(dy, &g.dispatch)?;
+                let dyp = b.unpermute_bwd(dy, &g.dispatch)?;
                 let mut dw2 = grads_at(grads, &trained(&fc2));
                 let dscaled =
                     b.grouped_matmul_bwd(&dyp, &g.scaled, &params(p, &fc2), &g.counts, &mut dw2)?;
@@ -182,7 +182,7 @@ impl Local<'_> {
                 for (&i, d) in g.dispatch.order().iter().zip(dw) {
                     dweights[i / k][i % k] = d;
                 }
-                b.unpermute(&dxp, &g.dispatch)
+                b.permute_bwd(&dxp, &g.dispatch)
             }
             Saved::Each(each) => {
                 let mut dx = b.zeros(b.shape(x), b.dtype(x))?;
