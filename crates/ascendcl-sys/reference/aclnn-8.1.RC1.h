@@ -164,17 +164,19 @@ aclnnStatus aclnnMoeGatingTopKSoftmaxGetWorkspaceSize(const aclTensor *x, const 
                                                       aclOpExecutor **executor);
 aclnnStatus aclnnMoeGatingTopKSoftmax(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                       aclrtStream stream);
-/* aclnn_moe_token_unpermute.h, aclnn_moe_token_unpermute_grad.h */
+/* aclnn_moe_token_unpermute.h, aclnn_moe_token_unpermute_grad.h (the generated headers, outputs const as in
+ * the permutation's; ops-transformer's later op_api sources drop the const, the same ABI) */
 aclnnStatus aclnnMoeTokenUnpermuteGetWorkspaceSize(const aclTensor *permutedTokens, const aclTensor *sortedIndices,
                                                    const aclTensor *probsOptional, bool paddedMode,
-                                                   const aclIntArray *restoreShapeOptional, aclTensor *out,
+                                                   const aclIntArray *restoreShapeOptional, const aclTensor *out,
                                                    uint64_t *workspaceSize, aclOpExecutor **executor);
 aclnnStatus aclnnMoeTokenUnpermute(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                    aclrtStream stream);
 aclnnStatus aclnnMoeTokenUnpermuteGradGetWorkspaceSize(
     const aclTensor *permuteTokens, const aclTensor *unpermutedTokensGrad, const aclTensor *sortedIndices,
     const aclTensor *probsOptional, bool paddedMode, const aclIntArray *restoreShapeOptional,
-    aclTensor *permutedTokensGradOut, aclTensor *probsGradOut, uint64_t *workspaceSize, aclOpExecutor **executor);
+    const aclTensor *permutedTokensGradOut, const aclTensor *probsGradOut, uint64_t *workspaceSize,
+    aclOpExecutor **executor);
 aclnnStatus aclnnMoeTokenUnpermuteGrad(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                                        aclrtStream stream);
 /* aclnn_moe_init_routing_v2.h */

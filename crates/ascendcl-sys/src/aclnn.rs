@@ -254,14 +254,14 @@ pub mod opapi {
         /// int32) times `probs_optional [tokens, topK]` summed into `out [tokens, h]`; without
         /// probs `topK` is 1 (a gather). `padded_mode` must be false and
         /// `restore_shape_optional` null. Optional: without it, aclnnMoeTokenPermuteGrad.
-        fn aclnnMoeTokenUnpermuteGetWorkspaceSize(permuted_tokens: *const aclTensor, sorted_indices: *const aclTensor, probs_optional: *const aclTensor, padded_mode: bool, restore_shape_optional: *const aclIntArray, out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        fn aclnnMoeTokenUnpermuteGetWorkspaceSize(permuted_tokens: *const aclTensor, sorted_indices: *const aclTensor, probs_optional: *const aclTensor, padded_mode: bool, restore_shape_optional: *const aclIntArray, out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnMoeTokenUnpermuteGetWorkspaceSize`].
         fn aclnnMoeTokenUnpermute(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
         /// The backward pass of [`Functions::aclnnMoeTokenUnpermuteGetWorkspaceSize`]:
         /// `permuted_tokens_grad_out[sorted_indices[i·topK + j]] = unpermuted_tokens_grad[i] ·
         /// probs[i, j]`, and `probs_grad_out [tokens, topK]` each row's products with
         /// `permute_tokens`. Optional: without it, the permutation.
-        fn aclnnMoeTokenUnpermuteGradGetWorkspaceSize(permute_tokens: *const aclTensor, unpermuted_tokens_grad: *const aclTensor, sorted_indices: *const aclTensor, probs_optional: *const aclTensor, padded_mode: bool, restore_shape_optional: *const aclIntArray, permuted_tokens_grad_out: *mut aclTensor, probs_grad_out: *mut aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
+        fn aclnnMoeTokenUnpermuteGradGetWorkspaceSize(permute_tokens: *const aclTensor, unpermuted_tokens_grad: *const aclTensor, sorted_indices: *const aclTensor, probs_optional: *const aclTensor, padded_mode: bool, restore_shape_optional: *const aclIntArray, permuted_tokens_grad_out: *const aclTensor, probs_grad_out: *const aclTensor, workspace_size: *mut u64, executor: *mut *mut aclOpExecutor) -> aclnnStatus;
         /// Launch of [`Functions::aclnnMoeTokenUnpermuteGradGetWorkspaceSize`].
         fn aclnnMoeTokenUnpermuteGrad(workspace: *mut c_void, workspace_size: u64, executor: *mut aclOpExecutor, stream: aclrtStream) -> aclnnStatus;
         /// An MoE layer's routing: `expert_idx [rows, k]` flattened and sorted,

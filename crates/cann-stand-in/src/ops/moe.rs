@@ -207,7 +207,7 @@ pub extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
     probs_optional: *const aclTensor,
     padded_mode: bool,
     restore_shape_optional: *const aclIntArray,
-    out: *mut aclTensor,
+    out: *const aclTensor,
     workspace_size: Ws,
     executor: Ex,
 ) -> aclnnStatus {
@@ -257,8 +257,8 @@ pub extern "C" fn aclnnMoeTokenUnpermuteGradGetWorkspaceSize(
     probs_optional: *const aclTensor,
     padded_mode: bool,
     restore_shape_optional: *const aclIntArray,
-    permuted_tokens_grad_out: *mut aclTensor,
-    probs_grad_out: *mut aclTensor,
+    permuted_tokens_grad_out: *const aclTensor,
+    probs_grad_out: *const aclTensor,
     workspace_size: Ws,
     executor: Ex,
 ) -> aclnnStatus {
