@@ -1,11 +1,14 @@
 //! `torch_dist` checkpoints of a run (`--ckpt-format torch_dist`, [`checkpoint::write_part`]):
 //! saved by every rank, each writing the main replicas it holds, and resumed from — weights,
-//! progress, schedule and the model-shaped optimizer state, resharded to this run's layout.
+//! progress, schedule and the model-shaped optimizer state, resharded to this run's layout; or
+//! the distributed optimizer's `dp_reshardable` buckets megatron-core saves by default, at the
+//! layout that saved them.
 
 use super::checkpoint;
 use super::parallel::Axis;
 use super::resume::agreed;
 use super::trainer::Trainer;
+use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::torch_dist::{ChunkRecord, TorchDistCkpt};
 use crate::ckpt::transform::{read_regrouped, tp_shard};
 use crate::engine::comm::{Communicator, Counted, MAX_HOST_BYTES};
@@ -30,20 +33,18 @@ impl<B: Backend> Trainer<B> {
             return Ok(());
         }
         let dir = ck.iter_dir.display();
-        match ck.optimizer.as_deref() {
+        let in_buckets = match ck.optimizer.as_deref() {
             None => bail!(
                 "--load {dir} holds no optimizer state (saved with --no-save-optim?); resume with \
                  --no-load-optim, or start a new run from its weights with --finetune"
             ),
-            Some(kind) if !kind.starts_with("model-shaped") => bail!(
-                "--load {dir} holds the optimizer state as {kind} (megatron-core's default for the \
-                 distributed optimizer), which only a run of the layout that saved it reads; \
-                 mindkit resumes model-shaped state (saved with --dist-ckpt-optim-fully-reshardable, \
-                 or without the distributed optimizer): resume with --no-load-optim"
-            ),
-            Some(_) => {}
-        }
+            Some(kind) => !kind.starts_with("model-shaped"),
+        };
         self.restore_schedule(&state)?;
+        if in_buckets {
+            let steps = self.bucket_steps(ck)?;
+            return self.load_dp_buckets(ck, steps);
+        }
         let steps = checkpoint::saved_steps(&common)?;
         let states = (0..self.table.params.len())
             .map(|i| match self.table.params[i].trainable {
@@ -70,6 +71,82 @@ impl<B: Backend> Trainer<B> {
             }
         }
         self.opt.steps = steps;
+        Ok(())
+    }
+
+    /// The model-parallel (TP × PP) rank: the index of the data-parallel group of the
+    /// distributed optimizer's dense part in a `dp_reshardable` save (megatron-core
+    /// optimizer/__init__.py `get_megatron_optimizer`, `data_parallel_group_idx`).
+    fn dp_group_index(&self) -> usize {
+        let (tp, tps) = self.tp();
+        self.stage.index * tps + tp
+    }
+
+    /// The steps of a `dp_reshardable` save: its parameter groups are not in `common.pt` but
+    /// in the object `optimizer.distributed.dp_group_idx_{g}.optimizer` of this rank's group
+    /// (distrib_optimizer.py `sharded_state_dict`).
+    fn bucket_steps(&self, ck: &TorchDistCkpt) -> Result<u64> {
+        let fqn = format!(
+            "optimizer.distributed.dp_group_idx_{}.optimizer/shard_0_1",
+            self.dp_group_index()
+        );
+        let what = format!("--load {}: {fqn}", ck.iter_dir.display());
+        let saved = ck
+            .object(&fqn)?
+            .ok_or_else(|| anyhow!("{what}: no such object"))?;
+        // DCP saves a ShardedObject's value; a list of one where wrapped
+        let torch = match &saved {
+            Value::List(one) if one.len() == 1 => &one[0],
+            other => other,
+        };
+        checkpoint::group_steps(torch, &what)
+    }
+
+    /// The distributed optimizer's state from megatron-core's default `dp_reshardable`
+    /// buckets (distrib_optimizer.py `sharded_param_state_dp_reshardable`): each part's
+    /// buckets read whole and laid end to end as its world tensors, which must be this run's
+    /// buffers bucket for bucket — the layout, model, bucket size and trained parameters that
+    /// saved them (megatron-core reshards them over data-parallel ranks alone).
+    fn load_dp_buckets(&mut self, ck: &TorchDistCkpt, steps: u64) -> Result<()> {
+        let dir = ck.iter_dir.display();
+        if self.sharded.is_empty() {
+            bail!(
+                "--load {dir} holds the distributed optimizer's dp_reshardable buckets \
+                 (megatron-core's default), which only the distributed optimizer reads: add \
+                 --use-distributed-optimizer, or resume with --no-load-optim"
+            );
+        }
+        let (dense, (tp, pp)) = (self.dp_group_index(), (self.tp().0, self.stage.index));
+        let etp = self.cfg.layout.expert_tensor_parallel();
+        let b = &self.b;
+        for (part, sharded) in self.sharded.iter_mut().enumerate() {
+            // the experts' group index is the rank's in the expert TP × PP group (ETP fastest)
+            let group = match part {
+                0 => dense,
+                _ => pp * etp + tp % etp,
+            };
+            let want: Vec<usize> = sharded.layout.buckets.iter().map(|b| b.unpadded).collect();
+            let mut world: [Vec<f32>; 3] = Default::default();
+            for (w, state) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
+                let buckets = ck.dp_bucket_states(group, state)?;
+                let sizes: Vec<usize> = buckets.iter().map(|t| t.shape[0]).collect();
+                if sizes != want {
+                    bail!(
+                        "--load {dir}: the distributed optimizer's {state} of data-parallel \
+                         group {group} is saved in buckets of {sizes:?} elements where this \
+                         run's buffers hold {want:?}: saved with another layout, model, bucket \
+                         size or set of trained parameters (megatron-core reshards dp_reshardable \
+                         state over data-parallel ranks alone); resume with --no-load-optim, or \
+                         save with --dist-ckpt-optim-fully-reshardable"
+                    );
+                }
+                for t in &buckets {
+                    w.extend(to_f32(t).map_err(|e| anyhow!("--load {dir}: {state}: {e}"))?);
+                }
+            }
+            let [main, m, v] = &world;
+            sharded.load(b, [main, m, v], steps)?;
+        }
         Ok(())
     }
 

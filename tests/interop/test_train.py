@@ -93,6 +93,13 @@ def scalars(tb_dir, tags=("lm loss", "grad-norm", "learning-rate")):
 
 
 def mindkit_train(model_dir, data, out, extra):
+    r = subprocess.run(train_command(model_dir, data, out, extra), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def train_command(model_dir, data, out, extra):
+    """The `mindkit train` command line of [`mindkit_train`]."""
     binary = os.environ.get("MINDKIT_BIN", str(ROOT / "target/release/mindkit"))
     args = [binary, "train", "--load", model_dir, "--data-path", data, "--split", "1",
             "--seq-length", "48", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -101,9 +108,7 @@ def mindkit_train(model_dir, data, out, extra):
             "--clip-grad", "1.0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
             "--eval-iters", "0", "--log-interval", "5", "--tensorboard-dir", out / "tb",
             "--save", out / "ckpt", "--quiet", *extra]
-    r = subprocess.run([str(a) for a in args], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    return [str(a) for a in args]
 
 
 CASES = {
@@ -1443,6 +1448,46 @@ def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit,
         wd_incr_steps=ITERS * gbs, wd_incr_style="constant")
     sched.load_state_dict(common["opt_param_scheduler"])
     assert sched.num_steps == ITERS * gbs
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp_path, mindkit,
+                                                                             ranks):
+    """megatron-core's default torch_dist save of the distributed optimizer — `dp_reshardable`
+    bucket tensors, the parameter groups in a ShardedObject — made by megatron-core's own
+    DistributedOptimizer on `ranks` data-parallel ranks from a mindkit run's torch-format
+    checkpoint (megatron_dp_reshardable_save.py): `mindkit train` resumes it and trains on as
+    from the torch-format checkpoint, loss for loss and gradient norm for gradient norm, and
+    not as a run that resets the optimizer does."""
+    from test_convert import run_ranks
+    model_dir = make_model(tmp_path / "model", "llama")
+    data = write_data(tmp_path / "data")
+    flags = ["--use-distributed-optimizer", "--world-size", str(ranks)]
+    mindkit_train(model_dir, data, tmp_path / "torch", flags)
+    r = run_ranks("megatron_dp_reshardable_save.py", ranks,
+                  tmp_path / f"torch/ckpt/iter_{ITERS:07d}", tmp_path / "megatron")
+    assert r.stdout.count("saved") == ranks, r.stdout + r.stderr
+    binary = train_command(model_dir, data, tmp_path, [])[0]
+    info = subprocess.run([binary, "ckpt", "info", str(tmp_path / "megatron")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "optimizer:   distributed optimizer, dp_reshardable buckets" in info, info
+    on = flags + ["--train-iters", str(ITERS + 6), "--log-interval", "1",
+                  "--tokenizer-name-or-path", model_dir, "--use-checkpoint-opt-param-scheduler"]
+    mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "from_torch", on)
+    mindkit_train(tmp_path / "megatron", data, tmp_path / "from_megatron", on)
+    mindkit_train(tmp_path / "megatron", data, tmp_path / "reset", on + ["--no-load-optim"])
+    want = scalars(tmp_path / "from_torch/tb", ("lm loss", "grad-norm"))
+    assert len(want["lm loss"]) == 6
+    assert scalars(tmp_path / "from_megatron/tb", ("lm loss", "grad-norm")) == want
+    assert scalars(tmp_path / "reset/tb", ("lm loss",))["lm loss"] != want["lm loss"]
+    # buckets of another layout, and no distributed optimizer to read them into, are refused
+    plain = [a for a in on if a != "--use-distributed-optimizer"]
+    tp2 = on + ["--tensor-model-parallel-size", "2", "--world-size", "2"]
+    for args, why in [(tp2, "saved in buckets of"),
+                      (plain, "which only the distributed optimizer reads")]:
+        cmd = train_command(tmp_path / "megatron", data, tmp_path / "refused", args)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode != 0 and why in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("ranks,layout", [(4, ("--tp", 2, "--pp", 2)), (1, ("--tp", 1, "--pp", 1))])

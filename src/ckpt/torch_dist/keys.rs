@@ -155,6 +155,24 @@ fn sharded_name(name: &str, te_norms: bool) -> String {
 /// dist_checkpointing/optimizer.py `optim_state_to_sharding_state`).
 pub const OPTIMIZER_STATE: &str = "optimizer.state.";
 
+/// The distributed optimizer's `dp_reshardable` bucket tensors of one data-parallel group
+/// (megatron-core distrib_optimizer.py `sharded_param_state_dp_reshardable`):
+/// `optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{b}.dtype_{(param, grad)}.bucket_idx_{k}.{state}`.
+pub(super) fn dp_bucket_prefix(group: usize) -> String {
+    format!("optimizer.distributed.dp_group_idx_{group}.gbuf_idx_")
+}
+
+/// The buffer and bucket indices of bucket tensor `key` of `state`, if it is one
+/// (`rest` the key after [`dp_bucket_prefix`]: `{b}.dtype_(…).bucket_idx_{k}.{state}`; the
+/// dtype names hold dots, so the bucket is read from the end).
+pub(super) fn dp_bucket_of(rest: &str, state: &str) -> Option<(usize, usize)> {
+    let (buffer, _) = rest.split_once('.')?;
+    let (_, tail) = rest.rsplit_once(".bucket_idx_")?;
+    let (bucket, name) = tail.split_once('.')?;
+    (name == state).then_some(())?;
+    Some((buffer.parse().ok()?, bucket.parse().ok()?))
+}
+
 /// Whether a global tensor is no model weight: the optimizer's state, RNG state.
 pub(super) fn is_not_model(key: &str) -> bool {
     key.starts_with("optimizer.") || key.starts_with("rng_state")

@@ -81,6 +81,21 @@ struct Chunk {
     range: std::ops::Range<u64>,
 }
 
+/// Where one `ShardedObject` (a byte item: `torch.save` of the object) is stored: its `.distcp`
+/// file and byte range.
+#[derive(Debug, Clone)]
+struct StoredObject {
+    file: usize,
+    range: std::ops::Range<u64>,
+}
+
+/// What a checkpoint's index names: its data files, global tensors and objects.
+struct Index {
+    files: Vec<PathBuf>,
+    tensors: BTreeMap<String, GlobalTensor>,
+    objects: BTreeMap<String, StoredObject>,
+}
+
 /// A global tensor of the checkpoint.
 #[derive(Debug, Clone)]
 pub struct GlobalTensor {
@@ -113,6 +128,7 @@ pub struct TorchDistCkpt {
     pub padded_vocab: usize,
     files: Vec<PathBuf>,
     tensors: BTreeMap<String, GlobalTensor>,
+    objects: BTreeMap<String, StoredObject>,
     /// Canonical tensor → the global tensor holding it and the leading indices that select it.
     index: HashMap<Canon, (String, Vec<usize>)>,
     /// Whether the optimizer's state is saved, and how (`ckpt info`).
@@ -132,7 +148,11 @@ impl TorchDistCkpt {
             _ => bail!("{}: no args Namespace", common_path.display()),
         };
         let meta_path = iter_dir.join(METADATA);
-        let (files, tensors) = read_index(&iter_dir, &meta_path)?;
+        let Index {
+            files,
+            tensors,
+            objects,
+        } = read_index(&iter_dir, &meta_path)?;
         let emb = tensors
             .get(keys::EMBEDDING)
             .ok_or_else(|| anyhow!("{}: no tensor {}", meta_path.display(), keys::EMBEDDING))?;
@@ -184,6 +204,7 @@ impl TorchDistCkpt {
             padded_vocab,
             files,
             tensors,
+            objects,
             index: HashMap::new(),
             optimizer,
         };
@@ -290,6 +311,57 @@ impl TorchDistCkpt {
         }
     }
 
+    /// The distributed optimizer's `dp_reshardable` state `state` (`param`, `exp_avg`,
+    /// `exp_avg_sq`) of data-parallel group `group`: each bucket's 1-D tensor of its unpadded
+    /// elements, buffer after buffer, bucket after bucket; empty when the checkpoint has none.
+    pub fn dp_bucket_states(&self, group: usize, state: &str) -> Result<Vec<Tensor>> {
+        let prefix = keys::dp_bucket_prefix(group);
+        let mut found: Vec<((usize, usize), &str)> = (self.tensors.keys())
+            .filter_map(|k| {
+                let rest = k.strip_prefix(&prefix)?;
+                Some((keys::dp_bucket_of(rest, state)?, k.as_str()))
+            })
+            .collect();
+        found.sort();
+        let index = self.iter_dir.join(METADATA);
+        if let Some(((b, k), key)) = found.first().filter(|(first, _)| *first != (0, 0)) {
+            bail!(
+                "{}: {key} is the first bucket of data-parallel group {group} ({b}, {k}), not \
+                 buffer 0's bucket 0",
+                index.display()
+            );
+        }
+        for pair in found.windows(2) {
+            let [(a, _), (b, key)] = pair else { continue };
+            let next = (a.0 == b.0 && b.1 == a.1 + 1) || (b.0 == a.0 + 1 && b.1 == 0);
+            if !next {
+                bail!(
+                    "{}: {key} follows bucket {a:?}: the buckets of a buffer must run from 0 \
+                     without gaps, one dtype each",
+                    index.display()
+                );
+            }
+        }
+        (found.into_iter())
+            .map(|(_, key)| match self.tensors[key].shape.len() {
+                1 => self.region(key, &[]),
+                _ => bail!("{}: {key} is not 1-D", index.display()),
+            })
+            .collect()
+    }
+
+    /// The object `ShardedObject` `fqn` holds (`{key}/shard_{offsets}_{shape}`, megatron-core
+    /// dist_checkpointing/mapping.py `ShardedObject.unique_key`), read by the safe unpickler;
+    /// `None` when the checkpoint has no such object.
+    pub fn object(&self, fqn: &str) -> Result<Option<Value>> {
+        let Some(at) = self.objects.get(fqn) else {
+            return Ok(None);
+        };
+        let item = TorchFile::open_item(&self.files[at.file], at.range.clone())
+            .with_context(|| format!("{}: object {fqn}", self.files[at.file].display()))?;
+        Ok(Some(item.root().clone()))
+    }
+
     /// `common.pt`: args, iteration, scheduler and the optimizer's non-sharded state.
     pub fn common(&self) -> Result<TorchFile> {
         Ok(TorchFile::open(&self.iter_dir.join(COMMON))?)
@@ -357,7 +429,7 @@ impl TorchDistCkpt {
 /// and its tensor read (the fuzz target's walk: everything but the model's names); returns the
 /// chunks read.
 pub fn read_every_chunk(iter_dir: &Path) -> Result<usize> {
-    let (files, tensors) = read_index(iter_dir, &iter_dir.join(METADATA))?;
+    let Index { files, tensors, .. } = read_index(iter_dir, &iter_dir.join(METADATA))?;
     let mut n = 0;
     for (name, t) in &tensors {
         for chunk in &t.chunks {
@@ -393,10 +465,7 @@ fn check_backends(path: &Path) -> Result<()> {
 
 /// The `.distcp` files and every tensor of the index of `iter_dir`, checked: chunks inside their
 /// tensor, tiling it exactly, each stored in a file of the directory within its bounds.
-fn read_index(
-    iter_dir: &Path,
-    path: &Path,
-) -> Result<(Vec<PathBuf>, BTreeMap<String, GlobalTensor>)> {
+fn read_index(iter_dir: &Path, path: &Path) -> Result<Index> {
     let len = std::fs::metadata(path)
         .with_context(|| format!("reading {}", path.display()))?
         .len();
@@ -412,10 +481,7 @@ fn read_index(
 }
 
 /// [`read_index`] of the unpickled `.metadata`.
-fn index_of(
-    iter_dir: &Path,
-    root: &Value,
-) -> Result<(Vec<PathBuf>, BTreeMap<String, GlobalTensor>)> {
+fn index_of(iter_dir: &Path, root: &Value) -> Result<Index> {
     let meta = object(root, DcpClass::Metadata, "the index")?;
     let attr = |o: &Object, name: &str| -> Result<Value> {
         o.get(name)
@@ -448,9 +514,9 @@ fn index_of(
     let Value::Dict(entries) = attr(meta, "state_dict_metadata")? else {
         bail!("state_dict_metadata is not a dict");
     };
-    let mut files: Vec<PathBuf> = Vec::new();
-    let mut file_index: HashMap<String, (usize, u64)> = HashMap::new();
+    let mut files = DataFiles::default();
     let mut tensors = BTreeMap::new();
+    let mut objects = BTreeMap::new();
     for (k, v) in &entries {
         let Value::Str(fqn) = k else {
             bail!("a state_dict_metadata key is not a string");
@@ -459,6 +525,12 @@ fn index_of(
             bail!("{fqn}: not a storage metadata object");
         };
         if o.class == DcpClass::BytesStorage {
+            let (file, range) = stored
+                .get(&(fqn.clone(), Vec::new()))
+                .cloned()
+                .ok_or_else(|| anyhow!("{fqn}: no storage for the object"))?;
+            let file = files.id(iter_dir, &file, &range, fqn)?;
+            objects.insert(fqn.clone(), StoredObject { file, range });
             continue;
         }
         let o = object(v, DcpClass::TensorStorage, fqn)?;
@@ -479,29 +551,8 @@ fn index_of(
                 .get(&(fqn.clone(), offsets.clone()))
                 .cloned()
                 .ok_or_else(|| anyhow!("{fqn}: no storage for its chunk at {offsets:?}"))?;
-            if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.')
-            {
-                bail!("{fqn}: chunk stored in {file:?}, not a file of the checkpoint directory");
-            }
-            let n = file_index.len();
-            let &mut (id, size) = match file_index.entry(file.clone()) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    let path = iter_dir.join(&file);
-                    let size = std::fs::metadata(&path)
-                        .with_context(|| format!("{fqn}: its chunk's file {}", path.display()))?
-                        .len();
-                    files.push(path);
-                    e.insert((n, size))
-                }
-            };
-            if range.end > size {
-                bail!(
-                    "{fqn}: chunk at {offsets:?} stored at bytes {}..{} of {file}, which has {size}",
-                    range.start,
-                    range.end
-                );
-            }
+            let what = format!("{fqn}: chunk at {offsets:?}");
+            let id = files.id(iter_dir, &file, &range, &what)?;
             chunks.push(Chunk {
                 offsets,
                 sizes,
@@ -519,7 +570,53 @@ fn index_of(
             },
         );
     }
-    Ok((files, tensors))
+    Ok(Index {
+        files: files.paths,
+        tensors,
+        objects,
+    })
+}
+
+/// The data files an index names, each checked once: its path and size by name.
+#[derive(Default)]
+struct DataFiles {
+    paths: Vec<PathBuf>,
+    by_name: HashMap<String, (usize, u64)>,
+}
+
+impl DataFiles {
+    /// The number of data file `file` of `iter_dir`, which must hold `range` (of `what`).
+    fn id(
+        &mut self,
+        iter_dir: &Path,
+        file: &str,
+        range: &std::ops::Range<u64>,
+        what: &str,
+    ) -> Result<usize> {
+        if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            bail!("{what}: stored in {file:?}, not a file of the checkpoint directory");
+        }
+        let n = self.paths.len();
+        let &mut (id, size) = match self.by_name.entry(file.to_string()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let path = iter_dir.join(file);
+                let size = std::fs::metadata(&path)
+                    .with_context(|| format!("{what}: its file {}", path.display()))?
+                    .len();
+                self.paths.push(path);
+                e.insert((n, size))
+            }
+        };
+        if range.end > size {
+            bail!(
+                "{what}: stored at bytes {}..{} of {file}, which has {size}",
+                range.start,
+                range.end
+            );
+        }
+        Ok(id)
+    }
 }
 
 /// The chunks lie inside `shape`, overlap nowhere and cover it (their volumes add up to it).

@@ -256,8 +256,15 @@ pub fn saved_steps(common: &TorchFile) -> Result<u64> {
             _ => bail!("{path}: common_step is {step:?}, not a step count"),
         };
     }
+    group_steps(torch, &path.to_string())
+}
+
+/// The step count the parameter groups of a torch optimizer's `state_dict()` (`torch`,
+/// without its state) record, as megatron-core's `state_dict()` sets them (`what` names it):
+/// 0 when they record none.
+pub fn group_steps(torch: &Value, what: &str) -> Result<u64> {
     let Some(Value::List(groups)) = torch.get("param_groups") else {
-        bail!("{path}: the optimizer state has no param_groups");
+        bail!("{what}: the optimizer state has no param_groups");
     };
     Ok(groups
         .first()

@@ -17,7 +17,7 @@ mod dist;
 mod read;
 mod write;
 
-pub use dist::{data_file, saved_steps, write_part, write_root, DistOptimizer};
+pub use dist::{data_file, group_steps, saved_steps, write_part, write_root, DistOptimizer};
 
 pub use read::{
     is_release, load_distributed, load_named, load_progress, load_state, progress, rank_file,
