@@ -1,7 +1,7 @@
 """Run under torchrun, a process per data-parallel rank (or alone, one rank): megatron-core
 0.15's default torch_dist save of the distributed optimizer, made by its own
 DistributedOptimizer from the torch-format checkpoint iteration directory given first (TP 1 ×
-PP 1, saved with --use-distributed-optimizer): each rank's GPTModel loaded
+PP 1, saved with --use-distributed-optimizer, with or without --bf16): each rank's GPTModel loaded
 strictly, DistributedDataParallel and get_megatron_optimizer as Megatron builds them, the
 buffers' state loaded from distrib_optim.pt by load_parameter_state_from_dp_zero and the step
 set, then save_checkpoint's dist_checkpointing.save of {args, checkpoint_version, iteration,
@@ -54,12 +54,16 @@ def main(iteration_dir, out):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     name, model, obj = megatron_cpu.rank_stage(iteration_dir)
     a = obj["args"]
+    bf16 = bool(getattr(a, "bf16", False))
+    if bf16:
+        model.to(torch.bfloat16)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
         adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
-        clip_grad=a.clip_grad, use_distributed_optimizer=True), [ddp])
+        clip_grad=a.clip_grad, use_distributed_optimizer=True, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     (dist,) = opt.chained_optimizers
     dist._init_optimizer_states_with_dummy_values()
     for state in dist.optimizer.state.values():

@@ -1450,19 +1450,20 @@ def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit,
     assert sched.num_steps == ITERS * gbs
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks,precision", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
 def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp_path, mindkit,
-                                                                             ranks):
+                                                                             ranks, precision):
     """megatron-core's default torch_dist save of the distributed optimizer — `dp_reshardable`
     bucket tensors, the parameter groups in a ShardedObject — made by megatron-core's own
     DistributedOptimizer on `ranks` data-parallel ranks from a mindkit run's torch-format
-    checkpoint (megatron_dp_reshardable_save.py): `mindkit train` resumes it and trains on as
+    checkpoint (megatron_dp_reshardable_save.py; in bf16 its f32 main copies in the buckets): `mindkit train` resumes it and trains on as
     from the torch-format checkpoint, loss for loss and gradient norm for gradient norm, and
     not as a run that resets the optimizer does."""
     from test_convert import run_ranks
     model_dir = make_model(tmp_path / "model", "llama")
     data = write_data(tmp_path / "data")
     flags = ["--use-distributed-optimizer", "--world-size", str(ranks)]
+    flags += ["--bf16"] if precision == "bf16" else []
     mindkit_train(model_dir, data, tmp_path / "torch", flags)
     r = run_ranks("megatron_dp_reshardable_save.py", ranks,
                   tmp_path / f"torch/ckpt/iter_{ITERS:07d}", tmp_path / "megatron")
@@ -1480,6 +1481,14 @@ def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp
     assert len(want["lm loss"]) == 6
     assert scalars(tmp_path / "from_megatron/tb", ("lm loss", "grad-norm")) == want
     assert scalars(tmp_path / "reset/tb", ("lm loss",))["lm loss"] != want["lm loss"]
+    if ranks > 1:
+        # resharded over data-parallel ranks, as megatron-core reshards it: on one rank
+        one = on + ["--world-size", "1"]
+        mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "torch_on_one", one)
+        mindkit_train(tmp_path / "megatron", data, tmp_path / "megatron_on_one", one)
+        tags = ("lm loss", "grad-norm")
+        assert (scalars(tmp_path / "megatron_on_one/tb", tags)
+                == scalars(tmp_path / "torch_on_one/tb", tags))
     # buckets of another layout, and no distributed optimizer to read them into, are refused
     plain = [a for a in on if a != "--use-distributed-optimizer"]
     tp2 = on + ["--tensor-model-parallel-size", "2", "--world-size", "2"]
