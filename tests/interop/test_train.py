@@ -1450,7 +1450,7 @@ def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit,
     assert sched.num_steps == ITERS * gbs
 
 
-@pytest.mark.parametrize("ranks,precision", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("ranks,precision", [(1, "bf16"), (2, "fp32")])
 def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp_path, mindkit,
                                                                              ranks, precision):
     """megatron-core's default torch_dist save of the distributed optimizer — `dp_reshardable`
