@@ -42,8 +42,7 @@ impl<B: Backend> Trainer<B> {
         };
         self.restore_schedule(&state)?;
         if in_buckets {
-            let steps = self.bucket_steps(ck)?;
-            return self.load_dp_buckets(ck, steps);
+            return self.load_dp_buckets(ck);
         }
         let steps = checkpoint::saved_steps(&common)?;
         let states = (0..self.table.params.len())
@@ -106,51 +105,49 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The distributed optimizer's state from megatron-core's default `dp_reshardable`
-    /// buckets (distrib_optimizer.py `sharded_param_state_dp_reshardable`): each part's
-    /// buckets read whole and laid end to end as its world tensors, which must be this run's
+    /// buckets (distrib_optimizer.py `sharded_param_state_dp_reshardable`): the
+    /// buckets read whole and laid end to end as the world tensors, which must be this run's
     /// buffers bucket for bucket — the layout, model, bucket size and trained parameters that
     /// saved them (megatron-core reshards them over data-parallel ranks alone).
-    fn load_dp_buckets(&mut self, ck: &TorchDistCkpt, steps: u64) -> Result<()> {
+    fn load_dp_buckets(&mut self, ck: &TorchDistCkpt) -> Result<()> {
         let dir = ck.iter_dir.display();
-        if self.sharded.is_empty() {
-            bail!(
+        match self.sharded.len() {
+            0 => bail!(
                 "--load {dir} holds the distributed optimizer's dp_reshardable buckets \
                  (megatron-core's default), which only the distributed optimizer reads: add \
                  --use-distributed-optimizer, or resume with --no-load-optim"
-            );
-        }
-        if self.sharded.len() > 1 {
-            bail!(
+            ),
+            1 => {}
+            _ => bail!(
                 "--load {dir} holds the distributed optimizer's dp_reshardable buckets, which \
                  mindkit does not read yet for routed experts with an optimizer of their own \
                  (expert parallelism: megatron-core's chained optimizers); resume with \
                  --no-load-optim"
-            );
+            ),
         }
-        let (group, b) = (self.dp_group_index(), &self.b);
-        for sharded in self.sharded.iter_mut() {
-            let want: Vec<usize> = sharded.layout.buckets.iter().map(|b| b.unpadded).collect();
-            let mut world: [Vec<f32>; 3] = Default::default();
-            for (w, state) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
-                let buckets = ck.dp_bucket_states(group, state)?;
-                let sizes: Vec<usize> = buckets.iter().map(|t| t.shape[0]).collect();
-                if sizes != want {
-                    bail!(
-                        "--load {dir}: the distributed optimizer's {state} of data-parallel \
-                         group {group} is saved in buckets of {sizes:?} elements where this \
-                         run's buffers hold {want:?}: saved with another layout, model, bucket \
-                         size or set of trained parameters (megatron-core reshards dp_reshardable \
-                         state over data-parallel ranks alone); resume with --no-load-optim, or \
-                         save with --dist-ckpt-optim-fully-reshardable"
-                    );
-                }
-                for t in &buckets {
-                    w.extend(to_f32(t).map_err(|e| anyhow!("--load {dir}: {state}: {e}"))?);
-                }
+        let (group, steps) = (self.dp_group_index(), self.bucket_steps(ck)?);
+        let (sharded, b) = (&mut self.sharded[0], &self.b);
+        let want: Vec<usize> = sharded.layout.buckets.iter().map(|b| b.unpadded).collect();
+        let mut world: [Vec<f32>; 3] = Default::default();
+        for (w, state) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
+            let buckets = ck.dp_bucket_states(group, state)?;
+            let sizes: Vec<usize> = buckets.iter().map(|t| t.shape[0]).collect();
+            if sizes != want {
+                bail!(
+                    "--load {dir}: the distributed optimizer's {state} of data-parallel \
+                     group {group} is saved in buckets of {sizes:?} elements where this \
+                     run's buffers hold {want:?}: saved with another layout, model, bucket \
+                     size or set of trained parameters (megatron-core reshards dp_reshardable \
+                     state over data-parallel ranks alone); resume with --no-load-optim, or \
+                     save with --dist-ckpt-optim-fully-reshardable"
+                );
             }
-            let [main, m, v] = &world;
-            sharded.load(b, [main, m, v], steps)?;
+            for t in &buckets {
+                w.extend(to_f32(t).map_err(|e| anyhow!("--load {dir}: {state}: {e}"))?);
+            }
         }
+        let [main, m, v] = &world;
+        sharded.load(b, [main, m, v], steps)?;
         Ok(())
     }
 
