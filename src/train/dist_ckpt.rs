@@ -73,29 +73,32 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
-    /// The model-parallel (TP × PP) rank: the index of the data-parallel group of the
-    /// distributed optimizer's dense part in a `dp_reshardable` save (megatron-core
-    /// optimizer/__init__.py `get_megatron_optimizer`, `data_parallel_group_idx`).
-    fn dp_group_index(&self) -> usize {
-        let (tp, tps) = self.tp();
-        self.stage.index * tps + tp
+    /// The index of this rank's data-parallel group of the distributed optimizer's part
+    /// `experts` in a `dp_reshardable` save: its rank in the model-parallel group, TP × PP
+    /// for the dense part, expert TP × EP × PP for the routed experts' (megatron-core
+    /// optimizer/__init__.py `get_megatron_optimizer`, `data_parallel_group_idx`;
+    /// parallel_state.py `get_ranks('tp-pp')`, `get_ranks('tp-ep-pp')` of the experts).
+    fn dp_group_index(&self, experts: bool) -> usize {
+        let layout = &self.cfg.layout;
+        let (tp, tps) = layout.shard(experts, self.tp());
+        let (ep, eps) = match experts {
+            true => (
+                layout.coordinate(self.rank, Axis::Ep),
+                layout.size(Axis::Ep),
+            ),
+            false => (0, 1),
+        };
+        (self.stage.index * eps + ep) * tps + tp
     }
 
-    /// The steps of a `dp_reshardable` save: its parameter groups are not in `common.pt` but
-    /// in the object `optimizer.distributed.dp_group_idx_{g}.optimizer` of this rank's group
-    /// (distrib_optimizer.py `sharded_state_dict`).
-    fn bucket_steps(&self, ck: &TorchDistCkpt) -> Result<u64> {
-        let fqn = format!(
-            "optimizer.distributed.dp_group_idx_{}.optimizer/shard_0_1",
-            self.dp_group_index()
-        );
+    /// The steps of part `chain` (its keys' prefix) of a `dp_reshardable` save: its
+    /// parameter groups are not in `common.pt` but in the object
+    /// `{chain}optimizer.distributed.dp_group_idx_{group}.optimizer` (distrib_optimizer.py
+    /// `sharded_state_dict`).
+    fn bucket_steps(&self, ck: &TorchDistCkpt, chain: &str, group: usize) -> Result<u64> {
+        let fqn = format!("{chain}optimizer.distributed.dp_group_idx_{group}.optimizer/shard_0_1");
         let what = format!("--load {}: {fqn}", ck.iter_dir.display());
-        let saved = ck.object(&fqn)?.ok_or_else(|| {
-            anyhow!(
-                "{what}: no such object (a save of megatron-core's chained optimizers — routed \
-                 experts of their own — is not read yet; resume with --no-load-optim)"
-            )
-        })?;
+        let saved = (ck.object(&fqn)?).ok_or_else(|| anyhow!("{what}: no such object"))?;
         // DCP saves a ShardedObject's value; a list of one where wrapped
         let torch = match &saved {
             Value::List(one) if one.len() == 1 => &one[0],
@@ -105,36 +108,69 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The distributed optimizer's state from megatron-core's default `dp_reshardable`
-    /// buckets (distrib_optimizer.py `sharded_param_state_dp_reshardable`): the
-    /// buckets read whole and laid end to end as the world tensors, which must be this run's
-    /// buffers bucket for bucket — the layout, model, bucket size and trained parameters that
-    /// saved them (megatron-core reshards them over data-parallel ranks alone).
+    /// buckets (distrib_optimizer.py `sharded_param_state_dp_reshardable`), of each part —
+    /// the dense parameters', and under expert parallelism the routed experts' of their own
+    /// (megatron-core's chained optimizers): the buckets read whole and laid end to end as
+    /// the world tensors, which must be this run's buffers bucket for bucket — the layout,
+    /// model, bucket size and trained parameters that saved them (megatron-core reshards
+    /// them over data-parallel ranks alone).
     fn load_dp_buckets(&mut self, ck: &TorchDistCkpt) -> Result<()> {
         let dir = ck.iter_dir.display();
-        match self.sharded.len() {
-            0 => bail!(
+        let parts = self.sharded.len();
+        if parts == 0 {
+            bail!(
                 "--load {dir} holds the distributed optimizer's dp_reshardable buckets \
                  (megatron-core's default), which only the distributed optimizer reads: add \
                  --use-distributed-optimizer, or resume with --no-load-optim"
-            ),
-            1 => {}
-            _ => bail!(
-                "--load {dir} holds the distributed optimizer's dp_reshardable buckets, which \
-                 mindkit does not read yet for routed experts with an optimizer of their own \
-                 (expert parallelism: megatron-core's chained optimizers); resume with \
-                 --no-load-optim"
-            ),
+            );
         }
-        let (group, steps) = (self.dp_group_index(), self.bucket_steps(ck)?);
-        let (sharded, b) = (&mut self.sharded[0], &self.b);
-        let want: Vec<usize> = sharded.layout.buckets.iter().map(|b| b.unpadded).collect();
+        if (parts > 1) != (ck.chained_optimizers > 0) {
+            let saved = ck.chained_optimizers.max(1);
+            bail!(
+                "--load {dir} holds the dp_reshardable state of {saved} chained distributed \
+                 optimizer(s) where this run has {parts} (megatron-core chains an optimizer of \
+                 the routed experts' own to the dense one's under expert parallelism): saved \
+                 with another --expert-model-parallel-size; resume with --no-load-optim, or \
+                 save with --dist-ckpt-optim-fully-reshardable"
+            );
+        }
+        // a stage without routed experts has no optimizer of theirs, nor a chain
+        let held: Vec<usize> = (0..parts)
+            .filter(|&part| !self.sharded[part].units.is_empty())
+            .collect();
+        for (i, &part) in held.iter().enumerate() {
+            let chain = match held.len() {
+                1 => String::new(),
+                _ => crate::ckpt::torch_dist::chained_prefix(i),
+            };
+            let group = self.dp_group_index(part == 1);
+            let steps = self.bucket_steps(ck, &chain, group)?;
+            let world = self.saved_buckets(ck, (&chain, group), part)?;
+            let [main, m, v] = &world;
+            self.sharded[part].load(&self.b, [main, m, v], steps)?;
+        }
+        Ok(())
+    }
+
+    /// The world tensors (main copy, first and second moments) of distributed-optimizer
+    /// part `part` from its buckets in data-parallel group `group` of the save's optimizer
+    /// `chain`, the buckets' sizes checked against this run's.
+    fn saved_buckets(
+        &self,
+        ck: &TorchDistCkpt,
+        (chain, group): (&str, usize),
+        part: usize,
+    ) -> Result<[Vec<f32>; 3]> {
+        let dir = ck.iter_dir.display();
+        let layout = &self.sharded[part].layout;
+        let want: Vec<usize> = layout.buckets.iter().map(|b| b.unpadded).collect();
         let mut world: [Vec<f32>; 3] = Default::default();
         for (w, state) in world.iter_mut().zip(["param", "exp_avg", "exp_avg_sq"]) {
-            let buckets = ck.dp_bucket_states(group, state)?;
+            let buckets = ck.dp_bucket_states(chain, group, state)?;
             let sizes: Vec<usize> = buckets.iter().map(|t| t.shape[0]).collect();
             if sizes != want {
                 bail!(
-                    "--load {dir}: the distributed optimizer's {state} of data-parallel \
+                    "--load {dir}: the distributed optimizer's {chain}{state} of data-parallel \
                      group {group} is saved in buckets of {sizes:?} elements where this \
                      run's buffers hold {want:?}: saved with another layout, model, bucket \
                      size or set of trained parameters (megatron-core reshards dp_reshardable \
@@ -146,9 +182,7 @@ impl<B: Backend> Trainer<B> {
                 w.extend(to_f32(t).map_err(|e| anyhow!("--load {dir}: {state}: {e}"))?);
             }
         }
-        let [main, m, v] = &world;
-        sharded.load(b, [main, m, v], steps)?;
-        Ok(())
+        Ok(world)
     }
 
     /// Parameter `i`'s main copy, first and second moments (f32, flat) from `ck`: this rank's

@@ -1,8 +1,9 @@
 """Run under torchrun, a process per data-parallel rank (or alone, one rank): megatron-core
 0.15's default torch_dist save of the distributed optimizer, made by its own
 DistributedOptimizer from the torch-format checkpoint iteration directory given first (TP 1 ×
-PP 1, saved with --use-distributed-optimizer, with or without --bf16): each rank's GPTModel loaded
-strictly, DistributedDataParallel and get_megatron_optimizer as Megatron builds them, the
+PP 1, any EP, saved with --use-distributed-optimizer, with or without --bf16): each rank's GPTModel loaded
+strictly, DistributedDataParallel and get_megatron_optimizer as Megatron builds them (under expert
+parallelism two chained DistributedOptimizers, the routed experts' of their own), the
 buffers' state loaded from distrib_optim.pt by load_parameter_state_from_dp_zero and the step
 set, then save_checkpoint's dist_checkpointing.save of {args, checkpoint_version, iteration,
 opt_param_scheduler, model, optimizer} with the optimizer in its default `dp_reshardable` form,
@@ -64,16 +65,23 @@ def main(iteration_dir, out):
         adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
         clip_grad=a.clip_grad, use_distributed_optimizer=True, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
-    (dist,) = opt.chained_optimizers
-    dist._init_optimizer_states_with_dummy_values()
-    for state in dist.optimizer.state.values():
-        del state["step"]  # (not in distrib_optim.pt's buckets either)
-    with torch.no_grad():
-        dist.load_parameter_state_from_dp_zero(
-            megatron_cpu.load_pt(iteration_dir / name / "distrib_optim.pt"))
-    for state in dist.optimizer.state.values():
-        state["step"] = torch.tensor(float(obj["iteration"]))
-    without_step(dist)
+    # one optimizer, or (routed experts under expert parallelism) the dense parameters' and
+    # the experts', whose states distrib_optim.pt holds as a list (ChainedOptimizer
+    # load_parameter_state: each read on its data-parallel group's rank 0)
+    chained = opt.chained_optimizers
+    saved = None
+    for i, dist in enumerate(chained):
+        dist._init_optimizer_states_with_dummy_values()
+        for state in dist.optimizer.state.values():
+            del state["step"]  # (not in distrib_optim.pt's buckets either)
+        if dist.data_parallel_group.rank() == 0 and saved is None:
+            saved = megatron_cpu.load_pt(iteration_dir / name / "distrib_optim.pt")
+        mine = saved if len(chained) == 1 else (saved[i] if saved else None)
+        with torch.no_grad():
+            dist.load_parameter_state_from_dp_zero(mine)
+        for state in dist.optimizer.state.values():
+            state["step"] = torch.tensor(float(obj["iteration"]))
+        without_step(dist)
     model_state = model.sharded_state_dict()
     state = {"args": a, "checkpoint_version": 3.0, "iteration": obj["iteration"],
              "opt_param_scheduler": obj["opt_param_scheduler"], "model": model_state,

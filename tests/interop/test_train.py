@@ -1450,20 +1450,26 @@ def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit,
     assert sched.num_steps == ITERS * gbs
 
 
-@pytest.mark.parametrize("ranks,precision", [(1, "bf16"), (2, "fp32")])
-def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp_path, mindkit,
-                                                                             ranks, precision):
+@pytest.mark.parametrize("ranks,precision,experts",
+                         [(1, "bf16", False), (4, "fp32", True)])
+def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(
+        tmp_path, mindkit, ranks, precision, experts):
     """megatron-core's default torch_dist save of the distributed optimizer — `dp_reshardable`
     bucket tensors, the parameter groups in a ShardedObject — made by megatron-core's own
     DistributedOptimizer on `ranks` data-parallel ranks from a mindkit run's torch-format
-    checkpoint (megatron_dp_reshardable_save.py; in bf16 its f32 main copies in the buckets): `mindkit train` resumes it and trains on as
-    from the torch-format checkpoint, loss for loss and gradient norm for gradient norm, and
-    not as a run that resets the optimizer does."""
+    checkpoint (megatron_dp_reshardable_save.py; in bf16 its f32 main copies in the buckets;
+    with routed experts over two expert-parallel ranks, the chained optimizers' states under
+    `chained_0.` and `chained_1.`): `mindkit train` resumes it and trains on as from the
+    torch-format checkpoint, loss for loss and gradient norm for gradient norm, and not as a
+    run that resets the optimizer does; on half the ranks as well (resharded over
+    data-parallel ranks)."""
     from test_convert import run_ranks
-    model_dir = make_model(tmp_path / "model", "llama")
+    model_dir = tmp_path / "model"
+    model_dir = make_qwen3_moe(model_dir) if experts else make_model(model_dir, "llama")
     data = write_data(tmp_path / "data")
     flags = ["--use-distributed-optimizer", "--world-size", str(ranks)]
     flags += ["--bf16"] if precision == "bf16" else []
+    flags += MOE_FLAGS + ["--expert-model-parallel-size", "2"] if experts else []
     mindkit_train(model_dir, data, tmp_path / "torch", flags)
     r = run_ranks("megatron_dp_reshardable_save.py", ranks,
                   tmp_path / f"torch/ckpt/iter_{ITERS:07d}", tmp_path / "megatron")
@@ -1471,7 +1477,8 @@ def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp
     binary = train_command(model_dir, data, tmp_path, [])[0]
     info = subprocess.run([binary, "ckpt", "info", str(tmp_path / "megatron")],
                           capture_output=True, text=True, check=True).stdout
-    assert "optimizer:   distributed optimizer, dp_reshardable buckets" in info, info
+    kind = "distributed optimizer, dp_reshardable buckets"
+    assert f"optimizer:   {kind}{', 2 chained optimizers' if experts else ''}\n" in info, info
     on = flags + ["--train-iters", str(ITERS + 6), "--log-interval", "1",
                   "--tokenizer-name-or-path", model_dir, "--use-checkpoint-opt-param-scheduler"]
     mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "from_torch", on)
@@ -1482,18 +1489,23 @@ def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(tmp
     assert scalars(tmp_path / "from_megatron/tb", ("lm loss", "grad-norm")) == want
     assert scalars(tmp_path / "reset/tb", ("lm loss",))["lm loss"] != want["lm loss"]
     if ranks > 1:
-        # resharded over data-parallel ranks, as megatron-core reshards it: on one rank
-        one = on + ["--world-size", "1"]
-        mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "torch_on_one", one)
-        mindkit_train(tmp_path / "megatron", data, tmp_path / "megatron_on_one", one)
+        # resharded over data-parallel ranks, as megatron-core reshards it: on half the ranks
+        half = on + ["--world-size", str(ranks // 2)]
+        mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "torch_on_half", half)
+        mindkit_train(tmp_path / "megatron", data, tmp_path / "megatron_on_half", half)
         tags = ("lm loss", "grad-norm")
-        assert (scalars(tmp_path / "megatron_on_one/tb", tags)
-                == scalars(tmp_path / "torch_on_one/tb", tags))
-    # buckets of another layout, and no distributed optimizer to read them into, are refused
+        assert (scalars(tmp_path / "megatron_on_half/tb", tags)
+                == scalars(tmp_path / "torch_on_half/tb", tags))
+    # buckets of another layout, of another chain, and no distributed optimizer to read them
+    # into, are refused
     plain = [a for a in on if a != "--use-distributed-optimizer"]
-    tp2 = on + ["--tensor-model-parallel-size", "2", "--world-size", "2"]
-    for args, why in [(tp2, "saved in buckets of"),
-                      (plain, "which only the distributed optimizer reads")]:
+    refused = [(plain, "which only the distributed optimizer reads")]
+    if experts:
+        refused += [(on + ["--expert-model-parallel-size", "1"], "chained distributed optimizer")]
+    else:
+        tp2 = on + ["--tensor-model-parallel-size", "2", "--world-size", "2"]
+        refused += [(tp2, "saved in buckets of")]
+    for args, why in refused:
         cmd = train_command(tmp_path / "megatron", data, tmp_path / "refused", args)
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode != 0 and why in r.stderr, r.stderr

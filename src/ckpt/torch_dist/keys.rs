@@ -157,9 +157,29 @@ pub const OPTIMIZER_STATE: &str = "optimizer.state.";
 
 /// The distributed optimizer's `dp_reshardable` bucket tensors of one data-parallel group
 /// (megatron-core distrib_optimizer.py `sharded_param_state_dp_reshardable`):
-/// `optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{b}.dtype_{(param, grad)}.bucket_idx_{k}.{state}`.
-pub(super) fn dp_bucket_prefix(group: usize) -> String {
-    format!("optimizer.distributed.dp_group_idx_{group}.gbuf_idx_")
+/// `{chain}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{b}.dtype_{(param, grad)}.bucket_idx_{k}.{state}`,
+/// `chain` the prefix of one of chained optimizers ([`chained_prefix`]) or empty.
+pub(super) fn dp_bucket_prefix(chain: &str, group: usize) -> String {
+    format!("{chain}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_")
+}
+
+/// The prefix of the keys of optimizer `i` of megatron-core's chained optimizers — the dense
+/// parameters' and the routed experts' under expert parallelism — in a `dp_reshardable`
+/// save (optimizer.py `ChainedOptimizer.sharded_state_dict`, `add_prefix_for_sharding`).
+pub fn chained_prefix(i: usize) -> String {
+    format!("chained_{i}.")
+}
+
+/// Key `key` without a chained optimizer's prefix, and that optimizer's index if it has one.
+pub(super) fn unchained(key: &str) -> (Option<usize>, &str) {
+    let split = (key.strip_prefix("chained_"))
+        .and_then(|rest| rest.split_once('.'))
+        .and_then(|(i, rest)| Some((i.parse().ok()?, rest)))
+        .filter(|(_, rest)| rest.starts_with("optimizer."));
+    match split {
+        Some((i, rest)) => (Some(i), rest),
+        None => (None, key),
+    }
 }
 
 /// The buffer and bucket indices of bucket tensor `key` of `state`, if it is one
@@ -175,12 +195,15 @@ pub(super) fn dp_bucket_of(rest: &str, state: &str) -> Option<(usize, usize)> {
 
 /// Whether a global tensor is no model weight: the optimizer's state, RNG state.
 pub(super) fn is_not_model(key: &str) -> bool {
-    key.starts_with("optimizer.") || key.starts_with("rng_state")
+    unchained(key).1.starts_with("optimizer.") || key.starts_with("rng_state")
 }
 
 /// How the optimizer's state was saved, if it was: `fully_reshardable` model-shaped tensors,
-/// or the distributed optimizer's DP-reshardable bucket tensors.
-pub(super) fn optimizer_kind<'a>(mut keys: impl Iterator<Item = &'a String>) -> Option<String> {
+/// or the distributed optimizer's DP-reshardable bucket tensors; and by how many chained
+/// optimizers (0: not chained).
+pub(super) fn optimizer_kind<'a>(
+    keys: impl Iterator<Item = &'a String>,
+) -> (Option<String>, usize) {
     let kind = |k: &str| {
         if k.starts_with("optimizer.distributed.") {
             Some("distributed optimizer, dp_reshardable buckets")
@@ -190,5 +213,47 @@ pub(super) fn optimizer_kind<'a>(mut keys: impl Iterator<Item = &'a String>) -> 
             None
         }
     };
-    keys.find_map(|k| kind(k)).map(str::to_string)
+    let (mut found, mut chained) = (None, 0);
+    for (chain, key) in keys.map(|k| unchained(k)) {
+        found = found.or(kind(key));
+        chained = chained.max(chain.map_or(0, |i| i + 1));
+    }
+    let kind = found.map(|found| match chained {
+        0 => found.to_string(),
+        n => format!("{found}, {n} chained optimizers"),
+    });
+    (kind, chained)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chained_optimizers_keys_are_optimizer_state_and_counted() {
+        let bucket = "optimizer.distributed.dp_group_idx_3.gbuf_idx_0.dtype_(x).bucket_idx_0.param";
+        let keys: Vec<String> = [
+            "decoder.final_layernorm.weight",
+            "chained_0.",
+            "chained_x.optimizer.a",
+        ]
+        .into_iter()
+        .map(str::to_string)
+        .chain([format!("chained_0.{bucket}"), format!("chained_1.{bucket}")])
+        .collect();
+        assert_eq!(unchained(&keys[3]), (Some(0), bucket));
+        assert_eq!(unchained(&keys[4]), (Some(1), bucket));
+        // a model tensor's key that only looks like one stays whole
+        assert_eq!(unchained(&keys[2]), (None, keys[2].as_str()));
+        assert!(is_not_model(&keys[4]) && !is_not_model(&keys[0]));
+        let (kind, chained) = optimizer_kind(keys.iter());
+        assert_eq!(chained, 2);
+        let kind = kind.unwrap();
+        assert_eq!(
+            kind,
+            "distributed optimizer, dp_reshardable buckets, 2 chained optimizers"
+        );
+        assert_eq!(optimizer_kind(keys[..3].iter()), (None, 0));
+        assert!(bucket.starts_with(&dp_bucket_prefix("", 3)));
+    }
 }

@@ -13,7 +13,7 @@
 mod keys;
 mod write;
 
-pub use keys::{placement, Placement, OPTIMIZER_STATE};
+pub use keys::{chained_prefix, placement, Placement, OPTIMIZER_STATE};
 pub use write::{
     dist_args, extra_state_fqns, write_common, write_index, ChunkAt, ChunkRecord, DistTarget,
     ItemFile,
@@ -133,6 +133,9 @@ pub struct TorchDistCkpt {
     index: HashMap<Canon, (String, Vec<usize>)>,
     /// Whether the optimizer's state is saved, and how (`ckpt info`).
     pub optimizer: Option<String>,
+    /// How many chained optimizers' states the save holds, each under its
+    /// [`keys::chained_prefix`] (0: not chained).
+    pub chained_optimizers: usize,
 }
 
 impl TorchDistCkpt {
@@ -195,7 +198,7 @@ impl TorchDistCkpt {
                 tp_extend: false,
                 dualpipev: false,
             });
-        let optimizer = keys::optimizer_kind(tensors.keys());
+        let (optimizer, chained_optimizers) = keys::optimizer_kind(tensors.keys());
         let mut ck = TorchDistCkpt {
             iter_dir,
             cfg,
@@ -207,6 +210,7 @@ impl TorchDistCkpt {
             objects,
             index: HashMap::new(),
             optimizer,
+            chained_optimizers,
         };
         ck.build_index(&meta_path)?;
         Ok(ck)
@@ -312,10 +316,11 @@ impl TorchDistCkpt {
     }
 
     /// The distributed optimizer's `dp_reshardable` state `state` (`param`, `exp_avg`,
-    /// `exp_avg_sq`) of data-parallel group `group`: each bucket's 1-D tensor of its unpadded
+    /// `exp_avg_sq`) of data-parallel group `group` of the optimizer whose keys start with
+    /// `chain` ([`keys::chained_prefix`], or empty): each bucket's 1-D tensor of its unpadded
     /// elements, buffer after buffer, bucket after bucket; empty when the checkpoint has none.
-    pub fn dp_bucket_states(&self, group: usize, state: &str) -> Result<Vec<Tensor>> {
-        let prefix = keys::dp_bucket_prefix(group);
+    pub fn dp_bucket_states(&self, chain: &str, group: usize, state: &str) -> Result<Vec<Tensor>> {
+        let prefix = keys::dp_bucket_prefix(chain, group);
         let mut found: Vec<((usize, usize), &str)> = (self.tensors.keys())
             .filter_map(|k| {
                 let rest = k.strip_prefix(&prefix)?;
