@@ -467,6 +467,10 @@ fn damaged_or_hostile_torch_dist_indexes_are_named_and_leave_nothing() {
         ),
         ("offset_past_file", "stored at bytes 1099511627776.."),
         ("path_outside", "not a file of the checkpoint directory"),
+        (
+            "irregular_flattened",
+            "original shape [7, 3] is not the reformulated",
+        ),
     ] {
         let dir = tmp.path().join(variant);
         copy_dir(&fixture_dir, &dir);

@@ -7,7 +7,8 @@ parallelism two chained DistributedOptimizers, the routed experts' of their own)
 buffers' state loaded from distrib_optim.pt by load_parameter_state_from_dp_zero and the step
 set, then save_checkpoint's dist_checkpointing.save of {args, checkpoint_version, iteration,
 opt_param_scheduler, model, optimizer} with the optimizer in its default `dp_reshardable` form,
-into the directory given second, the tracker beside it.
+into the directory given second, the tracker beside it (another sharding type, e.g. the
+deprecated `fully_sharded_model_space` that older Megatron-LM versions saved by default, given third).
 
 Beyond megatron_cpu's patches: tensors megatron-core asks on 'cuda' are made on the CPU, and
 parameters' type() is named as CUDA's, which the DistributedOptimizer requires; torch's AdamW
@@ -48,7 +49,7 @@ def without_step(dist):
     dist._get_main_param_and_optimizer_states = fused_adam_states
 
 
-def main(iteration_dir, out):
+def main(iteration_dir, out, sharding):
     cpu_patches()
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -86,7 +87,7 @@ def main(iteration_dir, out):
     state = {"args": a, "checkpoint_version": 3.0, "iteration": obj["iteration"],
              "opt_param_scheduler": obj["opt_param_scheduler"], "model": model_state,
              "optimizer": opt.sharded_state_dict(
-                 model_state, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+                 model_state, metadata={"distrib_optim_sharding_type": sharding})}
     it = out / f"iter_{obj['iteration']:07d}"
     rank = torch.distributed.get_rank()
     if rank == 0:
@@ -99,4 +100,5 @@ def main(iteration_dir, out):
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]))
+    main(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]),
+         sys.argv[3] if len(sys.argv) > 3 else "dp_reshardable")

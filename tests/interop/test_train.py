@@ -1450,19 +1450,24 @@ def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit,
     assert sched.num_steps == ITERS * gbs
 
 
-@pytest.mark.parametrize("ranks,precision,experts",
-                         [(1, "bf16", False), (4, "fp32", True)])
-def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(
-        tmp_path, mindkit, ranks, precision, experts):
+@pytest.mark.parametrize("ranks,precision,experts,sharding", [
+    (1, "bf16", False, "dp_reshardable"), (4, "fp32", True, "dp_reshardable"),
+    (4, "bf16", True, "fully_sharded_model_space")])
+def test_mindkit_resumes_megatron_cores_distributed_optimizer_state(
+        tmp_path, mindkit, ranks, precision, experts, sharding):
     """megatron-core's default torch_dist save of the distributed optimizer — `dp_reshardable`
     bucket tensors, the parameter groups in a ShardedObject — made by megatron-core's own
     DistributedOptimizer on `ranks` data-parallel ranks from a mindkit run's torch-format
     checkpoint (megatron_dp_reshardable_save.py; in bf16 its f32 main copies in the buckets;
     with routed experts over two expert-parallel ranks, the chained optimizers' states under
-    `chained_0.` and `chained_1.`): `mindkit train` resumes it and trains on as from the
+    `chained_0.` and `chained_1.`), or in the deprecated `fully_sharded_model_space` form
+    older Megatron-LM saved by default (each rank's pieces of every parameter's state as
+    N-D flattened tensors): `mindkit train` resumes it and trains on as from the
     torch-format checkpoint, loss for loss and gradient norm for gradient norm, and not as a
-    run that resets the optimizer does; on half the ranks as well (resharded over
-    data-parallel ranks)."""
+    run that resets the optimizer does; the buckets on half the ranks as well (resharded
+    over data-parallel ranks). The flattened state is saved over TP 2 × EP 2 × DP 2: its local
+    chunks are TP shards (and single experts), each chunk's row cut into data-parallel
+    ranks' pieces."""
     from test_convert import run_ranks
     model_dir = tmp_path / "model"
     model_dir = make_qwen3_moe(model_dir) if experts else make_model(model_dir, "llama")
@@ -1470,15 +1475,18 @@ def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(
     flags = ["--use-distributed-optimizer", "--world-size", str(ranks)]
     flags += ["--bf16"] if precision == "bf16" else []
     flags += MOE_FLAGS + ["--expert-model-parallel-size", "2"] if experts else []
+    flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel"] if sharding != "dp_reshardable" else []
     mindkit_train(model_dir, data, tmp_path / "torch", flags)
     r = run_ranks("megatron_dp_reshardable_save.py", ranks,
-                  tmp_path / f"torch/ckpt/iter_{ITERS:07d}", tmp_path / "megatron")
+                  tmp_path / f"torch/ckpt/iter_{ITERS:07d}", tmp_path / "megatron", sharding)
     assert r.stdout.count("saved") == ranks, r.stdout + r.stderr
     binary = train_command(model_dir, data, tmp_path, [])[0]
     info = subprocess.run([binary, "ckpt", "info", str(tmp_path / "megatron")],
                           capture_output=True, text=True, check=True).stdout
-    kind = "distributed optimizer, dp_reshardable buckets"
-    assert f"optimizer:   {kind}{', 2 chained optimizers' if experts else ''}\n" in info, info
+    kind = {"dp_reshardable": "distributed optimizer, dp_reshardable buckets",
+            "fully_sharded_model_space": "model-shaped, flattened (fully_sharded_model_space)"}
+    chained = ', 2 chained optimizers' if experts else ''
+    assert f"optimizer:   {kind[sharding]}{chained}\n" in info, info
     on = flags + ["--train-iters", str(ITERS + 6), "--log-interval", "1",
                   "--tokenizer-name-or-path", model_dir, "--use-checkpoint-opt-param-scheduler"]
     mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "from_torch", on)
@@ -1488,7 +1496,7 @@ def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(
     assert len(want["lm loss"]) == 6
     assert scalars(tmp_path / "from_megatron/tb", ("lm loss", "grad-norm")) == want
     assert scalars(tmp_path / "reset/tb", ("lm loss",))["lm loss"] != want["lm loss"]
-    if ranks > 1:
+    if ranks > 2 and sharding == "dp_reshardable":
         # resharded over data-parallel ranks, as megatron-core reshards it: on half the ranks
         half = on + ["--world-size", str(ranks // 2)]
         mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "torch_on_half", half)
@@ -1498,6 +1506,8 @@ def test_mindkit_resumes_megatron_cores_dp_reshardable_distributed_optimizer(
                 == scalars(tmp_path / "torch_on_half/tb", tags))
     # buckets of another layout, of another chain, and no distributed optimizer to read them
     # into, are refused
+    if sharding != "dp_reshardable":
+        return
     plain = [a for a in on if a != "--use-distributed-optimizer"]
     refused = [(plain, "which only the distributed optimizer reads")]
     if experts:

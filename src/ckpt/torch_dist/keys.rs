@@ -198,24 +198,28 @@ pub(super) fn is_not_model(key: &str) -> bool {
     unchained(key).1.starts_with("optimizer.") || key.starts_with("rng_state")
 }
 
-/// How the optimizer's state was saved, if it was: `fully_reshardable` model-shaped tensors,
-/// or the distributed optimizer's DP-reshardable bucket tensors; and by how many chained
-/// optimizers (0: not chained).
+/// How the optimizer's state was saved, if it was, from the global tensors' keys and whether
+/// each is N-D flattened: model-shaped tensors (`fully_reshardable`, or the deprecated
+/// `fully_sharded_model_space`'s flattened ones), or the distributed optimizer's
+/// DP-reshardable bucket tensors; and by how many chained optimizers (0: not chained).
 pub(super) fn optimizer_kind<'a>(
-    keys: impl Iterator<Item = &'a String>,
+    keys: impl Iterator<Item = (&'a str, bool)>,
 ) -> (Option<String>, usize) {
-    let kind = |k: &str| {
+    let kind = |k: &str, flattened: bool| {
         if k.starts_with("optimizer.distributed.") {
             Some("distributed optimizer, dp_reshardable buckets")
-        } else if k.starts_with("optimizer.state.") {
-            Some("model-shaped (fully reshardable)")
-        } else {
+        } else if !k.starts_with("optimizer.state.") {
             None
+        } else if flattened {
+            Some("model-shaped, flattened (fully_sharded_model_space)")
+        } else {
+            Some("model-shaped (fully reshardable)")
         }
     };
     let (mut found, mut chained) = (None, 0);
-    for (chain, key) in keys.map(|k| unchained(k)) {
-        found = found.or(kind(key));
+    for (k, flattened) in keys {
+        let (chain, key) = unchained(k);
+        found = found.or(kind(key, flattened));
         chained = chained.max(chain.map_or(0, |i| i + 1));
     }
     let kind = found.map(|found| match chained {
@@ -246,14 +250,21 @@ mod tests {
         // a model tensor's key that only looks like one stays whole
         assert_eq!(unchained(&keys[2]), (None, keys[2].as_str()));
         assert!(is_not_model(&keys[4]) && !is_not_model(&keys[0]));
-        let (kind, chained) = optimizer_kind(keys.iter());
+        let (kind, chained) = optimizer_kind(keys.iter().map(|k| (k.as_str(), false)));
         assert_eq!(chained, 2);
         let kind = kind.unwrap();
         assert_eq!(
             kind,
             "distributed optimizer, dp_reshardable buckets, 2 chained optimizers"
         );
-        assert_eq!(optimizer_kind(keys[..3].iter()), (None, 0));
+        let model = keys[..3].iter().map(|k| (k.as_str(), false));
+        assert_eq!(optimizer_kind(model), (None, 0));
+        let flat = "chained_0.optimizer.state.exp_avg.output_layer.weight";
+        let (kind, _) = optimizer_kind([(flat, true)].into_iter());
+        assert_eq!(
+            kind.unwrap(),
+            "model-shaped, flattened (fully_sharded_model_space), 1 chained optimizers"
+        );
         assert!(bucket.starts_with(&dp_bucket_prefix("", 3)));
     }
 }

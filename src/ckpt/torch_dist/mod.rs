@@ -101,12 +101,23 @@ struct Index {
 pub struct GlobalTensor {
     /// Element type.
     pub dtype: DType,
-    /// Global shape.
+    /// Global shape (as stored: reformulated when `flattened`).
     pub shape: Vec<usize>,
+    /// The original global shape of an N-D flattened tensor — megatron-core's
+    /// `flattened_range` ShardedTensors (the distributed optimizer's deprecated
+    /// `fully_sharded_model_space` state), stored as `[X/x, Y/y, …, x·y·…]`, one row per
+    /// local chunk of local shape `[x, y, …]` (dist_checkpointing/strategies/torch.py
+    /// `_mcore_to_torch_sharded_tensor`; `mcore_data[key]['nd_reformulated_orig_global_shape']`).
+    pub flattened: Option<Vec<usize>>,
     chunks: Vec<Chunk>,
 }
 
 impl GlobalTensor {
+    /// Its global shape: the original one of an N-D flattened tensor.
+    pub fn global_shape(&self) -> &[usize] {
+        self.flattened.as_deref().unwrap_or(&self.shape)
+    }
+
     /// The chunks it is saved in.
     pub fn chunks(&self) -> usize {
         self.chunks.len()
@@ -198,7 +209,9 @@ impl TorchDistCkpt {
                 tp_extend: false,
                 dualpipev: false,
             });
-        let (optimizer, chained_optimizers) = keys::optimizer_kind(tensors.keys());
+        let (optimizer, chained_optimizers) = keys::optimizer_kind(
+            (tensors.iter()).map(|(k, t)| (k.as_str(), t.flattened.is_some())),
+        );
         let mut ck = TorchDistCkpt {
             iter_dir,
             cfg,
@@ -303,15 +316,26 @@ impl TorchDistCkpt {
             .get(&c)
             .ok_or_else(|| anyhow!("the checkpoint has no tensor for {c:?}"))?;
         let key = format!("{}{state}.{name}", keys::OPTIMIZER_STATE);
-        match self.tensors.get(&key) {
-            Some(t) if t.shape != self.tensors[name].shape => bail!(
+        // under chained optimizers' prefixes where a save added them
+        let chains = (0..self.chained_optimizers).map(|i| keys::chained_prefix(i) + &key);
+        let Some(key) = std::iter::once(key.clone())
+            .chain(chains)
+            .find(|k| self.tensors.contains_key(k))
+        else {
+            return Ok(None);
+        };
+        let (t, param) = (&self.tensors[&key], &self.tensors[name]);
+        if t.global_shape() != param.shape {
+            bail!(
                 "{}: {key} has shape {:?}, its parameter {:?}",
                 self.iter_dir.join(METADATA).display(),
-                t.shape,
-                self.tensors[name].shape
-            ),
-            Some(_) => self.region(&key, at).map(Some),
-            None => Ok(None),
+                t.global_shape(),
+                param.shape
+            );
+        }
+        match t.flattened {
+            Some(_) => self.flattened_region(&key, at).map(Some),
+            None => self.region(&key, at).map(Some),
         }
     }
 
@@ -417,6 +441,43 @@ impl TorchDistCkpt {
             );
         }
         Ok(Tensor::new(t.dtype, shape, out))
+    }
+
+    /// [`Self::region`] of N-D flattened tensor `name` ([`GlobalTensor::flattened`]): each
+    /// local chunk's row of the reformulated tensor that holds some of the region read, and
+    /// its block put in place.
+    fn flattened_region(&self, name: &str, at: &[usize]) -> Result<Tensor> {
+        let t = &self.tensors[name];
+        let orig = t.global_shape();
+        let local: Vec<usize> = orig.iter().zip(&t.shape).map(|(o, f)| o / f).collect();
+        let (shape, inner) = (&orig[at.len()..], &local[at.len()..]);
+        let size = t.dtype.size();
+        let mut out = vec![0u8; shape.iter().product::<usize>() * size];
+        // the element of the leading indices in a local chunk, and its block's length
+        let skip: usize = (at.iter().enumerate())
+            .map(|(d, &i)| i % local[d] * local[d + 1..].iter().product::<usize>())
+            .sum();
+        let len = inner.iter().product::<usize>();
+        let grid = &t.shape[at.len()..orig.len()];
+        for k in 0..grid.iter().product::<usize>() {
+            let mut fragment: Vec<usize> = at.iter().zip(&local).map(|(i, l)| i / l).collect();
+            let mut rest = k;
+            let tail: Vec<usize> = (grid.iter().rev())
+                .map(|&g| {
+                    let i = rest % g;
+                    rest /= g;
+                    i
+                })
+                .collect();
+            fragment.extend(tail.iter().rev());
+            let row = self.region(name, &fragment)?;
+            let block = &row.data[skip * size..(skip + len) * size];
+            let offsets: Vec<usize> = (fragment[at.len()..].iter().zip(inner))
+                .map(|(f, l)| f * l)
+                .collect();
+            place(&mut out, shape, (block, inner), &offsets, size);
+        }
+        Ok(Tensor::new(t.dtype, shape.to_vec(), out))
     }
 
     /// The `.distcp` files and the index, for `ckpt info`.
@@ -571,15 +632,58 @@ fn index_of(iter_dir: &Path, root: &Value) -> Result<Index> {
             GlobalTensor {
                 dtype,
                 shape,
+                flattened: None,
                 chunks,
             },
         );
+    }
+    if let Some(v) = meta.get("mcore_data") {
+        flattened_shapes(v, &mut tensors)?;
     }
     Ok(Index {
         files: files.paths,
         tensors,
         objects,
     })
+}
+
+/// The original shapes `mcore_data` (megatron-core's `MCoreMetadata`) records of its N-D
+/// flattened tensors, checked against their reformulated shapes and set on `tensors`.
+fn flattened_shapes(
+    mcore_data: &Value,
+    tensors: &mut BTreeMap<String, GlobalTensor>,
+) -> Result<()> {
+    let Value::Dict(entries) = mcore_data else {
+        bail!("mcore_data is not a dict");
+    };
+    for (k, v) in entries {
+        let Value::Str(fqn) = k else {
+            bail!("an mcore_data key is not a string");
+        };
+        let Some(shape) = v.get("nd_reformulated_orig_global_shape") else {
+            continue;
+        };
+        let what = format!("mcore_data[{fqn}]");
+        let orig = uints(shape, &what)?;
+        let t = (tensors.get_mut(fqn))
+            .ok_or_else(|| anyhow!("{what}: the index has no such tensor"))?;
+        let (n, stored) = (orig.len(), &t.shape);
+        // [X/x, …, x·…]: each dimension a whole number of local chunks, the last their size
+        let regular = stored.len() == n + 1
+            && (orig.iter().zip(stored)).all(|(&o, &f)| f > 0 && o % f == 0)
+            && (orig.iter().zip(stored))
+                .map(|(&o, &f)| o / f)
+                .try_fold(1usize, |acc, x| acc.checked_mul(x))
+                == Some(stored[n]);
+        if !regular {
+            bail!(
+                "{what}: original shape {orig:?} is not the reformulated {stored:?} of an N-D \
+                 flattened tensor ([X/x, …, x·…])"
+            );
+        }
+        t.flattened = Some(orig);
+    }
+    Ok(())
 }
 
 /// The data files an index names, each checked once: its path and size by name.
