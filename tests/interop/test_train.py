@@ -1487,6 +1487,13 @@ def test_mindkit_resumes_megatron_cores_distributed_optimizer_state(
             "fully_sharded_model_space": "model-shaped, flattened (fully_sharded_model_space)"}
     chained = ', 2 chained optimizers' if experts else ''
     assert f"optimizer:   {kind[sharding]}{chained}\n" in info, info
+    # its weights, beside the optimizer's keys, convert as the torch-format checkpoint's do
+    from safetensors.torch import load_file
+    for source in ("megatron", "torch/ckpt"):
+        mindkit("convert", "--to", "hf", "--input", tmp_path / source, "--output",
+                tmp_path / f"hf_{source[:5]}")
+    got, want = (load_file(str(tmp_path / f"hf_{s}/model.safetensors")) for s in ("megat", "torch"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     on = flags + ["--train-iters", str(ITERS + 6), "--log-interval", "1",
                   "--tokenizer-name-or-path", model_dir, "--use-checkpoint-opt-param-scheduler"]
     mindkit_train(tmp_path / "torch/ckpt", data, tmp_path / "from_torch", on)
