@@ -5504,6 +5504,20 @@ fn torch_dist_checkpoints_resume_bit_exactly_and_at_other_layouts() {
         &moe,
         &[(one, 1e-5), (&ep2_plain, 1e-5)],
     );
+    // grouped experts' state (each layer's experts one transposed unit of the distributed
+    // optimizer's buffer) saved per expert, as SequentialMLP's, and read back into the unit
+    let grouped = [
+        &batch[..],
+        &["--moe-grouped-gemm", "--use-distributed-optimizer"],
+        &["--world-size", "2"],
+    ]
+    .concat();
+    torch_dist_resumes(
+        &dir.path().join("grouped"),
+        moe_args,
+        &grouped,
+        &[(one, 1e-5), (&ep2_plain, 1e-5)],
+    );
 }
 
 /// Preference pairs as MindSpeed-LLM's pairwise handlers write them (int32

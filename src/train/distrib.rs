@@ -288,6 +288,16 @@ impl Unit {
     }
 }
 
+/// A trained parameter's place in the world tensors ([`Sharded::world_places`]).
+type WorldPlace = (usize, Range<usize>, Option<(usize, usize)>);
+
+/// Row-major `[rows, cols]` values `m` as `[cols, rows]`.
+fn transpose(m: &[f32], (rows, cols): (usize, usize)) -> Vec<f32> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
+        .collect()
+}
+
 /// The units of the trained parameters `members` (table order) of `table`: each parameter, or
 /// with `grouped` experts each MoE layer's routed experts' linear_fc1 weights as one unit and
 /// their linear_fc2 weights as another, at their first member's place (the order
@@ -602,30 +612,36 @@ impl<T> Sharded<T> {
         })
     }
 
-    /// Each trained parameter's place in the world tensors: its index in the table and its
-    /// elements there (a grouped unit has none: its members are stored transposed together).
-    fn world_ranges(&self) -> Result<Vec<(usize, Range<usize>)>> {
-        (self.layout.placed.iter())
-            .filter_map(|p| match &self.units[p.param] {
-                Unit {
-                    members,
-                    transposed: None,
-                } if members.len() == 1 => Some((members[0], p.range.clone())),
-                _ => None,
-            })
-            .map(|(param, range)| {
-                let from = self.world_at(range.start)?;
-                Ok((param, from..from + range.len()))
-            })
-            .collect()
+    /// Each trained parameter's place in the world tensors: its index in the table, its
+    /// elements there, and for a member of a grouped unit its shape `(rows, cols)`, stored
+    /// transposed after the member before it.
+    fn world_places(&self) -> Result<Vec<WorldPlace>> {
+        let mut places = Vec::new();
+        for p in &self.layout.placed {
+            let unit = &self.units[p.param];
+            let from = self.world_at(p.range.start)?;
+            let each = p.range.len() / unit.members.len();
+            for (k, &param) in unit.members.iter().enumerate() {
+                let at = from + k * each;
+                places.push((param, at..at + each, unit.transposed));
+            }
+        }
+        Ok(places)
     }
 
-    /// The trained parameters' main copies, first and second moments (f32, flat) cut from
-    /// world tensors of [`Sharded::gathered_state`], by table index.
+    /// The trained parameters' main copies, first and second moments (f32, flat, in their
+    /// own shapes) cut from world tensors of [`Sharded::gathered_state`], by table index.
     pub fn param_states(&self, world: &[Vec<f32>; 3]) -> Result<Vec<(usize, [Vec<f32>; 3])>> {
-        (self.world_ranges()?.into_iter())
-            .map(|(param, r)| Ok((param, world.clone().map(|w| w[r.clone()].to_vec()))))
-            .collect()
+        let places = self.world_places()?;
+        let state = |(param, r, transposed): WorldPlace| {
+            let cut = |w: &Vec<f32>| match transposed {
+                // stored [cols, rows]
+                Some((rows, cols)) => transpose(&w[r.clone()], (cols, rows)),
+                None => w[r.clone()].to_vec(),
+            };
+            (param, [cut(&world[0]), cut(&world[1]), cut(&world[2])])
+        };
+        Ok(places.into_iter().map(state).collect())
     }
 
     /// The world tensors ([`Sharded::gathered_state`]'s form) holding the trained parameters'
@@ -638,13 +654,16 @@ impl<T> Sharded<T> {
         world
             .iter_mut()
             .for_each(|w| w.resize(self.layout.numel_unpadded(), 0.0));
-        for (param, r) in self.world_ranges()? {
+        for (param, r, transposed) in self.world_places()? {
             let got = states(param).ok_or_else(|| EngineError::Invalid {
                 op: "distributed optimizer",
                 msg: format!("internal: no state for parameter {param}"),
             })?;
             for (w, s) in world.iter_mut().zip(&got) {
-                w[r.clone()].copy_from_slice(s);
+                match transposed {
+                    Some(shape) => w[r.clone()].copy_from_slice(&transpose(s, shape)),
+                    None => w[r.clone()].copy_from_slice(s),
+                }
             }
         }
         Ok(world)

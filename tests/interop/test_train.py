@@ -1385,23 +1385,27 @@ def megatron_core_optimizer(model, a, bf16):
     return opt
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit, precision):
+@pytest.mark.parametrize("precision,grouped", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit, precision, grouped):
     """`mindkit train --ckpt-format torch_dist` loaded as Megatron's load_checkpoint loads a
     torch_dist checkpoint: dist_checkpointing.load of the model's and megatron-core's own
     optimizer's sharded state dicts with every missing or unexpected key an error, then their
     load_state_dict. The weights equal those of the same run saved in the torch format, and so
     do every parameter's moments (and, in bf16, its f32 main copy) and the step; common.pt
     loads with the weights_only unpickler, records no RNG state to load, and its scheduler
-    loads into OptimizerParamScheduler."""
+    loads into OptimizerParamScheduler. With grouped experts (GroupedMLP's weight1 and
+    weight2), their state saved per expert as SequentialMLP's is what megatron-core's
+    GroupedMLP reads back into its own parameters."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron_cpu import gpt_model, load_pt
     bf16 = precision == "bf16"
-    model_dir = make_model(tmp_path / "model", "llama")
+    model_dir = tmp_path / "model"
+    model_dir = make_qwen3_moe(model_dir) if grouped else make_model(model_dir, "llama")
     data = write_data(tmp_path / "data")
     flags = ["--bf16"] if bf16 else []
+    flags += MOE_FLAGS + ["--moe-grouped-gemm"] if grouped else []
     mindkit_train(model_dir, data, tmp_path / "dist", flags + ["--ckpt-format", "torch_dist"])
     mindkit_train(model_dir, data, tmp_path / "torch", flags)
     ref = load_pt(tmp_path / f"torch/ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
@@ -1422,6 +1426,7 @@ def test_megatron_core_resumes_mindkits_torch_dist_checkpoint(tmp_path, mindkit,
     loaded = dist_checkpointing.load(request, str(dist_dir), strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
     opt.load_state_dict(loaded["optimizer"])
+    assert grouped == any(n.endswith("experts.weight1") for n, _ in model.named_parameters())
     reference = built()
     reference.load_state_dict(ref["model"], strict=True)
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):

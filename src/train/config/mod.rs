@@ -731,11 +731,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     )?;
     let lora = lora_built(lora_config(a)?, &model)?;
     if save.as_ref().is_some_and(|s| s.dist) {
-        check_torch_dist_save(
-            &model,
-            key_layout,
-            (grouped_gemm, dualpipev, lora.is_some()),
-        )?;
+        check_torch_dist_save(&model, key_layout, (dualpipev, lora.is_some()))?;
     }
     Ok(TrainConfig {
         model,
@@ -828,7 +824,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
 fn check_torch_dist_save(
     model: &ModelConfig,
     layout: KeyLayout,
-    (grouped_gemm, dualpipev, lora): (bool, bool, bool),
+    (dualpipev, lora): (bool, bool),
 ) -> Result<()> {
     let mla_split = model.mla.is_some_and(|m| m.fused_down || m.split_up);
     let mindspeed_mtp = model.mtp.is_some_and(|m| m.layout == MtpLayout::Mindspeed);
@@ -836,12 +832,6 @@ fn check_torch_dist_save(
         (
             layout == KeyLayout::McoreTe,
             "--transformer-impl transformer_engine's layout",
-        ),
-        // GroupedMLP's weights are sharded as SequentialMLP's (convert writes them), its
-        // optimizer state as its own transposed parameters (megatron-core's experts.py)
-        (
-            grouped_gemm,
-            "--moe-grouped-gemm's grouped experts' optimizer state",
         ),
         (dualpipev, "--schedules-method dualpipev's layer order"),
         (
