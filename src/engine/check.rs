@@ -378,6 +378,14 @@ pub fn mask(op: &'static str, mask: Option<&Mask>, n: usize) -> Result<()> {
     })
 }
 
+/// A key selection's rows are the pass's (none without one).
+pub fn selection(op: &'static str, selection: Option<&super::Selection>, n: usize) -> Result<()> {
+    let Some(sel) = selection else { return Ok(()) };
+    ensure(sel.rows() == n, op, || {
+        format!("a key selection of {} rows for {n} rows", sel.rows())
+    })
+}
+
 /// [`super::Backend::dropout`]: a matrix, one mask row per row.
 pub fn dropout<D: Device>(d: &D, x: &D::Tensor, m: &Mask) -> Result<()> {
     let shape = d.shape(x);

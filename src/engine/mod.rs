@@ -104,6 +104,55 @@ pub(crate) fn check_segments(
     })
 }
 
+/// DeepSeek sparse attention's choice of keys: query row `r` of a pass attends only to the
+/// rows of the same pass named in `keys[r·per_row..][..per_row]` (−1 names none), among
+/// those it sees (MindSpeed-LLM's dsa_indexer.py `generate_sparse_mask`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    keys: Vec<i32>,
+    per_row: usize,
+}
+
+impl Selection {
+    /// `keys [rows, per_row]`, −1 for none.
+    pub fn new(keys: Vec<i32>, per_row: usize) -> Selection {
+        assert!(
+            per_row > 0 && keys.len().is_multiple_of(per_row),
+            "internal: key selection shape"
+        );
+        Selection { keys, per_row }
+    }
+
+    /// The query rows it covers.
+    pub fn rows(&self) -> usize {
+        self.keys.len() / self.per_row
+    }
+
+    /// The keys query row `row` attends to.
+    pub fn keys_of(&self, row: usize) -> impl Iterator<Item = usize> + '_ {
+        let row = &self.keys[row * self.per_row..][..self.per_row];
+        row.iter().filter_map(|&k| usize::try_from(k).ok())
+    }
+
+    /// Every row's keys `[rows, per_row]`, −1 for none.
+    pub fn keys(&self) -> &[i32] {
+        &self.keys
+    }
+
+    /// Keys per row.
+    pub fn per_row(&self) -> usize {
+        self.per_row
+    }
+}
+
+/// The error of a device without DeepSeek sparse attention.
+fn sparse_attention_unbuilt(op: &'static str) -> EngineError {
+    EngineError::Invalid {
+        op,
+        msg: "DeepSeek sparse attention (--enable-dsa-indexer) is built on the CPU only".into(),
+    }
+}
+
 /// One sequence's rows in a ragged batch: the KV-cache slot it owns, how many positions that
 /// slot already holds, and how many new rows (tokens) it contributes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -494,6 +543,38 @@ pub trait Backend: Device {
         shape: AttentionShape,
         dropout: Option<&Mask>,
     ) -> Result<(Self::Tensor, Self::Tensor, Self::Tensor)>;
+    /// [`Backend::attention`] where each query row attends only to the keys `selection`
+    /// names among those it sees (DeepSeek sparse attention). Not built on every device.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        segments: &[Range<usize>],
+        shape: AttentionShape,
+        dropout: Option<&Mask>,
+        selection: &Selection,
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        let _ = (q, k, v, segments, shape, dropout, selection);
+        Err(sparse_attention_unbuilt("sparse_attention"))
+    }
+    /// `(dq, dk, dv)` of [`Backend::sparse_attention`] with the same `dropout` and
+    /// `selection`. Overwrites.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_attention_bwd(
+        &self,
+        d_o: &Self::Tensor,
+        (q, k, v): (&Self::Tensor, &Self::Tensor, &Self::Tensor),
+        (o, lse): (&Self::Tensor, &Self::Tensor),
+        segments: &[Range<usize>],
+        shape: AttentionShape,
+        dropout: Option<&Mask>,
+        selection: &Selection,
+    ) -> Result<(Self::Tensor, Self::Tensor, Self::Tensor)> {
+        let _ = (d_o, q, k, v, o, lse, segments, shape, dropout, selection);
+        Err(sparse_attention_unbuilt("sparse_attention_bwd"))
+    }
     /// `x [n, w]` times the factors of dropout `mask` (0 or `1/(1 − p)` in f32, one row of the
     /// mask per row of `x`), rounded to `x`'s dtype: hidden dropout's forward pass and, on the
     /// gradient of its output, its backward pass (aclnnMul by the mask's factors). Overwrites.

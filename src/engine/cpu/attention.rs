@@ -13,11 +13,15 @@
 //! softmax (the log-sum-exp is the softmax's), and the backward pass draws the same factors
 //! again: `dV = (P∘M)ᵀ·dO`, `dS = P∘(dP∘M − D)` with `D = Σ dO∘O` as without dropout (`O`
 //! already holds the mask: `Σ_j P·M·dP = dO·O`).
+//!
+//! With a key [`Selection`] (DeepSeek sparse attention) a query row's scores of the keys it
+//! did not select are −∞ before the softmax, in the forward and the backward pass alike, so
+//! their probabilities are e^−87 of the row's largest at most (the exponential's clamp).
 
 use super::bf16_gemm::{self, Operand};
 use super::gemm;
 use crate::engine::dropout::Mask;
-use crate::engine::{AttentionShape, Segment};
+use crate::engine::{AttentionShape, Segment, Selection};
 use crate::tensor::dtype::bf16_to_f32;
 use crate::tensor::matmul::{gemm_into, Store, Strided};
 use crate::tensor::simd::{self, narrow_bf16, softmax};
@@ -37,6 +41,13 @@ pub struct Layout<'a> {
     pub segments: &'a [Range<usize>],
     /// Attention dropout's mask (of every row), if any.
     pub dropout: Option<&'a Mask<'a>>,
+    /// The keys each query row attends to, if not every key it sees.
+    pub selection: Option<&'a Selection>,
+}
+
+thread_local! {
+    /// [`Layout::select`]'s marks of a row's kept keys.
+    static KEPT: std::cell::RefCell<Vec<bool>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Layout<'_> {
@@ -48,6 +59,26 @@ impl Layout<'_> {
     }
     fn rows(&self) -> usize {
         self.segments.last().map_or(0, |s| s.end)
+    }
+
+    /// Query row `row`'s `scores` of the keys from row `keys` on, −∞ for every key the
+    /// selection (if any) does not name.
+    fn select(&self, row: usize, keys: usize, scores: &mut [f32]) {
+        let Some(selection) = self.selection else {
+            return;
+        };
+        KEPT.with_borrow_mut(|kept| {
+            kept.clear();
+            kept.resize(scores.len(), false);
+            for key in selection.keys_of(row) {
+                if let Some(at) = key.checked_sub(keys).filter(|&at| at < kept.len()) {
+                    kept[at] = true;
+                }
+            }
+            for (score, _) in scores.iter_mut().zip(kept.iter()).filter(|(_, &k)| !k) {
+                *score = f32::NEG_INFINITY;
+            }
+        });
     }
 
     /// Query row `row`'s probabilities for head `h` over its segment's keys from `keys`, times
@@ -132,6 +163,7 @@ pub fn attention_fwd(q: &[f32], k: &[f32], v: &[f32], at: Layout, o: &mut [f32],
                     Store::Overwrite,
                 );
                 for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
+                    at.select(seg.start + t0 + r, seg.start, &mut row[..t0 + r + 1]);
                     let log_sum = softmax_lse(row, t0 + r + 1);
                     *lse_out.at((seg.start + t0 + r) * nh + h) = log_sum;
                     at.drop_probs(h, (seg.start + t0 + r, seg.start), &mut row[..t0 + r + 1]);
@@ -295,6 +327,7 @@ pub fn attention_bwd(
                                 &mut dp[r * seen..(r + 1) * seen],
                             );
                             let visible = t0 + r + 1;
+                            at.select(row, seg.start, &mut pr[..visible]);
                             let f = at.factors(h, (row, seg.start, visible), factors);
                             dropout_grad_row(pr, dpr, visible, stats, f);
                         }
@@ -410,6 +443,7 @@ pub fn attention_fwd_bf16(x: Bf16Qkv, at: Layout, o: &mut [f32], lse: &mut [f32]
             for (r, sc) in scores.chunks_exact_mut(seen).enumerate() {
                 let visible = t0 + r + 1;
                 sc[..visible].iter_mut().for_each(|v| *v *= s.scale);
+                at.select(row + r, seg.start, &mut sc[..visible]);
                 let log_sum = softmax_lse(sc, visible);
                 // SAFETY: row + r < T; this task alone writes lse's (rows of the block, h).
                 unsafe { *lse_out.at((row + r) * nh + h) = log_sum };
@@ -504,6 +538,7 @@ pub fn attention_bwd_bf16(
                     let stats = (lse[(row + r) * nh + h], delta[(row + r) * nh + h]);
                     let visible = t0 + r + 1;
                     pr[..visible].iter_mut().for_each(|v| *v *= s.scale);
+                    at.select(row + r, seg.start, &mut pr[..visible]);
                     let f = at.factors(h, (row + r, seg.start, visible), &mut factors);
                     dropout_grad_row(pr, dpr, visible, stats, f);
                 }
@@ -646,14 +681,13 @@ mod tests {
         }
     }
 
-    /// The definition: every row against the visible rows of its segment, in f64, each
-    /// probability times its dropout factor.
+    /// The definition: every row against the visible rows of its segment (those selected,
+    /// with a selection), in f64, each probability times its dropout factor.
     fn naive(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        (q, k, v): (&[f32], &[f32], &[f32]),
         segments: &[Range<usize>],
         dropout: Option<&Mask>,
+        selection: Option<&Selection>,
     ) -> Vec<f64> {
         let s = shape();
         let (d, qw, kw) = (s.head_dim, s.heads * s.head_dim, s.groups * s.head_dim);
@@ -669,8 +703,10 @@ mod tests {
                             .sum::<f64>()
                             * s.scale as f64
                     };
-                    let keys: Vec<usize> = (seg.start..=i).collect();
-                    let mut factors = vec![1f32; keys.len()];
+                    let chosen =
+                        |j: &usize| selection.is_none_or(|s| s.keys_of(i).any(|k| k == *j));
+                    let keys: Vec<usize> = (seg.start..=i).filter(chosen).collect();
+                    let mut factors = vec![1f32; i + 1 - seg.start];
                     if let Some(m) = dropout {
                         m.scale_probs(h, i, seg.start, &mut factors);
                     }
@@ -715,15 +751,39 @@ mod tests {
             rows: &places,
             first_head: 0,
         };
-        for dropout in [None, Some(&mask)] {
+        // DeepSeek sparse attention's selection: three keys per row, drawn from the row's
+        // segment up to it (its first key always), one of them −1, a later row or another
+        // segment's row at times (ignored).
+        let picks = seeded(rows * 3, 5);
+        let keys = (0..rows)
+            .flat_map(|i| {
+                let seg = segments.iter().find(|s| s.contains(&i)).unwrap();
+                let pick = |at: usize| (picks[i * 3 + at].abs() * 997.0) as usize;
+                let any = (pick(1) % rows) as i32;
+                let seen = (seg.start + pick(2) % (i + 1 - seg.start)) as i32;
+                [
+                    seg.start as i32,
+                    if pick(0) % 2 == 0 { -1 } else { any },
+                    seen,
+                ]
+            })
+            .collect();
+        let selection = Selection::new(keys, 3);
+        let cases = [
+            (None, None),
+            (Some(&mask), None),
+            (Some(&mask), Some(&selection)),
+        ];
+        for (dropout, selection) in cases {
             let at = Layout {
                 shape: s,
                 segments: &segments,
                 dropout,
+                selection,
             };
             let (mut o, mut lse) = (vec![0.0; rows * qw], vec![0.0; rows * s.heads]);
             attention_fwd(&q, &k, &v, at, &mut o, &mut lse);
-            let want = naive(&q, &k, &v, &segments, dropout);
+            let want = naive((&q, &k, &v), &segments, dropout, selection);
             for (i, (a, b)) in o.iter().zip(&want).enumerate() {
                 assert!((*a as f64 - b).abs() < 1e-5, "o[{i}] {a} vs {b}");
             }
@@ -788,6 +848,7 @@ mod tests {
             shape: s,
             segments: &segments,
             dropout: None,
+            selection: None,
         };
         let x = Bf16Qkv {
             q: &qb,

@@ -28,7 +28,7 @@ mod transpose;
 use super::dropout::Mask;
 use super::{
     check, ensure, AdamWStep, AttentionShape, Backend, Device, EngineError, HostTensor, Op, Result,
-    Segment, StridedView, NO_ROW,
+    Segment, Selection, StridedView, NO_ROW,
 };
 use crate::tensor::dtype::{bf16_bits, bf16_to_f32};
 use crate::tensor::host::{decode_f32, encode_f32};
@@ -375,6 +375,90 @@ impl Cpu {
                 }
             });
         out
+    }
+
+    fn attend(
+        &self,
+        (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
+        segments: &[Range<usize>],
+        s: AttentionShape,
+        (dropout, selection): (Option<&Mask>, Option<&Selection>),
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        let n = check::attention(self, (q, k, v), segments, s)?;
+        check::mask("attention", dropout, n)?;
+        check::selection("attention", selection, n)?;
+        let (mut o, mut lse) = (
+            vec![0f32; n * s.heads * s.head_dim],
+            vec![0f32; n * s.heads],
+        );
+        let at = attention::Layout {
+            shape: s,
+            segments,
+            dropout,
+            selection,
+        };
+        match bf16_qkv(q, k, v) {
+            Some(x) => attention::attention_fwd_bf16(x, at, &mut o, &mut lse),
+            None => attention::attention_fwd(
+                &q.values(),
+                &k.values(),
+                &v.values(),
+                at,
+                &mut o,
+                &mut lse,
+            ),
+        }
+        Ok((
+            CpuTensor::stored(q.shape.clone(), o, q.dtype()),
+            CpuTensor::new(vec![n, s.heads], lse),
+        ))
+    }
+
+    fn attend_bwd(
+        &self,
+        d_o: &CpuTensor,
+        (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
+        (o, lse): (&CpuTensor, &CpuTensor),
+        (segments, s): (&[Range<usize>], AttentionShape),
+        (dropout, selection): (Option<&Mask>, Option<&Selection>),
+    ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
+        let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
+        check::mask("attention_bwd", dropout, n)?;
+        check::selection("attention_bwd", selection, n)?;
+        check::expect_shape(self, "attention_bwd", "lse", lse, &[n, s.heads])?;
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; q.numel()],
+            vec![0f32; k.numel()],
+            vec![0f32; v.numel()],
+        );
+        let at = attention::Layout {
+            shape: s,
+            segments,
+            dropout,
+            selection,
+        };
+        let grads = (&mut dq[..], &mut dk[..], &mut dv[..]);
+        match (bf16_qkv(q, k, v), d_o.bf16_bits(), o.bf16_bits()) {
+            (Some(x), Some(d_o), Some(o)) => {
+                attention::attention_bwd_bf16((d_o, o), x, &lse.values(), at, grads)
+            }
+            _ => attention::attention_bwd(
+                &d_o.values(),
+                &q.values(),
+                &k.values(),
+                &v.values(),
+                &o.values(),
+                &lse.values(),
+                at,
+                grads,
+            ),
+        }
+        let dt = d_o.dtype();
+        Ok((
+            CpuTensor::stored(q.shape.clone(), dq, dt),
+            CpuTensor::stored(k.shape.clone(), dk, dt),
+            CpuTensor::stored(v.shape.clone(), dv, dt),
+        ))
     }
 }
 
@@ -807,32 +891,20 @@ impl Backend for Cpu {
         s: AttentionShape,
         dropout: Option<&Mask>,
     ) -> Result<(CpuTensor, CpuTensor)> {
-        let n = check::attention(self, (q, k, v), segments, s)?;
-        check::mask("attention", dropout, n)?;
-        let (mut o, mut lse) = (
-            vec![0f32; n * s.heads * s.head_dim],
-            vec![0f32; n * s.heads],
-        );
-        let at = attention::Layout {
-            shape: s,
-            segments,
-            dropout,
-        };
-        match bf16_qkv(q, k, v) {
-            Some(x) => attention::attention_fwd_bf16(x, at, &mut o, &mut lse),
-            None => attention::attention_fwd(
-                &q.values(),
-                &k.values(),
-                &v.values(),
-                at,
-                &mut o,
-                &mut lse,
-            ),
-        }
-        Ok((
-            CpuTensor::stored(q.shape.clone(), o, q.dtype()),
-            CpuTensor::new(vec![n, s.heads], lse),
-        ))
+        self.attend((q, k, v), segments, s, (dropout, None))
+    }
+
+    fn sparse_attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        segments: &[Range<usize>],
+        s: AttentionShape,
+        dropout: Option<&Mask>,
+        selection: &Selection,
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        self.attend((q, k, v), segments, s, (dropout, Some(selection)))
     }
 
     fn attention_bwd(
@@ -847,43 +919,21 @@ impl Backend for Cpu {
         s: AttentionShape,
         dropout: Option<&Mask>,
     ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
-        let n = check::attention_bwd(self, d_o, (q, k, v), o, segments, s)?;
-        check::mask("attention_bwd", dropout, n)?;
-        check::expect_shape(self, "attention_bwd", "lse", lse, &[n, s.heads])?;
-        let (mut dq, mut dk, mut dv) = (
-            vec![0f32; q.numel()],
-            vec![0f32; k.numel()],
-            vec![0f32; v.numel()],
-        );
-        let at = attention::Layout {
-            shape: s,
-            segments,
-            dropout,
-        };
-        let grads = (&mut dq[..], &mut dk[..], &mut dv[..]);
-        match (bf16_qkv(q, k, v), d_o.bf16_bits(), o.bf16_bits()) {
-            (Some(x), Some(d_o), Some(o)) => {
-                attention::attention_bwd_bf16((d_o, o), x, &lse.values(), at, grads)
-            }
-            _ => attention::attention_bwd(
-                &d_o.values(),
-                &q.values(),
-                &k.values(),
-                &v.values(),
-                &o.values(),
-                &lse.values(),
-                at,
-                grads,
-            ),
-        }
-        let dt = d_o.dtype();
-        Ok((
-            CpuTensor::stored(q.shape.clone(), dq, dt),
-            CpuTensor::stored(k.shape.clone(), dk, dt),
-            CpuTensor::stored(v.shape.clone(), dv, dt),
-        ))
+        self.attend_bwd(d_o, (q, k, v), (o, lse), (segments, s), (dropout, None))
     }
 
+    fn sparse_attention_bwd(
+        &self,
+        d_o: &CpuTensor,
+        qkv: (&CpuTensor, &CpuTensor, &CpuTensor),
+        saved: (&CpuTensor, &CpuTensor),
+        segments: &[Range<usize>],
+        s: AttentionShape,
+        dropout: Option<&Mask>,
+        selection: &Selection,
+    ) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
+        self.attend_bwd(d_o, qkv, saved, (segments, s), (dropout, Some(selection)))
+    }
     fn kv_cache(&self, slots: usize, capacity: usize, width: usize) -> Result<CpuTensor> {
         Ok(CpuTensor::new(
             vec![slots, capacity, width],
