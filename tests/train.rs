@@ -1545,6 +1545,96 @@ const MLA_FLAGS: [&str; 21] = [
     "--untie-embeddings-and-output-weights",
 ];
 
+/// DeepSeek sparse attention on [`MLA_FLAGS`]' attention: two indexer heads of 16, layer 1
+/// sharing layer 0's selection (3 layers, --index-topk-freq 2 --index-skip-topk-offset 1),
+/// RoPE on neighbouring pairs (YaRN with an attention factor takes no other).
+fn dsa_flags(topk: &str) -> Vec<&str> {
+    let mut flags = MLA_FLAGS.to_vec();
+    flags.extend([
+        "--num-layers",
+        "3",
+        "--enable-dsa-indexer",
+        "--index-n-heads",
+        "2",
+        "--index-head-dim",
+        "16",
+        "--index-topk",
+        topk,
+        "--index-topk-freq",
+        "2",
+        "--index-skip-topk-offset",
+        "1",
+        "--apply-rope-no-in-complex",
+    ]);
+    flags
+}
+
+#[test]
+fn deepseek_sparse_attention_trains_its_indexers_and_refuses_what_is_not_built() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let save = dir.path().join("dsa");
+    let saved = ["--save", save.to_str().unwrap(), "--save-interval", "10"];
+    let sparse = stdout(&run(&from_scratch(&data, &dsa_flags("8"), &saved)).success());
+    let logged = field(&sparse, "dsa_indexer_loss");
+    assert!(logged.iter().all(|&l| l > 0.0), "{sparse}");
+    // a top-k of every key a row sees is dense attention: the same run however large
+    let all = stdout(&run(&from_scratch(&data, &dsa_flags("32"), &[])).success());
+    let more = stdout(&run(&from_scratch(&data, &dsa_flags("64"), &[])).success());
+    same_training(&all, &more, 0.0, "a top-k past the sequence");
+    assert_eq!(
+        field(&all, "dsa_indexer_loss"),
+        field(&more, "dsa_indexer_loss")
+    );
+    assert_ne!(field(&sparse, "lm loss"), field(&all, "lm loss"));
+    // the sharing layer has no indexer of its own
+    let indexer = |l: usize, t: &str| {
+        saved_shape(
+            &save,
+            &format!("decoder.layers.{l}.self_attention.dsa_indexer.{t}.weight"),
+        )
+    };
+    assert_eq!(indexer(0, "wq_b"), Some(vec![32, 32]));
+    assert_eq!(indexer(2, "weights_proj"), Some(vec![2, 64]));
+    assert_eq!(indexer(1, "wk"), None);
+    // refused by name: tensor parallelism, f32 norms under bf16, an HF export, generation
+    for (extra, says) in [
+        (
+            &["--tensor-model-parallel-size", "2"][..],
+            "under tensor parallelism",
+        ),
+        (
+            &["--bf16", "--init-norm-weight-in-fp32"][..],
+            "--init-norm-weight-in-fp32",
+        ),
+    ] {
+        let flags = [&dsa_flags("8")[..], extra].concat();
+        let err = stderr(&run(&from_scratch(&data, &flags, &[])).failure());
+        assert!(err.contains(says), "{err}");
+    }
+    let halves: Vec<&str> = (dsa_flags("8").into_iter())
+        .filter(|&f| f != "--apply-rope-no-in-complex")
+        .collect();
+    let err = stderr(&run(&from_scratch(&data, &halves, &[])).failure());
+    assert!(
+        err.contains("without --apply-rope-no-in-complex under YaRN"),
+        "{err}"
+    );
+    let err = hf_export_refused(dir.path(), &save);
+    assert!(err.contains("DeepSeek sparse attention"), "{err}");
+    let generate: [&dyn AsRef<std::ffi::OsStr>; 7] = [
+        &"generate",
+        &"--model",
+        &save,
+        &"--prompt",
+        &"a",
+        &"--max-new-tokens",
+        &"4",
+    ];
+    let err = stderr(&mindkit(&generate).failure());
+    assert!(err.contains("DeepSeek sparse attention"), "{err}");
+}
+
 #[test]
 fn multi_latent_attention_trains_on_tensor_and_sequence_parallel_ranks_as_one_rank() {
     let dir = tempfile::tempdir().unwrap();

@@ -156,6 +156,52 @@ pub struct Mla {
     /// up projections (MindSpeed-LLM's `--enable-mla-scale-q-lora`, `--enable-mla-scale-kv-lora`,
     /// its multi_latent_attention.py; LongCat-Flash's `mla_scale_q_lora` / `mla_scale_kv_lora`).
     pub scale_latents: [bool; 2],
+    /// DeepSeek sparse attention's lightning indexer (MindSpeed-LLM's `--enable-dsa-indexer`).
+    pub dsa: Option<Dsa>,
+}
+
+/// DeepSeek sparse attention (DeepSeek-V3.2; MindSpeed-LLM's dsa_indexer.py `DSAIndexer` in its
+/// multi_latent_attention.py): a lightning indexer scores every key a query sees,
+/// `I(t, s) = Σ_j w_tj·relu(q_tj·k_s)` over its heads j, and the query attends to its `topk`
+/// best keys only. Its queries are up-projected from the query latent (`wq_b`), its one key
+/// per row projected from the hidden state (`wk`) and LayerNorm-ed (`k_norm`), its head
+/// weights `w` projected from the hidden state (`weights_proj`) times `heads^-½·head_dim^-½`;
+/// RoPE acts on the first [`Mla::rope_dim`] dimensions of each. Its inputs are detached: the
+/// indexer learns from its own loss only, the KL divergence of its scores' softmax over the
+/// selected keys from the main attention's (summed over heads, normalised).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dsa {
+    /// The indexer's heads (`--index-n-heads`).
+    pub heads: usize,
+    /// Its head dimension (`--index-head-dim`).
+    pub head_dim: usize,
+    /// Keys a query attends to (`--index-topk`).
+    pub topk: usize,
+    /// Every how many layers one computes its own selection, the rest sharing the last
+    /// one's (`--index-topk-freq`; [`Dsa::computes`]).
+    pub freq: usize,
+    /// The layers up to this one (1-based) compute their own (`--index-skip-topk-offset`).
+    pub offset: usize,
+    /// RoPE on pairs of neighbouring dimensions `(2i, 2i + 1)` (`--apply-rope-no-in-complex`:
+    /// megatron-core's `apply_rotary_pos_emb`), else on the halves `(i, i + d/2)` (MindSpeed-LLM's
+    /// `apply_rotary_pos_emb_bshd_in_complex` with `rotary_interleaved=True`).
+    pub rope_pairs_adjacent: bool,
+    /// The indexer's query input is the normed query latent (MindSpeed-LLM's
+    /// `mla_absorb_attention`: `--enable-mla-absorb` with `--use-sparse-flash-attn` and
+    /// `--mla-mm-split`), else the latent before its norm (its `mla_naive_attention`).
+    pub normed_query: bool,
+}
+
+impl Dsa {
+    /// Whether canonical layer `l` of a model of `layers` decoder layers has an indexer of its
+    /// own (a multi-token prediction depth always: MindSpeed-LLM builds its layer as layer 1),
+    /// else shares the selection of the last layer before it that has one (MindSpeed-LLM's
+    /// multi_latent_attention.py `_resolve_dsa_source_and_end`: layer L (1-based) computes
+    /// when `max(L − offset, 0) mod freq = 0`).
+    pub fn computes(&self, l: usize, layers: usize) -> bool {
+        let number = if l >= layers { 1 } else { l + 1 };
+        number.saturating_sub(self.offset.max(1)) % self.freq.max(1) == 0
+    }
 }
 
 impl Mla {

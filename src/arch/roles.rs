@@ -59,6 +59,17 @@ pub enum Role {
     KvUpNope,
     /// Its value up projection `[heads·d_v, kv_lora]` (`linear_v`).
     ValueUp,
+    /// DeepSeek sparse attention's indexer ([`crate::arch::Dsa`]): its query up projection
+    /// `[heads·d, q_lora]` (`dsa_indexer.wq_b`).
+    IndexerQUp,
+    /// Its key projection `[d, h]` (`dsa_indexer.wk`).
+    IndexerKey,
+    /// Its key's LayerNorm γ `[d]` (`dsa_indexer.k_norm`).
+    IndexerKeyNorm,
+    /// Its β `[d]`.
+    IndexerKeyNormBias,
+    /// Its heads' weights' projection `[heads, h]` (`dsa_indexer.weights_proj`).
+    IndexerWeights,
     /// Norm before the MLP `[h]`.
     PostNorm,
     /// Its bias `[h]`.
@@ -135,6 +146,9 @@ impl Role {
             let mut roles = Role::shortcut_roles(cfg, l);
             roles.extend(Role::norm_roles(cfg, Role::InputNorm));
             roles.extend(Role::mla_roles(cfg, mla));
+            if mla.dsa.is_some_and(|d| d.computes(l, cfg.layers)) {
+                roles.extend(Role::INDEXER);
+            }
             roles.extend(Role::norm_roles(cfg, Role::PostNorm));
             roles.extend(Role::mlp_roles(cfg, l));
             return roles;
@@ -169,6 +183,7 @@ impl Role {
         match self {
             Role::InputNorm => Role::InputNormBias,
             Role::PostNorm => Role::PostNormBias,
+            Role::IndexerKeyNorm => Role::IndexerKeyNormBias,
             _ => Role::FinalNormBias,
         }
     }
@@ -221,6 +236,16 @@ impl Role {
         }
         roles
     }
+
+    /// DeepSeek sparse attention's indexer's tensors, in the order its `DSAIndexer` registers
+    /// them.
+    pub const INDEXER: [Role; 5] = [
+        Role::IndexerQUp,
+        Role::IndexerKey,
+        Role::IndexerKeyNorm,
+        Role::IndexerKeyNormBias,
+        Role::IndexerWeights,
+    ];
 
     /// The tensors of an up projection (`QUp` or `KvUp`): itself, or its two parts under
     /// [`crate::arch::Mla::split_up`].
@@ -397,6 +422,11 @@ pub fn canonical_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::QUpNope | Role::QUpRope => mla_q_shape(cfg, role),
         Role::KvDown | Role::KvLatentNorm | Role::KvUp | Role::QkvDown => mla_kv_shape(cfg, role),
         Role::KvUpNope | Role::ValueUp => mla_kv_shape(cfg, role),
+        Role::IndexerQUp
+        | Role::IndexerKey
+        | Role::IndexerKeyNorm
+        | Role::IndexerKeyNormBias
+        | Role::IndexerWeights => indexer_shape(cfg, role),
         Role::Fc1 => vec![2 * cfg.ffn, cfg.hidden],
         Role::Up => vec![cfg.ffn, cfg.hidden],
         Role::Fc2 => vec![cfg.hidden, cfg.ffn],
@@ -421,6 +451,18 @@ fn mla_q_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
         Role::QUpNope => vec![cfg.heads * m.qk_head_dim, rank],
         Role::QUpRope => vec![cfg.heads * m.rope_dim, rank],
         _ => vec![q_rows, cfg.hidden],
+    }
+}
+
+/// The shape of a role of DeepSeek sparse attention's indexer (zero-sized without one).
+fn indexer_shape(cfg: &ModelConfig, role: Role) -> Vec<usize> {
+    let m = cfg.mla.unwrap_or(ZERO_MLA);
+    let (heads, d) = m.dsa.map_or((0, 0), |x| (x.heads, x.head_dim));
+    match role {
+        Role::IndexerQUp => vec![heads * d, m.q_lora_rank.unwrap_or(0)],
+        Role::IndexerKey => vec![d, cfg.hidden],
+        Role::IndexerWeights => vec![heads, cfg.hidden],
+        _ => vec![d],
     }
 }
 
@@ -450,6 +492,7 @@ const ZERO_MLA: crate::arch::Mla = crate::arch::Mla {
     fused_down: false,
     split_up: false,
     scale_latents: [false; 2],
+    dsa: None,
 };
 
 /// One routed expert's intermediate size (0 for a dense model).

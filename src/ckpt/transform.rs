@@ -103,6 +103,12 @@ fn decoder_hf_parts(cfg: &ModelConfig, c: Canon) -> Vec<(String, Vec<usize>)> {
         Role::MtpHiddenNorm => one(hf::layer(l, hf::MTP[1])),
         Role::MtpProj => one(hf::layer(l, hf::MTP[2])),
         Role::MtpNorm => one(hf::layer(l, hf::MTP[3])),
+        // DeepSeek-V3.2's and GLM-5's (MindSpeed-LLM configs/checkpoint/model_cfg.json)
+        Role::IndexerQUp => one(hf::layer(l, "self_attn.indexer.wq_b.weight")),
+        Role::IndexerKey => one(hf::layer(l, "self_attn.indexer.wk.weight")),
+        Role::IndexerKeyNorm => one(hf::layer(l, "self_attn.indexer.k_norm.weight")),
+        Role::IndexerKeyNormBias => one(hf::layer(l, "self_attn.indexer.k_norm.bias")),
+        Role::IndexerWeights => one(hf::layer(l, "self_attn.indexer.weights_proj.weight")),
         Role::QkvDown => {
             let m = cfg
                 .mla
@@ -381,8 +387,14 @@ fn split_of(role: Role) -> Split {
         | Role::MtpEmbedNorm
         | Role::MtpHiddenNorm
         | Role::MtpNorm
-        // MindSpeed-LLM's `LinearNoTP` (multi_latent_attention.py `get_mla_self_attn_submodules`)
-        | Role::QkvDown => Split::Replicated,
+        // MindSpeed-LLM's `LinearNoTP` (multi_latent_attention.py `get_mla_self_attn_submodules`,
+        // dsa_indexer.py `get_dsa_indexer_spec`)
+        | Role::QkvDown
+        | Role::IndexerQUp
+        | Role::IndexerKey
+        | Role::IndexerKeyNorm
+        | Role::IndexerKeyNormBias
+        | Role::IndexerWeights => Split::Replicated,
         // Multi-latent attention's projections are column-parallel, the down projections too
         // (megatron-core gpt_layer_specs.py, local spec: `ColumnParallelLinear`, their outputs
         // gathered), the up projections' rows whole heads.

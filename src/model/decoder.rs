@@ -32,7 +32,7 @@ use super::mtp::{Depth, DepthSaved};
 use super::norm::{Head, Norm, NormSaved};
 use super::parallel::{gathered, local_ids, reduced, ExpertGroups, TensorParallel};
 use super::params::ParamTable;
-use super::{AuxLosses, ModelSpec, Pass, RouterStats};
+use super::{AuxLosses, IndexerLoss, ModelSpec, Pass, RouterStats};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::comm::ReduceOp;
 use crate::engine::dropout::Site;
@@ -105,7 +105,7 @@ impl Ids {
             ExpertGroups<'a, B::Tensor>,
         ),
         rope: (&'a B::Tensor, &'a B::Tensor),
-        ((dropout, aux), sequences): Regularisers<'a>,
+        ((dropout, aux, indexer), sequences): Regularisers<'a>,
     ) -> Pass<'a, B> {
         Pass {
             b,
@@ -119,6 +119,7 @@ impl Ids {
             rope,
             dropout,
             aux,
+            indexer,
             sequences,
             inference: false,
         }
@@ -145,6 +146,8 @@ pub struct MicroBatch {
     pub dropout: Option<Dropout>,
     /// Training's MoE auxiliary losses (`None`: none, as in evaluation).
     pub aux: Option<AuxLosses>,
+    /// Training's DeepSeek sparse attention indexer loss (`None`: none, as in evaluation).
+    pub indexer: Option<IndexerLoss>,
     /// Multi-token prediction's rows of each depth in training (none in evaluation, which
     /// reports the main loss only).
     pub mtp: Vec<DepthRows>,
@@ -173,13 +176,21 @@ pub struct DepthRows {
 
 /// What a pass of training adds: its dropout and MoE auxiliary losses, and the sequences of its
 /// rows.
-pub(super) type Regularisers<'a> = ((Option<&'a Dropout>, Option<&'a AuxLosses>), usize);
+pub(super) type Regularisers<'a> = (
+    (
+        Option<&'a Dropout>,
+        Option<&'a AuxLosses>,
+        Option<&'a IndexerLoss>,
+    ),
+    usize,
+);
 
 impl MicroBatch {
     /// Its dropout and auxiliary losses, and its sequences (the rows at position 0).
     fn regularisers(&self) -> Regularisers<'_> {
         let sequences = self.positions.iter().filter(|&&p| p == 0).count();
-        ((self.dropout.as_ref(), self.aux.as_ref()), sequences)
+        let losses = (self.aux.as_ref(), self.indexer.as_ref());
+        ((self.dropout.as_ref(), losses.0, losses.1), sequences)
     }
 }
 
@@ -250,8 +261,9 @@ pub fn forward<B: Backend>(
     };
     let mut layers = Vec::with_capacity(ids.layers.len());
     let mut carry = None;
+    let shared = Default::default();
     for layer in &ids.layers {
-        let attend = Attend::Segments(&batch.segments);
+        let attend = Attend::Segments(&batch.segments, &shared);
         let (out, saved) = layer.forward(&p, (x, &mut carry), attend)?;
         layers.push(saved);
         x = out;
@@ -322,6 +334,17 @@ impl<T> Saved<T> {
             .map(|(&l, s)| (l, s.moe_stats()))
             .chain(depths)
             .filter_map(|(l, s)| Some((l, s?)))
+            .collect()
+    }
+
+    /// DeepSeek sparse attention's indexer losses of the forward pass (in training), by
+    /// canonical layer: the decoder's layers', then the multi-token prediction depths'.
+    pub fn indexer_losses(&self) -> Vec<(usize, f32)> {
+        let depths = self.depths.iter().map(|d| d.indexer_loss());
+        (self.layer_index.iter().zip(&self.layers))
+            .map(|(&l, s)| (l, s.indexer_loss()))
+            .chain(depths)
+            .filter_map(|(l, loss)| Some((l, loss?)))
             .collect()
     }
 

@@ -62,6 +62,11 @@ pub(super) struct LayerSaved<T> {
 }
 
 impl<T> LayerSaved<T> {
+    /// Its attention's DeepSeek sparse attention indexer loss (training, where it has one).
+    pub(super) fn indexer_loss(&self) -> Option<f32> {
+        self.attention.indexer_loss()
+    }
+
     /// Its MoE block's losses and token counts (training only).
     pub(super) fn moe_stats(&self) -> Option<&super::mlp::moe::losses::RouterStats> {
         match &self.shortcut {

@@ -141,6 +141,17 @@ impl ModelSpec {
 
 pub use mlp::moe::losses::{AuxLosses, Balancing, LossValues, RouterStats};
 
+/// DeepSeek sparse attention's indexer loss in training ([`crate::arch::Dsa`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexerLoss {
+    /// `--indexer-loss-coeff`.
+    pub coeff: f32,
+    /// The main loss's backward scale, which its gradient takes (MindSpeed-LLM's
+    /// dsa_indexer.py `forward_step_dsa_wrapper`: 1 / the micro-batches of a step, 1 with
+    /// `--calculate-per-token-loss`).
+    pub scale: f32,
+}
+
 /// What every layer of one pass reads: the backend, the model's shape, the parameters (as
 /// the [`ParamTable`] indexes them) and which are trained, LoRA's scale, the tensor-parallel
 /// group, the rotary tables `cos`, `sin` `[T, d/2]` of the pass's rows, and training's
@@ -158,6 +169,8 @@ struct Pass<'a, B: Backend> {
     rope: (&'a B::Tensor, &'a B::Tensor),
     dropout: Option<&'a dropout::Dropout>,
     aux: Option<&'a AuxLosses>,
+    /// DeepSeek sparse attention's indexer loss (training).
+    indexer: Option<&'a IndexerLoss>,
     /// The sequences of the pass's rows, whole ones one after the other (the router calls of
     /// Megatron's sequence-parallel ranks take blocks of their positions).
     sequences: usize,
@@ -448,7 +461,7 @@ impl<'b, B: Backend> Model<'b, B> {
                 &self.params,
                 (None, (None, None)),
                 (&cos, &sin),
-                ((None, None), 1),
+                ((None, None, None), 1),
             )
         };
         let (embedding, head) = (self.ids.whole_model())
@@ -518,14 +531,15 @@ mod tests {
             &model.params,
             (None, (None, None)),
             (&cos, &sin),
-            ((None, None), 1),
+            ((None, None, None), 1),
         );
         let (embedding, head) = model.ids.whole_model().unwrap();
         let mut x = b.embedding(&model.params[embedding], tokens).unwrap();
         let whole = 0..tokens.len();
         let mut carry = None;
+        let shared = Default::default();
         for layer in &model.ids.layers {
-            let attend = Attend::Segments(std::slice::from_ref(&whole));
+            let attend = Attend::Segments(std::slice::from_ref(&whole), &shared);
             x = layer.forward(&p, (x, &mut carry), attend).unwrap().0;
         }
         let x = head.norm.apply(&p, x).unwrap();

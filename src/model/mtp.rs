@@ -61,6 +61,12 @@ impl<T> DepthSaved<T> {
     pub(super) fn moe_stats(&self) -> (usize, Option<&super::mlp::moe::losses::RouterStats>) {
         (self.index, self.layer.moe_stats())
     }
+
+    /// Its attention's indexer loss (training, under DeepSeek sparse attention), by its
+    /// canonical layer.
+    pub(super) fn indexer_loss(&self) -> (usize, Option<f32>) {
+        (self.index, self.layer.indexer_loss())
+    }
 }
 
 impl Depth {
@@ -112,9 +118,11 @@ impl Depth {
         let c = gathered(b, p.tp, &c)?.unwrap_or(c);
         let (y, _) = self.proj.forward(p, &c)?;
         let y = own_rows(b, p.tp, columns_gathered(b, p.tp, y)?)?;
-        let (out, layer) =
-            self.layer
-                .forward(p, (y, &mut None), Attend::Segments(&rows.segments))?;
+        let (out, layer) = self.layer.forward(
+            p,
+            (y, &mut None),
+            Attend::Segments(&rows.segments, &Default::default()),
+        )?;
         let head_at = Head {
             norm: Norm::rms(self.norm),
             output,

@@ -49,7 +49,17 @@ impl Norm {
         p: &Pass<B>,
         x: B::Tensor,
     ) -> Result<(B::Tensor, NormSaved<B::Tensor>)> {
-        let (b, eps, gamma) = (p.b, p.spec.norm_eps, &p.params[self.gamma]);
+        self.forward_eps(p, x, p.spec.norm_eps)
+    }
+
+    /// [`Norm::forward`] with its own `eps`.
+    pub(super) fn forward_eps<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        x: B::Tensor,
+        eps: f64,
+    ) -> Result<(B::Tensor, NormSaved<B::Tensor>)> {
+        let (b, gamma) = (p.b, &p.params[self.gamma]);
         let (y, stats) = match self.beta {
             Some(beta) => b.layer_norm(&x, (gamma, &p.params[beta]), eps)?,
             None => b.rms_norm(&x, gamma, eps)?,

@@ -200,9 +200,16 @@ impl ParamTable {
                 }
             }
         }
-        roles.extend(Role::norm_roles(cfg, Role::PostNorm));
+        let post_norm = Role::norm_roles(cfg, Role::PostNorm);
         let layer = |l: usize| {
-            let own = roles.iter().copied().chain(Role::mlp_roles(cfg, l));
+            let dsa = cfg.mla.and_then(|m| m.dsa);
+            let indexer = dsa
+                .filter(|d| d.computes(l, cfg.layers))
+                .map(|_| Role::INDEXER);
+            let own = (roles.iter().copied())
+                .chain(indexer.into_iter().flatten())
+                .chain(post_norm.iter().copied())
+                .chain(Role::mlp_roles(cfg, l));
             let roles = Role::shortcut_roles(cfg, l).into_iter().chain(own);
             roles.map(move |role| Canon {
                 role,

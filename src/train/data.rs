@@ -176,6 +176,7 @@ pub fn micro_batch(samples: &[Sample], k: usize, averaging: LossAveraging) -> Pr
         positions: Vec::new(),
         dropout: None,
         aux: None,
+        indexer: None,
         mtp: Vec::new(),
     };
     let mut mask = Vec::new();

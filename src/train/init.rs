@@ -30,12 +30,7 @@ pub(super) fn initial_params(
     let mut draw = |p: &ParamInfo| -> Result<Vec<f32>> {
         let n = p.numel();
         Ok(match (p.lora, p.canon.role) {
-            (Some(LoraPart::A), _) => {
-                let bound = 1.0 / (p.shape[1] as f32).sqrt();
-                let uniform = rand_distr::Uniform::new(-bound, bound)
-                    .map_err(|e| anyhow!("LoRA init: {e}"))?;
-                (0..n).map(|_| uniform.sample(&mut rng)).collect()
-            }
+            (Some(LoraPart::A), _) => uniform(&mut rng, 1.0 / (p.shape[1] as f32).sqrt(), n)?,
             (Some(LoraPart::B), _)
             | (
                 None,
@@ -45,6 +40,7 @@ pub(super) fn initial_params(
                 | Role::InputNormBias
                 | Role::PostNormBias
                 | Role::FinalNormBias
+                | Role::IndexerKeyNormBias
                 | Role::OutputBias,
             ) => vec![0.0; n],
             (
@@ -56,11 +52,17 @@ pub(super) fn initial_params(
                 | Role::KNorm
                 | Role::QLatentNorm
                 | Role::KvLatentNorm
+                | Role::IndexerKeyNorm
                 | Role::MtpEmbedNorm
                 | Role::MtpHiddenNorm
                 | Role::MtpNorm,
             ) => {
                 vec![1.0; n]
+            }
+            // MindSpeed-LLM's `LinearNoTP` (its core/tensor_parallel/layers.py): Xavier-uniform
+            // whatever --init-method-std says
+            (None, Role::IndexerQUp | Role::IndexerKey | Role::IndexerWeights) => {
+                uniform(&mut rng, (6.0 / (p.shape[0] + p.shape[1]) as f32).sqrt(), n)?
             }
             (None, role) => {
                 let sigma = match role {
@@ -116,4 +118,11 @@ pub(super) fn initial_params(
         .zip(&mine.params)
         .map(|(t, p)| t.ok_or_else(|| anyhow!("internal: no initial value for {}", p.name)))
         .collect()
+}
+
+/// `n` draws of U(−bound, bound).
+fn uniform(rng: &mut rand::rngs::StdRng, bound: f32, n: usize) -> Result<Vec<f32>> {
+    let uniform =
+        rand_distr::Uniform::new(-bound, bound).map_err(|e| anyhow!("uniform init: {e}"))?;
+    Ok((0..n).map(|_| uniform.sample(&mut *rng)).collect())
 }

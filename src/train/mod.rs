@@ -27,6 +27,7 @@ pub mod data;
 mod datasets;
 mod dist_ckpt;
 pub mod distrib;
+mod dsa;
 mod finalize;
 mod init;
 mod launch;

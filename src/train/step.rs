@@ -123,6 +123,7 @@ impl<B: Backend> Trainer<B> {
                 let b = &mut prepared.batch;
                 b.dropout = Dropout::new(c.seed, c.dropout, c.router_noise, at, &b.positions);
                 b.aux = c.aux_losses.clone();
+                b.indexer = c.indexer_loss;
                 b.mtp = mtp;
             }
             batches.push(prepared);
@@ -165,6 +166,9 @@ impl<B: Backend> Trainer<B> {
                         }
                         if let Some(m) = &mut self.mtp {
                             m.add(fwd.mtp_losses());
+                        }
+                        if let Some(t) = &mut self.indexer {
+                            t.add(&fwd.indexer_losses());
                         }
                         saved.insert(slot, fwd);
                     }

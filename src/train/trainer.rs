@@ -96,6 +96,8 @@ pub(super) struct Trainer<B: Backend> {
     pub(super) rank: usize,
     /// The MoE layers' auxiliary losses of the step (None for a dense model).
     pub(super) moe: Option<super::moe::MoeTracker>,
+    /// DeepSeek sparse attention's indexer loss, where the model has an indexer.
+    pub(super) indexer: Option<super::dsa::IndexerTracker>,
     /// The multi-token prediction depths' losses of the step (None without them).
     pub(super) mtp: Option<super::mtp::MtpTracker>,
     /// `--stage dpo`: the frozen reference (the weights training started from), in the
@@ -234,6 +236,7 @@ impl<B: Backend> Trainer<B> {
         let moe = super::moe::MoeTracker::new(&cfg.model, cfg.aux_losses.as_ref());
         let mut t = Trainer {
             moe,
+            indexer: super::dsa::IndexerTracker::new(&cfg.model),
             mtp: super::mtp::MtpTracker::new(cfg.model.mtp_depths()),
             b,
             spec,
@@ -295,6 +298,10 @@ impl<B: Backend> Trainer<B> {
             let groups = (group(&self.pp), group(&self.tp), group(&self.dp));
             let moe = tracker.take(groups, micro_batches)?;
             out.extend(moe.into_iter().map(|(name, v)| (name.to_string(), v)));
+        }
+        if let Some(tracker) = &mut self.indexer {
+            let groups = (group(&self.pp), group(&self.tp), group(&self.dp));
+            out.push(tracker.take(groups, micro_batches)?);
         }
         if self.cfg.preference.is_some() {
             // a loss-dictionary entry: the micro-batches' mean, averaged over the data-parallel

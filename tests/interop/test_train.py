@@ -760,6 +760,61 @@ def test_multi_latent_attention_trains_as_megatron_core(tmp_path, mindkit):
     same_as_megatron_core(got, history, reference, tmp_path)
 
 
+DSA_FLAGS = ["--enable-dsa-indexer", "--index-n-heads", "2", "--index-head-dim", "16",
+             "--index-topk", "8", "--index-topk-freq", "2", "--index-skip-topk-offset", "1",
+             "--indexer-loss-coeff", "0.5", "--apply-rope-no-in-complex"]
+
+
+def test_deepseek_sparse_attention_trains_as_mindspeed_llm(tmp_path, mindkit):
+    """DeepSeek sparse attention (--enable-dsa-indexer) on the tiny DeepSeek-V3: its converted
+    checkpoint given random indexers in layers 0 and 2 (layer 1 shares layer 0's selection:
+    --index-topk-freq 2 --index-skip-topk-offset 1), each query attending to its 8 best keys of
+    48, trained by `mindkit train` and by megatron-core's GPTModel with MindSpeed-LLM's indexer,
+    top-k sparse mask and indexer loss written out in torch (dsa_reference.py): lm loss, grad
+    norm, learning rate, the MoE losses and the logged dsa_indexer_loss per iteration to 1e-5
+    relative over 20 iterations, the final weights (the indexers' too) to 1e-4."""
+    import dsa_reference
+    from megatron_cpu import gpt_model, load_pt
+    model_dir = make_deepseek_v3(tmp_path / "model")
+    data = write_data(tmp_path / "data")
+    mindkit("convert", "--to", "megatron", "--input", model_dir, "--output", tmp_path / "start")
+    path = next((tmp_path / "start").glob("iter_*/mp_rank_00/model_optim_rng.pt"))
+    start = load_pt(path)
+    torch.manual_seed(11)
+    for l in (0, 2):
+        p = f"decoder.layers.{l}.self_attention.dsa_indexer."
+        start["model"][p + "wq_b.weight"] = torch.randn(2 * 16, 32) * 0.3
+        start["model"][p + "wk.weight"] = torch.randn(16, 64) * 0.3
+        start["model"][p + "k_norm.weight"] = torch.empty(16).uniform_(0.5, 1.5)
+        start["model"][p + "k_norm.bias"] = torch.randn(16) * 0.1
+        start["model"][p + "weights_proj.weight"] = torch.randn(2, 64) * 0.3
+    # as MindSpeed-LLM's args namespace of such a checkpoint carries them
+    for name, value in dict(enable_dsa_indexer=True, index_n_heads=2, index_head_dim=16,
+                            index_topk=8, index_topk_freq=2, index_skip_topk_offset=1,
+                            apply_rope_no_in_complex=True).items():
+        setattr(start["args"], name, value)
+    torch.save(start, path)
+    mindkit_train(tmp_path / "start", data, tmp_path, mla_flags(model_dir) + DSA_FLAGS)
+    got = scalars(tmp_path / "tb", ("lm loss", "grad-norm", "learning-rate", "load_balancing_loss",
+                                    "z_loss", "dsa_indexer_loss"))
+    a = start["args"]
+    a.moe_router_bias_update_rate = 0.002
+    gpt = gpt_model(a, moe_losses=dict(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001))
+    dsa = dsa_reference.Dsa(gpt, a, [True, False, True], heads=2, dim=16, topk=8, coeff=0.5)
+    gpt.load_state_dict(start["model"], strict=True)
+    dsa_reference.AutoScaler.scale = 1 / 4
+    history, reference, _ = train_reference.train(
+        None, data, vocab_padded=512, eod=EOD, seq=48, mbs=2, gbs=8, iters=ITERS,
+        lr=1e-3, min_lr=1e-4, warmup_iters=3, decay_style="cosine", weight_decay=0.1,
+        clip_grad=1.0, model=train_reference.Mcore(gpt), moe_layers=2, expert_bias=True)
+    want = [dsa.step_losses(4) for _ in range(ITERS)]
+    assert len(got["dsa_indexer_loss"]) == ITERS
+    same_as_megatron_core(got, history, reference, tmp_path)
+    for i, (g, w) in enumerate(zip(got["dsa_indexer_loss"], want)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"dsa_indexer_loss at iteration {i + 1}: {g} vs {w}"
+
+
 def test_scaled_latents_train_as_mindspeed_llms_multi_latent_attention(tmp_path, mindkit):
     """--enable-mla-scale-q-lora / --enable-mla-scale-kv-lora (LongCat-Flash's script): the
     tiny DeepSeek-V3 trained by `mindkit train` and by megatron-core's GPTModel whose latent norms'

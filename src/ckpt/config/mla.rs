@@ -9,7 +9,7 @@
 use super::{arg_bool, arg_count, arg_float, json_count, json_required_count, ConfigError};
 use super::{FieldResult, Value};
 use crate::arch::family::Family;
-use crate::arch::{Mla, ModelConfig};
+use crate::arch::{Dsa, Mla, ModelConfig};
 use serde_json::{json, Value as Json};
 
 /// The multi-latent attention `config.json` gives a family that has it.
@@ -35,6 +35,7 @@ pub(super) fn mla_from_hf(cfg: &Json, family: &Family) -> FieldResult<Option<Mla
         fused_down: family.paired,
         split_up: false,
         scale_latents: [family.paired; 2],
+        dsa: None,
     }))
 }
 
@@ -73,6 +74,52 @@ pub(super) fn mla_from_args(args: &[(String, Value)]) -> FieldResult<Option<Mla>
             arg_bool(args, "enable_mla_scale_q_lora")?.unwrap_or(false),
             arg_bool(args, "enable_mla_scale_kv_lora")?.unwrap_or(false),
         ],
+        dsa: dsa_from_args(args)?,
+    }))
+}
+
+/// DeepSeek sparse attention in Megatron args (MindSpeed-LLM's dsa_indexer_feature.py flags and
+/// defaults), `None` without `enable_dsa_indexer`.
+pub(super) fn dsa_from_args(args: &[(String, Value)]) -> FieldResult<Option<Dsa>> {
+    let on = |name: &str| Ok::<_, ConfigError>(arg_bool(args, name)?.unwrap_or(false));
+    if !on("enable_dsa_indexer")? {
+        return Ok(None);
+    }
+    let refused = [
+        (
+            "kv_compress",
+            "False: DeepSeek-V4's compressed indexer is not built",
+        ),
+        (
+            "index_topk_pattern",
+            "absent: the layers' pattern is not built (--index-topk-freq is)",
+        ),
+    ];
+    for (field, expected) in refused {
+        if !matches!(
+            super::arg(args, field),
+            None | Some(Value::None) | Some(Value::Bool(false))
+        ) {
+            return Err(ConfigError::OutOfRange {
+                field: format!("args.{field}"),
+                got: "set".into(),
+                expected,
+            });
+        }
+    }
+    let count = |name: &str, default: usize| {
+        Ok::<_, ConfigError>(arg_count(args, name)?.unwrap_or(default))
+    };
+    Ok(Some(Dsa {
+        heads: count("index_n_heads", 64)?,
+        head_dim: count("index_head_dim", 128)?,
+        topk: count("index_topk", 2048)?,
+        freq: count("index_topk_freq", 1)?,
+        offset: count("index_skip_topk_offset", 2)?,
+        rope_pairs_adjacent: on("apply_rope_no_in_complex")?,
+        normed_query: on("enable_mla_absorb")?
+            && on("use_sparse_flash_attn")?
+            && on("mla_mm_split")?,
     }))
 }
 
@@ -142,7 +189,7 @@ pub(super) fn mla_args(cfg: &ModelConfig) -> Vec<(&'static str, Value)> {
         return vec![];
     };
     let int = |v: usize| Value::Int(v as i64);
-    vec![
+    let mut args = vec![
         ("multi_latent_attention", Value::Bool(true)),
         // megatron-core's MLA defaults to YaRN: plain RoPE is said (yarn_args overrides it)
         ("rope_type", Value::Str("rope".into())),
@@ -154,7 +201,25 @@ pub(super) fn mla_args(cfg: &ModelConfig) -> Vec<(&'static str, Value)> {
         ("enable_mla_scale_q_lora", Value::Bool(m.scale_latents[0])),
         ("enable_mla_scale_kv_lora", Value::Bool(m.scale_latents[1])),
         ("mla_mm_split", Value::Bool(m.split_up)),
-    ]
+    ];
+    if let Some(d) = &m.dsa {
+        args.extend([
+            ("enable_dsa_indexer", Value::Bool(true)),
+            ("index_n_heads", int(d.heads)),
+            ("index_head_dim", int(d.head_dim)),
+            ("index_topk", int(d.topk)),
+            ("index_topk_freq", int(d.freq)),
+            ("index_skip_topk_offset", int(d.offset)),
+            (
+                "apply_rope_no_in_complex",
+                Value::Bool(d.rope_pairs_adjacent),
+            ),
+            // the indexer's query input: MindSpeed-LLM's absorbed path normed it
+            ("enable_mla_absorb", Value::Bool(d.normed_query)),
+            ("use_sparse_flash_attn", Value::Bool(d.normed_query)),
+        ]);
+    }
+    args
 }
 
 /// YaRN scaling in Megatron args, as config.json's `rope_scaling` (`None` unless

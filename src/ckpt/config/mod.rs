@@ -556,6 +556,14 @@ impl ModelConfig {
                 self.family.name
             );
         }
+        if self.mla.is_some_and(|m| m.dsa.is_some()) {
+            bail!(
+                "cannot write this model in Hugging Face format as {}: its DeepSeek sparse \
+                 attention's indexer (DeepSeek-V3.2, GLM-5) is not built in Hugging Face format \
+                 yet; keep it in Megatron format",
+                self.family.name
+            );
+        }
         if !self.paired && self.mla.is_some_and(|m| m.scale_latents.contains(&true)) {
             bail!(
                 "cannot write this model in Hugging Face format as {}: its multi-latent attention \
@@ -927,9 +935,11 @@ impl ModelConfig {
             (cfg.layer_norm, cfg.output_bias) = (layer_norm, output_bias);
             cfg.activation = activation;
             let (fused_down, split_up) = mla::mla_layout_of(args)?;
+            let dsa = mla::dsa_from_args(args)?;
             cfg.mla = cfg.mla.map(|m| Mla {
                 fused_down,
                 split_up,
+                dsa,
                 ..m
             });
             cfg.mtp = mtp_of(arg_count_or_none(args, "mtp_num_layers")?);

@@ -84,7 +84,7 @@ impl Gqa {
         b.rope(&mut q, cos, sin, shape.head_dim, false)?;
         b.rope(&mut k, cos, sin, shape.head_dim, false)?;
         let (o, lse) = match attend {
-            Attend::Segments(segments) => {
+            Attend::Segments(segments, _) => {
                 let mask = attention_mask(p, self.layer);
                 let (o, lse) = b.attention(&q, &k, &v, segments, shape, mask.as_ref())?;
                 (o, Some(lse))

@@ -25,9 +25,12 @@
 //! heads, dn = a head's dimensions without RoPE, dr = with, dq = dn + dr, dv = a value head's,
 //! kv_lora = the key-value latent's.
 
+use super::dsa::{self, Indexer, IndexerSaved};
 use super::Attend;
 use crate::arch::roles::{Canon, Role};
-use crate::engine::{AttentionShape, Backend, EngineError, Result, Segment, StridedView};
+use crate::engine::{
+    AttentionShape, Backend, EngineError, Result, Segment, Selection, StridedView,
+};
 use crate::model::columns::{assemble, cols, columns_gathered, own_columns, own_rows};
 use crate::model::dropout::attention_mask;
 use crate::model::layer::rms_grad;
@@ -37,6 +40,7 @@ use crate::model::params::ParamTable;
 use crate::model::Pass;
 use crate::tensor::host::Tensor as HostTensor;
 use std::ops::Range;
+use std::rc::Rc;
 
 /// The parameters of one layer's multi-latent attention.
 #[derive(Debug, Clone, Copy)]
@@ -53,6 +57,8 @@ pub(in crate::model) struct Mla {
     kv_up: Up,
     /// linear_proj `[h, nh·dv]` (row-parallel).
     proj: Linear,
+    /// DeepSeek sparse attention's indexer, where the layer has its own.
+    indexer: Option<Indexer>,
 }
 
 /// The projections out of the input: the queries' first (their latent's down projection,
@@ -178,6 +184,26 @@ pub(in crate::model) struct Saved<T> {
     /// linear_proj's input `[n, nh·dv]` and adapter `x·Aᵀ`.
     o: T,
     proj_lora: Option<T>,
+    /// DeepSeek sparse attention's.
+    sparse: Option<SparseSaved<T>>,
+}
+
+/// What the backward pass needs of DeepSeek sparse attention, and its loss.
+struct SparseSaved<T> {
+    /// The keys each row attended to (its own indexer's, or an earlier layer's).
+    selection: Rc<Selection>,
+    /// Its own indexer's, in training: what its backward pass needs and the gradient of the
+    /// indexer loss with respect to the selected keys' scores.
+    indexer: Option<(IndexerSaved<T>, Vec<f32>)>,
+    /// The indexer loss (its coefficient included) as the tracker records it.
+    loss: Option<f32>,
+}
+
+impl<T> Saved<T> {
+    /// The indexer loss of the forward pass, where its layer computed one.
+    pub(in crate::model) fn indexer_loss(&self) -> Option<f32> {
+        self.sparse.as_ref()?.loss
+    }
 }
 
 impl Mla {
@@ -204,6 +230,7 @@ impl Mla {
             kv_norm: norm(Role::KvLatentNorm),
             kv_up: Up::of(table, layer, Role::KvUp)?,
             proj: linear(Role::Proj)?,
+            indexer: Indexer::of(table, layer),
         })
     }
 
@@ -220,9 +247,22 @@ impl Mla {
         let all = gathered(b, p.tp, &h)?;
         let x = all.as_ref().unwrap_or(&h);
         let ([q_first, kv_down], down_lora) = self.down_forward(p, x, &d)?;
+        let dsa = p.spec.mla.and_then(|m| m.dsa);
+        let copy = |t: &B::Tensor| b.cast(t, b.dtype(t));
+        // the indexer's detached inputs, in training and evaluation alike
+        let mut indexer_in = match (self.indexer, &attend, dsa) {
+            (Some(_), Attend::Segments(..), Some(dsa)) => {
+                let qr = (!dsa.normed_query).then(|| copy(&q_first)).transpose()?;
+                Some((copy(x)?, qr))
+            }
+            _ => None,
+        };
         let (q, q_saved) = match self.q {
             Query::Latent(norm, up) => {
                 let (q, saved) = up_from_latent(p, q_first, (norm, up), (Latent::Query, &d))?;
+                if let Some((_, qr @ None)) = &mut indexer_in {
+                    *qr = Some(copy(&saved.up_input)?);
+                }
                 (q, Some(saved))
             }
             Query::Direct => (q_first, None),
@@ -241,13 +281,43 @@ impl Mla {
         let mut q_pe = b.gather(&q, cols(n, nh * qw, (nh, qw), d.n, d.r), &[n, nh * d.r])?;
         rotate(p, &mut q_pe, nh, false)?;
         rotate(p, &mut k_pe, 1, false)?;
+        let mut sparse = None;
         let (o, attention, lse, kv_up) = match attend {
-            Attend::Segments(segments) => {
+            Attend::Segments(segments, shared) => {
                 let (kv, up_lora) = self.kv_up.forward(p, &c_kv, Latent::KeyValue.widths(&d))?;
                 let (q_full, k_full, v_full) = full_heads(p, &d, (&q, &q_pe), (&kv, &k_pe))?;
                 let mask = attention_mask(p, self.layer);
-                let (o_full, lse) =
-                    b.attention(&q_full, &k_full, &v_full, segments, shape, mask.as_ref())?;
+                let indexed = match (self.indexer, indexer_in) {
+                    (Some(ix), Some((x, Some(qr)))) => Some(ix.select(p, (x, qr), segments, &d)?),
+                    _ => None,
+                };
+                let (o_full, lse) = match (dsa, indexed) {
+                    (None, _) => {
+                        b.attention(&q_full, &k_full, &v_full, segments, shape, mask.as_ref())?
+                    }
+                    (Some(_), indexed) => {
+                        let (selection, indexed) = match indexed {
+                            Some((selection, scores, saved)) => {
+                                let selection = Rc::new(selection);
+                                *shared.borrow_mut() = Some(selection.clone());
+                                (selection, Some((scores, saved)))
+                            }
+                            None => (shared_selection(shared, self.layer)?, None),
+                        };
+                        let qkv = (&q_full, &k_full, &v_full);
+                        let (o_full, lse) = b.sparse_attention(
+                            qkv.0,
+                            qkv.1,
+                            qkv.2,
+                            segments,
+                            shape,
+                            mask.as_ref(),
+                            &selection,
+                        )?;
+                        sparse = Some(sparse_saved(p, selection, indexed, (qkv.0, qkv.1, &lse))?);
+                        (o_full, lse)
+                    }
+                };
                 let o = b.gather(&o_full, cols(n, nh * qw, (nh, qw), 0, d.v), &[n, nh * d.v])?;
                 (
                     o,
@@ -255,6 +325,13 @@ impl Mla {
                     Some(lse),
                     up_lora,
                 )
+            }
+            Attend::Latent { .. } if dsa.is_some() => {
+                return Err(EngineError::Invalid {
+                    op: "multi-latent attention",
+                    msg: "DeepSeek sparse attention over a KV cache (generation) is not built"
+                        .into(),
+                })
             }
             Attend::Latent {
                 cache,
@@ -293,6 +370,7 @@ impl Mla {
             lse,
             o,
             proj_lora,
+            sparse,
         };
         Ok((reduced(b, p.tp, out)?, saved))
     }
@@ -324,17 +402,33 @@ impl Mla {
             });
         };
         let mask = attention_mask(p, self.layer);
-        let (dq_full, dk_full, dv_full) = b.attention_bwd(
-            &d_o_full,
-            q_full,
-            k_full,
-            v_full,
-            o_full,
-            lse,
-            segments,
-            shape,
-            mask.as_ref(),
-        )?;
+        let (dq_full, dk_full, dv_full) = match &s.sparse {
+            Some(sparse) => b.sparse_attention_bwd(
+                &d_o_full,
+                (q_full, k_full, v_full),
+                (o_full, lse),
+                segments,
+                shape,
+                mask.as_ref(),
+                &sparse.selection,
+            )?,
+            None => b.attention_bwd(
+                &d_o_full,
+                q_full,
+                k_full,
+                v_full,
+                o_full,
+                lse,
+                segments,
+                shape,
+                mask.as_ref(),
+            )?,
+        };
+        if let (Some(ix), Some(sparse)) = (self.indexer, &s.sparse) {
+            if let Some((saved, d_scores)) = &sparse.indexer {
+                ix.backward(p, grads, (saved, &sparse.selection, d_scores), &d)?;
+            }
+        }
         let part = |t: &B::Tensor, at: usize, w: usize| {
             b.gather(t, cols(n, nh * qw, (nh, qw), at, w), &[n, nh * w])
         };
@@ -592,9 +686,9 @@ fn full_heads<B: Backend>(
 }
 
 /// The dimensions of the pass's multi-latent attention.
-struct Dims {
+pub(super) struct Dims {
     n: usize,
-    r: usize,
+    pub(super) r: usize,
     v: usize,
     kv_lora: usize,
 }
@@ -614,7 +708,12 @@ fn dims<B: Backend>(p: &Pass<B>) -> Result<Dims> {
 
 /// RoPE on the rotated parts `x [n, heads·dr]`, de-interleaved first (forward) or
 /// re-interleaved after the inverse rotation (backward).
-fn rotate<B: Backend>(p: &Pass<B>, x: &mut B::Tensor, heads: usize, inverse: bool) -> Result<()> {
+pub(super) fn rotate<B: Backend>(
+    p: &Pass<B>,
+    x: &mut B::Tensor,
+    heads: usize,
+    inverse: bool,
+) -> Result<()> {
     let b = p.b;
     let n = b.shape(x)[0];
     let dr = b.shape(x)[1] / heads.max(1);
@@ -725,4 +824,51 @@ fn latent_bwd<B: Backend>(
         }
         _ => Ok(gathered(b, p.tp, &d_normed)?.unwrap_or(d_normed)),
     }
+}
+
+/// The selection an earlier layer of the pass made, for a layer without an indexer of its own.
+fn shared_selection(shared: &super::SharedSelection, layer: usize) -> Result<Rc<Selection>> {
+    shared.borrow().clone().ok_or_else(|| EngineError::Invalid {
+        op: "DeepSeek sparse attention",
+        msg: format!(
+            "layer {layer} shares the key selection of an earlier layer, but no layer before it \
+             in this pass made one (a pipeline stage must start with a layer that has an indexer)"
+        ),
+    })
+}
+
+/// The sparse attention's saved state: in training, with its own indexer's selection, the
+/// indexer loss and its gradient, of the main attention's queries, keys and log-sum-exps.
+fn sparse_saved<B: Backend>(
+    p: &Pass<B>,
+    selection: Rc<Selection>,
+    indexed: Option<(Vec<f32>, IndexerSaved<B::Tensor>)>,
+    (q, k, lse): (&B::Tensor, &B::Tensor, &B::Tensor),
+) -> Result<SparseSaved<B::Tensor>> {
+    let b = p.b;
+    let (Some((scores, saved)), Some(training)) = (indexed, p.indexer) else {
+        return Ok(SparseSaved {
+            selection,
+            indexer: None,
+            loss: None,
+        });
+    };
+    let shape = p.spec.attention;
+    let width = b.shape(q)[1] / shape.heads;
+    let host = (
+        &b.download_f32(q)?[..],
+        &b.download_f32(k)?[..],
+        &b.download_f32(lse)?[..],
+    );
+    let probs = dsa::selected_probs(host, &selection, (shape.heads, width, shape.scale));
+    let (loss, d_scores) = dsa::indexer_loss(
+        &selection,
+        (&probs, &scores),
+        (training.coeff, training.scale),
+    );
+    Ok(SparseSaved {
+        selection,
+        indexer: Some((saved, d_scores)),
+        loss: Some(loss),
+    })
 }

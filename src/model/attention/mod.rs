@@ -3,6 +3,7 @@
 //! backward pass needs, and that backward pass; inference runs the same forward pass over a
 //! KV cache.
 
+mod dsa;
 mod gqa;
 mod mla;
 
@@ -13,6 +14,12 @@ use gqa::Gqa;
 pub(in crate::model) use mla::Absorbed;
 use mla::Mla;
 use std::ops::Range;
+
+/// DeepSeek sparse attention's key selection of the last layer of a pass that made one, which
+/// the layers after it without an indexer of their own attend by
+/// ([`crate::arch::Dsa::computes`]).
+pub(in crate::model) type SharedSelection =
+    std::cell::RefCell<Option<std::rc::Rc<crate::engine::Selection>>>;
 
 /// A layer's attention.
 // one per layer, built once and copied as a plain value: the variants' sizes do not matter
@@ -36,8 +43,9 @@ pub(in crate::model) enum AttentionSaved<T> {
 /// Where the keys and values a query attends to come from.
 pub(in crate::model) enum Attend<'a, T> {
     /// Training: the rows' own, causally within each of these row ranges (sequences, or
-    /// documents with `--reset-attention-mask`).
-    Segments(&'a [Range<usize>]),
+    /// documents with `--reset-attention-mask`); under DeepSeek sparse attention those of the
+    /// pass's selection.
+    Segments(&'a [Range<usize>], &'a SharedSelection),
     /// Inference (grouped-query attention): this layer's cache, which the new rows' keys and
     /// values extend first.
     Cached {
@@ -77,6 +85,17 @@ pub(in crate::model) fn backward_inputs<'a, B: Backend>(
         });
     };
     Ok((lse, crate::model::parallel::gathered(p.b, p.tp, dy)?))
+}
+
+impl<T> AttentionSaved<T> {
+    /// The DeepSeek sparse attention indexer loss of its forward pass, where its layer
+    /// computed one (training).
+    pub(in crate::model) fn indexer_loss(&self) -> Option<f32> {
+        match self {
+            AttentionSaved::Mla(s) => s.indexer_loss(),
+            AttentionSaved::Gqa(_) => None,
+        }
+    }
 }
 
 impl Attention {

@@ -95,6 +95,11 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("qk-pos-emb-head-dim", "qk_pos_emb_head_dim"),
         ("v-head-dim", "v_head_dim"),
         ("mtp-num-layers", "mtp_num_layers"),
+        ("index-n-heads", "index_n_heads"),
+        ("index-head-dim", "index_head_dim"),
+        ("index-topk", "index_topk"),
+        ("index-topk-freq", "index_topk_freq"),
+        ("index-skip-topk-offset", "index_skip_topk_offset"),
     ] {
         if let Some(v) = positive(a, flag)? {
             out.push((key.to_string(), Value::Int(v as i64)));
@@ -141,6 +146,10 @@ fn architecture_args(a: &Args) -> Result<Vec<(String, Value)>> {
         ("enable-mla-scale-q-lora", "enable_mla_scale_q_lora"),
         ("enable-mla-scale-kv-lora", "enable_mla_scale_kv_lora"),
         ("mla-mm-split", "mla_mm_split"),
+        ("enable-dsa-indexer", "enable_dsa_indexer"),
+        ("apply-rope-no-in-complex", "apply_rope_no_in_complex"),
+        ("enable-mla-absorb", "enable_mla_absorb"),
+        ("use-sparse-flash-attn", "use_sparse_flash_attn"),
     ] {
         out.push((key.to_string(), Value::Bool(a.has(flag))));
     }

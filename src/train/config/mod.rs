@@ -100,6 +100,8 @@ pub struct TrainConfig {
     pub router_noise: (Option<f32>, bool),
     /// A mixture of experts' auxiliary losses (`None` for a dense model).
     pub aux_losses: Option<crate::model::AuxLosses>,
+    /// DeepSeek sparse attention's indexer loss (`None` without an indexer).
+    pub indexer_loss: Option<crate::model::IndexerLoss>,
     /// `--mtp-loss-scaling-factor` (megatron-core's default 0.1): the multi-token prediction
     /// depths' share of the loss.
     pub mtp_loss_scale: f64,
@@ -729,6 +731,14 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         (global_batch / micro_batch, micro_batch),
         averaging == LossAveraging::PerToken,
     )?;
+    let indexer_loss = indexer_loss(
+        a,
+        &model,
+        (
+            global_batch / micro_batch,
+            averaging == LossAveraging::PerToken,
+        ),
+    )?;
     let lora = lora_built(lora_config(a)?, &model)?;
     if save.as_ref().is_some_and(|s| s.dist) {
         check_torch_dist_save(&model, key_layout, (dualpipev, lora.is_some()))?;
@@ -745,6 +755,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
         dropout,
         router_noise,
         aux_losses,
+        indexer_loss,
         mtp_loss_scale: non_negative(a, "mtp-loss-scaling-factor")?.unwrap_or(0.1),
         grouped_experts,
         te_grouped_experts,
@@ -854,6 +865,73 @@ fn check_torch_dist_save(
              is not (save with --ckpt-format torch)"
         ),
         None => Ok(()),
+    }
+}
+
+/// DeepSeek sparse attention's indexer loss of a model with an indexer, for steps of
+/// `micro_batches` micro-batches (its gradient scaled as the MoE auxiliary losses' are), and
+/// what of it is not built refused by name.
+fn indexer_loss(
+    a: &Args,
+    model: &ModelConfig,
+    (micro_batches, per_token): (usize, bool),
+) -> Result<Option<crate::model::IndexerLoss>> {
+    let Some(mla) = model.mla.filter(|m| m.dsa.is_some()) else {
+        return Ok(None);
+    };
+    if mla.q_lora_rank.is_none() {
+        bail!("--enable-dsa-indexer: the indexer's queries come from the query latent: pass --q-lora-rank");
+    }
+    if mla.scale_latents.iter().any(|&s| s) {
+        bail!("--enable-dsa-indexer with --enable-mla-scale-q-lora / --enable-mla-scale-kv-lora is not built");
+    }
+    if a.parse_value::<usize>("tensor-model-parallel-size")?
+        .unwrap_or(1)
+        > 1
+    {
+        bail!("--enable-dsa-indexer under tensor parallelism is not built yet (--tensor-model-parallel-size 1)");
+    }
+    let halves = mla.dsa.is_some_and(|d| !d.rope_pairs_adjacent);
+    if halves && yarn_scales_rope(model) {
+        // MindSpeed-LLM's complex RoPE of the indexer takes YaRN's frequencies without the
+        // attention factor the rotary tables carry here
+        bail!("--enable-dsa-indexer without --apply-rope-no-in-complex under YaRN with an attention factor (--rope-scaling-mscale ≠ --rope-scaling-mscale-all-dim) is not built");
+    }
+    if a.has("init-norm-weight-in-fp32") && (a.has("bf16") || a.has("fp16")) {
+        bail!("--init-norm-weight-in-fp32 under --bf16 / --fp16 (norm weights kept in f32 in the model) is not built yet");
+    }
+    let coeff = match a.parse_value::<f64>("indexer-loss-coeff")? {
+        Some(c) if !(c.is_finite() && c >= 0.0) => bail!("--indexer-loss-coeff {c}: must be ≥ 0"),
+        c => c.unwrap_or(1.0) as f32,
+    };
+    Ok(Some(crate::model::IndexerLoss {
+        coeff,
+        scale: if per_token {
+            1.0
+        } else {
+            1.0 / micro_batches as f32
+        },
+    }))
+}
+
+/// Whether the model's YaRN RoPE scales its rotations by an attention factor other than 1.
+fn yarn_scales_rope(model: &ModelConfig) -> bool {
+    let Some(r) = &model.rope_scaling else {
+        return false;
+    };
+    let kind = r.get("rope_type").or_else(|| r.get("type"));
+    if kind.and_then(|k| k.as_str()) != Some("yarn") {
+        return false;
+    }
+    let number = |k: &str| r.get(k).and_then(|v| v.as_f64()).filter(|&v| v != 0.0);
+    match (
+        number("attention_factor"),
+        number("mscale"),
+        number("mscale_all_dim"),
+    ) {
+        (Some(f), ..) => f != 1.0,
+        (None, Some(m), Some(all)) => m != all,
+        _ => number("factor").is_some_and(|f| f > 1.0),
     }
 }
 
