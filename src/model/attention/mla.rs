@@ -286,36 +286,17 @@ impl Mla {
             Attend::Segments(segments, shared) => {
                 let (kv, up_lora) = self.kv_up.forward(p, &c_kv, Latent::KeyValue.widths(&d))?;
                 let (q_full, k_full, v_full) = full_heads(p, &d, (&q, &q_pe), (&kv, &k_pe))?;
-                let mask = attention_mask(p, self.layer);
-                let indexed = match (self.indexer, indexer_in) {
-                    (Some(ix), Some((x, Some(qr)))) => Some(ix.select(p, (x, qr), segments, &d)?),
-                    _ => None,
-                };
-                let (o_full, lse) = match (dsa, indexed) {
-                    (None, _) => {
-                        b.attention(&q_full, &k_full, &v_full, segments, shape, mask.as_ref())?
+                let qkv = (&q_full, &k_full, &v_full);
+                let (o_full, lse) = match dsa {
+                    None => {
+                        let mask = attention_mask(p, self.layer);
+                        b.attention(qkv.0, qkv.1, qkv.2, segments, shape, mask.as_ref())?
                     }
-                    (Some(_), indexed) => {
-                        let (selection, indexed) = match indexed {
-                            Some((selection, scores, saved)) => {
-                                let selection = Rc::new(selection);
-                                *shared.borrow_mut() = Some(selection.clone());
-                                (selection, Some((scores, saved)))
-                            }
-                            None => (shared_selection(shared, self.layer)?, None),
-                        };
-                        let qkv = (&q_full, &k_full, &v_full);
-                        let (o_full, lse) = b.sparse_attention(
-                            qkv.0,
-                            qkv.1,
-                            qkv.2,
-                            segments,
-                            shape,
-                            mask.as_ref(),
-                            &selection,
-                        )?;
-                        sparse = Some(sparse_saved(p, selection, indexed, (qkv.0, qkv.1, &lse))?);
-                        (o_full, lse)
+                    Some(_) => {
+                        let at = (segments, shared, &d);
+                        let (out, saved) = self.sparse_forward(p, qkv, at, indexer_in)?;
+                        sparse = Some(saved);
+                        out
                     }
                 };
                 let o = b.gather(&o_full, cols(n, nh * qw, (nh, qw), 0, d.v), &[n, nh * d.v])?;
@@ -373,6 +354,38 @@ impl Mla {
             sparse,
         };
         Ok((reduced(b, p.tp, out)?, saved))
+    }
+
+    /// DeepSeek sparse attention of the full heads `(q, k, v)` within `segments`: by this
+    /// layer's indexer's selection of the detached `indexer_in` (kept in `shared` for the
+    /// layers after it), or by the selection an earlier layer left there. Returns the output
+    /// and log-sum-exp, and what the backward pass needs (in training with its own indexer,
+    /// the indexer loss and its gradient).
+    #[allow(clippy::type_complexity)]
+    fn sparse_forward<B: Backend>(
+        &self,
+        p: &Pass<B>,
+        (q, k, v): (&B::Tensor, &B::Tensor, &B::Tensor),
+        (segments, shared, d): (&[Range<usize>], &super::SharedSelection, &Dims),
+        indexer_in: Option<(B::Tensor, Option<B::Tensor>)>,
+    ) -> Result<((B::Tensor, B::Tensor), SparseSaved<B::Tensor>)> {
+        let indexed = match (self.indexer, indexer_in) {
+            (Some(ix), Some((x, Some(qr)))) => Some(ix.select(p, (x, qr), segments, d)?),
+            _ => None,
+        };
+        let (selection, indexed) = match indexed {
+            Some((selection, scores, saved)) => {
+                let selection = Rc::new(selection);
+                *shared.borrow_mut() = Some(selection.clone());
+                (selection, Some((scores, saved)))
+            }
+            None => (shared_selection(shared, self.layer)?, None),
+        };
+        let (shape, mask) = (p.spec.attention, attention_mask(p, self.layer));
+        let (o, lse) =
+            p.b.sparse_attention(q, k, v, segments, shape, mask.as_ref(), &selection)?;
+        let saved = sparse_saved(p, selection, indexed, (q, k, &lse))?;
+        Ok(((o, lse), saved))
     }
 
     /// `dh [T, h]` of [`Mla::forward`] given the gradient `dy [T, h]` of its output (summed
