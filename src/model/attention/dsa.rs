@@ -19,7 +19,7 @@
 //! Legend: n = rows of the pass, H = the indexer's heads, d = its head dimension, dr = the
 //! rotated dimensions, K = keys selected per row.
 
-use super::mla::{rotate, Dims};
+use super::rotate;
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{Backend, EngineError, Result, Selection};
 use crate::model::columns::{assemble, cols};
@@ -91,7 +91,7 @@ impl Indexer {
         p: &Pass<B>,
         (x, qr): (B::Tensor, B::Tensor),
         segments: &[Range<usize>],
-        d: &Dims,
+        dr: usize,
     ) -> Result<Indexed<B::Tensor>> {
         let b = p.b;
         let dsa = dsa_of(p)?;
@@ -99,8 +99,8 @@ impl Indexer {
         let (mut q, _) = self.q_up.forward(p, &qr)?;
         let (k_raw, _) = self.key.forward(p, &x)?;
         let (mut k, key_norm) = self.key_norm.forward_eps(p, k_raw, KEY_NORM_EPS)?;
-        rope_first(p, &mut q, (heads, dim, d.r), false)?;
-        rope_first(p, &mut k, (1, dim, d.r), false)?;
+        rope_first(p, &mut q, (heads, dim, dr), false)?;
+        rope_first(p, &mut k, (1, dim, dr), false)?;
         let (w, _) = self.weights.forward(p, &x)?;
         let factor = ((heads * dim) as f64).sqrt().recip() as f32;
         let (q, k) = (b.download_f32(&q)?, b.download_f32(&k)?);
@@ -125,7 +125,7 @@ impl Indexer {
         p: &Pass<B>,
         grads: &mut [B::Tensor],
         (s, selection, d_scores): (&IndexerSaved<B::Tensor>, &Selection, &[f32]),
-        d: &Dims,
+        dr: usize,
     ) -> Result<()> {
         let b = p.b;
         let dsa = dsa_of(p)?;
@@ -140,10 +140,10 @@ impl Indexer {
             b.cast(&t, dtype)
         };
         let mut dq = upload(&dq, heads * dim)?;
-        rope_first(p, &mut dq, (heads, dim, d.r), true)?;
+        rope_first(p, &mut dq, (heads, dim, dr), true)?;
         self.q_up.backward(p, grads, &dq, (&s.qr, None))?;
         let mut dk = upload(&dk, dim)?;
-        rope_first(p, &mut dk, (1, dim, d.r), true)?;
+        rope_first(p, &mut dk, (1, dim, dr), true)?;
         let dk_raw = self.key_norm.backward(p, grads, &dk, &s.key_norm)?;
         self.key.backward(p, grads, &dk_raw, (&s.x, None))?;
         self.weights

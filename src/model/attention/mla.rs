@@ -26,7 +26,7 @@
 //! kv_lora = the key-value latent's.
 
 use super::dsa::{self, Indexer, IndexerSaved};
-use super::Attend;
+use super::{rotate, Attend};
 use crate::arch::roles::{Canon, Role};
 use crate::engine::{
     AttentionShape, Backend, EngineError, Result, Segment, Selection, StridedView,
@@ -370,7 +370,7 @@ impl Mla {
         indexer_in: Option<(B::Tensor, Option<B::Tensor>)>,
     ) -> Result<((B::Tensor, B::Tensor), SparseSaved<B::Tensor>)> {
         let indexed = match (self.indexer, indexer_in) {
-            (Some(ix), Some((x, Some(qr)))) => Some(ix.select(p, (x, qr), segments, d)?),
+            (Some(ix), Some((x, Some(qr)))) => Some(ix.select(p, (x, qr), segments, d.r)?),
             _ => None,
         };
         let (selection, indexed) = match indexed {
@@ -439,7 +439,7 @@ impl Mla {
         };
         if let (Some(ix), Some(sparse)) = (self.indexer, &s.sparse) {
             if let Some((saved, d_scores)) = &sparse.indexer {
-                ix.backward(p, grads, (saved, &sparse.selection, d_scores), &d)?;
+                ix.backward(p, grads, (saved, &sparse.selection, d_scores), d.r)?;
             }
         }
         let part = |t: &B::Tensor, at: usize, w: usize| {
@@ -699,9 +699,9 @@ fn full_heads<B: Backend>(
 }
 
 /// The dimensions of the pass's multi-latent attention.
-pub(super) struct Dims {
+struct Dims {
     n: usize,
-    pub(super) r: usize,
+    r: usize,
     v: usize,
     kv_lora: usize,
 }
@@ -717,36 +717,6 @@ fn dims<B: Backend>(p: &Pass<B>) -> Result<Dims> {
         v: m.v_head_dim,
         kv_lora: m.kv_lora_rank,
     })
-}
-
-/// RoPE on the rotated parts `x [n, heads·dr]`, de-interleaved first (forward) or
-/// re-interleaved after the inverse rotation (backward).
-pub(super) fn rotate<B: Backend>(
-    p: &Pass<B>,
-    x: &mut B::Tensor,
-    heads: usize,
-    inverse: bool,
-) -> Result<()> {
-    let b = p.b;
-    let n = b.shape(x)[0];
-    let dr = b.shape(x)[1] / heads.max(1);
-    let half = dr / 2;
-    // element (row, head, i, j) at pair i, member j: interleaved (2i + j), halves (j·half + i)
-    let interleaved = StridedView {
-        shape: [n * heads, 2, half],
-        strides: [dr, 1, 2],
-        offset: 0,
-    };
-    let (cos, sin) = p.rope;
-    if !inverse {
-        *x = b.gather(x, interleaved, &[n, heads * dr])?;
-        return b.rope(x, cos, sin, dr, false);
-    }
-    b.rope(x, cos, sin, dr, true)?;
-    let mut out = b.zeros(&[n, heads * dr], b.dtype(x))?;
-    b.scatter(x, &mut out, interleaved)?;
-    *x = out;
-    Ok(())
 }
 
 /// Which of the two latents.

@@ -147,3 +147,33 @@ impl Attention {
         }
     }
 }
+
+/// RoPE on the rotated parts `x [n, heads·dr]`, de-interleaved first (forward) or
+/// re-interleaved after the inverse rotation (backward).
+pub(in crate::model) fn rotate<B: Backend>(
+    p: &crate::model::Pass<B>,
+    x: &mut B::Tensor,
+    heads: usize,
+    inverse: bool,
+) -> Result<()> {
+    let b = p.b;
+    let n = b.shape(x)[0];
+    let dr = b.shape(x)[1] / heads.max(1);
+    let half = dr / 2;
+    // element (row, head, i, j) at pair i, member j: interleaved (2i + j), halves (j·half + i)
+    let interleaved = crate::engine::StridedView {
+        shape: [n * heads, 2, half],
+        strides: [dr, 1, 2],
+        offset: 0,
+    };
+    let (cos, sin) = p.rope;
+    if !inverse {
+        *x = b.gather(x, interleaved, &[n, heads * dr])?;
+        return b.rope(x, cos, sin, dr, false);
+    }
+    b.rope(x, cos, sin, dr, true)?;
+    let mut out = b.zeros(&[n, heads * dr], b.dtype(x))?;
+    b.scatter(x, &mut out, interleaved)?;
+    *x = out;
+    Ok(())
+}
