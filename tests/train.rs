@@ -713,18 +713,16 @@ fn field(log: &str, name: &str) -> Vec<f64> {
 fn training_on_the_npu_stand_in_matches_the_cpu_with_no_allocation_and_one_wait_per_step() {
     let dir = tempfile::tempdir().unwrap();
     let data = corpus(dir.path());
-    // fp32 and bf16 on flash attention, and fp32 on a CANN without its kernels (attention by
-    // BatchMatMul and Softmax).
+    // fp32 and bf16 (its norms bf16 or f32: aclnnRmsNorm's f32 γ beside bf16 rows) on flash
+    // attention, and fp32 on a CANN without its kernels (attention by BatchMatMul and Softmax).
     let flash = "aclnnFlashAttentionVarLenScore";
     for (precision, tolerance, no_kernel) in [
-        (None, 1e-4, ""),
-        (Some("--bf16"), 2e-2, ""),
-        (None, 1e-4, flash),
+        (&[][..], 1e-4, ""),
+        (&["--bf16"][..], 2e-2, ""),
+        (&["--bf16", "--init-norm-weight-in-fp32"][..], 2e-2, ""),
+        (&[][..], 1e-4, flash),
     ] {
-        let extra: Vec<&str> = ["--train-iters", "6"]
-            .into_iter()
-            .chain(precision)
-            .collect();
+        let extra = [&["--train-iters", "6"][..], precision].concat();
         let cpu = stdout(&run(&args(&data, &extra)).success());
         let (npu, counted) = train_on_stand_in(dir.path(), &args(&data, &extra), no_kernel);
         let batched = counted["ops"].get("aclnnBatchMatMul").is_some();
@@ -1597,21 +1595,29 @@ fn deepseek_sparse_attention_trains_its_indexers_and_refuses_what_is_not_built()
     assert_eq!(indexer(0, "wq_b"), Some(vec![32, 32]));
     assert_eq!(indexer(2, "weights_proj"), Some(vec![2, 64]));
     assert_eq!(indexer(1, "wk"), None);
-    // refused by name: tensor parallelism, f32 norms under bf16, an HF export, generation
-    for (extra, says) in [
-        (
-            &["--tensor-model-parallel-size", "2"][..],
-            "under tensor parallelism",
-        ),
-        (
-            &["--bf16", "--init-norm-weight-in-fp32"][..],
-            "--init-norm-weight-in-fp32",
-        ),
-    ] {
-        let flags = [&dsa_flags("8")[..], extra].concat();
-        let err = stderr(&run(&from_scratch(&data, &flags, &[])).failure());
-        assert!(err.contains(says), "{err}");
+    // under --bf16 MindSpeed-LLM's DeepSeek-V3.2 and GLM-5 scripts keep every norm f32, the
+    // indexer's LayerNorm (γ and β) too
+    let f32_norms = dir.path().join("f32_norms");
+    let flags = [
+        "--bf16",
+        "--init-norm-weight-in-fp32",
+        "--save",
+        f32_norms.to_str().unwrap(),
+    ];
+    run(&from_scratch(&data, &dsa_flags("8"), &flags)).success();
+    let model = saved_model(&f32_norms, 10);
+    assert!(model.iter().any(|(k, ..)| k.ends_with("k_norm.bias")));
+    for (key, dtype, _) in &model {
+        let want = match key.contains("norm") {
+            true => mindkit::tensor::DType::F32,
+            false => mindkit::tensor::DType::BF16,
+        };
+        assert_eq!(*dtype, want, "{key}");
     }
+    // refused by name: tensor parallelism, an HF export, generation
+    let flags = [&dsa_flags("8")[..], &["--tensor-model-parallel-size", "2"]].concat();
+    let err = stderr(&run(&from_scratch(&data, &flags, &[])).failure());
+    assert!(err.contains("under tensor parallelism"), "{err}");
     let halves: Vec<&str> = (dsa_flags("8").into_iter())
         .filter(|&f| f != "--apply-rope-no-in-complex")
         .collect();
@@ -3344,12 +3350,22 @@ fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradient
         run(&a).success();
         save
     };
-    let unfused = ["--no-gradient-accumulation-fusion"];
-    for (fusion, tied) in [(false, false), (true, false), (false, true), (true, true)] {
-        let tag = format!("fused {fusion} tied {tied}");
-        let extra = if fusion { &[][..] } else { &unfused[..] };
-        let single = gradients(&format!("{tag}-single"), tied, ("2", "2"), extra);
-        let double = gradients(&format!("{tag}-double"), tied, ("4", "1"), extra);
+    // and f32 norms (--init-norm-weight-in-fp32) have f32 gradients
+    for (fusion, tied, f32_norms) in [
+        (false, false, false),
+        (true, false, false),
+        (false, true, false),
+        (true, true, false),
+        (false, false, true),
+    ] {
+        let tag = format!("fused {fusion} tied {tied} f32 norms {f32_norms}");
+        let extra = [
+            &["--no-gradient-accumulation-fusion"][..usize::from(!fusion)],
+            &["--init-norm-weight-in-fp32"][..usize::from(f32_norms)],
+        ]
+        .concat();
+        let single = gradients(&format!("{tag}-single"), tied, ("2", "2"), &extra);
+        let double = gradients(&format!("{tag}-double"), tied, ("4", "1"), &extra);
         let (g0, g1) = (first_moments(&single, 1), first_moments(&single, 2));
         let g = first_moments(&double, 1);
         assert!(!g.is_empty() && g.len() == g0.len() && g.len() == g1.len());
@@ -3363,7 +3379,7 @@ fn bf16_gradients_are_rounded_per_micro_batch_where_upstream_holds_bf16_gradient
             // norms (1-D) and an untied embedding are bf16 tensors upstream; a tied one's
             // output-layer product is fused
             let linear = shape.len() == 2 && (i > 0 || tied);
-            let rounded = !(fusion && linear);
+            let rounded = !(fusion && linear) && !(f32_norms && shape.len() == 1);
             let all_exact = |v: &[f32]| v.iter().all(|&x| bf16_exact(x));
             assert_eq!(all_exact(g0), rounded, "{tag} {shape:?}: one micro-batch");
             assert_eq!(all_exact(g1), rounded, "{tag} {shape:?}: one micro-batch");
@@ -5738,4 +5754,153 @@ fn dpo_trains_on_data_tensor_and_pipeline_parallel_ranks_as_one_rank() {
             stderr(&out)
         );
     }
+}
+
+/// Each model tensor of the one-rank checkpoint at `dir`'s iteration `it`: its key, dtype and
+/// values.
+fn saved_model(dir: &Path, it: u32) -> Vec<(String, mindkit::tensor::DType, Vec<f32>)> {
+    use mindkit::ckpt::torch::pickle::Value;
+    let path = dir.join(format!("iter_{it:07}/mp_rank_00/model_optim_rng.pt"));
+    let file = mindkit::ckpt::torch::TorchFile::open(&path).unwrap();
+    let Some(Value::Dict(items)) = file.root().get("model") else {
+        panic!("no model in {}", path.display());
+    };
+    (items.iter())
+        .filter_map(|(k, v)| match (k, v) {
+            (Value::Str(k), Value::Tensor(t)) => {
+                let values = file.read_tensor(k, t).unwrap();
+                let values = mindkit::tensor::host::to_f32(&values).unwrap();
+                Some((k.clone(), t.storage.dtype, values))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn f32_norms_beside_bf16_weights_train_save_and_resume_bit_exact() {
+    use mindkit::tensor::DType;
+    let dir = tempfile::tempdir().unwrap();
+    let data = corpus(dir.path());
+    let path = |name: &str| dir.path().join(name);
+    // two data-parallel ranks, unclipped: the distributed optimizer trains as the plain one
+    // (see the_distributed_optimizer_trains_as_one_rank_does)
+    let f32_norms = [
+        "--bf16",
+        "--init-norm-weight-in-fp32",
+        "--world-size",
+        "2",
+        "--clip-grad",
+        "0",
+    ];
+    let distributed = ["--use-distributed-optimizer"];
+    let mut logs = Vec::new();
+    for (name, optimizer) in [("plain", &[][..]), ("distributed", &distributed[..])] {
+        let (whole, part) = (
+            path(&format!("{name}_whole")),
+            path(&format!("{name}_part")),
+        );
+        let flags = |save: &Path, extra: &[&str]| {
+            let save = ["--save", save.to_str().unwrap()];
+            qwen3_head_norms(&data, &[&f32_norms[..], optimizer, &save, extra].concat())
+        };
+        let full = iterations(&stdout(&run(&flags(&whole, &[])).success()));
+        run(&flags(&part, &["--exit-interval", "4"])).success();
+        let rest = run(&flags(&part, &["--load", part.to_str().unwrap()])).success();
+        assert_eq!(full[4..], iterations(&stdout(&rest))[..], "{name}: resumed");
+        let file = |d: &Path| std::fs::read(d.join("iter_0000010/mp_rank_00/model_optim_rng.pt"));
+        assert_eq!(file(&whole).unwrap(), file(&part).unwrap(), "{name}");
+        // every norm's weight f32 and trained off bf16's grid, every other weight bf16
+        let model = saved_model(&whole, 10);
+        let norms: Vec<_> = model.iter().filter(|(k, ..)| k.contains("norm")).collect();
+        assert_eq!(norms.len(), 2 * 4 + 1, "{name}: {model:?}");
+        for (key, dtype, _) in &model {
+            let want = if key.contains("norm") {
+                DType::F32
+            } else {
+                DType::BF16
+            };
+            assert_eq!(*dtype, want, "{name}: {key}");
+        }
+        assert!(norms
+            .iter()
+            .all(|(_, _, v)| !v.iter().all(|&x| bf16_exact(x))));
+        logs.push(full);
+    }
+    // torch_dist holds their weights, not yet their optimizer state
+    let dist = path("torch_dist");
+    let to_dist = |extra: &[&str]| {
+        let save = [
+            "--ckpt-format",
+            "torch_dist",
+            "--save",
+            dist.to_str().unwrap(),
+        ];
+        qwen3_head_norms(&data, &[&f32_norms[..2], &save, extra].concat())
+    };
+    let err = stderr(&run(&to_dist(&[])).failure());
+    assert!(err.contains("--no-save-optim"), "{err}");
+    run(&to_dist(&["--no-save-optim"])).success();
+    // the same training either way, and not bf16's norms
+    assert_eq!(
+        logs[0], logs[1],
+        "the distributed optimizer changed the training"
+    );
+    let bf16 = iterations(&stdout(
+        &run(&qwen3_head_norms(&data, &["--bf16"])).success(),
+    ));
+    assert_eq!(
+        bf16[0], logs[0][0],
+        "the first iteration sees γ = 1 either way"
+    );
+    assert_ne!(
+        bf16[1..],
+        logs[0][1..],
+        "--init-norm-weight-in-fp32 changed nothing"
+    );
+    // megatron-core's layout of them: f32 main copies of the bf16 weights only; a buffer per
+    // dtype, the embedding's first
+    use mindkit::ckpt::torch::pickle::Value;
+    let rank = |name: &str, file: &str| {
+        let at = path(name).join("iter_0000010/mp_rank_00").join(file);
+        mindkit::ckpt::torch::TorchFile::open(&at).unwrap()
+    };
+    let plain = rank("plain_whole", "model_optim_rng.pt");
+    let lists = plain
+        .root()
+        .get("optimizer")
+        .unwrap()
+        .get("fp32_from_fp16_params");
+    let Some(Value::List(lists)) = lists else {
+        panic!("no fp32_from_fp16_params");
+    };
+    let mains: usize = (lists.iter())
+        .map(|l| match l {
+            Value::List(l) => l.len(),
+            _ => 0,
+        })
+        .sum();
+    let bf16s = saved_model(&path("plain_whole"), 10)
+        .iter()
+        .filter(|(_, d, _)| *d == DType::BF16)
+        .count();
+    assert_eq!(mains, bf16s);
+    let state = rank("distributed_whole", "distrib_optim.pt");
+    let Value::Dict(buffers) = state.root() else {
+        panic!("distrib_optim.pt is not a dict");
+    };
+    let keys: Vec<(&Value, &Value)> = (buffers.iter())
+        .filter_map(|(k, v)| match v {
+            Value::Dict(by_dtype) if by_dtype.len() == 1 => Some((k, &by_dtype[0].0)),
+            _ => None,
+        })
+        .collect();
+    let pair = |d| Value::Tuple(vec![Value::TorchDType(d), Value::TorchDType(DType::F32)]);
+    assert_eq!(
+        keys,
+        [
+            (&Value::Int(0), &pair(DType::BF16)),
+            (&Value::Int(1), &pair(DType::F32))
+        ]
+    );
 }

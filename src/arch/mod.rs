@@ -88,6 +88,12 @@ pub struct ModelConfig {
     pub mtp: Option<Mtp>,
     /// Element type of the weights.
     pub dtype: DType,
+    /// The norms' weights (γ, and a LayerNorm's β) are f32 whatever `dtype` says
+    /// (MindSpeed-LLM's `--init-norm-weight-in-fp32`: its dsa_indexer.py
+    /// `norm2fp32_fp16module_init_wrapper` casts every RMSNorm and LayerNorm back to f32 after
+    /// `Float16Module` made the model bf16; aclnnRmsNorm takes an f32 γ with bf16 rows and
+    /// returns bf16).
+    pub norms_f32: bool,
     /// RoPE scaling as config.json spells it (`{"rope_type": "llama3", "factor": …}`), from
     /// config.json or translated from Megatron/MindSpeed args; `None` for plain RoPE.
     pub rope_scaling: Option<Json>,
@@ -305,6 +311,11 @@ impl MtpLayout {
 }
 
 impl ModelConfig {
+    /// Whether its norms are f32 beside bf16 / f16 weights ([`ModelConfig::norms_f32`]).
+    pub fn f32_norms_in_half(&self) -> bool {
+        self.norms_f32 && self.dtype != DType::F32
+    }
+
     /// Decoder layers per layer of its files: 2 for a [`ModelConfig::paired`] model, else 1.
     pub fn sublayers(&self) -> usize {
         if self.paired {

@@ -346,13 +346,37 @@ impl Role {
             )
     }
 
-    /// The dtype a tensor of this role has in a model of `model` dtype: the expert bias stays
-    /// f32 (megatron-core router.py `_maintain_float32_expert_bias`), the rest is the model's.
-    pub fn dtype(self, model: DType) -> DType {
+    /// The dtype a tensor of this role has in `cfg`: the expert bias stays f32 (megatron-core
+    /// router.py `_maintain_float32_expert_bias`), so do the norms' weights with
+    /// [`ModelConfig::norms_f32`]; the rest is the model's.
+    pub fn dtype(self, cfg: &ModelConfig) -> DType {
         match self {
             Role::ExpertBias => DType::F32,
-            _ => model,
+            _ if cfg.norms_f32 && self.is_norm() => DType::F32,
+            _ => cfg.dtype,
         }
+    }
+
+    /// Whether it is a norm's γ or β.
+    pub fn is_norm(self) -> bool {
+        matches!(
+            self,
+            Role::InputNorm
+                | Role::InputNormBias
+                | Role::PostNorm
+                | Role::PostNormBias
+                | Role::QNorm
+                | Role::KNorm
+                | Role::QLatentNorm
+                | Role::KvLatentNorm
+                | Role::IndexerKeyNorm
+                | Role::IndexerKeyNormBias
+                | Role::MtpEmbedNorm
+                | Role::MtpHiddenNorm
+                | Role::MtpNorm
+                | Role::FinalNorm
+                | Role::FinalNormBias
+        )
     }
 
     /// Whether the optimizer updates it: everything but a buffer (the expert bias, which

@@ -594,6 +594,8 @@ pub fn write_output(
         }
     }
     if o.to == Format::Hf {
+        // a transformers model's weights share one dtype (config.json's torch_dtype)
+        cfg.norms_f32 = false;
         // HF holds each up projection whole (DeepSeek's q_b_proj, kv_b_proj)
         cfg.mla = cfg.mla.map(|m| Mla {
             split_up: false,
@@ -623,7 +625,7 @@ pub fn write_output(
         if let Some(e) = edit {
             t = e.apply(c, t, cfg.dtype)?;
         }
-        t.cast(c.role.dtype(cfg.dtype))
+        t.cast(c.role.dtype(&cfg))
             .map_err(|e| anyhow!("{c:?}: {e}"))
     };
     // The vocabulary rows padded to a Megatron output's size: a Megatron source's own padding
@@ -631,7 +633,7 @@ pub fn write_output(
     // Megatron's loss), else copies of the last real row; an edited tensor is padded as that.
     let read_padded = |c: Canon, rows: usize| -> Result<Tensor> {
         match edit.is_none() && c.role.vocab_rows() {
-            true => (input.read_padded(c, rows)?.cast(c.role.dtype(cfg.dtype)))
+            true => (input.read_padded(c, rows)?.cast(c.role.dtype(&cfg)))
                 .map_err(|e| anyhow!("{c:?}: {e}")),
             false => read(c),
         }
@@ -793,7 +795,7 @@ fn write_hf(
         (parts.into_iter())
             .map(|(name, shape)| Planned {
                 name,
-                dtype: c.role.dtype(cfg.dtype),
+                dtype: c.role.dtype(cfg),
                 shape,
             })
             .collect()

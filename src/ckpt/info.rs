@@ -104,7 +104,11 @@ fn architecture(cfg: &ModelConfig, out: &mut String) {
             }
         );
     }
-    let _ = writeln!(out, "dtype:       {}", cfg.dtype.torch_name());
+    let norms = match cfg.f32_norms_in_half() {
+        true => ", norms float32 (--init-norm-weight-in-fp32)",
+        false => "",
+    };
+    let _ = writeln!(out, "dtype:       {}{norms}", cfg.dtype.torch_name());
     let _ = writeln!(out, "parameters:  {params} ({:.3} B)", params as f64 / 1e9);
 }
 

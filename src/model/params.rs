@@ -11,6 +11,7 @@ use crate::arch::MtpLayout;
 use crate::arch::{Activation, ModelConfig};
 use crate::ckpt::layout::{global_key, global_key_of, layer_key_of, mtp_key, KeyLayout};
 use crate::ckpt::transform::{is_row_parallel, is_tp_split, shard_shape};
+use crate::tensor::DType;
 use std::ops::Range;
 
 /// Which factor of a LoRA adapter a parameter is.
@@ -33,6 +34,8 @@ pub struct ParamInfo {
     pub name: String,
     /// Shape (embedding and output rows = the padded vocabulary).
     pub shape: Vec<usize>,
+    /// Its dtype in the model ([`Role::dtype`]; a LoRA factor's is the model's).
+    pub dtype: DType,
     /// Megatron's rule (megatron/core/optimizer/__init__.py `_get_param_groups`): no weight
     /// decay on biases and 1-D parameters.
     pub decay: bool,
@@ -149,6 +152,7 @@ impl ParamTable {
                 chunk: 0,
                 name: name.clone(),
                 shape,
+                dtype: canon.role.dtype(cfg),
             });
             if let Some(l) = lora_of {
                 // peft's names: `<module>.lora_A.default.weight`.
@@ -162,6 +166,7 @@ impl ParamTable {
                         lora: Some(part),
                         name: format!("{stem}.lora_{tag}.default.weight"),
                         shape,
+                        dtype: cfg.dtype,
                         decay: true,
                         scaled_init: false,
                         trainable: true,

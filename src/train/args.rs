@@ -156,7 +156,7 @@ pub const FLAGS: &[Flag] = &[
     inert("index-share-for-mtp-iteration", Nothing, "MindSpeed-LLM declares it and reads it nowhere: a multi-token prediction depth always has its own indexer"),
     refused("index-topk-pattern", One, "the layers' compute/share pattern is not built (--index-topk-freq and --index-skip-topk-offset are)"),
     refused("kv-compress", Nothing, "DeepSeek-V4's compressed indexer is not built"),
-    used("init-norm-weight-in-fp32", Nothing, "MindSpeed-LLM's norm weights kept in f32 under --bf16: nothing to do in f32 training; refused under --bf16 / --fp16 until built"),
+    used("init-norm-weight-in-fp32", Nothing, "every norm's weights kept in f32 under --bf16 (MindSpeed-LLM's): trained and saved in f32, the norms' outputs still bf16"),
     used("rope-scaling-mscale", One, "YaRN (--rope-scaling-type yarn): the mscale of the attention factor (default 1)"),
     used("rope-scaling-mscale-all-dim", One, "YaRN: the mscale of the attention factor's divisor and of multi-latent attention's softmax scale (default 0)"),
     used("rope-scaling-original-max-position-embeddings", One, "YaRN: the context the model was pretrained for (default 4096)"),

@@ -33,6 +33,12 @@ impl<B: Backend> Trainer<B> {
             return Ok(());
         }
         let dir = ck.iter_dir.display();
+        if self.cfg.model.f32_norms_in_half() {
+            bail!(
+                "--load {dir}: a torch_dist optimizer state with f32 norms beside bf16 weights \
+                 (--init-norm-weight-in-fp32 --bf16) is not built; pass --no-load-optim"
+            );
+        }
         let in_buckets = match ck.optimizer.as_deref() {
             None => bail!(
                 "--load {dir} holds no optimizer state (saved with --no-save-optim?); resume with \

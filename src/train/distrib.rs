@@ -7,7 +7,8 @@
 //! (one bucket without one) or after a pipeline's shared embedding, which has a bucket of its
 //! own, and is padded to a multiple of lcm(DP, 128), so that each rank owns one contiguous
 //! 1/DP of every bucket. With a virtual pipeline each model chunk has its own buffer (its own
-//! DistributedDataParallel in megatron-core), laid end to end here. The gradients are
+//! DistributedDataParallel in megatron-core), and a chunk has one per parameter dtype (f32
+//! norms beside bf16 weights, `--init-norm-weight-in-fp32`), laid end to end here. The gradients are
 //! reduce-scattered into those slices, Adam updates them, and the parameters are all-gathered
 //! back.
 //!
@@ -316,6 +317,22 @@ fn units_of(table: &ParamTable, members: &[usize], grouped: bool) -> Vec<Unit> {
         .collect()
 }
 
+/// `members` (table indices) split by dtype, in the order each dtype first appears: the
+/// parameters of each of a model chunk's buffers (megatron-core's
+/// `DistributedDataParallel.__init__` keys its buffers by parameter and gradient dtype, in
+/// the order it meets them among the registered parameters).
+fn by_dtype(table: &ParamTable, members: &[usize]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(DType, Vec<usize>)> = Vec::new();
+    for &i in members {
+        let dtype = table.params[i].dtype;
+        match groups.iter_mut().find(|(d, _)| *d == dtype) {
+            Some((_, group)) => group.push(i),
+            None => groups.push((dtype, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, group)| group).collect()
+}
+
 /// A data-parallel rank's part of the distributed optimizer: its pieces of the trained
 /// parameters with their f32 main copies, gradients and Adam state.
 pub struct Sharded<T> {
@@ -323,6 +340,8 @@ pub struct Sharded<T> {
     pub layout: BufferLayout,
     /// What the buffer holds, each an upstream parameter.
     pub units: Vec<Unit>,
+    /// Each buffer's parameter dtype.
+    pub dtypes: Vec<DType>,
     /// This rank's data-parallel rank.
     pub rank: usize,
     /// The pieces it owns.
@@ -376,24 +395,25 @@ impl<T> Sharded<T> {
         let chunks = table.params.last().map_or(0, |p| p.chunk + 1);
         let mut units: Vec<Unit> = Vec::new();
         let mut layouts = Vec::with_capacity(chunks);
+        let mut dtypes = Vec::with_capacity(chunks);
         for v in 0..chunks {
             let members: Vec<usize> = (table.params.iter().enumerate())
                 .filter(|&(i, p)| p.trainable && p.chunk == v && part(i))
                 .map(|(i, _)| i)
                 .collect();
-            let first = units.len();
-            units.extend(units_of(table, &members, grouped));
-            let trained: Vec<(usize, usize)> = (first..units.len())
-                .map(|u| {
-                    let numel = units[u].members.iter().map(|&m| table.params[m].numel());
-                    (u, numel.sum())
-                })
-                .collect();
-            let size = bucket_size.filter(|_| v == 0);
-            let own = |u: usize| own_bucket(units[u].members[0]);
-            let layout = BufferLayout::new(&trained, dp, (size, pad_high), own);
-            if !layout.placed.is_empty() {
-                layouts.push(layout);
+            for members in by_dtype(table, &members) {
+                dtypes.push(table.params[members[0]].dtype);
+                let first = units.len();
+                units.extend(units_of(table, &members, grouped));
+                let trained: Vec<(usize, usize)> = (first..units.len())
+                    .map(|u| {
+                        let numel = units[u].members.iter().map(|&m| table.params[m].numel());
+                        (u, numel.sum())
+                    })
+                    .collect();
+                let size = bucket_size.filter(|_| v == 0);
+                let own = |u: usize| own_bucket(units[u].members[0]);
+                layouts.push(BufferLayout::new(&trained, dp, (size, pad_high), own));
             }
         }
         let layout = BufferLayout::chain(layouts);
@@ -435,6 +455,7 @@ impl<T> Sharded<T> {
         Ok(Sharded {
             layout,
             units,
+            dtypes,
             rank,
             pieces,
             main,
@@ -481,19 +502,21 @@ impl<T> Sharded<T> {
         Ok(())
     }
 
-    /// Every rank's updated main pieces into the trained `params` (of `dtype`): this rank's
-    /// slice of each bucket cast to `dtype` on the device and all-gathered over `dp` (Megatron's
-    /// `_copy_main_params_to_model_params`, then `start_param_sync`), each parameter copied out
-    /// of its bucket.
+    /// Every rank's updated main pieces into the trained `params`: this rank's slice of each
+    /// bucket cast to its parameters' dtype on the device and all-gathered over `dp`
+    /// (Megatron's `_copy_main_params_to_model_params`, then `start_param_sync`), each
+    /// parameter copied out of its bucket.
     pub fn gather_params<B: Backend<Tensor = T>>(
         &self,
         b: &B,
         params: &mut [T],
-        dtype: DType,
         dp: Group<'_, T>,
     ) -> Result<()> {
         for parts in self.buckets() {
             let bucket = parts.bucket;
+            // a buffer's parameters share one dtype
+            let first = &self.layout.placed[parts.placed.start];
+            let dtype = b.dtype(&params[self.units[first.param].members[0]]);
             let mut mine = b.zeros(&[(bucket.end - bucket.start) / self.layout.dp], dtype)?;
             for (k, at, n) in parts.offsets(&self.pieces) {
                 b.copy_range((&self.main[k], 0), (&mut mine, at), n)?;

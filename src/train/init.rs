@@ -26,7 +26,6 @@ pub(super) fn initial_params(
     let (std, embedding_std) = cfg.init_std;
     let scaled = std / (2.0 * cfg.model.layers as f64).sqrt();
     let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(cfg.seed));
-    let dtype = cfg.model.dtype;
     let mut draw = |p: &ParamInfo| -> Result<Vec<f32>> {
         let n = p.numel();
         Ok(match (p.lora, p.canon.role) {
@@ -97,11 +96,12 @@ pub(super) fn initial_params(
                         p.shape
                     );
                 }
-                t.cast(p.canon.role.dtype(dtype)).map_err(|e| anyhow!(e))?
+                t.cast(p.dtype).map_err(|e| anyhow!(e))?
             }
             // drawn whether kept or not: every stage's generator goes through the whole model
-            _ => HostTensor::from_f32(p.canon.role.dtype(dtype), p.shape.clone(), &draw(p)?)
-                .map_err(|e| anyhow!(e))?,
+            _ => {
+                HostTensor::from_f32(p.dtype, p.shape.clone(), &draw(p)?).map_err(|e| anyhow!(e))?
+            }
         };
         // this rank's table says whether it is split (routed experts may be whole)
         let split = slots.first().is_some_and(|&i| mine.params[i].tp_split);

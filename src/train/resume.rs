@@ -284,8 +284,9 @@ impl<B: Backend> Trainer<B> {
         .map(|(k, (world, sharded))| checkpoint::DistributedState {
             world,
             experts: chained && k == 1,
-            buffers: sharded.layout.buffer_numel_unpadded(),
-            param_dtype: self.cfg.model.dtype,
+            buffers: (sharded.layout.buffer_numel_unpadded().into_iter())
+                .zip(sharded.dtypes.iter().copied())
+                .collect(),
             steps: sharded.opt.steps,
             hyper,
         })
@@ -293,16 +294,21 @@ impl<B: Backend> Trainer<B> {
         let optimizer = match save {
             Some(s) if !s.no_optim && self.sharded.is_empty() => {
                 let trained = |i: usize| self.table.params[i].trainable;
-                let host = |ts: &[B::Tensor]| -> Result<Vec<Option<HostTensor>>> {
+                // megatron-core keeps no main copy of a parameter already f32 (its
+                // `fp32_from_fp32_groups`: --init-norm-weight-in-fp32's norms)
+                let widened = |i: usize| trained(i) && self.table.params[i].dtype != DType::F32;
+                let host = |ts: &[B::Tensor], kept: &dyn Fn(usize) -> bool| {
                     (ts.iter().enumerate())
-                        .map(|(i, t)| Ok(trained(i).then(|| b.download(t)).transpose()?))
-                        .collect()
+                        .map(|(i, t)| Ok(kept(i).then(|| b.download(t)).transpose()?))
+                        .collect::<Result<Vec<Option<HostTensor>>>>()
                 };
                 Some(checkpoint::OptimizerState {
                     steps: self.opt.steps,
-                    exp_avg: host(&self.opt.exp_avg)?,
-                    exp_avg_sq: host(&self.opt.exp_avg_sq)?,
-                    main: self.opt.main.as_deref().map(host).transpose()?,
+                    exp_avg: host(&self.opt.exp_avg, &trained)?,
+                    exp_avg_sq: host(&self.opt.exp_avg_sq, &trained)?,
+                    main: (self.opt.main.as_deref())
+                        .map(|m| host(m, &widened))
+                        .transpose()?,
                     hyper,
                 })
             }

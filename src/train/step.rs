@@ -395,7 +395,7 @@ impl<B: Backend> Trainer<B> {
 /// later pipeline stage's copy of a tied embedding, and a tied embedding on one stage, whose
 /// output-layer product upstream fuses) and LoRA's factors (peft's megatron layers are
 /// Megatron linear layers). Biases, norms and an embedding that is only looked up are always
-/// rounded (docs/training.md §3.4).
+/// rounded (docs/training.md §3.4), unless they are f32.
 ///
 /// An MoE layer's experts and shared experts are linear layers too (SequentialMLP, SharedExpertMLP);
 /// grouped experts (`--moe-grouped-gemm`, GroupedMLP's grouped matmul) fuse their accumulation only
@@ -434,7 +434,8 @@ fn rounds_per_pass(p: &ParamInfo, cfg: &TrainConfig) -> bool {
         true => cfg.gemm_gradient_accumulation_fusion,
         false => cfg.gradient_accumulation_fusion,
     };
-    cfg.bf16 && p.trainable && !(fused && linear_weight)
+    // an f32 parameter (--init-norm-weight-in-fp32's norms) has an f32 `.grad`
+    cfg.bf16 && p.trainable && p.dtype != DType::F32 && !(fused && linear_weight)
 }
 
 /// The ranks a rank's routed experts are split over, as a pass takes them: the

@@ -434,7 +434,7 @@ impl<B: Backend> Trainer<B> {
                 .opt
                 .apply(&self.b, main, grads, grad_norm, (lr, wd), skip)?;
             if step.applied {
-                sharded.gather_params(&self.b, &mut self.params, self.cfg.model.dtype, group)?;
+                sharded.gather_params(&self.b, &mut self.params, group)?;
             }
             report.get_or_insert(step);
         }

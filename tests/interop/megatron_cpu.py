@@ -460,17 +460,31 @@ def mtp_logits(model, ids, vocab):
     return out[-1], out[:-1]
 
 
-def same_buffer(model, weights, saved, bucket_size=None, disable_bucketing=False):
-    """megatron-core's own DistributedDataParallel buffer of `model` (distributed optimizer,
-    buckets of `bucket_size` unless disabled) lays out `saved` — one buffer of a distrib_optim.pt
-    — as mindkit wrote it: its numel_unpadded, and each parameter's main copy (`weights`, the
-    model state dict saved beside it) at the parameter's offset, bucket after bucket up to each
-    bucket's last parameter. Returns the buffer's buckets."""
+def keep_norms_f32(model):
+    """`model` in bf16 as MindSpeed-LLM's --init-norm-weight-in-fp32 leaves it (its
+    dsa_indexer.py `norm2fp32_fp16module_init_wrapper`: after Float16Module made the model
+    bf16, every RMSNorm and LayerNorm back to f32)."""
+    model.to(torch.bfloat16)
+    for m in model.modules():
+        if "Norm" in type(m).__name__:
+            m.float()
+    return model
+
+
+def ddp_of(model, bucket_size=None, disable_bucketing=False):
+    """megatron-core's own DistributedDataParallel of `model` for the distributed optimizer
+    (buckets of `bucket_size` unless disabled)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+    return DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=bucket_size is not None,
         bucket_size=bucket_size), model, disable_bucketing=disable_bucketing)
-    (buffer,) = ddp.buffers
+
+
+def same_layout(buffer, model, weights, saved):
+    """megatron-core's `buffer` of `model` lays out `saved` — one buffer of a distrib_optim.pt —
+    as mindkit wrote it: its numel_unpadded, and each parameter's main copy (`weights`, the
+    model state dict saved beside it) at the parameter's offset, bucket after bucket up to each
+    bucket's last parameter. Returns the buffer's buckets."""
     assert saved["numel_unpadded"] == buffer.numel_unpadded == saved["param"].numel()
     names = {p: n for n, p in model.named_parameters()}
     before, at = 0, {}
@@ -484,3 +498,20 @@ def same_buffer(model, weights, saved, bucket_size=None, disable_bucketing=False
         assert torch.equal(main.to(weight.dtype), weight), names[p]
         assert saved["exp_avg_sq"][start:end].max() > 0, names[p]  # (padded vocabulary rows get none)
     return buffer.buckets
+
+
+def same_buffer(model, weights, saved, bucket_size=None, disable_bucketing=False):
+    """megatron-core's one DDP buffer of `model` lays out `saved` ([`same_layout`])."""
+    (buffer,) = ddp_of(model, bucket_size, disable_bucketing).buffers
+    return same_layout(buffer, model, weights, saved)
+
+
+def same_buffers(model, weights, entries, bucket_size=None):
+    """megatron-core's DDP of `model` keys a buffer per (param dtype, grad dtype), in the order it
+    meets them among the parameters: `entries` — distrib_optim.pt's buffers in order, each
+    {(param dtype, grad dtype): state} — are those, each laid out as [`same_layout`] checks.
+    Returns every buffer's buckets."""
+    buffers = ddp_of(model, bucket_size).buffers
+    assert [list(e) for e in entries] == [[(b.param_dtype, b.grad_dtype)] for b in buffers]
+    return [bucket for b, e in zip(buffers, entries)
+            for bucket in same_layout(b, model, weights, next(iter(e.values())))]

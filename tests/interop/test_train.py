@@ -1369,21 +1369,26 @@ def test_megatron_core_loads_every_tensor_and_pipeline_shard(tmp_path, family, c
             assert torch.equal(first["embedding.word_embeddings.weight"], last["output_layer.weight"])
 
 
-@pytest.mark.parametrize("family,bf16,bucket", [("llama", False, None), ("qwen2", True, None),
-                                                ("llama", False, 20000)])
-def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_path, family, bf16, bucket):
-    """--use-distributed-optimizer on two data-parallel ranks: distrib_optim.pt holds one
-    buffer keyed by (param dtype, float32) whose numel_unpadded and every parameter's offsets
-    are those megatron-core's own DistributedDataParallel buffer gives the model (reverse order,
-    64-element alignment; one bucket, or buckets of --ddp-bucket-size with --overlap-grad-reduce),
-    each parameter's main copy there equal to the saved weights (in bf16, as bf16), and
-    model_optim_rng.pt's optimizer the groups without ids, each with its step."""
-    from megatron_cpu import gpt_model, load_pt, same_buffer
+@pytest.mark.parametrize("family,precision,bucket", [
+    ("llama", "fp32", None), ("qwen2", "bf16", None), ("llama", "fp32", 20000),
+    ("qwen3", "bf16-f32-norms", 20000)])
+def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_path, family, precision,
+                                                                          bucket):
+    """--use-distributed-optimizer on two data-parallel ranks: distrib_optim.pt holds the
+    buffers megatron-core's own DistributedDataParallel gives the model — one keyed by (param
+    dtype, float32), or with --init-norm-weight-in-fp32 under --bf16 the bf16 weights' then the
+    f32 norms' — with their numel_unpadded and every parameter's offsets (reverse order,
+    64-element alignment; one bucket, or buckets of --ddp-bucket-size with
+    --overlap-grad-reduce), each parameter's main copy there equal to the saved weights (in
+    bf16, as bf16), and model_optim_rng.pt's optimizer the groups without ids, each with its
+    step."""
+    from megatron_cpu import gpt_model, keep_norms_f32, load_pt, same_buffers
     model_dir = make_model(tmp_path / "model", family)
     data = write_data(tmp_path / "data")
     buckets = ["--overlap-grad-reduce", "--ddp-bucket-size", str(bucket)] if bucket else []
+    flags = {"fp32": [], "bf16": ["--bf16"], "bf16-f32-norms": ["--bf16", "--init-norm-weight-in-fp32"]}
     mindkit_train(model_dir, data, tmp_path, ["--use-distributed-optimizer", "--world-size", "2",
-                                              *(["--bf16"] if bf16 else []), *buckets])
+                                              *flags[precision], *buckets])
     rank_dir = tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00"
     obj = load_pt(rank_dir / "model_optim_rng.pt")
     groups = obj["optimizer"]["optimizer"]["param_groups"]
@@ -1391,18 +1396,55 @@ def test_distributed_optimizer_state_is_laid_out_as_megatron_cores_buffer(tmp_pa
     assert all("params" not in g for g in groups) and "state" not in obj["optimizer"]["optimizer"]
     model = gpt_model(obj["args"])
     model.load_state_dict({k: v.float() for k, v in obj["model"].items()}, strict=True)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    if precision == "bf16-f32-norms":
+        keep_norms_f32(model)
     state = torch.load(rank_dir / "distrib_optim.pt", weights_only=True)
     assert state["buckets_coalesced"] is True
-    (key, saved), = state[0].items()
-    assert key == ((torch.bfloat16 if bf16 else torch.float32), torch.float32)
-    buckets = same_buffer(model, obj["model"], saved, bucket)
-    assert (len(buckets) > 1) == (bucket is not None)
+    entries = [state[i] for i in range(len(state) - 1)]
+    assert len(entries) == (2 if precision == "bf16-f32-norms" else 1)
+    buckets = same_buffers(model, obj["model"], entries, bucket)
+    assert (len(buckets) > len(entries)) == (bucket is not None)
+
+
+def test_f32_norms_beside_bf16_weights_load_into_megatron_cores_float16_optimizer(tmp_path):
+    """--bf16 --init-norm-weight-in-fp32 without the distributed optimizer: the checkpoint's
+    norms (Qwen3's q/k norms too) are f32 and every other weight bf16, the model loads into
+    megatron-core's GPTModel as MindSpeed-LLM keeps it, and its optimizer state into
+    megatron-core's Float16OptimizerWithFloat16Params over it — f32 main copies of the bf16
+    weights only (the norms are its fp32_from_fp32 parameters), each equal to its weight."""
+    from megatron_cpu import gpt_model, keep_norms_f32, load_pt
+    model_dir = make_model(tmp_path / "model", "qwen3")
+    data = write_data(tmp_path / "data")
+    mindkit_train(model_dir, data, tmp_path, ["--bf16", "--init-norm-weight-in-fp32"])
+    obj = load_pt(tmp_path / f"ckpt/iter_{ITERS:07d}/mp_rank_00/model_optim_rng.pt")
+    model = keep_norms_f32(gpt_model(obj["args"]))
+    weights = {k: v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+    theirs = {k: v.dtype for k, v in model.state_dict().items() if k in weights}
+    assert {k: v.dtype for k, v in weights.items()} == theirs
+    assert {torch.float32, torch.bfloat16} == set(theirs.values())
+    model.load_state_dict(obj["model"], strict=True)
+    opt = megatron_core_optimizer(model, obj["args"], bf16=True)
+    opt.load_state_dict(obj["optimizer"])
+    # the lists megatron-core's own state_dict would save
+    assert ([len(g) for g in obj["optimizer"]["fp32_from_fp16_params"]]
+            == [len(g) for g in opt.state_dict()["fp32_from_fp16_params"]])
+    norms = [p for g in opt.fp32_from_fp32_groups for p in g]
+    assert len(norms) == sum(v == torch.float32 for v in theirs.values())
+    for halves, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+        for half, main in zip(halves, mains):
+            assert main.shape == half.shape and torch.equal(main.to(half.dtype), half)
+    for group in opt.optimizer.param_groups:
+        for p in group["params"]:
+            assert opt.optimizer.state[p]["exp_avg_sq"].shape == p.shape
 
 
 def megatron_core_optimizer(model, a, bf16):
     """megatron-core's own optimizer over `model` as get_megatron_optimizer makes it for the args
     `a` without the distributed optimizer — FP32Optimizer, or with bf16 parameters
-    Float16OptimizerWithFloat16Params holding f32 main copies — over `_get_param_groups`' groups
+    Float16OptimizerWithFloat16Params holding f32 main copies of the bf16 ones (an f32 one is
+    its own) — over `_get_param_groups`' groups
     of torch's AdamW. Their constructors ask for CUDA, so the objects are made as they make
     themselves, on the CPU."""
     from megatron.core import tensor_parallel
@@ -1427,8 +1469,11 @@ def megatron_core_optimizer(model, a, bf16):
         opt.grad_scaler = None
         opt.float16_groups, opt.fp32_from_float16_groups, opt.fp32_from_fp32_groups = [], [], []
         for group in inner.param_groups:
-            halves, mains = [], []
+            halves, mains, fp32s = [], [], []
             for i, p in enumerate(group["params"]):
+                if p.dtype == torch.float32:
+                    fp32s.append(p)
+                    continue
                 main = p.detach().clone().float()
                 tensor_parallel.copy_tensor_model_parallel_attributes(main, p)
                 group["params"][i], p.main_param = main, main
@@ -1436,7 +1481,7 @@ def megatron_core_optimizer(model, a, bf16):
                 mains.append(main)
             opt.float16_groups.append(halves)
             opt.fp32_from_float16_groups.append(mains)
-            opt.fp32_from_fp32_groups.append([])
+            opt.fp32_from_fp32_groups.append(fp32s)
     return opt
 
 

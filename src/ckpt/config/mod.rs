@@ -398,6 +398,8 @@ impl ModelConfig {
             },
             mtp: mtp_of(json_count(cfg, "num_nextn_predict_layers")?),
             dtype,
+            // a transformers model's weights share one dtype
+            norms_f32: false,
             rope_scaling: rope_scaling.map(|(r, _)| r.clone()),
             hf_config: Some(cfg.clone()),
         })
@@ -1042,6 +1044,7 @@ impl ModelConfig {
                 mtp => mtp,
             },
             dtype,
+            norms_f32: flag("init_norm_weight_in_fp32")?,
             rope_scaling: rope_scaling_from_args(args)?,
             hf_config: None,
         };
@@ -1380,6 +1383,7 @@ pub fn megatron_args(
         ("fp16", Value::Bool(cfg.dtype == DType::F16)),
         ("bf16", Value::Bool(cfg.dtype == DType::BF16)),
         ("params_dtype", Value::TorchDType(cfg.dtype)),
+        ("init_norm_weight_in_fp32", Value::Bool(cfg.norms_f32)),
         ("iteration", int(1)),
         ("consumed_train_samples", int(0)),
         ("consumed_valid_samples", int(0)),

@@ -93,7 +93,7 @@ impl MegatronTarget<'_> {
     /// Bytes of one rank's shard of `c`.
     fn shard_bytes(&self, c: Canon, padded: usize) -> u64 {
         let shape = shard_shape(self.cfg, c.role, self.par.split_of(c.role), padded);
-        (shape.iter().product::<usize>() * c.role.dtype(self.cfg.dtype).size()) as u64
+        (shape.iter().product::<usize>() * c.role.dtype(self.cfg).size()) as u64
     }
 
     /// Every (stage, expert block) pair with the `(tp, ep)` ranks of its files
@@ -179,11 +179,7 @@ impl MegatronTarget<'_> {
                     }
                     None => (path.clone(), shard.iter().map(|&n| n as u64).collect()),
                 };
-                let tensor = contiguous(
-                    &stored.len().to_string(),
-                    c.role.dtype(self.cfg.dtype),
-                    &shape,
-                );
+                let tensor = contiguous(&stored.len().to_string(), c.role.dtype(self.cfg), &shape);
                 stored.push(Stored {
                     canons: vec![*c],
                     grouped: is_grouped,

@@ -363,7 +363,7 @@ impl DistTarget<'_> {
         (canonical(self.cfg).into_iter())
             .map(|c| {
                 let shape = self.shape(c, padded);
-                (shape.iter().product::<usize>() * c.role.dtype(self.cfg.dtype).size()) as u64
+                (shape.iter().product::<usize>() * c.role.dtype(self.cfg).size()) as u64
             })
             .sum()
     }

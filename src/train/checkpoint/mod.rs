@@ -66,15 +66,15 @@ pub struct OptimizerState {
 /// experts' (over the expert-data-parallel ranks).
 pub struct DistributedState {
     /// Main parameters, first and second moments: the flat buffer's buckets, each up to its
-    /// last parameter (alignment gaps zero); with several buffers (one per model chunk), one
-    /// after the other. `None` on a rank that is not the group's rank 0 (it saved none).
+    /// last parameter (alignment gaps zero); with several buffers (one per model chunk and
+    /// parameter dtype), one after the other. `None` on a rank that is not the group's rank 0
+    /// (it saved none).
     pub world: Option<[Vec<f32>; 3]>,
     /// Whether it is the routed experts' (under expert parallelism).
     pub experts: bool,
-    /// The elements of each buffer in `world` (its `numel_unpadded`).
-    pub buffers: Vec<usize>,
-    /// The model parameters' dtype (the buffer's key pairs it with the f32 gradients').
-    pub param_dtype: DType,
+    /// The elements of each buffer in `world` (its `numel_unpadded`) and its parameters' dtype
+    /// (the buffer's key pairs it with the f32 gradients').
+    pub buffers: Vec<(usize, DType)>,
     /// Steps taken.
     pub steps: u64,
     /// The groups' settings.

@@ -9,6 +9,7 @@ use crate::ckpt::torch::pickle::Value;
 use crate::ckpt::torch::TorchFile;
 use crate::model::params::ParamTable;
 use crate::tensor::host::Tensor;
+use crate::tensor::DType;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
@@ -248,7 +249,8 @@ pub fn load_distributed(
         .count();
     if saved != buffers.len() {
         bail!(
-            "{}: {saved} buffer(s), this run has {} (one per model chunk): another layout",
+            "{}: {saved} buffer(s), this run has {} (one per model chunk and parameter dtype): \
+             another layout, or --init-norm-weight-in-fp32 otherwise",
             path.display(),
             buffers.len()
         );
@@ -488,7 +490,9 @@ fn read_optimizer(
             state.hyper.lr = float_of(saved.get("lr")).unwrap_or(0.0);
             state.hyper.weight_decay = float_of(saved.get("weight_decay")).unwrap_or(0.0);
         }
-        for (j, (id, unit)) in ids.iter().zip(&units).enumerate() {
+        // the f32 main copies listed are the group's parameters that are not f32 already
+        let mut widened = 0;
+        for (id, unit) in ids.iter().zip(&units) {
             let name = &table.params[unit[0]].name;
             let entry = match (states, id) {
                 (Some(Value::Dict(items)), Value::Int(i)) => items
@@ -538,9 +542,11 @@ fn read_optimizer(
                     other => int_of(other).unwrap_or(0),
                 };
             }
-            if let (Some(main), Some(lists)) = (state.main.as_mut(), main_lists) {
+            let has_main = table.params[unit[0]].dtype != DType::F32;
+            if let (Some(main), Some(lists), true) = (state.main.as_mut(), main_lists, has_main) {
+                widened += 1;
                 match lists.get(saved_index).and_then(|l| match l {
-                    Value::List(v) => v.get(j),
+                    Value::List(v) => v.get(widened - 1),
                     _ => None,
                 }) {
                     Some(Value::Tensor(t)) => {

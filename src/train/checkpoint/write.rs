@@ -170,15 +170,15 @@ fn write_distributed_parts(path: &Path, parts: &[DistributedState]) -> Result<()
 
 /// One optimizer's state in `distrib_optim.pt`: `{"buckets_coalesced": True, 0: {(param dtype,
 /// float32): {"param", "exp_avg", "exp_avg_sq": f32 [numel_unpadded], "numel_unpadded"}}, 1:
-/// …}`, a key per buffer (megatron-core's `gbuf_idx`: one buffer per model chunk, mindkit's
-/// parameters sharing one dtype); `None` where this rank gathered none.
+/// …}`, a key per buffer (megatron-core's `gbuf_idx`: a buffer per model chunk and parameter
+/// dtype); `None` where this rank gathered none.
 fn distributed_value(d: &DistributedState, st: &mut Storages) -> Value {
     let Some(world) = &d.world else {
         return Value::None;
     };
     let mut root = vec![(s("buckets_coalesced"), Value::Bool(true))];
     let mut at = 0;
-    for (i, &n) in d.buffers.iter().enumerate() {
+    for (i, &(n, dtype)) in d.buffers.iter().enumerate() {
         let mut state = Vec::new();
         for (key, values) in ["param", "exp_avg", "exp_avg_sq"].iter().zip(world) {
             let bytes = values[at..at + n]
@@ -189,7 +189,7 @@ fn distributed_value(d: &DistributedState, st: &mut Storages) -> Value {
         }
         state.push((s("numel_unpadded"), Value::Int(n as i64)));
         let dtypes = Value::Tuple(vec![
-            Value::TorchDType(d.param_dtype),
+            Value::TorchDType(dtype),
             Value::TorchDType(DType::F32),
         ]);
         root.push((

@@ -554,6 +554,7 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     }
     let bf16 = a.has("bf16");
     model.dtype = if bf16 { DType::BF16 } else { DType::F32 };
+    model.norms_f32 = a.has("init-norm-weight-in-fp32");
     let seq_length =
         positive(a, "seq-length")?.ok_or_else(|| anyhow!("--seq-length is required"))?;
     if seq_length > model.max_positions {
@@ -743,6 +744,9 @@ pub fn resolve(a: &Args) -> Result<TrainConfig> {
     if save.as_ref().is_some_and(|s| s.dist) {
         check_torch_dist_save(&model, key_layout, (dualpipev, lora.is_some()))?;
     }
+    if save.as_ref().is_some_and(|s| s.dist && !s.no_optim) && model.f32_norms_in_half() {
+        bail!("--ckpt-format torch_dist with the optimizer's state of f32 norms beside bf16 weights (--init-norm-weight-in-fp32 --bf16) is not built: save with --ckpt-format torch, or pass --no-save-optim");
+    }
     Ok(TrainConfig {
         model,
         vocab_padded,
@@ -896,9 +900,6 @@ fn indexer_loss(
         // MindSpeed-LLM's complex RoPE of the indexer takes YaRN's frequencies without the
         // attention factor the rotary tables carry here
         bail!("--enable-dsa-indexer without --apply-rope-no-in-complex under YaRN with an attention factor (--rope-scaling-mscale ≠ --rope-scaling-mscale-all-dim) is not built");
-    }
-    if a.has("init-norm-weight-in-fp32") && (a.has("bf16") || a.has("fp16")) {
-        bail!("--init-norm-weight-in-fp32 under --bf16 / --fp16 (norm weights kept in f32 in the model) is not built yet");
     }
     let coeff = match a.parse_value::<f64>("indexer-loss-coeff")? {
         Some(c) if !(c.is_finite() && c >= 0.0) => bail!("--indexer-loss-coeff {c}: must be ≥ 0"),
